@@ -1,0 +1,236 @@
+// `sparsetron`: the command line. Each subcommand is a small function over the engine library.
+#include <CLI/CLI.hpp>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "progress.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/device_memory.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
+#include "sparsetron/data/byte_tokenizer.h"
+#include "sparsetron/io/checkpoint.h"
+#include "sparsetron/runtime/evaluate.h"
+#include "sparsetron/runtime/trainer.h"
+
+namespace fs = std::filesystem;
+using namespace sparsetron;
+
+namespace {
+
+Device parse_device(const std::string& d) {
+    if (d.empty()) return Device::CPU;  // CUDA becomes the default once its training step exists
+    if (d == "cpu") return Device::CPU;
+    if (d == "cuda") return Device::CUDA;
+    throw Error(cat("--device must be cpu or cuda, got '", d, "'"));
+}
+
+// metrics.jsonl: kept lines up to `keep_through` (a resumed run continues the file).
+void trim_metrics(const fs::path& path, int64_t keep_through) {
+    if (!fs::exists(path)) return;
+    std::ifstream in(path);
+    std::string kept, line;
+    while (std::getline(in, line)) {
+        try {
+            if (nlohmann::json::parse(line).at("step").get<int64_t>() <= keep_through)
+                kept += line + "\n";
+        } catch (const std::exception&) {
+        }
+    }
+    in.close();
+    std::ofstream(path, std::ios::trunc) << kept;
+}
+
+int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
+              const std::string& out_arg, const std::string& resume, const std::string& device,
+              bool quiet) {
+    Recipe recipe;
+    if (recipe_path.empty() && !resume.empty()) {
+        // Resuming without --recipe: continue with the recipe stored in the checkpoint.
+        std::string ckpt = resolve_checkpoint(resume);
+        recipe = Recipe{};
+        for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
+            recipe.apply(s);
+        for (const auto& o : sets) recipe.apply(parse_override(o));
+        recipe.validate();
+        recipe.name = ckpt + "/recipe.yaml";
+    } else {
+        recipe = load_recipe(recipe_path, sets);
+    }
+    std::string out = out_arg;
+    if (out.empty())
+        out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
+                  .string();
+    TrainOptions opts{out, resume, parse_device(device)};
+    Trainer trainer(recipe, opts);
+    const auto& r = trainer.recipe().run;
+    const auto& params = trainer.model().params();
+    std::printf("sparsetron %s | recipe %s | device cpu (%d threads)\n", SPARSETRON_VERSION,
+                recipe.name.c_str(), num_threads());
+    std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters\n",
+                static_cast<long long>(recipe.model.num_layers),
+                static_cast<long long>(recipe.model.hidden_size),
+                static_cast<long long>(recipe.model.num_attention_heads),
+                static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
+    std::printf("batch: %lld micro-batches x %lld token slots | memory plan %s | output %s\n",
+                static_cast<long long>(r.microbatches_per_step()),
+                static_cast<long long>(r.tokens_per_microbatch()),
+                format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
+    if (trainer.iteration() > 0)
+        std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
+    std::fflush(stdout);
+
+    fs::path metrics_path = fs::path(out) / "metrics.jsonl";
+    if (trainer.iteration() > 0) trim_metrics(metrics_path, trainer.iteration());
+    else fs::remove(metrics_path);
+    std::ofstream metrics(metrics_path, std::ios::app);
+    ST_CHECK(metrics.good(), "cannot write '", metrics_path.string(), "'");
+    cli::Progress progress(trainer.iteration(), r.train_iters, r.log_interval, quiet);
+    double first_loss = -1, last_loss = -1;
+    int64_t first_step = 0;
+    trainer.run([&](const StepMetrics& m) {
+        metrics << m.to_json() << "\n";
+        metrics.flush();
+        if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step;
+        last_loss = m.lm_loss;
+        progress.update(m);
+    });
+    progress.finish();
+    if (first_loss >= 0)
+        std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
+                    static_cast<long long>(first_step), static_cast<long long>(r.train_iters));
+    std::printf("checkpoint: %s\nmetrics: %s\n",
+                resolve_checkpoint(trainer.checkpoint_dir()).c_str(), metrics_path.c_str());
+    return 0;
+}
+
+int cmd_eval(const std::string& model, const std::string& tokens, bool json) {
+    EvalResult r = evaluate(model, read_token_documents(tokens));
+    if (json) {
+        nlohmann::ordered_json j;
+        j["lm_loss"] = r.lm_loss;
+        j["targets"] = r.targets;
+        std::printf("%s\n", j.dump().c_str());
+    } else {
+        std::printf("lm_loss %.6f over %lld targets in %lld documents (perplexity %.3f)\n", r.lm_loss,
+                    static_cast<long long>(r.targets), static_cast<long long>(r.documents),
+                    std::exp(r.lm_loss));
+    }
+    return 0;
+}
+
+int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& sets) {
+    Recipe recipe = load_recipe(recipe_path, sets);
+    auto tp = make_training_plan(recipe);
+    const auto& params = tp->model->params();
+    std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
+    std::printf("parameters: %lld tensors, %.3fM elements\n",
+                static_cast<long long>(params.params().size()), params.total_numel() / 1e6);
+    std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n\n",
+                static_cast<long long>(recipe.run.tokens_per_microbatch()),
+                static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
+    std::printf("%s", tp->plan.format().c_str());
+    return 0;
+}
+
+int cmd_preprocess(const std::vector<std::string>& inputs, const std::string& output,
+                   const std::string& json_key) {
+    PreprocessStats s = preprocess_text(inputs, output, json_key);
+    std::printf("wrote %s.bin / %s.idx: %lld documents, %lld tokens (byte-level, EOD = %d)\n",
+                output.c_str(), output.c_str(), static_cast<long long>(s.documents),
+                static_cast<long long>(s.tokens), ByteTokenizer::kEod);
+    return 0;
+}
+
+int cmd_keys() {
+    std::printf("# Recipe keys (Megatron-LM names) with their defaults (the built-in tiny recipe)\n");
+    std::printf("%s", builtin_tiny_recipe().to_yaml().c_str());
+    return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    CLI::App app{"Sparsetron: a C++20/CUDA training engine for GLM-5-family sparse-attention MoE "
+                 "models.\nRun `sparsetron train` to train the built-in tiny recipe on the bundled "
+                 "corpus.",
+                 "sparsetron"};
+    app.require_subcommand(1);
+    app.set_version_flag("--version", SPARSETRON_VERSION);
+
+    std::string recipe, out, resume, device, model, tokens, output, json_key = "text";
+    std::vector<std::string> sets, inputs;
+    bool quiet = false, json = false;
+
+    auto* train = app.add_subcommand("train", "Train a model (default: the tiny recipe on the "
+                                              "bundled corpus, on CPU)");
+    train->add_option("--recipe,-r", recipe, "Recipe YAML (Megatron keys); default: built-in tiny")
+        ->check(CLI::ExistingFile);
+    train->add_option("--set,-s", sets, "Override a recipe key: --set key=value (repeatable)");
+    train->add_option("--out,-o", out, "Output directory for metrics.jsonl and checkpoints "
+                                       "(default: runs/<recipe name>)");
+    train->add_option("--resume", resume, "Resume from a checkpoint or a save directory (its "
+                                          "latest checkpoint); uses its recipe unless --recipe");
+    train->add_option("--device", device, "cpu or cuda (default: cpu)");
+    train->add_flag("--quiet,-q", quiet, "No progress output");
+
+    auto* eval = app.add_subcommand("eval", "Mean next-token loss of a model on token documents");
+    eval->add_option("--model,-m", model, "Checkpoint, save directory, or HF directory")->required();
+    eval->add_option("--tokens,-t", tokens, "File with one document per line as token ids")
+        ->required();
+    eval->add_flag("--json", json, "Print {\"lm_loss\": ..., \"targets\": ...}");
+
+    auto* plan = app.add_subcommand("plan", "Print the memory plan of a recipe per memory class");
+    plan->add_option("--recipe,-r", recipe, "Recipe YAML (default: built-in tiny)")
+        ->check(CLI::ExistingFile);
+    plan->add_option("--set,-s", sets, "Override a recipe key: --set key=value (repeatable)");
+
+    auto* pre = app.add_subcommand("preprocess", "Text or JSONL -> Megatron .bin/.idx "
+                                                 "(byte-level tokens)");
+    pre->add_option("--input,-i", inputs, "Input files: .txt (documents separated by blank lines) "
+                                          "or .jsonl")
+        ->required();
+    pre->add_option("--output-prefix,-o", output, "Output prefix (writes PREFIX.bin, PREFIX.idx)")
+        ->required();
+    pre->add_option("--json-key", json_key, "JSONL field holding the text (default: text)");
+
+    app.add_subcommand("keys", "List every recipe key with its default value");
+    auto* info = app.add_subcommand("info", "Build and device information");
+
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError& e) {
+        return app.exit(e);
+    }
+    try {
+        if (train->parsed()) return cmd_train(recipe, sets, out, resume, device, quiet);
+        if (eval->parsed()) return cmd_eval(model, tokens, json);
+        if (plan->parsed()) return cmd_plan(recipe, sets);
+        if (pre->parsed()) return cmd_preprocess(inputs, output, json_key);
+        if (app.got_subcommand("keys")) return cmd_keys();
+        if (info->parsed()) {
+            std::printf("sparsetron %s\ncuda backend: %s\ngpu: %s\ncpu threads: %d\n",
+                        SPARSETRON_VERSION,
+#ifdef SPARSETRON_WITH_CUDA
+                        "built",
+#else
+                        "not built",
+#endif
+                        cuda_available() ? cuda_device_name().c_str() : "none", num_threads());
+            return 0;
+        }
+    } catch (const Error& e) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "\nerror: %s\n", e.what());
+        return 1;
+    } catch (const std::exception& e) {
+        std::fflush(stdout);
+        std::fprintf(stderr, "\nerror: %s\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,125 @@
+#include "sparsetron/config/model_config.h"
+
+#include <cctype>
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+
+int64_t ModelConfig::num_moe_layers() const {
+    int64_t n = 0;
+    for (int v : moe_layer_pattern) n += v;
+    return n;
+}
+
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+    return layer >= 0 && layer < static_cast<int64_t>(moe_layer_pattern.size()) &&
+           moe_layer_pattern[layer] != 0;
+}
+
+namespace {
+
+// Recursive-descent parser for: expr := term ('+' term)* ; term := atom ('*' int)? ;
+// atom := '[' int (',' int)* ']' | '(' expr ')'.
+class FreqParser {
+public:
+    explicit FreqParser(const std::string& s) : s_(s) {}
+
+    std::vector<int> parse() {
+        std::vector<int> v = expr();
+        skip();
+        if (pos_ != s_.size()) fail("unexpected trailing text");
+        return v;
+    }
+
+private:
+    [[noreturn]] void fail(const std::string& what) {
+        throw Error(cat("moe_layer_freq: cannot parse \"", s_, "\" at position ", pos_, ": ", what,
+                        " (expected an int, a list like [0,1,1], or an expression like "
+                        "([0]*2+[1]*19))"));
+    }
+    void skip() {
+        while (pos_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+    }
+    bool eat(char c) {
+        skip();
+        if (pos_ < s_.size() && s_[pos_] == c) return ++pos_, true;
+        return false;
+    }
+    long integer() {
+        skip();
+        size_t start = pos_;
+        while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+        if (start == pos_) fail("expected a non-negative integer");
+        if (pos_ - start > 6) fail("integer too large");
+        return std::stol(s_.substr(start, pos_ - start));
+    }
+    std::vector<int> expr() {
+        std::vector<int> v = term();
+        while (eat('+')) {
+            auto t = term();
+            v.insert(v.end(), t.begin(), t.end());
+        }
+        return v;
+    }
+    std::vector<int> term() {
+        std::vector<int> a = atom();
+        if (eat('*')) {
+            long n = integer();
+            std::vector<int> r;
+            for (long i = 0; i < n; ++i) r.insert(r.end(), a.begin(), a.end());
+            return r;
+        }
+        return a;
+    }
+    std::vector<int> atom() {
+        if (eat('(')) {
+            auto v = expr();
+            if (!eat(')')) fail("expected ')'");
+            return v;
+        }
+        if (eat('[')) {
+            std::vector<int> v;
+            if (eat(']')) return v;
+            do {
+                long x = integer();
+                if (x != 0 && x != 1) fail("list entries must be 0 (dense) or 1 (MoE)");
+                v.push_back(static_cast<int>(x));
+            } while (eat(','));
+            if (!eat(']')) fail("expected ']'");
+            return v;
+        }
+        fail("expected '[' or '('");
+    }
+
+    const std::string& s_;
+    size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::vector<int> parse_moe_layer_freq(const std::string& expr, int64_t num_layers) {
+    size_t first = expr.find_first_not_of(" \t");
+    if (first == std::string::npos) return std::vector<int>(num_layers, 0);
+    if (std::isdigit(static_cast<unsigned char>(expr[first]))) {
+        size_t used = 0;
+        long n = 0;
+        try {
+            n = std::stol(expr, &used);
+        } catch (const std::exception&) {
+            used = 0;
+        }
+        if (expr.find_first_not_of(" \t", used) != std::string::npos || n <= 0)
+            throw Error(cat("moe_layer_freq: \"", expr,
+                            "\" is not a positive int, a list, or a list expression"));
+        std::vector<int> v(num_layers);
+        for (int64_t i = 0; i < num_layers; ++i) v[i] = (i % n == 0) ? 1 : 0;
+        return v;
+    }
+    std::vector<int> v = FreqParser(expr).parse();
+    ST_CHECK(static_cast<int64_t>(v.size()) == num_layers, "moe_layer_freq: \"", expr,
+             "\" describes ", v.size(), " layers but num_layers is ", num_layers);
+    return v;
+}
+
+}  // namespace sparsetron

@@ -1,0 +1,81 @@
+// The model's shape and architecture switches (SPEC §0). Field names follow Megatron's recipe keys;
+// `hf_config.h` maps them to and from HuggingFace `glm_moe_dsa` config.json names.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparsetron {
+
+struct ModelConfig {
+    // Backbone.
+    int64_t num_layers = 2;
+    int64_t hidden_size = 128;
+    int64_t vocab_size = 320;
+    int64_t ffn_hidden_size = 352;
+    double norm_epsilon = 1e-5;         // input/post-attention/final RMSNorm
+    double latent_norm_epsilon = 1e-6;  // q_a / kv_a RMSNorm (HF default)
+    double init_method_std = 0.02;
+
+    // MLA attention.
+    int64_t num_attention_heads = 4;
+    int64_t q_lora_rank = 96;
+    int64_t kv_lora_rank = 64;
+    int64_t qk_head_dim = 32;          // the no-RoPE part (HF qk_nope_head_dim)
+    int64_t qk_pos_emb_head_dim = 16;  // the RoPE part (HF qk_rope_head_dim)
+    int64_t v_head_dim = 32;
+    int64_t kv_channels = 0;  // accepted for Megatron compatibility; MLA derives its head sizes
+    double rotary_base = 10000.0;
+    bool rotary_interleaved = true;  // HF rope_interleave: pairs (2i, 2i+1); false: (i, i+d/2)
+
+    // Dense/MoE pattern: moe_layer_pattern[l] = 1 for an MoE layer.
+    std::string moe_layer_freq = "";  // as written in the recipe; "" = all dense
+    std::vector<int> moe_layer_pattern;
+    int64_t num_experts = 0;
+    int64_t moe_ffn_hidden_size = 0;
+    int64_t moe_shared_expert_intermediate_size = 0;
+    int64_t moe_router_topk = 0;
+    double moe_router_topk_scaling_factor = 1.0;
+    double moe_router_bias_update_rate = 0.0;
+    double moe_aux_loss_coeff = 0.0;
+    bool moe_router_force_load_balancing = false;
+    double moe_capacity_factor = 0.0;  // 0 = dropless bound (worst case)
+
+    // DSA.
+    std::string experimental_attention_variant = "none";  // "none" | "dsa"
+    std::string dsa_kernel_backend = "auto";
+    int64_t dsa_indexer_n_heads = 0;
+    int64_t dsa_indexer_head_dim = 0;
+    int64_t dsa_indexer_topk = 0;
+    int64_t dsa_indexer_topk_freq = 1;
+    int64_t dsa_indexer_skip_topk_offset = 0;
+    double dsa_indexer_loss_coeff = 0.0;
+    bool dsa_indexer_use_sparse_loss = true;
+    bool dsa_indexer_rope_interleaved = false;
+    std::vector<std::string> indexer_types;  // explicit per-layer "full"/"shared" list wins
+
+    // Multi-token prediction.
+    int64_t mtp_num_layers = 0;
+    bool mtp_use_repeated_layer = true;
+    bool dsa_mtp_index_kv_share = false;
+    std::string mtp_loss_type = "cross_entropy";  // "cross_entropy" | "e2e_tv"
+    bool mtp_detach_heads = false;
+    double mtp_loss_scaling_factor = 0.1;
+
+    bool untie_embeddings_and_output_weights = true;
+
+    // Derived helpers.
+    int64_t q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+    int64_t num_moe_layers() const;
+    int64_t num_dense_layers() const { return num_layers - num_moe_layers(); }
+    bool is_moe_layer(int64_t layer) const;
+    bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
+};
+
+// Parses `moe_layer_freq`: an int N (every N-th layer is MoE, Megatron semantics: layer i is MoE
+// iff i % N == 0), a list literal "[0,1,1]", or the Python-like expression "([0]*2+[1]*19)".
+// Anything else is an error naming the key and the offending position.
+std::vector<int> parse_moe_layer_freq(const std::string& expr, int64_t num_layers);
+
+}  // namespace sparsetron

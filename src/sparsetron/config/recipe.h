@@ -1,0 +1,47 @@
+// Recipes: YAML files with Megatron argument names (SPEC §0), `--set key=value` overrides, and
+// validation that names the key and the problem.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/config/run_config.h"
+
+namespace sparsetron {
+
+// One raw `key: value` from a recipe file or a --set override, before typing.
+struct RawSetting {
+    std::string key;
+    std::string scalar;              // for scalars
+    std::vector<std::string> items;  // for lists
+    bool is_list = false;
+    std::string origin;  // "recipes/tiny.yaml:12" or "--set"
+};
+
+struct Recipe {
+    ModelConfig model;
+    RunConfig run;
+    std::string name = "builtin:tiny";  // where it came from
+    std::vector<RawSetting> settings;   // what was set, in order (for the checkpoint's copy)
+
+    // Applies one setting; unknown keys and bad values throw with the key, origin and a hint.
+    void apply(const RawSetting& s);
+    // Checks the combination (shapes, divisibility, supported values); call after all applies.
+    void validate();
+    // Stable hash of the effective settings (multi-rank runs compare it).
+    std::string to_yaml() const;
+};
+
+// All known keys, for help text and suggestions.
+std::vector<std::string> known_recipe_keys();
+std::string closest_key(const std::string& key);
+
+// Parses "key=value" (value may be a comma-free scalar or "[a, b]").
+RawSetting parse_override(const std::string& kv);
+
+// The built-in tiny recipe (also in recipes/tiny.yaml).
+Recipe builtin_tiny_recipe();
+
+}  // namespace sparsetron

@@ -1,0 +1,70 @@
+#include "sparsetron/config/recipe_loader.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+
+std::vector<RawSetting> parse_recipe_yaml(const std::string& text, const std::string& origin) {
+    YAML::Node root;
+    try {
+        root = YAML::Load(text);
+    } catch (const YAML::Exception& e) {
+        throw Error(cat(origin, ":", e.mark.line + 1, ": invalid YAML: ", e.msg));
+    }
+    if (root.IsNull()) return {};
+    ST_CHECK(root.IsMap(), origin, ": a recipe must be a mapping of key: value");
+    // The seed's recipes keep their Megatron arguments under `ARGS:`; its keys apply like top-level
+    // ones (top-level keys after the block may add to or override them).
+    std::vector<std::pair<YAML::Node, YAML::Node>> items;
+    for (const auto& kv : root) {
+        if (kv.first.as<std::string>() == "ARGS" && kv.second.IsMap()) {
+            for (const auto& inner : kv.second) items.emplace_back(inner.first, inner.second);
+        } else {
+            items.emplace_back(kv.first, kv.second);
+        }
+    }
+    std::vector<RawSetting> out;
+    for (const auto& kv : items) {
+        RawSetting s;
+        s.key = kv.first.as<std::string>();
+        s.origin = cat(origin, ":", kv.first.Mark().line + 1);
+        const YAML::Node& v = kv.second;
+        if (v.IsSequence()) {
+            s.is_list = true;
+            for (const auto& item : v) {
+                ST_CHECK(item.IsScalar(), s.origin, ": ", s.key, ": list items must be scalars");
+                s.items.push_back(item.as<std::string>());
+            }
+        } else if (v.IsScalar()) {
+            s.scalar = v.as<std::string>();
+        } else if (v.IsNull()) {
+            s.scalar = "";
+        } else {
+            throw Error(cat(s.origin, ": ", s.key, ": nested mappings are not recipe values"));
+        }
+        out.push_back(std::move(s));
+    }
+    return out;
+}
+
+Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
+    Recipe recipe;
+    if (!path.empty()) {
+        std::ifstream in(path);
+        ST_CHECK(in.good(), "cannot read recipe file '", path, "'");
+        std::stringstream ss;
+        ss << in.rdbuf();
+        for (const auto& s : parse_recipe_yaml(ss.str(), path)) recipe.apply(s);
+        recipe.name = path;
+    }
+    for (const auto& o : overrides) recipe.apply(parse_override(o));
+    recipe.validate();
+    return recipe;
+}
+
+}  // namespace sparsetron

@@ -1,0 +1,80 @@
+// Run settings (data, batch, schedule, optimizer, parallel layout, precision), with Megatron's
+// argument names, plus the few engine-specific keys documented in docs/recipes.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparsetron {
+
+struct RunConfig {
+    // Data (SPEC §9). data_path: one prefix of .bin/.idx, or "w1 prefix1 w2 prefix2 ...".
+    std::vector<std::string> data_path;
+    int64_t seq_length = 256;
+    int64_t micro_batch_size = 1;
+    int64_t global_batch_size = 8;
+    int64_t max_seqlen_per_dp_cp_rank = 0;  // 0 = seq_length
+    int64_t max_documents_per_microbatch = 0;  // engine key; 0 = derived (see data/packer.h)
+    bool use_varlen_dataset = true;
+
+    // Loop.
+    int64_t train_iters = 300;
+    int64_t seed = 1234;
+    int64_t log_interval = 10;
+    std::string save;
+    int64_t save_interval = 0;  // 0 = only at the end
+    int64_t save_keep_last = 2;  // engine key: checkpoints kept in `save`
+    std::string load;
+
+    // Optimizer and schedule (SPEC §7).
+    std::string optimizer = "adam";  // "adam" (AdamW) | "muon"
+    double lr = 3e-3;
+    double min_lr = 3e-4;
+    double weight_decay = 0.1;
+    double adam_beta1 = 0.9;
+    double adam_beta2 = 0.95;
+    double adam_eps = 1e-8;
+    double clip_grad = 1.0;
+    int64_t lr_warmup_iters = 20;
+    std::string lr_decay_style = "cosine";  // "cosine" | "constant" (| "WSD", issue 4)
+    int64_t lr_decay_iters = 0;  // 0 = train_iters
+    double lr_wsd_decay_fraction = 0.1;
+    // Muon (parsed now so the seed's recipes validate; the optimizer itself is issue 4).
+    double muon_momentum = 0.95;
+    bool muon_nesterov = false;
+    bool muon_split_qkv = false;
+    bool muon_split_qkv_per_head = false;
+    std::string muon_scale_mode = "spectral";
+    double muon_extra_scale_factor = 1.0;
+    std::string muon_coefficient_type = "quintic";
+    int64_t muon_num_ns_steps = 5;
+    std::string muon_fp32_matmul_prec = "medium";
+
+    // Parallel layout (SPEC §10).
+    int64_t tensor_model_parallel_size = 1;
+    int64_t pipeline_model_parallel_size = 1;
+    int64_t decoder_first_pipeline_num_layers = 0;
+    int64_t expert_model_parallel_size = 1;
+    int64_t context_parallel_size = 1;
+    bool dynamic_context_parallel = false;
+    std::string sequence_packing_scheduler = "default";
+    int64_t world_size = 1;  // engine key: GPUs the recipe is laid out for (derives DP)
+
+    // Precision.
+    bool bf16 = true;
+    std::string fp8_recipe = "";  // "" | "blockwise" | "mxfp8"
+    std::string fp8_format = "e4m3";
+    bool fp8_param_gather = false;
+    bool reuse_grad_buf_for_mxfp8_param_ag = false;
+
+    // Execution.
+    std::string cuda_graph_impl = "none";  // "none" | "full_iteration"
+    int64_t loss_chunk_rows = 0;  // engine key: rows per fused head+loss chunk; 0 = derived
+
+    int64_t data_parallel_size() const;
+    int64_t microbatches_per_step() const;
+    int64_t tokens_per_microbatch() const { return micro_batch_size * seq_length; }
+};
+
+}  // namespace sparsetron

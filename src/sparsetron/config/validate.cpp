@@ -1,0 +1,145 @@
+// Recipe::validate: every combination check, each naming the key(s) and what was expected.
+#include <set>
+
+#include "sparsetron/config/recipe.h"
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+namespace {
+
+void positive(int64_t v, const char* key) {
+    ST_CHECK(v > 0, "recipe key '", key, "' must be > 0, got ", v);
+}
+
+void one_of(const std::string& v, const char* key, const std::set<std::string>& allowed) {
+    if (allowed.count(v)) return;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + (a.empty() ? "\"\"" : a);
+    throw Error(cat("recipe key '", key, "' is \"", v, "\"; expected one of: ", list));
+}
+
+}  // namespace
+
+void Recipe::validate() {
+    ModelConfig& m = model;
+    RunConfig& r = run;
+    positive(m.num_layers, "num_layers");
+    positive(m.hidden_size, "hidden_size");
+    positive(m.vocab_size, "vocab_size");
+    positive(m.num_attention_heads, "num_attention_heads");
+    positive(m.q_lora_rank, "q_lora_rank");
+    positive(m.kv_lora_rank, "kv_lora_rank");
+    positive(m.qk_head_dim, "qk_head_dim");
+    positive(m.qk_pos_emb_head_dim, "qk_pos_emb_head_dim");
+    positive(m.v_head_dim, "v_head_dim");
+    ST_CHECK(m.qk_pos_emb_head_dim % 2 == 0, "recipe key 'qk_pos_emb_head_dim' must be even (RoPE "
+             "rotates pairs), got ", m.qk_pos_emb_head_dim);
+    ST_CHECK(m.rotary_base > 1.0, "recipe key 'rotary_base' must be > 1, got ", m.rotary_base);
+    ST_CHECK(m.norm_epsilon > 0 && m.latent_norm_epsilon > 0, "norm epsilons must be > 0");
+    ST_CHECK(m.init_method_std > 0, "recipe key 'init_method_std' must be > 0");
+    ST_CHECK(m.untie_embeddings_and_output_weights,
+             "recipe key 'untie_embeddings_and_output_weights' must be true: GLM-5 has separate "
+             "embedding and output head (SPEC §1)");
+
+    m.moe_layer_pattern = parse_moe_layer_freq(m.moe_layer_freq, m.num_layers);
+    if (m.num_dense_layers() > 0) positive(m.ffn_hidden_size, "ffn_hidden_size");
+    if (m.num_moe_layers() > 0) {
+        positive(m.num_experts, "num_experts");
+        positive(m.moe_ffn_hidden_size, "moe_ffn_hidden_size");
+        ST_CHECK(m.moe_router_topk >= 1 && m.moe_router_topk <= m.num_experts,
+                 "recipe key 'moe_router_topk' must be in [1, num_experts=", m.num_experts,
+                 "], got ", m.moe_router_topk);
+        ST_CHECK(m.num_experts % r.expert_model_parallel_size == 0, "num_experts (", m.num_experts,
+                 ") must be divisible by expert_model_parallel_size (",
+                 r.expert_model_parallel_size, ")");
+        ST_CHECK(m.moe_capacity_factor >= 0, "recipe key 'moe_capacity_factor' must be >= 0");
+    }
+
+    one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
+    if (m.uses_dsa()) {
+        positive(m.dsa_indexer_n_heads, "dsa_indexer_n_heads");
+        positive(m.dsa_indexer_head_dim, "dsa_indexer_head_dim");
+        ST_CHECK(m.dsa_indexer_topk > 0, "recipe key 'dsa_indexer_topk' must be > 0, got ",
+                 m.dsa_indexer_topk);
+        positive(m.dsa_indexer_topk_freq, "dsa_indexer_topk_freq");
+        ST_CHECK(m.dsa_indexer_skip_topk_offset >= 0,
+                 "recipe key 'dsa_indexer_skip_topk_offset' must be >= 0");
+        ST_CHECK(m.dsa_indexer_head_dim >= m.qk_pos_emb_head_dim,
+                 "dsa_indexer_head_dim must be >= qk_pos_emb_head_dim (RoPE on its first dims)");
+        ST_CHECK(m.dsa_indexer_loss_coeff >= 0, "recipe key 'dsa_indexer_loss_coeff' must be >= 0");
+        for (const auto& t : m.indexer_types) one_of(t, "indexer_types", {"full", "shared"});
+        if (!m.indexer_types.empty())
+            ST_CHECK(static_cast<int64_t>(m.indexer_types.size()) >= m.num_layers,
+                     "recipe key 'indexer_types' lists ", m.indexer_types.size(),
+                     " layers; num_layers is ", m.num_layers);
+    }
+    ST_CHECK(m.mtp_num_layers >= 0, "recipe key 'mtp_num_layers' must be >= 0");
+    one_of(m.mtp_loss_type, "mtp_loss_type", {"cross_entropy", "e2e_tv"});
+    if (m.mtp_num_layers > 0 && m.mtp_loss_type == "e2e_tv")
+        ST_CHECK(m.mtp_detach_heads,
+                 "mtp_loss_type: e2e_tv requires mtp_detach_heads: true (the TV target comes from "
+                 "the main head, which must not receive the MTP gradient)");
+
+    positive(r.seq_length, "seq_length");
+    positive(r.micro_batch_size, "micro_batch_size");
+    positive(r.global_batch_size, "global_batch_size");
+    ST_CHECK(r.train_iters >= 0, "recipe key 'train_iters' must be >= 0");
+    positive(r.log_interval, "log_interval");
+    ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
+    positive(r.save_keep_last, "save_keep_last");
+    ST_CHECK(r.max_documents_per_microbatch >= 0, "max_documents_per_microbatch must be >= 0");
+    ST_CHECK(r.max_seqlen_per_dp_cp_rank >= 0, "max_seqlen_per_dp_cp_rank must be >= 0");
+    ST_CHECK(r.loss_chunk_rows >= 0, "recipe key 'loss_chunk_rows' must be >= 0");
+
+    one_of(r.optimizer, "optimizer", {"adam", "adamw", "muon"});
+    ST_CHECK(r.lr >= 0 && r.min_lr >= 0 && r.min_lr <= r.lr, "need 0 <= min_lr (", r.min_lr,
+             ") <= lr (", r.lr, ")");
+    ST_CHECK(r.adam_beta1 >= 0 && r.adam_beta1 < 1, "adam_beta1 must be in [0, 1)");
+    ST_CHECK(r.adam_beta2 >= 0 && r.adam_beta2 < 1, "adam_beta2 must be in [0, 1)");
+    ST_CHECK(r.adam_eps > 0, "adam_eps must be > 0");
+    ST_CHECK(r.weight_decay >= 0, "weight_decay must be >= 0");
+    ST_CHECK(r.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)");
+    ST_CHECK(r.lr_warmup_iters >= 0 && r.lr_decay_iters >= 0, "lr iteration counts must be >= 0");
+    one_of(r.lr_decay_style, "lr_decay_style", {"cosine", "constant", "linear", "WSD"});
+    ST_CHECK(r.lr_wsd_decay_fraction > 0 && r.lr_wsd_decay_fraction <= 1,
+             "lr_wsd_decay_fraction must be in (0, 1]");
+    one_of(r.muon_scale_mode, "muon_scale_mode", {"spectral", "shape_scaling", "unit_rms_norm"});
+    one_of(r.muon_coefficient_type, "muon_coefficient_type", {"quintic", "simple"});
+    positive(r.muon_num_ns_steps, "muon_num_ns_steps");
+    ST_CHECK(r.muon_momentum >= 0 && r.muon_momentum < 1, "muon_momentum must be in [0, 1)");
+
+    positive(r.tensor_model_parallel_size, "tensor_model_parallel_size");
+    positive(r.pipeline_model_parallel_size, "pipeline_model_parallel_size");
+    positive(r.expert_model_parallel_size, "expert_model_parallel_size");
+    positive(r.context_parallel_size, "context_parallel_size");
+    positive(r.world_size, "world_size");
+    ST_CHECK(m.num_attention_heads % r.tensor_model_parallel_size == 0, "num_attention_heads (",
+             m.num_attention_heads, ") must be divisible by tensor_model_parallel_size (",
+             r.tensor_model_parallel_size, ")");
+    int64_t model_parallel = r.tensor_model_parallel_size * r.pipeline_model_parallel_size *
+                             r.context_parallel_size;
+    ST_CHECK(r.world_size % model_parallel == 0, "world_size (", r.world_size,
+             ") must be divisible by tensor x pipeline x context parallel sizes (", model_parallel,
+             ")");
+    ST_CHECK((r.world_size / r.pipeline_model_parallel_size) % r.expert_model_parallel_size == 0,
+             "expert_model_parallel_size (", r.expert_model_parallel_size,
+             ") must divide world_size / pipeline_model_parallel_size (",
+             r.world_size / r.pipeline_model_parallel_size, ")");
+    int64_t per_step = r.micro_batch_size * r.data_parallel_size();
+    ST_CHECK(r.global_batch_size % per_step == 0, "global_batch_size (", r.global_batch_size,
+             ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
+    if (r.pipeline_model_parallel_size > 1 && r.decoder_first_pipeline_num_layers > 0)
+        ST_CHECK(r.decoder_first_pipeline_num_layers < m.num_layers &&
+                     (m.num_layers - r.decoder_first_pipeline_num_layers) %
+                             (r.pipeline_model_parallel_size - 1) ==
+                         0,
+                 "decoder_first_pipeline_num_layers (", r.decoder_first_pipeline_num_layers,
+                 ") must leave num_layers - it divisible by the remaining pipeline stages");
+    one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
+           {"default", "default_dynamic_cp"});
+    one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
+    one_of(r.fp8_format, "fp8_format", {"e4m3", "hybrid"});
+    one_of(r.cuda_graph_impl, "cuda_graph_impl", {"none", "full_iteration"});
+}
+
+}  // namespace sparsetron

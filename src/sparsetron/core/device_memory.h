@@ -1,0 +1,17 @@
+// Device allocation entry points. Implemented by the CUDA backend (cuda/device_memory.cu), or by
+// stubs that throw "built without CUDA" in a CPU-only build.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace sparsetron {
+
+bool cuda_available();         // built with CUDA and at least one device visible
+std::string cuda_device_name();  // "" when none
+void* device_alloc(size_t bytes);
+void device_free(void* p);
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+
+}  // namespace sparsetron

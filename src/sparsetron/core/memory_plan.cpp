@@ -1,0 +1,154 @@
+#include "sparsetron/core/memory_plan.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <new>
+#include <sstream>
+
+#include "sparsetron/core/device_memory.h"
+
+namespace sparsetron {
+
+const char* mem_class_name(MemClass c) {
+    switch (c) {
+        case MemClass::Parameters: return "parameters";
+        case MemClass::Gradients: return "gradients";
+        case MemClass::OptimizerState: return "optimizer state";
+        case MemClass::Activations: return "activations";
+        case MemClass::Workspace: return "workspace";
+    }
+    return "?";
+}
+
+Arena::Arena(Device device, size_t bytes) : bytes_(bytes), device_(device) {
+    if (bytes == 0) return;
+    if (device == Device::CPU) {
+        size_t rounded = (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment *
+                         MemoryPlan::kAlignment;
+        data_ = static_cast<char*>(std::aligned_alloc(MemoryPlan::kAlignment, rounded));
+        if (!data_) throw Error(cat("out of host memory allocating ", format_bytes(bytes)));
+        std::memset(data_, 0, rounded);
+    } else {
+        data_ = static_cast<char*>(device_alloc(bytes));
+    }
+}
+
+Arena::~Arena() { release(); }
+
+Arena::Arena(Arena&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.device_) {
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+}
+
+Arena& Arena::operator=(Arena&& o) noexcept {
+    if (this != &o) {
+        release();
+        data_ = o.data_, bytes_ = o.bytes_, device_ = o.device_;
+        o.data_ = nullptr, o.bytes_ = 0;
+    }
+    return *this;
+}
+
+void Arena::release() {
+    if (!data_) return;
+    if (device_ == Device::CPU) {
+        std::free(data_);
+    } else {
+        device_free(data_);
+    }
+    data_ = nullptr;
+}
+
+MemoryPlan::Slot MemoryPlan::add(MemClass cls, std::string name, DType dtype,
+                                 std::vector<int64_t> shape) {
+    ST_ASSERT(!allocated_, "plan entry '", name, "' added after allocation");
+    ST_ASSERT(!shape.empty() && shape.size() <= kMaxDims, "rank of ", name);
+    size_t n = 1;
+    for (int64_t s : shape) {
+        ST_CHECK(s > 0, "memory plan: buffer '", name, "' has a zero or negative dimension");
+        n *= static_cast<size_t>(s);
+    }
+    PlanEntry e{std::move(name), cls, dtype, std::move(shape)};
+    e.bytes = n * dtype_size(dtype);
+    size_t& used = class_bytes_[static_cast<int>(cls)];
+    e.offset = (used + kAlignment - 1) / kAlignment * kAlignment;
+    used = e.offset + e.bytes;
+    entries_.push_back(std::move(e));
+    return static_cast<Slot>(entries_.size() - 1);
+}
+
+size_t MemoryPlan::total_bytes() const {
+    size_t t = 0;
+    for (size_t b : class_bytes_) t += b;
+    return t;
+}
+
+void MemoryPlan::allocate(Device device) {
+    ST_ASSERT(!allocated_, "plan allocated twice");
+    for (int c = 0; c < kNumMemClasses; ++c) arenas_[c] = Arena(device, class_bytes_[c]);
+    device_ = device;
+    allocated_ = true;
+}
+
+char* MemoryPlan::class_base(MemClass cls) const {
+    ST_ASSERT(allocated_, "plan not allocated");
+    return arenas_[static_cast<int>(cls)].data();
+}
+
+Tensor MemoryPlan::view(Slot slot) const {
+    ST_ASSERT(allocated_, "view before allocation");
+    ST_ASSERT(slot >= 0 && static_cast<size_t>(slot) < entries_.size(), "slot ", slot);
+    const PlanEntry& e = entries_[slot];
+    Tensor t;
+    t.data = class_base(e.cls) + e.offset;
+    t.dtype = e.dtype;
+    t.device = device_;
+    t.ndim = static_cast<int>(e.shape.size());
+    int64_t st = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+        t.shape[d] = e.shape[d];
+        t.stride[d] = st;
+        st *= e.shape[d];
+    }
+    return t;
+}
+
+std::string format_bytes(double bytes) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (bytes >= 1024.0 && u < 4) bytes /= 1024.0, ++u;
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(u == 0 ? 0 : 2) << bytes << " " << units[u];
+    return os.str();
+}
+
+std::string MemoryPlan::format(int top) const {
+    std::ostringstream os;
+    for (int c = 0; c < kNumMemClasses; ++c) {
+        auto cls = static_cast<MemClass>(c);
+        std::vector<const PlanEntry*> es;
+        for (const auto& e : entries_)
+            if (e.cls == cls) es.push_back(&e);
+        os << std::left << std::setw(18) << mem_class_name(cls) << std::right << std::setw(14)
+           << format_bytes(static_cast<double>(class_bytes(cls))) << "  (" << es.size()
+           << " buffers)\n";
+        std::stable_sort(es.begin(), es.end(),
+                         [](const PlanEntry* a, const PlanEntry* b) { return a->bytes > b->bytes; });
+        for (int i = 0; i < static_cast<int>(es.size()) && i < top; ++i) {
+            std::ostringstream shape;
+            for (size_t d = 0; d < es[i]->shape.size(); ++d)
+                shape << (d ? "x" : "") << es[i]->shape[d];
+            os << "    " << std::left << std::setw(52) << es[i]->name << std::setw(6)
+               << dtype_name(es[i]->dtype) << std::setw(20) << shape.str() << std::right
+               << std::setw(12) << format_bytes(static_cast<double>(es[i]->bytes)) << "\n";
+        }
+        if (static_cast<int>(es.size()) > top) os << "    ... " << es.size() - top << " more\n";
+    }
+    os << std::left << std::setw(18) << "total" << std::right << std::setw(14)
+       << format_bytes(static_cast<double>(total_bytes())) << "\n";
+    return os.str();
+}
+
+}  // namespace sparsetron

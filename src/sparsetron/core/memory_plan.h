@@ -1,0 +1,87 @@
+// The static memory plan (DESIGN §1.1, §3).
+//
+// Every buffer the engine uses is declared here before the first step, with its memory class,
+// name, dtype and shape. The plan is printable (`sparsetron plan`), its total is the peak-memory
+// prediction, and `allocate()` makes exactly one allocation per class; afterwards `view(slot)`
+// hands out the planned Tensor. Nothing is allocated inside a training step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sparsetron/core/tensor.h"
+
+namespace sparsetron {
+
+enum class MemClass : uint8_t { Parameters, Gradients, OptimizerState, Activations, Workspace };
+constexpr int kNumMemClasses = 5;
+const char* mem_class_name(MemClass c);
+
+struct PlanEntry {
+    std::string name;
+    MemClass cls;
+    DType dtype;
+    std::vector<int64_t> shape;
+    size_t offset = 0;  // within its class's arena
+    size_t bytes = 0;
+};
+
+// One owning allocation (host memory, or device memory through the CUDA backend).
+class Arena {
+public:
+    Arena() = default;
+    Arena(Device device, size_t bytes);
+    ~Arena();
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+    Arena(Arena&& other) noexcept;
+    Arena& operator=(Arena&& other) noexcept;
+
+    char* data() const { return data_; }
+    size_t bytes() const { return bytes_; }
+    Device device() const { return device_; }
+
+private:
+    void release();
+    char* data_ = nullptr;
+    size_t bytes_ = 0;
+    Device device_ = Device::CPU;
+};
+
+class MemoryPlan {
+public:
+    static constexpr size_t kAlignment = 256;
+
+    using Slot = int32_t;
+
+    // Declares a buffer; returns its slot. Only before allocate().
+    Slot add(MemClass cls, std::string name, DType dtype, std::vector<int64_t> shape);
+
+    size_t class_bytes(MemClass cls) const { return class_bytes_[static_cast<int>(cls)]; }
+    size_t total_bytes() const;
+    const std::vector<PlanEntry>& entries() const { return entries_; }
+
+    // One allocation per class on `device`; the CPU arenas are zero-filled.
+    void allocate(Device device);
+    bool allocated() const { return allocated_; }
+    Device device() const { return device_; }
+
+    Tensor view(Slot slot) const;
+    char* class_base(MemClass cls) const;
+
+    // Human-readable plan: per class, its largest entries and totals.
+    std::string format(int top_entries_per_class = 6) const;
+
+private:
+    std::vector<PlanEntry> entries_;
+    size_t class_bytes_[kNumMemClasses] = {};
+    Arena arenas_[kNumMemClasses];
+    bool allocated_ = false;
+    Device device_ = Device::CPU;
+};
+
+std::string format_bytes(double bytes);
+
+}  // namespace sparsetron

@@ -1,0 +1,24 @@
+// A build without CUDA links these: every CUDA entry point throws "built without CUDA".
+#include "sparsetron/core/device_memory.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/ops/convert.h"
+
+namespace sparsetron {
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+    throw Error(cat(what, ": Sparsetron was built without CUDA (rebuild with nvcc on PATH)"));
+}
+}  // namespace
+
+bool cuda_available() { return false; }
+std::string cuda_device_name() { return ""; }
+void* device_alloc(size_t) { no_cuda("device_alloc"); }
+void device_free(void*) {}
+void copy_to_device(void*, const void*, size_t) { no_cuda("copy_to_device"); }
+void copy_to_host(void*, const void*, size_t) { no_cuda("copy_to_host"); }
+
+namespace ops::cuda {
+void convert(const ExecContext&, const Tensor&, const Tensor&) { no_cuda("ops::cuda::convert"); }
+}  // namespace ops::cuda
+
+}  // namespace sparsetron

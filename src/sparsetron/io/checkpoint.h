@@ -1,0 +1,48 @@
+// Checkpoints (DESIGN §1.5): one directory per saved iteration, `iter_NNNNNNN/`, holding
+//   config.json          HF glm_moe_dsa config of the model
+//   model.safetensors    weights by HF names (fp32 master copy)
+//   optimizer.safetensors  AdamW state as <name>.exp_avg / <name>.exp_avg_sq
+//   trainer_state.json   iteration, consumed tokens, data position, RNG seed
+//   recipe.yaml          the effective recipe
+// written under a temporary name and renamed, so a crash never leaves a half-written checkpoint;
+// `latest_checkpointed_iteration.txt` (Megatron's name) is then replaced atomically and only the
+// newest `keep_last` checkpoints are kept.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/param_store.h"
+#include "sparsetron/optim/adamw.h"
+
+namespace sparsetron {
+
+struct TrainerState {
+    int64_t iteration = 0;
+    int64_t consumed_tokens = 0;
+    int64_t skipped_steps = 0;
+    uint64_t seed = 0;
+    std::string data_position;  // StreamPosition JSON
+};
+
+// Fails early, naming `dir`, if it cannot be created or written.
+void ensure_writable_dir(const std::string& dir);
+
+std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
+                            const std::string& recipe_yaml, const ParamStore& store,
+                            const MemoryPlan& plan, const AdamW* optimizer,
+                            const TrainerState& state);
+
+// `dir` is a checkpoint directory or a save directory with latest_checkpointed_iteration.txt.
+std::string resolve_checkpoint(const std::string& dir);
+// Copies weights into the planned parameters; every parameter must be present with its shape.
+void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
+                        const MemoryPlan& plan);
+void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
+                          const AdamW& optimizer, const MemoryPlan& plan);
+TrainerState load_trainer_state(const std::string& ckpt_dir);
+std::string load_checkpoint_recipe(const std::string& ckpt_dir);  // recipe.yaml text
+
+}  // namespace sparsetron

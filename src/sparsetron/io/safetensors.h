@@ -1,0 +1,49 @@
+// safetensors files: an 8-byte little-endian header length, a JSON header mapping each tensor name
+// to {dtype, shape, data_offsets}, then the data. HuggingFace's format for checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/data/indexed_dataset.h"
+
+namespace sparsetron {
+
+struct SafetensorsEntry {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    const void* data;  // host memory, numel * dtype_size bytes
+};
+
+// Writes to `path`.tmp and renames, so `path` is never half-written.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                       const std::map<std::string, std::string>& metadata = {});
+
+class SafetensorsFile {
+public:
+    explicit SafetensorsFile(const std::string& path);
+    struct Info {
+        DType dtype;
+        std::vector<int64_t> shape;
+        const uint8_t* data;
+        size_t bytes;
+    };
+    bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
+    const Info& at(const std::string& name) const;
+    const std::map<std::string, Info>& tensors() const { return tensors_; }
+    const std::map<std::string, std::string>& metadata() const { return metadata_; }
+    const std::string& path() const { return path_; }
+
+private:
+    std::string path_;
+    std::unique_ptr<MappedFile> file_;
+    std::map<std::string, Info> tensors_;
+    std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace sparsetron

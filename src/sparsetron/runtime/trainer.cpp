@@ -1,0 +1,187 @@
+#include "sparsetron/runtime/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/data/byte_tokenizer.h"
+
+namespace fs = std::filesystem;
+
+namespace sparsetron {
+
+std::string StepMetrics::to_json() const {
+    nlohmann::ordered_json j;
+    j["step"] = step;
+    j["lm_loss"] = lm_loss;
+    j["total_loss"] = total_loss;
+    j["lr"] = lr;
+    j["grad_norm"] = grad_norm;
+    j["tokens"] = tokens;
+    j["targets"] = targets;
+    j["step_ms"] = step_ms;
+    j["skipped"] = skipped;
+    return j.dump();
+}
+
+namespace {
+
+void check_supported(const Recipe& r) {
+    const ModelConfig& m = r.model;
+    ST_CHECK(m.num_moe_layers() == 0, "this build trains dense layers only: moe_layer_freq makes ",
+             m.num_moe_layers(), " MoE layers (MoE arrives with the full-architecture work)");
+    ST_CHECK(!m.uses_dsa(), "experimental_attention_variant: dsa is not implemented yet; use none");
+    ST_CHECK(m.mtp_num_layers == 0, "mtp_num_layers > 0 is not implemented yet");
+    ST_CHECK(r.run.optimizer != "muon", "optimizer: muon is not implemented yet; use adam");
+    ST_CHECK(r.run.world_size == 1, "world_size ", r.run.world_size,
+             ": multi-process training is not implemented yet");
+}
+
+fs::path find_bundled_corpus() {
+    std::vector<fs::path> candidates;
+    if (const char* env = std::getenv("SPARSETRON_DATA_DIR")) candidates.emplace_back(env);
+    candidates.emplace_back(fs::path(SPARSETRON_SOURCE_DIR) / "data" / "corpus");
+    candidates.emplace_back(fs::path("data") / "corpus");
+    for (const auto& c : candidates)
+        if (fs::is_directory(c)) return c;
+    throw Error(cat("data_path is empty and the bundled corpus was not found (looked in ",
+                    candidates[1].string(), " and ./data/corpus; set SPARSETRON_DATA_DIR)"));
+}
+
+}  // namespace
+
+std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir) {
+    if (!run.data_path.empty()) return run.data_path;
+    fs::path corpus = find_bundled_corpus();
+    std::vector<std::string> inputs;
+    for (const auto& e : fs::directory_iterator(corpus))
+        if (e.path().extension() == ".txt") inputs.push_back(e.path().string());
+    std::sort(inputs.begin(), inputs.end());
+    ST_CHECK(!inputs.empty(), "the bundled corpus ", corpus.string(), " holds no .txt files");
+    fs::path dir = fs::path(out_dir) / "data";
+    ensure_writable_dir(dir.string());
+    std::string prefix = (dir / "corpus").string();
+    if (!fs::exists(prefix + ".idx") || !fs::exists(prefix + ".bin"))
+        preprocess_text(inputs, prefix, "text");
+    return {prefix};
+}
+
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe) {
+    auto tp = std::make_unique<TrainingPlan>();
+    const RunConfig& r = recipe.run;
+    int64_t slots = r.tokens_per_microbatch();
+    tp->max_documents =
+        r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch : default_max_documents(slots);
+    tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
+    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, slots, tp->max_documents,
+                                                   tp->chunk_rows);
+    tp->optimizer = std::make_unique<AdamW>(tp->model->params(), tp->plan);
+    return tp;
+}
+
+Trainer::Trainer(Recipe recipe, TrainOptions options)
+    : recipe_(std::move(recipe)), options_(std::move(options)) {
+    ST_CHECK(options_.device == Device::CPU,
+             "--device cuda: the CUDA training step is not implemented yet; use --device cpu");
+    check_supported(recipe_);
+    ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
+    ensure_writable_dir(options_.out_dir);
+    const RunConfig& r = recipe_.run;
+    // Data first: a bad dataset fails before any memory is planned.
+    stream_ = std::make_unique<DocumentStream>(resolve_data_path(r, options_.out_dir),
+                                               static_cast<uint64_t>(r.seed));
+    ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
+             stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
+    tp_ = make_training_plan(recipe_);
+    tp_->plan.allocate(Device::CPU);
+    tp_->model->bind();
+    const int64_t slots = r.tokens_per_microbatch();
+    packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
+    for (int64_t i = 0; i < r.microbatches_per_step(); ++i)
+        batches_.emplace_back(slots, tp_->max_documents);
+    state_.seed = static_cast<uint64_t>(r.seed);
+
+    std::string resume = options_.resume_dir.empty() ? r.load : options_.resume_dir;
+    if (!resume.empty()) {
+        std::string ckpt = resolve_checkpoint(resume);
+        load_model_weights(ckpt, tp_->model->params(), tp_->plan);
+        load_optimizer_state(ckpt, tp_->model->params(), *tp_->optimizer, tp_->plan);
+        state_ = load_trainer_state(ckpt);
+        stream_->set_position(StreamPosition::from_json(state_.data_position));
+    } else {
+        tp_->model->params().initialize(tp_->plan, state_.seed, recipe_.model.init_method_std,
+                                        recipe_.model.num_layers);
+    }
+}
+
+Trainer::~Trainer() = default;
+
+std::string Trainer::checkpoint_dir() const {
+    return recipe_.run.save.empty() ? (fs::path(options_.out_dir) / "checkpoints").string()
+                                    : recipe_.run.save;
+}
+
+void Trainer::next_step_batches(std::vector<MicroBatch>& out) {
+    for (auto& mb : out) packer_->next(mb);
+}
+
+std::vector<MicroBatch> Trainer::peek_next_step_batches() {
+    StreamPosition saved = stream_->position();
+    std::vector<MicroBatch> out = batches_;
+    next_step_batches(out);
+    stream_->set_position(saved);
+    return out;
+}
+
+StepMetrics Trainer::train_step() {
+    auto t0 = std::chrono::steady_clock::now();
+    next_step_batches(batches_);
+    StepMetrics m;
+    m.step = state_.iteration + 1;
+    for (const auto& mb : batches_) {
+        m.targets += mb.num_targets();
+        m.tokens += mb.num_tokens;
+    }
+    ST_CHECK(m.targets > 0, "step ", m.step, " has no loss targets (documents of one token?)");
+    // Per-token normalization across micro-batches (SPEC §6).
+    const double grad_scale = 1.0 / double(m.targets);
+    zero_grads(tp_->plan);
+    double loss_sum = 0;
+    for (const auto& mb : batches_) {
+        tp_->model->load_inputs(mb);
+        loss_sum += tp_->model->forward_backward(grad_scale, true).lm_loss_sum;
+    }
+    m.lm_loss = loss_sum / double(m.targets);
+    m.total_loss = m.lm_loss;
+    StepStats st = tp_->optimizer->step(tp_->plan, recipe_.run, m.step);
+    m.lr = st.lr;
+    m.grad_norm = st.grad_norm;
+    m.skipped = st.skipped;
+    state_.iteration = m.step;
+    state_.consumed_tokens += m.tokens;
+    if (st.skipped) ++state_.skipped_steps;
+    m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return m;
+}
+
+std::string Trainer::save() {
+    state_.data_position = stream_->position().to_json();
+    return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
+                           recipe_.to_yaml(), tp_->model->params(), tp_->plan,
+                           tp_->optimizer.get(), state_);
+}
+
+void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
+    const RunConfig& r = recipe_.run;
+    while (state_.iteration < r.train_iters) {
+        StepMetrics m = train_step();
+        if (on_step) on_step(m);
+        bool last = state_.iteration == r.train_iters;
+        if ((r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last) save();
+    }
+}
+
+}  // namespace sparsetron

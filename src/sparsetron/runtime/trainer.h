@@ -1,0 +1,84 @@
+// The trainer: packs micro-batches, runs forward/backward with gradient accumulation, clips,
+// steps the optimizer, logs metrics, and saves/resumes checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sparsetron/config/recipe.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/data/document_stream.h"
+#include "sparsetron/data/packer.h"
+#include "sparsetron/io/checkpoint.h"
+#include "sparsetron/model/glm5_model.h"
+#include "sparsetron/optim/adamw.h"
+
+namespace sparsetron {
+
+struct StepMetrics {
+    int64_t step = 0;
+    double lm_loss = 0;
+    double total_loss = 0;
+    double lr = 0;
+    double grad_norm = 0;
+    int64_t tokens = 0;   // real tokens in the step
+    int64_t targets = 0;  // loss rows in the step
+    double step_ms = 0;
+    bool skipped = false;
+    std::string to_json() const;
+};
+
+struct TrainOptions {
+    std::string out_dir;     // metrics.jsonl and (unless the recipe's `save` is set) checkpoints
+    std::string resume_dir;  // checkpoint or save directory; "" = start fresh
+    Device device = Device::CPU;
+};
+
+// Memory plan of a training run of `recipe` (parameters, gradients, optimizer state, activations,
+// workspace). Used by the trainer and by `sparsetron plan`.
+struct TrainingPlan {
+    MemoryPlan plan;
+    std::unique_ptr<Glm5Model<float>> model;
+    std::unique_ptr<AdamW> optimizer;
+    int64_t max_documents = 0;
+    int64_t chunk_rows = 0;
+};
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe);
+
+class Trainer {
+public:
+    Trainer(Recipe recipe, TrainOptions options);
+    ~Trainer();
+
+    // Runs until train_iters, calling `on_step` after every step.
+    void run(const std::function<void(const StepMetrics&)>& on_step = {});
+    StepMetrics train_step();
+    std::string save();  // returns the checkpoint directory
+
+    int64_t iteration() const { return state_.iteration; }
+    const Recipe& recipe() const { return recipe_; }
+    const MemoryPlan& plan() const { return tp_->plan; }
+    Glm5Model<float>& model() { return *tp_->model; }
+    std::string checkpoint_dir() const;
+    // The micro-batches the next step will consume (does not advance the stream).
+    std::vector<MicroBatch> peek_next_step_batches();
+
+private:
+    void next_step_batches(std::vector<MicroBatch>& out);
+
+    Recipe recipe_;
+    TrainOptions options_;
+    std::unique_ptr<TrainingPlan> tp_;
+    std::unique_ptr<DocumentStream> stream_;
+    std::unique_ptr<Packer> packer_;
+    std::vector<MicroBatch> batches_;
+    TrainerState state_;
+};
+
+// Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.
+std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir);
+
+}  // namespace sparsetron

@@ -1,0 +1,156 @@
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "sparsetron/config/hf_config.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/error.h"
+
+using namespace sparsetron;
+
+namespace {
+std::string repo(const std::string& rel) { return std::string(SPARSETRON_SOURCE_DIR) + "/" + rel; }
+
+// Runs `fn` and returns the error message it throws ("" if none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+}  // namespace
+
+TEST(MoeLayerFreq, ParsesTheSeedExpression) {
+    auto v = parse_moe_layer_freq("([0]*2+[1]*19)", 21);
+    ASSERT_EQ(v.size(), 21u);
+    EXPECT_EQ(v[0], 0);
+    EXPECT_EQ(v[1], 0);
+    EXPECT_EQ(v[2], 1);
+    EXPECT_EQ(v[20], 1);
+    EXPECT_EQ(parse_moe_layer_freq("[0, 1, 1]", 3), (std::vector<int>{0, 1, 1}));
+    EXPECT_EQ(parse_moe_layer_freq("2", 4), (std::vector<int>{1, 0, 1, 0}));
+    EXPECT_EQ(parse_moe_layer_freq("([0]+[1])*2", 4), (std::vector<int>{0, 1, 0, 1}));
+}
+
+TEST(MoeLayerFreq, RejectsOtherGrammar) {
+    EXPECT_NE(error_of([] { parse_moe_layer_freq("([0]*2+[1]*19", 21); }).find("expected ')'"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { parse_moe_layer_freq("[0]*2+[1]*18", 21); }).find("describes 20 layers"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { parse_moe_layer_freq("[2]*21", 21); }).find("0 (dense) or 1"),
+              std::string::npos);
+    EXPECT_FALSE(error_of([] { parse_moe_layer_freq("__import__('os')", 21); }).empty());
+    EXPECT_FALSE(error_of([] { parse_moe_layer_freq("0", 3); }).empty());
+}
+
+TEST(Recipe, SeedRecipesParseAndValidate) {
+    Recipe r = load_recipe(repo("recipes/glm5.2-16gpu.yaml"));
+    EXPECT_EQ(r.model.num_layers, 21);
+    EXPECT_EQ(r.model.num_moe_layers(), 19);
+    EXPECT_EQ(r.model.num_experts, 64);
+    EXPECT_EQ(r.model.q_head_dim(), 256);
+    EXPECT_EQ(r.model.dsa_indexer_topk, 2048);
+    EXPECT_EQ(r.model.mtp_loss_type, "e2e_tv");
+    EXPECT_EQ(r.run.fp8_recipe, "mxfp8");
+    EXPECT_EQ(r.run.optimizer, "muon");
+    EXPECT_EQ(r.run.expert_model_parallel_size, 16);
+    EXPECT_EQ(r.run.data_parallel_size(), 1);
+    EXPECT_EQ(r.run.microbatches_per_step(), 8);
+    Recipe r64 = load_recipe(repo("recipes/glm5.2-64gpu.yaml"));
+    EXPECT_EQ(r64.model.num_experts, 256);
+    Recipe r256 = load_recipe(repo("recipes/glm5.2-256gpu.yaml"));
+    EXPECT_EQ(r256.model.num_layers, 78);
+    EXPECT_EQ(r256.model.num_dense_layers(), 3);
+    EXPECT_EQ(r256.run.pipeline_model_parallel_size, 4);
+}
+
+TEST(Recipe, TinyYamlEqualsTheBuiltinRecipe) {
+    Recipe file = load_recipe(repo("recipes/tiny.yaml"));
+    EXPECT_EQ(file.to_yaml(), builtin_tiny_recipe().to_yaml());
+}
+
+TEST(Recipe, UnknownKeySuggestsTheClosest) {
+    std::string msg = error_of([] { load_recipe("", {"hiden_size=64"}); });
+    EXPECT_NE(msg.find("unknown recipe key 'hiden_size'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("did you mean 'hidden_size'"), std::string::npos) << msg;
+    auto settings = parse_recipe_yaml("num_layers: 2\nnum_attention_head: 4\n", "x.yaml");
+    Recipe r;
+    r.apply(settings[0]);
+    msg = error_of([&] { r.apply(settings[1]); });
+    EXPECT_NE(msg.find("x.yaml:2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("num_attention_heads"), std::string::npos) << msg;
+}
+
+TEST(Recipe, BadValuesNameTheKey) {
+    EXPECT_NE(error_of([] { load_recipe("", {"hidden_size=abc"}); }).find("hidden_size"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"hidden_size=0"}); }).find("'hidden_size' must be > 0"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"bf16=maybe"}); }).find("true or false"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"tensor_model_parallel_size=3"}); })
+                  .find("num_attention_heads (4) must be divisible by tensor_model_parallel_size"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"global_batch_size=7", "world_size=2"}); })
+                  .find("global_batch_size (7)"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"qk_pos_emb_head_dim=15"}); }).find("even"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"mtp_num_layers=2", "mtp_loss_type=e2e_tv"});
+              }).find("requires mtp_detach_heads"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"moe_layer_freq=[0,1]", "num_experts=6", "moe_ffn_hidden_size=8",
+                                   "moe_router_topk=2", "expert_model_parallel_size=4",
+                                   "world_size=4"});
+              }).find("num_experts (6) must be divisible by expert_model_parallel_size (4)"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"experimental_attention_variant=dsa", "dsa_indexer_n_heads=2",
+                                   "dsa_indexer_head_dim=32", "dsa_indexer_topk=0"});
+              }).find("'dsa_indexer_topk' must be > 0"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { load_recipe("", {"lr_decay_style=exp"}); }).find("cosine"),
+              std::string::npos);
+}
+
+TEST(Recipe, OverridesApplyAfterTheFile) {
+    Recipe r = load_recipe(repo("recipes/tiny.yaml"), {"train_iters=7", "lr=1e-4", "min_lr=1e-5",
+                                                       "data_path=[0.3, a, 0.7, b]"});
+    EXPECT_EQ(r.run.train_iters, 7);
+    EXPECT_DOUBLE_EQ(r.run.lr, 1e-4);
+    EXPECT_EQ(r.run.data_path, (std::vector<std::string>{"0.3", "a", "0.7", "b"}));
+    Recipe s = load_recipe("", {"data_path=0.5 x 0.5 y"});
+    EXPECT_EQ(s.run.data_path.size(), 4u);
+}
+
+TEST(Recipe, InvalidYamlNamesTheFileAndLine) {
+    std::string msg = error_of([] { parse_recipe_yaml("a: 1\nb: [1, 2\n", "bad.yaml"); });
+    EXPECT_NE(msg.find("bad.yaml"), std::string::npos) << msg;
+    EXPECT_NE(error_of([] { load_recipe("/nonexistent/recipe.yaml"); }).find("/nonexistent"),
+              std::string::npos);
+}
+
+TEST(HfConfig, RoundTripsTheModelConfig) {
+    Recipe r = load_recipe(repo("recipes/glm5.2-16gpu.yaml"));
+    ModelConfig back = parse_hf_config(hf_config_json(r.model), "mem");
+    EXPECT_EQ(back.hidden_size, 6144);
+    EXPECT_EQ(back.qk_head_dim, 192);
+    EXPECT_EQ(back.qk_pos_emb_head_dim, 64);
+    EXPECT_EQ(back.moe_layer_pattern, r.model.moe_layer_pattern);
+    EXPECT_EQ(back.moe_shared_expert_intermediate_size, 2048);
+    EXPECT_EQ(back.dsa_indexer_topk_freq, 4);
+    EXPECT_EQ(back.dsa_indexer_skip_topk_offset, 2);
+    EXPECT_DOUBLE_EQ(back.rotary_base, 8e6);
+    EXPECT_TRUE(back.rotary_interleaved);
+    EXPECT_NE(error_of([] { parse_hf_config("{\"model_type\": \"llama\"}", "c.json"); })
+                  .find("expected glm_moe_dsa"),
+              std::string::npos);
+    EXPECT_NE(error_of([] { parse_hf_config("{\"model_type\": \"glm_moe_dsa\"}", "c.json"); })
+                  .find("lacks required key 'vocab_size'"),
+              std::string::npos);
+}

@@ -1,0 +1,47 @@
+// Helpers shared by the tests: temporary directories, random data, fp64 comparisons.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "sparsetron/core/rng.h"
+
+namespace sparsetron::test {
+
+// A fresh, empty directory under the build tree for one test.
+inline std::string temp_dir(const std::string& name) {
+    namespace fs = std::filesystem;
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    fs::path p = fs::path(SPARSETRON_TEST_TMP) /
+                 (std::string(info->test_suite_name()) + "." + info->name() + "." + name);
+    fs::remove_all(p);
+    fs::create_directories(p);
+    return p.string();
+}
+
+// Deterministic non-zero random values in [-scale, scale] (never all zeros).
+template <typename T>
+std::vector<T> random_vector(size_t n, uint64_t seed, double scale = 1.0) {
+    CounterRng rng(seed, 77);
+    std::vector<T> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<T>((2.0 * rng.uniform(i) - 1.0) * scale);
+    return v;
+}
+
+// max |a-b| / max(1, max|b|): a normalized error that is meaningful for any magnitude.
+template <typename A, typename B>
+double max_rel_error(const std::vector<A>& a, const std::vector<B>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double err = 0, ref = 1e-30;
+    for (size_t i = 0; i < a.size(); ++i) {
+        err = std::max(err, std::fabs(double(a[i]) - double(b[i])));
+        ref = std::max(ref, std::fabs(double(b[i])));
+    }
+    return err / std::max(1.0, ref);
+}
+
+}  // namespace sparsetron::test

@@ -1,1 +1,159 @@
+// End to end on CPU: the tiny recipe trains, save -> resume continues bit-identically, eval on a
+// checkpoint reproduces the trainer's loss, and bad inputs stop with clear messages.
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "../test_util.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/runtime/evaluate.h"
+#include "sparsetron/runtime/trainer.h"
+
+using namespace sparsetron;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A smaller model than the demo so the suite stays fast under the sanitizers.
+Recipe small_recipe(std::vector<std::string> extra = {}) {
+    std::vector<std::string> sets = {"hidden_size=48", "num_attention_heads=2", "q_lora_rank=32",
+                                     "kv_lora_rank=24", "qk_head_dim=16", "qk_pos_emb_head_dim=8",
+                                     "v_head_dim=16", "ffn_hidden_size=96", "seq_length=64",
+                                     "global_batch_size=3", "train_iters=6", "lr_warmup_iters=2"};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return load_recipe("", sets);
+}
+
+std::string error_of(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+std::map<std::string, std::vector<char>> snapshot(const std::string& dir) {
+    std::map<std::string, std::vector<char>> files;
+    for (const auto& e : fs::recursive_directory_iterator(dir)) {
+        if (!e.is_regular_file()) continue;
+        std::ifstream in(e.path(), std::ios::binary);
+        files[e.path().string()] = std::vector<char>(std::istreambuf_iterator<char>(in), {});
+    }
+    return files;
+}
+
+}  // namespace
+
+TEST(Trainer, TinyRecipeLossFalls) {
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 30;
+    Trainer t(r, {test::temp_dir("out"), "", Device::CPU});
+    std::vector<double> losses;
+    t.run([&](const StepMetrics& m) {
+        losses.push_back(m.lm_loss);
+        EXPECT_GT(m.tokens, 0);
+        EXPECT_TRUE(std::isfinite(m.grad_norm));
+    });
+    ASSERT_EQ(losses.size(), 30u);
+    // Byte-level start: about ln(320) = 5.77. The bound leaves room for thread-count noise.
+    EXPECT_GT(losses.front(), 5.5);
+    double tail = (losses[27] + losses[28] + losses[29]) / 3;
+    EXPECT_LT(tail, 3.3) << "loss did not fall: " << losses.front() << " -> " << tail;
+    EXPECT_TRUE(fs::exists(t.checkpoint_dir() + "/iter_0000030/model.safetensors"));
+}
+
+TEST(Trainer, ResumeContinuesBitIdentically) {
+    std::string out = test::temp_dir("a");
+    Recipe r = small_recipe({"save_interval=3", "save_keep_last=5"});
+    std::vector<double> full;
+    {
+        Trainer t(r, {out, "", Device::CPU});
+        t.run([&](const StepMetrics& m) { full.push_back(m.lm_loss); });
+    }
+    ASSERT_EQ(full.size(), 6u);
+    std::string out2 = test::temp_dir("b");
+    Trainer resumed(r, {out2, out + "/checkpoints/iter_0000003", Device::CPU});
+    EXPECT_EQ(resumed.iteration(), 3);
+    std::vector<double> tail;
+    resumed.run([&](const StepMetrics& m) { tail.push_back(m.lm_loss); });
+    ASSERT_EQ(tail.size(), 3u);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(tail[i], full[3 + i]) << "step " << 4 + i;
+    // The weights at the end are identical too.
+    EXPECT_EQ(snapshot(out + "/checkpoints/iter_0000006")[out + "/checkpoints/iter_0000006/model.safetensors"],
+              snapshot(out2 + "/checkpoints/iter_0000006")[out2 + "/checkpoints/iter_0000006/model.safetensors"]);
+}
+
+TEST(Trainer, EvalOnACheckpointReproducesTheTrainersLoss) {
+    std::string out = test::temp_dir("e");
+    Recipe r = small_recipe({"train_iters=3"});
+    Trainer t(r, {out, "", Device::CPU});
+    t.run();
+    // The documents of the next step, one line of token ids each.
+    auto batches = t.peek_next_step_batches();
+    std::vector<std::vector<int32_t>> docs;
+    for (const auto& mb : batches)
+        for (int64_t d = 0; d < mb.num_documents; ++d)
+            docs.emplace_back(mb.tokens.begin() + mb.cu_seqlens[d], mb.tokens.begin() + mb.cu_seqlens[d + 1]);
+    EvalResult e = evaluate(t.checkpoint_dir(), docs);
+    StepMetrics next = t.train_step();  // its loss is computed before its update
+    EXPECT_EQ(e.targets, next.targets);
+    EXPECT_NEAR(e.lm_loss, next.lm_loss, 1e-5 * next.lm_loss);
+    // Through the file format the CLI reads, too.
+    std::string path = out + "/tokens.txt";
+    {
+        std::ofstream f(path);
+        for (const auto& d : docs) {
+            for (size_t i = 0; i < d.size(); ++i) f << (i ? " " : "") << d[i];
+            f << "\n";
+        }
+    }
+    EXPECT_EQ(read_token_documents(path), docs);
+}
+
+TEST(Trainer, KeepsTheNewestCheckpoints) {
+    std::string out = test::temp_dir("k");
+    Trainer t(small_recipe({"save_interval=1", "save_keep_last=2", "train_iters=4"}),
+              {out, "", Device::CPU});
+    t.run();
+    std::vector<std::string> dirs;
+    for (const auto& e : fs::directory_iterator(out + "/checkpoints")) dirs.push_back(e.path().filename());
+    std::sort(dirs.begin(), dirs.end());
+    EXPECT_EQ(dirs, (std::vector<std::string>{"iter_0000003", "iter_0000004",
+                                              "latest_checkpointed_iteration.txt"}));
+    EXPECT_EQ(resolve_checkpoint(out + "/checkpoints"), out + "/checkpoints/iter_0000004");
+}
+
+TEST(Trainer, MismatchedCheckpointFailsAndIsNotDamaged) {
+    std::string out = test::temp_dir("m");
+    { Trainer(small_recipe({"train_iters=1"}), {out, "", Device::CPU}).run(); }
+    auto before = snapshot(out + "/checkpoints");
+    std::string msg = error_of([&] {
+        Trainer(small_recipe({"ffn_hidden_size=64"}), {out, out + "/checkpoints", Device::CPU});
+    });
+    EXPECT_NE(msg.find("model.layers.0.mlp.gate_proj.weight' has shape [96, 48]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expects [64, 48]"), std::string::npos) << msg;
+    EXPECT_EQ(snapshot(out + "/checkpoints"), before);
+    msg = error_of([&] { Trainer(small_recipe(), {out, out + "/nothing-here", Device::CPU}); });
+    EXPECT_NE(msg.find("nothing-here' does not exist"), std::string::npos) << msg;
+}
+
+TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
+    std::string dir = test::temp_dir("d");
+    std::ofstream(dir + "/file") << "x";
+    std::string msg = error_of([&] { Trainer(small_recipe(), {dir + "/file/sub", "", Device::CPU}); });
+    EXPECT_NE(msg.find("cannot create output directory '" + dir + "/file/sub'"), std::string::npos) << msg;
+    msg = error_of([&] { Trainer(small_recipe({"data_path=" + dir + "/missing"}), {dir, "", Device::CPU}); });
+    EXPECT_NE(msg.find(dir + "/missing.idx"), std::string::npos) << msg;
+    msg = error_of([&] { Trainer(small_recipe({"vocab_size=200"}), {dir, "", Device::CPU}); });
+    EXPECT_NE(msg.find("token id 256 but vocab_size is 200"), std::string::npos) << msg;
+    msg = error_of([&] { Trainer(small_recipe(), {dir, "", Device::CUDA}); });
+    EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
+    msg = error_of([&] {
+        Trainer(small_recipe({"moe_layer_freq=[0,1]", "num_experts=4", "moe_ffn_hidden_size=8",
+                              "moe_router_topk=2"}),
+                {dir, "", Device::CPU});
+    });
+    EXPECT_NE(msg.find("MoE"), std::string::npos) << msg;
+}

@@ -11,11 +11,20 @@
 namespace sparsetron::cpu {
 namespace {
 
+// Head-dimension dot products and updates in the element type (vectorized); softmax statistics
+// stay in double.
 template <typename T>
-double dot(const T* a, const T* b, int64_t n) {
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += double(a[i]) * double(b[i]);
+T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+    T s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
     return s;
+}
+
+template <typename T>
+void axpy(T alpha, const T* __restrict x, T* __restrict y, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
 }  // namespace
@@ -26,7 +35,7 @@ void attention_forward(const AttnShape& s, const T* q, const T* k, const T* v,
     std::fill(out, out + s.tokens * s.heads * s.dv, T(0));
     std::fill(lse, lse + s.heads * s.tokens, T(0));
     parallel_for(s.heads, [&](int64_t hb, int64_t he) {
-        std::vector<double> p, acc(s.dv);
+        std::vector<double> p;
         for (int64_t h = hb; h < he; ++h) {
             for (int64_t d = 0; d < num_docs; ++d) {
                 int64_t begin = cu_seqlens[d], end = cu_seqlens[d + 1];
@@ -41,13 +50,10 @@ void attention_forward(const AttnShape& s, const T* q, const T* k, const T* v,
                     }
                     double sum = 0;
                     for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
-                    std::fill(acc.begin(), acc.end(), 0.0);
-                    for (int64_t j = 0; j < n; ++j) {
-                        const T* vj = v + (begin + j) * s.v_st + h * s.v_sh;
-                        for (int64_t c = 0; c < s.dv; ++c) acc[c] += p[j] * vj[c];
-                    }
                     T* oi = out + (i * s.heads + h) * s.dv;
-                    for (int64_t c = 0; c < s.dv; ++c) oi[c] = static_cast<T>(acc[c] / sum);
+                    for (int64_t j = 0; j < n; ++j)
+                        axpy(static_cast<T>(p[j] / sum), v + (begin + j) * s.v_st + h * s.v_sh, oi,
+                             s.dv);
                     lse[h * s.tokens + i] = static_cast<T>(mx + std::log(sum));
                 }
             }
@@ -79,14 +85,10 @@ void attention_backward(const AttnShape& s, const T* q, const T* k, const T* v, 
                         const T* kj = k + j * s.k_st + h * s.k_sh;
                         const T* vj = v + j * s.v_st + h * s.v_sh;
                         double pij = std::exp(dot(qi, kj, s.dqk) * scale - l);
-                        T* dvj = dv + j * s.v_st + h * s.v_sh;
-                        for (int64_t c = 0; c < s.dv; ++c) dvj[c] += static_cast<T>(pij * doi[c]);
-                        double ds = pij * (dot(doi, vj, s.dv) - delta) * scale;
-                        T* dkj = dk + j * s.k_st + h * s.k_sh;
-                        for (int64_t c = 0; c < s.dqk; ++c) {
-                            dqi[c] += static_cast<T>(ds * kj[c]);
-                            dkj[c] += static_cast<T>(ds * qi[c]);
-                        }
+                        axpy(static_cast<T>(pij), doi, dv + j * s.v_st + h * s.v_sh, s.dv);
+                        T ds = static_cast<T>(pij * (dot(doi, vj, s.dv) - delta) * scale);
+                        axpy(ds, kj, dqi, s.dqk);
+                        axpy(ds, qi, dk + j * s.k_st + h * s.k_sh, s.dqk);
                     }
                 }
             }

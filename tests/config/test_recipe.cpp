@@ -9,7 +9,9 @@
 using namespace sparsetron;
 
 namespace {
-std::string repo(const std::string& rel) { return std::string(SPARSETRON_SOURCE_DIR) + "/" + rel; }
+std::string repo(const std::string& rel) {
+    return std::string(SPARSETRON_SOURCE_DIR) + "/" + rel;
+}
 
 // Runs `fn` and returns the error message it throws ("" if none).
 template <typename Fn>
@@ -38,8 +40,9 @@ TEST(MoeLayerFreq, ParsesTheSeedExpression) {
 TEST(MoeLayerFreq, RejectsOtherGrammar) {
     EXPECT_NE(error_of([] { parse_moe_layer_freq("([0]*2+[1]*19", 21); }).find("expected ')'"),
               std::string::npos);
-    EXPECT_NE(error_of([] { parse_moe_layer_freq("[0]*2+[1]*18", 21); }).find("describes 20 layers"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of([] { parse_moe_layer_freq("[0]*2+[1]*18", 21); }).find("describes 20 layers"),
+        std::string::npos);
     EXPECT_NE(error_of([] { parse_moe_layer_freq("[2]*21", 21); }).find("0 (dense) or 1"),
               std::string::npos);
     EXPECT_FALSE(error_of([] { parse_moe_layer_freq("__import__('os')", 21); }).empty());
@@ -87,15 +90,18 @@ TEST(Recipe, UnknownKeySuggestsTheClosest) {
 TEST(Recipe, BadValuesNameTheKey) {
     EXPECT_NE(error_of([] { load_recipe("", {"hidden_size=abc"}); }).find("hidden_size"),
               std::string::npos);
-    EXPECT_NE(error_of([] { load_recipe("", {"hidden_size=0"}); }).find("'hidden_size' must be > 0"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of([] { load_recipe("", {"hidden_size=0"}); }).find("'hidden_size' must be > 0"),
+        std::string::npos);
     EXPECT_NE(error_of([] { load_recipe("", {"bf16=maybe"}); }).find("true or false"),
               std::string::npos);
-    EXPECT_NE(error_of([] { load_recipe("", {"tensor_model_parallel_size=3"}); })
-                  .find("num_attention_heads (4) must be divisible by tensor_model_parallel_size"),
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"tensor_model_parallel_size=3"});
+              }).find("num_attention_heads (4) must be divisible by tensor_model_parallel_size"),
               std::string::npos);
-    EXPECT_NE(error_of([] { load_recipe("", {"global_batch_size=7", "world_size=2"}); })
-                  .find("global_batch_size (7)"),
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"global_batch_size=7", "world_size=2"});
+              }).find("global_batch_size (7)"),
               std::string::npos);
     EXPECT_NE(error_of([] { load_recipe("", {"qk_pos_emb_head_dim=15"}); }).find("even"),
               std::string::npos);
@@ -104,9 +110,9 @@ TEST(Recipe, BadValuesNameTheKey) {
               }).find("requires mtp_detach_heads"),
               std::string::npos);
     EXPECT_NE(error_of([] {
-                  load_recipe("", {"moe_layer_freq=[0,1]", "num_experts=6", "moe_ffn_hidden_size=8",
-                                   "moe_router_topk=2", "expert_model_parallel_size=4",
-                                   "world_size=4"});
+                  load_recipe(
+                      "", {"moe_layer_freq=[0,1]", "num_experts=6", "moe_ffn_hidden_size=8",
+                           "moe_router_topk=2", "expert_model_parallel_size=4", "world_size=4"});
               }).find("num_experts (6) must be divisible by expert_model_parallel_size (4)"),
               std::string::npos);
     EXPECT_NE(error_of([] {
@@ -147,10 +153,12 @@ TEST(HfConfig, RoundTripsTheModelConfig) {
     EXPECT_EQ(back.dsa_indexer_skip_topk_offset, 2);
     EXPECT_DOUBLE_EQ(back.rotary_base, 8e6);
     EXPECT_TRUE(back.rotary_interleaved);
-    EXPECT_NE(error_of([] { parse_hf_config("{\"model_type\": \"llama\"}", "c.json"); })
-                  .find("expected glm_moe_dsa"),
+    EXPECT_NE(error_of([] {
+                  parse_hf_config("{\"model_type\": \"llama\"}", "c.json");
+              }).find("expected glm_moe_dsa"),
               std::string::npos);
-    EXPECT_NE(error_of([] { parse_hf_config("{\"model_type\": \"glm_moe_dsa\"}", "c.json"); })
-                  .find("lacks required key 'vocab_size'"),
+    EXPECT_NE(error_of([] {
+                  parse_hf_config("{\"model_type\": \"glm_moe_dsa\"}", "c.json");
+              }).find("lacks required key 'vocab_size'"),
               std::string::npos);
 }

@@ -12,9 +12,10 @@
 using namespace sparsetron;
 
 namespace {
-#define REQUIRE_GPU()                                                                    \
-    if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible (or built without CUDA): " \
-                                           "GPU tests run on the GPU machine"
+#define REQUIRE_GPU()                                                  \
+    if (!cuda_available())                                             \
+    GTEST_SKIP() << "no CUDA device visible (or built without CUDA): " \
+                    "GPU tests run on the GPU machine"
 }  // namespace
 
 TEST(CudaBackend, ConvertMatchesCpuBitForBit) {

@@ -50,7 +50,8 @@ struct Harness {
         for (size_t i = 0; i < model.params().params().size(); ++i) {
             const auto& p = model.params().params()[i];
             if (p.shape.size() == 1)
-                for (int64_t j = 0; j < p.numel(); ++j) model.param(i)[j] = T(1.0 + 0.1 * ((j % 5) - 2));
+                for (int64_t j = 0; j < p.numel(); ++j)
+                    model.param(i)[j] = T(1.0 + 0.1 * ((j % 5) - 2));
         }
     }
 };

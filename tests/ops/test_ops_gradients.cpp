@@ -52,8 +52,8 @@ TEST(OpsGradients, RmsNorm) {
     };
     std::vector<double> y(rows * dim), r(rows), dx(rows * ld, 0.0), dw(dim, 0.0);
     cpu::rmsnorm_forward(x.data(), ld, w.data(), rows, dim, 1e-5, y.data(), dim, r.data());
-    cpu::rmsnorm_backward(dy.data(), dim, x.data(), ld, w.data(), r.data(), rows, dim, dx.data(), ld,
-                          false, dw.data());
+    cpu::rmsnorm_backward(dy.data(), dim, x.data(), ld, w.data(), r.data(), rows, dim, dx.data(),
+                          ld, false, dw.data());
     for (int64_t rr = 0; rr < rows; ++rr)  // the gap columns are not inputs
         for (int64_t j = dim; j < ld; ++j) x[rr * ld + j] = 0, dx[rr * ld + j] = 0;
     check_gradient(x, dx, loss, "dx");
@@ -103,7 +103,8 @@ TEST(OpsGradients, AttentionWithDocumentsAndPadding) {
 
 TEST(OpsGradients, SwiGlu) {
     const int64_t n = 12;
-    auto g = random_vector<double>(n, 1, 3.0), u = random_vector<double>(n, 2), dy = random_vector<double>(n, 3);
+    auto g = random_vector<double>(n, 1, 3.0), u = random_vector<double>(n, 2),
+         dy = random_vector<double>(n, 3);
     auto loss = [&] {
         std::vector<double> y(n);
         cpu::swiglu_forward(g.data(), u.data(), n, y.data());

@@ -14,7 +14,8 @@ TEST(OpsReference, GemmAllTransposes) {
     const int64_t m = 7, n = 5, k = 9;
     for (int ta = 0; ta < 2; ++ta)
         for (int tb = 0; tb < 2; ++tb) {
-            auto a = random_vector<double>(m * k + 3 * 16, 1 + ta), b = random_vector<double>(k * n + 3 * 16, 3 + tb);
+            auto a = random_vector<double>(m * k + 3 * 16, 1 + ta),
+                 b = random_vector<double>(k * n + 3 * 16, 3 + tb);
             auto c = random_vector<double>(m * n, 5);
             auto expect = c;
             int64_t lda = (ta ? m : k) + 2, ldb = (tb ? k : n) + 1;  // padded leading dimensions
@@ -22,7 +23,8 @@ TEST(OpsReference, GemmAllTransposes) {
                 for (int64_t j = 0; j < n; ++j) {
                     double s = 0;
                     for (int64_t p = 0; p < k; ++p)
-                        s += (ta ? a[p * lda + i] : a[i * lda + p]) * (tb ? b[j * ldb + p] : b[p * ldb + j]);
+                        s += (ta ? a[p * lda + i] : a[i * lda + p]) *
+                             (tb ? b[j * ldb + p] : b[p * ldb + j]);
                     expect[i * n + j] = 0.5 * s + 2.0 * c[i * n + j];
                 }
             cpu::gemm<double>(ta, tb, m, n, k, 0.5, a.data(), lda, b.data(), ldb, 2.0, c.data(), n);
@@ -38,7 +40,8 @@ TEST(OpsReference, RmsNorm) {
     for (int64_t r = 0; r < rows; ++r) {
         double ms = 0;
         for (int64_t j = 0; j < dim; ++j) ms += x[r * dim + j] * x[r * dim + j] / dim;
-        for (int64_t j = 0; j < dim; ++j) expect[r * dim + j] = w[j] * x[r * dim + j] / std::sqrt(ms + 1e-5);
+        for (int64_t j = 0; j < dim; ++j)
+            expect[r * dim + j] = w[j] * x[r * dim + j] / std::sqrt(ms + 1e-5);
     }
     EXPECT_LT(max_rel_error(y, expect), 1e-14);
 }
@@ -93,7 +96,8 @@ std::vector<double> naive_attention(const std::vector<double>& q, const std::vec
                 double mx = -1e300, sum = 0;
                 for (int64_t j = cu[d]; j <= i; ++j) {
                     double dot = 0;
-                    for (int64_t c = 0; c < D; ++c) dot += q[(i * H + h) * D + c] * k[(j * H + h) * D + c];
+                    for (int64_t c = 0; c < D; ++c)
+                        dot += q[(i * H + h) * D + c] * k[(j * H + h) * D + c];
                     s.push_back(dot * scale);
                     mx = std::max(mx, dot * scale);
                 }
@@ -113,12 +117,14 @@ TEST(OpsReference, AttentionMasksCausallyWithinDocuments) {
     auto v = random_vector<double>(T * H * Dv, 3);
     std::vector<double> out(T * H * Dv), lse(H * T);
     cpu::AttnShape s{T, H, D, Dv, H * D, D, H * D, D, H * Dv, Dv};
-    cpu::attention_forward(s, q.data(), k.data(), v.data(), cu.data(), 3, 0.3, out.data(), lse.data());
+    cpu::attention_forward(s, q.data(), k.data(), v.data(), cu.data(), 3, 0.3, out.data(),
+                           lse.data());
     EXPECT_LT(max_rel_error(out, naive_attention(q, k, v, cu, T, H, D, Dv, 0.3)), 1e-13);
     // Changing a key of document 2 leaves documents 0 and 1 untouched.
     k[(6 * H + 1) * D + 2] += 5.0;
     std::vector<double> out2(T * H * Dv);
-    cpu::attention_forward(s, q.data(), k.data(), v.data(), cu.data(), 3, 0.3, out2.data(), lse.data());
+    cpu::attention_forward(s, q.data(), k.data(), v.data(), cu.data(), 3, 0.3, out2.data(),
+                           lse.data());
     for (int64_t i = 0; i < 5 * H * Dv; ++i) EXPECT_EQ(out[i], out2[i]);
     for (int64_t i = 11 * H * Dv; i < T * H * Dv; ++i) EXPECT_EQ(out2[i], 0.0);  // padding
 }
@@ -152,7 +158,8 @@ TEST(OpsReference, HeadCrossEntropyMatchesNaiveForAnyChunking) {
 
 TEST(OpsReference, AdamWMatchesTheFormula) {
     const int64_t n = 50;
-    auto p = random_vector<double>(n, 1), g1 = random_vector<double>(n, 2), g2 = random_vector<double>(n, 3);
+    auto p = random_vector<double>(n, 1), g1 = random_vector<double>(n, 2),
+         g2 = random_vector<double>(n, 3);
     std::vector<double> m(n, 0), v(n, 0), ref = p;
     double lr = 0.01, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1, gs = 0.5;
     cpu::adamw_update(p.data(), g1.data(), m.data(), v.data(), n, lr, b1, b2, eps, wd, 1, gs);

@@ -49,7 +49,8 @@ TEST(Cli, BadInputsExitNonZeroWithOneClearMessage) {
     EXPECT_NE(r.output.find("/nonexistent.yaml"), std::string::npos) << r.output;
     r = run("eval --model /nonexistent --tokens /nonexistent");
     EXPECT_EQ(r.code, 1);
-    EXPECT_NE(r.output.find("cannot read token file '/nonexistent'"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("cannot read token file '/nonexistent'"), std::string::npos)
+        << r.output;
     r = run("plan --set num_attention_heads=0");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("'num_attention_heads' must be > 0"), std::string::npos) << r.output;
@@ -59,34 +60,40 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     std::string dir = sparsetron::test::temp_dir("cli");
     {
         std::ofstream f(dir + "/text.txt");
-        for (int i = 0; i < 60; ++i) f << "The quick brown fox " << i << " jumps over the lazy dog.\n\n";
+        for (int i = 0; i < 60; ++i)
+            f << "The quick brown fox " << i << " jumps over the lazy dog.\n\n";
     }
     CliRun pre = run("preprocess --input " + dir + "/text.txt --output-prefix " + dir + "/ds");
     ASSERT_EQ(pre.code, 0) << pre.output;
     EXPECT_NE(pre.output.find("60 documents"), std::string::npos) << pre.output;
-    CliRun train = run("train --out " + dir + "/run --set data_path=" + dir + "/ds --set train_iters=2 "
-                    "--set seq_length=64 --set global_batch_size=2");
+    CliRun train = run("train --out " + dir + "/run --set data_path=" + dir +
+                       "/ds --set train_iters=2 "
+                       "--set seq_length=64 --set global_batch_size=2");
     ASSERT_EQ(train.code, 0) << train.output;
     EXPECT_NE(train.output.find("checkpoint: " + dir + "/run/checkpoints/iter_0000002"),
-              std::string::npos) << train.output;
+              std::string::npos)
+        << train.output;
     std::ifstream metrics(dir + "/run/metrics.jsonl");
     std::string line;
     int lines = 0;
     while (std::getline(metrics, line)) {
         auto j = nlohmann::json::parse(line);
-        for (const char* k : {"step", "lm_loss", "total_loss", "lr", "grad_norm", "tokens", "step_ms"})
+        for (const char* k :
+             {"step", "lm_loss", "total_loss", "lr", "grad_norm", "tokens", "step_ms"})
             EXPECT_TRUE(j.contains(k)) << k;
         ++lines;
     }
     EXPECT_EQ(lines, 2);
     std::ofstream(dir + "/tokens.txt") << "84 104 101 32 113\n\n102 111 120 256\n";
-    CliRun ev = run("eval --model " + dir + "/run/checkpoints --tokens " + dir + "/tokens.txt --json");
+    CliRun ev =
+        run("eval --model " + dir + "/run/checkpoints --tokens " + dir + "/tokens.txt --json");
     ASSERT_EQ(ev.code, 0) << ev.output;
     auto j = nlohmann::json::parse(ev.output);
     EXPECT_EQ(j["targets"].get<int>(), 4 + 3);
     EXPECT_GT(j["lm_loss"].get<double>(), 0.0);
     // Resuming to a later iteration continues the metrics file.
-    CliRun more = run("train --resume " + dir + "/run/checkpoints --out " + dir + "/run --set train_iters=3");
+    CliRun more =
+        run("train --resume " + dir + "/run/checkpoints --out " + dir + "/run --set train_iters=3");
     ASSERT_EQ(more.code, 0) << more.output;
     EXPECT_NE(more.output.find("resumed at iteration 2"), std::string::npos) << more.output;
     CliRun plan = run("plan");

@@ -17,10 +17,10 @@ namespace {
 
 // A smaller model than the demo so the suite stays fast under the sanitizers.
 Recipe small_recipe(std::vector<std::string> extra = {}) {
-    std::vector<std::string> sets = {"hidden_size=48", "num_attention_heads=2", "q_lora_rank=32",
-                                     "kv_lora_rank=24", "qk_head_dim=16", "qk_pos_emb_head_dim=8",
-                                     "v_head_dim=16", "ffn_hidden_size=96", "seq_length=64",
-                                     "global_batch_size=3", "train_iters=6", "lr_warmup_iters=2"};
+    std::vector<std::string> sets = {
+        "hidden_size=48", "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
+        "qk_head_dim=16", "qk_pos_emb_head_dim=8", "v_head_dim=16",  "ffn_hidden_size=96",
+        "seq_length=64",  "global_batch_size=3",   "train_iters=6",  "lr_warmup_iters=2"};
     sets.insert(sets.end(), extra.begin(), extra.end());
     return load_recipe("", sets);
 }
@@ -81,8 +81,12 @@ TEST(Trainer, ResumeContinuesBitIdentically) {
     ASSERT_EQ(tail.size(), 3u);
     for (int i = 0; i < 3; ++i) EXPECT_EQ(tail[i], full[3 + i]) << "step " << 4 + i;
     // The weights at the end are identical too.
-    EXPECT_EQ(snapshot(out + "/checkpoints/iter_0000006")[out + "/checkpoints/iter_0000006/model.safetensors"],
-              snapshot(out2 + "/checkpoints/iter_0000006")[out2 + "/checkpoints/iter_0000006/model.safetensors"]);
+    EXPECT_EQ(
+        snapshot(out +
+                 "/checkpoints/iter_0000006")[out + "/checkpoints/iter_0000006/model.safetensors"],
+        snapshot(
+            out2 +
+            "/checkpoints/iter_0000006")[out2 + "/checkpoints/iter_0000006/model.safetensors"]);
 }
 
 TEST(Trainer, EvalOnACheckpointReproducesTheTrainersLoss) {
@@ -95,7 +99,8 @@ TEST(Trainer, EvalOnACheckpointReproducesTheTrainersLoss) {
     std::vector<std::vector<int32_t>> docs;
     for (const auto& mb : batches)
         for (int64_t d = 0; d < mb.num_documents; ++d)
-            docs.emplace_back(mb.tokens.begin() + mb.cu_seqlens[d], mb.tokens.begin() + mb.cu_seqlens[d + 1]);
+            docs.emplace_back(mb.tokens.begin() + mb.cu_seqlens[d],
+                              mb.tokens.begin() + mb.cu_seqlens[d + 1]);
     EvalResult e = evaluate(t.checkpoint_dir(), docs);
     StepMetrics next = t.train_step();  // its loss is computed before its update
     EXPECT_EQ(e.targets, next.targets);
@@ -118,7 +123,8 @@ TEST(Trainer, KeepsTheNewestCheckpoints) {
               {out, "", Device::CPU});
     t.run();
     std::vector<std::string> dirs;
-    for (const auto& e : fs::directory_iterator(out + "/checkpoints")) dirs.push_back(e.path().filename());
+    for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
+        dirs.push_back(e.path().filename());
     std::sort(dirs.begin(), dirs.end());
     EXPECT_EQ(dirs, (std::vector<std::string>{"iter_0000003", "iter_0000004",
                                               "latest_checkpointed_iteration.txt"}));
@@ -132,7 +138,9 @@ TEST(Trainer, MismatchedCheckpointFailsAndIsNotDamaged) {
     std::string msg = error_of([&] {
         Trainer(small_recipe({"ffn_hidden_size=64"}), {out, out + "/checkpoints", Device::CPU});
     });
-    EXPECT_NE(msg.find("model.layers.0.mlp.gate_proj.weight' has shape [96, 48]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.layers.0.mlp.gate_proj.weight' has shape [96, 48]"),
+              std::string::npos)
+        << msg;
     EXPECT_NE(msg.find("expects [64, 48]"), std::string::npos) << msg;
     EXPECT_EQ(snapshot(out + "/checkpoints"), before);
     msg = error_of([&] { Trainer(small_recipe(), {out, out + "/nothing-here", Device::CPU}); });
@@ -142,9 +150,14 @@ TEST(Trainer, MismatchedCheckpointFailsAndIsNotDamaged) {
 TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
     std::string dir = test::temp_dir("d");
     std::ofstream(dir + "/file") << "x";
-    std::string msg = error_of([&] { Trainer(small_recipe(), {dir + "/file/sub", "", Device::CPU}); });
-    EXPECT_NE(msg.find("cannot create output directory '" + dir + "/file/sub'"), std::string::npos) << msg;
-    msg = error_of([&] { Trainer(small_recipe({"data_path=" + dir + "/missing"}), {dir, "", Device::CPU}); });
+    std::string msg = error_of([&] {
+        Trainer(small_recipe(), {dir + "/file/sub", "", Device::CPU});
+    });
+    EXPECT_NE(msg.find("cannot create output directory '" + dir + "/file/sub'"), std::string::npos)
+        << msg;
+    msg = error_of([&] {
+        Trainer(small_recipe({"data_path=" + dir + "/missing"}), {dir, "", Device::CPU});
+    });
     EXPECT_NE(msg.find(dir + "/missing.idx"), std::string::npos) << msg;
     msg = error_of([&] { Trainer(small_recipe({"vocab_size=200"}), {dir, "", Device::CPU}); });
     EXPECT_NE(msg.find("token id 256 but vocab_size is 200"), std::string::npos) << msg;

@@ -85,8 +85,10 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     std::fflush(stdout);
 
     fs::path metrics_path = fs::path(out) / "metrics.jsonl";
-    if (trainer.iteration() > 0) trim_metrics(metrics_path, trainer.iteration());
-    else fs::remove(metrics_path);
+    if (trainer.iteration() > 0)
+        trim_metrics(metrics_path, trainer.iteration());
+    else
+        fs::remove(metrics_path);
     std::ofstream metrics(metrics_path, std::ios::app);
     ST_CHECK(metrics.good(), "cannot write '", metrics_path.string(), "'");
     cli::Progress progress(trainer.iteration(), r.train_iters, r.log_interval, quiet);
@@ -116,9 +118,9 @@ int cmd_eval(const std::string& model, const std::string& tokens, bool json) {
         j["targets"] = r.targets;
         std::printf("%s\n", j.dump().c_str());
     } else {
-        std::printf("lm_loss %.6f over %lld targets in %lld documents (perplexity %.3f)\n", r.lm_loss,
-                    static_cast<long long>(r.targets), static_cast<long long>(r.documents),
-                    std::exp(r.lm_loss));
+        std::printf("lm_loss %.6f over %lld targets in %lld documents (perplexity %.3f)\n",
+                    r.lm_loss, static_cast<long long>(r.targets),
+                    static_cast<long long>(r.documents), std::exp(r.lm_loss));
     }
     return 0;
 }
@@ -147,7 +149,8 @@ int cmd_preprocess(const std::vector<std::string>& inputs, const std::string& ou
 }
 
 int cmd_keys() {
-    std::printf("# Recipe keys (Megatron-LM names) with their defaults (the built-in tiny recipe)\n");
+    std::printf(
+        "# Recipe keys (Megatron-LM names) with their defaults (the built-in tiny recipe)\n");
     std::printf("%s", builtin_tiny_recipe().to_yaml().c_str());
     return 0;
 }
@@ -155,10 +158,11 @@ int cmd_keys() {
 }  // namespace
 
 int main(int argc, char** argv) {
-    CLI::App app{"Sparsetron: a C++20/CUDA training engine for GLM-5-family sparse-attention MoE "
-                 "models.\nRun `sparsetron train` to train the built-in tiny recipe on the bundled "
-                 "corpus.",
-                 "sparsetron"};
+    CLI::App app{
+        "Sparsetron: a C++20/CUDA training engine for GLM-5-family sparse-attention MoE "
+        "models.\nRun `sparsetron train` to train the built-in tiny recipe on the bundled "
+        "corpus.",
+        "sparsetron"};
     app.require_subcommand(1);
     app.set_version_flag("--version", SPARSETRON_VERSION);
 
@@ -166,20 +170,24 @@ int main(int argc, char** argv) {
     std::vector<std::string> sets, inputs;
     bool quiet = false, json = false;
 
-    auto* train = app.add_subcommand("train", "Train a model (default: the tiny recipe on the "
-                                              "bundled corpus, on CPU)");
+    auto* train = app.add_subcommand("train",
+                                     "Train a model (default: the tiny recipe on the "
+                                     "bundled corpus, on CPU)");
     train->add_option("--recipe,-r", recipe, "Recipe YAML (Megatron keys); default: built-in tiny")
         ->check(CLI::ExistingFile);
     train->add_option("--set,-s", sets, "Override a recipe key: --set key=value (repeatable)");
-    train->add_option("--out,-o", out, "Output directory for metrics.jsonl and checkpoints "
-                                       "(default: runs/<recipe name>)");
-    train->add_option("--resume", resume, "Resume from a checkpoint or a save directory (its "
-                                          "latest checkpoint); uses its recipe unless --recipe");
+    train->add_option("--out,-o", out,
+                      "Output directory for metrics.jsonl and checkpoints "
+                      "(default: runs/<recipe name>)");
+    train->add_option("--resume", resume,
+                      "Resume from a checkpoint or a save directory (its "
+                      "latest checkpoint); uses its recipe unless --recipe");
     train->add_option("--device", device, "cpu or cuda (default: cpu)");
     train->add_flag("--quiet,-q", quiet, "No progress output");
 
     auto* eval = app.add_subcommand("eval", "Mean next-token loss of a model on token documents");
-    eval->add_option("--model,-m", model, "Checkpoint, save directory, or HF directory")->required();
+    eval->add_option("--model,-m", model, "Checkpoint, save directory, or HF directory")
+        ->required();
     eval->add_option("--tokens,-t", tokens, "File with one document per line as token ids")
         ->required();
     eval->add_flag("--json", json, "Print {\"lm_loss\": ..., \"targets\": ...}");
@@ -189,10 +197,12 @@ int main(int argc, char** argv) {
         ->check(CLI::ExistingFile);
     plan->add_option("--set,-s", sets, "Override a recipe key: --set key=value (repeatable)");
 
-    auto* pre = app.add_subcommand("preprocess", "Text or JSONL -> Megatron .bin/.idx "
-                                                 "(byte-level tokens)");
-    pre->add_option("--input,-i", inputs, "Input files: .txt (documents separated by blank lines) "
-                                          "or .jsonl")
+    auto* pre = app.add_subcommand("preprocess",
+                                   "Text or JSONL -> Megatron .bin/.idx "
+                                   "(byte-level tokens)");
+    pre->add_option("--input,-i", inputs,
+                    "Input files: .txt (documents separated by blank lines) "
+                    "or .jsonl")
         ->required();
     pre->add_option("--output-prefix,-o", output, "Output prefix (writes PREFIX.bin, PREFIX.idx)")
         ->required();

@@ -10,12 +10,12 @@
 namespace sparsetron::cli {
 
 class Progress {
-public:
+  public:
     Progress(int64_t first_step, int64_t last_step, int64_t log_interval, bool quiet);
     void update(const StepMetrics& m);
     void finish();
 
-private:
+  private:
     int64_t first_, last_, interval_;
     bool tty_, quiet_;
     double tokens_ = 0, ms_ = 0;

@@ -22,7 +22,7 @@ namespace {
 // Recursive-descent parser for: expr := term ('+' term)* ; term := atom ('*' int)? ;
 // atom := '[' int (',' int)* ']' | '(' expr ')'.
 class FreqParser {
-public:
+  public:
     explicit FreqParser(const std::string& s) : s_(s) {}
 
     std::vector<int> parse() {
@@ -32,7 +32,7 @@ public:
         return v;
     }
 
-private:
+  private:
     [[noreturn]] void fail(const std::string& what) {
         throw Error(cat("moe_layer_freq: cannot parse \"", s_, "\" at position ", pos_, ": ", what,
                         " (expected an int, a list like [0,1,1], or an expression like "

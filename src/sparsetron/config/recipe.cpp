@@ -20,8 +20,14 @@ struct KeyDef {
     void* (*field)(Recipe&);
 };
 
-#define MODEL_KEY(name, kind) {#name, Kind::kind, [](Recipe& r) -> void* { return &r.model.name; }}
-#define RUN_KEY(name, kind) {#name, Kind::kind, [](Recipe& r) -> void* { return &r.run.name; }}
+#define MODEL_KEY(name, kind)                                                \
+    {                                                                        \
+#name, Kind::kind, [](Recipe & r) -> void* { return &r.model.name; } \
+    }
+#define RUN_KEY(name, kind)                                                \
+    {                                                                      \
+#name, Kind::kind, [](Recipe & r) -> void* { return &r.run.name; } \
+    }
 
 const std::vector<KeyDef>& key_table() {
     static const std::vector<KeyDef> table = {
@@ -239,12 +245,21 @@ void Recipe::apply(const RawSetting& s) {
     if (s.is_list && it->kind != Kind::StringList)
         throw Error(cat(where(s), ": expected a single value, got a list"));
     switch (it->kind) {
-        case Kind::Int: *static_cast<int64_t*>(field) = parse_int(s); break;
-        case Kind::Float: *static_cast<double*>(field) = parse_float(s); break;
-        case Kind::Bool: *static_cast<bool*>(field) = parse_bool(s); break;
-        case Kind::String: *static_cast<std::string*>(field) = s.scalar; break;
+        case Kind::Int:
+            *static_cast<int64_t*>(field) = parse_int(s);
+            break;
+        case Kind::Float:
+            *static_cast<double*>(field) = parse_float(s);
+            break;
+        case Kind::Bool:
+            *static_cast<bool*>(field) = parse_bool(s);
+            break;
+        case Kind::String:
+            *static_cast<std::string*>(field) = s.scalar;
+            break;
         case Kind::StringList:
-            *static_cast<std::vector<std::string>*>(field) = s.is_list ? s.items : split_ws(s.scalar);
+            *static_cast<std::vector<std::string>*>(field) =
+                s.is_list ? s.items : split_ws(s.scalar);
             break;
     }
     settings.push_back(s);
@@ -257,10 +272,18 @@ std::string Recipe::to_yaml() const {
         void* f = k.field(self);
         os << k.name << ": ";
         switch (k.kind) {
-            case Kind::Int: os << *static_cast<int64_t*>(f); break;
-            case Kind::Float: os << format_double(*static_cast<double*>(f)); break;
-            case Kind::Bool: os << (*static_cast<bool*>(f) ? "true" : "false"); break;
-            case Kind::String: os << quote(*static_cast<std::string*>(f)); break;
+            case Kind::Int:
+                os << *static_cast<int64_t*>(f);
+                break;
+            case Kind::Float:
+                os << format_double(*static_cast<double*>(f));
+                break;
+            case Kind::Bool:
+                os << (*static_cast<bool*>(f) ? "true" : "false");
+                break;
+            case Kind::String:
+                os << quote(*static_cast<std::string*>(f));
+                break;
             case Kind::StringList: {
                 const auto& v = *static_cast<std::vector<std::string>*>(f);
                 os << "[";

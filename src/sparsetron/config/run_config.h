@@ -14,7 +14,7 @@ struct RunConfig {
     int64_t seq_length = 256;
     int64_t micro_batch_size = 1;
     int64_t global_batch_size = 8;
-    int64_t max_seqlen_per_dp_cp_rank = 0;  // 0 = seq_length
+    int64_t max_seqlen_per_dp_cp_rank = 0;     // 0 = seq_length
     int64_t max_documents_per_microbatch = 0;  // engine key; 0 = derived (see data/packer.h)
     bool use_varlen_dataset = true;
 
@@ -23,7 +23,7 @@ struct RunConfig {
     int64_t seed = 1234;
     int64_t log_interval = 10;
     std::string save;
-    int64_t save_interval = 0;  // 0 = only at the end
+    int64_t save_interval = 0;   // 0 = only at the end
     int64_t save_keep_last = 2;  // engine key: checkpoints kept in `save`
     std::string load;
 
@@ -38,7 +38,7 @@ struct RunConfig {
     double clip_grad = 1.0;
     int64_t lr_warmup_iters = 20;
     std::string lr_decay_style = "cosine";  // "cosine" | "constant" (| "WSD", issue 4)
-    int64_t lr_decay_iters = 0;  // 0 = train_iters
+    int64_t lr_decay_iters = 0;             // 0 = train_iters
     double lr_wsd_decay_fraction = 0.1;
     // Muon (parsed now so the seed's recipes validate; the optimizer itself is issue 4).
     double muon_momentum = 0.95;

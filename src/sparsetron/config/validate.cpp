@@ -32,8 +32,10 @@ void Recipe::validate() {
     positive(m.qk_head_dim, "qk_head_dim");
     positive(m.qk_pos_emb_head_dim, "qk_pos_emb_head_dim");
     positive(m.v_head_dim, "v_head_dim");
-    ST_CHECK(m.qk_pos_emb_head_dim % 2 == 0, "recipe key 'qk_pos_emb_head_dim' must be even (RoPE "
-             "rotates pairs), got ", m.qk_pos_emb_head_dim);
+    ST_CHECK(m.qk_pos_emb_head_dim % 2 == 0,
+             "recipe key 'qk_pos_emb_head_dim' must be even (RoPE "
+             "rotates pairs), got ",
+             m.qk_pos_emb_head_dim);
     ST_CHECK(m.rotary_base > 1.0, "recipe key 'rotary_base' must be > 1, got ", m.rotary_base);
     ST_CHECK(m.norm_epsilon > 0 && m.latent_norm_epsilon > 0, "norm epsilons must be > 0");
     ST_CHECK(m.init_method_std > 0, "recipe key 'init_method_std' must be > 0");
@@ -116,8 +118,8 @@ void Recipe::validate() {
     ST_CHECK(m.num_attention_heads % r.tensor_model_parallel_size == 0, "num_attention_heads (",
              m.num_attention_heads, ") must be divisible by tensor_model_parallel_size (",
              r.tensor_model_parallel_size, ")");
-    int64_t model_parallel = r.tensor_model_parallel_size * r.pipeline_model_parallel_size *
-                             r.context_parallel_size;
+    int64_t model_parallel =
+        r.tensor_model_parallel_size * r.pipeline_model_parallel_size * r.context_parallel_size;
     ST_CHECK(r.world_size % model_parallel == 0, "world_size (", r.world_size,
              ") must be divisible by tensor x pipeline x context parallel sizes (", model_parallel,
              ")");

@@ -7,7 +7,7 @@
 
 namespace sparsetron {
 
-bool cuda_available();         // built with CUDA and at least one device visible
+bool cuda_available();           // built with CUDA and at least one device visible
 std::string cuda_device_name();  // "" when none
 void* device_alloc(size_t bytes);
 void device_free(void* p);

@@ -6,12 +6,18 @@ namespace sparsetron {
 
 size_t dtype_size(DType t) {
     switch (t) {
-        case DType::F32: return 4;
-        case DType::F64: return 8;
-        case DType::BF16: return 2;
-        case DType::I32: return 4;
-        case DType::I64: return 8;
-        case DType::U8: return 1;
+        case DType::F32:
+            return 4;
+        case DType::F64:
+            return 8;
+        case DType::BF16:
+            return 2;
+        case DType::I32:
+            return 4;
+        case DType::I64:
+            return 8;
+        case DType::U8:
+            return 1;
     }
     ST_ASSERT(false, "unknown dtype");
     return 0;
@@ -19,24 +25,36 @@ size_t dtype_size(DType t) {
 
 const char* dtype_name(DType t) {
     switch (t) {
-        case DType::F32: return "fp32";
-        case DType::F64: return "fp64";
-        case DType::BF16: return "bf16";
-        case DType::I32: return "int32";
-        case DType::I64: return "int64";
-        case DType::U8: return "uint8";
+        case DType::F32:
+            return "fp32";
+        case DType::F64:
+            return "fp64";
+        case DType::BF16:
+            return "bf16";
+        case DType::I32:
+            return "int32";
+        case DType::I64:
+            return "int64";
+        case DType::U8:
+            return "uint8";
     }
     return "?";
 }
 
 const char* dtype_safetensors_name(DType t) {
     switch (t) {
-        case DType::F32: return "F32";
-        case DType::F64: return "F64";
-        case DType::BF16: return "BF16";
-        case DType::I32: return "I32";
-        case DType::I64: return "I64";
-        case DType::U8: return "U8";
+        case DType::F32:
+            return "F32";
+        case DType::F64:
+            return "F64";
+        case DType::BF16:
+            return "BF16";
+        case DType::I32:
+            return "I32";
+        case DType::I64:
+            return "I64";
+        case DType::U8:
+            return "U8";
     }
     return "?";
 }

@@ -12,7 +12,7 @@
 namespace sparsetron {
 
 class Error : public std::runtime_error {
-public:
+  public:
     explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
@@ -26,15 +26,14 @@ std::string cat(const Args&... args) {
 
 }  // namespace sparsetron
 
-#define ST_CHECK(cond, ...)                                                 \
-    do {                                                                    \
+#define ST_CHECK(cond, ...)                                                     \
+    do {                                                                        \
         if (!(cond)) throw ::sparsetron::Error(::sparsetron::cat(__VA_ARGS__)); \
     } while (0)
 
-#define ST_ASSERT(cond, ...)                                                                  \
-    do {                                                                                      \
-        if (!(cond))                                                                          \
-            throw ::sparsetron::Error(::sparsetron::cat("internal error at ", __FILE__, ":",  \
-                                                        __LINE__, ": ", #cond, " ",           \
-                                                        ##__VA_ARGS__));                      \
+#define ST_ASSERT(cond, ...)                                                                      \
+    do {                                                                                          \
+        if (!(cond))                                                                              \
+            throw ::sparsetron::Error(::sparsetron::cat(                                          \
+                "internal error at ", __FILE__, ":", __LINE__, ": ", #cond, " ", ##__VA_ARGS__)); \
     } while (0)

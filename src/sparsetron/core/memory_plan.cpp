@@ -13,11 +13,16 @@ namespace sparsetron {
 
 const char* mem_class_name(MemClass c) {
     switch (c) {
-        case MemClass::Parameters: return "parameters";
-        case MemClass::Gradients: return "gradients";
-        case MemClass::OptimizerState: return "optimizer state";
-        case MemClass::Activations: return "activations";
-        case MemClass::Workspace: return "workspace";
+        case MemClass::Parameters:
+            return "parameters";
+        case MemClass::Gradients:
+            return "gradients";
+        case MemClass::OptimizerState:
+            return "optimizer state";
+        case MemClass::Activations:
+            return "activations";
+        case MemClass::Workspace:
+            return "workspace";
     }
     return "?";
 }
@@ -25,8 +30,8 @@ const char* mem_class_name(MemClass c) {
 Arena::Arena(Device device, size_t bytes) : bytes_(bytes), device_(device) {
     if (bytes == 0) return;
     if (device == Device::CPU) {
-        size_t rounded = (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment *
-                         MemoryPlan::kAlignment;
+        size_t rounded =
+            (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
         data_ = static_cast<char*>(std::aligned_alloc(MemoryPlan::kAlignment, rounded));
         if (!data_) throw Error(cat("out of host memory allocating ", format_bytes(bytes)));
         std::memset(data_, 0, rounded);
@@ -35,7 +40,9 @@ Arena::Arena(Device device, size_t bytes) : bytes_(bytes), device_(device) {
     }
 }
 
-Arena::~Arena() { release(); }
+Arena::~Arena() {
+    release();
+}
 
 Arena::Arena(Arena&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.device_) {
     o.data_ = nullptr;
@@ -134,8 +141,9 @@ std::string MemoryPlan::format(int top) const {
         os << std::left << std::setw(18) << mem_class_name(cls) << std::right << std::setw(14)
            << format_bytes(static_cast<double>(class_bytes(cls))) << "  (" << es.size()
            << " buffers)\n";
-        std::stable_sort(es.begin(), es.end(),
-                         [](const PlanEntry* a, const PlanEntry* b) { return a->bytes > b->bytes; });
+        std::stable_sort(es.begin(), es.end(), [](const PlanEntry* a, const PlanEntry* b) {
+            return a->bytes > b->bytes;
+        });
         for (int i = 0; i < static_cast<int>(es.size()) && i < top; ++i) {
             std::ostringstream shape;
             for (size_t d = 0; d < es[i]->shape.size(); ++d)

@@ -30,7 +30,7 @@ struct PlanEntry {
 
 // One owning allocation (host memory, or device memory through the CUDA backend).
 class Arena {
-public:
+  public:
     Arena() = default;
     Arena(Device device, size_t bytes);
     ~Arena();
@@ -43,7 +43,7 @@ public:
     size_t bytes() const { return bytes_; }
     Device device() const { return device_; }
 
-private:
+  private:
     void release();
     char* data_ = nullptr;
     size_t bytes_ = 0;
@@ -51,7 +51,7 @@ private:
 };
 
 class MemoryPlan {
-public:
+  public:
     static constexpr size_t kAlignment = 256;
 
     using Slot = int32_t;
@@ -74,7 +74,7 @@ public:
     // Human-readable plan: per class, its largest entries and totals.
     std::string format(int top_entries_per_class = 6) const;
 
-private:
+  private:
     std::vector<PlanEntry> entries_;
     size_t class_bytes_[kNumMemClasses] = {};
     Arena arenas_[kNumMemClasses];

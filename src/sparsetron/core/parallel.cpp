@@ -13,7 +13,7 @@ namespace sparsetron {
 namespace {
 
 class Pool {
-public:
+  public:
     explicit Pool(int n) { resize(n); }
     ~Pool() { stop(); }
 
@@ -22,7 +22,10 @@ public:
     void resize(int n) {
         stop();
         stopping_ = false;
-        for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+        // New workers start from the current generation: a finished job must never run again.
+        const uint64_t generation = generation_;
+        for (int i = 1; i < n; ++i)
+            workers_.emplace_back([this, i, generation] { loop(i, generation); });
     }
 
     void run(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t min_chunk) {
@@ -48,7 +51,7 @@ public:
         if (error_) std::rethrow_exception(error_);
     }
 
-private:
+  private:
     void run_part(int part) {
         int64_t begin = n_ * part / parts_, end = n_ * (part + 1) / parts_;
         try {
@@ -59,8 +62,7 @@ private:
         }
     }
 
-    void loop(int index) {
-        uint64_t seen = 0;
+    void loop(int index, uint64_t seen) {
         for (;;) {
             std::unique_lock<std::mutex> lock(mu_);
             cv_.wait(lock, [&] { return stopping_ || generation_ != seen; });
@@ -112,8 +114,12 @@ Pool& pool() {
 
 }  // namespace
 
-int num_threads() { return pool().size(); }
-void set_num_threads(int n) { pool().resize(std::max(1, n)); }
+int num_threads() {
+    return pool().size();
+}
+void set_num_threads(int n) {
+    pool().resize(std::max(1, n));
+}
 
 void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t min_chunk) {
     pool().run(n, fn, std::max<int64_t>(1, min_chunk));

@@ -13,7 +13,7 @@ namespace sparsetron {
 std::array<uint32_t, 4> philox4x32(uint64_t key, uint64_t counter_hi, uint64_t counter_lo);
 
 class CounterRng {
-public:
+  public:
     CounterRng(uint64_t seed, uint64_t stream) : seed_(seed), stream_(stream) {}
     // Uniform in [0, 1) for element `index`.
     double uniform(uint64_t index) const;
@@ -22,7 +22,7 @@ public:
     // 64 uniform bits for element `index`.
     uint64_t bits(uint64_t index) const;
 
-private:
+  private:
     uint64_t seed_;
     uint64_t stream_;
 };

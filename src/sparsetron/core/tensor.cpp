@@ -4,7 +4,9 @@
 
 namespace sparsetron {
 
-const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
+const char* device_name(Device d) {
+    return d == Device::CPU ? "cpu" : "cuda";
+}
 
 Tensor::Tensor(void* data_, DType dtype_, std::initializer_list<int64_t> shape_, Device device_)
     : data(data_), dtype(dtype_), device(device_) {

@@ -10,15 +10,27 @@ namespace {
 }
 }  // namespace
 
-bool cuda_available() { return false; }
-std::string cuda_device_name() { return ""; }
-void* device_alloc(size_t) { no_cuda("device_alloc"); }
+bool cuda_available() {
+    return false;
+}
+std::string cuda_device_name() {
+    return "";
+}
+void* device_alloc(size_t) {
+    no_cuda("device_alloc");
+}
 void device_free(void*) {}
-void copy_to_device(void*, const void*, size_t) { no_cuda("copy_to_device"); }
-void copy_to_host(void*, const void*, size_t) { no_cuda("copy_to_host"); }
+void copy_to_device(void*, const void*, size_t) {
+    no_cuda("copy_to_device");
+}
+void copy_to_host(void*, const void*, size_t) {
+    no_cuda("copy_to_host");
+}
 
 namespace ops::cuda {
-void convert(const ExecContext&, const Tensor&, const Tensor&) { no_cuda("ops::cuda::convert"); }
+void convert(const ExecContext&, const Tensor&, const Tensor&) {
+    no_cuda("ops::cuda::convert");
+}
 }  // namespace ops::cuda
 
 }  // namespace sparsetron

@@ -24,9 +24,12 @@ std::string ByteTokenizer::decode(const std::vector<int32_t>& tokens) {
 
 namespace {
 bool ends_with(const std::string& s, const std::string& suffix) {
-    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+    return s.size() >= suffix.size() &&
+           s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
-bool blank(const std::string& line) { return line.find_first_not_of(" \t\r") == std::string::npos; }
+bool blank(const std::string& line) {
+    return line.find_first_not_of(" \t\r") == std::string::npos;
+}
 }  // namespace
 
 PreprocessStats preprocess_text(const std::vector<std::string>& inputs,

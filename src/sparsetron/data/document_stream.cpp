@@ -84,7 +84,8 @@ void DocumentStream::set_position(const StreamPosition& p) {
     if (p.pending_dataset >= 0) {
         ST_CHECK(p.pending_dataset < static_cast<int64_t>(n) && p.pending_sequence >= 0 &&
                      p.pending_sequence < datasets_[p.pending_dataset]->num_sequences() &&
-                     p.pending_offset < datasets_[p.pending_dataset]->sequence_length(p.pending_sequence),
+                     p.pending_offset <
+                         datasets_[p.pending_dataset]->sequence_length(p.pending_sequence),
                  "data position: the pending document does not exist in the current data");
     }
     pos_ = p;
@@ -96,7 +97,8 @@ int64_t DocumentStream::choose_dataset() const {
     int64_t best = 0;
     double best_err = -1e300;
     for (size_t d = 0; d < weights_.size(); ++d) {
-        double err = weights_[d] * static_cast<double>(total + 1) - static_cast<double>(pos_.taken[d]);
+        double err =
+            weights_[d] * static_cast<double>(total + 1) - static_cast<double>(pos_.taken[d]);
         if (err > best_err) best_err = err, best = static_cast<int64_t>(d);
     }
     return best;

@@ -26,7 +26,7 @@ struct StreamPosition {
 };
 
 class DocumentStream {
-public:
+  public:
     // `data_path`: {prefix} or {w1, prefix1, w2, prefix2, ...} (Megatron's weighted list).
     DocumentStream(const std::vector<std::string>& data_path, uint64_t seed);
 
@@ -40,7 +40,7 @@ public:
     const IndexedDataset& dataset(int64_t i) const { return *datasets_[i]; }
     int64_t max_token_id() const { return max_token_id_; }
 
-private:
+  private:
     int64_t choose_dataset() const;
     int64_t shuffled(int64_t dataset, int64_t epoch, int64_t index);
 

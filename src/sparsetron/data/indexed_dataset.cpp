@@ -29,13 +29,17 @@ T read_at(const uint8_t* p) {
 size_t token_code_size(TokenCode c) {
     switch (c) {
         case TokenCode::U8:
-        case TokenCode::I8: return 1;
+        case TokenCode::I8:
+            return 1;
         case TokenCode::I16:
-        case TokenCode::U16: return 2;
+        case TokenCode::U16:
+            return 2;
         case TokenCode::I32:
-        case TokenCode::F32: return 4;
+        case TokenCode::F32:
+            return 4;
         case TokenCode::I64:
-        case TokenCode::F64: return 8;
+        case TokenCode::F64:
+            return 8;
     }
     return 0;
 }
@@ -112,30 +116,44 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
         ST_CHECK(doc_index_[d] >= doc_index_[d - 1], idx_path, ": field 'document index[", d,
                  "]' decreases");
     ST_CHECK(doc_index_.back() == static_cast<int64_t>(seqs), idx_path,
-             ": field 'document index' ends at ", doc_index_.back(), ", expected the sequence count ",
-             seqs);
-    ST_CHECK(static_cast<int64_t>(bin_->size()) == expect_ptr, bin_path, ": size is ", bin_->size(),
-             " bytes but ", idx_path, " describes ", expect_ptr,
-             bin_->size() < static_cast<size_t>(expect_ptr) ? " (file truncated)" : " (trailing bytes)");
+             ": field 'document index' ends at ", doc_index_.back(),
+             ", expected the sequence count ", seqs);
+    ST_CHECK(
+        static_cast<int64_t>(bin_->size()) == expect_ptr, bin_path, ": size is ", bin_->size(),
+        " bytes but ", idx_path, " describes ", expect_ptr,
+        bin_->size() < static_cast<size_t>(expect_ptr) ? " (file truncated)" : " (trailing bytes)");
 }
 
 void IndexedDataset::read(int64_t i, int64_t offset, int64_t count, int32_t* out) const {
-    ST_ASSERT(i >= 0 && i < num_sequences() && offset >= 0 && count >= 0 &&
-                  offset + count <= lengths_[i],
-              "read ", i, " ", offset, "+", count);
+    ST_ASSERT(
+        i >= 0 && i < num_sequences() && offset >= 0 && count >= 0 && offset + count <= lengths_[i],
+        "read ", i, " ", offset, "+", count);
     size_t item = token_code_size(code_);
     const uint8_t* base = bin_->data() + pointers_[i] + offset * item;
     for (int64_t t = 0; t < count; ++t) {
         const uint8_t* e = base + t * item;
         int64_t v = 0;
         switch (code_) {
-            case TokenCode::U8: v = *e; break;
-            case TokenCode::I8: v = static_cast<int8_t>(*e); break;
-            case TokenCode::I16: v = read_at<int16_t>(e); break;
-            case TokenCode::U16: v = read_at<uint16_t>(e); break;
-            case TokenCode::I32: v = read_at<int32_t>(e); break;
-            case TokenCode::I64: v = read_at<int64_t>(e); break;
-            default: ST_ASSERT(false, "float token code");
+            case TokenCode::U8:
+                v = *e;
+                break;
+            case TokenCode::I8:
+                v = static_cast<int8_t>(*e);
+                break;
+            case TokenCode::I16:
+                v = read_at<int16_t>(e);
+                break;
+            case TokenCode::U16:
+                v = read_at<uint16_t>(e);
+                break;
+            case TokenCode::I32:
+                v = read_at<int32_t>(e);
+                break;
+            case TokenCode::I64:
+                v = read_at<int64_t>(e);
+                break;
+            default:
+                ST_ASSERT(false, "float token code");
         }
         ST_CHECK(v >= 0 && v <= INT32_MAX, prefix_, ".bin: sequence ", i, " holds token id ", v,
                  " (must be a non-negative int32)");

@@ -12,11 +12,20 @@
 namespace sparsetron {
 
 // Megatron's dtype codes: 1 u8, 2 i8, 3 i16, 4 i32, 5 i64, 6 f64, 7 f32, 8 u16.
-enum class TokenCode : uint8_t { U8 = 1, I8 = 2, I16 = 3, I32 = 4, I64 = 5, F64 = 6, F32 = 7, U16 = 8 };
+enum class TokenCode : uint8_t {
+    U8 = 1,
+    I8 = 2,
+    I16 = 3,
+    I32 = 4,
+    I64 = 5,
+    F64 = 6,
+    F32 = 7,
+    U16 = 8
+};
 size_t token_code_size(TokenCode c);
 
 class MappedFile {
-public:
+  public:
     explicit MappedFile(const std::string& path);
     ~MappedFile();
     MappedFile(const MappedFile&) = delete;
@@ -24,13 +33,13 @@ public:
     const uint8_t* data() const { return data_; }
     size_t size() const { return size_; }
 
-private:
+  private:
     const uint8_t* data_ = nullptr;
     size_t size_ = 0;
 };
 
 class IndexedDataset {
-public:
+  public:
     // Opens `prefix`.idx and `prefix`.bin; throws naming the file and field on any inconsistency.
     explicit IndexedDataset(const std::string& prefix);
 
@@ -44,7 +53,7 @@ public:
     void read(int64_t i, int64_t offset, int64_t count, int32_t* out) const;
     std::vector<int32_t> sequence(int64_t i) const;
 
-private:
+  private:
     std::string prefix_;
     std::unique_ptr<MappedFile> idx_, bin_;
     TokenCode code_ = TokenCode::U16;
@@ -55,7 +64,7 @@ private:
 };
 
 class IndexedDatasetWriter {
-public:
+  public:
     IndexedDatasetWriter(const std::string& prefix, TokenCode code);
     // Appends one sequence that is also one document.
     void add_document(const std::vector<int32_t>& tokens);
@@ -63,7 +72,7 @@ public:
     void finish();
     ~IndexedDatasetWriter();
 
-private:
+  private:
     std::string prefix_;
     TokenCode code_;
     FILE* bin_ = nullptr;

@@ -44,7 +44,9 @@ bool MicroBatch::add_document(const std::vector<int32_t>& doc) {
     return true;
 }
 
-int64_t default_max_documents(int64_t capacity) { return std::max<int64_t>(4, capacity / 64); }
+int64_t default_max_documents(int64_t capacity) {
+    return std::max<int64_t>(4, capacity / 64);
+}
 
 Packer::Packer(DocumentStream& stream, int64_t capacity, int64_t max_documents)
     : stream_(stream), capacity_(capacity), max_documents_(max_documents) {}

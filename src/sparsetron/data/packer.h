@@ -11,12 +11,12 @@
 namespace sparsetron {
 
 struct MicroBatch {
-    int64_t capacity = 0;       // token slots (fixed)
-    int64_t max_documents = 0;  // fixed maximum document count
-    std::vector<int32_t> tokens;     // [capacity]; padding slots hold 0
-    std::vector<int32_t> targets;    // [capacity]; next token within the document, -1 = no loss
-    std::vector<int32_t> positions;  // [capacity]; position within the document, 0 for padding
-    std::vector<int32_t> cu_seqlens; // [max_documents + 1]; padded by repeating the last value
+    int64_t capacity = 0;             // token slots (fixed)
+    int64_t max_documents = 0;        // fixed maximum document count
+    std::vector<int32_t> tokens;      // [capacity]; padding slots hold 0
+    std::vector<int32_t> targets;     // [capacity]; next token within the document, -1 = no loss
+    std::vector<int32_t> positions;   // [capacity]; position within the document, 0 for padding
+    std::vector<int32_t> cu_seqlens;  // [max_documents + 1]; padded by repeating the last value
     int64_t num_documents = 0;
     int64_t num_tokens = 0;  // real (non-padding) tokens
     int64_t num_targets() const;
@@ -31,12 +31,12 @@ struct MicroBatch {
 int64_t default_max_documents(int64_t capacity);
 
 class Packer {
-public:
+  public:
     Packer(DocumentStream& stream, int64_t capacity, int64_t max_documents);
     // Fills `mb` (cleared first) from the stream.
     void next(MicroBatch& mb);
 
-private:
+  private:
     DocumentStream& stream_;
     int64_t capacity_, max_documents_;
 };

@@ -53,10 +53,14 @@ void convert_into(const SafetensorsFile::Info& src, const Tensor& dst) {
     int64_t n = dst.numel();
     auto load = [&](int64_t i) -> double {
         switch (src.dtype) {
-            case DType::F32: return reinterpret_cast<const float*>(src.data)[i];
-            case DType::F64: return reinterpret_cast<const double*>(src.data)[i];
-            case DType::BF16: return bf16_to_float(reinterpret_cast<const bf16*>(src.data)[i]);
-            default: throw Error(cat("unsupported weight dtype ", dtype_name(src.dtype)));
+            case DType::F32:
+                return reinterpret_cast<const float*>(src.data)[i];
+            case DType::F64:
+                return reinterpret_cast<const double*>(src.data)[i];
+            case DType::BF16:
+                return bf16_to_float(reinterpret_cast<const bf16*>(src.data)[i]);
+            default:
+                throw Error(cat("unsupported weight dtype ", dtype_name(src.dtype)));
         }
     };
     if (dst.dtype == DType::F32 && src.dtype == DType::F32) {
@@ -91,8 +95,8 @@ void load_tensors(const SafetensorsFile& file, const std::string& what,
 void ensure_writable_dir(const std::string& dir) {
     std::error_code ec;
     fs::create_directories(dir, ec);
-    ST_CHECK(!ec && fs::is_directory(dir), "cannot create output directory '", dir, "': ",
-             ec ? ec.message() : "not a directory");
+    ST_CHECK(!ec && fs::is_directory(dir), "cannot create output directory '", dir,
+             "': ", ec ? ec.message() : "not a directory");
     ST_CHECK(::access(dir.c_str(), W_OK) == 0, "output directory '", dir, "' is not writable");
 }
 
@@ -173,8 +177,10 @@ std::string resolve_checkpoint(const std::string& dir) {
                  it, " but ", (c / "model.safetensors").string(), " does not exist");
         return c.string();
     }
-    throw Error(cat("'", dir, "' is neither a checkpoint (no model.safetensors) nor a save "
-                    "directory (no ", kLatest, ")"));
+    throw Error(cat("'", dir,
+                    "' is neither a checkpoint (no model.safetensors) nor a save "
+                    "directory (no ",
+                    kLatest, ")"));
 }
 
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,

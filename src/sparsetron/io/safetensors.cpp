@@ -49,7 +49,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     file_ = std::make_unique<MappedFile>(path);
     const uint8_t* p = file_->data();
     size_t n = file_->size();
-    ST_CHECK(n >= 8, path, ": truncated (", n, " bytes; a safetensors file starts with an 8-byte "
+    ST_CHECK(n >= 8, path, ": truncated (", n,
+             " bytes; a safetensors file starts with an 8-byte "
              "header length)");
     uint64_t len;
     std::memcpy(&len, p, 8);
@@ -82,7 +83,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                 ST_CHECK(s >= 0, "negative dimension");
                 numel *= static_cast<size_t>(s);
             }
-            ST_CHECK(numel * dtype_size(info.dtype) == off[1] - off[0], "shape and data_offsets "
+            ST_CHECK(numel * dtype_size(info.dtype) == off[1] - off[0],
+                     "shape and data_offsets "
                      "disagree");
             info.data = data + off[0];
             info.bytes = off[1] - off[0];

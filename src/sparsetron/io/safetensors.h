@@ -25,7 +25,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
                        const std::map<std::string, std::string>& metadata = {});
 
 class SafetensorsFile {
-public:
+  public:
     explicit SafetensorsFile(const std::string& path);
     struct Info {
         DType dtype;
@@ -39,7 +39,7 @@ public:
     const std::map<std::string, std::string>& metadata() const { return metadata_; }
     const std::string& path() const { return path_; }
 
-private:
+  private:
     std::string path_;
     std::unique_ptr<MappedFile> file_;
     std::map<std::string, Info> tensors_;

@@ -102,9 +102,10 @@ void Glm5Model<T>::bind() {
     tokens_ = I(s_tokens_), targets_ = I(s_targets_), positions_ = I(s_positions_), cu_ = I(s_cu_);
     acts_.clear();
     for (const auto& s : slots_) {
-        acts_.push_back({P(s.x_in), P(s.a), P(s.rstd_in), P(s.cq_raw), P(s.cq), P(s.rstd_q), P(s.q),
-                         P(s.ckv), P(s.ckv_n), P(s.rstd_kv), P(s.kv), P(s.k), P(s.o), P(s.lse),
-                         P(s.x_mid), P(s.m), P(s.rstd_post), P(s.g), P(s.u), P(s.act)});
+        acts_.push_back({P(s.x_in),   P(s.a),         P(s.rstd_in), P(s.cq_raw), P(s.cq),
+                         P(s.rstd_q), P(s.q),         P(s.ckv),     P(s.ckv_n),  P(s.rstd_kv),
+                         P(s.kv),     P(s.k),         P(s.o),       P(s.lse),    P(s.x_mid),
+                         P(s.m),      P(s.rstd_post), P(s.g),       P(s.u),      P(s.act)});
     }
     x_final_ = P(s_x_final_), h_final_ = P(s_h_final_), rstd_final_ = P(s_rstd_final_);
     dx_ = P(s_dx_), dh_ = P(s_dh_), da_ = P(s_da_), dq_ = P(s_dq_), dk_ = P(s_dk_);
@@ -160,14 +161,17 @@ void Glm5Model<T>::forward_layer(int64_t l) {
     gemm<T>(false, true, Tn, H * (dn + dv), kr, 1, A.ckv_n, kr, param(W.kv_b), kr, 0, A.kv,
             H * (dn + dv));
     // K_h = [k_nope_h ; k_pe] with the one RoPE key shared by all heads.
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t)
-            for (int64_t hh = 0; hh < H; ++hh) {
-                T* kd = A.k + (t * H + hh) * dq;
-                std::copy_n(A.kv + (t * H + hh) * (dn + dv), dn, kd);
-                std::copy_n(A.ckv + t * (kr + dr) + kr, dr, kd + dn);
-            }
-    }, 16);
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t)
+                for (int64_t hh = 0; hh < H; ++hh) {
+                    T* kd = A.k + (t * H + hh) * dq;
+                    std::copy_n(A.kv + (t * H + hh) * (dn + dv), dn, kd);
+                    std::copy_n(A.ckv + t * (kr + dr) + kr, dr, kd + dn);
+                }
+        },
+        16);
     cpu::AttnShape s{Tn, H, dq, dv, H * dq, dq, H * dq, dq, H * (dn + dv), dn + dv};
     cpu::attention_forward(s, A.q, A.k, A.kv + dn, cu_, num_docs_, 1.0 / std::sqrt(double(dq)), A.o,
                            A.lse);
@@ -210,17 +214,20 @@ void Glm5Model<T>::backward_layer(int64_t l, T* dx) {
     cpu::AttnShape s{Tn, H, dq, dv, H * dq, dq, H * dq, dq, H * (dn + dv), dn + dv};
     cpu::attention_backward(s, A.q, A.k, A.kv + dn, A.o, A.lse, do_, cu_, num_docs_,
                             1.0 / std::sqrt(double(dq)), dq_, dk_, dkv_ + dn);
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            T* dpe = dckv_ + t * (kr + dr) + kr;
-            std::fill_n(dpe, dr, T(0));
-            for (int64_t hh = 0; hh < H; ++hh) {
-                const T* dkd = dk_ + (t * H + hh) * dq;
-                std::copy_n(dkd, dn, dkv_ + (t * H + hh) * (dn + dv));
-                for (int64_t i = 0; i < dr; ++i) dpe[i] += dkd[dn + i];
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t) {
+                T* dpe = dckv_ + t * (kr + dr) + kr;
+                std::fill_n(dpe, dr, T(0));
+                for (int64_t hh = 0; hh < H; ++hh) {
+                    const T* dkd = dk_ + (t * H + hh) * dq;
+                    std::copy_n(dkd, dn, dkv_ + (t * H + hh) * (dn + dv));
+                    for (int64_t i = 0; i < dr; ++i) dpe[i] += dkd[dn + i];
+                }
             }
-        }
-    }, 16);
+        },
+        16);
     cpu::rope(dq_ + dn, Tn, H, dr, H * dq, dq, positions_, c.rotary_base, c.rotary_interleaved,
               true);
     cpu::rope(dckv_ + kr, Tn, 1, dr, kr + dr, 0, positions_, c.rotary_base, c.rotary_interleaved,
@@ -233,8 +240,8 @@ void Glm5Model<T>::backward_layer(int64_t l, T* dx) {
                           kr + dr, false, grad(W.kv_a_norm));
     gemm<T>(false, false, Tn, qr, H * dq, 1, dq_, H * dq, param(W.q_b), qr, 0, dcq_, qr);
     gemm<T>(true, false, H * dq, qr, Tn, 1, dq_, H * dq, A.cq, qr, 1, grad(W.q_b), qr);
-    cpu::rmsnorm_backward(dcq_, qr, A.cq_raw, qr, param(W.q_a_norm), A.rstd_q, Tn, qr, dcq_raw_,
-                          qr, false, grad(W.q_a_norm));
+    cpu::rmsnorm_backward(dcq_, qr, A.cq_raw, qr, param(W.q_a_norm), A.rstd_q, Tn, qr, dcq_raw_, qr,
+                          false, grad(W.q_a_norm));
     gemm<T>(false, false, Tn, h, kr + dr, 1, dckv_, kr + dr, param(W.kv_a), h, 0, da_, h);
     gemm<T>(false, false, Tn, h, qr, 1, dcq_raw_, qr, param(W.q_a), h, 1, da_, h);
     gemm<T>(true, false, kr + dr, h, Tn, 1, dckv_, kr + dr, A.a, h, 1, grad(W.kv_a), h);

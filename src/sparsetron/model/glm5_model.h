@@ -23,7 +23,7 @@ struct LossSums {
 
 template <typename T>
 class Glm5Model {
-public:
+  public:
     // Declares parameters, gradients, activations and workspace for micro-batches of `tokens`
     // slots and at most `max_docs` documents. `chunk_rows`: rows per fused head+loss chunk.
     Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
@@ -45,7 +45,7 @@ public:
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }
 
-private:
+  private:
     struct LayerSlots {
         MemoryPlan::Slot x_in, a, rstd_in, cq_raw, cq, rstd_q, q, ckv, ckv_n, rstd_kv, kv, k, o,
             lse, x_mid, m, rstd_post, g, u, act;
@@ -79,8 +79,8 @@ private:
     MemoryPlan::Slot s_x_final_, s_h_final_, s_rstd_final_;
     T *x_final_ = nullptr, *h_final_ = nullptr, *rstd_final_ = nullptr;
     // Backward workspace, shared by all layers.
-    MemoryPlan::Slot s_dx_, s_dh_, s_da_, s_dq_, s_dk_, s_dkv_, s_do_, s_dcq_, s_dckv_, s_dm_, s_dg_,
-        s_du_, s_dact_, s_logits_, s_dcq_raw_, s_dckv_n_;
+    MemoryPlan::Slot s_dx_, s_dh_, s_da_, s_dq_, s_dk_, s_dkv_, s_do_, s_dcq_, s_dckv_, s_dm_,
+        s_dg_, s_du_, s_dact_, s_logits_, s_dcq_raw_, s_dckv_n_;
     T *dx_, *dh_, *da_, *dq_, *dk_, *dkv_, *do_, *dcq_, *dckv_, *dm_, *dg_, *du_, *dact_, *logits_,
         *dcq_raw_, *dckv_n_;
 };

@@ -89,17 +89,23 @@ void ParamStore::initialize(const MemoryPlan& plan, uint64_t seed, double std,
         double s = p.init == InitRule::ScaledNormal ? std / std::sqrt(2.0 * num_layers) : std;
         int64_t n = p.numel();
         auto fill = [&](auto* x) {
-            parallel_for(n, [&](int64_t b, int64_t e) {
-                for (int64_t i = b; i < e; ++i) {
-                    double v = p.init == InitRule::Ones    ? 1.0
-                               : p.init == InitRule::Zeros ? 0.0
-                                                           : s * rng.normal(static_cast<uint64_t>(i));
-                    x[i] = static_cast<std::remove_pointer_t<decltype(x)>>(v);
-                }
-            }, 4096);
+            parallel_for(
+                n,
+                [&](int64_t b, int64_t e) {
+                    for (int64_t i = b; i < e; ++i) {
+                        double v = p.init == InitRule::Ones ? 1.0
+                                   : p.init == InitRule::Zeros
+                                       ? 0.0
+                                       : s * rng.normal(static_cast<uint64_t>(i));
+                        x[i] = static_cast<std::remove_pointer_t<decltype(x)>>(v);
+                    }
+                },
+                4096);
         };
-        if (t.dtype == DType::F32) fill(t.ptr<float>());
-        else fill(t.ptr<double>());
+        if (t.dtype == DType::F32)
+            fill(t.ptr<float>());
+        else
+            fill(t.ptr<double>());
     }
 }
 

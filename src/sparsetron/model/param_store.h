@@ -27,7 +27,7 @@ struct ParamInfo {
 };
 
 class ParamStore {
-public:
+  public:
     // Declares every parameter of `m` that the engine implements today (embedding, per-layer MLA,
     // norms, dense SwiGLU, final norm, output head) into `plan` with element type `dtype`.
     ParamStore(const ModelConfig& m, MemoryPlan& plan, DType dtype);
@@ -41,7 +41,7 @@ public:
     // Fills every parameter from its init rule with a counter-based RNG keyed by (seed, name).
     void initialize(const MemoryPlan& plan, uint64_t seed, double std, int64_t num_layers) const;
 
-private:
+  private:
     void add(std::string name, std::vector<int64_t> shape, InitRule init, OptimGroup group,
              bool decay);
     std::vector<ParamInfo> params_;

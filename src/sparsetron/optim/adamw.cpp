@@ -11,7 +11,8 @@ namespace sparsetron {
 
 AdamW::AdamW(const ParamStore& store, MemoryPlan& plan) : store_(store) {
     for (const auto& p : store.params()) {
-        m_.push_back(plan.add(MemClass::OptimizerState, p.name + ".exp_avg", store.dtype(), p.shape));
+        m_.push_back(
+            plan.add(MemClass::OptimizerState, p.name + ".exp_avg", store.dtype(), p.shape));
         v_.push_back(
             plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq", store.dtype(), p.shape));
     }
@@ -20,9 +21,12 @@ AdamW::AdamW(const ParamStore& store, MemoryPlan& plan) : store_(store) {
 namespace {
 template <typename Fn>
 void with_type(DType t, Fn&& fn) {
-    if (t == DType::F32) fn(float{});
-    else if (t == DType::F64) fn(double{});
-    else throw Error(cat("optimizer: unsupported parameter dtype ", dtype_name(t)));
+    if (t == DType::F32)
+        fn(float{});
+    else if (t == DType::F64)
+        fn(double{});
+    else
+        throw Error(cat("optimizer: unsupported parameter dtype ", dtype_name(t)));
 }
 }  // namespace
 

@@ -19,7 +19,7 @@ struct StepStats {
 };
 
 class AdamW {
-public:
+  public:
     // Declares exp_avg / exp_avg_sq for every parameter in the plan's OptimizerState class.
     AdamW(const ParamStore& store, MemoryPlan& plan);
 
@@ -29,7 +29,7 @@ public:
     const std::vector<MemoryPlan::Slot>& exp_avg_slots() const { return m_; }
     const std::vector<MemoryPlan::Slot>& exp_avg_sq_slots() const { return v_; }
 
-private:
+  private:
     const ParamStore& store_;
     std::vector<MemoryPlan::Slot> m_, v_;
 };

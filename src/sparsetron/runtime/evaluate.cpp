@@ -32,8 +32,8 @@ std::vector<std::vector<int32_t>> read_token_documents(const std::string& path) 
             } catch (const std::exception&) {
                 used = 0;
             }
-            ST_CHECK(used == word.size() && v >= 0 && v <= INT32_MAX, path, ":", line_no,
-                     ": \"", word, "\" is not a token id (non-negative integer)");
+            ST_CHECK(used == word.size() && v >= 0 && v <= INT32_MAX, path, ":", line_no, ": \"",
+                     word, "\" is not a token id (non-negative integer)");
             doc.push_back(static_cast<int32_t>(v));
         }
         if (!doc.empty()) docs.push_back(std::move(doc));

@@ -73,8 +73,8 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe) {
     auto tp = std::make_unique<TrainingPlan>();
     const RunConfig& r = recipe.run;
     int64_t slots = r.tokens_per_microbatch();
-    tp->max_documents =
-        r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch : default_max_documents(slots);
+    tp->max_documents = r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch
+                                                           : default_max_documents(slots);
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
     tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, slots, tp->max_documents,
                                                    tp->chunk_rows);
@@ -163,15 +163,16 @@ StepMetrics Trainer::train_step() {
     state_.iteration = m.step;
     state_.consumed_tokens += m.tokens;
     if (st.skipped) ++state_.skipped_steps;
-    m.step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    m.step_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     return m;
 }
 
 std::string Trainer::save() {
     state_.data_position = stream_->position().to_json();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
-                           recipe_.to_yaml(), tp_->model->params(), tp_->plan,
-                           tp_->optimizer.get(), state_);
+                           recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),
+                           state_);
 }
 
 void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {

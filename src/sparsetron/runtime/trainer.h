@@ -49,7 +49,7 @@ struct TrainingPlan {
 std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe);
 
 class Trainer {
-public:
+  public:
     Trainer(Recipe recipe, TrainOptions options);
     ~Trainer();
 
@@ -66,7 +66,7 @@ public:
     // The micro-batches the next step will consume (does not advance the stream).
     std::vector<MicroBatch> peek_next_step_batches();
 
-private:
+  private:
     void next_step_batches(std::vector<MicroBatch>& out);
 
     Recipe recipe_;

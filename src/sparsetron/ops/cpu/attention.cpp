@@ -105,8 +105,8 @@ template void attention_backward<float>(const AttnShape&, const float*, const fl
                                         const float*, const float*, const float*, const int32_t*,
                                         int64_t, double, float*, float*, float*);
 template void attention_backward<double>(const AttnShape&, const double*, const double*,
-                                         const double*, const double*, const double*,
-                                         const double*, const int32_t*, int64_t, double, double*,
-                                         double*, double*);
+                                         const double*, const double*, const double*, const double*,
+                                         const int32_t*, int64_t, double, double*, double*,
+                                         double*);
 
 }  // namespace sparsetron::cpu

@@ -24,9 +24,8 @@ template <typename T>
 void rmsnorm_forward(const T* x, int64_t ldx, const T* w, int64_t rows, int64_t dim, double eps,
                      T* y, int64_t ldy, T* rstd);
 template <typename T>
-void rmsnorm_backward(const T* dy, int64_t lddy, const T* x, int64_t ldx, const T* w,
-                      const T* rstd, int64_t rows, int64_t dim, T* dx, int64_t lddx,
-                      bool accumulate, T* dw);
+void rmsnorm_backward(const T* dy, int64_t lddy, const T* x, int64_t ldx, const T* w, const T* rstd,
+                      int64_t rows, int64_t dim, T* dx, int64_t lddx, bool accumulate, T* dw);
 
 // Rotates pairs of x[t, h, 0:dim] (row stride ld_t, head stride ld_h) by position[t] * inv_freq.
 // interleaved: pairs (2i, 2i+1); otherwise (i, i + dim/2). inverse: rotate by -angle (backward).

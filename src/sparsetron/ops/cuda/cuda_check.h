@@ -9,10 +9,9 @@
     do {                                                                                     \
         cudaError_t st_err_ = (call);                                                        \
         if (st_err_ != cudaSuccess)                                                          \
-            throw ::sparsetron::Error(::sparsetron::cat("CUDA error ", cudaGetErrorName(st_err_), \
-                                                        " (", cudaGetErrorString(st_err_),   \
-                                                        ") in ", #call, " at ", __FILE__, ":", \
-                                                        __LINE__));                          \
+            throw ::sparsetron::Error(::sparsetron::cat(                                     \
+                "CUDA error ", cudaGetErrorName(st_err_), " (", cudaGetErrorString(st_err_), \
+                ") in ", #call, " at ", __FILE__, ":", __LINE__));                           \
     } while (0)
 
 // After every kernel launch: catches bad launch configurations close to their source.

@@ -29,7 +29,9 @@ void* device_alloc(size_t bytes) {
     return p;
 }
 
-void device_free(void* p) { cudaFree(p); }
+void device_free(void* p) {
+    cudaFree(p);
+}
 
 void copy_to_device(void* dst, const void* src, size_t bytes) {
     ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));

@@ -6,7 +6,7 @@
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/core/rng.h"
-#include "sparsetron/model/param_store.h"
+#include "sparsetron/model/glm5_model.h"
 
 using namespace sparsetron;
 
@@ -42,9 +42,9 @@ TEST(CounterRng, InitializationIndependentOfThreadCount) {
     auto init = [&](int threads) {
         set_num_threads(threads);
         MemoryPlan plan;
-        ParamStore store(m, plan, DType::F32);
+        Glm5Model<float> model(m, plan, 16, 2, 16);
         plan.allocate(Device::CPU);
-        store.initialize(plan, 99, 0.02, m.num_layers);
+        model.params().initialize(plan, 99, 0.02, m.num_layers);
         const char* base = plan.class_base(MemClass::Parameters);
         return std::vector<char>(base, base + plan.class_bytes(MemClass::Parameters));
     };

@@ -164,9 +164,10 @@ TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
     msg = error_of([&] { Trainer(small_recipe(), {dir, "", Device::CUDA}); });
     EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
     msg = error_of([&] {
-        Trainer(small_recipe({"moe_layer_freq=[0,1]", "num_experts=4", "moe_ffn_hidden_size=8",
-                              "moe_router_topk=2"}),
+        Trainer(small_recipe({"experimental_attention_variant=dsa", "dsa_indexer_n_heads=2",
+                              "dsa_indexer_head_dim=16", "dsa_indexer_topk=8", "mtp_num_layers=2",
+                              "dsa_mtp_index_kv_share=true"}),
                 {dir, "", Device::CPU});
     });
-    EXPECT_NE(msg.find("MoE"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("dsa_mtp_index_kv_share"), std::string::npos) << msg;
 }

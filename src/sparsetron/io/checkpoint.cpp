@@ -118,7 +118,7 @@ std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, cons
             const auto& p = store.params()[i];
             Tensor t = plan.view(p.param_slot);
             weights.push_back({p.name, t.dtype, p.shape, t.data});
-            if (optimizer) {
+            if (optimizer && p.trainable) {
                 Tensor mt = plan.view(optimizer->exp_avg_slots()[i]);
                 Tensor vt = plan.view(optimizer->exp_avg_sq_slots()[i]);
                 optim.push_back({p.name + ".exp_avg", mt.dtype, p.shape, mt.data});
@@ -197,6 +197,7 @@ void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
     std::vector<std::pair<std::string, Tensor>> targets;
     for (size_t i = 0; i < store.params().size(); ++i) {
         const auto& p = store.params()[i];
+        if (!p.trainable) continue;
         targets.emplace_back(p.name + ".exp_avg", plan.view(optimizer.exp_avg_slots()[i]));
         targets.emplace_back(p.name + ".exp_avg_sq", plan.view(optimizer.exp_avg_sq_slots()[i]));
     }

@@ -15,108 +15,142 @@ using cpu::gemm;
 template <typename T>
 Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
                         int64_t chunk_rows)
-    : cfg_(cfg), plan_(plan), T_(tokens), max_docs_(max_docs), chunk_rows_(chunk_rows) {
+    : cfg_(cfg),
+      plan_(plan),
+      buf_(plan, dtype_of<T>()),
+      T_(tokens),
+      max_docs_(max_docs),
+      chunk_rows_(std::min(chunk_rows, tokens)) {
     ST_CHECK(tokens > 0 && max_docs > 0 && chunk_rows > 0, "model: bad micro-batch shape");
-    const DType dt = dtype_of<T>();
-    store_ = std::make_unique<ParamStore>(cfg, plan, dt);
-    const int64_t h = cfg.hidden_size, H = cfg.num_attention_heads, dq = cfg.q_head_dim();
-    const int64_t dn = cfg.qk_head_dim, dv = cfg.v_head_dim, qr = cfg.q_lora_rank;
-    const int64_t kr = cfg.kv_lora_rank, dr = cfg.qk_pos_emb_head_dim, F = cfg.ffn_hidden_size;
-    const int64_t Tn = tokens;
+    ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
+             "model: moe_layer_pattern has ", cfg.moe_layer_pattern.size(), " entries for ",
+             cfg.num_layers, " layers (validate the recipe first)");
+    store_ = std::make_unique<ParamStore>(plan, dtype_of<T>());
+    const int64_t h = cfg.hidden_size, Tn = tokens;
+    s_tokens_ = buf_.act_i32("inputs.tokens", {Tn});
+    s_targets_ = buf_.act_i32("inputs.targets", {Tn});
+    s_positions_ = buf_.act_i32("inputs.positions", {Tn});
+    s_cu_ = buf_.act_i32("inputs.cu_seqlens", {max_docs + 1});
 
-    auto act = [&](const std::string& name, std::vector<int64_t> shape) {
-        return plan.add(MemClass::Activations, name, dt, std::move(shape));
-    };
-    auto ws = [&](const std::string& name, std::vector<int64_t> shape) {
-        return plan.add(MemClass::Workspace, name, dt, std::move(shape));
-    };
-    s_tokens_ = plan.add(MemClass::Activations, "inputs.tokens", DType::I32, {Tn});
-    s_targets_ = plan.add(MemClass::Activations, "inputs.targets", DType::I32, {Tn});
-    s_positions_ = plan.add(MemClass::Activations, "inputs.positions", DType::I32, {Tn});
-    s_cu_ = plan.add(MemClass::Activations, "inputs.cu_seqlens", DType::I32, {max_docs + 1});
+    embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        const std::string p = cat("layers.", l, ".");
-        LayerSlots s{};
-        s.x_in = act(p + "x_in", {Tn, h});
-        s.a = act(p + "attn_norm_out", {Tn, h});
-        s.rstd_in = act(p + "attn_norm_rstd", {Tn});
-        s.cq_raw = act(p + "q_a", {Tn, qr});
-        s.cq = act(p + "q_a_norm_out", {Tn, qr});
-        s.rstd_q = act(p + "q_a_norm_rstd", {Tn});
-        s.q = act(p + "q", {Tn, H * dq});
-        s.ckv = act(p + "kv_a", {Tn, kr + dr});
-        s.ckv_n = act(p + "kv_a_norm_out", {Tn, kr});
-        s.rstd_kv = act(p + "kv_a_norm_rstd", {Tn});
-        s.kv = act(p + "kv", {Tn, H * (dn + dv)});
-        s.k = act(p + "k", {Tn, H * dq});
-        s.o = act(p + "attn_out", {Tn, H * dv});
-        s.lse = act(p + "attn_lse", {H, Tn});
-        s.x_mid = act(p + "x_mid", {Tn, h});
-        s.m = act(p + "mlp_norm_out", {Tn, h});
-        s.rstd_post = act(p + "mlp_norm_rstd", {Tn});
-        s.g = act(p + "mlp_gate", {Tn, F});
-        s.u = act(p + "mlp_up", {Tn, F});
-        s.act = act(p + "mlp_act", {Tn, F});
-        slots_.push_back(s);
+        layers_.push_back(std::make_unique<DecoderLayer<T>>(cfg, *store_, buf_, l, tokens));
+        s_x_.push_back(buf_.act(cat("layers.", l, ".x_in"), {Tn, h}));
+        layer_slots_.push_back(layers_.back()->declare_acts(buf_, cat("layers.", l, ".")));
     }
-    s_x_final_ = act("final.x", {Tn, h});
-    s_h_final_ = act("final.norm_out", {Tn, h});
-    s_rstd_final_ = act("final.norm_rstd", {Tn});
-    s_dx_ = ws("grad.residual", {Tn, h});
-    s_dh_ = ws("grad.final_norm_out", {Tn, h});
-    s_da_ = ws("grad.attn_norm_out", {Tn, h});
-    s_dq_ = ws("grad.q", {Tn, H * dq});
-    s_dk_ = ws("grad.k", {Tn, H * dq});
-    s_dkv_ = ws("grad.kv", {Tn, H * (dn + dv)});
-    s_do_ = ws("grad.attn_out", {Tn, H * dv});
-    s_dcq_ = ws("grad.q_a_norm_out", {Tn, qr});
-    s_dcq_raw_ = ws("grad.q_a", {Tn, qr});
-    s_dckv_ = ws("grad.kv_a", {Tn, kr + dr});
-    s_dckv_n_ = ws("grad.kv_a_norm_out", {Tn, kr});
-    s_dm_ = ws("grad.mlp_norm_out", {Tn, h});
-    s_dg_ = ws("grad.mlp_gate", {Tn, F});
-    s_du_ = ws("grad.mlp_up", {Tn, F});
-    s_dact_ = ws("grad.mlp_act", {Tn, F});
-    s_logits_ = ws("head.logits_chunk", {std::min(chunk_rows, Tn), cfg.vocab_size});
+    s_x_.push_back(buf_.act("final.x", {Tn, h}));
+    final_norm_ = store_->add("model.norm.weight", {h}, InitRule::Ones, false);
+    head_ = store_->add_embedding_like("lm_head.weight", {cfg.vocab_size, h});
+    s_h_final_ = buf_.act("final.norm_out", {Tn, h});
+    s_rstd_final_ = buf_.act("final.norm_rstd", {Tn});
+    s_dx_ = buf_.scratch("grad.residual", {Tn, h});
+    s_dh_ = buf_.scratch("grad.final_norm_out", {Tn, h});
+    s_logits_ = buf_.scratch("head.logits_chunk", {chunk_rows_, cfg.vocab_size});
 
-    embed_ = store_->index_of("model.embed_tokens.weight");
-    final_norm_ = store_->index_of("model.norm.weight");
-    head_ = store_->index_of("lm_head.weight");
-    for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        const std::string p = cat("model.layers.", l, ".");
-        auto ix = [&](const char* n) { return store_->index_of(p + n); };
-        lp_.push_back({ix("input_layernorm.weight"), ix("self_attn.q_a_proj.weight"),
-                       ix("self_attn.q_a_layernorm.weight"), ix("self_attn.q_b_proj.weight"),
-                       ix("self_attn.kv_a_proj_with_mqa.weight"),
-                       ix("self_attn.kv_a_layernorm.weight"), ix("self_attn.kv_b_proj.weight"),
-                       ix("self_attn.o_proj.weight"), ix("post_attention_layernorm.weight"),
-                       ix("mlp.gate_proj.weight"), ix("mlp.up_proj.weight"),
-                       ix("mlp.down_proj.weight")});
+    D_ = cfg.mtp_num_layers;
+    if (D_ > 0) {
+        const int64_t L = cfg.num_layers, first = static_cast<int64_t>(store_->params().size());
+        const std::string p = cat("model.layers.", L, ".");
+        enorm_ = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
+        hnorm_ = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
+        eh_proj_ = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
+        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg, *store_, buf_, L, tokens);
+        mtp_norm_ = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
+        store_->set_mtp_from(first);
+        for (int64_t k = 1; k <= D_; ++k) {
+            const std::string a = cat("mtp.depth", k, ".");
+            MtpSlots s{};
+            s.ids = buf_.act_i32(a + "input_ids", {Tn});
+            s.e = buf_.act(a + "embedding", {Tn, h});
+            s.en = buf_.act(a + "enorm_out", {Tn, h});
+            s.rstd_e = buf_.act(a + "enorm_rstd", {Tn});
+            s.hn = buf_.act(a + "hnorm_out", {Tn, h});
+            s.rstd_h = buf_.act(a + "hnorm_rstd", {Tn});
+            s.cat = buf_.act(a + "concat", {Tn, 2 * h});
+            s.hin = buf_.act(a + "layer_in", {Tn, h});
+            s.hout = buf_.act(a + "layer_out", {Tn, h});
+            s.hz = buf_.act(a + "head_norm_out", {Tn, h});
+            s.rstd_z = buf_.act(a + "head_norm_rstd", {Tn});
+            s.layer = mtp_layer_->declare_acts(buf_, a);
+            mtp_slots_.push_back(s);
+            s_mtp_targets_.push_back(buf_.act_i32(a + "targets", {Tn}));
+            s_dmtp_zk_.push_back(buf_.scratch(cat("grad.mtp.head_norm_out.", k), {Tn, h}));
+        }
+        s_dmtp_h_ = buf_.scratch("grad.mtp.hidden", {Tn, h});
+        s_dmtp_cat_ = buf_.scratch("grad.mtp.concat", {Tn, 2 * h});
+        s_dmtp_z_ = buf_.scratch("grad.mtp.layer_out", {Tn, h});
+        s_dmtp_e_ = buf_.scratch("grad.mtp.embedding", {Tn, h});
+        if (cfg.mtp_loss_type == "e2e_tv") {
+            s_tv_p_ = buf_.scratch("mtp.tv.target_probs", {D_, chunk_rows_, cfg.vocab_size});
+            s_tv_q_ = buf_.scratch("mtp.tv.draft_probs", {D_, chunk_rows_, cfg.vocab_size});
+            s_tv_alpha_ = buf_.scratch("mtp.tv.alpha", {D_, Tn});
+        }
     }
 }
 
 template <typename T>
+Glm5Model<T>::~Glm5Model() = default;
+
+template <typename T>
 void Glm5Model<T>::bind() {
-    auto P = [&](MemoryPlan::Slot s) { return plan_.view(s).template ptr<T>(); };
-    auto I = [&](MemoryPlan::Slot s) { return plan_.view(s).template ptr<int32_t>(); };
-    tokens_ = I(s_tokens_), targets_ = I(s_targets_), positions_ = I(s_positions_), cu_ = I(s_cu_);
-    acts_.clear();
-    for (const auto& s : slots_) {
-        acts_.push_back({P(s.x_in),   P(s.a),         P(s.rstd_in), P(s.cq_raw), P(s.cq),
-                         P(s.rstd_q), P(s.q),         P(s.ckv),     P(s.ckv_n),  P(s.rstd_kv),
-                         P(s.kv),     P(s.k),         P(s.o),       P(s.lse),    P(s.x_mid),
-                         P(s.m),      P(s.rstd_post), P(s.g),       P(s.u),      P(s.act)});
-    }
-    x_final_ = P(s_x_final_), h_final_ = P(s_h_final_), rstd_final_ = P(s_rstd_final_);
-    dx_ = P(s_dx_), dh_ = P(s_dh_), da_ = P(s_da_), dq_ = P(s_dq_), dk_ = P(s_dk_);
-    dkv_ = P(s_dkv_), do_ = P(s_do_), dcq_ = P(s_dcq_), dcq_raw_ = P(s_dcq_raw_);
-    dckv_ = P(s_dckv_), dckv_n_ = P(s_dckv_n_), dm_ = P(s_dm_), dg_ = P(s_dg_), du_ = P(s_du_);
-    dact_ = P(s_dact_), logits_ = P(s_logits_);
-    param_ptr_.clear();
-    grad_ptr_.clear();
+    param_ptr_.clear(), grad_ptr_.clear();
     for (const auto& p : store_->params()) {
-        param_ptr_.push_back(P(p.param_slot));
-        grad_ptr_.push_back(P(p.grad_slot));
+        param_ptr_.push_back(buf_.ptr<T>(p.param_slot));
+        grad_ptr_.push_back(p.grad_slot < 0 ? nullptr : buf_.ptr<T>(p.grad_slot));
+    }
+    in_.tokens = T_;
+    in_.token_ids = buf_.ptr<int32_t>(s_tokens_);
+    in_.positions = buf_.ptr<int32_t>(s_positions_);
+    in_.cu_seqlens = buf_.ptr<int32_t>(s_cu_);
+    targets_ = buf_.ptr<int32_t>(s_targets_);
+    x_.clear();
+    for (auto s : s_x_) x_.push_back(buf_.ptr<T>(s));
+    layer_acts_.clear();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        layers_[l]->bind(buf_, param_ptr_, grad_ptr_);
+        layer_acts_.push_back(layers_[l]->resolve(buf_, layer_slots_[l]));
+    }
+    // IndexShare: a shared layer attends over its source layer's top-k.
+    auto share = [&](typename DecoderLayer<T>::Acts& A, int64_t layer0) {
+        if (!cfg_.uses_dsa() || A.topk) return;
+        int64_t src = dsa_source_layer(cfg_, layer0);
+        ST_CHECK(
+            src >= 0 && src < static_cast<int64_t>(layer_acts_.size()) && layer_acts_[src].topk,
+            "DSA layer ", layer0, " shares the top-k of layer ", src, ", which has none");
+        A.topk = layer_acts_[src].topk, A.topk_len = layer_acts_[src].topk_len;
+    };
+    for (size_t l = 0; l < layers_.size(); ++l) share(layer_acts_[l], static_cast<int64_t>(l));
+    h_final_ = buf_.ptr<T>(s_h_final_), rstd_final_ = buf_.ptr<T>(s_rstd_final_);
+    dx_ = buf_.ptr<T>(s_dx_), dh_ = buf_.ptr<T>(s_dh_), logits_ = buf_.ptr<T>(s_logits_);
+    if (D_ > 0) {
+        mtp_layer_->bind(buf_, param_ptr_, grad_ptr_);
+        mtp_acts_.clear(), mtp_targets_.clear(), dmtp_zk_.clear();
+        for (int64_t k = 0; k < D_; ++k) {
+            const MtpSlots& s = mtp_slots_[k];
+            auto P = [&](MemoryPlan::Slot x) { return buf_.ptr<T>(x); };
+            MtpActs a{buf_.ptr<int32_t>(s.ids),
+                      P(s.e),
+                      P(s.en),
+                      P(s.rstd_e),
+                      P(s.hn),
+                      P(s.rstd_h),
+                      P(s.cat),
+                      P(s.hin),
+                      P(s.hout),
+                      P(s.hz),
+                      P(s.rstd_z),
+                      mtp_layer_->resolve(buf_, s.layer)};
+            share(a.layer, cfg_.num_layers);
+            mtp_acts_.push_back(a);
+            mtp_targets_.push_back(buf_.ptr<int32_t>(s_mtp_targets_[k]));
+            dmtp_zk_.push_back(buf_.ptr<T>(s_dmtp_zk_[k]));
+        }
+        dmtp_h_ = buf_.ptr<T>(s_dmtp_h_), dmtp_cat_ = buf_.ptr<T>(s_dmtp_cat_);
+        dmtp_z_ = buf_.ptr<T>(s_dmtp_z_), dmtp_e_ = buf_.ptr<T>(s_dmtp_e_);
+        if (cfg_.mtp_loss_type == "e2e_tv") {
+            tv_p_ = buf_.ptr<T>(s_tv_p_), tv_q_ = buf_.ptr<T>(s_tv_q_);
+            tv_alpha_ = buf_.ptr<T>(s_tv_alpha_);
+        }
     }
 }
 
@@ -128,149 +162,279 @@ void Glm5Model<T>::load_inputs(const MicroBatch& mb) {
     for (int64_t i = 0; i < T_; ++i)
         ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
                  " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
-    std::memcpy(tokens_, mb.tokens.data(), T_ * sizeof(int32_t));
+    int32_t* tok = const_cast<int32_t*>(in_.token_ids);
+    std::memcpy(tok, mb.tokens.data(), T_ * sizeof(int32_t));
     std::memcpy(targets_, mb.targets.data(), T_ * sizeof(int32_t));
-    std::memcpy(positions_, mb.positions.data(), T_ * sizeof(int32_t));
-    std::memcpy(cu_, mb.cu_seqlens.data(), (max_docs_ + 1) * sizeof(int32_t));
-    num_docs_ = mb.num_documents;
-}
-
-template <typename T>
-void Glm5Model<T>::forward_layer(int64_t l) {
-    const auto& c = cfg_;
-    const int64_t h = c.hidden_size, H = c.num_attention_heads, dq = c.q_head_dim();
-    const int64_t dn = c.qk_head_dim, dv = c.v_head_dim, qr = c.q_lora_rank;
-    const int64_t kr = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim, F = c.ffn_hidden_size;
-    const int64_t Tn = T_;
-    const LayerPtrs& A = acts_[l];
-    const LayerParams& W = lp_[l];
-    T* out = l + 1 < c.num_layers ? acts_[l + 1].x_in : x_final_;
-
-    cpu::rmsnorm_forward(A.x_in, h, param(W.in_norm), Tn, h, c.norm_epsilon, A.a, h, A.rstd_in);
-    gemm<T>(false, true, Tn, qr, h, 1, A.a, h, param(W.q_a), h, 0, A.cq_raw, qr);
-    cpu::rmsnorm_forward(A.cq_raw, qr, param(W.q_a_norm), Tn, qr, c.latent_norm_epsilon, A.cq, qr,
-                         A.rstd_q);
-    gemm<T>(false, true, Tn, H * dq, qr, 1, A.cq, qr, param(W.q_b), qr, 0, A.q, H * dq);
-    cpu::rope(A.q + dn, Tn, H, dr, H * dq, dq, positions_, c.rotary_base, c.rotary_interleaved,
-              false);
-    gemm<T>(false, true, Tn, kr + dr, h, 1, A.a, h, param(W.kv_a), h, 0, A.ckv, kr + dr);
-    cpu::rmsnorm_forward(A.ckv, kr + dr, param(W.kv_a_norm), Tn, kr, c.latent_norm_epsilon, A.ckv_n,
-                         kr, A.rstd_kv);
-    cpu::rope(A.ckv + kr, Tn, 1, dr, kr + dr, 0, positions_, c.rotary_base, c.rotary_interleaved,
-              false);
-    gemm<T>(false, true, Tn, H * (dn + dv), kr, 1, A.ckv_n, kr, param(W.kv_b), kr, 0, A.kv,
-            H * (dn + dv));
-    // K_h = [k_nope_h ; k_pe] with the one RoPE key shared by all heads.
-    parallel_for(
-        Tn,
-        [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; ++t)
-                for (int64_t hh = 0; hh < H; ++hh) {
-                    T* kd = A.k + (t * H + hh) * dq;
-                    std::copy_n(A.kv + (t * H + hh) * (dn + dv), dn, kd);
-                    std::copy_n(A.ckv + t * (kr + dr) + kr, dr, kd + dn);
-                }
-        },
-        16);
-    cpu::AttnShape s{Tn, H, dq, dv, H * dq, dq, H * dq, dq, H * (dn + dv), dn + dv};
-    cpu::attention_forward(s, A.q, A.k, A.kv + dn, cu_, num_docs_, 1.0 / std::sqrt(double(dq)), A.o,
-                           A.lse);
-    std::copy_n(A.x_in, Tn * h, A.x_mid);
-    gemm<T>(false, true, Tn, h, H * dv, 1, A.o, H * dv, param(W.o), H * dv, 1, A.x_mid, h);
-
-    cpu::rmsnorm_forward(A.x_mid, h, param(W.post_norm), Tn, h, c.norm_epsilon, A.m, h,
-                         A.rstd_post);
-    gemm<T>(false, true, Tn, F, h, 1, A.m, h, param(W.gate), h, 0, A.g, F);
-    gemm<T>(false, true, Tn, F, h, 1, A.m, h, param(W.up), h, 0, A.u, F);
-    cpu::swiglu_forward(A.g, A.u, Tn * F, A.act);
-    std::copy_n(A.x_mid, Tn * h, out);
-    gemm<T>(false, true, Tn, h, F, 1, A.act, F, param(W.down), F, 1, out, h);
-}
-
-template <typename T>
-void Glm5Model<T>::backward_layer(int64_t l, T* dx) {
-    const auto& c = cfg_;
-    const int64_t h = c.hidden_size, H = c.num_attention_heads, dq = c.q_head_dim();
-    const int64_t dn = c.qk_head_dim, dv = c.v_head_dim, qr = c.q_lora_rank;
-    const int64_t kr = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim, F = c.ffn_hidden_size;
-    const int64_t Tn = T_;
-    const LayerPtrs& A = acts_[l];
-    const LayerParams& W = lp_[l];
-
-    // MLP: out = x_mid + down(swiglu(gate(m), up(m))), m = RMSNorm(x_mid).
-    gemm<T>(false, false, Tn, F, h, 1, dx, h, param(W.down), F, 0, dact_, F);
-    gemm<T>(true, false, h, F, Tn, 1, dx, h, A.act, F, 1, grad(W.down), F);
-    cpu::swiglu_backward(A.g, A.u, dact_, Tn * F, dg_, du_);
-    gemm<T>(false, false, Tn, h, F, 1, dg_, F, param(W.gate), h, 0, dm_, h);
-    gemm<T>(false, false, Tn, h, F, 1, du_, F, param(W.up), h, 1, dm_, h);
-    gemm<T>(true, false, F, h, Tn, 1, dg_, F, A.m, h, 1, grad(W.gate), h);
-    gemm<T>(true, false, F, h, Tn, 1, du_, F, A.m, h, 1, grad(W.up), h);
-    cpu::rmsnorm_backward(dm_, h, A.x_mid, h, param(W.post_norm), A.rstd_post, Tn, h, dx, h, true,
-                          grad(W.post_norm));
-
-    // Attention: x_mid = x_in + o_proj(attn).
-    gemm<T>(false, false, Tn, H * dv, h, 1, dx, h, param(W.o), H * dv, 0, do_, H * dv);
-    gemm<T>(true, false, h, H * dv, Tn, 1, dx, h, A.o, H * dv, 1, grad(W.o), H * dv);
-    cpu::AttnShape s{Tn, H, dq, dv, H * dq, dq, H * dq, dq, H * (dn + dv), dn + dv};
-    cpu::attention_backward(s, A.q, A.k, A.kv + dn, A.o, A.lse, do_, cu_, num_docs_,
-                            1.0 / std::sqrt(double(dq)), dq_, dk_, dkv_ + dn);
-    parallel_for(
-        Tn,
-        [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; ++t) {
-                T* dpe = dckv_ + t * (kr + dr) + kr;
-                std::fill_n(dpe, dr, T(0));
-                for (int64_t hh = 0; hh < H; ++hh) {
-                    const T* dkd = dk_ + (t * H + hh) * dq;
-                    std::copy_n(dkd, dn, dkv_ + (t * H + hh) * (dn + dv));
-                    for (int64_t i = 0; i < dr; ++i) dpe[i] += dkd[dn + i];
-                }
+    std::memcpy(const_cast<int32_t*>(in_.positions), mb.positions.data(), T_ * sizeof(int32_t));
+    std::memcpy(const_cast<int32_t*>(in_.cu_seqlens), mb.cu_seqlens.data(),
+                (max_docs_ + 1) * sizeof(int32_t));
+    in_.num_docs = mb.num_documents;
+    // MTP: depth k reads the token at row i+k and predicts row i+k+1, inside i's document only.
+    for (int64_t k = 1; k <= D_; ++k) {
+        int32_t* ids = mtp_acts_[k - 1].ids;
+        int32_t* tg = mtp_targets_[k - 1];
+        std::fill_n(ids, T_, -1);
+        std::fill_n(tg, T_, -1);
+        for (int64_t d = 0; d < in_.num_docs; ++d) {
+            const int64_t b = in_.cu_seqlens[d], e = in_.cu_seqlens[d + 1];
+            for (int64_t i = b; i < e; ++i) {
+                if (i + k < e) ids[i] = tok[i + k];
+                if (i + k + 1 < e) tg[i] = tok[i + k + 1];
             }
-        },
-        16);
-    cpu::rope(dq_ + dn, Tn, H, dr, H * dq, dq, positions_, c.rotary_base, c.rotary_interleaved,
-              true);
-    cpu::rope(dckv_ + kr, Tn, 1, dr, kr + dr, 0, positions_, c.rotary_base, c.rotary_interleaved,
-              true);
-    gemm<T>(false, false, Tn, kr, H * (dn + dv), 1, dkv_, H * (dn + dv), param(W.kv_b), kr, 0,
-            dckv_n_, kr);
-    gemm<T>(true, false, H * (dn + dv), kr, Tn, 1, dkv_, H * (dn + dv), A.ckv_n, kr, 1,
-            grad(W.kv_b), kr);
-    cpu::rmsnorm_backward(dckv_n_, kr, A.ckv, kr + dr, param(W.kv_a_norm), A.rstd_kv, Tn, kr, dckv_,
-                          kr + dr, false, grad(W.kv_a_norm));
-    gemm<T>(false, false, Tn, qr, H * dq, 1, dq_, H * dq, param(W.q_b), qr, 0, dcq_, qr);
-    gemm<T>(true, false, H * dq, qr, Tn, 1, dq_, H * dq, A.cq, qr, 1, grad(W.q_b), qr);
-    cpu::rmsnorm_backward(dcq_, qr, A.cq_raw, qr, param(W.q_a_norm), A.rstd_q, Tn, qr, dcq_raw_, qr,
-                          false, grad(W.q_a_norm));
-    gemm<T>(false, false, Tn, h, kr + dr, 1, dckv_, kr + dr, param(W.kv_a), h, 0, da_, h);
-    gemm<T>(false, false, Tn, h, qr, 1, dcq_raw_, qr, param(W.q_a), h, 1, da_, h);
-    gemm<T>(true, false, kr + dr, h, Tn, 1, dckv_, kr + dr, A.a, h, 1, grad(W.kv_a), h);
-    gemm<T>(true, false, qr, h, Tn, 1, dcq_raw_, qr, A.a, h, 1, grad(W.q_a), h);
-    cpu::rmsnorm_backward(da_, h, A.x_in, h, param(W.in_norm), A.rstd_in, Tn, h, dx, h, true,
-                          grad(W.in_norm));
+        }
+    }
 }
 
 template <typename T>
-LossSums Glm5Model<T>::forward_backward(double grad_scale, bool backward) {
+LossSums Glm5Model<T>::forward_backward(double lm_scale, bool backward) {
+    LossScales sc;
+    sc.backward = backward;
+    sc.lm = lm_scale;
+    return forward_backward(sc);
+}
+
+template <typename T>
+LossSums Glm5Model<T>::forward_backward(const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
-    ST_ASSERT(!acts_.empty() || c.num_layers == 0, "model not bound");
-    T* x0 = c.num_layers > 0 ? acts_[0].x_in : x_final_;
-    cpu::embedding_forward(tokens_, Tn, param(embed_), c.vocab_size, h, x0);
-    for (int64_t l = 0; l < c.num_layers; ++l) forward_layer(l);
-    cpu::rmsnorm_forward(x_final_, h, param(final_norm_), Tn, h, c.norm_epsilon, h_final_, h,
-                         rstd_final_);
     LossSums out;
-    cpu::head_cross_entropy(h_final_, Tn, h, param(head_), c.vocab_size, targets_,
-                            std::min(chunk_rows_, Tn), logits_, grad_scale,
-                            backward ? dh_ : nullptr, backward ? grad(head_) : nullptr,
-                            &out.lm_loss_sum, &out.lm_targets);
-    if (!backward) return out;
-    cpu::rmsnorm_backward(dh_, h, x_final_, h, param(final_norm_), rstd_final_, Tn, h, dx_, h,
-                          false, grad(final_norm_));
-    for (int64_t l = c.num_layers - 1; l >= 0; --l) backward_layer(l, dx_);
-    cpu::embedding_backward(tokens_, Tn, dx_, c.vocab_size, h, grad(embed_));
+    cpu::embedding_forward(in_.token_ids, Tn, param(embed_), c.vocab_size, h, x_[0]);
+    const double idx_gs = sc.backward ? sc.indexer : 0.0;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+        LayerLosses ll = layers_[l]->forward(layer_acts_[l], x_[l], x_[l + 1], in_, idx_gs, sc.aux);
+        out.indexer_loss += ll.indexer;
+        out.aux_loss += ll.aux;
+    }
+    cpu::rmsnorm_forward(x_[c.num_layers], h, param(final_norm_), Tn, h, c.norm_epsilon, h_final_,
+                         h, rstd_final_);
+    cpu::head_cross_entropy(h_final_, Tn, h, param(head_), c.vocab_size, targets_, chunk_rows_,
+                            logits_, sc.lm, sc.backward ? dh_ : (T*)nullptr,
+                            sc.backward ? grad(head_) : (T*)nullptr, &out.lm_loss_sum,
+                            &out.lm_targets);
+    if (D_ > 0) mtp_forward(sc, out);
+    if (!sc.backward) return out;
+    if (D_ > 0) mtp_backward(sc);  // adds into dh_ unless the heads are detached
+    cpu::rmsnorm_backward(dh_, h, x_[c.num_layers], h, param(final_norm_), rstd_final_, Tn, h, dx_,
+                          h, false, grad(final_norm_));
+    for (int64_t l = c.num_layers - 1; l >= 0; --l)
+        layers_[l]->backward(layer_acts_[l], x_[l], dx_, in_, sc.aux);
+    cpu::embedding_backward(in_.token_ids, Tn, dx_, c.vocab_size, h, grad(embed_));
     return out;
+}
+
+template <typename T>
+void Glm5Model<T>::mtp_forward(const LossScales& sc, LossSums& out) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    const T* prev = h_final_;
+    const double idx_gs = sc.backward ? sc.indexer : 0.0;
+    for (int64_t k = 0; k < D_; ++k) {
+        MtpActs& A = mtp_acts_[k];
+        parallel_for(
+            Tn,
+            [&](int64_t b, int64_t e) {
+                for (int64_t i = b; i < e; ++i) {
+                    T* row = A.e + i * h;
+                    if (A.ids[i] < 0)
+                        std::fill_n(row, h, T(0));  // no input crosses a document
+                    else
+                        std::copy_n(param(embed_) + int64_t(A.ids[i]) * h, h, row);
+                }
+            },
+            16);
+        cpu::rmsnorm_forward(A.e, h, param(enorm_), Tn, h, c.norm_epsilon, A.en, h, A.rstd_e);
+        cpu::rmsnorm_forward(prev, h, param(hnorm_), Tn, h, c.norm_epsilon, A.hn, h, A.rstd_h);
+        for (int64_t i = 0; i < Tn; ++i) {
+            std::copy_n(A.en + i * h, h, A.cat + i * 2 * h);  // embedding half first
+            std::copy_n(A.hn + i * h, h, A.cat + i * 2 * h + h);
+        }
+        gemm<T>(false, true, Tn, h, 2 * h, 1, A.cat, 2 * h, param(eh_proj_), 2 * h, 0, A.hin, h);
+        LayerLosses ll = mtp_layer_->forward(A.layer, A.hin, A.hout, in_, idx_gs, sc.aux);
+        out.indexer_loss += ll.indexer;
+        out.aux_loss += ll.aux;
+        out.mtp_aux_loss += ll.aux;
+        cpu::rmsnorm_forward(A.hout, h, param(mtp_norm_), Tn, h, c.norm_epsilon, A.hz, h, A.rstd_z);
+        prev = A.hout;
+    }
+    if (c.mtp_loss_type == "e2e_tv") {
+        mtp_tv_loss(sc, out);
+        return;
+    }
+    out.mtp_sum.assign(D_, 0.0);
+    out.mtp_count.assign(D_, 0);
+    for (int64_t k = 0; k < D_; ++k) {
+        const double scale = sc.backward ? sc.mtp.at(k) : 0.0;
+        T* dw = sc.backward && !c.mtp_detach_heads ? grad(head_) : nullptr;
+        cpu::head_cross_entropy(mtp_acts_[k].hz, Tn, h, param(head_), c.vocab_size, mtp_targets_[k],
+                                chunk_rows_, logits_, scale,
+                                sc.backward ? dmtp_zk_[k] : (T*)nullptr, dw, &out.mtp_sum[k],
+                                &out.mtp_count[k]);
+    }
+}
+
+template <typename T>
+void Glm5Model<T>::mtp_tv_loss(const LossScales& sc, LossSums& out) {
+    // e2e_tv (SPEC §5): p_k[i] = softmax(z_main[i+k]) (no gradient), q_k[i] = softmax(z^k[i]),
+    // α_k = Σ_v min(p, q); per start row whose whole chain stays in its document,
+    // L = (1/D) Σ_j (1 - Π_{k<=j} α_k).
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, V = c.vocab_size, Tn = T_, D = D_;
+    out.mtp_sum.assign(1, 0.0);
+    out.mtp_count.assign(1, 0);
+    std::vector<uint8_t> valid(Tn, 0);
+    for (int64_t d = 0; d < in_.num_docs; ++d)
+        for (int64_t i = in_.cu_seqlens[d]; i + D < in_.cu_seqlens[d + 1]; ++i) valid[i] = 1;
+    const double row_w = sc.backward ? sc.mtp.at(0) : 0.0;
+    for (int64_t k = 0; k < D; ++k)
+        if (sc.backward) std::fill_n(dmtp_zk_[k], Tn * h, T(0));
+    auto softmax_rows = [&](T* z, int64_t n) {
+        for (int64_t r = 0; r < n; ++r) {
+            T* row = z + r * V;
+            double mx = -INFINITY, sum = 0;
+            for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
+            for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
+            for (int64_t v = 0; v < V; ++v)
+                row[v] = static_cast<T>(std::exp(double(row[v]) - mx) / sum);
+        }
+    };
+    for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
+        const int64_t n = std::min(chunk_rows_, Tn - r0);
+        for (int64_t k = 0; k < D; ++k) {
+            T* p = tv_p_ + k * chunk_rows_ * V;
+            T* q = tv_q_ + k * chunk_rows_ * V;
+            // Target rows i + k + 1 (depth index k is depth k+1); rows past the end are unused.
+            const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
+            std::fill_n(p, n * V, T(0));
+            if (m > 0)
+                gemm<T>(false, true, m, V, h, 1, h_final_ + (r0 + shift) * h, h, param(head_), h, 0,
+                        p, V);
+            softmax_rows(p, n);
+            gemm<T>(false, true, n, V, h, 1, mtp_acts_[k].hz + r0 * h, h, param(head_), h, 0, q, V);
+            softmax_rows(q, n);
+            for (int64_t r = 0; r < n; ++r) {
+                double a = 0;
+                for (int64_t v = 0; v < V; ++v)
+                    a += std::min(double(p[r * V + v]), double(q[r * V + v]));
+                tv_alpha_[k * Tn + r0 + r] = static_cast<T>(a);
+            }
+        }
+        for (int64_t r = 0; r < n; ++r) {
+            const int64_t i = r0 + r;
+            if (!valid[i]) continue;
+            double prod = 1, loss = 0, accept = 0;
+            std::vector<double> prefix(D + 1, 1.0);
+            for (int64_t k = 0; k < D; ++k) {
+                prod *= double(tv_alpha_[k * Tn + i]);
+                prefix[k + 1] = prod;
+                loss += 1.0 - prod;
+                accept += prod;
+            }
+            out.mtp_sum[0] += loss / double(D);
+            out.mtp_acceptance_sum += accept;
+            ++out.mtp_count[0];
+            if (!sc.backward) continue;
+            // ∂L/∂α_d = -(1/D) Π_{i<d} α_i (1 + Σ_{j>d} Π_{d<i<=j} α_i), without dividing by α.
+            for (int64_t d = 0; d < D; ++d) {
+                double tail = 1, run = 1;
+                for (int64_t j = d + 1; j < D; ++j) {
+                    run *= double(tv_alpha_[j * Tn + i]);
+                    tail += run;
+                }
+                const double dalpha = -prefix[d] * tail / double(D) * row_w;
+                // α = 1 - TV; ∂TV/∂z_v = q_v (s - 1 + 1[q_v > p_v]), s = Σ_{q<=p} q.
+                const T* p = tv_p_ + (d * chunk_rows_ + r) * V;
+                T* q = tv_q_ + (d * chunk_rows_ + r) * V;
+                double s = 0;
+                for (int64_t v = 0; v < V; ++v)
+                    if (q[v] <= p[v]) s += q[v];
+                for (int64_t v = 0; v < V; ++v) {
+                    double dtv = double(q[v]) * (s - 1.0 + (q[v] > p[v] ? 1.0 : 0.0));
+                    q[v] = static_cast<T>(-dalpha * dtv);  // dL/dz, reusing q's storage
+                }
+            }
+        }
+        if (!sc.backward) continue;
+        for (int64_t k = 0; k < D; ++k) {
+            T* dz = tv_q_ + k * chunk_rows_ * V;
+            for (int64_t r = 0; r < n; ++r)
+                if (!valid[r0 + r]) std::fill_n(dz + r * V, V, T(0));
+            // Heads are detached under e2e_tv: no gradient into lm_head.
+            gemm<T>(false, false, n, h, V, 1, dz, V, param(head_), h, 0, dmtp_zk_[k] + r0 * h, h);
+        }
+    }
+}
+
+template <typename T>
+void Glm5Model<T>::mtp_backward(const LossScales& sc) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    // dmtp_h_: gradient of h^k flowing back from depth k+1 (through its hnorm input).
+    std::fill_n(dmtp_h_, Tn * h, T(0));
+    for (int64_t k = D_ - 1; k >= 0; --k) {
+        MtpActs& A = mtp_acts_[k];
+        // dz: from this depth's loss (through the shared-head norm) plus from depth k+2.
+        std::copy_n(dmtp_h_, Tn * h, dmtp_z_);
+        cpu::rmsnorm_backward(dmtp_zk_[k], h, A.hout, h, param(mtp_norm_), A.rstd_z, Tn, h, dmtp_z_,
+                              h, true, grad(mtp_norm_));
+        mtp_layer_->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux);  // dmtp_z_ = d h'
+        gemm<T>(false, false, Tn, 2 * h, h, 1, dmtp_z_, h, param(eh_proj_), 2 * h, 0, dmtp_cat_,
+                2 * h);
+        gemm<T>(true, false, h, 2 * h, Tn, 1, dmtp_z_, h, A.cat, 2 * h, 1, grad(eh_proj_), 2 * h);
+        // Embedding half.
+        cpu::rmsnorm_backward(dmtp_cat_, 2 * h, A.e, h, param(enorm_), A.rstd_e, Tn, h, dmtp_e_, h,
+                              false, grad(enorm_));
+        if (!c.mtp_detach_heads) {
+            T* dE = grad(embed_);
+            for (int64_t i = 0; i < Tn; ++i) {
+                if (A.ids[i] < 0) continue;
+                T* dst = dE + int64_t(A.ids[i]) * h;
+                for (int64_t j = 0; j < h; ++j) dst[j] += dmtp_e_[i * h + j];
+            }
+        }
+        // Hidden half: into h^{k-1} (the previous depth's layer output, or the final norm output).
+        const T* prev = k > 0 ? mtp_acts_[k - 1].hout : h_final_;
+        cpu::rmsnorm_backward(dmtp_cat_ + h, 2 * h, prev, h, param(hnorm_), A.rstd_h, Tn, h,
+                              dmtp_h_, h, false, grad(hnorm_));
+    }
+    if (!c.mtp_detach_heads) cpu::add_inplace(dh_, dmtp_h_, Tn * h);
+}
+
+template <typename T>
+void Glm5Model<T>::reset_moe_stats() {
+    for (auto& l : layers_)
+        if (l->moe()) {
+            std::fill(l->moe()->stats().load.begin(), l->moe()->stats().load.end(), 0);
+            l->moe()->stats().dropped = 0;
+        }
+    if (mtp_layer_ && mtp_layer_->moe()) {
+        std::fill(mtp_layer_->moe()->stats().load.begin(), mtp_layer_->moe()->stats().load.end(),
+                  0);
+        mtp_layer_->moe()->stats().dropped = 0;
+    }
+}
+
+template <typename T>
+std::vector<std::vector<int64_t>> Glm5Model<T>::moe_loads() const {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& l : layers_)
+        if (l->moe()) out.push_back(l->moe()->stats().load);
+    return out;
+}
+
+template <typename T>
+int64_t Glm5Model<T>::moe_dropped() const {
+    int64_t n = 0;
+    for (const auto& l : layers_)
+        if (l->moe()) n += l->moe()->stats().dropped;
+    if (mtp_layer_ && mtp_layer_->moe()) n += mtp_layer_->moe()->stats().dropped;
+    return n;
+}
+
+template <typename T>
+void Glm5Model<T>::update_router_bias(double rate) {
+    for (auto& l : layers_)
+        if (l->moe()) l->moe()->update_bias(rate);
+    if (mtp_layer_ && mtp_layer_->moe()) mtp_layer_->moe()->update_bias(rate);
 }
 
 template class Glm5Model<float>;

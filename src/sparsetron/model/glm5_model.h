@@ -1,9 +1,11 @@
-// The GLM-5 model on the CPU backend: embedding, L x (RMSNorm, MLA attention, RMSNorm, dense
-// SwiGLU), final RMSNorm, and the output head fused with cross-entropy (SPEC §1-2).
+// The GLM-5 model on the CPU backend (SPEC §1-5): embedding, decoder layers (MLA with optional DSA,
+// dense SwiGLU or MoE), final RMSNorm, the output head fused with cross-entropy over row chunks,
+// and the repeated MTP layer with its cross-entropy or end-to-end TV loss.
 //
-// Explicit forward and backward (DESIGN §1.3): `forward` saves exactly the activations listed in
-// `LayerActs`, whose memory comes from the plan; `backward` consumes them. Templated on the element
-// type so the whole model can be gradient-checked in fp64.
+// Explicit forward and backward (DESIGN §1.3): every buffer is declared into the memory plan at
+// construction; forward saves activations per use site (the MTP layer keeps one set per depth);
+// backward consumes them. Templated on the element type so the whole model can be
+// gradient-checked in fp64.
 #pragma once
 
 #include <memory>
@@ -12,77 +14,109 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/data/packer.h"
+#include "sparsetron/model/buffers.h"
+#include "sparsetron/model/decoder_layer.h"
 #include "sparsetron/model/param_store.h"
 
 namespace sparsetron {
 
+// How each loss of one micro-batch enters the step's objective (SPEC §5-6). Gradients are those
+// of lm * Σ CE + Σ_k mtp[k] * (depth-k CE sum or TV-chain sum) + indexer * Σ_layers L_I + aux *
+// L_aux.
+struct LossScales {
+    bool backward = false;
+    double lm = 0;            // per LM target row: 1 / (targets in the global batch)
+    std::vector<double> mtp;  // per depth (cross_entropy) or one value (e2e_tv): per-row weight
+    double indexer = 0;       // weight of this micro-batch's indexer loss (1 / micro-batches)
+    double aux = 0;           // weight of this micro-batch's MoE aux loss
+};
+
 struct LossSums {
-    double lm_loss_sum = 0;  // Σ CE over target rows
+    double lm_loss_sum = 0;  // Σ CE over LM target rows
     int64_t lm_targets = 0;
+    std::vector<double> mtp_sum;     // cross_entropy: Σ CE per depth; e2e_tv: [Σ chain loss]
+    std::vector<int64_t> mtp_count;  // rows counted per depth (or [chain rows])
+    double mtp_acceptance_sum = 0;   // e2e_tv: Σ over rows of Σ_j Π_{k<=j} α_k
+    double indexer_loss = 0;         // Σ over full layers of coeff * mean KL
+    double aux_loss = 0;             // MoE aux loss of all layers (already weighted by `aux`)
+    double mtp_aux_loss = 0;         // the part of aux_loss from the MTP layer's depths
 };
 
 template <typename T>
 class Glm5Model {
   public:
-    // Declares parameters, gradients, activations and workspace for micro-batches of `tokens`
-    // slots and at most `max_docs` documents. `chunk_rows`: rows per fused head+loss chunk.
     Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
               int64_t chunk_rows);
-
-    // After plan.allocate(): resolves every planned buffer to a pointer.
+    ~Glm5Model();
     void bind();
 
     const ParamStore& params() const { return *store_; }
     const ModelConfig& config() const { return cfg_; }
     int64_t tokens() const { return T_; }
+    int64_t mtp_depths() const { return D_; }
 
-    // Copies the micro-batch into the planned input buffers.
     void load_inputs(const MicroBatch& mb);
-    // Forward (and, if `grad_scale` is non-zero, backward with dLoss/dCE_row = grad_scale for
-    // every target row). Parameter gradients accumulate into the gradient arena.
-    LossSums forward_backward(double grad_scale, bool backward);
+    LossSums forward_backward(const LossScales& scales);
+    // Forward only, LM loss only (eval) — or with backward at a uniform per-target scale.
+    LossSums forward_backward(double lm_scale, bool backward);
+
+    // MoE bookkeeping across a step.
+    void reset_moe_stats();
+    std::vector<std::vector<int64_t>> moe_loads() const;
+    int64_t moe_dropped() const;
+    void update_router_bias(double rate);
 
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }
 
   private:
-    struct LayerSlots {
-        MemoryPlan::Slot x_in, a, rstd_in, cq_raw, cq, rstd_q, q, ckv, ckv_n, rstd_kv, kv, k, o,
-            lse, x_mid, m, rstd_post, g, u, act;
+    struct MtpSlots {
+        MemoryPlan::Slot ids, e, en, rstd_e, hn, rstd_h, cat, hin, hout, hz, rstd_z;
+        typename DecoderLayer<T>::Slots layer;
     };
-    struct LayerPtrs {
-        T *x_in, *a, *rstd_in, *cq_raw, *cq, *rstd_q, *q, *ckv, *ckv_n, *rstd_kv, *kv, *k, *o, *lse,
-            *x_mid, *m, *rstd_post, *g, *u, *act;
+    struct MtpActs {
+        int32_t* ids;
+        T *e, *en, *rstd_e, *hn, *rstd_h, *cat, *hin, *hout, *hz, *rstd_z;
+        typename DecoderLayer<T>::Acts layer;
     };
-    struct LayerParams {
-        int64_t in_norm, q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o, post_norm, gate, up, down;
-    };
-
-    void forward_layer(int64_t l);
-    void backward_layer(int64_t l, T* dx);
+    void mtp_forward(const LossScales& sc, LossSums& out);
+    void mtp_backward(const LossScales& sc);
+    void mtp_tv_loss(const LossScales& sc, LossSums& out);
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
+    Buffers buf_;
     std::unique_ptr<ParamStore> store_;
-    int64_t T_, max_docs_, chunk_rows_;
-    std::vector<LayerSlots> slots_;
-    std::vector<LayerPtrs> acts_;
-    std::vector<LayerParams> lp_;
+    int64_t T_, max_docs_, chunk_rows_, D_ = 0;
+    std::vector<std::unique_ptr<DecoderLayer<T>>> layers_;
+    std::vector<typename DecoderLayer<T>::Slots> layer_slots_;
+    std::vector<typename DecoderLayer<T>::Acts> layer_acts_;
+    std::vector<MemoryPlan::Slot> s_x_;  // residual stream: x_0 .. x_L
+    std::vector<T*> x_;
     int64_t embed_ = 0, final_norm_ = 0, head_ = 0;
     std::vector<T*> param_ptr_, grad_ptr_;
 
-    // Inputs (planned, so a CUDA graph could read them from fixed addresses).
+    // MTP.
+    std::unique_ptr<DecoderLayer<T>> mtp_layer_;
+    int64_t enorm_ = -1, hnorm_ = -1, eh_proj_ = -1, mtp_norm_ = -1;
+    std::vector<MtpSlots> mtp_slots_;
+    std::vector<MtpActs> mtp_acts_;
+    std::vector<MemoryPlan::Slot> s_mtp_targets_;
+    std::vector<int32_t*> mtp_targets_;
+    MemoryPlan::Slot s_dmtp_h_, s_dmtp_cat_, s_dmtp_z_, s_dmtp_e_, s_tv_p_, s_tv_q_, s_tv_alpha_;
+    T *dmtp_h_ = nullptr, *dmtp_cat_ = nullptr, *dmtp_z_ = nullptr, *dmtp_e_ = nullptr;
+    T *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr;
+    std::vector<MemoryPlan::Slot> s_dmtp_zk_;
+    std::vector<T*> dmtp_zk_;
+
+    // Inputs.
     MemoryPlan::Slot s_tokens_, s_targets_, s_positions_, s_cu_;
-    int32_t *tokens_ = nullptr, *targets_ = nullptr, *positions_ = nullptr, *cu_ = nullptr;
-    int64_t num_docs_ = 0;
-    // Final norm activations.
-    MemoryPlan::Slot s_x_final_, s_h_final_, s_rstd_final_;
-    T *x_final_ = nullptr, *h_final_ = nullptr, *rstd_final_ = nullptr;
-    // Backward workspace, shared by all layers.
-    MemoryPlan::Slot s_dx_, s_dh_, s_da_, s_dq_, s_dk_, s_dkv_, s_do_, s_dcq_, s_dckv_, s_dm_,
-        s_dg_, s_du_, s_dact_, s_logits_, s_dcq_raw_, s_dckv_n_;
-    T *dx_, *dh_, *da_, *dq_, *dk_, *dkv_, *do_, *dcq_, *dckv_, *dm_, *dg_, *du_, *dact_, *logits_,
-        *dcq_raw_, *dckv_n_;
+    StepInputs in_;
+    int32_t* targets_ = nullptr;
+    MemoryPlan::Slot s_h_final_, s_rstd_final_;
+    T *h_final_ = nullptr, *rstd_final_ = nullptr;
+    MemoryPlan::Slot s_dx_, s_dh_, s_logits_;
+    T *dx_ = nullptr, *dh_ = nullptr, *logits_ = nullptr;
 };
 
 extern template class Glm5Model<float>;

@@ -14,52 +14,44 @@ int64_t ParamInfo::numel() const {
     return n;
 }
 
-ParamStore::ParamStore(const ModelConfig& m, MemoryPlan& plan, DType dtype)
-    : plan_(plan), dtype_(dtype) {
-    const int64_t h = m.hidden_size, H = m.num_attention_heads;
-    add("model.embed_tokens.weight", {m.vocab_size, h}, InitRule::Normal, OptimGroup::AdamW, true);
-    for (int64_t l = 0; l < m.num_layers; ++l) {
-        const std::string p = cat("model.layers.", l, ".");
-        add(p + "input_layernorm.weight", {h}, InitRule::Ones, OptimGroup::AdamW, false);
-        add(p + "self_attn.q_a_proj.weight", {m.q_lora_rank, h}, InitRule::Normal, OptimGroup::Muon,
-            true);
-        add(p + "self_attn.q_a_layernorm.weight", {m.q_lora_rank}, InitRule::Ones,
-            OptimGroup::AdamW, false);
-        add(p + "self_attn.q_b_proj.weight", {H * m.q_head_dim(), m.q_lora_rank}, InitRule::Normal,
-            OptimGroup::Muon, true);
-        add(p + "self_attn.kv_a_proj_with_mqa.weight", {m.kv_lora_rank + m.qk_pos_emb_head_dim, h},
-            InitRule::Normal, OptimGroup::Muon, true);
-        add(p + "self_attn.kv_a_layernorm.weight", {m.kv_lora_rank}, InitRule::Ones,
-            OptimGroup::AdamW, false);
-        add(p + "self_attn.kv_b_proj.weight", {H * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank},
-            InitRule::Normal, OptimGroup::Muon, true);
-        add(p + "self_attn.o_proj.weight", {h, H * m.v_head_dim}, InitRule::ScaledNormal,
-            OptimGroup::Muon, true);
-        add(p + "post_attention_layernorm.weight", {h}, InitRule::Ones, OptimGroup::AdamW, false);
-        ST_CHECK(!m.is_moe_layer(l), "layer ", l,
-                 " is an MoE layer; MoE layers are not implemented yet (CPU dense slice only)");
-        add(p + "mlp.gate_proj.weight", {m.ffn_hidden_size, h}, InitRule::Normal, OptimGroup::Muon,
-            true);
-        add(p + "mlp.up_proj.weight", {m.ffn_hidden_size, h}, InitRule::Normal, OptimGroup::Muon,
-            true);
-        add(p + "mlp.down_proj.weight", {h, m.ffn_hidden_size}, InitRule::ScaledNormal,
-            OptimGroup::Muon, true);
-    }
-    add("model.norm.weight", {h}, InitRule::Ones, OptimGroup::AdamW, false);
-    add("lm_head.weight", {m.vocab_size, h}, InitRule::Normal, OptimGroup::AdamW, true);
+int64_t ParamStore::push(ParamInfo p) {
+    ST_ASSERT(index_of(p.name) < 0, "parameter '", p.name, "' registered twice");
+    p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
+    if (p.trainable)
+        p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad", dtype_, p.shape);
+    params_.push_back(std::move(p));
+    return static_cast<int64_t>(params_.size()) - 1;
 }
 
-void ParamStore::add(std::string name, std::vector<int64_t> shape, InitRule init, OptimGroup group,
-                     bool decay) {
+int64_t ParamStore::add(std::string name, std::vector<int64_t> shape, InitRule init, bool decay) {
     ParamInfo p;
     p.name = std::move(name);
-    p.shape = shape;
-    p.group = group;
+    p.group = shape.size() == 2 ? OptimGroup::Muon : OptimGroup::AdamW;
+    p.shape = std::move(shape);
     p.weight_decay = decay;
     p.init = init;
-    p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, shape);
-    p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad", dtype_, shape);
-    params_.push_back(std::move(p));
+    return push(std::move(p));
+}
+
+int64_t ParamStore::add_embedding_like(std::string name, std::vector<int64_t> shape) {
+    int64_t i = add(std::move(name), std::move(shape), InitRule::Normal, true);
+    params_[i].group = OptimGroup::AdamW;
+    return i;
+}
+
+int64_t ParamStore::add_buffer(std::string name, std::vector<int64_t> shape, InitRule init) {
+    ParamInfo p;
+    p.name = std::move(name);
+    p.shape = std::move(shape);
+    p.group = OptimGroup::None;
+    p.trainable = false;
+    p.weight_decay = false;
+    p.init = init;
+    return push(std::move(p));
+}
+
+void ParamStore::set_mtp_from(int64_t first) {
+    for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i) params_[i].mtp = true;
 }
 
 const ParamInfo& ParamStore::at(const std::string& name) const {
@@ -74,9 +66,10 @@ int64_t ParamStore::index_of(const std::string& name) const {
     return -1;
 }
 
-int64_t ParamStore::total_numel() const {
+int64_t ParamStore::total_numel(bool trainable_only) const {
     int64_t n = 0;
-    for (const auto& p : params_) n += p.numel();
+    for (const auto& p : params_)
+        if (p.trainable || !trainable_only) n += p.numel();
     return n;
 }
 

@@ -1,18 +1,18 @@
 // ParamStore: the one table of parameters (DESIGN §3). Every parameter has its HuggingFace name,
 // shape, optimizer group and init rule; checkpoints, optimizer routing and gradient reduction all
-// iterate this table. Parameters and their gradients live in the plan's Parameters and Gradients
-// arenas (one allocation each), in table order.
+// iterate this table. Modules register their parameters here when they are built; values and
+// gradients live in the plan's Parameters and Gradients arenas, in registration order.
+// Buffers (like the MoE expert bias) are saved with the weights but are not trained.
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
 
 namespace sparsetron {
 
-enum class OptimGroup : uint8_t { AdamW, Muon };
+enum class OptimGroup : uint8_t { AdamW, Muon, None };
 enum class InitRule : uint8_t { Normal, ScaledNormal, Ones, Zeros };
 
 struct ParamInfo {
@@ -20,30 +20,36 @@ struct ParamInfo {
     std::vector<int64_t> shape;
     OptimGroup group = OptimGroup::AdamW;
     bool weight_decay = true;
+    bool trainable = true;  // false for buffers
+    bool mtp = false;       // belongs to the MTP layer (its own clipping group when detached)
     InitRule init = InitRule::Normal;
     MemoryPlan::Slot param_slot = -1;
-    MemoryPlan::Slot grad_slot = -1;
+    MemoryPlan::Slot grad_slot = -1;  // -1 for buffers
     int64_t numel() const;
 };
 
 class ParamStore {
   public:
-    // Declares every parameter of `m` that the engine implements today (embedding, per-layer MLA,
-    // norms, dense SwiGLU, final norm, output head) into `plan` with element type `dtype`.
-    ParamStore(const ModelConfig& m, MemoryPlan& plan, DType dtype);
+    ParamStore(MemoryPlan& plan, DType dtype) : plan_(plan), dtype_(dtype) {}
+
+    // A trainable parameter; the group follows SPEC §7 (Muon for 2-D weights, AdamW otherwise)
+    // unless `group` is given. Returns its index.
+    int64_t add(std::string name, std::vector<int64_t> shape, InitRule init, bool decay = true);
+    int64_t add_embedding_like(std::string name, std::vector<int64_t> shape);  // AdamW, 2-D
+    int64_t add_buffer(std::string name, std::vector<int64_t> shape, InitRule init);
+    void set_mtp_from(int64_t first_index);  // marks parameters [first_index, end) as MTP
 
     const std::vector<ParamInfo>& params() const { return params_; }
     const ParamInfo& at(const std::string& name) const;
     int64_t index_of(const std::string& name) const;  // -1 if absent
-    int64_t total_numel() const;
+    int64_t total_numel(bool trainable_only = true) const;
     DType dtype() const { return dtype_; }
 
     // Fills every parameter from its init rule with a counter-based RNG keyed by (seed, name).
     void initialize(const MemoryPlan& plan, uint64_t seed, double std, int64_t num_layers) const;
 
   private:
-    void add(std::string name, std::vector<int64_t> shape, InitRule init, OptimGroup group,
-             bool decay);
+    int64_t push(ParamInfo p);
     std::vector<ParamInfo> params_;
     MemoryPlan& plan_;
     DType dtype_;

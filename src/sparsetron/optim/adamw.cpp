@@ -11,6 +11,10 @@ namespace sparsetron {
 
 AdamW::AdamW(const ParamStore& store, MemoryPlan& plan) : store_(store) {
     for (const auto& p : store.params()) {
+        if (!p.trainable) {  // buffers (the MoE expert bias) have no optimizer state
+            m_.push_back(-1), v_.push_back(-1);
+            continue;
+        }
         m_.push_back(
             plan.add(MemClass::OptimizerState, p.name + ".exp_avg", store.dtype(), p.shape));
         v_.push_back(
@@ -35,7 +39,7 @@ double global_grad_norm(const ParamStore& store, const MemoryPlan& plan) {
     with_type(store.dtype(), [&](auto zero) {
         using T = decltype(zero);
         for (const auto& p : store.params())
-            ss += cpu::sum_squares(plan.view(p.grad_slot).ptr<T>(), p.numel());
+            if (p.trainable) ss += cpu::sum_squares(plan.view(p.grad_slot).ptr<T>(), p.numel());
     });
     return std::sqrt(ss);
 }
@@ -59,6 +63,7 @@ StepStats AdamW::step(const MemoryPlan& plan, const RunConfig& run, int64_t step
         const auto& params = store_.params();
         for (size_t i = 0; i < params.size(); ++i) {
             const auto& p = params[i];
+            if (!p.trainable) continue;
             cpu::adamw_update(plan.view(p.param_slot).ptr<T>(), plan.view(p.grad_slot).ptr<T>(),
                               plan.view(m_[i]).ptr<T>(), plan.view(v_[i]).ptr<T>(), p.numel(),
                               st.lr, run.adam_beta1, run.adam_beta2, run.adam_eps,

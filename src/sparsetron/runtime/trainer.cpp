@@ -17,7 +17,15 @@ std::string StepMetrics::to_json() const {
     nlohmann::ordered_json j;
     j["step"] = step;
     j["lm_loss"] = lm_loss;
+    j["mtp_loss"] = mtp_loss;
+    j["indexer_loss"] = indexer_loss;
+    j["aux_loss"] = aux_loss;
     j["total_loss"] = total_loss;
+    if (mtp_acceptance_length > 0) j["mtp_acceptance_length"] = mtp_acceptance_length;
+    if (!moe_load.empty()) {
+        j["moe_load"] = moe_load;
+        j["moe_dropped"] = moe_dropped;
+    }
     j["lr"] = lr;
     j["grad_norm"] = grad_norm;
     j["tokens"] = tokens;
@@ -31,10 +39,9 @@ namespace {
 
 void check_supported(const Recipe& r) {
     const ModelConfig& m = r.model;
-    ST_CHECK(m.num_moe_layers() == 0, "this build trains dense layers only: moe_layer_freq makes ",
-             m.num_moe_layers(), " MoE layers (MoE arrives with the full-architecture work)");
-    ST_CHECK(!m.uses_dsa(), "experimental_attention_variant: dsa is not implemented yet; use none");
-    ST_CHECK(m.mtp_num_layers == 0, "mtp_num_layers > 0 is not implemented yet");
+    ST_CHECK(!(m.mtp_num_layers > 0 && m.uses_dsa() && m.dsa_mtp_index_kv_share),
+             "dsa_mtp_index_kv_share: true is not implemented yet (each MTP depth computes its own "
+             "latent KV and top-k); set it to false");
     ST_CHECK(r.run.optimizer != "muon", "optimizer: muon is not implemented yet; use adam");
     ST_CHECK(r.run.world_size == 1, "world_size ", r.run.world_size,
              ": multi-process training is not implemented yet");
@@ -146,17 +153,48 @@ StepMetrics Trainer::train_step() {
         m.tokens += mb.num_tokens;
     }
     ST_CHECK(m.targets > 0, "step ", m.step, " has no loss targets (documents of one token?)");
-    // Per-token normalization across micro-batches (SPEC §6).
-    const double grad_scale = 1.0 / double(m.targets);
+    const ModelConfig& mc = recipe_.model;
+    const int64_t D = mc.mtp_num_layers, n_mb = static_cast<int64_t>(batches_.size());
+    const bool tv = mc.mtp_loss_type == "e2e_tv";
+    // Per-token normalization across micro-batches (SPEC §6): count every loss's rows first.
+    std::vector<int64_t> mtp_rows(tv ? 1 : D, 0);
+    for (const auto& mb : batches_)
+        for (int64_t d = 0; d < mb.num_documents; ++d) {
+            int64_t len = mb.cu_seqlens[d + 1] - mb.cu_seqlens[d];
+            if (tv && D > 0) mtp_rows[0] += std::max<int64_t>(0, len - D);
+            for (int64_t k = 1; !tv && k <= D; ++k)
+                mtp_rows[k - 1] += std::max<int64_t>(0, len - k - 1);
+        }
+    LossScales sc;
+    sc.backward = true;
+    sc.lm = 1.0 / double(m.targets);
+    const double lambda = mc.mtp_loss_scaling_factor;
+    for (size_t k = 0; k < mtp_rows.size(); ++k) {
+        double rows = std::max<int64_t>(1, mtp_rows[k]);
+        sc.mtp.push_back(tv ? lambda / rows : lambda / double(D) / rows);
+    }
+    sc.indexer = 1.0 / double(n_mb);
+    sc.aux = 1.0 / double(n_mb);
     zero_grads(tp_->plan);
-    double loss_sum = 0;
+    tp_->model->reset_moe_stats();
+    double loss_sum = 0, mtp = 0, accept = 0;
     for (const auto& mb : batches_) {
         tp_->model->load_inputs(mb);
-        loss_sum += tp_->model->forward_backward(grad_scale, true).lm_loss_sum;
+        LossSums s = tp_->model->forward_backward(sc);
+        loss_sum += s.lm_loss_sum;
+        for (size_t k = 0; k < s.mtp_sum.size(); ++k) mtp += s.mtp_sum[k] * sc.mtp[k];
+        accept += s.mtp_acceptance_sum;
+        m.indexer_loss += s.indexer_loss * sc.indexer;
+        m.aux_loss += s.aux_loss;
     }
     m.lm_loss = loss_sum / double(m.targets);
-    m.total_loss = m.lm_loss;
+    m.mtp_loss = mtp;
+    if (tv && D > 0 && mtp_rows[0] > 0) m.mtp_acceptance_length = accept / double(mtp_rows[0]);
+    m.total_loss = m.lm_loss + m.mtp_loss + m.indexer_loss + m.aux_loss;
+    m.moe_load = tp_->model->moe_loads();
+    m.moe_dropped = tp_->model->moe_dropped();
     StepStats st = tp_->optimizer->step(tp_->plan, recipe_.run, m.step);
+    if (!st.skipped) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
     m.lr = st.lr;
     m.grad_norm = st.grad_norm;
     m.skipped = st.skipped;

@@ -21,7 +21,13 @@ namespace sparsetron {
 struct StepMetrics {
     int64_t step = 0;
     double lm_loss = 0;
+    double mtp_loss = 0;      // λ-scaled, as it enters total_loss (0 without MTP)
+    double indexer_loss = 0;  // Σ over DSA layers of coeff * mean KL, averaged over micro-batches
+    double aux_loss = 0;      // MoE sequence aux loss (0 when off)
     double total_loss = 0;
+    double mtp_acceptance_length = 0;            // e2e_tv: mean Σ_j Π_{k<=j} α_k over chain rows
+    std::vector<std::vector<int64_t>> moe_load;  // per MoE layer: tokens per expert in the step
+    int64_t moe_dropped = 0;                     // routed rows over capacity in the step
     double lr = 0;
     double grad_norm = 0;
     int64_t tokens = 0;   // real tokens in the step

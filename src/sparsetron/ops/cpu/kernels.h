@@ -77,3 +77,37 @@ void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, double lr, dou
                   double beta2, double eps, double weight_decay, int64_t step, double grad_scale);
 
 }  // namespace sparsetron::cpu
+
+namespace sparsetron::cpu {
+
+// Sparse multi-query attention over selected keys (the absorbed MLA of SPEC §2-3): one key/value
+// head shared by all query heads. q: [T, H, dqk]; kv: [T, dqk] with v = kv[:, :dv]; idx: [T, K]
+// ascending key rows (-1 = unused) with len[t] valid entries; out: [T, H, dv]; lse: [H, T].
+// Rows with no key get out = 0, lse = 0.
+template <typename T>
+void sparse_mqa_forward(int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, const T* q,
+                        const T* kv, const int32_t* idx, const int32_t* len, int64_t kslots,
+                        double scale, T* out, T* lse);
+// dq: [T, H, dqk] (overwritten); dkv: [T, dqk] (overwritten; the value gradient is added into its
+// first dv columns because v aliases them). dkv_heads: scratch [H, T, dqk] (per-head partials,
+// summed in head order so the result does not depend on threads).
+template <typename T>
+void sparse_mqa_backward(int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, const T* q,
+                         const T* kv, const int32_t* idx, const int32_t* len, int64_t kslots,
+                         double scale, const T* out, const T* lse, const T* dout, T* dq,
+                         T* dkv_heads, T* dkv);
+
+}  // namespace sparsetron::cpu
+
+namespace sparsetron::cpu {
+
+// LayerNorm with weight and bias per row: y = w * (x - mean) * rstd + b. mean/rstd: [rows].
+template <typename T>
+void layernorm_forward(const T* x, const T* w, const T* b, int64_t rows, int64_t dim, double eps,
+                       T* y, T* mean, T* rstd);
+// dx written; dw, db accumulate.
+template <typename T>
+void layernorm_backward(const T* dy, const T* x, const T* w, const T* mean, const T* rstd,
+                        int64_t rows, int64_t dim, T* dx, T* dw, T* db);
+
+}  // namespace sparsetron::cpu

@@ -1,0 +1,273 @@
+#include "sparsetron/model/dsa_indexer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
+#include "sparsetron/ops/cpu/kernels.h"
+
+namespace sparsetron {
+
+using cpu::gemm;
+
+bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
+    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
+        return c.indexer_types[layer0] == "full";
+    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
+    return std::max<int64_t>(l - o, 0) % c.dsa_indexer_topk_freq == 0;
+}
+
+int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
+    if (dsa_layer_is_full(c, layer0)) return layer0;
+    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
+        for (int64_t s = layer0 - 1; s >= 0; --s)
+            if (c.indexer_types[s] == "full") return s;
+        throw Error(cat("indexer_types: layer ", layer0, " is shared but no earlier layer is full"));
+    }
+    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
+    return l - ((l - o) % c.dsa_indexer_topk_freq) - 1;
+}
+
+template <typename T>
+DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
+                          const std::string& p, int64_t tokens)
+    : c_(c), T_(tokens), h_(c.hidden_size), HI_(c.dsa_indexer_n_heads),
+      dI_(c.dsa_indexer_head_dim), dr_(c.qk_pos_emb_head_dim), qr_(c.q_lora_rank),
+      K_(std::min(c.dsa_indexer_topk, tokens)),
+      wscale_(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * double(c.dsa_indexer_head_dim))) {
+    wq_ = store.add(p + "wq_b.weight", {HI_ * dI_, qr_}, InitRule::Normal);
+    wk_ = store.add(p + "wk.weight", {dI_, h_}, InitRule::Normal);
+    knw_ = store.add(p + "k_norm.weight", {dI_}, InitRule::Ones, false);
+    knb_ = store.add(p + "k_norm.bias", {dI_}, InitRule::Zeros, false);
+    ww_ = store.add(p + "weights_proj.weight", {HI_, h_}, InitRule::Normal);
+    s_scores_ = buf.scratch("dsa.scores", {tokens, tokens});
+    s_target_ = buf.scratch("dsa.loss_grad", {tokens, tokens});
+    s_dq_ = buf.scratch("grad.dsa.q", {tokens, HI_ * dI_});
+    s_dk_ = buf.scratch("grad.dsa.k", {tokens, dI_});
+    s_dkraw_ = buf.scratch("grad.dsa.k_raw", {tokens, dI_});
+    s_dw_ = buf.scratch("grad.dsa.weights", {tokens, HI_});
+}
+
+template <typename T>
+typename DsaIndexer<T>::Slots DsaIndexer<T>::declare_acts(Buffers& buf, const std::string& p) const {
+    Slots s{};
+    s.q = buf.act(p + "indexer_q", {T_, HI_ * dI_});
+    s.k_raw = buf.act(p + "indexer_k_raw", {T_, dI_});
+    s.k = buf.act(p + "indexer_k", {T_, dI_});
+    s.mean = buf.act(p + "indexer_k_mean", {T_});
+    s.rstd = buf.act(p + "indexer_k_rstd", {T_});
+    s.w = buf.act(p + "indexer_weights", {T_, HI_});
+    s.topk = buf.act_i32(p + "topk_indices", {T_, K_});
+    s.len = buf.act_i32(p + "topk_length", {T_});
+    return s;
+}
+
+template <typename T>
+typename DsaIndexer<T>::Acts DsaIndexer<T>::resolve(const Buffers& buf, const Slots& s) const {
+    return {buf.ptr<T>(s.q),    buf.ptr<T>(s.k_raw),      buf.ptr<T>(s.k),
+            buf.ptr<T>(s.mean), buf.ptr<T>(s.rstd),       buf.ptr<T>(s.w),
+            buf.ptr<int32_t>(s.topk), buf.ptr<int32_t>(s.len)};
+}
+
+template <typename T>
+void DsaIndexer<T>::bind(const Buffers& buf, const std::vector<T*>& params,
+                         const std::vector<T*>& grads) {
+    p_ = params, g_ = grads;
+    scores_ = buf.ptr<T>(s_scores_), target_ = buf.ptr<T>(s_target_), dq_ = buf.ptr<T>(s_dq_);
+    dk_ = buf.ptr<T>(s_dk_), dkraw_ = buf.ptr<T>(s_dkraw_), dw_ = buf.ptr<T>(s_dw_);
+}
+
+template <typename T>
+void DsaIndexer<T>::scores_row(const Acts& A, int64_t t, int64_t begin, T* out) const {
+    // I[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for causal s in the document.
+    for (int64_t s = begin; s <= t; ++s) {
+        double acc = 0;
+        for (int64_t j = 0; j < HI_; ++j) {
+            const T* q = A.q + (t * HI_ + j) * dI_;
+            const T* k = A.k + s * dI_;
+            T d = 0;
+            for (int64_t i = 0; i < dI_; ++i) d += q[i] * k[i];
+            if (d > 0) acc += double(A.w[t * HI_ + j]) * d;
+        }
+        out[s] = static_cast<T>(acc);
+    }
+}
+
+template <typename T>
+void DsaIndexer<T>::forward(const Acts& A, const T* a, const T* cq, const StepInputs& in) const {
+    const int64_t Tn = T_;
+    gemm<T>(false, true, Tn, HI_ * dI_, qr_, 1, cq, qr_, p_[wq_], qr_, 0, A.q, HI_ * dI_);
+    cpu::rope(A.q, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
+              c_.dsa_indexer_rope_interleaved, false);
+    gemm<T>(false, true, Tn, dI_, h_, 1, a, h_, p_[wk_], h_, 0, A.k_raw, dI_);
+    cpu::layernorm_forward(A.k_raw, p_[knw_], p_[knb_], Tn, dI_, 1e-6, A.k, A.mean, A.rstd);
+    cpu::rope(A.k, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
+              c_.dsa_indexer_rope_interleaved, false);
+    gemm<T>(false, true, Tn, HI_, h_, wscale_, a, h_, p_[ww_], h_, 0, A.w, HI_);
+    std::fill_n(A.topk, Tn * K_, -1);
+    std::fill_n(A.len, Tn, 0);
+    for (int64_t d = 0; d < in.num_docs; ++d) {
+        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
+            std::vector<int32_t> order;
+            for (int64_t t = begin + rb; t < begin + re; ++t) {
+                T* row = scores_ + t * Tn;
+                scores_row(A, t, begin, row);
+                const int64_t n = t - begin + 1, k = std::min(K_, n);
+                order.resize(n);
+                std::iota(order.begin(), order.end(), static_cast<int32_t>(begin));
+                // Largest scores; ties toward the smaller key index (SPEC §3).
+                std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                                  [&](int32_t x, int32_t y) {
+                                      return row[x] > row[y] || (row[x] == row[y] && x < y);
+                                  });
+                std::sort(order.begin(), order.begin() + k);
+                std::copy_n(order.begin(), k, A.topk + t * K_);
+                A.len[t] = static_cast<int32_t>(k);
+            }
+        }, 4);
+    }
+}
+
+template <typename T>
+double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInputs& in,
+                           const Teacher& tc, double grad_scale) const {
+    const int64_t Tn = T_;
+    const double coeff = c_.dsa_indexer_loss_coeff;
+    if (coeff == 0) return 0;
+    const bool sparse = c_.dsa_indexer_use_sparse_loss;
+    int64_t rows = 0;
+    for (int64_t t = 0; t < Tn; ++t) rows += A.len[t] > 0;
+    if (rows == 0) return 0;
+    // Per row: teacher p and student q over the support; KL and its logit gradient (into target_).
+    std::vector<double> kl(Tn, 0.0);
+    for (int64_t d = 0; d < in.num_docs; ++d) {
+        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
+            std::vector<int32_t> support;
+            std::vector<double> p, lq;
+            for (int64_t t = begin + rb; t < begin + re; ++t) {
+                support.clear();
+                if (sparse) {
+                    support.assign(A.topk + t * K_, A.topk + t * K_ + A.len[t]);
+                } else {
+                    for (int64_t s = begin; s <= t; ++s) support.push_back(static_cast<int32_t>(s));
+                }
+                const int64_t n = static_cast<int64_t>(support.size());
+                p.assign(n, 0.0);
+                for (int64_t hh = 0; hh < tc.heads; ++hh) {
+                    const T* qh = tc.q + (t * tc.heads + hh) * tc.dim;
+                    std::vector<double> z(n);
+                    double mx = -INFINITY;
+                    for (int64_t j = 0; j < n; ++j) {
+                        const T* ks = tc.k + int64_t(support[j]) * tc.dim;
+                        double dd = 0;
+                        for (int64_t i = 0; i < tc.dim; ++i) dd += double(qh[i]) * ks[i];
+                        z[j] = dd * tc.scale;
+                        mx = std::max(mx, z[j]);
+                    }
+                    // Sparse: the attention's own LSE over the top-k set; dense: recomputed.
+                    double lse = 0;
+                    if (sparse) {
+                        lse = tc.lse[hh * Tn + t];
+                    } else {
+                        double sum = 0;
+                        for (double v : z) sum += std::exp(v - mx);
+                        lse = mx + std::log(sum);
+                    }
+                    for (int64_t j = 0; j < n; ++j) p[j] += std::exp(z[j] - lse);
+                }
+                double psum = 0;
+                for (double v : p) psum += v;
+                psum = std::max(psum, 1e-10);
+                for (double& v : p) v /= psum;
+                const T* row = scores_ + t * Tn;
+                double mx = -INFINITY;
+                for (int32_t s : support) mx = std::max(mx, double(row[s]));
+                double sum = 0;
+                for (int32_t s : support) sum += std::exp(double(row[s]) - mx);
+                const double lse_i = mx + std::log(sum);
+                double k = 0;
+                T* tg = target_ + t * Tn;
+                for (int64_t j = 0; j < n; ++j) {
+                    double logq = double(row[support[j]]) - lse_i;
+                    if (p[j] > 0) k += p[j] * (std::log(p[j]) - logq);
+                    tg[support[j]] = static_cast<T>(std::exp(logq) - p[j]);  // q - p
+                }
+                kl[t] = k;
+            }
+        }, 2);
+    }
+    double total = 0;
+    for (double v : kl) total += v;
+    const double loss = coeff * total / double(rows);
+    if (grad_scale == 0) return loss;
+
+    // dI = g (q - p) with g = grad_scale * coeff / rows, on the support only.
+    const double gsc = grad_scale * coeff / double(rows);
+    std::fill_n(dq_, Tn * HI_ * dI_, T(0));
+    std::fill_n(dk_, Tn * dI_, T(0));
+    std::fill_n(dw_, Tn * HI_, T(0));
+    auto in_support = [&](int64_t t, int64_t s) {
+        if (!sparse) return true;
+        const int32_t* sel = A.topk + t * K_;
+        return std::binary_search(sel, sel + A.len[t], static_cast<int32_t>(s));
+    };
+    for (int64_t d = 0; d < in.num_docs; ++d) {
+        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        // Query side: dw[t, j] and dq[t, j] (one writer per row).
+        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
+            for (int64_t t = begin + rb; t < begin + re; ++t)
+                for (int64_t s = begin; s <= t; ++s) {
+                    if (!in_support(t, s)) continue;
+                    const double dI = gsc * double(target_[t * Tn + s]);
+                    const T* k = A.k + s * dI_;
+                    for (int64_t j = 0; j < HI_; ++j) {
+                        const T* q = A.q + (t * HI_ + j) * dI_;
+                        double dd = 0;
+                        for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
+                        if (dd <= 0) continue;
+                        dw_[t * HI_ + j] += static_cast<T>(dI * dd);
+                        const double da = dI * A.w[t * HI_ + j];
+                        T* dq = dq_ + (t * HI_ + j) * dI_;
+                        for (int64_t i = 0; i < dI_; ++i) dq[i] += static_cast<T>(da * k[i]);
+                    }
+                }
+        }, 2);
+        // Key side: dk[s] (one writer per key).
+        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
+            for (int64_t s = begin + rb; s < begin + re; ++s)
+                for (int64_t t = s; t < end; ++t) {
+                    if (!in_support(t, s)) continue;
+                    const double dI = gsc * double(target_[t * Tn + s]);
+                    const T* k = A.k + s * dI_;
+                    for (int64_t j = 0; j < HI_; ++j) {
+                        const T* q = A.q + (t * HI_ + j) * dI_;
+                        double dd = 0;
+                        for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
+                        if (dd <= 0) continue;
+                        const double da = dI * A.w[t * HI_ + j];
+                        for (int64_t i = 0; i < dI_; ++i) dk_[s * dI_ + i] += static_cast<T>(da * q[i]);
+                    }
+                }
+        }, 2);
+    }
+    // Back through the weight scale, RoPE, LayerNorm and the three projections (weights only).
+    gemm<T>(true, false, HI_, h_, Tn, wscale_, dw_, HI_, a, h_, 1, g_[ww_], h_);
+    cpu::rope(dq_, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
+              c_.dsa_indexer_rope_interleaved, true);
+    gemm<T>(true, false, HI_ * dI_, qr_, Tn, 1, dq_, HI_ * dI_, cq, qr_, 1, g_[wq_], qr_);
+    cpu::rope(dk_, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
+              c_.dsa_indexer_rope_interleaved, true);
+    cpu::layernorm_backward(dk_, A.k_raw, p_[knw_], A.mean, A.rstd, Tn, dI_, dkraw_, g_[knw_],
+                            g_[knb_]);
+    gemm<T>(true, false, dI_, h_, Tn, 1, dkraw_, dI_, a, h_, 1, g_[wk_], h_);
+    return loss;
+}
+
+template class DsaIndexer<float>;
+template class DsaIndexer<double>;
+
+}  // namespace sparsetron

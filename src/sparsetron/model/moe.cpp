@@ -1,0 +1,285 @@
+#include "sparsetron/model/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
+#include "sparsetron/ops/cpu/kernels.h"
+
+namespace sparsetron {
+
+using cpu::gemm;
+
+template <typename T>
+MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, const std::string& p,
+                      int64_t tokens)
+    : c_(c), T_(tokens), h_(c.hidden_size), E_(c.num_experts), k_(c.moe_router_topk),
+      F_(c.moe_ffn_hidden_size), Fs_(c.moe_shared_expert_intermediate_size) {
+    capacity_ = c.moe_capacity_factor > 0
+                    ? std::min<int64_t>(tokens, static_cast<int64_t>(std::ceil(
+                                                    c.moe_capacity_factor * tokens * k_ / E_)))
+                    : tokens;
+    router_ = store.add(p + "gate.weight", {E_, h_}, InitRule::Normal, false);
+    bias_ = store.add_buffer(p + "gate.e_score_correction_bias", {E_}, InitRule::Zeros);
+    for (int64_t e = 0; e < E_; ++e)
+        experts_.emplace_back(store, cat(p, "experts.", e, "."), h_, F_);
+    if (Fs_ > 0) shared_ = std::make_unique<SwiGluMlp<T>>(store, p + "shared_experts.", h_, Fs_);
+    const int64_t R = tokens * k_;
+    s_dxperm_ = buf.scratch("grad.moe.x_permuted", {R, h_});
+    s_doutperm_ = buf.scratch("grad.moe.out_permuted", {R, h_});
+    s_dact_ = buf.scratch("grad.moe.act", {R, F_});
+    s_dg_ = buf.scratch("grad.moe.gate", {R, F_});
+    s_du_ = buf.scratch("grad.moe.up", {R, F_});
+    s_dlogits_ = buf.scratch("grad.moe.router_logits", {tokens, E_});
+    s_sdact_ = s_sdg_ = s_sdu_ = -1;
+    if (Fs_ > 0) {
+        s_sdact_ = buf.scratch("grad.moe.shared_act", {tokens, Fs_});
+        s_sdg_ = buf.scratch("grad.moe.shared_gate", {tokens, Fs_});
+        s_sdu_ = buf.scratch("grad.moe.shared_up", {tokens, Fs_});
+    }
+    stats_.load.assign(E_, 0);
+}
+
+template <typename T>
+typename MoeLayer<T>::Slots MoeLayer<T>::declare_acts(Buffers& buf, const std::string& p) const {
+    const int64_t Tn = T_, R = T_ * k_;
+    Slots s{};
+    s.probs = buf.act(p + "router_probs", {Tn, E_});
+    s.topk = buf.act_i32(p + "router_topk", {Tn, k_});
+    s.gates = buf.act(p + "router_gates", {Tn, k_});
+    s.slot_row = buf.act_i32(p + "slot_row", {R});
+    s.perm_token = buf.act_i32(p + "perm_token", {R});
+    s.xperm = buf.act(p + "x_permuted", {R, h_});
+    s.g = buf.act(p + "expert_gate", {R, F_});
+    s.u = buf.act(p + "expert_up", {R, F_});
+    s.act = buf.act(p + "expert_act", {R, F_});
+    s.out_perm = buf.act(p + "expert_out", {R, h_});
+    s.sg = s.su = s.sact = -1;
+    if (Fs_ > 0) {
+        s.sg = buf.act(p + "shared_gate", {Tn, Fs_});
+        s.su = buf.act(p + "shared_up", {Tn, Fs_});
+        s.sact = buf.act(p + "shared_act", {Tn, Fs_});
+    }
+    return s;
+}
+
+template <typename T>
+typename MoeLayer<T>::Acts MoeLayer<T>::resolve(const Buffers& buf, const Slots& s) const {
+    auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
+    auto I = [&](MemoryPlan::Slot x) { return buf.ptr<int32_t>(x); };
+    return {P(s.probs), I(s.topk), P(s.gates), I(s.slot_row), I(s.perm_token), P(s.xperm), P(s.g),
+            P(s.u), P(s.act), P(s.out_perm), P(s.sg), P(s.su), P(s.sact), {}};
+}
+
+template <typename T>
+void MoeLayer<T>::bind(const Buffers& buf, const std::vector<T*>& params,
+                       const std::vector<T*>& grads) {
+    p_ = params, g_ = grads;
+    for (auto& e : experts_) e.bind(params, grads);
+    if (shared_) shared_->bind(params, grads);
+    auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
+    dxperm_ = P(s_dxperm_), doutperm_ = P(s_doutperm_), dact_ = P(s_dact_), dg_ = P(s_dg_);
+    du_ = P(s_du_), dlogits_ = P(s_dlogits_), sdact_ = P(s_sdact_), sdg_ = P(s_sdg_);
+    sdu_ = P(s_sdu_);
+}
+
+template <typename T>
+void MoeLayer<T>::route(Acts& A, const StepInputs& in) {
+    const int64_t real = in.cu_seqlens[in.num_docs];  // padding rows are not routed
+    const T* bias = p_[bias_];
+    // Selection: top-k of (s + b), ties toward the smaller expert index.
+    parallel_for(real, [&](int64_t b, int64_t e) {
+        std::vector<int32_t> order(E_);
+        for (int64_t t = b; t < e; ++t) {
+            const T* s = A.probs + t * E_;
+            int32_t* chosen = A.topk + t * k_;
+            if (c_.moe_router_force_load_balancing) {
+                for (int64_t j = 0; j < k_; ++j) chosen[j] = static_cast<int32_t>((t * k_ + j) % E_);
+            } else {
+                std::iota(order.begin(), order.end(), 0);
+                std::partial_sort(order.begin(), order.begin() + k_, order.end(),
+                                  [&](int32_t x, int32_t y) {
+                                      T vx = s[x] + bias[x], vy = s[y] + bias[y];
+                                      return vx > vy || (vx == vy && x < y);
+                                  });
+                std::copy_n(order.begin(), k_, chosen);
+            }
+            double sum = 1e-20;
+            for (int64_t j = 0; j < k_; ++j) sum += double(s[chosen[j]]);
+            for (int64_t j = 0; j < k_; ++j)
+                A.gates[t * k_ + j] =
+                    static_cast<T>(double(s[chosen[j]]) / sum * c_.moe_router_topk_scaling_factor);
+        }
+    }, 8);
+    // Permutation: expert-major, token order within an expert, capacity-bounded.
+    std::vector<int64_t> count(E_, 0);
+    for (int64_t t = 0; t < real; ++t)
+        for (int64_t j = 0; j < k_; ++j) ++count[A.topk[t * k_ + j]];
+    A.offsets.assign(E_ + 1, 0);
+    for (int64_t e = 0; e < E_; ++e) {
+        A.offsets[e + 1] = A.offsets[e] + std::min(count[e], capacity_);
+        stats_.load[e] += count[e];
+        stats_.dropped += std::max<int64_t>(0, count[e] - capacity_);
+    }
+    std::vector<int64_t> fill(A.offsets.begin(), A.offsets.end() - 1);
+    std::fill_n(A.slot_row, T_ * k_, -1);
+    for (int64_t t = 0; t < real; ++t)
+        for (int64_t j = 0; j < k_; ++j) {
+            int32_t e = A.topk[t * k_ + j];
+            if (fill[e] < A.offsets[e + 1]) {
+                A.slot_row[t * k_ + j] = static_cast<int32_t>(fill[e]);
+                A.perm_token[fill[e]++] = static_cast<int32_t>(t);
+            }
+        }
+}
+
+template <typename T>
+double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, double aux_scale) {
+    const int64_t Tn = T_;
+    // Router in the master precision (fp32 on CPU), sigmoid scores.
+    gemm<T>(false, true, Tn, E_, h_, 1, m, h_, p_[router_], h_, 0, A.probs, E_);
+    parallel_for(Tn * E_, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i)
+            A.probs[i] = static_cast<T>(1.0 / (1.0 + std::exp(-double(A.probs[i]))));
+    }, 4096);
+    route(A, in);
+    const int64_t R = A.offsets[E_];
+    parallel_for(R, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) std::copy_n(m + A.perm_token[r] * h_, h_, A.xperm + r * h_);
+    }, 16);
+    for (int64_t e = 0; e < E_; ++e) {
+        int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
+        experts_[e].forward(A.xperm + r0 * h_, n,
+                            {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_}, A.out_perm + r0 * h_,
+                            false);
+    }
+    parallel_for(Tn, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+            for (int64_t j = 0; j < k_; ++j) {
+                int32_t r = A.slot_row[t * k_ + j];
+                if (r < 0) continue;
+                T gate = A.gates[t * k_ + j];
+                const T* o = A.out_perm + int64_t(r) * h_;
+                for (int64_t c = 0; c < h_; ++c) y[t * h_ + c] += gate * o[c];
+            }
+    }, 16);
+    if (shared_) shared_->forward(m, Tn, {A.sg, A.su, A.sact}, y, true);
+    if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
+        // DeepSeek-V3 sequence aux loss, per packed document: α Σ_e f_e P_e.
+        double total = 0;
+        for (int64_t d = 0; d < in.num_docs; ++d) {
+            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
+            std::vector<double> f(E_, 0.0), P(E_, 0.0);
+            for (int64_t t = b; t < e; ++t) {
+                double z = 0;
+                for (int64_t x = 0; x < E_; ++x) z += A.probs[t * E_ + x];
+                for (int64_t x = 0; x < E_; ++x) P[x] += A.probs[t * E_ + x] / z / n;
+                for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += double(E_) / (k_ * n);
+            }
+            for (int64_t x = 0; x < E_; ++x) total += c_.moe_aux_loss_coeff * f[x] * P[x];
+        }
+        return aux_scale * total / std::max<int64_t>(1, in.num_docs);
+    }
+    return 0.0;
+}
+
+template <typename T>
+void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInputs& in, T* dm,
+                           double aux_scale) const {
+    const int64_t Tn = T_, R = A.offsets[E_];
+    std::fill_n(dm, Tn * h_, T(0));
+    if (shared_) shared_->backward(m, dy, Tn, {A.sg, A.su, A.sact}, {sdact_, sdg_, sdu_}, dm, false);
+    // Gate gradients and the scaled output gradient of each routed row.
+    std::vector<double> dgate(Tn * k_, 0.0);
+    parallel_for(Tn, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+            for (int64_t j = 0; j < k_; ++j) {
+                int32_t r = A.slot_row[t * k_ + j];
+                if (r < 0) continue;
+                const T* o = A.out_perm + int64_t(r) * h_;
+                double s = 0;
+                T gate = A.gates[t * k_ + j];
+                for (int64_t c = 0; c < h_; ++c) {
+                    s += double(dy[t * h_ + c]) * o[c];
+                    doutperm_[int64_t(r) * h_ + c] = gate * dy[t * h_ + c];
+                }
+                dgate[t * k_ + j] = s;
+            }
+    }, 16);
+    for (int64_t e = 0; e < E_; ++e) {
+        int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
+        experts_[e].backward(A.xperm + r0 * h_, doutperm_ + r0 * h_, n,
+                             {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
+                             {dact_ + r0 * F_, dg_ + r0 * F_, du_ + r0 * F_}, dxperm_ + r0 * h_,
+                             false);
+    }
+    (void)R;
+    // Router: g_j = c * s_j / S over the chosen set; dS flows into every chosen s.
+    const double c = c_.moe_router_topk_scaling_factor;
+    std::fill_n(dlogits_, Tn * E_, T(0));
+    const int64_t real = in.cu_seqlens[in.num_docs];
+    parallel_for(real, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+            const int32_t* chosen = A.topk + t * k_;
+            const T* s = A.probs + t * E_;
+            double S = 1e-20, dot = 0;
+            for (int64_t j = 0; j < k_; ++j) S += double(s[chosen[j]]);
+            for (int64_t j = 0; j < k_; ++j) dot += dgate[t * k_ + j] * double(s[chosen[j]]);
+            for (int64_t j = 0; j < k_; ++j) {
+                double ds = c * (dgate[t * k_ + j] / S - dot / (S * S));
+                dlogits_[t * E_ + chosen[j]] += static_cast<T>(ds);
+            }
+        }
+    }, 8);
+    if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
+        for (int64_t d = 0; d < in.num_docs; ++d) {
+            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
+            std::vector<double> f(E_, 0.0);
+            for (int64_t t = b; t < e; ++t)
+                for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += double(E_) / (k_ * n);
+            double w = aux_scale * c_.moe_aux_loss_coeff / std::max<int64_t>(1, in.num_docs) / n;
+            for (int64_t t = b; t < e; ++t) {
+                const T* s = A.probs + t * E_;
+                double z = 0, fz = 0;
+                for (int64_t x = 0; x < E_; ++x) z += s[x], fz += f[x] * s[x];
+                // P uses s' = s / z: d s'_x / d s_y = (δ_xy - s'_x) / z.
+                for (int64_t y = 0; y < E_; ++y)
+                    dlogits_[t * E_ + y] += static_cast<T>(w * (f[y] - fz / z) / z);
+            }
+        }
+    }
+    parallel_for(Tn * E_, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) dlogits_[i] *= A.probs[i] * (T(1) - A.probs[i]);
+    }, 4096);
+    gemm<T>(true, false, E_, h_, Tn, 1, dlogits_, E_, m, h_, 1, g_[router_], h_);
+    gemm<T>(false, false, Tn, h_, E_, 1, dlogits_, E_, p_[router_], h_, 1, dm, h_);
+    // Scatter the routed rows' input gradients back to their tokens (one writer per token).
+    parallel_for(Tn, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+            for (int64_t j = 0; j < k_; ++j) {
+                int32_t r = A.slot_row[t * k_ + j];
+                if (r < 0) continue;
+                const T* d = dxperm_ + int64_t(r) * h_;
+                for (int64_t cc = 0; cc < h_; ++cc) dm[t * h_ + cc] += d[cc];
+            }
+    }, 16);
+}
+
+template <typename T>
+void MoeLayer<T>::update_bias(double rate) {
+    if (rate == 0) return;
+    double mean = 0;
+    for (int64_t l : stats_.load) mean += double(l) / double(E_);
+    T* b = p_[bias_];
+    for (int64_t e = 0; e < E_; ++e) {
+        double diff = mean - double(stats_.load[e]);
+        b[e] += static_cast<T>(rate * (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0));
+    }
+}
+
+template class MoeLayer<float>;
+template class MoeLayer<double>;
+
+}  // namespace sparsetron

@@ -1,0 +1,157 @@
+// The full architecture (DSA with IndexShare, MoE with a shared expert and aux loss, repeated MTP
+// with both losses): every trainable parameter's gradient against fp64 finite differences of the
+// objective that parameter is trained by (SPEC §3.1: the indexer only by its KL loss; §5: detached
+// MTP heads send nothing into the backbone; teachers and TV targets carry no gradient).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "../test_util.h"
+#include "sparsetron/model/glm5_model.h"
+
+using namespace sparsetron;
+
+namespace {
+
+ModelConfig full_config(const std::string& mtp_loss, bool detach, bool sparse_loss) {
+    ModelConfig m;
+    m.num_layers = 2;
+    m.hidden_size = 8;
+    m.num_attention_heads = 2;
+    m.q_lora_rank = 6;
+    m.kv_lora_rank = 4;
+    m.qk_head_dim = 4;
+    m.qk_pos_emb_head_dim = 2;
+    m.v_head_dim = 3;
+    m.ffn_hidden_size = 10;
+    m.vocab_size = 11;
+    m.rotary_base = 50.0;
+    m.moe_layer_pattern = {0, 1};
+    m.num_experts = 4;
+    m.moe_ffn_hidden_size = 5;
+    m.moe_shared_expert_intermediate_size = 5;
+    m.moe_router_topk = 2;
+    m.moe_router_topk_scaling_factor = 2.5;
+    m.moe_aux_loss_coeff = 0.3;
+    m.experimental_attention_variant = "dsa";
+    m.dsa_indexer_n_heads = 2;
+    m.dsa_indexer_head_dim = 4;
+    m.dsa_indexer_topk = 3;  // smaller than the documents: really sparse
+    m.dsa_indexer_topk_freq = 2;
+    m.dsa_indexer_skip_topk_offset = 1;  // layer 0 full, layer 1 shared, MTP layer (2) full
+    m.dsa_indexer_loss_coeff = 0.7;
+    m.dsa_indexer_use_sparse_loss = sparse_loss;
+    m.mtp_num_layers = 2;
+    m.mtp_loss_type = mtp_loss;
+    m.mtp_detach_heads = detach;
+    m.mtp_loss_scaling_factor = 0.5;
+    return m;
+}
+
+struct Objectives {
+    double backbone, mtp, indexer;
+};
+
+void check_full_model(const ModelConfig& cfg) {
+    MemoryPlan plan;
+    Glm5Model<double> model(cfg, plan, 16, 3, 5);
+    plan.allocate(Device::CPU);
+    model.bind();
+    model.params().initialize(plan, 11, 0.6, cfg.num_layers);
+    const auto& params = model.params().params();
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i].shape.size() == 1 && params[i].trainable)
+            for (int64_t j = 0; j < params[i].numel(); ++j)
+                model.param(i)[j] = 1.0 + 0.1 * ((j % 5) - 2) + (params[i].init == InitRule::Zeros ? -1.0 : 0.0);
+        if (!params[i].trainable)  // a non-zero expert bias
+            for (int64_t j = 0; j < params[i].numel(); ++j) model.param(i)[j] = 0.05 * (j % 3);
+    }
+    MicroBatch mb(16, 3);
+    mb.add_document({1, 5, 2, 9, 3, 7, 8});
+    mb.add_document({4, 4, 7, 10, 0, 6});
+    model.load_inputs(mb);
+
+    LossScales sc;
+    sc.backward = true;
+    sc.lm = 0.37;
+    sc.mtp = cfg.mtp_loss_type == "e2e_tv" ? std::vector<double>{0.8} : std::vector<double>{0.8, 0.6};
+    sc.indexer = 1.0;
+    sc.aux = 1.0;
+    auto objectives = [&](bool backward) {
+        LossScales s = sc;
+        s.backward = backward;
+        LossSums r = model.forward_backward(s);
+        double mtp = 0;
+        for (size_t k = 0; k < r.mtp_sum.size(); ++k) mtp += sc.mtp[k] * r.mtp_sum[k];
+        return Objectives{sc.lm * r.lm_loss_sum + r.aux_loss - r.mtp_aux_loss, mtp + r.mtp_aux_loss,
+                          r.indexer_loss};
+    };
+    for (size_t i = 0; i < params.size(); ++i)
+        if (params[i].trainable) std::fill_n(model.grad(i), params[i].numel(), 0.0);
+    Objectives base = objectives(true);
+    EXPECT_GT(base.indexer, 0.0);
+    EXPECT_GT(base.mtp, 0.0);
+    const double eps = 1e-6;
+    int checked = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (!params[i].trainable) continue;
+        const bool indexer = params[i].name.find(".indexer.") != std::string::npos;
+        const bool mtp = params[i].mtp;
+        auto objective = [&](const Objectives& o) {
+            if (indexer) return o.indexer;                    // trained by its KL loss only
+            if (mtp) return o.backbone + o.mtp;               // lm does not depend on MTP weights
+            return o.backbone + (cfg.mtp_detach_heads ? 0.0 : o.mtp);
+        };
+        const int64_t n = params[i].numel();
+        for (int64_t s = 0; s < std::min<int64_t>(5, n); ++s) {
+            const int64_t j = (s * 7919 + 3) % n;
+            double* w = model.param(i) + j;
+            const double keep = *w;
+            *w = keep + eps;
+            const double up = objective(objectives(false));
+            *w = keep - eps;
+            const double down = objective(objectives(false));
+            *w = keep;
+            const double fd = (up - down) / (2 * eps), an = model.grad(i)[j];
+            EXPECT_NEAR(an, fd, 2e-5 * std::max(1.0, std::fabs(fd))) << params[i].name << "[" << j << "]";
+            ++checked;
+        }
+    }
+    EXPECT_GT(checked, 100);
+}
+
+}  // namespace
+
+TEST(FullModel, GradientsWithCrossEntropyMtpAndSparseIndexerLoss) {
+    check_full_model(full_config("cross_entropy", false, true));
+}
+
+TEST(FullModel, GradientsWithE2eTvAndDenseIndexerLoss) {
+    ModelConfig cfg = full_config("e2e_tv", true, false);
+    cfg.moe_capacity_factor = 0.75;  // some rows dropped: the bound is enforced, not silent
+    check_full_model(cfg);
+}
+
+TEST(FullModel, SparseAttentionEqualsDenseWhenTopkCoversEveryKey) {
+    // Absorbed sparse MLA over all causal keys must equal the expanded dense form (SPEC §2).
+    ModelConfig dense = full_config("cross_entropy", false, true);
+    dense.mtp_num_layers = 0;
+    dense.moe_layer_pattern = {0, 0};
+    dense.experimental_attention_variant = "none";
+    ModelConfig sparse = dense;
+    sparse.experimental_attention_variant = "dsa";
+    sparse.dsa_indexer_topk = 64;
+    auto loss = [](const ModelConfig& c) {
+        MemoryPlan plan;
+        Glm5Model<double> model(c, plan, 16, 3, 16);
+        plan.allocate(Device::CPU);
+        model.bind();
+        model.params().initialize(plan, 5, 0.5, c.num_layers);
+        MicroBatch mb(16, 3);
+        mb.add_document({1, 5, 2, 9, 3, 7, 8});
+        mb.add_document({4, 4, 7, 10, 0, 6});
+        model.load_inputs(mb);
+        return model.forward_backward(0.0, false).lm_loss_sum;
+    };
+    EXPECT_NEAR(loss(sparse), loss(dense), 1e-11);
+}

@@ -62,7 +62,8 @@ void check_full_model(const ModelConfig& cfg) {
     for (size_t i = 0; i < params.size(); ++i) {
         if (params[i].shape.size() == 1 && params[i].trainable)
             for (int64_t j = 0; j < params[i].numel(); ++j)
-                model.param(i)[j] = 1.0 + 0.1 * ((j % 5) - 2) + (params[i].init == InitRule::Zeros ? -1.0 : 0.0);
+                model.param(i)[j] =
+                    1.0 + 0.1 * ((j % 5) - 2) + (params[i].init == InitRule::Zeros ? -1.0 : 0.0);
         if (!params[i].trainable)  // a non-zero expert bias
             for (int64_t j = 0; j < params[i].numel(); ++j) model.param(i)[j] = 0.05 * (j % 3);
     }
@@ -74,7 +75,8 @@ void check_full_model(const ModelConfig& cfg) {
     LossScales sc;
     sc.backward = true;
     sc.lm = 0.37;
-    sc.mtp = cfg.mtp_loss_type == "e2e_tv" ? std::vector<double>{0.8} : std::vector<double>{0.8, 0.6};
+    sc.mtp =
+        cfg.mtp_loss_type == "e2e_tv" ? std::vector<double>{0.8} : std::vector<double>{0.8, 0.6};
     sc.indexer = 1.0;
     sc.aux = 1.0;
     auto objectives = [&](bool backward) {
@@ -98,8 +100,8 @@ void check_full_model(const ModelConfig& cfg) {
         const bool indexer = params[i].name.find(".indexer.") != std::string::npos;
         const bool mtp = params[i].mtp;
         auto objective = [&](const Objectives& o) {
-            if (indexer) return o.indexer;                    // trained by its KL loss only
-            if (mtp) return o.backbone + o.mtp;               // lm does not depend on MTP weights
+            if (indexer) return o.indexer;       // trained by its KL loss only
+            if (mtp) return o.backbone + o.mtp;  // lm does not depend on MTP weights
             return o.backbone + (cfg.mtp_detach_heads ? 0.0 : o.mtp);
         };
         const int64_t n = params[i].numel();
@@ -113,7 +115,8 @@ void check_full_model(const ModelConfig& cfg) {
             const double down = objective(objectives(false));
             *w = keep;
             const double fd = (up - down) / (2 * eps), an = model.grad(i)[j];
-            EXPECT_NEAR(an, fd, 2e-5 * std::max(1.0, std::fabs(fd))) << params[i].name << "[" << j << "]";
+            EXPECT_NEAR(an, fd, 2e-5 * std::max(1.0, std::fabs(fd)))
+                << params[i].name << "[" << j << "]";
             ++checked;
         }
     }

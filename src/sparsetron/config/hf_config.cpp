@@ -140,8 +140,10 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& path) {
         m.dsa_indexer_n_heads = get<int64_t>(j, "index_n_heads", path);
         m.dsa_indexer_head_dim = get<int64_t>(j, "index_head_dim", path);
         m.dsa_indexer_topk_freq = get_or<int64_t>(j, "index_topk_freq", 1, path);
-        m.dsa_indexer_skip_topk_offset = get_or<int64_t>(j, "index_skip_topk_offset", 0, path);
-        m.dsa_indexer_rope_interleaved = get_or<bool>(j, "indexer_rope_interleave", false, path);
+        // HF's defaults: offset 2; glm_moe_dsa's indexer RoPE is interleaved (hard-coded there).
+        m.dsa_indexer_skip_topk_offset = get_or<int64_t>(j, "index_skip_topk_offset", 2, path);
+        m.dsa_indexer_rope_interleaved =
+            get_or<bool>(j, "indexer_rope_interleave", type == "glm_moe_dsa", path);
         if (j.contains("indexer_types") && j["indexer_types"].is_array())
             m.indexer_types = get<std::vector<std::string>>(j, "indexer_types", path);
     }

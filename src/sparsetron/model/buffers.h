@@ -15,7 +15,7 @@
 namespace sparsetron {
 
 class Buffers {
-public:
+  public:
     Buffers(MemoryPlan& plan, DType dtype) : plan_(plan), dtype_(dtype) {}
 
     MemoryPlan::Slot act(const std::string& name, std::vector<int64_t> shape) {
@@ -34,7 +34,8 @@ public:
         auto it = scratch_.find(name);
         if (it != scratch_.end()) {
             const PlanEntry& e = plan_.entries()[it->second];
-            ST_ASSERT(e.shape == shape && e.dtype == dt, "scratch '", name, "' redeclared with another shape");
+            ST_ASSERT(e.shape == shape && e.dtype == dt, "scratch '", name,
+                      "' redeclared with another shape");
             return it->second;
         }
         return scratch_[name] = plan_.add(MemClass::Workspace, name, dt, std::move(shape));
@@ -47,7 +48,7 @@ public:
     MemoryPlan& plan() { return plan_; }
     DType dtype() const { return dtype_; }
 
-private:
+  private:
     MemoryPlan& plan_;
     DType dtype_;
     std::map<std::string, MemoryPlan::Slot> scratch_;

@@ -14,11 +14,13 @@ DecoderLayer<T>::DecoderLayer(const ModelConfig& c, ParamStore& store, Buffers& 
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 == c.num_layers;
     in_norm_ = store.add(p + "input_layernorm.weight", {h_}, InitRule::Ones, false);
-    attn_ = std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa());
+    attn_ =
+        std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa());
     if (c.uses_dsa()) {
         kslots_ = std::min(c.dsa_indexer_topk, tokens);
         if (dsa_layer_is_full(c, layer0))
-            indexer_ = std::make_unique<DsaIndexer<T>>(c, store, buf, p + "self_attn.indexer.", tokens);
+            indexer_ =
+                std::make_unique<DsaIndexer<T>>(c, store, buf, p + "self_attn.indexer.", tokens);
     }
     post_norm_ = store.add(p + "post_attention_layernorm.weight", {h_}, InitRule::Ones, false);
     // MTP layers take the kind of the last backbone layer (SPEC §8).
@@ -96,9 +98,9 @@ LayerLosses DecoderLayer<T>::forward(Acts& A, const T* x, T* out, const StepInpu
     std::copy_n(x, Tn * h_, A.x_mid);
     attn_->attend(A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
     if (indexer_) {
-        typename DsaIndexer<T>::Teacher t{A.attn.qabs, A.attn.kabs, A.attn.lse,
-                                          c_.num_attention_heads, attn_->latent_dim(),
-                                          attn_->scale()};
+        typename DsaIndexer<T>::Teacher t{A.attn.qabs,         A.attn.kabs,
+                                          A.attn.lse,          c_.num_attention_heads,
+                                          attn_->latent_dim(), attn_->scale()};
         losses.indexer = indexer_->loss(A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale);
     }
     cpu::rmsnorm_forward(A.x_mid, h_, p_[post_norm_], Tn, h_, c_.norm_epsilon, A.m, h_,

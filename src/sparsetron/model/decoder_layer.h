@@ -20,7 +20,7 @@ struct LayerLosses {
 
 template <typename T>
 class DecoderLayer {
-public:
+  public:
     struct Slots {
         MemoryPlan::Slot a, rstd_in, x_mid, m, rstd_post, g, u, act;
         typename MlaAttention<T>::Slots attn;
@@ -56,7 +56,7 @@ public:
     // dx: in: dL/d out; out: dL/d x. Weight gradients accumulate.
     void backward(const Acts& A, const T* x, T* dx, const StepInputs& in, double aux_scale);
 
-private:
+  private:
     const ModelConfig& c_;
     int64_t layer_, T_, h_, kslots_ = 0;
     int64_t in_norm_, post_norm_;

@@ -24,7 +24,8 @@ int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
         for (int64_t s = layer0 - 1; s >= 0; --s)
             if (c.indexer_types[s] == "full") return s;
-        throw Error(cat("indexer_types: layer ", layer0, " is shared but no earlier layer is full"));
+        throw Error(
+            cat("indexer_types: layer ", layer0, " is shared but no earlier layer is full"));
     }
     const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
     return l - ((l - o) % c.dsa_indexer_topk_freq) - 1;
@@ -33,8 +34,13 @@ int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
 template <typename T>
 DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
                           const std::string& p, int64_t tokens)
-    : c_(c), T_(tokens), h_(c.hidden_size), HI_(c.dsa_indexer_n_heads),
-      dI_(c.dsa_indexer_head_dim), dr_(c.qk_pos_emb_head_dim), qr_(c.q_lora_rank),
+    : c_(c),
+      T_(tokens),
+      h_(c.hidden_size),
+      HI_(c.dsa_indexer_n_heads),
+      dI_(c.dsa_indexer_head_dim),
+      dr_(c.qk_pos_emb_head_dim),
+      qr_(c.q_lora_rank),
       K_(std::min(c.dsa_indexer_topk, tokens)),
       wscale_(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * double(c.dsa_indexer_head_dim))) {
     wq_ = store.add(p + "wq_b.weight", {HI_ * dI_, qr_}, InitRule::Normal);
@@ -51,7 +57,8 @@ DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
 }
 
 template <typename T>
-typename DsaIndexer<T>::Slots DsaIndexer<T>::declare_acts(Buffers& buf, const std::string& p) const {
+typename DsaIndexer<T>::Slots DsaIndexer<T>::declare_acts(Buffers& buf,
+                                                          const std::string& p) const {
     Slots s{};
     s.q = buf.act(p + "indexer_q", {T_, HI_ * dI_});
     s.k_raw = buf.act(p + "indexer_k_raw", {T_, dI_});
@@ -66,8 +73,8 @@ typename DsaIndexer<T>::Slots DsaIndexer<T>::declare_acts(Buffers& buf, const st
 
 template <typename T>
 typename DsaIndexer<T>::Acts DsaIndexer<T>::resolve(const Buffers& buf, const Slots& s) const {
-    return {buf.ptr<T>(s.q),    buf.ptr<T>(s.k_raw),      buf.ptr<T>(s.k),
-            buf.ptr<T>(s.mean), buf.ptr<T>(s.rstd),       buf.ptr<T>(s.w),
+    return {buf.ptr<T>(s.q),          buf.ptr<T>(s.k_raw),    buf.ptr<T>(s.k),
+            buf.ptr<T>(s.mean),       buf.ptr<T>(s.rstd),     buf.ptr<T>(s.w),
             buf.ptr<int32_t>(s.topk), buf.ptr<int32_t>(s.len)};
 }
 
@@ -110,24 +117,27 @@ void DsaIndexer<T>::forward(const Acts& A, const T* a, const T* cq, const StepIn
     std::fill_n(A.len, Tn, 0);
     for (int64_t d = 0; d < in.num_docs; ++d) {
         const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
-        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
-            std::vector<int32_t> order;
-            for (int64_t t = begin + rb; t < begin + re; ++t) {
-                T* row = scores_ + t * Tn;
-                scores_row(A, t, begin, row);
-                const int64_t n = t - begin + 1, k = std::min(K_, n);
-                order.resize(n);
-                std::iota(order.begin(), order.end(), static_cast<int32_t>(begin));
-                // Largest scores; ties toward the smaller key index (SPEC §3).
-                std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                                  [&](int32_t x, int32_t y) {
-                                      return row[x] > row[y] || (row[x] == row[y] && x < y);
-                                  });
-                std::sort(order.begin(), order.begin() + k);
-                std::copy_n(order.begin(), k, A.topk + t * K_);
-                A.len[t] = static_cast<int32_t>(k);
-            }
-        }, 4);
+        parallel_for(
+            end - begin,
+            [&](int64_t rb, int64_t re) {
+                std::vector<int32_t> order;
+                for (int64_t t = begin + rb; t < begin + re; ++t) {
+                    T* row = scores_ + t * Tn;
+                    scores_row(A, t, begin, row);
+                    const int64_t n = t - begin + 1, k = std::min(K_, n);
+                    order.resize(n);
+                    std::iota(order.begin(), order.end(), static_cast<int32_t>(begin));
+                    // Largest scores; ties toward the smaller key index (SPEC §3).
+                    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                                      [&](int32_t x, int32_t y) {
+                                          return row[x] > row[y] || (row[x] == row[y] && x < y);
+                                      });
+                    std::sort(order.begin(), order.begin() + k);
+                    std::copy_n(order.begin(), k, A.topk + t * K_);
+                    A.len[t] = static_cast<int32_t>(k);
+                }
+            },
+            4);
     }
 }
 
@@ -145,60 +155,64 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     std::vector<double> kl(Tn, 0.0);
     for (int64_t d = 0; d < in.num_docs; ++d) {
         const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
-        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
-            std::vector<int32_t> support;
-            std::vector<double> p, lq;
-            for (int64_t t = begin + rb; t < begin + re; ++t) {
-                support.clear();
-                if (sparse) {
-                    support.assign(A.topk + t * K_, A.topk + t * K_ + A.len[t]);
-                } else {
-                    for (int64_t s = begin; s <= t; ++s) support.push_back(static_cast<int32_t>(s));
-                }
-                const int64_t n = static_cast<int64_t>(support.size());
-                p.assign(n, 0.0);
-                for (int64_t hh = 0; hh < tc.heads; ++hh) {
-                    const T* qh = tc.q + (t * tc.heads + hh) * tc.dim;
-                    std::vector<double> z(n);
-                    double mx = -INFINITY;
-                    for (int64_t j = 0; j < n; ++j) {
-                        const T* ks = tc.k + int64_t(support[j]) * tc.dim;
-                        double dd = 0;
-                        for (int64_t i = 0; i < tc.dim; ++i) dd += double(qh[i]) * ks[i];
-                        z[j] = dd * tc.scale;
-                        mx = std::max(mx, z[j]);
-                    }
-                    // Sparse: the attention's own LSE over the top-k set; dense: recomputed.
-                    double lse = 0;
+        parallel_for(
+            end - begin,
+            [&](int64_t rb, int64_t re) {
+                std::vector<int32_t> support;
+                std::vector<double> p, lq;
+                for (int64_t t = begin + rb; t < begin + re; ++t) {
+                    support.clear();
                     if (sparse) {
-                        lse = tc.lse[hh * Tn + t];
+                        support.assign(A.topk + t * K_, A.topk + t * K_ + A.len[t]);
                     } else {
-                        double sum = 0;
-                        for (double v : z) sum += std::exp(v - mx);
-                        lse = mx + std::log(sum);
+                        for (int64_t s = begin; s <= t; ++s)
+                            support.push_back(static_cast<int32_t>(s));
                     }
-                    for (int64_t j = 0; j < n; ++j) p[j] += std::exp(z[j] - lse);
+                    const int64_t n = static_cast<int64_t>(support.size());
+                    p.assign(n, 0.0);
+                    for (int64_t hh = 0; hh < tc.heads; ++hh) {
+                        const T* qh = tc.q + (t * tc.heads + hh) * tc.dim;
+                        std::vector<double> z(n);
+                        double mx = -INFINITY;
+                        for (int64_t j = 0; j < n; ++j) {
+                            const T* ks = tc.k + int64_t(support[j]) * tc.dim;
+                            double dd = 0;
+                            for (int64_t i = 0; i < tc.dim; ++i) dd += double(qh[i]) * ks[i];
+                            z[j] = dd * tc.scale;
+                            mx = std::max(mx, z[j]);
+                        }
+                        // Sparse: the attention's own LSE over the top-k set; dense: recomputed.
+                        double lse = 0;
+                        if (sparse) {
+                            lse = tc.lse[hh * Tn + t];
+                        } else {
+                            double sum = 0;
+                            for (double v : z) sum += std::exp(v - mx);
+                            lse = mx + std::log(sum);
+                        }
+                        for (int64_t j = 0; j < n; ++j) p[j] += std::exp(z[j] - lse);
+                    }
+                    double psum = 0;
+                    for (double v : p) psum += v;
+                    psum = std::max(psum, 1e-10);
+                    for (double& v : p) v /= psum;
+                    const T* row = scores_ + t * Tn;
+                    double mx = -INFINITY;
+                    for (int32_t s : support) mx = std::max(mx, double(row[s]));
+                    double sum = 0;
+                    for (int32_t s : support) sum += std::exp(double(row[s]) - mx);
+                    const double lse_i = mx + std::log(sum);
+                    double k = 0;
+                    T* tg = target_ + t * Tn;
+                    for (int64_t j = 0; j < n; ++j) {
+                        double logq = double(row[support[j]]) - lse_i;
+                        if (p[j] > 0) k += p[j] * (std::log(p[j]) - logq);
+                        tg[support[j]] = static_cast<T>(std::exp(logq) - p[j]);  // q - p
+                    }
+                    kl[t] = k;
                 }
-                double psum = 0;
-                for (double v : p) psum += v;
-                psum = std::max(psum, 1e-10);
-                for (double& v : p) v /= psum;
-                const T* row = scores_ + t * Tn;
-                double mx = -INFINITY;
-                for (int32_t s : support) mx = std::max(mx, double(row[s]));
-                double sum = 0;
-                for (int32_t s : support) sum += std::exp(double(row[s]) - mx);
-                const double lse_i = mx + std::log(sum);
-                double k = 0;
-                T* tg = target_ + t * Tn;
-                for (int64_t j = 0; j < n; ++j) {
-                    double logq = double(row[support[j]]) - lse_i;
-                    if (p[j] > 0) k += p[j] * (std::log(p[j]) - logq);
-                    tg[support[j]] = static_cast<T>(std::exp(logq) - p[j]);  // q - p
-                }
-                kl[t] = k;
-            }
-        }, 2);
+            },
+            2);
     }
     double total = 0;
     for (double v : kl) total += v;
@@ -218,41 +232,48 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     for (int64_t d = 0; d < in.num_docs; ++d) {
         const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
         // Query side: dw[t, j] and dq[t, j] (one writer per row).
-        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
-            for (int64_t t = begin + rb; t < begin + re; ++t)
-                for (int64_t s = begin; s <= t; ++s) {
-                    if (!in_support(t, s)) continue;
-                    const double dI = gsc * double(target_[t * Tn + s]);
-                    const T* k = A.k + s * dI_;
-                    for (int64_t j = 0; j < HI_; ++j) {
-                        const T* q = A.q + (t * HI_ + j) * dI_;
-                        double dd = 0;
-                        for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
-                        if (dd <= 0) continue;
-                        dw_[t * HI_ + j] += static_cast<T>(dI * dd);
-                        const double da = dI * A.w[t * HI_ + j];
-                        T* dq = dq_ + (t * HI_ + j) * dI_;
-                        for (int64_t i = 0; i < dI_; ++i) dq[i] += static_cast<T>(da * k[i]);
+        parallel_for(
+            end - begin,
+            [&](int64_t rb, int64_t re) {
+                for (int64_t t = begin + rb; t < begin + re; ++t)
+                    for (int64_t s = begin; s <= t; ++s) {
+                        if (!in_support(t, s)) continue;
+                        const double dI = gsc * double(target_[t * Tn + s]);
+                        const T* k = A.k + s * dI_;
+                        for (int64_t j = 0; j < HI_; ++j) {
+                            const T* q = A.q + (t * HI_ + j) * dI_;
+                            double dd = 0;
+                            for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
+                            if (dd <= 0) continue;
+                            dw_[t * HI_ + j] += static_cast<T>(dI * dd);
+                            const double da = dI * A.w[t * HI_ + j];
+                            T* dq = dq_ + (t * HI_ + j) * dI_;
+                            for (int64_t i = 0; i < dI_; ++i) dq[i] += static_cast<T>(da * k[i]);
+                        }
                     }
-                }
-        }, 2);
+            },
+            2);
         // Key side: dk[s] (one writer per key).
-        parallel_for(end - begin, [&](int64_t rb, int64_t re) {
-            for (int64_t s = begin + rb; s < begin + re; ++s)
-                for (int64_t t = s; t < end; ++t) {
-                    if (!in_support(t, s)) continue;
-                    const double dI = gsc * double(target_[t * Tn + s]);
-                    const T* k = A.k + s * dI_;
-                    for (int64_t j = 0; j < HI_; ++j) {
-                        const T* q = A.q + (t * HI_ + j) * dI_;
-                        double dd = 0;
-                        for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
-                        if (dd <= 0) continue;
-                        const double da = dI * A.w[t * HI_ + j];
-                        for (int64_t i = 0; i < dI_; ++i) dk_[s * dI_ + i] += static_cast<T>(da * q[i]);
+        parallel_for(
+            end - begin,
+            [&](int64_t rb, int64_t re) {
+                for (int64_t s = begin + rb; s < begin + re; ++s)
+                    for (int64_t t = s; t < end; ++t) {
+                        if (!in_support(t, s)) continue;
+                        const double dI = gsc * double(target_[t * Tn + s]);
+                        const T* k = A.k + s * dI_;
+                        for (int64_t j = 0; j < HI_; ++j) {
+                            const T* q = A.q + (t * HI_ + j) * dI_;
+                            double dd = 0;
+                            for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
+                            if (dd <= 0) continue;
+                            const double da = dI * A.w[t * HI_ + j];
+                            for (int64_t i = 0; i < dI_; ++i)
+                                dk_[s * dI_ + i] += static_cast<T>(da * q[i]);
+                        }
                     }
-                }
-        }, 2);
+            },
+            2);
     }
     // Back through the weight scale, RoPE, LayerNorm and the three projections (weights only).
     gemm<T>(true, false, HI_, h_, Tn, wscale_, dw_, HI_, a, h_, 1, g_[ww_], h_);

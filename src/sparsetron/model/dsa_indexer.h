@@ -21,7 +21,7 @@ int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
 
 template <typename T>
 class DsaIndexer {
-public:
+  public:
     struct Slots {
         MemoryPlan::Slot q, k_raw, k, mean, rstd, w, topk, len;
     };
@@ -38,8 +38,8 @@ public:
         double scale;
     };
 
-    DsaIndexer(const ModelConfig& cfg, ParamStore& store, Buffers& buf, const std::string& hf_prefix,
-               int64_t tokens);
+    DsaIndexer(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
+               const std::string& hf_prefix, int64_t tokens);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;
     void bind(const Buffers& buf, const std::vector<T*>& params, const std::vector<T*>& grads);
@@ -52,7 +52,7 @@ public:
     double loss(const Acts& A, const T* a, const T* cq, const StepInputs& in, const Teacher& t,
                 double grad_scale) const;
 
-private:
+  private:
     void scores_row(const Acts& A, int64_t t, int64_t begin, T* out) const;
     const ModelConfig& c_;
     int64_t T_, h_, HI_, dI_, dr_, qr_, K_;

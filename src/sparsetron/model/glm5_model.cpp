@@ -400,6 +400,13 @@ void Glm5Model<T>::mtp_backward(const LossScales& sc) {
 }
 
 template <typename T>
+void Glm5Model<T>::logits_row(int64_t row, T* out) const {
+    ST_ASSERT(row >= 0 && row < T_, "row ", row);
+    gemm<T>(false, true, 1, cfg_.vocab_size, cfg_.hidden_size, 1, h_final_ + row * cfg_.hidden_size,
+            cfg_.hidden_size, param(head_), cfg_.hidden_size, 0, out, cfg_.vocab_size);
+}
+
+template <typename T>
 void Glm5Model<T>::reset_moe_stats() {
     for (auto& l : layers_)
         if (l->moe()) {

@@ -66,6 +66,9 @@ class Glm5Model {
     int64_t moe_dropped() const;
     void update_router_bias(double rate);
 
+    // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].
+    void logits_row(int64_t row, T* out) const;
+
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }
 

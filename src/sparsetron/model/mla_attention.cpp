@@ -13,9 +13,17 @@ using cpu::gemm;
 template <typename T>
 MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& buf,
                               const std::string& p, int64_t tokens, bool absorbed)
-    : c_(c), T_(tokens), h_(c.hidden_size), H_(c.num_attention_heads), dq_(c.q_head_dim()),
-      dn_(c.qk_head_dim), dr_(c.qk_pos_emb_head_dim), dv_(c.v_head_dim), qr_(c.q_lora_rank),
-      kr_(c.kv_lora_rank), absorbed_(absorbed) {
+    : c_(c),
+      T_(tokens),
+      h_(c.hidden_size),
+      H_(c.num_attention_heads),
+      dq_(c.q_head_dim()),
+      dn_(c.qk_head_dim),
+      dr_(c.qk_pos_emb_head_dim),
+      dv_(c.v_head_dim),
+      qr_(c.q_lora_rank),
+      kr_(c.kv_lora_rank),
+      absorbed_(absorbed) {
     q_a_ = store.add(p + "q_a_proj.weight", {qr_, h_}, InitRule::Normal);
     q_a_norm_ = store.add(p + "q_a_layernorm.weight", {qr_}, InitRule::Ones, false);
     q_b_ = store.add(p + "q_b_proj.weight", {H_ * dq_, qr_}, InitRule::Normal);
@@ -70,8 +78,8 @@ typename MlaAttention<T>::Slots MlaAttention<T>::declare_acts(Buffers& buf,
 template <typename T>
 typename MlaAttention<T>::Acts MlaAttention<T>::resolve(const Buffers& buf, const Slots& s) const {
     auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
-    return {P(s.cq_raw), P(s.cq), P(s.rstd_q), P(s.q), P(s.ckv), P(s.ckv_n), P(s.rstd_kv),
-            P(s.kv), P(s.k), P(s.qabs), P(s.kabs), P(s.oabs), P(s.o), P(s.lse)};
+    return {P(s.cq_raw), P(s.cq), P(s.rstd_q), P(s.q),    P(s.ckv),  P(s.ckv_n), P(s.rstd_kv),
+            P(s.kv),     P(s.k),  P(s.qabs),   P(s.kabs), P(s.oabs), P(s.o),     P(s.lse)};
 }
 
 template <typename T>
@@ -114,15 +122,18 @@ void MlaAttention<T>::project(const Acts& A, const T* a, const StepInputs& in) c
     for (int64_t hh = 0; hh < H_; ++hh)
         gemm<T>(false, false, Tn, kr_, dn_, 1, A.q + hh * dq_, H_ * dq_,
                 wkvb + hh * (dn_ + dv_) * kr_, kr_, 0, A.qabs + hh * L, H_ * L);
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            for (int64_t hh = 0; hh < H_; ++hh)
-                std::copy_n(A.q + t * H_ * dq_ + hh * dq_ + dn_, dr_,
-                            A.qabs + (t * H_ + hh) * L + kr_);
-            std::copy_n(A.ckv_n + t * kr_, kr_, A.kabs + t * L);
-            std::copy_n(A.ckv + t * L + kr_, dr_, A.kabs + t * L + kr_);
-        }
-    }, 16);
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t) {
+                for (int64_t hh = 0; hh < H_; ++hh)
+                    std::copy_n(A.q + t * H_ * dq_ + hh * dq_ + dn_, dr_,
+                                A.qabs + (t * H_ + hh) * L + kr_);
+                std::copy_n(A.ckv_n + t * kr_, kr_, A.kabs + t * L);
+                std::copy_n(A.ckv + t * L + kr_, dr_, A.kabs + t * L + kr_);
+            }
+        },
+        16);
 }
 
 template <typename T>
@@ -139,15 +150,19 @@ void MlaAttention<T>::attend(const Acts& A, const StepInputs& in, const int32_t*
     } else {
         gemm<T>(false, true, Tn, H_ * (dn_ + dv_), kr_, 1, A.ckv_n, kr_, p_[kv_b_], kr_, 0, A.kv,
                 H_ * (dn_ + dv_));
-        parallel_for(Tn, [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; ++t)
-                for (int64_t hh = 0; hh < H_; ++hh) {
-                    T* kd = A.k + (t * H_ + hh) * dq_;
-                    std::copy_n(A.kv + (t * H_ + hh) * (dn_ + dv_), dn_, kd);
-                    std::copy_n(A.ckv + t * L + kr_, dr_, kd + dn_);
-                }
-        }, 16);
-        cpu::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
+        parallel_for(
+            Tn,
+            [&](int64_t b, int64_t e) {
+                for (int64_t t = b; t < e; ++t)
+                    for (int64_t hh = 0; hh < H_; ++hh) {
+                        T* kd = A.k + (t * H_ + hh) * dq_;
+                        std::copy_n(A.kv + (t * H_ + hh) * (dn_ + dv_), dn_, kd);
+                        std::copy_n(A.ckv + t * L + kr_, dr_, kd + dn_);
+                    }
+            },
+            16);
+        cpu::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+                         dn_ + dv_};
         cpu::attention_forward(s, A.q, A.k, A.kv + dn_, in.cu_seqlens, in.num_docs, scale(), A.o,
                                A.lse);
     }
@@ -179,30 +194,37 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
             gemm<T>(true, false, dn_, kr_, Tn, 1, A.q + hh * dq_, H_ * dq_, dqabs_ + hh * L, H_ * L,
                     1, gkvb + uk, kr_);
         }
-        parallel_for(Tn, [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; ++t) {
-                for (int64_t hh = 0; hh < H_; ++hh)
-                    std::copy_n(dqabs_ + (t * H_ + hh) * L + kr_, dr_,
-                                dq_b_ + t * H_ * dq_ + hh * dq_ + dn_);
-                std::copy_n(dkabs_ + t * L, kr_, dckv_n_ + t * kr_);
-                std::copy_n(dkabs_ + t * L + kr_, dr_, dckv_ + t * L + kr_);
-            }
-        }, 16);
+        parallel_for(
+            Tn,
+            [&](int64_t b, int64_t e) {
+                for (int64_t t = b; t < e; ++t) {
+                    for (int64_t hh = 0; hh < H_; ++hh)
+                        std::copy_n(dqabs_ + (t * H_ + hh) * L + kr_, dr_,
+                                    dq_b_ + t * H_ * dq_ + hh * dq_ + dn_);
+                    std::copy_n(dkabs_ + t * L, kr_, dckv_n_ + t * kr_);
+                    std::copy_n(dkabs_ + t * L + kr_, dr_, dckv_ + t * L + kr_);
+                }
+            },
+            16);
     } else {
-        cpu::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
+        cpu::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+                         dn_ + dv_};
         cpu::attention_backward(s, A.q, A.k, A.kv + dn_, A.o, A.lse, do_, in.cu_seqlens,
                                 in.num_docs, scale(), dq_b_, dk_, dkv_ + dn_);
-        parallel_for(Tn, [&](int64_t b, int64_t e) {
-            for (int64_t t = b; t < e; ++t) {
-                T* dpe = dckv_ + t * L + kr_;
-                std::fill_n(dpe, dr_, T(0));
-                for (int64_t hh = 0; hh < H_; ++hh) {
-                    const T* dkd = dk_ + (t * H_ + hh) * dq_;
-                    std::copy_n(dkd, dn_, dkv_ + (t * H_ + hh) * (dn_ + dv_));
-                    for (int64_t i = 0; i < dr_; ++i) dpe[i] += dkd[dn_ + i];
+        parallel_for(
+            Tn,
+            [&](int64_t b, int64_t e) {
+                for (int64_t t = b; t < e; ++t) {
+                    T* dpe = dckv_ + t * L + kr_;
+                    std::fill_n(dpe, dr_, T(0));
+                    for (int64_t hh = 0; hh < H_; ++hh) {
+                        const T* dkd = dk_ + (t * H_ + hh) * dq_;
+                        std::copy_n(dkd, dn_, dkv_ + (t * H_ + hh) * (dn_ + dv_));
+                        for (int64_t i = 0; i < dr_; ++i) dpe[i] += dkd[dn_ + i];
+                    }
                 }
-            }
-        }, 16);
+            },
+            16);
         gemm<T>(false, false, Tn, kr_, H_ * (dn_ + dv_), 1, dkv_, H_ * (dn_ + dv_), p_[kv_b_], kr_,
                 0, dckv_n_, kr_);
         gemm<T>(true, false, H_ * (dn_ + dv_), kr_, Tn, 1, dkv_, H_ * (dn_ + dv_), A.ckv_n, kr_, 1,

@@ -1,7 +1,8 @@
 // MLA attention (SPEC §2) in two executions of the same math:
 //  - expanded: K_h = [k_nope_h ; k_pe], V_h per head, dense causal attention within documents;
 //  - absorbed: Q'_h = [q_nope_h W_UK^h ; q_pe_h], one latent key K' = [c_kv ; k_pe], V' = c_kv,
-//    attention over the keys a DSA top-k selected, o_h = o'_h W_UV^h^T (what sparse attention runs).
+//    attention over the keys a DSA top-k selected, o_h = o'_h W_UV^h^T (what sparse attention
+//    runs).
 // The forward is split so a DSA indexer can run between the projections and the attention core.
 #pragma once
 
@@ -16,10 +17,10 @@ namespace sparsetron {
 
 template <typename T>
 class MlaAttention {
-public:
+  public:
     struct Slots {
         MemoryPlan::Slot cq_raw, cq, rstd_q, q, ckv, ckv_n, rstd_kv;
-        MemoryPlan::Slot kv, k;        // expanded
+        MemoryPlan::Slot kv, k;             // expanded
         MemoryPlan::Slot qabs, kabs, oabs;  // absorbed
         MemoryPlan::Slot o, lse;
     };
@@ -47,7 +48,7 @@ public:
     double scale() const;
     int64_t latent_dim() const { return kr_ + dr_; }  // 576 for GLM-5
 
-private:
+  private:
     const ModelConfig& c_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
     bool absorbed_;
@@ -56,8 +57,8 @@ private:
     // Shared backward scratch.
     MemoryPlan::Slot s_do_, s_dq_, s_dk_, s_dkv_, s_dcq_, s_dcq_raw_, s_dckv_, s_dckv_n_, s_dqabs_,
         s_dkabs_, s_dkabs_heads_, s_doabs_;
-    T *do_, *dq_b_, *dk_, *dkv_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *dkabs_, *dkabs_heads_,
-        *doabs_;
+    T *do_, *dq_b_, *dk_, *dkv_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *dkabs_,
+        *dkabs_heads_, *doabs_;
 };
 
 }  // namespace sparsetron

@@ -25,7 +25,7 @@ struct SwiGluScratch {
 
 template <typename T>
 class SwiGluMlp {
-public:
+  public:
     // Registers `hf_prefix`{gate_proj,up_proj,down_proj}.weight.
     SwiGluMlp(ParamStore& store, const std::string& hf_prefix, int64_t hidden, int64_t ffn);
     void bind(const std::vector<T*>& params, const std::vector<T*>& grads);
@@ -38,7 +38,7 @@ public:
 
     int64_t ffn() const { return f_; }
 
-private:
+  private:
     int64_t h_, f_;
     int64_t gate_, up_, down_;
     T *wg_ = nullptr, *wu_ = nullptr, *wd_ = nullptr, *gwg_ = nullptr, *gwu_ = nullptr,

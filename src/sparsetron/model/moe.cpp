@@ -15,12 +15,18 @@ using cpu::gemm;
 template <typename T>
 MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, const std::string& p,
                       int64_t tokens)
-    : c_(c), T_(tokens), h_(c.hidden_size), E_(c.num_experts), k_(c.moe_router_topk),
-      F_(c.moe_ffn_hidden_size), Fs_(c.moe_shared_expert_intermediate_size) {
-    capacity_ = c.moe_capacity_factor > 0
-                    ? std::min<int64_t>(tokens, static_cast<int64_t>(std::ceil(
-                                                    c.moe_capacity_factor * tokens * k_ / E_)))
-                    : tokens;
+    : c_(c),
+      T_(tokens),
+      h_(c.hidden_size),
+      E_(c.num_experts),
+      k_(c.moe_router_topk),
+      F_(c.moe_ffn_hidden_size),
+      Fs_(c.moe_shared_expert_intermediate_size) {
+    capacity_ =
+        c.moe_capacity_factor > 0
+            ? std::min<int64_t>(
+                  tokens, static_cast<int64_t>(std::ceil(c.moe_capacity_factor * tokens * k_ / E_)))
+            : tokens;
     router_ = store.add(p + "gate.weight", {E_, h_}, InitRule::Normal, false);
     bias_ = store.add_buffer(p + "gate.e_score_correction_bias", {E_}, InitRule::Zeros);
     for (int64_t e = 0; e < E_; ++e)
@@ -69,8 +75,9 @@ template <typename T>
 typename MoeLayer<T>::Acts MoeLayer<T>::resolve(const Buffers& buf, const Slots& s) const {
     auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
     auto I = [&](MemoryPlan::Slot x) { return buf.ptr<int32_t>(x); };
-    return {P(s.probs), I(s.topk), P(s.gates), I(s.slot_row), I(s.perm_token), P(s.xperm), P(s.g),
-            P(s.u), P(s.act), P(s.out_perm), P(s.sg), P(s.su), P(s.sact), {}};
+    return {P(s.probs), I(s.topk), P(s.gates), I(s.slot_row), I(s.perm_token), P(s.xperm),
+            P(s.g),     P(s.u),    P(s.act),   P(s.out_perm), P(s.sg),         P(s.su),
+            P(s.sact),  {}};
 }
 
 template <typename T>
@@ -90,29 +97,33 @@ void MoeLayer<T>::route(Acts& A, const StepInputs& in) {
     const int64_t real = in.cu_seqlens[in.num_docs];  // padding rows are not routed
     const T* bias = p_[bias_];
     // Selection: top-k of (s + b), ties toward the smaller expert index.
-    parallel_for(real, [&](int64_t b, int64_t e) {
-        std::vector<int32_t> order(E_);
-        for (int64_t t = b; t < e; ++t) {
-            const T* s = A.probs + t * E_;
-            int32_t* chosen = A.topk + t * k_;
-            if (c_.moe_router_force_load_balancing) {
-                for (int64_t j = 0; j < k_; ++j) chosen[j] = static_cast<int32_t>((t * k_ + j) % E_);
-            } else {
-                std::iota(order.begin(), order.end(), 0);
-                std::partial_sort(order.begin(), order.begin() + k_, order.end(),
-                                  [&](int32_t x, int32_t y) {
-                                      T vx = s[x] + bias[x], vy = s[y] + bias[y];
-                                      return vx > vy || (vx == vy && x < y);
-                                  });
-                std::copy_n(order.begin(), k_, chosen);
+    parallel_for(
+        real,
+        [&](int64_t b, int64_t e) {
+            std::vector<int32_t> order(E_);
+            for (int64_t t = b; t < e; ++t) {
+                const T* s = A.probs + t * E_;
+                int32_t* chosen = A.topk + t * k_;
+                if (c_.moe_router_force_load_balancing) {
+                    for (int64_t j = 0; j < k_; ++j)
+                        chosen[j] = static_cast<int32_t>((t * k_ + j) % E_);
+                } else {
+                    std::iota(order.begin(), order.end(), 0);
+                    std::partial_sort(order.begin(), order.begin() + k_, order.end(),
+                                      [&](int32_t x, int32_t y) {
+                                          T vx = s[x] + bias[x], vy = s[y] + bias[y];
+                                          return vx > vy || (vx == vy && x < y);
+                                      });
+                    std::copy_n(order.begin(), k_, chosen);
+                }
+                double sum = 1e-20;
+                for (int64_t j = 0; j < k_; ++j) sum += double(s[chosen[j]]);
+                for (int64_t j = 0; j < k_; ++j)
+                    A.gates[t * k_ + j] = static_cast<T>(double(s[chosen[j]]) / sum *
+                                                         c_.moe_router_topk_scaling_factor);
             }
-            double sum = 1e-20;
-            for (int64_t j = 0; j < k_; ++j) sum += double(s[chosen[j]]);
-            for (int64_t j = 0; j < k_; ++j)
-                A.gates[t * k_ + j] =
-                    static_cast<T>(double(s[chosen[j]]) / sum * c_.moe_router_topk_scaling_factor);
-        }
-    }, 8);
+        },
+        8);
     // Permutation: expert-major, token order within an expert, capacity-bounded.
     std::vector<int64_t> count(E_, 0);
     for (int64_t t = 0; t < real; ++t)
@@ -140,31 +151,40 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
     const int64_t Tn = T_;
     // Router in the master precision (fp32 on CPU), sigmoid scores.
     gemm<T>(false, true, Tn, E_, h_, 1, m, h_, p_[router_], h_, 0, A.probs, E_);
-    parallel_for(Tn * E_, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i)
-            A.probs[i] = static_cast<T>(1.0 / (1.0 + std::exp(-double(A.probs[i]))));
-    }, 4096);
+    parallel_for(
+        Tn * E_,
+        [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i)
+                A.probs[i] = static_cast<T>(1.0 / (1.0 + std::exp(-double(A.probs[i]))));
+        },
+        4096);
     route(A, in);
     const int64_t R = A.offsets[E_];
-    parallel_for(R, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; ++r) std::copy_n(m + A.perm_token[r] * h_, h_, A.xperm + r * h_);
-    }, 16);
+    parallel_for(
+        R,
+        [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r)
+                std::copy_n(m + A.perm_token[r] * h_, h_, A.xperm + r * h_);
+        },
+        16);
     for (int64_t e = 0; e < E_; ++e) {
         int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
-        experts_[e].forward(A.xperm + r0 * h_, n,
-                            {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_}, A.out_perm + r0 * h_,
-                            false);
+        experts_[e].forward(A.xperm + r0 * h_, n, {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
+                            A.out_perm + r0 * h_, false);
     }
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t)
-            for (int64_t j = 0; j < k_; ++j) {
-                int32_t r = A.slot_row[t * k_ + j];
-                if (r < 0) continue;
-                T gate = A.gates[t * k_ + j];
-                const T* o = A.out_perm + int64_t(r) * h_;
-                for (int64_t c = 0; c < h_; ++c) y[t * h_ + c] += gate * o[c];
-            }
-    }, 16);
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t)
+                for (int64_t j = 0; j < k_; ++j) {
+                    int32_t r = A.slot_row[t * k_ + j];
+                    if (r < 0) continue;
+                    T gate = A.gates[t * k_ + j];
+                    const T* o = A.out_perm + int64_t(r) * h_;
+                    for (int64_t c = 0; c < h_; ++c) y[t * h_ + c] += gate * o[c];
+                }
+        },
+        16);
     if (shared_) shared_->forward(m, Tn, {A.sg, A.su, A.sact}, y, true);
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
         // DeepSeek-V3 sequence aux loss, per packed document: α Σ_e f_e P_e.
@@ -190,24 +210,28 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
                            double aux_scale) const {
     const int64_t Tn = T_, R = A.offsets[E_];
     std::fill_n(dm, Tn * h_, T(0));
-    if (shared_) shared_->backward(m, dy, Tn, {A.sg, A.su, A.sact}, {sdact_, sdg_, sdu_}, dm, false);
+    if (shared_)
+        shared_->backward(m, dy, Tn, {A.sg, A.su, A.sact}, {sdact_, sdg_, sdu_}, dm, false);
     // Gate gradients and the scaled output gradient of each routed row.
     std::vector<double> dgate(Tn * k_, 0.0);
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t)
-            for (int64_t j = 0; j < k_; ++j) {
-                int32_t r = A.slot_row[t * k_ + j];
-                if (r < 0) continue;
-                const T* o = A.out_perm + int64_t(r) * h_;
-                double s = 0;
-                T gate = A.gates[t * k_ + j];
-                for (int64_t c = 0; c < h_; ++c) {
-                    s += double(dy[t * h_ + c]) * o[c];
-                    doutperm_[int64_t(r) * h_ + c] = gate * dy[t * h_ + c];
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t)
+                for (int64_t j = 0; j < k_; ++j) {
+                    int32_t r = A.slot_row[t * k_ + j];
+                    if (r < 0) continue;
+                    const T* o = A.out_perm + int64_t(r) * h_;
+                    double s = 0;
+                    T gate = A.gates[t * k_ + j];
+                    for (int64_t c = 0; c < h_; ++c) {
+                        s += double(dy[t * h_ + c]) * o[c];
+                        doutperm_[int64_t(r) * h_ + c] = gate * dy[t * h_ + c];
+                    }
+                    dgate[t * k_ + j] = s;
                 }
-                dgate[t * k_ + j] = s;
-            }
-    }, 16);
+        },
+        16);
     for (int64_t e = 0; e < E_; ++e) {
         int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
         experts_[e].backward(A.xperm + r0 * h_, doutperm_ + r0 * h_, n,
@@ -220,19 +244,22 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
     const double c = c_.moe_router_topk_scaling_factor;
     std::fill_n(dlogits_, Tn * E_, T(0));
     const int64_t real = in.cu_seqlens[in.num_docs];
-    parallel_for(real, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-            const int32_t* chosen = A.topk + t * k_;
-            const T* s = A.probs + t * E_;
-            double S = 1e-20, dot = 0;
-            for (int64_t j = 0; j < k_; ++j) S += double(s[chosen[j]]);
-            for (int64_t j = 0; j < k_; ++j) dot += dgate[t * k_ + j] * double(s[chosen[j]]);
-            for (int64_t j = 0; j < k_; ++j) {
-                double ds = c * (dgate[t * k_ + j] / S - dot / (S * S));
-                dlogits_[t * E_ + chosen[j]] += static_cast<T>(ds);
+    parallel_for(
+        real,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t) {
+                const int32_t* chosen = A.topk + t * k_;
+                const T* s = A.probs + t * E_;
+                double S = 1e-20, dot = 0;
+                for (int64_t j = 0; j < k_; ++j) S += double(s[chosen[j]]);
+                for (int64_t j = 0; j < k_; ++j) dot += dgate[t * k_ + j] * double(s[chosen[j]]);
+                for (int64_t j = 0; j < k_; ++j) {
+                    double ds = c * (dgate[t * k_ + j] / S - dot / (S * S));
+                    dlogits_[t * E_ + chosen[j]] += static_cast<T>(ds);
+                }
             }
-        }
-    }, 8);
+        },
+        8);
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
         for (int64_t d = 0; d < in.num_docs; ++d) {
             int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
@@ -250,21 +277,27 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
             }
         }
     }
-    parallel_for(Tn * E_, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) dlogits_[i] *= A.probs[i] * (T(1) - A.probs[i]);
-    }, 4096);
+    parallel_for(
+        Tn * E_,
+        [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) dlogits_[i] *= A.probs[i] * (T(1) - A.probs[i]);
+        },
+        4096);
     gemm<T>(true, false, E_, h_, Tn, 1, dlogits_, E_, m, h_, 1, g_[router_], h_);
     gemm<T>(false, false, Tn, h_, E_, 1, dlogits_, E_, p_[router_], h_, 1, dm, h_);
     // Scatter the routed rows' input gradients back to their tokens (one writer per token).
-    parallel_for(Tn, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t)
-            for (int64_t j = 0; j < k_; ++j) {
-                int32_t r = A.slot_row[t * k_ + j];
-                if (r < 0) continue;
-                const T* d = dxperm_ + int64_t(r) * h_;
-                for (int64_t cc = 0; cc < h_; ++cc) dm[t * h_ + cc] += d[cc];
-            }
-    }, 16);
+    parallel_for(
+        Tn,
+        [&](int64_t b, int64_t e) {
+            for (int64_t t = b; t < e; ++t)
+                for (int64_t j = 0; j < k_; ++j) {
+                    int32_t r = A.slot_row[t * k_ + j];
+                    if (r < 0) continue;
+                    const T* d = dxperm_ + int64_t(r) * h_;
+                    for (int64_t cc = 0; cc < h_; ++cc) dm[t * h_ + cc] += d[cc];
+                }
+        },
+        16);
 }
 
 template <typename T>

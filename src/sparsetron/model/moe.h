@@ -18,16 +18,16 @@ namespace sparsetron {
 
 template <typename T>
 class MoeLayer {
-public:
+  public:
     struct Slots {
         MemoryPlan::Slot probs, topk, gates, slot_row, perm_token, xperm, g, u, act, out_perm, sg,
             su, sact;
     };
     struct Acts {
-        T* probs;          // [T, E] sigmoid scores
-        int32_t* topk;     // [T, k] chosen experts
-        T* gates;          // [T, k]
-        int32_t* slot_row; // [T*k] permuted row of (t, j), -1 if not routed (padding or dropped)
+        T* probs;             // [T, E] sigmoid scores
+        int32_t* topk;        // [T, k] chosen experts
+        T* gates;             // [T, k]
+        int32_t* slot_row;    // [T*k] permuted row of (t, j), -1 if not routed (padding or dropped)
         int32_t* perm_token;  // [T*k] token of each permuted row
         T *xperm, *g, *u, *act, *out_perm;  // permuted rows
         T *sg, *su, *sact;                  // shared expert
@@ -55,7 +55,7 @@ public:
     Stats& stats() { return stats_; }
     int64_t capacity() const { return capacity_; }
 
-private:
+  private:
     void route(Acts& A, const StepInputs& in);
     const ModelConfig& c_;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;

@@ -29,32 +29,35 @@ template <typename T>
 void sparse_mqa_forward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T* q, const T* kv,
                         const int32_t* idx, const int32_t* len, int64_t K, double scale, T* out,
                         T* lse) {
-    parallel_for(Tn, [&](int64_t tb, int64_t te) {
-        std::vector<double> p(K);
-        for (int64_t t = tb; t < te; ++t) {
-            const int32_t* sel = idx + t * K;
-            const int64_t n = len[t];
-            for (int64_t h = 0; h < H; ++h) {
-                T* o = out + (t * H + h) * dv;
-                std::fill_n(o, dv, T(0));
-                if (n == 0) {
-                    lse[h * Tn + t] = 0;
-                    continue;
+    parallel_for(
+        Tn,
+        [&](int64_t tb, int64_t te) {
+            std::vector<double> p(K);
+            for (int64_t t = tb; t < te; ++t) {
+                const int32_t* sel = idx + t * K;
+                const int64_t n = len[t];
+                for (int64_t h = 0; h < H; ++h) {
+                    T* o = out + (t * H + h) * dv;
+                    std::fill_n(o, dv, T(0));
+                    if (n == 0) {
+                        lse[h * Tn + t] = 0;
+                        continue;
+                    }
+                    const T* qh = q + (t * H + h) * dqk;
+                    double mx = -INFINITY;
+                    for (int64_t j = 0; j < n; ++j) {
+                        p[j] = double(dot(qh, kv + int64_t(sel[j]) * dqk, dqk)) * scale;
+                        mx = std::max(mx, p[j]);
+                    }
+                    double sum = 0;
+                    for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
+                    for (int64_t j = 0; j < n; ++j)
+                        axpy(static_cast<T>(p[j] / sum), kv + int64_t(sel[j]) * dqk, o, dv);
+                    lse[h * Tn + t] = static_cast<T>(mx + std::log(sum));
                 }
-                const T* qh = q + (t * H + h) * dqk;
-                double mx = -INFINITY;
-                for (int64_t j = 0; j < n; ++j) {
-                    p[j] = double(dot(qh, kv + int64_t(sel[j]) * dqk, dqk)) * scale;
-                    mx = std::max(mx, p[j]);
-                }
-                double sum = 0;
-                for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j] - mx));
-                for (int64_t j = 0; j < n; ++j)
-                    axpy(static_cast<T>(p[j] / sum), kv + int64_t(sel[j]) * dqk, o, dv);
-                lse[h * Tn + t] = static_cast<T>(mx + std::log(sum));
             }
-        }
-    }, 2);
+        },
+        2);
 }
 
 template <typename T>
@@ -87,19 +90,22 @@ void sparse_mqa_backward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T
             }
         }
     });
-    parallel_for(Tn, [&](int64_t tb, int64_t te) {
-        for (int64_t t = tb; t < te; ++t) {
-            T* d = dkv + t * dqk;
-            std::fill_n(d, dqk, T(0));
-            for (int64_t h = 0; h < H; ++h) axpy(T(1), dkv_heads + (h * Tn + t) * dqk, d, dqk);
-        }
-    }, 8);
+    parallel_for(
+        Tn,
+        [&](int64_t tb, int64_t te) {
+            for (int64_t t = tb; t < te; ++t) {
+                T* d = dkv + t * dqk;
+                std::fill_n(d, dqk, T(0));
+                for (int64_t h = 0; h < H; ++h) axpy(T(1), dkv_heads + (h * Tn + t) * dqk, d, dqk);
+            }
+        },
+        8);
 }
 
-#define INSTANTIATE(T)                                                                           \
-    template void sparse_mqa_forward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,  \
+#define INSTANTIATE(T)                                                                            \
+    template void sparse_mqa_forward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,   \
                                         const int32_t*, const int32_t*, int64_t, double, T*, T*); \
-    template void sparse_mqa_backward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*, \
+    template void sparse_mqa_backward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,  \
                                          const int32_t*, const int32_t*, int64_t, double,         \
                                          const T*, const T*, const T*, T*, T*, T*);
 INSTANTIATE(float)

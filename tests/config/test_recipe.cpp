@@ -162,3 +162,28 @@ TEST(HfConfig, RoundTripsTheModelConfig) {
               }).find("lacks required key 'vocab_size'"),
               std::string::npos);
 }
+
+TEST(IndexShare, Glm52ReleaseAndSeedPatterns) {
+    ModelConfig m;
+    m.num_layers = 78;
+    m.dsa_indexer_topk_freq = 4;
+    m.dsa_indexer_skip_topk_offset = 3;  // GLM-5.2 release: full 0,1,2,6,10,...,74 and MTP (78)
+    std::vector<int64_t> full;
+    for (int64_t l = 0; l <= 78; ++l)
+        if (dsa_layer_is_full(m, l)) full.push_back(l);
+    std::vector<int64_t> want = {0, 1, 2};
+    for (int64_t l = 6; l <= 74; l += 4) want.push_back(l);
+    want.push_back(78);
+    EXPECT_EQ(full, want);
+    EXPECT_EQ(full.size(), 22u);  // 21 backbone indexers plus the MTP layer's
+    EXPECT_EQ(dsa_source_layer(m, 5), 2);
+    EXPECT_EQ(dsa_source_layer(m, 7), 6);
+    EXPECT_EQ(dsa_source_layer(m, 77), 74);
+    m.dsa_indexer_skip_topk_offset = 2;  // the seed's recipe value: full 0,1,5,9,...
+    EXPECT_TRUE(dsa_layer_is_full(m, 5));
+    EXPECT_FALSE(dsa_layer_is_full(m, 2));
+    EXPECT_FALSE(dsa_layer_is_full(m, 78));  // MTP layer 79 shared: kv sharing must be refused
+    m.indexer_types = {"full", "shared", "shared"};  // an explicit list wins
+    EXPECT_FALSE(dsa_layer_is_full(m, 1));
+    EXPECT_EQ(dsa_source_layer(m, 2), 0);
+}

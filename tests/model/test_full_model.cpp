@@ -135,6 +135,13 @@ TEST(FullModel, GradientsWithE2eTvAndDenseIndexerLoss) {
     check_full_model(cfg);
 }
 
+TEST(FullModel, GradientsWithMtpLatentKvAndTopkSharing) {
+    ModelConfig cfg = full_config("e2e_tv", true, true);
+    cfg.mtp_num_layers = 3;  // depths 2 and 3 reuse depth 1's K' and top-k
+    cfg.dsa_mtp_index_kv_share = true;
+    check_full_model(cfg);
+}
+
 TEST(FullModel, SparseAttentionEqualsDenseWhenTopkCoversEveryKey) {
     // Absorbed sparse MLA over all causal keys must equal the expanded dense form (SPEC §2).
     ModelConfig dense = full_config("cross_entropy", false, true);

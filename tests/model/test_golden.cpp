@@ -77,6 +77,12 @@ void check_fixture(const std::string& name) {
 
 }  // namespace
 
-TEST(GoldenHf, MoeDsaWithIndexShare) { check_fixture("moe_dsa_share"); }
-TEST(GoldenHf, IndexShareFromFreqAndOffset) { check_fixture("freq_offset"); }
-TEST(GoldenHf, DenseLayersTopkCoversDocuments) { check_fixture("dense_topk_covers"); }
+TEST(GoldenHf, MoeDsaWithIndexShare) {
+    check_fixture("moe_dsa_share");
+}
+TEST(GoldenHf, IndexShareFromFreqAndOffset) {
+    check_fixture("freq_offset");
+}
+TEST(GoldenHf, DenseLayersTopkCoversDocuments) {
+    check_fixture("dense_topk_covers");
+}

@@ -163,11 +163,21 @@ TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
     EXPECT_NE(msg.find("token id 256 but vocab_size is 200"), std::string::npos) << msg;
     msg = error_of([&] { Trainer(small_recipe(), {dir, "", Device::CUDA}); });
     EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
-    msg = error_of([&] {
-        Trainer(small_recipe({"experimental_attention_variant=dsa", "dsa_indexer_n_heads=2",
-                              "dsa_indexer_head_dim=16", "dsa_indexer_topk=8", "mtp_num_layers=2",
-                              "dsa_mtp_index_kv_share=true"}),
-                {dir, "", Device::CPU});
-    });
-    EXPECT_NE(msg.find("dsa_mtp_index_kv_share"), std::string::npos) << msg;
+    // 2 layers + MTP layer 3 with freq 2, offset 1: layer 3 is full, so kv sharing is accepted;
+    // offset 2 makes it shared (max(3-2,0) % 2 != 0), which kv sharing cannot use.
+    std::vector<std::string> dsa = {"experimental_attention_variant=dsa",
+                                    "dsa_indexer_n_heads=2",
+                                    "dsa_indexer_head_dim=16",
+                                    "dsa_indexer_topk=8",
+                                    "mtp_num_layers=2",
+                                    "dsa_mtp_index_kv_share=true",
+                                    "dsa_indexer_topk_freq=2"};
+    auto with = [&](std::vector<std::string> v, const std::string& extra) {
+        v.push_back(extra);
+        return v;
+    };
+    EXPECT_EQ(error_of([&] { small_recipe(with(dsa, "dsa_indexer_skip_topk_offset=1")); }), "");
+    msg = error_of([&] { small_recipe(with(dsa, "dsa_indexer_skip_topk_offset=2")); });
+    EXPECT_NE(msg.find("dsa_mtp_index_kv_share needs the MTP layer (layer 3"), std::string::npos)
+        << msg;
 }

@@ -1,5 +1,6 @@
 #include "sparsetron/config/model_config.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "sparsetron/core/error.h"
@@ -15,6 +16,25 @@ int64_t ModelConfig::num_moe_layers() const {
 bool ModelConfig::is_moe_layer(int64_t layer) const {
     return layer >= 0 && layer < static_cast<int64_t>(moe_layer_pattern.size()) &&
            moe_layer_pattern[layer] != 0;
+}
+
+bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
+    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
+        return c.indexer_types[layer0] == "full";
+    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
+    return std::max<int64_t>(l - o, 0) % c.dsa_indexer_topk_freq == 0;
+}
+
+int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
+    if (dsa_layer_is_full(c, layer0)) return layer0;
+    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
+        for (int64_t s = layer0 - 1; s >= 0; --s)
+            if (c.indexer_types[s] == "full") return s;
+        throw Error(
+            cat("indexer_types: layer ", layer0, " is shared but no earlier layer is full"));
+    }
+    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
+    return l - ((l - o) % c.dsa_indexer_topk_freq) - 1;
 }
 
 namespace {

@@ -73,6 +73,11 @@ struct ModelConfig {
     bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
 };
 
+// IndexShare (SPEC §3.3): whether layer `layer0` (0-indexed; the MTP layer is num_layers) computes
+// its own top-k, and which layer's top-k a shared layer reuses. An explicit indexer_types wins.
+bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0);
+int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
+
 // Parses `moe_layer_freq`: an int N (every N-th layer is MoE, Megatron semantics: layer i is MoE
 // iff i % N == 0), a list literal "[0,1,1]", or the Python-like expression "([0]*2+[1]*19)".
 // Anything else is an error naming the key and the offending position.

@@ -76,6 +76,14 @@ void Recipe::validate() {
                      " layers; num_layers is ", m.num_layers);
     }
     ST_CHECK(m.mtp_num_layers >= 0, "recipe key 'mtp_num_layers' must be >= 0");
+    if (m.uses_dsa() && m.mtp_num_layers > 0 && m.dsa_mtp_index_kv_share)
+        ST_CHECK(dsa_layer_is_full(m, m.num_layers),
+                 "dsa_mtp_index_kv_share needs the MTP layer (layer ", m.num_layers + 1,
+                 ", 1-indexed) to compute its own top-k, but dsa_indexer_topk_freq=",
+                 m.dsa_indexer_topk_freq,
+                 " / dsa_indexer_skip_topk_offset=", m.dsa_indexer_skip_topk_offset,
+                 " make it a shared layer; change the offset or "
+                 "frequency, or set dsa_mtp_index_kv_share: false");
     one_of(m.mtp_loss_type, "mtp_loss_type", {"cross_entropy", "e2e_tv"});
     if (m.mtp_num_layers > 0 && m.mtp_loss_type == "e2e_tv")
         ST_CHECK(m.mtp_detach_heads,

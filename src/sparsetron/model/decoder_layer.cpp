@@ -93,11 +93,12 @@ LayerLosses DecoderLayer<T>::forward(Acts& A, const T* x, T* out, const StepInpu
     const int64_t Tn = T_;
     cpu::rmsnorm_forward(x, h_, p_[in_norm_], Tn, h_, c_.norm_epsilon, A.a, h_, A.rstd_in);
     attn_->project(A.attn, A.a, in);
-    if (indexer_) indexer_->forward(A.idx, A.a, A.attn.cq, in);
+    const bool run_indexer = indexer_ && !A.skip_indexer;
+    if (run_indexer) indexer_->forward(A.idx, A.a, A.attn.cq, in);
     ST_ASSERT(!c_.uses_dsa() || A.topk, "DSA layer ", layer_, " has no top-k source");
     std::copy_n(x, Tn * h_, A.x_mid);
     attn_->attend(A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
-    if (indexer_) {
+    if (run_indexer) {
         typename DsaIndexer<T>::Teacher t{A.attn.qabs,         A.attn.kabs,
                                           A.attn.lse,          c_.num_attention_heads,
                                           attn_->latent_dim(), attn_->scale()};
@@ -113,13 +114,13 @@ LayerLosses DecoderLayer<T>::forward(Acts& A, const T* x, T* out, const StepInpu
 
 template <typename T>
 void DecoderLayer<T>::backward(const Acts& A, const T* x, T* dx, const StepInputs& in,
-                               double aux_scale) {
+                               double aux_scale, T* kv_grad_accum) {
     const int64_t Tn = T_;
     if (mlp_) mlp_->backward(A.m, dx, Tn, {A.g, A.u, A.act}, {dact_, dg_, du_}, dm_, false);
     if (moe_) moe_->backward(A.moe, A.m, dx, in, dm_, aux_scale);
     cpu::rmsnorm_backward(dm_, h_, A.x_mid, h_, p_[post_norm_], A.rstd_post, Tn, h_, dx, h_, true,
                           g_[post_norm_]);
-    attn_->backward(A.attn, A.a, dx, in, A.topk, A.topk_len, kslots_, da_);
+    attn_->backward(A.attn, A.a, dx, in, A.topk, A.topk_len, kslots_, da_, kv_grad_accum);
     cpu::rmsnorm_backward(da_, h_, x, h_, p_[in_norm_], A.rstd_in, Tn, h_, dx, h_, true,
                           g_[in_norm_]);
 }

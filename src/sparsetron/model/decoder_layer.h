@@ -35,6 +35,7 @@ class DecoderLayer {
         // The top-k this application attends over (its own, or its source layer's).
         const int32_t* topk = nullptr;
         const int32_t* topk_len = nullptr;
+        bool skip_indexer = false;  // a kv-sharing MTP depth: depth 1 ran the indexer
     };
 
     // layer0: 0-indexed layer number (the MTP layer is num_layers).
@@ -54,7 +55,8 @@ class DecoderLayer {
     LayerLosses forward(Acts& A, const T* x, T* out, const StepInputs& in,
                         double indexer_grad_scale, double aux_scale);
     // dx: in: dL/d out; out: dL/d x. Weight gradients accumulate.
-    void backward(const Acts& A, const T* x, T* dx, const StepInputs& in, double aux_scale);
+    void backward(const Acts& A, const T* x, T* dx, const StepInputs& in, double aux_scale,
+                  T* kv_grad_accum = nullptr);
 
   private:
     const ModelConfig& c_;

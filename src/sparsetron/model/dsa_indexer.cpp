@@ -12,25 +12,6 @@ namespace sparsetron {
 
 using cpu::gemm;
 
-bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
-    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
-        return c.indexer_types[layer0] == "full";
-    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
-    return std::max<int64_t>(l - o, 0) % c.dsa_indexer_topk_freq == 0;
-}
-
-int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
-    if (dsa_layer_is_full(c, layer0)) return layer0;
-    if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
-        for (int64_t s = layer0 - 1; s >= 0; --s)
-            if (c.indexer_types[s] == "full") return s;
-        throw Error(
-            cat("indexer_types: layer ", layer0, " is shared but no earlier layer is full"));
-    }
-    const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
-    return l - ((l - o) % c.dsa_indexer_topk_freq) - 1;
-}
-
 template <typename T>
 DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
                           const std::string& p, int64_t tokens)

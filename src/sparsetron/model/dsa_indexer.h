@@ -14,11 +14,6 @@
 
 namespace sparsetron {
 
-// IndexShare (SPEC §3.3): whether layer `layer0` (0-indexed; the MTP layer is num_layers) computes
-// its own top-k, and which layer's top-k a shared layer reuses.
-bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0);
-int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
-
 template <typename T>
 class DsaIndexer {
   public:

@@ -76,6 +76,9 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
             s_mtp_targets_.push_back(buf_.act_i32(a + "targets", {Tn}));
             s_dmtp_zk_.push_back(buf_.scratch(cat("grad.mtp.head_norm_out.", k), {Tn, h}));
         }
+        if (kv_share())
+            s_dmtp_kv_ = buf_.scratch("grad.mtp.k_latent_shared",
+                                      {Tn, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim});
         s_dmtp_h_ = buf_.scratch("grad.mtp.hidden", {Tn, h});
         s_dmtp_cat_ = buf_.scratch("grad.mtp.concat", {Tn, 2 * h});
         s_dmtp_z_ = buf_.scratch("grad.mtp.layer_out", {Tn, h});
@@ -140,6 +143,13 @@ void Glm5Model<T>::bind() {
                       P(s.hz),
                       P(s.rstd_z),
                       mtp_layer_->resolve(buf_, s.layer)};
+            if (kv_share() && k > 0) {
+                // Depths 2..D reuse depth 1's latent K' and top-k (dsa_mtp_index_kv_share).
+                const auto& first = mtp_acts_[0].layer;
+                a.layer.attn.kabs_shared = first.attn.kabs;
+                a.layer.topk = first.topk, a.layer.topk_len = first.topk_len;
+                a.layer.skip_indexer = true;
+            }
             share(a.layer, cfg_.num_layers);
             mtp_acts_.push_back(a);
             mtp_targets_.push_back(buf_.ptr<int32_t>(s_mtp_targets_[k]));
@@ -147,6 +157,7 @@ void Glm5Model<T>::bind() {
         }
         dmtp_h_ = buf_.ptr<T>(s_dmtp_h_), dmtp_cat_ = buf_.ptr<T>(s_dmtp_cat_);
         dmtp_z_ = buf_.ptr<T>(s_dmtp_z_), dmtp_e_ = buf_.ptr<T>(s_dmtp_e_);
+        if (kv_share()) dmtp_kv_ = buf_.ptr<T>(s_dmtp_kv_);
         if (cfg_.mtp_loss_type == "e2e_tv") {
             tv_p_ = buf_.ptr<T>(s_tv_p_), tv_q_ = buf_.ptr<T>(s_tv_q_);
             tv_alpha_ = buf_.ptr<T>(s_tv_alpha_);
@@ -370,13 +381,14 @@ void Glm5Model<T>::mtp_backward(const LossScales& sc) {
     const int64_t h = c.hidden_size, Tn = T_;
     // dmtp_h_: gradient of h^k flowing back from depth k+1 (through its hnorm input).
     std::fill_n(dmtp_h_, Tn * h, T(0));
+    if (dmtp_kv_) std::fill_n(dmtp_kv_, Tn * (c.kv_lora_rank + c.qk_pos_emb_head_dim), T(0));
     for (int64_t k = D_ - 1; k >= 0; --k) {
         MtpActs& A = mtp_acts_[k];
         // dz: from this depth's loss (through the shared-head norm) plus from depth k+2.
         std::copy_n(dmtp_h_, Tn * h, dmtp_z_);
         cpu::rmsnorm_backward(dmtp_zk_[k], h, A.hout, h, param(mtp_norm_), A.rstd_z, Tn, h, dmtp_z_,
                               h, true, grad(mtp_norm_));
-        mtp_layer_->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux);  // dmtp_z_ = d h'
+        mtp_layer_->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux, dmtp_kv_);  // dmtp_z_ = d h'
         gemm<T>(false, false, Tn, 2 * h, h, 1, dmtp_z_, h, param(eh_proj_), 2 * h, 0, dmtp_cat_,
                 2 * h);
         gemm<T>(true, false, h, 2 * h, Tn, 1, dmtp_z_, h, A.cat, 2 * h, 1, grad(eh_proj_), 2 * h);

@@ -85,6 +85,7 @@ class Glm5Model {
     void mtp_forward(const LossScales& sc, LossSums& out);
     void mtp_backward(const LossScales& sc);
     void mtp_tv_loss(const LossScales& sc, LossSums& out);
+    bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
@@ -106,6 +107,8 @@ class Glm5Model {
     std::vector<MtpActs> mtp_acts_;
     std::vector<MemoryPlan::Slot> s_mtp_targets_;
     std::vector<int32_t*> mtp_targets_;
+    MemoryPlan::Slot s_dmtp_kv_ = -1;  // dK' accumulated by kv-sharing depths
+    T* dmtp_kv_ = nullptr;
     MemoryPlan::Slot s_dmtp_h_, s_dmtp_cat_, s_dmtp_z_, s_dmtp_e_, s_tv_p_, s_tv_q_, s_tv_alpha_;
     T *dmtp_h_ = nullptr, *dmtp_cat_ = nullptr, *dmtp_z_ = nullptr, *dmtp_e_ = nullptr;
     T *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr;

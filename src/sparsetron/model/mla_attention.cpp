@@ -111,11 +111,13 @@ void MlaAttention<T>::project(const Acts& A, const T* a, const StepInputs& in) c
     gemm<T>(false, true, Tn, H_ * dq_, qr_, 1, A.cq, qr_, p_[q_b_], qr_, 0, A.q, H_ * dq_);
     cpu::rope(A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
               c_.rotary_interleaved, false);
-    gemm<T>(false, true, Tn, L, h_, 1, a, h_, p_[kv_a_], h_, 0, A.ckv, L);
-    cpu::rmsnorm_forward(A.ckv, L, p_[kv_a_norm_], Tn, kr_, c_.latent_norm_epsilon, A.ckv_n, kr_,
-                         A.rstd_kv);
-    cpu::rope(A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base, c_.rotary_interleaved,
-              false);
+    if (!A.kabs_shared) {
+        gemm<T>(false, true, Tn, L, h_, 1, a, h_, p_[kv_a_], h_, 0, A.ckv, L);
+        cpu::rmsnorm_forward(A.ckv, L, p_[kv_a_norm_], Tn, kr_, c_.latent_norm_epsilon, A.ckv_n,
+                             kr_, A.rstd_kv);
+        cpu::rope(A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
+                  c_.rotary_interleaved, false);
+    }
     if (!absorbed_) return;
     // Q'_h = [q_nope_h W_UK^h ; q_pe_h];  K' = [c_kv ; k_pe].  W_UK^h: rows h*(dn+dv) .. +dn.
     const T* wkvb = p_[kv_b_];
@@ -141,7 +143,8 @@ void MlaAttention<T>::attend(const Acts& A, const StepInputs& in, const int32_t*
                              const int32_t* len, int64_t kslots, T* x_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     if (absorbed_) {
-        cpu::sparse_mqa_forward(Tn, H_, L, kr_, A.qabs, A.kabs, idx, len, kslots, scale(), A.oabs,
+        const T* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        cpu::sparse_mqa_forward(Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
                                 A.lse);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         for (int64_t hh = 0; hh < H_; ++hh)
@@ -171,8 +174,8 @@ void MlaAttention<T>::attend(const Acts& A, const StepInputs& in, const int32_t*
 
 template <typename T>
 void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const StepInputs& in,
-                               const int32_t* idx, const int32_t* len, int64_t kslots,
-                               T* da) const {
+                               const int32_t* idx, const int32_t* len, int64_t kslots, T* da,
+                               T* kv_grad_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     T* gkvb = g_[kv_b_];
     gemm<T>(false, false, Tn, H_ * dv_, h_, 1, dy, h_, p_[o_], H_ * dv_, 0, do_, H_ * dv_);
@@ -185,8 +188,13 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
             gemm<T>(true, false, dv_, kr_, Tn, 1, do_ + hh * dv_, H_ * dv_, A.oabs + hh * kr_,
                     H_ * kr_, 1, gkvb + uv, kr_);
         }
-        cpu::sparse_mqa_backward(Tn, H_, L, kr_, A.qabs, A.kabs, idx, len, kslots, scale(), A.oabs,
+        const T* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        cpu::sparse_mqa_backward(Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
                                  A.lse, doabs_, dqabs_, dkabs_heads_, dkabs_);
+        // Shared K': hand dK' to its owner. Owner: add what the sharers accumulated.
+        if (kv_grad_accum)
+            cpu::add_inplace(A.kabs_shared ? kv_grad_accum : dkabs_,
+                             A.kabs_shared ? dkabs_ : kv_grad_accum, Tn * L);
         for (int64_t hh = 0; hh < H_; ++hh) {
             const int64_t uk = hh * (dn_ + dv_) * kr_;
             gemm<T>(false, true, Tn, dn_, kr_, 1, dqabs_ + hh * L, H_ * L, p_[kv_b_] + uk, kr_, 0,
@@ -231,20 +239,25 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
                 gkvb, kr_);
     }
     (void)idx, (void)len, (void)kslots;
+    const bool kv_path = !A.kabs_shared;
     cpu::rope(dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
               c_.rotary_interleaved, true);
-    cpu::rope(dckv_ + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base, c_.rotary_interleaved,
-              true);
-    cpu::rmsnorm_backward(dckv_n_, kr_, A.ckv, L, p_[kv_a_norm_], A.rstd_kv, Tn, kr_, dckv_, L,
-                          false, g_[kv_a_norm_]);
+    if (kv_path) {
+        cpu::rope(dckv_ + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
+                  c_.rotary_interleaved, true);
+        cpu::rmsnorm_backward(dckv_n_, kr_, A.ckv, L, p_[kv_a_norm_], A.rstd_kv, Tn, kr_, dckv_, L,
+                              false, g_[kv_a_norm_]);
+    }
     gemm<T>(false, false, Tn, qr_, H_ * dq_, 1, dq_b_, H_ * dq_, p_[q_b_], qr_, 0, dcq_, qr_);
     gemm<T>(true, false, H_ * dq_, qr_, Tn, 1, dq_b_, H_ * dq_, A.cq, qr_, 1, g_[q_b_], qr_);
     cpu::rmsnorm_backward(dcq_, qr_, A.cq_raw, qr_, p_[q_a_norm_], A.rstd_q, Tn, qr_, dcq_raw_, qr_,
                           false, g_[q_a_norm_]);
-    gemm<T>(false, false, Tn, h_, L, 1, dckv_, L, p_[kv_a_], h_, 0, da, h_);
-    gemm<T>(false, false, Tn, h_, qr_, 1, dcq_raw_, qr_, p_[q_a_], h_, 1, da, h_);
-    gemm<T>(true, false, L, h_, Tn, 1, dckv_, L, a, h_, 1, g_[kv_a_], h_);
+    gemm<T>(false, false, Tn, h_, qr_, 1, dcq_raw_, qr_, p_[q_a_], h_, 0, da, h_);
     gemm<T>(true, false, qr_, h_, Tn, 1, dcq_raw_, qr_, a, h_, 1, g_[q_a_], h_);
+    if (kv_path) {
+        gemm<T>(false, false, Tn, h_, L, 1, dckv_, L, p_[kv_a_], h_, 1, da, h_);
+        gemm<T>(true, false, L, h_, Tn, 1, dckv_, L, a, h_, 1, g_[kv_a_], h_);
+    }
 }
 
 template class MlaAttention<float>;

@@ -26,6 +26,9 @@ class MlaAttention {
     };
     struct Acts {
         T *cq_raw, *cq, *rstd_q, *q, *ckv, *ckv_n, *rstd_kv, *kv, *k, *qabs, *kabs, *oabs, *o, *lse;
+        // Latent-KV sharing (repeated MTP, dsa_mtp_index_kv_share): attend over another
+        // application's K' instead of computing one; only the query path runs here.
+        const T* kabs_shared = nullptr;
     };
 
     MlaAttention(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
@@ -42,8 +45,10 @@ class MlaAttention {
     void attend(const Acts& A, const StepInputs& in, const int32_t* idx, const int32_t* len,
                 int64_t kslots, T* x_accum) const;
     // dy: gradient of x_accum; da (write): gradient of the normed input. Weight grads accumulate.
+    // kv_grad_accum ([T, L], absorbed mode): an application with kabs_shared adds its dK' there;
+    // the application that owns that K' adds the accumulated gradient to its own first.
     void backward(const Acts& A, const T* a, const T* dy, const StepInputs& in, const int32_t* idx,
-                  const int32_t* len, int64_t kslots, T* da) const;
+                  const int32_t* len, int64_t kslots, T* da, T* kv_grad_accum = nullptr) const;
 
     double scale() const;
     int64_t latent_dim() const { return kr_ + dr_; }  // 576 for GLM-5

@@ -38,10 +38,6 @@ std::string StepMetrics::to_json() const {
 namespace {
 
 void check_supported(const Recipe& r) {
-    const ModelConfig& m = r.model;
-    ST_CHECK(!(m.mtp_num_layers > 0 && m.uses_dsa() && m.dsa_mtp_index_kv_share),
-             "dsa_mtp_index_kv_share: true is not implemented yet (each MTP depth computes its own "
-             "latent KV and top-k); set it to false");
     ST_CHECK(r.run.optimizer != "muon", "optimizer: muon is not implemented yet; use adam");
     ST_CHECK(r.run.world_size == 1, "world_size ", r.run.world_size,
              ": multi-process training is not implemented yet");

@@ -1,0 +1,122 @@
+// DSA top-k and MoE routing properties that the gradient checks do not pin down.
+#include <gtest/gtest.h>
+
+#include "../test_util.h"
+#include "sparsetron/model/glm5_model.h"
+
+using namespace sparsetron;
+
+namespace {
+
+ModelConfig base() {
+    ModelConfig m;
+    m.num_layers = 1;
+    m.hidden_size = 16;
+    m.num_attention_heads = 2;
+    m.q_lora_rank = 8;
+    m.kv_lora_rank = 8;
+    m.qk_head_dim = 4;
+    m.qk_pos_emb_head_dim = 2;
+    m.v_head_dim = 4;
+    m.ffn_hidden_size = 8;
+    m.vocab_size = 20;
+    m.moe_layer_pattern = {1};
+    m.num_experts = 4;
+    m.moe_ffn_hidden_size = 4;
+    m.moe_router_topk = 2;
+    return m;
+}
+
+}  // namespace
+
+TEST(Components, DsaTopkIsAscendingPaddedAndCausal) {
+    ModelConfig m = base();
+    m.moe_layer_pattern = {0};
+    m.experimental_attention_variant = "dsa";
+    m.dsa_indexer_n_heads = 2;
+    m.dsa_indexer_head_dim = 4;
+    m.dsa_indexer_topk = 3;
+    MemoryPlan plan;
+    Buffers buf(plan, DType::F64);
+    ParamStore store(plan, DType::F64);
+    DecoderLayer<double> layer(m, store, buf, 0, 12);
+    auto slots = layer.declare_acts(buf, "l.");
+    plan.allocate(Device::CPU);
+    std::vector<double*> p, g;
+    for (const auto& e : store.params()) {
+        p.push_back(buf.ptr<double>(e.param_slot));
+        g.push_back(buf.ptr<double>(e.grad_slot));
+    }
+    store.initialize(plan, 3, 0.5, 1);
+    layer.bind(buf, p, g);
+    auto A = layer.resolve(buf, slots);
+    std::vector<int32_t> pos = {0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0}, cu = {0, 5, 11, 11};
+    std::vector<int32_t> tok(12, 1);
+    StepInputs in{12, tok.data(), pos.data(), cu.data(), 2};
+    auto x = test::random_vector<double>(12 * 16, 9);
+    std::vector<double> out(12 * 16);
+    layer.forward(A, x.data(), out.data(), in, 0.0, 0.0);
+    for (int64_t t = 0; t < 12; ++t) {
+        const int64_t doc = t < 5 ? 0 : t < 11 ? 1 : -1;
+        const int64_t begin = doc == 0 ? 0 : 5, valid = doc < 0 ? 0 : t - begin + 1;
+        EXPECT_EQ(A.topk_len[t], std::min<int64_t>(3, valid)) << t;
+        for (int64_t j = 0; j < 3; ++j) {
+            int32_t s = A.topk[t * 3 + j];
+            if (j >= A.topk_len[t]) {
+                EXPECT_EQ(s, -1);
+                continue;
+            }
+            EXPECT_GE(s, begin) << "crosses into an earlier document";
+            EXPECT_LE(s, t) << "not causal";
+            if (j > 0) EXPECT_GT(s, A.topk[t * 3 + j - 1]) << "not ascending";
+        }
+    }
+}
+
+TEST(Components, MoeForceBalanceCapacityAndBiasUpdate) {
+    for (bool force : {true, false}) {
+        ModelConfig m = base();
+        m.moe_router_force_load_balancing = force;
+        m.moe_capacity_factor = force ? 0.0 : 0.5;
+        MemoryPlan plan;
+        Buffers buf(plan, DType::F64);
+        ParamStore store(plan, DType::F64);
+        MoeLayer<double> moe(m, store, buf, "mlp.", 16);
+        auto slots = moe.declare_acts(buf, "moe.");
+        plan.allocate(Device::CPU);
+        std::vector<double*> p, g;
+        for (const auto& e : store.params()) {
+            p.push_back(buf.ptr<double>(e.param_slot));
+            g.push_back(e.grad_slot < 0 ? nullptr : buf.ptr<double>(e.grad_slot));
+        }
+        store.initialize(plan, 4, 0.5, 1);
+        moe.bind(buf, p, g);
+        auto A = moe.resolve(buf, slots);
+        std::vector<int32_t> pos(16, 0), cu = {0, 14};  // two padding rows
+        StepInputs in{16, nullptr, pos.data(), cu.data(), 1};
+        auto x = test::random_vector<double>(16 * 16, 2);
+        std::vector<double> y(16 * 16, 0.0);
+        moe.forward(A, x.data(), in, y.data(), 0.0);
+        int64_t routed = 0;
+        for (int64_t l : moe.stats().load) routed += l;
+        EXPECT_EQ(routed, 14 * 2);  // padding rows are not routed
+        if (force) {
+            EXPECT_EQ(moe.stats().load, (std::vector<int64_t>{7, 7, 7, 7}));
+            EXPECT_EQ(moe.stats().dropped, 0);
+        } else {
+            // Capacity ceil(0.5 * 16 * 2 / 4) = 4 rows per expert: the rest is dropped and counted.
+            EXPECT_EQ(moe.capacity(), 4);
+            int64_t over = 0;
+            for (int64_t l : moe.stats().load) over += std::max<int64_t>(0, l - 4);
+            EXPECT_EQ(moe.stats().dropped, over);
+            EXPECT_GT(over, 0);
+        }
+        // Aux-loss-free balancing: overloaded experts' bias goes down, underloaded up.
+        const int64_t bias = store.index_of("mlp.gate.e_score_correction_bias");
+        moe.stats().load = {10, 2, 6, 6};
+        moe.update_bias(0.01);
+        EXPECT_DOUBLE_EQ(p[bias][0], -0.01);
+        EXPECT_DOUBLE_EQ(p[bias][1], 0.01);
+        EXPECT_DOUBLE_EQ(p[bias][2], 0.0);
+    }
+}

@@ -106,7 +106,7 @@ TEST(Recipe, BadValuesNameTheKey) {
     EXPECT_NE(error_of([] { load_recipe("", {"qk_pos_emb_head_dim=15"}); }).find("even"),
               std::string::npos);
     EXPECT_NE(error_of([] {
-                  load_recipe("", {"mtp_num_layers=2", "mtp_loss_type=e2e_tv"});
+                  load_recipe("", {"mtp_num_layers=2", "mtp_loss_type=e2e_tv", "mtp_detach_heads=false"});
               }).find("requires mtp_detach_heads"),
               std::string::npos);
     EXPECT_NE(error_of([] {

@@ -26,6 +26,8 @@ ModelConfig micro_config(bool interleaved) {
     m.rotary_base = 50.0;
     m.rotary_interleaved = interleaved;
     m.moe_layer_pattern.assign(m.num_layers, 0);
+    m.experimental_attention_variant = "none";  // the dense slice: expanded MLA, dense SwiGLU
+    m.mtp_num_layers = 0;
     return m;
 }
 

@@ -93,18 +93,25 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     ST_CHECK(metrics.good(), "cannot write '", metrics_path.string(), "'");
     cli::Progress progress(trainer.iteration(), r.train_iters, r.log_interval, quiet);
     double first_loss = -1, last_loss = -1;
+    StepMetrics first_metrics, last_metrics;
     int64_t first_step = 0;
     trainer.run([&](const StepMetrics& m) {
         metrics << m.to_json() << "\n";
         metrics.flush();
-        if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step;
+        if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step, first_metrics = m;
         last_loss = m.lm_loss;
+        last_metrics = m;
         progress.update(m);
     });
     progress.finish();
-    if (first_loss >= 0)
+    if (first_loss >= 0) {
         std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
                     static_cast<long long>(first_step), static_cast<long long>(r.train_iters));
+        if (last_metrics.mtp_loss > 0)
+            std::printf("mtp_loss %.4f -> %.4f, indexer_loss %.5f -> %.5f\n",
+                        first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
+                        last_metrics.indexer_loss);
+    }
     std::printf("checkpoint: %s\nmetrics: %s\n",
                 resolve_checkpoint(trainer.checkpoint_dir()).c_str(), metrics_path.c_str());
     return 0;

@@ -8,6 +8,8 @@
 
 namespace sparsetron {
 
+// Defaults are the built-in tiny recipe (recipes/tiny.yaml): the whole GLM-5.2 architecture at toy
+// size, so the CPU demo and CI train DSA, IndexShare, MoE and repeated MTP.
 struct ModelConfig {
     // Backbone.
     int64_t num_layers = 2;
@@ -30,37 +32,37 @@ struct ModelConfig {
     bool rotary_interleaved = true;  // HF rope_interleave: pairs (2i, 2i+1); false: (i, i+d/2)
 
     // Dense/MoE pattern: moe_layer_pattern[l] = 1 for an MoE layer.
-    std::string moe_layer_freq = "";  // as written in the recipe; "" = all dense
+    std::string moe_layer_freq = "[0,1]";  // as written in the recipe; "" = all dense
     std::vector<int> moe_layer_pattern;
-    int64_t num_experts = 0;
-    int64_t moe_ffn_hidden_size = 0;
-    int64_t moe_shared_expert_intermediate_size = 0;
-    int64_t moe_router_topk = 0;
-    double moe_router_topk_scaling_factor = 1.0;
-    double moe_router_bias_update_rate = 0.0;
+    int64_t num_experts = 4;
+    int64_t moe_ffn_hidden_size = 96;
+    int64_t moe_shared_expert_intermediate_size = 96;
+    int64_t moe_router_topk = 2;
+    double moe_router_topk_scaling_factor = 2.5;
+    double moe_router_bias_update_rate = 1e-3;
     double moe_aux_loss_coeff = 0.0;
     bool moe_router_force_load_balancing = false;
     double moe_capacity_factor = 0.0;  // 0 = dropless bound (worst case)
 
     // DSA.
-    std::string experimental_attention_variant = "none";  // "none" | "dsa"
+    std::string experimental_attention_variant = "dsa";  // "none" | "dsa"
     std::string dsa_kernel_backend = "auto";
-    int64_t dsa_indexer_n_heads = 0;
-    int64_t dsa_indexer_head_dim = 0;
-    int64_t dsa_indexer_topk = 0;
-    int64_t dsa_indexer_topk_freq = 1;
-    int64_t dsa_indexer_skip_topk_offset = 0;
-    double dsa_indexer_loss_coeff = 0.0;
+    int64_t dsa_indexer_n_heads = 4;
+    int64_t dsa_indexer_head_dim = 32;
+    int64_t dsa_indexer_topk = 64;
+    int64_t dsa_indexer_topk_freq = 2;
+    int64_t dsa_indexer_skip_topk_offset = 1;
+    double dsa_indexer_loss_coeff = 1e-2;
     bool dsa_indexer_use_sparse_loss = true;
-    bool dsa_indexer_rope_interleaved = false;
+    bool dsa_indexer_rope_interleaved = true;
     std::vector<std::string> indexer_types;  // explicit per-layer "full"/"shared" list wins
 
     // Multi-token prediction.
-    int64_t mtp_num_layers = 0;
+    int64_t mtp_num_layers = 2;
     bool mtp_use_repeated_layer = true;
-    bool dsa_mtp_index_kv_share = false;
-    std::string mtp_loss_type = "cross_entropy";  // "cross_entropy" | "e2e_tv"
-    bool mtp_detach_heads = false;
+    bool dsa_mtp_index_kv_share = true;
+    std::string mtp_loss_type = "e2e_tv";  // "cross_entropy" | "e2e_tv"
+    bool mtp_detach_heads = true;
     double mtp_loss_scaling_factor = 0.1;
 
     bool untie_embeddings_and_output_weights = true;

@@ -105,10 +105,11 @@ TEST(Recipe, BadValuesNameTheKey) {
               std::string::npos);
     EXPECT_NE(error_of([] { load_recipe("", {"qk_pos_emb_head_dim=15"}); }).find("even"),
               std::string::npos);
-    EXPECT_NE(error_of([] {
-                  load_recipe("", {"mtp_num_layers=2", "mtp_loss_type=e2e_tv", "mtp_detach_heads=false"});
-              }).find("requires mtp_detach_heads"),
-              std::string::npos);
+    EXPECT_NE(
+        error_of([] {
+            load_recipe("", {"mtp_num_layers=2", "mtp_loss_type=e2e_tv", "mtp_detach_heads=false"});
+        }).find("requires mtp_detach_heads"),
+        std::string::npos);
     EXPECT_NE(error_of([] {
                   load_recipe(
                       "", {"moe_layer_freq=[0,1]", "num_experts=6", "moe_ffn_hidden_size=8",

@@ -8,8 +8,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "../test_util.h"
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/io/safetensors.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/runtime/evaluate.h"
 
@@ -85,4 +87,26 @@ TEST(GoldenHf, IndexShareFromFreqAndOffset) {
 }
 TEST(GoldenHf, DenseLayersTopkCoversDocuments) {
     check_fixture("dense_topk_covers");
+}
+
+TEST(GoldenHf, ShardedCheckpointLoadsLikeTheSingleFile) {
+    // Split a fixture's weights into two shards with an HF index and evaluate that directory.
+    const std::string src = fixture("moe_dsa_share");
+    const std::string dir = test::temp_dir("sharded");
+    std::filesystem::copy_file(src + "/config.json", dir + "/config.json");
+    SafetensorsFile file(src + "/model.safetensors");
+    std::vector<SafetensorsEntry> a, b;
+    nlohmann::json map;
+    int i = 0;
+    for (const auto& [name, info] : file.tensors()) {
+        bool first = i++ % 2 == 0;
+        (first ? a : b).push_back({name, info.dtype, info.shape, info.data});
+        map[name] = first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors";
+    }
+    write_safetensors(dir + "/model-00001-of-00002.safetensors", a);
+    write_safetensors(dir + "/model-00002-of-00002.safetensors", b);
+    std::ofstream(dir + "/model.safetensors.index.json")
+        << nlohmann::json{{"weight_map", map}}.dump();
+    auto docs = read_token_documents(src + "/documents.txt");
+    EXPECT_DOUBLE_EQ(evaluate(dir, docs).lm_loss, evaluate(src, docs).lm_loss);
 }

@@ -181,3 +181,29 @@ TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
     EXPECT_NE(msg.find("dsa_mtp_index_kv_share needs the MTP layer (layer 3"), std::string::npos)
         << msg;
 }
+
+TEST(Trainer, DenseWarmupTrainsOnlyTheIndexerAndItsLossFalls) {
+    // SPEC §3.2: attention over all keys, backbone frozen, the indexer learns the attention's
+    // distribution: its loss must fall and nothing else may move.
+    std::string out = test::temp_dir("w");
+    Recipe r = small_recipe({"dsa_dense_warmup=true", "train_iters=25", "lr=1e-2",
+                             "lr_warmup_iters=0", "min_lr=1e-2", "dsa_indexer_loss_coeff=1"});
+    Trainer t(r, {out, "", Device::CPU});
+    const auto& params = t.model().params().params();
+    std::vector<std::vector<float>> before;
+    for (size_t i = 0; i < params.size(); ++i)
+        before.emplace_back(t.model().param(i), t.model().param(i) + params[i].numel());
+    std::vector<double> losses;
+    t.run([&](const StepMetrics& m) { losses.push_back(m.indexer_loss); });
+    EXPECT_LT((losses[22] + losses[23] + losses[24]) / 3,
+              0.7 * (losses[0] + losses[1] + losses[2]) / 3)
+        << losses.front() << " -> " << losses.back();
+    int moved = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        bool same = std::equal(before[i].begin(), before[i].end(), t.model().param(i));
+        bool indexer = params[i].name.find(".indexer.") != std::string::npos;
+        if (!indexer) EXPECT_TRUE(same) << params[i].name << " moved during the dense warm-up";
+        moved += indexer && !same;
+    }
+    EXPECT_GT(moved, 0);
+}

@@ -108,7 +108,7 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
         std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
                     static_cast<long long>(first_step), static_cast<long long>(r.train_iters));
         if (last_metrics.mtp_loss > 0)
-            std::printf("mtp_loss %.4f -> %.4f, indexer_loss %.5f -> %.5f\n",
+            std::printf("mtp_loss %.4f -> %.4f, indexer_loss %.3e -> %.3e\n",
                         first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
                         last_metrics.indexer_loss);
     }

@@ -6,6 +6,27 @@
 #include <string>
 
 namespace sparsetron::cli {
+namespace {
+
+// " | mtp 0.0123 (accept 1.71) | indexer 0.00001 | aux 0.0010 | moe dropped 3", parts present only
+// when the recipe has them.
+std::string loss_breakdown(const StepMetrics& m) {
+    std::string s;
+    char buf[96];
+    if (m.mtp_loss > 0) std::snprintf(buf, sizeof buf, " | mtp %.4f", m.mtp_loss), s += buf;
+    if (m.mtp_acceptance_length > 0)
+        std::snprintf(buf, sizeof buf, " (accept %.2f)", m.mtp_acceptance_length), s += buf;
+    if (m.indexer_loss > 0)
+        std::snprintf(buf, sizeof buf, " | indexer %.2e", m.indexer_loss), s += buf;
+    if (m.aux_loss > 0) std::snprintf(buf, sizeof buf, " | aux %.4f", m.aux_loss), s += buf;
+    if (m.moe_dropped > 0)
+        std::snprintf(buf, sizeof buf, " | moe dropped %lld",
+                      static_cast<long long>(m.moe_dropped)),
+            s += buf;
+    return s;
+}
+
+}  // namespace
 
 Progress::Progress(int64_t first, int64_t last, int64_t interval, bool quiet)
     : first_(first),
@@ -37,10 +58,10 @@ void Progress::update(const StepMetrics& m) {
         drew_ = true;
     } else if (m.step % interval_ == 0 || m.step == last_ || m.step == first_ + 1 || m.skipped) {
         std::printf(
-            "step %lld/%lld | lm_loss %.4f | lr %.3e | grad_norm %.4f | %.1f ms/step | "
+            "step %lld/%lld | lm_loss %.4f%s | lr %.3e | grad_norm %.4f | %.1f ms/step | "
             "%.1fk tok/s%s\n",
-            static_cast<long long>(m.step), static_cast<long long>(last_), m.lm_loss, m.lr,
-            m.grad_norm, m.step_ms, tok_s / 1000.0,
+            static_cast<long long>(m.step), static_cast<long long>(last_), m.lm_loss,
+            loss_breakdown(m).c_str(), m.lr, m.grad_norm, m.step_ms, tok_s / 1000.0,
             m.skipped ? " | SKIPPED (non-finite gradient)" : "");
         std::fflush(stdout);
     }

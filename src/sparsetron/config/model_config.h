@@ -61,8 +61,8 @@ struct ModelConfig {
     int64_t mtp_num_layers = 2;
     bool mtp_use_repeated_layer = true;
     bool dsa_mtp_index_kv_share = true;
-    std::string mtp_loss_type = "e2e_tv";  // "cross_entropy" | "e2e_tv"
-    bool mtp_detach_heads = true;
+    std::string mtp_loss_type = "cross_entropy";  // "cross_entropy" | "e2e_tv"
+    bool mtp_detach_heads = false;
     double mtp_loss_scaling_factor = 0.1;
 
     bool untie_embeddings_and_output_weights = true;

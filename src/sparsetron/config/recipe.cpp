@@ -125,6 +125,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(reuse_grad_buf_for_mxfp8_param_ag, Bool),
         RUN_KEY(cuda_graph_impl, String),
         RUN_KEY(loss_chunk_rows, Int),
+        RUN_KEY(dsa_dense_warmup, Bool),
     };
     return table;
 }

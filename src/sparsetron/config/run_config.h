@@ -71,6 +71,9 @@ struct RunConfig {
     // Execution.
     std::string cuda_graph_impl = "none";  // "none" | "full_iteration"
     int64_t loss_chunk_rows = 0;  // engine key: rows per fused head+loss chunk; 0 = derived
+    // Engine key, SPEC §3.2: DSA dense warm-up -- attention over every causal key (top-k widened to
+    // the micro-batch), the dense indexer loss, and only the indexer's weights updated.
+    bool dsa_dense_warmup = false;
 
     int64_t data_parallel_size() const;
     int64_t microbatches_per_step() const;

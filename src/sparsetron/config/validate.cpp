@@ -90,6 +90,10 @@ void Recipe::validate() {
                  "mtp_loss_type: e2e_tv requires mtp_detach_heads: true (the TV target comes from "
                  "the main head, which must not receive the MTP gradient)");
 
+    if (r.dsa_dense_warmup)
+        ST_CHECK(m.uses_dsa() && m.dsa_indexer_loss_coeff > 0,
+                 "dsa_dense_warmup trains the DSA indexer alone: it needs "
+                 "experimental_attention_variant: dsa and dsa_indexer_loss_coeff > 0");
     positive(r.seq_length, "seq_length");
     positive(r.micro_batch_size, "micro_batch_size");
     positive(r.global_batch_size, "global_batch_size");

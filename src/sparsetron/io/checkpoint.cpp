@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -185,10 +186,37 @@ std::string resolve_checkpoint(const std::string& dir) {
 
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan) {
-    SafetensorsFile file((fs::path(ckpt_dir) / "model.safetensors").string());
-    std::vector<std::pair<std::string, Tensor>> targets;
-    for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
-    load_tensors(file, "model", targets);
+    const fs::path dir(ckpt_dir);
+    if (fs::exists(dir / "model.safetensors")) {
+        SafetensorsFile file((dir / "model.safetensors").string());
+        std::vector<std::pair<std::string, Tensor>> targets;
+        for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
+        load_tensors(file, "model", targets);
+        return;
+    }
+    // Sharded HF checkpoint: model.safetensors.index.json maps each tensor to its shard.
+    const fs::path index = dir / "model.safetensors.index.json";
+    ST_CHECK(fs::exists(index), ckpt_dir, ": no model.safetensors or model.safetensors.index.json");
+    nlohmann::json map;
+    try {
+        map = nlohmann::json::parse(read_text(index)).at("weight_map");
+    } catch (const std::exception& e) {
+        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
+    }
+    std::map<std::string, std::vector<std::pair<std::string, Tensor>>> by_shard;
+    for (const auto& p : store.params()) {
+        ST_CHECK(map.contains(p.name), index.string(), ": weight_map has no entry for '", p.name,
+                 "'");
+        by_shard[map[p.name].get<std::string>()].emplace_back(p.name, plan.view(p.param_slot));
+    }
+    for (const auto& [shard, targets] : by_shard)
+        load_tensors(SafetensorsFile((dir / shard).string()), "model", targets);
+}
+
+bool is_model_dir(const std::string& dir) {
+    return fs::exists(fs::path(dir) / "config.json") &&
+           (fs::exists(fs::path(dir) / "model.safetensors") ||
+            fs::exists(fs::path(dir) / "model.safetensors.index.json"));
 }
 
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,

@@ -37,7 +37,10 @@ std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, cons
 
 // `dir` is a checkpoint directory or a save directory with latest_checkpointed_iteration.txt.
 std::string resolve_checkpoint(const std::string& dir);
+// A directory with config.json and weights (single model.safetensors or a sharded index).
+bool is_model_dir(const std::string& dir);
 // Copies weights into the planned parameters; every parameter must be present with its shape.
+// Reads model.safetensors, or the shards listed in model.safetensors.index.json.
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan);
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,

@@ -34,7 +34,7 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
 
     embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        layers_.push_back(std::make_unique<DecoderLayer<T>>(cfg, *store_, buf_, l, tokens));
+        layers_.push_back(std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, l, tokens));
         s_x_.push_back(buf_.act(cat("layers.", l, ".x_in"), {Tn, h}));
         layer_slots_.push_back(layers_.back()->declare_acts(buf_, cat("layers.", l, ".")));
     }
@@ -54,7 +54,7 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
         enorm_ = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
         hnorm_ = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
         eh_proj_ = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
-        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg, *store_, buf_, L, tokens);
+        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L, tokens);
         mtp_norm_ = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
         store_->set_mtp_from(first);
         for (int64_t k = 1; k <= D_; ++k) {
@@ -210,7 +210,7 @@ LossSums Glm5Model<T>::forward_backward(const LossScales& sc) {
     const int64_t h = c.hidden_size, Tn = T_;
     LossSums out;
     cpu::embedding_forward(in_.token_ids, Tn, param(embed_), c.vocab_size, h, x_[0]);
-    const double idx_gs = sc.backward ? sc.indexer : 0.0;
+    const double idx_gs = sc.backward || sc.indexer_grads ? sc.indexer : 0.0;
     for (int64_t l = 0; l < c.num_layers; ++l) {
         LayerLosses ll = layers_[l]->forward(layer_acts_[l], x_[l], x_[l + 1], in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
@@ -238,7 +238,7 @@ void Glm5Model<T>::mtp_forward(const LossScales& sc, LossSums& out) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     const T* prev = h_final_;
-    const double idx_gs = sc.backward ? sc.indexer : 0.0;
+    const double idx_gs = sc.backward || sc.indexer_grads ? sc.indexer : 0.0;
     for (int64_t k = 0; k < D_; ++k) {
         MtpActs& A = mtp_acts_[k];
         parallel_for(

@@ -25,10 +25,11 @@ namespace sparsetron {
 // L_aux.
 struct LossScales {
     bool backward = false;
-    double lm = 0;            // per LM target row: 1 / (targets in the global batch)
-    std::vector<double> mtp;  // per depth (cross_entropy) or one value (e2e_tv): per-row weight
-    double indexer = 0;       // weight of this micro-batch's indexer loss (1 / micro-batches)
-    double aux = 0;           // weight of this micro-batch's MoE aux loss
+    double lm = 0;               // per LM target row: 1 / (targets in the global batch)
+    std::vector<double> mtp;     // per depth (cross_entropy) or one value (e2e_tv): per-row weight
+    double indexer = 0;          // weight of this micro-batch's indexer loss (1 / micro-batches)
+    double aux = 0;              // weight of this micro-batch's MoE aux loss
+    bool indexer_grads = false;  // indexer gradients without a backward (dense warm-up)
 };
 
 struct LossSums {

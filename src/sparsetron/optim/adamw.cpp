@@ -34,12 +34,15 @@ void with_type(DType t, Fn&& fn) {
 }
 }  // namespace
 
-double global_grad_norm(const ParamStore& store, const MemoryPlan& plan) {
+double global_grad_norm(const ParamStore& store, const MemoryPlan& plan,
+                        const std::vector<bool>* only) {
     double ss = 0;
     with_type(store.dtype(), [&](auto zero) {
         using T = decltype(zero);
-        for (const auto& p : store.params())
-            if (p.trainable) ss += cpu::sum_squares(plan.view(p.grad_slot).ptr<T>(), p.numel());
+        const auto& params = store.params();
+        for (size_t i = 0; i < params.size(); ++i)
+            if (params[i].trainable && (!only || (*only)[i]))
+                ss += cpu::sum_squares(plan.view(params[i].grad_slot).ptr<T>(), params[i].numel());
     });
     return std::sqrt(ss);
 }
@@ -48,10 +51,11 @@ void zero_grads(const MemoryPlan& plan) {
     std::memset(plan.class_base(MemClass::Gradients), 0, plan.class_bytes(MemClass::Gradients));
 }
 
-StepStats AdamW::step(const MemoryPlan& plan, const RunConfig& run, int64_t step) const {
+StepStats AdamW::step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
+                      const std::vector<bool>* update) const {
     StepStats st;
     st.lr = learning_rate(run, step);
-    st.grad_norm = global_grad_norm(store_, plan);
+    st.grad_norm = global_grad_norm(store_, plan, update);
     if (!std::isfinite(st.grad_norm)) {
         st.skipped = true;
         return st;
@@ -63,7 +67,7 @@ StepStats AdamW::step(const MemoryPlan& plan, const RunConfig& run, int64_t step
         const auto& params = store_.params();
         for (size_t i = 0; i < params.size(); ++i) {
             const auto& p = params[i];
-            if (!p.trainable) continue;
+            if (!p.trainable || (update && !(*update)[i])) continue;
             cpu::adamw_update(plan.view(p.param_slot).ptr<T>(), plan.view(p.grad_slot).ptr<T>(),
                               plan.view(m_[i]).ptr<T>(), plan.view(v_[i]).ptr<T>(), p.numel(),
                               st.lr, run.adam_beta1, run.adam_beta2, run.adam_eps,

@@ -23,8 +23,10 @@ class AdamW {
     // Declares exp_avg / exp_avg_sq for every parameter in the plan's OptimizerState class.
     AdamW(const ParamStore& store, MemoryPlan& plan);
 
-    // Clips by global norm, then updates every parameter; `step` is 1-based.
-    StepStats step(const MemoryPlan& plan, const RunConfig& run, int64_t step) const;
+    // Clips by global norm, then updates every parameter (or those `update[i]` marks); `step` is
+    // 1-based.
+    StepStats step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
+                   const std::vector<bool>* update = nullptr) const;
 
     const std::vector<MemoryPlan::Slot>& exp_avg_slots() const { return m_; }
     const std::vector<MemoryPlan::Slot>& exp_avg_sq_slots() const { return v_; }
@@ -35,7 +37,8 @@ class AdamW {
 };
 
 // Global L2 norm of all gradients (fixed summation order).
-double global_grad_norm(const ParamStore& store, const MemoryPlan& plan);
+double global_grad_norm(const ParamStore& store, const MemoryPlan& plan,
+                        const std::vector<bool>* only = nullptr);
 void zero_grads(const MemoryPlan& plan);
 
 }  // namespace sparsetron

@@ -43,9 +43,7 @@ std::vector<std::vector<int32_t>> read_token_documents(const std::string& path) 
 }
 
 EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<int32_t>>& docs) {
-    std::string dir = fs::exists(fs::path(model_dir) / "model.safetensors")
-                          ? model_dir
-                          : resolve_checkpoint(model_dir);
+    std::string dir = is_model_dir(model_dir) ? model_dir : resolve_checkpoint(model_dir);
     ModelConfig cfg = load_hf_config((fs::path(dir) / "config.json").string());
     cfg.mtp_num_layers = 0;  // eval reports the next-token loss only
     int64_t longest = 0;

@@ -72,10 +72,15 @@ std::vector<std::string> resolve_data_path(const RunConfig& run, const std::stri
     return {prefix};
 }
 
-std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe) {
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     auto tp = std::make_unique<TrainingPlan>();
+    Recipe recipe = recipe_in;
     const RunConfig& r = recipe.run;
     int64_t slots = r.tokens_per_microbatch();
+    if (r.dsa_dense_warmup) {  // SPEC §3.2: attention over every key, the dense indexer loss
+        recipe.model.dsa_indexer_topk = std::max(recipe.model.dsa_indexer_topk, slots);
+        recipe.model.dsa_indexer_use_sparse_loss = false;
+    }
     tp->max_documents = r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch
                                                            : default_max_documents(slots);
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
@@ -101,6 +106,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     tp_ = make_training_plan(recipe_);
     tp_->plan.allocate(Device::CPU);
     tp_->model->bind();
+    for (const auto& p : tp_->model->params().params())
+        indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
     packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
     for (int64_t i = 0; i < r.microbatches_per_step(); ++i)
@@ -161,8 +168,10 @@ StepMetrics Trainer::train_step() {
             for (int64_t k = 1; !tv && k <= D; ++k)
                 mtp_rows[k - 1] += std::max<int64_t>(0, len - k - 1);
         }
+    const bool warmup = recipe_.run.dsa_dense_warmup;
     LossScales sc;
-    sc.backward = true;
+    sc.backward = !warmup;  // dense warm-up: forward only; the indexer's gradient comes from it
+    sc.indexer_grads = warmup;
     sc.lm = 1.0 / double(m.targets);
     const double lambda = mc.mtp_loss_scaling_factor;
     for (size_t k = 0; k < mtp_rows.size(); ++k) {
@@ -189,8 +198,9 @@ StepMetrics Trainer::train_step() {
     m.total_loss = m.lm_loss + m.mtp_loss + m.indexer_loss + m.aux_loss;
     m.moe_load = tp_->model->moe_loads();
     m.moe_dropped = tp_->model->moe_dropped();
-    StepStats st = tp_->optimizer->step(tp_->plan, recipe_.run, m.step);
-    if (!st.skipped) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
+    StepStats st =
+        tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr);
+    if (!st.skipped && !warmup) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
     m.lr = st.lr;
     m.grad_norm = st.grad_norm;
     m.skipped = st.skipped;

@@ -81,6 +81,7 @@ class Trainer {
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;
     std::vector<MicroBatch> batches_;
+    std::vector<bool> indexer_only_;  // parameters dense warm-up updates
     TrainerState state_;
 };
 

@@ -96,8 +96,13 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
         run("train --resume " + dir + "/run/checkpoints --out " + dir + "/run --set train_iters=3");
     ASSERT_EQ(more.code, 0) << more.output;
     EXPECT_NE(more.output.find("resumed at iteration 2"), std::string::npos) << more.output;
-    CliRun plan = run("plan");
+    CliRun plan = run("plan --set optimizer=muon --set muon_split_qkv_per_head=true");
     EXPECT_EQ(plan.code, 0);
+    // Each parameter with its optimizer, split and state size.
+    EXPECT_NE(plan.output.find("model.layers.0.self_attn.q_b_proj.weight"), std::string::npos);
+    EXPECT_NE(plan.output.find("per_head x8"), std::string::npos) << plan.output;
+    EXPECT_NE(plan.output.find("lm_head.weight"), std::string::npos);
+    EXPECT_NE(plan.output.find("buffer"), std::string::npos);  // the expert bias
     EXPECT_NE(plan.output.find("activations"), std::string::npos);
     EXPECT_NE(plan.output.find("total"), std::string::npos);
 }

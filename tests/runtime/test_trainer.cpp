@@ -64,9 +64,11 @@ TEST(Trainer, TinyRecipeLossFalls) {
     EXPECT_TRUE(fs::exists(t.checkpoint_dir() + "/iter_0000030/model.safetensors"));
 }
 
-TEST(Trainer, ResumeContinuesBitIdentically) {
+void check_bit_identical_resume(const std::vector<std::string>& extra) {
     std::string out = test::temp_dir("a");
-    Recipe r = small_recipe({"save_interval=3", "save_keep_last=5"});
+    std::vector<std::string> sets = {"save_interval=3", "save_keep_last=5"};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    Recipe r = small_recipe(sets);
     std::vector<double> full;
     {
         Trainer t(r, {out, "", Device::CPU});
@@ -80,13 +82,24 @@ TEST(Trainer, ResumeContinuesBitIdentically) {
     resumed.run([&](const StepMetrics& m) { tail.push_back(m.lm_loss); });
     ASSERT_EQ(tail.size(), 3u);
     for (int i = 0; i < 3; ++i) EXPECT_EQ(tail[i], full[3 + i]) << "step " << 4 + i;
-    // The weights at the end are identical too.
-    EXPECT_EQ(
-        snapshot(out +
-                 "/checkpoints/iter_0000006")[out + "/checkpoints/iter_0000006/model.safetensors"],
-        snapshot(
-            out2 +
-            "/checkpoints/iter_0000006")[out2 + "/checkpoints/iter_0000006/model.safetensors"]);
+    // The weights and the optimizer state at the end are identical too.
+    for (const char* f : {"/model.safetensors", "/optimizer.safetensors"}) {
+        std::string a = out + "/checkpoints/iter_0000006" + f,
+                    b = out2 + "/checkpoints/iter_0000006" + f;
+        EXPECT_EQ(snapshot(out + "/checkpoints/iter_0000006")[a],
+                  snapshot(out2 + "/checkpoints/iter_0000006")[b])
+            << f;
+    }
+}
+
+TEST(Trainer, ResumeContinuesBitIdentically) {
+    check_bit_identical_resume({});
+}
+
+TEST(Trainer, ResumeContinuesBitIdenticallyWithMuon) {
+    check_bit_identical_resume({"optimizer=muon", "muon_split_qkv_per_head=true",
+                                "muon_nesterov=true", "mtp_loss_type=e2e_tv",
+                                "mtp_detach_heads=true"});
 }
 
 TEST(Trainer, EvalOnACheckpointReproducesTheTrainersLoss) {

@@ -142,7 +142,8 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n\n",
                 static_cast<long long>(recipe.run.tokens_per_microbatch()),
                 static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
-    std::printf("%s", tp->plan.format().c_str());
+    std::printf("%s\n", tp->plan.format().c_str());
+    std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     return 0;
 }
 

@@ -103,7 +103,7 @@ void ensure_writable_dir(const std::string& dir) {
 
 std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
                             const std::string& recipe_yaml, const ParamStore& store,
-                            const MemoryPlan& plan, const AdamW* optimizer,
+                            const MemoryPlan& plan, const Optimizer* optimizer,
                             const TrainerState& state) {
     ensure_writable_dir(save_dir);
     const fs::path root(save_dir);
@@ -115,17 +115,16 @@ std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, cons
         write_text_atomic(tmp / "config.json", hf_config_json(m));
         write_text_atomic(tmp / "recipe.yaml", recipe_yaml);
         std::vector<SafetensorsEntry> weights, optim;
-        for (size_t i = 0; i < store.params().size(); ++i) {
-            const auto& p = store.params()[i];
+        for (const auto& p : store.params()) {
             Tensor t = plan.view(p.param_slot);
             weights.push_back({p.name, t.dtype, p.shape, t.data});
-            if (optimizer && p.trainable) {
-                Tensor mt = plan.view(optimizer->exp_avg_slots()[i]);
-                Tensor vt = plan.view(optimizer->exp_avg_sq_slots()[i]);
-                optim.push_back({p.name + ".exp_avg", mt.dtype, p.shape, mt.data});
-                optim.push_back({p.name + ".exp_avg_sq", vt.dtype, p.shape, vt.data});
-            }
         }
+        if (optimizer)
+            for (const auto& [name, slot] : optimizer->state_tensors()) {
+                Tensor t = plan.view(slot);
+                const auto& shape = plan.entries()[slot].shape;
+                optim.push_back({name, t.dtype, shape, t.data});
+            }
         write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
         if (optimizer) write_safetensors((tmp / "optimizer.safetensors").string(), optim);
         nlohmann::json js;
@@ -220,15 +219,12 @@ bool is_model_dir(const std::string& dir) {
 }
 
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
-                          const AdamW& optimizer, const MemoryPlan& plan) {
+                          const Optimizer& optimizer, const MemoryPlan& plan) {
+    (void)store;
     SafetensorsFile file((fs::path(ckpt_dir) / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, Tensor>> targets;
-    for (size_t i = 0; i < store.params().size(); ++i) {
-        const auto& p = store.params()[i];
-        if (!p.trainable) continue;
-        targets.emplace_back(p.name + ".exp_avg", plan.view(optimizer.exp_avg_slots()[i]));
-        targets.emplace_back(p.name + ".exp_avg_sq", plan.view(optimizer.exp_avg_sq_slots()[i]));
-    }
+    for (const auto& [name, slot] : optimizer.state_tensors())
+        targets.emplace_back(name, plan.view(slot));
     load_tensors(file, "optimizer", targets);
 }
 

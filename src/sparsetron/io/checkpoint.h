@@ -15,7 +15,7 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/param_store.h"
-#include "sparsetron/optim/adamw.h"
+#include "sparsetron/optim/optimizer.h"
 
 namespace sparsetron {
 
@@ -32,7 +32,7 @@ void ensure_writable_dir(const std::string& dir);
 
 std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
                             const std::string& recipe_yaml, const ParamStore& store,
-                            const MemoryPlan& plan, const AdamW* optimizer,
+                            const MemoryPlan& plan, const Optimizer* optimizer,
                             const TrainerState& state);
 
 // `dir` is a checkpoint directory or a save directory with latest_checkpointed_iteration.txt.
@@ -44,7 +44,7 @@ bool is_model_dir(const std::string& dir);
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan);
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
-                          const AdamW& optimizer, const MemoryPlan& plan);
+                          const Optimizer& optimizer, const MemoryPlan& plan);
 TrainerState load_trainer_state(const std::string& ckpt_dir);
 std::string load_checkpoint_recipe(const std::string& ckpt_dir);  // recipe.yaml text
 

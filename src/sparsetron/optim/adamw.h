@@ -1,5 +1,4 @@
-// AdamW over the ParamStore with fp32 state (SPEC §7; Muon arrives with its own issue), plus
-// global-norm gradient clipping. Non-finite gradients skip the update and are reported.
+// AdamW with fp32 state (SPEC §7) over the parameters it is given.
 #pragma once
 
 #include <cstdint>
@@ -11,34 +10,28 @@
 
 namespace sparsetron {
 
-struct StepStats {
-    double grad_norm = 0;  // before clipping
-    double clip_scale = 1;
-    double lr = 0;
-    bool skipped = false;  // non-finite gradient: weights untouched
-};
-
 class AdamW {
   public:
-    // Declares exp_avg / exp_avg_sq for every parameter in the plan's OptimizerState class.
-    AdamW(const ParamStore& store, MemoryPlan& plan);
+    // Declares exp_avg / exp_avg_sq for each parameter with handles[i] (all trainable ones when
+    // `handles` is empty) in the plan's OptimizerState class.
+    AdamW(const ParamStore& store, MemoryPlan& plan, std::vector<bool> handles = {});
 
-    // Clips by global norm, then updates every parameter (or those `update[i]` marks); `step` is
-    // 1-based.
-    StepStats step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
-                   const std::vector<bool>* update = nullptr) const;
+    // Updates the handled parameters (and those `update[i]` marks); grad_scale[i] multiplies the
+    // gradient of parameter i (the clipping factor of its group). `step` is 1-based.
+    void step(const MemoryPlan& plan, const RunConfig& run, int64_t step, double lr,
+              const std::vector<double>& grad_scale, const std::vector<bool>* update) const;
 
     const std::vector<MemoryPlan::Slot>& exp_avg_slots() const { return m_; }
     const std::vector<MemoryPlan::Slot>& exp_avg_sq_slots() const { return v_; }
 
   private:
     const ParamStore& store_;
-    std::vector<MemoryPlan::Slot> m_, v_;
+    std::vector<MemoryPlan::Slot> m_, v_;  // -1 where not handled
 };
 
-// Global L2 norm of all gradients (fixed summation order).
-double global_grad_norm(const ParamStore& store, const MemoryPlan& plan,
-                        const std::vector<bool>* only = nullptr);
+// Sum of squared gradients of the trainable parameters selected by `select` (fixed order).
+double grad_sum_squares(const ParamStore& store, const MemoryPlan& plan,
+                        const std::vector<bool>& select);
 void zero_grads(const MemoryPlan& plan);
 
 }  // namespace sparsetron

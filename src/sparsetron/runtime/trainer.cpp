@@ -28,6 +28,7 @@ std::string StepMetrics::to_json() const {
     }
     j["lr"] = lr;
     j["grad_norm"] = grad_norm;
+    if (grad_norm_mtp > 0) j["grad_norm_mtp"] = grad_norm_mtp;
     j["tokens"] = tokens;
     j["targets"] = targets;
     j["step_ms"] = step_ms;
@@ -38,7 +39,6 @@ std::string StepMetrics::to_json() const {
 namespace {
 
 void check_supported(const Recipe& r) {
-    ST_CHECK(r.run.optimizer != "muon", "optimizer: muon is not implemented yet; use adam");
     ST_CHECK(r.run.world_size == 1, "world_size ", r.run.world_size,
              ": multi-process training is not implemented yet");
 }
@@ -86,7 +86,8 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
     tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, slots, tp->max_documents,
                                                    tp->chunk_rows);
-    tp->optimizer = std::make_unique<AdamW>(tp->model->params(), tp->plan);
+    tp->optimizer =
+        std::make_unique<Optimizer>(tp->model->params(), tp->plan, recipe.model, recipe.run);
     return tp;
 }
 
@@ -203,6 +204,7 @@ StepMetrics Trainer::train_step() {
     if (!st.skipped && !warmup) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
     m.lr = st.lr;
     m.grad_norm = st.grad_norm;
+    m.grad_norm_mtp = st.grad_norm_mtp;
     m.skipped = st.skipped;
     state_.iteration = m.step;
     state_.consumed_tokens += m.tokens;

@@ -14,7 +14,7 @@
 #include "sparsetron/data/packer.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/model/glm5_model.h"
-#include "sparsetron/optim/adamw.h"
+#include "sparsetron/optim/optimizer.h"
 
 namespace sparsetron {
 
@@ -30,8 +30,9 @@ struct StepMetrics {
     int64_t moe_dropped = 0;                     // routed rows over capacity in the step
     double lr = 0;
     double grad_norm = 0;
-    int64_t tokens = 0;   // real tokens in the step
-    int64_t targets = 0;  // loss rows in the step
+    double grad_norm_mtp = 0;  // the MTP clipping group's norm (detached heads), else 0
+    int64_t tokens = 0;        // real tokens in the step
+    int64_t targets = 0;       // loss rows in the step
     double step_ms = 0;
     bool skipped = false;
     std::string to_json() const;
@@ -48,7 +49,7 @@ struct TrainOptions {
 struct TrainingPlan {
     MemoryPlan plan;
     std::unique_ptr<Glm5Model<float>> model;
-    std::unique_ptr<AdamW> optimizer;
+    std::unique_ptr<Optimizer> optimizer;
     int64_t max_documents = 0;
     int64_t chunk_rows = 0;
 };

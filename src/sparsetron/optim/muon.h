@@ -1,0 +1,53 @@
+// Muon (SPEC §7): momentum, Newton-Schulz orthogonalization, decoupled weight decay and the
+// scale modes, with per-head splits of the MLA up-projections. Written over the engine's GEMM
+// so the CUDA backend can reuse the same structure.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/config/run_config.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/param_store.h"
+
+namespace sparsetron {
+
+// A parameter's Newton-Schulz slices: row groups orthogonalized independently. Each slice is a
+// list of row ranges gathered into one matrix (a per-projection split gathers rows of all heads).
+struct MuonSlice {
+    std::vector<std::pair<int64_t, int64_t>> rows;  // [begin, end) row ranges
+    int64_t num_rows() const;
+};
+struct MuonSplit {
+    std::string kind = "none";  // "none" | "per_head" | "per_projection"
+    std::vector<MuonSlice> slices;
+};
+
+// The split of `p` under the recipe's Muon settings (q_b_proj and kv_b_proj only; SPEC §7).
+MuonSplit muon_split_for(const ParamInfo& p, const ModelConfig& m, const RunConfig& r);
+
+// Newton-Schulz on x [m, n] in place (transposed to wide internally): X <- NS_steps(X / ||X||_F).
+template <typename T>
+void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string& coefficients,
+                   std::vector<T>& workspace);
+
+double muon_scale(int64_t m, int64_t n, const std::string& mode);
+
+class Muon {
+public:
+    Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
+    // One update of every Muon-group parameter (grads already clipped by `grad_scale`).
+    void step(const MemoryPlan& plan, const RunConfig& run, double lr, double grad_scale,
+              const std::vector<bool>* update = nullptr);
+    const std::vector<MemoryPlan::Slot>& momentum_slots() const { return momentum_; }
+    const MuonSplit& split(int64_t param) const { return splits_[param]; }
+
+private:
+    const ParamStore& store_;
+    std::vector<MemoryPlan::Slot> momentum_;  // -1 for non-Muon parameters
+    std::vector<MuonSplit> splits_;
+};
+
+}  // namespace sparsetron

@@ -49,7 +49,8 @@ std::pair<double, double> singular_range(const std::vector<double>& x, int64_t m
 
 TEST(Muon, NewtonSchulzSingularValuesInTheQuinticBand) {
     std::vector<double> ws;
-    for (auto [m, n] : std::vector<std::pair<int64_t, int64_t>>{{64, 16}, {16, 64}, {48, 48}, {90, 7}}) {
+    for (auto [m, n] :
+         std::vector<std::pair<int64_t, int64_t>>{{64, 16}, {16, 64}, {48, 48}, {90, 7}}) {
         for (uint64_t seed = 1; seed <= 3; ++seed) {
             auto x = test::random_vector<double>(m * n, seed * 31 + m, 1.0);
             newton_schulz(x.data(), m, n, 5, "quintic", ws);
@@ -122,7 +123,8 @@ TEST(Muon, OneStepMatchesThePyTorchReference) {
         const double* w = c.plan.view(c.store->params()[i].param_slot).ptr<double>();
         const double* m = c.plan.view(c.muon->momentum_slots()[i]).ptr<double>();
         for (size_t k = 0; k < w1.size(); ++k) {
-            EXPECT_NEAR(w[k], w1[k], 2e-5 * std::max(1.0, std::fabs(w1[k]))) << names[i] << "[" << k << "]";
+            EXPECT_NEAR(w[k], w1[k], 2e-5 * std::max(1.0, std::fabs(w1[k])))
+                << names[i] << "[" << k << "]";
             EXPECT_NEAR(m[k], m1[k], 1e-6) << names[i] << "[" << k << "]";
         }
     }
@@ -146,11 +148,13 @@ TEST(Muon, PerHeadSplitEqualsNewtonSchulzOfEachSliceAlone) {
     c.muon->step(c.plan, c.r, 1.0, 1.0);
     std::vector<double> ws;
     for (int64_t h = 0; h < 3; ++h)
-        for (auto [b, rows] : std::vector<std::pair<int64_t, int64_t>>{{h * 9, 5}, {h * 9 + 5, 4}}) {
+        for (auto [b, rows] :
+             std::vector<std::pair<int64_t, int64_t>>{{h * 9, 5}, {h * 9 + 5, 4}}) {
             std::vector<double> slice(g.begin() + b * 6, g.begin() + (b + rows) * 6);
             newton_schulz(slice.data(), rows, 6, 5, "quintic", ws);
             const double scale = std::sqrt(double(rows) / 6.0);
-            for (int64_t k = 0; k < rows * 6; ++k) EXPECT_NEAR(w[b * 6 + k], -scale * slice[k], 1e-12);
+            for (int64_t k = 0; k < rows * 6; ++k)
+                EXPECT_NEAR(w[b * 6 + k], -scale * slice[k], 1e-12);
         }
     // Without the split the whole matrix is one NS: a different update.
     MuonCase whole;
@@ -158,10 +162,13 @@ TEST(Muon, PerHeadSplitEqualsNewtonSchulzOfEachSliceAlone) {
     whole.r = c.r;
     whole.r.muon_split_qkv_per_head = false;
     build(whole, {{"model.layers.0.self_attn.kv_b_proj.weight", {27, 6}}});
-    std::copy(g.begin(), g.end(), whole.plan.view(whole.store->params()[0].grad_slot).ptr<double>());
+    std::copy(g.begin(), g.end(),
+              whole.plan.view(whole.store->params()[0].grad_slot).ptr<double>());
     std::fill_n(whole.plan.view(whole.store->params()[0].param_slot).ptr<double>(), 27 * 6, 0.0);
     whole.muon->step(whole.plan, whole.r, 1.0, 1.0);
-    EXPECT_GT(std::fabs(whole.plan.view(whole.store->params()[0].param_slot).ptr<double>()[0] - w[0]), 1e-3);
+    EXPECT_GT(
+        std::fabs(whole.plan.view(whole.store->params()[0].param_slot).ptr<double>()[0] - w[0]),
+        1e-3);
 }
 
 TEST(Optimizer, NonFiniteGradientSkipsTheStepUntouched) {

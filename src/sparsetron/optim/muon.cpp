@@ -31,7 +31,8 @@ Coeff coefficients_at(const std::string& type, int64_t step) {
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+    return s.size() >= suffix.size() &&
+           s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
@@ -89,8 +90,8 @@ void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string&
     cpu::scale_inplace(X, r * c, 1.0 / (norm + 1e-7));
     for (int64_t s = 0; s < steps; ++s) {
         const Coeff k = coefficients_at(type, s);
-        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);     // A = X X^T
-        cpu::gemm<T>(false, false, r, r, r, 1, A, r, A, r, 0, AA, r);   // A A
+        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);    // A = X X^T
+        cpu::gemm<T>(false, false, r, r, r, 1, A, r, A, r, 0, AA, r);  // A A
         for (int64_t i = 0; i < r * r; ++i) B[i] = static_cast<T>(k.b * A[i] + k.c * AA[i]);
         std::copy_n(X, r * c, Y);
         // X = B Y + a X with Y a copy of X: aX + BX.
@@ -146,13 +147,14 @@ void Muon::step(const MemoryPlan& plan, const RunConfig& r, double lr, double gr
                             const int64_t k = row * cols + j;
                             // Nesterov: U = (1-beta) G + beta M; otherwise U = M.
                             slice[at * cols + j] = static_cast<T>(
-                                r.muon_nesterov ? (1.0 - beta) * double(g[k]) * grad_scale + beta * mom[k]
-                                                : double(mom[k]));
+                                r.muon_nesterov
+                                    ? (1.0 - beta) * double(g[k]) * grad_scale + beta * mom[k]
+                                    : double(mom[k]));
                         }
-                newton_schulz(slice.data(), rows, cols, r.muon_num_ns_steps, r.muon_coefficient_type,
-                              ws);
-                const double step = lr * muon_scale(rows, cols, r.muon_scale_mode) *
-                                    r.muon_extra_scale_factor;
+                newton_schulz(slice.data(), rows, cols, r.muon_num_ns_steps,
+                              r.muon_coefficient_type, ws);
+                const double step =
+                    lr * muon_scale(rows, cols, r.muon_scale_mode) * r.muon_extra_scale_factor;
                 at = 0;
                 for (auto [b, e] : s.rows)
                     for (int64_t row = b; row < e; ++row, ++at)
@@ -162,8 +164,10 @@ void Muon::step(const MemoryPlan& plan, const RunConfig& r, double lr, double gr
             }
         }
     };
-    if (store_.dtype() == DType::F32) run(float{});
-    else run(double{});
+    if (store_.dtype() == DType::F32)
+        run(float{});
+    else
+        run(double{});
 }
 
 }  // namespace sparsetron

@@ -36,7 +36,7 @@ void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string&
 double muon_scale(int64_t m, int64_t n, const std::string& mode);
 
 class Muon {
-public:
+  public:
     Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
     // One update of every Muon-group parameter (grads already clipped by `grad_scale`).
     void step(const MemoryPlan& plan, const RunConfig& run, double lr, double grad_scale,
@@ -44,7 +44,7 @@ public:
     const std::vector<MemoryPlan::Slot>& momentum_slots() const { return momentum_; }
     const MuonSplit& split(int64_t param) const { return splits_[param]; }
 
-private:
+  private:
     const ParamStore& store_;
     std::vector<MemoryPlan::Slot> momentum_;  // -1 for non-Muon parameters
     std::vector<MuonSplit> splits_;

@@ -75,11 +75,13 @@ std::string Optimizer::describe(const MemoryPlan& plan) const {
     std::ostringstream os;
     const auto& params = store_.params();
     os << std::left << std::setw(58) << "parameter" << std::setw(18) << "shape" << std::setw(8)
-       << "optim" << std::setw(22) << "split" << "state\n";
+       << "optim" << std::setw(22) << "split"
+       << "state\n";
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         std::string shape, optim = "-", split = "-";
-        for (size_t d = 0; d < p.shape.size(); ++d) shape += (d ? "x" : "") + std::to_string(p.shape[d]);
+        for (size_t d = 0; d < p.shape.size(); ++d)
+            shape += (d ? "x" : "") + std::to_string(p.shape[d]);
         size_t state = 0;
         if (uses_muon_[i]) {
             optim = "muon";

@@ -20,7 +20,7 @@ struct StepStats {
 };
 
 class Optimizer {
-public:
+  public:
     Optimizer(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
     // `update` (optional) restricts which parameters move (dense warm-up: the indexer only).
     StepStats step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
@@ -31,7 +31,7 @@ public:
     // What `sparsetron plan` prints per parameter: optimizer, split, state bytes.
     std::string describe(const MemoryPlan& plan) const;
 
-private:
+  private:
     const ParamStore& store_;
     std::unique_ptr<AdamW> adamw_;
     std::unique_ptr<Muon> muon_;

@@ -7,27 +7,9 @@
 
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/cpu/vec.h"
 
 namespace sparsetron::cpu {
-namespace {
-
-// Head-dimension dot products and updates in the element type (vectorized); softmax statistics
-// stay in double.
-template <typename T>
-T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
-    T s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
-
-template <typename T>
-void axpy(T alpha, const T* __restrict x, T* __restrict y, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-}  // namespace
 
 template <typename T>
 void attention_forward(const AttnShape& s, const T* q, const T* k, const T* v,

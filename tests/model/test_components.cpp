@@ -68,7 +68,9 @@ TEST(Components, DsaTopkIsAscendingPaddedAndCausal) {
             }
             EXPECT_GE(s, begin) << "crosses into an earlier document";
             EXPECT_LE(s, t) << "not causal";
-            if (j > 0) EXPECT_GT(s, A.topk[t * 3 + j - 1]) << "not ascending";
+            if (j > 0) {
+                EXPECT_GT(s, A.topk[t * 3 + j - 1]) << "not ascending";
+            }
         }
     }
 }

@@ -12,6 +12,16 @@ namespace sparsetron {
 
 using cpu::gemm;
 
+namespace {
+// q_I[t, j] . k_I[s] in double: the pre-ReLU score of one indexer head.
+template <typename T>
+double head_dot(const T* q, const T* k, int64_t n) {
+    double d = 0;
+    for (int64_t i = 0; i < n; ++i) d += double(q[i]) * k[i];
+    return d;
+}
+}  // namespace
+
 template <typename T>
 DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
                           const std::string& p, int64_t tokens)
@@ -223,9 +233,8 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                         const T* k = A.k + s * dI_;
                         for (int64_t j = 0; j < HI_; ++j) {
                             const T* q = A.q + (t * HI_ + j) * dI_;
-                            double dd = 0;
-                            for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
-                            if (dd <= 0) continue;
+                            const double dd = head_dot(q, k, dI_);
+                            if (dd <= 0) continue;  // ReLU
                             dw_[t * HI_ + j] += static_cast<T>(dI * dd);
                             const double da = dI * A.w[t * HI_ + j];
                             T* dq = dq_ + (t * HI_ + j) * dI_;
@@ -245,9 +254,8 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                         const T* k = A.k + s * dI_;
                         for (int64_t j = 0; j < HI_; ++j) {
                             const T* q = A.q + (t * HI_ + j) * dI_;
-                            double dd = 0;
-                            for (int64_t i = 0; i < dI_; ++i) dd += double(q[i]) * k[i];
-                            if (dd <= 0) continue;
+                            const double dd = head_dot(q, k, dI_);
+                            if (dd <= 0) continue;  // ReLU
                             const double da = dI * A.w[t * HI_ + j];
                             for (int64_t i = 0; i < dI_; ++i)
                                 dk_[s * dI_ + i] += static_cast<T>(da * q[i]);

@@ -191,12 +191,12 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
         double total = 0;
         for (int64_t d = 0; d < in.num_docs; ++d) {
             int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
-            std::vector<double> f(E_, 0.0), P(E_, 0.0);
+            const std::vector<double> f = expert_fractions(A, b, e);
+            std::vector<double> P(E_, 0.0);
             for (int64_t t = b; t < e; ++t) {
                 double z = 0;
                 for (int64_t x = 0; x < E_; ++x) z += A.probs[t * E_ + x];
                 for (int64_t x = 0; x < E_; ++x) P[x] += A.probs[t * E_ + x] / z / n;
-                for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += double(E_) / (k_ * n);
             }
             for (int64_t x = 0; x < E_; ++x) total += c_.moe_aux_loss_coeff * f[x] * P[x];
         }
@@ -263,9 +263,7 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
         for (int64_t d = 0; d < in.num_docs; ++d) {
             int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
-            std::vector<double> f(E_, 0.0);
-            for (int64_t t = b; t < e; ++t)
-                for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += double(E_) / (k_ * n);
+            const std::vector<double> f = expert_fractions(A, b, e);
             double w = aux_scale * c_.moe_aux_loss_coeff / std::max<int64_t>(1, in.num_docs) / n;
             for (int64_t t = b; t < e; ++t) {
                 const T* s = A.probs + t * E_;
@@ -298,6 +296,16 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
                 }
         },
         16);
+}
+
+template <typename T>
+std::vector<double> MoeLayer<T>::expert_fractions(const Acts& A, int64_t begin, int64_t end) const {
+    // f_e = E / (k * n) * (tokens of the document routed to e): 1 for every expert when balanced.
+    std::vector<double> f(E_, 0.0);
+    const double unit = double(E_) / double(k_ * (end - begin));
+    for (int64_t t = begin; t < end; ++t)
+        for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += unit;
+    return f;
 }
 
 template <typename T>

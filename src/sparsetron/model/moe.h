@@ -57,6 +57,8 @@ class MoeLayer {
 
   private:
     void route(Acts& A, const StepInputs& in);
+    // The aux loss's per-expert routed fraction f_e over the document rows [begin, end).
+    std::vector<double> expert_fractions(const Acts& A, int64_t begin, int64_t end) const;
     const ModelConfig& c_;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
     int64_t router_, bias_;

@@ -8,9 +8,14 @@
 
 namespace sparsetron {
 
+namespace cuda {
+struct Libraries;  // cuBLASLt handle, its workspace and GEMM plan cache (ops/cuda/cuda_session.h)
+}
+
 struct ExecContext {
     Device device = Device::CPU;
-    void* stream = nullptr;  // cudaStream_t on CUDA; nullptr is the legacy default stream
+    void* stream = nullptr;           // cudaStream_t on CUDA; nullptr is the legacy default stream
+    cuda::Libraries* libs = nullptr;  // set by a CudaSession; GEMMs need it
 
     static ExecContext cpu() { return ExecContext{}; }
 };

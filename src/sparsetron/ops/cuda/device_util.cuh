@@ -1,0 +1,89 @@
+// Small device helpers shared by the CUDA kernels: bf16 conversion, warp/block reductions,
+// launch arithmetic. Only .cu files include this.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/cuda/cuda_check.h"
+
+namespace sparsetron::cuda {
+
+using bf = __nv_bfloat16;
+static_assert(sizeof(bf) == sizeof(bf16), "bf16 storage must match CUDA's");
+
+inline cudaStream_t stream_of(const ExecContext& ctx) {
+    return static_cast<cudaStream_t>(ctx.stream);
+}
+inline const bf* dev(const bf16* p) {
+    return reinterpret_cast<const bf*>(p);
+}
+inline bf* dev(bf16* p) {
+    return reinterpret_cast<bf*>(p);
+}
+inline unsigned blocks_for(int64_t n, int threads) {
+    return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+__device__ __forceinline__ float ld(const bf* p) {
+    return __bfloat162float(*p);
+}
+__device__ __forceinline__ float ld(const float* p) {
+    return *p;
+}
+__device__ __forceinline__ void st(bf* p, float v) {
+    *p = __float2bfloat16(v);
+}
+__device__ __forceinline__ void st(float* p, float v) {
+    *p = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// The order of additions is fixed by the thread layout, so results are deterministic.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    v = warp_sum(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // the previous call's readers are done with part/total
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float x = lane < int(blockDim.x >> 5) ? part[lane] : 0.f;
+        x = warp_sum(x);
+        if (lane == 0) total = x;
+    }
+    __syncthreads();
+    return total;
+}
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    v = warp_max(v);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float x = lane < int(blockDim.x >> 5) ? part[lane] : -INFINITY;
+        x = warp_max(x);
+        if (lane == 0) total = x;
+    }
+    __syncthreads();
+    return total;
+}
+
+}  // namespace sparsetron::cuda

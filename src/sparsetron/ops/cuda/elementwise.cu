@@ -1,0 +1,198 @@
+// Element-wise ops: embedding, RoPE, SwiGLU, adds; gradient norm, clipping scale and AdamW with
+// device scalars (the step never reads a norm on the host).
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSquaresBlock = 8192;  // elements per partial sum of the gradient norm
+
+__global__ void embedding_fwd_kernel(const int32_t* tokens, const bf* table, int64_t dim, bf* out) {
+    const int64_t r = blockIdx.x;
+    const bf* src = table + int64_t(tokens[r]) * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = src[i];
+}
+
+__global__ void embedding_bwd_kernel(const int32_t* tokens, const bf* dout, int64_t dim,
+                                     float* dtable) {
+    const int64_t r = blockIdx.x;
+    float* dst = dtable + int64_t(tokens[r]) * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) atomicAdd(dst + i, ld(dout + r * dim + i));
+}
+
+__global__ void rope_kernel(bf* x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_t,
+                            int64_t ld_h, const int32_t* positions, double theta, bool interleaved,
+                            double sign) {
+    const int64_t half = dim / 2;
+    const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (id >= tokens * heads * half) return;
+    const int64_t i = id % half, h = (id / half) % heads, t = id / (half * heads);
+    const double angle = double(positions[t]) * pow(theta, -2.0 * double(i) / double(dim));
+    double s, c;
+    sincos(angle, &s, &c);
+    s *= sign;
+    const int64_t i0 = interleaved ? 2 * i : i, i1 = interleaved ? 2 * i + 1 : i + half;
+    bf* p = x + t * ld_t + h * ld_h;
+    const double a = ld(p + i0), b = ld(p + i1);
+    st(p + i0, float(a * c - b * s));
+    st(p + i1, float(a * s + b * c));
+}
+
+__device__ __forceinline__ float sigmoidf(float x) {
+    return 1.f / (1.f + __expf(-x));
+}
+
+__global__ void swiglu_fwd_kernel(const bf* g, const bf* u, int64_t n, bf* out) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= n) return;
+    const float gv = ld(g + i);
+    st(out + i, gv * sigmoidf(gv) * ld(u + i));
+}
+
+__global__ void swiglu_bwd_kernel(const bf* g, const bf* u, const bf* dout, int64_t n, bf* dg,
+                                  bf* du) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= n) return;
+    const float gv = ld(g + i), uv = ld(u + i), d = ld(dout + i), sg = sigmoidf(gv);
+    st(dg + i, d * uv * sg * (1.f + gv * (1.f - sg)));
+    st(du + i, d * gv * sg);
+}
+
+template <typename T>
+__global__ void add_kernel(T* y, const T* x, int64_t n) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i < n) st(y + i, ld(y + i) + ld(x + i));
+}
+
+__global__ void fill_kernel(float* x, int64_t n, float v) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i < n) x[i] = v;
+}
+
+__global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
+    const int64_t b0 = blockIdx.x * int64_t(kSquaresBlock), b1 = min(n, b0 + kSquaresBlock);
+    float s = 0;
+    for (int64_t i = b0 + threadIdx.x; i < b1; i += blockDim.x) s += x[i] * x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+__global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm,
+                                  float* norm, float* scale, int32_t* skip) {
+    if (threadIdx.x != 0) return;
+    double s = 0;
+    for (int64_t i = 0; i < count; ++i) s += partials[i];
+    const double nrm = sqrt(s);
+    const bool finite = isfinite(nrm);
+    *norm = float(nrm);
+    *skip = finite ? 0 : 1;
+    *scale = !finite ? 0.f : (max_norm > 0 ? float(fmin(1.0, max_norm / (nrm + 1e-6))) : 1.f);
+}
+
+__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
+                             float lr, float beta1, float beta2, float eps, float wd, float bc1,
+                             float bc2, const float* grad_scale, const int32_t* skip,
+                             bf* param_bf16) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= n || (skip && *skip)) return;
+    const float g = grad[i] * (grad_scale ? *grad_scale : 1.f);
+    const float mi = beta1 * m[i] + (1.f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.f - beta2) * g * g;
+    m[i] = mi, v[i] = vi;
+    float p = param[i] * (1.f - lr * wd);
+    p -= lr * (mi / bc1) / (sqrtf(vi / bc2) + eps);
+    param[i] = p;
+    if (param_bf16) st(param_bf16 + i, p);
+}
+
+}  // namespace
+
+void embedding_forward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
+                       const bf16* table, int64_t dim, bf16* out) {
+    if (rows == 0) return;
+    embedding_fwd_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(tokens, dev(table), dim, dev(out));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void embedding_backward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
+                        const bf16* dout, int64_t dim, float* dtable) {
+    if (rows == 0) return;
+    embedding_bwd_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(tokens, dev(dout), dim, dtable);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void rope(const ExecContext& ctx, bf16* x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_t,
+          int64_t ld_h, const int32_t* positions, double theta, bool interleaved, bool inverse) {
+    const int64_t n = tokens * heads * (dim / 2);
+    if (n == 0) return;
+    rope_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
+        dev(x), tokens, heads, dim, ld_t, ld_h, positions, theta, interleaved, inverse ? -1.0 : 1.0);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_forward(const ExecContext& ctx, const bf16* g, const bf16* u, int64_t n, bf16* out) {
+    if (n == 0) return;
+    swiglu_fwd_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(dev(g), dev(u), n,
+                                                                                dev(out));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const bf16* dout,
+                     int64_t n, bf16* dg, bf16* du) {
+    if (n == 0) return;
+    swiglu_bwd_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
+        dev(g), dev(u), dev(dout), n, dev(dg), dev(du));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void add_inplace(const ExecContext& ctx, bf16* y, const bf16* x, int64_t n) {
+    if (n == 0) return;
+    add_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(dev(y), dev(x), n);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void add_inplace(const ExecContext& ctx, float* y, const float* x, int64_t n) {
+    if (n == 0) return;
+    add_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(y, x, n);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void fill(const ExecContext& ctx, float* x, int64_t n, float value) {
+    if (n == 0) return;
+    fill_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(x, n, value);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+int64_t sum_squares_blocks(int64_t n) {
+    return (n + kSquaresBlock - 1) / kSquaresBlock;
+}
+
+void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials) {
+    if (n == 0) return;
+    sum_squares_kernel<<<sum_squares_blocks(n), kThreads, 0, stream_of(ctx)>>>(x, n, partials);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
+                float* norm, float* scale, int32_t* skip) {
+    clip_scale_kernel<<<1, 32, 0, stream_of(ctx)>>>(partials, count, max_norm, norm, scale, skip);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
+                  int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16) {
+    if (n == 0) return;
+    // lr and the step are host values baked into the launch: a replayed full-iteration graph
+    // needs them in device scalars (the graph issue's work).
+    const float bc1 = float(1.0 - std::pow(double(beta1), double(step)));
+    const float bc2 = float(1.0 - std::pow(double(beta2), double(step)));
+    adamw_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
+        param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, skip,
+        param_bf16 ? dev(param_bf16) : nullptr);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

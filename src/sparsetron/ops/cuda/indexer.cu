@@ -1,0 +1,144 @@
+// DSA lightning-indexer scores and the per-row top-k.
+//
+// Scores: one block per (query row, tile of kKeyTile keys); the row's H x d query and the tile's
+// keys sit in shared memory; tiles outside [begin, t] exit at once (causal, per document).
+// Top-k: one block per row, an exact radix select on the order-preserving integer image of the
+// fp32 scores (4 passes of 8 bits), then one ordered pass that keeps every score above the
+// threshold and the first `need` equal ones by index, so ties go to the smaller key index and the
+// result is deterministic; block scans give each kept key its ascending output slot.
+#include <cub/block/block_scan.cuh>
+
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+constexpr int kKeyTile = 128;
+constexpr int kTopkThreads = 512;
+
+__global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
+                                      const int32_t* row_begin, int64_t tokens, int64_t heads,
+                                      int64_t dim, float* scores) {
+    extern __shared__ float smem[];
+    const int64_t t = blockIdx.x, s0 = int64_t(blockIdx.y) * kKeyTile;
+    const int32_t begin = row_begin[t];
+    if (begin < 0 || s0 > t || s0 + kKeyTile <= begin) return;
+    float* qs = smem;                                              // [heads * dim]
+    float* ws = qs + heads * dim;                                  // [heads]
+    bf* ks = reinterpret_cast<bf*>(ws + heads);                    // [kKeyTile, dim + 2]
+    const int64_t kld = dim + 2;
+    for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = ld(q + t * heads * dim + i);
+    for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) ws[j] = w[t * heads + j];
+    for (int64_t i = threadIdx.x; i < kKeyTile * dim; i += blockDim.x) {
+        const int64_t r = i / dim, c = i % dim, s = s0 + r;
+        ks[r * kld + c] = s < tokens ? k[s * dim + c] : __float2bfloat16(0.f);
+    }
+    __syncthreads();
+    const int64_t s = s0 + threadIdx.x;
+    if (s < begin || s > t) return;
+    const bf* kr = ks + threadIdx.x * kld;
+    float acc = 0;
+    for (int64_t j = 0; j < heads; ++j) {
+        const float* qj = qs + j * dim;
+        float d = 0;
+        for (int64_t c = 0; c < dim; ++c) d += qj[c] * __bfloat162float(kr[c]);
+        acc += ws[j] * fmaxf(d, 0.f);
+    }
+    scores[t * tokens + s] = acc;
+}
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+    uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
+                            int64_t kslots, int32_t* idx, int32_t* len) {
+    using Scan = cub::BlockScan<int, kTopkThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int hist[256];
+    __shared__ uint32_t prefix_s;
+    __shared__ int remaining_s;
+    const int64_t t = blockIdx.x;
+    const int32_t begin = row_begin[t];
+    const int64_t n = begin < 0 ? 0 : t - begin + 1;
+    const float* row = scores + t * ld + (begin < 0 ? 0 : begin);
+    int32_t* out = idx + t * kslots;
+    if (n <= kslots) {
+        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
+            out[j] = j < n ? int32_t(begin + j) : -1;
+        if (threadIdx.x == 0) len[t] = int32_t(n);
+        return;
+    }
+    // Radix select: the kslots-th largest key, one byte at a time from the top.
+    uint32_t prefix = 0, mask = 0;
+    int remaining = int(kslots);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const uint32_t u = order_key(row[j]);
+            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = 0, b = 255;
+            for (; b > 0; --b) {
+                if (acc + hist[b] >= remaining) break;
+                acc += hist[b];
+            }
+            prefix_s = prefix | (uint32_t(b) << shift);
+            remaining_s = remaining - acc;
+        }
+        __syncthreads();
+        prefix = prefix_s, remaining = remaining_s;
+        mask |= 0xffu << shift;
+        __syncthreads();
+    }
+    const uint32_t thr = prefix;
+    const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
+    int eq_base = 0, out_base = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
+        const int64_t j = c0 + threadIdx.x;
+        const uint32_t u = j < n ? order_key(row[j]) : 0u;
+        const int gt = j < n && u > thr, eq = j < n && u == thr;
+        int eq_rank, eq_total;
+        Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
+        __syncthreads();
+        const int sel = gt || (eq && eq_base + eq_rank < need);
+        int pos, sel_total;
+        Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
+        __syncthreads();
+        if (sel) out[out_base + pos] = int32_t(begin + j);
+        eq_base += eq_total, out_base += sel_total;
+    }
+    if (threadIdx.x == 0) len[t] = int32_t(kslots);
+}
+
+}  // namespace
+
+void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                    const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                    float* scores) {
+    if (tokens == 0) return;
+    const size_t smem = (heads * dim + heads) * sizeof(float) + kKeyTile * (dim + 2) * sizeof(bf);
+    ST_CHECK(smem <= 200 * 1024, "indexer_scores: ", heads, " heads x ", dim,
+             " dims do not fit in shared memory");
+    ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    dim3 grid(static_cast<unsigned>(tokens), blocks_for(tokens, kKeyTile));
+    indexer_scores_kernel<<<grid, kKeyTile, smem, stream_of(ctx)>>>(dev(q), dev(k), w, row_begin,
+                                                                    tokens, heads, dim, scores);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
+               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len) {
+    if (tokens == 0) return;
+    topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, kslots, idx,
+                                                             len);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

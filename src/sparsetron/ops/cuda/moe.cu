@@ -1,0 +1,264 @@
+// MoE on the device: fp32 router top-k, the expert-major permutation with device-side counts
+// (deterministic: block scans in token order), gather/combine, and the grouped expert GEMM that
+// reads each expert's row range from device memory (no host read, so it can be captured).
+#include <mma.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+constexpr int kMaxTopk = 16;
+
+__global__ void router_kernel(const float* logits, const float* bias, const int32_t* row_begin,
+                              int64_t tokens, int64_t E, int64_t k, bool force, float scaling,
+                              float* probs, int32_t* topk, float* gates) {
+    const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (t >= tokens) return;
+    float* s = probs + t * E;
+    for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + expf(-logits[t * E + e]));
+    int32_t chosen[kMaxTopk];
+    if (row_begin[t] < 0) {
+        for (int64_t j = 0; j < k; ++j) topk[t * k + j] = -1, gates[t * k + j] = 0.f;
+        return;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+        if (force) {
+            chosen[j] = int32_t((t * k + j) % E);
+            continue;
+        }
+        int32_t best = -1;
+        float bv = -INFINITY;
+        for (int64_t e = 0; e < E; ++e) {
+            bool taken = false;
+            for (int64_t i = 0; i < j; ++i) taken |= chosen[i] == e;
+            const float v = s[e] + bias[e];
+            if (!taken && (best < 0 || v > bv)) best = int32_t(e), bv = v;
+        }
+        chosen[j] = best;
+    }
+    double sum = 1e-20;
+    for (int64_t j = 0; j < k; ++j) sum += s[chosen[j]];
+    for (int64_t j = 0; j < k; ++j) {
+        topk[t * k + j] = chosen[j];
+        gates[t * k + j] = float(double(s[chosen[j]]) / sum * scaling);
+    }
+}
+
+constexpr int kScanThreads = 1024;
+
+// Block e: the rank of each of expert e's entries in token order; capacity drops the rest.
+__global__ void permute_rank_kernel(const int32_t* topk, int64_t entries, int64_t capacity,
+                                    int32_t* counts, int32_t* slot_row) {
+    using Scan = cub::BlockScan<int, kScanThreads>;
+    __shared__ typename Scan::TempStorage tmp;
+    const int32_t e = blockIdx.x;
+    int base = 0;
+    for (int64_t c0 = 0; c0 < entries; c0 += blockDim.x) {
+        const int64_t i = c0 + threadIdx.x;
+        const int32_t x = i < entries ? topk[i] : -2;
+        const int flag = x == e;
+        int rank, total;
+        Scan(tmp).ExclusiveSum(flag, rank, total);
+        __syncthreads();
+        if (flag) slot_row[i] = base + rank < capacity ? base + rank : -1;
+        if (e == 0 && i < entries && x < 0) slot_row[i] = -1;  // padding rows are not routed
+        base += total;
+    }
+    if (threadIdx.x == 0) counts[e] = base;
+}
+
+__global__ void permute_offsets_kernel(const int32_t* counts, int64_t E, int64_t capacity,
+                                       int32_t* offsets) {
+    if (threadIdx.x != 0) return;
+    int32_t acc = 0;
+    offsets[0] = 0;
+    for (int64_t e = 0; e < E; ++e) offsets[e + 1] = acc += int32_t(min(int64_t(counts[e]), capacity));
+}
+
+__global__ void permute_place_kernel(const int32_t* topk, int64_t entries, int64_t k,
+                                     const int32_t* offsets, int32_t* slot_row,
+                                     int32_t* perm_token) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= entries || slot_row[i] < 0) return;
+    const int32_t r = offsets[topk[i]] + slot_row[i];
+    slot_row[i] = r;
+    perm_token[r] = int32_t(i / k);
+}
+
+__global__ void gather_kernel(const bf* x, const int32_t* perm_token, const int32_t* offsets,
+                              int64_t E, int64_t dim, bf* out) {
+    const int64_t r = blockIdx.x;
+    if (r >= offsets[E]) return;
+    const bf* src = x + int64_t(perm_token[r]) * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = src[i];
+}
+
+__global__ void combine_kernel(const bf* out_perm, const int32_t* slot_row, const float* gates,
+                               int64_t k, int64_t dim, bf* y) {
+    const int64_t t = blockIdx.x;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        float acc = ld(y + t * dim + i);
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t r = slot_row[t * k + j];
+            if (r >= 0) acc += gates[t * k + j] * ld(out_perm + int64_t(r) * dim + i);
+        }
+        st(y + t * dim + i, acc);
+    }
+}
+
+// ---- Grouped GEMM: C_e = A_e @ B_e over per-expert logical matrices -------------------------
+// A(i, kk) = a[a_off(e) + i * a_si + kk * a_sk], B(kk, j) = b[b_off(e) + kk * b_sk + j * b_sj];
+// row/reduction ranges come from `offsets` on the device.
+constexpr int BM = 64, BN = 64, BK = 32, kGemmThreads = 128;
+
+struct GroupedArgs {
+    GroupedGemm kind;
+    const int32_t* offsets;
+    int64_t n, k;
+    const bf *a, *b;
+    void* c;
+};
+
+__global__ void grouped_gemm_kernel(GroupedArgs g) {
+    using namespace nvcuda;
+    __shared__ __align__(32) bf As[BM][BK + 8];
+    __shared__ __align__(32) bf Bs[BK][BN + 8];
+    __shared__ __align__(32) float Cs[BM][BN + 4];
+    const int64_t e = blockIdx.z;
+    const int64_t r0 = g.offsets[e], rows = g.offsets[e + 1] - r0;
+    // Logical sizes M x N, reduction K, and the strides of this kind.
+    int64_t M, N, K, a_si, a_sk, b_sk, b_sj;
+    const bf *A, *B;
+    switch (g.kind) {
+        case GroupedGemm::RowsTimesWeightT:  // [rows, k] x W_e^T -> [rows, n]
+            M = rows, N = g.n, K = g.k;
+            A = g.a + r0 * g.k, a_si = g.k, a_sk = 1;
+            B = g.b + e * g.n * g.k, b_sk = 1, b_sj = g.k;
+            break;
+        case GroupedGemm::RowsTimesWeight:  // [rows, n] x W_e -> [rows, k]
+            M = rows, N = g.k, K = g.n;
+            A = g.a + r0 * g.n, a_si = g.n, a_sk = 1;
+            B = g.b + e * g.n * g.k, b_sk = g.k, b_sj = 1;
+            break;
+        default:  // WeightGrad: A_e^T [n, rows] x B_e [rows, k] -> [n, k]
+            M = g.n, N = g.k, K = rows;
+            A = g.a + r0 * g.n, a_si = 1, a_sk = g.n;
+            B = g.b + r0 * g.k, b_sk = g.k, b_sj = 1;
+            break;
+    }
+    const int64_t i0 = int64_t(blockIdx.y) * BM, j0 = int64_t(blockIdx.x) * BN;
+    if (i0 >= M || j0 >= N) return;
+    const int warp = threadIdx.x >> 5, wi = warp >> 1, wj = warp & 1;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+    for (auto& row : acc)
+        for (auto& f : row) wmma::fill_fragment(f, 0.f);
+    const bf zero = __float2bfloat16(0.f);
+    for (int64_t k0 = 0; k0 < K; k0 += BK) {
+        // Stage the tiles; the unit-stride index runs fastest so loads coalesce.
+        for (int l = threadIdx.x; l < BM * BK; l += blockDim.x) {
+            const int ii = a_sk == 1 ? l / BK : l % BM, kk = a_sk == 1 ? l % BK : l / BM;
+            const int64_t gi = i0 + ii, gk = k0 + kk;
+            As[ii][kk] = gi < M && gk < K ? A[gi * a_si + gk * a_sk] : zero;
+        }
+        for (int l = threadIdx.x; l < BK * BN; l += blockDim.x) {
+            const int kk = b_sj == 1 ? l / BN : l % BK, jj = b_sj == 1 ? l % BN : l / BK;
+            const int64_t gk = k0 + kk, gj = j0 + jj;
+            Bs[kk][jj] = gk < K && gj < N ? B[gk * b_sk + gj * b_sj] : zero;
+        }
+        __syncthreads();
+        for (int kk = 0; kk < BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb[2];
+            for (int x = 0; x < 2; ++x) {
+                wmma::load_matrix_sync(fa[x], &As[wi * 32 + x * 16][kk], BK + 8);
+                wmma::load_matrix_sync(fb[x], &Bs[kk][wj * 32 + x * 16], BN + 8);
+            }
+            for (int x = 0; x < 2; ++x)
+                for (int y = 0; y < 2; ++y) wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
+        }
+        __syncthreads();
+    }
+    for (int x = 0; x < 2; ++x)
+        for (int y = 0; y < 2; ++y)
+            wmma::store_matrix_sync(&Cs[wi * 32 + x * 16][wj * 32 + y * 16], acc[x][y], BN + 4,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    for (int l = threadIdx.x; l < BM * BN; l += blockDim.x) {
+        const int ii = l / BN, jj = l % BN;
+        const int64_t gi = i0 + ii, gj = j0 + jj;
+        if (gi >= M || gj >= N) continue;
+        if (g.kind == GroupedGemm::WeightGrad) {
+            float* c = static_cast<float*>(g.c) + e * g.n * g.k;
+            c[gi * N + gj] += Cs[ii][jj];
+        } else {
+            bf* c = static_cast<bf*>(g.c) + r0 * N;
+            c[gi * N + gj] = __float2bfloat16(Cs[ii][jj]);
+        }
+    }
+}
+
+}  // namespace
+
+void router_topk(const ExecContext& ctx, const float* logits, const float* bias,
+                 const int32_t* row_begin, int64_t tokens, int64_t experts, int64_t k,
+                 bool force_balance, float scaling, float* probs, int32_t* topk, float* gates) {
+    ST_CHECK(k <= kMaxTopk && k <= experts, "router_topk: top-", k, " of ", experts,
+             " experts is not supported (at most ", kMaxTopk, ")");
+    if (tokens == 0) return;
+    router_kernel<<<blocks_for(tokens, 128), 128, 0, stream_of(ctx)>>>(
+        logits, bias, row_begin, tokens, experts, k, force_balance, scaling, probs, topk, gates);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_permute(const ExecContext& ctx, const int32_t* topk, int64_t tokens, int64_t experts,
+                 int64_t k, int64_t capacity, int32_t* counts, int32_t* offsets, int32_t* slot_row,
+                 int32_t* perm_token) {
+    cudaStream_t s = stream_of(ctx);
+    const int64_t entries = tokens * k;
+    permute_rank_kernel<<<experts, kScanThreads, 0, s>>>(topk, entries, capacity, counts, slot_row);
+    permute_offsets_kernel<<<1, 32, 0, s>>>(counts, experts, capacity, offsets);
+    if (entries > 0)
+        permute_place_kernel<<<blocks_for(entries, 256), 256, 0, s>>>(topk, entries, k, offsets,
+                                                                      slot_row, perm_token);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token,
+                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out) {
+    if (rows == 0) return;
+    gather_kernel<<<rows, 256, 0, stream_of(ctx)>>>(dev(x), perm_token, offsets, experts, dim,
+                                                    dev(out));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* slot_row,
+                 const float* gates, int64_t tokens, int64_t k, int64_t dim, bf16* y) {
+    if (tokens == 0) return;
+    combine_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dev(out_perm), slot_row, gates, k, dim,
+                                                       dev(y));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                  int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                  const bf16* b, void* c) {
+    if (experts == 0) return;
+    // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
+    int64_t M, N;
+    switch (kind) {
+        case GroupedGemm::RowsTimesWeightT: M = max_rows, N = n; break;
+        case GroupedGemm::RowsTimesWeight: M = max_rows, N = k; break;
+        default: M = n, N = k; break;
+    }
+    if (M == 0 || N == 0) return;
+    dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(experts));
+    grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(
+        GroupedArgs{kind, offsets, n, k, dev(a), dev(b), c});
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

@@ -1,0 +1,158 @@
+// The CUDA backend's ops (DESIGN §3): one declaration per op, the same contract as the CPU
+// reference in ops/cpu/kernels.h unless a line below says otherwise.
+//
+// Storage: activations and weights bf16, statistics (rstd, lse, losses), parameter gradients,
+// router probabilities and optimizer state fp32; every reduction accumulates in fp32. Pointers are
+// device pointers; every op is asynchronous on ctx.stream, allocates nothing and never reads
+// device memory from the host, so a step made of them can be captured as a CUDA graph.
+// Variable sizes (document bounds, per-expert counts, top-k lengths) are read from device memory.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+
+namespace sparsetron::cuda {
+
+// ---- GEMM (cuBLASLt) ---------------------------------------------------------------------------
+// C[m,n] = alpha * op(A) @ op(B) + beta * C, row-major with leading dimensions, like cpu::gemm.
+// A and B have `ab` type (BF16 or F32), C has `c_type` (BF16 or F32); fp32 accumulation.
+// `batch` > 1 runs independent problems at the given element strides.
+struct GemmBatch {
+    int64_t count = 1, stride_a = 0, stride_b = 0, stride_c = 0;
+};
+void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+          float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c,
+          int64_t ldc, DType ab = DType::BF16, DType c_type = DType::BF16, GemmBatch batch = {});
+
+// ---- Element-wise and small ops ----------------------------------------------------------------
+void embedding_forward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
+                       const bf16* table, int64_t dim, bf16* out);
+// dtable += scattered dout rows (fp32 atomics: the order of additions is not fixed).
+void embedding_backward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
+                        const bf16* dout, int64_t dim, float* dtable);
+
+void rmsnorm_forward(const ExecContext& ctx, const bf16* x, int64_t ldx, const bf16* w,
+                     int64_t rows, int64_t dim, float eps, bf16* y, int64_t ldy, float* rstd);
+// dw += Σ_rows (fp32, fixed-order partial sums in `ws` of rmsnorm_ws_floats(rows, dim) floats).
+void rmsnorm_backward(const ExecContext& ctx, const bf16* dy, int64_t lddy, const bf16* x,
+                      int64_t ldx, const bf16* w, const float* rstd, int64_t rows, int64_t dim,
+                      bf16* dx, int64_t lddx, bool accumulate, float* dw, float* ws);
+int64_t rmsnorm_ws_floats(int64_t rows, int64_t dim);
+
+void layernorm_forward(const ExecContext& ctx, const bf16* x, const bf16* w, const bf16* b,
+                       int64_t rows, int64_t dim, float eps, bf16* y, float* mean, float* rstd);
+// dx written; dw, db accumulate (fp32). ws: 2 * rmsnorm_ws_floats(rows, dim) floats.
+void layernorm_backward(const ExecContext& ctx, const bf16* dy, const bf16* x, const bf16* w,
+                        const float* mean, const float* rstd, int64_t rows, int64_t dim, bf16* dx,
+                        float* dw, float* db, float* ws);
+
+// In place, like cpu::rope (angles in fp64, so positions up to 2^24 keep their phase).
+void rope(const ExecContext& ctx, bf16* x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_t,
+          int64_t ld_h, const int32_t* positions, double theta, bool interleaved, bool inverse);
+
+void swiglu_forward(const ExecContext& ctx, const bf16* g, const bf16* u, int64_t n, bf16* out);
+void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const bf16* dout,
+                     int64_t n, bf16* dg, bf16* du);
+
+void add_inplace(const ExecContext& ctx, bf16* y, const bf16* x, int64_t n);
+void add_inplace(const ExecContext& ctx, float* y, const float* x, int64_t n);
+void fill(const ExecContext& ctx, float* x, int64_t n, float value);
+
+// ---- Gradient norm, clipping and AdamW with device scalars -----------------------------------
+// Σ x² over `n` fp32 values in fixed blocks, written to partials[sum_squares_blocks(n)].
+int64_t sum_squares_blocks(int64_t n);
+void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials);
+// norm = sqrt(Σ partials) (fp64, fixed order); scale = min(1, max_norm / (norm + 1e-6)) if
+// max_norm > 0 else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is skipped).
+void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
+                float* norm, float* scale, int32_t* skip);
+// param -= lr * (m̂ / (sqrt(v̂) + eps) + wd * param) with grad * (*grad_scale); nothing when *skip.
+// Writes the bf16 copy of the new parameter when param_bf16 is not null.
+void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
+                  int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16);
+
+// ---- Output head fused with cross-entropy ------------------------------------------------------
+// Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
+// dlogits = grad_scale * (softmax - onehot) (bf16, dlogits_ws [chunk, vocab]) -> dh (overwrite,
+// bf16) and dw += (fp32). dh and dw may be null (forward only).
+void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
+                        const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
+                        float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
+                        bf16* dh, float* dw);
+// out[0] = Σ x (fp64 in fixed order), out[1] = count of x's rows with targets >= 0.
+void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,
+              double* out);
+
+// ---- Attention ----------------------------------------------------------------------------------
+// Document layout: row_begin[t] = first row of t's document, -1 for padding rows (no document).
+void doc_row_begin(const ExecContext& ctx, const int32_t* cu_seqlens, const int32_t* num_docs,
+                   int64_t tokens, int32_t* row_begin);
+
+// Dense causal attention within documents (the expanded MLA path). Strides as cpu::AttnShape.
+// out: [T, H, dv] bf16, lse: [H, T] fp32 (0 for padding rows).
+struct AttnShape {
+    int64_t tokens, heads, dqk, dv;
+    int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh;
+};
+void attention_forward(const ExecContext& ctx, const AttnShape& s, const bf16* q, const bf16* k,
+                       const bf16* v, const int32_t* row_begin, float scale, bf16* out, float* lse);
+// dq: bf16 with q's strides (overwritten); dk [T, H, dqk], dv [T, H, dv]: fp32, contiguous,
+// overwritten (zeroed, then accumulated with atomics).
+void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* q, const bf16* k,
+                        const bf16* v, const bf16* out, const float* lse, const bf16* dout,
+                        const int32_t* row_begin, float scale, bf16* dq, float* dk, float* dv);
+
+// Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward.
+void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                        int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse);
+// dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated with atomics).
+void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                         const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                         const float* lse, const bf16* dout, bf16* dq, float* dkv);
+
+// ---- DSA indexer ---------------------------------------------------------------------------------
+// scores[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a
+// row are not written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32.
+void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                    const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                    float* scores);
+// Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
+// key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
+void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
+               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len);
+
+// ---- MoE -----------------------------------------------------------------------------------------
+// probs = sigmoid(logits) [T, E]; top-k of probs + bias (ties toward the smaller expert, or the
+// forced round-robin choice); gates = scaling * p / Σ p over the chosen. Padding rows get -1.
+void router_topk(const ExecContext& ctx, const float* logits, const float* bias,
+                 const int32_t* row_begin, int64_t tokens, int64_t experts, int64_t k,
+                 bool force_balance, float scaling, float* probs, int32_t* topk, float* gates);
+// Expert-major permutation, token order within an expert, at most `capacity` rows per expert:
+// counts[E] (routed, before capacity), offsets[E+1] (kept rows), slot_row [T*k] (-1 if dropped
+// or padding), perm_token [T*k] (rows >= offsets[E] are left as they were).
+void moe_permute(const ExecContext& ctx, const int32_t* topk, int64_t tokens, int64_t experts,
+                 int64_t k, int64_t capacity, int32_t* counts, int32_t* offsets, int32_t* slot_row,
+                 int32_t* perm_token);
+// out[r] = x[perm_token[r]] for r < offsets[E].
+void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token,
+                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out);
+// y[t] += Σ_j gates[t, j] * out_perm[slot_row[t, j]].
+void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* slot_row,
+                 const float* gates, int64_t tokens, int64_t k, int64_t dim, bf16* y);
+
+// Grouped GEMM over the permuted layout, expert e owning rows [offsets[e], offsets[e+1]):
+//   RowsTimesWeightT: C[r, :] = A[r, :] @ W_e^T      A [R, K], W [E, N, K], C [R, N] bf16
+//   RowsTimesWeight:  C[r, :] = A[r, :] @ W_e        A [R, N], W [E, N, K], C [R, K] bf16
+//   WeightGrad:       dW_e += A_e^T @ B_e            A [R, N], B [R, K], dW [E, N, K] fp32
+// max_rows bounds any expert's row count (the capacity); counts are read from device memory.
+enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
+void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                  int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                  const bf16* b, void* c);
+
+}  // namespace sparsetron::cuda

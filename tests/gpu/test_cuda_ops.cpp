@@ -1,0 +1,579 @@
+// Every CUDA op against the CPU reference on fresh random data (label gpu). Tolerances: outputs
+// stored in bf16 are compared at 1e-2 normalized error (bf16 keeps 8 bits: one rounding of a
+// value is up to 2^-9 relative); fp32 outputs computed from the same bf16 inputs at 1e-5..1e-4
+// (only the order of fp32 additions differs); integer outputs (top-k, routing) exactly.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "harness.h"
+#include "sparsetron/ops/cpu/kernels.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/ops.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(CudaOps, Skipped) {
+    GTEST_SKIP() << "built without CUDA: the CUDA op harness runs on the GPU machine";
+}
+#else
+
+namespace {
+
+constexpr double kBf16Tol = 1e-2;
+constexpr double kF32Tol = 1e-5;
+
+struct Rounded {
+    std::vector<float> host;  // bf16-exact values for the CPU reference
+    DeviceArray<bf16> dev;
+    Rounded(int64_t n, uint64_t seed, double scale = 1.0)
+        : host(random_vector<float>(n, seed, scale)), dev(to_bf16_rounding(host)) {}
+};
+
+// Documents [0, 70), [70, 71), [71, 180), then padding rows up to `tokens`.
+struct Docs {
+    std::vector<int32_t> cu{0, 70, 71, 180};
+    int32_t num_docs = 3;
+    std::vector<int32_t> row_begin(int64_t tokens) const {
+        std::vector<int32_t> rb(tokens, -1);
+        for (int d = 0; d < num_docs; ++d)
+            for (int32_t t = cu[d]; t < cu[d + 1]; ++t) rb[t] = cu[d];
+        return rb;
+    }
+};
+
+std::vector<float> download_f(const DeviceArray<bf16>& a) {
+    return to_float(a.download());
+}
+
+class CudaOps : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: GPU tests run on the GPU machine";
+        session_ = std::make_unique<cuda::CudaSession>();
+    }
+    const ExecContext& ctx() const { return session_->ctx(); }
+    void sync() const { session_->synchronize(); }
+    std::unique_ptr<cuda::CudaSession> session_;
+};
+
+}  // namespace
+
+TEST_F(CudaOps, GemmAllTransposesAndTypes) {
+    for (uint64_t seed : {1, 2}) {
+        const int64_t m = 97, n = 130, k = 75;
+        for (int ta = 0; ta < 2; ++ta)
+            for (int tb = 0; tb < 2; ++tb) {
+                const int64_t lda = ta ? m + 3 : k + 5, ldb = tb ? k + 2 : n + 1, ldc = n + 4;
+                Rounded a((ta ? k : m) * lda, seed * 10 + 1), b((tb ? n : k) * ldb, seed * 10 + 2);
+                auto c0 = random_vector<float>(m * ldc, seed * 10 + 3);
+                // fp32 output accumulating into C (beta = 1), and a bf16 output.
+                DeviceArray<float> c32(c0);
+                cuda::gemm(ctx(), ta, tb, m, n, k, 0.5f, a.dev, lda, b.dev, ldb, 1.f, c32, ldc,
+                           DType::BF16, DType::F32);
+                DeviceArray<bf16> c16(m * ldc);
+                cuda::gemm(ctx(), ta, tb, m, n, k, 1.f, a.dev, lda, b.dev, ldb, 0.f, c16, ldc);
+                sync();
+                std::vector<float> ref32 = c0, ref16(m * ldc, 0.f);
+                cpu::gemm<float>(ta, tb, m, n, k, 0.5f, a.host.data(), lda, b.host.data(), ldb, 1.f,
+                                 ref32.data(), ldc);
+                cpu::gemm<float>(ta, tb, m, n, k, 1.f, a.host.data(), lda, b.host.data(), ldb, 0.f,
+                                 ref16.data(), ldc);
+                std::vector<bool> in_c(m * ldc);
+                for (int64_t i = 0; i < m * ldc; ++i) in_c[i] = i % ldc < n;
+                const std::string tag = cat("gemm ta=", ta, " tb=", tb);
+                expect_close(tag + " bf16->fp32 beta=1", c32.download(), ref32, kF32Tol, in_c);
+                expect_close(tag + " bf16->bf16", download_f(c16), ref16, kBf16Tol, in_c);
+                expect_guard(c32, tag);
+                expect_guard(c16, tag);
+            }
+    }
+}
+
+TEST_F(CudaOps, GemmFp32AndBatched) {
+    const int64_t m = 40, n = 56, k = 33, batch = 3;
+    auto a = random_vector<float>(batch * m * k, 5), b = random_vector<float>(batch * n * k, 6);
+    DeviceArray<float> da(a), db(b), dc(batch * m * n);
+    cuda::gemm(ctx(), false, true, m, n, k, 1.f, da, k, db, k, 0.f, dc, n, DType::F32, DType::F32,
+               {batch, m * k, n * k, m * n});
+    sync();
+    std::vector<float> ref(batch * m * n);
+    for (int64_t i = 0; i < batch; ++i)
+        cpu::gemm<float>(false, true, m, n, k, 1.f, a.data() + i * m * k, k, b.data() + i * n * k, k,
+                         0.f, ref.data() + i * m * n, n);
+    expect_close("gemm fp32 batched", dc.download(), ref, kF32Tol);
+    expect_guard(dc, "gemm batched");
+}
+
+TEST_F(CudaOps, Embedding) {
+    const int64_t rows = 150, vocab = 300, dim = 72;
+    Rounded table(vocab * dim, 11), dout(rows * dim, 12);
+    std::vector<int32_t> tok(rows);
+    for (int64_t r = 0; r < rows; ++r) tok[r] = int32_t((r * 37 + 5) % 60);  // repeats
+    DeviceArray<int32_t> dtok(tok);
+    DeviceArray<bf16> out(rows * dim);
+    auto dt0 = random_vector<float>(vocab * dim, 13);
+    DeviceArray<float> dtable(dt0);
+    cuda::embedding_forward(ctx(), dtok, rows, table.dev, dim, out);
+    cuda::embedding_backward(ctx(), dtok, rows, dout.dev, dim, dtable);
+    sync();
+    std::vector<float> ref(rows * dim), dref = dt0;
+    cpu::embedding_forward<float>(tok.data(), rows, table.host.data(), vocab, dim, ref.data());
+    cpu::embedding_backward<float>(tok.data(), rows, dout.host.data(), vocab, dim, dref.data());
+    expect_close("embedding forward", download_f(out), ref, 0.0 + 1e-7);
+    expect_close("embedding backward", dtable.download(), dref, kF32Tol);
+    expect_guard(out, "embedding");
+    expect_guard(dtable, "embedding backward");
+}
+
+TEST_F(CudaOps, RmsNormForwardBackwardStrided) {
+    const int64_t rows = 130, dim = 200, ldx = 230, ldy = 210;
+    Rounded x(rows * ldx, 21), w(dim, 22), dy(rows * ldy, 23), dx0(rows * ldx, 24);
+    DeviceArray<bf16> y(rows * ldy);
+    DeviceArray<float> rstd(rows);
+    cuda::rmsnorm_forward(ctx(), x.dev, ldx, w.dev, rows, dim, 1e-6f, y, ldy, rstd);
+    // Backward accumulating into an existing dx with row stride ldx, and dw += .
+    DeviceArray<bf16> dx(to_bf16_rounding(dx0.host));
+    auto dw0 = random_vector<float>(dim, 25);
+    DeviceArray<float> dw(dw0), ws(cuda::rmsnorm_ws_floats(rows, dim));
+    cuda::rmsnorm_backward(ctx(), dy.dev, ldy, x.dev, ldx, w.dev, rstd, rows, dim, dx, ldx, true,
+                           dw, ws);
+    sync();
+    std::vector<float> yref(rows * ldy, 0.f), rref(rows), dxref = dx0.host, dwref = dw0;
+    cpu::rmsnorm_forward<float>(x.host.data(), ldx, w.host.data(), rows, dim, 1e-6, yref.data(), ldy,
+                                rref.data());
+    cpu::rmsnorm_backward<float>(dy.host.data(), ldy, x.host.data(), ldx, w.host.data(), rref.data(),
+                                 rows, dim, dxref.data(), ldx, true, dwref.data());
+    std::vector<bool> in_y(rows * ldy), in_x(rows * ldx);
+    for (int64_t i = 0; i < rows * ldy; ++i) in_y[i] = i % ldy < dim;
+    for (int64_t i = 0; i < rows * ldx; ++i) in_x[i] = i % ldx < dim;
+    expect_close("rmsnorm y", download_f(y), yref, kBf16Tol, in_y);
+    expect_close("rmsnorm rstd", rstd.download(), rref, kF32Tol);
+    expect_close("rmsnorm dx (accumulate)", download_f(dx), dxref, kBf16Tol, in_x);
+    expect_close("rmsnorm dw", dw.download(), dwref, 1e-4);
+    // The columns past dim in dx must be untouched (the op only writes its rows' dim columns).
+    auto dxg = dx.download();
+    int64_t touched = 0;
+    for (int64_t i = 0; i < rows * ldx; ++i)
+        if (!in_x[i] && dxg[i].bits != float_to_bf16(dx0.host[i]).bits) ++touched;
+    EXPECT_EQ(touched, 0);
+    expect_guard(y, "rmsnorm");
+    expect_guard(dw, "rmsnorm dw");
+}
+
+TEST_F(CudaOps, LayerNormForwardBackward) {
+    const int64_t rows = 140, dim = 128;
+    Rounded x(rows * dim, 31, 2.0), w(dim, 32), b(dim, 33), dy(rows * dim, 34);
+    DeviceArray<bf16> y(rows * dim), dx(rows * dim);
+    DeviceArray<float> mean(rows), rstd(rows), ws(2 * cuda::rmsnorm_ws_floats(rows, dim));
+    auto dw0 = random_vector<float>(dim, 35), db0 = random_vector<float>(dim, 36);
+    DeviceArray<float> dw(dw0), db(db0);
+    cuda::layernorm_forward(ctx(), x.dev, w.dev, b.dev, rows, dim, 1e-6f, y, mean, rstd);
+    cuda::layernorm_backward(ctx(), dy.dev, x.dev, w.dev, mean, rstd, rows, dim, dx, dw, db, ws);
+    sync();
+    std::vector<float> yr(rows * dim), mr(rows), rr(rows), dxr(rows * dim), dwr = dw0, dbr = db0;
+    cpu::layernorm_forward<float>(x.host.data(), w.host.data(), b.host.data(), rows, dim, 1e-6,
+                                  yr.data(), mr.data(), rr.data());
+    cpu::layernorm_backward<float>(dy.host.data(), x.host.data(), w.host.data(), mr.data(), rr.data(),
+                                   rows, dim, dxr.data(), dwr.data(), dbr.data());
+    expect_close("layernorm y", download_f(y), yr, kBf16Tol);
+    expect_close("layernorm mean", mean.download(), mr, kF32Tol);
+    expect_close("layernorm rstd", rstd.download(), rr, kF32Tol);
+    expect_close("layernorm dx", download_f(dx), dxr, kBf16Tol);
+    expect_close("layernorm dw", dw.download(), dwr, 1e-4);
+    expect_close("layernorm db", db.download(), dbr, 1e-4);
+    expect_guard(dx, "layernorm dx");
+}
+
+TEST_F(CudaOps, RopeBothPairingsAndInverse) {
+    const int64_t tokens = 90, heads = 3, dim = 64, ld_h = 80, ld_t = heads * ld_h + 7;
+    std::vector<int32_t> pos(tokens);
+    for (int64_t t = 0; t < tokens; ++t) pos[t] = int32_t((t * 7919) % 131072);  // up to 128K
+    DeviceArray<int32_t> dpos(pos);
+    for (bool inter : {false, true})
+        for (bool inv : {false, true}) {
+            Rounded x(tokens * ld_t, 41 + inter + 2 * inv);
+            cuda::rope(ctx(), x.dev, tokens, heads, dim, ld_t, ld_h, dpos, 1e6, inter, inv);
+            sync();
+            std::vector<float> ref = x.host;
+            cpu::rope<float>(ref.data(), tokens, heads, dim, ld_t, ld_h, pos.data(), 1e6, inter, inv);
+            expect_close(cat("rope interleaved=", inter, " inverse=", inv), download_f(x.dev), ref,
+                         kBf16Tol);
+            expect_guard(x.dev, "rope");
+        }
+}
+
+TEST_F(CudaOps, SwiGlu) {
+    const int64_t n = 5000;
+    Rounded g(n, 51, 4.0), u(n, 52), dout(n, 53);
+    DeviceArray<bf16> out(n), dg(n), du(n);
+    cuda::swiglu_forward(ctx(), g.dev, u.dev, n, out);
+    cuda::swiglu_backward(ctx(), g.dev, u.dev, dout.dev, n, dg, du);
+    sync();
+    std::vector<float> o(n), dgr(n), dur(n);
+    cpu::swiglu_forward<float>(g.host.data(), u.host.data(), n, o.data());
+    cpu::swiglu_backward<float>(g.host.data(), u.host.data(), dout.host.data(), n, dgr.data(),
+                                dur.data());
+    expect_close("swiglu out", download_f(out), o, kBf16Tol);
+    expect_close("swiglu dg", download_f(dg), dgr, kBf16Tol);
+    expect_close("swiglu du", download_f(du), dur, kBf16Tol);
+    expect_guard(du, "swiglu");
+}
+
+TEST_F(CudaOps, HeadCrossEntropyChunked) {
+    const int64_t rows = 150, dim = 64, vocab = 1000, chunk = 64;
+    Rounded h(rows * dim, 61), w(vocab * dim, 62, 0.5);
+    std::vector<int32_t> tgt(rows);
+    for (int64_t r = 0; r < rows; ++r) tgt[r] = r % 9 == 4 ? -1 : int32_t((r * 131) % vocab);
+    DeviceArray<int32_t> dtgt(tgt);
+    DeviceArray<float> logits(chunk * vocab), row_loss(rows);
+    DeviceArray<bf16> dlogits(chunk * vocab), dh(rows * dim);
+    auto dw0 = random_vector<float>(vocab * dim, 63, 0.01);
+    DeviceArray<float> dw(dw0);
+    DeviceArray<double> total(2);
+    const float gs = 1.f / 133.f;
+    cuda::head_cross_entropy(ctx(), h.dev, rows, dim, w.dev, vocab, dtgt, chunk, logits, dlogits, gs,
+                             row_loss, dh, dw);
+    cuda::loss_sum(ctx(), row_loss, dtgt, rows, total);
+    sync();
+    std::vector<float> lws(chunk * vocab), dhr(rows * dim), dwr = dw0;
+    double loss = 0;
+    int64_t count = 0;
+    cpu::head_cross_entropy<float>(h.host.data(), rows, dim, w.host.data(), vocab, tgt.data(), chunk,
+                                   lws.data(), gs, dhr.data(), dwr.data(), &loss, &count);
+    auto t = total.download();
+    std::cout << "[harness] head loss sum gpu " << t[0] << " cpu " << loss << "\n";
+    EXPECT_NEAR(t[0], loss, 1e-5 * std::fabs(loss));
+    EXPECT_EQ(int64_t(t[1]), count);
+    expect_close("head dh", download_f(dh), dhr, kBf16Tol);
+    // dw is an fp32 sum of bf16-rounded dlogits: the rounding of dlogits bounds its error.
+    std::vector<float> dw_delta = dw.download(), dwr_delta = dwr;
+    for (int64_t i = 0; i < vocab * dim; ++i) dw_delta[i] -= dw0[i], dwr_delta[i] -= dw0[i];
+    expect_close("head dw (increment)", dw_delta, dwr_delta, kBf16Tol);
+    expect_guard(dh, "head dh");
+    expect_guard(dw, "head dw");
+}
+
+TEST_F(CudaOps, DenseAttentionForwardBackward) {
+    const Docs docs;
+    const int64_t T = 200, H = 4, dqk = 48, dv = 32;
+    // q, k, v inside wider rows (the MLA projections' layout) to exercise the strides.
+    const int64_t q_st = H * dqk + 8, k_st = H * (dqk + dv), v_st = k_st;
+    cpu::AttnShape cs{T, H, dqk, dv, q_st, dqk, k_st, dqk + dv, v_st, dqk + dv};
+    Rounded q(T * q_st, 71), kv(T * k_st, 72), dout(T * H * dv, 73);
+    const bf16* k = kv.dev.get();
+    const bf16* v = kv.dev.get() + dqk;
+    DeviceArray<int32_t> rb(docs.row_begin(T));
+    DeviceArray<bf16> out(T * H * dv), dq(T * q_st);
+    DeviceArray<float> lse(H * T), dk(T * H * dqk), dvv(T * H * dv);
+    const float scale = 1.f / std::sqrt(float(dqk));
+    cuda::AttnShape s{T, H, dqk, dv, q_st, dqk, k_st, dqk + dv, v_st, dqk + dv};
+    cuda::attention_forward(ctx(), s, q.dev, k, v, rb, scale, out, lse);
+    cuda::attention_backward(ctx(), s, q.dev, k, v, out, lse, dout.dev, rb, scale, dq, dk, dvv);
+    sync();
+    std::vector<float> o(T * H * dv), l(H * T), dqr(T * q_st, 0.f), dkvr(T * k_st, 0.f);
+    std::vector<float> dvr(T * k_st, 0.f);
+    cpu::attention_forward<float>(cs, q.host.data(), kv.host.data(), kv.host.data() + dqk,
+                                  docs.cu.data(), docs.num_docs, scale, o.data(), l.data());
+    // The CPU backward reads the GPU's (bf16) output so both differentiate the same forward.
+    auto o_gpu = download_f(out);
+    cpu::attention_backward<float>(cs, q.host.data(), kv.host.data(), kv.host.data() + dqk,
+                                   o_gpu.data(), l.data(), dout.host.data(), docs.cu.data(),
+                                   docs.num_docs, scale, dqr.data(), dkvr.data(),
+                                   dvr.data() + dqk);
+    std::vector<float> dk_ref(T * H * dqk), dv_ref(T * H * dv);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t i = 0; i < dqk; ++i)
+                dk_ref[(t * H + h) * dqk + i] = dkvr[t * k_st + h * (dqk + dv) + i];
+            for (int64_t i = 0; i < dv; ++i)
+                dv_ref[(t * H + h) * dv + i] = dvr[t * k_st + h * (dqk + dv) + dqk + i];
+        }
+    std::vector<bool> in_q(T * q_st);
+    for (int64_t i = 0; i < T * q_st; ++i) in_q[i] = i % q_st < H * dqk && i / q_st < 180;
+    expect_close("attention out", o_gpu, o, kBf16Tol);
+    expect_close("attention lse", lse.download(), l, 1e-5);
+    expect_close("attention dq", download_f(dq), dqr, kBf16Tol, in_q);
+    expect_close("attention dk", dk.download(), dk_ref, kBf16Tol);
+    expect_close("attention dv", dvv.download(), dv_ref, kBf16Tol);
+    expect_guard(out, "attention out");
+    expect_guard(dvv, "attention dv");
+}
+
+TEST_F(CudaOps, SparseMqaForwardBackward) {
+    const Docs docs;
+    const int64_t T = 200, H = 8, dqk = 72, dv = 64, K = 32;
+    Rounded q(T * H * dqk, 81), kv(T * dqk, 82), dout(T * H * dv, 83);
+    // Each row picks an ascending random subset of its causal document keys; padding rows none.
+    auto rbv = docs.row_begin(T);
+    std::vector<int32_t> idx(T * K, -1), len(T, 0);
+    CounterRng rng(84, 1);
+    uint64_t draw = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        if (rbv[t] < 0) continue;
+        std::vector<int32_t> cand(t - rbv[t] + 1);
+        std::iota(cand.begin(), cand.end(), rbv[t]);
+        for (size_t i = cand.size(); i > 1; --i)
+            std::swap(cand[i - 1], cand[rng.bits(draw++) % i]);
+        const int64_t n = std::min<int64_t>(K, int64_t(cand.size()));
+        std::sort(cand.begin(), cand.begin() + n);
+        std::copy_n(cand.begin(), n, idx.begin() + t * K);
+        len[t] = int32_t(n);
+    }
+    DeviceArray<int32_t> didx(idx), dlen(len);
+    DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
+    DeviceArray<float> lse(H * T), dkv(T * dqk);
+    const float scale = 0.11f;
+    cuda::sparse_mqa_forward(ctx(), T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse);
+    cuda::sparse_mqa_backward(ctx(), T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
+                              dout.dev, dq, dkv);
+    sync();
+    std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
+    cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
+                                   len.data(), K, scale, o.data(), l.data());
+    auto o_gpu = download_f(out);
+    cpu::sparse_mqa_backward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
+                                    len.data(), K, scale, o_gpu.data(), l.data(),
+                                    dout.host.data(), dqr.data(), ws.data(), dkvr.data());
+    expect_close("sparse mqa out", o_gpu, o, kBf16Tol);
+    expect_close("sparse mqa lse", lse.download(), l, 1e-5);
+    expect_close("sparse mqa dq", download_f(dq), dqr, kBf16Tol);
+    expect_close("sparse mqa dkv", dkv.download(), dkvr, kBf16Tol);
+    expect_guard(out, "sparse out");
+    expect_guard(dkv, "sparse dkv");
+}
+
+namespace {
+// The CPU rule (SPEC §3): the k largest, ties toward the smaller index, written ascending.
+std::vector<int32_t> reference_topk(const std::vector<float>& row, int32_t begin, int64_t n,
+                                    int64_t k) {
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), begin);
+    const int64_t kk = std::min(k, n);
+    std::partial_sort(order.begin(), order.begin() + kk, order.end(), [&](int32_t x, int32_t y) {
+        return row[x] > row[y] || (row[x] == row[y] && x < y);
+    });
+    order.resize(kk);
+    std::sort(order.begin(), order.end());
+    order.resize(k, -1);
+    return order;
+}
+}  // namespace
+
+TEST_F(CudaOps, IndexerScoresAndTopk) {
+    const Docs docs;
+    const int64_t T = 200, H = 4, d = 32, K = 16;
+    Rounded q(T * H * d, 91), k(T * d, 92);
+    auto w = random_vector<float>(T * H, 93);
+    DeviceArray<float> dw(w), scores(T * T);
+    auto rbv = docs.row_begin(T);
+    DeviceArray<int32_t> rb(rbv), idx(T * K), len(T);
+    cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores);
+    cuda::topk_rows(ctx(), scores, T, rb, T, K, idx, len);
+    sync();
+    auto sg = scores.download();
+    std::vector<float> sref(T * T, 0.f);
+    std::vector<bool> valid(T * T, false);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t s = rbv[t]; rbv[t] >= 0 && s <= t; ++s) {
+            double acc = 0;
+            for (int64_t j = 0; j < H; ++j) {
+                double dot = 0;
+                for (int64_t i = 0; i < d; ++i) dot += double(q.host[(t * H + j) * d + i]) * k.host[s * d + i];
+                acc += w[t * H + j] * std::max(dot, 0.0);
+            }
+            sref[t * T + s] = float(acc), valid[t * T + s] = true;
+        }
+    expect_close("indexer scores", sg, sref, 1e-5, valid);
+    // Top-k of the GPU's own scores must follow the CPU rule exactly.
+    auto ig = idx.download(), lg = len.download();
+    int64_t wrong = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = rbv[t] < 0 ? 0 : t - rbv[t] + 1;
+        std::vector<float> row(sg.begin() + t * T, sg.begin() + (t + 1) * T);
+        auto ref = n ? reference_topk(row, rbv[t], n, K) : std::vector<int32_t>(K, -1);
+        wrong += !std::equal(ref.begin(), ref.end(), ig.begin() + t * K);
+        wrong += lg[t] != std::min<int64_t>(K, n);
+    }
+    EXPECT_EQ(wrong, 0);
+    expect_guard(idx, "topk idx");
+}
+
+TEST_F(CudaOps, TopkTiesGoToTheSmallerIndex) {
+    // Scores from a handful of values: many exact ties straddle the k-th place.
+    const int64_t T = 2100, K = 64;
+    std::vector<float> s(T * T, 0.f);
+    CounterRng rng(95, 2);
+    for (size_t i = 0; i < s.size(); ++i) s[i] = float(int(rng.bits(i) % 7) - 3) * 0.5f;
+    std::vector<int32_t> rbv(T);
+    for (int64_t t = 0; t < T; ++t) rbv[t] = t < 1500 ? 0 : 1500;
+    DeviceArray<float> ds(s);
+    DeviceArray<int32_t> rb(rbv), idx(T * K), len(T);
+    cuda::topk_rows(ctx(), ds, T, rb, T, K, idx, len);
+    sync();
+    auto ig = idx.download();
+    int64_t wrong = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        std::vector<float> row(s.begin() + t * T, s.begin() + (t + 1) * T);
+        auto ref = reference_topk(row, rbv[t], t - rbv[t] + 1, K);
+        wrong += !std::equal(ref.begin(), ref.end(), ig.begin() + t * K);
+    }
+    EXPECT_EQ(wrong, 0);
+}
+
+TEST_F(CudaOps, RouterPermuteGatherCombine) {
+    const Docs docs;
+    const int64_t T = 200, E = 12, k = 3, dim = 40, capacity = 40;
+    auto logits = random_vector<float>(T * E, 101, 3.0), bias = random_vector<float>(E, 102, 0.2);
+    auto rbv = docs.row_begin(T);
+    DeviceArray<float> dl(logits), db(bias), probs(T * E), gates(T * k);
+    DeviceArray<int32_t> rb(rbv), topk(T * k), counts(E), offsets(E + 1), slot(T * k), perm(T * k);
+    for (bool force : {false, true}) {
+        cuda::router_topk(ctx(), dl, db, rb, T, E, k, force, 2.5f, probs, topk, gates);
+        cuda::moe_permute(ctx(), topk, T, E, k, capacity, counts, offsets, slot, perm);
+        sync();
+        // Reference routing (moe.cpp's rule) on the same fp32 logits.
+        auto pg = probs.download(), gg = gates.download();
+        auto tg = topk.download();
+        std::vector<float> pref(T * E), gref(T * k, 0.f);
+        std::vector<int32_t> tref(T * k, -1);
+        for (int64_t i = 0; i < T * E; ++i) pref[i] = float(1.0 / (1.0 + std::exp(-double(logits[i]))));
+        for (int64_t t = 0; t < T; ++t) {
+            if (rbv[t] < 0) continue;
+            std::vector<int32_t> order(E);
+            std::iota(order.begin(), order.end(), 0);
+            const float* p = pg.data() + t * E;  // the GPU's probabilities: no tie flips
+            std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t x, int32_t y) {
+                float vx = p[x] + bias[x], vy = p[y] + bias[y];
+                return vx > vy || (vx == vy && x < y);
+            });
+            for (int64_t j = 0; j < k; ++j) tref[t * k + j] = force ? int32_t((t * k + j) % E) : order[j];
+            double sum = 1e-20;
+            for (int64_t j = 0; j < k; ++j) sum += p[tref[t * k + j]];
+            for (int64_t j = 0; j < k; ++j) gref[t * k + j] = float(p[tref[t * k + j]] / sum * 2.5);
+        }
+        expect_close(cat("router probs force=", force), pg, pref, 1e-6);
+        EXPECT_EQ(tg, tref) << "router top-k, force=" << force;
+        expect_close(cat("router gates force=", force), gg, gref, 1e-6);
+        // Permutation: expert-major, token order within an expert, capacity drops the rest.
+        std::vector<int32_t> cref(E, 0), oref(E + 1, 0), sref(T * k, -1), permref;
+        for (int64_t i = 0; i < T * k; ++i)
+            if (tref[i] >= 0) ++cref[tref[i]];
+        for (int64_t e = 0; e < E; ++e) oref[e + 1] = oref[e] + std::min<int32_t>(cref[e], capacity);
+        permref.assign(oref[E], -1);
+        std::vector<int32_t> fill(oref.begin(), oref.end() - 1);
+        for (int64_t i = 0; i < T * k; ++i) {
+            const int32_t e = tref[i];
+            if (e >= 0 && fill[e] < oref[e + 1]) sref[i] = fill[e], permref[fill[e]++] = int32_t(i / k);
+        }
+        EXPECT_EQ(counts.download(), cref);
+        EXPECT_EQ(offsets.download(), oref);
+        EXPECT_EQ(slot.download(), sref);
+        auto pgm = perm.download();
+        EXPECT_TRUE(std::equal(permref.begin(), permref.end(), pgm.begin()));
+        if (!force) {
+            EXPECT_GT(oref[E], 0);
+        }
+        // Gather and combine.
+        Rounded x(T * dim, 103), outp(T * k * dim, 104), y0(T * dim, 105);
+        DeviceArray<bf16> xp(T * k * dim);
+        cuda::moe_gather(ctx(), x.dev, perm, offsets, E, T * k, dim, xp);
+        cuda::moe_combine(ctx(), outp.dev, slot, gates, T, k, dim, y0.dev);
+        sync();
+        auto xpg = download_f(xp);
+        std::vector<float> xpr(oref[E] * dim);
+        for (int32_t r = 0; r < oref[E]; ++r)
+            std::copy_n(x.host.begin() + permref[r] * dim, dim, xpr.begin() + r * dim);
+        xpg.resize(oref[E] * dim);
+        expect_close("moe gather", xpg, xpr, 1e-7);
+        std::vector<float> yr = y0.host;
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j)
+                if (sref[t * k + j] >= 0)
+                    for (int64_t c = 0; c < dim; ++c)
+                        yr[t * dim + c] += gg[t * k + j] * outp.host[sref[t * k + j] * dim + c];
+        expect_close("moe combine", download_f(y0.dev), yr, kBf16Tol);
+    }
+}
+
+TEST_F(CudaOps, GroupedGemmAllKinds) {
+    // Uneven experts, one empty, rows of the last expert up to the bound.
+    const std::vector<int32_t> off{0, 37, 37, 101, 130, 200};
+    const int64_t E = 5, R = 200, n = 96, kk = 80, max_rows = 70;
+    DeviceArray<int32_t> doff(off);
+    Rounded w(E * n * kk, 111, 0.3), x(R * kk, 112), dy(R * n, 113);
+    DeviceArray<bf16> y(R * n), dx(R * kk);
+    auto dw0 = random_vector<float>(E * n * kk, 114);
+    DeviceArray<float> dw(dw0);
+    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
+                       w.dev, y);
+    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, n, kk, dy.dev,
+                       w.dev, dx);
+    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev, x.dev,
+                       dw);
+    sync();
+    std::vector<float> yr(R * n), dxr(R * kk), dwr = dw0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m == 0) continue;
+        const float* we = w.host.data() + e * n * kk;
+        cpu::gemm<float>(false, true, m, n, kk, 1.f, x.host.data() + r0 * kk, kk, we, kk, 0.f,
+                         yr.data() + r0 * n, n);
+        cpu::gemm<float>(false, false, m, kk, n, 1.f, dy.host.data() + r0 * n, n, we, kk, 0.f,
+                         dxr.data() + r0 * kk, kk);
+        cpu::gemm<float>(true, false, n, kk, m, 1.f, dy.host.data() + r0 * n, n,
+                         x.host.data() + r0 * kk, kk, 1.f, dwr.data() + e * n * kk, kk);
+    }
+    expect_close("grouped gemm x W^T", download_f(y), yr, kBf16Tol);
+    expect_close("grouped gemm dy W", download_f(dx), dxr, kBf16Tol);
+    expect_close("grouped gemm weight grad (fp32 +=)", dw.download(), dwr, 1e-5);
+    expect_guard(y, "grouped y");
+    expect_guard(dw, "grouped dw");
+}
+
+TEST_F(CudaOps, GradNormClipAndAdamW) {
+    const int64_t n = 100000;
+    auto p0 = random_vector<float>(n, 121), g = random_vector<float>(n, 122, 3.0);
+    auto m0 = random_vector<float>(n, 123, 0.1), v0 = random_vector<float>(n, 124, 0.1);
+    for (auto& x : v0) x = std::fabs(x);
+    DeviceArray<float> dp(p0), dg(g), dm(m0), dv(v0), parts(cuda::sum_squares_blocks(n));
+    DeviceArray<float> norm(1), scale(1);
+    DeviceArray<int32_t> skip(1);
+    DeviceArray<bf16> pb(n);
+    const float max_norm = 1.0f;
+    cuda::sum_squares_partials(ctx(), dg, n, parts);
+    cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), max_norm, norm, scale, skip);
+    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, scale, skip, pb);
+    sync();
+    const double ref_norm = std::sqrt(cpu::sum_squares(g.data(), n));
+    const double ref_scale = std::min(1.0, max_norm / (ref_norm + 1e-6));
+    EXPECT_NEAR(norm.download()[0], ref_norm, 1e-5 * ref_norm);
+    EXPECT_NEAR(scale.download()[0], ref_scale, 1e-5 * ref_scale);
+    EXPECT_EQ(skip.download()[0], 0);
+    std::vector<float> pr = p0, mr = m0, vr = v0;
+    cpu::adamw_update<float>(pr.data(), g.data(), mr.data(), vr.data(), n, 1e-3, 0.9, 0.95, 1e-8,
+                             0.1, 3, ref_scale);
+    expect_close("adamw param", dp.download(), pr, 1e-6);
+    expect_close("adamw m", dm.download(), mr, 1e-5);
+    expect_close("adamw v", dv.download(), vr, 1e-5);
+    expect_close("adamw bf16 copy", download_f(pb), pr, kBf16Tol);
+    // A non-finite gradient: the norm is inf, the step is skipped and nothing changes.
+    g[77] = INFINITY;
+    dg.upload(g);
+    auto before = dp.download();
+    cuda::sum_squares_partials(ctx(), dg, n, parts);
+    cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), max_norm, norm, scale, skip);
+    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 4, scale, skip,
+                       pb);
+    sync();
+    EXPECT_EQ(skip.download()[0], 1);
+    EXPECT_EQ(dp.download(), before);
+}
+
+#endif  // SPARSETRON_WITH_CUDA

@@ -50,6 +50,12 @@ int64_t ParamStore::add_buffer(std::string name, std::vector<int64_t> shape, Ini
     return push(std::move(p));
 }
 
+int64_t ParamStore::add_like(const ParamInfo& other) {
+    ParamInfo p = other;
+    p.param_slot = p.grad_slot = -1;
+    return push(std::move(p));
+}
+
 void ParamStore::set_mtp_from(int64_t first) {
     for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i) params_[i].mtp = true;
 }

@@ -38,6 +38,9 @@ class ParamStore {
     int64_t add_embedding_like(std::string name, std::vector<int64_t> shape);  // AdamW, 2-D
     int64_t add_buffer(std::string name, std::vector<int64_t> shape, InitRule init);
     void set_mtp_from(int64_t first_index);  // marks parameters [first_index, end) as MTP
+    // A copy of another store's entry (same name, shape, group, flags) planned in this store's
+    // plan: how a second backend's model gets the identical parameter table.
+    int64_t add_like(const ParamInfo& other);
 
     const std::vector<ParamInfo>& params() const { return params_; }
     const ParamInfo& at(const std::string& name) const;

@@ -11,13 +11,15 @@ constexpr int kSquaresBlock = 8192;  // elements per partial sum of the gradient
 
 __global__ void embedding_fwd_kernel(const int32_t* tokens, const bf* table, int64_t dim, bf* out) {
     const int64_t r = blockIdx.x;
-    const bf* src = table + int64_t(tokens[r]) * dim;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) out[r * dim + i] = src[i];
+    const int32_t id = tokens[r];
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        out[r * dim + i] = id < 0 ? __float2bfloat16(0.f) : table[int64_t(id) * dim + i];
 }
 
 __global__ void embedding_bwd_kernel(const int32_t* tokens, const bf* dout, int64_t dim,
                                      float* dtable) {
     const int64_t r = blockIdx.x;
+    if (tokens[r] < 0) return;
     float* dst = dtable + int64_t(tokens[r]) * dim;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) atomicAdd(dst + i, ld(dout + r * dim + i));
 }
@@ -88,7 +90,14 @@ __global__ void clip_scale_kernel(const float* partials, int64_t count, float ma
     const bool finite = isfinite(nrm);
     *norm = float(nrm);
     *skip = finite ? 0 : 1;
-    *scale = !finite ? 0.f : (max_norm > 0 ? float(fmin(1.0, max_norm / (nrm + 1e-6))) : 1.f);
+    *scale = !finite ? 0.f : (max_norm > 0 && nrm > max_norm ? float(max_norm / (nrm + 1e-6)) : 1.f);
+}
+
+__global__ void merge_skip_kernel(int32_t* skip, int64_t n) {
+    if (threadIdx.x != 0) return;
+    int32_t any = 0;
+    for (int64_t i = 0; i < n; ++i) any |= skip[i];
+    for (int64_t i = 0; i < n; ++i) skip[i] = any;
 }
 
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
@@ -178,6 +187,11 @@ void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, flo
 void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
                 float* norm, float* scale, int32_t* skip) {
     clip_scale_kernel<<<1, 32, 0, stream_of(ctx)>>>(partials, count, max_norm, norm, scale, skip);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n) {
+    merge_skip_kernel<<<1, 32, 0, stream_of(ctx)>>>(skip, n);
     ST_CUDA_LAUNCH_CHECK();
 }
 

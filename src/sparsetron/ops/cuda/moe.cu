@@ -118,7 +118,8 @@ constexpr int BM = 64, BN = 64, BK = 32, kGemmThreads = 128;
 struct GroupedArgs {
     GroupedGemm kind;
     const int32_t* offsets;
-    int64_t n, k;
+    int64_t n, k, wstride;
+    bool accumulate;
     const bf *a, *b;
     void* c;
 };
@@ -137,12 +138,12 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
         case GroupedGemm::RowsTimesWeightT:  // [rows, k] x W_e^T -> [rows, n]
             M = rows, N = g.n, K = g.k;
             A = g.a + r0 * g.k, a_si = g.k, a_sk = 1;
-            B = g.b + e * g.n * g.k, b_sk = 1, b_sj = g.k;
+            B = g.b + e * g.wstride, b_sk = 1, b_sj = g.k;
             break;
         case GroupedGemm::RowsTimesWeight:  // [rows, n] x W_e -> [rows, k]
             M = rows, N = g.k, K = g.n;
             A = g.a + r0 * g.n, a_si = g.n, a_sk = 1;
-            B = g.b + e * g.n * g.k, b_sk = g.k, b_sj = 1;
+            B = g.b + e * g.wstride, b_sk = g.k, b_sj = 1;
             break;
         default:  // WeightGrad: A_e^T [n, rows] x B_e [rows, k] -> [n, k]
             M = g.n, N = g.k, K = rows;
@@ -192,16 +193,131 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
         const int64_t gi = i0 + ii, gj = j0 + jj;
         if (gi >= M || gj >= N) continue;
         if (g.kind == GroupedGemm::WeightGrad) {
-            float* c = static_cast<float*>(g.c) + e * g.n * g.k;
+            float* c = static_cast<float*>(g.c) + e * g.wstride;
             c[gi * N + gj] += Cs[ii][jj];
         } else {
-            bf* c = static_cast<bf*>(g.c) + r0 * N;
-            c[gi * N + gj] = __float2bfloat16(Cs[ii][jj]);
+            bf* c = static_cast<bf*>(g.c) + r0 * N + gi * N + gj;
+            *c = __float2bfloat16(g.accumulate ? __bfloat162float(*c) + Cs[ii][jj] : Cs[ii][jj]);
         }
     }
 }
 
+
+__global__ void combine_bwd_kernel(const bf* dy, const bf* out_perm, const int32_t* slot_row,
+                                   const float* gates, int64_t k, int64_t dim, bf* dout_perm,
+                                   float* dgates) {
+    // One block per (token, choice).
+    const int64_t t = blockIdx.x, j = blockIdx.y;
+    const int32_t r = slot_row[t * k + j];
+    if (r < 0) {
+        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
+        return;
+    }
+    const float gate = gates[t * k + j];
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float d = ld(dy + t * dim + i);
+        s += d * ld(out_perm + int64_t(r) * dim + i);
+        st(dout_perm + int64_t(r) * dim + i, gate * d);
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) dgates[t * k + j] = s;
+}
+
+__global__ void gather_bwd_kernel(const bf* dx_perm, const int32_t* slot_row, int64_t k,
+                                  int64_t dim, bf* dx, bool accumulate) {
+    const int64_t t = blockIdx.x;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        float acc = accumulate ? ld(dx + t * dim + i) : 0.f;
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t r = slot_row[t * k + j];
+            if (r >= 0) acc += ld(dx_perm + int64_t(r) * dim + i);
+        }
+        st(dx + t * dim + i, acc);
+    }
+}
+
+__global__ void router_bwd_kernel(const float* probs, const int32_t* topk, const float* dgates,
+                                  int64_t tokens, int64_t E, int64_t k, float scaling,
+                                  float* dlogits) {
+    const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (t >= tokens) return;
+    float* dl = dlogits + t * E;
+    for (int64_t e = 0; e < E; ++e) dl[e] = 0.f;
+    if (topk[t * k] < 0) return;
+    const float* s = probs + t * E;
+    // g_j = scaling * s_j / S with S = eps + Σ s_chosen: ds_i = scaling (dg_i / S - Σ_j dg_j s_j / S²).
+    double S = 1e-20, dot = 0;
+    for (int64_t j = 0; j < k; ++j) S += s[topk[t * k + j]];
+    for (int64_t j = 0; j < k; ++j) dot += double(dgates[t * k + j]) * s[topk[t * k + j]];
+    for (int64_t j = 0; j < k; ++j) {
+        const int32_t e = topk[t * k + j];
+        const double ds = scaling * (dgates[t * k + j] / S - dot / (S * S));
+        dl[e] += float(ds * s[e] * (1.0 - s[e]));  // through the sigmoid
+    }
+}
+
+__global__ void count_load_kernel(const int32_t* counts, int64_t E, int64_t capacity,
+                                  int64_t* load, int64_t* dropped) {
+    if (threadIdx.x != 0) return;
+    int64_t d = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        load[e] += counts[e];
+        d += counts[e] > capacity ? counts[e] - capacity : 0;
+    }
+    *dropped += d;
+}
+
+__global__ void update_bias_kernel(const int64_t* load, int64_t E, float rate, float* bias) {
+    if (threadIdx.x != 0) return;
+    double mean = 0;
+    for (int64_t e = 0; e < E; ++e) mean += double(load[e]);
+    mean /= double(E);
+    for (int64_t e = 0; e < E; ++e) {
+        const double d = mean - double(load[e]);
+        bias[e] += rate * float((d > 0) - (d < 0));
+    }
+}
+
 }  // namespace
+
+void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* out_perm,
+                          const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
+                          int64_t dim, bf16* dout_perm, float* dgates) {
+    if (tokens == 0) return;
+    combine_bwd_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
+        dev(dy), dev(out_perm), slot_row, gates, k, dim, dev(dout_perm), dgates);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
+                         int64_t tokens, int64_t k, int64_t dim, bf16* dx, bool accumulate) {
+    if (tokens == 0) return;
+    gather_bwd_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dev(dx_perm), slot_row, k, dim, dev(dx),
+                                                          accumulate);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void router_backward(const ExecContext& ctx, const float* probs, const int32_t* topk,
+                     const float* dgates, int64_t tokens, int64_t experts, int64_t k,
+                     float scaling, float* dlogits) {
+    if (tokens == 0) return;
+    router_bwd_kernel<<<blocks_for(tokens, 128), 128, 0, stream_of(ctx)>>>(
+        probs, topk, dgates, tokens, experts, k, scaling, dlogits);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t experts,
+                    int64_t capacity, int64_t* load, int64_t* dropped) {
+    count_load_kernel<<<1, 32, 0, stream_of(ctx)>>>(counts, experts, capacity, load, dropped);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void moe_update_bias(const ExecContext& ctx, const int64_t* load, int64_t experts, float rate,
+                     float* bias) {
+    update_bias_kernel<<<1, 32, 0, stream_of(ctx)>>>(load, experts, rate, bias);
+    ST_CUDA_LAUNCH_CHECK();
+}
 
 void router_topk(const ExecContext& ctx, const float* logits, const float* bias,
                  const int32_t* row_begin, int64_t tokens, int64_t experts, int64_t k,
@@ -245,7 +361,7 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                   int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c) {
+                  const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
     if (experts == 0) return;
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
     int64_t M, N;
@@ -257,7 +373,8 @@ void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offse
     if (M == 0 || N == 0) return;
     dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(experts));
     grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(
-        GroupedArgs{kind, offsets, n, k, dev(a), dev(b), c});
+        GroupedArgs{kind, offsets, n, k, weight_stride ? weight_stride : n * k, accumulate, dev(a),
+                    dev(b), c});
     ST_CUDA_LAUNCH_CHECK();
 }
 

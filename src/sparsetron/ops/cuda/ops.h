@@ -27,9 +27,11 @@ void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t
           int64_t ldc, DType ab = DType::BF16, DType c_type = DType::BF16, GemmBatch batch = {});
 
 // ---- Element-wise and small ops ----------------------------------------------------------------
+// A negative id gives a zero row (an MTP input past its document's end).
 void embedding_forward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
                        const bf16* table, int64_t dim, bf16* out);
-// dtable += scattered dout rows (fp32 atomics: the order of additions is not fixed).
+// dtable += scattered dout rows, negative ids skipped (fp32 atomics: the order of additions is
+// not fixed).
 void embedding_backward(const ExecContext& ctx, const int32_t* tokens, int64_t rows,
                         const bf16* dout, int64_t dim, float* dtable);
 
@@ -64,10 +66,12 @@ void fill(const ExecContext& ctx, float* x, int64_t n, float value);
 // Σ x² over `n` fp32 values in fixed blocks, written to partials[sum_squares_blocks(n)].
 int64_t sum_squares_blocks(int64_t n);
 void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials);
-// norm = sqrt(Σ partials) (fp64, fixed order); scale = min(1, max_norm / (norm + 1e-6)) if
-// max_norm > 0 else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is skipped).
+// norm = sqrt(Σ partials) (fp64, fixed order); scale = max_norm / (norm + 1e-6) if
+// 0 < max_norm < norm else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is skipped).
 void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
                 float* norm, float* scale, int32_t* skip);
+// skip[0..n) = OR of them all (one non-finite clipping group skips the whole step).
+void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n);
 // param -= lr * (m̂ / (sqrt(v̂) + eps) + wd * param) with grad * (*grad_scale); nothing when *skip.
 // Writes the bf16 copy of the new parameter when param_bf16 is not null.
 void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
@@ -151,8 +155,92 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 //   WeightGrad:       dW_e += A_e^T @ B_e            A [R, N], B [R, K], dW [E, N, K] fp32
 // max_rows bounds any expert's row count (the capacity); counts are read from device memory.
 enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
+// `weight_stride`: elements between consecutive experts' weights (0 = n * k, packed). With
+// `accumulate`, bf16 outputs are added to (RowsTimes* kinds); WeightGrad always adds.
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                   int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c);
+                  const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
+
+// Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
+// dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
+void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* out_perm,
+                          const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
+                          int64_t dim, bf16* dout_perm, float* dgates);
+// Backward of moe_gather: dx[t] (+)= Σ_j dx_perm[slot_row[t, j]] in j order (deterministic).
+void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
+                         int64_t tokens, int64_t k, int64_t dim, bf16* dx, bool accumulate);
+// dlogits [T, E] (fp32) from the gate gradients: gates = scaling * s_c / Σ s_chosen, s =
+// sigmoid(logits). Unrouted rows and unchosen experts get 0.
+void router_backward(const ExecContext& ctx, const float* probs, const int32_t* topk,
+                     const float* dgates, int64_t tokens, int64_t experts, int64_t k,
+                     float scaling, float* dlogits);
+// load[e] += counts[e]; dropped[0] += Σ max(0, counts[e] - capacity).
+void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t experts,
+                    int64_t capacity, int64_t* load, int64_t* dropped);
+// Aux-loss-free balancing: bias[e] += rate * sign(mean(load) - load[e]).
+void moe_update_bias(const ExecContext& ctx, const int64_t* load, int64_t experts, float rate,
+                     float* bias);
+
+// ---- Copies and conversions ----------------------------------------------------------------------
+// rows x width_bytes from src (pitch in bytes) to dst (pitch in bytes), on the stream.
+void copy_2d(const ExecContext& ctx, void* dst, int64_t dst_pitch, const void* src,
+             int64_t src_pitch, int64_t width_bytes, int64_t rows);
+void zero(const ExecContext& ctx, void* dst, int64_t bytes);
+// Host -> device on the stream (the host buffer may be reused when this returns) and device ->
+// host followed by a stream synchronization.
+void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
+void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
+// dst[r, c] (+)= src[r, c] for a rows x cols block with leading dimensions, fp32 -> bf16.
+void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf16* dst,
+                    int64_t ld_dst, int64_t rows, int64_t cols, bool accumulate);
+void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n);
+void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n);
+
+// ---- MLA helpers ---------------------------------------------------------------------------------
+// Expanded-attention key/value gradients back to the kv_b output and the shared RoPE key:
+// dkv[t, h*(dn+dv) + i] = dk[t, h, i] (i < dn), dkv[t, h*(dn+dv) + dn + i] = dv[t, h, i];
+// dpe[t * ld_pe + i] = Σ_h dk[t, h, dn + i].
+void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* dv, int64_t tokens,
+                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv,
+                          bf16* dpe, int64_t ld_pe);
+
+// ---- DSA indexer loss ------------------------------------------------------------------------------
+// Per row t with support S_t (sparse: idx[t, :len[t]]; dense: row_begin[t]..t):
+//   teacher p = normalize(Σ_h softmax-probabilities of the attention, exp(scale q'_h·k'_s - lse_h))
+//   (sparse: the attention's own lse [H, T]; dense: recomputed over S_t),
+//   student log q = log_softmax(scores[t, S_t]); kl[t] = Σ p (log p - log q);
+//   dscore[t, s] = q_s - p_s on the support (dense layout [T, T] like the scores).
+// qabs [T, H, dl] and kabs [T, dl] are the absorbed query and latent key (bf16).
+void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
+                const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
+                const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
+                int64_t tokens, float* kl, float* dscore);
+// Back through the scores: with g = dscore * grad_scale on the support,
+//   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
+//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first).
+void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
+                             const float* w, const float* dscore, float grad_scale,
+                             const int32_t* idx, const int32_t* len, int64_t kslots,
+                             const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                             float* dw, bf16* dq, float* dk);
+// Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
+void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
+                    double* out);
+
+// ---- MTP end-to-end TV ------------------------------------------------------------------------------
+// In place: rows of z [rows, V] (fp32) become softmax(z).
+void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab);
+// alpha[r] = Σ_v min(p[r, v], q[r, v]).
+void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows,
+                int64_t vocab, float* alpha);
+// Per chain row i (valid[i] != 0): loss += (1/D) Σ_j (1 - Π_{k<=j} α_k), accept += Σ_j Π α;
+// dalpha[k, i] = row_weight * ∂L/∂α_k (0 for invalid rows). alpha, dalpha: [D, T].
+// Depth k's values of row i are at [k * stride + i]; sums[0] += loss, sums[1] += accept.
+void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, int64_t depths,
+              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums);
+// In place on q (the draft probabilities): dz = -dalpha * q (s - 1 + 1[q > p]), s = Σ_{q<=p} q;
+// dz stored as bf16 into dz_out [rows, V].
+void tv_logit_grad(const ExecContext& ctx, const float* p, const float* q, const float* dalpha,
+                   int64_t rows, int64_t vocab, bf16* dz_out);
 
 }  // namespace sparsetron::cuda

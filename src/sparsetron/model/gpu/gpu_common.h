@@ -1,0 +1,96 @@
+// Shared pieces of the CUDA model (built only with CUDA): planned device buffers resolved after
+// allocation, parameter handles (fp32 master, fp32 gradient, bf16 copy), the micro-batch inputs.
+//
+// The CUDA model mirrors the CPU model (model/*.h) layer by layer with bf16 activations and
+// weights, fp32 statistics, gradients and optimizer state; it is tested against it on the GPU.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/param_store.h"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::gpu {
+
+// Registers pointers to device buffers; resolve() fills them once the plan is allocated. The
+// registered pointer variables must not move (modules live behind unique_ptr).
+class GpuBuffers {
+  public:
+    explicit GpuBuffers(MemoryPlan& plan) : plan_(plan) {}
+    template <typename T>
+    void act(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        refs_.emplace_back(plan_.add(MemClass::Activations, name, dtype_of<T>(), std::move(shape)),
+                           reinterpret_cast<void**>(&ptr));
+    }
+    // Workspace shared by name: every module asking for the same name gets the same buffer.
+    template <typename T>
+    void scratch(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        auto it = scratch_.find(name);
+        MemoryPlan::Slot s;
+        if (it == scratch_.end()) {
+            s = scratch_[name] = plan_.add(MemClass::Workspace, name, dtype_of<T>(), shape);
+        } else {
+            s = it->second;
+            const PlanEntry& e = plan_.entries()[s];
+            ST_ASSERT(e.shape == shape && e.dtype == dtype_of<T>(), "scratch '", name,
+                      "' redeclared with another shape");
+        }
+        refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
+    }
+    void resolve() {
+        for (auto& [slot, ptr] : refs_) *ptr = plan_.view(slot).data;
+    }
+    MemoryPlan& plan() { return plan_; }
+
+  private:
+    MemoryPlan& plan_;
+    std::vector<std::pair<MemoryPlan::Slot, void**>> refs_;
+    std::map<std::string, MemoryPlan::Slot> scratch_;
+};
+
+struct GpuParam {
+    float* master = nullptr;  // fp32 value (the optimizer's)
+    float* grad = nullptr;    // fp32 gradient (null for buffers)
+    bf16* w = nullptr;        // bf16 copy the kernels read
+    int64_t numel = 0;
+};
+
+// One handle per ParamStore entry; the bf16 copies are planned right after the store's entries.
+class GpuParams {
+  public:
+    GpuParams(const ParamStore& store, MemoryPlan& plan);
+    void bind(const MemoryPlan& plan);
+    const ParamStore& store() const { return store_; }
+    int64_t index(const std::string& name) const;  // throws when absent
+    const GpuParam& operator[](int64_t i) const { return all_[i]; }
+    size_t size() const { return all_.size(); }
+    // bf16 copies from the fp32 masters (after loading or initializing the masters).
+    void refresh_bf16(const ExecContext& ctx) const;
+
+  private:
+    const ParamStore& store_;
+    std::vector<MemoryPlan::Slot> bf16_slots_;
+    std::vector<GpuParam> all_;
+};
+
+// The current micro-batch on the device, plus what the host knows about it.
+struct GpuInputs {
+    int64_t tokens = 0;
+    int32_t* token_ids = nullptr;
+    int32_t* targets = nullptr;
+    int32_t* positions = nullptr;
+    int32_t* row_begin = nullptr;  // first row of each row's document, -1 for padding
+    int64_t real_rows = 0;         // rows inside documents (host-side count of this micro-batch)
+};
+
+// Scratch every module shares: norm weight-gradient partials.
+struct GpuShared {
+    float* norm_ws = nullptr;
+};
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,66 @@
+// Feed-forward blocks on CUDA: the dense SwiGLU MLP (also the shared expert) and the MoE layer
+// (fp32 router, device-side permutation, grouped expert GEMMs) of the CPU model.
+#pragma once
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/model/gpu/gpu_common.h"
+
+namespace sparsetron::gpu {
+
+class GpuMlp {
+  public:
+    struct Acts {
+        bf16 *g, *u, *act;
+    };
+    GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
+           int64_t ffn, int64_t tokens, const std::string& scratch_tag);
+    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+    // y += down(swiglu(gate(x), up(x))).
+    void forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const;
+    // dx (+)= d x; weight gradients accumulate.
+    void backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy, bf16* dx,
+                  bool accumulate) const;
+
+  private:
+    const GpuParams& P_;
+    int64_t h_, f_, T_;
+    int64_t gate_, up_, down_;
+    bf16 *dact_, *dg_, *du_;
+};
+
+class GpuMoe {
+  public:
+    struct Acts {
+        float *m32, *logits, *probs, *gates;
+        int32_t *topk, *counts, *offsets, *slot_row, *perm_token;
+        bf16 *xperm, *g, *u, *act, *out_perm;
+        GpuMlp::Acts shared;
+    };
+    GpuMoe(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix,
+           int64_t tokens);
+    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+    void forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
+                 bf16* y) const;
+    void backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
+                  bf16* dm) const;
+    // The grouped GEMM reads expert e's weights at one fixed stride from expert 0's; throws if
+    // the planned parameters are not laid out that way.
+    void check_layout() const;
+    void reset_stats(const ExecContext& ctx) const;
+    void update_bias(const ExecContext& ctx, double rate) const;
+    const int64_t* load() const { return load_; }      // device [E]
+    const int64_t* dropped() const { return dropped_; }  // device [1]
+    int64_t experts() const { return E_; }
+
+  private:
+    const ModelConfig& c_;
+    const GpuParams& P_;
+    int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
+    int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
+    std::unique_ptr<GpuMlp> shared_;
+    bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;
+    float *dgates_, *dlogits_;
+    int64_t *load_, *dropped_;
+};
+
+}  // namespace sparsetron::gpu

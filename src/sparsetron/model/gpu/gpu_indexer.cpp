@@ -1,0 +1,99 @@
+#include "sparsetron/model/gpu/gpu_indexer.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace sparsetron::gpu {
+
+using cuda::gemm;
+
+GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                       const std::string& p, int64_t tokens)
+    : c_(c),
+      P_(P),
+      S_(S),
+      T_(tokens),
+      h_(c.hidden_size),
+      HI_(c.dsa_indexer_n_heads),
+      dI_(c.dsa_indexer_head_dim),
+      dr_(c.qk_pos_emb_head_dim),
+      qr_(c.q_lora_rank),
+      K_(std::min(c.dsa_indexer_topk, tokens)),
+      wscale_(float(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * c.dsa_indexer_head_dim))) {
+    wq_ = P.index(p + "wq_b.weight");
+    wk_ = P.index(p + "wk.weight");
+    knw_ = P.index(p + "k_norm.weight");
+    knb_ = P.index(p + "k_norm.bias");
+    ww_ = P.index(p + "weights_proj.weight");
+    const int64_t Tn = tokens;
+    B.scratch(scores_, "dsa.scores", {Tn, Tn});
+    B.scratch(dscore_, "dsa.loss_grad", {Tn, Tn});
+    B.scratch(kl_, "dsa.kl_rows", {Tn});
+    B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
+    B.scratch(dwb_, "grad.dsa.weights_bf16", {Tn, HI_});
+    B.scratch(dk32_, "grad.dsa.k_f32", {Tn, dI_});
+    B.scratch(dq_, "grad.dsa.q", {Tn, HI_ * dI_});
+    B.scratch(dk_, "grad.dsa.k", {Tn, dI_});
+    B.scratch(dkraw_, "grad.dsa.k_raw", {Tn, dI_});
+}
+
+void GpuIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+    A = Acts{};
+    B.act(A.q, p + "indexer_q", {T_, HI_ * dI_});
+    B.act(A.k_raw, p + "indexer_k_raw", {T_, dI_});
+    B.act(A.k, p + "indexer_k", {T_, dI_});
+    B.act(A.mean, p + "indexer_k_mean", {T_});
+    B.act(A.rstd, p + "indexer_k_rstd", {T_});
+    B.act(A.w, p + "indexer_weights", {T_, HI_});
+    B.act(A.topk, p + "topk_indices", {T_, K_});
+    B.act(A.len, p + "topk_length", {T_});
+}
+
+void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+                         const GpuInputs& in) const {
+    const int64_t Tn = T_;
+    gemm(ctx, false, true, Tn, HI_ * dI_, qr_, 1.f, cq, qr_, P_[wq_].w, qr_, 0.f, A.q, HI_ * dI_);
+    cuda::rope(ctx, A.q, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
+               c_.dsa_indexer_rope_interleaved, false);
+    gemm(ctx, false, true, Tn, dI_, h_, 1.f, a, h_, P_[wk_].w, h_, 0.f, A.k_raw, dI_);
+    cuda::layernorm_forward(ctx, A.k_raw, P_[knw_].w, P_[knb_].w, Tn, dI_, 1e-6f, A.k, A.mean,
+                            A.rstd);
+    cuda::rope(ctx, A.k, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
+               c_.dsa_indexer_rope_interleaved, false);
+    gemm(ctx, false, true, Tn, HI_, h_, wscale_, a, h_, P_[ww_].w, h_, 0.f, A.w, HI_, DType::BF16,
+         DType::F32);
+    cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_);
+    cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
+}
+
+void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+                      const GpuInputs& in, const Teacher& tc, float grad_scale,
+                      double* sums) const {
+    const double coeff = c_.dsa_indexer_loss_coeff;
+    if (coeff == 0 || in.real_rows == 0) return;
+    const bool sparse = c_.dsa_indexer_use_sparse_loss;
+    const int64_t Tn = T_;
+    cuda::indexer_kl(ctx, sparse, tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, scores_, A.topk,
+                     A.len, K_, in.row_begin, Tn, kl_, dscore_);
+    cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
+    if (grad_scale == 0) return;
+    // dI = g (q - p) with g = grad_scale * coeff / rows, rows = the micro-batch's real rows.
+    const float g = float(grad_scale * coeff / double(in.real_rows));
+    cuda::indexer_scores_backward(ctx, sparse, A.q, A.k, A.w, dscore_, g, A.topk, A.len, K_,
+                                  in.row_begin, Tn, HI_, dI_, dw32_, dq_, dk32_);
+    const auto BF = DType::BF16, F32 = DType::F32;
+    cuda::f32_to_bf16(ctx, dw32_, dwb_, Tn * HI_);
+    gemm(ctx, true, false, HI_, h_, Tn, wscale_, dwb_, HI_, a, h_, 1.f, P_[ww_].grad, h_, BF, F32);
+    cuda::rope(ctx, dq_, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
+               c_.dsa_indexer_rope_interleaved, true);
+    gemm(ctx, true, false, HI_ * dI_, qr_, Tn, 1.f, dq_, HI_ * dI_, cq, qr_, 1.f, P_[wq_].grad, qr_,
+         BF, F32);
+    cuda::f32_to_bf16(ctx, dk32_, dk_, Tn * dI_);
+    cuda::rope(ctx, dk_, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
+               c_.dsa_indexer_rope_interleaved, true);
+    cuda::layernorm_backward(ctx, dk_, A.k_raw, P_[knw_].w, A.mean, A.rstd, Tn, dI_, dkraw_,
+                             P_[knw_].grad, P_[knb_].grad, S_.norm_ws);
+    gemm(ctx, true, false, dI_, h_, Tn, 1.f, dkraw_, dI_, a, h_, 1.f, P_[wk_].grad, h_, BF, F32);
+}
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,47 @@
+// The DSA lightning indexer on CUDA (the CPU DsaIndexer, model/dsa_indexer.h): scores, top-k,
+// the KL loss against the attention and its gradient into the indexer's own weights.
+#pragma once
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/model/gpu/gpu_common.h"
+
+namespace sparsetron::gpu {
+
+class GpuIndexer {
+  public:
+    struct Acts {
+        bf16 *q, *k_raw, *k;
+        float *mean, *rstd, *w;
+        int32_t *topk, *len;
+    };
+    struct Teacher {
+        const bf16* q;  // Q' [T, H, L]
+        const bf16* k;  // K' [T, L]
+        const float* lse;
+        int64_t heads, dim;
+        float scale;
+    };
+    GpuIndexer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+               const std::string& hf_prefix, int64_t tokens);
+    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+    int64_t kslots() const { return K_; }
+
+    void forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+                 const GpuInputs& in) const;
+    // Adds Σ KL and the row count into sums[0..1] (device); with grad_scale != 0 also
+    // accumulates grad_scale * d(coeff * mean KL)/d(indexer weights).
+    void loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+              const GpuInputs& in, const Teacher& t, float grad_scale, double* sums) const;
+
+  private:
+    const ModelConfig& c_;
+    const GpuParams& P_;
+    GpuShared& S_;
+    int64_t T_, h_, HI_, dI_, dr_, qr_, K_;
+    float wscale_;
+    int64_t wq_, wk_, knw_, knb_, ww_;
+    float *scores_, *dscore_, *kl_, *dw32_, *dk32_;
+    bf16 *dq_, *dk_, *dkraw_, *dwb_;
+};
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,78 @@
+#include "sparsetron/model/gpu/gpu_layer.h"
+
+#include <algorithm>
+
+namespace sparsetron::gpu {
+
+GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                   int64_t layer0, int64_t tokens)
+    : c_(c), P_(P), S_(S), layer_(layer0), T_(tokens), h_(c.hidden_size) {
+    const std::string p = cat("model.layers.", layer0, ".");
+    const bool is_mtp = layer0 == c.num_layers;
+    in_norm_ = P.index(p + "input_layernorm.weight");
+    post_norm_ = P.index(p + "post_attention_layernorm.weight");
+    attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa());
+    if (c.uses_dsa()) {
+        kslots_ = std::min(c.dsa_indexer_topk, tokens);
+        if (dsa_layer_is_full(c, layer0))
+            indexer_ = std::make_unique<GpuIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens);
+    }
+    if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
+        moe_ = std::make_unique<GpuMoe>(c, P, B, p + "mlp.", tokens);
+    else
+        mlp_ = std::make_unique<GpuMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp");
+    B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
+    B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
+}
+
+void GpuLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+    A = Acts{};
+    B.act(A.a, p + "attn_norm_out", {T_, h_});
+    B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
+    B.act(A.x_mid, p + "x_mid", {T_, h_});
+    B.act(A.m, p + "mlp_norm_out", {T_, h_});
+    B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});
+    attn_->declare(A.attn, B, p);
+    if (indexer_) indexer_->declare(A.idx, B, p);
+    if (mlp_) mlp_->declare(A.mlp, B, p + "mlp_");
+    if (moe_) moe_->declare(A.moe, B, p + "moe.");
+}
+
+void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out,
+                       const GpuInputs& in, float indexer_grad_scale) const {
+    const int64_t Tn = T_, B2 = sizeof(bf16);
+    const float eps = float(c_.norm_epsilon);
+    cuda::rmsnorm_forward(ctx, x, h_, P_[in_norm_].w, Tn, h_, eps, A.a, h_, A.rstd_in);
+    attn_->project(ctx, A.attn, A.a, in);
+    const bool run_indexer = indexer_ && !A.skip_indexer;
+    if (run_indexer) {
+        indexer_->forward(ctx, A.idx, A.a, A.attn.cq, in);
+        A.topk = A.idx.topk, A.topk_len = A.idx.len;
+    }
+    ST_ASSERT(!c_.uses_dsa() || A.topk, "DSA layer ", layer_, " has no top-k source");
+    cuda::copy_2d(ctx, A.x_mid, h_ * B2, x, h_ * B2, h_ * B2, Tn);
+    attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
+    if (run_indexer) {
+        GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kabs,   A.attn.lse, c_.num_attention_heads,
+                              attn_->latent_dim(), attn_->scale()};
+        indexer_->loss(ctx, A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale, A.indexer_sums);
+    }
+    cuda::rmsnorm_forward(ctx, A.x_mid, h_, P_[post_norm_].w, Tn, h_, eps, A.m, h_, A.rstd_post);
+    cuda::copy_2d(ctx, out, h_ * B2, A.x_mid, h_ * B2, h_ * B2, Tn);
+    if (mlp_) mlp_->forward(ctx, A.mlp, A.m, out);
+    if (moe_) moe_->forward(ctx, A.moe, A.m, in, out);
+}
+
+void GpuLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* dx,
+                        const GpuInputs& in, float* kv_grad_accum) const {
+    const int64_t Tn = T_;
+    if (mlp_) mlp_->backward(ctx, A.mlp, A.m, dx, dm_, false);
+    if (moe_) moe_->backward(ctx, A.moe, A.m, dx, dm_);
+    cuda::rmsnorm_backward(ctx, dm_, h_, A.x_mid, h_, P_[post_norm_].w, A.rstd_post, Tn, h_, dx, h_,
+                           true, P_[post_norm_].grad, S_.norm_ws);
+    attn_->backward(ctx, A.attn, A.a, dx, in, A.topk, A.topk_len, kslots_, da_, kv_grad_accum);
+    cuda::rmsnorm_backward(ctx, da_, h_, x, h_, P_[in_norm_].w, A.rstd_in, Tn, h_, dx, h_, true,
+                           P_[in_norm_].grad, S_.norm_ws);
+}
+
+}  // namespace sparsetron::gpu

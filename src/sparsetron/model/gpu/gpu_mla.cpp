@@ -1,0 +1,199 @@
+#include "sparsetron/model/gpu/gpu_mla.h"
+
+#include <cmath>
+
+namespace sparsetron::gpu {
+
+using cuda::gemm;
+
+GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+               const std::string& p, int64_t tokens, bool absorbed)
+    : c_(c),
+      P_(P),
+      S_(S),
+      T_(tokens),
+      h_(c.hidden_size),
+      H_(c.num_attention_heads),
+      dq_(c.q_head_dim()),
+      dn_(c.qk_head_dim),
+      dr_(c.qk_pos_emb_head_dim),
+      dv_(c.v_head_dim),
+      qr_(c.q_lora_rank),
+      kr_(c.kv_lora_rank),
+      absorbed_(absorbed) {
+    q_a_ = P.index(p + "q_a_proj.weight");
+    q_a_norm_ = P.index(p + "q_a_layernorm.weight");
+    q_b_ = P.index(p + "q_b_proj.weight");
+    kv_a_ = P.index(p + "kv_a_proj_with_mqa.weight");
+    kv_a_norm_ = P.index(p + "kv_a_layernorm.weight");
+    kv_b_ = P.index(p + "kv_b_proj.weight");
+    o_ = P.index(p + "o_proj.weight");
+    const int64_t Tn = tokens, L = kr_ + dr_;
+    B.scratch(do_, "grad.attn.o", {Tn, H_ * dv_});
+    B.scratch(dq_b_, "grad.attn.q", {Tn, H_ * dq_});
+    B.scratch(dcq_, "grad.attn.q_a_norm_out", {Tn, qr_});
+    B.scratch(dcq_raw_, "grad.attn.q_a", {Tn, qr_});
+    B.scratch(dckv_, "grad.attn.kv_a", {Tn, L});
+    B.scratch(dckv_n_, "grad.attn.kv_a_norm_out", {Tn, kr_});
+    dqabs_ = doabs_ = dkv_ = nullptr;
+    dkabs_ = dk32_ = dv32_ = nullptr;
+    if (absorbed) {
+        B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
+        B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
+        B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
+    } else {
+        B.scratch(dkv_, "grad.attn.kv", {Tn, H_ * (dn_ + dv_)});
+        B.scratch(dk32_, "grad.attn.k_f32", {Tn, H_ * dq_});
+        B.scratch(dv32_, "grad.attn.v_f32", {Tn, H_ * dv_});
+    }
+}
+
+void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+    const int64_t Tn = T_, L = kr_ + dr_;
+    A = Acts{};
+    B.act(A.cq_raw, p + "q_a", {Tn, qr_});
+    B.act(A.cq, p + "q_a_norm_out", {Tn, qr_});
+    B.act(A.rstd_q, p + "q_a_norm_rstd", {Tn});
+    B.act(A.q, p + "q", {Tn, H_ * dq_});
+    B.act(A.ckv, p + "kv_a", {Tn, L});
+    B.act(A.ckv_n, p + "kv_a_norm_out", {Tn, kr_});
+    B.act(A.rstd_kv, p + "kv_a_norm_rstd", {Tn});
+    if (absorbed_) {
+        B.act(A.qabs, p + "q_absorbed", {Tn, H_ * L});
+        B.act(A.kabs, p + "k_latent", {Tn, L});
+        B.act(A.oabs, p + "o_latent", {Tn, H_ * kr_});
+    } else {
+        B.act(A.kv, p + "kv", {Tn, H_ * (dn_ + dv_)});
+        B.act(A.k, p + "k", {Tn, H_ * dq_});
+    }
+    B.act(A.o, p + "attn_out", {Tn, H_ * dv_});
+    B.act(A.lse, p + "attn_lse", {H_, Tn});
+}
+
+float GpuMla::scale() const {
+    return float(1.0 / std::sqrt(double(dq_)));
+}
+
+void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
+                     const GpuInputs& in) const {
+    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+    gemm(ctx, false, true, Tn, qr_, h_, 1.f, a, h_, P_[q_a_].w, h_, 0.f, A.cq_raw, qr_);
+    cuda::rmsnorm_forward(ctx, A.cq_raw, qr_, P_[q_a_norm_].w, Tn, qr_,
+                          float(c_.latent_norm_epsilon), A.cq, qr_, A.rstd_q);
+    gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q, H_ * dq_);
+    cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
+               c_.rotary_interleaved, false);
+    if (!A.kabs_shared) {
+        gemm(ctx, false, true, Tn, L, h_, 1.f, a, h_, P_[kv_a_].w, h_, 0.f, A.ckv, L);
+        cuda::rmsnorm_forward(ctx, A.ckv, L, P_[kv_a_norm_].w, Tn, kr_,
+                              float(c_.latent_norm_epsilon), A.ckv_n, kr_, A.rstd_kv);
+        cuda::rope(ctx, A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
+                   c_.rotary_interleaved, false);
+    }
+    if (!absorbed_) return;
+    // Q'_h = [q_nope_h W_UK^h ; q_pe_h] (one batched GEMM over heads), K' = [c_kv ; k_pe].
+    const bf16* wkvb = P_[kv_b_].w;
+    gemm(ctx, false, false, Tn, kr_, dn_, 1.f, A.q, H_ * dq_, wkvb, kr_, 0.f, A.qabs, H_ * L,
+         DType::BF16, DType::BF16, {H_, dq_, (dn_ + dv_) * kr_, L});
+    cuda::copy_2d(ctx, A.qabs + kr_, L * B2, A.q + dn_, dq_ * B2, dr_ * B2, Tn * H_);
+    if (!A.kabs_shared) {
+        cuda::copy_2d(ctx, A.kabs, L * B2, A.ckv_n, kr_ * B2, kr_ * B2, Tn);
+        cuda::copy_2d(ctx, A.kabs + kr_, L * B2, A.ckv + kr_, L * B2, dr_ * B2, Tn);
+    }
+}
+
+void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                    const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum) const {
+    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+    if (absorbed_) {
+        const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
+                                 A.lse);
+        // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
+        gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
+             0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
+    } else {
+        gemm(ctx, false, true, Tn, H_ * (dn_ + dv_), kr_, 1.f, A.ckv_n, kr_, P_[kv_b_].w, kr_, 0.f,
+             A.kv, H_ * (dn_ + dv_));
+        cuda::copy_2d(ctx, A.k, dq_ * B2, A.kv, (dn_ + dv_) * B2, dn_ * B2, Tn * H_);
+        for (int64_t hh = 0; hh < H_; ++hh)
+            cuda::copy_2d(ctx, A.k + hh * dq_ + dn_, H_ * dq_ * B2, A.ckv + kr_, L * B2, dr_ * B2,
+                          Tn);
+        cuda::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+                          dn_ + dv_};
+        cuda::attention_forward(ctx, s, A.q, A.k, A.kv + dn_, in.row_begin, scale(), A.o, A.lse);
+    }
+    gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f, x_accum,
+         h_);
+}
+
+void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
+                      const GpuInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
+                      bf16* da, float* kv_grad_accum) const {
+    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+    const auto F32 = DType::F32, BF = DType::BF16;
+    float* gkvb = P_[kv_b_].grad;
+    const bf16* wkvb = P_[kv_b_].w;
+    gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_, H_ * dv_);
+    gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad,
+         H_ * dv_, BF, F32);
+    const bool kv_path = !A.kabs_shared;
+    if (absorbed_) {
+        const int64_t wstride = (dn_ + dv_) * kr_;
+        gemm(ctx, false, false, Tn, kr_, dv_, 1.f, do_, H_ * dv_, wkvb + dn_ * kr_, kr_, 0.f,
+             doabs_, H_ * kr_, BF, BF, {H_, dv_, wstride, kr_});
+        gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, 1.f,
+             gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
+        const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
+                                  A.oabs, A.lse, doabs_, dqabs_, dkabs_);
+        // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
+        if (kv_grad_accum) {
+            if (A.kabs_shared)
+                cuda::add_inplace(ctx, kv_grad_accum, dkabs_, Tn * L);
+            else
+                cuda::add_inplace(ctx, dkabs_, kv_grad_accum, Tn * L);
+        }
+        gemm(ctx, false, true, Tn, dn_, kr_, 1.f, dqabs_, H_ * L, wkvb, kr_, 0.f, dq_b_, H_ * dq_,
+             BF, BF, {H_, L, wstride, dq_});
+        gemm(ctx, true, false, dn_, kr_, Tn, 1.f, A.q, H_ * dq_, dqabs_, H_ * L, 1.f, gkvb, kr_, BF,
+             F32, {H_, dq_, L, wstride});
+        cuda::copy_2d(ctx, dq_b_ + dn_, dq_ * B2, dqabs_ + kr_, L * B2, dr_ * B2, Tn * H_);
+        if (kv_path) {
+            cuda::f32_to_bf16_2d(ctx, dkabs_, L, dckv_n_, kr_, Tn, kr_, false);
+            cuda::f32_to_bf16_2d(ctx, dkabs_ + kr_, L, dckv_ + kr_, L, Tn, dr_, false);
+        }
+    } else {
+        cuda::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+                          dn_ + dv_};
+        cuda::attention_backward(ctx, s, A.q, A.k, A.kv + dn_, A.o, A.lse, do_, in.row_begin,
+                                 scale(), dq_b_, dk32_, dv32_);
+        cuda::mla_expanded_kv_grad(ctx, dk32_, dv32_, Tn, H_, dn_, dr_, dv_, dkv_, dckv_ + kr_, L);
+        gemm(ctx, false, false, Tn, kr_, H_ * (dn_ + dv_), 1.f, dkv_, H_ * (dn_ + dv_), wkvb, kr_,
+             0.f, dckv_n_, kr_);
+        gemm(ctx, true, false, H_ * (dn_ + dv_), kr_, Tn, 1.f, dkv_, H_ * (dn_ + dv_), A.ckv_n, kr_,
+             1.f, gkvb, kr_, BF, F32);
+    }
+    cuda::rope(ctx, dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
+               c_.rotary_interleaved, true);
+    if (kv_path) {
+        cuda::rope(ctx, dckv_ + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
+                   c_.rotary_interleaved, true);
+        cuda::rmsnorm_backward(ctx, dckv_n_, kr_, A.ckv, L, P_[kv_a_norm_].w, A.rstd_kv, Tn, kr_,
+                               dckv_, L, false, P_[kv_a_norm_].grad, S_.norm_ws);
+    }
+    gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f, dcq_,
+         qr_);
+    gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_, 1.f, P_[q_b_].grad,
+         qr_, BF, F32);
+    cuda::rmsnorm_backward(ctx, dcq_, qr_, A.cq_raw, qr_, P_[q_a_norm_].w, A.rstd_q, Tn, qr_,
+                           dcq_raw_, qr_, false, P_[q_a_norm_].grad, S_.norm_ws);
+    gemm(ctx, false, false, Tn, h_, qr_, 1.f, dcq_raw_, qr_, P_[q_a_].w, h_, 0.f, da, h_);
+    gemm(ctx, true, false, qr_, h_, Tn, 1.f, dcq_raw_, qr_, a, h_, 1.f, P_[q_a_].grad, h_, BF, F32);
+    if (kv_path) {
+        gemm(ctx, false, false, Tn, h_, L, 1.f, dckv_, L, P_[kv_a_].w, h_, 1.f, da, h_);
+        gemm(ctx, true, false, L, h_, Tn, 1.f, dckv_, L, a, h_, 1.f, P_[kv_a_].grad, h_, BF, F32);
+    }
+}
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,42 @@
+// MLA attention on CUDA: the CPU MlaAttention (model/mla_attention.h) with bf16 activations,
+// expanded (dense) or absorbed (sparse over a DSA top-k) execution.
+#pragma once
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/model/gpu/gpu_common.h"
+
+namespace sparsetron::gpu {
+
+class GpuMla {
+  public:
+    struct Acts {
+        bf16 *cq_raw, *cq, *q, *ckv, *ckv_n, *kv, *k, *qabs, *kabs, *oabs, *o;
+        float *rstd_q, *rstd_kv, *lse;
+        const bf16* kabs_shared = nullptr;  // MTP latent-KV sharing: attend over this K'
+    };
+    GpuMla(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+           const std::string& hf_prefix, int64_t tokens, bool absorbed);
+    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+
+    void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;
+    void attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
+                const int32_t* len, int64_t kslots, bf16* x_accum) const;
+    void backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
+                  const GpuInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
+                  bf16* da, float* kv_grad_accum) const;
+    float scale() const;
+    int64_t latent_dim() const { return kr_ + dr_; }
+
+  private:
+    const ModelConfig& c_;
+    const GpuParams& P_;
+    GpuShared& S_;
+    int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
+    bool absorbed_;
+    int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
+    // Backward scratch (shared by every MLA of the model).
+    bf16 *do_, *dq_b_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *doabs_, *dkv_;
+    float *dkabs_, *dk32_, *dv32_;
+};
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,363 @@
+#include "sparsetron/model/gpu/gpu_model.h"
+
+#include <algorithm>
+
+namespace sparsetron::gpu {
+
+using cuda::gemm;
+constexpr auto BF = DType::BF16;
+constexpr auto F32 = DType::F32;
+
+GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
+                   int64_t tokens, int64_t max_docs, int64_t chunk_rows)
+    : cfg_(cfg),
+      plan_(plan),
+      B_(plan),
+      T_(tokens),
+      max_docs_(max_docs),
+      chunk_rows_(std::min(chunk_rows, tokens)) {
+    store_ = std::make_unique<ParamStore>(plan, DType::F32);
+    for (const auto& p : host_store.params()) store_->add_like(p);
+    P_ = std::make_unique<GpuParams>(*store_, plan);
+    const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
+    const int64_t maxdim = std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
+    B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
+    B_.act(in_.token_ids, "inputs.tokens", {Tn});
+    B_.act(in_.targets, "inputs.targets", {Tn});
+    B_.act(in_.positions, "inputs.positions", {Tn});
+    B_.act(in_.row_begin, "inputs.row_begin", {Tn});
+    in_.tokens = Tn;
+    embed_ = P_->index("model.embed_tokens.weight");
+    final_norm_ = P_->index("model.norm.weight");
+    head_ = P_->index("lm_head.weight");
+    x_.assign(cfg.num_layers + 1, nullptr);
+    int64_t indexer_apps = 0;
+    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+        layers_.push_back(std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, l, tokens));
+        acts_.push_back(std::make_unique<GpuLayer::Acts>());
+        layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
+        B_.act(x_[l], cat("layers.", l, ".x_in"), {Tn, h});
+        indexer_apps += layers_.back()->has_indexer();
+    }
+    B_.act(x_[cfg.num_layers], "final.x", {Tn, h});
+    B_.act(h_final_, "final.norm_out", {Tn, h});
+    B_.act(rstd_final_, "final.norm_rstd", {Tn});
+    B_.scratch(dx_, "grad.residual", {Tn, h});
+    B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
+    B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
+    B_.scratch(dlogits_, "head.dlogits_chunk", {chunk_rows_, V});
+    B_.scratch(row_loss_, "head.row_loss", {Tn});
+    D_ = cfg.mtp_num_layers;
+    if (D_ > 0) {
+        const std::string p = cat("model.layers.", cfg.num_layers, ".");
+        enorm_ = P_->index(p + "enorm.weight");
+        hnorm_ = P_->index(p + "hnorm.weight");
+        eh_proj_ = P_->index(p + "eh_proj.weight");
+        mtp_norm_ = P_->index(p + "shared_head.norm.weight");
+        mtp_layer_ = std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens);
+        for (int64_t k = 1; k <= D_; ++k) {
+            const std::string a = cat("mtp.depth", k, ".");
+            auto m = std::make_unique<MtpActs>();
+            B_.act(m->ids, a + "input_ids", {Tn});
+            B_.act(m->targets, a + "targets", {Tn});
+            B_.act(m->e, a + "embedding", {Tn, h});
+            B_.act(m->en, a + "enorm_out", {Tn, h});
+            B_.act(m->rstd_e, a + "enorm_rstd", {Tn});
+            B_.act(m->hn, a + "hnorm_out", {Tn, h});
+            B_.act(m->rstd_h, a + "hnorm_rstd", {Tn});
+            B_.act(m->cat, a + "concat", {Tn, 2 * h});
+            B_.act(m->hin, a + "layer_in", {Tn, h});
+            B_.act(m->hout, a + "layer_out", {Tn, h});
+            B_.act(m->hz, a + "head_norm_out", {Tn, h});
+            B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
+            B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
+            mtp_layer_->declare(m->layer, B_, a);
+            if (mtp_layer_->has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
+            mtp_.push_back(std::move(m));
+        }
+        if (kv_share())
+            B_.scratch(dmtp_kv_, "grad.mtp.k_latent_shared",
+                       {Tn, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim});
+        B_.scratch(dmtp_h_, "grad.mtp.hidden", {Tn, h});
+        B_.scratch(dmtp_cat_, "grad.mtp.concat", {Tn, 2 * h});
+        B_.scratch(dmtp_z_, "grad.mtp.layer_out", {Tn, h});
+        B_.scratch(dmtp_e_, "grad.mtp.embedding", {Tn, h});
+        if (cfg.mtp_loss_type == "e2e_tv") {
+            B_.scratch(tv_p_, "mtp.tv.target_probs", {D_, chunk_rows_, V});
+            B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
+            B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
+            B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
+            B_.act(tv_valid_, "mtp.tv.valid", {Tn});
+        }
+    }
+    tv_at_ = 2 + 2 * std::max<int64_t>(D_, 1);
+    idx_at_ = tv_at_ + 2;
+    n_sums_ = idx_at_ + 2 * std::max<int64_t>(indexer_apps, 1);
+    B_.act(sums_, "loss.sums", {n_sums_});
+}
+
+GpuModel::~GpuModel() = default;
+
+void GpuModel::bind(const ExecContext& ctx) {
+    P_->bind(plan_);
+    B_.resolve();
+    // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
+    int64_t slot = 0;
+    idx_sums_.clear();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        GpuLayer::Acts& A = *acts_[l];
+        if (layers_[l]->has_indexer()) {
+            A.topk = A.idx.topk, A.topk_len = A.idx.len;
+            A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
+            idx_sums_.push_back(A.indexer_sums);
+        }
+    }
+    auto share = [&](GpuLayer::Acts& A, int64_t layer0) {
+        if (!cfg_.uses_dsa() || A.topk) return;
+        const int64_t src = dsa_source_layer(cfg_, layer0);
+        ST_CHECK(src >= 0 && src < int64_t(acts_.size()) && acts_[src]->topk, "DSA layer ", layer0,
+                 " shares the top-k of layer ", src, ", which has none");
+        A.topk = acts_[src]->topk, A.topk_len = acts_[src]->topk_len;
+    };
+    for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], int64_t(l));
+    for (int64_t k = 0; k < D_; ++k) {
+        GpuLayer::Acts& A = mtp_[k]->layer;
+        if (kv_share() && k > 0) {
+            const GpuLayer::Acts& first = mtp_[0]->layer;
+            A.attn.kabs_shared = first.attn.kabs;
+            A.topk = first.topk, A.topk_len = first.topk_len;
+            A.skip_indexer = true;
+        } else if (mtp_layer_->has_indexer()) {
+            A.topk = A.idx.topk, A.topk_len = A.idx.len;
+            A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
+            idx_sums_.push_back(A.indexer_sums);
+        }
+        share(A, cfg_.num_layers);
+    }
+    for (GpuMoe* m : moes()) m->check_layout();
+    reset_moe_stats(ctx);
+}
+
+std::vector<GpuMoe*> GpuModel::moes() const {
+    std::vector<GpuMoe*> out;
+    for (const auto& l : layers_)
+        if (l->moe()) out.push_back(l->moe());
+    if (mtp_layer_ && mtp_layer_->moe()) out.push_back(mtp_layer_->moe());
+    return out;
+}
+
+void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb) {
+    ST_CHECK(mb.capacity == T_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
+             " slots / ", mb.max_documents, " documents does not match the plan (", T_, " / ",
+             max_docs_, ")");
+    for (int64_t i = 0; i < T_; ++i)
+        ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
+                 " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
+    const int64_t bytes = T_ * int64_t(sizeof(int32_t));
+    cuda::upload(ctx, in_.token_ids, mb.tokens.data(), bytes);
+    cuda::upload(ctx, in_.targets, mb.targets.data(), bytes);
+    cuda::upload(ctx, in_.positions, mb.positions.data(), bytes);
+    h_row_begin_.assign(T_, -1);
+    for (int64_t d = 0; d < mb.num_documents; ++d)
+        for (int32_t t = mb.cu_seqlens[d]; t < mb.cu_seqlens[d + 1]; ++t)
+            h_row_begin_[t] = mb.cu_seqlens[d];
+    cuda::upload(ctx, in_.row_begin, h_row_begin_.data(), bytes);
+    in_.real_rows = mb.cu_seqlens[mb.num_documents];
+    // MTP: depth k reads the token at row i+k and predicts row i+k+1, inside i's document only.
+    for (int64_t k = 1; k <= D_; ++k) {
+        std::vector<int32_t> ids(T_, -1), tg(T_, -1);
+        for (int64_t d = 0; d < mb.num_documents; ++d) {
+            const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
+            for (int64_t i = b; i < e; ++i) {
+                if (i + k < e) ids[i] = mb.tokens[i + k];
+                if (i + k + 1 < e) tg[i] = mb.tokens[i + k + 1];
+            }
+        }
+        cuda::upload(ctx, mtp_[k - 1]->ids, ids.data(), bytes);
+        cuda::upload(ctx, mtp_[k - 1]->targets, tg.data(), bytes);
+    }
+    if (tv_valid_) {
+        h_valid_.assign(T_, 0);
+        for (int64_t d = 0; d < mb.num_documents; ++d)
+            for (int64_t i = mb.cu_seqlens[d]; i + D_ < mb.cu_seqlens[d + 1]; ++i) h_valid_[i] = 1;
+        cuda::upload(ctx, tv_valid_, h_valid_.data(), T_);
+    }
+}
+
+LossSums GpuModel::forward_backward(const ExecContext& ctx, const LossScales& sc) {
+    ST_CHECK(!sc.indexer_grads, "dsa_dense_warmup is not implemented on CUDA yet");
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
+    cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
+    const float idx_gs = sc.backward ? float(sc.indexer) : 0.f;
+    for (int64_t l = 0; l < c.num_layers; ++l)
+        layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
+    cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
+                          float(c.norm_epsilon), h_final_, h, rstd_final_);
+    cuda::head_cross_entropy(ctx, h_final_, Tn, h, (*P_)[head_].w, c.vocab_size, in_.targets,
+                             chunk_rows_, logits_, dlogits_, float(sc.lm), row_loss_,
+                             sc.backward ? dh_ : nullptr,
+                             sc.backward ? (*P_)[head_].grad : nullptr);
+    cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
+    if (D_ > 0) mtp_forward(ctx, sc);
+    if (sc.backward) {
+        if (D_ > 0) mtp_backward(ctx);
+        cuda::rmsnorm_backward(ctx, dh_, h, x_[c.num_layers], h, (*P_)[final_norm_].w, rstd_final_,
+                               Tn, h, dx_, h, false, (*P_)[final_norm_].grad, S_.norm_ws);
+        for (int64_t l = c.num_layers - 1; l >= 0; --l)
+            layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
+        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, (*P_)[embed_].grad);
+    }
+    std::vector<double> s(n_sums_);
+    cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
+    LossSums out;
+    out.lm_loss_sum = s[0];
+    out.lm_targets = int64_t(s[1]);
+    if (D_ > 0) {
+        if (c.mtp_loss_type == "e2e_tv") {
+            out.mtp_sum = {s[tv_at_]};
+            out.mtp_acceptance_sum = s[tv_at_ + 1];
+            int64_t rows = 0;
+            for (uint8_t v : h_valid_) rows += v;
+            out.mtp_count = {rows};
+        } else {
+            for (int64_t k = 0; k < D_; ++k) {
+                out.mtp_sum.push_back(s[2 + 2 * k]);
+                out.mtp_count.push_back(int64_t(s[3 + 2 * k]));
+            }
+        }
+    }
+    for (double* p : idx_sums_) {
+        const int64_t i = p - sums_;
+        if (s[i + 1] > 0) out.indexer_loss += c.dsa_indexer_loss_coeff * s[i] / s[i + 1];
+    }
+    return out;
+}
+
+void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
+    const float eps = float(c.norm_epsilon);
+    const bf16* prev = h_final_;
+    const float idx_gs = sc.backward ? float(sc.indexer) : 0.f;
+    for (int64_t k = 0; k < D_; ++k) {
+        MtpActs& A = *mtp_[k];
+        cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
+        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[enorm_].w, Tn, h, eps, A.en, h, A.rstd_e);
+        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[hnorm_].w, Tn, h, eps, A.hn, h, A.rstd_h);
+        cuda::copy_2d(ctx, A.cat, 2 * h * B2, A.en, h * B2, h * B2, Tn);  // embedding half first
+        cuda::copy_2d(ctx, A.cat + h, 2 * h * B2, A.hn, h * B2, h * B2, Tn);
+        gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f, A.hin,
+             h);
+        mtp_layer_->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
+        cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[mtp_norm_].w, Tn, h, eps, A.hz, h, A.rstd_z);
+        prev = A.hout;
+    }
+    if (c.mtp_loss_type == "e2e_tv") {
+        mtp_tv(ctx, sc);
+        return;
+    }
+    for (int64_t k = 0; k < D_; ++k) {
+        const float scale = sc.backward ? float(sc.mtp.at(k)) : 0.f;
+        float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
+        cuda::head_cross_entropy(ctx, mtp_[k]->hz, Tn, h, (*P_)[head_].w, c.vocab_size,
+                                 mtp_[k]->targets, chunk_rows_, logits_, dlogits_, scale, row_loss_,
+                                 sc.backward ? mtp_[k]->dzk : nullptr, dw);
+        cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
+    }
+}
+
+void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
+    // e2e_tv (SPEC §5): p_k[i] = softmax(z_main[i+k]) (no gradient), q_k[i] = softmax(z^k[i]),
+    // α_k = Σ_v min(p, q); heads detached: the gradient reaches h^k only.
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, V = c.vocab_size, Tn = T_, D = D_;
+    const float row_w = sc.backward ? float(sc.mtp.at(0)) : 0.f;
+    const bf16* head = (*P_)[head_].w;
+    for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
+        const int64_t n = std::min(chunk_rows_, Tn - r0);
+        for (int64_t k = 0; k < D; ++k) {
+            float* p = tv_p_ + k * chunk_rows_ * V;
+            float* q = tv_q_ + k * chunk_rows_ * V;
+            const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
+            cuda::zero(ctx, p, n * V * int64_t(sizeof(float)));
+            if (m > 0)
+                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + shift) * h, h, head, h, 0.f, p,
+                     V, BF, F32);
+            cuda::softmax_rows(ctx, p, n, V);
+            gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
+                 F32);
+            cuda::softmax_rows(ctx, q, n, V);
+            cuda::tv_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0);
+        }
+        cuda::tv_chain(ctx, tv_alpha_ + r0, tv_valid_ + r0, D, n, Tn, row_w, tv_dalpha_ + r0,
+                       sums_ + tv_at_);
+        if (!sc.backward) continue;
+        for (int64_t k = 0; k < D; ++k) {
+            cuda::tv_logit_grad(ctx, tv_p_ + k * chunk_rows_ * V, tv_q_ + k * chunk_rows_ * V,
+                                tv_dalpha_ + k * Tn + r0, n, V, dlogits_);
+            gemm(ctx, false, false, n, h, V, 1.f, dlogits_, V, head, h, 0.f, mtp_[k]->dzk + r0 * h,
+                 h);
+        }
+    }
+}
+
+void GpuModel::mtp_backward(const ExecContext& ctx) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
+    cuda::zero(ctx, dmtp_h_, Tn * h * B2);
+    if (dmtp_kv_)
+        cuda::zero(ctx, dmtp_kv_,
+                   Tn * (c.kv_lora_rank + c.qk_pos_emb_head_dim) * int64_t(sizeof(float)));
+    for (int64_t k = D_ - 1; k >= 0; --k) {
+        MtpActs& A = *mtp_[k];
+        cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
+        cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[mtp_norm_].w, A.rstd_z, Tn, h,
+                               dmtp_z_, h, true, (*P_)[mtp_norm_].grad, S_.norm_ws);
+        mtp_layer_->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
+        gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+             dmtp_cat_, 2 * h);
+        gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h, 1.f,
+             (*P_)[eh_proj_].grad, 2 * h, BF, F32);
+        cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[enorm_].w, A.rstd_e, Tn, h,
+                               dmtp_e_, h, false, (*P_)[enorm_].grad, S_.norm_ws);
+        if (!c.mtp_detach_heads)
+            cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, (*P_)[embed_].grad);
+        const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
+        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, prev, h, (*P_)[hnorm_].w, A.rstd_h, Tn, h,
+                               dmtp_h_, h, false, (*P_)[hnorm_].grad, S_.norm_ws);
+    }
+    if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
+}
+
+void GpuModel::reset_moe_stats(const ExecContext& ctx) const {
+    for (GpuMoe* m : moes()) m->reset_stats(ctx);
+}
+
+std::vector<std::vector<int64_t>> GpuModel::moe_loads(const ExecContext& ctx) const {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& l : layers_)
+        if (l->moe()) {
+            std::vector<int64_t> v(l->moe()->experts());
+            cuda::download(ctx, v.data(), l->moe()->load(), int64_t(v.size() * sizeof(int64_t)));
+            out.push_back(v);
+        }
+    return out;
+}
+
+int64_t GpuModel::moe_dropped(const ExecContext& ctx) const {
+    int64_t total = 0;
+    for (GpuMoe* m : moes()) {
+        int64_t d = 0;
+        cuda::download(ctx, &d, m->dropped(), sizeof(int64_t));
+        total += d;
+    }
+    return total;
+}
+
+void GpuModel::update_router_bias(const ExecContext& ctx, double rate) const {
+    for (GpuMoe* m : moes()) m->update_bias(ctx, rate);
+}
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,79 @@
+// The GLM-5 model on CUDA (the CPU Glm5Model, model/glm5_model.h, on the device): same
+// parameters (by HF name, cloned from a ParamStore), same losses and gradients, bf16 activations.
+// One micro-batch at a time: load_inputs() uploads it, forward_backward() runs it on the
+// session's stream and reads the loss sums back (the only host synchronization of a micro-batch).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "sparsetron/data/packer.h"
+#include "sparsetron/model/glm5_model.h"
+#include "sparsetron/model/gpu/gpu_layer.h"
+
+namespace sparsetron::gpu {
+
+class GpuModel {
+  public:
+    // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
+    GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
+             int64_t tokens, int64_t max_docs, int64_t chunk_rows);
+    ~GpuModel();
+    // After plan.allocate(Device::CUDA).
+    void bind(const ExecContext& ctx);
+
+    const ParamStore& params() const { return *store_; }
+    const GpuParams& gpu_params() const { return *P_; }
+    void refresh_bf16(const ExecContext& ctx) const { P_->refresh_bf16(ctx); }
+
+    void load_inputs(const ExecContext& ctx, const MicroBatch& mb);
+    LossSums forward_backward(const ExecContext& ctx, const LossScales& scales);
+
+    void reset_moe_stats(const ExecContext& ctx) const;
+    std::vector<std::vector<int64_t>> moe_loads(const ExecContext& ctx) const;
+    int64_t moe_dropped(const ExecContext& ctx) const;
+    void update_router_bias(const ExecContext& ctx, double rate) const;
+
+  private:
+    struct MtpActs {
+        int32_t *ids, *targets;
+        bf16 *e, *en, *hn, *cat, *hin, *hout, *hz, *dzk;
+        float *rstd_e, *rstd_h, *rstd_z;
+        GpuLayer::Acts layer;
+    };
+    bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
+    void mtp_forward(const ExecContext& ctx, const LossScales& sc);
+    void mtp_tv(const ExecContext& ctx, const LossScales& sc);
+    void mtp_backward(const ExecContext& ctx);
+    std::vector<GpuMoe*> moes() const;
+
+    ModelConfig cfg_;
+    MemoryPlan& plan_;
+    std::unique_ptr<ParamStore> store_;
+    std::unique_ptr<GpuParams> P_;
+    GpuBuffers B_;
+    GpuShared S_;
+    int64_t T_, max_docs_, chunk_rows_, D_ = 0;
+    std::vector<std::unique_ptr<GpuLayer>> layers_;
+    std::vector<std::unique_ptr<GpuLayer::Acts>> acts_;
+    std::vector<bf16*> x_;
+    int64_t embed_, final_norm_, head_, enorm_ = -1, hnorm_ = -1, eh_proj_ = -1, mtp_norm_ = -1;
+    std::unique_ptr<GpuLayer> mtp_layer_;
+    std::vector<std::unique_ptr<MtpActs>> mtp_;
+    GpuInputs in_;
+    bf16 *h_final_, *dx_, *dh_, *dlogits_, *dmtp_h_, *dmtp_cat_, *dmtp_z_, *dmtp_e_;
+    float *rstd_final_, *logits_, *row_loss_, *dmtp_kv_ = nullptr;
+    float *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr, *tv_dalpha_ = nullptr;
+    uint8_t* tv_valid_ = nullptr;
+    // Loss sums on the device: [lm Σ, lm n, (mtp Σ_k, mtp n_k) per depth, tv Σ, accept Σ,
+    // (Σ KL, rows) per indexer application].
+    double* sums_ = nullptr;
+    int64_t n_sums_ = 0, tv_at_ = 0, idx_at_ = 0;
+    std::vector<double*> idx_sums_;  // one [2] per indexer application, in forward order
+    // Host staging for the inputs of one micro-batch.
+    std::vector<int32_t> h_ids_, h_row_begin_;
+    std::vector<uint8_t> h_valid_;
+    int64_t real_rows_ = 0;
+};
+
+}  // namespace sparsetron::gpu

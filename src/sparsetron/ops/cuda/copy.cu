@@ -1,0 +1,105 @@
+// Copies and dtype conversions on the stream (the pieces of a layout change inside a layer).
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+__global__ void f32_to_bf16_2d_kernel(const float* src, int64_t ld_src, bf* dst, int64_t ld_dst,
+                                      int64_t rows, int64_t cols, bool accumulate) {
+    const int64_t id = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (id >= rows * cols) return;
+    const int64_t r = id / cols, c = id % cols;
+    bf* d = dst + r * ld_dst + c;
+    const float v = src[r * ld_src + c];
+    *d = __float2bfloat16(accumulate ? __bfloat162float(*d) + v : v);
+}
+
+__global__ void bf16_to_f32_kernel(const bf* src, float* dst, int64_t n) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i < n) dst[i] = __bfloat162float(src[i]);
+}
+
+__global__ void f32_to_bf16_kernel(const float* src, bf* dst, int64_t n) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i < n) dst[i] = __float2bfloat16(src[i]);
+}
+
+__global__ void expanded_kv_grad_kernel(const float* dk, const float* dv, int64_t heads,
+                                        int64_t dn, int64_t dr, int64_t dvh, bf* dkv, bf* dpe,
+                                        int64_t ld_pe) {
+    const int64_t t = blockIdx.x;
+    const int64_t dq = dn + dr, w = dn + dvh;
+    for (int64_t i = threadIdx.x; i < heads * w; i += blockDim.x) {
+        const int64_t h = i / w, c = i % w;
+        const float v = c < dn ? dk[(t * heads + h) * dq + c] : dv[(t * heads + h) * dvh + c - dn];
+        dkv[t * heads * w + i] = __float2bfloat16(v);
+    }
+    for (int64_t i = threadIdx.x; i < dr; i += blockDim.x) {
+        float s = 0;
+        for (int64_t h = 0; h < heads; ++h) s += dk[(t * heads + h) * dq + dn + i];
+        dpe[t * ld_pe + i] = __float2bfloat16(s);
+    }
+}
+
+}  // namespace
+
+void copy_2d(const ExecContext& ctx, void* dst, int64_t dst_pitch, const void* src,
+             int64_t src_pitch, int64_t width_bytes, int64_t rows) {
+    if (rows == 0 || width_bytes == 0) return;
+    ST_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width_bytes, rows,
+                                    cudaMemcpyDeviceToDevice, stream_of(ctx)));
+}
+
+void zero(const ExecContext& ctx, void* dst, int64_t bytes) {
+    if (bytes == 0) return;
+    ST_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, stream_of(ctx)));
+}
+
+void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
+    if (bytes == 0) return;
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(ctx)));
+    // Pageable sources are staged before the call returns, but make it explicit: the caller's
+    // buffer is refilled for the next micro-batch right away.
+    ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+}
+
+void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
+    if (bytes == 0) return;
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
+    ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+}
+
+void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf16* dst,
+                    int64_t ld_dst, int64_t rows, int64_t cols, bool accumulate) {
+    const int64_t n = rows * cols;
+    if (n == 0) return;
+    f32_to_bf16_2d_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(
+        src, ld_src, dev(dst), ld_dst, rows, cols, accumulate);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n) {
+    if (n == 0) return;
+    bf16_to_f32_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(dev(src), dst, n);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n) {
+    if (n == 0) return;
+    f32_to_bf16_kernel<<<blocks_for(n, 256), 256, 0, stream_of(ctx)>>>(src, dev(dst), n);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* dv, int64_t tokens,
+                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv,
+                          bf16* dpe, int64_t ld_pe) {
+    if (tokens == 0) return;
+    expanded_kv_grad_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dk, dv, heads, dn, dr, dvh,
+                                                                dev(dkv), dev(dpe), ld_pe);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

@@ -1,0 +1,184 @@
+// The DSA indexer's KL loss against the attention's head-summed distribution and its gradient
+// back through the indexer scores (SPEC §3.1). One block per query row; the support is the row's
+// top-k (sparse loss) or its causal document keys (dense loss).
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct Support {
+    bool sparse;
+    const int32_t *idx, *len, *row_begin;
+    int64_t kslots;
+    __device__ int64_t count(int64_t t) const {
+        if (sparse) return len[t];
+        return row_begin[t] < 0 ? 0 : t - row_begin[t] + 1;
+    }
+    __device__ int64_t key(int64_t t, int64_t j) const {
+        return sparse ? idx[t * kslots + j] : row_begin[t] + j;
+    }
+};
+
+__global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, const float* lse,
+                                  int64_t heads, int64_t dl, float scale, const float* scores,
+                                  int64_t tokens, float* kl, float* dscore) {
+    extern __shared__ float smem[];
+    const int64_t t = blockIdx.x, n = sup.count(t);
+    if (n == 0) {
+        if (threadIdx.x == 0) kl[t] = 0.f;
+        return;
+    }
+    float* qs = smem;     // [dl]
+    float* z = qs + dl;   // [n]
+    float* p = z + n;     // [n]
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] = 0.f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int64_t h = 0; h < heads; ++h) {
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < dl; i += blockDim.x) qs[i] = ld(qabs + (t * heads + h) * dl + i);
+        __syncthreads();
+        for (int64_t j = warp; j < n; j += nwarps) {
+            const bf* k = kabs + sup.key(t, j) * dl;
+            float d = 0;
+            for (int64_t i = lane; i < dl; i += 32) d += qs[i] * ld(k + i);
+            d = warp_sum(d);
+            if (lane == 0) z[j] = d * scale;
+        }
+        __syncthreads();
+        float l;
+        if (sup.sparse) {
+            l = lse[h * tokens + t];
+        } else {
+            float mx = -INFINITY;
+            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, z[j]);
+            mx = block_max(mx);
+            float s = 0;
+            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += __expf(z[j] - mx);
+            l = mx + logf(block_sum(s));
+        }
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] += __expf(z[j] - l);
+    }
+    __syncthreads();
+    float ps = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ps += p[j];
+    ps = fmaxf(block_sum(ps), 1e-10f);
+    const float* row = scores + t * tokens;
+    float mx = -INFINITY;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, row[sup.key(t, j)]);
+    mx = block_max(mx);
+    float s = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s += __expf(row[sup.key(t, j)] - mx);
+    const float lse_i = mx + logf(block_sum(s));
+    float k = 0;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const int64_t key = sup.key(t, j);
+        const float pj = p[j] / ps, logq = row[key] - lse_i;
+        if (pj > 0) k += pj * (logf(pj) - logq);
+        dscore[t * tokens + key] = __expf(logq) - pj;
+    }
+    k = block_sum(k);
+    if (threadIdx.x == 0) kl[t] = k;
+}
+
+__global__ void indexer_scores_bwd_kernel(Support sup, const bf* q, const bf* k, const float* w,
+                                          const float* dscore, float grad_scale, int64_t tokens,
+                                          int64_t heads, int64_t dim, float* dw, bf* dq,
+                                          float* dk) {
+    extern __shared__ float smem[];
+    const int64_t t = blockIdx.x, n = sup.count(t);
+    float* qs = smem;                  // [heads * dim]
+    float* dqs = qs + heads * dim;     // [heads * dim]
+    float* dws = dqs + heads * dim;    // [heads]
+    for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x) {
+        qs[i] = ld(q + t * heads * dim + i);
+        dqs[i] = 0.f;
+    }
+    for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) dws[j] = 0.f;
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int64_t j = warp; j < n; j += nwarps) {
+        const int64_t s = sup.key(t, j);
+        const float g = grad_scale * dscore[t * tokens + s];
+        const bf* ks = k + s * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = qs + h * dim;
+            float d = 0;
+            for (int64_t i = lane; i < dim; i += 32) d += qh[i] * ld(ks + i);
+            d = warp_sum(d);
+            if (d <= 0.f) continue;  // ReLU
+            if (lane == 0) atomicAdd(dws + h, g * d);
+            const float a = g * w[t * heads + h];
+            for (int64_t i = lane; i < dim; i += 32) {
+                atomicAdd(dqs + h * dim + i, a * ld(ks + i));
+                atomicAdd(dk + s * dim + i, a * qh[i]);
+            }
+        }
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x)
+        dq[t * heads * dim + i] = __float2bfloat16(dqs[i]);
+    for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) dw[t * heads + j] = dws[j];
+}
+
+__global__ void kl_sum_kernel(const float* kl, const int32_t* len, int64_t tokens, double* out) {
+    __shared__ double part[256];
+    __shared__ long long cnt[256];
+    double s = 0;
+    long long c = 0;
+    for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x)
+        if (len[t] > 0) s += kl[t], ++c;
+    part[threadIdx.x] = s, cnt[threadIdx.x] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0;
+        long long rows = 0;
+        for (int i = 0; i < int(blockDim.x); ++i) total += part[i], rows += cnt[i];
+        out[0] += total, out[1] += double(rows);
+    }
+}
+
+}  // namespace
+
+void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
+                const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
+                const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
+                int64_t tokens, float* kl, float* dscore) {
+    if (tokens == 0) return;
+    const int64_t nmax = sparse ? kslots : tokens;
+    const size_t smem = (dl + 2 * nmax) * sizeof(float);
+    ST_CHECK(smem <= 200 * 1024, "indexer_kl: a support of ", nmax, " keys does not fit");
+    ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_kl_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    indexer_kl_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
+        Support{sparse, idx, len, row_begin, kslots}, dev(qabs), dev(kabs), lse, heads, dl, scale,
+        scores, tokens, kl, dscore);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
+                             const float* w, const float* dscore, float grad_scale,
+                             const int32_t* idx, const int32_t* len, int64_t kslots,
+                             const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                             float* dw, bf16* dq, float* dk) {
+    if (tokens == 0) return;
+    zero(ctx, dk, tokens * dim * sizeof(float));
+    const size_t smem = (2 * heads * dim + heads) * sizeof(float);
+    ST_CHECK(smem <= 200 * 1024, "indexer_scores_backward: ", heads, "x", dim, " does not fit");
+    ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_bwd_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    indexer_scores_bwd_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
+        Support{sparse, idx, len, row_begin, kslots}, dev(q), dev(k), w, dscore, grad_scale, tokens,
+        heads, dim, dw, dev(dq), dk);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
+                    double* out) {
+    kl_sum_kernel<<<1, 256, 0, stream_of(ctx)>>>(kl, len, tokens, out);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

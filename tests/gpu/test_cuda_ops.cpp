@@ -55,7 +55,8 @@ std::vector<float> download_f(const DeviceArray<bf16>& a) {
 class CudaOps : public ::testing::Test {
   protected:
     void SetUp() override {
-        if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible: GPU tests run on the GPU machine";
+        if (!cuda_available())
+            GTEST_SKIP() << "no CUDA device visible: GPU tests run on the GPU machine";
         session_ = std::make_unique<cuda::CudaSession>();
     }
     const ExecContext& ctx() const { return session_->ctx(); }
@@ -105,8 +106,8 @@ TEST_F(CudaOps, GemmFp32AndBatched) {
     sync();
     std::vector<float> ref(batch * m * n);
     for (int64_t i = 0; i < batch; ++i)
-        cpu::gemm<float>(false, true, m, n, k, 1.f, a.data() + i * m * k, k, b.data() + i * n * k, k,
-                         0.f, ref.data() + i * m * n, n);
+        cpu::gemm<float>(false, true, m, n, k, 1.f, a.data() + i * m * k, k, b.data() + i * n * k,
+                         k, 0.f, ref.data() + i * m * n, n);
     expect_close("gemm fp32 batched", dc.download(), ref, kF32Tol);
     expect_guard(dc, "gemm batched");
 }
@@ -146,10 +147,10 @@ TEST_F(CudaOps, RmsNormForwardBackwardStrided) {
                            dw, ws);
     sync();
     std::vector<float> yref(rows * ldy, 0.f), rref(rows), dxref = dx0.host, dwref = dw0;
-    cpu::rmsnorm_forward<float>(x.host.data(), ldx, w.host.data(), rows, dim, 1e-6, yref.data(), ldy,
-                                rref.data());
-    cpu::rmsnorm_backward<float>(dy.host.data(), ldy, x.host.data(), ldx, w.host.data(), rref.data(),
-                                 rows, dim, dxref.data(), ldx, true, dwref.data());
+    cpu::rmsnorm_forward<float>(x.host.data(), ldx, w.host.data(), rows, dim, 1e-6, yref.data(),
+                                ldy, rref.data());
+    cpu::rmsnorm_backward<float>(dy.host.data(), ldy, x.host.data(), ldx, w.host.data(),
+                                 rref.data(), rows, dim, dxref.data(), ldx, true, dwref.data());
     std::vector<bool> in_y(rows * ldy), in_x(rows * ldx);
     for (int64_t i = 0; i < rows * ldy; ++i) in_y[i] = i % ldy < dim;
     for (int64_t i = 0; i < rows * ldx; ++i) in_x[i] = i % ldx < dim;
@@ -180,8 +181,8 @@ TEST_F(CudaOps, LayerNormForwardBackward) {
     std::vector<float> yr(rows * dim), mr(rows), rr(rows), dxr(rows * dim), dwr = dw0, dbr = db0;
     cpu::layernorm_forward<float>(x.host.data(), w.host.data(), b.host.data(), rows, dim, 1e-6,
                                   yr.data(), mr.data(), rr.data());
-    cpu::layernorm_backward<float>(dy.host.data(), x.host.data(), w.host.data(), mr.data(), rr.data(),
-                                   rows, dim, dxr.data(), dwr.data(), dbr.data());
+    cpu::layernorm_backward<float>(dy.host.data(), x.host.data(), w.host.data(), mr.data(),
+                                   rr.data(), rows, dim, dxr.data(), dwr.data(), dbr.data());
     expect_close("layernorm y", download_f(y), yr, kBf16Tol);
     expect_close("layernorm mean", mean.download(), mr, kF32Tol);
     expect_close("layernorm rstd", rstd.download(), rr, kF32Tol);
@@ -202,7 +203,8 @@ TEST_F(CudaOps, RopeBothPairingsAndInverse) {
             cuda::rope(ctx(), x.dev, tokens, heads, dim, ld_t, ld_h, dpos, 1e6, inter, inv);
             sync();
             std::vector<float> ref = x.host;
-            cpu::rope<float>(ref.data(), tokens, heads, dim, ld_t, ld_h, pos.data(), 1e6, inter, inv);
+            cpu::rope<float>(ref.data(), tokens, heads, dim, ld_t, ld_h, pos.data(), 1e6, inter,
+                             inv);
             expect_close(cat("rope interleaved=", inter, " inverse=", inv), download_f(x.dev), ref,
                          kBf16Tol);
             expect_guard(x.dev, "rope");
@@ -238,15 +240,15 @@ TEST_F(CudaOps, HeadCrossEntropyChunked) {
     DeviceArray<float> dw(dw0);
     DeviceArray<double> total(2);
     const float gs = 1.f / 133.f;
-    cuda::head_cross_entropy(ctx(), h.dev, rows, dim, w.dev, vocab, dtgt, chunk, logits, dlogits, gs,
-                             row_loss, dh, dw);
+    cuda::head_cross_entropy(ctx(), h.dev, rows, dim, w.dev, vocab, dtgt, chunk, logits, dlogits,
+                             gs, row_loss, dh, dw);
     cuda::loss_sum(ctx(), row_loss, dtgt, rows, total);
     sync();
     std::vector<float> lws(chunk * vocab), dhr(rows * dim), dwr = dw0;
     double loss = 0;
     int64_t count = 0;
-    cpu::head_cross_entropy<float>(h.host.data(), rows, dim, w.host.data(), vocab, tgt.data(), chunk,
-                                   lws.data(), gs, dhr.data(), dwr.data(), &loss, &count);
+    cpu::head_cross_entropy<float>(h.host.data(), rows, dim, w.host.data(), vocab, tgt.data(),
+                                   chunk, lws.data(), gs, dhr.data(), dwr.data(), &loss, &count);
     auto t = total.download();
     std::cout << "[harness] head loss sum gpu " << t[0] << " cpu " << loss << "\n";
     EXPECT_NEAR(t[0], loss, 1e-5 * std::fabs(loss));
@@ -285,8 +287,7 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
     auto o_gpu = download_f(out);
     cpu::attention_backward<float>(cs, q.host.data(), kv.host.data(), kv.host.data() + dqk,
                                    o_gpu.data(), l.data(), dout.host.data(), docs.cu.data(),
-                                   docs.num_docs, scale, dqr.data(), dkvr.data(),
-                                   dvr.data() + dqk);
+                                   docs.num_docs, scale, dqr.data(), dkvr.data(), dvr.data() + dqk);
     std::vector<float> dk_ref(T * H * dqk), dv_ref(T * H * dv);
     for (int64_t t = 0; t < T; ++t)
         for (int64_t h = 0; h < H; ++h) {
@@ -319,8 +320,7 @@ TEST_F(CudaOps, SparseMqaForwardBackward) {
         if (rbv[t] < 0) continue;
         std::vector<int32_t> cand(t - rbv[t] + 1);
         std::iota(cand.begin(), cand.end(), rbv[t]);
-        for (size_t i = cand.size(); i > 1; --i)
-            std::swap(cand[i - 1], cand[rng.bits(draw++) % i]);
+        for (size_t i = cand.size(); i > 1; --i) std::swap(cand[i - 1], cand[rng.bits(draw++) % i]);
         const int64_t n = std::min<int64_t>(K, int64_t(cand.size()));
         std::sort(cand.begin(), cand.begin() + n);
         std::copy_n(cand.begin(), n, idx.begin() + t * K);
@@ -339,8 +339,8 @@ TEST_F(CudaOps, SparseMqaForwardBackward) {
                                    len.data(), K, scale, o.data(), l.data());
     auto o_gpu = download_f(out);
     cpu::sparse_mqa_backward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
-                                    len.data(), K, scale, o_gpu.data(), l.data(),
-                                    dout.host.data(), dqr.data(), ws.data(), dkvr.data());
+                                    len.data(), K, scale, o_gpu.data(), l.data(), dout.host.data(),
+                                    dqr.data(), ws.data(), dkvr.data());
     expect_close("sparse mqa out", o_gpu, o, kBf16Tol);
     expect_close("sparse mqa lse", lse.download(), l, 1e-5);
     expect_close("sparse mqa dq", download_f(dq), dqr, kBf16Tol);
@@ -385,7 +385,8 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
             double acc = 0;
             for (int64_t j = 0; j < H; ++j) {
                 double dot = 0;
-                for (int64_t i = 0; i < d; ++i) dot += double(q.host[(t * H + j) * d + i]) * k.host[s * d + i];
+                for (int64_t i = 0; i < d; ++i)
+                    dot += double(q.host[(t * H + j) * d + i]) * k.host[s * d + i];
                 acc += w[t * H + j] * std::max(dot, 0.0);
             }
             sref[t * T + s] = float(acc), valid[t * T + s] = true;
@@ -443,17 +444,20 @@ TEST_F(CudaOps, RouterPermuteGatherCombine) {
         auto tg = topk.download();
         std::vector<float> pref(T * E), gref(T * k, 0.f);
         std::vector<int32_t> tref(T * k, -1);
-        for (int64_t i = 0; i < T * E; ++i) pref[i] = float(1.0 / (1.0 + std::exp(-double(logits[i]))));
+        for (int64_t i = 0; i < T * E; ++i)
+            pref[i] = float(1.0 / (1.0 + std::exp(-double(logits[i]))));
         for (int64_t t = 0; t < T; ++t) {
             if (rbv[t] < 0) continue;
             std::vector<int32_t> order(E);
             std::iota(order.begin(), order.end(), 0);
             const float* p = pg.data() + t * E;  // the GPU's probabilities: no tie flips
-            std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t x, int32_t y) {
-                float vx = p[x] + bias[x], vy = p[y] + bias[y];
-                return vx > vy || (vx == vy && x < y);
-            });
-            for (int64_t j = 0; j < k; ++j) tref[t * k + j] = force ? int32_t((t * k + j) % E) : order[j];
+            std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                              [&](int32_t x, int32_t y) {
+                                  float vx = p[x] + bias[x], vy = p[y] + bias[y];
+                                  return vx > vy || (vx == vy && x < y);
+                              });
+            for (int64_t j = 0; j < k; ++j)
+                tref[t * k + j] = force ? int32_t((t * k + j) % E) : order[j];
             double sum = 1e-20;
             for (int64_t j = 0; j < k; ++j) sum += p[tref[t * k + j]];
             for (int64_t j = 0; j < k; ++j) gref[t * k + j] = float(p[tref[t * k + j]] / sum * 2.5);
@@ -465,12 +469,14 @@ TEST_F(CudaOps, RouterPermuteGatherCombine) {
         std::vector<int32_t> cref(E, 0), oref(E + 1, 0), sref(T * k, -1), permref;
         for (int64_t i = 0; i < T * k; ++i)
             if (tref[i] >= 0) ++cref[tref[i]];
-        for (int64_t e = 0; e < E; ++e) oref[e + 1] = oref[e] + std::min<int32_t>(cref[e], capacity);
+        for (int64_t e = 0; e < E; ++e)
+            oref[e + 1] = oref[e] + std::min<int32_t>(cref[e], capacity);
         permref.assign(oref[E], -1);
         std::vector<int32_t> fill(oref.begin(), oref.end() - 1);
         for (int64_t i = 0; i < T * k; ++i) {
             const int32_t e = tref[i];
-            if (e >= 0 && fill[e] < oref[e + 1]) sref[i] = fill[e], permref[fill[e]++] = int32_t(i / k);
+            if (e >= 0 && fill[e] < oref[e + 1])
+                sref[i] = fill[e], permref[fill[e]++] = int32_t(i / k);
         }
         EXPECT_EQ(counts.download(), cref);
         EXPECT_EQ(offsets.download(), oref);
@@ -515,8 +521,8 @@ TEST_F(CudaOps, GroupedGemmAllKinds) {
                        w.dev, y);
     cuda::grouped_gemm(ctx(), cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, n, kk, dy.dev,
                        w.dev, dx);
-    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev, x.dev,
-                       dw);
+    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
+                       x.dev, dw);
     sync();
     std::vector<float> yr(R * n), dxr(R * kk), dwr = dw0;
     for (int64_t e = 0; e < E; ++e) {
@@ -549,7 +555,8 @@ TEST_F(CudaOps, GradNormClipAndAdamW) {
     const float max_norm = 1.0f;
     cuda::sum_squares_partials(ctx(), dg, n, parts);
     cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), max_norm, norm, scale, skip);
-    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, scale, skip, pb);
+    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, scale, skip,
+                       pb);
     sync();
     const double ref_norm = std::sqrt(cpu::sum_squares(g.data(), n));
     const double ref_scale = std::min(1.0, max_norm / (ref_norm + 1e-6));
@@ -576,4 +583,324 @@ TEST_F(CudaOps, GradNormClipAndAdamW) {
     EXPECT_EQ(dp.download(), before);
 }
 
+#endif  // SPARSETRON_WITH_CUDA
+
+#if SPARSETRON_WITH_CUDA
+namespace {
+// Teacher/student KL of the DSA indexer in fp64 (SPEC §3.1), one row: returns kl, fills dscore.
+double reference_indexer_kl(const std::vector<float>& qabs, const std::vector<float>& kabs,
+                            const std::vector<float>* lse, int64_t T, int64_t H, int64_t L,
+                            double scale, const std::vector<float>& scores,
+                            const std::vector<int32_t>& support, int64_t t,
+                            std::vector<float>& dscore) {
+    const int64_t n = int64_t(support.size());
+    std::vector<double> p(n, 0.0), z(n);
+    for (int64_t h = 0; h < H; ++h) {
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+            double d = 0;
+            for (int64_t i = 0; i < L; ++i)
+                d += double(qabs[(t * H + h) * L + i]) * kabs[support[j] * L + i];
+            z[j] = d * scale;
+            mx = std::max(mx, z[j]);
+        }
+        double l;
+        if (lse) {
+            l = (*lse)[h * T + t];
+        } else {
+            double s = 0;
+            for (double v : z) s += std::exp(v - mx);
+            l = mx + std::log(s);
+        }
+        for (int64_t j = 0; j < n; ++j) p[j] += std::exp(z[j] - l);
+    }
+    double ps = 0;
+    for (double v : p) ps += v;
+    double mx = -INFINITY;
+    for (int32_t s : support) mx = std::max(mx, double(scores[t * T + s]));
+    double sum = 0;
+    for (int32_t s : support) sum += std::exp(double(scores[t * T + s]) - mx);
+    const double lse_i = mx + std::log(sum);
+    double kl = 0;
+    for (int64_t j = 0; j < n; ++j) {
+        const double pj = p[j] / ps, logq = double(scores[t * T + support[j]]) - lse_i;
+        kl += pj * (std::log(pj) - logq);
+        dscore[t * T + support[j]] = float(std::exp(logq) - pj);
+    }
+    return kl;
+}
+}  // namespace
+
+TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
+    const Docs docs;
+    const int64_t T = 200, H = 4, L = 40, HI = 3, dI = 24, K = 16;
+    const float scale = 0.2f;
+    auto rbv = docs.row_begin(T);
+    Rounded qabs(T * H * L, 131), kabs(T * L, 132), q(T * HI * dI, 133), k(T * dI, 134);
+    auto scores = random_vector<float>(T * T, 135, 3.0);  // a student far from the teacher
+    auto lse = random_vector<float>(H * T, 136, 0.5);
+    auto w = random_vector<float>(T * HI, 137);
+    // Sparse supports: the first min(K, n) causal keys in a scrambled but ascending order.
+    std::vector<int32_t> idx(T * K, -1), len(T, 0);
+    for (int64_t t = 0; t < T; ++t) {
+        if (rbv[t] < 0) continue;
+        const int64_t n = std::min<int64_t>(K, t - rbv[t] + 1);
+        for (int64_t j = 0; j < n; ++j)
+            idx[t * K + j] = int32_t(rbv[t] + (j * 7) % (t - rbv[t] + 1));
+        std::sort(idx.begin() + t * K, idx.begin() + t * K + n);
+        len[t] = int32_t(std::unique(idx.begin() + t * K, idx.begin() + t * K + n) -
+                         (idx.begin() + t * K));
+        std::fill(idx.begin() + t * K + len[t], idx.begin() + (t + 1) * K, -1);
+    }
+    // The sparse loss uses the attention's lse: make it the exact lse over the support so p sums
+    // to one per head, as the attention produces it.
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            double mx = -INFINITY;
+            std::vector<double> z;
+            for (int64_t j = 0; j < len[t]; ++j) {
+                double d = 0;
+                for (int64_t i = 0; i < L; ++i)
+                    d += double(qabs.host[(t * H + h) * L + i]) * kabs.host[idx[t * K + j] * L + i];
+                z.push_back(d * scale);
+                mx = std::max(mx, z.back());
+            }
+            double s = 0;
+            for (double v : z) s += std::exp(v - mx);
+            lse[h * T + t] = z.empty() ? 0.f : float(mx + std::log(s));
+        }
+    DeviceArray<int32_t> rb(rbv), didx(idx), dlen(len);
+    DeviceArray<float> dsc(scores), dlse(lse), dw_in(w), kl(T), dscore(T * T), sums(2);
+    DeviceArray<double> klsum(2);
+    for (bool sparse : {true, false}) {
+        cuda::zero(ctx(), dscore, T * T * sizeof(float));
+        cuda::zero(ctx(), klsum, 2 * sizeof(double));
+        cuda::indexer_kl(ctx(), sparse, qabs.dev, kabs.dev, dlse, H, L, scale, dsc, didx, dlen, K,
+                         rb, T, kl, dscore);
+        cuda::indexer_kl_sum(ctx(), kl, dlen, T, klsum);
+        sync();
+        std::vector<float> klr(T, 0.f), dref(T * T, 0.f);
+        std::vector<bool> on_support(T * T, false);
+        double total = 0;
+        for (int64_t t = 0; t < T; ++t) {
+            if (rbv[t] < 0) continue;
+            std::vector<int32_t> sup;
+            if (sparse)
+                sup.assign(idx.begin() + t * K, idx.begin() + t * K + len[t]);
+            else
+                for (int32_t s = rbv[t]; s <= t; ++s) sup.push_back(s);
+            for (int32_t s : sup) on_support[t * T + s] = true;
+            klr[t] = float(reference_indexer_kl(qabs.host, kabs.host, sparse ? &lse : nullptr, T, H,
+                                                L, scale, scores, sup, t, dref));
+            total += klr[t];
+        }
+        std::vector<bool> real(T);
+        for (int64_t t = 0; t < T; ++t) real[t] = rbv[t] >= 0;
+        const std::string tag = sparse ? "sparse" : "dense";
+        expect_close("indexer kl " + tag, kl.download(), klr, 1e-4, real);
+        expect_close("indexer dscore " + tag, dscore.download(), dref, 1e-4, on_support);
+        auto ks = klsum.download();
+        EXPECT_NEAR(ks[0], total, 1e-4 * total);
+        EXPECT_EQ(int64_t(ks[1]), 180);
+        // Back through the scores: dw, dq, dk against fp64 loops on the CPU's dscore.
+        DeviceArray<float> dds(dref), dwo(T * HI), dk(T * dI);
+        DeviceArray<bf16> dq(T * HI * dI);
+        const float g = 0.37f;
+        cuda::indexer_scores_backward(ctx(), sparse, q.dev, k.dev, dw_in, dds, g, didx, dlen, K, rb,
+                                      T, HI, dI, dwo, dq, dk);
+        sync();
+        std::vector<double> dwr(T * HI, 0), dqr(T * HI * dI, 0), dkr(T * dI, 0);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t s = 0; s < T; ++s) {
+                if (!on_support[t * T + s]) continue;
+                const double gs = g * double(dref[t * T + s]);
+                for (int64_t j = 0; j < HI; ++j) {
+                    double d = 0;
+                    for (int64_t i = 0; i < dI; ++i)
+                        d += double(q.host[(t * HI + j) * dI + i]) * k.host[s * dI + i];
+                    if (d <= 0) continue;
+                    dwr[t * HI + j] += gs * d;
+                    for (int64_t i = 0; i < dI; ++i) {
+                        dqr[(t * HI + j) * dI + i] += gs * w[t * HI + j] * k.host[s * dI + i];
+                        dkr[s * dI + i] += gs * w[t * HI + j] * q.host[(t * HI + j) * dI + i];
+                    }
+                }
+            }
+        auto f = [](const std::vector<double>& v) {
+            return std::vector<float>(v.begin(), v.end());
+        };
+        expect_close("indexer dw " + tag, dwo.download(), f(dwr), 1e-5);
+        expect_close("indexer dq " + tag, download_f(dq), f(dqr), kBf16Tol);
+        expect_close("indexer dk " + tag, dk.download(), f(dkr), 1e-5);
+    }
+}
+
+TEST_F(CudaOps, MtpTvSoftmaxOverlapChainAndGradient) {
+    const int64_t rows = 60, V = 700, D = 3, T = rows;
+    auto zp = random_vector<float>(rows * V, 141, 4.0),
+         zq = random_vector<float>(rows * V, 142, 4.0);
+    DeviceArray<float> p(zp), q(zq), alpha(D * T), dalpha(D * T);
+    DeviceArray<double> sums(2);
+    std::vector<uint8_t> valid(T);
+    for (int64_t i = 0; i < T; ++i) valid[i] = i % 7 != 3;
+    DeviceArray<uint8_t> dvalid(valid);
+    cuda::softmax_rows(ctx(), p, rows, V);
+    cuda::softmax_rows(ctx(), q, rows, V);
+    // Depth k of row i uses rows (i + k) % rows of p and q: three distinct α per row.
+    std::vector<float> ar(D * T);
+    auto soft = [&](const std::vector<float>& z, int64_t r) {
+        std::vector<double> out(V);
+        double mx = -INFINITY, s = 0;
+        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[r * V + v]));
+        for (int64_t v = 0; v < V; ++v) s += out[v] = std::exp(double(z[r * V + v]) - mx);
+        for (auto& x : out) x /= s;
+        return out;
+    };
+    cuda::tv_overlap(ctx(), p, q, rows, V, alpha);  // depth 0
+    sync();
+    auto a0 = alpha.download();
+    std::vector<float> aref(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+        auto pr = soft(zp, r), qr = soft(zq, r);
+        double a = 0;
+        for (int64_t v = 0; v < V; ++v) a += std::min(pr[v], qr[v]);
+        aref[r] = float(a);
+    }
+    a0.resize(rows);
+    expect_close("tv overlap", a0, aref, 1e-5);
+    // Chain over three depths with given α.
+    std::vector<float> al(D * T);
+    for (int64_t i = 0; i < D * T; ++i) al[i] = 0.3f + 0.6f * float((i * 37) % 11) / 11.f;
+    alpha.upload(al);
+    cuda::zero(ctx(), sums, 2 * sizeof(double));
+    cuda::tv_chain(ctx(), alpha, dvalid, D, T, T, 0.25f, dalpha, sums);
+    sync();
+    std::vector<float> dar(D * T, 0.f);
+    double loss = 0, acc = 0;
+    for (int64_t i = 0; i < T; ++i) {
+        if (!valid[i]) continue;
+        double prod = 1;
+        for (int64_t k = 0; k < D; ++k) prod *= al[k * T + i], loss += (1 - prod) / D, acc += prod;
+        // ∂L/∂α_d by central differences of the chain loss.
+        for (int64_t d = 0; d < D; ++d) {
+            auto L = [&](double delta) {
+                double pr = 1, l = 0;
+                for (int64_t k = 0; k < D; ++k)
+                    pr *= al[k * T + i] + (k == d ? delta : 0), l += (1 - pr) / D;
+                return l;
+            };
+            dar[d * T + i] = float((L(1e-4) - L(-1e-4)) / 2e-4 * 0.25);
+        }
+    }
+    auto s = sums.download();
+    EXPECT_NEAR(s[0], loss, 1e-9 * loss + 1e-9);
+    EXPECT_NEAR(s[1], acc, 1e-9 * acc);
+    expect_close("tv chain dalpha (vs central differences)", dalpha.download(), dar, 1e-5);
+    // Logit gradient: dz = -dα q (s - 1 + 1[q > p]) with s = Σ_{q <= p} q.
+    DeviceArray<bf16> dz(rows * V);
+    cuda::tv_logit_grad(ctx(), p, q, dalpha, rows, V, dz);
+    sync();
+    std::vector<float> dzr(rows * V);
+    for (int64_t r = 0; r < rows; ++r) {
+        auto pr = soft(zp, r), qr = soft(zq, r);
+        double sm = 0;
+        for (int64_t v = 0; v < V; ++v)
+            if (qr[v] <= pr[v]) sm += qr[v];
+        for (int64_t v = 0; v < V; ++v)
+            dzr[r * V + v] = float(-dar[r] * qr[v] * (sm - 1 + (qr[v] > pr[v] ? 1 : 0)));
+    }
+    std::vector<bool> mask(rows * V);
+    for (int64_t i = 0; i < rows * V; ++i) mask[i] = valid[i / V];
+    expect_close("tv logit gradient", download_f(dz), dzr, kBf16Tol, mask);
+}
+
+TEST_F(CudaOps, MoeBackwardPieces) {
+    const int64_t T = 150, k = 3, E = 6, dim = 40, R = T * k;
+    // Routing: every third token unrouted in its last choice (a capacity drop), rows permuted.
+    std::vector<int32_t> slot(T * k), topk(T * k);
+    for (int64_t i = 0; i < T * k; ++i) {
+        slot[i] = (i % k == k - 1 && (i / k) % 3 == 0) ? -1 : int32_t((i * 7) % R);
+        topk[i] = int32_t((i * 5 + i / k) % E);
+    }
+    // Distinct experts per token (the router never picks one twice).
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) topk[t * k + j] = int32_t((t + j * 2) % E);
+    auto gates = random_vector<float>(T * k, 151);
+    auto probs = random_vector<float>(T * E, 152);
+    for (auto& x : probs) x = 0.5f + 0.45f * x;
+    Rounded dy(T * dim, 153), outp(R * dim, 154), dxp(R * dim, 155), dm0(T * dim, 156);
+    DeviceArray<int32_t> dslot(slot), dtopk(topk);
+    DeviceArray<float> dgates_in(gates), dprobs(probs), dgates(T * k), dlogits(T * E);
+    DeviceArray<bf16> doutp(R * dim);
+    cuda::moe_combine_backward(ctx(), dy.dev, outp.dev, dslot, dgates_in, T, k, dim, doutp, dgates);
+    cuda::moe_gather_backward(ctx(), dxp.dev, dslot, T, k, dim, dm0.dev, true);
+    sync();
+    std::vector<float> dop_ref = download_f(doutp), dg_ref(T * k, 0.f), dm_ref = dm0.host;
+    std::vector<bool> written(R * dim, false);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+            const int32_t r = slot[t * k + j];
+            if (r < 0) continue;
+            double s = 0;
+            for (int64_t c = 0; c < dim; ++c) {
+                s += double(dy.host[t * dim + c]) * outp.host[r * dim + c];
+                dop_ref[r * dim + c] = gates[t * k + j] * dy.host[t * dim + c];
+                written[r * dim + c] = true;
+                dm_ref[t * dim + c] += dxp.host[r * dim + c];
+            }
+            dg_ref[t * k + j] = float(s);
+        }
+    expect_close("moe combine backward dout_perm", download_f(doutp), dop_ref, kBf16Tol, written);
+    expect_close("moe combine backward dgates", dgates.download(), dg_ref, 1e-5);
+    expect_close("moe gather backward (accumulate)", download_f(dm0.dev), dm_ref, kBf16Tol);
+    // Router: gates = 2.5 s_c / Σ s_chosen through the sigmoid, by central differences.
+    cuda::router_backward(ctx(), dprobs, dtopk, dgates, T, E, k, 2.5f, dlogits);
+    sync();
+    auto dgg = dgates.download();
+    std::vector<float> dlr(T * E, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < E; ++e) {
+            auto f = [&](double delta) {
+                // probs are sigmoid(logit): perturb the logit.
+                std::vector<double> s(E);
+                for (int64_t x = 0; x < E; ++x) {
+                    const double p = probs[t * E + x];
+                    const double logit = std::log(p / (1 - p)) + (x == e ? delta : 0);
+                    s[x] = 1 / (1 + std::exp(-logit));
+                }
+                double S = 1e-20, out = 0;
+                for (int64_t j = 0; j < k; ++j) S += s[topk[t * k + j]];
+                for (int64_t j = 0; j < k; ++j)
+                    out += dgg[t * k + j] * 2.5 * s[topk[t * k + j]] / S;
+                return out;
+            };
+            dlr[t * E + e] = float((f(1e-5) - f(-1e-5)) / 2e-5);
+        }
+    expect_close("router backward (vs central differences)", dlogits.download(), dlr, 1e-4);
+}
+
+TEST_F(CudaOps, MlaExpandedKvGradient) {
+    const int64_t T = 70, H = 3, dn = 16, dr = 8, dv = 12;
+    auto dk = random_vector<float>(T * H * (dn + dr), 161),
+         dv32 = random_vector<float>(T * H * dv, 162);
+    const int64_t L = 40;  // the kv_a row: [kr | dr] with the pe part at column 32
+    DeviceArray<float> ddk(dk), ddv(dv32);
+    DeviceArray<bf16> dkv(T * H * (dn + dv)), dckv(T * L);
+    cuda::mla_expanded_kv_grad(ctx(), ddk, ddv, T, H, dn, dr, dv, dkv, dckv.get() + 32, L);
+    sync();
+    std::vector<float> kvr(T * H * (dn + dv)), per(T * L, 0.f);
+    std::vector<bool> pe_cols(T * L);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+            for (int64_t i = 0; i < dn; ++i)
+                kvr[(t * H + h) * (dn + dv) + i] = dk[(t * H + h) * (dn + dr) + i];
+            for (int64_t i = 0; i < dv; ++i)
+                kvr[(t * H + h) * (dn + dv) + dn + i] = dv32[(t * H + h) * dv + i];
+            for (int64_t i = 0; i < dr; ++i)
+                per[t * L + 32 + i] += dk[(t * H + h) * (dn + dr) + dn + i];
+        }
+    for (int64_t i = 0; i < T * L; ++i) pe_cols[i] = i % L >= 32;
+    expect_close("mla expanded dkv", download_f(dkv), kvr, kBf16Tol);
+    expect_close("mla expanded d k_pe (sum over heads)", download_f(dckv), per, kBf16Tol, pe_cols);
+}
 #endif  // SPARSETRON_WITH_CUDA

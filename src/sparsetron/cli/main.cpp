@@ -68,9 +68,9 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     TrainOptions opts{out, resume, parse_device(device)};
     Trainer trainer(recipe, opts);
     const auto& r = trainer.recipe().run;
-    const auto& params = trainer.model().params();
-    std::printf("sparsetron %s | recipe %s | device cpu (%d threads)\n", SPARSETRON_VERSION,
-                recipe.name.c_str(), num_threads());
+    const auto& params = trainer.params();
+    std::printf("sparsetron %s | recipe %s | device %s\n", SPARSETRON_VERSION, recipe.name.c_str(),
+                trainer.device_description().c_str());
     std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters\n",
                 static_cast<long long>(recipe.model.num_layers),
                 static_cast<long long>(recipe.model.hidden_size),

@@ -99,9 +99,20 @@ void MemoryPlan::allocate(Device device) {
     allocated_ = true;
 }
 
+void MemoryPlan::allocate_only(Device device, const std::vector<MemClass>& classes) {
+    ST_ASSERT(!allocated_, "plan allocated twice");
+    for (MemClass c : classes)
+        arenas_[static_cast<int>(c)] = Arena(device, class_bytes_[static_cast<int>(c)]);
+    device_ = device;
+    allocated_ = true;
+}
+
 char* MemoryPlan::class_base(MemClass cls) const {
     ST_ASSERT(allocated_, "plan not allocated");
-    return arenas_[static_cast<int>(cls)].data();
+    char* base = arenas_[static_cast<int>(cls)].data();
+    ST_ASSERT(base || class_bytes_[static_cast<int>(cls)] == 0, "memory class ",
+              mem_class_name(cls), " was not allocated in this plan");
+    return base;
 }
 
 Tensor MemoryPlan::view(Slot slot) const {

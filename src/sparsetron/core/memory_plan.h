@@ -65,6 +65,9 @@ class MemoryPlan {
 
     // One allocation per class on `device`; the CPU arenas are zero-filled.
     void allocate(Device device);
+    // Only the listed classes (a host mirror of what a device run checkpoints: parameters and
+    // optimizer state); views of the other classes' entries throw.
+    void allocate_only(Device device, const std::vector<MemClass>& classes);
     bool allocated() const { return allocated_; }
     Device device() const { return device_; }
 

@@ -2,6 +2,7 @@
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/ops/convert.h"
+#include "sparsetron/runtime/device_engine.h"
 
 namespace sparsetron {
 namespace {
@@ -32,5 +33,10 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
     no_cuda("ops::cuda::convert");
 }
 }  // namespace ops::cuda
+
+std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
+                                               const Optimizer&, int64_t, int64_t) {
+    no_cuda("--device cuda");
+}
 
 }  // namespace sparsetron

@@ -16,9 +16,7 @@ int64_t MuonSlice::num_rows() const {
 
 namespace {
 
-struct Coeff {
-    double a, b, c;
-};
+using Coeff = MuonCoefficients;
 
 Coeff coefficients_at(const std::string& type, int64_t step) {
     static const Coeff quintic[5] = {{4.0848, -6.8946, 2.9270},
@@ -36,6 +34,10 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 }
 
 }  // namespace
+
+MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step) {
+    return coefficients_at(type, step);
+}
 
 double muon_scale(int64_t m, int64_t n, const std::string& mode) {
     if (mode == "shape_scaling") return std::sqrt(std::max(1.0, double(m) / double(n)));

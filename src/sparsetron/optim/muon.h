@@ -35,6 +35,13 @@ void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string&
 
 double muon_scale(int64_t m, int64_t n, const std::string& mode);
 
+// The Newton-Schulz polynomial (a, b, c) of iteration `step`: X <- a X + (b A + c A^2) X, A = X
+// X^T.
+struct MuonCoefficients {
+    double a, b, c;
+};
+MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step);
+
 class Muon {
   public:
     Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);

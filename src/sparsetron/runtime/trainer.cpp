@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -93,8 +94,6 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
 
 Trainer::Trainer(Recipe recipe, TrainOptions options)
     : recipe_(std::move(recipe)), options_(std::move(options)) {
-    ST_CHECK(options_.device == Device::CPU,
-             "--device cuda: the CUDA training step is not implemented yet; use --device cpu");
     check_supported(recipe_);
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
@@ -105,8 +104,15 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
     tp_ = make_training_plan(recipe_);
-    tp_->plan.allocate(Device::CPU);
-    tp_->model->bind();
+    if (options_.device == Device::CUDA) {
+        // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
+        tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
+        engine_ = make_cuda_engine(recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer,
+                                   tp_->max_documents, tp_->chunk_rows);
+    } else {
+        tp_->plan.allocate(Device::CPU);
+        tp_->model->bind();
+    }
     for (const auto& p : tp_->model->params().params())
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
@@ -126,6 +132,12 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         tp_->model->params().initialize(tp_->plan, state_.seed, recipe_.model.init_method_std,
                                         recipe_.model.num_layers);
     }
+    if (engine_) engine_->upload_state();
+}
+
+std::string Trainer::device_description() const {
+    if (engine_) return "cuda: " + engine_->describe();
+    return cat("cpu (", num_threads(), " threads)");
 }
 
 Trainer::~Trainer() = default;
@@ -181,12 +193,21 @@ StepMetrics Trainer::train_step() {
     }
     sc.indexer = 1.0 / double(n_mb);
     sc.aux = 1.0 / double(n_mb);
-    zero_grads(tp_->plan);
-    tp_->model->reset_moe_stats();
+    if (engine_) {
+        engine_->begin_step();
+    } else {
+        zero_grads(tp_->plan);
+        tp_->model->reset_moe_stats();
+    }
     double loss_sum = 0, mtp = 0, accept = 0;
     for (const auto& mb : batches_) {
-        tp_->model->load_inputs(mb);
-        LossSums s = tp_->model->forward_backward(sc);
+        LossSums s;
+        if (engine_) {
+            s = engine_->micro_batch(mb, sc);
+        } else {
+            tp_->model->load_inputs(mb);
+            s = tp_->model->forward_backward(sc);
+        }
         loss_sum += s.lm_loss_sum;
         for (size_t k = 0; k < s.mtp_sum.size(); ++k) mtp += s.mtp_sum[k] * sc.mtp[k];
         accept += s.mtp_acceptance_sum;
@@ -197,11 +218,19 @@ StepMetrics Trainer::train_step() {
     m.mtp_loss = mtp;
     if (tv && D > 0 && mtp_rows[0] > 0) m.mtp_acceptance_length = accept / double(mtp_rows[0]);
     m.total_loss = m.lm_loss + m.mtp_loss + m.indexer_loss + m.aux_loss;
-    m.moe_load = tp_->model->moe_loads();
-    m.moe_dropped = tp_->model->moe_dropped();
-    StepStats st =
-        tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr);
-    if (!st.skipped && !warmup) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
+    StepStats st;
+    if (engine_) {
+        m.moe_load = engine_->moe_loads();
+        m.moe_dropped = engine_->moe_dropped();
+        st = engine_->optimizer_step(recipe_.run, m.step);
+        if (!st.skipped) engine_->update_router_bias(mc.moe_router_bias_update_rate);
+    } else {
+        m.moe_load = tp_->model->moe_loads();
+        m.moe_dropped = tp_->model->moe_dropped();
+        st =
+            tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr);
+        if (!st.skipped && !warmup) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
+    }
     m.lr = st.lr;
     m.grad_norm = st.grad_norm;
     m.grad_norm_mtp = st.grad_norm_mtp;
@@ -215,6 +244,7 @@ StepMetrics Trainer::train_step() {
 }
 
 std::string Trainer::save() {
+    if (engine_) engine_->download_state();
     state_.data_position = stream_->position().to_json();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
                            recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),

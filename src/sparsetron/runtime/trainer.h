@@ -15,6 +15,7 @@
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/optim/optimizer.h"
+#include "sparsetron/runtime/device_engine.h"
 
 namespace sparsetron {
 
@@ -68,7 +69,11 @@ class Trainer {
     int64_t iteration() const { return state_.iteration; }
     const Recipe& recipe() const { return recipe_; }
     const MemoryPlan& plan() const { return tp_->plan; }
+    // The model's parameter table (on CUDA runs the CPU model only plans the host mirror).
+    const ParamStore& params() const { return tp_->model->params(); }
     Glm5Model<float>& model() { return *tp_->model; }
+    // "cpu (N threads)" or the CUDA device and its planned memory.
+    std::string device_description() const;
     std::string checkpoint_dir() const;
     // The micro-batches the next step will consume (does not advance the stream).
     std::vector<MicroBatch> peek_next_step_batches();
@@ -84,6 +89,7 @@ class Trainer {
     std::vector<MicroBatch> batches_;
     std::vector<bool> indexer_only_;  // parameters dense warm-up updates
     TrainerState state_;
+    std::unique_ptr<DeviceEngine> engine_;  // set for --device cuda
 };
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.

@@ -10,8 +10,8 @@ using cuda::gemm;
 constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
-GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden,
-               int64_t ffn, int64_t tokens, const std::string& tag)
+GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
+               int64_t tokens, const std::string& tag)
     : P_(P), h_(hidden), f_(ffn), T_(tokens) {
     gate_ = P.index(p + "gate_proj.weight");
     up_ = P.index(p + "up_proj.weight");
@@ -70,8 +70,9 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     up0_ = P.index(p + "experts.0.up_proj.weight");
     down0_ = P.index(p + "experts.0.down_proj.weight");
     wstride_ = E_ > 1 ? P.index(p + "experts.1.gate_proj.weight") - gate0_ : 0;  // in params
-    if (Fs_ > 0) shared_ = std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
-                                                    "moe.shared");
+    if (Fs_ > 0)
+        shared_ =
+            std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens, "moe.shared");
     const int64_t R = tokens * k_;
     B.scratch(dxperm_, "grad.moe.x_permuted", {R, h_});
     B.scratch(doutperm_, "grad.moe.out_permuted", {R, h_});
@@ -115,8 +116,8 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     gemm(ctx, false, true, Tn, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f, A.logits, E_,
          F32, F32);
     cuda::router_topk(ctx, A.logits, P_[bias_].master, in.row_begin, Tn, E_, k_,
-                      c_.moe_router_force_load_balancing,
-                      float(c_.moe_router_topk_scaling_factor), A.probs, A.topk, A.gates);
+                      c_.moe_router_force_load_balancing, float(c_.moe_router_topk_scaling_factor),
+                      A.probs, A.topk, A.gates);
     cuda::moe_permute(ctx, A.topk, Tn, E_, k_, capacity_, A.counts, A.offsets, A.slot_row,
                       A.perm_token);
     cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
@@ -145,8 +146,8 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     cuda::grouped_gemm(ctx, K::WeightGrad, A.offsets, E_, capacity_, h_, F_, doutperm_, A.act,
                        P_[down0_].grad, P_[gate0_ + wstride_].grad - P_[gate0_].grad);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, R * F_, dg_, du_);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, F_, h_, dg_,
-                       P_[gate0_].w, dxperm_, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, F_, h_, dg_, P_[gate0_].w,
+                       dxperm_, ws);
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, F_, h_, du_, P_[up0_].w,
                        dxperm_, ws, true);
     const int64_t gs = E_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
@@ -175,10 +176,9 @@ void GpuMoe::check_layout() const {
                      "' is not at a fixed stride (the grouped GEMM needs one)");
         }
     }
-    ST_CHECK(E_ <= 1 || (P_[gate0_ + wstride_].w - P_[gate0_].w ==
-                             P_[up0_ + wstride_].w - P_[up0_].w &&
-                         P_[gate0_ + wstride_].w - P_[gate0_].w ==
-                             P_[down0_ + wstride_].w - P_[down0_].w),
+    ST_CHECK(E_ <= 1 ||
+                 (P_[gate0_ + wstride_].w - P_[gate0_].w == P_[up0_ + wstride_].w - P_[up0_].w &&
+                  P_[gate0_ + wstride_].w - P_[gate0_].w == P_[down0_ + wstride_].w - P_[down0_].w),
              "CUDA MoE: gate/up/down expert strides differ");
 }
 

@@ -53,7 +53,8 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     cuda::copy_2d(ctx, A.x_mid, h_ * B2, x, h_ * B2, h_ * B2, Tn);
     attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
     if (run_indexer) {
-        GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kabs,   A.attn.lse, c_.num_attention_heads,
+        GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kabs,
+                              A.attn.lse,          c_.num_attention_heads,
                               attn_->latent_dim(), attn_->scale()};
         indexer_->loss(ctx, A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale, A.indexer_sums);
     }

@@ -20,7 +20,7 @@ class GpuLayer {
         GpuMoe::Acts moe;
         const int32_t* topk = nullptr;  // the top-k this application attends over
         const int32_t* topk_len = nullptr;
-        bool skip_indexer = false;  // a kv-sharing MTP depth: depth 1 ran the indexer
+        bool skip_indexer = false;       // a kv-sharing MTP depth: depth 1 ran the indexer
         double* indexer_sums = nullptr;  // device [2]: Σ KL and rows of this application
     };
     GpuLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,

@@ -102,8 +102,8 @@ void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
     }
 }
 
-void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
-                    const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum) const {
+void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
+                    const int32_t* len, int64_t kslots, bf16* x_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
@@ -119,7 +119,7 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
         for (int64_t hh = 0; hh < H_; ++hh)
             cuda::copy_2d(ctx, A.k + hh * dq_ + dn_, H_ * dq_ * B2, A.ckv + kr_, L * B2, dr_ * B2,
                           Tn);
-        cuda::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+        cuda::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
                           dn_ + dv_};
         cuda::attention_forward(ctx, s, A.q, A.k, A.kv + dn_, in.row_begin, scale(), A.o, A.lse);
     }
@@ -135,8 +135,8 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     float* gkvb = P_[kv_b_].grad;
     const bf16* wkvb = P_[kv_b_].w;
     gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_, H_ * dv_);
-    gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad,
-         H_ * dv_, BF, F32);
+    gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad, H_ * dv_,
+         BF, F32);
     const bool kv_path = !A.kabs_shared;
     if (absorbed_) {
         const int64_t wstride = (dn_ + dv_) * kr_;
@@ -145,8 +145,8 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, 1.f,
              gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
         const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
-        cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
-                                  A.oabs, A.lse, doabs_, dqabs_, dkabs_);
+        cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
+                                  A.lse, doabs_, dqabs_, dkabs_);
         // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
         if (kv_grad_accum) {
             if (A.kabs_shared)
@@ -164,7 +164,7 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
             cuda::f32_to_bf16_2d(ctx, dkabs_ + kr_, L, dckv_ + kr_, L, Tn, dr_, false);
         }
     } else {
-        cuda::AttnShape s{Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
+        cuda::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
                           dn_ + dv_};
         cuda::attention_backward(ctx, s, A.q, A.k, A.kv + dn_, A.o, A.lse, do_, in.row_begin,
                                  scale(), dq_b_, dk32_, dv32_);

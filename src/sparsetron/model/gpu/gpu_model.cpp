@@ -20,7 +20,8 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     for (const auto& p : host_store.params()) store_->add_like(p);
     P_ = std::make_unique<GpuParams>(*store_, plan);
     const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
-    const int64_t maxdim = std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
+    const int64_t maxdim =
+        std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
     B_.act(in_.token_ids, "inputs.tokens", {Tn});
     B_.act(in_.targets, "inputs.targets", {Tn});
@@ -184,13 +185,12 @@ void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb) {
     }
 }
 
-LossSums GpuModel::forward_backward(const ExecContext& ctx, const LossScales& sc) {
-    ST_CHECK(!sc.indexer_grads, "dsa_dense_warmup is not implemented on CUDA yet");
+void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
     cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
-    const float idx_gs = sc.backward ? float(sc.indexer) : 0.f;
+    const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t l = 0; l < c.num_layers; ++l)
         layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
     cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
@@ -209,6 +209,10 @@ LossSums GpuModel::forward_backward(const ExecContext& ctx, const LossScales& sc
             layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
         cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, (*P_)[embed_].grad);
     }
+}
+
+LossSums GpuModel::read_losses(const ExecContext& ctx) const {
+    const auto& c = cfg_;
     std::vector<double> s(n_sums_);
     cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
     LossSums out;
@@ -240,7 +244,7 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
     const float eps = float(c.norm_epsilon);
     const bf16* prev = h_final_;
-    const float idx_gs = sc.backward ? float(sc.indexer) : 0.f;
+    const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t k = 0; k < D_; ++k) {
         MtpActs& A = *mtp_[k];
         cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
@@ -248,8 +252,8 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
         cuda::rmsnorm_forward(ctx, prev, h, (*P_)[hnorm_].w, Tn, h, eps, A.hn, h, A.rstd_h);
         cuda::copy_2d(ctx, A.cat, 2 * h * B2, A.en, h * B2, h * B2, Tn);  // embedding half first
         cuda::copy_2d(ctx, A.cat + h, 2 * h * B2, A.hn, h * B2, h * B2, Tn);
-        gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f, A.hin,
-             h);
+        gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+             A.hin, h);
         mtp_layer_->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
         cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[mtp_norm_].w, Tn, h, eps, A.hz, h, A.rstd_z);
         prev = A.hout;
@@ -283,8 +287,8 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
             const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
             cuda::zero(ctx, p, n * V * int64_t(sizeof(float)));
             if (m > 0)
-                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + shift) * h, h, head, h, 0.f, p,
-                     V, BF, F32);
+                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + shift) * h, h, head, h, 0.f,
+                     p, V, BF, F32);
             cuda::softmax_rows(ctx, p, n, V);
             gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
                  F32);

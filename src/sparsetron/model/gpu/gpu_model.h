@@ -16,8 +16,8 @@ namespace sparsetron::gpu {
 class GpuModel {
   public:
     // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
-    GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
-             int64_t tokens, int64_t max_docs, int64_t chunk_rows);
+    GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan, int64_t tokens,
+             int64_t max_docs, int64_t chunk_rows);
     ~GpuModel();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);
@@ -27,7 +27,15 @@ class GpuModel {
     void refresh_bf16(const ExecContext& ctx) const { P_->refresh_bf16(ctx); }
 
     void load_inputs(const ExecContext& ctx, const MicroBatch& mb);
-    LossSums forward_backward(const ExecContext& ctx, const LossScales& scales);
+    // enqueue(): the micro-batch's forward (and backward) on the stream, nothing else: no host
+    // synchronization, allocation or host read, so it can be captured in a CUDA graph.
+    // read_losses(): downloads the loss sums of the last enqueue (synchronizes).
+    void enqueue(const ExecContext& ctx, const LossScales& scales);
+    LossSums read_losses(const ExecContext& ctx) const;
+    LossSums forward_backward(const ExecContext& ctx, const LossScales& scales) {
+        enqueue(ctx, scales);
+        return read_losses(ctx);
+    }
 
     void reset_moe_stats(const ExecContext& ctx) const;
     std::vector<std::vector<int64_t>> moe_loads(const ExecContext& ctx) const;

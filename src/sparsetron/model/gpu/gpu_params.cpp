@@ -5,7 +5,8 @@ namespace sparsetron::gpu {
 GpuParams::GpuParams(const ParamStore& store, MemoryPlan& plan) : store_(store) {
     ST_CHECK(store.dtype() == DType::F32, "the CUDA model keeps fp32 masters");
     for (const auto& p : store.params())
-        bf16_slots_.push_back(plan.add(MemClass::Parameters, p.name + ".bf16", DType::BF16, p.shape));
+        bf16_slots_.push_back(
+            plan.add(MemClass::Parameters, p.name + ".bf16", DType::BF16, p.shape));
 }
 
 void GpuParams::bind(const MemoryPlan& plan) {

@@ -49,8 +49,8 @@ __global__ void attn_fwd_kernel(Keys keys, int64_t tokens, int64_t heads, int64_
                                 const bf* q, int64_t q_st, int64_t q_sh, float scale, bf* out,
                                 float* lse) {
     extern __shared__ float smem[];
-    float* qs = smem;         // [dqk]
-    float* sc = smem + dqk;   // [kChunk]
+    float* qs = smem;        // [dqk]
+    float* sc = smem + dqk;  // [kChunk]
     __shared__ int64_t rows[kChunk];
     const int64_t t = blockIdx.x, h = blockIdx.y;
     const int64_t n = keys.count(t);
@@ -100,10 +100,10 @@ __global__ void attn_bwd_kernel(Keys keys, int64_t tokens, int64_t heads, int64_
                                 int64_t dk_st, int64_t dk_sh, float* dvv, int64_t dv_st,
                                 int64_t dv_sh) {
     extern __shared__ float smem[];
-    float* qs = smem;             // [dqk]
-    float* dos = qs + dqk;        // [dv]
-    float* ps = dos + dv;         // [kChunk] probabilities
-    float* ds = ps + kChunk;      // [kChunk] score gradients
+    float* qs = smem;         // [dqk]
+    float* dos = qs + dqk;    // [dv]
+    float* ps = dos + dv;     // [kChunk] probabilities
+    float* ds = ps + kChunk;  // [kChunk] score gradients
     __shared__ int64_t rows[kChunk];
     const int64_t t = blockIdx.x, h = blockIdx.y;
     const int64_t n = keys.count(t);
@@ -166,7 +166,10 @@ __global__ void row_begin_kernel(const int32_t* cu, const int32_t* num_docs, int
     }
     while (hi - lo > 1) {
         int mid = (lo + hi) / 2;
-        if (cu[mid] <= t) lo = mid; else hi = mid;
+        if (cu[mid] <= t)
+            lo = mid;
+        else
+            hi = mid;
     }
     row_begin[t] = cu[lo];
 }
@@ -183,12 +186,13 @@ void doc_row_begin(const ExecContext& ctx, const int32_t* cu_seqlens, const int3
                    int64_t tokens, int32_t* row_begin) {
     if (tokens == 0) return;
     row_begin_kernel<<<blocks_for(tokens, 256), 256, 0, stream_of(ctx)>>>(cu_seqlens, num_docs,
-                                                                         tokens, row_begin);
+                                                                          tokens, row_begin);
     ST_CUDA_LAUNCH_CHECK();
 }
 
 void attention_forward(const ExecContext& ctx, const AttnShape& s, const bf16* q, const bf16* k,
-                       const bf16* v, const int32_t* row_begin, float scale, bf16* out, float* lse) {
+                       const bf16* v, const int32_t* row_begin, float scale, bf16* out,
+                       float* lse) {
     check_dims(s.dqk, s.dv);
     if (s.tokens == 0) return;
     DenseKeys keys{dev(k), dev(v), s.k_st, s.k_sh, s.v_st, s.v_sh, row_begin};

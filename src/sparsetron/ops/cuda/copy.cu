@@ -25,9 +25,8 @@ __global__ void f32_to_bf16_kernel(const float* src, bf* dst, int64_t n) {
     if (i < n) dst[i] = __float2bfloat16(src[i]);
 }
 
-__global__ void expanded_kv_grad_kernel(const float* dk, const float* dv, int64_t heads,
-                                        int64_t dn, int64_t dr, int64_t dvh, bf* dkv, bf* dpe,
-                                        int64_t ld_pe) {
+__global__ void expanded_kv_grad_kernel(const float* dk, const float* dv, int64_t heads, int64_t dn,
+                                        int64_t dr, int64_t dvh, bf* dkv, bf* dpe, int64_t ld_pe) {
     const int64_t t = blockIdx.x;
     const int64_t dq = dn + dr, w = dn + dvh;
     for (int64_t i = threadIdx.x; i < heads * w; i += blockDim.x) {
@@ -58,8 +57,7 @@ void zero(const ExecContext& ctx, void* dst, int64_t bytes) {
 
 void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
     if (bytes == 0) return;
-    ST_CUDA_CHECK(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(ctx)));
+    ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(ctx)));
     // Pageable sources are staged before the call returns, but make it explicit: the caller's
     // buffer is refilled for the next micro-batch right away.
     ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
@@ -67,8 +65,7 @@ void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
 
 void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
     if (bytes == 0) return;
-    ST_CUDA_CHECK(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
+    ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));
     ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
 }
 
@@ -94,8 +91,8 @@ void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n)
 }
 
 void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* dv, int64_t tokens,
-                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv,
-                          bf16* dpe, int64_t ld_pe) {
+                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv, bf16* dpe,
+                          int64_t ld_pe) {
     if (tokens == 0) return;
     expanded_kv_grad_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dk, dv, heads, dn, dr, dvh,
                                                                 dev(dkv), dev(dpe), ld_pe);

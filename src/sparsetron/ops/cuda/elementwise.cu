@@ -21,7 +21,8 @@ __global__ void embedding_bwd_kernel(const int32_t* tokens, const bf* dout, int6
     const int64_t r = blockIdx.x;
     if (tokens[r] < 0) return;
     float* dst = dtable + int64_t(tokens[r]) * dim;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) atomicAdd(dst + i, ld(dout + r * dim + i));
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        atomicAdd(dst + i, ld(dout + r * dim + i));
 }
 
 __global__ void rope_kernel(bf* x, int64_t tokens, int64_t heads, int64_t dim, int64_t ld_t,
@@ -81,8 +82,8 @@ __global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
-__global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm,
-                                  float* norm, float* scale, int32_t* skip) {
+__global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm, float* norm,
+                                  float* scale, int32_t* skip) {
     if (threadIdx.x != 0) return;
     double s = 0;
     for (int64_t i = 0; i < count; ++i) s += partials[i];
@@ -90,7 +91,8 @@ __global__ void clip_scale_kernel(const float* partials, int64_t count, float ma
     const bool finite = isfinite(nrm);
     *norm = float(nrm);
     *skip = finite ? 0 : 1;
-    *scale = !finite ? 0.f : (max_norm > 0 && nrm > max_norm ? float(max_norm / (nrm + 1e-6)) : 1.f);
+    *scale =
+        !finite ? 0.f : (max_norm > 0 && nrm > max_norm ? float(max_norm / (nrm + 1e-6)) : 1.f);
 }
 
 __global__ void merge_skip_kernel(int32_t* skip, int64_t n) {
@@ -137,7 +139,8 @@ void rope(const ExecContext& ctx, bf16* x, int64_t tokens, int64_t heads, int64_
     const int64_t n = tokens * heads * (dim / 2);
     if (n == 0) return;
     rope_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
-        dev(x), tokens, heads, dim, ld_t, ld_h, positions, theta, interleaved, inverse ? -1.0 : 1.0);
+        dev(x), tokens, heads, dim, ld_t, ld_h, positions, theta, interleaved,
+        inverse ? -1.0 : 1.0);
     ST_CUDA_LAUNCH_CHECK();
 }
 

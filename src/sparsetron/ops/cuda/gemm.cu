@@ -8,9 +8,12 @@ namespace {
 
 cudaDataType_t lt_type(DType t) {
     switch (t) {
-        case DType::BF16: return CUDA_R_16BF;
-        case DType::F32: return CUDA_R_32F;
-        default: throw Error(cat("cuda::gemm: unsupported element type ", dtype_name(t)));
+        case DType::BF16:
+            return CUDA_R_16BF;
+        case DType::F32:
+            return CUDA_R_32F;
+        default:
+            throw Error(cat("cuda::gemm: unsupported element type ", dtype_name(t)));
     }
 }
 
@@ -28,9 +31,8 @@ cublasLtMatrixLayout_t layout(cudaDataType_t t, int64_t rows, int64_t cols, int6
     return l;
 }
 
-GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
-                   int64_t lda, int64_t ldb, int64_t ldc, DType ab, DType ct,
-                   const GemmBatch& batch) {
+GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
+                   int64_t ldb, int64_t ldc, DType ab, DType ct, const GemmBatch& batch) {
     GemmPlan p;
     ST_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     // cuBLASLt's A is our B (column-major B^T), its B is our A.
@@ -48,16 +50,16 @@ GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int6
     p.c = layout(lt_type(ct), n, m, ldc, batch, batch.stride_c);
     cublasLtMatmulPreference_t pref = nullptr;
     ST_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    ST_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
-        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &libs.workspace_bytes,
-        sizeof(libs.workspace_bytes)));
+    ST_CUBLAS_CHECK(
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &libs.workspace_bytes, sizeof(libs.workspace_bytes)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     ST_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(libs.lt, p.op, p.a, p.b, p.c, p.c, pref, 1,
                                                    &result, &found));
     cublasLtMatmulPreferenceDestroy(pref);
-    ST_CHECK(found > 0, "cuBLASLt has no algorithm for GEMM m=", m, " n=", n, " k=", k,
-             " (", dtype_name(ab), " -> ", dtype_name(ct), ")");
+    ST_CHECK(found > 0, "cuBLASLt has no algorithm for GEMM m=", m, " n=", n, " k=", k, " (",
+             dtype_name(ab), " -> ", dtype_name(ct), ")");
     p.algo = result.algo;
     return p;
 }
@@ -65,15 +67,25 @@ GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int6
 }  // namespace
 
 void gemm(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-          const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c,
-          int64_t ldc, DType ab, DType ct, GemmBatch batch) {
+          const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c, int64_t ldc,
+          DType ab, DType ct, GemmBatch batch) {
     ST_ASSERT(ctx.libs, "cuda::gemm needs an ExecContext from a CudaSession");
     if (m == 0 || n == 0) return;
     Libraries& libs = *ctx.libs;
-    const std::array<int64_t, 14> key{ta,  tb,  m,           n,
-                                      k,   lda, ldb,         ldc,
-                                      int64_t(ab), int64_t(ct), batch.count, batch.stride_a,
-                                      batch.stride_b, batch.stride_c};
+    const std::array<int64_t, 14> key{ta,
+                                      tb,
+                                      m,
+                                      n,
+                                      k,
+                                      lda,
+                                      ldb,
+                                      ldc,
+                                      int64_t(ab),
+                                      int64_t(ct),
+                                      batch.count,
+                                      batch.stride_a,
+                                      batch.stride_b,
+                                      batch.stride_c};
     auto it = libs.plans.find(key);
     if (it == libs.plans.end())
         it = libs.plans.emplace(key, make_plan(libs, ta, tb, m, n, k, lda, ldb, ldc, ab, ct, batch))

@@ -16,7 +16,8 @@ __global__ void cross_entropy_rows(const float* logits, int64_t vocab, const int
     if (tgt < 0) {
         if (threadIdx.x == 0) row_loss[r] = 0;
         if (dlogits)
-            for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) st(dlogits + r * vocab + c, 0.f);
+            for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x)
+                st(dlogits + r * vocab + c, 0.f);
         return;
     }
     float mx = -INFINITY;
@@ -75,8 +76,8 @@ void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int
             gemm(ctx, false, false, n, dim, vocab, 1.f, dlogits_ws, vocab, w, dim, 0.f,
                  dh + r0 * dim, dim);
         if (dw)
-            gemm(ctx, true, false, vocab, dim, n, 1.f, dlogits_ws, vocab, h + r0 * dim, dim, 1.f, dw,
-                 dim, DType::BF16, DType::F32);
+            gemm(ctx, true, false, vocab, dim, n, 1.f, dlogits_ws, vocab, h + r0 * dim, dim, 1.f,
+                 dw, dim, DType::BF16, DType::F32);
     }
 }
 

@@ -24,11 +24,12 @@ __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
     const int64_t t = blockIdx.x, s0 = int64_t(blockIdx.y) * kKeyTile;
     const int32_t begin = row_begin[t];
     if (begin < 0 || s0 > t || s0 + kKeyTile <= begin) return;
-    float* qs = smem;                                              // [heads * dim]
-    float* ws = qs + heads * dim;                                  // [heads]
-    bf* ks = reinterpret_cast<bf*>(ws + heads);                    // [kKeyTile, dim + 2]
+    float* qs = smem;                            // [heads * dim]
+    float* ws = qs + heads * dim;                // [heads]
+    bf* ks = reinterpret_cast<bf*>(ws + heads);  // [kKeyTile, dim + 2]
     const int64_t kld = dim + 2;
-    for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x) qs[i] = ld(q + t * heads * dim + i);
+    for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x)
+        qs[i] = ld(q + t * heads * dim + i);
     for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) ws[j] = w[t * heads + j];
     for (int64_t i = threadIdx.x; i < kKeyTile * dim; i += blockDim.x) {
         const int64_t r = i / dim, c = i % dim, s = s0 + r;

@@ -31,14 +31,15 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
         if (threadIdx.x == 0) kl[t] = 0.f;
         return;
     }
-    float* qs = smem;     // [dl]
-    float* z = qs + dl;   // [n]
-    float* p = z + n;     // [n]
+    float* qs = smem;    // [dl]
+    float* z = qs + dl;  // [n]
+    float* p = z + n;    // [n]
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] = 0.f;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     for (int64_t h = 0; h < heads; ++h) {
         __syncthreads();
-        for (int64_t i = threadIdx.x; i < dl; i += blockDim.x) qs[i] = ld(qabs + (t * heads + h) * dl + i);
+        for (int64_t i = threadIdx.x; i < dl; i += blockDim.x)
+            qs[i] = ld(qabs + (t * heads + h) * dl + i);
         __syncthreads();
         for (int64_t j = warp; j < n; j += nwarps) {
             const bf* k = kabs + sup.key(t, j) * dl;
@@ -89,9 +90,9 @@ __global__ void indexer_scores_bwd_kernel(Support sup, const bf* q, const bf* k,
                                           float* dk) {
     extern __shared__ float smem[];
     const int64_t t = blockIdx.x, n = sup.count(t);
-    float* qs = smem;                  // [heads * dim]
-    float* dqs = qs + heads * dim;     // [heads * dim]
-    float* dws = dqs + heads * dim;    // [heads]
+    float* qs = smem;                // [heads * dim]
+    float* dqs = qs + heads * dim;   // [heads * dim]
+    float* dws = dqs + heads * dim;  // [heads]
     for (int64_t i = threadIdx.x; i < heads * dim; i += blockDim.x) {
         qs[i] = ld(q + t * heads * dim + i);
         dqs[i] = 0.f;

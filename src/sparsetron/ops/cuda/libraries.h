@@ -9,14 +9,13 @@
 
 #include "sparsetron/ops/cuda/cuda_check.h"
 
-#define ST_CUBLAS_CHECK(call)                                                                \
-    do {                                                                                     \
-        cublasStatus_t st_s_ = (call);                                                       \
-        if (st_s_ != CUBLAS_STATUS_SUCCESS)                                                  \
-            throw ::sparsetron::Error(::sparsetron::cat("cuBLASLt error ", int(st_s_), " (", \
-                                                        cublasLtGetStatusString(st_s_),        \
-                                                        ") in ", #call, " at ", __FILE__,    \
-                                                        ":", __LINE__));                     \
+#define ST_CUBLAS_CHECK(call)                                                                     \
+    do {                                                                                          \
+        cublasStatus_t st_s_ = (call);                                                            \
+        if (st_s_ != CUBLAS_STATUS_SUCCESS)                                                       \
+            throw ::sparsetron::Error(::sparsetron::cat("cuBLASLt error ", int(st_s_), " (",      \
+                                                        cublasLtGetStatusString(st_s_), ") in ",  \
+                                                        #call, " at ", __FILE__, ":", __LINE__)); \
     } while (0)
 
 namespace sparsetron::cuda {

@@ -76,7 +76,8 @@ __global__ void permute_offsets_kernel(const int32_t* counts, int64_t E, int64_t
     if (threadIdx.x != 0) return;
     int32_t acc = 0;
     offsets[0] = 0;
-    for (int64_t e = 0; e < E; ++e) offsets[e + 1] = acc += int32_t(min(int64_t(counts[e]), capacity));
+    for (int64_t e = 0; e < E; ++e)
+        offsets[e + 1] = acc += int32_t(min(int64_t(counts[e]), capacity));
 }
 
 __global__ void permute_place_kernel(const int32_t* topk, int64_t entries, int64_t k,
@@ -202,7 +203,6 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
     }
 }
 
-
 __global__ void combine_bwd_kernel(const bf* dy, const bf* out_perm, const int32_t* slot_row,
                                    const float* gates, int64_t k, int64_t dim, bf* dout_perm,
                                    float* dgates) {
@@ -246,7 +246,8 @@ __global__ void router_bwd_kernel(const float* probs, const int32_t* topk, const
     for (int64_t e = 0; e < E; ++e) dl[e] = 0.f;
     if (topk[t * k] < 0) return;
     const float* s = probs + t * E;
-    // g_j = scaling * s_j / S with S = eps + Σ s_chosen: ds_i = scaling (dg_i / S - Σ_j dg_j s_j / S²).
+    // g_j = scaling * s_j / S with S = eps + Σ s_chosen: ds_i = scaling (dg_i / S - Σ_j dg_j s_j /
+    // S²).
     double S = 1e-20, dot = 0;
     for (int64_t j = 0; j < k; ++j) S += s[topk[t * k + j]];
     for (int64_t j = 0; j < k; ++j) dot += double(dgates[t * k + j]) * s[topk[t * k + j]];
@@ -257,8 +258,8 @@ __global__ void router_bwd_kernel(const float* probs, const int32_t* topk, const
     }
 }
 
-__global__ void count_load_kernel(const int32_t* counts, int64_t E, int64_t capacity,
-                                  int64_t* load, int64_t* dropped) {
+__global__ void count_load_kernel(const int32_t* counts, int64_t E, int64_t capacity, int64_t* load,
+                                  int64_t* dropped) {
     if (threadIdx.x != 0) return;
     int64_t d = 0;
     for (int64_t e = 0; e < E; ++e) {
@@ -299,8 +300,8 @@ void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int3
 }
 
 void router_backward(const ExecContext& ctx, const float* probs, const int32_t* topk,
-                     const float* dgates, int64_t tokens, int64_t experts, int64_t k,
-                     float scaling, float* dlogits) {
+                     const float* dgates, int64_t tokens, int64_t experts, int64_t k, float scaling,
+                     float* dlogits) {
     if (tokens == 0) return;
     router_bwd_kernel<<<blocks_for(tokens, 128), 128, 0, stream_of(ctx)>>>(
         probs, topk, dgates, tokens, experts, k, scaling, dlogits);
@@ -359,22 +360,27 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                  int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
+void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
+                  int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
+                  int64_t weight_stride, bool accumulate) {
     if (experts == 0) return;
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
     int64_t M, N;
     switch (kind) {
-        case GroupedGemm::RowsTimesWeightT: M = max_rows, N = n; break;
-        case GroupedGemm::RowsTimesWeight: M = max_rows, N = k; break;
-        default: M = n, N = k; break;
+        case GroupedGemm::RowsTimesWeightT:
+            M = max_rows, N = n;
+            break;
+        case GroupedGemm::RowsTimesWeight:
+            M = max_rows, N = k;
+            break;
+        default:
+            M = n, N = k;
+            break;
     }
     if (M == 0 || N == 0) return;
     dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(experts));
-    grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(
-        GroupedArgs{kind, offsets, n, k, weight_stride ? weight_stride : n * k, accumulate, dev(a),
-                    dev(b), c});
+    grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(GroupedArgs{
+        kind, offsets, n, k, weight_stride ? weight_stride : n * k, accumulate, dev(a), dev(b), c});
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -88,8 +88,8 @@ void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab)
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows,
-                int64_t vocab, float* alpha) {
+void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows, int64_t vocab,
+                float* alpha) {
     if (rows == 0) return;
     overlap_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, vocab, alpha);
     ST_CUDA_LAUNCH_CHECK();

@@ -19,7 +19,8 @@ __global__ void rmsnorm_fwd_kernel(const bf* x, int64_t ldx, const bf* w, int64_
         ss += v * v;
     }
     const float rs = rsqrtf(block_sum(ss) / float(dim) + eps);
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) st(y + r * ldy + i, ld(w + i) * ld(xr + i) * rs);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        st(y + r * ldy + i, ld(w + i) * ld(xr + i) * rs);
     if (threadIdx.x == 0) rstd[r] = rs;
 }
 
@@ -29,7 +30,8 @@ __global__ void rmsnorm_bwd_kernel(const bf* dy, int64_t lddy, const bf* x, int6
     const int64_t r = blockIdx.x;
     const bf *dyr = dy + r * lddy, *xr = x + r * ldx;
     float s = 0;
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) s += ld(w + i) * ld(dyr + i) * ld(xr + i);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+        s += ld(w + i) * ld(dyr + i) * ld(xr + i);
     s = block_sum(s);
     const float rs = rstd[r], c = rs * rs * rs * s / float(dim);
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {

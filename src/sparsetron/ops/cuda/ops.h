@@ -67,7 +67,8 @@ void fill(const ExecContext& ctx, float* x, int64_t n, float value);
 int64_t sum_squares_blocks(int64_t n);
 void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials);
 // norm = sqrt(Σ partials) (fp64, fixed order); scale = max_norm / (norm + 1e-6) if
-// 0 < max_norm < norm else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is skipped).
+// 0 < max_norm < norm else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is
+// skipped).
 void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
                 float* norm, float* scale, int32_t* skip);
 // skip[0..n) = OR of them all (one non-finite clipping group skips the whole step).
@@ -77,6 +78,27 @@ void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n);
 void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
                   int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
                   int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16);
+
+// ---- Muon pieces ------------------------------------------------------------------------------
+// Unless *skip: w *= decay; mom = beta mom + (1 - beta) g (*scale).
+void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
+                   float decay, float beta, const float* scale, const int32_t* skip);
+// Rows [row0, row0 + rows) of the [*, cols] parameter into x (at x_row0), as
+// nesterov ? (1 - beta) g (*scale) + beta mom : mom.
+void muon_gather(const ExecContext& ctx, const float* g, const float* mom, int64_t cols,
+                 int64_t row0, int64_t rows, float beta, bool nesterov, const float* scale,
+                 float* x, int64_t x_row0);
+// Unless *skip: w[row0 + r, :] -= step * x[x_row0 + r, :].
+void muon_apply(const ExecContext& ctx, float* w, const float* x, int64_t cols, int64_t row0,
+                int64_t rows, int64_t x_row0, float step, const int32_t* skip);
+// out[c, r] = in[r, c] for an r x c fp32 matrix.
+void transpose(const ExecContext& ctx, const float* in, int64_t rows, int64_t cols, float* out);
+// x *= 1 / (*norm + eps).
+void scale_by_inverse_norm(const ExecContext& ctx, float* x, int64_t n, const float* norm,
+                           float eps);
+// out = b * a1 + c * a2 (element-wise, fp32).
+void axpby(const ExecContext& ctx, const float* a1, const float* a2, float b, float c, int64_t n,
+           float* out);
 
 // ---- Output head fused with cross-entropy ------------------------------------------------------
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
@@ -119,9 +141,10 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv);
 
-// ---- DSA indexer ---------------------------------------------------------------------------------
-// scores[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a
-// row are not written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32.
+// ---- DSA indexer
+// --------------------------------------------------------------------------------- scores[t, s] =
+// Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a row are not
+// written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32.
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                     float* scores);
@@ -130,9 +153,10 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
                int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len);
 
-// ---- MoE -----------------------------------------------------------------------------------------
-// probs = sigmoid(logits) [T, E]; top-k of probs + bias (ties toward the smaller expert, or the
-// forced round-robin choice); gates = scaling * p / Σ p over the chosen. Padding rows get -1.
+// ---- MoE
+// ----------------------------------------------------------------------------------------- probs =
+// sigmoid(logits) [T, E]; top-k of probs + bias (ties toward the smaller expert, or the forced
+// round-robin choice); gates = scaling * p / Σ p over the chosen. Padding rows get -1.
 void router_topk(const ExecContext& ctx, const float* logits, const float* bias,
                  const int32_t* row_begin, int64_t tokens, int64_t experts, int64_t k,
                  bool force_balance, float scaling, float* probs, int32_t* topk, float* gates);
@@ -157,9 +181,9 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
 // `weight_stride`: elements between consecutive experts' weights (0 = n * k, packed). With
 // `accumulate`, bf16 outputs are added to (RowsTimes* kinds); WeightGrad always adds.
-void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                  int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
+void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
+                  int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
+                  int64_t weight_stride = 0, bool accumulate = false);
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
@@ -172,8 +196,8 @@ void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int3
 // dlogits [T, E] (fp32) from the gate gradients: gates = scaling * s_c / Σ s_chosen, s =
 // sigmoid(logits). Unrouted rows and unchosen experts get 0.
 void router_backward(const ExecContext& ctx, const float* probs, const int32_t* topk,
-                     const float* dgates, int64_t tokens, int64_t experts, int64_t k,
-                     float scaling, float* dlogits);
+                     const float* dgates, int64_t tokens, int64_t experts, int64_t k, float scaling,
+                     float* dlogits);
 // load[e] += counts[e]; dropped[0] += Σ max(0, counts[e] - capacity).
 void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t experts,
                     int64_t capacity, int64_t* load, int64_t* dropped);
@@ -181,8 +205,9 @@ void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t exper
 void moe_update_bias(const ExecContext& ctx, const int64_t* load, int64_t experts, float rate,
                      float* bias);
 
-// ---- Copies and conversions ----------------------------------------------------------------------
-// rows x width_bytes from src (pitch in bytes) to dst (pitch in bytes), on the stream.
+// ---- Copies and conversions
+// ---------------------------------------------------------------------- rows x width_bytes from
+// src (pitch in bytes) to dst (pitch in bytes), on the stream.
 void copy_2d(const ExecContext& ctx, void* dst, int64_t dst_pitch, const void* src,
              int64_t src_pitch, int64_t width_bytes, int64_t rows);
 void zero(const ExecContext& ctx, void* dst, int64_t bytes);
@@ -196,16 +221,18 @@ void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf
 void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n);
 void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n);
 
-// ---- MLA helpers ---------------------------------------------------------------------------------
+// ---- MLA helpers
+// ---------------------------------------------------------------------------------
 // Expanded-attention key/value gradients back to the kv_b output and the shared RoPE key:
 // dkv[t, h*(dn+dv) + i] = dk[t, h, i] (i < dn), dkv[t, h*(dn+dv) + dn + i] = dv[t, h, i];
 // dpe[t * ld_pe + i] = Σ_h dk[t, h, dn + i].
 void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* dv, int64_t tokens,
-                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv,
-                          bf16* dpe, int64_t ld_pe);
+                          int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv, bf16* dpe,
+                          int64_t ld_pe);
 
-// ---- DSA indexer loss ------------------------------------------------------------------------------
-// Per row t with support S_t (sparse: idx[t, :len[t]]; dense: row_begin[t]..t):
+// ---- DSA indexer loss
+// ------------------------------------------------------------------------------ Per row t with
+// support S_t (sparse: idx[t, :len[t]]; dense: row_begin[t]..t):
 //   teacher p = normalize(Σ_h softmax-probabilities of the attention, exp(scale q'_h·k'_s - lse_h))
 //   (sparse: the attention's own lse [H, T]; dense: recomputed over S_t),
 //   student log q = log_softmax(scores[t, S_t]); kl[t] = Σ p (log p - log q);
@@ -227,12 +254,13 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);
 
-// ---- MTP end-to-end TV ------------------------------------------------------------------------------
-// In place: rows of z [rows, V] (fp32) become softmax(z).
+// ---- MTP end-to-end TV
+// ------------------------------------------------------------------------------ In place: rows of
+// z [rows, V] (fp32) become softmax(z).
 void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab);
 // alpha[r] = Σ_v min(p[r, v], q[r, v]).
-void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows,
-                int64_t vocab, float* alpha);
+void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows, int64_t vocab,
+                float* alpha);
 // Per chain row i (valid[i] != 0): loss += (1/D) Σ_j (1 - Π_{k<=j} α_k), accept += Σ_j Π α;
 // dalpha[k, i] = row_weight * ∂L/∂α_k (0 for invalid rows). alpha, dalpha: [D, T].
 // Depth k's values of row i are at [k * stride + i]; sums[0] += loss, sums[1] += accept.

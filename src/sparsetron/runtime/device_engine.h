@@ -1,0 +1,42 @@
+// DeviceEngine: what the trainer drives when the step runs on an accelerator. The trainer keeps
+// the data pipeline, loss normalization, metrics and checkpoints; the engine owns the device
+// model, its optimizer and the device copies of parameters and optimizer state. The host plan
+// (parameters and optimizer state only) mirrors them for checkpoints and initialization.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sparsetron/config/recipe.h"
+#include "sparsetron/data/packer.h"
+#include "sparsetron/model/glm5_model.h"
+#include "sparsetron/optim/optimizer.h"
+
+namespace sparsetron {
+
+class DeviceEngine {
+  public:
+    virtual ~DeviceEngine() = default;
+    // Host mirror -> device (after initialization or checkpoint load) and back (before a save).
+    virtual void upload_state() = 0;
+    virtual void download_state() = 0;
+    // Zero gradients and routing statistics.
+    virtual void begin_step() = 0;
+    virtual LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) = 0;
+    virtual std::vector<std::vector<int64_t>> moe_loads() = 0;
+    virtual int64_t moe_dropped() = 0;
+    virtual StepStats optimizer_step(const RunConfig& run, int64_t step) = 0;
+    virtual void update_router_bias(double rate) = 0;
+    // One line: device, planned device memory.
+    virtual std::string describe() const = 0;
+};
+
+// The CUDA engine for `recipe`, mirroring the host plan's parameters (`host_store`, `host_plan`)
+// and optimizer state (`host_optimizer`). Throws "built without CUDA" in a CPU-only build.
+std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,
+                                               const MemoryPlan& host_plan,
+                                               const Optimizer& host_optimizer,
+                                               int64_t max_documents, int64_t chunk_rows);
+
+}  // namespace sparsetron

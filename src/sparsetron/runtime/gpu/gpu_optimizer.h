@@ -1,0 +1,51 @@
+// The optimizer on CUDA (the CPU Optimizer, optim/optimizer.h): global-norm clipping by group
+// with device scalars (the MTP layer is its own group when its heads are detached), a non-finite
+// norm skips the whole step, fused AdamW writing the bf16 copies, Muon (per-head or per-projection
+// splits, batched Newton-Schulz through cuBLASLt) for the 2-D weights when the recipe asks for it.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/config/run_config.h"
+#include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/optim/muon.h"
+#include "sparsetron/optim/optimizer.h"
+
+namespace sparsetron::gpu {
+
+class GpuOptimizer {
+  public:
+    GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
+    void bind(const MemoryPlan& plan);
+    // One step, enqueued only (capturable); read_stats() downloads the norms and the skip flag.
+    void enqueue_step(const ExecContext& ctx, const RunConfig& run, int64_t step);
+    StepStats read_stats(const ExecContext& ctx, const RunConfig& run, int64_t step) const;
+    StepStats step(const ExecContext& ctx, const RunConfig& run, int64_t step) {
+        enqueue_step(ctx, run, step);
+        return read_stats(ctx, run, step);
+    }
+    // Device state tensors by checkpoint name ("<param>.exp_avg", ...).
+    std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
+
+  private:
+    void muon_update(const ExecContext& ctx, const RunConfig& run, size_t i, float lr,
+                     const float* scale, const int32_t* skip);
+    const GpuParams& P_;
+    const ModelConfig& cfg_;
+    bool muon_ = false, separate_mtp_ = false;
+    std::vector<bool> uses_muon_;
+    std::vector<MemoryPlan::Slot> m_slots_, v_slots_, mom_slots_;
+    std::vector<MuonSplit> splits_;
+    std::vector<int64_t> part_off_;  // first partial-sum block of each parameter
+    int64_t parts_main_ = 0, parts_total_ = 0;
+    MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_ns_;
+    float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr, *ns_ = nullptr;
+    int32_t* skip_ = nullptr;
+    int64_t ns_floats_ = 0;
+    std::vector<float*> m_, v_, mom_;
+};
+
+}  // namespace sparsetron::gpu

@@ -19,7 +19,6 @@ class CudaEngine final : public DeviceEngine {
           host_store_(host_store),
           host_plan_(host_plan),
           host_optimizer_(host_optimizer) {
-        ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible");
         ST_CHECK(!recipe.run.dsa_dense_warmup,
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");
@@ -116,6 +115,9 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows) {
+    // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
+    ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
+             "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
     return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
                                         max_documents, chunk_rows);
 }

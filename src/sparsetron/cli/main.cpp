@@ -47,7 +47,7 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
 
 int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
               const std::string& out_arg, const std::string& resume, const std::string& device,
-              bool quiet) {
+              bool quiet, bool no_save) {
     Recipe recipe;
     if (recipe_path.empty() && !resume.empty()) {
         // Resuming without --recipe: continue with the recipe stored in the checkpoint.
@@ -65,7 +65,7 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     if (out.empty())
         out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
                   .string();
-    TrainOptions opts{out, resume, parse_device(device)};
+    TrainOptions opts{out, resume, parse_device(device), !no_save};
     Trainer trainer(recipe, opts);
     const auto& r = trainer.recipe().run;
     const auto& params = trainer.params();
@@ -112,8 +112,9 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
                         first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
                         last_metrics.indexer_loss);
     }
-    std::printf("checkpoint: %s\nmetrics: %s\n",
-                resolve_checkpoint(trainer.checkpoint_dir()).c_str(), metrics_path.c_str());
+    if (!no_save)
+        std::printf("checkpoint: %s\n", resolve_checkpoint(trainer.checkpoint_dir()).c_str());
+    std::printf("metrics: %s\n", metrics_path.c_str());
     return 0;
 }
 
@@ -176,7 +177,7 @@ int main(int argc, char** argv) {
 
     std::string recipe, out, resume, device, model, tokens, output, json_key = "text";
     std::vector<std::string> sets, inputs;
-    bool quiet = false, json = false;
+    bool quiet = false, json = false, no_save = false;
 
     auto* train = app.add_subcommand("train",
                                      "Train a model (default: the tiny recipe on the "
@@ -192,6 +193,7 @@ int main(int argc, char** argv) {
                       "latest checkpoint); uses its recipe unless --recipe");
     train->add_option("--device", device, "cpu or cuda (default: cpu)");
     train->add_flag("--quiet,-q", quiet, "No progress output");
+    train->add_flag("--no-save", no_save, "Write no checkpoint (metrics only)");
 
     auto* eval = app.add_subcommand("eval", "Mean next-token loss of a model on token documents");
     eval->add_option("--model,-m", model, "Checkpoint, save directory, or HF directory")
@@ -225,7 +227,7 @@ int main(int argc, char** argv) {
         return app.exit(e);
     }
     try {
-        if (train->parsed()) return cmd_train(recipe, sets, out, resume, device, quiet);
+        if (train->parsed()) return cmd_train(recipe, sets, out, resume, device, quiet, no_save);
         if (eval->parsed()) return cmd_eval(model, tokens, json);
         if (plan->parsed()) return cmd_plan(recipe, sets);
         if (pre->parsed()) return cmd_preprocess(inputs, output, json_key);

@@ -257,7 +257,9 @@ void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
         StepMetrics m = train_step();
         if (on_step) on_step(m);
         bool last = state_.iteration == r.train_iters;
-        if ((r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last) save();
+        if (options_.save_checkpoints &&
+            ((r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last))
+            save();
     }
 }
 

@@ -43,6 +43,7 @@ struct TrainOptions {
     std::string out_dir;     // metrics.jsonl and (unless the recipe's `save` is set) checkpoints
     std::string resume_dir;  // checkpoint or save directory; "" = start fresh
     Device device = Device::CPU;
+    bool save_checkpoints = true;  // false: no checkpoint at save_interval or at the end
 };
 
 // Memory plan of a training run of `recipe` (parameters, gradients, optimizer state, activations,

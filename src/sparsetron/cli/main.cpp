@@ -14,6 +14,7 @@
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -221,12 +222,36 @@ int main(int argc, char** argv) {
     app.add_subcommand("keys", "List every recipe key with its default value");
     auto* info = app.add_subcommand("info", "Build and device information");
 
+    auto* bench = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
+    BenchOptions bopt;
+    std::string bench_json;
+    bench->add_option("--recipe", recipe, "Recipe YAML")->required();
+    bench->add_option("--set", sets, "Override a recipe key (key=value), repeatable");
+    bench->add_option("--warmup", bopt.warmup, "Untimed iterations first (default 3)");
+    bench->add_option("--iters", bopt.iters, "Timed iterations (default 10)");
+    bench->add_flag("--forward-backward", bopt.forward_backward_only,
+                    "Time forward+backward only (no optimizer step)");
+    bench->add_option("--commit", bopt.commit, "Commit recorded in the result");
+    bench->add_option("--json", bench_json, "Append the result as one JSON line to this file");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
         return app.exit(e);
     }
     try {
+        if (bench->parsed()) {
+            Recipe r = load_recipe(recipe, sets);
+            BenchResult res = run_bench(r, bopt);
+            std::printf("%s | %s | %s\n%s\n", r.name.c_str(), res.gpu.c_str(), res.commit.c_str(),
+                        res.table().c_str());
+            if (!bench_json.empty()) {
+                std::ofstream out(bench_json, std::ios::app);
+                ST_CHECK(out.good(), "cannot write '", bench_json, "'");
+                out << res.to_json() << "\n";
+            }
+            return 0;
+        }
         if (train->parsed()) return cmd_train(recipe, sets, out, resume, device, quiet, no_save);
         if (eval->parsed()) return cmd_eval(model, tokens, json);
         if (plan->parsed()) return cmd_plan(recipe, sets);

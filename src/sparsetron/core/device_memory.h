@@ -13,5 +13,7 @@ void* device_alloc(size_t bytes);
 void device_free(void* p);
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
+// Bytes of device memory in use by every process on the current device (total - free).
+size_t device_memory_used();
 
 }  // namespace sparsetron

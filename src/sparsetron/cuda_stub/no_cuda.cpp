@@ -27,6 +27,9 @@ void copy_to_device(void*, const void*, size_t) {
 void copy_to_host(void*, const void*, size_t) {
     no_cuda("copy_to_host");
 }
+size_t device_memory_used() {
+    no_cuda("device_memory_used");
+}
 
 namespace ops::cuda {
 void convert(const ExecContext&, const Tensor&, const Tensor&) {

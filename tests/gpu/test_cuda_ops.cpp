@@ -307,9 +307,26 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
     expect_guard(dvv, "attention dv");
 }
 
+namespace {
+void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
+                      int64_t K, const std::string& tag);
+}
+
 TEST_F(CudaOps, SparseMqaForwardBackward) {
+    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa");
+}
+
+// The GLM-5 shape (64 heads, latent 512 + rope 64): the tensor-core kernels.
+TEST_F(CudaOps, SparseMqaTensorCoresAtTheGlm5Shape) {
+    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (tensor cores)");
+}
+
+namespace {
+void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
+                      int64_t K, const std::string& tag) {
+    const ExecContext& ctx = session.ctx();
     const Docs docs;
-    const int64_t T = 200, H = 8, dqk = 72, dv = 64, K = 32;
+    const int64_t T = 200;
     Rounded q(T * H * dqk, 81), kv(T * dqk, 82), dout(T * H * dv, 83);
     // Each row picks an ascending random subset of its causal document keys; padding rows none.
     auto rbv = docs.row_begin(T);
@@ -329,11 +346,11 @@ TEST_F(CudaOps, SparseMqaForwardBackward) {
     DeviceArray<int32_t> didx(idx), dlen(len);
     DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
     DeviceArray<float> lse(H * T), dkv(T * dqk);
-    const float scale = 0.11f;
-    cuda::sparse_mqa_forward(ctx(), T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse);
-    cuda::sparse_mqa_backward(ctx(), T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
+    const float scale = float(0.9 / std::sqrt(double(dqk)));
+    cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse);
+    cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
                               dout.dev, dq, dkv);
-    sync();
+    session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
                                    len.data(), K, scale, o.data(), l.data());
@@ -341,13 +358,14 @@ TEST_F(CudaOps, SparseMqaForwardBackward) {
     cpu::sparse_mqa_backward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
                                     len.data(), K, scale, o_gpu.data(), l.data(), dout.host.data(),
                                     dqr.data(), ws.data(), dkvr.data());
-    expect_close("sparse mqa out", o_gpu, o, kBf16Tol);
-    expect_close("sparse mqa lse", lse.download(), l, 1e-5);
-    expect_close("sparse mqa dq", download_f(dq), dqr, kBf16Tol);
-    expect_close("sparse mqa dkv", dkv.download(), dkvr, kBf16Tol);
-    expect_guard(out, "sparse out");
-    expect_guard(dkv, "sparse dkv");
+    expect_close(tag + " out", o_gpu, o, kBf16Tol);
+    expect_close(tag + " lse", lse.download(), l, 1e-5);
+    expect_close(tag + " dq", download_f(dq), dqr, kBf16Tol);
+    expect_close(tag + " dkv", dkv.download(), dkvr, kBf16Tol);
+    expect_guard(out, tag + " out");
+    expect_guard(dkv, tag + " dkv");
 }
+}  // namespace
 
 namespace {
 // The CPU rule (SPEC §3): the k largest, ties toward the smaller index, written ascending.

@@ -51,10 +51,10 @@ TEST(CudaTraining, TinyRecipeMatchesCpuForFiveSteps) {
     ASSERT_EQ(cpu.size(), 5u);
     ASSERT_EQ(gpu.size(), 5u);
     for (size_t i = 0; i < 5; ++i) {
-        std::cout << "[training] step " << i + 1 << ": lm " << gpu[i].lm_loss << " vs " << cpu[i].lm_loss
-                  << ", mtp " << gpu[i].mtp_loss << " vs " << cpu[i].mtp_loss << ", indexer "
-                  << gpu[i].indexer_loss << " vs " << cpu[i].indexer_loss << ", grad_norm "
-                  << gpu[i].grad_norm << " vs " << cpu[i].grad_norm << "\n";
+        std::cout << "[training] step " << i + 1 << ": lm " << gpu[i].lm_loss << " vs "
+                  << cpu[i].lm_loss << ", mtp " << gpu[i].mtp_loss << " vs " << cpu[i].mtp_loss
+                  << ", indexer " << gpu[i].indexer_loss << " vs " << cpu[i].indexer_loss
+                  << ", grad_norm " << gpu[i].grad_norm << " vs " << cpu[i].grad_norm << "\n";
         EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss);
         EXPECT_NEAR(gpu[i].mtp_loss, cpu[i].mtp_loss, 2e-3 * cpu[i].mtp_loss);
         EXPECT_NEAR(gpu[i].indexer_loss, cpu[i].indexer_loss, 5e-2 * cpu[i].indexer_loss + 1e-7);
@@ -182,8 +182,8 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     const StepStats replay_st = opt.read_stats(ctx, r.run, 1);
     std::vector<float> replay_w(eager_w.size());
     copy_to_host(replay_w.data(), model.gpu_params()[3].master, replay_w.size() * 4);
-    std::cout << "[capture] " << graph.nodes() << " graph nodes; lm " << replay.lm_loss_sum << " vs "
-              << eager.lm_loss_sum << ", grad_norm " << replay_st.grad_norm << " vs "
+    std::cout << "[capture] " << graph.nodes() << " graph nodes; lm " << replay.lm_loss_sum
+              << " vs " << eager.lm_loss_sum << ", grad_norm " << replay_st.grad_norm << " vs "
               << eager_st.grad_norm << "\n";
     EXPECT_NEAR(replay.lm_loss_sum, eager.lm_loss_sum, 1e-6 * eager.lm_loss_sum);
     EXPECT_NEAR(replay_st.grad_norm, eager_st.grad_norm, 1e-3 * eager_st.grad_norm);

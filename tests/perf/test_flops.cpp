@@ -20,7 +20,8 @@ TEST(Flops, SeedSixteenGpuProxyAtThd4kMatchesThePublishedFigure) {
 }
 
 TEST(Flops, AttentionFollowsTheTopkAndOnlyRealTokensCount) {
-    Recipe r = load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", {});
+    Recipe r =
+        load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", {});
     const FlopCount a = audited_flops(r.model, {4096});
     r.model.dsa_indexer_topk = 1024;
     const FlopCount b = audited_flops(r.model, {4096});

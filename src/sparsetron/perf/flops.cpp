@@ -10,7 +10,8 @@ const char* FlopCount::convention() {
 }
 
 FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) {
-    const double h = double(m.hidden_size), V = double(m.vocab_size), H = double(m.num_attention_heads);
+    const double h = double(m.hidden_size), V = double(m.vocab_size),
+                 H = double(m.num_attention_heads);
     const int64_t L = m.num_layers, D = m.mtp_num_layers;
     double T = 0, p_dense = 0, p_sparse = 0;
     const bool dsa = m.uses_dsa();
@@ -20,14 +21,16 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
         p_dense += double(n) * double(n + 1) / 2;
         // Σ_{j=1..n} min(j, topk)
         const int64_t a = std::min(n, topk);
-        p_sparse += double(a) * double(a + 1) / 2 + double(n - a) * double(topk == INT64_MAX ? 0 : topk);
+        p_sparse +=
+            double(a) * double(a + 1) / 2 + double(n - a) * double(topk == INT64_MAX ? 0 : topk);
     }
     // Layer kinds: MTP depths count as layers of the last backbone layer's kind.
     int64_t n_dense = 0, n_moe = 0;
     for (int64_t l = 0; l < L; ++l) (m.is_moe_layer(l) ? n_moe : n_dense) += 1;
     (m.is_moe_layer(L - 1) ? n_moe : n_dense) += D;
     const double k = double(m.moe_router_topk), Fm = double(m.moe_ffn_hidden_size),
-                 Fs = double(m.moe_shared_expert_intermediate_size), ffn = double(m.ffn_hidden_size);
+                 Fs = double(m.moe_shared_expert_intermediate_size),
+                 ffn = double(m.ffn_hidden_size);
     const double qr = double(m.q_lora_rank), kr = double(m.kv_lora_rank),
                  dn = double(m.qk_head_dim), dr = double(m.qk_pos_emb_head_dim),
                  dv = double(m.v_head_dim);
@@ -39,15 +42,16 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
         f.total += v;
     };
     add("mlp", 6 * T * h * (3 * ffn * double(n_dense) + 3 * (k * Fm + Fs) * double(n_moe)));
-    const double q_term = qr * (h + H * (dn + dr) + 1), kv_term = kr * (h + H * (dn + dv) + 1) + h * dr,
-                 o_term = H * dv * h;
+    const double q_term = qr * (h + H * (dn + dr) + 1),
+                 kv_term = kr * (h + H * (dn + dv) + 1) + h * dr, o_term = H * dv * h;
     add("attention_projections",
-        6 * T * (double(L + D) * (q_term + kv_term + o_term) -
-                 double(std::max<int64_t>(D - 1, 0)) * (kvshare ? 1 : 0) * (kr * h + h * dr + kr)));
+        6 * T *
+            (double(L + D) * (q_term + kv_term + o_term) -
+             double(std::max<int64_t>(D - 1, 0)) * (kvshare ? 1 : 0) * (kr * h + h * dr + kr)));
     add("mtp_projections", 6 * T * double(D) * (3 * h + 2 * h * h));
     const bool tv = m.mtp_loss_type == "e2e_tv";
-    add("output_heads", 2 * T * h * V *
-                            (3 + (m.mtp_detach_heads ? 2 : 3) * double(D) + (tv && D > 0 ? 1 : 0)));
+    add("output_heads",
+        2 * T * h * V * (3 + (m.mtp_detach_heads ? 2 : 3) * double(D) + (tv && D > 0 ? 1 : 0)));
     add("attention_core", 6 * double(L + D) * H * (2 * kr + dr) * (dsa ? p_sparse : p_dense));
     if (dsa) {
         int64_t n_idx = 0;
@@ -55,11 +59,10 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
         if (D > 0 && dsa_layer_is_full(m, L)) n_idx += kvshare ? 1 : D;
         const bool loss = m.dsa_indexer_loss_coeff > 0;
         const double HI = double(m.dsa_indexer_n_heads), dI = double(m.dsa_indexer_head_dim);
-        add("indexer", double(n_idx) *
-                           ((loss ? 4 : 2) * T * (qr * HI * dI + h * dI + h * HI) +
-                            2 * HI * dI * p_dense +
-                            (loss ? 4 * HI * dI * (m.dsa_indexer_use_sparse_loss ? p_sparse : p_dense)
-                                  : 0)));
+        add("indexer",
+            double(n_idx) *
+                ((loss ? 4 : 2) * T * (qr * HI * dI + h * dI + h * HI) + 2 * HI * dI * p_dense +
+                 (loss ? 4 * HI * dI * (m.dsa_indexer_use_sparse_loss ? p_sparse : p_dense) : 0)));
     }
     return f;
 }

@@ -63,7 +63,8 @@ BenchResult run_bench(const Recipe& recipe, const BenchOptions& o) {
         for (int64_t i = 0; i < n_mb; ++i) engine->micro_batch(mb, sc);  // ends synchronized
         if (!o.forward_backward_only) engine->optimizer_step(recipe.run, 1 + it);
         const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count();
         if (it >= o.warmup) r.step_ms.push_back(ms);
     }
     r.median_ms = percentile(r.step_ms, 0.5);

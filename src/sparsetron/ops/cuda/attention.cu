@@ -3,11 +3,35 @@
 // latent row is both key and value). One block per (row, head); keys in chunks of kChunk with an
 // online softmax, so any key count fits. This is the correctness-first form: the performance issue
 // replaces it with tiled tensor-core kernels behind the same signatures.
+#include <cstdlib>
+#include <string>
+
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
+
+// Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
+bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
+void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                           int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse);
+void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                            const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                            const float* lse, const bf16* dout, bf16* dq, float* dkv);
+
 namespace {
+
+// SPARSETRON_SPARSE_MQA=reference forces the per-head reference kernels (the harness compares
+// both implementations against the CPU).
+bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
+    static const bool reference = [] {
+        const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
+        return e && std::string(e) == "reference";
+    }();
+    return !reference && sparse_mqa_tc_supported(heads, dqk, dv);
+}
 
 constexpr int kThreads = 128;
 constexpr int kChunk = 128;
@@ -223,6 +247,9 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    if (use_tensor_cores(heads, dqk, dv))
+        return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
+                                     out, lse);
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};
     const size_t smem = (dqk + kChunk) * sizeof(float);
     attn_fwd_kernel<<<dim3(tokens, heads), kThreads, smem, stream_of(ctx)>>>(
@@ -236,6 +263,9 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          const float* lse, const bf16* dout, bf16* dq, float* dkv) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    if (use_tensor_cores(heads, dqk, dv))
+        return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
+                                      out, lse, dout, dq, dkv);
     cudaStream_t st_ = stream_of(ctx);
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), st_));
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};

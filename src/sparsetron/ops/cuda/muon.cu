@@ -16,8 +16,8 @@ __global__ void momentum_kernel(float* w, const float* g, float* mom, int64_t n,
 }
 
 __global__ void gather_kernel(const float* g, const float* mom, int64_t cols, int64_t row0,
-                              int64_t rows, float beta, bool nesterov, const float* scale,
-                              float* x, int64_t x_row0) {
+                              int64_t rows, float beta, bool nesterov, const float* scale, float* x,
+                              int64_t x_row0) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= rows * cols) return;
     const int64_t k = row0 * cols + i;

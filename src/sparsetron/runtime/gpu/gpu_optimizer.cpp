@@ -20,14 +20,14 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
         const bool muon = muon_ && p.trainable && p.group == OptimGroup::Muon;
         uses_muon_.push_back(muon);
         const bool adam = p.trainable && !muon;
-        m_slots_.push_back(adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg",
-                                           DType::F32, p.shape)
-                                : -1);
-        v_slots_.push_back(adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq",
-                                           DType::F32, p.shape)
-                                : -1);
-        mom_slots_.push_back(muon ? plan.add(MemClass::OptimizerState,
-                                             p.name + ".momentum_buffer", DType::F32, p.shape)
+        m_slots_.push_back(
+            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
+                 : -1);
+        v_slots_.push_back(
+            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq", DType::F32, p.shape)
+                 : -1);
+        mom_slots_.push_back(muon ? plan.add(MemClass::OptimizerState, p.name + ".momentum_buffer",
+                                             DType::F32, p.shape)
                                   : -1);
         splits_.push_back(muon ? muon_split_for(p, m, r) : MuonSplit{});
         if (muon) {
@@ -49,8 +49,8 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     s_scale_ = plan.add(MemClass::Workspace, "optim.clip_scales", DType::F32, {2});
     s_skip_ = plan.add(MemClass::Workspace, "optim.skip", DType::I32, {2});
     // Newton-Schulz workspace: X, its transpose, a copy, A, A^2, B, norm partials and scalars.
-    ns_floats_ = muon_ ? 3 * max_numel + 3 * max_r * max_r + cuda::sum_squares_blocks(max_numel) + 8
-                       : 1;
+    ns_floats_ =
+        muon_ ? 3 * max_numel + 3 * max_r * max_r + cuda::sum_squares_blocks(max_numel) + 8 : 1;
     s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", DType::F32, {ns_floats_});
 }
 
@@ -131,8 +131,8 @@ void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_
         // Newton-Schulz on the wide orientation [rr, cc], rr <= cc.
         const bool tr = rows > cols;
         const int64_t rr = tr ? cols : rows, cc = tr ? rows : cols, n = rows * cols;
-        float* W = ns_ + n;          // the working matrix (X or its transpose)
-        float* Y = W + n;            // a copy for X <- B X + a X
+        float* W = ns_ + n;  // the working matrix (X or its transpose)
+        float* Y = W + n;    // a copy for X <- B X + a X
         float* A = Y + n;
         float* AA = A + rr * rr;
         float* B = AA + rr * rr;
@@ -160,8 +160,8 @@ void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_
             cuda::transpose(ctx, W, rr, cc, X);
         else
             X = W;
-        const float step =
-            float(double(lr) * muon_scale(rows, cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
+        const float step = float(double(lr) * muon_scale(rows, cols, r.muon_scale_mode) *
+                                 r.muon_extra_scale_factor);
         at = 0;
         for (auto [b, e] : s.rows) {
             cuda::muon_apply(ctx, gp.master, X, cols, b, e - b, at, step, skip);
@@ -178,7 +178,8 @@ std::vector<std::pair<std::string, MemoryPlan::Slot>> GpuOptimizer::state_tensor
             out.emplace_back(params[i].name + ".exp_avg", m_slots_[i]);
             out.emplace_back(params[i].name + ".exp_avg_sq", v_slots_[i]);
         }
-        if (mom_slots_[i] >= 0) out.emplace_back(params[i].name + ".momentum_buffer", mom_slots_[i]);
+        if (mom_slots_[i] >= 0)
+            out.emplace_back(params[i].name + ".momentum_buffer", mom_slots_[i]);
     }
     return out;
 }

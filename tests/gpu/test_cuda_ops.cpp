@@ -345,9 +345,10 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     }
     DeviceArray<int32_t> didx(idx), dlen(len);
     DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
-    DeviceArray<float> lse(H * T), dkv(T * dqk);
+    DeviceArray<float> lse(H * T), dkv(T * dqk), psum(T * K);
     const float scale = float(0.9 / std::sqrt(double(dqk)));
-    cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse);
+    cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
+                             psum);
     cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
                               dout.dev, dq, dkv);
     session.synchronize();
@@ -360,6 +361,20 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
                                     dqr.data(), ws.data(), dkvr.data());
     expect_close(tag + " out", o_gpu, o, kBf16Tol);
     expect_close(tag + " lse", lse.download(), l, 1e-5);
+    // Σ_h P per selected key (the indexer loss's teacher), in fp64 from the CPU lse.
+    std::vector<float> pref(T * K, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < len[t]; ++j) {
+            double sum = 0;
+            for (int64_t h = 0; h < H; ++h) {
+                double d = 0;
+                for (int64_t i = 0; i < dqk; ++i)
+                    d += double(q.host[(t * H + h) * dqk + i]) * kv.host[idx[t * K + j] * dqk + i];
+                sum += std::exp(d * scale - l[h * T + t]);
+            }
+            pref[t * K + j] = float(sum);
+        }
+    expect_close(tag + " head probability sums", psum.download(), pref, 1e-4);
     expect_close(tag + " dq", download_f(dq), dqr, kBf16Tol);
     expect_close(tag + " dkv", dkv.download(), dkvr, kBf16Tol);
     expect_guard(out, tag + " out");

@@ -74,7 +74,7 @@ void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
     const int64_t Tn = T_;
     cuda::indexer_kl(ctx, sparse, tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, scores_, A.topk,
-                     A.len, K_, in.row_begin, Tn, kl_, dscore_);
+                     A.len, K_, in.row_begin, Tn, kl_, dscore_, sparse ? tc.prob_sum : nullptr);
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
     if (grad_scale == 0) return;
     // dI = g (q - p) with g = grad_scale * coeff / rows, rows = the micro-batch's real rows.

@@ -20,6 +20,7 @@ class GpuIndexer {
         const float* lse;
         int64_t heads, dim;
         float scale;
+        const float* prob_sum = nullptr;  // Σ_h P from the attention (sparse loss), or null
     };
     GpuIndexer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
                const std::string& hf_prefix, int64_t tokens);

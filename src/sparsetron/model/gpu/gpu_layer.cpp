@@ -14,8 +14,11 @@ GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuS
     attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa());
     if (c.uses_dsa()) {
         kslots_ = std::min(c.dsa_indexer_topk, tokens);
-        if (dsa_layer_is_full(c, layer0))
+        if (dsa_layer_is_full(c, layer0)) {
             indexer_ = std::make_unique<GpuIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens);
+            if (c.dsa_indexer_loss_coeff > 0 && c.dsa_indexer_use_sparse_loss)
+                B.scratch(prob_sum_, "attn.head_prob_sum", {tokens, kslots_});
+        }
     }
     if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
         moe_ = std::make_unique<GpuMoe>(c, P, B, p + "mlp.", tokens);

@@ -46,6 +46,7 @@ class GpuLayer {
     std::unique_ptr<GpuMlp> mlp_;
     std::unique_ptr<GpuMoe> moe_;
     bf16 *da_, *dm_;
+    float* prob_sum_ = nullptr;  // the attention's Σ_h P for the sparse indexer loss
 };
 
 }  // namespace sparsetron::gpu

@@ -103,12 +103,12 @@ void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
 }
 
 void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
-                    const int32_t* len, int64_t kslots, bf16* x_accum) const {
+                    const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse);
+                                 A.lse, prob_sum);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});

@@ -19,8 +19,9 @@ class GpuMla {
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
     void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;
+    // prob_sum (absorbed mode, may be null): Σ_h attention probabilities per selected key.
     void attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
-                const int32_t* len, int64_t kslots, bf16* x_accum) const;
+                const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum = nullptr) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
                   const GpuInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
                   bf16* da, float* kv_grad_accum) const;

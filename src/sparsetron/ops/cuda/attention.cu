@@ -15,7 +15,12 @@ namespace sparsetron::cuda {
 bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
 void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse);
+                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+                           float* prob_sum);
+// indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
+void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
+                   const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,
+                   float scale, const float* lse, float* prob_sum);
 void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                             int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                             const int32_t* len, int64_t kslots, float scale, const bf16* out,
@@ -244,17 +249,20 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse) {
+                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+                        float* prob_sum) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
-                                     out, lse);
+                                     out, lse, prob_sum);
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};
     const size_t smem = (dqk + kChunk) * sizeof(float);
     attn_fwd_kernel<<<dim3(tokens, heads), kThreads, smem, stream_of(ctx)>>>(
         keys, tokens, heads, dqk, dv, dev(q), heads * dqk, dqk, scale, dev(out), lse);
     ST_CUDA_LAUNCH_CHECK();
+    if (prob_sum)
+        head_prob_sum(ctx, q, kv, idx, len, kslots, tokens, heads, dqk, scale, lse, prob_sum);
 }
 
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,

@@ -24,7 +24,8 @@ struct Support {
 
 __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, const float* lse,
                                   int64_t heads, int64_t dl, float scale, const float* scores,
-                                  int64_t tokens, float* kl, float* dscore) {
+                                  int64_t tokens, float* kl, float* dscore,
+                                  const float* teacher_sum) {
     extern __shared__ float smem[];
     const int64_t t = blockIdx.x, n = sup.count(t);
     if (n == 0) {
@@ -34,9 +35,10 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
     float* qs = smem;    // [dl]
     float* z = qs + dl;  // [n]
     float* p = z + n;    // [n]
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) p[j] = 0.f;
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+        p[j] = teacher_sum ? teacher_sum[t * sup.kslots + j] : 0.f;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; !teacher_sum && h < heads; ++h) {
         __syncthreads();
         for (int64_t i = threadIdx.x; i < dl; i += blockDim.x)
             qs[i] = ld(qabs + (t * heads + h) * dl + i);
@@ -141,13 +143,46 @@ __global__ void kl_sum_kernel(const float* kl, const int32_t* len, int64_t token
     }
 }
 
+// prob_sum[t, j] = Σ_h exp(scale q'_h · k'_{idx[t, j]} - lse_h): the reference path's teacher.
+__global__ void head_prob_sum_kernel(const bf* q, const bf* kv, const int32_t* idx,
+                                     const int32_t* len, int64_t kslots, int64_t tokens,
+                                     int64_t heads, int64_t dl, float scale, const float* lse,
+                                     float* prob_sum) {
+    const int64_t t = blockIdx.x, n = len[t];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    for (int64_t j = warp; j < kslots; j += nwarps) {
+        float s = 0;
+        if (j < n) {
+            const bf* k = kv + int64_t(idx[t * kslots + j]) * dl;
+            for (int64_t h = 0; h < heads; ++h) {
+                const bf* qh = q + (t * heads + h) * dl;
+                float d = 0;
+                for (int64_t i = lane; i < dl; i += 32) d += ld(qh + i) * ld(k + i);
+                d = warp_sum(d);
+                s += __expf(d * scale - lse[h * tokens + t]);
+            }
+        }
+        if (lane == 0) prob_sum[t * kslots + j] = s;
+    }
+}
+
 }  // namespace
+
+void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
+                   const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,
+                   float scale, const float* lse, float* prob_sum) {
+    if (tokens == 0) return;
+    head_prob_sum_kernel<<<tokens, kThreads, 0, stream_of(ctx)>>>(
+        dev(q), dev(kv), idx, len, kslots, tokens, heads, dl, scale, lse, prob_sum);
+    ST_CUDA_LAUNCH_CHECK();
+}
 
 void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
                 const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
                 const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore) {
+                int64_t tokens, float* kl, float* dscore, const float* teacher_sum) {
     if (tokens == 0) return;
+    ST_ASSERT(!teacher_sum || sparse, "indexer_kl: a teacher sum is the sparse loss's");
     const int64_t nmax = sparse ? kslots : tokens;
     const size_t smem = (dl + 2 * nmax) * sizeof(float);
     ST_CHECK(smem <= 200 * 1024, "indexer_kl: a support of ", nmax, " keys does not fit");
@@ -155,7 +190,7 @@ void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf1
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_kl_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
         Support{sparse, idx, len, row_begin, kslots}, dev(qabs), dev(kabs), lse, heads, dl, scale,
-        scores, tokens, kl, dscore);
+        scores, tokens, kl, dscore, teacher_sum);
     ST_CUDA_LAUNCH_CHECK();
 }
 

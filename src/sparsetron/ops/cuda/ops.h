@@ -21,6 +21,9 @@ namespace sparsetron::cuda {
 // `batch` > 1 runs independent problems at the given element strides.
 struct GemmBatch {
     int64_t count = 1, stride_a = 0, stride_b = 0, stride_c = 0;
+    // fp32 inputs: let cuBLASLt use TF32 tensor cores (Muon's Newton-Schulz at
+    // muon_fp32_matmul_prec "medium"/"high"; never for the router or the tests' fp32 references).
+    bool tf32 = false;
 };
 void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
           float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c,
@@ -131,10 +134,13 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
                         const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                         const int32_t* row_begin, float scale, bf16* dq, float* dk, float* dv);
 
-// Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward.
+// Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward. With prob_sum
+// ([T, kslots] fp32), also writes Σ_h P[h, t, j] for each selected key j (0 past len[t]): the
+// DSA indexer loss's teacher before normalization, so the loss needs no second pass over Q'K'.
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse);
+                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+                        float* prob_sum = nullptr);
 // dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated with atomics).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
@@ -238,10 +244,12 @@ void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* 
 //   student log q = log_softmax(scores[t, S_t]); kl[t] = Σ p (log p - log q);
 //   dscore[t, s] = q_s - p_s on the support (dense layout [T, T] like the scores).
 // qabs [T, H, dl] and kabs [T, dl] are the absorbed query and latent key (bf16).
+// teacher_sum (sparse loss only, may be null): the attention's Σ_h P [T, kslots] from
+// sparse_mqa_forward; when given, qabs/kabs/lse are not read.
 void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
                 const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
                 const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore);
+                int64_t tokens, float* kl, float* dscore, const float* teacher_sum = nullptr);
 // Back through the scores: with g = dscore * grad_scale on the support,
 //   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
 //   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first).

@@ -67,13 +67,13 @@ __device__ void tile_abt(const bf* a, unsigned lda, const bf* b, unsigned ldb, i
 __global__ void __launch_bounds__(kThreadsTc, 1)
     mqa_fwd_tc(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len, int64_t kslots,
                int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, float scale, bf* out,
-               float* lse) {
+               float* lse, float* prob_sum) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf* qs = reinterpret_cast<bf*>(smem_raw);                // [kHb][dqk]
-    bf* ks = qs + kHb * dqk;                                 // [kKcF][dqk]
-    float* os = reinterpret_cast<float*>(ks + kKcF * dqk);   // [kHb][dv] output accumulator
-    float* ss = os + kHb * dv;                               // [kHb][kKcF]
-    bf* ps = reinterpret_cast<bf*>(ss + kHb * kKcF);         // [kHb][kKcF]
+    bf* qs = reinterpret_cast<bf*>(smem_raw);               // [kHb][dqk]
+    bf* ks = qs + kHb * dqk;                                // [kKcF][dqk]
+    float* os = reinterpret_cast<float*>(ks + kKcF * dqk);  // [kHb][dv] output accumulator
+    float* ss = os + kHb * dv;                              // [kHb][kKcF]
+    bf* ps = reinterpret_cast<bf*>(ss + kHb * kKcF);        // [kHb][kKcF]
     __shared__ float row_m[kHb], row_l[kHb];
     const int64_t t = blockIdx.x, h0 = int64_t(blockIdx.y) * kHb;
     const int64_t n = len[t];
@@ -116,6 +116,14 @@ __global__ void __launch_bounds__(kThreadsTc, 1)
                     const int h = i / kKcF, j = i % kKcF;
                     ps[i] = __float2bfloat16(j < cnt ? __expf(ss[i] * scale - row_m[h]) : 0.f);
                 }
+                // The indexer loss's teacher: Σ over this block's heads, one atomic per key.
+                if (prob_sum && threadIdx.x < cnt) {
+                    const int j = threadIdx.x;
+                    float sum = 0;
+                    for (int h = 0; h < kHb; ++h)
+                        sum += __expf(ss[h * kKcF + j] * scale - row_m[h]);
+                    atomicAdd(prob_sum + t * kslots + c0 + j, sum);
+                }
                 __syncthreads();
                 // O += P V: 2 x dv/16 tiles over the warps.
                 const int ntn = int(dv / 16);
@@ -155,14 +163,14 @@ __global__ void __launch_bounds__(kThreadsTc, 1)
                int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, float scale, const bf* out,
                const float* lse, const bf* dout, bf* dq, float* dkv) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    bf* qs = reinterpret_cast<bf*>(smem_raw);                // [kHb][dqk]
-    bf* dos = qs + kHb * dqk;                                // [kHb][dv]
-    bf* ks = dos + kHb * dv;                                 // [kKcB][dqk]
-    float* dqs = reinterpret_cast<float*>(ks + kKcB * dqk);  // [kHb][dqk] dQ accumulator
-    float* ss = dqs + kHb * dqk;                             // [kHb][kKcB]
-    float* sp = ss + kHb * kKcB;                             // [kHb][kKcB]
-    bf* pb = reinterpret_cast<bf*>(sp + kHb * kKcB);         // [kHb][kKcB]
-    bf* dsb = pb + kHb * kKcB;                               // [kHb][kKcB]
+    bf* qs = reinterpret_cast<bf*>(smem_raw);                   // [kHb][dqk]
+    bf* dos = qs + kHb * dqk;                                   // [kHb][dv]
+    bf* ks = dos + kHb * dv;                                    // [kKcB][dqk]
+    float* dqs = reinterpret_cast<float*>(ks + kKcB * dqk);     // [kHb][dqk] dQ accumulator
+    float* ss = dqs + kHb * dqk;                                // [kHb][kKcB]
+    float* sp = ss + kHb * kKcB;                                // [kHb][kKcB]
+    bf* pb = reinterpret_cast<bf*>(sp + kHb * kKcB);            // [kHb][kKcB]
+    bf* dsb = pb + kHb * kKcB;                                  // [kHb][kKcB]
     float* stage = reinterpret_cast<float*>(dsb + kHb * kKcB);  // per warp 16x16
     __shared__ float row_lse[kHb], row_d[kHb];
     __shared__ int32_t rows[kKcB];
@@ -282,13 +290,16 @@ bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv) {
 
 void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse) {
+                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+                           float* prob_sum) {
     const size_t smem = fwd_smem(dqk, dv);
-    ST_CUDA_CHECK(cudaFuncSetAttribute(mqa_fwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(smem)));
-    mqa_fwd_tc<<<dim3(unsigned(tokens), unsigned(heads / kHb)), kThreadsTc, smem,
-                 stream_of(ctx)>>>(dev(q), dev(kv), idx, len, kslots, tokens, heads, dqk, dv, scale,
-                                   dev(out), lse);
+    if (prob_sum)
+        ST_CUDA_CHECK(
+            cudaMemsetAsync(prob_sum, 0, tokens * kslots * sizeof(float), stream_of(ctx)));
+    ST_CUDA_CHECK(
+        cudaFuncSetAttribute(mqa_fwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    mqa_fwd_tc<<<dim3(unsigned(tokens), unsigned(heads / kHb)), kThreadsTc, smem, stream_of(ctx)>>>(
+        dev(q), dev(kv), idx, len, kslots, tokens, heads, dqk, dv, scale, dev(out), lse, prob_sum);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -297,12 +308,12 @@ void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t head
                             const int32_t* len, int64_t kslots, float scale, const bf16* out,
                             const float* lse, const bf16* dout, bf16* dq, float* dkv) {
     const size_t smem = bwd_smem(dqk, dv);
-    ST_CUDA_CHECK(cudaFuncSetAttribute(mqa_bwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(smem)));
+    ST_CUDA_CHECK(
+        cudaFuncSetAttribute(mqa_bwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
-    mqa_bwd_tc<<<dim3(unsigned(tokens), unsigned(heads / kHb)), kThreadsTc, smem,
-                 stream_of(ctx)>>>(dev(q), dev(kv), idx, len, kslots, tokens, heads, dqk, dv, scale,
-                                   dev(out), lse, dev(dout), dev(dq), dkv);
+    mqa_bwd_tc<<<dim3(unsigned(tokens), unsigned(heads / kHb)), kThreadsTc, smem, stream_of(ctx)>>>(
+        dev(q), dev(kv), idx, len, kslots, tokens, heads, dqk, dv, scale, dev(out), lse, dev(dout),
+        dev(dq), dkv);
     ST_CUDA_LAUNCH_CHECK();
 }
 

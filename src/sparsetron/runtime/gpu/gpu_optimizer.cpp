@@ -147,14 +147,19 @@ void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_
                          reinterpret_cast<int32_t*>(scal + 2));
         cuda::scale_by_inverse_norm(ctx, W, n, scal, 1e-7f);
         const auto F32 = DType::F32;
+        // muon_fp32_matmul_prec (PyTorch's float32 matmul precision): "highest" keeps true fp32,
+        // "high"/"medium" allow TF32 tensor cores, as the seed's Muon does.
+        cuda::GemmBatch one;
+        one.tf32 = r.muon_fp32_matmul_prec != "highest";
         for (int64_t k = 0; k < r.muon_num_ns_steps; ++k) {
             const MuonCoefficients c = muon_ns_coefficients(r.muon_coefficient_type, k);
-            cuda::gemm(ctx, false, true, rr, rr, cc, 1.f, W, cc, W, cc, 0.f, A, rr, F32, F32);
-            cuda::gemm(ctx, false, false, rr, rr, rr, 1.f, A, rr, A, rr, 0.f, AA, rr, F32, F32);
+            cuda::gemm(ctx, false, true, rr, rr, cc, 1.f, W, cc, W, cc, 0.f, A, rr, F32, F32, one);
+            cuda::gemm(ctx, false, false, rr, rr, rr, 1.f, A, rr, A, rr, 0.f, AA, rr, F32, F32,
+                       one);
             cuda::axpby(ctx, A, AA, float(c.b), float(c.c), rr * rr, B);
             cuda::copy_2d(ctx, Y, n * 4, W, n * 4, n * 4, 1);
             cuda::gemm(ctx, false, false, rr, cc, rr, 1.f, B, rr, Y, cc, float(c.a), W, cc, F32,
-                       F32);
+                       F32, one);
         }
         if (tr)
             cuda::transpose(ctx, W, rr, cc, X);

@@ -3,7 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -42,6 +45,22 @@ double max_rel_error(const std::vector<A>& a, const std::vector<B>& b) {
         ref = std::max(ref, std::fabs(double(b[i])));
     }
     return err / std::max(1.0, ref);
+}
+
+// Runs the `sparsetron` CLI built with the tests; stdout and stderr together.
+struct CliRun {
+    int code;
+    std::string output;
+};
+inline CliRun run_cli(const std::string& args) {
+    const std::string cmd = std::string(SPARSETRON_CLI) + " " + args + " 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    const int status = pclose(p);
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
 }  // namespace sparsetron::test

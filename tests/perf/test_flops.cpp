@@ -1,6 +1,9 @@
 // Audited FLOPs (SPEC §8) against the seed's published figure.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
+#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/perf/flops.h"
 
@@ -30,4 +33,37 @@ TEST(Flops, AttentionFollowsTheTopkAndOnlyRealTokensCount) {
     const FlopCount c = audited_flops(r.model, {2048, 2048});
     EXPECT_LT(c.total, a.total);
     EXPECT_EQ(c.tokens, 4096);
+}
+
+namespace {
+std::pair<int, std::string> cli(const std::string& args) {
+    auto r = sparsetron::test::run_cli(args);
+    return {r.code, r.output};
+}
+}  // namespace
+
+TEST(Flops, CliPrintsTheSeedWorkloadsCountAndBreakdown) {
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-16gpu-thd4k.yaml";
+    auto [rc, out] = cli("flops --recipe " + recipe + " --json");
+    ASSERT_EQ(rc, 0) << out;
+    const auto j = nlohmann::json::parse(out);
+    const double seed = 36.4994e15;
+    EXPECT_NEAR(j.at("total_flops").get<double>(), seed, 1e-3 * seed);
+    EXPECT_EQ(j.at("tokens").get<int64_t>(), 64 * 4096);
+    EXPECT_NE(j.at("convention").get<std::string>().find("SPEC"), std::string::npos);
+    double sum = 0;
+    for (auto& [k, v] : j.at("terms").items()) sum += v.get<double>();
+    EXPECT_NEAR(sum, j.at("total_flops").get<double>(), 1.0);
+    EXPECT_GT(j.at("terms").at("output_heads").get<double>(), 0);
+    auto [rc2, table] = cli("flops --recipe " + recipe + " --convention megatron");
+    EXPECT_EQ(rc2, 0);
+    EXPECT_NE(table.find("36.5087 PFLOP/step"), std::string::npos) << table;
+    EXPECT_NE(table.find("Megatron stock formula"), std::string::npos) << table;
+    // Padding never counts: two documents of 100 tokens in a 4096-slot micro-batch count 200.
+    auto [rc3, small] = cli("flops --recipe " + recipe + " --doc-lengths 100,100 --json");
+    EXPECT_EQ(nlohmann::json::parse(small).at("tokens").get<int64_t>(), 200);
+    auto [rc4, bad] = cli("flops --recipe " + recipe + " --doc-lengths 100,x");
+    EXPECT_EQ(rc4, 1);
+    EXPECT_NE(bad.find("--doc-lengths: 'x' is not a positive integer"), std::string::npos) << bad;
 }

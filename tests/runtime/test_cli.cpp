@@ -8,23 +8,10 @@
 #include "../test_util.h"
 
 namespace {
-
-struct CliRun {
-    int code;
-    std::string output;  // stdout and stderr together
-};
-
+using sparsetron::test::CliRun;
 CliRun run(const std::string& args) {
-    std::string cmd = std::string(SPARSETRON_CLI) + " " + args + " 2>&1";
-    FILE* p = popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    int status = pclose(p);
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    return sparsetron::test::run_cli(args);
 }
-
 }  // namespace
 
 TEST(Cli, HelpListsEverySubcommand) {

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "progress.h"
 #include "sparsetron/config/recipe_loader.h"
@@ -14,6 +15,7 @@
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
@@ -44,6 +46,70 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
     }
     in.close();
     std::ofstream(path, std::ios::trunc) << kept;
+}
+
+// Documents of one step: --doc-lengths, else one seq_length document per sample of the global
+// batch (the seed's THD benchmark packing).
+std::vector<int64_t> step_documents(const Recipe& r, const std::string& lengths) {
+    std::vector<int64_t> docs;
+    if (!lengths.empty()) {
+        std::stringstream ss(lengths);
+        std::string item;
+        while (std::getline(ss, item, ',')) {
+            try {
+                size_t used = 0;
+                const long long v = std::stoll(item, &used);
+                ST_CHECK(used == item.size() && v > 0, "");
+                docs.push_back(v);
+            } catch (const std::exception&) {
+                throw Error(cat("--doc-lengths: '", item, "' is not a positive integer"));
+            }
+        }
+        ST_CHECK(!docs.empty(), "--doc-lengths: no lengths given");
+        return docs;
+    }
+    return std::vector<int64_t>(size_t(r.run.global_batch_size), r.run.seq_length);
+}
+
+int cmd_flops(const std::string& recipe_path, const std::vector<std::string>& sets,
+              const std::string& lengths, const std::string& convention, bool json) {
+    ST_CHECK(convention == "audited" || convention == "megatron",
+             "--convention must be audited or megatron, got '", convention, "'");
+    const Recipe r = load_recipe(recipe_path, sets);
+    const std::vector<int64_t> docs = step_documents(r, lengths);
+    const FlopCount f = audited_flops(r.model, docs);
+    const FlopCount meg = megatron_flops(r.model, docs);
+    if (json) {
+        nlohmann::json j;
+        j["total_flops"] = f.total;
+        j["tokens"] = f.tokens;
+        j["documents"] = docs.size();
+        j["convention"] = FlopCount::convention();
+        for (auto& [name, v] : f.terms) j["terms"][name] = v;
+        if (convention == "megatron") {
+            j["megatron"]["total_flops"] = meg.total;
+            for (auto& [name, v] : meg.terms) j["megatron"]["terms"][name] = v;
+        }
+        std::printf("%s\n", j.dump(1).c_str());
+        return 0;
+    }
+    std::printf("FLOPs per step of %s: %zu documents, %lld tokens\nconvention: %s\n\n",
+                r.name.c_str(), docs.size(), static_cast<long long>(f.tokens),
+                FlopCount::convention());
+    const bool both = convention == "megatron";
+    std::printf("%-24s %16s %8s%s\n", "term", "audited TFLOP", "share",
+                both ? "   Megatron stock TFLOP" : "");
+    for (size_t i = 0; i < f.terms.size(); ++i) {
+        std::printf("%-24s %16.1f %7.2f%%", f.terms[i].first.c_str(), f.terms[i].second / 1e12,
+                    100.0 * f.terms[i].second / f.total);
+        if (both) std::printf("   %18.1f", meg.terms[i].second / 1e12);
+        std::printf("\n");
+    }
+    std::printf("%-24s %16.1f %8s", "total", f.total / 1e12, "");
+    if (both) std::printf("   %18.1f", meg.total / 1e12);
+    std::printf("\n= %.4f PFLOP/step%s\n", f.total / 1e15,
+                both ? cat(" (Megatron stock formula: ", meg.total / 1e15, ")").c_str() : "");
+    return 0;
 }
 
 int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
@@ -222,6 +288,18 @@ int main(int argc, char** argv) {
     app.add_subcommand("keys", "List every recipe key with its default value");
     auto* info = app.add_subcommand("info", "Build and device information");
 
+    auto* flops = app.add_subcommand("flops", "Audited model FLOPs per step of a recipe (SPEC 8)");
+    std::string doc_lengths, convention = "audited";
+    bool flops_json = false;
+    flops->add_option("--recipe", recipe, "Recipe YAML")->required();
+    flops->add_option("--set", sets, "Override a recipe key (key=value), repeatable");
+    flops->add_option("--doc-lengths", doc_lengths,
+                      "Comma-separated document lengths of one step (default: global_batch_size "
+                      "documents of seq_length)");
+    flops->add_option("--convention", convention,
+                      "audited (default) or megatron (also print Megatron's stock formula)");
+    flops->add_flag("--json", flops_json, "JSON: total_flops, terms, convention, tokens");
+
     auto* bench = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
     BenchOptions bopt;
     std::string bench_json;
@@ -240,6 +318,7 @@ int main(int argc, char** argv) {
         return app.exit(e);
     }
     try {
+        if (flops->parsed()) return cmd_flops(recipe, sets, doc_lengths, convention, flops_json);
         if (bench->parsed()) {
             Recipe r = load_recipe(recipe, sets);
             BenchResult res = run_bench(r, bopt);

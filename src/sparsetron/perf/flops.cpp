@@ -1,6 +1,7 @@
 #include "sparsetron/perf/flops.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace sparsetron {
 
@@ -63,6 +64,56 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
             double(n_idx) *
                 ((loss ? 4 : 2) * T * (qr * HI * dI + h * dI + h * HI) + 2 * HI * dI * p_dense +
                  (loss ? 4 * HI * dI * (m.dsa_indexer_use_sparse_loss ? p_sparse : p_dense) : 0)));
+    }
+    return f;
+}
+
+FlopCount megatron_flops(const ModelConfig& m, const std::vector<int64_t>& docs) {
+    const double h = double(m.hidden_size), V = double(m.vocab_size),
+                 H = double(m.num_attention_heads);
+    const int64_t L = m.num_layers, D = m.mtp_num_layers;
+    double T = 0, S2 = 0;
+    for (int64_t n : docs) T += double(n), S2 += double(n) * double(n);
+    int64_t n_dense = 0, n_moe = 0;
+    for (int64_t l = 0; l < L; ++l) (m.is_moe_layer(l) ? n_moe : n_dense) += 1;
+    (m.is_moe_layer(L - 1) ? n_moe : n_dense) += D;
+    const double k = double(m.moe_router_topk), Fm = double(m.moe_ffn_hidden_size),
+                 Fs = double(m.moe_shared_expert_intermediate_size),
+                 ffn = double(m.ffn_hidden_size);
+    const double qr = double(m.q_lora_rank), kr = double(m.kv_lora_rank),
+                 dn = double(m.qk_head_dim), dr = double(m.qk_pos_emb_head_dim),
+                 dv = double(m.v_head_dim);
+    const double n_att = double(L + D);
+    FlopCount f;
+    f.tokens = int64_t(T);
+    auto add = [&](const char* name, double v) {
+        f.terms.emplace_back(name, v);
+        f.total += v;
+    };
+    add("mlp", T * 6 * h * (3 * ffn * double(n_dense) + 3 * (k * Fm + Fs) * double(n_moe)));
+    const double q_term = qr * (h + H * (dn + dr) + 1),
+                 kv_term = kr * (h + H * (dn + dv) + 1) + h * dr, o_term = H * dv * h;
+    add("attention_projections", T * 6 * n_att * (q_term + kv_term + o_term));
+    add("mtp_projections", T * 6 * double(D) * (3 * h + 2 * h * h));
+    add("output_heads",
+        T * (6 * h * V * double(D + 1) + (m.mtp_loss_type == "e2e_tv" ? 2 * h * V : 0)));
+    const double lbar = T > 0 ? S2 / T : 0;
+    double scale = 1;
+    if (m.uses_dsa() && lbar > 0) {
+        const double eff = std::min(double(m.dsa_indexer_topk), std::floor(lbar));
+        scale = eff * (1 - eff / (2 * lbar)) / (lbar / 2);
+    }
+    add("attention_core", S2 * 6 * (H * (kr + dr) / 2 + H * kr / 2) * scale * n_att);
+    if (m.uses_dsa()) {
+        // Megatron's rule on layer numbers 1..L+D: skip iff max(l - max(off, 1), 0) % f != 0.
+        int64_t n_idx = 0;
+        const int64_t off = std::max<int64_t>(m.dsa_indexer_skip_topk_offset, 1);
+        for (int64_t l = 1; l <= L + D; ++l)
+            n_idx += (std::max<int64_t>(l - off, 0) % m.dsa_indexer_topk_freq) == 0;
+        const bool loss = m.dsa_indexer_loss_coeff > 0;
+        const double HI = double(m.dsa_indexer_n_heads), dI = double(m.dsa_indexer_head_dim);
+        add("indexer", T * (loss ? 2 : 1) * 2 * double(n_idx) * (qr * HI * dI + h * dI + h * HI) +
+                           S2 * (loss ? 3 : 1) * 2 * double(n_idx) * HI * dI / 2);
     }
     return f;
 }

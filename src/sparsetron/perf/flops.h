@@ -21,4 +21,9 @@ struct FlopCount {
 // One step over documents of the given lengths (one entry per document of the global batch).
 FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& doc_lengths);
 
+// Megatron-LM's stock num_floating_point_operations (dev + PR 6753, DSA branch), for comparison:
+// an average-length pair approximation, indexers on every non-skip layer number up to L+D, draft
+// heads counted 3x, no KV-share correction (docs/perf/flops.md).
+FlopCount megatron_flops(const ModelConfig& m, const std::vector<int64_t>& doc_lengths);
+
 }  // namespace sparsetron

@@ -16,6 +16,7 @@
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/perf/flops.h"
+#include "sparsetron/perf/report.h"
 #include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
@@ -300,6 +301,14 @@ int main(int argc, char** argv) {
                       "audited (default) or megatron (also print Megatron's stock formula)");
     flops->add_flag("--json", flops_json, "JSON: total_flops, terms, convention, tokens");
 
+    auto* report = app.add_subcommand("report", "One self-contained HTML page from bench history");
+    std::vector<std::string> histories;
+    std::string report_out;
+    report->add_option("--history", histories, "Bench history JSONL file, repeatable")->required();
+    report->add_option("--out", report_out, "Output HTML file")->required();
+    report->add_option("--recipe", recipe,
+                       "Recipe whose FLOPs breakdown to draw when no record carries one");
+
     auto* bench = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
     BenchOptions bopt;
     std::string bench_json;
@@ -318,6 +327,18 @@ int main(int argc, char** argv) {
         return app.exit(e);
     }
     try {
+        if (report->parsed()) {
+            ReportInput in;
+            in.history_files = histories;
+            if (!recipe.empty()) {
+                const Recipe r = load_recipe(recipe, sets);
+                in.flops_terms = audited_flops(r.model, step_documents(r, "")).terms;
+                in.flops_title = r.name;
+            }
+            const int n = write_report(in, report_out);
+            std::printf("report: %d records -> %s\n", n, report_out.c_str());
+            return 0;
+        }
         if (flops->parsed()) return cmd_flops(recipe, sets, doc_lengths, convention, flops_json);
         if (bench->parsed()) {
             Recipe r = load_recipe(recipe, sets);

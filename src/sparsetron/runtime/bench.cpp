@@ -73,6 +73,7 @@ BenchResult run_bench(const Recipe& recipe, const BenchOptions& o) {
     r.max_ms = *std::max_element(r.step_ms.begin(), r.step_ms.end());
     const FlopCount f = audited_flops(m, std::vector<int64_t>(size_t(n_mb), slots));
     r.flops = f.total;
+    r.flops_terms = f.terms;
     r.tokens = f.tokens;
     r.tflops_per_gpu = f.total / (r.median_ms * 1e-3) / 1e12;
     r.tokens_per_s_per_gpu = double(f.tokens) / (r.median_ms * 1e-3);
@@ -96,6 +97,8 @@ std::string BenchResult::to_json() const {
     j["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu;
     j["flops_per_step"] = flops;
     j["flops_convention"] = FlopCount::convention();
+    j["flops_terms"] = nlohmann::json::array();
+    for (auto& [name, v] : flops_terms) j["flops_terms"].push_back({name, v});
     j["tokens"] = tokens;
     j["peak_mem_mib"] = peak_mem_mib;
     return j.dump();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsetron/config/recipe.h"
@@ -21,6 +22,7 @@ struct BenchResult {
     std::vector<double> step_ms;
     double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0;
     double flops = 0, tflops_per_gpu = 0, tokens_per_s_per_gpu = 0;
+    std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
     double peak_mem_mib = 0, planned_mem_mib = 0;
     std::string to_json() const;

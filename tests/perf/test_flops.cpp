@@ -67,3 +67,18 @@ TEST(Flops, CliPrintsTheSeedWorkloadsCountAndBreakdown) {
     EXPECT_EQ(rc4, 1);
     EXPECT_NE(bad.find("--doc-lengths: 'x' is not a positive integer"), std::string::npos) << bad;
 }
+
+TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
+    // The device plan is built from the recipe alone (nothing touches a GPU), so CI can check it.
+    const std::string recipe = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/tiny.yaml";
+    auto r = sparsetron::test::run_cli("plan --recipe " + recipe + " --device cuda");
+#if SPARSETRON_WITH_CUDA
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("device memory plan"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(".bf16"), std::string::npos) << "bf16 weight copies are planned";
+    EXPECT_NE(r.output.find("total"), std::string::npos);
+#else
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;
+#endif
+}

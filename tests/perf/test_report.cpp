@@ -38,7 +38,9 @@ Rendered render(const std::string& html, const std::string& dir) {
     if (exe.empty()) return r;
     const std::string cmd = "timeout 120 " + exe +
                             " --headless --no-sandbox --disable-gpu --disable-dev-shm-usage "
-                            "--user-data-dir=" + dir + "/chromium-profile "
+                            "--user-data-dir=" +
+                            dir +
+                            "/chromium-profile "
                             "--virtual-time-budget=5000 --dump-dom file://" +
                             fs::absolute(html).string() + " 2>" + dir + "/chromium.log";
     FILE* p = popen(cmd.c_str(), "r");
@@ -47,7 +49,8 @@ Rendered render(const std::string& html, const std::string& dir) {
     while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.dom.append(buf, n);
     pclose(p);
     std::smatch m;
-    if (std::regex_search(r.dom, m, std::regex("data-charts=\"([0-9]+)\""))) r.charts = std::stoi(m[1]);
+    if (std::regex_search(r.dom, m, std::regex("data-charts=\"([0-9]+)\"")))
+        r.charts = std::stoi(m[1]);
     for (size_t at = 0; (at = r.dom.find("data-rendered=\"yes\"", at)) != std::string::npos; ++at)
         ++r.rendered;
     if (std::regex_search(r.dom, m, std::regex("id=\"errors\">([^<]*)<"))) r.errors = m[1];
@@ -102,8 +105,8 @@ TEST(Report, TheChromiumCheckCatchesABrokenPage) {
     auto run = test::run_cli("report --history " + dir + "/history.jsonl --out " + dir + "/r.html");
     ASSERT_EQ(run.code, 0) << run.output;
     setenv("SPARSETRON_CHARTJS", (dir + "/broken.js").c_str(), 1);
-    auto broken = test::run_cli("report --history " + dir + "/history.jsonl --out " + dir +
-                                "/bad.html");
+    auto broken =
+        test::run_cli("report --history " + dir + "/history.jsonl --out " + dir + "/bad.html");
     unsetenv("SPARSETRON_CHARTJS");
     ASSERT_EQ(broken.code, 0) << broken.output;
     Rendered r = render(dir + "/bad.html", dir);
@@ -119,7 +122,8 @@ TEST(Report, MalformedHistoryNamesTheFileAndLine) {
     EXPECT_EQ(run.code, 1);
     EXPECT_NE(run.output.find(dir + "/h.jsonl:5: not a bench record"), std::string::npos)
         << run.output;
-    auto none = test::run_cli("report --history " + dir + "/missing.jsonl --out " + dir + "/r.html");
+    auto none =
+        test::run_cli("report --history " + dir + "/missing.jsonl --out " + dir + "/r.html");
     EXPECT_EQ(none.code, 1);
     EXPECT_NE(none.output.find("cannot read history file"), std::string::npos) << none.output;
 }

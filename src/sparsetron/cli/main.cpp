@@ -18,6 +18,7 @@
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/perf/report.h"
 #include "sparsetron/runtime/bench.h"
+#include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -144,9 +145,10 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
                 static_cast<long long>(recipe.model.hidden_size),
                 static_cast<long long>(recipe.model.num_attention_heads),
                 static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
-    std::printf("batch: %lld micro-batches x %lld token slots | memory plan %s | output %s\n",
+    std::printf("batch: %lld micro-batches x %lld token slots | %s %s | output %s\n",
                 static_cast<long long>(r.microbatches_per_step()),
                 static_cast<long long>(r.tokens_per_microbatch()),
+                opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
                 format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
@@ -201,10 +203,28 @@ int cmd_eval(const std::string& model, const std::string& tokens, bool json) {
     return 0;
 }
 
-int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& sets) {
+int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& sets,
+             const std::string& device) {
     Recipe recipe = load_recipe(recipe_path, sets);
     auto tp = make_training_plan(recipe);
     const auto& params = tp->model->params();
+    if (parse_device(device) == Device::CUDA) {
+        size_t total = 0;
+        const std::string table =
+            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total);
+        std::printf(
+            "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
+            "masters, gradients and optimizer state)\n",
+            recipe.name.c_str());
+        std::printf(
+            "micro-batch: %lld token slots, at most %lld documents; loss chunk %lld "
+            "rows\n\n%s",
+            static_cast<long long>(recipe.run.tokens_per_microbatch()),
+            static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows),
+            table.c_str());
+        std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
+        return 0;
+    }
     std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
     std::printf("parameters: %lld tensors, %.3fM elements\n",
                 static_cast<long long>(params.params().size()), params.total_numel() / 1e6);
@@ -274,6 +294,8 @@ int main(int argc, char** argv) {
     plan->add_option("--recipe,-r", recipe, "Recipe YAML (default: built-in tiny)")
         ->check(CLI::ExistingFile);
     plan->add_option("--set,-s", sets, "Override a recipe key: --set key=value (repeatable)");
+    std::string plan_device = "cpu";
+    plan->add_option("--device", plan_device, "cpu (default) or cuda: the plan of that backend");
 
     auto* pre = app.add_subcommand("preprocess",
                                    "Text or JSONL -> Megatron .bin/.idx "
@@ -354,7 +376,7 @@ int main(int argc, char** argv) {
         }
         if (train->parsed()) return cmd_train(recipe, sets, out, resume, device, quiet, no_save);
         if (eval->parsed()) return cmd_eval(model, tokens, json);
-        if (plan->parsed()) return cmd_plan(recipe, sets);
+        if (plan->parsed()) return cmd_plan(recipe, sets, plan_device);
         if (pre->parsed()) return cmd_preprocess(inputs, output, json_key);
         if (app.got_subcommand("keys")) return cmd_keys();
         if (info->parsed()) {

@@ -37,6 +37,9 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
 }
 }  // namespace ops::cuda
 
+std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*) {
+    no_cuda("plan --device cuda");
+}
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
                                                const Optimizer&, int64_t, int64_t) {
     no_cuda("--device cuda");

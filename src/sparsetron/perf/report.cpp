@@ -128,7 +128,8 @@ std::string find_chartjs() {
     for (const auto& p : tried)
         if (fs::is_regular_file(p)) return p;
     throw Error(cat("Chart.js not found (looked in ", tried[tried.size() - 2], " and ./",
-                    tried.back(), "; set SPARSETRON_CHARTJS); run scripts/setup.sh, which "
+                    tried.back(),
+                    "; set SPARSETRON_CHARTJS); run scripts/setup.sh, which "
                     "installs it with npm"));
 }
 
@@ -164,7 +165,8 @@ int write_report(const ReportInput& in, const std::string& out_html) {
                 else
                     terms = t;
                 flops = nlohmann::json::object();
-                flops["title"] = r["recipe"].get<std::string>() + " @ " + r["commit"].get<std::string>();
+                flops["title"] =
+                    r["recipe"].get<std::string>() + " @ " + r["commit"].get<std::string>();
                 flops["terms"] = terms;
             }
             recs.push_back(std::move(r));
@@ -172,8 +174,9 @@ int write_report(const ReportInput& in, const std::string& out_html) {
     }
     ST_CHECK(!recs.empty(), "report: the history files hold no records");
     if (flops.is_null()) {
-        ST_CHECK(!in.flops_terms.empty(), "report: no record carries a FLOPs breakdown; pass "
-                                          "--recipe R to draw the recipe's");
+        ST_CHECK(!in.flops_terms.empty(),
+                 "report: no record carries a FLOPs breakdown; pass "
+                 "--recipe R to draw the recipe's");
         flops = nlohmann::json::object();
         flops["title"] = in.flops_title;
         flops["terms"] = nlohmann::json::array();
@@ -182,7 +185,8 @@ int write_report(const ReportInput& in, const std::string& out_html) {
     nlohmann::json data;
     data["records"] = recs;
     data["flops"] = flops;
-    const std::string chartjs = read_file(in.chartjs_path.empty() ? find_chartjs() : in.chartjs_path);
+    const std::string chartjs =
+        read_file(in.chartjs_path.empty() ? find_chartjs() : in.chartjs_path);
     std::string page = kPage;
     auto put = [&](const std::string& mark, const std::string& text) {
         const size_t at = page.find(mark);

@@ -39,4 +39,10 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows);
 
+// The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
+// GPU): the per-class table of MemoryPlan::format(). Throws "built without CUDA" in a CPU-only
+// build.
+std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes);
+
 }  // namespace sparsetron

@@ -111,6 +111,16 @@ class CudaEngine final : public DeviceEngine {
 
 }  // namespace
 
+std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes) {
+    MemoryPlan plan;
+    gpu::GpuModel model(recipe.model, host_store, plan, recipe.run.tokens_per_microbatch(),
+                        max_documents, chunk_rows);
+    gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
+    if (total_bytes) *total_bytes = plan.total_bytes();
+    return plan.format();
+}
+
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,

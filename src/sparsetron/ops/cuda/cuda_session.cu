@@ -29,6 +29,28 @@ void CudaSession::synchronize() const {
     ST_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(ctx_.stream)));
 }
 
+std::vector<double> CudaSession::time_ms(const std::function<void()>& fn, int iters,
+                                         int warmup) const {
+    cudaStream_t s = static_cast<cudaStream_t>(ctx_.stream);
+    for (int i = 0; i < warmup; ++i) fn();
+    std::vector<cudaEvent_t> ev(2 * size_t(iters));
+    for (auto& e : ev) ST_CUDA_CHECK(cudaEventCreate(&e));
+    for (int i = 0; i < iters; ++i) {
+        ST_CUDA_CHECK(cudaEventRecord(ev[2 * i], s));
+        fn();
+        ST_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], s));
+    }
+    ST_CUDA_CHECK(cudaStreamSynchronize(s));
+    std::vector<double> out;
+    for (int i = 0; i < iters; ++i) {
+        float ms = 0;
+        ST_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        out.push_back(ms);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    return out;
+}
+
 size_t CudaSession::gemm_plans() const {
     return libs_->plans.size();
 }

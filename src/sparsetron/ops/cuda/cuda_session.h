@@ -5,7 +5,9 @@
 // step only looks them up (DESIGN §1.1).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "sparsetron/core/exec_context.h"
 
@@ -22,6 +24,9 @@ class CudaSession {
     void synchronize() const;
     // Number of cached GEMM plans (a captured step must not add any).
     size_t gemm_plans() const;
+    // Milliseconds of each of `iters` runs of fn (enqueued on this stream), timed with CUDA events
+    // after `warmup` untimed runs.
+    std::vector<double> time_ms(const std::function<void()>& fn, int iters, int warmup = 2) const;
 
   private:
     std::unique_ptr<Libraries> libs_;

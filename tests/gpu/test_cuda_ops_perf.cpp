@@ -1,0 +1,183 @@
+// The harness's perf mode (DESIGN §4): each op at the GLM-5.2 proxy's shapes (one 4096-token
+// micro-batch), timed with CUDA events: median µs, TFLOP/s by the op's FLOP count and GB/s by the
+// bytes it must move at least. Runs only with SPARSETRON_OPS_PERF=1 (label gpu); otherwise every
+// test skips with a message. Inputs are constant-filled: timing, not correctness (the other
+// harness tests check correctness).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <iomanip>
+
+#include "harness.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/ops.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(CudaOpsPerf, Skipped) {
+    GTEST_SKIP() << "built without CUDA: the perf mode runs on the GPU machine";
+}
+#else
+
+namespace {
+
+constexpr int64_t T = 4096, h = 6144, H = 64, L = 576, kr = 512, K = 2048, V = 154880;
+
+class CudaOpsPerf : public ::testing::Test {
+  protected:
+    void SetUp() override {
+        const char* e = std::getenv("SPARSETRON_OPS_PERF");
+        if (!e || std::string(e) != "1")
+            GTEST_SKIP() << "perf mode: set SPARSETRON_OPS_PERF=1 to time the ops";
+        if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
+        session_ = std::make_unique<cuda::CudaSession>();
+    }
+    const ExecContext& ctx() const { return session_->ctx(); }
+    // A bf16 device buffer filled with `v` (through an fp32 staging buffer on the device).
+    std::unique_ptr<DeviceArray<bf16> > bf(int64_t n, float v = 0.01f) {
+        auto out = std::make_unique<DeviceArray<bf16> >(n);
+        DeviceArray<float> tmp(n);
+        cuda::fill(ctx(), tmp, n, v);
+        cuda::f32_to_bf16(ctx(), tmp, *out, n);
+        session_->synchronize();
+        return out;
+    }
+    std::unique_ptr<DeviceArray<float> > f32(int64_t n, float v = 0.01f) {
+        auto out = std::make_unique<DeviceArray<float> >(n);
+        cuda::fill(ctx(), *out, n, v);
+        return out;
+    }
+    void report(const std::string& op, const std::function<void()>& fn, double flops,
+                double bytes) {
+        auto ms = session_->time_ms(fn, 10);
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[ms.size() / 2];
+        std::cout << "[perf] " << std::left << std::setw(44) << op << std::right << std::fixed
+                  << std::setprecision(1) << std::setw(10) << med * 1e3 << " us  " << std::setw(7)
+                  << (flops > 0 ? flops / (med * 1e-3) / 1e12 : 0.0) << " TFLOP/s  " << std::setw(7)
+                  << bytes / (med * 1e-3) / 1e9 << " GB/s\n";
+        EXPECT_GT(med, 0);
+    }
+    std::unique_ptr<cuda::CudaSession> session_;
+};
+
+}  // namespace
+
+TEST_F(CudaOpsPerf, DenseGemmsAndElementwise) {
+    auto a = bf(T * 16384), w = bf(h * 16384), y = bf(T * h);
+    report(
+        "gemm o_proj 4096x6144x16384 bf16",
+        [&] { cuda::gemm(ctx(), false, true, T, h, 16384, 1.f, *a, 16384, *w, 16384, 0.f, *y, h); },
+        2.0 * T * h * 16384, 2.0 * (T * 16384 + h * 16384 + T * h));
+    auto x = bf(T * h), nw = bf(h), out = bf(T * h);
+    auto rstd = f32(T);
+    report(
+        "rmsnorm 4096x6144",
+        [&] { cuda::rmsnorm_forward(ctx(), *x, h, *nw, T, h, 1e-5f, *out, h, *rstd); }, 0,
+        2.0 * 2 * T * h);
+    auto g = bf(T * 12288), u = bf(T * 12288), act = bf(T * 12288);
+    report(
+        "swiglu 4096x12288", [&] { cuda::swiglu_forward(ctx(), *g, *u, T * 12288, *act); }, 0,
+        3.0 * 2 * T * 12288);
+    const int64_t n = 100'000'000;
+    auto p = f32(n), gr = f32(n), m = f32(n), v = f32(n);
+    report(
+        "adamw 100M parameters",
+        [&] {
+            cuda::adamw_update(ctx(), *p, *gr, *m, *v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3,
+                               nullptr, nullptr, nullptr);
+        },
+        0, 4.0 * 7 * n);
+}
+
+TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
+    const int64_t rows = 512;
+    auto hh = bf(rows * h), w = bf(V * h), dh = bf(rows * h), dl = bf(rows * V);
+    auto logits = f32(rows * V), row_loss = f32(rows), dw = f32(V * h, 0.f);
+    std::vector<int32_t> tg(rows);
+    for (int64_t i = 0; i < rows; ++i) tg[i] = int32_t(i * 97 % V);
+    DeviceArray<int32_t> targets(tg);
+    report(
+        "head + CE fwd+bwd, 512 rows x 154880",
+        [&] {
+            cuda::head_cross_entropy(ctx(), *hh, rows, h, *w, V, targets, rows, *logits, *dl, 1e-3f,
+                                     *row_loss, *dh, *dw);
+        },
+        3 * 2.0 * rows * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * rows * V);
+}
+
+TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
+    auto q = bf(T * H * L), kv = bf(T * L), o = bf(T * H * kr), dout = bf(T * H * kr),
+         dq = bf(T * H * L);
+    auto lse = f32(H * T), dkv = f32(T * L), psum = f32(T * K);
+    // Row t attends over min(t + 1, 2048) keys of one 4096-token document.
+    std::vector<int32_t> idx(T * K, -1), len(T);
+    double pairs = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t nk = std::min<int64_t>(t + 1, K);
+        for (int64_t j = 0; j < nk; ++j) idx[t * K + j] = int32_t(t + 1 - nk + j);
+        len[t] = int32_t(nk);
+        pairs += double(nk);
+    }
+    DeviceArray<int32_t> didx(idx), dlen(len);
+    const float scale = 0.0417f;
+    report(
+        "sparse mqa fwd (absorbed pairs x (576+512))",
+        [&] {
+            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                     *psum);
+        },
+        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+    report(
+        "sparse mqa bwd (2.5x fwd pairs count)",
+        [&] {
+            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                      *dout, *dq, *dkv);
+        },
+        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+    const int64_t HI = 32, dI = 128;
+    auto qi = bf(T * HI * dI), ki = bf(T * dI);
+    auto wi = f32(T * HI), scores = f32(T * T);
+    std::vector<int32_t> rb(T, 0);
+    DeviceArray<int32_t> row_begin(rb), tk(T * K), tl(T);
+    report(
+        "indexer scores (causal pairs x 32 x 128)",
+        [&] { cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores); },
+        2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
+    report(
+        "top-2048 of up to 4096 keys per row",
+        [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
+}
+
+TEST_F(CudaOpsPerf, GroupedExpertGemm) {
+    // 16 experts x 2048 rows (uniform top-8 routing of 4096 tokens), 6144 -> 2048.
+    const int64_t E = 16, rows = 2048, F = 2048;
+    std::vector<int32_t> off(E + 1);
+    for (int64_t e = 0; e <= E; ++e) off[e] = int32_t(e * rows);
+    DeviceArray<int32_t> doff(off);
+    auto x = bf(E * rows * h), w = bf(E * F * h), y = bf(E * rows * F);
+    auto dw = f32(E * F * h, 0.f);
+    using K2 = cuda::GroupedGemm;
+    report(
+        "grouped gemm x W^T, 16 x 2048 x 6144 -> 2048",
+        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, doff, E, T, F, h, *x, *w, *y); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
+        "grouped gemm weight grad",
+        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, F, h, *y, *x, *dw); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
+    report(
+        "dense cuBLASLt gemm of the same total shape",
+        [&] { cuda::gemm(ctx(), false, true, E * rows, F, h, 1.f, *a, h, *b, h, 0.f, *c, F); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + F * h + E * rows * F));
+}
+
+#endif  // SPARSETRON_WITH_CUDA

@@ -4,6 +4,25 @@
 #include <cmath>
 
 namespace sparsetron {
+namespace {
+
+// The dimensions both conventions read. Layer kinds: MTP depths count as layers of the last
+// backbone layer's kind.
+struct Dims {
+    double n_dense = 0, n_moe = 0, k, Fm, Fs, ffn, qr, kr, dn, dr, dv;
+};
+Dims dims_of(const ModelConfig& m) {
+    Dims d;
+    for (int64_t l = 0; l < m.num_layers; ++l) (m.is_moe_layer(l) ? d.n_moe : d.n_dense) += 1;
+    (m.is_moe_layer(m.num_layers - 1) ? d.n_moe : d.n_dense) += double(m.mtp_num_layers);
+    d.k = double(m.moe_router_topk), d.Fm = double(m.moe_ffn_hidden_size);
+    d.Fs = double(m.moe_shared_expert_intermediate_size), d.ffn = double(m.ffn_hidden_size);
+    d.qr = double(m.q_lora_rank), d.kr = double(m.kv_lora_rank), d.dn = double(m.qk_head_dim);
+    d.dr = double(m.qk_pos_emb_head_dim), d.dv = double(m.v_head_dim);
+    return d;
+}
+
+}  // namespace
 
 const char* FlopCount::convention() {
     return "SPEC §8: 2 FLOPs per multiply-add, trained GEMMs 3x forward, real tokens only, "
@@ -25,16 +44,9 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
         p_sparse +=
             double(a) * double(a + 1) / 2 + double(n - a) * double(topk == INT64_MAX ? 0 : topk);
     }
-    // Layer kinds: MTP depths count as layers of the last backbone layer's kind.
-    int64_t n_dense = 0, n_moe = 0;
-    for (int64_t l = 0; l < L; ++l) (m.is_moe_layer(l) ? n_moe : n_dense) += 1;
-    (m.is_moe_layer(L - 1) ? n_moe : n_dense) += D;
-    const double k = double(m.moe_router_topk), Fm = double(m.moe_ffn_hidden_size),
-                 Fs = double(m.moe_shared_expert_intermediate_size),
-                 ffn = double(m.ffn_hidden_size);
-    const double qr = double(m.q_lora_rank), kr = double(m.kv_lora_rank),
-                 dn = double(m.qk_head_dim), dr = double(m.qk_pos_emb_head_dim),
-                 dv = double(m.v_head_dim);
+    const Dims d = dims_of(m);
+    const double n_dense = d.n_dense, n_moe = d.n_moe, k = d.k, Fm = d.Fm, Fs = d.Fs, ffn = d.ffn,
+                 qr = d.qr, kr = d.kr, dn = d.dn, dr = d.dr, dv = d.dv;
     const bool kvshare = D > 0 && dsa && m.dsa_mtp_index_kv_share;
     FlopCount f;
     f.tokens = int64_t(T);
@@ -42,7 +54,7 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
         f.terms.emplace_back(name, v);
         f.total += v;
     };
-    add("mlp", 6 * T * h * (3 * ffn * double(n_dense) + 3 * (k * Fm + Fs) * double(n_moe)));
+    add("mlp", 6 * T * h * (3 * ffn * n_dense + 3 * (k * Fm + Fs) * n_moe));
     const double q_term = qr * (h + H * (dn + dr) + 1),
                  kv_term = kr * (h + H * (dn + dv) + 1) + h * dr, o_term = H * dv * h;
     add("attention_projections",
@@ -74,15 +86,9 @@ FlopCount megatron_flops(const ModelConfig& m, const std::vector<int64_t>& docs)
     const int64_t L = m.num_layers, D = m.mtp_num_layers;
     double T = 0, S2 = 0;
     for (int64_t n : docs) T += double(n), S2 += double(n) * double(n);
-    int64_t n_dense = 0, n_moe = 0;
-    for (int64_t l = 0; l < L; ++l) (m.is_moe_layer(l) ? n_moe : n_dense) += 1;
-    (m.is_moe_layer(L - 1) ? n_moe : n_dense) += D;
-    const double k = double(m.moe_router_topk), Fm = double(m.moe_ffn_hidden_size),
-                 Fs = double(m.moe_shared_expert_intermediate_size),
-                 ffn = double(m.ffn_hidden_size);
-    const double qr = double(m.q_lora_rank), kr = double(m.kv_lora_rank),
-                 dn = double(m.qk_head_dim), dr = double(m.qk_pos_emb_head_dim),
-                 dv = double(m.v_head_dim);
+    const Dims d = dims_of(m);
+    const double n_dense = d.n_dense, n_moe = d.n_moe, k = d.k, Fm = d.Fm, Fs = d.Fs, ffn = d.ffn,
+                 qr = d.qr, kr = d.kr, dn = d.dn, dr = d.dr, dv = d.dv;
     const double n_att = double(L + D);
     FlopCount f;
     f.tokens = int64_t(T);
@@ -90,7 +96,7 @@ FlopCount megatron_flops(const ModelConfig& m, const std::vector<int64_t>& docs)
         f.terms.emplace_back(name, v);
         f.total += v;
     };
-    add("mlp", T * 6 * h * (3 * ffn * double(n_dense) + 3 * (k * Fm + Fs) * double(n_moe)));
+    add("mlp", T * 6 * h * (3 * ffn * n_dense + 3 * (k * Fm + Fs) * n_moe));
     const double q_term = qr * (h + H * (dn + dr) + 1),
                  kv_term = kr * (h + H * (dn + dv) + 1) + h * dr, o_term = H * dv * h;
     add("attention_projections", T * 6 * n_att * (q_term + kv_term + o_term));

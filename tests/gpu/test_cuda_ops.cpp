@@ -308,9 +308,10 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
 }
 
 namespace {
+// masked: run the masked-dense implementation (a workspace given) instead of the gathered one.
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag);
-}
+                      int64_t K, const std::string& tag, bool masked = false);
+}  // namespace
 
 TEST_F(CudaOps, SparseMqaForwardBackward) {
     sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa");
@@ -321,9 +322,17 @@ TEST_F(CudaOps, SparseMqaTensorCoresAtTheGlm5Shape) {
     sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (tensor cores)");
 }
 
+// The masked-dense implementation (cuBLASLt scores against every earlier key, top-k as a mask).
+TEST_F(CudaOps, SparseMqaMaskedDense) {
+    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked)", true);
+}
+TEST_F(CudaOps, SparseMqaMaskedDenseAtTheGlm5Shape) {
+    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, GLM-5 shape)", true);
+}
+
 namespace {
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag) {
+                      int64_t K, const std::string& tag, bool masked) {
     const ExecContext& ctx = session.ctx();
     const Docs docs;
     const int64_t T = 200;
@@ -347,10 +356,14 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
     DeviceArray<float> lse(H * T), dkv(T * dqk), psum(T * K);
     const float scale = float(0.9 / std::sqrt(double(dqk)));
+    const int64_t ws_bytes = masked ? cuda::sparse_mqa_workspace_bytes(T, H, K) : 0;
+    ASSERT_EQ(masked, ws_bytes > 0) << "the masked form applies when T <= 8 k";
+    DeviceArray<float> workspace(std::max<int64_t>(1, (ws_bytes + 3) / 4));
+    void* wsp = masked ? static_cast<void*>(static_cast<float*>(workspace)) : nullptr;
     cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                             psum);
+                             psum, wsp);
     cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                              dout.dev, dq, dkv);
+                              dout.dev, dq, dkv, wsp);
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
@@ -541,39 +554,63 @@ TEST_F(CudaOps, RouterPermuteGatherCombine) {
     }
 }
 
-TEST_F(CudaOps, GroupedGemmAllKinds) {
-    // Uneven experts, one empty, rows of the last expert up to the bound.
-    const std::vector<int32_t> off{0, 37, 37, 101, 130, 200};
-    const int64_t E = 5, R = 200, n = 96, kk = 80, max_rows = 70;
+namespace {
+// Each kind against per-expert CPU GEMMs. Uneven experts (one empty), rows of some expert up to the
+// bound; RowsTimesWeightT runs twice, the second time accumulating into its own output.
+void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int32_t>& off,
+                        int64_t n, int64_t kk, int64_t max_rows, const std::string& tag) {
+    const ExecContext& ctx = session.ctx();
+    const int64_t E = int64_t(off.size()) - 1, R = off.back();
     DeviceArray<int32_t> doff(off);
     Rounded w(E * n * kk, 111, 0.3), x(R * kk, 112), dy(R * n, 113);
     DeviceArray<bf16> y(R * n), dx(R * kk);
     auto dw0 = random_vector<float>(E * n * kk, 114);
     DeviceArray<float> dw(dw0);
-    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
                        w.dev, y);
-    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, n, kk, dy.dev,
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
+                       w.dev, y, 0, /*accumulate=*/true);
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, n, kk, dy.dev,
                        w.dev, dx);
-    cuda::grouped_gemm(ctx(), cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
-                       x.dev, dw);
-    sync();
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev, x.dev,
+                       dw);
+    session.synchronize();
     std::vector<float> yr(R * n), dxr(R * kk), dwr = dw0;
     for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], m = off[e + 1] - off[e];
         if (m == 0) continue;
         const float* we = w.host.data() + e * n * kk;
-        cpu::gemm<float>(false, true, m, n, kk, 1.f, x.host.data() + r0 * kk, kk, we, kk, 0.f,
+        cpu::gemm<float>(false, true, m, n, kk, 2.f, x.host.data() + r0 * kk, kk, we, kk, 0.f,
                          yr.data() + r0 * n, n);
         cpu::gemm<float>(false, false, m, kk, n, 1.f, dy.host.data() + r0 * n, n, we, kk, 0.f,
                          dxr.data() + r0 * kk, kk);
         cpu::gemm<float>(true, false, n, kk, m, 1.f, dy.host.data() + r0 * n, n,
                          x.host.data() + r0 * kk, kk, 1.f, dwr.data() + e * n * kk, kk);
     }
-    expect_close("grouped gemm x W^T", download_f(y), yr, kBf16Tol);
-    expect_close("grouped gemm dy W", download_f(dx), dxr, kBf16Tol);
-    expect_close("grouped gemm weight grad (fp32 +=)", dw.download(), dwr, 1e-5);
-    expect_guard(y, "grouped y");
-    expect_guard(dw, "grouped dw");
+    expect_close(tag + " x W^T (twice, accumulated)", download_f(y), yr, kBf16Tol);
+    expect_close(tag + " dy W", download_f(dx), dxr, kBf16Tol);
+    expect_close(tag + " weight grad (fp32 +=)", dw.download(), dwr, 1e-5);
+    expect_guard(y, tag + " y");
+    expect_guard(dx, tag + " dx");
+    expect_guard(dw, tag + " dw");
+}
+}  // namespace
+
+// Dimensions that are multiples of 8: the pipelined tensor-core kernel, with partial tiles in
+// every dimension (96 < 128 columns, 80 = 2.5 reduction slices, odd row counts).
+TEST_F(CudaOps, GroupedGemmAllKinds) {
+    grouped_gemm_check(*session_, {0, 37, 37, 101, 130, 200}, 96, 80, 70, "grouped gemm");
+}
+
+// Several 128 x 128 tiles per expert and more reduction slices than pipeline stages.
+TEST_F(CudaOps, GroupedGemmManyTiles) {
+    grouped_gemm_check(*session_, {0, 300, 301, 301, 560}, 264, 392, 300, "grouped gemm (tiles)");
+}
+
+// Dimensions not a multiple of 8: the simple fallback kernel.
+TEST_F(CudaOps, GroupedGemmUnalignedFallback) {
+    grouped_gemm_check(*session_, {0, 37, 37, 101, 130, 200}, 36, 20, 70,
+                       "grouped gemm (unaligned)");
 }
 
 TEST_F(CudaOps, GradNormClipAndAdamW) {

@@ -142,6 +142,25 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
                                       *dout, *dq, *dkv);
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+    // The same function as masked dense GEMMs (the model's choice at T <= 8 k); FLOPs are still
+    // counted on the selected pairs, so the TFLOP/s compare directly with the lines above.
+    const int64_t ws_bytes = cuda::sparse_mqa_workspace_bytes(T, H, K);
+    ASSERT_GT(ws_bytes, 0);
+    auto ws = f32((ws_bytes + 3) / 4);
+    report(
+        "sparse mqa fwd, masked dense (selected pairs)",
+        [&] {
+            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                     *psum, *ws);
+        },
+        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+    report(
+        "sparse mqa bwd, masked dense (selected pairs)",
+        [&] {
+            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                      *dout, *dq, *dkv, *ws);
+        },
+        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
     const int64_t HI = 32, dI = 128;
     auto qi = bf(T * HI * dI), ki = bf(T * dI);
     auto wi = f32(T * HI), scores = f32(T * T);

@@ -38,6 +38,8 @@ class GpuMla {
     // Backward scratch (shared by every MLA of the model).
     bf16 *do_, *dq_b_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *doabs_, *dkv_;
     float *dkabs_, *dk32_, *dv32_;
+    // Masked-dense sparse MQA workspace (null where the gathered kernels are used).
+    float* mqa_ws_ = nullptr;
 };
 
 }  // namespace sparsetron::gpu

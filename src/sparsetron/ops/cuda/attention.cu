@@ -25,17 +25,30 @@ void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t head
                             int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                             const int32_t* len, int64_t kslots, float scale, const bf16* out,
                             const float* lse, const bf16* dout, bf16* dq, float* dkv);
+// Masked dense GEMMs (sparse_mqa_masked.cu), used when a workspace is given.
+void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace);
+void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                                void* workspace);
 
 namespace {
 
 // SPARSETRON_SPARSE_MQA=reference forces the per-head reference kernels (the harness compares
 // both implementations against the CPU).
-bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
+bool reference_forced() {
     static const bool reference = [] {
         const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
         return e && std::string(e) == "reference";
     }();
-    return !reference && sparse_mqa_tc_supported(heads, dqk, dv);
+    return reference;
+}
+bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
+    return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
 }
 
 constexpr int kThreads = 128;
@@ -250,9 +263,12 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum) {
+                        float* prob_sum, void* workspace) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    if (workspace && !reference_forced())
+        return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
+                                         scale, out, lse, prob_sum, workspace);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);
@@ -268,9 +284,13 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv) {
+                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                         void* workspace) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    if (workspace && !reference_forced())
+        return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
+                                          scale, out, lse, dout, dq, dkv, workspace);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                       out, lse, dout, dq, dkv);

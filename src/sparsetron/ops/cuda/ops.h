@@ -137,15 +137,22 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward. With prob_sum
 // ([T, kslots] fp32), also writes Σ_h P[h, t, j] for each selected key j (0 past len[t]): the
 // DSA indexer loss's teacher before normalization, so the loss needs no second pass over Q'K'.
+// Two implementations: gathered keys (sparse_mqa_tc.cu, or the per-head reference kernels), and
+// masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given: a
+// buffer of sparse_mqa_workspace_bytes(), which is 0 where the gathered form is the faster one
+// (the top-k a small share of the context: tokens > 8 * kslots).
+int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots);
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum = nullptr);
-// dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated with atomics).
+                        float* prob_sum = nullptr, void* workspace = nullptr);
+// dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated: atomics when gathered,
+// chunk-ordered GEMM accumulation when masked).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv);
+                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                         void* workspace = nullptr);
 
 // ---- DSA indexer
 // --------------------------------------------------------------------------------- scores[t, s] =

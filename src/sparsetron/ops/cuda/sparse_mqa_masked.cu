@@ -1,0 +1,204 @@
+// Sparse MQA as masked dense GEMMs: when a row's top-k is a large share of its causal context
+// (short documents, or contexts up to a few times k), it is cheaper to score a chunk of query rows
+// against every earlier key with cuBLASLt and apply the top-k as a mask inside the softmax than to
+// gather keys per row. The function is the one of sparse_mqa_forward/backward: unselected keys get
+// probability exactly 0, so only the order of summation differs.
+//
+// Per chunk of cq tokens (R = cq * H query rows, contiguous in q's [T, H, dqk] layout) against keys
+// 0..t1-1 (t1 = the chunk's end; causality bounds every selected key):
+//   forward:  S = scale Q K^T (fp32) -> P = mask(exp(S - lse)) (bf16, lse computed) -> O = P V
+//   backward: S again; P from the saved lse; dP = dO V^T; dV += P^T dO;
+//             dS = scale P (dP - D), D = rowsum(dO o O), into P's buffer; dQ = dS K; dK += dS^T Q
+// Workspace per chunk: S and dP fp32, P bf16, each [R, ld]. dkv accumulates through the GEMMs'
+// beta = 1 in a fixed chunk order: deterministic, no atomics.
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+
+bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots);
+void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace);
+void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                                void* workspace);
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kChunkElems = int64_t(32) << 20;  // S / dP / P elements per chunk (320 MiB)
+
+int64_t leading_dim(int64_t tokens) {
+    return (tokens + 15) / 16 * 16;  // 16-element rows: aligned vector stores and GEMM operands
+}
+int64_t chunk_tokens(int64_t tokens, int64_t heads) {
+    const int64_t cq = kChunkElems / (heads * leading_dim(tokens));
+    return std::max<int64_t>(1, std::min(cq, tokens));
+}
+
+struct Workspace {
+    float *s, *dp;
+    bf* p;
+};
+Workspace carve(void* ws, int64_t tokens, int64_t heads) {
+    const int64_t elems = chunk_tokens(tokens, heads) * heads * leading_dim(tokens);
+    float* s = static_cast<float*>(ws);
+    return Workspace{s, s + elems, reinterpret_cast<bf*>(s + 2 * elems)};
+}
+
+// One block per token of the chunk: zero its H probability rows over 0..ld-1, then per head
+// write exp(s - lse) at the selected keys. With lse_out (the forward) the lse is computed from the
+// selected scores and written, with the head-summed probabilities; otherwise lse_in is read.
+__global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const int32_t* idx,
+                                    const int32_t* len, int64_t kslots, int64_t t0, int64_t tokens,
+                                    int64_t heads, const float* lse_in, float* lse_out,
+                                    float* prob_sum) {
+    extern __shared__ float psum[];  // [kslots] Σ_h P of this token, each slot one thread's
+    const int64_t tl = blockIdx.x, t = t0 + tl;
+    const int32_t* sel = idx + t * kslots;
+    const int64_t n = len[t];
+    uint4* rows = reinterpret_cast<uint4*>(p + tl * heads * lds);
+    for (int64_t i = threadIdx.x; i < heads * lds / 8; i += blockDim.x)
+        rows[i] = make_uint4(0, 0, 0, 0);
+    for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x) psum[j] = 0.f;
+    __syncthreads();  // zeros before the scatter below (other threads write the same rows)
+    for (int64_t h = 0; h < heads; ++h) {
+        const float* srow = s + (tl * heads + h) * lds;
+        bf* prow = p + (tl * heads + h) * lds;
+        float m;
+        if (lse_out) {
+            float mx = -INFINITY;
+            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, srow[sel[j]]);
+            mx = block_max(mx);
+            float sum = 0.f;
+            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += __expf(srow[sel[j]] - mx);
+            sum = block_sum(sum);
+            m = n > 0 ? mx + logf(sum) : 0.f;
+            if (threadIdx.x == 0) lse_out[h * tokens + t] = m;
+        } else {
+            m = lse_in[h * tokens + t];
+        }
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const float pj = __expf(srow[sel[j]] - m);
+            prow[sel[j]] = __float2bfloat16(pj);
+            psum[j] += pj;
+        }
+    }
+    if (prob_sum)
+        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
+            prob_sum[t * kslots + j] = psum[j];
+}
+
+// dS = scale P (dP - D) at the selected keys of the token's H rows, written over P (whose other
+// entries are already 0). P is recomputed in fp32 from S and the lse.
+__global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, int64_t lds,
+                                      const int32_t* idx, const int32_t* len, int64_t kslots,
+                                      int64_t t0, int64_t tokens, int64_t heads, int64_t dv,
+                                      const float* lse, const bf* out, const bf* dout,
+                                      float scale) {
+    const int64_t tl = blockIdx.x, t = t0 + tl;
+    const int32_t* sel = idx + t * kslots;
+    const int64_t n = len[t];
+    if (n == 0) return;
+    for (int64_t h = 0; h < heads; ++h) {
+        const bf* o = out + (t * heads + h) * dv;
+        const bf* g = dout + (t * heads + h) * dv;
+        float d = 0.f;
+        for (int64_t i = threadIdx.x; i < dv; i += blockDim.x) d += ld(o + i) * ld(g + i);
+        d = block_sum(d);
+        const int64_t r = (tl * heads + h) * lds;
+        const float m = lse[h * tokens + t];
+        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+            const int64_t key = sel[j];
+            const float pj = __expf(s[r + key] - m);
+            ds[r + key] = __float2bfloat16(scale * pj * (dp[r + key] - d));
+        }
+    }
+}
+
+// The probability kernel keeps a float per top-k slot in shared memory.
+size_t probs_smem(int64_t kslots) {
+    const size_t bytes = kslots * sizeof(float);
+    ST_CHECK(bytes <= 200 * 1024, "sparse MQA (masked): top-k ", kslots, " exceeds shared memory");
+    if (bytes > 48 * 1024) {
+        static const bool configured = [] {
+            ST_CUDA_CHECK(cudaFuncSetAttribute(
+                masked_probs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+            return true;
+        }();
+        (void)configured;
+    }
+    return bytes;
+}
+
+}  // namespace
+
+bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots) {
+    // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
+    // far more than the 4x extra work this allows (docs/perf/).
+    return tokens <= 8 * kslots;
+}
+
+int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots) {
+    if (tokens == 0 || !sparse_mqa_masked_preferred(tokens, kslots)) return 0;
+    const int64_t elems = chunk_tokens(tokens, heads) * heads * leading_dim(tokens);
+    return elems * (2 * sizeof(float) + sizeof(bf));
+}
+
+void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace) {
+    const Workspace w = carve(workspace, tokens, heads);
+    const int64_t cq = chunk_tokens(tokens, heads);
+    const size_t smem = probs_smem(kslots);
+    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
+        const int64_t ld = leading_dim(t1);
+        gemm(ctx, false, true, rows, t1, dqk, scale, q + t0 * heads * dqk, dqk, kv, dqk, 0.f, w.s,
+             ld, DType::BF16, DType::F32);
+        masked_probs_kernel<<<unsigned(t1 - t0), kThreads, smem, stream_of(ctx)>>>(
+            w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, nullptr, lse, prob_sum);
+        ST_CUDA_LAUNCH_CHECK();
+        gemm(ctx, false, false, rows, dv, t1, 1.f, w.p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
+             dv);
+    }
+}
+
+void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                                void* workspace) {
+    const Workspace w = carve(workspace, tokens, heads);
+    const int64_t cq = chunk_tokens(tokens, heads);
+    const auto BF = DType::BF16, F32 = DType::F32;
+    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
+    const size_t smem = probs_smem(kslots);
+    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
+        const int64_t ld = leading_dim(t1);
+        const bf16* qc = q + t0 * heads * dqk;
+        const bf16* gc = dout + t0 * heads * dv;
+        gemm(ctx, false, true, rows, t1, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
+        masked_probs_kernel<<<unsigned(t1 - t0), kThreads, smem, stream_of(ctx)>>>(
+            w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, lse, nullptr, nullptr);
+        ST_CUDA_LAUNCH_CHECK();
+        gemm(ctx, false, true, rows, t1, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
+        // dV' (the first dv latent columns) += P^T dO
+        gemm(ctx, true, false, t1, dv, rows, 1.f, w.p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
+        masked_dscores_kernel<<<unsigned(t1 - t0), kThreads, 0, stream_of(ctx)>>>(
+            w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out), dev(dout),
+            scale);
+        ST_CUDA_LAUNCH_CHECK();
+        gemm(ctx, false, false, rows, dqk, t1, 1.f, w.p, ld, kv, dqk, 0.f, dq + t0 * heads * dqk,
+             dqk, BF, BF);
+        gemm(ctx, true, false, t1, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
+    }
+}
+
+}  // namespace sparsetron::cuda

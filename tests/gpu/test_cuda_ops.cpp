@@ -235,7 +235,7 @@ TEST_F(CudaOps, HeadCrossEntropyChunked) {
     for (int64_t r = 0; r < rows; ++r) tgt[r] = r % 9 == 4 ? -1 : int32_t((r * 131) % vocab);
     DeviceArray<int32_t> dtgt(tgt);
     DeviceArray<float> logits(chunk * vocab), row_loss(rows);
-    DeviceArray<bf16> dlogits(chunk * vocab), dh(rows * dim);
+    DeviceArray<bf16> dlogits(rows * vocab), dh(rows * dim);  // all rows: dw is one GEMM
     auto dw0 = random_vector<float>(vocab * dim, 63, 0.01);
     DeviceArray<float> dw(dw0);
     DeviceArray<double> total(2);
@@ -308,9 +308,11 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
 }
 
 namespace {
-// masked: run the masked-dense implementation (a workspace given) instead of the gathered one.
+// masked_chunks > 0: run the masked-dense implementation with a workspace that holds about
+// T / masked_chunks query tokens (several chunks: the chunk offsets are exercised), instead of
+// the gathered one.
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, bool masked = false);
+                      int64_t K, const std::string& tag, int masked_chunks = 0);
 }  // namespace
 
 TEST_F(CudaOps, SparseMqaForwardBackward) {
@@ -324,15 +326,16 @@ TEST_F(CudaOps, SparseMqaTensorCoresAtTheGlm5Shape) {
 
 // The masked-dense implementation (cuBLASLt scores against every earlier key, top-k as a mask).
 TEST_F(CudaOps, SparseMqaMaskedDense) {
-    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked)", true);
+    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked, one chunk)", 1);
+    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked, 3 chunks)", 3);
 }
 TEST_F(CudaOps, SparseMqaMaskedDenseAtTheGlm5Shape) {
-    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, GLM-5 shape)", true);
+    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, GLM-5 shape)", 2);
 }
 
 namespace {
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, bool masked) {
+                      int64_t K, const std::string& tag, int masked_chunks) {
     const ExecContext& ctx = session.ctx();
     const Docs docs;
     const int64_t T = 200;
@@ -356,14 +359,19 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
     DeviceArray<float> lse(H * T), dkv(T * dqk), psum(T * K);
     const float scale = float(0.9 / std::sqrt(double(dqk)));
-    const int64_t ws_bytes = masked ? cuda::sparse_mqa_workspace_bytes(T, H, K) : 0;
-    ASSERT_EQ(masked, ws_bytes > 0) << "the masked form applies when T <= 8 k";
+    const bool masked = masked_chunks > 0;
+    const int64_t planned = cuda::sparse_mqa_workspace_bytes(T, H, K);
+    ASSERT_GT(planned, 0) << "the masked form applies when T <= 8 k";
+    // Bytes per query token: S, dP (fp32) and P (bf16) rows of 16-rounded length, per head.
+    const int64_t per_token = H * ((T + 15) / 16 * 16) * 10;
+    ASSERT_EQ(planned, T * per_token) << "a short context fits one chunk";
+    const int64_t ws_bytes = masked ? (T + masked_chunks - 1) / masked_chunks * per_token : 0;
     DeviceArray<float> workspace(std::max<int64_t>(1, (ws_bytes + 3) / 4));
     void* wsp = masked ? static_cast<void*>(static_cast<float*>(workspace)) : nullptr;
     cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                             psum, wsp);
+                             psum, wsp, ws_bytes);
     cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                              dout.dev, dq, dkv, wsp);
+                              dout.dev, dq, dkv, wsp, ws_bytes);
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
@@ -420,7 +428,25 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
     DeviceArray<float> dw(w), scores(T * T);
     auto rbv = docs.row_begin(T);
     DeviceArray<int32_t> rb(rbv), idx(T * K), len(T);
+    // The simple kernel, then the GEMM form with the planned workspace (one chunk at this size)
+    // and with one of 64 query rows (4 chunks, the last partial); the last one's scores are
+    // checked, and each form's against the first.
+    const int64_t planned = cuda::indexer_scores_workspace_bytes(T, H);
+    ASSERT_EQ(planned, T * H * T * 4);
+    DeviceArray<float> ws(planned / 4);
     cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores);
+    sync();
+    const auto simple = scores.download();
+    for (int64_t bytes : {planned, int64_t(64 * H * T * 4)}) {
+        cuda::fill(ctx(), scores, T * T, -7.f);
+        cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores, ws, bytes);
+        sync();
+        std::vector<bool> in_rows(T * T, false);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t s = rbv[t]; rbv[t] >= 0 && s <= t; ++s) in_rows[t * T + s] = true;
+        expect_close("indexer scores (GEMM form) vs simple", scores.download(), simple, 1e-5,
+                     in_rows);
+    }
     cuda::topk_rows(ctx(), scores, T, rb, T, K, idx, len);
     sync();
     auto sg = scores.download();

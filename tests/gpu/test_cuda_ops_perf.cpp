@@ -151,14 +151,14 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         "sparse mqa fwd, masked dense (selected pairs)",
         [&] {
             cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                     *psum, *ws);
+                                     *psum, *ws, ws_bytes);
         },
         2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
     report(
         "sparse mqa bwd, masked dense (selected pairs)",
         [&] {
             cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                      *dout, *dq, *dkv, *ws);
+                                      *dout, *dq, *dkv, *ws, ws_bytes);
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
     const int64_t HI = 32, dI = 128;
@@ -169,6 +169,15 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     report(
         "indexer scores (causal pairs x 32 x 128)",
         [&] { cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores); },
+        2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
+    const int64_t dots_bytes = cuda::indexer_scores_workspace_bytes(T, HI);
+    auto dots = f32(dots_bytes / 4);
+    report(
+        "indexer scores, cuBLASLt dots (causal pairs)",
+        [&] {
+            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores, *dots,
+                                 dots_bytes);
+        },
         2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
     report(
         "top-2048 of up to 4096 keys per row",
@@ -192,6 +201,29 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
         "grouped gemm weight grad",
         [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, F, h, *y, *x, *dw); },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    // Every tile configuration of the tensor-core kernel, each kind (config 0 is the engine's).
+    for (int cfg = 0; cfg < cuda::grouped_gemm_tc_configs(); ++cfg) {
+        for (K2 kind : {K2::RowsTimesWeightT, K2::RowsTimesWeight, K2::WeightGrad}) {
+            // x W^T: x -> y;  dy W: y -> x;  weight grad: dW += y^T x. All with n = F, k = h.
+            bf16* xp = *x;
+            bf16* yp = *y;
+            const bf16* A = kind == K2::RowsTimesWeightT ? xp : yp;
+            const bf16* B = kind == K2::WeightGrad ? xp : static_cast<bf16*>(*w);
+            void* C = kind == K2::WeightGrad        ? static_cast<void*>(static_cast<float*>(*dw))
+                      : kind == K2::RowsTimesWeight ? static_cast<void*>(xp)
+                                                    : static_cast<void*>(yp);
+            const int64_t n = F, k = h;
+            std::string name;
+            report(
+                "grouped cfg " + std::to_string(cfg) + " kind " + std::to_string(int(kind)),
+                [&] {
+                    name =
+                        cuda::grouped_gemm_tc_config(ctx(), cfg, kind, doff, E, T, n, k, A, B, C);
+                },
+                2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+            std::cout << "[perf]   cfg " << cfg << " = " << name << "\n";
+        }
+    }
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(
         "dense cuBLASLt gemm of the same total shape",

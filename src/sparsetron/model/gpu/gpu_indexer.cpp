@@ -27,6 +27,8 @@ GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, 
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
     B.scratch(scores_, "dsa.scores", {Tn, Tn});
+    dots_bytes_ = cuda::indexer_scores_workspace_bytes(Tn, HI_);
+    B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
     B.scratch(dscore_, "dsa.loss_grad", {Tn, Tn});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
     B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
@@ -62,7 +64,8 @@ void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, c
                c_.dsa_indexer_rope_interleaved, false);
     gemm(ctx, false, true, Tn, HI_, h_, wscale_, a, h_, P_[ww_].w, h_, 0.f, A.w, HI_, DType::BF16,
          DType::F32);
-    cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_);
+    cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
+                         dots_bytes_);
     cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
 }
 

@@ -42,6 +42,8 @@ class GpuIndexer {
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
     float *scores_, *dscore_, *kl_, *dw32_, *dk32_;
+    float* dots_;  // indexer_scores' GEMM workspace
+    int64_t dots_bytes_;
     bf16 *dq_, *dk_, *dkraw_, *dwb_;
 };
 

@@ -42,9 +42,9 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
         B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
         B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
         B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
-        const int64_t ws =
-            cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, Tn));
-        if (ws > 0) B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(ws + 3) / 4});
+        mqa_ws_bytes_ = cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, Tn));
+        if (mqa_ws_bytes_ > 0)
+            B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
     } else {
         B.scratch(dkv_, "grad.attn.kv", {Tn, H_ * (dn_ + dv_)});
         B.scratch(dk32_, "grad.attn.k_f32", {Tn, H_ * dq_});
@@ -112,7 +112,7 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse, prob_sum, mqa_ws_);
+                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
@@ -150,7 +150,7 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
              gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
         const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
         cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                  A.lse, doabs_, dqabs_, dkabs_, mqa_ws_);
+                                  A.lse, doabs_, dqabs_, dkabs_, mqa_ws_, mqa_ws_bytes_);
         // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
         if (kv_grad_accum) {
             if (A.kabs_shared)

@@ -40,6 +40,7 @@ class GpuMla {
     float *dkabs_, *dk32_, *dv32_;
     // Masked-dense sparse MQA workspace (null where the gathered kernels are used).
     float* mqa_ws_ = nullptr;
+    int64_t mqa_ws_bytes_ = 0;
 };
 
 }  // namespace sparsetron::gpu

@@ -46,7 +46,8 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     B_.scratch(dx_, "grad.residual", {Tn, h});
     B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
     B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
-    B_.scratch(dlogits_, "head.dlogits_chunk", {chunk_rows_, V});
+    // All rows' dlogits: the head's weight gradient is one GEMM over them (head_cross_entropy).
+    B_.scratch(dlogits_, "head.dlogits", {T_, V});
     B_.scratch(row_loss_, "head.row_loss", {Tn});
     D_ = cfg.mtp_num_layers;
     if (D_ > 0) {

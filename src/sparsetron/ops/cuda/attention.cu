@@ -29,12 +29,13 @@ void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t head
 void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace);
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes);
 void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace);
+                                void* workspace, int64_t workspace_bytes);
 
 namespace {
 
@@ -263,12 +264,12 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum, void* workspace) {
+                        float* prob_sum, void* workspace, int64_t workspace_bytes) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
     if (workspace && !reference_forced())
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                         scale, out, lse, prob_sum, workspace);
+                                         scale, out, lse, prob_sum, workspace, workspace_bytes);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);
@@ -284,13 +285,14 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         void* workspace) {
+                         const float* lse, const bf16* dout, bf16* dq, float* dkv, void* workspace,
+                         int64_t workspace_bytes) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                          scale, out, lse, dout, dq, dkv, workspace);
+                                          scale, out, lse, dout, dq, dkv, workspace,
+                                          workspace_bytes);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                       out, lse, dout, dq, dkv);

@@ -1,5 +1,7 @@
 // Grouped expert GEMM on tensor cores with a cp.async pipeline: 128x128 output tiles, 32-deep
-// reduction slices, 3 shared-memory stages, 8 warps of 64x32 each (bf16 WMMA, fp32 accumulation).
+// reduction slices, 3 shared-memory stages, 4 warps of 64x64 each (bf16 WMMA, fp32 accumulation;
+// a 64x64 warp tile loads 8 fragments per 16 MMAs). Measured against other tile configurations
+// by the perf harness (grouped_gemm_tc_config); docs/perf/2026-11-30-cuda-backend-speedups.md.
 // Expert e's row range [offsets[e], offsets[e+1]) is read from device memory; tiles past it exit,
 // reductions over rows (weight gradients) zero-fill past it, so nothing is decided on the host.
 //
@@ -11,6 +13,7 @@
 // grouped_gemm() falls back to the simple kernel otherwise.
 #include <mma.h>
 
+#include <string>
 #include <type_traits>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -27,22 +30,35 @@ void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* of
 namespace {
 
 using namespace nvcuda;
-constexpr int TM = 128, TN = 128, TK = 32, kStages = 3, kThreads = 256;
-constexpr int kPad = 8;                  // bf16 elements of row padding (bank spread, 16 B)
-constexpr int kRowMajorLd = TK + kPad;   // [128][TK] tiles (reduction-contiguous)
-constexpr int kKMajorLd = TM + kPad;     // [TK][128] tiles (reduction-major)
-constexpr int kTileElems = TM * kRowMajorLd > TK * kKMajorLd ? TM * kRowMajorLd : TK * kKMajorLd;
-constexpr int kStageElems = 2 * kTileElems;  // A and B
-constexpr int kEpilogueLd = TN + 4;
-constexpr size_t kSmemBytes = kStages * kStageElems * sizeof(bf) > TM * kEpilogueLd * sizeof(float)
-                                  ? kStages * kStageElems * sizeof(bf)
-                                  : TM * kEpilogueLd * sizeof(float);
+constexpr int TM = 128, TN = 128;  // output tile
+constexpr int kPad = 8;            // bf16 elements of row padding (bank spread, 16 B)
+
+// Tile configuration: warps (WarpsM x WarpsN over the 128 x 128 tile), reduction slice TK, stages.
+template <int WarpsM_, int WarpsN_, int TK_, int Stages_>
+struct Cfg {
+    static constexpr int WarpsM = WarpsM_, WarpsN = WarpsN_, TK = TK_, Stages = Stages_;
+    static constexpr int WarpTileM = TM / WarpsM, WarpTileN = TN / WarpsN;
+    static constexpr int FragsM = WarpTileM / 16, FragsN = WarpTileN / 16;
+    static constexpr int Threads = 32 * WarpsM * WarpsN;
+    static constexpr int RowMajorLd = TK + kPad;  // [128][TK] tiles (reduction-contiguous)
+    static constexpr int KMajorLd = TM + kPad;    // [TK][128] tiles (reduction-major)
+    static constexpr int TileElems = TM * RowMajorLd > TK* KMajorLd ? TM* RowMajorLd : TK* KMajorLd;
+    static constexpr int StageElems = 2 * TileElems;  // A and B
+    static constexpr int EpilogueLd = TN + 4;
+    static constexpr size_t SmemBytes = Stages * StageElems * sizeof(bf) >
+                                                TM* EpilogueLd * sizeof(float)
+                                            ? Stages* StageElems * sizeof(bf)
+                                            : TM* EpilogueLd * sizeof(float);
+};
+// The configuration the engine uses: the fastest of grouped_gemm_tc_config's on the H200 at the
+// proxy's shapes (2026-11-30: 291 / 250 / 214 TFLOP/s for the three kinds against 223 / 168 / 185
+// for 8 warps of 64x32).
+using Default = Cfg<2, 2, 32, 3>;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled, gmem is not read
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-                 "r"(bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::);
@@ -56,29 +72,30 @@ __device__ __forceinline__ void cp_async_wait() {
 // the row (ld elements apart) and whose 128-wide index is contiguous; otherwise [128][TK] from a
 // source whose 128-wide index is the row. Rows/columns past `extent` / reduction past `depth`
 // are zero-filled.
-template <bool kMajor>
+template <class C, bool kMajor>
 __device__ __forceinline__ void load_slice(bf* s, const bf* src, int64_t ld, int64_t base,
                                            int64_t extent, int64_t k0, int64_t depth) {
-    constexpr int kChunks = TM * TK / 8;  // 16-byte chunks per slice: 512, two per thread
+    constexpr int TK = C::TK, kChunks = TM * TK / 8;  // 16-byte chunks per slice
+    static_assert(kChunks % C::Threads == 0, "every thread copies the same number of chunks");
 #pragma unroll
-    for (int it = 0; it < kChunks / kThreads; ++it) {
-        const int c = threadIdx.x + it * kThreads;
+    for (int it = 0; it < kChunks / C::Threads; ++it) {
+        const int c = threadIdx.x + it * C::Threads;
         if constexpr (kMajor) {
             const int kk = c / (TM / 8), i = (c % (TM / 8)) * 8;
             const bool ok = k0 + kk < depth && base + i < extent;
             const bf* g = ok ? src + (k0 + kk) * ld + base + i : src;
-            cp_async16(s + kk * kKMajorLd + i, g, ok);
+            cp_async16(s + kk * C::KMajorLd + i, g, ok);
         } else {
             const int i = c / (TK / 8), kk = (c % (TK / 8)) * 8;
             const bool ok = base + i < extent && k0 + kk < depth;
             const bf* g = ok ? src + (base + i) * ld + k0 + kk : src;
-            cp_async16(s + i * kRowMajorLd + kk, g, ok);
+            cp_async16(s + i * C::RowMajorLd + kk, g, ok);
         }
     }
 }
 
-template <GroupedGemm kKind>
-__global__ void __launch_bounds__(kThreads, 2)
+template <class C, GroupedGemm kKind>
+__global__ void __launch_bounds__(C::Threads)
     grouped_gemm_tc_kernel(const int32_t* offsets, int64_t n, int64_t k, int64_t wstride,
                            bool accumulate, const bf* a, const bf* b, void* c) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -100,21 +117,25 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t i0 = int64_t(blockIdx.y) * TM, j0 = int64_t(blockIdx.x) * TN;
     if (i0 >= M || j0 >= N) return;
     if (K == 0) return;  // an empty expert: its weight gradient gets nothing added
-    const int warp = threadIdx.x >> 5, wm = warp >> 2, wn = warp & 3;  // 2 x 4 warps, 64 x 32
+    constexpr int TK = C::TK, kStages = C::Stages, kFragsM = C::FragsM, kFragsN = C::FragsN;
+    constexpr int kWarpTileM = C::WarpTileM, kWarpTileN = C::WarpTileN;
+    constexpr int kRowMajorLd = C::RowMajorLd, kKMajorLd = C::KMajorLd;
+    constexpr int kEpilogueLd = C::EpilogueLd;
+    const int warp = threadIdx.x >> 5, wm = warp / C::WarpsN, wn = warp % C::WarpsN;
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kFragsM][kFragsN];
 #pragma unroll
-    for (int x = 0; x < 4; ++x)
+    for (int x = 0; x < kFragsM; ++x)
 #pragma unroll
-        for (int y = 0; y < 2; ++y) wmma::fill_fragment(acc[x][y], 0.f);
+        for (int y = 0; y < kFragsN; ++y) wmma::fill_fragment(acc[x][y], 0.f);
 
     const int64_t slices = (K + TK - 1) / TK;
-    auto stage_a = [&](int s) { return smem + s * kStageElems; };
-    auto stage_b = [&](int s) { return smem + s * kStageElems + kTileElems; };
+    auto stage_a = [&](int s) { return smem + s * C::StageElems; };
+    auto stage_b = [&](int s) { return smem + s * C::StageElems + C::TileElems; };
     auto load = [&](int64_t slice, int s) {
         const int64_t k0 = slice * TK;
-        load_slice<kAkMajor>(stage_a(s), A, lda, i0, M, k0, K);
-        load_slice<kBkMajor>(stage_b(s), B, ldb, j0, N, k0, K);
+        load_slice<C, kAkMajor>(stage_a(s), A, lda, i0, M, k0, K);
+        load_slice<C, kBkMajor>(stage_b(s), B, ldb, j0, N, k0, K);
     };
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -133,55 +154,57 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int kk = 0; kk < TK; kk += 16) {
             using LayoutA = std::conditional_t<kAkMajor, wmma::col_major, wmma::row_major>;
             using LayoutB = std::conditional_t<kBkMajor, wmma::row_major, wmma::col_major>;
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, LayoutA> fa[4];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, LayoutB> fb[2];
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, LayoutA> fa[kFragsM];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, LayoutB> fb[kFragsN];
 #pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                const int i = wm * 64 + x * 16;
+            for (int x = 0; x < kFragsM; ++x) {
+                const int i = wm * kWarpTileM + x * 16;
                 if constexpr (kAkMajor)
                     wmma::load_matrix_sync(fa[x], As + kk * kKMajorLd + i, kKMajorLd);
                 else
                     wmma::load_matrix_sync(fa[x], As + i * kRowMajorLd + kk, kRowMajorLd);
             }
 #pragma unroll
-            for (int y = 0; y < 2; ++y) {
-                const int j = wn * 32 + y * 16;
+            for (int y = 0; y < kFragsN; ++y) {
+                const int j = wn * kWarpTileN + y * 16;
                 if constexpr (kBkMajor)
                     wmma::load_matrix_sync(fb[y], Bs + kk * kKMajorLd + j, kKMajorLd);
                 else
                     wmma::load_matrix_sync(fb[y], Bs + j * kRowMajorLd + kk, kRowMajorLd);
             }
 #pragma unroll
-            for (int x = 0; x < 4; ++x)
+            for (int x = 0; x < kFragsM; ++x)
 #pragma unroll
-                for (int y = 0; y < 2; ++y) wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
+                for (int y = 0; y < kFragsN; ++y)
+                    wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
         }
     }
     cp_async_wait<0>();
     __syncthreads();  // the pipeline's shared memory becomes the epilogue tile
     float* cs = reinterpret_cast<float*>(smem_raw);
 #pragma unroll
-    for (int x = 0; x < 4; ++x)
+    for (int x = 0; x < kFragsM; ++x)
 #pragma unroll
-        for (int y = 0; y < 2; ++y)
-            wmma::store_matrix_sync(cs + (wm * 64 + x * 16) * kEpilogueLd + wn * 32 + y * 16,
-                                    acc[x][y], kEpilogueLd, wmma::mem_row_major);
+        for (int y = 0; y < kFragsN; ++y)
+            wmma::store_matrix_sync(
+                cs + (wm * kWarpTileM + x * 16) * kEpilogueLd + wn * kWarpTileN + y * 16, acc[x][y],
+                kEpilogueLd, wmma::mem_row_major);
     __syncthreads();
     // 4 columns per thread per step; N is a multiple of 8, so a group is all in or all out.
-    for (int l = threadIdx.x; l < TM * TN / 4; l += kThreads) {
+    for (int l = threadIdx.x; l < TM * TN / 4; l += C::Threads) {
         const int ii = l / (TN / 4), jj = (l % (TN / 4)) * 4;
         const int64_t gi = i0 + ii, gj = j0 + jj;
         if (gi >= M || gj >= N) continue;
         const float4 v = *reinterpret_cast<const float4*>(cs + ii * kEpilogueLd + jj);
         if constexpr (kKind == GroupedGemm::WeightGrad) {
-            float4* dst = reinterpret_cast<float4*>(static_cast<float*>(c) + e * wstride +
-                                                    gi * N + gj);
+            float4* dst =
+                reinterpret_cast<float4*>(static_cast<float*>(c) + e * wstride + gi * N + gj);
             float4 o = *dst;
             o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
             *dst = o;
         } else {
-            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
-                                                                    (r0 + gi) * N + gj);
+            __nv_bfloat162* dst =
+                reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) + (r0 + gi) * N + gj);
             float2 lo{v.x, v.y}, hi{v.z, v.w};
             if (accumulate) {
                 const float2 plo = __bfloat1622float2(dst[0]), phi = __bfloat1622float2(dst[1]);
@@ -193,20 +216,44 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
 }
 
-template <GroupedGemm kKind>
+template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, dim3 grid, const int32_t* offsets, int64_t n, int64_t k,
             int64_t wstride, bool accumulate, const bf16* a, const bf16* b, void* c) {
-    // Once per kind, before any capture: the stage buffers exceed the 48 KiB default.
+    // Once per instance, before any capture: the stage buffers exceed the 48 KiB default.
     static const bool configured = [] {
-        ST_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tc_kernel<kKind>,
+        ST_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tc_kernel<C, kKind>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(kSmemBytes)));
+                                           int(C::SmemBytes)));
         return true;
     }();
     (void)configured;
-    grouped_gemm_tc_kernel<kKind><<<grid, kThreads, kSmemBytes, stream_of(ctx)>>>(
+    grouped_gemm_tc_kernel<C, kKind><<<grid, C::Threads, C::SmemBytes, stream_of(ctx)>>>(
         offsets, n, k, wstride, accumulate, dev(a), dev(b), c);
     ST_CUDA_LAUNCH_CHECK();
+}
+
+template <class C>
+void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
+         int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
+         int64_t weight_stride, bool accumulate) {
+    // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
+    switch (kind) {
+        case GroupedGemm::RowsTimesWeightT:
+            launch<C, GroupedGemm::RowsTimesWeightT>(
+                ctx, dim3(blocks_for(n, TN), blocks_for(max_rows, TM), unsigned(experts)), offsets,
+                n, k, weight_stride, accumulate, a, b, c);
+            break;
+        case GroupedGemm::RowsTimesWeight:
+            launch<C, GroupedGemm::RowsTimesWeight>(
+                ctx, dim3(blocks_for(k, TN), blocks_for(max_rows, TM), unsigned(experts)), offsets,
+                n, k, weight_stride, accumulate, a, b, c);
+            break;
+        default:
+            launch<C, GroupedGemm::WeightGrad>(
+                ctx, dim3(blocks_for(k, TN), blocks_for(n, TM), unsigned(experts)), offsets, n, k,
+                weight_stride, accumulate, a, b, c);
+            break;
+    }
 }
 
 }  // namespace
@@ -221,23 +268,36 @@ bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, cons
 void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                      int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                      const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
-    switch (kind) {
-        case GroupedGemm::RowsTimesWeightT:
-            launch<GroupedGemm::RowsTimesWeightT>(
-                ctx, dim3(blocks_for(n, TN), blocks_for(max_rows, TM), unsigned(experts)),
-                offsets, n, k, weight_stride, accumulate, a, b, c);
-            break;
-        case GroupedGemm::RowsTimesWeight:
-            launch<GroupedGemm::RowsTimesWeight>(
-                ctx, dim3(blocks_for(k, TN), blocks_for(max_rows, TM), unsigned(experts)),
-                offsets, n, k, weight_stride, accumulate, a, b, c);
-            break;
+    run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride, accumulate);
+}
+
+int grouped_gemm_tc_configs() {
+    return 5;
+}
+
+std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
+                                   const int32_t* offsets, int64_t experts, int64_t max_rows,
+                                   int64_t n, int64_t k, const bf16* a, const bf16* b, void* c) {
+    switch (config) {
+        case 0:
+            run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, false);
+            return "4 warps 64x64, k32, 3 stages (the engine's)";
+        case 1:
+            run<Cfg<2, 2, 32, 4>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
+                                  false);
+            return "4 warps 64x64, k32, 4 stages";
+        case 2:
+            run<Cfg<2, 2, 64, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
+                                  false);
+            return "4 warps 64x64, k64, 3 stages";
+        case 3:
+            run<Cfg<2, 4, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
+                                  false);
+            return "8 warps 64x32, k32, 3 stages";
         default:
-            launch<GroupedGemm::WeightGrad>(
-                ctx, dim3(blocks_for(k, TN), blocks_for(n, TM), unsigned(experts)), offsets, n,
-                k, weight_stride, accumulate, a, b, c);
-            break;
+            run<Cfg<4, 2, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
+                                  false);
+            return "8 warps 32x64, k32, 3 stages";
     }
 }
 

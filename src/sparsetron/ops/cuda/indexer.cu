@@ -1,7 +1,10 @@
 // DSA lightning-indexer scores and the per-row top-k.
 //
-// Scores: one block per (query row, tile of kKeyTile keys); the row's H x d query and the tile's
-// keys sit in shared memory; tiles outside [begin, t] exit at once (causal, per document).
+// Scores, two forms. With a workspace: per chunk of query rows, the [rows x H, keys] dot products
+// as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1, then a kernel applies ReLU and the
+// per-head weights column by column (coalesced). Without: one block per (query row, tile of
+// kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
+// [begin, t] exiting at once (the simple form; small shapes and the harness).
 // Top-k: one block per row, an exact radix select on the order-preserving integer image of the
 // fp32 scores (4 passes of 8 bits), then one ordered pass that keeps every score above the
 // threshold and the first `need` equal ones by index, so ties go to the smaller key index and the
@@ -47,6 +50,28 @@ __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
         acc += ws[j] * fmaxf(d, 0.f);
     }
     scores[t * tokens + s] = acc;
+}
+
+// scores[t, s] = Σ_j w[t, j] relu(dots[(t - t0) H + j, s]) for s in [begin, t].
+__global__ void indexer_weighted_relu_kernel(const float* dots, int64_t ldd, const float* w,
+                                             const int32_t* row_begin, int64_t t0, int64_t tokens,
+                                             int64_t heads, float* scores) {
+    const int64_t t = t0 + blockIdx.y, s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int32_t begin = row_begin[t];
+    if (begin < 0 || s < begin || s > t) return;
+    const float* col = dots + int64_t(blockIdx.y) * heads * ldd + s;
+    const float* wt = w + t * heads;
+    float acc = 0.f;
+    for (int64_t j = 0; j < heads; ++j) acc += wt[j] * fmaxf(col[j * ldd], 0.f);
+    scores[t * tokens + s] = acc;
+}
+
+constexpr int64_t kDotsChunkElems = int64_t(32) << 20;  // 128 MiB of fp32 dot products
+int64_t dots_ld(int64_t tokens) {
+    return (tokens + 3) / 4 * 4;
+}
+int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
+    return std::max<int64_t>(1, std::min(tokens, elems / (heads * dots_ld(tokens))));
 }
 
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -119,10 +144,32 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
 
 }  // namespace
 
+int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
+    return dots_chunk_tokens(tokens, heads, kDotsChunkElems) * heads * dots_ld(tokens) *
+           int64_t(sizeof(float));
+}
+
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores) {
+                    float* scores, void* workspace, int64_t workspace_bytes) {
     if (tokens == 0) return;
+    if (workspace) {
+        float* dots = static_cast<float*>(workspace);
+        const int64_t elems = workspace_bytes / int64_t(sizeof(float));
+        ST_CHECK(elems >= heads * dots_ld(tokens), "indexer_scores: a workspace of ",
+                 workspace_bytes, " bytes holds no query row");
+        const int64_t cq = dots_chunk_tokens(tokens, heads, elems);
+        for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+            const int64_t t1 = std::min(tokens, t0 + cq), ldd = dots_ld(t1);
+            gemm(ctx, false, true, (t1 - t0) * heads, t1, dim, 1.f, q + t0 * heads * dim, dim, k,
+                 dim, 0.f, dots, ldd, DType::BF16, DType::F32);
+            dim3 grid(blocks_for(t1, 256), unsigned(t1 - t0));
+            indexer_weighted_relu_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
+                dots, ldd, w, row_begin, t0, tokens, heads, scores);
+            ST_CUDA_LAUNCH_CHECK();
+        }
+        return;
+    }
     const size_t smem = (heads * dim + heads) * sizeof(float) + kKeyTile * (dim + 2) * sizeof(bf);
     ST_CHECK(smem <= 200 * 1024, "indexer_scores: ", heads, " heads x ", dim,
              " dims do not fit in shared memory");

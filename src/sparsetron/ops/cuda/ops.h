@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
@@ -105,8 +106,9 @@ void axpby(const ExecContext& ctx, const float* a1, const float* a2, float b, fl
 
 // ---- Output head fused with cross-entropy ------------------------------------------------------
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
-// dlogits = grad_scale * (softmax - onehot) (bf16, dlogits_ws [chunk, vocab]) -> dh (overwrite,
-// bf16) and dw += (fp32). dh and dw may be null (forward only).
+// dlogits = grad_scale * (softmax - onehot) (bf16) -> dh (overwrite, bf16) and dw += (fp32). dh
+// and dw may be null (forward only). dlogits_ws: [rows, vocab] when dw is given (dw is one GEMM
+// over all rows), else [chunk_rows, vocab].
 void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
                         const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
                         float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
@@ -138,29 +140,35 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // ([T, kslots] fp32), also writes Σ_h P[h, t, j] for each selected key j (0 past len[t]): the
 // DSA indexer loss's teacher before normalization, so the loss needs no second pass over Q'K'.
 // Two implementations: gathered keys (sparse_mqa_tc.cu, or the per-head reference kernels), and
-// masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given: a
-// buffer of sparse_mqa_workspace_bytes(), which is 0 where the gathered form is the faster one
-// (the top-k a small share of the context: tokens > 8 * kslots).
+// masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given:
+// sparse_mqa_workspace_bytes() is the size the model plans, 0 where the gathered form is the
+// faster one (the top-k a small share of the context: tokens > 8 * kslots); a smaller workspace
+// only means smaller chunks of query rows.
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots);
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum = nullptr, void* workspace = nullptr);
+                        float* prob_sum = nullptr, void* workspace = nullptr,
+                        int64_t workspace_bytes = 0);
 // dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated: atomics when gathered,
 // chunk-ordered GEMM accumulation when masked).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         void* workspace = nullptr);
+                         void* workspace = nullptr, int64_t workspace_bytes = 0);
 
 // ---- DSA indexer
 // --------------------------------------------------------------------------------- scores[t, s] =
 // Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a row are not
 // written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32.
+// With `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
+// smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
+// simple kernel computes everything.
+int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores);
+                    float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0);
 // Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
 // key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
@@ -197,6 +205,14 @@ enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
                   int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
                   int64_t weight_stride = 0, bool accumulate = false);
+
+// Perf harness only: runs the tensor-core grouped GEMM with tile configuration `config` (0 is the
+// one grouped_gemm uses, up to grouped_gemm_tc_configs() - 1; packed weights, no accumulation)
+// and returns its description. Shapes must satisfy the tensor-core kernel (multiples of 8).
+int grouped_gemm_tc_configs();
+std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
+                                   const int32_t* offsets, int64_t experts, int64_t max_rows,
+                                   int64_t n, int64_t k, const bf16* a, const bf16* b, void* c);
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).

@@ -20,81 +20,111 @@ bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots);
 void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace);
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes);
 void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace);
+                                void* workspace, int64_t workspace_bytes);
 
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kChunkElems = int64_t(32) << 20;  // S / dP / P elements per chunk (320 MiB)
+constexpr int64_t kChunkElems = int64_t(64) << 20;  // S / dP / P elements per chunk (640 MiB)
 
 int64_t leading_dim(int64_t tokens) {
     return (tokens + 15) / 16 * 16;  // 16-element rows: aligned vector stores and GEMM operands
 }
-int64_t chunk_tokens(int64_t tokens, int64_t heads) {
-    const int64_t cq = kChunkElems / (heads * leading_dim(tokens));
-    return std::max<int64_t>(1, std::min(cq, tokens));
+constexpr int64_t kBytesPerElem = 2 * sizeof(float) + sizeof(bf);  // S, dP, P
+// Query tokens per chunk that `bytes` of workspace hold.
+int64_t chunk_tokens(int64_t tokens, int64_t heads, int64_t bytes) {
+    const int64_t cq = bytes / (heads * leading_dim(tokens) * kBytesPerElem);
+    ST_CHECK(cq >= 1, "sparse MQA (masked): a workspace of ", bytes, " bytes holds no chunk");
+    return std::min(cq, tokens);
 }
 
 struct Workspace {
+    int64_t chunk;  // query tokens per chunk
     float *s, *dp;
     bf* p;
 };
-Workspace carve(void* ws, int64_t tokens, int64_t heads) {
-    const int64_t elems = chunk_tokens(tokens, heads) * heads * leading_dim(tokens);
+Workspace carve(void* ws, int64_t bytes, int64_t tokens, int64_t heads) {
+    const int64_t cq = chunk_tokens(tokens, heads, bytes);
+    const int64_t elems = cq * heads * leading_dim(tokens);
     float* s = static_cast<float*>(ws);
-    return Workspace{s, s + elems, reinterpret_cast<bf*>(s + 2 * elems)};
+    return Workspace{cq, s, s + elems, reinterpret_cast<bf*>(s + 2 * elems)};
 }
 
-// One block per token of the chunk: zero its H probability rows over 0..ld-1, then per head
-// write exp(s - lse) at the selected keys. With lse_out (the forward) the lse is computed from the
-// selected scores and written, with the head-summed probabilities; otherwise lse_in is read.
+constexpr int kWarps = kThreads / 32;
+
+// One block per token of the chunk: zero its H probability rows over 0..ld-1, then a warp per
+// head writes exp(s - lse) at the selected keys. With lse_out (the forward) the lse comes from an
+// online max/sum over the selected scores and is written, and the head-summed probabilities too
+// (per-warp partial rows in shared memory, added in warp order: deterministic); otherwise lse_in
+// is read.
 __global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const int32_t* idx,
                                     const int32_t* len, int64_t kslots, int64_t t0, int64_t tokens,
                                     int64_t heads, const float* lse_in, float* lse_out,
                                     float* prob_sum) {
-    extern __shared__ float psum[];  // [kslots] Σ_h P of this token, each slot one thread's
+    extern __shared__ float psum[];  // [kWarps][kslots] when prob_sum
     const int64_t tl = blockIdx.x, t = t0 + tl;
     const int32_t* sel = idx + t * kslots;
     const int64_t n = len[t];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     uint4* rows = reinterpret_cast<uint4*>(p + tl * heads * lds);
     for (int64_t i = threadIdx.x; i < heads * lds / 8; i += blockDim.x)
         rows[i] = make_uint4(0, 0, 0, 0);
-    for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x) psum[j] = 0.f;
-    __syncthreads();  // zeros before the scatter below (other threads write the same rows)
-    for (int64_t h = 0; h < heads; ++h) {
+    if (prob_sum)
+        for (int64_t j = threadIdx.x; j < kWarps * kslots; j += blockDim.x) psum[j] = 0.f;
+    __syncthreads();  // zeros before the scatter below (other warps write the same rows)
+    float* mine = psum + warp * kslots;
+    for (int64_t h = warp; h < heads; h += kWarps) {
         const float* srow = s + (tl * heads + h) * lds;
         bf* prow = p + (tl * heads + h) * lds;
         float m;
         if (lse_out) {
-            float mx = -INFINITY;
-            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, srow[sel[j]]);
-            mx = block_max(mx);
-            float sum = 0.f;
-            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) sum += __expf(srow[sel[j]] - mx);
-            sum = block_sum(sum);
-            m = n > 0 ? mx + logf(sum) : 0.f;
-            if (threadIdx.x == 0) lse_out[h * tokens + t] = m;
+            float mx = -INFINITY, l = 0.f;
+            for (int64_t j = lane; j < n; j += 32) {
+                const float x = srow[sel[j]];
+                if (x > mx) {
+                    l = l * __expf(mx - x) + 1.f;
+                    mx = x;
+                } else {
+                    l += __expf(x - mx);
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
+                const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+                const float mm = fmaxf(mx, m2);
+                l = (mx == -INFINITY ? 0.f : l * __expf(mx - mm)) +
+                    (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - mm));
+                mx = mm;
+            }
+            m = n > 0 ? mx + logf(l) : 0.f;
+            if (lane == 0) lse_out[h * tokens + t] = m;
         } else {
             m = lse_in[h * tokens + t];
         }
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        for (int64_t j = lane; j < n; j += 32) {
             const float pj = __expf(srow[sel[j]] - m);
             prow[sel[j]] = __float2bfloat16(pj);
-            psum[j] += pj;
+            if (prob_sum) mine[j] += pj;
         }
     }
-    if (prob_sum)
-        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
-            prob_sum[t * kslots + j] = psum[j];
+    if (prob_sum) {
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x) {
+            float sum = 0.f;
+            for (int w = 0; w < kWarps; ++w) sum += psum[w * kslots + j];
+            prob_sum[t * kslots + j] = sum;
+        }
+    }
 }
 
-// dS = scale P (dP - D) at the selected keys of the token's H rows, written over P (whose other
-// entries are already 0). P is recomputed in fp32 from S and the lse.
+// dS = scale P (dP - D) at the selected keys of the token's H rows (a warp per head), written
+// over P (whose other entries are already 0). P is recomputed in fp32 from S and the lse.
 __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, int64_t lds,
                                       const int32_t* idx, const int32_t* len, int64_t kslots,
                                       int64_t t0, int64_t tokens, int64_t heads, int64_t dv,
@@ -104,15 +134,23 @@ __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, i
     const int32_t* sel = idx + t * kslots;
     const int64_t n = len[t];
     if (n == 0) return;
-    for (int64_t h = 0; h < heads; ++h) {
-        const bf* o = out + (t * heads + h) * dv;
-        const bf* g = dout + (t * heads + h) * dv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t h = warp; h < heads; h += kWarps) {
+        const __nv_bfloat162* o =
+            reinterpret_cast<const __nv_bfloat162*>(out + (t * heads + h) * dv);
+        const __nv_bfloat162* g =
+            reinterpret_cast<const __nv_bfloat162*>(dout + (t * heads + h) * dv);
         float d = 0.f;
-        for (int64_t i = threadIdx.x; i < dv; i += blockDim.x) d += ld(o + i) * ld(g + i);
-        d = block_sum(d);
+        for (int64_t i = lane; i < dv / 2; i += 32) {
+            const float2 a = __bfloat1622float2(o[i]), b = __bfloat1622float2(g[i]);
+            d += a.x * b.x + a.y * b.y;
+        }
+        if (dv % 2 && lane == 0)
+            d += ld(out + (t * heads + h + 1) * dv - 1) * ld(dout + (t * heads + h + 1) * dv - 1);
+        d = warp_sum(d);
         const int64_t r = (tl * heads + h) * lds;
         const float m = lse[h * tokens + t];
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        for (int64_t j = lane; j < n; j += 32) {
             const int64_t key = sel[j];
             const float pj = __expf(s[r + key] - m);
             ds[r + key] = __float2bfloat16(scale * pj * (dp[r + key] - d));
@@ -120,14 +158,17 @@ __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, i
     }
 }
 
-// The probability kernel keeps a float per top-k slot in shared memory.
-size_t probs_smem(int64_t kslots) {
-    const size_t bytes = kslots * sizeof(float);
-    ST_CHECK(bytes <= 200 * 1024, "sparse MQA (masked): top-k ", kslots, " exceeds shared memory");
+// The forward's probability kernel keeps a float per top-k slot and warp in shared memory.
+constexpr size_t kMaxProbsSmem = 200 * 1024;
+size_t probs_smem(int64_t kslots, bool prob_sum) {
+    const size_t bytes = prob_sum ? kWarps * kslots * sizeof(float) : 0;
+    ST_CHECK(bytes <= kMaxProbsSmem, "sparse MQA (masked): top-k ", kslots,
+             " exceeds shared memory");
     if (bytes > 48 * 1024) {
         static const bool configured = [] {
-            ST_CUDA_CHECK(cudaFuncSetAttribute(
-                masked_probs_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+            ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(kMaxProbsSmem)));
             return true;
         }();
         (void)configured;
@@ -139,23 +180,26 @@ size_t probs_smem(int64_t kslots) {
 
 bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots) {
     // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
-    // far more than the 4x extra work this allows (docs/perf/).
-    return tokens <= 8 * kslots;
+    // far more than the 4x extra work this allows (docs/perf/). The head-summed probabilities
+    // need kWarps floats per slot of shared memory.
+    return tokens <= 8 * kslots && kWarps * kslots * sizeof(float) <= kMaxProbsSmem;
 }
 
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots) {
     if (tokens == 0 || !sparse_mqa_masked_preferred(tokens, kslots)) return 0;
-    const int64_t elems = chunk_tokens(tokens, heads) * heads * leading_dim(tokens);
-    return elems * (2 * sizeof(float) + sizeof(bf));
+    const int64_t row = heads * leading_dim(tokens);  // elements per query token
+    const int64_t cq = std::max<int64_t>(1, std::min(tokens, kChunkElems / row));
+    return cq * row * kBytesPerElem;
 }
 
 void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace) {
-    const Workspace w = carve(workspace, tokens, heads);
-    const int64_t cq = chunk_tokens(tokens, heads);
-    const size_t smem = probs_smem(kslots);
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes) {
+    const Workspace w = carve(workspace, workspace_bytes, tokens, heads);
+    const int64_t cq = w.chunk;
+    const size_t smem = probs_smem(kslots, prob_sum != nullptr);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t ld = leading_dim(t1);
@@ -173,12 +217,12 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace) {
-    const Workspace w = carve(workspace, tokens, heads);
-    const int64_t cq = chunk_tokens(tokens, heads);
+                                void* workspace, int64_t workspace_bytes) {
+    const Workspace w = carve(workspace, workspace_bytes, tokens, heads);
+    const int64_t cq = w.chunk;
     const auto BF = DType::BF16, F32 = DType::F32;
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
-    const size_t smem = probs_smem(kslots);
+    const size_t smem = probs_smem(kslots, false);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t ld = leading_dim(t1);

@@ -50,6 +50,16 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
     std::ofstream(path, std::ios::trunc) << kept;
 }
 
+// "a,b,c" -> {"a", "b", "c"} (empty items dropped).
+std::vector<std::string> split_list(const std::string& text) {
+    std::vector<std::string> items;
+    std::stringstream ss(text);
+    std::string item;
+    while (std::getline(ss, item, ','))
+        if (!item.empty()) items.push_back(item);
+    return items;
+}
+
 // Documents of one step: --doc-lengths, else one seq_length document per sample of the global
 // batch (the seed's THD benchmark packing).
 std::vector<int64_t> step_documents(const Recipe& r, const std::string& lengths) {
@@ -340,6 +350,9 @@ int main(int argc, char** argv) {
     bench->add_option("--iters", bopt.iters, "Timed iterations (default 10)");
     bench->add_flag("--forward-backward", bopt.forward_backward_only,
                     "Time forward+backward only (no optimizer step)");
+    std::string bench_variants = "eager";
+    bench->add_option("--variants", bench_variants,
+                      "Comma-separated: eager, graph (interleaved A B B A; default eager)");
     bench->add_option("--commit", bopt.commit, "Commit recorded in the result");
     bench->add_option("--json", bench_json, "Append the result as one JSON line to this file");
 
@@ -364,13 +377,18 @@ int main(int argc, char** argv) {
         if (flops->parsed()) return cmd_flops(recipe, sets, doc_lengths, convention, flops_json);
         if (bench->parsed()) {
             Recipe r = load_recipe(recipe, sets);
-            BenchResult res = run_bench(r, bopt);
-            std::printf("%s | %s | %s\n%s\n", r.name.c_str(), res.gpu.c_str(), res.commit.c_str(),
-                        res.table().c_str());
+            bopt.variants = split_list(bench_variants);
+            const std::vector<BenchResult> res = run_bench(r, bopt);
+            std::printf(
+                "%s | %s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
+                "variant\n%s\n",
+                r.name.c_str(), res.front().gpu.c_str(), res.front().commit.c_str(),
+                static_cast<long long>(bopt.warmup), static_cast<long long>(bopt.iters),
+                bench_table(res).c_str());
             if (!bench_json.empty()) {
                 std::ofstream out(bench_json, std::ios::app);
                 ST_CHECK(out.good(), "cannot write '", bench_json, "'");
-                out << res.to_json() << "\n";
+                for (const auto& x : res) out << x.to_json() << "\n";
             }
             return 0;
         }

@@ -25,8 +25,31 @@ double percentile(std::vector<double> v, double q) {
 
 }  // namespace
 
-BenchResult run_bench(const Recipe& recipe, const BenchOptions& o) {
+std::vector<int> abba_order(int variants, int64_t iters) {
+    std::vector<int> order;
+    for (int64_t round = 0; round < iters; ++round)
+        for (int v = 0; v < variants; ++v) order.push_back(round % 2 ? variants - 1 - v : v);
+    return order;
+}
+
+void summarize_times(BenchResult& r) {
+    ST_CHECK(!r.step_ms.empty(), "bench: no timed iterations");
+    r.median_ms = percentile(r.step_ms, 0.5);
+    r.p95_ms = percentile(r.step_ms, 0.95);
+    r.min_ms = *std::min_element(r.step_ms.begin(), r.step_ms.end());
+    r.max_ms = *std::max_element(r.step_ms.begin(), r.step_ms.end());
+    double mean = 0, var = 0;
+    for (double x : r.step_ms) mean += x;
+    mean /= double(r.step_ms.size());
+    for (double x : r.step_ms) var += (x - mean) * (x - mean);
+    r.cv = r.step_ms.size() > 1 ? std::sqrt(var / double(r.step_ms.size() - 1)) / mean : 0.0;
+}
+
+std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) {
     ST_CHECK(o.iters > 0 && o.warmup >= 0, "bench: --iters must be positive");
+    ST_CHECK(!o.variants.empty(), "bench: no variants");
+    for (const auto& v : o.variants)
+        ST_CHECK(v == "eager" || v == "graph", "bench: unknown variant '", v, "' (eager, graph)");
     auto tp = make_training_plan(recipe);
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),
@@ -52,34 +75,42 @@ BenchResult run_bench(const Recipe& recipe, const BenchOptions& o) {
         sc.mtp.push_back(m.mtp_loss_scaling_factor / double(tv ? 1 : D) /
                          double(std::max<int64_t>(1, (slots - k - 2) * n_mb)));
     sc.indexer = sc.aux = 1.0 / double(n_mb);
-    BenchResult r;
-    r.recipe = recipe.name;
-    r.gpu = cuda_device_name();
-    r.commit = o.commit;
-    r.variant = o.forward_backward_only ? "forward_backward" : "step";
-    for (int64_t it = 0; it < o.warmup + o.iters; ++it) {
-        const auto t0 = std::chrono::steady_clock::now();
-        engine->begin_step();
-        for (int64_t i = 0; i < n_mb; ++i) engine->micro_batch(mb, sc);  // ends synchronized
-        if (!o.forward_backward_only) engine->optimizer_step(recipe.run, 1 + it);
+    engine->stage_inputs(mb);
+    const bool optimizer = !o.forward_backward_only;
+    const std::string mode = o.forward_backward_only ? "forward_backward" : "step";
+    const int V = int(o.variants.size());
+    std::vector<BenchResult> results(V);
+    int64_t step = 1;
+    // Device memory in use right after each variant's first run: the graph's own memory (its
+    // executable) shows as the difference, since eager runs first.
+    std::vector<double> mem(V, -1.0);
+    auto run_one = [&](int v) {
         const double ms =
-            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                .count();
-        if (it >= o.warmup) r.step_ms.push_back(ms);
-    }
-    r.median_ms = percentile(r.step_ms, 0.5);
-    r.p95_ms = percentile(r.step_ms, 0.95);
-    r.min_ms = *std::min_element(r.step_ms.begin(), r.step_ms.end());
-    r.max_ms = *std::max_element(r.step_ms.begin(), r.step_ms.end());
+            engine->timed_step(o.variants[v] == "graph", optimizer, sc, n_mb, recipe.run, step++);
+        if (mem[v] < 0) mem[v] = engine->memory_in_use_mib();
+        return ms;
+    };
+    for (int64_t w = 0; w < o.warmup; ++w)
+        for (int v = 0; v < V; ++v) run_one(v);
+    for (int v : abba_order(V, o.iters)) results[v].step_ms.push_back(run_one(v));
     const FlopCount f = audited_flops(m, std::vector<int64_t>(size_t(n_mb), slots));
-    r.flops = f.total;
-    r.flops_terms = f.terms;
-    r.tokens = f.tokens;
-    r.tflops_per_gpu = f.total / (r.median_ms * 1e-3) / 1e12;
-    r.tokens_per_s_per_gpu = double(f.tokens) / (r.median_ms * 1e-3);
-    r.peak_mem_mib = double(device_memory_used()) / (1024.0 * 1024.0);
-    r.planned_mem_mib = 0;
-    return r;
+    for (int v = 0; v < V; ++v) {
+        BenchResult& r = results[v];
+        r.recipe = recipe.name;
+        r.gpu = cuda_device_name();
+        r.commit = o.commit;
+        // The eager single-variant run keeps the plain name the history has used.
+        r.variant = V == 1 && o.variants[v] == "eager" ? mode : mode + "." + o.variants[v];
+        summarize_times(r);
+        r.flops = f.total;
+        r.flops_terms = f.terms;
+        r.tokens = f.tokens;
+        r.tflops_per_gpu = f.total / (r.median_ms * 1e-3) / 1e12;
+        r.tokens_per_s_per_gpu = double(f.tokens) / (r.median_ms * 1e-3);
+        r.peak_mem_mib = mem[v];
+        r.planned_mem_mib = engine->planned_memory_mib();
+    }
+    return results;
 }
 
 std::string BenchResult::to_json() const {
@@ -92,6 +123,8 @@ std::string BenchResult::to_json() const {
     j["p95_ms"] = p95_ms;
     j["min_ms"] = min_ms;
     j["max_ms"] = max_ms;
+    j["cv"] = cv;
+    j["timing"] = "cuda_events";
     j["step_ms"] = step_ms;
     j["tflops_per_gpu"] = tflops_per_gpu;
     j["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu;
@@ -101,16 +134,38 @@ std::string BenchResult::to_json() const {
     for (auto& [name, v] : flops_terms) j["flops_terms"].push_back({name, v});
     j["tokens"] = tokens;
     j["peak_mem_mib"] = peak_mem_mib;
+    j["planned_mem_mib"] = planned_mem_mib;
     return j.dump();
 }
 
 std::string BenchResult::table() const {
+    return bench_table({*this});
+}
+
+std::string bench_table(const std::vector<BenchResult>& rs) {
     std::ostringstream os;
-    os << std::fixed << std::setprecision(1) << variant << ": median " << median_ms << " ms, p95 "
-       << p95_ms << " ms (min " << min_ms << ", max " << max_ms << ", " << step_ms.size()
-       << " iterations) | " << tflops_per_gpu << " audited TFLOPS | " << tokens_per_s_per_gpu
-       << " tokens/s | device memory in use " << peak_mem_mib << " MiB";
-    return os.str();
+    os << std::fixed << std::setprecision(1);
+    os << std::left << std::setw(26) << "variant" << std::right << std::setw(11) << "median ms"
+       << std::setw(10) << "p95 ms" << std::setw(10) << "min ms" << std::setw(10) << "max ms"
+       << std::setw(8) << "CV %" << std::setw(10) << "TFLOPS" << std::setw(12) << "tokens/s"
+       << std::setw(13) << "in use MiB" << std::setw(13) << "planned MiB"
+       << "\n";
+    for (const auto& r : rs)
+        os << std::left << std::setw(26) << r.variant << std::right << std::setw(11) << r.median_ms
+           << std::setw(10) << r.p95_ms << std::setw(10) << r.min_ms << std::setw(10) << r.max_ms
+           << std::setw(8) << std::setprecision(2) << 100.0 * r.cv << std::setprecision(1)
+           << std::setw(10) << r.tflops_per_gpu << std::setw(12) << r.tokens_per_s_per_gpu
+           << std::setw(13) << r.peak_mem_mib << std::setw(13) << r.planned_mem_mib << "\n";
+    for (size_t i = 1; i < rs.size(); ++i) {
+        const double d = 100.0 * (rs[i].median_ms / rs[0].median_ms - 1.0);
+        os << "delta " << rs[i].variant << " vs " << rs[0].variant << ": " << std::showpos
+           << std::setprecision(2) << d << "% median step time, " << std::setprecision(1)
+           << rs[i].peak_mem_mib - rs[0].peak_mem_mib << " MiB in use" << std::noshowpos << " ("
+           << (d <= 0 ? "faster" : "slower") << ")\n";
+    }
+    std::string out = os.str();
+    if (!out.empty() && out.back() == '\n') out.pop_back();
+    return out;
 }
 
 }  // namespace sparsetron

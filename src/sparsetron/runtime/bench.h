@@ -1,6 +1,7 @@
-// The step benchmark (a first form of `sparsetron bench`; the tracker issue adds variants, ABBA
-// interleaving, CUDA-event timing and the history): times whole training steps, or the
-// forward+backward alone, of a recipe on one synthetic document per micro-batch slot.
+// The step benchmark (`sparsetron bench`): times whole training steps, or the forward+backward
+// alone, of a recipe on one synthetic document per micro-batch slot, with CUDA events. Variants
+// (eager launches, a replayed CUDA graph) run interleaved A B B A in one process and one device
+// allocation, so drift (clocks, temperature) falls on both alike.
 #pragma once
 
 #include <string>
@@ -12,15 +13,16 @@
 namespace sparsetron {
 
 struct BenchOptions {
-    int64_t warmup = 3, iters = 10;
-    bool forward_backward_only = false;  // no optimizer step
-    std::string commit;                  // recorded as given
+    int64_t warmup = 3, iters = 10;              // per variant
+    bool forward_backward_only = false;          // no optimizer step
+    std::string commit;                          // recorded as given
+    std::vector<std::string> variants{"eager"};  // "eager", "graph"
 };
 
 struct BenchResult {
     std::string recipe, gpu, commit, variant;
     std::vector<double> step_ms;
-    double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0;
+    double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0, cv = 0;
     double flops = 0, tflops_per_gpu = 0, tokens_per_s_per_gpu = 0;
     std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
@@ -29,6 +31,15 @@ struct BenchResult {
     std::string table() const;
 };
 
-BenchResult run_bench(const Recipe& recipe, const BenchOptions& options);
+// One result per variant, in the order given.
+std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& options);
+
+// Variant indices of the timed iterations: blocks of the variants forward then backward
+// (A B B A ...), `iters` of each; one variant: A A A.
+std::vector<int> abba_order(int variants, int64_t iters);
+// Median, p95, min, max and coefficient of variation of step_ms into `r`.
+void summarize_times(BenchResult& r);
+// The seed-style table: one row per variant, then each later variant's change against the first.
+std::string bench_table(const std::vector<BenchResult>& results);
 
 }  // namespace sparsetron

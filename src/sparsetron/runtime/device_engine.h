@@ -30,6 +30,21 @@ class DeviceEngine {
     virtual void update_router_bias(double rate) = 0;
     // One line: device, planned device memory.
     virtual std::string describe() const = 0;
+
+    // Benchmark support (`sparsetron bench`). stage_inputs() copies a micro-batch into the
+    // model's input buffers; timed_step() then runs a whole step on them — zeroed gradients,
+    // `micro_batches` forward+backward passes of the staged inputs, and with `optimizer` the
+    // optimizer step for `step` — and returns its device time from CUDA events. With `graph` the
+    // step is captured into a CUDA graph on first use (and again when `optimizer` or
+    // `micro_batches` change) and replayed; the graph bakes the optimizer's host scalars of the
+    // step it was captured at (learning rate, bias corrections), which leaves the work timed
+    // unchanged. Losses are not read back.
+    virtual void stage_inputs(const MicroBatch& mb) = 0;
+    virtual double timed_step(bool graph, bool optimizer, const LossScales& scales,
+                              int64_t micro_batches, const RunConfig& run, int64_t step) = 0;
+    // Device memory in use (cudaMemGetInfo) and the static plan's total, MiB.
+    virtual double memory_in_use_mib() const = 0;
+    virtual double planned_memory_mib() const = 0;
 };
 
 // The CUDA engine for `recipe`, mirroring the host plan's parameters (`host_store`, `host_plan`)

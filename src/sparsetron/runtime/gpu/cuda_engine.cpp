@@ -1,10 +1,12 @@
 // The CUDA DeviceEngine: a CudaSession, the device plan (parameters, gradients, optimizer state,
 // activations, workspace), the CUDA model and optimizer.
+#include <iostream>
 #include <map>
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/model/gpu/gpu_model.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/step_graph.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 
@@ -84,6 +86,40 @@ class CudaEngine final : public DeviceEngine {
                    format_bytes(double(plan_.total_bytes())));
     }
 
+    void stage_inputs(const MicroBatch& mb) override { model_->load_inputs(ctx(), mb); }
+
+    double timed_step(bool graph, bool optimizer, const LossScales& scales, int64_t micro_batches,
+                      const RunConfig& run, int64_t step) override {
+        auto enqueue = [&] {
+            cuda::zero(ctx(), plan_.class_base(MemClass::Gradients),
+                       plan_.class_bytes(MemClass::Gradients));
+            model_->reset_moe_stats(ctx());
+            for (int64_t i = 0; i < micro_batches; ++i) model_->enqueue(ctx(), scales);
+            if (optimizer) opt_->enqueue_step(ctx(), run, step);
+        };
+        if (!graph) return session_.time_ms(enqueue, 1, 0).front();
+        const std::pair<int64_t, bool> signature{micro_batches, optimizer};
+        if (!graph_ || graph_signature_ != signature) {
+            if (graph_) std::cerr << "[graph] step signature changed: re-capturing\n";
+            graph_ = std::make_unique<cuda::StepGraph>(session_);
+            graph_->begin_capture();
+            enqueue();
+            graph_->end_capture();
+            graph_signature_ = signature;
+            std::cerr << "[graph] captured the step: " << graph_->nodes() << " nodes ("
+                      << micro_batches << " micro-batches" << (optimizer ? " + optimizer" : "")
+                      << ")\n";
+        }
+        return session_.time_ms([&] { graph_->replay(); }, 1, 0).front();
+    }
+
+    double memory_in_use_mib() const override {
+        return double(device_memory_used()) / (1024.0 * 1024.0);
+    }
+    double planned_memory_mib() const override {
+        return double(plan_.total_bytes()) / (1024.0 * 1024.0);
+    }
+
   private:
     const ExecContext& ctx() const { return session_.ctx(); }
     // (device slot, host slot) of every optimizer state tensor, matched by checkpoint name.
@@ -107,6 +143,8 @@ class CudaEngine final : public DeviceEngine {
     MemoryPlan plan_;
     std::unique_ptr<gpu::GpuModel> model_;
     std::unique_ptr<gpu::GpuOptimizer> opt_;
+    std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
+    std::pair<int64_t, bool> graph_signature_{0, false};
 };
 
 }  // namespace

@@ -1,0 +1,57 @@
+// The bench's pure parts: the A B B A order, the step-time statistics and the table with its
+// delta row (the GPU part of `sparsetron bench` runs on the GPU machine).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/runtime/bench.h"
+
+namespace sparsetron {
+namespace {
+
+TEST(BenchStats, VariantsInterleaveABBA) {
+    EXPECT_EQ(abba_order(2, 4), (std::vector<int>{0, 1, 1, 0, 0, 1, 1, 0}));
+    EXPECT_EQ(abba_order(1, 3), (std::vector<int>{0, 0, 0}));
+    EXPECT_EQ(abba_order(3, 2), (std::vector<int>{0, 1, 2, 2, 1, 0}));
+    // Every variant gets exactly `iters` timed iterations.
+    auto o = abba_order(2, 5);
+    EXPECT_EQ(std::count(o.begin(), o.end(), 0), 5);
+    EXPECT_EQ(std::count(o.begin(), o.end(), 1), 5);
+}
+
+TEST(BenchStats, MedianP95MinMaxAndCv) {
+    BenchResult r;
+    r.step_ms = {10, 12, 11, 13, 14};
+    summarize_times(r);
+    EXPECT_DOUBLE_EQ(r.median_ms, 12);
+    EXPECT_DOUBLE_EQ(r.min_ms, 10);
+    EXPECT_DOUBLE_EQ(r.max_ms, 14);
+    EXPECT_NEAR(r.p95_ms, 13.8, 1e-12);  // linear between the 4th and 5th of the sorted times
+    // Sample standard deviation sqrt(2.5) over the mean 12.
+    EXPECT_NEAR(r.cv, std::sqrt(2.5) / 12.0, 1e-12);
+    BenchResult empty;
+    EXPECT_THROW(summarize_times(empty), Error);
+}
+
+TEST(BenchStats, TableHasARowPerVariantAndTheDelta) {
+    BenchResult a, b;
+    a.variant = "step.eager", b.variant = "step.graph";
+    a.step_ms = {100, 102, 101};
+    b.step_ms = {95, 96, 94};
+    summarize_times(a);
+    summarize_times(b);
+    a.peak_mem_mib = 1000, b.peak_mem_mib = 1012.5;
+    const std::string t = bench_table({a, b});
+    EXPECT_NE(t.find("step.eager"), std::string::npos);
+    EXPECT_NE(t.find("step.graph"), std::string::npos);
+    // (95 / 101 - 1) = -5.94%; graph faster; 12.5 MiB more in use.
+    EXPECT_NE(t.find("delta step.graph vs step.eager: -5.94% median step time, +12.5 MiB in use "
+                     "(faster)"),
+              std::string::npos)
+        << t;
+}
+
+}  // namespace
+}  // namespace sparsetron

@@ -161,6 +161,20 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
                                       *dout, *dq, *dkv, *ws, ws_bytes);
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+    // Smaller chunks of query tokens: S and P of a chunk stay in L2 between the GEMM that
+    // writes them and the kernel that reads them, at the price of more, smaller GEMMs.
+    const int64_t per_token = H * T * 10;  // S, dP fp32 + P bf16 per query token (T % 16 == 0)
+    for (int64_t cq : {128, 64, 32, 16}) {
+        report(
+            "masked fwd+bwd, chunks of " + std::to_string(cq) + " tokens",
+            [&] {
+                cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o,
+                                         *lse, *psum, *ws, cq * per_token);
+                cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o,
+                                          *lse, *dout, *dq, *dkv, *ws, cq * per_token);
+            },
+            3.5 * 2.0 * H * pairs * (L + kr), 0);
+    }
     const int64_t HI = 32, dI = 128;
     auto qi = bf(T * HI * dI), ki = bf(T * dI);
     auto wi = f32(T * HI), scores = f32(T * T);

@@ -22,7 +22,7 @@ def main():
         for line in open(path):
             if line.strip():
                 r = json.loads(line)
-                if r["variant"] == "forward_backward":
+                if r["variant"].startswith("forward_backward"):
                     r["baseline"] = base["variant"]
                     r["speedup_vs_baseline"] = base["median_ms"] / r["median_ms"]
                 rows.append(r)

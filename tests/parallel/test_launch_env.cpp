@@ -10,8 +10,14 @@
 using namespace sparsetron;
 
 namespace {
-const char* kVars[] = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+const char* kVars[] = {"OMPI_COMM_WORLD_RANK",
+                       "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK",
+                       "RANK",
+                       "WORLD_SIZE",
+                       "LOCAL_RANK",
+                       "SLURM_PROCID",
+                       "SLURM_NTASKS",
                        "SLURM_LOCALID"};
 struct CleanEnv {
     CleanEnv() {

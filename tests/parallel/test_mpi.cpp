@@ -19,9 +19,9 @@ Comm* g_comm = nullptr;
 
 Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
     std::vector<std::string> sets = {
-        "hidden_size=48", "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
-        "qk_head_dim=16", "qk_pos_emb_head_dim=8", "v_head_dim=16",  "ffn_hidden_size=96",
-        "seq_length=64",  "global_batch_size=4",   "train_iters=3",  "lr_warmup_iters=2",
+        "hidden_size=48",         "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
+        "qk_head_dim=16",         "qk_pos_emb_head_dim=8", "v_head_dim=16",  "ffn_hidden_size=96",
+        "seq_length=64",          "global_batch_size=4",   "train_iters=3",  "lr_warmup_iters=2",
         cat("world_size=", world)};
     sets.insert(sets.end(), extra.begin(), extra.end());
     return load_recipe("", sets);
@@ -29,7 +29,8 @@ Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
 
 std::vector<StepMetrics> run(const Recipe& r, Comm* comm, const std::string& tag,
                              double* weight_sum = nullptr) {
-    const int rank = comm ? comm->rank() : 0;
+    // Every process needs its own directory, also for the one-process reference run.
+    const int rank = g_comm->rank();
     Trainer t(r, {test::temp_dir(cat(tag, ".rank", rank)), "", Device::CPU, false, comm});
     std::vector<StepMetrics> out;
     t.run([&](const StepMetrics& m) { out.push_back(m); });
@@ -37,7 +38,8 @@ std::vector<StepMetrics> run(const Recipe& r, Comm* comm, const std::string& tag
         const auto& plan = t.plan();
         const float* w = reinterpret_cast<const float*>(plan.class_base(MemClass::Parameters));
         double s = 0;
-        for (size_t i = 0; i < plan.class_bytes(MemClass::Parameters) / 4; ++i) s += double(w[i]) * w[i];
+        for (size_t i = 0; i < plan.class_bytes(MemClass::Parameters) / 4; ++i)
+            s += double(w[i]) * w[i];
         *weight_sum = s;
     }
     return out;

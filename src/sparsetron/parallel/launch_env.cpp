@@ -39,8 +39,8 @@ bool from(const char* rank, const char* world, const char* local, const char* la
 
 LaunchEnv detect_launch_env() {
     LaunchEnv env;
-    if (from("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-             "mpirun", env))
+    if (from("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "mpirun",
+             env))
         return env;
     if (from("RANK", "WORLD_SIZE", "LOCAL_RANK", "torchrun", env)) return env;
     if (from("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "slurm", env)) return env;

@@ -136,7 +136,9 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
     packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
-    for (int64_t i = 0; i < r.microbatches_per_step(); ++i)
+    // microbatches_per_step() is per data-parallel rank: every rank packs the whole step's
+    // micro-batches (the same sequence) and runs its share.
+    for (int64_t i = 0; i < r.microbatches_per_step() * dp_size(); ++i)
         batches_.emplace_back(slots, tp_->max_documents);
     state_.seed = static_cast<uint64_t>(r.seed);
 

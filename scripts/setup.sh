@@ -4,9 +4,10 @@
 set -euo pipefail
 
 # chromium: the report test renders the HTML report headless. nodejs/npm: Chart.js for the report.
+# OpenMPI: the MPI-backed Comm and the data-parallel tests under mpirun (label mpi).
 PACKAGES=(cmake ninja-build g++ clang-format
           libopenblas-pthread-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libgtest-dev
-          chromium)
+          chromium libopenmpi-dev openmpi-bin)
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 
 missing=()

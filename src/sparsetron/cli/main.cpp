@@ -15,10 +15,15 @@
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/launch_env.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/perf/report.h"
 #include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/device_engine.h"
+#if SPARSETRON_MPI
+#include "sparsetron/parallel/mpi/mpi_comm.h"
+#endif
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -124,6 +129,9 @@ int cmd_flops(const std::string& recipe_path, const std::vector<std::string>& se
     return 0;
 }
 
+// Set by main() when this binary runs as one rank of an MPI job (sparsetron-mpi under mpirun).
+Comm* g_comm = nullptr;
+
 int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
               const std::string& out_arg, const std::string& resume, const std::string& device,
               bool quiet, bool no_save) {
@@ -144,22 +152,33 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     if (out.empty())
         out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
                   .string();
-    TrainOptions opts{out, resume, parse_device(device), !no_save};
+    TrainOptions opts{out, resume, parse_device(device), !no_save, g_comm};
     Trainer trainer(recipe, opts);
+    // Rank 0 reports and writes the metrics; the other ranks train silently.
+    if (trainer.dp_rank() != 0) {
+        trainer.run();
+        return 0;
+    }
     const auto& r = trainer.recipe().run;
     const auto& params = trainer.params();
-    std::printf("sparsetron %s | recipe %s | device %s\n", SPARSETRON_VERSION, recipe.name.c_str(),
-                trainer.device_description().c_str());
+    const std::string dp =
+        trainer.dp_size() > 1 && g_comm
+            ? cat(" | data parallel over ", trainer.dp_size(), " ", g_comm->name(), " ranks")
+            : std::string();
+    std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
+                recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());
     std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters\n",
                 static_cast<long long>(recipe.model.num_layers),
                 static_cast<long long>(recipe.model.hidden_size),
                 static_cast<long long>(recipe.model.num_attention_heads),
                 static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
-    std::printf("batch: %lld micro-batches x %lld token slots | %s %s | output %s\n",
-                static_cast<long long>(r.microbatches_per_step()),
-                static_cast<long long>(r.tokens_per_microbatch()),
-                opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
-                format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
+    std::printf(
+        "batch: %lld micro-batches%s x %lld token slots | %s %s | output %s\n",
+        static_cast<long long>(r.microbatches_per_step()),
+        trainer.dp_size() > 1 ? cat(" per rank x ", trainer.dp_size(), " ranks").c_str() : "",
+        static_cast<long long>(r.tokens_per_microbatch()),
+        opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
+        format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
     std::fflush(stdout);
@@ -265,6 +284,19 @@ int cmd_keys() {
 }  // namespace
 
 int main(int argc, char** argv) {
+#if SPARSETRON_MPI
+    // Under mpirun (or another launcher) this binary is one rank of a data-parallel job.
+    std::unique_ptr<MpiComm> mpi;
+    try {
+        if (detect_launch_env().world > 1) {
+            mpi = std::make_unique<MpiComm>(&argc, &argv);
+            g_comm = mpi.get();
+        }
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "error: %s\n", e.what());
+        return 1;
+    }
+#endif
     CLI::App app{
         "Sparsetron: a C++20/CUDA training engine for GLM-5-family sparse-attention MoE "
         "models.\nRun `sparsetron train` to train the built-in tiny recipe on the bundled "
@@ -414,6 +446,13 @@ int main(int argc, char** argv) {
         return 1;
     } catch (const std::exception& e) {
         std::fflush(stdout);
+        if (g_comm && g_comm->size() > 1) {
+            // One failing rank takes the job down: no rank is left waiting in a collective.
+            std::fprintf(stderr, "\nerror (rank %d of %d): %s\n", g_comm->rank(), g_comm->size(),
+                         e.what());
+            std::fflush(stderr);
+            g_comm->abort(1);
+        }
         std::fprintf(stderr, "\nerror: %s\n", e.what());
         return 1;
     }

@@ -450,6 +450,36 @@ int64_t Glm5Model<T>::moe_dropped() const {
 }
 
 template <typename T>
+std::vector<int64_t> Glm5Model<T>::moe_stats_flat() const {
+    std::vector<int64_t> flat;
+    auto add = [&](const DecoderLayer<T>* l) {
+        if (!l || !const_cast<DecoderLayer<T>*>(l)->moe()) return;
+        auto& st = const_cast<DecoderLayer<T>*>(l)->moe()->stats();
+        flat.insert(flat.end(), st.load.begin(), st.load.end());
+        flat.push_back(st.dropped);
+    };
+    for (const auto& l : layers_) add(l.get());
+    add(mtp_layer_.get());
+    return flat;
+}
+
+template <typename T>
+void Glm5Model<T>::set_moe_stats_flat(const std::vector<int64_t>& flat) {
+    size_t at = 0;
+    auto take = [&](DecoderLayer<T>* l) {
+        if (!l || !l->moe()) return;
+        auto& st = l->moe()->stats();
+        ST_ASSERT(at + st.load.size() + 1 <= flat.size(), "moe stats size");
+        std::copy_n(flat.begin() + at, st.load.size(), st.load.begin());
+        at += st.load.size();
+        st.dropped = flat[at++];
+    };
+    for (auto& l : layers_) take(l.get());
+    take(mtp_layer_.get());
+    ST_ASSERT(at == flat.size(), "moe stats size");
+}
+
+template <typename T>
 void Glm5Model<T>::update_router_bias(double rate) {
     for (auto& l : layers_)
         if (l->moe()) l->moe()->update_bias(rate);

@@ -65,6 +65,10 @@ class Glm5Model {
     void reset_moe_stats();
     std::vector<std::vector<int64_t>> moe_loads() const;
     int64_t moe_dropped() const;
+    // Every MoE layer's routing statistics flattened (loads, then dropped counts), and back:
+    // data-parallel ranks sum them before the bias update and the metrics.
+    std::vector<int64_t> moe_stats_flat() const;
+    void set_moe_stats_flat(const std::vector<int64_t>& flat);
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].

@@ -39,9 +39,20 @@ std::string StepMetrics::to_json() const {
 
 namespace {
 
-void check_supported(const Recipe& r) {
-    ST_CHECK(r.run.world_size == 1, "world_size ", r.run.world_size,
-             ": multi-process training is not implemented yet");
+void check_supported(const Recipe& r, const TrainOptions& o) {
+    const int ranks = o.comm ? o.comm->size() : 1;
+    ST_CHECK(r.run.world_size == ranks, "world_size ", r.run.world_size, " but ", ranks,
+             ranks == 1 ? " process was started (launch N processes with mpirun -np N, or set "
+                          "world_size: 1)"
+                        : " processes were started");
+    if (ranks == 1) return;
+    ST_CHECK(o.device == Device::CPU,
+             "multi-process training on CUDA (NCCL) is not implemented yet; data parallelism "
+             "runs on CPU ranks over MPI");
+    ST_CHECK(r.run.expert_model_parallel_size == 1 && r.run.context_parallel_size == 1 &&
+                 r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
+             "only data parallelism is implemented across processes so far (expert, context, "
+             "tensor and pipeline parallel sizes must be 1)");
 }
 
 fs::path find_bundled_corpus() {
@@ -94,13 +105,21 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
 
 Trainer::Trainer(Recipe recipe, TrainOptions options)
     : recipe_(std::move(recipe)), options_(std::move(options)) {
-    check_supported(recipe_);
+    check_supported(recipe_, options_);
+    if (dp_size() > 1) check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
     const RunConfig& r = recipe_.run;
-    // Data first: a bad dataset fails before any memory is planned.
-    stream_ = std::make_unique<DocumentStream>(resolve_data_path(r, options_.out_dir),
-                                               static_cast<uint64_t>(r.seed));
+    // Data first: a bad dataset fails before any memory is planned. Rank 0 prepares the bundled
+    // corpus (a file write) before the other ranks read it.
+    std::vector<std::string> data_paths;
+    if (dp_rank() == 0) data_paths = resolve_data_path(r, options_.out_dir);
+    if (dp_size() > 1) {
+        char ready = 1;
+        options_.comm->broadcast(&ready, 1, 0);
+        if (dp_rank() != 0) data_paths = resolve_data_path(r, options_.out_dir);
+    }
+    stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed));
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
     tp_ = make_training_plan(recipe_);
@@ -117,7 +136,9 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
     packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
-    for (int64_t i = 0; i < r.microbatches_per_step(); ++i)
+    // microbatches_per_step() is per data-parallel rank: every rank packs the whole step's
+    // micro-batches (the same sequence) and runs its share.
+    for (int64_t i = 0; i < r.microbatches_per_step() * dp_size(); ++i)
         batches_.emplace_back(slots, tp_->max_documents);
     state_.seed = static_cast<uint64_t>(r.seed);
 
@@ -200,7 +221,9 @@ StepMetrics Trainer::train_step() {
         tp_->model->reset_moe_stats();
     }
     double loss_sum = 0, mtp = 0, accept = 0;
-    for (const auto& mb : batches_) {
+    for (size_t i = 0; i < batches_.size(); ++i) {
+        if (int(i) % dp_size() != dp_rank()) continue;  // another data-parallel rank's
+        const MicroBatch& mb = batches_[i];
         LossSums s;
         if (engine_) {
             s = engine_->micro_batch(mb, sc);
@@ -213,6 +236,21 @@ StepMetrics Trainer::train_step() {
         accept += s.mtp_acceptance_sum;
         m.indexer_loss += s.indexer_loss * sc.indexer;
         m.aux_loss += s.aux_loss;
+    }
+    if (dp_size() > 1) {
+        // Sum gradients, loss sums and routing statistics over the data-parallel ranks.
+        Comm& comm = *options_.comm;
+        comm.allreduce_sum(reinterpret_cast<float*>(tp_->plan.class_base(MemClass::Gradients)),
+                           int64_t(tp_->plan.class_bytes(MemClass::Gradients) / sizeof(float)));
+        double sums[5] = {loss_sum, mtp, accept, m.indexer_loss, m.aux_loss};
+        comm.allreduce_sum(sums, 5);
+        loss_sum = sums[0], mtp = sums[1], accept = sums[2], m.indexer_loss = sums[3];
+        m.aux_loss = sums[4];
+        std::vector<int64_t> stats = tp_->model->moe_stats_flat();
+        std::vector<double> st(stats.begin(), stats.end());
+        comm.allreduce_sum(st.data(), int64_t(st.size()));
+        for (size_t k = 0; k < st.size(); ++k) stats[k] = int64_t(st[k]);
+        tp_->model->set_moe_stats_flat(stats);
     }
     m.lm_loss = loss_sum / double(m.targets);
     m.mtp_loss = mtp;
@@ -244,6 +282,7 @@ StepMetrics Trainer::train_step() {
 }
 
 std::string Trainer::save() {
+    if (dp_rank() != 0) return checkpoint_dir();  // rank 0 writes; every rank holds the same state
     if (engine_) engine_->download_state();
     state_.data_position = stream_->position().to_json();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,

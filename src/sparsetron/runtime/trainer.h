@@ -15,6 +15,7 @@
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/optim/optimizer.h"
+#include "sparsetron/parallel/comm.h"
 #include "sparsetron/runtime/device_engine.h"
 
 namespace sparsetron {
@@ -44,6 +45,10 @@ struct TrainOptions {
     std::string resume_dir;  // checkpoint or save directory; "" = start fresh
     Device device = Device::CPU;
     bool save_checkpoints = true;  // false: no checkpoint at save_interval or at the end
+    // Data parallelism over these ranks (CPU): rank r runs micro-batches r, r + W, ... of every
+    // step, gradients and losses are summed over ranks, rank 0 writes checkpoints. Null or one
+    // rank: a single process.
+    Comm* comm = nullptr;
 };
 
 // Memory plan of a training run of `recipe` (parameters, gradients, optimizer state, activations,
@@ -78,6 +83,9 @@ class Trainer {
     std::string checkpoint_dir() const;
     // The micro-batches the next step will consume (does not advance the stream).
     std::vector<MicroBatch> peek_next_step_batches();
+
+    int dp_rank() const { return options_.comm ? options_.comm->rank() : 0; }
+    int dp_size() const { return options_.comm ? options_.comm->size() : 1; }
 
   private:
     void next_step_batches(std::vector<MicroBatch>& out);

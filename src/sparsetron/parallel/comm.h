@@ -1,0 +1,46 @@
+// Comm: the collectives the engine's parallel logic uses (DESIGN §2 parallel/). The single-process
+// implementation is here; the MPI-backed one (CPU runs under mpirun, in CI) is
+// parallel/mpi/mpi_comm.h, kept out of the engine library so the GPU machine's binaries do not
+// depend on Debian's libmpi; the NCCL one comes with the multi-GPU work.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sparsetron {
+
+class Comm {
+  public:
+    virtual ~Comm() = default;
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+    // In place, sum over ranks; every rank gets the result.
+    virtual void allreduce_sum(float* x, int64_t n) = 0;
+    virtual void allreduce_sum(double* x, int64_t n) = 0;
+    virtual void broadcast(void* data, int64_t bytes, int root) = 0;
+    // Every rank's value, in rank order.
+    virtual std::vector<uint64_t> allgather(uint64_t value) = 0;
+    // Takes the whole job down (no rank is left waiting in a collective).
+    [[noreturn]] virtual void abort(int code) = 0;
+    virtual std::string name() const = 0;
+};
+
+class SingleProcessComm final : public Comm {
+  public:
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    void allreduce_sum(float*, int64_t) override {}
+    void allreduce_sum(double*, int64_t) override {}
+    void broadcast(void*, int64_t, int) override {}
+    std::vector<uint64_t> allgather(uint64_t v) override { return {v}; }
+    [[noreturn]] void abort(int code) override;
+    std::string name() const override { return "single process"; }
+};
+
+// Every rank checks that all ranks hold the same text (a recipe): throws naming the first rank
+// whose hash differs from rank 0's.
+void check_same_on_all_ranks(Comm& comm, const std::string& text, const std::string& what);
+
+}  // namespace sparsetron

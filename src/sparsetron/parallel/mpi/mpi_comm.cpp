@@ -1,0 +1,72 @@
+#include "sparsetron/parallel/mpi/mpi_comm.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+namespace {
+
+void check(int rc, const char* what) {
+    if (rc == MPI_SUCCESS) return;
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw Error(cat("MPI error in ", what, ": ", std::string(msg, size_t(len))));
+}
+
+// MPI counts are int: large buffers go in chunks.
+constexpr int64_t kChunk = int64_t(1) << 30;
+
+}  // namespace
+
+MpiComm::MpiComm(int* argc, char*** argv) {
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init) check(MPI_Init(argc, argv), "MPI_Init");
+    check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
+}
+
+MpiComm::~MpiComm() {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin) MPI_Finalize();
+}
+
+void MpiComm::allreduce_sum(float* x, int64_t n) {
+    for (int64_t at = 0; at < n; at += kChunk)
+        check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_FLOAT, MPI_SUM,
+                            MPI_COMM_WORLD),
+              "MPI_Allreduce");
+}
+
+void MpiComm::allreduce_sum(double* x, int64_t n) {
+    for (int64_t at = 0; at < n; at += kChunk)
+        check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_DOUBLE,
+                            MPI_SUM, MPI_COMM_WORLD),
+              "MPI_Allreduce");
+}
+
+void MpiComm::broadcast(void* data, int64_t bytes, int root) {
+    char* p = static_cast<char*>(data);
+    for (int64_t at = 0; at < bytes; at += kChunk)
+        check(MPI_Bcast(p + at, int(std::min(kChunk, bytes - at)), MPI_BYTE, root, MPI_COMM_WORLD),
+              "MPI_Bcast");
+}
+
+std::vector<uint64_t> MpiComm::allgather(uint64_t value) {
+    std::vector<uint64_t> all(size_t(size_), 0);
+    check(MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD),
+          "MPI_Allgather");
+    return all;
+}
+
+void MpiComm::abort(int code) {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::exit(code);
+}
+
+}  // namespace sparsetron

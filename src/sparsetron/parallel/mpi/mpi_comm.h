@@ -1,0 +1,26 @@
+// The MPI-backed Comm (OpenMPI from Debian): CPU data parallelism under mpirun, in CI.
+#pragma once
+
+#include "sparsetron/parallel/comm.h"
+
+namespace sparsetron {
+
+class MpiComm final : public Comm {
+  public:
+    // Initializes MPI (once per process) on MPI_COMM_WORLD.
+    MpiComm(int* argc, char*** argv);
+    ~MpiComm() override;
+    int rank() const override { return rank_; }
+    int size() const override { return size_; }
+    void allreduce_sum(float* x, int64_t n) override;
+    void allreduce_sum(double* x, int64_t n) override;
+    void broadcast(void* data, int64_t bytes, int root) override;
+    std::vector<uint64_t> allgather(uint64_t value) override;
+    [[noreturn]] void abort(int code) override;
+    std::string name() const override { return "MPI"; }
+
+  private:
+    int rank_ = 0, size_ = 1;
+};
+
+}  // namespace sparsetron

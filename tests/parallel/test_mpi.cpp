@@ -1,0 +1,102 @@
+// Data parallelism over MPI ranks on CPU (label mpi; ctest runs it under mpirun -np 2 and 4):
+// the same tiny recipe on W ranks gives the one-process run's losses and gradient norms, every
+// rank ends with identical weights, and ranks with different recipes all stop with a message.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "../test_util.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/parallel/mpi/mpi_comm.h"
+#include "sparsetron/runtime/trainer.h"
+
+using namespace sparsetron;
+
+namespace {
+
+Comm* g_comm = nullptr;
+
+Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
+    std::vector<std::string> sets = {
+        "hidden_size=48",         "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
+        "qk_head_dim=16",         "qk_pos_emb_head_dim=8", "v_head_dim=16",  "ffn_hidden_size=96",
+        "seq_length=64",          "global_batch_size=4",   "train_iters=3",  "lr_warmup_iters=2",
+        cat("world_size=", world)};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return load_recipe("", sets);
+}
+
+std::vector<StepMetrics> run(const Recipe& r, Comm* comm, const std::string& tag,
+                             double* weight_sum = nullptr) {
+    // Every process needs its own directory, also for the one-process reference run.
+    const int rank = g_comm->rank();
+    Trainer t(r, {test::temp_dir(cat(tag, ".rank", rank)), "", Device::CPU, false, comm});
+    std::vector<StepMetrics> out;
+    t.run([&](const StepMetrics& m) { out.push_back(m); });
+    if (weight_sum) {
+        const auto& plan = t.plan();
+        const float* w = reinterpret_cast<const float*>(plan.class_base(MemClass::Parameters));
+        double s = 0;
+        for (size_t i = 0; i < plan.class_bytes(MemClass::Parameters) / 4; ++i)
+            s += double(w[i]) * w[i];
+        *weight_sum = s;
+    }
+    return out;
+}
+
+}  // namespace
+
+TEST(Mpi, DataParallelMatchesOneProcess) {
+    const int W = g_comm->size();
+    double w_dp = 0;
+    auto dp = run(small_recipe(W), g_comm, "dp", &w_dp);
+    auto one = run(small_recipe(1), nullptr, "one");
+    ASSERT_EQ(dp.size(), one.size());
+    for (size_t i = 0; i < dp.size(); ++i) {
+        // Same micro-batches, gradients summed in another order: fp32 rounding only.
+        EXPECT_NEAR(dp[i].lm_loss, one[i].lm_loss, 1e-5 * one[i].lm_loss) << "step " << i + 1;
+        EXPECT_NEAR(dp[i].mtp_loss, one[i].mtp_loss, 1e-5 * one[i].mtp_loss + 1e-9);
+        EXPECT_NEAR(dp[i].indexer_loss, one[i].indexer_loss, 1e-4 * one[i].indexer_loss + 1e-12);
+        EXPECT_NEAR(dp[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
+        EXPECT_EQ(dp[i].targets, one[i].targets);
+        EXPECT_EQ(dp[i].moe_load, one[i].moe_load) << "routing statistics summed over ranks";
+    }
+    // Every rank holds bit-identical weights after the steps.
+    uint64_t bits = 0;
+    std::memcpy(&bits, &w_dp, sizeof bits);
+    for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+}
+
+TEST(Mpi, DifferentRecipesStopEveryRank) {
+    Recipe r = small_recipe(g_comm->size());
+    if (g_comm->rank() == 1) r.run.lr = 5e-3;
+    std::string msg;
+    try {
+        Trainer t(r, {test::temp_dir(cat("mismatch.rank", g_comm->rank())), "", Device::CPU, false,
+                      g_comm});
+    } catch (const Error& e) {
+        msg = e.what();
+    }
+    EXPECT_NE(msg.find("rank 1 loaded a different recipe than rank 0"), std::string::npos) << msg;
+}
+
+TEST(Mpi, WorldSizeMustMatchTheRanks) {
+    std::string msg;
+    try {
+        const int w = 2 * g_comm->size();
+        Trainer t(small_recipe(w, {cat("global_batch_size=", w)}),
+                  {test::temp_dir(cat("ws.rank", g_comm->rank())), "", Device::CPU, false, g_comm});
+    } catch (const Error& e) {
+        msg = e.what();
+    }
+    EXPECT_NE(msg.find(cat("but ", g_comm->size(), " processes were started")), std::string::npos)
+        << msg;
+}
+
+int main(int argc, char** argv) {
+    MpiComm comm(&argc, &argv);
+    g_comm = &comm;
+    ::testing::InitGoogleTest(&argc, argv);
+    return RUN_ALL_TESTS();
+}

@@ -106,7 +106,7 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
     sc.aux = 1.0;
     cpu.load_inputs(mb);
     LossSums ref = cpu.forward_backward(sc);
-    gm.load_inputs(ctx, mb);
+    gm.load_inputs(ctx, mb, sc);
     LossSums got = gm.forward_backward(ctx, sc);
     session.synchronize();
 

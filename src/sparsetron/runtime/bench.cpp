@@ -75,7 +75,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
         sc.mtp.push_back(m.mtp_loss_scaling_factor / double(tv ? 1 : D) /
                          double(std::max<int64_t>(1, (slots - k - 2) * n_mb)));
     sc.indexer = sc.aux = 1.0 / double(n_mb);
-    engine->stage_inputs(mb);
+    engine->stage_inputs(mb, sc);
     const bool optimizer = !o.forward_backward_only;
     const std::string mode = o.forward_backward_only ? "forward_backward" : "step";
     const int V = int(o.variants.size());

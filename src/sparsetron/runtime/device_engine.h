@@ -24,6 +24,22 @@ class DeviceEngine {
     // Zero gradients and routing statistics.
     virtual void begin_step() = 0;
     virtual LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) = 0;
+    // A whole step of `micro_batches`: zeroed gradients and routing statistics, each micro-batch's
+    // forward+backward, the optimizer step for `step`. With cuda_graph_impl full_iteration the
+    // first step runs eagerly from the staging slots (warm-up: GEMM plans, kernel attributes),
+    // later ones replay a CUDA graph of the same work captured once; a step with another
+    // signature (micro-batch count, which losses have a backward) is captured again, with a line
+    // on stderr. Each step's data, loss scales and learning rate are copied into device buffers
+    // before the replay, so the graph never runs on stale values.
+    struct StepOutcome {
+        std::vector<LossSums> losses;  // per micro-batch, in order
+        StepStats stats;
+        bool replayed = false;  // the step ran as a graph replay
+    };
+    virtual StepOutcome run_step(const std::vector<const MicroBatch*>& micro_batches,
+                                 const LossScales& scales, const RunConfig& run, int64_t step) = 0;
+    // How many times run_step captured a graph (0 without graphs).
+    virtual int64_t graph_captures() const = 0;
     virtual std::vector<std::vector<int64_t>> moe_loads() = 0;
     virtual int64_t moe_dropped() = 0;
     virtual StepStats optimizer_step(const RunConfig& run, int64_t step) = 0;
@@ -39,7 +55,7 @@ class DeviceEngine {
     // `micro_batches` change) and replayed; the graph bakes the optimizer's host scalars of the
     // step it was captured at (learning rate, bias corrections), which leaves the work timed
     // unchanged. Losses are not read back.
-    virtual void stage_inputs(const MicroBatch& mb) = 0;
+    virtual void stage_inputs(const MicroBatch& mb, const LossScales& scales) = 0;
     virtual double timed_step(bool graph, bool optimizer, const LossScales& scales,
                               int64_t micro_batches, const RunConfig& run, int64_t step) = 0;
     // Device memory in use (cudaMemGetInfo) and the static plan's total, MiB.

@@ -34,6 +34,7 @@ std::string StepMetrics::to_json() const {
     j["targets"] = targets;
     j["step_ms"] = step_ms;
     j["skipped"] = skipped;
+    if (graph) j["graph"] = true;
     return j.dump();
 }
 
@@ -214,23 +215,29 @@ StepMetrics Trainer::train_step() {
     }
     sc.indexer = 1.0 / double(n_mb);
     sc.aux = 1.0 / double(n_mb);
+    // This rank's micro-batches (all of them without data parallelism).
+    std::vector<const MicroBatch*> mine;
+    for (size_t i = 0; i < batches_.size(); ++i)
+        if (int(i) % dp_size() == dp_rank()) mine.push_back(&batches_[i]);
+    std::vector<LossSums> sums;
+    StepStats st;
     if (engine_) {
-        engine_->begin_step();
+        // The device runs the whole step (the optimizer included; a graph replay with
+        // cuda_graph_impl full_iteration).
+        DeviceEngine::StepOutcome o = engine_->run_step(mine, sc, recipe_.run, m.step);
+        sums = std::move(o.losses);
+        st = o.stats;
+        m.graph = o.replayed;
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
+        for (const MicroBatch* mb : mine) {
+            tp_->model->load_inputs(*mb);
+            sums.push_back(tp_->model->forward_backward(sc));
+        }
     }
     double loss_sum = 0, mtp = 0, accept = 0;
-    for (size_t i = 0; i < batches_.size(); ++i) {
-        if (int(i) % dp_size() != dp_rank()) continue;  // another data-parallel rank's
-        const MicroBatch& mb = batches_[i];
-        LossSums s;
-        if (engine_) {
-            s = engine_->micro_batch(mb, sc);
-        } else {
-            tp_->model->load_inputs(mb);
-            s = tp_->model->forward_backward(sc);
-        }
+    for (const LossSums& s : sums) {
         loss_sum += s.lm_loss_sum;
         for (size_t k = 0; k < s.mtp_sum.size(); ++k) mtp += s.mtp_sum[k] * sc.mtp[k];
         accept += s.mtp_acceptance_sum;
@@ -256,11 +263,9 @@ StepMetrics Trainer::train_step() {
     m.mtp_loss = mtp;
     if (tv && D > 0 && mtp_rows[0] > 0) m.mtp_acceptance_length = accept / double(mtp_rows[0]);
     m.total_loss = m.lm_loss + m.mtp_loss + m.indexer_loss + m.aux_loss;
-    StepStats st;
     if (engine_) {
         m.moe_load = engine_->moe_loads();
         m.moe_dropped = engine_->moe_dropped();
-        st = engine_->optimizer_step(recipe_.run, m.step);
         if (!st.skipped) engine_->update_router_bias(mc.moe_router_bias_update_rate);
     } else {
         m.moe_load = tp_->model->moe_loads();

@@ -37,6 +37,7 @@ struct StepMetrics {
     int64_t targets = 0;       // loss rows in the step
     double step_ms = 0;
     bool skipped = false;
+    bool graph = false;  // the step ran as a CUDA graph replay (cuda_graph_impl full_iteration)
     std::string to_json() const;
 };
 

@@ -86,6 +86,10 @@ struct GpuInputs {
     int32_t* positions = nullptr;
     int32_t* row_begin = nullptr;  // first row of each row's document, -1 for padding
     int64_t real_rows = 0;         // rows inside documents (host-side count of this micro-batch)
+    // The micro-batch's loss scales on the device (graph-safe: kernels read them there):
+    // [0] LM gradient per target row, [1] the indexer loss's gradient per real row
+    // (scale x coeff / rows), [2 + k] MTP depth k's row weight (one value for e2e_tv).
+    const float* loss_scales = nullptr;
 };
 
 // Scratch every module shares: norm weight-gradient partials.

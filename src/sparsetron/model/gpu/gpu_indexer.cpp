@@ -73,17 +73,18 @@ void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, cons
                       const GpuInputs& in, const Teacher& tc, float grad_scale,
                       double* sums) const {
     const double coeff = c_.dsa_indexer_loss_coeff;
-    if (coeff == 0 || in.real_rows == 0) return;
+    if (coeff == 0) return;
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
     const int64_t Tn = T_;
     cuda::indexer_kl(ctx, sparse, tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, scores_, A.topk,
                      A.len, K_, in.row_begin, Tn, kl_, dscore_, sparse ? tc.prob_sum : nullptr);
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
     if (grad_scale == 0) return;
-    // dI = g (q - p) with g = grad_scale * coeff / rows, rows = the micro-batch's real rows.
-    const float g = float(grad_scale * coeff / double(in.real_rows));
-    cuda::indexer_scores_backward(ctx, sparse, A.q, A.k, A.w, dscore_, g, A.topk, A.len, K_,
-                                  in.row_begin, Tn, HI_, dI_, dw32_, dq_, dk32_);
+    // dI = g (q - p) with g = scale * coeff / rows (rows = the micro-batch's real rows), read from
+    // the device (in.loss_scales[1]) so a captured step follows each micro-batch's value.
+    cuda::indexer_scores_backward(ctx, sparse, A.q, A.k, A.w, dscore_, 1.f, A.topk, A.len, K_,
+                                  in.row_begin, Tn, HI_, dI_, dw32_, dq_, dk32_,
+                                  in.loss_scales + 1);
     const auto BF = DType::BF16, F32 = DType::F32;
     cuda::f32_to_bf16(ctx, dw32_, dwb_, Tn * HI_);
     gemm(ctx, true, false, HI_, h_, Tn, wscale_, dwb_, HI_, a, h_, 1.f, P_[ww_].grad, h_, BF, F32);

@@ -30,7 +30,8 @@ class GpuIndexer {
     void forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
                  const GpuInputs& in) const;
     // Adds Σ KL and the row count into sums[0..1] (device); with grad_scale != 0 also
-    // accumulates grad_scale * d(coeff * mean KL)/d(indexer weights).
+    // accumulates d(coeff * mean KL)/d(indexer weights) times the micro-batch's scale, which the
+    // kernels read from in.loss_scales[1] (grad_scale only says whether there is a backward).
     void loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
               const GpuInputs& in, const Teacher& t, float grad_scale, double* sums) const;
 

@@ -1,6 +1,7 @@
 #include "sparsetron/model/gpu/gpu_model.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace sparsetron::gpu {
 
@@ -23,10 +24,6 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     const int64_t maxdim =
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
-    B_.act(in_.token_ids, "inputs.tokens", {Tn});
-    B_.act(in_.targets, "inputs.targets", {Tn});
-    B_.act(in_.positions, "inputs.positions", {Tn});
-    B_.act(in_.row_begin, "inputs.row_begin", {Tn});
     in_.tokens = Tn;
     embed_ = P_->index("model.embed_tokens.weight");
     final_norm_ = P_->index("model.norm.weight");
@@ -60,8 +57,6 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             auto m = std::make_unique<MtpActs>();
-            B_.act(m->ids, a + "input_ids", {Tn});
-            B_.act(m->targets, a + "targets", {Tn});
             B_.act(m->e, a + "embedding", {Tn, h});
             B_.act(m->en, a + "enorm_out", {Tn, h});
             B_.act(m->rstd_e, a + "enorm_rstd", {Tn});
@@ -89,13 +84,28 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
             B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
-            B_.act(tv_valid_, "mtp.tv.valid", {Tn});
         }
     }
     tv_at_ = 2 + 2 * std::max<int64_t>(D_, 1);
     idx_at_ = tv_at_ + 2;
     n_sums_ = idx_at_ + 2 * std::max<int64_t>(indexer_apps, 1);
     B_.act(sums_, "loss.sums", {n_sums_});
+    // Every per-micro-batch input in one block (layout in carve_inputs()): one upload per
+    // micro-batch, one device copy per micro-batch inside a captured step.
+    n_scales_ = 2 + std::max<int64_t>(D_, 1);
+    input_words_ = (4 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
+    B_.act(in_block_, "inputs.block", {input_words_});
+}
+
+void GpuModel::carve_inputs() {
+    const int64_t Tn = T_;
+    int32_t* w = in_block_;
+    in_.token_ids = w, in_.targets = w + Tn, in_.positions = w + 2 * Tn, in_.row_begin = w + 3 * Tn;
+    w += 4 * Tn;
+    for (auto& m : mtp_) m->ids = w, m->targets = w + Tn, w += 2 * Tn;
+    in_.loss_scales = reinterpret_cast<const float*>(w);
+    w += n_scales_;
+    tv_valid_ = tv_p_ ? reinterpret_cast<uint8_t*>(w) : nullptr;
 }
 
 GpuModel::~GpuModel() = default;
@@ -103,6 +113,7 @@ GpuModel::~GpuModel() = default;
 void GpuModel::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
+    carve_inputs();
     // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
     int64_t slot = 0;
     idx_sums_.clear();
@@ -148,42 +159,73 @@ std::vector<GpuMoe*> GpuModel::moes() const {
     return out;
 }
 
-void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb) {
+void GpuModel::pack_inputs(const MicroBatch& mb, const LossScales& sc,
+                           std::vector<int32_t>& out) const {
     ST_CHECK(mb.capacity == T_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
              " slots / ", mb.max_documents, " documents does not match the plan (", T_, " / ",
              max_docs_, ")");
     for (int64_t i = 0; i < T_; ++i)
         ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
                  " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
-    const int64_t bytes = T_ * int64_t(sizeof(int32_t));
-    cuda::upload(ctx, in_.token_ids, mb.tokens.data(), bytes);
-    cuda::upload(ctx, in_.targets, mb.targets.data(), bytes);
-    cuda::upload(ctx, in_.positions, mb.positions.data(), bytes);
-    h_row_begin_.assign(T_, -1);
+    const int64_t Tn = T_;
+    out.assign(size_t(input_words_), 0);
+    int32_t* w = out.data();
+    std::copy_n(mb.tokens.data(), Tn, w);
+    std::copy_n(mb.targets.data(), Tn, w + Tn);
+    std::copy_n(mb.positions.data(), Tn, w + 2 * Tn);
+    int32_t* row_begin = w + 3 * Tn;
+    std::fill_n(row_begin, Tn, -1);
     for (int64_t d = 0; d < mb.num_documents; ++d)
         for (int32_t t = mb.cu_seqlens[d]; t < mb.cu_seqlens[d + 1]; ++t)
-            h_row_begin_[t] = mb.cu_seqlens[d];
-    cuda::upload(ctx, in_.row_begin, h_row_begin_.data(), bytes);
-    in_.real_rows = mb.cu_seqlens[mb.num_documents];
+            row_begin[t] = mb.cu_seqlens[d];
+    w += 4 * Tn;
     // MTP: depth k reads the token at row i+k and predicts row i+k+1, inside i's document only.
-    for (int64_t k = 1; k <= D_; ++k) {
-        std::vector<int32_t> ids(T_, -1), tg(T_, -1);
+    for (int64_t k = 1; k <= D_; ++k, w += 2 * Tn) {
+        std::fill_n(w, 2 * Tn, -1);
         for (int64_t d = 0; d < mb.num_documents; ++d) {
             const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
             for (int64_t i = b; i < e; ++i) {
-                if (i + k < e) ids[i] = mb.tokens[i + k];
-                if (i + k + 1 < e) tg[i] = mb.tokens[i + k + 1];
+                if (i + k < e) w[i] = mb.tokens[i + k];
+                if (i + k + 1 < e) w[Tn + i] = mb.tokens[i + k + 1];
             }
         }
-        cuda::upload(ctx, mtp_[k - 1]->ids, ids.data(), bytes);
-        cuda::upload(ctx, mtp_[k - 1]->targets, tg.data(), bytes);
     }
-    if (tv_valid_) {
-        h_valid_.assign(T_, 0);
+    // Loss scales (see GpuInputs::loss_scales); 0 where the step has no backward.
+    const int64_t real_rows = mb.cu_seqlens[mb.num_documents];
+    float scales[64] = {};
+    ST_ASSERT(n_scales_ <= 64, "loss scales");
+    if (sc.backward) {
+        scales[0] = float(sc.lm);
+        for (size_t k = 0; k < sc.mtp.size() && int64_t(k) + 2 < n_scales_; ++k)
+            scales[2 + k] = float(sc.mtp[k]);
+    }
+    if ((sc.backward || sc.indexer_grads) && real_rows > 0)
+        scales[1] = float(sc.indexer * cfg_.dsa_indexer_loss_coeff / double(real_rows));
+    std::memcpy(w, scales, size_t(n_scales_) * sizeof(float));
+    w += n_scales_;
+    if (tv_p_) {
+        uint8_t* valid = reinterpret_cast<uint8_t*>(w);
         for (int64_t d = 0; d < mb.num_documents; ++d)
-            for (int64_t i = mb.cu_seqlens[d]; i + D_ < mb.cu_seqlens[d + 1]; ++i) h_valid_[i] = 1;
-        cuda::upload(ctx, tv_valid_, h_valid_.data(), T_);
+            for (int64_t i = mb.cu_seqlens[d]; i + D_ < mb.cu_seqlens[d + 1]; ++i) valid[i] = 1;
     }
+}
+
+void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc) {
+    stage_inputs(ctx, mb, sc, in_block_);
+}
+
+void GpuModel::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc,
+                            int32_t* dst) {
+    pack_inputs(mb, sc, h_block_);
+    cuda::upload(ctx, dst, h_block_.data(), input_words_ * int64_t(sizeof(int32_t)));
+    if (dst == in_block_) {
+        in_.real_rows = mb.cu_seqlens[mb.num_documents];
+        last_tv_rows_ = tv_rows(mb);
+    }
+}
+
+void GpuModel::copy_inputs_from(const ExecContext& ctx, const int32_t* src) {
+    cuda::copy_2d(ctx, in_block_, 0, src, 0, input_words_ * int64_t(sizeof(int32_t)), 1);
 }
 
 void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
@@ -197,9 +239,9 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
                           float(c.norm_epsilon), h_final_, h, rstd_final_);
     cuda::head_cross_entropy(ctx, h_final_, Tn, h, (*P_)[head_].w, c.vocab_size, in_.targets,
-                             chunk_rows_, logits_, dlogits_, float(sc.lm), row_loss_,
-                             sc.backward ? dh_ : nullptr,
-                             sc.backward ? (*P_)[head_].grad : nullptr);
+                             chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
+                             sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr,
+                             in_.loss_scales);
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
     if (D_ > 0) mtp_forward(ctx, sc);
     if (sc.backward) {
@@ -213,9 +255,20 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
 }
 
 LossSums GpuModel::read_losses(const ExecContext& ctx) const {
-    const auto& c = cfg_;
     std::vector<double> s(n_sums_);
     cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
+    return losses_from(s.data(), last_tv_rows_);
+}
+
+int64_t GpuModel::tv_rows(const MicroBatch& mb) const {
+    int64_t rows = 0;
+    for (int64_t d = 0; d < mb.num_documents; ++d)
+        rows += std::max<int64_t>(0, mb.cu_seqlens[d + 1] - mb.cu_seqlens[d] - D_);
+    return rows;
+}
+
+LossSums GpuModel::losses_from(const double* s, int64_t tv_rows) const {
+    const auto& c = cfg_;
     LossSums out;
     out.lm_loss_sum = s[0];
     out.lm_targets = int64_t(s[1]);
@@ -223,9 +276,7 @@ LossSums GpuModel::read_losses(const ExecContext& ctx) const {
         if (c.mtp_loss_type == "e2e_tv") {
             out.mtp_sum = {s[tv_at_]};
             out.mtp_acceptance_sum = s[tv_at_ + 1];
-            int64_t rows = 0;
-            for (uint8_t v : h_valid_) rows += v;
-            out.mtp_count = {rows};
+            out.mtp_count = {tv_rows};
         } else {
             for (int64_t k = 0; k < D_; ++k) {
                 out.mtp_sum.push_back(s[2 + 2 * k]);
@@ -264,11 +315,10 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
         return;
     }
     for (int64_t k = 0; k < D_; ++k) {
-        const float scale = sc.backward ? float(sc.mtp.at(k)) : 0.f;
         float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
         cuda::head_cross_entropy(ctx, mtp_[k]->hz, Tn, h, (*P_)[head_].w, c.vocab_size,
-                                 mtp_[k]->targets, chunk_rows_, logits_, dlogits_, scale, row_loss_,
-                                 sc.backward ? mtp_[k]->dzk : nullptr, dw);
+                                 mtp_[k]->targets, chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
+                                 sc.backward ? mtp_[k]->dzk : nullptr, dw, in_.loss_scales + 2 + k);
         cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
     }
 }
@@ -278,7 +328,8 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     // α_k = Σ_v min(p, q); heads detached: the gradient reaches h^k only.
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, V = c.vocab_size, Tn = T_, D = D_;
-    const float row_w = sc.backward ? float(sc.mtp.at(0)) : 0.f;
+    // The row weight is read from the device (in_.loss_scales[2]); 0 without a backward.
+    const float row_w = sc.backward ? 1.f : 0.f;
     const bf16* head = (*P_)[head_].w;
     for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
         const int64_t n = std::min(chunk_rows_, Tn - r0);
@@ -297,7 +348,7 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
             cuda::tv_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0);
         }
         cuda::tv_chain(ctx, tv_alpha_ + r0, tv_valid_ + r0, D, n, Tn, row_w, tv_dalpha_ + r0,
-                       sums_ + tv_at_);
+                       sums_ + tv_at_, in_.loss_scales + 2);
         if (!sc.backward) continue;
         for (int64_t k = 0; k < D; ++k) {
             cuda::tv_logit_grad(ctx, tv_p_ + k * chunk_rows_ * V, tv_q_ + k * chunk_rows_ * V,

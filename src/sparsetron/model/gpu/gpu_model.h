@@ -1,7 +1,9 @@
 // The GLM-5 model on CUDA (the CPU Glm5Model, model/glm5_model.h, on the device): same
 // parameters (by HF name, cloned from a ParamStore), same losses and gradients, bf16 activations.
-// One micro-batch at a time: load_inputs() uploads it, forward_backward() runs it on the
-// session's stream and reads the loss sums back (the only host synchronization of a micro-batch).
+// One micro-batch at a time: load_inputs() uploads it (with its loss scales: the kernels read
+// them from the device), forward_backward() runs it on the session's stream and reads the loss
+// sums back (the only host synchronization of a micro-batch). A captured step instead copies
+// each micro-batch's staged input block in with copy_inputs_from() (a device copy).
 #pragma once
 
 #include <memory>
@@ -26,7 +28,20 @@ class GpuModel {
     const GpuParams& gpu_params() const { return *P_; }
     void refresh_bf16(const ExecContext& ctx) const { P_->refresh_bf16(ctx); }
 
-    void load_inputs(const ExecContext& ctx, const MicroBatch& mb);
+    void load_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& scales);
+    // The input block: every per-micro-batch input and its loss scales, input_words() int32
+    // words. stage_inputs() packs a micro-batch and uploads it to `dst` (the model's own block or
+    // a staging slot of that size); copy_inputs_from() copies a staged block in on the stream.
+    int64_t input_words() const { return input_words_; }
+    void stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& scales,
+                      int32_t* dst);
+    void copy_inputs_from(const ExecContext& ctx, const int32_t* src);
+    // The loss sums on the device (n_sums() doubles) and their reading from a host copy;
+    // tv_rows(): the e2e TV rows of a micro-batch (for LossSums::mtp_count).
+    const double* sums() const { return sums_; }
+    int64_t n_sums() const { return n_sums_; }
+    LossSums losses_from(const double* sums, int64_t tv_rows) const;
+    int64_t tv_rows(const MicroBatch& mb) const;
     // enqueue(): the micro-batch's forward (and backward) on the stream, nothing else: no host
     // synchronization, allocation or host read, so it can be captured in a CUDA graph.
     // read_losses(): downloads the loss sums of the last enqueue (synchronizes).
@@ -78,10 +93,11 @@ class GpuModel {
     double* sums_ = nullptr;
     int64_t n_sums_ = 0, tv_at_ = 0, idx_at_ = 0;
     std::vector<double*> idx_sums_;  // one [2] per indexer application, in forward order
-    // Host staging for the inputs of one micro-batch.
-    std::vector<int32_t> h_ids_, h_row_begin_;
-    std::vector<uint8_t> h_valid_;
-    int64_t real_rows_ = 0;
+    void pack_inputs(const MicroBatch& mb, const LossScales& sc, std::vector<int32_t>& out) const;
+    void carve_inputs();
+    int32_t* in_block_ = nullptr;  // see pack_inputs() for the layout
+    int64_t input_words_ = 0, n_scales_ = 0, last_tv_rows_ = 0;
+    std::vector<int32_t> h_block_;  // host staging of one micro-batch's block
 };
 
 }  // namespace sparsetron::gpu

@@ -105,9 +105,10 @@ __global__ void merge_skip_kernel(int32_t* skip, int64_t n) {
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
                              float lr, float beta1, float beta2, float eps, float wd, float bc1,
                              float bc2, const float* grad_scale, const int32_t* skip,
-                             bf* param_bf16) {
+                             bf* param_bf16, const float* schedule) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= n || (skip && *skip)) return;
+    if (schedule) lr = schedule[0], bc1 = schedule[1], bc2 = schedule[2];
     const float g = grad[i] * (grad_scale ? *grad_scale : 1.f);
     const float mi = beta1 * m[i] + (1.f - beta1) * g;
     const float vi = beta2 * v[i] + (1.f - beta2) * g * g;
@@ -200,15 +201,15 @@ void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n) {
 
 void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
                   int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16) {
+                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16,
+                  const float* schedule) {
     if (n == 0) return;
-    // lr and the step are host values baked into the launch: a replayed full-iteration graph
-    // needs them in device scalars (the graph issue's work).
+    // Host lr and step are baked into the launch; a replayed graph passes `schedule` instead.
     const float bc1 = float(1.0 - std::pow(double(beta1), double(step)));
     const float bc2 = float(1.0 - std::pow(double(beta2), double(step)));
     adamw_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
         param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, skip,
-        param_bf16 ? dev(param_bf16) : nullptr);
+        param_bf16 ? dev(param_bf16) : nullptr, schedule);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -10,8 +10,10 @@ namespace {
 constexpr int kThreads = 512;
 
 __global__ void cross_entropy_rows(const float* logits, int64_t vocab, const int32_t* targets,
-                                   float grad_scale, float* row_loss, bf* dlogits) {
+                                   float grad_scale_host, const float* grad_scale_dev,
+                                   float* row_loss, bf* dlogits) {
     const int64_t r = blockIdx.x;
+    const float grad_scale = grad_scale_host * (grad_scale_dev ? *grad_scale_dev : 1.f);
     const float* z = logits + r * vocab;
     const int32_t tgt = targets[r];
     if (tgt < 0) {
@@ -61,7 +63,7 @@ __global__ void loss_sum_kernel(const float* row_loss, const int32_t* targets, i
 void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
                         const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
                         float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
-                        bf16* dh, float* dw) {
+                        bf16* dh, float* dw, const float* grad_scale_dev) {
     ST_ASSERT(chunk_rows > 0, "head_cross_entropy: chunk rows");
     const bool backward = dh || dw;
     ST_ASSERT(!backward || dlogits_ws, "head_cross_entropy: backward needs the dlogits workspace");
@@ -71,9 +73,9 @@ void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int
         bf16* dl = dw ? dlogits_ws + r0 * vocab : dlogits_ws;
         gemm(ctx, false, true, n, vocab, dim, 1.f, h + r0 * dim, dim, w, dim, 0.f, logits_ws, vocab,
              DType::BF16, DType::F32);
-        cross_entropy_rows<<<n, kThreads, 0, stream_of(ctx)>>>(logits_ws, vocab, targets + r0,
-                                                               grad_scale, row_loss + r0,
-                                                               backward ? dev(dl) : nullptr);
+        cross_entropy_rows<<<n, kThreads, 0, stream_of(ctx)>>>(
+            logits_ws, vocab, targets + r0, grad_scale, grad_scale_dev, row_loss + r0,
+            backward ? dev(dl) : nullptr);
         ST_CUDA_LAUNCH_CHECK();
         if (dh)
             gemm(ctx, false, false, n, dim, vocab, 1.f, dl, vocab, w, dim, 0.f, dh + r0 * dim, dim);

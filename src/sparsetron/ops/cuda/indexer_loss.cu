@@ -87,10 +87,12 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
 }
 
 __global__ void indexer_scores_bwd_kernel(Support sup, const bf* q, const bf* k, const float* w,
-                                          const float* dscore, float grad_scale, int64_t tokens,
+                                          const float* dscore, float grad_scale_host,
+                                          const float* grad_scale_dev, int64_t tokens,
                                           int64_t heads, int64_t dim, float* dw, bf* dq,
                                           float* dk) {
     extern __shared__ float smem[];
+    const float grad_scale = grad_scale_host * (grad_scale_dev ? *grad_scale_dev : 1.f);
     const int64_t t = blockIdx.x, n = sup.count(t);
     float* qs = smem;                // [heads * dim]
     float* dqs = qs + heads * dim;   // [heads * dim]
@@ -198,7 +200,7 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
                              const float* w, const float* dscore, float grad_scale,
                              const int32_t* idx, const int32_t* len, int64_t kslots,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                             float* dw, bf16* dq, float* dk) {
+                             float* dw, bf16* dq, float* dk, const float* grad_scale_dev) {
     if (tokens == 0) return;
     zero(ctx, dk, tokens * dim * sizeof(float));
     const size_t smem = (2 * heads * dim + heads) * sizeof(float);
@@ -206,8 +208,8 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_bwd_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_scores_bwd_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
-        Support{sparse, idx, len, row_begin, kslots}, dev(q), dev(k), w, dscore, grad_scale, tokens,
-        heads, dim, dw, dev(dq), dk);
+        Support{sparse, idx, len, row_begin, kslots}, dev(q), dev(k), w, dscore, grad_scale,
+        grad_scale_dev, tokens, heads, dim, dw, dev(dq), dk);
     ST_CUDA_LAUNCH_CHECK();
 }
 

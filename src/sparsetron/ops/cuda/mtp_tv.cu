@@ -30,7 +30,9 @@ __global__ void overlap_kernel(const float* p, const float* q, int64_t vocab, fl
 }
 
 __global__ void chain_kernel(const float* alpha, const uint8_t* valid, int64_t D, int64_t tokens,
-                             int64_t stride, float row_weight, float* dalpha, double* sums) {
+                             int64_t stride, float row_weight_host, const float* row_weight_dev,
+                             float* dalpha, double* sums) {
+    const float row_weight = row_weight_host * (row_weight_dev ? *row_weight_dev : 1.f);
     // One block: threads over rows, then a fixed-order combine of the sums.
     __shared__ double part_loss[256], part_acc[256];
     double loss = 0, acc = 0;
@@ -96,10 +98,11 @@ void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t 
 }
 
 void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, int64_t depths,
-              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums) {
+              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums,
+              const float* row_weight_dev) {
     ST_CHECK(depths <= kMaxDepth, "e2e_tv: at most ", kMaxDepth, " MTP depths on CUDA");
     chain_kernel<<<1, 256, 0, stream_of(ctx)>>>(alpha, valid, depths, rows, stride, row_weight,
-                                                dalpha, sums);
+                                                row_weight_dev, dalpha, sums);
     ST_CUDA_LAUNCH_CHECK();
 }
 

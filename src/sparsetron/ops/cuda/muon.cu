@@ -8,10 +8,11 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void momentum_kernel(float* w, const float* g, float* mom, int64_t n, float decay,
-                                float beta, const float* scale, const int32_t* skip) {
+                                float beta, const float* scale, const int32_t* skip,
+                                const float* lr, float weight_decay) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= n || (skip && *skip)) return;
-    w[i] *= decay;
+    w[i] *= lr ? 1.f - *lr * weight_decay : decay;
     mom[i] = beta * mom[i] + (1.f - beta) * g[i] * (scale ? *scale : 1.f);
 }
 
@@ -26,10 +27,10 @@ __global__ void gather_kernel(const float* g, const float* mom, int64_t cols, in
 }
 
 __global__ void apply_kernel(float* w, const float* x, int64_t cols, int64_t row0, int64_t rows,
-                             int64_t x_row0, float step, const int32_t* skip) {
+                             int64_t x_row0, float step, const int32_t* skip, const float* lr) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= rows * cols || (skip && *skip)) return;
-    w[row0 * cols + i] -= step * x[x_row0 * cols + i];
+    w[row0 * cols + i] -= (lr ? *lr * step : step) * x[x_row0 * cols + i];
 }
 
 __global__ void transpose_kernel(const float* in, int64_t rows, int64_t cols, float* out) {
@@ -60,10 +61,11 @@ __global__ void axpby_kernel(const float* a1, const float* a2, float b, float c,
 }  // namespace
 
 void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
-                   float decay, float beta, const float* scale, const int32_t* skip) {
+                   float decay, float beta, const float* scale, const int32_t* skip,
+                   const float* lr, float weight_decay) {
     if (n == 0) return;
-    momentum_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(w, g, mom, n, decay,
-                                                                              beta, scale, skip);
+    momentum_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
+        w, g, mom, n, decay, beta, scale, skip, lr, weight_decay);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -78,11 +80,11 @@ void muon_gather(const ExecContext& ctx, const float* g, const float* mom, int64
 }
 
 void muon_apply(const ExecContext& ctx, float* w, const float* x, int64_t cols, int64_t row0,
-                int64_t rows, int64_t x_row0, float step, const int32_t* skip) {
+                int64_t rows, int64_t x_row0, float step, const int32_t* skip, const float* lr) {
     const int64_t n = rows * cols;
     if (n == 0) return;
     apply_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(w, x, cols, row0, rows,
-                                                                           x_row0, step, skip);
+                                                                           x_row0, step, skip, lr);
     ST_CUDA_LAUNCH_CHECK();
 }
 

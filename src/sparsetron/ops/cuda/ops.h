@@ -78,23 +78,29 @@ void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, fl
 // skip[0..n) = OR of them all (one non-finite clipping group skips the whole step).
 void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n);
 // param -= lr * (m̂ / (sqrt(v̂) + eps) + wd * param) with grad * (*grad_scale); nothing when *skip.
-// Writes the bf16 copy of the new parameter when param_bf16 is not null.
+// Writes the bf16 copy of the new parameter when param_bf16 is not null. With `schedule` (device
+// [lr, 1 - beta1^t, 1 - beta2^t]: graph-safe), lr and step come from there instead.
 void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
                   int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16);
+                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16,
+                  const float* schedule = nullptr);
 
 // ---- Muon pieces ------------------------------------------------------------------------------
-// Unless *skip: w *= decay; mom = beta mom + (1 - beta) g (*scale).
+// Unless *skip: w *= decay; mom = beta mom + (1 - beta) g (*scale). With `lr` (a device
+// scalar: graph-safe), decay = 1 - *lr * weight_decay instead.
 void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
-                   float decay, float beta, const float* scale, const int32_t* skip);
+                   float decay, float beta, const float* scale, const int32_t* skip,
+                   const float* lr = nullptr, float weight_decay = 0.f);
 // Rows [row0, row0 + rows) of the [*, cols] parameter into x (at x_row0), as
 // nesterov ? (1 - beta) g (*scale) + beta mom : mom.
 void muon_gather(const ExecContext& ctx, const float* g, const float* mom, int64_t cols,
                  int64_t row0, int64_t rows, float beta, bool nesterov, const float* scale,
                  float* x, int64_t x_row0);
-// Unless *skip: w[row0 + r, :] -= step * x[x_row0 + r, :].
+// Unless *skip: w[row0 + r, :] -= step * x[x_row0 + r, :]; with `lr` (device scalar) the step
+// is *lr * step.
 void muon_apply(const ExecContext& ctx, float* w, const float* x, int64_t cols, int64_t row0,
-                int64_t rows, int64_t x_row0, float step, const int32_t* skip);
+                int64_t rows, int64_t x_row0, float step, const int32_t* skip,
+                const float* lr = nullptr);
 // out[c, r] = in[r, c] for an r x c fp32 matrix.
 void transpose(const ExecContext& ctx, const float* in, int64_t rows, int64_t cols, float* out);
 // x *= 1 / (*norm + eps).
@@ -108,11 +114,12 @@ void axpby(const ExecContext& ctx, const float* a1, const float* a2, float b, fl
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
 // dlogits = grad_scale * (softmax - onehot) (bf16) -> dh (overwrite, bf16) and dw += (fp32). dh
 // and dw may be null (forward only). dlogits_ws: [rows, vocab] when dw is given (dw is one GEMM
-// over all rows), else [chunk_rows, vocab].
+// over all rows), else [chunk_rows, vocab]. With `grad_scale_dev` (a device scalar: graph-safe)
+// the scale is grad_scale * *grad_scale_dev.
 void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
                         const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
                         float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
-                        bf16* dh, float* dw);
+                        bf16* dh, float* dw, const float* grad_scale_dev = nullptr);
 // out[0] = Σ x (fp64 in fixed order), out[1] = count of x's rows with targets >= 0.
 void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,
               double* out);
@@ -280,7 +287,8 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
                              const float* w, const float* dscore, float grad_scale,
                              const int32_t* idx, const int32_t* len, int64_t kslots,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                             float* dw, bf16* dq, float* dk);
+                             float* dw, bf16* dq, float* dk,
+                             const float* grad_scale_dev = nullptr);  // multiplies grad_scale
 // Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);
@@ -295,8 +303,10 @@ void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t 
 // Per chain row i (valid[i] != 0): loss += (1/D) Σ_j (1 - Π_{k<=j} α_k), accept += Σ_j Π α;
 // dalpha[k, i] = row_weight * ∂L/∂α_k (0 for invalid rows). alpha, dalpha: [D, T].
 // Depth k's values of row i are at [k * stride + i]; sums[0] += loss, sums[1] += accept.
+// With `row_weight_dev` (device scalar), the weight is row_weight * *row_weight_dev.
 void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, int64_t depths,
-              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums);
+              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums,
+              const float* row_weight_dev = nullptr);
 // In place on q (the draft probabilities): dz = -dalpha * q (s - 1 + 1[q > p]), s = Σ_{q<=p} q;
 // dz stored as bf16 into dz_out [rows, V].
 void tv_logit_grad(const ExecContext& ctx, const float* p, const float* q, const float* dalpha,

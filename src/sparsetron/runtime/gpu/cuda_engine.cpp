@@ -29,6 +29,14 @@ class CudaEngine final : public DeviceEngine {
                                                  max_documents, chunk_rows);
         opt_ = std::make_unique<gpu::GpuOptimizer>(model_->gpu_params(), plan_, recipe_.model,
                                                    recipe_.run);
+        if (recipe_.run.cuda_graph_impl == "full_iteration") {
+            // Staging for a whole step: every micro-batch's input block and loss sums.
+            slots_ = recipe_.run.microbatches_per_step();
+            s_slots_ = plan_.add(MemClass::Activations, "graph.input_slots", DType::I32,
+                                 {slots_, model_->input_words()});
+            s_sums_ = plan_.add(MemClass::Activations, "graph.loss_sums", DType::F64,
+                                {slots_, model_->n_sums()});
+        }
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         opt_->bind(plan_);
@@ -68,9 +76,70 @@ class CudaEngine final : public DeviceEngine {
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) override {
-        model_->load_inputs(ctx(), mb);
+        model_->load_inputs(ctx(), mb, scales);
         return model_->forward_backward(ctx(), scales);
     }
+
+    StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                         const RunConfig& run, int64_t step) override {
+        StepOutcome out;
+        if (slots_ == 0) {  // eager
+            begin_step();
+            for (const MicroBatch* mb : mbs) out.losses.push_back(micro_batch(*mb, sc));
+            out.stats = opt_->step(ctx(), run, step);
+            return out;
+        }
+        const int64_t n = int64_t(mbs.size()), words = model_->input_words();
+        ST_CHECK(n <= slots_, "cuda_graph_impl full_iteration: a step of ", n,
+                 " micro-batches, but the graph's staging holds ", slots_,
+                 " (microbatches_per_step)");
+        int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
+        double* sums = plan_.view(s_sums_).ptr<double>();
+        for (int64_t i = 0; i < n; ++i)
+            model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        opt_->stage_schedule(ctx(), run, step);
+        auto body = [&] {
+            begin_step();
+            for (int64_t i = 0; i < n; ++i) {
+                model_->copy_inputs_from(ctx(), slots + i * words);
+                model_->enqueue(ctx(), sc);
+                const int64_t bytes = model_->n_sums() * int64_t(sizeof(double));
+                cuda::copy_2d(ctx(), sums + i * model_->n_sums(), 0, model_->sums(), 0, bytes, 1);
+            }
+            opt_->enqueue_step(ctx(), run);
+        };
+        const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
+                                 int64_t(sc.mtp.size())};
+        if (!warmed_up_) {
+            body();  // the warm-up step: the same work, eagerly
+            warmed_up_ = true;
+        } else {
+            if (!step_graph_ || sig != step_sig_) {
+                if (step_graph_)
+                    std::cerr << "[graph] step signature changed (" << step_sig_.describe()
+                              << " -> " << sig.describe() << "): re-capturing\n";
+                step_graph_ = std::make_unique<cuda::StepGraph>(session_);
+                step_graph_->begin_capture();
+                body();
+                step_graph_->end_capture();
+                step_sig_ = sig;
+                ++captures_;
+                std::cerr << "[graph] captured the training step: " << step_graph_->nodes()
+                          << " nodes, " << sig.describe() << "\n";
+            }
+            step_graph_->replay();
+            out.replayed = true;
+        }
+        std::vector<double> host(size_t(n * model_->n_sums()));
+        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
+        for (int64_t i = 0; i < n; ++i)
+            out.losses.push_back(model_->losses_from(host.data() + i * model_->n_sums(),
+                                                     model_->tv_rows(*mbs[size_t(i)])));
+        out.stats = opt_->read_stats(ctx(), run, step);
+        return out;
+    }
+
+    int64_t graph_captures() const override { return captures_; }
 
     std::vector<std::vector<int64_t>> moe_loads() override { return model_->moe_loads(ctx()); }
     int64_t moe_dropped() override { return model_->moe_dropped(ctx()); }
@@ -86,7 +155,9 @@ class CudaEngine final : public DeviceEngine {
                    format_bytes(double(plan_.total_bytes())));
     }
 
-    void stage_inputs(const MicroBatch& mb) override { model_->load_inputs(ctx(), mb); }
+    void stage_inputs(const MicroBatch& mb, const LossScales& scales) override {
+        model_->load_inputs(ctx(), mb, scales);
+    }
 
     double timed_step(bool graph, bool optimizer, const LossScales& scales, int64_t micro_batches,
                       const RunConfig& run, int64_t step) override {
@@ -95,8 +166,9 @@ class CudaEngine final : public DeviceEngine {
                        plan_.class_bytes(MemClass::Gradients));
             model_->reset_moe_stats(ctx());
             for (int64_t i = 0; i < micro_batches; ++i) model_->enqueue(ctx(), scales);
-            if (optimizer) opt_->enqueue_step(ctx(), run, step);
+            if (optimizer) opt_->enqueue_step(ctx(), run);
         };
+        if (optimizer) opt_->stage_schedule(ctx(), run, step);
         if (!graph) return session_.time_ms(enqueue, 1, 0).front();
         const std::pair<int64_t, bool> signature{micro_batches, optimizer};
         if (!graph_ || graph_signature_ != signature) {
@@ -121,6 +193,21 @@ class CudaEngine final : public DeviceEngine {
     }
 
   private:
+    // What a captured training step depends on besides buffer contents.
+    struct GraphSignature {
+        int64_t micro_batches = 0;
+        bool backward = false, indexer_grads = false, indexer_loss = false;
+        int64_t mtp_scales = 0;
+        bool operator!=(const GraphSignature& o) const {
+            return micro_batches != o.micro_batches || backward != o.backward ||
+                   indexer_grads != o.indexer_grads || indexer_loss != o.indexer_loss ||
+                   mtp_scales != o.mtp_scales;
+        }
+        std::string describe() const {
+            return cat(micro_batches, " micro-batches", backward ? "" : ", forward only",
+                       indexer_grads ? ", indexer gradients" : "");
+        }
+    };
     const ExecContext& ctx() const { return session_.ctx(); }
     // (device slot, host slot) of every optimizer state tensor, matched by checkpoint name.
     std::vector<std::pair<MemoryPlan::Slot, MemoryPlan::Slot>> state_pairs() const {
@@ -144,6 +231,12 @@ class CudaEngine final : public DeviceEngine {
     std::unique_ptr<gpu::GpuModel> model_;
     std::unique_ptr<gpu::GpuOptimizer> opt_;
     std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
+    // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
+    int64_t slots_ = 0, captures_ = 0;
+    MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
+    bool warmed_up_ = false;
+    std::unique_ptr<cuda::StepGraph> step_graph_;
+    GraphSignature step_sig_;
     std::pair<int64_t, bool> graph_signature_{0, false};
 };
 

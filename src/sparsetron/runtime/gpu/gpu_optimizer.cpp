@@ -52,6 +52,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     ns_floats_ =
         muon_ ? 3 * max_numel + 3 * max_r * max_r + cuda::sum_squares_blocks(max_numel) + 8 : 1;
     s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", DType::F32, {ns_floats_});
+    s_sched_ = plan.add(MemClass::Workspace, "optim.schedule", DType::F32, {3});
 }
 
 void GpuOptimizer::bind(const MemoryPlan& plan) {
@@ -63,10 +64,18 @@ void GpuOptimizer::bind(const MemoryPlan& plan) {
         mom_.push_back(F(mom_slots_[i]));
     }
     parts_ = F(s_parts_), norm_ = F(s_norm_), scale_ = F(s_scale_), ns_ = F(s_ns_);
+    sched_ = F(s_sched_);
     skip_ = plan.view(s_skip_).ptr<int32_t>();
 }
 
-void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run, int64_t step) {
+void GpuOptimizer::stage_schedule(const ExecContext& ctx, const RunConfig& run, int64_t step) {
+    const float sched[3] = {float(learning_rate(run, step)),
+                            float(1.0 - std::pow(double(float(run.adam_beta1)), double(step))),
+                            float(1.0 - std::pow(double(float(run.adam_beta2)), double(step)))};
+    cuda::upload(ctx, sched_, sched, sizeof(sched));
+}
+
+void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
     const auto& params = P_.store().params();
     for (size_t i = 0; i < params.size(); ++i)
         if (params[i].trainable)
@@ -79,20 +88,19 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run, in
                          scale_ + 1, skip_ + 1);
         cuda::merge_skip(ctx, skip_, 2);
     }
-    const float lr = float(learning_rate(run, step));
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         if (!p.trainable) continue;
         const int g = separate_mtp_ && p.mtp ? 1 : 0;
         const GpuParam& gp = P_[int64_t(i)];
         if (uses_muon_[i]) {
-            muon_update(ctx, run, i, lr, scale_ + g, skip_ + g);
+            muon_update(ctx, run, i, scale_ + g, skip_ + g);
             cuda::f32_to_bf16(ctx, gp.master, gp.w, gp.numel);
         } else {
-            cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, lr,
+            cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
-                               p.weight_decay ? float(run.weight_decay) : 0.f, step, scale_ + g,
-                               skip_ + g, gp.w);
+                               p.weight_decay ? float(run.weight_decay) : 0.f, 1, scale_ + g,
+                               skip_ + g, gp.w, sched_);
         }
     }
 }
@@ -111,14 +119,15 @@ StepStats GpuOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,
     return st;
 }
 
-void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_t i, float lr,
+void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_t i,
                                const float* scale, const int32_t* skip) {
     const ParamInfo& p = P_.store().params()[i];
     const GpuParam& gp = P_[int64_t(i)];
     const int64_t cols = p.shape[1];
     const float beta = float(r.muon_momentum);
-    const float decay = p.weight_decay ? float(1.0 - double(lr) * r.weight_decay) : 1.f;
-    cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, decay, beta, scale, skip);
+    // Decoupled decay 1 - lr wd from the staged learning rate.
+    cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f, beta, scale, skip, sched_,
+                        p.weight_decay ? float(r.weight_decay) : 0.f);
     for (const MuonSlice& s : splits_[i].slices) {
         const int64_t rows = s.num_rows();
         float* X = ns_;
@@ -165,11 +174,12 @@ void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_
             cuda::transpose(ctx, W, rr, cc, X);
         else
             X = W;
-        const float step = float(double(lr) * muon_scale(rows, cols, r.muon_scale_mode) *
-                                 r.muon_extra_scale_factor);
+        // The step is lr (staged on the device) times the shape scale.
+        const float factor =
+            float(muon_scale(rows, cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
         at = 0;
         for (auto [b, e] : s.rows) {
-            cuda::muon_apply(ctx, gp.master, X, cols, b, e - b, at, step, skip);
+            cuda::muon_apply(ctx, gp.master, X, cols, b, e - b, at, factor, skip, sched_);
             at += e - b;
         }
     }

@@ -20,19 +20,25 @@ class GpuOptimizer {
   public:
     GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
     void bind(const MemoryPlan& plan);
-    // One step, enqueued only (capturable); read_stats() downloads the norms and the skip flag.
-    void enqueue_step(const ExecContext& ctx, const RunConfig& run, int64_t step);
+    // The learning rate and AdamW's bias corrections of `step` into device scalars (a host
+    // copy: outside any captured graph). The step's kernels read them there, so a replayed graph
+    // follows the schedule.
+    void stage_schedule(const ExecContext& ctx, const RunConfig& run, int64_t step);
+    // One step on the staged schedule, enqueued only (capturable); read_stats() downloads the
+    // norms and the skip flag.
+    void enqueue_step(const ExecContext& ctx, const RunConfig& run);
     StepStats read_stats(const ExecContext& ctx, const RunConfig& run, int64_t step) const;
     StepStats step(const ExecContext& ctx, const RunConfig& run, int64_t step) {
-        enqueue_step(ctx, run, step);
+        stage_schedule(ctx, run, step);
+        enqueue_step(ctx, run);
         return read_stats(ctx, run, step);
     }
     // Device state tensors by checkpoint name ("<param>.exp_avg", ...).
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
 
   private:
-    void muon_update(const ExecContext& ctx, const RunConfig& run, size_t i, float lr,
-                     const float* scale, const int32_t* skip);
+    void muon_update(const ExecContext& ctx, const RunConfig& run, size_t i, const float* scale,
+                     const int32_t* skip);
     const GpuParams& P_;
     const ModelConfig& cfg_;
     bool muon_ = false, separate_mtp_ = false;
@@ -41,8 +47,9 @@ class GpuOptimizer {
     std::vector<MuonSplit> splits_;
     std::vector<int64_t> part_off_;  // first partial-sum block of each parameter
     int64_t parts_main_ = 0, parts_total_ = 0;
-    MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_ns_;
+    MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_ns_, s_sched_;
     float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr, *ns_ = nullptr;
+    float* sched_ = nullptr;  // [lr, 1 - beta1^t, 1 - beta2^t] of the staged step
     int32_t* skip_ = nullptr;
     int64_t ns_floats_ = 0;
     std::vector<float*> m_, v_, mom_;

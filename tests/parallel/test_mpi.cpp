@@ -8,6 +8,7 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/parallel/layout.h"
 #include "sparsetron/parallel/mpi/mpi_comm.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -92,6 +93,36 @@ TEST(Mpi, WorldSizeMustMatchTheRanks) {
     }
     EXPECT_NE(msg.find(cat("but ", g_comm->size(), " processes were started")), std::string::npos)
         << msg;
+}
+
+// Process groups made once by Comm::split from the layout's colors: each communicator has the
+// layout's members (size, rank order) and a sum over it adds exactly those ranks.
+TEST(Mpi, ProcessGroupsFromTheLayout) {
+    const int W = g_comm->size(), me = g_comm->rank();
+    RunConfig r;
+    r.context_parallel_size = 2;
+    r.expert_model_parallel_size = W;
+    const ParallelLayout l = make_layout(r, W);
+    struct Kind {
+        const char* name;
+        int color;
+        std::vector<int> members;
+    };
+    std::vector<Kind> kinds = {{"cp", l.cp_color(me), l.cp_group(me)},
+                               {"dp", l.dp_color(me), l.dp_group(me)},
+                               {"ep", l.ep_color(me), l.ep_group(me)},
+                               {"edp", l.edp_color(me), l.edp_group(me)}};
+    for (int size : l.dynamic_cp_sizes(1))
+        kinds.push_back({"dynamic cp", l.dynamic_cp_color(me, size), l.dynamic_cp_group(me, size)});
+    for (const Kind& k : kinds) {
+        std::unique_ptr<Comm> c = g_comm->split(k.color, me);
+        ASSERT_EQ(c->size(), int(k.members.size())) << k.name;
+        EXPECT_EQ(k.members[size_t(c->rank())], me) << k.name << ": rank order";
+        double x = double(1 << me), want = 0;
+        for (int m : k.members) want += double(1 << m);
+        c->allreduce_sum(&x, 1);
+        EXPECT_EQ(x, want) << k.name << " group of rank " << me;
+    }
 }
 
 int main(int argc, char** argv) {

@@ -22,6 +22,9 @@ class Comm {
     virtual void broadcast(void* data, int64_t bytes, int root) = 0;
     // Every rank's value, in rank order.
     virtual std::vector<uint64_t> allgather(uint64_t value) = 0;
+    // A communicator per color over this one's ranks (ordered by key, then rank): every rank
+    // calls it (collective). Process groups are made once this way (DP, CP, EP, dynamic CP).
+    virtual std::unique_ptr<Comm> split(int color, int key) = 0;
     // Takes the whole job down (no rank is left waiting in a collective).
     [[noreturn]] virtual void abort(int code) = 0;
     virtual std::string name() const = 0;
@@ -35,6 +38,7 @@ class SingleProcessComm final : public Comm {
     void allreduce_sum(double*, int64_t) override {}
     void broadcast(void*, int64_t, int) override {}
     std::vector<uint64_t> allgather(uint64_t v) override { return {v}; }
+    std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SingleProcessComm>(); }
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "single process"; }
 };

@@ -20,52 +20,74 @@ void check(int rc, const char* what) {
 // MPI counts are int: large buffers go in chunks.
 constexpr int64_t kChunk = int64_t(1) << 30;
 
+// MPI_Comm is an int handle in MPICH and a pointer in OpenMPI: kept in a void* slot either way.
+MPI_Comm& handle(void*& slot) {
+    static_assert(sizeof(MPI_Comm) <= sizeof(void*), "MPI_Comm must fit a pointer");
+    return *reinterpret_cast<MPI_Comm*>(&slot);
+}
+
 }  // namespace
 
 MpiComm::MpiComm(int* argc, char*** argv) {
     int init = 0;
     MPI_Initialized(&init);
     if (!init) check(MPI_Init(argc, argv), "MPI_Init");
+    handle(comm_) = MPI_COMM_WORLD;
     check(MPI_Comm_rank(MPI_COMM_WORLD, &rank_), "MPI_Comm_rank");
     check(MPI_Comm_size(MPI_COMM_WORLD, &size_), "MPI_Comm_size");
+}
+
+MpiComm::MpiComm(SubComm, void* comm) : comm_(comm), owns_(true) {
+    check(MPI_Comm_rank(handle(comm_), &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(handle(comm_), &size_), "MPI_Comm_size");
 }
 
 MpiComm::~MpiComm() {
     int fin = 0;
     MPI_Finalized(&fin);
-    if (!fin) MPI_Finalize();
+    if (fin) return;
+    if (owns_)
+        MPI_Comm_free(&handle(comm_));
+    else
+        MPI_Finalize();  // the world communicator: the process's MPI ends with it
+}
+
+std::unique_ptr<Comm> MpiComm::split(int color, int key) {
+    void* slot = nullptr;
+    check(MPI_Comm_split(handle(comm_), color, key, &handle(slot)), "MPI_Comm_split");
+    return std::unique_ptr<Comm>(new MpiComm(SubComm{}, slot));
 }
 
 void MpiComm::allreduce_sum(float* x, int64_t n) {
     for (int64_t at = 0; at < n; at += kChunk)
         check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_FLOAT, MPI_SUM,
-                            MPI_COMM_WORLD),
+                            handle(comm_)),
               "MPI_Allreduce");
 }
 
 void MpiComm::allreduce_sum(double* x, int64_t n) {
     for (int64_t at = 0; at < n; at += kChunk)
         check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_DOUBLE,
-                            MPI_SUM, MPI_COMM_WORLD),
+                            MPI_SUM, handle(comm_)),
               "MPI_Allreduce");
 }
 
 void MpiComm::broadcast(void* data, int64_t bytes, int root) {
     char* p = static_cast<char*>(data);
     for (int64_t at = 0; at < bytes; at += kChunk)
-        check(MPI_Bcast(p + at, int(std::min(kChunk, bytes - at)), MPI_BYTE, root, MPI_COMM_WORLD),
+        check(MPI_Bcast(p + at, int(std::min(kChunk, bytes - at)), MPI_BYTE, root, handle(comm_)),
               "MPI_Bcast");
 }
 
 std::vector<uint64_t> MpiComm::allgather(uint64_t value) {
     std::vector<uint64_t> all(size_t(size_), 0);
-    check(MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD),
+    check(MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, handle(comm_)),
           "MPI_Allgather");
     return all;
 }
 
 void MpiComm::abort(int code) {
-    MPI_Abort(MPI_COMM_WORLD, code);
+    MPI_Abort(MPI_COMM_WORLD, code);  // the whole job, whichever communicator failed
     std::exit(code);
 }
 

@@ -16,10 +16,15 @@ class MpiComm final : public Comm {
     void allreduce_sum(double* x, int64_t n) override;
     void broadcast(void* data, int64_t bytes, int root) override;
     std::vector<uint64_t> allgather(uint64_t value) override;
+    std::unique_ptr<Comm> split(int color, int key) override;
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "MPI"; }
 
   private:
+    struct SubComm {};
+    MpiComm(SubComm, void* comm);  // takes ownership of a communicator from MPI_Comm_split
+    void* comm_ = nullptr;         // MPI_Comm (MPI_COMM_WORLD for the world communicator)
+    bool owns_ = false;
     int rank_ = 0, size_ = 1;
 };
 

@@ -1,0 +1,71 @@
+#include "sparsetron/parallel/layout.h"
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+namespace {
+
+std::vector<int> strided(int first, int count, int stride) {
+    std::vector<int> out;
+    for (int i = 0; i < count; ++i) out.push_back(first + i * stride);
+    return out;
+}
+
+bool power_of_two(int x) {
+    return x > 0 && (x & (x - 1)) == 0;
+}
+
+}  // namespace
+
+std::vector<int> ParallelLayout::cp_group(int rank) const {
+    return strided(dp_rank(rank) * cp, cp, 1);
+}
+std::vector<int> ParallelLayout::dp_group(int rank) const {
+    return strided(cp_rank(rank), dp, cp);
+}
+std::vector<int> ParallelLayout::ep_group(int rank) const {
+    return strided(edp_rank(rank) * ep, ep, 1);
+}
+std::vector<int> ParallelLayout::edp_group(int rank) const {
+    return strided(ep_rank(rank), edp(), ep);
+}
+std::vector<int> ParallelLayout::dp_cp_group() const {
+    return strided(0, world, 1);
+}
+
+std::vector<int> ParallelLayout::dynamic_cp_group(int rank, int size) const {
+    ST_CHECK(power_of_two(size) && size <= world && world % size == 0,
+             "dynamic CP: a group of ", size, " ranks out of ", world,
+             " (sizes are powers of two dividing the DP x CP ranks)");
+    return strided(rank / size * size, size, 1);
+}
+
+std::vector<int> ParallelLayout::dynamic_cp_sizes(int min_size) const {
+    std::vector<int> out;
+    for (int s = std::max(1, min_size); s <= world; s *= 2)
+        if (world % s == 0) out.push_back(s);
+    return out;
+}
+
+std::string ParallelLayout::describe() const {
+    return cat(world, " ranks: DP ", dp, " x CP ", cp, " (dense), EP ", ep, " x EDP ", edp(),
+               " (experts)");
+}
+
+ParallelLayout make_layout(const RunConfig& run, int world) {
+    ST_CHECK(run.tensor_model_parallel_size == 1 && run.pipeline_model_parallel_size == 1,
+             "tensor and pipeline parallelism are not supported (sizes ",
+             run.tensor_model_parallel_size, ", ", run.pipeline_model_parallel_size, ")");
+    ParallelLayout l;
+    l.world = world;
+    l.cp = int(run.context_parallel_size);
+    l.ep = int(run.expert_model_parallel_size);
+    ST_CHECK(l.cp >= 1 && world % l.cp == 0, "context_parallel_size ", l.cp,
+             " does not divide the ", world, " ranks");
+    ST_CHECK(l.ep >= 1 && world % l.ep == 0, "expert_model_parallel_size ", l.ep,
+             " does not divide the ", world, " ranks (experts fold CP into their data dimension)");
+    l.dp = world / l.cp;
+    return l;
+}
+
+}  // namespace sparsetron

@@ -1,0 +1,176 @@
+// Process-group layout, CP sharding of THD documents and the dynamic-CP packing (pure logic; the
+// communicators themselves are tested under mpirun in test_mpi).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/rng.h"
+#include "sparsetron/parallel/cp_shard.h"
+#include "sparsetron/parallel/dynamic_cp.h"
+#include "sparsetron/parallel/layout.h"
+
+namespace sparsetron {
+namespace {
+
+RunConfig sizes(int64_t cp, int64_t ep) {
+    RunConfig r;
+    r.context_parallel_size = cp;
+    r.expert_model_parallel_size = ep;
+    return r;
+}
+
+// Each kind of group partitions the ranks, every member agrees on its group, and the sizes are
+// the layout's.
+TEST(ParallelLayout, GroupsPartitionTheRanks) {
+    const ParallelLayout l = make_layout(sizes(2, 4), 16);
+    EXPECT_EQ(l.dp, 8);
+    EXPECT_EQ(l.edp(), 4);
+    using Fn = std::vector<int> (ParallelLayout::*)(int) const;
+    for (Fn fn : {&ParallelLayout::cp_group, &ParallelLayout::dp_group, &ParallelLayout::ep_group,
+                  &ParallelLayout::edp_group}) {
+        std::multiset<int> seen;
+        for (int r = 0; r < 16; ++r) {
+            const auto g = (l.*fn)(r);
+            EXPECT_TRUE(std::find(g.begin(), g.end(), r) != g.end());
+            for (int m : g) EXPECT_EQ((l.*fn)(m), g) << "rank " << m << " disagrees";
+            if (g.front() == r) seen.insert(g.begin(), g.end());
+        }
+        EXPECT_EQ(seen.size(), 16u);
+        EXPECT_EQ(std::set<int>(seen.begin(), seen.end()).size(), 16u);
+    }
+    // CP fastest for dense layers, EP fastest for experts (Megatron's rank order).
+    EXPECT_EQ(l.cp_group(5), (std::vector<int>{4, 5}));
+    EXPECT_EQ(l.dp_group(5), (std::vector<int>{1, 3, 5, 7, 9, 11, 13, 15}));
+    EXPECT_EQ(l.ep_group(5), (std::vector<int>{4, 5, 6, 7}));
+    EXPECT_EQ(l.edp_group(5), (std::vector<int>{1, 5, 9, 13}));
+    // Colors give the same partition as the member lists.
+    for (int a = 0; a < 16; ++a)
+        for (int b = 0; b < 16; ++b) {
+            EXPECT_EQ(l.cp_color(a) == l.cp_color(b), l.cp_group(a) == l.cp_group(b));
+            EXPECT_EQ(l.ep_color(a) == l.ep_color(b), l.ep_group(a) == l.ep_group(b));
+        }
+    EXPECT_EQ(l.dynamic_cp_group(5, 4), (std::vector<int>{4, 5, 6, 7}));
+    EXPECT_EQ(l.dynamic_cp_sizes(2), (std::vector<int>{2, 4, 8, 16}));
+}
+
+TEST(ParallelLayout, SizesThatDoNotDivideAreNamed) {
+    try {
+        make_layout(sizes(3, 1), 16);
+        FAIL();
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("context_parallel_size 3"), std::string::npos);
+    }
+    try {
+        make_layout(sizes(1, 32), 16);
+        FAIL();
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("expert_model_parallel_size 32"), std::string::npos);
+    }
+    EXPECT_THROW(make_layout(sizes(1, 1), 16).dynamic_cp_group(0, 3), Error);
+}
+
+// Chunks r and 2cp-1-r: every row exactly once, and equal causal work on every rank.
+TEST(CpShard, TwoChunksPerRankCoverTheDocumentWithEqualWork) {
+    for (int cp : {1, 2, 4, 8}) {
+        const int64_t L = 4096;
+        std::vector<int> owner(size_t(L), -1);
+        int64_t pairs0 = -1;
+        for (int r = 0; r < cp; ++r) {
+            const auto rows = cp_rows(L, cp, r);
+            ASSERT_EQ(rows.size(), 2u);
+            EXPECT_EQ(rows[0].begin, r * L / (2 * cp));
+            EXPECT_EQ(rows[1].end, (2 * cp - r) * L / (2 * cp));
+            for (int64_t p : cp_positions(L, cp, r)) {
+                EXPECT_EQ(owner[size_t(p)], -1) << "row " << p << " twice";
+                owner[size_t(p)] = r;
+            }
+            const int64_t pairs = cp_causal_pairs(L, cp, r);
+            if (pairs0 < 0) pairs0 = pairs;
+            EXPECT_EQ(pairs, pairs0) << "cp " << cp << " rank " << r;
+        }
+        EXPECT_EQ(std::count(owner.begin(), owner.end(), -1), 0);
+    }
+    // A length that does not divide: the last chunks are short, nothing is lost.
+    int64_t total = 0;
+    for (int r = 0; r < 4; ++r) total += int64_t(cp_positions(1001, 4, r).size());
+    EXPECT_EQ(total, 1001);
+}
+
+TEST(DynamicCp, SizeIsTheSmallestPowerOfTwoThatFits) {
+    EXPECT_EQ(dynamic_cp_size(4096, 4096), 1);
+    EXPECT_EQ(dynamic_cp_size(4097, 4096), 2);
+    EXPECT_EQ(dynamic_cp_size(32768, 4096), 8);
+    EXPECT_EQ(dynamic_cp_size(20000, 4096), 8);  // 5 ranks round up to 8
+    EXPECT_EQ(dynamic_cp_size(100, 4096, 2), 2);
+}
+
+// The seed's long-context proxy: two 32K samples, 4096 tokens per rank over 16 DP x CP ranks:
+// one micro-batch, two CP8 groups, no idle rank.
+TEST(DynamicCp, TheSeedRecipeGivesTwoCp8Groups) {
+    const auto mbs = schedule_dynamic_cp({32768, 32768}, 16, 4096);
+    ASSERT_EQ(mbs.size(), 1u);
+    ASSERT_EQ(mbs[0].groups.size(), 2u);
+    EXPECT_EQ(mbs[0].groups[0].first_rank, 0);
+    EXPECT_EQ(mbs[0].groups[0].size, 8);
+    EXPECT_EQ(mbs[0].groups[1].first_rank, 8);
+    EXPECT_EQ(mbs[0].groups[1].size, 8);
+    EXPECT_EQ(mbs[0].idle_ranks, 0);
+}
+
+// Random lengths: every sample scheduled once, groups aligned powers of two, disjoint, within
+// capacity and at least as large as each member needs.
+TEST(DynamicCp, PackingInvariantsOnRandomSamples) {
+    CounterRng rng(41, 0);
+    for (int trial = 0; trial < 20; ++trial) {
+        std::vector<int64_t> lengths(size_t(5 + trial * 7));
+        for (size_t i = 0; i < lengths.size(); ++i)
+            lengths[i] = 1 + int64_t(rng.bits(uint64_t(trial * 1000 + i)) % 32768);
+        const int ranks = 16;
+        const int64_t cap = 4096;
+        const auto mbs = schedule_dynamic_cp(lengths, ranks, cap);
+        std::vector<int> seen(lengths.size(), 0);
+        for (const auto& mb : mbs) {
+            std::vector<int> used(size_t(ranks), 0);
+            int busy = 0;
+            for (const auto& g : mb.groups) {
+                EXPECT_TRUE(g.size > 0 && (g.size & (g.size - 1)) == 0);
+                EXPECT_EQ(g.first_rank % g.size, 0);
+                ASSERT_LE(g.first_rank + g.size, ranks);
+                for (int r = g.first_rank; r < g.first_rank + g.size; ++r) ++used[size_t(r)];
+                busy += g.size;
+                int64_t tokens = 0;
+                for (int s : g.samples) {
+                    ++seen[size_t(s)];
+                    tokens += lengths[size_t(s)];
+                    EXPECT_GE(g.size, dynamic_cp_size(lengths[size_t(s)], cap));
+                }
+                EXPECT_EQ(tokens, g.tokens);
+                EXPECT_LE(tokens, int64_t(g.size) * cap);
+                EXPECT_FALSE(g.samples.empty());
+            }
+            for (int u : used) EXPECT_LE(u, 1) << "overlapping groups";
+            EXPECT_EQ(mb.idle_ranks, ranks - busy);
+        }
+        for (int c : seen) EXPECT_EQ(c, 1);
+    }
+}
+
+TEST(DynamicCp, ShortSamplesShareRanksAndOversizeOnesAreNamed) {
+    // 16 samples of 1000 tokens on 4 ranks of 4096: four per rank, one micro-batch.
+    const auto mbs = schedule_dynamic_cp(std::vector<int64_t>(16, 1000), 4, 4096);
+    ASSERT_EQ(mbs.size(), 1u);
+    EXPECT_EQ(mbs[0].groups.size(), 4u);
+    for (const auto& g : mbs[0].groups) EXPECT_EQ(g.samples.size(), 4u);
+    try {
+        schedule_dynamic_cp({70000}, 16, 4096);
+        FAIL();
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("raise max_seqlen_per_dp_cp_rank"),
+                  std::string::npos);
+    }
+}
+
+}  // namespace
+}  // namespace sparsetron

@@ -167,8 +167,7 @@ TEST(DynamicCp, ShortSamplesShareRanksAndOversizeOnesAreNamed) {
         schedule_dynamic_cp({70000}, 16, 4096);
         FAIL();
     } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("raise max_seqlen_per_dp_cp_rank"),
-                  std::string::npos);
+        EXPECT_NE(std::string(e.what()).find("raise max_seqlen_per_dp_cp_rank"), std::string::npos);
     }
 }
 

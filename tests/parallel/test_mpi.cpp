@@ -3,6 +3,7 @@
 // rank ends with identical weights, and ranks with different recipes all stop with a message.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "../test_util.h"
@@ -67,6 +68,64 @@ TEST(Mpi, DataParallelMatchesOneProcess) {
     uint64_t bits = 0;
     std::memcpy(&bits, &w_dp, sizeof bits);
     for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+}
+
+// The distributed optimizer (each rank updates the parameters it owns, then broadcasts them) gives
+// the one-process run's losses and final state, with AdamW and with Muon (whole matrices per rank);
+// every trainable parameter has exactly one owner and the ranks share the work.
+TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
+    const int W = g_comm->size();
+    for (const std::string opt : {"adam", "muon"}) {
+        const std::vector<std::string> extra = {"use_distributed_optimizer=true",
+                                                "optimizer=" + opt};
+        const Recipe rd = small_recipe(W, extra), r1 = small_recipe(1, {"optimizer=" + opt});
+        const int rank = g_comm->rank();
+        Trainer dist(
+            rd, {test::temp_dir(cat("dist.", opt, ".rank", rank)), "", Device::CPU, false, g_comm});
+        Trainer one(
+            r1, {test::temp_dir(cat("one.", opt, ".rank", rank)), "", Device::CPU, false, nullptr});
+        std::vector<StepMetrics> md, m1;
+        dist.run([&](const StepMetrics& m) { md.push_back(m); });
+        one.run([&](const StepMetrics& m) { m1.push_back(m); });
+        ASSERT_EQ(md.size(), m1.size());
+        for (size_t i = 0; i < md.size(); ++i) {
+            EXPECT_NEAR(md[i].lm_loss, m1[i].lm_loss, 1e-5 * m1[i].lm_loss) << opt << " step " << i;
+            EXPECT_NEAR(md[i].grad_norm, m1[i].grad_norm, 1e-4 * m1[i].grad_norm);
+        }
+        // Ownership: one owner per trainable parameter, every rank owns some.
+        const auto& owners = dist.parameter_owners();
+        const auto& params = dist.params().params();
+        ASSERT_EQ(owners.size(), params.size());
+        std::vector<int> per_rank(size_t(W), 0);
+        for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_EQ(owners[i] >= 0, params[i].trainable) << params[i].name;
+            if (owners[i] >= 0) ++per_rank[size_t(owners[i])];
+        }
+        for (int c : per_rank) EXPECT_GT(c, 0);
+        // The state gathered for a checkpoint equals the one-process run's.
+        dist.save();
+        const MemoryPlan& pd = dist.plan();
+        const MemoryPlan& p1 = one.plan();
+        ASSERT_EQ(pd.class_bytes(MemClass::OptimizerState),
+                  p1.class_bytes(MemClass::OptimizerState));
+        const size_t n = pd.class_bytes(MemClass::OptimizerState) / 4;
+        const float* sd = reinterpret_cast<const float*>(pd.class_base(MemClass::OptimizerState));
+        const float* s1 = reinterpret_cast<const float*>(p1.class_base(MemClass::OptimizerState));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < n; ++i) {
+            num += double(sd[i] - s1[i]) * double(sd[i] - s1[i]);
+            den += double(s1[i]) * double(s1[i]);
+        }
+        EXPECT_LT(std::sqrt(num / den), 1e-4) << opt << ": gathered optimizer state";
+        const float* wd = reinterpret_cast<const float*>(pd.class_base(MemClass::Parameters));
+        double w = 0;
+        for (size_t i = 0; i < pd.class_bytes(MemClass::Parameters) / 4; ++i)
+            w += double(wd[i]) * wd[i];
+        uint64_t bits = 0;
+        std::memcpy(&bits, &w, sizeof bits);
+        for (uint64_t b : g_comm->allgather(bits))
+            EXPECT_EQ(b, bits) << "weights differ across ranks";
+    }
 }
 
 TEST(Mpi, DifferentRecipesStopEveryRank) {

@@ -58,6 +58,9 @@ struct RunConfig {
     int64_t expert_model_parallel_size = 1;
     int64_t context_parallel_size = 1;
     bool dynamic_context_parallel = false;
+    // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
+    // matrices for Muon), then every parameter is broadcast from its owner.
+    bool use_distributed_optimizer = false;
     std::string sequence_packing_scheduler = "default";
     int64_t world_size = 1;  // engine key: GPUs the recipe is laid out for (derives DP)
 

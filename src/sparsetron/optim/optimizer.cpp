@@ -24,7 +24,7 @@ Optimizer::Optimizer(const ParamStore& store, MemoryPlan& plan, const ModelConfi
 }
 
 StepStats Optimizer::step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
-                          const std::vector<bool>* update) {
+                          const std::vector<bool>* update, const std::vector<bool>* owned) {
     StepStats st;
     st.lr = learning_rate(run, step);
     const size_t n = store_.params().size();
@@ -46,11 +46,14 @@ StepStats Optimizer::step(const MemoryPlan& plan, const RunConfig& run, int64_t 
     const double main_scale = clip(st.grad_norm), mtp_scale = clip(st.grad_norm_mtp);
     std::vector<double> scale(n);
     for (size_t i = 0; i < n; ++i) scale[i] = mtp[i] ? mtp_scale : main_scale;
-    adamw_->step(plan, run, step, st.lr, scale, update);
+    std::vector<bool> apply(n);
+    for (size_t i = 0; i < n; ++i) apply[i] = (main[i] || mtp[i]) && (!owned || (*owned)[i]);
+    adamw_->step(plan, run, step, st.lr, scale, &apply);
     if (muon_) {
         // Muon takes one clipping factor per call: run the groups separately.
         std::vector<bool> only_main(n), only_mtp(n);
-        for (size_t i = 0; i < n; ++i) only_main[i] = main[i], only_mtp[i] = mtp[i];
+        for (size_t i = 0; i < n; ++i)
+            only_main[i] = main[i] && apply[i], only_mtp[i] = mtp[i] && apply[i];
         muon_->step(plan, run, st.lr, main_scale, &only_main);
         if (separate_mtp_) muon_->step(plan, run, st.lr, mtp_scale, &only_mtp);
     }
@@ -80,8 +83,10 @@ std::string Optimizer::describe(const MemoryPlan& plan) const {
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         std::string shape, optim = "-", split = "-";
-        for (size_t d = 0; d < p.shape.size(); ++d)
-            shape += (d ? "x" : "") + std::to_string(p.shape[d]);
+        for (size_t d = 0; d < p.shape.size(); ++d) {
+            if (d) shape += 'x';
+            shape += std::to_string(p.shape[d]);
+        }
         size_t state = 0;
         if (uses_muon_[i]) {
             optim = "muon";

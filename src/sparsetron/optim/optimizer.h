@@ -22,9 +22,12 @@ struct StepStats {
 class Optimizer {
   public:
     Optimizer(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
-    // `update` (optional) restricts which parameters move (dense warm-up: the indexer only).
+    // `update` (optional) restricts which parameters move and enter the gradient norm (dense
+    // warm-up: the indexer only). `owned` (optional) restricts the updates only, not the norm: a
+    // distributed optimizer's rank updates its own parameters of a globally clipped step.
     StepStats step(const MemoryPlan& plan, const RunConfig& run, int64_t step,
-                   const std::vector<bool>* update = nullptr);
+                   const std::vector<bool>* update = nullptr,
+                   const std::vector<bool>* owned = nullptr);
 
     // Every state tensor by checkpoint name ("<param>.exp_avg", "<param>.momentum_buffer", ...).
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;

@@ -34,9 +34,8 @@ int dynamic_cp_size(int64_t length, int64_t max_per_rank, int min_cp) {
     return size;
 }
 
-std::vector<DynamicCpMicroBatch> schedule_dynamic_cp(const std::vector<int64_t>& lengths,
-                                                      int ranks, int64_t max_per_rank,
-                                                      int min_cp) {
+std::vector<DynamicCpMicroBatch> schedule_dynamic_cp(const std::vector<int64_t>& lengths, int ranks,
+                                                     int64_t max_per_rank, int min_cp) {
     ST_CHECK(ranks > 0 && (ranks & (ranks - 1)) == 0, "dynamic CP needs a power-of-two number of ",
              "DP x CP ranks, not ", ranks);
     std::vector<int> order(lengths.size());

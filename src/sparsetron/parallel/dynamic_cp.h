@@ -30,8 +30,7 @@ struct DynamicCpMicroBatch {
 int dynamic_cp_size(int64_t length, int64_t max_per_rank, int min_cp = 1);
 
 // Throws when a sample needs more than `ranks` ranks (naming max_seqlen_per_dp_cp_rank).
-std::vector<DynamicCpMicroBatch> schedule_dynamic_cp(const std::vector<int64_t>& lengths,
-                                                      int ranks, int64_t max_per_rank,
-                                                      int min_cp = 1);
+std::vector<DynamicCpMicroBatch> schedule_dynamic_cp(const std::vector<int64_t>& lengths, int ranks,
+                                                     int64_t max_per_rank, int min_cp = 1);
 
 }  // namespace sparsetron

@@ -34,8 +34,8 @@ std::vector<int> ParallelLayout::dp_cp_group() const {
 }
 
 std::vector<int> ParallelLayout::dynamic_cp_group(int rank, int size) const {
-    ST_CHECK(power_of_two(size) && size <= world && world % size == 0,
-             "dynamic CP: a group of ", size, " ranks out of ", world,
+    ST_CHECK(power_of_two(size) && size <= world && world % size == 0, "dynamic CP: a group of ",
+             size, " ranks out of ", world,
              " (sizes are powers of two dividing the DP x CP ranks)");
     return strided(rank / size * size, size, 1);
 }

@@ -1,9 +1,11 @@
 #include "sparsetron/runtime/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
@@ -155,6 +157,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
                                         recipe_.model.num_layers);
     }
     if (engine_) engine_->upload_state();
+    // With one rank the distributed optimizer is the plain one.
+    if (r.use_distributed_optimizer && dp_size() > 1) assign_owners();
 }
 
 std::string Trainer::device_description() const {
@@ -270,8 +274,12 @@ StepMetrics Trainer::train_step() {
     } else {
         m.moe_load = tp_->model->moe_loads();
         m.moe_dropped = tp_->model->moe_dropped();
-        st =
-            tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr);
+        const bool shard = !owner_.empty();
+        st = tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr,
+                                  shard ? &owned_ : nullptr);
+        // Distributed optimizer: every parameter from the rank that updated it (the skip
+        // decision and the clipping factor are the same on every rank: the gradients are).
+        if (shard && !st.skipped) broadcast_from_owners(/*state=*/false);
         if (!st.skipped && !warmup) tp_->model->update_router_bias(mc.moe_router_bias_update_rate);
     }
     m.lr = st.lr;
@@ -286,7 +294,56 @@ StepMetrics Trainer::train_step() {
     return m;
 }
 
+void Trainer::assign_owners() {
+    // Greedy, largest cost first, to the least loaded rank: Muon's Newton-Schulz costs ~
+    // numel x min(rows, cols), AdamW ~ numel. Deterministic, so every rank computes the same map.
+    const auto& params = tp_->model->params().params();
+    const bool muon = recipe_.run.optimizer == "muon";
+    std::vector<std::pair<double, size_t>> cost;
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (!params[i].trainable) continue;
+        double c = double(params[i].numel());
+        if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
+            c *= double(std::min(params[i].shape[0], params[i].shape[1]));
+        cost.emplace_back(c, i);
+    }
+    std::stable_sort(cost.begin(), cost.end(),
+                     [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::vector<double> load(size_t(dp_size()), 0.0);
+    owner_.assign(params.size(), -1);
+    owned_.assign(params.size(), false);
+    for (const auto& [c, i] : cost) {
+        const int r = int(std::min_element(load.begin(), load.end()) - load.begin());
+        owner_[i] = r;
+        load[size_t(r)] += c;
+        owned_[i] = r == dp_rank();
+    }
+}
+
+void Trainer::broadcast_from_owners(bool state) {
+    Comm& comm = *options_.comm;
+    const auto& params = tp_->model->params().params();
+    if (!state) {
+        for (size_t i = 0; i < params.size(); ++i)
+            if (owner_[i] >= 0)
+                comm.broadcast(tp_->plan.view(params[i].param_slot).data,
+                               int64_t(params[i].numel() * sizeof(float)), owner_[i]);
+        return;
+    }
+    // Optimizer state tensors are named "<parameter>.<state>".
+    std::map<std::string, int> owner_of;
+    for (size_t i = 0; i < params.size(); ++i) owner_of[params[i].name] = owner_[i];
+    for (const auto& [name, slot] : tp_->optimizer->state_tensors()) {
+        const auto it = owner_of.find(name.substr(0, name.rfind('.')));
+        ST_ASSERT(it != owner_of.end() && it->second >= 0, "state tensor ", name, " has no owner");
+        comm.broadcast(tp_->plan.view(slot).data, int64_t(tp_->plan.entries()[slot].bytes),
+                       it->second);
+    }
+}
+
 std::string Trainer::save() {
+    // A distributed optimizer's state is gathered first: every rank holds the full state after.
+    if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
     if (dp_rank() != 0) return checkpoint_dir();  // rank 0 writes; every rank holds the same state
     if (engine_) engine_->download_state();
     state_.data_position = stream_->position().to_json();

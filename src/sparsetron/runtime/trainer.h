@@ -87,9 +87,15 @@ class Trainer {
 
     int dp_rank() const { return options_.comm ? options_.comm->rank() : 0; }
     int dp_size() const { return options_.comm ? options_.comm->size() : 1; }
+    // Distributed optimizer: the rank that updates each parameter (-1: not trained); empty
+    // without one.
+    const std::vector<int>& parameter_owners() const { return owner_; }
 
   private:
     void next_step_batches(std::vector<MicroBatch>& out);
+    void assign_owners();
+    // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
+    void broadcast_from_owners(bool state);
 
     Recipe recipe_;
     TrainOptions options_;
@@ -100,6 +106,8 @@ class Trainer {
     std::vector<bool> indexer_only_;  // parameters dense warm-up updates
     TrainerState state_;
     std::unique_ptr<DeviceEngine> engine_;  // set for --device cuda
+    std::vector<int> owner_;                // distributed optimizer: owning rank per parameter
+    std::vector<bool> owned_;               // ... and whether this rank owns it
 };
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.

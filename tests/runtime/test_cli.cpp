@@ -92,4 +92,14 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(plan.output.find("buffer"), std::string::npos);  // the expert bias
     EXPECT_NE(plan.output.find("activations"), std::string::npos);
     EXPECT_NE(plan.output.find("total"), std::string::npos);
+    EXPECT_EQ(plan.output.find("parallel layout"), std::string::npos);
+    // A multi-GPU recipe's layout is printed, with what the plan does not shard yet.
+    CliRun wide =
+        run("plan --set world_size=8 --set global_batch_size=8 "
+            "--set expert_model_parallel_size=4 --set context_parallel_size=2");
+    ASSERT_EQ(wide.code, 0) << wide.output;
+    EXPECT_NE(wide.output.find("parallel layout: 8 ranks: DP 4 x CP 2 (dense), EP 4 x EDP 2"),
+              std::string::npos)
+        << wide.output;
+    EXPECT_NE(wide.output.find("sharding are not built yet"), std::string::npos);
 }

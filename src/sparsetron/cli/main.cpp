@@ -17,6 +17,7 @@
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/parallel/comm.h"
 #include "sparsetron/parallel/launch_env.h"
+#include "sparsetron/parallel/layout.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/perf/report.h"
 #include "sparsetron/runtime/bench.h"
@@ -237,6 +238,14 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     Recipe recipe = load_recipe(recipe_path, sets);
     auto tp = make_training_plan(recipe);
     const auto& params = tp->model->params();
+    if (recipe.run.world_size > 1) {
+        // The layout the recipe asks for; the plans below are still of one unsharded process.
+        const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
+        std::printf(
+            "parallel layout: %s\nnote: the plan below is of the whole model in one process; "
+            "expert, context and optimizer-state sharding are not built yet (docs/parallel.md)\n",
+            layout.describe().c_str());
+    }
     if (parse_device(device) == Device::CUDA) {
         size_t total = 0;
         const std::string table =

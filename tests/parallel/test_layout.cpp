@@ -1,10 +1,11 @@
-// Process-group layout, CP sharding of THD documents and the dynamic-CP packing (pure logic; the
-// communicators themselves are tested under mpirun in test_mpi).
+// Process-group layout, CP sharding of THD documents, the dynamic-CP packing and the EP exchange
+// on one process (the communicators and the multi-rank exchange run under mpirun in test_mpi).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <set>
 
+#include "ep_exchange_check.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/parallel/cp_shard.h"
@@ -169,6 +170,14 @@ TEST(DynamicCp, ShortSamplesShareRanksAndOversizeOnesAreNamed) {
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("raise max_seqlen_per_dp_cp_rank"), std::string::npos);
     }
+}
+
+// The EP exchange on one process: every expert is local, the result is the local computation.
+TEST(EpDispatch, OneProcessExchangeMatchesTheLocalComputation) {
+    SingleProcessComm comm;
+    test::check_ep_exchange(comm);
+    std::vector<int32_t> topk = {0, 9};
+    EXPECT_THROW(plan_ep_dispatch(comm, topk.data(), 1, 2, 8), Error);  // expert 9 of 8
 }
 
 }  // namespace

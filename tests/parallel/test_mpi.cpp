@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "../test_util.h"
+#include "ep_exchange_check.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/parallel/layout.h"
@@ -182,6 +183,18 @@ TEST(Mpi, ProcessGroupsFromTheLayout) {
         c->allreduce_sum(&x, 1);
         EXPECT_EQ(x, want) << k.name << " group of rank " << me;
     }
+}
+
+// Expert parallelism over all ranks: each routed row reaches its expert's rank and the combined
+// result equals the local computation exactly (same products, same order of the gate sums).
+TEST(Mpi, ExpertParallelDispatchAndCombine) {
+    test::check_ep_exchange(*g_comm);
+    // And within the EP groups of a layout (EP 2 when there are 4 ranks).
+    RunConfig r;
+    r.expert_model_parallel_size = g_comm->size() >= 4 ? 2 : g_comm->size();
+    const ParallelLayout l = make_layout(r, g_comm->size());
+    std::unique_ptr<Comm> ep = g_comm->split(l.ep_color(g_comm->rank()), g_comm->rank());
+    test::check_ep_exchange(*ep);
 }
 
 int main(int argc, char** argv) {

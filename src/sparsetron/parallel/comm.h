@@ -22,6 +22,10 @@ class Comm {
     virtual void broadcast(void* data, int64_t bytes, int root) = 0;
     // Every rank's value, in rank order.
     virtual std::vector<uint64_t> allgather(uint64_t value) = 0;
+    // Personalized all-to-all in bytes: send_bytes[r] bytes from `send` (ranks in order) go to
+    // rank r; recv_bytes[r] bytes from rank r land in `recv` (in rank order).
+    virtual void alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                           const std::vector<int64_t>& recv_bytes) = 0;
     // A communicator per color over this one's ranks (ordered by key, then rank): every rank
     // calls it (collective). Process groups are made once this way (DP, CP, EP, dynamic CP).
     virtual std::unique_ptr<Comm> split(int color, int key) = 0;
@@ -38,6 +42,8 @@ class SingleProcessComm final : public Comm {
     void allreduce_sum(double*, int64_t) override {}
     void broadcast(void*, int64_t, int) override {}
     std::vector<uint64_t> allgather(uint64_t v) override { return {v}; }
+    void alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                   const std::vector<int64_t>& recv_bytes) override;
     std::unique_ptr<Comm> split(int, int) override { return std::make_unique<SingleProcessComm>(); }
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "single process"; }

@@ -52,6 +52,26 @@ MpiComm::~MpiComm() {
         MPI_Finalize();  // the world communicator: the process's MPI ends with it
 }
 
+void MpiComm::alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                        const std::vector<int64_t>& recv_bytes) {
+    ST_CHECK(int(send_bytes.size()) == size_ && int(recv_bytes.size()) == size_,
+             "alltoallv: one count per rank");
+    const size_t n = static_cast<size_t>(size_);
+    std::vector<int> sc(n), sd(n), rc(n), rd(n);
+    int64_t so = 0, ro = 0;
+    for (int r = 0; r < size_; ++r) {
+        // MPI counts and displacements are int: the exchange must stay under 2 GiB per rank.
+        ST_CHECK(so + send_bytes[size_t(r)] < kChunk && ro + recv_bytes[size_t(r)] < kChunk,
+                 "alltoallv: more than 1 GiB per rank is not supported");
+        sc[size_t(r)] = int(send_bytes[size_t(r)]), sd[size_t(r)] = int(so);
+        rc[size_t(r)] = int(recv_bytes[size_t(r)]), rd[size_t(r)] = int(ro);
+        so += send_bytes[size_t(r)], ro += recv_bytes[size_t(r)];
+    }
+    check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE,
+                        handle(comm_)),
+          "MPI_Alltoallv");
+}
+
 std::unique_ptr<Comm> MpiComm::split(int color, int key) {
     void* slot = nullptr;
     check(MPI_Comm_split(handle(comm_), color, key, &handle(slot)), "MPI_Comm_split");

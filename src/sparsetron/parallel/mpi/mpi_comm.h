@@ -16,6 +16,8 @@ class MpiComm final : public Comm {
     void allreduce_sum(double* x, int64_t n) override;
     void broadcast(void* data, int64_t bytes, int root) override;
     std::vector<uint64_t> allgather(uint64_t value) override;
+    void alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                   const std::vector<int64_t>& recv_bytes) override;
     std::unique_ptr<Comm> split(int color, int key) override;
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "MPI"; }

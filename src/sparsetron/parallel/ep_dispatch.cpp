@@ -41,8 +41,8 @@ EpDispatchPlan plan_ep_dispatch(Comm& ep, const int32_t* topk, int64_t tokens, i
     for (int32_t s : slots) ++p.send_rows[size_t(topk[s] / p.experts_per_rank)];
     // Counts first, then the experts of the rows each rank will receive.
     p.recv_rows.assign(size_t(p.ranks), 0);
-    ep.alltoallv(p.send_rows.data(), std::vector<int64_t>(size_t(p.ranks), 8),
-                 p.recv_rows.data(), std::vector<int64_t>(size_t(p.ranks), 8));
+    ep.alltoallv(p.send_rows.data(), std::vector<int64_t>(size_t(p.ranks), 8), p.recv_rows.data(),
+                 std::vector<int64_t>(size_t(p.ranks), 8));
     std::vector<int32_t> send_expert(slots.size());
     for (size_t i = 0; i < slots.size(); ++i) send_expert[i] = topk[slots[i]];
     p.recv_expert.assign(size_t(p.total_recv()), -1);

@@ -12,6 +12,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/parallel/mpi/mpi_comm.h"
+#include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -155,34 +156,37 @@ TEST(Mpi, WorldSizeMustMatchTheRanks) {
         << msg;
 }
 
-// Process groups made once by Comm::split from the layout's colors: each communicator has the
-// layout's members (size, rank order) and a sum over it adds exactly those ranks.
+// Process groups made once by Comm::split from the layout's colors (ProcessGroups): each
+// communicator has the layout's members (size, rank order) and a sum over it adds exactly those
+// ranks; every dynamic-CP size is there.
 TEST(Mpi, ProcessGroupsFromTheLayout) {
     const int W = g_comm->size(), me = g_comm->rank();
     RunConfig r;
     r.context_parallel_size = 2;
     r.expert_model_parallel_size = W;
     const ParallelLayout l = make_layout(r, W);
+    const ProcessGroups g = ProcessGroups::create(*g_comm, l);
     struct Kind {
         const char* name;
-        int color;
+        Comm* comm;
         std::vector<int> members;
     };
-    std::vector<Kind> kinds = {{"cp", l.cp_color(me), l.cp_group(me)},
-                               {"dp", l.dp_color(me), l.dp_group(me)},
-                               {"ep", l.ep_color(me), l.ep_group(me)},
-                               {"edp", l.edp_color(me), l.edp_group(me)}};
+    std::vector<Kind> kinds = {{"cp", g.cp.get(), l.cp_group(me)},
+                               {"dp", g.dp.get(), l.dp_group(me)},
+                               {"ep", g.ep.get(), l.ep_group(me)},
+                               {"edp", g.edp.get(), l.edp_group(me)}};
+    ASSERT_EQ(g.dynamic_cp.size(), l.dynamic_cp_sizes(1).size());
     for (int size : l.dynamic_cp_sizes(1))
-        kinds.push_back({"dynamic cp", l.dynamic_cp_color(me, size), l.dynamic_cp_group(me, size)});
+        kinds.push_back({"dynamic cp", &g.dynamic(size), l.dynamic_cp_group(me, size)});
     for (const Kind& k : kinds) {
-        std::unique_ptr<Comm> c = g_comm->split(k.color, me);
-        ASSERT_EQ(c->size(), int(k.members.size())) << k.name;
-        EXPECT_EQ(k.members[size_t(c->rank())], me) << k.name << ": rank order";
+        ASSERT_EQ(k.comm->size(), int(k.members.size())) << k.name;
+        EXPECT_EQ(k.members[size_t(k.comm->rank())], me) << k.name << ": rank order";
         double x = double(1 << me), want = 0;
         for (int m : k.members) want += double(1 << m);
-        c->allreduce_sum(&x, 1);
+        k.comm->allreduce_sum(&x, 1);
         EXPECT_EQ(x, want) << k.name << " group of rank " << me;
     }
+    EXPECT_THROW(g.dynamic(3), Error);
 }
 
 // Expert parallelism over all ranks: each routed row reaches its expert's rank and the combined

@@ -11,11 +11,23 @@
 #include <string>
 #include <vector>
 
+#include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
 
 namespace sparsetron::test {
 
 // A fresh, empty directory under the build tree for one test.
+// Runs `fn` and returns the message of the sparsetron::Error it throws ("" if none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+    try {
+        fn();
+    } catch (const Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
 inline std::string temp_dir(const std::string& name) {
     namespace fs = std::filesystem;
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

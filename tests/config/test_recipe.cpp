@@ -2,6 +2,7 @@
 
 #include <fstream>
 
+#include "../test_util.h"
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
@@ -13,16 +14,7 @@ std::string repo(const std::string& rel) {
     return std::string(SPARSETRON_SOURCE_DIR) + "/" + rel;
 }
 
-// Runs `fn` and returns the error message it throws ("" if none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using test::error_of;
 }  // namespace
 
 TEST(MoeLayerFreq, ParsesTheSeedExpression) {

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 
+#include "../test_util.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/parallel/comm.h"
 #include "sparsetron/parallel/launch_env.h"
@@ -27,14 +28,7 @@ struct CleanEnv {
         for (const char* v : kVars) unsetenv(v);
     }
 };
-std::string error_of(void (*fn)()) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using test::error_of;
 }  // namespace
 
 TEST(LaunchEnv, ReadsEachLauncher) {

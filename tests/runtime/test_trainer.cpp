@@ -25,14 +25,7 @@ Recipe small_recipe(std::vector<std::string> extra = {}) {
     return load_recipe("", sets);
 }
 
-std::string error_of(const std::function<void()>& fn) {
-    try {
-        fn();
-    } catch (const Error& e) {
-        return e.what();
-    }
-    return "";
-}
+using test::error_of;
 
 std::map<std::string, std::vector<char>> snapshot(const std::string& dir) {
     std::map<std::string, std::vector<char>> files;

@@ -7,35 +7,10 @@
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
-
-// Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
-bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
-void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                           int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                           float* prob_sum);
-// indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
-void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
-                   const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,
-                   float scale, const float* lse, float* prob_sum);
-void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                            const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                            const float* lse, const bf16* dout, bf16* dq, float* dkv);
-// Masked dense GEMMs (sparse_mqa_masked.cu), used when a workspace is given.
-void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes);
-void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes);
 
 namespace {
 

@@ -2,6 +2,7 @@
 // back through the indexer scores (SPEC §3.1). One block per query row; the support is the row's
 // top-k (sparse loss) or its causal document keys (dense loss).
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {

@@ -6,16 +6,10 @@
 #include <cub/block/block_scan.cuh>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
-
-// The pipelined tensor-core grouped GEMM (grouped_gemm_tc.cu).
-bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
-                               const void* b, const void* c);
-void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                     const bf16* b, void* c, int64_t weight_stride, bool accumulate);
 
 namespace {
 

@@ -12,21 +12,10 @@
 // Workspace per chunk: S and dP fp32, P bf16, each [R, ld]. dkv accumulates through the GEMMs'
 // beta = 1 in a fixed chunk order: deterministic, no atomics.
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
-
-bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots);
-void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes);
-void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes);
 
 namespace {
 

@@ -12,11 +12,10 @@
 #include <mma.h>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
-
-bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
 
 namespace {
 

@@ -1,0 +1,47 @@
+// Entry points shared between the CUDA op files (not part of ops.h, the op API): the
+// implementations that attention.cu and moe.cu dispatch to.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+
+// Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
+bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
+void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                           int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+                           float* prob_sum);
+void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                            const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                            const float* lse, const bf16* dout, bf16* dq, float* dkv);
+
+// Masked dense GEMMs (sparse_mqa_masked.cu), used when a workspace is given.
+void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes);
+void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                                void* workspace, int64_t workspace_bytes);
+
+// indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
+void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
+                   const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,
+                   float scale, const float* lse, float* prob_sum);
+
+// The pipelined tensor-core grouped GEMM (grouped_gemm_tc.cu), used by grouped_gemm when rows
+// are 16-byte aligned.
+bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
+                               const void* b, const void* c);
+void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                     const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+
+}  // namespace sparsetron::cuda

@@ -640,6 +640,116 @@ TEST_F(CudaOps, GroupedGemmUnalignedFallback) {
                        "grouped gemm (unaligned)");
 }
 
+namespace {
+// The paged stash's kernels against the CPU reference: the same pushes and pops (one overflowing)
+// give the same state words, page tables, pool pages and popped rows. `widths` picks the copy
+// path (multiples of 8: 16-byte vectors; otherwise element by element).
+void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> widths) {
+    const ExecContext& ctx = session.ctx();
+    const int64_t pages = 12, page_rows = 8, max_rows = 40, tbl = 1 + 5;
+    int64_t width = 0;
+    for (int64_t w : widths) width += w;
+    struct Push {
+        int32_t rows;
+        std::vector<std::vector<float> > host;  // per segment, bf16-exact
+        std::vector<std::unique_ptr<DeviceArray<bf16> > > dev;
+    };
+    const int32_t rows[] = {17, 33, 40, 0};  // 3, 5 and 5 pages: the third overflows; then none
+    std::vector<Push> push(4);
+    for (int i = 0; i < 4; ++i) {
+        push[i].rows = rows[i];
+        for (size_t s = 0; s < widths.size(); ++s) {
+            push[i].host.push_back(random_vector<float>(max_rows * widths[s], 900 + 10 * i + s));
+            push[i].dev.push_back(
+                std::make_unique<DeviceArray<bf16> >(to_bf16_rounding(push[i].host.back())));
+        }
+    }
+    auto rows_of = [&](std::vector<std::unique_ptr<DeviceArray<bf16> > >& d) {
+        StashRows r;
+        r.count = int(widths.size());
+        for (size_t s = 0; s < widths.size(); ++s) r.data[s] = d[s]->get(), r.width[s] = widths[s];
+        return r;
+    };
+    // Device side.
+    DeviceArray<int32_t> state(kStashStateWords), free_list(pages),
+        counts(std::vector<int32_t>(rows, rows + 4));
+    DeviceArray<bf16> pool(pages * page_rows * width);
+    std::vector<std::unique_ptr<DeviceArray<int32_t> > > tables;
+    for (int i = 0; i < 4; ++i) tables.push_back(std::make_unique<DeviceArray<int32_t> >(tbl));
+    // Host side.
+    std::vector<int32_t> hstate(kStashStateWords), hfree(pages), htables(4 * tbl, -7);
+    std::vector<bf16> hpool(pages * page_rows * width);
+    cuda::stash_reset(ctx, state, free_list, pages, true);
+    cpu::stash_reset(hstate.data(), hfree.data(), pages, true);
+    for (int i = 0; i < 4; ++i) {
+        cuda::stash_push(ctx, state, free_list, pages, *tables[i], max_rows, counts.get() + i,
+                         page_rows, rows_of(push[i].dev), pool);
+        std::vector<std::vector<bf16> > segs;
+        StashRows h;
+        h.count = int(widths.size());
+        for (size_t s = 0; s < widths.size(); ++s) segs.push_back(push[i].dev[s]->download());
+        for (size_t s = 0; s < widths.size(); ++s)
+            h.data[s] = segs[s].data(), h.width[s] = widths[s];
+        cpu::stash_push(hstate.data(), hfree.data(), pages, htables.data() + i * tbl, max_rows,
+                        &rows[i], page_rows, h, hpool.data());
+    }
+    session.synchronize();
+    EXPECT_EQ(state.download(), hstate);
+    EXPECT_EQ(hstate[2], 1) << "the third push should overflow";
+    for (int i = 0; i < 4; ++i) {
+        auto t = tables[i]->download();
+        const int32_t n = htables[i * tbl];
+        ASSERT_EQ(t[0], n) << "push " << i;
+        for (int32_t j = 0; j < std::max(n, 0); ++j) EXPECT_EQ(t[1 + j], htables[i * tbl + 1 + j]);
+    }
+    // Every page the pushes hold has the reference's contents.
+    auto dpool = pool.download();
+    for (int i = 0; i < 4; ++i)
+        for (int32_t j = 0; j < std::max(htables[i * tbl], 0); ++j) {
+            const int64_t at = int64_t(htables[i * tbl + 1 + j]) * page_rows * width;
+            const int64_t used = std::min<int64_t>(page_rows, rows[i] - j * page_rows) * width;
+            for (int64_t e = 0; e < used; ++e)
+                ASSERT_EQ(dpool[at + e].bits, hpool[at + e].bits) << "push " << i << " page " << j;
+        }
+    // Pop in reverse into fresh (poisoned) buffers: the rows come back bit for bit.
+    for (int i = 3; i >= 0; --i) {
+        std::vector<std::unique_ptr<DeviceArray<bf16> > > back;
+        for (int64_t w : widths) back.push_back(std::make_unique<DeviceArray<bf16> >(max_rows * w));
+        cuda::stash_pop(ctx, state, free_list, *tables[i], max_rows, counts.get() + i, page_rows,
+                        rows_of(back), pool);
+        std::vector<std::vector<bf16> > hb;
+        StashRows h;
+        h.count = int(widths.size());
+        for (size_t s = 0; s < widths.size(); ++s) hb.emplace_back(max_rows * widths[s]);
+        for (size_t s = 0; s < widths.size(); ++s) h.data[s] = hb[s].data(), h.width[s] = widths[s];
+        cpu::stash_pop(hstate.data(), hfree.data(), htables.data() + i * tbl, &rows[i], page_rows,
+                       h, hpool.data());
+        session.synchronize();
+        if (htables[i * tbl] < 0) continue;  // the overflowed push has nothing to give back
+        for (size_t s = 0; s < widths.size(); ++s) {
+            auto got = to_float(back[s]->download());
+            got.resize(size_t(rows[i] * widths[s]));
+            std::vector<float> want(push[i].host[s].begin(),
+                                    push[i].host[s].begin() + rows[i] * widths[s]);
+            EXPECT_EQ(got, want) << "push " << i << " segment " << s;
+            EXPECT_TRUE(back[s]->guard_intact());
+        }
+    }
+    EXPECT_EQ(state.download(), hstate);
+    EXPECT_EQ(free_list.download(), hfree);
+    EXPECT_EQ(hstate[0], pages);
+    EXPECT_TRUE(pool.guard_intact());
+    std::cout << "[harness] paged stash widths " << widths.size() << " segments, " << width
+              << " per row: peak pages " << hstate[1] << ", demand " << hstate[3] << " of " << pages
+              << "\n";
+}
+}  // namespace
+
+TEST_F(CudaOps, PagedStashMatchesTheCpuReference) {
+    paged_stash_check(*session_, {16, 8, 24});  // vectorized copies
+    paged_stash_check(*session_, {3, 2, 5});    // element by element
+}
+
 TEST_F(CudaOps, GradNormClipAndAdamW) {
     const int64_t n = 100000;
     auto p0 = random_vector<float>(n, 121), g = random_vector<float>(n, 122, 3.0);

@@ -10,6 +10,7 @@
 #include "harness.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/rng.h"
+#include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -309,6 +310,195 @@ TEST(CudaTraining, FullIterationGraphTrainingMatchesEager) {
         EXPECT_NEAR(graph[i].mtp_loss, eager[i].mtp_loss, 1e-5 * eager[i].mtp_loss + 1e-9);
         EXPECT_NEAR(graph[i].grad_norm, eager[i].grad_norm, 1e-5 * eager[i].grad_norm);
         EXPECT_EQ(graph[i].lr, eager[i].lr);
+    }
+}
+
+namespace {
+
+// Engines for `recipes` from one set of initial weights (the tiny recipe's training plan).
+struct EngineSet {
+    std::unique_ptr<TrainingPlan> tp;
+    std::vector<std::unique_ptr<DeviceEngine> > engines;
+    explicit EngineSet(const std::vector<Recipe>& recipes) {
+        tp = make_training_plan(recipes[0]);
+        tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
+        tp->model->params().initialize(tp->plan, 5, recipes[0].model.init_method_std,
+                                       recipes[0].model.num_layers);
+        for (const Recipe& r : recipes) {
+            engines.push_back(make_cuda_engine(r, tp->model->params(), tp->plan, *tp->optimizer,
+                                               tp->max_documents, tp->chunk_rows));
+            engines.back()->upload_state();
+        }
+    }
+    std::vector<float> weights(DeviceEngine& e) {
+        e.download_state();
+        std::vector<float> w(size_t(tp->plan.class_bytes(MemClass::Parameters) / 4));
+        std::memcpy(w.data(), tp->plan.class_base(MemClass::Parameters), w.size() * 4);
+        return w;
+    }
+};
+
+// A micro-batch of one document of `tokens` random tokens.
+std::unique_ptr<MicroBatch> random_batch(const Recipe& r, int64_t max_docs, int64_t tokens,
+                                         uint64_t seed) {
+    auto mb = std::make_unique<MicroBatch>(r.run.tokens_per_microbatch(), max_docs);
+    CounterRng rng(seed, 1);
+    std::vector<int32_t> doc(static_cast<size_t>(tokens));
+    for (size_t i = 0; i < doc.size(); ++i)
+        doc[i] = int32_t(rng.bits(i) % uint64_t(r.model.vocab_size));
+    EXPECT_TRUE(mb->add_document(doc));
+    return mb;
+}
+
+LossScales scales_for(const Recipe& r, const std::vector<const MicroBatch*>& mbs) {
+    int64_t targets = 0;
+    for (const MicroBatch* mb : mbs) targets += mb->num_targets();
+    LossScales sc;
+    sc.backward = true;
+    sc.lm = 1.0 / double(targets);
+    sc.mtp.assign(r.model.mtp_loss_type == "e2e_tv" ? 1 : r.model.mtp_num_layers,
+                  0.1 / double(targets));
+    sc.indexer = sc.aux = 1.0 / double(mbs.size());
+    return sc;
+}
+
+}  // namespace
+
+// moe_paged_stash: engines from the same weights (eager without the stash, eager with it, graph
+// with it) run the same steps of fresh data. Tolerance 1e-5 relative, as graph vs eager: the
+// stash gives back the rows bit for bit and the backward recomputes the permuted input and the
+// SwiGLU with the forward's kernels, so only fp32 atomics (embedding, attention backward) differ.
+// The stash's peak must be exactly what the routed rows need: every MoE application (layer 1 and
+// both MTP depths) holds ceil(real tokens x top-k / page rows) pages until its backward.
+TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
+    REQUIRE_GPU();
+    Recipe plain = builtin_tiny_recipe();
+    Recipe stash = plain;
+    stash.model.moe_paged_stash = true;
+    Recipe graph = stash;
+    graph.run.cuda_graph_impl = "full_iteration";
+    EngineSet set({plain, stash, graph});
+    const MoeStashBound bound = moe_stash_bound(stash.model, stash.run.tokens_per_microbatch());
+    ASSERT_EQ(bound.applications, 3);
+    const int64_t lengths[4][2] = {{256, 180}, {97, 256}, {200, 31}, {256, 256}};
+    for (int s = 0; s < 4; ++s) {
+        std::vector<std::unique_ptr<MicroBatch> > own;
+        std::vector<const MicroBatch*> mbs;
+        int64_t most = 0;
+        for (int i = 0; i < 2; ++i) {
+            own.push_back(
+                random_batch(plain, set.tp->max_documents, lengths[s][i], 40 + 2 * s + i));
+            mbs.push_back(own.back().get());
+            most = std::max(most, lengths[s][i]);
+        }
+        const LossScales sc = scales_for(plain, mbs);
+        auto p = set.engines[0]->run_step(mbs, sc, plain.run, s + 1);
+        auto e = set.engines[1]->run_step(mbs, sc, stash.run, s + 1);
+        auto g = set.engines[2]->run_step(mbs, sc, graph.run, s + 1);
+        const int64_t need =
+            bound.applications *
+            ((most * stash.model.moe_router_topk + bound.page_rows - 1) / bound.page_rows);
+        std::cout << "[paged stash] step " << s + 1 << ": lm " << e.losses[0].lm_loss_sum << " / "
+                  << g.losses[0].lm_loss_sum << " vs " << p.losses[0].lm_loss_sum << ", grad_norm "
+                  << e.stats.grad_norm << " / " << g.stats.grad_norm << " vs " << p.stats.grad_norm
+                  << ", stash peak " << e.stash.peak_pages << " of " << e.stash.pool_pages
+                  << " pages (expected " << need << ")" << (g.replayed ? ", graph replay" : "")
+                  << "\n";
+        EXPECT_EQ(p.stash.pool_pages, 0);
+        for (const auto* o : {&e, &g}) {
+            EXPECT_EQ(o->stash.pool_pages, bound.pool_pages);
+            EXPECT_EQ(o->stash.peak_pages, need) << "step " << s + 1;
+            EXPECT_EQ(o->stash.demand_pages, need);
+            EXPECT_FALSE(o->stash.overflow);
+            EXPECT_FALSE(o->stats.skipped);
+            EXPECT_NEAR(o->stats.grad_norm, p.stats.grad_norm, 1e-5 * p.stats.grad_norm);
+            for (size_t i = 0; i < p.losses.size(); ++i) {
+                EXPECT_NEAR(o->losses[i].lm_loss_sum, p.losses[i].lm_loss_sum,
+                            1e-5 * p.losses[i].lm_loss_sum);
+                for (size_t k = 0; k < p.losses[i].mtp_sum.size(); ++k)
+                    EXPECT_NEAR(o->losses[i].mtp_sum[k], p.losses[i].mtp_sum[k],
+                                1e-5 * std::fabs(p.losses[i].mtp_sum[k]) + 1e-9);
+            }
+        }
+        EXPECT_EQ(g.replayed, s > 0);
+    }
+    const auto w0 = set.weights(*set.engines[0]);
+    test::expect_close("weights, stash (eager) vs no stash", set.weights(*set.engines[1]), w0,
+                       1e-5);
+    test::expect_close("weights, stash (graph) vs no stash", set.weights(*set.engines[2]), w0,
+                       1e-5);
+}
+
+// A pool smaller than the worst case (factor 0.625: 15 of 24 pages) holds steps whose routed rows
+// fit — memory follows the routing — and a replayed step that routes more sets the overflow flag:
+// its optimizer update is skipped on the device (weights unchanged) and the outcome says how
+// many pages the step needed.
+TEST(CudaTraining, PagedStashOverflowSkipsTheStep) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.model.moe_paged_stash = true;
+    r.model.moe_paged_stash_buffer_size_factor = 0.625;
+    r.run.cuda_graph_impl = "full_iteration";
+    EngineSet set({r});
+    DeviceEngine& eng = *set.engines[0];
+    const MoeStashBound bound = moe_stash_bound(r.model, r.run.tokens_per_microbatch());
+    ASSERT_EQ(bound.pool_pages, 15);
+    // 150 tokens: 300 rows, 5 pages per application, 15 in all: fits exactly. 256: 24 needed.
+    const int64_t lengths[3][2] = {{150, 120}, {90, 150}, {100, 256}};
+    std::vector<float> before;
+    for (int s = 0; s < 3; ++s) {
+        std::vector<std::unique_ptr<MicroBatch> > own;
+        std::vector<const MicroBatch*> mbs;
+        for (int i = 0; i < 2; ++i) {
+            own.push_back(random_batch(r, set.tp->max_documents, lengths[s][i], 70 + 2 * s + i));
+            mbs.push_back(own.back().get());
+        }
+        if (s == 2) before = set.weights(eng);
+        auto o = eng.run_step(mbs, scales_for(r, mbs), r.run, s + 1);
+        std::cout << "[paged stash] step " << s + 1 << (o.replayed ? " (replay)" : " (eager)")
+                  << ": peak " << o.stash.peak_pages << ", demand " << o.stash.demand_pages
+                  << " of " << o.stash.pool_pages << " pages, overflow " << o.stash.overflow
+                  << ", skipped " << o.stats.skipped << "\n";
+        EXPECT_EQ(o.stash.overflow, s == 2);
+        EXPECT_EQ(o.stats.skipped, s == 2);
+        EXPECT_EQ(o.stash.demand_pages, s == 2 ? 24 : 15);
+        EXPECT_LE(o.stash.peak_pages, 15);
+    }
+    EXPECT_EQ(set.weights(eng), before) << "the overflowed step changed the weights";
+}
+
+// Through the trainer: an overflow stops the run with the bound to raise; the value it names
+// then trains (and the metrics carry the stash's use).
+TEST(CudaTraining, PagedStashOverflowStopsTheRunWithTheBoundToRaise) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 2;
+    r.run.save_interval = 0;
+    r.model.moe_paged_stash = true;
+    r.model.moe_paged_stash_buffer_size_factor = 0.3;
+    std::string msg;
+    try {
+        train(r, Device::CUDA, test::temp_dir("stash-small"));
+    } catch (const Error& e) {
+        msg = e.what();
+    }
+    std::cout << "[paged stash] " << msg << "\n";
+    const std::string key = "moe_paged_stash_buffer_size_factor to at least ";
+    ASSERT_NE(msg.find("MoE paged stash overflow at step 1"), std::string::npos) << msg;
+    const size_t at = msg.find(key);
+    ASSERT_NE(at, std::string::npos) << msg;
+    const double suggested = std::stod(msg.substr(at + key.size()));
+    EXPECT_GT(suggested, 0.3);
+    EXPECT_LE(suggested, 1.0);
+    r.model.moe_paged_stash_buffer_size_factor = suggested;
+    auto steps = train(r, Device::CUDA, test::temp_dir("stash-raised"));
+    ASSERT_EQ(steps.size(), 2u);
+    const MoeStashBound bound = moe_stash_bound(r.model, r.run.tokens_per_microbatch());
+    for (const StepMetrics& m : steps) {
+        EXPECT_EQ(m.moe_stash_pages, bound.pool_pages);
+        EXPECT_GT(m.moe_stash_peak_pages, 0);
+        EXPECT_LE(m.moe_stash_peak_pages, m.moe_stash_pages);
+        EXPECT_NE(m.to_json().find("\"moe_stash_peak_pages\""), std::string::npos);
     }
 }
 

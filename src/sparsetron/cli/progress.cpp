@@ -8,8 +8,8 @@
 namespace sparsetron::cli {
 namespace {
 
-// " | mtp 0.0123 (accept 1.71) | indexer 0.00001 | aux 0.0010 | moe dropped 3", parts present only
-// when the recipe has them.
+// " | mtp 0.0123 (accept 1.71) | indexer 0.00001 | aux 0.0010 | moe dropped 3 | moe stash 92%",
+// parts present only when the recipe has them (stash: peak pages in use / pool pages).
 std::string loss_breakdown(const StepMetrics& m) {
     std::string s;
     char buf[96];
@@ -22,6 +22,10 @@ std::string loss_breakdown(const StepMetrics& m) {
     if (m.moe_dropped > 0)
         std::snprintf(buf, sizeof buf, " | moe dropped %lld",
                       static_cast<long long>(m.moe_dropped)),
+            s += buf;
+    if (m.moe_stash_pages > 0)
+        std::snprintf(buf, sizeof buf, " | moe stash %.0f%%",
+                      100.0 * double(m.moe_stash_peak_pages) / double(m.moe_stash_pages)),
             s += buf;
     return s;
 }

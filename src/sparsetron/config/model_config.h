@@ -43,6 +43,10 @@ struct ModelConfig {
     double moe_aux_loss_coeff = 0.0;
     bool moe_router_force_load_balancing = false;
     double moe_capacity_factor = 0.0;  // 0 = dropless bound (worst case)
+    // CUDA: the MoE's saved activations in a shared page pool (model/gpu/moe_stash.h).
+    bool moe_paged_stash = false;
+    int64_t moe_paged_stash_page_size = 64;           // rows per page
+    double moe_paged_stash_buffer_size_factor = 1.0;  // pool / the worst case of every application
 
     // DSA.
     std::string experimental_attention_variant = "dsa";  // "none" | "dsa"

@@ -55,6 +55,10 @@ void Recipe::validate() {
                  ") must be divisible by expert_model_parallel_size (",
                  r.expert_model_parallel_size, ")");
         ST_CHECK(m.moe_capacity_factor >= 0, "recipe key 'moe_capacity_factor' must be >= 0");
+        positive(m.moe_paged_stash_page_size, "moe_paged_stash_page_size");
+        ST_CHECK(m.moe_paged_stash_buffer_size_factor > 0,
+                 "recipe key 'moe_paged_stash_buffer_size_factor' must be > 0, got ",
+                 m.moe_paged_stash_buffer_size_factor);
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});

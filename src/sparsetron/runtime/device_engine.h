@@ -31,10 +31,18 @@ class DeviceEngine {
     // signature (micro-batch count, which losses have a backward) is captured again, with a line
     // on stderr. Each step's data, loss scales and learning rate are copied into device buffers
     // before the replay, so the graph never runs on stale values.
+    // The MoE paged stash's use in a step (moe_paged_stash; pool_pages 0 when off). On
+    // overflow the step's optimizer update was skipped on the device.
+    struct StashUse {
+        int64_t pool_pages = 0, page_rows = 0, peak_pages = 0, demand_pages = 0;
+        int64_t worst_case_pages = 0;  // every application at its bound (the factor's base)
+        bool overflow = false;
+    };
     struct StepOutcome {
         std::vector<LossSums> losses;  // per micro-batch, in order
         StepStats stats;
         bool replayed = false;  // the step ran as a graph replay
+        StashUse stash;
     };
     virtual StepOutcome run_step(const std::vector<const MicroBatch*>& micro_batches,
                                  const LossScales& scales, const RunConfig& run, int64_t step) = 0;

@@ -29,6 +29,10 @@ std::string StepMetrics::to_json() const {
         j["moe_load"] = moe_load;
         j["moe_dropped"] = moe_dropped;
     }
+    if (moe_stash_pages > 0) {
+        j["moe_stash_pages"] = moe_stash_pages;
+        j["moe_stash_peak_pages"] = moe_stash_peak_pages;
+    }
     j["lr"] = lr;
     j["grad_norm"] = grad_norm;
     if (grad_norm_mtp > 0) j["grad_norm_mtp"] = grad_norm_mtp;
@@ -41,6 +45,22 @@ std::string StepMetrics::to_json() const {
 }
 
 namespace {
+
+// The step's MoE applications routed more rows than the paged stash holds: its optimizer
+// update was skipped on the device; say which bound to raise.
+std::string stash_overflow_message(const ModelConfig& mc, const DeviceEngine::StashUse& u,
+                                   int64_t step) {
+    const double f = mc.moe_paged_stash_buffer_size_factor;
+    // pool = ceil(factor x worst case) >= demand.
+    const double need =
+        std::ceil(100.0 * double(u.demand_pages) / double(u.worst_case_pages)) / 100;
+    return cat("MoE paged stash overflow at step ", step, ": the step's MoE layers needed ",
+               u.demand_pages, " pages of ", u.page_rows, " rows at once, the pool holds ",
+               u.pool_pages, " (moe_paged_stash_buffer_size_factor ", f,
+               "). The step's optimizer update was skipped and the run stops: set "
+               "moe_paged_stash_buffer_size_factor to at least ",
+               need, " (or moe_paged_stash: false) and resume from the last checkpoint");
+}
 
 void check_supported(const Recipe& r, const TrainOptions& o) {
     // FP8 is not trained yet: never run bf16 silently under an FP8 recipe.
@@ -241,6 +261,9 @@ StepMetrics Trainer::train_step() {
         sums = std::move(o.losses);
         st = o.stats;
         m.graph = o.replayed;
+        m.moe_stash_pages = o.stash.pool_pages;
+        m.moe_stash_peak_pages = o.stash.peak_pages;
+        if (o.stash.overflow) throw Error(stash_overflow_message(mc, o.stash, m.step));
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();

@@ -30,6 +30,8 @@ struct StepMetrics {
     double mtp_acceptance_length = 0;            // e2e_tv: mean Σ_j Π_{k<=j} α_k over chain rows
     std::vector<std::vector<int64_t>> moe_load;  // per MoE layer: tokens per expert in the step
     int64_t moe_dropped = 0;                     // routed rows over capacity in the step
+    int64_t moe_stash_pages = 0;       // MoE paged stash: pool pages (0 without the stash)
+    int64_t moe_stash_peak_pages = 0;  // most pages in use at once in the step
     double lr = 0;
     double grad_norm = 0;
     double grad_norm_mtp = 0;  // the MTP clipping group's norm (detached heads), else 0

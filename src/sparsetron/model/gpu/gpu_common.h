@@ -92,9 +92,12 @@ struct GpuInputs {
     const float* loss_scales = nullptr;
 };
 
-// Scratch every module shares: norm weight-gradient partials.
+class MoeStash;
+
+// What every module shares: norm weight-gradient partials, the MoE paged stash (null when off).
 struct GpuShared {
     float* norm_ws = nullptr;
+    const MoeStash* moe_stash = nullptr;
 };
 
 }  // namespace sparsetron::gpu

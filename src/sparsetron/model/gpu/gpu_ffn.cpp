@@ -47,9 +47,10 @@ void GpuMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, cons
 }
 
 GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const std::string& p,
-               int64_t tokens)
+               int64_t tokens, const MoeStash* stash)
     : c_(c),
       P_(P),
+      stash_(stash),
       T_(tokens),
       h_(c.hidden_size),
       E_(c.num_experts),
@@ -99,12 +100,30 @@ void GpuMoe::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.offsets, p + "expert_offsets", {E_ + 1});
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
-    B.act(A.xperm, p + "x_permuted", {R, h_});
-    B.act(A.g, p + "expert_gate", {R, F_});
-    B.act(A.u, p + "expert_up", {R, F_});
-    B.act(A.act, p + "expert_act", {R, F_});
-    B.act(A.out_perm, p + "expert_out", {R, h_});
+    if (stash_) {
+        B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
+        B.scratch(A.g, "moe.work.expert_gate", {R, F_});
+        B.scratch(A.u, "moe.work.expert_up", {R, F_});
+        B.scratch(A.act, "moe.work.expert_act", {R, F_});
+        B.scratch(A.out_perm, "moe.work.expert_out", {R, h_});
+        stash_->declare_table(A.stash_table, B, p);
+    } else {
+        B.act(A.xperm, p + "x_permuted", {R, h_});
+        B.act(A.g, p + "expert_gate", {R, F_});
+        B.act(A.u, p + "expert_up", {R, F_});
+        B.act(A.act, p + "expert_act", {R, F_});
+        B.act(A.out_perm, p + "expert_out", {R, h_});
+    }
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
+}
+
+StashRows GpuMoe::stashed(const Acts& A) const {
+    StashRows s;
+    s.count = 3;
+    s.data[0] = A.g, s.width[0] = F_;
+    s.data[1] = A.u, s.width[1] = F_;
+    s.data[2] = A.out_perm, s.width[2] = h_;
+    return s;
 }
 
 void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
@@ -131,6 +150,8 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     cuda::grouped_gemm(ctx, K::RowsTimesWeightT, A.offsets, E_, capacity_, h_, F_, A.act,
                        P_[down0_].w, A.out_perm, ws);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
+    // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
+    if (stash_) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
     if (shared_) shared_->forward(ctx, A.shared, m, y);
 }
 
@@ -139,6 +160,13 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     const int64_t Tn = T_, R = T_ * k_;
     const int64_t ws = E_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
     using K = cuda::GroupedGemm;
+    if (stash_) {
+        // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
+        // kernels on the same values: bit-identical to what the forward used).
+        stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+        cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
+    }
     cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, doutperm_,
                                dgates_);
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, h_, F_, doutperm_,

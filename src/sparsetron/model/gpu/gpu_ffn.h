@@ -4,6 +4,7 @@
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/model/gpu/moe_stash.h"
 
 namespace sparsetron::gpu {
 
@@ -33,11 +34,20 @@ class GpuMoe {
     struct Acts {
         float *m32, *logits, *probs, *gates;
         int32_t *topk, *counts, *offsets, *slot_row, *perm_token;
+        // With a paged stash these five are the working buffers every application shares, and
+        // `stash_table` records where this application's saved rows went.
         bf16 *xperm, *g, *u, *act, *out_perm;
+        int32_t* stash_table = nullptr;
         GpuMlp::Acts shared;
     };
+    // `stash`: the model's paged stash (moe_stash.h), or null to keep every application's
+    // expert activations in its own buffers.
     GpuMoe(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix,
-           int64_t tokens);
+           int64_t tokens, const MoeStash* stash);
+    // bf16 values per stashed row: gate and up outputs, expert output.
+    static int64_t stash_row_width(const ModelConfig& c) {
+        return 2 * c.moe_ffn_hidden_size + c.hidden_size;
+    }
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     void forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
                  bf16* y) const;
@@ -53,8 +63,10 @@ class GpuMoe {
     int64_t experts() const { return E_; }
 
   private:
+    StashRows stashed(const Acts& A) const;
     const ModelConfig& c_;
     const GpuParams& P_;
+    const MoeStash* stash_;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;

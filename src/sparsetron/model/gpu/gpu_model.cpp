@@ -24,6 +24,10 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     const int64_t maxdim =
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
+    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
+        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, GpuMoe::stash_row_width(cfg));
+        S_.moe_stash = stash_.get();
+    }
     in_.tokens = Tn;
     embed_ = P_->index("model.embed_tokens.weight");
     final_norm_ = P_->index("model.norm.weight");
@@ -232,6 +236,7 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
+    if (stash_) stash_->reset(ctx, /*new_step=*/false);
     cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t l = 0; l < c.num_layers; ++l)
@@ -389,6 +394,7 @@ void GpuModel::mtp_backward(const ExecContext& ctx) {
 
 void GpuModel::reset_moe_stats(const ExecContext& ctx) const {
     for (GpuMoe* m : moes()) m->reset_stats(ctx);
+    if (stash_) stash_->reset(ctx, /*new_step=*/true);
 }
 
 std::vector<std::vector<int64_t>> GpuModel::moe_loads(const ExecContext& ctx) const {

@@ -56,6 +56,9 @@ class GpuModel {
     std::vector<std::vector<int64_t>> moe_loads(const ExecContext& ctx) const;
     int64_t moe_dropped(const ExecContext& ctx) const;
     void update_router_bias(const ExecContext& ctx, double rate) const;
+    // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
+    // reset_moe_stats(), and the device flag a push sets on overflow.
+    const MoeStash* moe_stash() const { return stash_.get(); }
 
   private:
     struct MtpActs {
@@ -76,6 +79,7 @@ class GpuModel {
     std::unique_ptr<GpuParams> P_;
     GpuBuffers B_;
     GpuShared S_;
+    std::unique_ptr<MoeStash> stash_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     std::vector<std::unique_ptr<GpuLayer>> layers_;
     std::vector<std::unique_ptr<GpuLayer::Acts>> acts_;

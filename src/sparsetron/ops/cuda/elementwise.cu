@@ -102,6 +102,11 @@ __global__ void merge_skip_kernel(int32_t* skip, int64_t n) {
     for (int64_t i = 0; i < n; ++i) skip[i] = any;
 }
 
+__global__ void veto_skip_kernel(int32_t* skip, int64_t n, const int32_t* flag) {
+    if (threadIdx.x != 0 || *flag == 0) return;
+    for (int64_t i = 0; i < n; ++i) skip[i] = 1;
+}
+
 __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
                              float lr, float beta1, float beta2, float eps, float wd, float bc1,
                              float bc2, const float* grad_scale, const int32_t* skip,
@@ -196,6 +201,11 @@ void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, fl
 
 void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n) {
     merge_skip_kernel<<<1, 32, 0, stream_of(ctx)>>>(skip, n);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void veto_skip(const ExecContext& ctx, int32_t* skip, int64_t n, const int32_t* flag) {
+    veto_skip_kernel<<<1, 32, 0, stream_of(ctx)>>>(skip, n, flag);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -13,6 +13,7 @@
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/paged_stash.h"
 
 namespace sparsetron::cuda {
 
@@ -77,6 +78,8 @@ void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, fl
                 float* norm, float* scale, int32_t* skip);
 // skip[0..n) = OR of them all (one non-finite clipping group skips the whole step).
 void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n);
+// skip[0..n) |= (*flag != 0): an outside reason to skip the step (the MoE stash overflowed).
+void veto_skip(const ExecContext& ctx, int32_t* skip, int64_t n, const int32_t* flag);
 // param -= lr * (m̂ / (sqrt(v̂) + eps) + wd * param) with grad * (*grad_scale); nothing when *skip.
 // Writes the bf16 copy of the new parameter when param_bf16 is not null. With `schedule` (device
 // [lr, 1 - beta1^t, 1 - beta2^t]: graph-safe), lr and step come from there instead.
@@ -240,6 +243,21 @@ void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t exper
 // Aux-loss-free balancing: bias[e] += rate * sign(mean(load) - load[e]).
 void moe_update_bias(const ExecContext& ctx, const int64_t* load, int64_t experts, float rate,
                      float* bias);
+
+// ---- Paged stash (ops/paged_stash.h: state words, page tables, the CPU reference) -----------
+// Every page of the pool free; with new_step the statistics and the overflow flag cleared too.
+void stash_reset(const ExecContext& ctx, int32_t* state, int32_t* free_list, int64_t pages,
+                 bool new_step);
+// Rows 0 .. *rows_ptr - 1 of `src` into freshly taken pages of the pool (`pages` pages of
+// page_rows x src.row_width() bf16); `table` has 1 + ceil(max_rows / page_rows) words and
+// *rows_ptr <= max_rows (a larger count is treated as an overflow).
+void stash_push(const ExecContext& ctx, int32_t* state, int32_t* free_list, int64_t pages,
+                int32_t* table, int64_t max_rows, const int32_t* rows_ptr, int64_t page_rows,
+                const StashRows& src, bf16* pool);
+// The rows of the push recorded in `table` back into `dst`, then its pages back to the free list.
+void stash_pop(const ExecContext& ctx, int32_t* state, int32_t* free_list, const int32_t* table,
+               int64_t max_rows, const int32_t* rows_ptr, int64_t page_rows, const StashRows& dst,
+               const bf16* pool);
 
 // ---- Copies and conversions
 // ---------------------------------------------------------------------- rows x width_bytes from

@@ -40,6 +40,8 @@ class CudaEngine final : public DeviceEngine {
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         opt_->bind(plan_);
+        // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
+        if (const gpu::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
     }
@@ -87,6 +89,7 @@ class CudaEngine final : public DeviceEngine {
             begin_step();
             for (const MicroBatch* mb : mbs) out.losses.push_back(micro_batch(*mb, sc));
             out.stats = opt_->step(ctx(), run, step);
+            out.stash = stash_use();
             return out;
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
@@ -136,6 +139,7 @@ class CudaEngine final : public DeviceEngine {
             out.losses.push_back(model_->losses_from(host.data() + i * model_->n_sums(),
                                                      model_->tv_rows(*mbs[size_t(i)])));
         out.stats = opt_->read_stats(ctx(), run, step);
+        out.stash = stash_use();
         return out;
     }
 
@@ -193,6 +197,16 @@ class CudaEngine final : public DeviceEngine {
     }
 
   private:
+    StashUse stash_use() const {
+        StashUse u;
+        if (const gpu::MoeStash* st = model_->moe_stash()) {
+            const gpu::MoeStash::Use d = st->read(ctx());
+            u.pool_pages = d.pool_pages, u.page_rows = d.page_rows, u.peak_pages = d.peak_pages;
+            u.demand_pages = d.demand_pages, u.overflow = d.overflow;
+            u.worst_case_pages = st->bound().applications * st->bound().pages_per_application;
+        }
+        return u;
+    }
     // What a captured training step depends on besides buffer contents.
     struct GraphSignature {
         int64_t micro_batches = 0;

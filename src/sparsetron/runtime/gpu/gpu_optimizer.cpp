@@ -88,6 +88,7 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
                          scale_ + 1, skip_ + 1);
         cuda::merge_skip(ctx, skip_, 2);
     }
+    if (veto_) cuda::veto_skip(ctx, skip_, separate_mtp_ ? 2 : 1, veto_);
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         if (!p.trainable) continue;

@@ -33,6 +33,9 @@ class GpuOptimizer {
         enqueue_step(ctx, run);
         return read_stats(ctx, run, step);
     }
+    // A device int32 that, when nonzero at the step, skips it like a non-finite norm does
+    // (the MoE stash's overflow flag).
+    void set_veto(const int32_t* flag) { veto_ = flag; }
     // Device state tensors by checkpoint name ("<param>.exp_avg", ...).
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
 
@@ -51,6 +54,7 @@ class GpuOptimizer {
     float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr, *ns_ = nullptr;
     float* sched_ = nullptr;  // [lr, 1 - beta1^t, 1 - beta2^t] of the staged step
     int32_t* skip_ = nullptr;
+    const int32_t* veto_ = nullptr;
     int64_t ns_floats_ = 0;
     std::vector<float*> m_, v_, mom_;
 };

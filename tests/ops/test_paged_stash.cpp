@@ -1,0 +1,145 @@
+// The paged stash's CPU reference (ops/paged_stash.h) and the pool bound (model/moe_stash_bound.h).
+// The CUDA kernels are compared with this reference in tests/gpu/test_cuda_ops.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <numeric>
+#include <set>
+
+#include "../test_util.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/model/moe_stash_bound.h"
+#include "sparsetron/ops/paged_stash.h"
+
+using namespace sparsetron;
+
+namespace {
+
+// Three row-major tensors of `rows` rows (widths 3, 2, 5) filled with distinct values.
+struct Tensors {
+    std::vector<bf16> a, b, c;
+    Tensors(int64_t rows, int seed) : a(rows * 3), b(rows * 2), c(rows * 5) {
+        int v = seed * 1000;
+        for (auto* t : {&a, &b, &c})
+            for (auto& x : *t) x = float_to_bf16(float(v++ % 4096));
+    }
+    StashRows rows() {
+        StashRows s;
+        s.count = 3;
+        s.data[0] = a.data(), s.width[0] = 3;
+        s.data[1] = b.data(), s.width[1] = 2;
+        s.data[2] = c.data(), s.width[2] = 5;
+        return s;
+    }
+};
+
+bool same(const std::vector<bf16>& x, const std::vector<bf16>& y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (x[i].bits != y[i].bits) return false;
+    return true;
+}
+
+}  // namespace
+
+// Two pushes fit, a third overflows; pops in reverse order give back every row and leave the free
+// list as it started.
+TEST(PagedStash, PushPopOverflowAndFreeList) {
+    const int64_t pages = 10, page_rows = 4, width = 10, max_rows = 16;
+    std::vector<int32_t> state(kStashStateWords, 7), free_list(pages, -5);
+    std::vector<bf16> pool(pages * page_rows * width);
+    cpu::stash_reset(state.data(), free_list.data(), pages, true);
+    EXPECT_EQ(state, (std::vector<int32_t>{10, 0, 0, 0, 0}));
+    const int32_t rows_a = 9, rows_b = 13, rows_c = 14;  // 3, 4 and 4 pages
+    Tensors a(max_rows, 1), b(max_rows, 2), c(max_rows, 3);
+    std::vector<int32_t> ta(1 + 4, -9), tb(1 + 4, -9), tc(1 + 4, -9);
+    cpu::stash_push(state.data(), free_list.data(), pages, ta.data(), max_rows, &rows_a, page_rows,
+                    a.rows(), pool.data());
+    cpu::stash_push(state.data(), free_list.data(), pages, tb.data(), max_rows, &rows_b, page_rows,
+                    b.rows(), pool.data());
+    EXPECT_EQ(ta[0], 3);
+    EXPECT_EQ(tb[0], 4);
+    std::set<int32_t> used(ta.begin() + 1, ta.begin() + 4);
+    used.insert(tb.begin() + 1, tb.end());
+    EXPECT_EQ(used.size(), 7u) << "a page was given to two pushes";
+    EXPECT_EQ(state[0], 3);  // free
+    EXPECT_EQ(state[1], 7);  // peak in use
+    EXPECT_EQ(state[2], 0);
+    // Row 5 of push a is row 1 of its second page, segment by segment.
+    const bf16* row = pool.data() + (int64_t(ta[2]) * page_rows + 1) * width;
+    EXPECT_EQ(row[0].bits, a.a[5 * 3].bits);
+    EXPECT_EQ(row[3].bits, a.b[5 * 2].bits);
+    EXPECT_EQ(row[9].bits, a.c[5 * 5 + 4].bits);
+    cpu::stash_push(state.data(), free_list.data(), pages, tc.data(), max_rows, &rows_c, page_rows,
+                    c.rows(), pool.data());
+    EXPECT_EQ(tc[0], -4);
+    EXPECT_EQ(state[0], 3) << "an overflowed push took pages";
+    EXPECT_EQ(state[2], 1);
+    EXPECT_EQ(state[3], 11);  // what the pool would have needed
+    EXPECT_EQ(state[4], 11);
+    // Pop in reverse: c gives back nothing, b and a get their rows back.
+    Tensors back(max_rows, 9);
+    cpu::stash_pop(state.data(), free_list.data(), tc.data(), &rows_c, page_rows, back.rows(),
+                   pool.data());
+    EXPECT_EQ(state[0], 3);
+    EXPECT_EQ(state[4], 7);
+    cpu::stash_pop(state.data(), free_list.data(), tb.data(), &rows_b, page_rows, back.rows(),
+                   pool.data());
+    EXPECT_TRUE(same(back.a, b.a, rows_b * 3) && same(back.b, b.b, rows_b * 2) &&
+                same(back.c, b.c, rows_b * 5));
+    EXPECT_FALSE(same(back.a, b.a, max_rows * 3)) << "rows past the push were written";
+    cpu::stash_pop(state.data(), free_list.data(), ta.data(), &rows_a, page_rows, back.rows(),
+                   pool.data());
+    EXPECT_TRUE(same(back.a, a.a, rows_a * 3) && same(back.c, a.c, rows_a * 5));
+    std::vector<int32_t> start(pages);
+    std::iota(start.begin(), start.end(), 0);
+    EXPECT_EQ(free_list, start);
+    EXPECT_EQ(state, (std::vector<int32_t>{10, 7, 1, 11, 0}));
+    // A micro-batch reset keeps the step's statistics; a new step clears them.
+    cpu::stash_reset(state.data(), free_list.data(), pages, false);
+    EXPECT_EQ(state, (std::vector<int32_t>{10, 7, 1, 11, 0}));
+    cpu::stash_reset(state.data(), free_list.data(), pages, true);
+    EXPECT_EQ(state, (std::vector<int32_t>{10, 0, 0, 0, 0}));
+}
+
+TEST(PagedStash, EmptyPushAndRowsOverTheTableBound) {
+    const int64_t pages = 8, page_rows = 4, max_rows = 8;
+    std::vector<int32_t> state(kStashStateWords), free_list(pages), table(1 + 2, -9);
+    std::vector<bf16> pool(pages * page_rows * 10);
+    Tensors t(12, 4);
+    cpu::stash_reset(state.data(), free_list.data(), pages, true);
+    const int32_t zero = 0, too_many = 9;
+    cpu::stash_push(state.data(), free_list.data(), pages, table.data(), max_rows, &zero, page_rows,
+                    t.rows(), pool.data());
+    EXPECT_EQ(table[0], 0);
+    EXPECT_EQ(state[0], 8);
+    cpu::stash_pop(state.data(), free_list.data(), table.data(), &zero, page_rows, t.rows(),
+                   pool.data());
+    // 9 rows need 3 pages and 8 are free, but the table was sized for 8 rows: an overflow.
+    cpu::stash_push(state.data(), free_list.data(), pages, table.data(), max_rows, &too_many,
+                    page_rows, t.rows(), pool.data());
+    EXPECT_EQ(table[0], -3);
+    EXPECT_EQ(state[2], 1);
+    EXPECT_EQ(state[0], 8);
+}
+
+TEST(PagedStash, PoolBoundFollowsTheRecipe) {
+    Recipe r = load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml");
+    ModelConfig c = r.model;
+    // 2 MoE layers + 7 MTP depths of the (MoE) MTP layer; 4096 tokens x top-8 rows each.
+    MoeStashBound b = moe_stash_bound(c, 4096);
+    EXPECT_EQ(b.applications, 9);
+    EXPECT_EQ(b.max_rows, 32768);
+    EXPECT_EQ(b.pages_per_application, 512);
+    EXPECT_EQ(b.pool_pages, 9 * 512);
+    c.moe_paged_stash_buffer_size_factor = 0.55;
+    EXPECT_EQ(moe_stash_bound(c, 4096).pool_pages, 2535);  // ceil(0.55 x 4608)
+    c.moe_paged_stash_page_size = 100;
+    EXPECT_EQ(moe_stash_bound(c, 4096).pages_per_application, 328);
+    // A capacity factor below top-k / experts caps the kept rows: 16 experts x 1024.
+    c.moe_capacity_factor = 0.5;
+    EXPECT_EQ(moe_stash_bound(c, 4096).max_rows, 16 * 1024);
+    // The MTP layer repeats the last backbone layer's kind: all-dense backbones stash nothing.
+    c.moe_layer_freq = "[0,0,0,0]";
+    c.moe_layer_pattern = {0, 0, 0, 0};
+    EXPECT_EQ(moe_stash_bound(c, 4096).applications, 0);
+}

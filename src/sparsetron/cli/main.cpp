@@ -130,8 +130,20 @@ int cmd_flops(const std::string& recipe_path, const std::vector<std::string>& se
     return 0;
 }
 
-// Set by main() when this binary runs as one rank of an MPI job (sparsetron-mpi under mpirun).
+// Set by main() when this binary runs as one rank of an MPI job (sparsetron-mpi under mpirun), or
+// by the CUDA commands when a launcher started several processes (NCCL, one GPU each).
 Comm* g_comm = nullptr;
+std::unique_ptr<Comm> g_nccl;
+
+// Under a launcher (mpirun, torchrun, srun) with more than one process, `--device cuda` runs
+// connect over NCCL; a CPU run in this binary stays a single process per launch.
+void connect_gpus_if_launched(Device device) {
+    if (g_comm || device != Device::CUDA) return;
+    const LaunchEnv env = detect_launch_env();
+    if (env.world <= 1) return;
+    g_nccl = make_nccl_comm(env);
+    g_comm = g_nccl.get();
+}
 
 int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
               const std::string& out_arg, const std::string& resume, const std::string& device,
@@ -153,6 +165,7 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     if (out.empty())
         out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
                   .string();
+    connect_gpus_if_launched(parse_device(device));
     TrainOptions opts{out, resume, parse_device(device), !no_save, g_comm};
     Trainer trainer(recipe, opts);
     // Rank 0 reports and writes the metrics; the other ranks train silently.
@@ -419,13 +432,19 @@ int main(int argc, char** argv) {
         if (bench->parsed()) {
             Recipe r = load_recipe(recipe, sets);
             bopt.variants = split_list(bench_variants);
+            connect_gpus_if_launched(Device::CUDA);
+            bopt.comm = g_comm;
             const std::vector<BenchResult> res = run_bench(r, bopt);
+            if (g_comm && g_comm->rank() != 0) return 0;  // rank 0 reports
             std::printf(
-                "%s | %s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
+                "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
                 "variant\n%s\n",
-                r.name.c_str(), res.front().gpu.c_str(), res.front().commit.c_str(),
-                static_cast<long long>(bopt.warmup), static_cast<long long>(bopt.iters),
-                bench_table(res).c_str());
+                r.name.c_str(), res.front().gpu.c_str(),
+                res.front().gpus > 1
+                    ? cat(" x ", res.front().gpus, " (data parallel, per GPU)").c_str()
+                    : "",
+                res.front().commit.c_str(), static_cast<long long>(bopt.warmup),
+                static_cast<long long>(bopt.iters), bench_table(res).c_str());
             if (!bench_json.empty()) {
                 std::ofstream out(bench_json, std::ios::app);
                 ST_CHECK(out.good(), "cannot write '", bench_json, "'");
@@ -449,10 +468,6 @@ int main(int argc, char** argv) {
                         cuda_available() ? cuda_device_name().c_str() : "none", num_threads());
             return 0;
         }
-    } catch (const Error& e) {
-        std::fflush(stdout);
-        std::fprintf(stderr, "\nerror: %s\n", e.what());
-        return 1;
     } catch (const std::exception& e) {
         std::fflush(stdout);
         if (g_comm && g_comm->size() > 1) {

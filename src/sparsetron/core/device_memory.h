@@ -8,6 +8,7 @@
 namespace sparsetron {
 
 bool cuda_available();           // built with CUDA and at least one device visible
+int cuda_device_count();         // visible devices (0 without CUDA)
 std::string cuda_device_name();  // "" when none
 void* device_alloc(size_t bytes);
 void device_free(void* p);

@@ -14,6 +14,9 @@ namespace {
 bool cuda_available() {
     return false;
 }
+int cuda_device_count() {
+    return 0;
+}
 std::string cuda_device_name() {
     return "";
 }
@@ -41,7 +44,7 @@ std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
     no_cuda("plan --device cuda");
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
-                                               const Optimizer&, int64_t, int64_t) {
+                                               const Optimizer&, int64_t, int64_t, Comm*) {
     no_cuda("--device cuda");
 }
 

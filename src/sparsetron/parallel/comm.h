@@ -1,7 +1,8 @@
 // Comm: the collectives the engine's parallel logic uses (DESIGN §2 parallel/). The single-process
 // implementation is here; the MPI-backed one (CPU runs under mpirun, in CI) is
 // parallel/mpi/mpi_comm.h, kept out of the engine library so the GPU machine's binaries do not
-// depend on Debian's libmpi; the NCCL one comes with the multi-GPU work.
+// depend on Debian's libmpi; the NCCL one (one GPU per process, make_nccl_comm()) is
+// parallel/nccl/nccl_comm.h.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,13 @@ class Comm {
     // Takes the whole job down (no rank is left waiting in a collective).
     [[noreturn]] virtual void abort(int code) = 0;
     virtual std::string name() const = 0;
+
+    // Collectives on device memory, enqueued on `stream` (a cudaStream_t) without a host
+    // synchronization, so a captured CUDA graph can hold them: the NCCL communicator has them
+    // (on_device() true); the others throw.
+    virtual bool on_device() const { return false; }
+    virtual void device_allreduce_sum(float* x, int64_t n, void* stream);
+    virtual void device_allreduce_sum(int64_t* x, int64_t n, void* stream);
 };
 
 class SingleProcessComm final : public Comm {
@@ -48,6 +56,13 @@ class SingleProcessComm final : public Comm {
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "single process"; }
 };
+
+// The NCCL communicator over every process of the job `env` describes: this process uses GPU
+// env.local_rank (modulo the visible GPUs), the unique id travels over the TCP rendezvous
+// (parallel/rendezvous.h: MASTER_ADDR / MASTER_PORT, default 127.0.0.1:29500). Throws in a build
+// without NCCL or CUDA.
+struct LaunchEnv;
+std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv& env);
 
 // Every rank checks that all ranks hold the same text (a recipe): throws naming the first rank
 // whose hash differs from rank 0's.

@@ -50,12 +50,15 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
     ST_CHECK(!o.variants.empty(), "bench: no variants");
     for (const auto& v : o.variants)
         ST_CHECK(v == "eager" || v == "graph", "bench: unknown variant '", v, "' (eager, graph)");
+    const int ranks = o.comm ? o.comm->size() : 1;
+    ST_CHECK(recipe.run.world_size == ranks, "bench: world_size ", recipe.run.world_size, " but ",
+             ranks, " processes were started");
     auto tp = make_training_plan(recipe);
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),
                                    recipe.model.init_method_std, recipe.model.num_layers);
     auto engine = make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer,
-                                   tp->max_documents, tp->chunk_rows);
+                                   tp->max_documents, tp->chunk_rows, o.comm);
     engine->upload_state();
     // One synthetic document filling every slot of the micro-batch (the seed's THD benchmark).
     const int64_t slots = recipe.run.tokens_per_microbatch();
@@ -109,6 +112,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
         r.tokens_per_s_per_gpu = double(f.tokens) / (r.median_ms * 1e-3);
         r.peak_mem_mib = mem[v];
         r.planned_mem_mib = engine->planned_memory_mib();
+        r.gpus = ranks;
     }
     return results;
 }
@@ -135,6 +139,7 @@ std::string BenchResult::to_json() const {
     j["tokens"] = tokens;
     j["peak_mem_mib"] = peak_mem_mib;
     j["planned_mem_mib"] = planned_mem_mib;
+    j["gpus"] = gpus;
     return j.dump();
 }
 

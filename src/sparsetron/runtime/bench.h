@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sparsetron/config/recipe.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron {
 
@@ -17,6 +18,9 @@ struct BenchOptions {
     bool forward_backward_only = false;          // no optimizer step
     std::string commit;                          // recorded as given
     std::vector<std::string> variants{"eager"};  // "eager", "graph"
+    // Data parallelism over these ranks (NCCL, one GPU each): every rank times its own
+    // micro-batches of the step plus the gradient all-reduce; figures are per GPU.
+    Comm* comm = nullptr;
 };
 
 struct BenchResult {
@@ -27,6 +31,7 @@ struct BenchResult {
     std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
     double peak_mem_mib = 0, planned_mem_mib = 0;
+    int gpus = 1;  // data-parallel ranks of the run
     std::string to_json() const;
     std::string table() const;
 };

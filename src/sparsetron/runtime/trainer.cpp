@@ -78,9 +78,13 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
                           "world_size: 1)"
                         : " processes were started");
     if (ranks == 1) return;
-    ST_CHECK(o.device == Device::CPU,
-             "multi-process training on CUDA (NCCL) is not implemented yet; data parallelism "
-             "runs on CPU ranks over MPI");
+    ST_CHECK(o.device == Device::CPU || o.comm->on_device(),
+             "multi-process training on CUDA needs ",
+             "the NCCL communicator (run `sparsetron`, not sparsetron-mpi, under the launcher); ",
+             "this one is ", o.comm->name());
+    ST_CHECK(o.device == Device::CPU || !r.run.use_distributed_optimizer,
+             "use_distributed_optimizer is not implemented on CUDA yet (it runs on CPU ranks); "
+             "drop the key to keep the whole optimizer state on every GPU");
     ST_CHECK(r.run.expert_model_parallel_size == 1 && r.run.context_parallel_size == 1 &&
                  r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
              "only data parallelism is implemented across processes so far (expert, context, "
@@ -158,8 +162,10 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
+        // With data parallelism over NCCL the engine sums gradients on the device.
         engine_ = make_cuda_engine(recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer,
-                                   tp_->max_documents, tp_->chunk_rows);
+                                   tp_->max_documents, tp_->chunk_rows,
+                                   dp_size() > 1 ? options_.comm : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
@@ -281,14 +287,18 @@ StepMetrics Trainer::train_step() {
         m.aux_loss += s.aux_loss;
     }
     if (dp_size() > 1) {
-        // Sum gradients, loss sums and routing statistics over the data-parallel ranks.
+        // Sum loss sums, gradients and routing statistics over the data-parallel ranks (the CUDA
+        // engine summed gradients and statistics on the device inside its step).
         Comm& comm = *options_.comm;
-        comm.allreduce_sum(reinterpret_cast<float*>(tp_->plan.class_base(MemClass::Gradients)),
-                           int64_t(tp_->plan.class_bytes(MemClass::Gradients) / sizeof(float)));
         double sums[5] = {loss_sum, mtp, accept, m.indexer_loss, m.aux_loss};
         comm.allreduce_sum(sums, 5);
         loss_sum = sums[0], mtp = sums[1], accept = sums[2], m.indexer_loss = sums[3];
         m.aux_loss = sums[4];
+    }
+    if (dp_size() > 1 && !engine_) {
+        Comm& comm = *options_.comm;
+        comm.allreduce_sum(reinterpret_cast<float*>(tp_->plan.class_base(MemClass::Gradients)),
+                           int64_t(tp_->plan.class_bytes(MemClass::Gradients) / sizeof(float)));
         std::vector<int64_t> stats = tp_->model->moe_stats_flat();
         std::vector<double> st(stats.begin(), stats.end());
         comm.allreduce_sum(st.data(), int64_t(st.size()));

@@ -58,8 +58,8 @@ class GpuMoe {
     void check_layout() const;
     void reset_stats(const ExecContext& ctx) const;
     void update_bias(const ExecContext& ctx, double rate) const;
-    const int64_t* load() const { return load_; }        // device [E]
-    const int64_t* dropped() const { return dropped_; }  // device [1]
+    int64_t* load() const { return load_; }        // device [E]
+    int64_t* dropped() const { return dropped_; }  // device [1]
     int64_t experts() const { return E_; }
 
   private:

@@ -418,6 +418,15 @@ int64_t GpuModel::moe_dropped(const ExecContext& ctx) const {
     return total;
 }
 
+std::vector<std::pair<int64_t*, int64_t>> GpuModel::moe_stat_buffers() const {
+    std::vector<std::pair<int64_t*, int64_t>> out;
+    for (GpuMoe* m : moes()) {
+        out.emplace_back(m->load(), m->experts());
+        out.emplace_back(m->dropped(), 1);
+    }
+    return out;
+}
+
 void GpuModel::update_router_bias(const ExecContext& ctx, double rate) const {
     for (GpuMoe* m : moes()) m->update_bias(ctx, rate);
 }

@@ -56,6 +56,9 @@ class GpuModel {
     std::vector<std::vector<int64_t>> moe_loads(const ExecContext& ctx) const;
     int64_t moe_dropped(const ExecContext& ctx) const;
     void update_router_bias(const ExecContext& ctx, double rate) const;
+    // Every MoE application's routing statistics on the device (load per expert, dropped rows):
+    // what data parallelism sums over ranks before the router bias update.
+    std::vector<std::pair<int64_t*, int64_t>> moe_stat_buffers() const;
     // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
     // reset_moe_stats(), and the device flag a push sets on overflow.
     const MoeStash* moe_stash() const { return stash_.get(); }

@@ -8,6 +8,11 @@ bool cuda_available() {
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+int cuda_device_count() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
 std::string cuda_device_name() {
     if (!cuda_available()) return "";
     int dev = 0;

@@ -16,11 +16,16 @@ namespace {
 class CudaEngine final : public DeviceEngine {
   public:
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
-               const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows)
+               const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
+               Comm* data_parallel)
         : recipe_(recipe),
           host_store_(host_store),
           host_plan_(host_plan),
-          host_optimizer_(host_optimizer) {
+          host_optimizer_(host_optimizer),
+          dp_(data_parallel && data_parallel->size() > 1 ? data_parallel : nullptr) {
+        ST_CHECK(!dp_ || dp_->on_device(),
+                 "CUDA data parallelism needs device collectives (NCCL); ", "the ",
+                 dp_ ? dp_->name() : "", " communicator has none");
         ST_CHECK(!recipe.run.dsa_dense_warmup,
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");
@@ -88,6 +93,7 @@ class CudaEngine final : public DeviceEngine {
         if (slots_ == 0) {  // eager
             begin_step();
             for (const MicroBatch* mb : mbs) out.losses.push_back(micro_batch(*mb, sc));
+            reduce_data_parallel();
             out.stats = opt_->step(ctx(), run, step);
             out.stash = stash_use();
             return out;
@@ -109,6 +115,7 @@ class CudaEngine final : public DeviceEngine {
                 const int64_t bytes = model_->n_sums() * int64_t(sizeof(double));
                 cuda::copy_2d(ctx(), sums + i * model_->n_sums(), 0, model_->sums(), 0, bytes, 1);
             }
+            reduce_data_parallel();
             opt_->enqueue_step(ctx(), run);
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
@@ -170,6 +177,7 @@ class CudaEngine final : public DeviceEngine {
                        plan_.class_bytes(MemClass::Gradients));
             model_->reset_moe_stats(ctx());
             for (int64_t i = 0; i < micro_batches; ++i) model_->enqueue(ctx(), scales);
+            reduce_data_parallel();
             if (optimizer) opt_->enqueue_step(ctx(), run);
         };
         if (optimizer) opt_->stage_schedule(ctx(), run, step);
@@ -197,6 +205,15 @@ class CudaEngine final : public DeviceEngine {
     }
 
   private:
+    // Data parallelism: gradients and routing statistics summed over the ranks, on the stream.
+    void reduce_data_parallel() {
+        if (!dp_) return;
+        dp_->device_allreduce_sum(reinterpret_cast<float*>(plan_.class_base(MemClass::Gradients)),
+                                  int64_t(plan_.class_bytes(MemClass::Gradients) / sizeof(float)),
+                                  ctx().stream);
+        for (auto [stats, n] : model_->moe_stat_buffers())
+            dp_->device_allreduce_sum(stats, n, ctx().stream);
+    }
     StashUse stash_use() const {
         StashUse u;
         if (const gpu::MoeStash* st = model_->moe_stash()) {
@@ -240,6 +257,7 @@ class CudaEngine final : public DeviceEngine {
     const ParamStore& host_store_;
     const MemoryPlan& host_plan_;
     const Optimizer& host_optimizer_;
+    Comm* dp_ = nullptr;
     cuda::CudaSession session_;
     MemoryPlan plan_;
     std::unique_ptr<gpu::GpuModel> model_;
@@ -269,12 +287,13 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
-                                               int64_t max_documents, int64_t chunk_rows) {
+                                               int64_t max_documents, int64_t chunk_rows,
+                                               Comm* data_parallel) {
     // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
     ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
              "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
     return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
-                                        max_documents, chunk_rows);
+                                        max_documents, chunk_rows, data_parallel);
 }
 
 }  // namespace sparsetron

@@ -1,0 +1,207 @@
+#include "sparsetron/parallel/nccl/nccl_comm.h"
+
+#if SPARSETRON_WITH_NCCL
+
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "sparsetron/ops/cuda/cuda_check.h"
+#include "sparsetron/parallel/rendezvous.h"
+
+#define ST_NCCL_CHECK(call)                                                                   \
+    do {                                                                                      \
+        ncclResult_t st_nccl_ = (call);                                                       \
+        if (st_nccl_ != ncclSuccess)                                                          \
+            throw ::sparsetron::Error(::sparsetron::cat(                                      \
+                "NCCL error ", ncclGetErrorString(st_nccl_), " (", ncclGetLastError(nullptr), \
+                ") in ", #call, " at ", __FILE__, ":", __LINE__));                            \
+    } while (0)
+
+namespace sparsetron {
+namespace {
+
+constexpr int64_t kStagingBytes = 64 << 20;
+
+ncclComm_t nc(void* c) {
+    return static_cast<ncclComm_t>(c);
+}
+cudaStream_t cs(void* s) {
+    return static_cast<cudaStream_t>(s);
+}
+
+}  // namespace
+
+NcclComm::NcclComm(const LaunchEnv& env) : rank_(env.rank), size_(env.world) {
+    int devices = 0;
+    ST_CUDA_CHECK(cudaGetDeviceCount(&devices));
+    ST_CHECK(devices > 0, "NCCL: rank ", env.rank, " sees no GPU");
+    device_ = env.local_rank % devices;
+    ST_CUDA_CHECK(cudaSetDevice(device_));
+    ncclUniqueId id{};
+    if (rank_ == 0) ST_NCCL_CHECK(ncclGetUniqueId(&id));
+    const std::string got = rendezvous_broadcast(
+        env, rendezvous_address(), std::string(reinterpret_cast<const char*>(&id), sizeof id));
+    ST_CHECK(got.size() == sizeof id, "NCCL: the unique id from rank 0 has ", got.size(),
+             " bytes, expected ", sizeof id);
+    std::memcpy(&id, got.data(), sizeof id);
+    ncclComm_t c = nullptr;
+    ST_NCCL_CHECK(ncclCommInitRank(&c, size_, id, rank_));
+    comm_ = c;
+    init_staging();
+}
+
+NcclComm::NcclComm(Split, void* comm, int device) : comm_(comm), device_(device) {
+    ST_NCCL_CHECK(ncclCommUserRank(nc(comm_), &rank_));
+    ST_NCCL_CHECK(ncclCommCount(nc(comm_), &size_));
+    init_staging();
+}
+
+void NcclComm::init_staging() {
+    cudaStream_t s = nullptr;
+    ST_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+    staging_bytes_ = kStagingBytes;
+    ST_CUDA_CHECK(cudaMalloc(&staging_, size_t(staging_bytes_)));
+}
+
+NcclComm::~NcclComm() {
+    if (comm_) ncclCommDestroy(nc(comm_));
+    if (staging_) cudaFree(staging_);
+    if (stream_) cudaStreamDestroy(cs(stream_));
+}
+
+void NcclComm::allreduce_sum(float* x, int64_t n) {
+    const int64_t chunk = staging_bytes_ / int64_t(sizeof(float));
+    for (int64_t i = 0; i < n; i += chunk) {
+        const int64_t m = std::min(chunk, n - i);
+        ST_CUDA_CHECK(cudaMemcpyAsync(staging_, x + i, size_t(m) * sizeof(float),
+                                      cudaMemcpyHostToDevice, cs(stream_)));
+        ST_NCCL_CHECK(ncclAllReduce(staging_, staging_, size_t(m), ncclFloat, ncclSum, nc(comm_),
+                                    cs(stream_)));
+        ST_CUDA_CHECK(cudaMemcpyAsync(x + i, staging_, size_t(m) * sizeof(float),
+                                      cudaMemcpyDeviceToHost, cs(stream_)));
+        ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
+    }
+}
+
+void NcclComm::allreduce_sum(double* x, int64_t n) {
+    const int64_t chunk = staging_bytes_ / int64_t(sizeof(double));
+    for (int64_t i = 0; i < n; i += chunk) {
+        const int64_t m = std::min(chunk, n - i);
+        ST_CUDA_CHECK(cudaMemcpyAsync(staging_, x + i, size_t(m) * sizeof(double),
+                                      cudaMemcpyHostToDevice, cs(stream_)));
+        ST_NCCL_CHECK(ncclAllReduce(staging_, staging_, size_t(m), ncclDouble, ncclSum, nc(comm_),
+                                    cs(stream_)));
+        ST_CUDA_CHECK(cudaMemcpyAsync(x + i, staging_, size_t(m) * sizeof(double),
+                                      cudaMemcpyDeviceToHost, cs(stream_)));
+        ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
+    }
+}
+
+void NcclComm::broadcast(void* data, int64_t bytes, int root) {
+    char* p = static_cast<char*>(data);
+    for (int64_t i = 0; i < bytes; i += staging_bytes_) {
+        const int64_t m = std::min(staging_bytes_, bytes - i);
+        if (rank_ == root)
+            ST_CUDA_CHECK(
+                cudaMemcpyAsync(staging_, p + i, size_t(m), cudaMemcpyHostToDevice, cs(stream_)));
+        ST_NCCL_CHECK(
+            ncclBroadcast(staging_, staging_, size_t(m), ncclChar, root, nc(comm_), cs(stream_)));
+        ST_CUDA_CHECK(
+            cudaMemcpyAsync(p + i, staging_, size_t(m), cudaMemcpyDeviceToHost, cs(stream_)));
+        ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
+    }
+}
+
+std::vector<uint64_t> NcclComm::allgather(uint64_t value) {
+    std::vector<uint64_t> out(size_t(size_), 0);
+    uint64_t* d = static_cast<uint64_t*>(staging_);
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(d + rank_, &value, sizeof value, cudaMemcpyHostToDevice, cs(stream_)));
+    ST_NCCL_CHECK(ncclAllGather(d + rank_, d, 1, ncclUint64, nc(comm_), cs(stream_)));
+    ST_CUDA_CHECK(cudaMemcpyAsync(out.data(), d, out.size() * sizeof(uint64_t),
+                                  cudaMemcpyDeviceToHost, cs(stream_)));
+    ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
+    return out;
+}
+
+void NcclComm::alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
+                         const std::vector<int64_t>& recv_bytes) {
+    ST_CHECK(int(send_bytes.size()) == size_ && int(recv_bytes.size()) == size_,
+             "alltoallv: one count per rank expected");
+    int64_t total_send = 0, total_recv = 0;
+    for (int r = 0; r < size_; ++r) total_send += send_bytes[r], total_recv += recv_bytes[r];
+    // Host data: device buffers for this call (not in a training step's hot path).
+    char *dsend = nullptr, *drecv = nullptr;
+    ST_CUDA_CHECK(cudaMalloc(&dsend, size_t(std::max<int64_t>(total_send, 1))));
+    ST_CUDA_CHECK(cudaMalloc(&drecv, size_t(std::max<int64_t>(total_recv, 1))));
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(dsend, send, size_t(total_send), cudaMemcpyHostToDevice, cs(stream_)));
+    ST_NCCL_CHECK(ncclGroupStart());
+    int64_t so = 0, ro = 0;
+    for (int r = 0; r < size_; ++r) {
+        if (send_bytes[r] > 0)
+            ST_NCCL_CHECK(
+                ncclSend(dsend + so, size_t(send_bytes[r]), ncclChar, r, nc(comm_), cs(stream_)));
+        if (recv_bytes[r] > 0)
+            ST_NCCL_CHECK(
+                ncclRecv(drecv + ro, size_t(recv_bytes[r]), ncclChar, r, nc(comm_), cs(stream_)));
+        so += send_bytes[r], ro += recv_bytes[r];
+    }
+    ST_NCCL_CHECK(ncclGroupEnd());
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(recv, drecv, size_t(total_recv), cudaMemcpyDeviceToHost, cs(stream_)));
+    ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
+    cudaFree(dsend);
+    cudaFree(drecv);
+}
+
+std::unique_ptr<Comm> NcclComm::split(int color, int key) {
+    ncclComm_t c = nullptr;
+    ST_NCCL_CHECK(ncclCommSplit(nc(comm_), color, key, &c, nullptr));
+    ST_CHECK(c, "ncclCommSplit gave no communicator for color ", color);
+    return std::unique_ptr<Comm>(new NcclComm(Split{}, c, device_));
+}
+
+void NcclComm::abort(int code) {
+    // Abort the communicator so this rank never waits in a collective; the launcher (mpirun,
+    // torchrun, srun) ends the other ranks when this one exits with an error.
+    if (comm_) ncclCommAbort(nc(comm_));
+    comm_ = nullptr;
+    std::_Exit(code);
+}
+
+void NcclComm::device_allreduce_sum(float* x, int64_t n, void* stream) {
+    if (n == 0) return;
+    ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclFloat, ncclSum, nc(comm_), cs(stream)));
+}
+
+void NcclComm::device_allreduce_sum(int64_t* x, int64_t n, void* stream) {
+    if (n == 0) return;
+    ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt64, ncclSum, nc(comm_), cs(stream)));
+}
+
+std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv& env) {
+    return std::make_unique<NcclComm>(env);
+}
+
+}  // namespace sparsetron
+
+#else  // no NCCL in this build
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+
+std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv&) {
+    throw Error(
+        "this build has no NCCL (configure with CUDA and NCCL's nccl.h / libnccl present) "
+        "so multi-GPU runs are unavailable; CPU data parallelism runs with sparsetron-mpi");
+}
+
+}  // namespace sparsetron
+
+#endif

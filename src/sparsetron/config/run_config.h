@@ -61,6 +61,9 @@ struct RunConfig {
     // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
     // matrices for Muon), then every parameter is broadcast from its owner.
     bool use_distributed_optimizer = false;
+    // Data parallelism on GPUs: reduce gradient buckets on a side stream during the last
+    // micro-batch's backward (Megatron's --overlap-grad-reduce; on by default here).
+    bool overlap_grad_reduce = true;
     std::string sequence_packing_scheduler = "default";
     int64_t world_size = 1;  // engine key: GPUs the recipe is laid out for (derives DP)
 

@@ -250,13 +250,34 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
     if (D_ > 0) mtp_forward(ctx, sc);
     if (sc.backward) {
+        auto point = [&](int p) {
+            if (hook_) hook_(p);
+        };
         if (D_ > 0) mtp_backward(ctx);
+        point(0);
         cuda::rmsnorm_backward(ctx, dh_, h, x_[c.num_layers], h, (*P_)[final_norm_].w, rstd_final_,
                                Tn, h, dx_, h, false, (*P_)[final_norm_].grad, S_.norm_ws);
-        for (int64_t l = c.num_layers - 1; l >= 0; --l)
+        point(1);
+        for (int64_t l = c.num_layers - 1; l >= 0; --l) {
             layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
+            point(int(2 + c.num_layers - 1 - l));
+        }
         cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, (*P_)[embed_].grad);
+        point(int(2 + c.num_layers));
     }
+}
+
+int GpuModel::backward_point(const std::string& name) const {
+    const int64_t L = cfg_.num_layers;
+    if (name == "lm_head.weight") return 0;
+    if (name == "model.norm.weight") return 1;
+    const std::string layers = "model.layers.";
+    if (name.rfind(layers, 0) == 0) {
+        const int64_t l = std::stoll(name.substr(layers.size()));
+        if (l == L) return 0;  // the MTP layer (and its enorm, hnorm, eh_proj, head norm)
+        if (l >= 0 && l < L) return int(2 + L - 1 - l);
+    }
+    return int(2 + L);  // the embedding, and anything not named above: after the whole backward
 }
 
 LossSums GpuModel::read_losses(const ExecContext& ctx) const {

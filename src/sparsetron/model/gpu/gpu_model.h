@@ -6,7 +6,9 @@
 // each micro-batch's staged input block in with copy_inputs_from() (a device copy).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "sparsetron/data/packer.h"
@@ -59,6 +61,15 @@ class GpuModel {
     // Every MoE application's routing statistics on the device (load per expert, dropped rows):
     // what data parallelism sums over ranks before the router bias update.
     std::vector<std::pair<int64_t*, int64_t>> moe_stat_buffers() const;
+
+    // Where in a micro-batch's backward each parameter's gradient is complete, for reducing it
+    // while the rest of the backward runs: point 0 after the MTP backward (the MTP layer, and
+    // lm_head, whose gradient the main head adds in the forward), 1 after the final norm, 2 + i
+    // after backbone layer L-1-i, 2 + L after the embedding (and anything else). enqueue() calls
+    // the hook (when set) at each point, in order, with the stream at that point.
+    int backward_points() const { return int(cfg_.num_layers) + 3; }
+    int backward_point(const std::string& param_name) const;
+    void set_backward_hook(std::function<void(int)> hook) { hook_ = std::move(hook); }
     // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
     // reset_moe_stats(), and the device flag a push sets on overflow.
     const MoeStash* moe_stash() const { return stash_.get(); }
@@ -105,6 +116,7 @@ class GpuModel {
     int32_t* in_block_ = nullptr;  // see pack_inputs() for the layout
     int64_t input_words_ = 0, n_scales_ = 0, last_tv_rows_ = 0;
     std::vector<int32_t> h_block_;  // host staging of one micro-batch's block
+    std::function<void(int)> hook_;
 };
 
 }  // namespace sparsetron::gpu

@@ -1,11 +1,13 @@
 // The CUDA DeviceEngine: a CudaSession, the device plan (parameters, gradients, optimizer state,
 // activations, workspace), the CUDA model and optimizer.
+#include <algorithm>
 #include <iostream>
 #include <map>
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/model/gpu/gpu_model.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/side_stream.h"
 #include "sparsetron/ops/cuda/step_graph.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
@@ -45,6 +47,10 @@ class CudaEngine final : public DeviceEngine {
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         opt_->bind(plan_);
+        if (dp_) {
+            plan_buckets();
+            if (recipe_.run.overlap_grad_reduce) side_ = std::make_unique<cuda::SideStream>(ctx());
+        }
         // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
         if (const gpu::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
@@ -92,8 +98,11 @@ class CudaEngine final : public DeviceEngine {
         StepOutcome out;
         if (slots_ == 0) {  // eager
             begin_step();
-            for (const MicroBatch* mb : mbs) out.losses.push_back(micro_batch(*mb, sc));
-            reduce_data_parallel();
+            for (size_t i = 0; i < mbs.size(); ++i) {
+                if (i + 1 == mbs.size()) begin_reduce();
+                out.losses.push_back(micro_batch(*mbs[i], sc));
+            }
+            finish_reduce();
             out.stats = opt_->step(ctx(), run, step);
             out.stash = stash_use();
             return out;
@@ -111,11 +120,12 @@ class CudaEngine final : public DeviceEngine {
             begin_step();
             for (int64_t i = 0; i < n; ++i) {
                 model_->copy_inputs_from(ctx(), slots + i * words);
+                if (i + 1 == n) begin_reduce();
                 model_->enqueue(ctx(), sc);
                 const int64_t bytes = model_->n_sums() * int64_t(sizeof(double));
                 cuda::copy_2d(ctx(), sums + i * model_->n_sums(), 0, model_->sums(), 0, bytes, 1);
             }
-            reduce_data_parallel();
+            finish_reduce();
             opt_->enqueue_step(ctx(), run);
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
@@ -176,8 +186,11 @@ class CudaEngine final : public DeviceEngine {
             cuda::zero(ctx(), plan_.class_base(MemClass::Gradients),
                        plan_.class_bytes(MemClass::Gradients));
             model_->reset_moe_stats(ctx());
-            for (int64_t i = 0; i < micro_batches; ++i) model_->enqueue(ctx(), scales);
-            reduce_data_parallel();
+            for (int64_t i = 0; i < micro_batches; ++i) {
+                if (i + 1 == micro_batches) begin_reduce();
+                model_->enqueue(ctx(), scales);
+            }
+            finish_reduce();
             if (optimizer) opt_->enqueue_step(ctx(), run);
         };
         if (optimizer) opt_->stage_schedule(ctx(), run, step);
@@ -205,14 +218,61 @@ class CudaEngine final : public DeviceEngine {
     }
 
   private:
-    // Data parallelism: gradients and routing statistics summed over the ranks, on the stream.
-    void reduce_data_parallel() {
+    // Data parallelism: gradients and routing statistics summed over the ranks. With
+    // overlap_grad_reduce the step's last micro-batch reduces each bucket (the gradient ranges
+    // complete at one backward point, gpu_model.h) on a side stream as soon as its backward
+    // point passes, overlapping the rest of the backward; finish_reduce() reduces what is left
+    // (all of it without overlap, or a forward-only step), then the main stream waits for the
+    // side stream before clipping reads the gradients.
+    void plan_buckets() {
+        const auto& params = model_->params().params();
+        struct Entry {
+            float* grad;
+            int64_t n;
+            int point;
+        };
+        std::vector<Entry> all;
+        for (size_t i = 0; i < params.size(); ++i) {
+            const gpu::GpuParam& g = model_->gpu_params()[int64_t(i)];
+            if (g.grad) all.push_back({g.grad, g.numel, model_->backward_point(params[i].name)});
+        }
+        std::sort(all.begin(), all.end(),
+                  [](const Entry& a, const Entry& b) { return a.grad < b.grad; });
+        buckets_.assign(size_t(model_->backward_points()), {});
+        // Neighbours in the arena that complete at the same point form one range (the gap
+        // between them is alignment padding, zeroed with the gradients).
+        for (size_t i = 0; i < all.size();) {
+            size_t j = i + 1;
+            while (j < all.size() && all[j].point == all[i].point) ++j;
+            float* end = all[j - 1].grad + all[j - 1].n;
+            buckets_[size_t(all[i].point)].push_back({all[i].grad, int64_t(end - all[i].grad)});
+            i = j;
+        }
+    }
+    void reduce_point(int p) {
+        if (fired_[size_t(p)]) return;
+        fired_[size_t(p)] = true;
+        if (buckets_[size_t(p)].empty()) return;
+        void* stream = ctx().stream;
+        if (side_) side_->fork(), stream = side_->stream();
+        for (auto [ptr, n] : buckets_[size_t(p)]) dp_->device_allreduce_sum(ptr, n, stream);
+    }
+    void begin_reduce() {
         if (!dp_) return;
-        dp_->device_allreduce_sum(reinterpret_cast<float*>(plan_.class_base(MemClass::Gradients)),
-                                  int64_t(plan_.class_bytes(MemClass::Gradients) / sizeof(float)),
-                                  ctx().stream);
+        fired_.assign(buckets_.size(), false);
+        if (side_) model_->set_backward_hook([this](int p) { reduce_point(p); });
+    }
+    void finish_reduce() {
+        if (!dp_) return;
+        model_->set_backward_hook(nullptr);
+        if (fired_.size() != buckets_.size()) fired_.assign(buckets_.size(), false);
+        for (int p = 0; p < int(buckets_.size()); ++p) reduce_point(p);
+        void* stream = ctx().stream;
+        if (side_) side_->fork(), stream = side_->stream();
         for (auto [stats, n] : model_->moe_stat_buffers())
-            dp_->device_allreduce_sum(stats, n, ctx().stream);
+            dp_->device_allreduce_sum(stats, n, stream);
+        if (side_) side_->join();
+        fired_.clear();
     }
     StashUse stash_use() const {
         StashUse u;
@@ -258,6 +318,9 @@ class CudaEngine final : public DeviceEngine {
     const MemoryPlan& host_plan_;
     const Optimizer& host_optimizer_;
     Comm* dp_ = nullptr;
+    std::vector<std::vector<std::pair<float*, int64_t>>> buckets_;  // per backward point
+    std::vector<bool> fired_;
+    std::unique_ptr<cuda::SideStream> side_;  // overlap_grad_reduce
     cuda::CudaSession session_;
     MemoryPlan plan_;
     std::unique_ptr<gpu::GpuModel> model_;

@@ -16,7 +16,6 @@
 
 namespace sparsetron::test {
 
-// A fresh, empty directory under the build tree for one test.
 // Runs `fn` and returns the message of the sparsetron::Error it throws ("" if none).
 template <typename Fn>
 std::string error_of(Fn&& fn) {
@@ -28,6 +27,7 @@ std::string error_of(Fn&& fn) {
     return "";
 }
 
+// A fresh, empty directory under the build tree for one test.
 inline std::string temp_dir(const std::string& name) {
     namespace fs = std::filesystem;
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

@@ -112,6 +112,38 @@ TEST_F(CudaOps, GemmFp32AndBatched) {
     expect_guard(dc, "gemm batched");
 }
 
+// fp32 GEMMs at PyTorch's three float32 matmul precisions (Muon's muon_fp32_matmul_prec): the
+// error against the fp32 CPU GEMM must grow as the input rounding coarsens (fp32 < TF32's 10-bit
+// mantissa < bf16's 7-bit), each within its format's bound, so a mode that is not applied fails.
+TEST_F(CudaOps, GemmFp32PrecisionModes) {
+    const int64_t m = 96, n = 128, k = 512;
+    auto a = random_vector<float>(m * k, 51), b = random_vector<float>(n * k, 52);
+    DeviceArray<float> da(a), db(b), dc(m * n);
+    std::vector<float> ref(m * n);
+    cpu::gemm<float>(false, true, m, n, k, 1.f, a.data(), k, b.data(), k, 0.f, ref.data(), n);
+    auto error = [&](bool tf32, bool bf16) {
+        cuda::GemmBatch g;
+        g.tf32 = tf32, g.bf16 = bf16;
+        cuda::gemm(ctx(), false, true, m, n, k, 1.f, da, k, db, k, 0.f, dc, n, DType::F32,
+                   DType::F32, g);
+        sync();
+        const auto got = dc.download();
+        double num = 0, den = 0;
+        for (size_t i = 0; i < ref.size(); ++i)
+            num += (double(got[i]) - ref[i]) * (double(got[i]) - ref[i]),
+                den += double(ref[i]) * ref[i];
+        return std::sqrt(num / den);
+    };
+    const double exact = error(false, false), tf32 = error(true, false), bf16 = error(false, true);
+    std::cout << "[harness] fp32 GEMM normalized error: fp32 " << exact << ", tf32 " << tf32
+              << ", bf16 " << bf16 << "\n";
+    EXPECT_LT(exact, 1e-6);
+    EXPECT_GT(tf32, 4 * exact);
+    EXPECT_LT(tf32, 2e-3);
+    EXPECT_GT(bf16, 4 * tf32);
+    EXPECT_LT(bf16, 1e-2);
+}
+
 TEST_F(CudaOps, Embedding) {
     const int64_t rows = 150, vocab = 300, dim = 72;
     Rounded table(vocab * dim, 11), dout(rows * dim, 12);

@@ -112,18 +112,18 @@ TEST_F(CudaOps, GemmFp32AndBatched) {
     expect_guard(dc, "gemm batched");
 }
 
-// fp32 GEMMs at PyTorch's three float32 matmul precisions (Muon's muon_fp32_matmul_prec): the
-// error against the fp32 CPU GEMM must grow as the input rounding coarsens (fp32 < TF32's 10-bit
-// mantissa < bf16's 7-bit), each within its format's bound, so a mode that is not applied fails.
+// fp32 GEMMs exact and with TF32 tensor cores (Muon's muon_fp32_matmul_prec): the TF32 error
+// against the fp32 CPU GEMM must be TF32-sized (10-bit mantissa inputs), the exact mode's
+// fp32-sized, so a mode that is not applied fails. Measured on the H200: 2.3e-7 and 2.6e-4.
 TEST_F(CudaOps, GemmFp32PrecisionModes) {
     const int64_t m = 96, n = 128, k = 512;
     auto a = random_vector<float>(m * k, 51), b = random_vector<float>(n * k, 52);
     DeviceArray<float> da(a), db(b), dc(m * n);
     std::vector<float> ref(m * n);
     cpu::gemm<float>(false, true, m, n, k, 1.f, a.data(), k, b.data(), k, 0.f, ref.data(), n);
-    auto error = [&](bool tf32, bool bf16) {
+    auto error = [&](bool tf32) {
         cuda::GemmBatch g;
-        g.tf32 = tf32, g.bf16 = bf16;
+        g.tf32 = tf32;
         cuda::gemm(ctx(), false, true, m, n, k, 1.f, da, k, db, k, 0.f, dc, n, DType::F32,
                    DType::F32, g);
         sync();
@@ -134,14 +134,12 @@ TEST_F(CudaOps, GemmFp32PrecisionModes) {
                 den += double(ref[i]) * ref[i];
         return std::sqrt(num / den);
     };
-    const double exact = error(false, false), tf32 = error(true, false), bf16 = error(false, true);
+    const double exact = error(false), tf32 = error(true);
     std::cout << "[harness] fp32 GEMM normalized error: fp32 " << exact << ", tf32 " << tf32
-              << ", bf16 " << bf16 << "\n";
+              << "\n";
     EXPECT_LT(exact, 1e-6);
-    EXPECT_GT(tf32, 4 * exact);
+    EXPECT_GT(tf32, 1e-5);
     EXPECT_LT(tf32, 2e-3);
-    EXPECT_GT(bf16, 4 * tf32);
-    EXPECT_LT(bf16, 1e-2);
 }
 
 TEST_F(CudaOps, Embedding) {

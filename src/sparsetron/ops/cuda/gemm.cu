@@ -34,11 +34,8 @@ cublasLtMatrixLayout_t layout(cudaDataType_t t, int64_t rows, int64_t cols, int6
 GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
                    int64_t ldb, int64_t ldc, DType ab, DType ct, const GemmBatch& batch) {
     GemmPlan p;
-    cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-    if (ab == DType::F32 && batch.bf16)
-        compute = CUBLAS_COMPUTE_32F_FAST_16BF;
-    else if (ab == DType::F32 && batch.tf32)
-        compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+    const cublasComputeType_t compute =
+        batch.tf32 && ab == DType::F32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     ST_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, compute, CUDA_R_32F));
     // cuBLASLt's A is our B (column-major B^T), its B is our A.
     cublasOperation_t op_lt_a = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -77,7 +74,7 @@ void gemm(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_
     ST_ASSERT(ctx.libs, "cuda::gemm needs an ExecContext from a CudaSession");
     if (m == 0 || n == 0) return;
     Libraries& libs = *ctx.libs;
-    const std::array<int64_t, 16> key{ta,
+    const std::array<int64_t, 15> key{ta,
                                       tb,
                                       m,
                                       n,
@@ -91,8 +88,7 @@ void gemm(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_
                                       batch.stride_a,
                                       batch.stride_b,
                                       batch.stride_c,
-                                      batch.tf32,
-                                      batch.bf16};
+                                      batch.tf32};
     auto it = libs.plans.find(key);
     if (it == libs.plans.end())
         it = libs.plans.emplace(key, make_plan(libs, ta, tb, m, n, k, lda, ldb, ldc, ab, ct, batch))

@@ -31,7 +31,7 @@ struct Libraries {
     cublasLtHandle_t lt = nullptr;
     void* workspace = nullptr;
     size_t workspace_bytes = 64u << 20;  // cuBLASLt's recommendation for Hopper is 32 MiB or more
-    std::map<std::array<int64_t, 16>, GemmPlan> plans;
+    std::map<std::array<int64_t, 15>, GemmPlan> plans;
 };
 
 }  // namespace sparsetron::cuda

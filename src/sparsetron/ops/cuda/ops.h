@@ -23,12 +23,12 @@ namespace sparsetron::cuda {
 // `batch` > 1 runs independent problems at the given element strides.
 struct GemmBatch {
     int64_t count = 1, stride_a = 0, stride_b = 0, stride_c = 0;
-    // fp32 inputs and outputs with reduced-precision tensor-core math, PyTorch's float32 matmul
-    // precision: `tf32` ("high": TF32 inputs) or `bf16` ("medium": inputs rounded to bf16,
-    // CUBLAS_COMPUTE_32F_FAST_16BF); fp32 accumulation either way. Muon's Newton-Schulz only;
-    // never for the router or the tests' fp32 references.
+    // fp32 inputs: let cuBLASLt use TF32 tensor cores (Muon's Newton-Schulz at
+    // muon_fp32_matmul_prec "medium"/"high"; never for the router or the tests' fp32 references).
+    // CUBLAS_COMPUTE_32F_FAST_16BF was tried for "medium": on the H200 it gave TF32's error and
+    // time exactly (docs/perf/2026-11-30-muon-optimizer-share.md), so bf16 Newton-Schulz needs
+    // explicit bf16 operands.
     bool tf32 = false;
-    bool bf16 = false;
 };
 void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
           float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c,

@@ -157,12 +157,10 @@ void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_
                          reinterpret_cast<int32_t*>(scal + 2));
         cuda::scale_by_inverse_norm(ctx, W, n, scal, 1e-7f);
         const auto F32 = DType::F32;
-        // muon_fp32_matmul_prec, PyTorch's float32 matmul precision as the seed's Muon sets it:
-        // "highest" true fp32, "high" TF32 tensor cores, "medium" (the default) and "low" bf16
-        // tensor cores (inputs rounded to bf16, fp32 accumulation and output).
+        // muon_fp32_matmul_prec (PyTorch's float32 matmul precision): "highest" keeps true fp32,
+        // "high"/"medium" allow TF32 tensor cores, as the seed's Muon does.
         cuda::GemmBatch one;
-        one.tf32 = r.muon_fp32_matmul_prec == "high";
-        one.bf16 = r.muon_fp32_matmul_prec == "medium" || r.muon_fp32_matmul_prec == "low";
+        one.tf32 = r.muon_fp32_matmul_prec != "highest";
         for (int64_t k = 0; k < r.muon_num_ns_steps; ++k) {
             const MuonCoefficients c = muon_ns_coefficients(r.muon_coefficient_type, k);
             cuda::gemm(ctx, false, true, rr, rr, cc, 1.f, W, cc, W, cc, 0.f, A, rr, F32, F32, one);

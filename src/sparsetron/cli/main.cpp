@@ -177,7 +177,10 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     const auto& params = trainer.params();
     const std::string dp =
         trainer.dp_size() > 1 && g_comm
-            ? cat(" | data parallel over ", trainer.dp_size(), " ", g_comm->name(), " ranks")
+            ? cat(" | data parallel over ", trainer.dp_size(), " ", g_comm->name(), " ranks",
+                  r.expert_model_parallel_size > 1
+                      ? cat(", expert parallel ", r.expert_model_parallel_size)
+                      : std::string())
             : std::string();
     std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
                 recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());

@@ -47,6 +47,9 @@ struct ModelConfig {
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page
     double moe_paged_stash_buffer_size_factor = 1.0;  // pool / the worst case of every application
+    // Not a recipe key: make_training_plan() copies the run's expert_model_parallel_size here,
+    // the bound of the MoE layers' expert-parallel receive buffers.
+    int64_t expert_parallel_ranks = 1;
 
     // DSA.
     std::string experimental_attention_variant = "dsa";  // "none" | "dsa"

@@ -480,6 +480,13 @@ void Glm5Model<T>::set_moe_stats_flat(const std::vector<int64_t>& flat) {
 }
 
 template <typename T>
+void Glm5Model<T>::set_expert_parallel(Comm* ep) {
+    for (auto& l : layers_)
+        if (l->moe()) l->moe()->set_expert_parallel(ep);
+    if (mtp_layer_ && mtp_layer_->moe()) mtp_layer_->moe()->set_expert_parallel(ep);
+}
+
+template <typename T>
 void Glm5Model<T>::update_router_bias(double rate) {
     for (auto& l : layers_)
         if (l->moe()) l->moe()->update_bias(rate);

@@ -69,6 +69,9 @@ class Glm5Model {
     // data-parallel ranks sum them before the bias update and the metrics.
     std::vector<int64_t> moe_stats_flat() const;
     void set_moe_stats_flat(const std::vector<int64_t>& flat);
+    // Expert parallelism: every MoE layer exchanges its rows over `ep` (the layout's EP group,
+    // of the size the model was planned for: cfg.expert_parallel_ranks).
+    void set_expert_parallel(Comm* ep);
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].

@@ -46,6 +46,20 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
         s_sdu_ = buf.scratch("grad.moe.shared_up", {tokens, Fs_});
     }
     stats_.load.assign(E_, 0);
+    W_ = c.expert_parallel_ranks;
+    ST_CHECK(W_ >= 1 && E_ % W_ == 0, "num_experts (", E_,
+             ") must be divisible by expert_model_parallel_size (", W_, ")");
+    El_ = E_ / W_;
+    if (W_ > 1) {
+        // A source sends at most tokens x top-k rows: W of them can arrive.
+        const int64_t Rr = W_ * R;
+        s_outr_ = buf.scratch("grad.moe.ep_out_received", {Rr, h_});
+        s_doutr_ = buf.scratch("grad.moe.ep_dout_received", {Rr, h_});
+        s_dxr_ = buf.scratch("grad.moe.ep_dx_received", {Rr, h_});
+        s_dactr_ = buf.scratch("grad.moe.ep_act_received", {Rr, F_});
+        s_dgr_ = buf.scratch("grad.moe.ep_gate_received", {Rr, F_});
+        s_dur_ = buf.scratch("grad.moe.ep_up_received", {Rr, F_});
+    }
 }
 
 template <typename T>
@@ -62,6 +76,12 @@ typename MoeLayer<T>::Slots MoeLayer<T>::declare_acts(Buffers& buf, const std::s
     s.u = buf.act(p + "expert_up", {R, F_});
     s.act = buf.act(p + "expert_act", {R, F_});
     s.out_perm = buf.act(p + "expert_out", {R, h_});
+    if (W_ > 1) {
+        s.xr = buf.act(p + "ep_x_received", {W_ * R, h_});
+        s.gr = buf.act(p + "ep_gate_received", {W_ * R, F_});
+        s.ur = buf.act(p + "ep_up_received", {W_ * R, F_});
+        s.actr = buf.act(p + "ep_act_received", {W_ * R, F_});
+    }
     s.sg = s.su = s.sact = -1;
     if (Fs_ > 0) {
         s.sg = buf.act(p + "shared_gate", {Tn, Fs_});
@@ -75,9 +95,12 @@ template <typename T>
 typename MoeLayer<T>::Acts MoeLayer<T>::resolve(const Buffers& buf, const Slots& s) const {
     auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
     auto I = [&](MemoryPlan::Slot x) { return buf.ptr<int32_t>(x); };
-    return {P(s.probs), I(s.topk), P(s.gates), I(s.slot_row), I(s.perm_token), P(s.xperm),
-            P(s.g),     P(s.u),    P(s.act),   P(s.out_perm), P(s.sg),         P(s.su),
-            P(s.sact),  {}};
+    Acts a{P(s.probs), I(s.topk), P(s.gates), I(s.slot_row), I(s.perm_token), P(s.xperm),
+           P(s.g),     P(s.u),    P(s.act),   P(s.out_perm), P(s.sg),         P(s.su),
+           P(s.sact),  {},        nullptr,    nullptr,       nullptr,         nullptr,
+           {}};
+    a.xr = P(s.xr), a.gr = P(s.gr), a.ur = P(s.ur), a.actr = P(s.actr);
+    return a;
 }
 
 template <typename T>
@@ -90,6 +113,74 @@ void MoeLayer<T>::bind(const Buffers& buf, const std::vector<T*>& params,
     dxperm_ = P(s_dxperm_), doutperm_ = P(s_doutperm_), dact_ = P(s_dact_), dg_ = P(s_dg_);
     du_ = P(s_du_), dlogits_ = P(s_dlogits_), sdact_ = P(s_sdact_), sdg_ = P(s_sdg_);
     sdu_ = P(s_sdu_);
+    outr_ = P(s_outr_), doutr_ = P(s_doutr_), dxr_ = P(s_dxr_), dactr_ = P(s_dactr_);
+    dgr_ = P(s_dgr_), dur_ = P(s_dur_);
+}
+
+template <typename T>
+void MoeLayer<T>::set_expert_parallel(Comm* ep) {
+    const int ranks = ep ? ep->size() : 1;
+    ST_CHECK(ranks == W_, "the MoE layers were planned for ", W_,
+             " expert-parallel ranks, the group has ", ranks);
+    ep_ = ranks > 1 ? ep : nullptr;
+}
+
+template <typename T>
+std::vector<int64_t> MoeLayer<T>::ep_send_bytes(const Acts& A, int64_t width) const {
+    std::vector<int64_t> b(static_cast<size_t>(W_));
+    for (int64_t d = 0; d < W_; ++d)
+        b[size_t(d)] = (A.offsets[(d + 1) * El_] - A.offsets[d * El_]) * width * int64_t(sizeof(T));
+    return b;
+}
+
+template <typename T>
+std::vector<int64_t> MoeLayer<T>::ep_recv_bytes(const Acts& A, int64_t width) const {
+    std::vector<int64_t> b(size_t(W_), 0);
+    for (int64_t s = 0; s < W_; ++s)
+        for (int64_t l = 0; l < El_; ++l)
+            b[size_t(s)] += A.ep_recv[size_t(s * El_ + l)] * width * int64_t(sizeof(T));
+    return b;
+}
+
+template <typename T>
+void MoeLayer<T>::ep_forward(Acts& A) {
+    // Rows per (destination, its expert), then the rows themselves.
+    std::vector<int64_t> send(static_cast<size_t>(E_));
+    for (int64_t e = 0; e < E_; ++e) send[size_t(e)] = A.offsets[e + 1] - A.offsets[e];
+    A.ep_recv.assign(size_t(W_ * El_), 0);
+    const std::vector<int64_t> counts(size_t(W_), El_ * int64_t(sizeof(int64_t)));
+    ep_->alltoallv(send.data(), counts, A.ep_recv.data(), counts);
+    const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
+    ep_->alltoallv(A.xperm, sb, A.xr, rb);
+    const int64_t first = int64_t(ep_->rank()) * El_;
+    int64_t r = 0;
+    for (int64_t s = 0; s < W_; ++s)
+        for (int64_t l = 0; l < El_; ++l) {
+            const int64_t n = A.ep_recv[size_t(s * El_ + l)];
+            experts_[size_t(first + l)].forward(A.xr + r * h_, n,
+                                                {A.gr + r * F_, A.ur + r * F_, A.actr + r * F_},
+                                                outr_ + r * h_, false);
+            r += n;
+        }
+    // The outputs land where the rows came from: the permuted layout of the one-rank code.
+    ep_->alltoallv(outr_, rb, A.out_perm, sb);
+}
+
+template <typename T>
+void MoeLayer<T>::ep_backward(const Acts& A) const {
+    const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
+    ep_->alltoallv(doutperm_, sb, doutr_, rb);
+    const int64_t first = int64_t(ep_->rank()) * El_;
+    int64_t r = 0;
+    for (int64_t s = 0; s < W_; ++s)
+        for (int64_t l = 0; l < El_; ++l) {
+            const int64_t n = A.ep_recv[size_t(s * El_ + l)];
+            experts_[size_t(first + l)].backward(
+                A.xr + r * h_, doutr_ + r * h_, n, {A.gr + r * F_, A.ur + r * F_, A.actr + r * F_},
+                {dactr_ + r * F_, dgr_ + r * F_, dur_ + r * F_}, dxr_ + r * h_, false);
+            r += n;
+        }
+    ep_->alltoallv(dxr_, rb, dxperm_, sb);
 }
 
 template <typename T>
@@ -167,10 +258,15 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
                 std::copy_n(m + A.perm_token[r] * h_, h_, A.xperm + r * h_);
         },
         16);
-    for (int64_t e = 0; e < E_; ++e) {
-        int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
-        experts_[e].forward(A.xperm + r0 * h_, n, {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
-                            A.out_perm + r0 * h_, false);
+    if (ep()) {
+        ep_forward(A);
+    } else {
+        for (int64_t e = 0; e < E_; ++e) {
+            int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
+            experts_[e].forward(A.xperm + r0 * h_, n,
+                                {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
+                                A.out_perm + r0 * h_, false);
+        }
     }
     parallel_for(
         Tn,
@@ -232,12 +328,16 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
                 }
         },
         16);
-    for (int64_t e = 0; e < E_; ++e) {
-        int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
-        experts_[e].backward(A.xperm + r0 * h_, doutperm_ + r0 * h_, n,
-                             {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
-                             {dact_ + r0 * F_, dg_ + r0 * F_, du_ + r0 * F_}, dxperm_ + r0 * h_,
-                             false);
+    if (ep()) {
+        ep_backward(A);
+    } else {
+        for (int64_t e = 0; e < E_; ++e) {
+            int64_t r0 = A.offsets[e], n = A.offsets[e + 1] - r0;
+            experts_[e].backward(A.xperm + r0 * h_, doutperm_ + r0 * h_, n,
+                                 {A.g + r0 * F_, A.u + r0 * F_, A.act + r0 * F_},
+                                 {dact_ + r0 * F_, dg_ + r0 * F_, du_ + r0 * F_}, dxperm_ + r0 * h_,
+                                 false);
+        }
     }
     (void)R;
     // Router: g_j = c * s_j / S over the chosen set; dS flows into every chosen s.

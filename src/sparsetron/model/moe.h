@@ -4,6 +4,15 @@
 //
 // Static shapes: the permuted buffers hold T*k rows; each expert takes at most `capacity` rows
 // (moe_capacity_factor; 0 = dropless). Rows over capacity are dropped, counted and reported.
+//
+// Expert parallelism (cfg.expert_parallel_ranks = W > 1, set_expert_parallel(): W ranks, rank r
+// computes experts [r E/W, (r+1) E/W)): the permuted rows are destination-major already, so the
+// dispatch is one alltoallv of their blocks (after one of the per-expert counts); the owner runs
+// its experts over every source's rows (source by source, expert by expert) and one alltoallv
+// sends the outputs back into the permuted layout, where the combine is the one-rank code. The
+// backward sends the output gradients the same way and the input gradients back. Every rank
+// keeps all expert weights (the static plan is the one-rank plan plus the receive buffers); an
+// expert's gradient is nonzero only on its owner, so the data-parallel sum is the full gradient.
 #pragma once
 
 #include <string>
@@ -13,6 +22,7 @@
 #include "sparsetron/model/buffers.h"
 #include "sparsetron/model/mlp.h"
 #include "sparsetron/model/step_inputs.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron {
 
@@ -22,6 +32,7 @@ class MoeLayer {
     struct Slots {
         MemoryPlan::Slot probs, topk, gates, slot_row, perm_token, xperm, g, u, act, out_perm, sg,
             su, sact;
+        MemoryPlan::Slot xr = -1, gr = -1, ur = -1, actr = -1;  // expert parallelism
     };
     struct Acts {
         T* probs;             // [T, E] sigmoid scores
@@ -32,6 +43,10 @@ class MoeLayer {
         T *xperm, *g, *u, *act, *out_perm;  // permuted rows
         T *sg, *su, *sact;                  // shared expert
         std::vector<int64_t> offsets;       // [E+1] permuted row ranges of the last forward
+        // Expert parallelism: the rows received for this rank's experts (source-major, then
+        // expert) and their activations; ep_recv [W x E/W] rows from each source per expert.
+        T *xr = nullptr, *gr = nullptr, *ur = nullptr, *actr = nullptr;
+        std::vector<int64_t> ep_recv;
     };
     struct Stats {
         std::vector<int64_t> load;  // tokens per expert (accumulated until reset)
@@ -52,6 +67,8 @@ class MoeLayer {
 
     // Aux-loss-free balancing after an optimizer step: b_e += rate * sign(mean_load - load_e).
     void update_bias(double rate);
+    // The expert-parallel group (size cfg.expert_parallel_ranks); null or one rank: local experts.
+    void set_expert_parallel(Comm* ep);
     Stats& stats() { return stats_; }
     int64_t capacity() const { return capacity_; }
 
@@ -59,6 +76,12 @@ class MoeLayer {
     void route(Acts& A, const StepInputs& in);
     // The aux loss's per-expert routed fraction f_e over the document rows [begin, end).
     std::vector<double> expert_fractions(const Acts& A, int64_t begin, int64_t end) const;
+    bool ep() const { return ep_ != nullptr; }
+    // Bytes of the permuted rows sent to each rank (row width `width`), and received from each.
+    std::vector<int64_t> ep_send_bytes(const Acts& A, int64_t width) const;
+    std::vector<int64_t> ep_recv_bytes(const Acts& A, int64_t width) const;
+    void ep_forward(Acts& A);
+    void ep_backward(const Acts& A) const;
     const ModelConfig& c_;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
     int64_t router_, bias_;
@@ -69,6 +92,12 @@ class MoeLayer {
         s_dlogits_;
     T *dxperm_, *doutperm_, *dact_, *dg_, *du_, *sdact_, *sdg_, *sdu_, *dlogits_;
     Stats stats_;
+    int64_t W_ = 1, El_ = 0;  // expert-parallel ranks, experts per rank
+    Comm* ep_ = nullptr;
+    MemoryPlan::Slot s_outr_ = -1, s_doutr_ = -1, s_dxr_ = -1, s_dactr_ = -1, s_dgr_ = -1,
+                     s_dur_ = -1;
+    T *outr_ = nullptr, *doutr_ = nullptr, *dxr_ = nullptr, *dactr_ = nullptr, *dgr_ = nullptr,
+      *dur_ = nullptr;
 };
 
 }  // namespace sparsetron

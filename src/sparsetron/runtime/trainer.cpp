@@ -11,6 +11,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
+#include "sparsetron/parallel/layout.h"
 
 namespace fs = std::filesystem;
 
@@ -85,10 +86,13 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
     ST_CHECK(o.device == Device::CPU || !r.run.use_distributed_optimizer,
              "use_distributed_optimizer is not implemented on CUDA yet (it runs on CPU ranks); "
              "drop the key to keep the whole optimizer state on every GPU");
-    ST_CHECK(r.run.expert_model_parallel_size == 1 && r.run.context_parallel_size == 1 &&
-                 r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
-             "only data parallelism is implemented across processes so far (expert, context, "
-             "tensor and pipeline parallel sizes must be 1)");
+    ST_CHECK(r.run.context_parallel_size == 1 && r.run.tensor_model_parallel_size == 1 &&
+                 r.run.pipeline_model_parallel_size == 1,
+             "only data and expert parallelism are implemented across processes so far "
+             "(context, tensor and pipeline parallel sizes must be 1)");
+    ST_CHECK(o.device == Device::CPU || r.run.expert_model_parallel_size == 1,
+             "expert parallelism runs on CPU ranks so far (the CUDA MoE keeps every expert on "
+             "each GPU); set expert_model_parallel_size: 1 for --device cuda");
 }
 
 fs::path find_bundled_corpus() {
@@ -129,6 +133,7 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
         recipe.model.dsa_indexer_topk = std::max(recipe.model.dsa_indexer_topk, slots);
         recipe.model.dsa_indexer_use_sparse_loss = false;
     }
+    recipe.model.expert_parallel_ranks = r.expert_model_parallel_size;
     tp->max_documents = r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch
                                                            : default_max_documents(slots);
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
@@ -169,6 +174,12 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
+        if (r.expert_model_parallel_size > 1) {
+            // The layout's communicators, made once; the MoE layers exchange rows over EP.
+            groups_ = std::make_unique<ProcessGroups>(
+                ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
+            tp_->model->set_expert_parallel(groups_->ep.get());
+        }
     }
     for (const auto& p : tp_->model->params().params())
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);

@@ -16,6 +16,7 @@
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/optim/optimizer.h"
 #include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/runtime/device_engine.h"
 
 namespace sparsetron {
@@ -107,9 +108,10 @@ class Trainer {
     std::vector<MicroBatch> batches_;
     std::vector<bool> indexer_only_;  // parameters dense warm-up updates
     TrainerState state_;
-    std::unique_ptr<DeviceEngine> engine_;  // set for --device cuda
-    std::vector<int> owner_;                // distributed optimizer: owning rank per parameter
-    std::vector<bool> owned_;               // ... and whether this rank owns it
+    std::unique_ptr<DeviceEngine> engine_;   // set for --device cuda
+    std::unique_ptr<ProcessGroups> groups_;  // expert parallelism (CPU ranks)
+    std::vector<int> owner_;                 // distributed optimizer: owning rank per parameter
+    std::vector<bool> owned_;                // ... and whether this rank owns it
 };
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -72,7 +73,10 @@ class CountingComm final : public Comm {
     std::unique_ptr<Comm> split(int color, int key) override {
         return std::make_unique<CountingComm>(in_.split(color, key), sent_);
     }
-    [[noreturn]] void abort(int code) override { in_.abort(code); }
+    [[noreturn]] void abort(int code) override {
+        in_.abort(code);
+        std::abort();  // not reached: Comm::abort does not return
+    }
     std::string name() const override { return "counting " + in_.name(); }
 
   private:

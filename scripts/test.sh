@@ -5,21 +5,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+# Each stage's wall time, so a slow CI run shows where the time went.
+stage_start=$SECONDS
+stage() {
+  echo "   (previous stage: $((SECONDS - stage_start)) s)"
+  stage_start=$SECONDS
+  echo "== $*"
+}
 scripts/setup.sh
 
-echo "== format check (.clang-format)"
+stage "format check (.clang-format)"
 scripts/format.sh --check
 
-echo "== build: default preset (release, CUDA when available)"
+stage "build: default preset (release, CUDA when available)"
 cmake --preset default
 cmake --build --preset default
-echo "== tests: cpu (and gpu, which skip without a GPU)"
+stage "tests: cpu (and gpu, which skip without a GPU)"
 ctest --preset default -L 'cpu|gpu'
-echo "== tests: mpi (data parallelism over 2 and 4 MPI ranks on CPU)"
+stage "tests: mpi (data and expert parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
 
-echo "== build: asan preset (ASan + UBSan, no CUDA)"
+stage "build: asan preset (ASan + UBSan, no CUDA, no MPI targets)"
 cmake --preset asan
 cmake --build --preset asan
-echo "== tests: cpu under ASan + UBSan"
+stage "tests: cpu under ASan + UBSan"
 ctest --preset asan -L cpu
+stage "done in $SECONDS s"

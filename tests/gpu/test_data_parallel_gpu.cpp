@@ -79,7 +79,9 @@ void compare_with_one_gpu(const std::string& tag, const std::string& extra) {
         EXPECT_NEAR(lb, la, tol * la) << "step " << i + 1;
         EXPECT_NEAR(mb, ma, tol * ma + 1e-9) << "step " << i + 1;
         EXPECT_NEAR(gb, ga, (i == 0 ? 1e-5 : 2e-3) * ga) << "step " << i + 1;
-        if (i == 0) EXPECT_EQ(a[i]["moe_load"], b[i]["moe_load"]) << "step 1 expert loads";
+        if (i == 0) {
+            EXPECT_EQ(a[i]["moe_load"], b[i]["moe_load"]) << "step 1 expert loads";
+        }
     }
 }
 

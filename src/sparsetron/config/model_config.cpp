@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 
 #include "sparsetron/core/error.h"
 
@@ -16,6 +17,13 @@ int64_t ModelConfig::num_moe_layers() const {
 bool ModelConfig::is_moe_layer(int64_t layer) const {
     return layer >= 0 && layer < static_cast<int64_t>(moe_layer_pattern.size()) &&
            moe_layer_pattern[layer] != 0;
+}
+
+int64_t ModelConfig::moe_expert_capacity(int64_t tokens) const {
+    if (moe_capacity_factor <= 0) return tokens;
+    return std::min<int64_t>(
+        tokens, static_cast<int64_t>(std::ceil(moe_capacity_factor * double(tokens) *
+                                               double(moe_router_topk) / double(num_experts))));
 }
 
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {

@@ -79,6 +79,9 @@ struct ModelConfig {
     int64_t num_moe_layers() const;
     int64_t num_dense_layers() const { return num_layers - num_moe_layers(); }
     bool is_moe_layer(int64_t layer) const;
+    // Rows one expert keeps from a micro-batch of `tokens`: ceil(moe_capacity_factor x tokens x
+    // top-k / experts), at most tokens; tokens when dropless (factor 0).
+    int64_t moe_expert_capacity(int64_t tokens) const;
     bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
 };
 

@@ -22,11 +22,7 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
       k_(c.moe_router_topk),
       F_(c.moe_ffn_hidden_size),
       Fs_(c.moe_shared_expert_intermediate_size) {
-    capacity_ =
-        c.moe_capacity_factor > 0
-            ? std::min<int64_t>(
-                  tokens, static_cast<int64_t>(std::ceil(c.moe_capacity_factor * tokens * k_ / E_)))
-            : tokens;
+    capacity_ = c.moe_expert_capacity(tokens);
     router_ = store.add(p + "gate.weight", {E_, h_}, InitRule::Normal, false);
     bias_ = store.add_buffer(p + "gate.e_score_correction_bias", {E_}, InitRule::Zeros);
     for (int64_t e = 0; e < E_; ++e)

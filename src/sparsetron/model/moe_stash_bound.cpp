@@ -11,13 +11,8 @@ MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens) {
     if (c.mtp_num_layers > 0 && c.is_moe_layer(c.num_layers - 1))
         b.applications += c.mtp_num_layers;
     b.max_rows = tokens * c.moe_router_topk;
-    if (c.moe_capacity_factor > 0 && c.num_experts > 0) {
-        // The same per-expert capacity as the MoE layers (model/moe.cpp, gpu_ffn.cpp).
-        const int64_t capacity = std::min<int64_t>(
-            tokens, int64_t(std::ceil(c.moe_capacity_factor * double(tokens) *
-                                      double(c.moe_router_topk) / double(c.num_experts))));
-        b.max_rows = std::min(b.max_rows, capacity * c.num_experts);
-    }
+    if (c.moe_capacity_factor > 0 && c.num_experts > 0)
+        b.max_rows = std::min(b.max_rows, c.moe_expert_capacity(tokens) * c.num_experts);
     b.page_rows = c.moe_paged_stash_page_size;
     b.pages_per_application = (b.max_rows + b.page_rows - 1) / b.page_rows;
     b.pool_pages =

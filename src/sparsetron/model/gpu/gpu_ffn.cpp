@@ -60,11 +60,7 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     ST_CHECK(c.moe_aux_loss_coeff == 0,
              "moe_aux_loss_coeff > 0 is not implemented on CUDA yet (use 0: aux-loss-free "
              "balancing through the router bias)");
-    capacity_ =
-        c.moe_capacity_factor > 0
-            ? std::min<int64_t>(
-                  tokens, static_cast<int64_t>(std::ceil(c.moe_capacity_factor * tokens * k_ / E_)))
-            : tokens;
+    capacity_ = c.moe_expert_capacity(tokens);
     router_ = P.index(p + "gate.weight");
     bias_ = P.index(p + "gate.e_score_correction_bias");
     gate0_ = P.index(p + "experts.0.gate_proj.weight");

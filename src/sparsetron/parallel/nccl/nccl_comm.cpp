@@ -73,32 +73,28 @@ NcclComm::~NcclComm() {
     if (stream_) cudaStreamDestroy(cs(stream_));
 }
 
-void NcclComm::allreduce_sum(float* x, int64_t n) {
-    const int64_t chunk = staging_bytes_ / int64_t(sizeof(float));
+void NcclComm::allreduce_host(void* x, int64_t n, int dtype, int64_t elem_bytes) {
+    char* p = static_cast<char*>(x);
+    const int64_t chunk = staging_bytes_ / elem_bytes;
     for (int64_t i = 0; i < n; i += chunk) {
         const int64_t m = std::min(chunk, n - i);
-        ST_CUDA_CHECK(cudaMemcpyAsync(staging_, x + i, size_t(m) * sizeof(float),
-                                      cudaMemcpyHostToDevice, cs(stream_)));
-        ST_NCCL_CHECK(ncclAllReduce(staging_, staging_, size_t(m), ncclFloat, ncclSum, nc(comm_),
-                                    cs(stream_)));
-        ST_CUDA_CHECK(cudaMemcpyAsync(x + i, staging_, size_t(m) * sizeof(float),
-                                      cudaMemcpyDeviceToHost, cs(stream_)));
+        const size_t bytes = size_t(m * elem_bytes);
+        ST_CUDA_CHECK(cudaMemcpyAsync(staging_, p + i * elem_bytes, bytes, cudaMemcpyHostToDevice,
+                                      cs(stream_)));
+        ST_NCCL_CHECK(ncclAllReduce(staging_, staging_, size_t(m), ncclDataType_t(dtype), ncclSum,
+                                    nc(comm_), cs(stream_)));
+        ST_CUDA_CHECK(cudaMemcpyAsync(p + i * elem_bytes, staging_, bytes, cudaMemcpyDeviceToHost,
+                                      cs(stream_)));
         ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
     }
 }
 
+void NcclComm::allreduce_sum(float* x, int64_t n) {
+    allreduce_host(x, n, ncclFloat, sizeof(float));
+}
+
 void NcclComm::allreduce_sum(double* x, int64_t n) {
-    const int64_t chunk = staging_bytes_ / int64_t(sizeof(double));
-    for (int64_t i = 0; i < n; i += chunk) {
-        const int64_t m = std::min(chunk, n - i);
-        ST_CUDA_CHECK(cudaMemcpyAsync(staging_, x + i, size_t(m) * sizeof(double),
-                                      cudaMemcpyHostToDevice, cs(stream_)));
-        ST_NCCL_CHECK(ncclAllReduce(staging_, staging_, size_t(m), ncclDouble, ncclSum, nc(comm_),
-                                    cs(stream_)));
-        ST_CUDA_CHECK(cudaMemcpyAsync(x + i, staging_, size_t(m) * sizeof(double),
-                                      cudaMemcpyDeviceToHost, cs(stream_)));
-        ST_CUDA_CHECK(cudaStreamSynchronize(cs(stream_)));
-    }
+    allreduce_host(x, n, ncclDouble, sizeof(double));
 }
 
 void NcclComm::broadcast(void* data, int64_t bytes, int root) {

@@ -36,8 +36,9 @@ class NcclComm final : public Comm {
     struct Split {};
     NcclComm(Split, void* comm, int device);  // owns a communicator from ncclCommSplit
     void init_staging();
-    // Host data through the staging buffer in chunks: copy in, `op` on the device chunk, copy
-    // out (when `out`), synchronize.
+    // Host data through the staging buffer in chunks: copy in, all-reduce (ncclDataType_t
+    // `dtype`), copy out, synchronize.
+    void allreduce_host(void* x, int64_t n, int dtype, int64_t elem_bytes);
     void* comm_ = nullptr;    // ncclComm_t
     void* stream_ = nullptr;  // cudaStream_t of the host-memory collectives
     void* staging_ = nullptr;

@@ -25,7 +25,7 @@ ctest --preset default -L 'cpu|gpu'
 stage "tests: mpi (data and expert parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
 
-stage "build: asan preset (ASan + UBSan, no CUDA, no MPI targets)"
+stage "build: asan preset (ASan + UBSan, no CUDA, no MPI or gpu test targets)"
 cmake --preset asan
 cmake --build --preset asan
 stage "tests: cpu under ASan + UBSan"

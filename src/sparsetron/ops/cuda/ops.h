@@ -97,24 +97,6 @@ void adamw_update(const ExecContext& ctx, float* param, const float* grad, float
 void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
                    float decay, float beta, const float* scale, const int32_t* skip,
                    const float* lr = nullptr, float weight_decay = 0.f);
-// Rows [row0, row0 + rows) of the [*, cols] parameter into x (at x_row0), as
-// nesterov ? (1 - beta) g (*scale) + beta mom : mom.
-void muon_gather(const ExecContext& ctx, const float* g, const float* mom, int64_t cols,
-                 int64_t row0, int64_t rows, float beta, bool nesterov, const float* scale,
-                 float* x, int64_t x_row0);
-// Unless *skip: w[row0 + r, :] -= step * x[x_row0 + r, :]; with `lr` (device scalar) the step
-// is *lr * step.
-void muon_apply(const ExecContext& ctx, float* w, const float* x, int64_t cols, int64_t row0,
-                int64_t rows, int64_t x_row0, float step, const int32_t* skip,
-                const float* lr = nullptr);
-// out[c, r] = in[r, c] for an r x c fp32 matrix.
-void transpose(const ExecContext& ctx, const float* in, int64_t rows, int64_t cols, float* out);
-// x *= 1 / (*norm + eps).
-void scale_by_inverse_norm(const ExecContext& ctx, float* x, int64_t n, const float* norm,
-                           float eps);
-// out = b * a1 + c * a2 (element-wise, fp32).
-void axpby(const ExecContext& ctx, const float* a1, const float* a2, float b, float c, int64_t n,
-           float* out);
 
 // ---- Output head fused with cross-entropy ------------------------------------------------------
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and

@@ -1,8 +1,10 @@
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
+#include "sparsetron/core/device_memory.h"
 #include "sparsetron/optim/lr_schedule.h"
 
 namespace sparsetron::gpu {
@@ -13,7 +15,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     const auto& params = P.store().params();
     muon_ = r.optimizer == "muon";
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
-    int64_t off = 0, max_numel = 0, max_r = 0;
+    int64_t off = 0, max_numel = 0;
     bool seen_mtp = false;
     parts_main_ = -1;
     for (const auto& p : params) {
@@ -30,11 +32,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
                                              DType::F32, p.shape)
                                   : -1);
         splits_.push_back(muon ? muon_split_for(p, m, r) : MuonSplit{});
-        if (muon) {
-            max_numel = std::max(max_numel, p.numel());
-            for (const auto& s : splits_.back().slices)
-                max_r = std::max(max_r, std::min(s.num_rows(), p.shape[1]));
-        }
+        if (muon) max_numel = std::max(max_numel, p.numel());
         if (separate_mtp_ && p.mtp && !seen_mtp) parts_main_ = off, seen_mtp = true;
         ST_CHECK(!(separate_mtp_ && seen_mtp && !p.mtp), "optimizer: parameter '", p.name,
                  "' follows the MTP layer's; the MTP clipping group must be the last");
@@ -48,10 +46,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     s_norm_ = plan.add(MemClass::Workspace, "optim.grad_norms", DType::F32, {2});
     s_scale_ = plan.add(MemClass::Workspace, "optim.clip_scales", DType::F32, {2});
     s_skip_ = plan.add(MemClass::Workspace, "optim.skip", DType::I32, {2});
-    // Newton-Schulz workspace: X, its transpose, a copy, A, A^2, B, norm partials and scalars.
-    ns_floats_ =
-        muon_ ? 3 * max_numel + 3 * max_r * max_r + cuda::sum_squares_blocks(max_numel) + 8 : 1;
-    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", DType::F32, {ns_floats_});
+    if (muon_) plan_muon(plan, r, max_numel);
     s_sched_ = plan.add(MemClass::Workspace, "optim.schedule", DType::F32, {3});
 }
 
@@ -63,9 +58,59 @@ void GpuOptimizer::bind(const MemoryPlan& plan) {
         v_.push_back(F(v_slots_[i]));
         mom_.push_back(F(mom_slots_[i]));
     }
-    parts_ = F(s_parts_), norm_ = F(s_norm_), scale_ = F(s_scale_), ns_ = F(s_ns_);
+    parts_ = F(s_parts_), norm_ = F(s_norm_), scale_ = F(s_scale_);
     sched_ = F(s_sched_);
     skip_ = plan.view(s_skip_).ptr<int32_t>();
+    if (muon_) bind_muon(plan);
+}
+
+void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_numel) {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& p : P_.store().params()) shapes.push_back(p.shape);
+    // Up to 64 Mi elements per batch (a larger matrix alone): enough matrices per GEMM to fill
+    // the GPU with small per-head slices, a bounded workspace for the large ones.
+    constexpr int64_t kBatchElements = int64_t(64) << 20;
+    batches_ = plan_muon_batches(splits_, shapes, std::max(kBatchElements, max_numel));
+    // muon_fp32_matmul_prec, PyTorch's float32 matmul precision as the seed's Muon uses it:
+    // "highest" fp32, "high" TF32 tensor cores, "medium" (the default) and "low" cast X to bf16
+    // and run the iterations in bf16 (fp32 accumulation), as Emerging-Optimizers' Newton-Schulz
+    // does at "medium".
+    ns_elem_ = r.muon_fp32_matmul_prec == "medium" || r.muon_fp32_matmul_prec == "low" ? DType::BF16
+                                                                                       : DType::F32;
+    ns_tf32_ = r.muon_fp32_matmul_prec == "high";
+    int64_t stack = 0, gram = 0, norms = 0, problems = 0;
+    for (const MuonBatch& b : batches_) {
+        stack = std::max(stack, b.elements());
+        gram = std::max(gram, b.count() * b.rr() * b.rr());
+        norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
+        problems += b.count();
+    }
+    // The gathered fp32 momentum stack; W and its copy Y [count, rr, cc] and A, B [count, rr, rr]
+    // in the iteration's element type; norm partials; the problem table.
+    s_stack_ = plan.add(MemClass::Workspace, "optim.muon_stack", DType::F32, {stack});
+    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_, {2 * stack + 2 * gram});
+    s_ns_norms_ = plan.add(MemClass::Workspace, "optim.muon_norms", DType::F32, {norms});
+    static_assert(sizeof(cuda::MuonDeviceProblem) % 8 == 0);
+    s_problems_ = plan.add(MemClass::Workspace, "optim.muon_problems", DType::I64,
+                           {problems * int64_t(sizeof(cuda::MuonDeviceProblem) / 8)});
+}
+
+void GpuOptimizer::bind_muon(const MemoryPlan& plan) {
+    stack_ = plan.view(s_stack_).ptr<float>();
+    ns_ = plan.view(s_ns_).data;
+    ns_norms_ = plan.view(s_ns_norms_).ptr<float>();
+    problems_ = reinterpret_cast<cuda::MuonDeviceProblem*>(plan.view(s_problems_).data);
+    // The table of every batch's problems, back to back (pointers are fixed once bound).
+    std::vector<cuda::MuonDeviceProblem> table;
+    const auto& params = P_.store().params();
+    for (const MuonBatch& b : batches_)
+        for (const MuonProblem& q : b.problems) {
+            const GpuParam& gp = P_[q.param];
+            const int32_t group = separate_mtp_ && params[q.param].mtp ? 1 : 0;
+            table.push_back(
+                {gp.grad, mom_[q.param], gp.master, q.row0, q.seg_rows, q.seg_stride, group, 0});
+        }
+    copy_to_device(problems_, table.data(), table.size() * sizeof(table[0]));
 }
 
 void GpuOptimizer::stage_schedule(const ExecContext& ctx, const RunConfig& run, int64_t step) {
@@ -95,8 +140,11 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         const int g = separate_mtp_ && p.mtp ? 1 : 0;
         const GpuParam& gp = P_[int64_t(i)];
         if (uses_muon_[i]) {
-            muon_update(ctx, run, i, scale_ + g, skip_ + g);
-            cuda::f32_to_bf16(ctx, gp.master, gp.w, gp.numel);
+            // Decoupled decay (1 - lr wd from the staged learning rate) and momentum here; the
+            // orthogonalized update comes from the batches below.
+            cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f,
+                                float(run.muon_momentum), scale_ + g, skip_ + g, sched_,
+                                p.weight_decay ? float(run.weight_decay) : 0.f);
         } else {
             cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
@@ -104,6 +152,11 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
                                skip_ + g, gp.w, sched_);
         }
     }
+    if (!muon_) return;
+    run_muon_batches(ctx, run);
+    for (size_t i = 0; i < params.size(); ++i)
+        if (uses_muon_[i])
+            cuda::f32_to_bf16(ctx, P_[int64_t(i)].master, P_[int64_t(i)].w, P_[int64_t(i)].numel);
 }
 
 StepStats GpuOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,
@@ -120,69 +173,31 @@ StepStats GpuOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,
     return st;
 }
 
-void GpuOptimizer::muon_update(const ExecContext& ctx, const RunConfig& r, size_t i,
-                               const float* scale, const int32_t* skip) {
-    const ParamInfo& p = P_.store().params()[i];
-    const GpuParam& gp = P_[int64_t(i)];
-    const int64_t cols = p.shape[1];
-    const float beta = float(r.muon_momentum);
-    // Decoupled decay 1 - lr wd from the staged learning rate.
-    cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f, beta, scale, skip, sched_,
-                        p.weight_decay ? float(r.weight_decay) : 0.f);
-    for (const MuonSlice& s : splits_[i].slices) {
-        const int64_t rows = s.num_rows();
-        float* X = ns_;
-        int64_t at = 0;
-        for (auto [b, e] : s.rows) {
-            cuda::muon_gather(ctx, gp.grad, mom_[i], cols, b, e - b, beta, r.muon_nesterov, scale,
-                              X, at);
-            at += e - b;
-        }
-        // Newton-Schulz on the wide orientation [rr, cc], rr <= cc.
-        const bool tr = rows > cols;
-        const int64_t rr = tr ? cols : rows, cc = tr ? rows : cols, n = rows * cols;
-        float* W = ns_ + n;  // the working matrix (X or its transpose)
-        float* Y = W + n;    // a copy for X <- B X + a X
-        float* A = Y + n;
-        float* AA = A + rr * rr;
-        float* B = AA + rr * rr;
-        float* parts = B + rr * rr;
-        float* scal = parts + cuda::sum_squares_blocks(n);  // norm, scale, skip (unused)
-        if (tr)
-            cuda::transpose(ctx, X, rows, cols, W);
-        else
-            cuda::copy_2d(ctx, W, n * 4, X, n * 4, n * 4, 1);
-        cuda::sum_squares_partials(ctx, W, n, parts);
-        cuda::clip_scale(ctx, parts, cuda::sum_squares_blocks(n), 0.f, scal, scal + 1,
-                         reinterpret_cast<int32_t*>(scal + 2));
-        cuda::scale_by_inverse_norm(ctx, W, n, scal, 1e-7f);
-        const auto F32 = DType::F32;
-        // muon_fp32_matmul_prec (PyTorch's float32 matmul precision): "highest" keeps true fp32,
-        // "high"/"medium" allow TF32 tensor cores, as the seed's Muon does.
-        cuda::GemmBatch one;
-        one.tf32 = r.muon_fp32_matmul_prec != "highest";
-        for (int64_t k = 0; k < r.muon_num_ns_steps; ++k) {
-            const MuonCoefficients c = muon_ns_coefficients(r.muon_coefficient_type, k);
-            cuda::gemm(ctx, false, true, rr, rr, cc, 1.f, W, cc, W, cc, 0.f, A, rr, F32, F32, one);
-            cuda::gemm(ctx, false, false, rr, rr, rr, 1.f, A, rr, A, rr, 0.f, AA, rr, F32, F32,
-                       one);
-            cuda::axpby(ctx, A, AA, float(c.b), float(c.c), rr * rr, B);
-            cuda::copy_2d(ctx, Y, n * 4, W, n * 4, n * 4, 1);
-            cuda::gemm(ctx, false, false, rr, cc, rr, 1.f, B, rr, Y, cc, float(c.a), W, cc, F32,
-                       F32, one);
-        }
-        if (tr)
-            cuda::transpose(ctx, W, rr, cc, X);
-        else
-            X = W;
+void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) {
+    std::vector<std::array<float, 3>> coefficients;
+    for (int64_t k = 0; k < r.muon_num_ns_steps; ++k) {
+        const MuonCoefficients c = muon_ns_coefficients(r.muon_coefficient_type, k);
+        coefficients.push_back({float(c.a), float(c.b), float(c.c)});
+    }
+    const size_t es = dtype_size(ns_elem_);
+    const cuda::MuonDeviceProblem* table = problems_;
+    for (const MuonBatch& b : batches_) {
+        const int64_t n = b.rows * b.cols, count = b.count();
+        char* w = static_cast<char*>(ns_);
+        char* y = w + b.elements() * es;
+        char* a = y + b.elements() * es;
+        char* bb = a + count * b.rr() * b.rr() * es;
+        cuda::muon_gather_batch(ctx, table, count, b.rows, b.cols, b.transposed(),
+                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
+        cuda::muon_normalize_batch(ctx, stack_, count, n, 1e-7f, ns_norms_, ns_elem_, w);
+        cuda::newton_schulz_batch(ctx, w, y, a, bb, count, b.rr(), b.cc(), coefficients, ns_elem_,
+                                  ns_tf32_);
         // The step is lr (staged on the device) times the shape scale.
         const float factor =
-            float(muon_scale(rows, cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
-        at = 0;
-        for (auto [b, e] : s.rows) {
-            cuda::muon_apply(ctx, gp.master, X, cols, b, e - b, at, factor, skip, sched_);
-            at += e - b;
-        }
+            float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
+        cuda::muon_apply_batch(ctx, table, count, b.rows, b.cols, b.transposed(), w, ns_elem_,
+                               factor, skip_, sched_);
+        table += count;
     }
 }
 

@@ -11,7 +11,9 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/config/run_config.h"
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/ops/cuda/muon_batch.h"
 #include "sparsetron/optim/muon.h"
+#include "sparsetron/optim/muon_batches.h"
 #include "sparsetron/optim/optimizer.h"
 
 namespace sparsetron::gpu {
@@ -40,8 +42,10 @@ class GpuOptimizer {
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
 
   private:
-    void muon_update(const ExecContext& ctx, const RunConfig& run, size_t i, const float* scale,
-                     const int32_t* skip);
+    void plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_numel);
+    void bind_muon(const MemoryPlan& plan);
+    // Newton-Schulz and the update of every Muon matrix, batch by batch (momentum already in).
+    void run_muon_batches(const ExecContext& ctx, const RunConfig& run);
     const GpuParams& P_;
     const ModelConfig& cfg_;
     bool muon_ = false, separate_mtp_ = false;
@@ -50,12 +54,19 @@ class GpuOptimizer {
     std::vector<MuonSplit> splits_;
     std::vector<int64_t> part_off_;  // first partial-sum block of each parameter
     int64_t parts_main_ = 0, parts_total_ = 0;
-    MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_ns_, s_sched_;
-    float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr, *ns_ = nullptr;
+    MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_sched_;
+    float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr;
+    // Muon: Newton-Schulz batches, their workspace and the device table of their problems.
+    std::vector<MuonBatch> batches_;
+    DType ns_elem_ = DType::F32;
+    bool ns_tf32_ = false;
+    MemoryPlan::Slot s_stack_ = -1, s_ns_ = -1, s_ns_norms_ = -1, s_problems_ = -1;
+    float *stack_ = nullptr, *ns_norms_ = nullptr;
+    void* ns_ = nullptr;
+    cuda::MuonDeviceProblem* problems_ = nullptr;
     float* sched_ = nullptr;  // [lr, 1 - beta1^t, 1 - beta2^t] of the staged step
     int32_t* skip_ = nullptr;
     const int32_t* veto_ = nullptr;
-    int64_t ns_floats_ = 0;
     std::vector<float*> m_, v_, mom_;
 };
 

@@ -1,0 +1,185 @@
+// Batched Muon pieces (muon_batch.h). The gather and apply kernels move 32 x 32 tiles through
+// shared memory so both the parameter rows and the (possibly transposed) stack are read and
+// written along their contiguous dimension; blockIdx.z is the problem.
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/muon_batch.h"
+
+namespace sparsetron::cuda {
+namespace {
+
+constexpr int kTile = 32, kTileRows = 8;
+constexpr int kThreads = 256;
+constexpr int64_t kNormBlock = 16384;  // elements per norm partial
+
+__device__ __forceinline__ int64_t param_row(const MuonDeviceProblem& p, int64_t r) {
+    return p.row0 + (r / p.seg_rows) * p.seg_stride + r % p.seg_rows;
+}
+
+template <bool Tr>
+__global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, int64_t cols,
+                              float beta, bool nesterov, const float* scales, float* x) {
+    __shared__ float tile[kTile][kTile + 1];
+    const MuonDeviceProblem p = problems[blockIdx.z];
+    const float scale = nesterov && scales ? scales[p.group] : 1.f;
+    float* out = x + int64_t(blockIdx.z) * rows * cols;
+    const int64_t c0 = int64_t(blockIdx.x) * kTile, r0 = int64_t(blockIdx.y) * kTile;
+    for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+        const int64_t r = r0 + dy, c = c0 + threadIdx.x;
+        if (r >= rows || c >= cols) continue;
+        const int64_t k = param_row(p, r) * cols + c;
+        const float u = nesterov ? (1.f - beta) * p.grad[k] * scale + beta * p.mom[k] : p.mom[k];
+        if (Tr)
+            tile[dy][threadIdx.x] = u;
+        else
+            out[r * cols + c] = u;
+    }
+    if (!Tr) return;
+    __syncthreads();
+    for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+        const int64_t c = c0 + dy, r = r0 + threadIdx.x;
+        if (r < rows && c < cols) out[c * rows + r] = tile[threadIdx.x][dy];
+    }
+}
+
+template <bool Tr, typename E>
+__global__ void apply_kernel(const MuonDeviceProblem* problems, int64_t rows, int64_t cols,
+                             const E* w, float step, const int32_t* skips, const float* lr) {
+    __shared__ float tile[kTile][kTile + 1];
+    const MuonDeviceProblem p = problems[blockIdx.z];
+    if (skips && skips[p.group]) return;
+    const float s = (lr ? *lr : 1.f) * step;
+    const E* o = w + int64_t(blockIdx.z) * rows * cols;
+    const int64_t c0 = int64_t(blockIdx.x) * kTile, r0 = int64_t(blockIdx.y) * kTile;
+    if (Tr) {
+        // o is [cols, rows]: read along r, write the parameter along c.
+        for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+            const int64_t c = c0 + dy, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) tile[dy][threadIdx.x] = ld(o + c * rows + r);
+        }
+        __syncthreads();
+    }
+    for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+        const int64_t r = r0 + dy, c = c0 + threadIdx.x;
+        if (r >= rows || c >= cols) continue;
+        const float v = Tr ? tile[threadIdx.x][dy] : ld(o + r * cols + c);
+        p.master[param_row(p, r) * cols + c] -= s * v;
+    }
+}
+
+__global__ void norm_partials_kernel(const float* x, int64_t n, int64_t blocks, float* partials) {
+    const float* m = x + int64_t(blockIdx.y) * n;
+    const int64_t b0 = int64_t(blockIdx.x) * kNormBlock, b1 = min(n, b0 + kNormBlock);
+    float s = 0;
+    for (int64_t i = b0 + threadIdx.x; i < b1; i += blockDim.x) s += m[i] * m[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) partials[int64_t(blockIdx.y) * blocks + blockIdx.x] = s;
+}
+
+__global__ void inverse_norms_kernel(const float* partials, int64_t count, int64_t blocks,
+                                     float eps, float* inv) {
+    const int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (p >= count) return;
+    double s = 0;
+    for (int64_t b = 0; b < blocks; ++b) s += partials[p * blocks + b];
+    inv[p] = float(1.0 / (sqrt(s) + double(eps)));
+}
+
+template <typename E>
+__global__ void scale_kernel(const float* x, int64_t total, int64_t n, const float* inv, E* w) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x)
+        st(w + i, x[i] * inv[i / n]);
+}
+
+dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
+    ST_CHECK(count <= 65535 && blocks_for(rows, kTile) <= 65535,
+             "Muon batch too large for one launch: ", count, " matrices of ", rows, " rows");
+    return dim3(blocks_for(cols, kTile), blocks_for(rows, kTile), unsigned(count));
+}
+
+int64_t norm_blocks(int64_t n) {
+    return (n + kNormBlock - 1) / kNormBlock;
+}
+
+}  // namespace
+
+void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
+                       int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
+                       const float* scales, float* x) {
+    if (count == 0 || rows == 0 || cols == 0) return;
+    const dim3 grid = tile_grid(rows, cols, count), block(kTile, kTileRows);
+    if (transpose)
+        gather_kernel<true>
+            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta, nesterov, scales, x);
+    else
+        gather_kernel<false>
+            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta, nesterov, scales, x);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+int64_t muon_normalize_floats(int64_t count, int64_t n) {
+    return count * norm_blocks(n) + count;
+}
+
+void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
+                          float eps, float* ws, DType w_type, void* w) {
+    if (count == 0 || n == 0) return;
+    const int64_t blocks = norm_blocks(n);
+    ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
+    float* inv = ws + count * blocks;
+    norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
+        x, n, blocks, ws);
+    ST_CUDA_LAUNCH_CHECK();
+    inverse_norms_kernel<<<blocks_for(count, 128), 128, 0, stream_of(ctx)>>>(ws, count, blocks, eps,
+                                                                             inv);
+    ST_CUDA_LAUNCH_CHECK();
+    const int64_t total = count * n;
+    const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));
+    if (w_type == DType::BF16)
+        scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, total, n, inv, static_cast<bf*>(w));
+    else
+        scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, total, n, inv,
+                                                            static_cast<float*>(w));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void* b, int64_t count,
+                         int64_t rr, int64_t cc,
+                         const std::vector<std::array<float, 3>>& coefficients, DType elem,
+                         bool tf32) {
+    ST_CHECK(rr <= cc, "newton_schulz_batch wants the wide orientation, got ", rr, " x ", cc);
+    ST_CHECK(elem == DType::F32 || elem == DType::BF16,
+             "newton_schulz_batch: F32 or BF16 elements, got ", dtype_name(elem));
+    const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr;
+    GemmBatch xx{count, n, n, n2, tf32}, aa{count, n2, n2, n2, tf32}, bx{count, n2, n, n, tf32};
+    for (const auto& [ca, cb, cc_] : coefficients) {
+        gemm(ctx, false, true, rr, rr, cc, 1.f, w, cc, w, cc, 0.f, a, rr, elem, elem, xx);
+        // B = c A A + b A: B starts as a copy of A (GEMM's C term).
+        copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
+        gemm(ctx, false, false, rr, rr, rr, cc_, a, rr, a, rr, cb, b, rr, elem, elem, aa);
+        // W = B Y + a W with Y a copy of W.
+        copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
+        gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
+    }
+}
+
+void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
+                      int64_t rows, int64_t cols, bool transpose, const void* w, DType w_type,
+                      float step, const int32_t* skips, const float* lr) {
+    if (count == 0 || rows == 0 || cols == 0) return;
+    const dim3 grid = tile_grid(rows, cols, count), block(kTile, kTileRows);
+    auto launch = [&](auto tr, const auto* o) {
+        apply_kernel<decltype(tr)::value>
+            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, o, step, skips, lr);
+    };
+    if (w_type == DType::BF16) {
+        const bf* o = static_cast<const bf*>(w);
+        transpose ? launch(std::true_type{}, o) : launch(std::false_type{}, o);
+    } else {
+        const float* o = static_cast<const float*>(w);
+        transpose ? launch(std::true_type{}, o) : launch(std::false_type{}, o);
+    }
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

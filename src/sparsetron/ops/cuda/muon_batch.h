@@ -1,0 +1,55 @@
+// Muon on the device over a batch of equal-shape matrices (optim/muon_batches.h): the momentum
+// rows of every problem gathered into one [count, rr, cc] stack in the wide orientation, each
+// normalized by its own Frobenius norm, Newton-Schulz by strided batched cuBLASLt GEMMs, and the
+// result applied to each problem's rows of the fp32 master weights.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/cuda/ops.h"
+
+namespace sparsetron::cuda {
+
+// One matrix of a batch, as the kernels read it from a device table. Row r of the problem is
+// row row0 + (r / seg_rows) seg_stride + r % seg_rows of its [*, cols] parameter.
+struct MuonDeviceProblem {
+    const float* grad;
+    const float* mom;
+    float* master;
+    int64_t row0, seg_rows, seg_stride;
+    int32_t group;  // clipping group: reads scales[group] and skips[group]
+    int32_t unused;
+};
+
+// x[p] = U of problem p's rows (nesterov ? (1 - beta) g scale + beta mom : mom) as [rows, cols],
+// or its transpose [cols, rows] when `transpose` (the wide orientation of a tall matrix).
+void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
+                       int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
+                       const float* scales, float* x);
+
+// Floats of workspace muon_normalize_batch needs for `count` matrices of n elements.
+int64_t muon_normalize_floats(int64_t count, int64_t n);
+// w[p] = x[p] / (||x[p]||_F + eps) in `w_type` (F32 or BF16); norms summed in fixed order.
+void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
+                          float eps, float* ws, DType w_type, void* w);
+
+// Newton-Schulz iterations on w [count, rr, cc] (rr <= cc) in place: A = W W^T;
+// B = b A + c A A; W = a W + B W, one (a, b, c) per iteration. `elem` F32 (tf32 allows TF32
+// tensor cores) or BF16 (bf16 operands and outputs, fp32 accumulation: what PyTorch's Muon does
+// at matmul precision "medium"). y: [count, rr, cc] and a, b: [count, rr, rr] of `elem`.
+void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void* b, int64_t count,
+                         int64_t rr, int64_t cc,
+                         const std::vector<std::array<float, 3>>& coefficients, DType elem,
+                         bool tf32);
+
+// Unless skips[group]: master rows of problem p -= lr * step * O[p], O[p] read from w in the
+// layout muon_gather_batch wrote (transposed back when `transpose`). lr: a device scalar.
+void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
+                      int64_t rows, int64_t cols, bool transpose, const void* w, DType w_type,
+                      float step, const int32_t* skips, const float* lr);
+
+}  // namespace sparsetron::cuda

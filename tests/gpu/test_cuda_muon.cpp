@@ -1,0 +1,186 @@
+// Batched Muon on CUDA (label gpu) against the CPU Newton-Schulz in fp64: per-head slices,
+// strided per-projection slices and tall (transposed) matrices from two clipping groups, in
+// each matmul precision. The error must be the precision's size, so a mode that is not applied
+// (or a mis-gathered row) fails.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <iostream>
+#include <memory>
+
+#include "harness.h"
+#include "sparsetron/optim/muon.h"
+#include "sparsetron/optim/muon_batches.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/muon_batch.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(CudaMuon, Skipped) {
+    GTEST_SKIP() << "built without CUDA: CUDA Muon tests run on the GPU machine";
+}
+#else
+
+namespace {
+
+struct HostParam {
+    int64_t rows, cols;
+    int32_t group;
+    MuonSplit split;
+    std::vector<float> grad, mom, master;
+};
+
+MuonSplit per_head(int64_t heads, int64_t first, int64_t second, bool per_projection) {
+    MuonSplit s;
+    const int64_t per = first + second;
+    if (per_projection) {
+        MuonSlice a, b;
+        for (int64_t h = 0; h < heads; ++h) {
+            a.rows.push_back({h * per, h * per + first});
+            b.rows.push_back({h * per + first, (h + 1) * per});
+        }
+        s.slices = {a, b};
+        return s;
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+        s.slices.push_back({{{h * per, h * per + first}}});
+        s.slices.push_back({{{h * per + first, (h + 1) * per}}});
+    }
+    return s;
+}
+
+MuonSplit whole(int64_t rows) {
+    MuonSplit s;
+    s.slices.push_back({{{0, rows}}});
+    return s;
+}
+
+// Normalized Frobenius error of the applied update against fp64 Newton-Schulz, over every
+// slice of every parameter; `skipped` must leave its group's parameters unchanged.
+double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, bool tf32,
+                int32_t skipped_group) {
+    const float beta = 0.9f, step = 0.5f;
+    const std::vector<float> scales{0.7f, 1.3f};
+    std::vector<HostParam> ps{
+        {30, 40, 0, per_head(3, 6, 4, false), {}, {}, {}},
+        {30, 40, 0, per_head(3, 6, 4, true), {}, {}, {}},
+        {48, 20, 1, whole(48), {}, {}, {}},
+        {48, 20, 0, whole(48), {}, {}, {}},
+        {30, 40, 1, per_head(3, 6, 4, false), {}, {}, {}},
+    };
+    std::vector<std::unique_ptr<DeviceArray<float> > > g, m, w;
+    std::vector<MuonSplit> splits;
+    std::vector<std::vector<int64_t> > shapes;
+    for (size_t i = 0; i < ps.size(); ++i) {
+        auto& p = ps[i];
+        const size_t n = size_t(p.rows * p.cols);
+        p.grad = random_vector<float>(n, 100 + i), p.mom = random_vector<float>(n, 200 + i);
+        p.master = random_vector<float>(n, 300 + i);
+        g.push_back(std::make_unique<DeviceArray<float> >(p.grad));
+        m.push_back(std::make_unique<DeviceArray<float> >(p.mom));
+        w.push_back(std::make_unique<DeviceArray<float> >(p.master));
+        splits.push_back(p.split);
+        shapes.push_back({p.rows, p.cols});
+    }
+    // A small bound: the six [6, 40] head slices split over two batches (one mixing the two
+    // clipping groups), the [4, 40] ones share one, the tall matrices go alone.
+    const auto batches = plan_muon_batches(splits, shapes, 1000);
+    std::vector<cuda::MuonDeviceProblem> table;
+    int64_t stack = 0, gram = 0, norms = 0;
+    for (const MuonBatch& b : batches) {
+        for (const MuonProblem& q : b.problems)
+            table.push_back({g[q.param]->get(), m[q.param]->get(), w[q.param]->get(), q.row0,
+                             q.seg_rows, q.seg_stride, ps[q.param].group, 0});
+        stack = std::max(stack, b.elements());
+        gram = std::max(gram, b.count() * b.rr() * b.rr());
+        norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
+    }
+    EXPECT_EQ(batches.size(), 7u);
+    DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
+    copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
+    DeviceArray<float> dstack(stack), dnorms(norms), dscales(scales);
+    DeviceArray<int32_t> dskips(std::vector<int32_t>{skipped_group == 0, skipped_group == 1});
+    DeviceArray<uint8_t> ws((2 * stack + 2 * gram) * int64_t(dtype_size(elem)));
+    std::vector<std::array<float, 3> > coeff;
+    for (int64_t k = 0; k < 5; ++k) {
+        const auto c = muon_ns_coefficients("quintic", k);
+        coeff.push_back({float(c.a), float(c.b), float(c.c)});
+    }
+    const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
+    const size_t es = dtype_size(elem);
+    for (const MuonBatch& b : batches) {
+        uint8_t* W = ws.get();
+        uint8_t* Y = W + b.elements() * es;
+        uint8_t* A = Y + b.elements() * es;
+        uint8_t* B = A + b.count() * b.rr() * b.rr() * es;
+        cuda::muon_gather_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), beta, true,
+                                dscales, dstack);
+        cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W);
+        cuda::newton_schulz_batch(ctx, W, Y, A, B, b.count(), b.rr(), b.cc(), coeff, elem, tf32);
+        cuda::muon_apply_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), W, elem, step,
+                               dskips, nullptr);
+        dt += b.count();
+    }
+    session.synchronize();
+    double num = 0, den = 0;
+    std::vector<double> u, ws64;
+    for (size_t i = 0; i < ps.size(); ++i) {
+        const auto& p = ps[i];
+        const auto got = w[i]->download();
+        EXPECT_TRUE(w[i]->guard_intact()) << "param " << i;
+        if (p.group == skipped_group) {
+            EXPECT_EQ(got, p.master) << "param " << i << " of the skipped group changed";
+            continue;
+        }
+        for (const MuonSlice& s : p.split.slices) {
+            const int64_t rows = s.num_rows();
+            u.assign(size_t(rows * p.cols), 0.0);
+            int64_t at = 0;
+            for (auto [b, e] : s.rows)
+                for (int64_t r = b; r < e; ++r, ++at)
+                    for (int64_t c = 0; c < p.cols; ++c) {
+                        const size_t k = size_t(r * p.cols + c);
+                        u[size_t(at * p.cols + c)] =
+                            (1.0 - beta) * p.grad[k] * scales[p.group] + beta * double(p.mom[k]);
+                    }
+            newton_schulz<double>(u.data(), rows, p.cols, 5, "quintic", ws64);
+            at = 0;
+            for (auto [b, e] : s.rows)
+                for (int64_t r = b; r < e; ++r, ++at)
+                    for (int64_t c = 0; c < p.cols; ++c) {
+                        const size_t k = size_t(r * p.cols + c);
+                        const double o = u[size_t(at * p.cols + c)];
+                        const double d = (double(p.master[k]) - got[k]) / step;
+                        num += (d - o) * (d - o), den += o * o;
+                    }
+        }
+    }
+    return std::sqrt(num / den);
+}
+
+}  // namespace
+
+TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    const double fp32 = run_case(ctx, session, DType::F32, false, -1);
+    const double tf32 = run_case(ctx, session, DType::F32, true, 1);
+    const double bf16 = run_case(ctx, session, DType::BF16, false, 0);
+    std::cout << "[harness] batched Newton-Schulz update vs fp64 CPU, normalized error: fp32 "
+              << fp32 << ", tf32 " << tf32 << ", bf16 " << bf16 << "\n";
+    EXPECT_LT(fp32, 1e-4);
+    EXPECT_GT(tf32, 5e-6);
+    EXPECT_LT(tf32, 1e-2);
+    EXPECT_GT(bf16, 5e-4);
+    EXPECT_GT(bf16, tf32);
+    EXPECT_LT(bf16, 8e-2);
+}
+
+#endif

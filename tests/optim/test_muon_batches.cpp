@@ -1,5 +1,6 @@
-// Newton-Schulz batch planning: every Muon slice lands in exactly one batch of its own shape,
-// batches respect the element bound, and per-projection slices become strided segments.
+// Newton-Schulz batch planning and the distributed optimizer's owner assignment: every Muon slice
+// lands in exactly one batch of its own shape, batches respect the element bound, per-projection
+// slices become strided segments; owners are balanced and deterministic.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -7,6 +8,7 @@
 #include <tuple>
 
 #include "sparsetron/optim/muon_batches.h"
+#include "sparsetron/optim/owner_assignment.h"
 
 using namespace sparsetron;
 
@@ -73,4 +75,22 @@ TEST(MuonBatches, PerProjectionSliceIsStridedSegments) {
     MuonSlice uneven;
     uneven.rows = {{0, 2}, {5, 8}};
     EXPECT_THROW(muon_problem_of(0, uneven), std::exception);
+}
+
+TEST(OwnerAssignment, GreedyBalancedDeterministicAndSkipsUnowned) {
+    const std::vector<double> cost{5, -1, 3, 3, 2, 1, 8, -1};
+    const auto o = assign_owners_greedy(cost, 2);
+    EXPECT_EQ(o, assign_owners_greedy(cost, 2));
+    EXPECT_EQ(o[1], -1);
+    EXPECT_EQ(o[7], -1);
+    double load[2] = {0, 0};
+    for (size_t i = 0; i < cost.size(); ++i)
+        if (o[i] >= 0) load[o[i]] += cost[i];
+    // 8 -> 0, 5 -> 1, 3 -> 1, 3 -> 0 (a tie: the first rank), 2 -> 1, 1 -> 1: 11 and 11.
+    EXPECT_EQ(load[0], 11);
+    EXPECT_EQ(load[1], 11);
+    EXPECT_EQ(o[6], 0);
+    EXPECT_EQ(o[3], 0);
+    for (int r : assign_owners_greedy(cost, 1)) EXPECT_LE(r, 0);
+    EXPECT_THROW(assign_owners_greedy(cost, 0), std::exception);
 }

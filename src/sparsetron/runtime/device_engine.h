@@ -22,6 +22,9 @@ class DeviceEngine {
     // Host mirror -> device (after initialization or checkpoint load) and back (before a save).
     virtual void upload_state() = 0;
     virtual void download_state() = 0;
+    // With the distributed optimizer: the rank holding each parameter's optimizer state (-1:
+    // every rank holds it, or the parameter has none); empty when the state is not sharded.
+    virtual std::vector<int> state_owners() const { return {}; }
     // Zero gradients and routing statistics.
     virtual void begin_step() = 0;
     virtual LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) = 0;

@@ -11,6 +11,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
+#include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/parallel/layout.h"
 
 namespace fs = std::filesystem;
@@ -83,9 +84,6 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "multi-process training on CUDA needs ",
              "the NCCL communicator (run `sparsetron`, not sparsetron-mpi, under the launcher); ",
              "this one is ", o.comm->name());
-    ST_CHECK(o.device == Device::CPU || !r.run.use_distributed_optimizer,
-             "use_distributed_optimizer is not implemented on CUDA yet (it runs on CPU ranks); "
-             "drop the key to keep the whole optimizer state on every GPU");
     ST_CHECK(r.run.context_parallel_size == 1 && r.run.tensor_model_parallel_size == 1 &&
                  r.run.pipeline_model_parallel_size == 1,
              "only data and expert parallelism are implemented across processes so far "
@@ -204,7 +202,13 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     }
     if (engine_) engine_->upload_state();
     // With one rank the distributed optimizer is the plain one.
-    if (r.use_distributed_optimizer && dp_size() > 1) assign_owners();
+    if (r.use_distributed_optimizer && dp_size() > 1) {
+        // The CUDA engine shards AdamW state by parameter and Muon's work by batch itself.
+        if (engine_)
+            owner_ = engine_->state_owners();
+        else
+            assign_owners();
+    }
 }
 
 std::string Trainer::device_description() const {
@@ -348,29 +352,19 @@ StepMetrics Trainer::train_step() {
 }
 
 void Trainer::assign_owners() {
-    // Greedy, largest cost first, to the least loaded rank: Muon's Newton-Schulz costs ~
-    // numel x min(rows, cols), AdamW ~ numel. Deterministic, so every rank computes the same map.
+    // Muon's Newton-Schulz costs ~ numel x min(rows, cols), AdamW ~ numel.
     const auto& params = tp_->model->params().params();
     const bool muon = recipe_.run.optimizer == "muon";
-    std::vector<std::pair<double, size_t>> cost;
+    std::vector<double> cost(params.size(), -1.0);
     for (size_t i = 0; i < params.size(); ++i) {
         if (!params[i].trainable) continue;
-        double c = double(params[i].numel());
+        cost[i] = double(params[i].numel());
         if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
-            c *= double(std::min(params[i].shape[0], params[i].shape[1]));
-        cost.emplace_back(c, i);
+            cost[i] *= double(std::min(params[i].shape[0], params[i].shape[1]));
     }
-    std::stable_sort(cost.begin(), cost.end(),
-                     [](const auto& a, const auto& b) { return a.first > b.first; });
-    std::vector<double> load(size_t(dp_size()), 0.0);
-    owner_.assign(params.size(), -1);
+    owner_ = assign_owners_greedy(cost, dp_size());
     owned_.assign(params.size(), false);
-    for (const auto& [c, i] : cost) {
-        const int r = int(std::min_element(load.begin(), load.end()) - load.begin());
-        owner_[i] = r;
-        load[size_t(r)] += c;
-        owned_[i] = r == dp_rank();
-    }
+    for (size_t i = 0; i < params.size(); ++i) owned_[i] = owner_[i] == dp_rank();
 }
 
 void Trainer::broadcast_from_owners(bool state) {
@@ -388,17 +382,20 @@ void Trainer::broadcast_from_owners(bool state) {
     for (size_t i = 0; i < params.size(); ++i) owner_of[params[i].name] = owner_[i];
     for (const auto& [name, slot] : tp_->optimizer->state_tensors()) {
         const auto it = owner_of.find(name.substr(0, name.rfind('.')));
-        ST_ASSERT(it != owner_of.end() && it->second >= 0, "state tensor ", name, " has no owner");
+        ST_ASSERT(it != owner_of.end(), "state tensor ", name, " has no parameter");
+        // Owner -1: state every rank keeps whole (the CUDA Muon momentum).
+        if (it->second < 0) continue;
         comm.broadcast(tp_->plan.view(slot).data, int64_t(tp_->plan.entries()[slot].bytes),
                        it->second);
     }
 }
 
 std::string Trainer::save() {
-    // A distributed optimizer's state is gathered first: every rank holds the full state after.
-    if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
-    if (dp_rank() != 0) return checkpoint_dir();  // rank 0 writes; every rank holds the same state
+    // Every rank's device state to its host mirror, then a distributed optimizer's state is
+    // gathered from its owners: every rank holds the full state after; rank 0 writes.
     if (engine_) engine_->download_state();
+    if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
+    if (dp_rank() != 0) return checkpoint_dir();
     state_.data_position = stream_->position().to_json();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
                            recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),

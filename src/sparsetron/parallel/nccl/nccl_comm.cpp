@@ -180,6 +180,18 @@ void NcclComm::device_allreduce_sum(int64_t* x, int64_t n, void* stream) {
     ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt64, ncclSum, nc(comm_), cs(stream)));
 }
 
+void NcclComm::device_broadcast(void* data, int64_t bytes, int root, void* stream) {
+    if (bytes == 0) return;
+    ST_NCCL_CHECK(ncclBroadcast(data, data, size_t(bytes), ncclUint8, root, nc(comm_), cs(stream)));
+}
+
+void NcclComm::device_allgather(void* data, int64_t bytes_per_rank, void* stream) {
+    if (bytes_per_rank == 0) return;
+    char* base = static_cast<char*>(data);
+    ST_NCCL_CHECK(ncclAllGather(base + rank_ * bytes_per_rank, base, size_t(bytes_per_rank),
+                                ncclUint8, nc(comm_), cs(stream)));
+}
+
 std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv& env) {
     return std::make_unique<NcclComm>(env);
 }

@@ -34,8 +34,9 @@ class CudaEngine final : public DeviceEngine {
         const int64_t slots = recipe.run.tokens_per_microbatch();
         model_ = std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, slots,
                                                  max_documents, chunk_rows);
-        opt_ = std::make_unique<gpu::GpuOptimizer>(model_->gpu_params(), plan_, recipe_.model,
-                                                   recipe_.run);
+        opt_ = std::make_unique<gpu::GpuOptimizer>(
+            model_->gpu_params(), plan_, recipe_.model, recipe_.run,
+            recipe_.run.use_distributed_optimizer ? dp_ : nullptr);
         if (recipe_.run.cuda_graph_impl == "full_iteration") {
             // Staging for a whole step: every micro-batch's input block and loss sums.
             slots_ = recipe_.run.microbatches_per_step();
@@ -69,6 +70,8 @@ class CudaEngine final : public DeviceEngine {
         model_->refresh_bf16(ctx());
         session_.synchronize();
     }
+
+    std::vector<int> state_owners() const override { return opt_->state_owners(); }
 
     void download_state() override {
         session_.synchronize();

@@ -6,22 +6,34 @@
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/optim/lr_schedule.h"
+#include "sparsetron/optim/owner_assignment.h"
 
 namespace sparsetron::gpu {
 
 GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m,
-                           const RunConfig& r)
-    : P_(P), cfg_(m) {
+                           const RunConfig& r, Comm* distributed)
+    : P_(P), cfg_(m), dist_(distributed && distributed->size() > 1 ? distributed : nullptr) {
     const auto& params = P.store().params();
     muon_ = r.optimizer == "muon";
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
+    rank_ = dist_ ? dist_->rank() : 0;
+    ranks_ = dist_ ? dist_->size() : 1;
+    // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
+    // by size), which then broadcasts the updated weights.
+    std::vector<double> adam_cost(params.size(), -1.0);
+    for (size_t i = 0; i < params.size(); ++i) {
+        const bool muon = muon_ && params[i].trainable && params[i].group == OptimGroup::Muon;
+        if (params[i].trainable && !muon) adam_cost[i] = double(params[i].numel());
+    }
+    adam_owner_ = assign_owners_greedy(adam_cost, ranks_);
     int64_t off = 0, max_numel = 0;
     bool seen_mtp = false;
     parts_main_ = -1;
-    for (const auto& p : params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+        const auto& p = params[i];
         const bool muon = muon_ && p.trainable && p.group == OptimGroup::Muon;
         uses_muon_.push_back(muon);
-        const bool adam = p.trainable && !muon;
+        const bool adam = p.trainable && !muon && adam_owner_[i] == rank_;
         m_slots_.push_back(
             adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
                  : -1);
@@ -71,6 +83,24 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // the GPU with small per-head slices, a bounded workspace for the large ones.
     constexpr int64_t kBatchElements = int64_t(64) << 20;
     batches_ = plan_muon_batches(splits_, shapes, std::max(kBatchElements, max_numel));
+    // Rounds: round j holds the j-th batch of every rank (greedy by Newton-Schulz FLOPs); one
+    // rank alone runs every batch in order, one per round.
+    std::vector<double> cost;
+    for (const MuonBatch& b : batches_)
+        cost.push_back(double(b.count()) * double(b.rr()) * double(b.rr()) *
+                       double(2 * b.cc() + b.rr()));
+    const std::vector<int> owner = assign_owners_greedy(cost, ranks_);
+    std::vector<std::vector<int>> mine(static_cast<size_t>(ranks_));
+    for (size_t k = 0; k < batches_.size(); ++k) mine[size_t(owner[k])].push_back(int(k));
+    size_t rounds = 0;
+    for (const auto& l : mine) rounds = std::max(rounds, l.size());
+    rounds_.assign(rounds, std::vector<int>(size_t(ranks_), -1));
+    for (int s = 0; s < ranks_; ++s)
+        for (size_t j = 0; j < mine[size_t(s)].size(); ++j)
+            rounds_[j][size_t(s)] = mine[size_t(s)][j];
+    batch_first_.clear();
+    int64_t first = 0;
+    for (const MuonBatch& b : batches_) batch_first_.push_back(first), first += b.count();
     // muon_fp32_matmul_prec, PyTorch's float32 matmul precision as the seed's Muon uses it:
     // "highest" fp32, "high" TF32 tensor cores, "medium" (the default) and "low" cast X to bf16
     // and run the iterations in bf16 (fp32 accumulation), as Emerging-Optimizers' Newton-Schulz
@@ -85,10 +115,13 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
         norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
         problems += b.count();
     }
-    // The gathered fp32 momentum stack; W and its copy Y [count, rr, cc] and A, B [count, rr, rr]
-    // in the iteration's element type; norm partials; the problem table.
+    // The gathered fp32 momentum stack; W [ranks, count, rr, cc] (one slot per rank: a round's
+    // results are all-gathered), its copy Y and A, B [count, rr, rr] in the iteration's element
+    // type; norm partials; the problem table.
     s_stack_ = plan.add(MemClass::Workspace, "optim.muon_stack", DType::F32, {stack});
-    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_, {2 * stack + 2 * gram});
+    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_,
+                     {(ranks_ + 1) * stack + 2 * gram});
+    ns_stack_ = stack;
     s_ns_norms_ = plan.add(MemClass::Workspace, "optim.muon_norms", DType::F32, {norms});
     static_assert(sizeof(cuda::MuonDeviceProblem) % 8 == 0);
     s_problems_ = plan.add(MemClass::Workspace, "optim.muon_problems", DType::I64,
@@ -145,11 +178,22 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
             cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f,
                                 float(run.muon_momentum), scale_ + g, skip_ + g, sched_,
                                 p.weight_decay ? float(run.weight_decay) : 0.f);
-        } else {
+        } else if (adam_owner_[i] == rank_) {
             cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
                                p.weight_decay ? float(run.weight_decay) : 0.f, 1, scale_ + g,
                                skip_ + g, gp.w, sched_);
+        }
+    }
+    if (dist_) {
+        // Every AdamW parameter from the rank that updated it (a skipped step broadcasts the
+        // unchanged weights: the skip decision is the same on every rank).
+        for (size_t i = 0; i < params.size(); ++i) {
+            if (adam_owner_[i] < 0) continue;
+            const GpuParam& gp = P_[int64_t(i)];
+            dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), adam_owner_[i],
+                                    ctx.stream);
+            if (adam_owner_[i] != rank_) cuda::f32_to_bf16(ctx, gp.master, gp.w, gp.numel);
         }
     }
     if (!muon_) return;
@@ -179,26 +223,46 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         const MuonCoefficients c = muon_ns_coefficients(r.muon_coefficient_type, k);
         coefficients.push_back({float(c.a), float(c.b), float(c.c)});
     }
-    const size_t es = dtype_size(ns_elem_);
-    const cuda::MuonDeviceProblem* table = problems_;
-    for (const MuonBatch& b : batches_) {
-        const int64_t n = b.rows * b.cols, count = b.count();
-        char* w = static_cast<char*>(ns_);
-        char* y = w + b.elements() * es;
-        char* a = y + b.elements() * es;
-        char* bb = a + count * b.rr() * b.rr() * es;
-        cuda::muon_gather_batch(ctx, table, count, b.rows, b.cols, b.transposed(),
-                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
-        cuda::muon_normalize_batch(ctx, stack_, count, n, 1e-7f, ns_norms_, ns_elem_, w);
-        cuda::newton_schulz_batch(ctx, w, y, a, bb, count, b.rr(), b.cc(), coefficients, ns_elem_,
-                                  ns_tf32_);
-        // The step is lr (staged on the device) times the shape scale.
-        const float factor =
-            float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
-        cuda::muon_apply_batch(ctx, table, count, b.rows, b.cols, b.transposed(), w, ns_elem_,
-                               factor, skip_, sched_);
-        table += count;
+    const int64_t es = int64_t(dtype_size(ns_elem_));
+    char* slots = static_cast<char*>(ns_);      // [ranks, stack]
+    char* y = slots + ranks_ * ns_stack_ * es;  // [stack]
+    char* a = y + ns_stack_ * es;               // [gram]
+    for (const std::vector<int>& round : rounds_) {
+        // This round's slot: the largest of its batches (every rank sends that many bytes).
+        int64_t slot_bytes = 0;
+        for (int k : round)
+            if (k >= 0) slot_bytes = std::max(slot_bytes, batches_[size_t(k)].elements() * es);
+        // This rank's batch: gather, normalize, Newton-Schulz into its slot.
+        if (const int k = round[size_t(rank_)]; k >= 0) {
+            const MuonBatch& b = batches_[size_t(k)];
+            const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
+            char* w = slots + rank_ * slot_bytes;
+            char* bb = a + b.count() * b.rr() * b.rr() * es;
+            cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
+                                    float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
+            cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
+                                       ns_elem_, w);
+            cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
+                                      ns_elem_, ns_tf32_);
+        }
+        if (dist_) dist_->device_allgather(slots, slot_bytes, ctx.stream);
+        // Every rank applies every batch of the round: the weights stay identical everywhere.
+        for (int s = 0; s < ranks_; ++s) {
+            const int k = round[size_t(s)];
+            if (k < 0) continue;
+            const MuonBatch& b = batches_[size_t(k)];
+            // The step is lr (staged on the device) times the shape scale.
+            const float factor =
+                float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
+            cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows,
+                                   b.cols, b.transposed(), slots + s * slot_bytes, ns_elem_, factor,
+                                   skip_, sched_);
+        }
     }
+}
+
+std::vector<int> GpuOptimizer::state_owners() const {
+    return dist_ ? adam_owner_ : std::vector<int>{};
 }
 
 std::vector<std::pair<std::string, MemoryPlan::Slot>> GpuOptimizer::state_tensors() const {

@@ -15,12 +15,19 @@
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/optim/muon_batches.h"
 #include "sparsetron/optim/optimizer.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron::gpu {
 
 class GpuOptimizer {
   public:
-    GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
+    // With `distributed` (a data-parallel communicator of more than one rank with device
+    // collectives: the distributed optimizer), AdamW state and updates are sharded by parameter
+    // (owners broadcast the new weights) and Muon's Newton-Schulz batches are split over the
+    // ranks (results all-gathered, every rank applies all of them); Muon momentum stays whole on
+    // every rank.
+    GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r,
+                 Comm* distributed = nullptr);
     void bind(const MemoryPlan& plan);
     // The learning rate and AdamW's bias corrections of `step` into device scalars (a host
     // copy: outside any captured graph). The step's kernels read them there, so a replayed graph
@@ -38,7 +45,10 @@ class GpuOptimizer {
     // A device int32 that, when nonzero at the step, skips it like a non-finite norm does
     // (the MoE stash's overflow flag).
     void set_veto(const int32_t* flag) { veto_ = flag; }
-    // Device state tensors by checkpoint name ("<param>.exp_avg", ...).
+    // Distributed: the rank holding each parameter's AdamW state (-1: Muon momentum, on every
+    // rank, or no state); empty otherwise.
+    std::vector<int> state_owners() const;
+    // Device state tensors by checkpoint name ("<param>.exp_avg", ...); distributed: this rank's.
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
 
   private:
@@ -48,6 +58,9 @@ class GpuOptimizer {
     void run_muon_batches(const ExecContext& ctx, const RunConfig& run);
     const GpuParams& P_;
     const ModelConfig& cfg_;
+    Comm* dist_ = nullptr;
+    int rank_ = 0, ranks_ = 1;
+    std::vector<int> adam_owner_;  // AdamW parameters' owning rank, -1 for the others
     bool muon_ = false, separate_mtp_ = false;
     std::vector<bool> uses_muon_;
     std::vector<MemoryPlan::Slot> m_slots_, v_slots_, mom_slots_;
@@ -58,6 +71,9 @@ class GpuOptimizer {
     float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr;
     // Muon: Newton-Schulz batches, their workspace and the device table of their problems.
     std::vector<MuonBatch> batches_;
+    std::vector<int64_t> batch_first_;      // each batch's first row in the problem table
+    std::vector<std::vector<int>> rounds_;  // [round][rank] -> batch, -1 for none
+    int64_t ns_stack_ = 0;                  // elements of the largest batch
     DType ns_elem_ = DType::F32;
     bool ns_tf32_ = false;
     MemoryPlan::Slot s_stack_ = -1, s_ns_ = -1, s_ns_norms_ = -1, s_problems_ = -1;

@@ -306,9 +306,15 @@ TEST(CudaTraining, FullIterationGraphTrainingMatchesEager) {
                   << " vs " << eager[i].lm_loss << (graph[i].graph ? " (replay)" : "") << "\n";
         EXPECT_EQ(graph[i].graph, i > 0);
         EXPECT_FALSE(eager[i].graph);
-        EXPECT_NEAR(graph[i].lm_loss, eager[i].lm_loss, 1e-5 * eager[i].lm_loss);
-        EXPECT_NEAR(graph[i].mtp_loss, eager[i].mtp_loss, 1e-5 * eager[i].mtp_loss + 1e-9);
-        EXPECT_NEAR(graph[i].grad_norm, eager[i].grad_norm, 1e-5 * eager[i].grad_norm);
+        // Chained steps: fp32 atomics (embedding, attention backward) differ between runs in
+        // the last bits and Adam amplifies them (grad_norm 2.6e-5 apart at step 5 once on the
+        // H200); a replay that missed the staged schedule would be off by far more (the warm-up
+        // learning rate grows every step).
+        const double tol = i == 0 ? 1e-5 : 1e-4;
+        EXPECT_NEAR(graph[i].lm_loss, eager[i].lm_loss, tol * eager[i].lm_loss);
+        EXPECT_NEAR(graph[i].mtp_loss, eager[i].mtp_loss, tol * eager[i].mtp_loss + 1e-9);
+        EXPECT_NEAR(graph[i].grad_norm, eager[i].grad_norm,
+                    (i == 0 ? 1e-5 : 1e-3) * eager[i].grad_norm);
         EXPECT_EQ(graph[i].lr, eager[i].lr);
     }
 }

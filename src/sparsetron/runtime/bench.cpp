@@ -9,6 +9,8 @@
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/rng.h"
+#include "sparsetron/parallel/layout.h"
+#include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
@@ -57,8 +59,15 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),
                                    recipe.model.init_method_std, recipe.model.num_layers);
-    auto engine = make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer,
-                                   tp->max_documents, tp->chunk_rows, o.comm);
+    std::unique_ptr<ProcessGroups> groups;
+    if (recipe.run.expert_model_parallel_size > 1) {
+        ST_CHECK(o.comm, "bench: expert_model_parallel_size > 1 needs a launcher's processes");
+        groups = std::make_unique<ProcessGroups>(
+            ProcessGroups::create(*o.comm, make_layout(recipe.run, ranks)));
+    }
+    auto engine =
+        make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents,
+                         tp->chunk_rows, o.comm, groups ? groups->ep.get() : nullptr);
     engine->upload_state();
     // One synthetic document filling every slot of the micro-batch (the seed's THD benchmark).
     const int64_t slots = recipe.run.tokens_per_microbatch();

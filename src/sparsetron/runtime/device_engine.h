@@ -85,7 +85,8 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
-                                               Comm* data_parallel = nullptr);
+                                               Comm* data_parallel = nullptr,
+                                               Comm* expert_parallel = nullptr);
 
 // The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
 // GPU): the per-class table of MemoryPlan::format(). Throws "built without CUDA" in a CPU-only

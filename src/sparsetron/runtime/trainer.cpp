@@ -88,9 +88,6 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
                  r.run.pipeline_model_parallel_size == 1,
              "only data and expert parallelism are implemented across processes so far "
              "(context, tensor and pipeline parallel sizes must be 1)");
-    ST_CHECK(o.device == Device::CPU || r.run.expert_model_parallel_size == 1,
-             "expert parallelism runs on CPU ranks so far (the CUDA MoE keeps every expert on "
-             "each GPU); set expert_model_parallel_size: 1 for --device cuda");
 }
 
 fs::path find_bundled_corpus() {
@@ -165,10 +162,15 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-        // With data parallelism over NCCL the engine sums gradients on the device.
+        // With data parallelism over NCCL the engine sums gradients on the device; with expert
+        // parallelism the MoE layers exchange rows with the EP group's GPUs.
+        if (r.expert_model_parallel_size > 1)
+            groups_ = std::make_unique<ProcessGroups>(
+                ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
         engine_ = make_cuda_engine(recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer,
                                    tp_->max_documents, tp_->chunk_rows,
-                                   dp_size() > 1 ? options_.comm : nullptr);
+                                   dp_size() > 1 ? options_.comm : nullptr,
+                                   groups_ ? groups_->ep.get() : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();

@@ -71,11 +71,23 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
         shared_ =
             std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens, "moe.shared");
     const int64_t R = tokens * k_;
+    // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
+    W_ = c.expert_parallel_ranks;
+    ST_CHECK(E_ % W_ == 0, "CUDA MoE: ", E_, " experts over ", W_, " expert-parallel ranks");
+    ST_CHECK(W_ == 1 || !stash,
+             "moe_paged_stash with expert parallelism is not implemented on "
+             "CUDA yet: set moe_paged_stash: false");
+    rows_ = W_ * R;
     B.scratch(dxperm_, "grad.moe.x_permuted", {R, h_});
     B.scratch(doutperm_, "grad.moe.out_permuted", {R, h_});
-    B.scratch(dact_, "grad.moe.act", {R, F_});
-    B.scratch(dg_, "grad.moe.gate", {R, F_});
-    B.scratch(du_, "grad.moe.up", {R, F_});
+    B.scratch(dact_, "grad.moe.act", {rows_, F_});
+    B.scratch(dg_, "grad.moe.gate", {rows_, F_});
+    B.scratch(du_, "grad.moe.up", {rows_, F_});
+    if (W_ > 1) {
+        B.scratch(out_owner_, "moe.ep.expert_out", {rows_, h_});
+        B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
+        B.scratch(dx_owner_, "grad.moe.ep.x", {rows_, h_});
+    }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
     B.scratch(dlogits_bf_, "grad.moe.router_logits_bf16", {tokens, E_});
@@ -96,7 +108,17 @@ void GpuMoe::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.offsets, p + "expert_offsets", {E_ + 1});
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
-    if (stash_) {
+    if (W_ > 1) {
+        // The expert side holds received rows (owner layout); out_perm the results returned to
+        // this rank's layout.
+        B.act(A.ep_offsets, p + "ep_offsets", {W_, E_ + 1});
+        B.act(A.recv_offsets, p + "ep_recv_offsets", {E_ / W_ + 1});
+        B.act(A.xperm, p + "x_received", {rows_, h_});
+        B.act(A.g, p + "expert_gate", {rows_, F_});
+        B.act(A.u, p + "expert_up", {rows_, F_});
+        B.act(A.act, p + "expert_act", {rows_, F_});
+        B.act(A.out_perm, p + "expert_out", {R, h_});
+    } else if (stash_) {
         B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
         B.scratch(A.g, "moe.work.expert_gate", {R, F_});
         B.scratch(A.u, "moe.work.expert_up", {R, F_});
@@ -136,15 +158,25 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     cuda::moe_permute(ctx, A.topk, Tn, E_, k_, capacity_, A.counts, A.offsets, A.slot_row,
                       A.perm_token);
     cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
-    cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+    if (W_ > 1) {
+        // The permuted rows (in dxperm_, free until the backward) to their experts' ranks.
+        ST_ASSERT(ep_, "CUDA MoE: expert parallelism without an exchange (set_exchange)");
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, dxperm_);
+        ep_->dispatch(ctx, dxperm_, A.offsets, A.ep_offsets, A.recv_offsets, A.xperm);
+    } else {
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+    }
+    const Local L = local(A);
+    bf16* out = W_ > 1 ? out_owner_ : A.out_perm;
     using K = cuda::GroupedGemm;
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, A.offsets, E_, capacity_, F_, h_, A.xperm,
-                       P_[gate0_].w, A.g, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, A.offsets, E_, capacity_, F_, h_, A.xperm,
-                       P_[up0_].w, A.u, ws);
-    cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, A.offsets, E_, capacity_, h_, F_, A.act,
-                       P_[down0_].w, A.out_perm, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, F_, h_, A.xperm,
+                       P_[gate0_ + L.first * wstride_].w, A.g, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, F_, h_, A.xperm,
+                       P_[up0_ + L.first * wstride_].w, A.u, ws);
+    cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, h_, F_, A.act,
+                       P_[down0_ + L.first * wstride_].w, out, ws);
+    if (W_ > 1) ep_->combine(ctx, out_owner_, A.ep_offsets, A.recv_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
     if (stash_) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
@@ -165,20 +197,28 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     }
     cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, doutperm_,
                                dgates_);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, h_, F_, doutperm_,
-                       P_[down0_].w, dact_, ws);
-    cuda::grouped_gemm(ctx, K::WeightGrad, A.offsets, E_, capacity_, h_, F_, doutperm_, A.act,
-                       P_[down0_].grad, P_[gate0_ + wstride_].grad - P_[gate0_].grad);
-    cuda::swiglu_backward(ctx, A.g, A.u, dact_, R * F_, dg_, du_);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, F_, h_, dg_, P_[gate0_].w,
-                       dxperm_, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, A.offsets, E_, capacity_, F_, h_, du_, P_[up0_].w,
-                       dxperm_, ws, true);
+    // Expert parallelism: the output gradients to the experts' ranks, the input gradients back.
+    if (W_ > 1) ep_->dispatch_again(ctx, doutperm_, A.ep_offsets, dout_owner_);
+    const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
+    bf16* dx = W_ > 1 ? dx_owner_ : dxperm_;
+    const Local L = local(A);
     const int64_t gs = E_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
-    cuda::grouped_gemm(ctx, K::WeightGrad, A.offsets, E_, capacity_, F_, h_, dg_, A.xperm,
-                       P_[gate0_].grad, gs);
-    cuda::grouped_gemm(ctx, K::WeightGrad, A.offsets, E_, capacity_, F_, h_, du_, A.xperm,
-                       P_[up0_].grad, gs);
+    const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
+                   &down = P_[down0_ + L.first * wstride_];
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, h_, F_, dout,
+                       down.w, dact_, ws);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, h_, F_, dout, A.act,
+                       down.grad, gs);
+    cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, dg_,
+                       gate.w, dx, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, du_, up.w,
+                       dx, ws, true);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, F_, h_, dg_, A.xperm,
+                       gate.grad, gs);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, F_, h_, du_, A.xperm,
+                       up.grad, gs);
+    if (W_ > 1) ep_->combine(ctx, dx_owner_, A.ep_offsets, A.recv_offsets, dxperm_);
     cuda::moe_gather_backward(ctx, dxperm_, A.slot_row, Tn, k_, h_, dm, false);
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
@@ -187,6 +227,12 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
          F32);
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
+}
+
+GpuMoe::Local GpuMoe::local(const Acts& A) const {
+    if (W_ == 1) return {A.offsets, E_, capacity_, 0};
+    const int64_t el = E_ / W_;
+    return {A.recv_offsets, el, std::min(rows_, W_ * capacity_), int64_t(ep_->rank()) * el};
 }
 
 void GpuMoe::check_layout() const {

@@ -5,6 +5,7 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 #include "sparsetron/model/gpu/moe_stash.h"
+#include "sparsetron/ops/cuda/expert_exchange.h"
 
 namespace sparsetron::gpu {
 
@@ -38,6 +39,9 @@ class GpuMoe {
         // `stash_table` records where this application's saved rows went.
         bf16 *xperm, *g, *u, *act, *out_perm;
         int32_t* stash_table = nullptr;
+        // Expert parallelism: every rank's offsets [W, E + 1] and this rank's owner layout
+        // [El + 1]; xperm, g, u, act then hold the rows this rank's experts received.
+        int32_t *ep_offsets = nullptr, *recv_offsets = nullptr;
         GpuMlp::Acts shared;
     };
     // `stash`: the model's paged stash (moe_stash.h), or null to keep every application's
@@ -49,6 +53,10 @@ class GpuMoe {
         return 2 * c.moe_ffn_hidden_size + c.hidden_size;
     }
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+    // Expert parallelism (cfg.expert_parallel_ranks = W > 1): the exchange with the other
+    // ranks' experts, set before the first step; this rank computes experts
+    // [rank E / W, (rank + 1) E / W) for every rank's rows.
+    void set_exchange(cuda::ExpertExchange* ep) { ep_ = ep; }
     void forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
                  bf16* y) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
@@ -64,10 +72,20 @@ class GpuMoe {
 
   private:
     StashRows stashed(const Acts& A) const;
+    // Grouped GEMM inputs for this rank's experts: offsets, expert count, rows per expert bound,
+    // first expert.
+    struct Local {
+        const int32_t* offsets;
+        int64_t experts, max_rows, first;
+    };
+    Local local(const Acts& A) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     const MoeStash* stash_;
+    cuda::ExpertExchange* ep_ = nullptr;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
+    int64_t W_ = 1, rows_ = 0;  // expert-parallel ranks; expert rows (worst case received)
+    bf16 *out_owner_ = nullptr, *dout_owner_ = nullptr, *dx_owner_ = nullptr;
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;
     bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;

@@ -155,6 +155,10 @@ void GpuModel::bind(const ExecContext& ctx) {
     reset_moe_stats(ctx);
 }
 
+void GpuModel::set_expert_exchange(cuda::ExpertExchange* ep) {
+    for (GpuMoe* m : moes()) m->set_exchange(ep);
+}
+
 std::vector<GpuMoe*> GpuModel::moes() const {
     std::vector<GpuMoe*> out;
     for (const auto& l : layers_)

@@ -74,6 +74,10 @@ class GpuModel {
     // reset_moe_stats(), and the device flag a push sets on overflow.
     const MoeStash* moe_stash() const { return stash_.get(); }
 
+    // Expert parallelism (cfg.expert_parallel_ranks > 1): every MoE layer exchanges rows
+    // through `ep` (set once, before the first step).
+    void set_expert_exchange(cuda::ExpertExchange* ep);
+
   private:
     struct MtpActs {
         int32_t *ids, *targets;

@@ -19,7 +19,7 @@ class CudaEngine final : public DeviceEngine {
   public:
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
                const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
-               Comm* data_parallel)
+               Comm* data_parallel, Comm* expert_parallel)
         : recipe_(recipe),
           host_store_(host_store),
           host_plan_(host_plan),
@@ -28,6 +28,13 @@ class CudaEngine final : public DeviceEngine {
         ST_CHECK(!dp_ || dp_->on_device(),
                  "CUDA data parallelism needs device collectives (NCCL); ", "the ",
                  dp_ ? dp_->name() : "", " communicator has none");
+        // The MoE layers plan for the expert-parallel group's size (make_training_plan's rule).
+        recipe_.model.expert_parallel_ranks = recipe_.run.expert_model_parallel_size;
+        ST_CHECK(
+            recipe_.model.expert_parallel_ranks == 1 ||
+                (expert_parallel && expert_parallel->size() == recipe_.model.expert_parallel_ranks),
+            "expert_model_parallel_size ", recipe_.model.expert_parallel_ranks,
+            " needs an expert-parallel group of that many processes");
         ST_CHECK(!recipe.run.dsa_dense_warmup,
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");
@@ -48,6 +55,14 @@ class CudaEngine final : public DeviceEngine {
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         opt_->bind(plan_);
+        if (expert_parallel && expert_parallel->size() > 1) {
+            // Worst case received by one rank's experts: every rank's routed rows.
+            const auto& m = recipe_.model;
+            exchange_ = std::make_unique<cuda::ExpertExchange>(
+                *expert_parallel, m.num_experts,
+                expert_parallel->size() * slots * m.moe_router_topk, m.hidden_size);
+            model_->set_expert_exchange(exchange_.get());
+        }
         if (dp_) {
             plan_buckets();
             if (recipe_.run.overlap_grad_reduce) side_ = std::make_unique<cuda::SideStream>(ctx());
@@ -328,7 +343,8 @@ class CudaEngine final : public DeviceEngine {
     MemoryPlan plan_;
     std::unique_ptr<gpu::GpuModel> model_;
     std::unique_ptr<gpu::GpuOptimizer> opt_;
-    std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
+    std::unique_ptr<cuda::ExpertExchange> exchange_;  // expert parallelism
+    std::unique_ptr<cuda::StepGraph> graph_;          // timed_step's graph (bench)
     // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
     int64_t slots_ = 0, captures_ = 0;
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
@@ -343,8 +359,10 @@ class CudaEngine final : public DeviceEngine {
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes) {
     MemoryPlan plan;
-    gpu::GpuModel model(recipe.model, host_store, plan, recipe.run.tokens_per_microbatch(),
-                        max_documents, chunk_rows);
+    ModelConfig m = recipe.model;
+    m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
+    gpu::GpuModel model(m, host_store, plan, recipe.run.tokens_per_microbatch(), max_documents,
+                        chunk_rows);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     if (total_bytes) *total_bytes = plan.total_bytes();
     return plan.format();
@@ -354,12 +372,12 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
-                                               Comm* data_parallel) {
+                                               Comm* data_parallel, Comm* expert_parallel) {
     // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
     ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
              "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
     return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
-                                        max_documents, chunk_rows, data_parallel);
+                                        max_documents, chunk_rows, data_parallel, expert_parallel);
 }
 
 }  // namespace sparsetron

@@ -22,6 +22,7 @@
 #include "sparsetron/perf/report.h"
 #include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/exchange_bench.h"
 #if SPARSETRON_MPI
 #include "sparsetron/parallel/mpi/mpi_comm.h"
 #endif
@@ -413,6 +414,19 @@ int main(int argc, char** argv) {
     bench->add_option("--commit", bopt.commit, "Commit recorded in the result");
     bench->add_option("--json", bench_json, "Append the result as one JSON line to this file");
 
+    auto* bex = app.add_subcommand(
+        "bench-exchange",
+        "Under a launcher with GPUs: check the expert-parallel exchange and time it against a "
+        "plain NCCL all-to-all of the same bytes");
+    ExchangeBenchOptions xopt;
+    std::string bex_json;
+    bex->add_option("--rows", xopt.rows, "Routed rows per rank (default 32768: 4096 tokens x 8)");
+    bex->add_option("--dim", xopt.dim, "bf16 values per row (default 6144)");
+    bex->add_option("--experts", xopt.experts, "Experts, uniform routing (default 16)");
+    bex->add_option("--warmup", xopt.warmup, "Untimed exchanges first (default 3)");
+    bex->add_option("--iters", xopt.iters, "Timed exchanges (default 20)");
+    bex->add_option("--json", bex_json, "Append the result as one JSON line to this file");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::ParseError& e) {
@@ -432,6 +446,31 @@ int main(int argc, char** argv) {
             return 0;
         }
         if (flops->parsed()) return cmd_flops(recipe, sets, doc_lengths, convention, flops_json);
+        if (bex->parsed()) {
+            connect_gpus_if_launched(Device::CUDA);
+            ST_CHECK(g_comm && g_comm->size() > 1,
+                     "bench-exchange runs under a launcher with 2 or more processes (one GPU "
+                     "each), e.g. scripts/launch-local.sh 2 sparsetron bench-exchange");
+            const ExchangeBenchResult x = bench_expert_exchange(*g_comm, xopt);
+            if (g_comm->rank() != 0) return 0;
+            std::printf(
+                "expert exchange | %s x %d | %lld rows x %lld bf16 per rank, %lld experts "
+                "(uniform) | %.1f MB to peers per rank\n"
+                "check: dispatch and combine delivered every row bit for bit (verified)\n"
+                "%-28s %10s %12s\n%-28s %10.3f %12.1f\n%-28s %10.3f %12.1f\n"
+                "exchange vs NCCL all-to-all: %.2fx the time\n",
+                x.gpu.c_str(), x.ranks, static_cast<long long>(x.rows),
+                static_cast<long long>(x.dim), static_cast<long long>(x.experts),
+                x.peer_bytes / 1e6, "", "median ms", "GB/s to peers", "exchange dispatch",
+                x.exchange_ms, x.exchange_gbps, "NCCL send/recv all-to-all", x.nccl_ms, x.nccl_gbps,
+                x.exchange_ms / x.nccl_ms);
+            if (!bex_json.empty()) {
+                std::ofstream out(bex_json, std::ios::app);
+                ST_CHECK(out.good(), "cannot write '", bex_json, "'");
+                out << x.to_json() << "\n";
+            }
+            return 0;
+        }
         if (bench->parsed()) {
             Recipe r = load_recipe(recipe, sets);
             bopt.variants = split_list(bench_variants);
@@ -444,7 +483,12 @@ int main(int argc, char** argv) {
                 "variant\n%s\n",
                 r.name.c_str(), res.front().gpu.c_str(),
                 res.front().gpus > 1
-                    ? cat(" x ", res.front().gpus, " (data parallel, per GPU)").c_str()
+                    ? cat(" x ", res.front().gpus, " (data parallel",
+                          r.run.expert_model_parallel_size > 1
+                              ? cat(", expert parallel ", r.run.expert_model_parallel_size)
+                              : std::string(),
+                          ", per GPU)")
+                          .c_str()
                     : "",
                 res.front().commit.c_str(), static_cast<long long>(bopt.warmup),
                 static_cast<long long>(bopt.iters), bench_table(res).c_str());

@@ -3,6 +3,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/ops/convert.h"
 #include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/exchange_bench.h"
 
 namespace sparsetron {
 namespace {
@@ -46,6 +47,10 @@ std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
                                                const Optimizer&, int64_t, int64_t, Comm*, Comm*) {
     no_cuda("--device cuda");
+}
+
+ExchangeBenchResult bench_expert_exchange(Comm&, const ExchangeBenchOptions&) {
+    no_cuda("bench-exchange");
 }
 
 }  // namespace sparsetron

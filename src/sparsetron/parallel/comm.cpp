@@ -31,6 +31,10 @@ void Comm::device_broadcast(void*, int64_t, int, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }
 
+void Comm::device_alltoall(const void*, void*, int64_t, void*) {
+    throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
+}
+
 void Comm::device_allgather(void*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }

@@ -44,6 +44,10 @@ class Comm {
     virtual void device_broadcast(void* data, int64_t bytes, int root, void* stream);
     // In place: rank r's `bytes_per_rank` bytes at data + r * bytes_per_rank go to every rank.
     virtual void device_allgather(void* data, int64_t bytes_per_rank, void* stream);
+    // Uniform all-to-all: block r of `send` (bytes_per_rank each) goes to rank r; block s of
+    // `recv` is what rank s sent to this rank.
+    virtual void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
+                                 void* stream);
 };
 
 class SingleProcessComm final : public Comm {

@@ -168,7 +168,7 @@ ExpertExchange::ExpertExchange(Comm& ep, int64_t experts, int64_t max_rows, int6
     ST_CHECK(experts % size_ == 0, "expert exchange: ", experts, " experts over ", size_, " ranks");
     ST_CHECK(dim % 8 == 0, "expert exchange: rows of ", dim,
              " bf16 values (a multiple of 8 is needed for 16-byte copies)");
-    region_bytes_ = rows_at(experts) + max_rows * dim * int64_t(sizeof(bf16));
+    region_bytes_ = region_bytes_for(experts, max_rows, dim);
     ST_CUDA_CHECK(cudaMalloc(&region_, size_t(region_bytes_)));
     ST_CUDA_CHECK(cudaMemset(region_, 0, size_t(rows_at(experts))));
     ST_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&epoch_), sizeof(uint32_t)));
@@ -199,6 +199,10 @@ ExpertExchange::ExpertExchange(Comm& ep, int64_t experts, int64_t max_rows, int6
     // Every rank has mapped every region before any exchange starts.
     char ready = 1;
     ep.broadcast(&ready, 1, 0);
+}
+
+int64_t ExpertExchange::region_bytes_for(int64_t experts, int64_t max_rows, int64_t dim) {
+    return rows_at(experts) + max_rows * dim * int64_t(sizeof(bf16));
 }
 
 ExpertExchange::~ExpertExchange() {

@@ -35,8 +35,10 @@ class ExpertExchange {
     int rank() const { return rank_; }
     int size() const { return size_; }
     int64_t local_experts() const { return experts_ / size_; }
-    // Device memory of this rank's shared region (the worst-case receive side of every peer).
+    // Device memory of this rank's shared region (the worst-case receive side of every peer):
+    // a separate allocation (CUDA IPC maps whole allocations), counted with the plan.
     int64_t region_bytes() const { return region_bytes_; }
+    static int64_t region_bytes_for(int64_t experts, int64_t max_rows, int64_t dim);
 
     // x: rows in this rank's source layout (offsets [E + 1] on the device) -> the owners.
     // Writes all_offsets [W, E + 1] (every rank's offsets: the application's later exchanges

@@ -192,6 +192,20 @@ void NcclComm::device_allgather(void* data, int64_t bytes_per_rank, void* stream
                                 ncclUint8, nc(comm_), cs(stream)));
 }
 
+void NcclComm::device_alltoall(const void* send, void* recv, int64_t bytes_per_rank, void* stream) {
+    if (bytes_per_rank == 0) return;
+    const char* s = static_cast<const char*>(send);
+    char* r = static_cast<char*>(recv);
+    ST_NCCL_CHECK(ncclGroupStart());
+    for (int peer = 0; peer < size_; ++peer) {
+        ST_NCCL_CHECK(ncclSend(s + peer * bytes_per_rank, size_t(bytes_per_rank), ncclUint8, peer,
+                               nc(comm_), cs(stream)));
+        ST_NCCL_CHECK(ncclRecv(r + peer * bytes_per_rank, size_t(bytes_per_rank), ncclUint8, peer,
+                               nc(comm_), cs(stream)));
+    }
+    ST_NCCL_CHECK(ncclGroupEnd());
+}
+
 std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv& env) {
     return std::make_unique<NcclComm>(env);
 }

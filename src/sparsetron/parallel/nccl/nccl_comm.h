@@ -32,6 +32,8 @@ class NcclComm final : public Comm {
     void device_allreduce_sum(int64_t* x, int64_t n, void* stream) override;
     void device_broadcast(void* data, int64_t bytes, int root, void* stream) override;
     void device_allgather(void* data, int64_t bytes_per_rank, void* stream) override;
+    void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
+                         void* stream) override;
     int device() const { return device_; }
 
   private:

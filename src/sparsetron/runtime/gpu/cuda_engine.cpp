@@ -232,7 +232,8 @@ class CudaEngine final : public DeviceEngine {
         return double(device_memory_used()) / (1024.0 * 1024.0);
     }
     double planned_memory_mib() const override {
-        return double(plan_.total_bytes()) / (1024.0 * 1024.0);
+        const double region = exchange_ ? double(exchange_->region_bytes()) : 0.0;
+        return (double(plan_.total_bytes()) + region) / (1024.0 * 1024.0);
     }
 
   private:
@@ -364,8 +365,20 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     gpu::GpuModel model(m, host_store, plan, recipe.run.tokens_per_microbatch(), max_documents,
                         chunk_rows);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
-    if (total_bytes) *total_bytes = plan.total_bytes();
-    return plan.format();
+    std::string text = plan.format();
+    size_t total = plan.total_bytes();
+    if (m.expert_parallel_ranks > 1) {
+        // Expert parallelism: the exchange's shared region, a separate allocation (CUDA IPC).
+        const int64_t region = cuda::ExpertExchange::region_bytes_for(
+            m.num_experts,
+            m.expert_parallel_ranks * recipe.run.tokens_per_microbatch() * m.moe_router_topk,
+            m.hidden_size);
+        total += size_t(region);
+        text += cat("expert exchange region (CUDA IPC) ", format_bytes(double(region)),
+                    "\ntotal with it          ", format_bytes(double(total)), "\n");
+    }
+    if (total_bytes) *total_bytes = total;
+    return text;
 }
 
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,

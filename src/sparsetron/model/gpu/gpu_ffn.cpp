@@ -84,9 +84,7 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     B.scratch(dg_, "grad.moe.gate", {rows_, F_});
     B.scratch(du_, "grad.moe.up", {rows_, F_});
     if (W_ > 1) {
-        B.scratch(out_owner_, "moe.ep.expert_out", {rows_, h_});
         B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
-        B.scratch(dx_owner_, "grad.moe.ep.x", {rows_, h_});
     }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
@@ -159,15 +157,16 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
                       A.perm_token);
     cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
     if (W_ > 1) {
-        // The permuted rows (in dxperm_, free until the backward) to their experts' ranks.
+        // The permuted rows, gathered straight into the exchange's shared region, to their
+        // experts' ranks.
         ST_ASSERT(ep_, "CUDA MoE: expert parallelism without an exchange (set_exchange)");
-        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, dxperm_);
-        ep_->dispatch(ctx, dxperm_, A.offsets, A.ep_offsets, A.recv_offsets, A.xperm);
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, ep_->begin_send(ctx));
+        ep_->dispatch(ctx, A.offsets, A.ep_offsets, A.recv_offsets, A.xperm);
     } else {
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
     }
     const Local L = local(A);
-    bf16* out = W_ > 1 ? out_owner_ : A.out_perm;
+    bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
     using K = cuda::GroupedGemm;
     cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, F_, h_, A.xperm,
                        P_[gate0_ + L.first * wstride_].w, A.g, ws);
@@ -176,7 +175,7 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
     cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, h_, F_, A.act,
                        P_[down0_ + L.first * wstride_].w, out, ws);
-    if (W_ > 1) ep_->combine(ctx, out_owner_, A.ep_offsets, A.recv_offsets, A.out_perm);
+    if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
     if (stash_) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
@@ -195,12 +194,13 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
         cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
     }
-    cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, doutperm_,
+    // Expert parallelism: the output gradients, written straight into the exchange's region,
+    // to the experts' ranks; the input gradients come back the same way.
+    bf16* dout_src = W_ > 1 ? ep_->begin_send(ctx) : doutperm_;
+    cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, dout_src,
                                dgates_);
-    // Expert parallelism: the output gradients to the experts' ranks, the input gradients back.
-    if (W_ > 1) ep_->dispatch_again(ctx, doutperm_, A.ep_offsets, dout_owner_);
+    if (W_ > 1) ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
     const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
-    bf16* dx = W_ > 1 ? dx_owner_ : dxperm_;
     const Local L = local(A);
     const int64_t gs = E_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
     const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
@@ -210,6 +210,7 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, h_, F_, dout, A.act,
                        down.grad, gs);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
+    bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, dg_,
                        gate.w, dx, ws);
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, du_, up.w,
@@ -218,7 +219,7 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
                        gate.grad, gs);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, F_, h_, du_, A.xperm,
                        up.grad, gs);
-    if (W_ > 1) ep_->combine(ctx, dx_owner_, A.ep_offsets, A.recv_offsets, dxperm_);
+    if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm_);
     cuda::moe_gather_backward(ctx, dxperm_, A.slot_row, Tn, k_, h_, dm, false);
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,

@@ -84,8 +84,8 @@ class GpuMoe {
     const MoeStash* stash_;
     cuda::ExpertExchange* ep_ = nullptr;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
-    int64_t W_ = 1, rows_ = 0;  // expert-parallel ranks; expert rows (worst case received)
-    bf16 *out_owner_ = nullptr, *dout_owner_ = nullptr, *dx_owner_ = nullptr;
+    int64_t W_ = 1, rows_ = 0;    // expert-parallel ranks; expert rows (worst case received)
+    bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;
     bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;

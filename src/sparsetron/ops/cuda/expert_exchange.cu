@@ -16,7 +16,7 @@ namespace {
 // then the rows.
 constexpr int64_t kPublishAt = 0, kDoneAt = 128, kOffsetsAt = 256;
 constexpr int kThreads = 256;
-constexpr int kPullBlocksPerPeer = 66;
+constexpr int kPullBlocksPerPeer = 132;
 constexpr unsigned long long kTimeoutNs = 60ull * 1000 * 1000 * 1000;
 
 int64_t rows_at(int64_t experts) {
@@ -58,23 +58,16 @@ __global__ void begin_kernel(void* const* peers, int ranks, uint32_t* epoch) {
     *epoch = e + 1;
 }
 
-// rows [0, *count) of src into the region (and the offsets when given).
-__global__ void copy_in_kernel(void* region, int64_t rows_off, const int4* src,
-                               const int32_t* count, int64_t dim_vec, const int32_t* offsets,
-                               int64_t experts) {
-    const int64_t n = int64_t(*count) * dim_vec;
-    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(region) + rows_off);
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-         i += int64_t(gridDim.x) * blockDim.x)
-        dst[i] = src[i];
-    if (offsets && blockIdx.x == 0) {
+// The offsets (a dispatch) next to the rows, then the flag: everything written before is
+// visible to a peer that sees the flag.
+__global__ void publish_kernel(void* region, const int32_t* offsets, int64_t experts,
+                               const uint32_t* epoch) {
+    if (offsets) {
         int32_t* o = reinterpret_cast<int32_t*>(static_cast<char*>(region) + kOffsetsAt);
         for (int64_t e = threadIdx.x; e <= experts; e += blockDim.x) o[e] = offsets[e];
     }
-}
-
-__global__ void publish_kernel(void* region, const uint32_t* epoch) {
-    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
     __threadfence_system();
     store_release(flag_of(region, kPublishAt), *epoch);
 }
@@ -144,7 +137,10 @@ __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t exp
     __syncthreads();
     const int32_t first = off_p[q * el], last = off_p[(q + 1) * el];
     const int4* peer = reinterpret_cast<const int4*>(static_cast<const char*>(peers[s]) + rows_off);
-    for (int64_t i = first + blockIdx.x; i < last; i += gridDim.x) {
+    // A warp per row, four 16-byte loads in flight per lane: remote reads are latency-bound.
+    const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
+    for (int64_t i = first + int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < last;
+         i += int64_t(gridDim.x) * warps) {
         // The local expert of source-layout row i.
         int64_t lo = 0, hi = el - 1;
         while (lo < hi) {
@@ -156,8 +152,18 @@ __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t exp
         }
         const int64_t owner_row = base[lo] + (i - off_p[q * el + lo]);
         const int64_t src = Dispatch ? i : owner_row, dst = Dispatch ? owner_row : i;
-        for (int64_t v = threadIdx.x; v < dim_vec; v += blockDim.x)
-            out[dst * dim_vec + v] = __ldcg(peer + src * dim_vec + v);
+        const int4* from = peer + src * dim_vec;
+        int4* to = out + dst * dim_vec;
+        constexpr int kUnroll = 4;
+        int64_t v = lane;
+        for (; v + 32 * (kUnroll - 1) < dim_vec; v += 32 * kUnroll) {
+            int4 r[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) r[u] = __ldcg(from + v + 32 * u);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) to[v + 32 * u] = r[u];
+        }
+        for (; v < dim_vec; v += 32) to[v] = __ldcg(from + v);
     }
 }
 
@@ -213,21 +219,23 @@ ExpertExchange::~ExpertExchange() {
     cudaFree(region_);
 }
 
-void ExpertExchange::begin(const ExecContext& ctx) {
+bf16* ExpertExchange::begin_send(const ExecContext& ctx) {
     begin_kernel<<<1, 32, 0, stream_of(ctx)>>>(peers_, size_, epoch_);
+    ST_CUDA_LAUNCH_CHECK();
+    return reinterpret_cast<bf16*>(static_cast<char*>(region_) + rows_at(experts_));
+}
+
+void ExpertExchange::publish(const ExecContext& ctx, const int32_t* offsets) {
+    publish_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(region_, offsets, experts_, epoch_);
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void ExpertExchange::publish(const ExecContext& ctx, const bf16* rows, const int32_t* count_at,
-                             const int32_t* offsets) {
-    const int64_t dim_vec = dim_ / 8;
-    const unsigned grid =
-        unsigned(std::min<int64_t>(blocks_for(max_rows_ * dim_vec, kThreads), 1024));
-    copy_in_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(region_, rows_at(experts_),
-                                                          reinterpret_cast<const int4*>(rows),
-                                                          count_at, dim_vec, offsets, experts_);
-    ST_CUDA_LAUNCH_CHECK();
-    publish_kernel<<<1, 32, 0, stream_of(ctx)>>>(region_, epoch_);
+template <bool Dispatch>
+void ExpertExchange::pull(const ExecContext& ctx, const int32_t* all_offsets, bf16* out) {
+    const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
+    pull_kernel<Dispatch><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
+        peers_, size_, rank_, experts_, rows_at(experts_), dim_ / 8, epoch_, all_offsets,
+        reinterpret_cast<int4*>(out));
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -236,42 +244,25 @@ void ExpertExchange::finish(const ExecContext& ctx) {
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void ExpertExchange::dispatch(const ExecContext& ctx, const bf16* x, const int32_t* offsets,
-                              int32_t* all_offsets, int32_t* recv_offsets, bf16* y) {
-    begin(ctx);
-    publish(ctx, x, offsets + experts_, offsets);
+void ExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets, int32_t* all_offsets,
+                              int32_t* recv_offsets, bf16* y) {
+    publish(ctx, offsets);
     gather_offsets_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(peers_, size_, rank_, experts_,
                                                               epoch_, all_offsets, recv_offsets);
     ST_CUDA_LAUNCH_CHECK();
-    const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
-    pull_kernel<true><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
-        peers_, size_, rank_, experts_, rows_at(experts_), dim_ / 8, epoch_, all_offsets,
-        reinterpret_cast<int4*>(y));
-    ST_CUDA_LAUNCH_CHECK();
+    pull<true>(ctx, all_offsets, y);
     finish(ctx);
 }
 
-void ExpertExchange::dispatch_again(const ExecContext& ctx, const bf16* x,
-                                    const int32_t* all_offsets, bf16* y) {
-    begin(ctx);
-    publish(ctx, x, all_offsets + rank_ * (experts_ + 1) + experts_, nullptr);
-    const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
-    pull_kernel<true><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
-        peers_, size_, rank_, experts_, rows_at(experts_), dim_ / 8, epoch_, all_offsets,
-        reinterpret_cast<int4*>(y));
-    ST_CUDA_LAUNCH_CHECK();
+void ExpertExchange::dispatch_again(const ExecContext& ctx, const int32_t* all_offsets, bf16* y) {
+    publish(ctx, nullptr);
+    pull<true>(ctx, all_offsets, y);
     finish(ctx);
 }
 
-void ExpertExchange::combine(const ExecContext& ctx, const bf16* y, const int32_t* all_offsets,
-                             const int32_t* recv_offsets, bf16* x) {
-    begin(ctx);
-    publish(ctx, y, recv_offsets + local_experts(), nullptr);
-    const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
-    pull_kernel<false><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
-        peers_, size_, rank_, experts_, rows_at(experts_), dim_ / 8, epoch_, all_offsets,
-        reinterpret_cast<int4*>(x));
-    ST_CUDA_LAUNCH_CHECK();
+void ExpertExchange::combine(const ExecContext& ctx, const int32_t* all_offsets, bf16* x) {
+    publish(ctx, nullptr);
+    pull<false>(ctx, all_offsets, x);
     finish(ctx);
 }
 

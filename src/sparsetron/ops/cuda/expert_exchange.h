@@ -7,9 +7,10 @@
 // Layouts (W ranks, E experts, El = E / W per rank, rank q owns experts [q El, (q + 1) El)):
 // - source layout: a rank's permuted rows, expert-major by global expert (offsets[E + 1]);
 // - owner layout: rank q's received rows, by local expert j, then by source rank p.
-// Each exchange: wait until every peer finished reading this rank's previous publication, copy
-// the rows to send into this rank's shared region, publish (a flag with the exchange's epoch),
-// then pull from every peer's region once its flag shows the epoch, and say so. A peer that does
+// Each exchange: begin_send() waits until every peer finished reading this rank's previous
+// publication and hands out the shared region, where the caller's kernels write the rows to send
+// (no extra copy); the exchange call publishes them (a flag with the exchange's epoch), pulls from
+// every peer's region once its flag shows the epoch, and says so. A peer that does
 // not publish within a minute makes the kernel trap (the process fails, the launcher takes the
 // job down): no silent hang.
 #pragma once
@@ -40,21 +41,25 @@ class ExpertExchange {
     int64_t region_bytes() const { return region_bytes_; }
     static int64_t region_bytes_for(int64_t experts, int64_t max_rows, int64_t dim);
 
-    // x: rows in this rank's source layout (offsets [E + 1] on the device) -> the owners.
-    // Writes all_offsets [W, E + 1] (every rank's offsets: the application's later exchanges
-    // use them), recv_offsets [El + 1] (the owner layout per local expert) and y (owner layout).
-    void dispatch(const ExecContext& ctx, const bf16* x, const int32_t* offsets,
-                  int32_t* all_offsets, int32_t* recv_offsets, bf16* y);
+    // Enqueues the wait for every peer to finish reading this rank's previous publication and
+    // returns where the next exchange's rows go ([max_rows, dim] bf16 in the shared region);
+    // write them with kernels on the same stream, then call one of the three exchanges.
+    bf16* begin_send(const ExecContext& ctx);
+    // The sent rows are in this rank's source layout (offsets [E + 1] on the device) -> the
+    // owners. Writes all_offsets [W, E + 1] (every rank's offsets: the application's later
+    // exchanges use them), recv_offsets [El + 1] (the owner layout per local expert) and y
+    // (owner layout).
+    void dispatch(const ExecContext& ctx, const int32_t* offsets, int32_t* all_offsets,
+                  int32_t* recv_offsets, bf16* y);
     // The same direction with an earlier dispatch's layouts (output gradients in the backward).
-    void dispatch_again(const ExecContext& ctx, const bf16* x, const int32_t* all_offsets, bf16* y);
-    // y: rows in the owner layout -> back to every source's layout (x).
-    void combine(const ExecContext& ctx, const bf16* y, const int32_t* all_offsets,
-                 const int32_t* recv_offsets, bf16* x);
+    void dispatch_again(const ExecContext& ctx, const int32_t* all_offsets, bf16* y);
+    // The sent rows are in the owner layout -> back to every source's layout (x).
+    void combine(const ExecContext& ctx, const int32_t* all_offsets, bf16* x);
 
   private:
-    void begin(const ExecContext& ctx);
-    void publish(const ExecContext& ctx, const bf16* rows, const int32_t* count_at,
-                 const int32_t* offsets);
+    void publish(const ExecContext& ctx, const int32_t* offsets);
+    template <bool Dispatch>
+    void pull(const ExecContext& ctx, const int32_t* all_offsets, bf16* out);
     void finish(const ExecContext& ctx);
     int rank_ = 0, size_ = 1;
     int64_t experts_ = 0, max_rows_ = 0, dim_ = 0, region_bytes_ = 0;

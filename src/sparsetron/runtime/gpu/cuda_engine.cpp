@@ -55,6 +55,7 @@ class CudaEngine final : public DeviceEngine {
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         opt_->bind(plan_);
+        opt_->prepare(ctx());
         if (expert_parallel && expert_parallel->size() > 1) {
             // Worst case received by one rank's experts: every rank's routed rows.
             const auto& m = recipe_.model;

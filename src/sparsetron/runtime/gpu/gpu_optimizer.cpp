@@ -83,21 +83,22 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // the GPU with small per-head slices, a bounded workspace for the large ones.
     constexpr int64_t kBatchElements = int64_t(64) << 20;
     batches_ = plan_muon_batches(splits_, shapes, std::max(kBatchElements, max_numel));
-    // Rounds: round j holds the j-th batch of every rank (greedy by Newton-Schulz FLOPs); one
-    // rank alone runs every batch in order, one per round.
-    std::vector<double> cost;
-    for (const MuonBatch& b : batches_)
-        cost.push_back(double(b.count()) * double(b.rr()) * double(b.rr()) *
-                       double(2 * b.cc() + b.rr()));
-    const std::vector<int> owner = assign_owners_greedy(cost, ranks_);
-    std::vector<std::vector<int>> mine(static_cast<size_t>(ranks_));
-    for (size_t k = 0; k < batches_.size(); ++k) mine[size_t(owner[k])].push_back(int(k));
-    size_t rounds = 0;
-    for (const auto& l : mine) rounds = std::max(rounds, l.size());
-    rounds_.assign(rounds, std::vector<int>(size_t(ranks_), -1));
-    for (int s = 0; s < ranks_; ++s)
-        for (size_t j = 0; j < mine[size_t(s)].size(); ++j)
-            rounds_[j][size_t(s)] = mine[size_t(s)][j];
+    // Rounds: the batches by Newton-Schulz FLOPs, largest first, W to a round (one per rank), so
+    // the ranks of a round wait little for each other (on the proxy the round maxima sum to 1.03x
+    // the ideal half; pairing each rank's j-th batch of a greedy split gave 1.15x).
+    std::vector<std::pair<double, int>> cost;
+    for (size_t k = 0; k < batches_.size(); ++k) {
+        const MuonBatch& b = batches_[k];
+        cost.emplace_back(
+            double(b.count()) * double(b.rr()) * double(b.rr()) * double(2 * b.cc() + b.rr()),
+            int(k));
+    }
+    std::stable_sort(cost.begin(), cost.end(),
+                     [](const auto& x, const auto& y) { return x.first > y.first; });
+    rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),
+                   std::vector<int>(size_t(ranks_), -1));
+    for (size_t i = 0; i < cost.size(); ++i)
+        rounds_[i / size_t(ranks_)][i % size_t(ranks_)] = cost[i].second;
     batch_first_.clear();
     int64_t first = 0;
     for (const MuonBatch& b : batches_) batch_first_.push_back(first), first += b.count();
@@ -115,12 +116,14 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
         norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
         problems += b.count();
     }
-    // The gathered fp32 momentum stack; W [ranks, count, rr, cc] (one slot per rank: a round's
-    // results are all-gathered), its copy Y and A, B [count, rr, rr] in the iteration's element
-    // type; norm partials; the problem table.
+    // The gathered fp32 momentum stack; W [buffers, ranks, count, rr, cc] (one slot per rank: a
+    // round's results are all-gathered; two buffers when distributed, so round j's all-gather
+    // overlaps round j + 1's Newton-Schulz), its copy Y and A, B [count, rr, rr] in the
+    // iteration's element type; norm partials; the problem table.
+    ns_buffers_ = dist_ ? 2 : 1;
     s_stack_ = plan.add(MemClass::Workspace, "optim.muon_stack", DType::F32, {stack});
     s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_,
-                     {(ranks_ + 1) * stack + 2 * gram});
+                     {(ns_buffers_ * ranks_ + 1) * stack + 2 * gram});
     ns_stack_ = stack;
     s_ns_norms_ = plan.add(MemClass::Workspace, "optim.muon_norms", DType::F32, {norms});
     static_assert(sizeof(cuda::MuonDeviceProblem) % 8 == 0);
@@ -187,17 +190,21 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
     }
     if (dist_) {
         // Every AdamW parameter from the rank that updated it (a skipped step broadcasts the
-        // unchanged weights: the skip decision is the same on every rank).
+        // unchanged weights: the skip decision is the same on every rank), on the side stream:
+        // it overlaps Muon's first Newton-Schulz rounds.
+        ST_ASSERT(side_, "distributed optimizer: prepare(ctx) was not called");
+        side_->fork();
         for (size_t i = 0; i < params.size(); ++i) {
             if (adam_owner_[i] < 0) continue;
             const GpuParam& gp = P_[int64_t(i)];
             dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), adam_owner_[i],
-                                    ctx.stream);
-            if (adam_owner_[i] != rank_) cuda::f32_to_bf16(ctx, gp.master, gp.w, gp.numel);
+                                    side_->stream());
+            if (adam_owner_[i] != rank_) cuda::f32_to_bf16(side_->ctx(), gp.master, gp.w, gp.numel);
         }
     }
+    if (muon_) run_muon_batches(ctx, run);
+    if (dist_) side_->join();
     if (!muon_) return;
-    run_muon_batches(ctx, run);
     for (size_t i = 0; i < params.size(); ++i)
         if (uses_muon_[i])
             cuda::f32_to_bf16(ctx, P_[int64_t(i)].master, P_[int64_t(i)].w, P_[int64_t(i)].numel);
@@ -224,19 +231,39 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         coefficients.push_back({float(c.a), float(c.b), float(c.c)});
     }
     const int64_t es = int64_t(dtype_size(ns_elem_));
-    char* slots = static_cast<char*>(ns_);      // [ranks, stack]
-    char* y = slots + ranks_ * ns_stack_ * es;  // [stack]
-    char* a = y + ns_stack_ * es;               // [gram]
-    for (const std::vector<int>& round : rounds_) {
-        // This round's slot: the largest of its batches (every rank sends that many bytes).
-        int64_t slot_bytes = 0;
-        for (int k : round)
-            if (k >= 0) slot_bytes = std::max(slot_bytes, batches_[size_t(k)].elements() * es);
+    char* base = static_cast<char*>(ns_);                    // [buffers, ranks, stack]
+    char* y = base + ns_buffers_ * ranks_ * ns_stack_ * es;  // [stack]
+    char* a = y + ns_stack_ * es;                            // [gram]
+    auto slots_of = [&](size_t j) {
+        return base + int64_t(j % size_t(ns_buffers_)) * ranks_ * ns_stack_ * es;
+    };
+    // A round's slot: the largest of its batches (every rank sends that many bytes).
+    auto slot_bytes_of = [&](size_t j) {
+        int64_t bytes = 0;
+        for (int k : rounds_[j])
+            if (k >= 0) bytes = std::max(bytes, batches_[size_t(k)].elements() * es);
+        return bytes;
+    };
+    // Every rank applies every batch of a round: the weights stay identical everywhere.
+    auto apply_round = [&](size_t j) {
+        for (int s = 0; s < ranks_; ++s) {
+            const int k = rounds_[j][size_t(s)];
+            if (k < 0) continue;
+            const MuonBatch& b = batches_[size_t(k)];
+            // The step is lr (staged on the device) times the shape scale.
+            const float factor =
+                float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
+            cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows,
+                                   b.cols, b.transposed(), slots_of(j) + s * slot_bytes_of(j),
+                                   ns_elem_, factor, skip_, sched_);
+        }
+    };
+    for (size_t j = 0; j < rounds_.size(); ++j) {
         // This rank's batch: gather, normalize, Newton-Schulz into its slot.
-        if (const int k = round[size_t(rank_)]; k >= 0) {
+        if (const int k = rounds_[j][size_t(rank_)]; k >= 0) {
             const MuonBatch& b = batches_[size_t(k)];
             const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
-            char* w = slots + rank_ * slot_bytes;
+            char* w = slots_of(j) + rank_ * slot_bytes_of(j);
             char* bb = a + b.count() * b.rr() * b.rr() * es;
             cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
                                     float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
@@ -245,20 +272,26 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
             cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
                                       ns_elem_, ns_tf32_);
         }
-        if (dist_) dist_->device_allgather(slots, slot_bytes, ctx.stream);
-        // Every rank applies every batch of the round: the weights stay identical everywhere.
-        for (int s = 0; s < ranks_; ++s) {
-            const int k = round[size_t(s)];
-            if (k < 0) continue;
-            const MuonBatch& b = batches_[size_t(k)];
-            // The step is lr (staged on the device) times the shape scale.
-            const float factor =
-                float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
-            cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows,
-                                   b.cols, b.transposed(), slots + s * slot_bytes, ns_elem_, factor,
-                                   skip_, sched_);
+        if (!dist_) {
+            apply_round(j);
+            continue;
         }
+        // Pipelined: round j's all-gather runs on the side stream while this stream applies
+        // round j - 1 (its all-gather waited for first) and computes round j + 1 into the other
+        // buffer.
+        if (j > 0) side_->join();
+        side_->fork();
+        dist_->device_allgather(slots_of(j), slot_bytes_of(j), side_->stream());
+        if (j > 0) apply_round(j - 1);
     }
+    if (dist_ && !rounds_.empty()) {
+        side_->join();
+        apply_round(rounds_.size() - 1);
+    }
+}
+
+void GpuOptimizer::prepare(const ExecContext& ctx) {
+    if (dist_ && !side_) side_ = std::make_unique<cuda::SideStream>(ctx);
 }
 
 std::vector<int> GpuOptimizer::state_owners() const {

@@ -4,6 +4,7 @@
 // splits, batched Newton-Schulz through cuBLASLt) for the 2-D weights when the recipe asks for it.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "sparsetron/config/run_config.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
+#include "sparsetron/ops/cuda/side_stream.h"
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/optim/muon_batches.h"
 #include "sparsetron/optim/optimizer.h"
@@ -29,6 +31,8 @@ class GpuOptimizer {
     GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r,
                  Comm* distributed = nullptr);
     void bind(const MemoryPlan& plan);
+    // Distributed: creates the side stream its collectives overlap on (once, outside a step).
+    void prepare(const ExecContext& ctx);
     // The learning rate and AdamW's bias corrections of `step` into device scalars (a host
     // copy: outside any captured graph). The step's kernels read them there, so a replayed graph
     // follows the schedule.
@@ -73,7 +77,10 @@ class GpuOptimizer {
     std::vector<MuonBatch> batches_;
     std::vector<int64_t> batch_first_;      // each batch's first row in the problem table
     std::vector<std::vector<int>> rounds_;  // [round][rank] -> batch, -1 for none
-    int64_t ns_stack_ = 0;                  // elements of the largest batch
+    int64_t ns_stack_ = 0;
+    int ns_buffers_ = 1;                      // slot buffers (2: pipelined all-gathers)
+    std::unique_ptr<cuda::SideStream> side_;  // distributed: broadcasts and all-gathers // elements
+                                              // of the largest batch
     DType ns_elem_ = DType::F32;
     bool ns_tf32_ = false;
     MemoryPlan::Slot s_stack_ = -1, s_ns_ = -1, s_ns_norms_ = -1, s_problems_ = -1;

@@ -1,6 +1,9 @@
 // Batched Muon pieces (muon_batch.h). The gather and apply kernels move 32 x 32 tiles through
 // shared memory so both the parameter rows and the (possibly transposed) stack are read and
 // written along their contiguous dimension; blockIdx.z is the problem.
+#include <cstdlib>
+#include <string>
+
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/muon_batch.h"
 
@@ -91,6 +94,62 @@ __global__ void scale_kernel(const float* x, int64_t total, int64_t n, const flo
         st(w + i, x[i] * inv[i / n]);
 }
 
+// out[i][m + j] = out[m + i][j] for i, j < m (ld = 2m): the upper-right block of a symmetric
+// product from the lower-left one. blockIdx.z is the matrix.
+template <typename E>
+__global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
+    __shared__ E tile[kTile][kTile + 1];
+    E* o = out + int64_t(blockIdx.z) * stride;
+    const int64_t ld = 2 * m, c0 = int64_t(blockIdx.x) * kTile, r0 = int64_t(blockIdx.y) * kTile;
+    for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+        const int64_t r = r0 + dy, c = c0 + threadIdx.x;  // in the lower-left block
+        if (r < m && c < m) tile[dy][threadIdx.x] = o[(m + r) * ld + c];
+    }
+    __syncthreads();
+    for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
+        const int64_t r = c0 + dy, c = r0 + threadIdx.x;  // in the upper-right block
+        if (r < m && c < m) o[r * ld + m + c] = tile[threadIdx.x][dy];
+    }
+}
+
+// The smallest Gram size computed as three half-size blocks (smaller ones are latency-bound:
+// one GEMM is faster there).
+constexpr int64_t kSymmetricMin = 512;
+
+// out = alpha X X^T + beta out for a batch of X [rr, k] (stride xs) and out [rr, rr] (stride os).
+// The product is symmetric: for an even rr >= kSymmetricMin the two diagonal blocks and the
+// lower-left block are three GEMMs of half the rows (3/4 of the FLOPs), the upper-right block a
+// transposed copy. SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
+void symmetric_product(const ExecContext& ctx, const void* x, int64_t rr, int64_t k, float alpha,
+                       float beta, void* out, DType elem, int64_t count, int64_t xs, int64_t os,
+                       bool tf32) {
+    static const bool full = [] {
+        const char* v = std::getenv("SPARSETRON_NS_FULL_GEMMS");
+        return v && std::string(v) == "1";
+    }();
+    const GemmBatch g{count, xs, xs, os, tf32};
+    if (full || rr < kSymmetricMin || rr % 2 != 0) {
+        gemm(ctx, false, true, rr, rr, k, alpha, x, k, x, k, beta, out, rr, elem, elem, g);
+        return;
+    }
+    const int64_t m = rr / 2, es = int64_t(dtype_size(elem));
+    const char* x1 = static_cast<const char*>(x);
+    const char* x2 = x1 + m * k * es;
+    char* o = static_cast<char*>(out);
+    gemm(ctx, false, true, m, m, k, alpha, x1, k, x1, k, beta, o, rr, elem, elem, g);
+    gemm(ctx, false, true, m, m, k, alpha, x2, k, x1, k, beta, o + m * rr * es, rr, elem, elem, g);
+    gemm(ctx, false, true, m, m, k, alpha, x2, k, x2, k, beta, o + (m * rr + m) * es, rr, elem,
+         elem, g);
+    ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
+    const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
+        block(kTile, kTileRows);
+    if (elem == DType::BF16)
+        mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<uint16_t*>(out), m, os);
+    else
+        mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<float*>(out), m, os);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
 dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
     ST_CHECK(count <= 65535 && blocks_for(rows, kTile) <= 65535,
              "Muon batch too large for one launch: ", count, " matrices of ", rows, " rows");
@@ -151,12 +210,13 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     ST_CHECK(elem == DType::F32 || elem == DType::BF16,
              "newton_schulz_batch: F32 or BF16 elements, got ", dtype_name(elem));
     const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr;
-    GemmBatch xx{count, n, n, n2, tf32}, aa{count, n2, n2, n2, tf32}, bx{count, n2, n, n, tf32};
+    GemmBatch bx{count, n2, n, n, tf32};
     for (const auto& [ca, cb, cc_] : coefficients) {
-        gemm(ctx, false, true, rr, rr, cc, 1.f, w, cc, w, cc, 0.f, a, rr, elem, elem, xx);
+        // A = W W^T and A A = A A^T are symmetric.
+        symmetric_product(ctx, w, rr, cc, 1.f, 0.f, a, elem, count, n, n2, tf32);
         // B = c A A + b A: B starts as a copy of A (GEMM's C term).
         copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
-        gemm(ctx, false, false, rr, rr, rr, cc_, a, rr, a, rr, cb, b, rr, elem, elem, aa);
+        symmetric_product(ctx, a, rr, rr, cc_, cb, b, elem, count, n2, n2, tf32);
         // W = B Y + a W with Y a copy of W.
         copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
         gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);

@@ -681,8 +681,8 @@ void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> wi
     for (int64_t w : widths) width += w;
     struct Push {
         int32_t rows;
-        std::vector<std::vector<float> > host;  // per segment, bf16-exact
-        std::vector<std::unique_ptr<DeviceArray<bf16> > > dev;
+        std::vector<std::vector<float>> host;  // per segment, bf16-exact
+        std::vector<std::unique_ptr<DeviceArray<bf16>>> dev;
     };
     const int32_t rows[] = {17, 33, 40, 0};  // 3, 5 and 5 pages: the third overflows; then none
     std::vector<Push> push(4);
@@ -691,10 +691,10 @@ void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> wi
         for (size_t s = 0; s < widths.size(); ++s) {
             push[i].host.push_back(random_vector<float>(max_rows * widths[s], 900 + 10 * i + s));
             push[i].dev.push_back(
-                std::make_unique<DeviceArray<bf16> >(to_bf16_rounding(push[i].host.back())));
+                std::make_unique<DeviceArray<bf16>>(to_bf16_rounding(push[i].host.back())));
         }
     }
-    auto rows_of = [&](std::vector<std::unique_ptr<DeviceArray<bf16> > >& d) {
+    auto rows_of = [&](std::vector<std::unique_ptr<DeviceArray<bf16>>>& d) {
         StashRows r;
         r.count = int(widths.size());
         for (size_t s = 0; s < widths.size(); ++s) r.data[s] = d[s]->get(), r.width[s] = widths[s];
@@ -704,8 +704,8 @@ void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> wi
     DeviceArray<int32_t> state(kStashStateWords), free_list(pages),
         counts(std::vector<int32_t>(rows, rows + 4));
     DeviceArray<bf16> pool(pages * page_rows * width);
-    std::vector<std::unique_ptr<DeviceArray<int32_t> > > tables;
-    for (int i = 0; i < 4; ++i) tables.push_back(std::make_unique<DeviceArray<int32_t> >(tbl));
+    std::vector<std::unique_ptr<DeviceArray<int32_t>>> tables;
+    for (int i = 0; i < 4; ++i) tables.push_back(std::make_unique<DeviceArray<int32_t>>(tbl));
     // Host side.
     std::vector<int32_t> hstate(kStashStateWords), hfree(pages), htables(4 * tbl, -7);
     std::vector<bf16> hpool(pages * page_rows * width);
@@ -714,7 +714,7 @@ void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> wi
     for (int i = 0; i < 4; ++i) {
         cuda::stash_push(ctx, state, free_list, pages, *tables[i], max_rows, counts.get() + i,
                          page_rows, rows_of(push[i].dev), pool);
-        std::vector<std::vector<bf16> > segs;
+        std::vector<std::vector<bf16>> segs;
         StashRows h;
         h.count = int(widths.size());
         for (size_t s = 0; s < widths.size(); ++s) segs.push_back(push[i].dev[s]->download());
@@ -743,11 +743,11 @@ void paged_stash_check(const cuda::CudaSession& session, std::vector<int64_t> wi
         }
     // Pop in reverse into fresh (poisoned) buffers: the rows come back bit for bit.
     for (int i = 3; i >= 0; --i) {
-        std::vector<std::unique_ptr<DeviceArray<bf16> > > back;
-        for (int64_t w : widths) back.push_back(std::make_unique<DeviceArray<bf16> >(max_rows * w));
+        std::vector<std::unique_ptr<DeviceArray<bf16>>> back;
+        for (int64_t w : widths) back.push_back(std::make_unique<DeviceArray<bf16>>(max_rows * w));
         cuda::stash_pop(ctx, state, free_list, *tables[i], max_rows, counts.get() + i, page_rows,
                         rows_of(back), pool);
-        std::vector<std::vector<bf16> > hb;
+        std::vector<std::vector<bf16>> hb;
         StashRows h;
         h.count = int(widths.size());
         for (size_t s = 0; s < widths.size(); ++s) hb.emplace_back(max_rows * widths[s]);

@@ -41,16 +41,16 @@ class CudaOpsPerf : public ::testing::Test {
     }
     const ExecContext& ctx() const { return session_->ctx(); }
     // A bf16 device buffer filled with `v` (through an fp32 staging buffer on the device).
-    std::unique_ptr<DeviceArray<bf16> > bf(int64_t n, float v = 0.01f) {
-        auto out = std::make_unique<DeviceArray<bf16> >(n);
+    std::unique_ptr<DeviceArray<bf16>> bf(int64_t n, float v = 0.01f) {
+        auto out = std::make_unique<DeviceArray<bf16>>(n);
         DeviceArray<float> tmp(n);
         cuda::fill(ctx(), tmp, n, v);
         cuda::f32_to_bf16(ctx(), tmp, *out, n);
         session_->synchronize();
         return out;
     }
-    std::unique_ptr<DeviceArray<float> > f32(int64_t n, float v = 0.01f) {
-        auto out = std::make_unique<DeviceArray<float> >(n);
+    std::unique_ptr<DeviceArray<float>> f32(int64_t n, float v = 0.01f) {
+        auto out = std::make_unique<DeviceArray<float>>(n);
         cuda::fill(ctx(), *out, n, v);
         return out;
     }

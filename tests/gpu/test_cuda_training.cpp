@@ -235,7 +235,7 @@ TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
     const bool replayed[] = {false, true, true, true, true};
     testing::internal::CaptureStderr();
     for (int s = 0; s < 5; ++s) {
-        std::vector<std::unique_ptr<MicroBatch> > own;
+        std::vector<std::unique_ptr<MicroBatch>> own;
         std::vector<const MicroBatch*> mbs;
         int64_t targets = 0;
         for (int64_t i = 0; i < counts[s]; ++i) {
@@ -324,7 +324,7 @@ namespace {
 // Engines for `recipes` from one set of initial weights (the tiny recipe's training plan).
 struct EngineSet {
     std::unique_ptr<TrainingPlan> tp;
-    std::vector<std::unique_ptr<DeviceEngine> > engines;
+    std::vector<std::unique_ptr<DeviceEngine>> engines;
     explicit EngineSet(const std::vector<Recipe>& recipes) {
         tp = make_training_plan(recipes[0]);
         tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
@@ -391,7 +391,7 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
     ASSERT_EQ(bound.applications, 3);
     const int64_t lengths[4][2] = {{256, 180}, {97, 256}, {200, 31}, {256, 256}};
     for (int s = 0; s < 4; ++s) {
-        std::vector<std::unique_ptr<MicroBatch> > own;
+        std::vector<std::unique_ptr<MicroBatch>> own;
         std::vector<const MicroBatch*> mbs;
         int64_t most = 0;
         for (int i = 0; i < 2; ++i) {
@@ -459,7 +459,7 @@ TEST(CudaTraining, PagedStashOverflowSkipsTheStep) {
     const int64_t lengths[3][2] = {{150, 120}, {90, 150}, {100, 256}};
     std::vector<float> before;
     for (int s = 0; s < 3; ++s) {
-        std::vector<std::unique_ptr<MicroBatch> > own;
+        std::vector<std::unique_ptr<MicroBatch>> own;
         std::vector<const MicroBatch*> mbs;
         for (int i = 0; i < 2; ++i) {
             own.push_back(random_batch(r, set.tp->max_documents, lengths[s][i], 70 + 2 * s + i));

@@ -23,6 +23,12 @@ namespace {
 
 Comm* g_comm = nullptr;
 
+// This rank's directory for `tag`: the job size is in the name, so the -np 2 and -np 4 runs of
+// this binary never share (or remove) each other's directories.
+std::string rank_dir(const std::string& tag) {
+    return test::temp_dir(cat(tag, ".np", g_comm->size(), ".rank", g_comm->rank()));
+}
+
 Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
     std::vector<std::string> sets = {
         "hidden_size=48",         "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
@@ -36,8 +42,7 @@ Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
 std::vector<StepMetrics> run(const Recipe& r, Comm* comm, const std::string& tag,
                              double* weight_sum = nullptr) {
     // Every process needs its own directory, also for the one-process reference run.
-    const int rank = g_comm->rank();
-    Trainer t(r, {test::temp_dir(cat(tag, ".rank", rank)), "", Device::CPU, false, comm});
+    Trainer t(r, {rank_dir(tag), "", Device::CPU, false, comm});
     std::vector<StepMetrics> out;
     t.run([&](const StepMetrics& m) { out.push_back(m); });
     if (weight_sum) {
@@ -151,11 +156,8 @@ TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
         const std::vector<std::string> extra = {"use_distributed_optimizer=true",
                                                 "optimizer=" + opt};
         const Recipe rd = small_recipe(W, extra), r1 = small_recipe(1, {"optimizer=" + opt});
-        const int rank = g_comm->rank();
-        Trainer dist(
-            rd, {test::temp_dir(cat("dist.", opt, ".rank", rank)), "", Device::CPU, false, g_comm});
-        Trainer one(
-            r1, {test::temp_dir(cat("one.", opt, ".rank", rank)), "", Device::CPU, false, nullptr});
+        Trainer dist(rd, {rank_dir(cat("dist.", opt)), "", Device::CPU, false, g_comm});
+        Trainer one(r1, {rank_dir(cat("one.", opt)), "", Device::CPU, false, nullptr});
         std::vector<StepMetrics> md, m1;
         dist.run([&](const StepMetrics& m) { md.push_back(m); });
         one.run([&](const StepMetrics& m) { m1.push_back(m); });
@@ -205,8 +207,7 @@ TEST(Mpi, DifferentRecipesStopEveryRank) {
     if (g_comm->rank() == 1) r.run.lr = 5e-3;
     std::string msg;
     try {
-        Trainer t(r, {test::temp_dir(cat("mismatch.rank", g_comm->rank())), "", Device::CPU, false,
-                      g_comm});
+        Trainer t(r, {rank_dir("mismatch"), "", Device::CPU, false, g_comm});
     } catch (const Error& e) {
         msg = e.what();
     }
@@ -218,7 +219,7 @@ TEST(Mpi, WorldSizeMustMatchTheRanks) {
     try {
         const int w = 2 * g_comm->size();
         Trainer t(small_recipe(w, {cat("global_batch_size=", w)}),
-                  {test::temp_dir(cat("ws.rank", g_comm->rank())), "", Device::CPU, false, g_comm});
+                  {rank_dir("ws"), "", Device::CPU, false, g_comm});
     } catch (const Error& e) {
         msg = e.what();
     }

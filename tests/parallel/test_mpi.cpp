@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -272,9 +273,27 @@ TEST(Mpi, ExpertParallelDispatchAndCombine) {
     test::check_ep_exchange(*ep);
 }
 
+namespace {
+
+// A failed assertion on one rank ends the whole job at once: that rank's test stops while the
+// others wait in the test's collectives, which would otherwise hang until ctest's timeout.
+class AbortJobOnFailure : public ::testing::EmptyTestEventListener {
+    void OnTestPartResult(const ::testing::TestPartResult& r) override {
+        if (!r.failed()) return;
+        std::fprintf(stderr, "rank %d: %s:%d: %s\nrank %d: aborting the MPI job\n", g_comm->rank(),
+                     r.file_name() ? r.file_name() : "?", r.line_number(), r.summary(),
+                     g_comm->rank());
+        std::fflush(stderr);
+        g_comm->abort(1);
+    }
+};
+
+}  // namespace
+
 int main(int argc, char** argv) {
     MpiComm comm(&argc, &argv);
     g_comm = &comm;
     ::testing::InitGoogleTest(&argc, argv);
+    ::testing::UnitTest::GetInstance()->listeners().Append(new AbortJobOnFailure);
     return RUN_ALL_TESTS();
 }

@@ -130,8 +130,12 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& path) {
         for (int64_t l = k; l < m.num_layers; ++l) m.moe_layer_pattern[l] = 1;
     }
     std::string freq = "[";
-    for (int64_t l = 0; l < m.num_layers; ++l)
-        freq += (l ? "," : "") + std::to_string(m.moe_layer_pattern[l]);
+    for (int64_t l = 0; l < m.num_layers; ++l) {
+        // Appended piece by piece: GCC 12 warns (-Wrestrict, a false positive) on
+        // const char* + std::string&& here.
+        if (l) freq += ',';
+        freq += std::to_string(m.moe_layer_pattern[l]);
+    }
     m.moe_layer_freq = freq + "]";
 
     if (j.contains("index_topk") && !j["index_topk"].is_null()) {

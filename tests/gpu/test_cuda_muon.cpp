@@ -36,23 +36,18 @@ struct HostParam {
     std::vector<float> grad, mom, master;
 };
 
+// The split optim/muon.h gives a q_b_proj of `heads` heads of (first, second) rows [heads x
+// (first + second), 40]: per head, or per projection across heads.
 MuonSplit per_head(int64_t heads, int64_t first, int64_t second, bool per_projection) {
-    MuonSplit s;
-    const int64_t per = first + second;
-    if (per_projection) {
-        MuonSlice a, b;
-        for (int64_t h = 0; h < heads; ++h) {
-            a.rows.push_back({h * per, h * per + first});
-            b.rows.push_back({h * per + first, (h + 1) * per});
-        }
-        s.slices = {a, b};
-        return s;
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-        s.slices.push_back({{{h * per, h * per + first}}});
-        s.slices.push_back({{{h * per + first, (h + 1) * per}}});
-    }
-    return s;
+    ModelConfig m;
+    m.num_attention_heads = heads, m.qk_head_dim = first, m.qk_pos_emb_head_dim = second;
+    RunConfig r;
+    r.muon_split_qkv = true;
+    r.muon_split_qkv_per_head = !per_projection;
+    ParamInfo p;
+    p.name = "model.layers.0.self_attn.q_b_proj.weight";
+    p.shape = {heads * (first + second), 40};
+    return muon_split_for(p, m, r);
 }
 
 MuonSplit whole(int64_t rows) {

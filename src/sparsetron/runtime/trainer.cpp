@@ -159,14 +159,15 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
     tp_ = make_training_plan(recipe_);
+    // Expert parallelism: the layout's communicators, made once; the MoE layers exchange rows
+    // over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA).
+    if (r.expert_model_parallel_size > 1)
+        groups_ = std::make_unique<ProcessGroups>(
+            ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-        // With data parallelism over NCCL the engine sums gradients on the device; with expert
-        // parallelism the MoE layers exchange rows with the EP group's GPUs.
-        if (r.expert_model_parallel_size > 1)
-            groups_ = std::make_unique<ProcessGroups>(
-                ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
+        // With data parallelism over NCCL the engine sums gradients on the device.
         engine_ = make_cuda_engine(recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer,
                                    tp_->max_documents, tp_->chunk_rows,
                                    dp_size() > 1 ? options_.comm : nullptr,
@@ -174,12 +175,7 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
-        if (r.expert_model_parallel_size > 1) {
-            // The layout's communicators, made once; the MoE layers exchange rows over EP.
-            groups_ = std::make_unique<ProcessGroups>(
-                ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
-            tp_->model->set_expert_parallel(groups_->ep.get());
-        }
+        if (groups_) tp_->model->set_expert_parallel(groups_->ep.get());
     }
     for (const auto& p : tp_->model->params().params())
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);

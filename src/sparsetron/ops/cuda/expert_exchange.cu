@@ -170,7 +170,7 @@ __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t exp
 }  // namespace
 
 ExpertExchange::ExpertExchange(Comm& ep, int64_t experts, int64_t max_rows, int64_t dim)
-    : rank_(ep.rank()), size_(ep.size()), experts_(experts), max_rows_(max_rows), dim_(dim) {
+    : rank_(ep.rank()), size_(ep.size()), experts_(experts), dim_(dim) {
     ST_CHECK(experts % size_ == 0, "expert exchange: ", experts, " experts over ", size_, " ranks");
     ST_CHECK(dim % 8 == 0, "expert exchange: rows of ", dim,
              " bf16 values (a multiple of 8 is needed for 16-byte copies)");

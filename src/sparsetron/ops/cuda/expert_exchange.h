@@ -62,7 +62,7 @@ class ExpertExchange {
     void pull(const ExecContext& ctx, const int32_t* all_offsets, bf16* out);
     void finish(const ExecContext& ctx);
     int rank_ = 0, size_ = 1;
-    int64_t experts_ = 0, max_rows_ = 0, dim_ = 0, region_bytes_ = 0;
+    int64_t experts_ = 0, dim_ = 0, region_bytes_ = 0;
     void* region_ = nullptr;     // this rank's shared region (cudaMalloc)
     void** peers_ = nullptr;     // device [W]: every rank's region, mapped here (self included)
     std::vector<void*> opened_;  // peers' regions opened through IPC

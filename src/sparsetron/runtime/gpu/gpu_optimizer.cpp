@@ -22,8 +22,8 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     // by size), which then broadcasts the updated weights.
     std::vector<double> adam_cost(params.size(), -1.0);
     for (size_t i = 0; i < params.size(); ++i) {
-        const bool muon = muon_ && params[i].trainable && params[i].group == OptimGroup::Muon;
-        if (params[i].trainable && !muon) adam_cost[i] = double(params[i].numel());
+        uses_muon_.push_back(muon_ && params[i].trainable && params[i].group == OptimGroup::Muon);
+        if (params[i].trainable && !uses_muon_[i]) adam_cost[i] = double(params[i].numel());
     }
     adam_owner_ = assign_owners_greedy(adam_cost, ranks_);
     int64_t off = 0, max_numel = 0;
@@ -31,8 +31,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     parts_main_ = -1;
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
-        const bool muon = muon_ && p.trainable && p.group == OptimGroup::Muon;
-        uses_muon_.push_back(muon);
+        const bool muon = uses_muon_[i];
         const bool adam = p.trainable && !muon && adam_owner_[i] == rank_;
         m_slots_.push_back(
             adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
@@ -87,18 +86,19 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // the ranks of a round wait little for each other (on the proxy the round maxima sum to 1.03x
     // the ideal half; pairing each rank's j-th batch of a greedy split gave 1.15x).
     std::vector<std::pair<double, int>> cost;
-    for (size_t k = 0; k < batches_.size(); ++k) {
-        const MuonBatch& b = batches_[k];
-        cost.emplace_back(
-            double(b.count()) * double(b.rr()) * double(b.rr()) * double(2 * b.cc() + b.rr()),
-            int(k));
-    }
+    for (size_t k = 0; k < batches_.size(); ++k) cost.emplace_back(batches_[k].ns_cost(), int(k));
     std::stable_sort(cost.begin(), cost.end(),
                      [](const auto& x, const auto& y) { return x.first > y.first; });
     rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),
                    std::vector<int>(size_t(ranks_), -1));
     for (size_t i = 0; i < cost.size(); ++i)
         rounds_[i / size_t(ranks_)][i % size_t(ranks_)] = cost[i].second;
+    // A round's slot: its largest batch (every rank sends that many elements).
+    round_elements_.assign(rounds_.size(), 0);
+    for (size_t j = 0; j < rounds_.size(); ++j)
+        for (int k : rounds_[j])
+            if (k >= 0)
+                round_elements_[j] = std::max(round_elements_[j], batches_[size_t(k)].elements());
     batch_first_.clear();
     int64_t first = 0;
     for (const MuonBatch& b : batches_) batch_first_.push_back(first), first += b.count();
@@ -237,13 +237,7 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
     auto slots_of = [&](size_t j) {
         return base + int64_t(j % size_t(ns_buffers_)) * ranks_ * ns_stack_ * es;
     };
-    // A round's slot: the largest of its batches (every rank sends that many bytes).
-    auto slot_bytes_of = [&](size_t j) {
-        int64_t bytes = 0;
-        for (int k : rounds_[j])
-            if (k >= 0) bytes = std::max(bytes, batches_[size_t(k)].elements() * es);
-        return bytes;
-    };
+    auto slot_bytes_of = [&](size_t j) { return round_elements_[j] * es; };
     // Every rank applies every batch of a round: the weights stay identical everywhere.
     auto apply_round = [&](size_t j) {
         for (int s = 0; s < ranks_; ++s) {

@@ -77,6 +77,7 @@ class GpuOptimizer {
     std::vector<MuonBatch> batches_;
     std::vector<int64_t> batch_first_;      // each batch's first row in the problem table
     std::vector<std::vector<int>> rounds_;  // [round][rank] -> batch, -1 for none
+    std::vector<int64_t> round_elements_;   // per round: its largest batch's elements
     int64_t ns_stack_ = 0;
     int ns_buffers_ = 1;                      // slot buffers (2: pipelined all-gathers)
     std::unique_ptr<cuda::SideStream> side_;  // distributed: broadcasts and all-gathers // elements

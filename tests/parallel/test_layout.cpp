@@ -99,6 +99,34 @@ TEST(CpShard, TwoChunksPerRankCoverTheDocumentWithEqualWork) {
     EXPECT_EQ(total, 1001);
 }
 
+// cp_local_tokens bounds the rows a CP rank takes of any packing: random documents filling a
+// micro-batch, every rank's rows counted.
+TEST(CpShard, PlannedRowsHoldEveryRanksChunks) {
+    CounterRng rng(3, 9);
+    uint64_t draw = 0;
+    for (int trial = 0; trial < 200; ++trial) {
+        const int64_t tokens = 64 + int64_t(rng.bits(draw++) % 512), docs = 1 + trial % 9;
+        const int cp = 1 << (trial % 4);
+        std::vector<int64_t> lengths;
+        int64_t used = 0;
+        while (int64_t(lengths.size()) < docs && used < tokens) {
+            const int64_t len =
+                std::min<int64_t>(tokens - used, 1 + int64_t(rng.bits(draw++) % 97));
+            lengths.push_back(len);
+            used += len;
+        }
+        const int64_t planned = cp_local_tokens(tokens, docs, cp);
+        EXPECT_LE(planned, tokens);
+        for (int r = 0; r < cp; ++r) {
+            int64_t rows = 0;
+            for (int64_t len : lengths) rows += int64_t(cp_positions(len, cp, r).size());
+            EXPECT_LE(rows, planned) << "tokens " << tokens << " docs " << docs << " cp " << cp;
+        }
+    }
+    EXPECT_EQ(cp_local_tokens(4096, 64, 1), 4096);
+    EXPECT_EQ(cp_local_tokens(4096, 8, 2), 2048 + 16);
+}
+
 TEST(DynamicCp, SizeIsTheSmallestPowerOfTwoThatFits) {
     EXPECT_EQ(dynamic_cp_size(4096, 4096), 1);
     EXPECT_EQ(dynamic_cp_size(4097, 4096), 2);

@@ -13,6 +13,9 @@
 #include "ep_exchange_check.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/rng.h"
+#include "sparsetron/model/glm5_model.h"
+#include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/parallel/mpi/mpi_comm.h"
 #include "sparsetron/parallel/process_groups.h"
@@ -200,6 +203,154 @@ TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
         std::memcpy(&bits, &w, sizeof bits);
         for (uint64_t b : g_comm->allgather(bits))
             EXPECT_EQ(b, bits) << "weights differ across ranks";
+    }
+}
+
+namespace {
+
+// Relative distance of two vectors: |a - b| / |b|.
+double rel_diff(const float* a, const float* b, int64_t n) {
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        num += double(a[i] - b[i]) * double(a[i] - b[i]);
+        den += double(b[i]) * double(b[i]);
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+}
+
+}  // namespace
+
+// Context parallelism in the model, CP = every rank: each rank computes its two chunks of every
+// document of one micro-batch; one process computes all rows from the same weights. The top-k of
+// every row is identical (layer 0 and MTP depth 1 run the indexer: 16 of up to 41 keys), the
+// loss sums (each rank's share, summed) and the gradients (summed over the ranks) equal the
+// one-process values up to fp32 summation order. Cross-entropy MTP and e2e_tv (its targets read
+// rows i + k + 1, often another rank's), with the sequence aux loss on (per-document routing
+// statistics over the ranks).
+TEST(Mpi, ContextParallelModelMatchesOneProcess) {
+    const int W = g_comm->size(), me = g_comm->rank();
+    for (const std::string mtp : {"cross_entropy", "e2e_tv"}) {
+        Recipe r =
+            small_recipe(1, {"dsa_indexer_topk=16", "moe_aux_loss_coeff=0.01",
+                             "mtp_loss_type=" + mtp, cat("mtp_detach_heads=", mtp == "e2e_tv")});
+        const ModelConfig& cfg = r.model;
+        const int64_t T = 64, docs = 4, chunk = 16, rows = cp_local_tokens(T, docs, W);
+        MemoryPlan p1, pc;
+        Glm5Model<float> one(cfg, p1, T, docs, chunk);
+        Glm5Model<float> cpm(cfg, pc, rows, docs, chunk, T);
+        for (auto [m, p] : {std::pair{&one, &p1}, std::pair{&cpm, &pc}}) {
+            p->allocate(Device::CPU);
+            m->bind();
+            m->params().initialize(*p, 7, 0.05, cfg.num_layers);
+        }
+        cpm.set_context_parallel(g_comm);
+        MicroBatch mb(T, docs);
+        CounterRng rng(5, 2);
+        uint64_t draw = 0;
+        for (int64_t len : {41, 5, 17}) {
+            std::vector<int32_t> doc(static_cast<size_t>(len));
+            for (auto& t : doc) t = int32_t(rng.bits(draw++) % uint64_t(cfg.vocab_size));
+            ASSERT_TRUE(mb.add_document(doc));
+        }
+        LossScales sc;
+        sc.backward = true;
+        sc.lm = 1.0 / double(mb.num_targets());
+        sc.mtp = mtp == "e2e_tv" ? std::vector<double>{0.03} : std::vector<double>{0.02, 0.01};
+        sc.indexer = sc.aux = 1.0;
+        LossSums s1, sp;
+        for (auto [m, s] : {std::pair{&one, &s1}, std::pair{&cpm, &sp}}) {
+            for (size_t i = 0; i < m->params().params().size(); ++i)
+                if (m->grad(int64_t(i)))
+                    std::fill_n(m->grad(int64_t(i)), m->params().params()[i].numel(), 0.f);
+            m->load_inputs(mb);
+            *s = m->forward_backward(sc);
+        }
+        // Top-k: the rows this rank holds select the same keys as in the one-process run.
+        const StepInputs& in = cpm.inputs();
+        int64_t rows_here = 0;
+        for (int64_t a : {int64_t(0), cfg.num_layers}) {
+            const auto& A = cpm.application(a);
+            const auto& B = one.application(a);
+            for (int64_t i = 0; i < in.tokens; ++i) {
+                const int64_t g = in.key_row[i];
+                if (g < 0) continue;
+                ++rows_here;
+                ASSERT_EQ(A.topk_len[i], B.topk_len[g]) << "application " << a << " row " << g;
+                for (int64_t j = 0; j < A.topk_len[i]; ++j)
+                    ASSERT_EQ(A.topk[i * 16 + j], B.topk[g * 16 + j])
+                        << "application " << a << " row " << g << " choice " << j;
+            }
+        }
+        EXPECT_GT(rows_here, 0);
+        EXPECT_LT(rows_here, 2 * 63) << "a CP rank computes only its chunks";
+        // Loss shares summed over the ranks.
+        std::vector<double> v = {sp.lm_loss_sum, double(sp.lm_targets), sp.indexer_loss,
+                                 sp.aux_loss, sp.mtp_acceptance_sum};
+        for (double x : sp.mtp_sum) v.push_back(x);
+        g_comm->allreduce_sum(v.data(), int64_t(v.size()));
+        if (me == 0)
+            std::cout << "[cp" << W << " model, " << mtp << "] lm " << v[0] << " vs "
+                      << s1.lm_loss_sum << ", indexer " << v[2] << " vs " << s1.indexer_loss
+                      << ", aux " << v[3] << " vs " << s1.aux_loss << ", mtp " << v[5] << " vs "
+                      << s1.mtp_sum[0] << "\n";
+        EXPECT_NEAR(v[0], s1.lm_loss_sum, 1e-5 * s1.lm_loss_sum);
+        EXPECT_EQ(int64_t(v[1]), s1.lm_targets);
+        EXPECT_NEAR(v[2], s1.indexer_loss, 1e-5 * s1.indexer_loss);
+        EXPECT_GT(s1.aux_loss, 0);
+        EXPECT_NEAR(v[3], s1.aux_loss, 1e-5 * s1.aux_loss);
+        EXPECT_NEAR(v[4], s1.mtp_acceptance_sum, 1e-5 * s1.mtp_acceptance_sum + 1e-9);
+        for (size_t k = 0; k < s1.mtp_sum.size(); ++k)
+            EXPECT_NEAR(v[5 + k], s1.mtp_sum[k], 1e-5 * std::fabs(s1.mtp_sum[k]) + 1e-9);
+        // Gradients summed over the ranks, parameter by parameter.
+        const auto& params = one.params().params();
+        for (size_t i = 0; i < params.size(); ++i) {
+            if (!one.grad(int64_t(i))) continue;
+            const int64_t n = params[i].numel();
+            g_comm->allreduce_sum(cpm.grad(int64_t(i)), n);
+            double norm = 0;
+            for (int64_t j = 0; j < n; ++j)
+                norm += double(one.grad(int64_t(i))[j]) * one.grad(int64_t(i))[j];
+            if (norm == 0) continue;  // e.g. lm_head under detached heads and no LM path
+            EXPECT_LT(rel_diff(cpm.grad(int64_t(i)), one.grad(int64_t(i)), n), 2e-5)
+                << mtp << ": gradient of " << params[i].name;
+        }
+    }
+}
+
+// Training with context parallelism against one process, the same micro-batches: CP = every
+// rank, and with 4 ranks CP 2 x DP 2 and CP 2 with EP 2. Losses, gradient norms and expert loads
+// equal the one-process run's (fp32 summation order only), weights bit-identical on every rank.
+TEST(Mpi, ContextParallelTrainingMatchesOneProcess) {
+    const int W = g_comm->size();
+    const std::vector<std::string> base = {"dsa_indexer_topk=16"};
+    auto one = run(small_recipe(1, base), nullptr, "cp-one");
+    std::vector<std::vector<std::string>> layouts = {{cat("context_parallel_size=", W)}};
+    if (W == 4) {
+        layouts.push_back({"context_parallel_size=2"});
+        layouts.push_back({"context_parallel_size=2", "expert_model_parallel_size=2"});
+    }
+    for (auto extra : layouts) {
+        extra.insert(extra.end(), base.begin(), base.end());
+        const std::string name = extra.size() > 2 ? cat(extra[0], "+", extra[1]) : extra[0];
+        double w = 0;
+        auto got = run(small_recipe(W, extra), g_comm, cat("cp.", name), &w);
+        ASSERT_EQ(got.size(), one.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+            if (g_comm->rank() == 0)
+                std::cout << "[" << name << "] step " << i + 1 << ": lm " << got[i].lm_loss
+                          << " vs " << one[i].lm_loss << ", indexer " << got[i].indexer_loss
+                          << " vs " << one[i].indexer_loss << ", grad_norm " << got[i].grad_norm
+                          << " vs " << one[i].grad_norm << "\n";
+            EXPECT_NEAR(got[i].lm_loss, one[i].lm_loss, 1e-5 * one[i].lm_loss) << name;
+            EXPECT_NEAR(got[i].mtp_loss, one[i].mtp_loss, 1e-5 * one[i].mtp_loss + 1e-9);
+            EXPECT_NEAR(got[i].indexer_loss, one[i].indexer_loss, 1e-4 * one[i].indexer_loss);
+            EXPECT_NEAR(got[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
+            EXPECT_EQ(got[i].targets, one[i].targets);
+            EXPECT_EQ(got[i].moe_load, one[i].moe_load) << name << " step " << i + 1;
+        }
+        uint64_t bits = 0;
+        std::memcpy(&bits, &w, sizeof bits);
+        for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits) << name;
     }
 }
 

@@ -178,7 +178,10 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     const auto& params = trainer.params();
     const std::string dp =
         trainer.dp_size() > 1 && g_comm
-            ? cat(" | data parallel over ", trainer.dp_size(), " ", g_comm->name(), " ranks",
+            ? cat(" | ", trainer.dp_size(), " ", g_comm->name(), " ranks: data parallel ",
+                  trainer.data_parallel_size(),
+                  r.context_parallel_size > 1 ? cat(" x context parallel ", r.context_parallel_size)
+                                              : std::string(),
                   r.expert_model_parallel_size > 1
                       ? cat(", expert parallel ", r.expert_model_parallel_size)
                       : std::string())
@@ -190,13 +193,14 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
                 static_cast<long long>(recipe.model.hidden_size),
                 static_cast<long long>(recipe.model.num_attention_heads),
                 static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
-    std::printf(
-        "batch: %lld micro-batches%s x %lld token slots | %s %s | output %s\n",
-        static_cast<long long>(r.microbatches_per_step()),
-        trainer.dp_size() > 1 ? cat(" per rank x ", trainer.dp_size(), " ranks").c_str() : "",
-        static_cast<long long>(r.tokens_per_microbatch()),
-        opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
-        format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
+    std::printf("batch: %lld micro-batches%s x %lld token slots | %s %s | output %s\n",
+                static_cast<long long>(r.microbatches_per_step()),
+                trainer.data_parallel_size() > 1
+                    ? cat(" per data-parallel rank x ", trainer.data_parallel_size()).c_str()
+                    : "",
+                static_cast<long long>(r.tokens_per_microbatch()),
+                opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
+                format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
     std::fflush(stdout);

@@ -9,18 +9,18 @@ namespace sparsetron {
 
 template <typename T>
 DecoderLayer<T>::DecoderLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, int64_t layer0,
-                              int64_t tokens)
+                              int64_t tokens, int64_t key_tokens)
     : c_(c), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 == c.num_layers;
     in_norm_ = store.add(p + "input_layernorm.weight", {h_}, InitRule::Ones, false);
-    attn_ =
-        std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa());
+    attn_ = std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa(),
+                                              key_tokens);
     if (c.uses_dsa()) {
-        kslots_ = std::min(c.dsa_indexer_topk, tokens);
+        kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
         if (dsa_layer_is_full(c, layer0))
-            indexer_ =
-                std::make_unique<DsaIndexer<T>>(c, store, buf, p + "self_attn.indexer.", tokens);
+            indexer_ = std::make_unique<DsaIndexer<T>>(c, store, buf, p + "self_attn.indexer.",
+                                                       tokens, key_tokens);
     }
     post_norm_ = store.add(p + "post_attention_layernorm.weight", {h_}, InitRule::Ones, false);
     // MTP layers take the kind of the last backbone layer (SPEC §8).
@@ -99,7 +99,7 @@ LayerLosses DecoderLayer<T>::forward(Acts& A, const T* x, T* out, const StepInpu
     std::copy_n(x, Tn * h_, A.x_mid);
     attn_->attend(A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
     if (run_indexer) {
-        typename DsaIndexer<T>::Teacher t{A.attn.qabs,         A.attn.kabs,
+        typename DsaIndexer<T>::Teacher t{A.attn.qabs,         A.attn.kkeys,
                                           A.attn.lse,          c_.num_attention_heads,
                                           attn_->latent_dim(), attn_->scale()};
         losses.indexer = indexer_->loss(A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale);

@@ -6,6 +6,7 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
+#include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/cpu/kernels.h"
 
 namespace sparsetron {
@@ -24,7 +25,7 @@ double head_dot(const T* q, const T* k, int64_t n) {
 
 template <typename T>
 DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
-                          const std::string& p, int64_t tokens)
+                          const std::string& p, int64_t tokens, int64_t key_tokens)
     : c_(c),
       T_(tokens),
       h_(c.hidden_size),
@@ -32,15 +33,18 @@ DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
       dI_(c.dsa_indexer_head_dim),
       dr_(c.qk_pos_emb_head_dim),
       qr_(c.q_lora_rank),
-      K_(std::min(c.dsa_indexer_topk, tokens)),
+      K_(std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens)),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens),
       wscale_(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * double(c.dsa_indexer_head_dim))) {
     wq_ = store.add(p + "wq_b.weight", {HI_ * dI_, qr_}, InitRule::Normal);
     wk_ = store.add(p + "wk.weight", {dI_, h_}, InitRule::Normal);
     knw_ = store.add(p + "k_norm.weight", {dI_}, InitRule::Ones, false);
     knb_ = store.add(p + "k_norm.bias", {dI_}, InitRule::Zeros, false);
     ww_ = store.add(p + "weights_proj.weight", {HI_, h_}, InitRule::Normal);
-    s_scores_ = buf.scratch("dsa.scores", {tokens, tokens});
-    s_target_ = buf.scratch("dsa.loss_grad", {tokens, tokens});
+    s_scores_ = buf.scratch("dsa.scores", {tokens, Tk_});
+    s_target_ = buf.scratch("dsa.loss_grad", {tokens, Tk_});
+    if (cp_) s_dk_keys_ = buf.scratch("grad.dsa.k_all_rows", {Tk_, dI_});
     s_dq_ = buf.scratch("grad.dsa.q", {tokens, HI_ * dI_});
     s_dk_ = buf.scratch("grad.dsa.k", {tokens, dI_});
     s_dkraw_ = buf.scratch("grad.dsa.k_raw", {tokens, dI_});
@@ -59,14 +63,17 @@ typename DsaIndexer<T>::Slots DsaIndexer<T>::declare_acts(Buffers& buf,
     s.w = buf.act(p + "indexer_weights", {T_, HI_});
     s.topk = buf.act_i32(p + "topk_indices", {T_, K_});
     s.len = buf.act_i32(p + "topk_length", {T_});
+    if (cp_) s.kfull = buf.act(p + "indexer_k_all_rows", {Tk_, dI_});
     return s;
 }
 
 template <typename T>
 typename DsaIndexer<T>::Acts DsaIndexer<T>::resolve(const Buffers& buf, const Slots& s) const {
-    return {buf.ptr<T>(s.q),          buf.ptr<T>(s.k_raw),    buf.ptr<T>(s.k),
-            buf.ptr<T>(s.mean),       buf.ptr<T>(s.rstd),     buf.ptr<T>(s.w),
-            buf.ptr<int32_t>(s.topk), buf.ptr<int32_t>(s.len)};
+    Acts A{buf.ptr<T>(s.q),          buf.ptr<T>(s.k_raw),    buf.ptr<T>(s.k),
+           buf.ptr<T>(s.mean),       buf.ptr<T>(s.rstd),     buf.ptr<T>(s.w),
+           buf.ptr<int32_t>(s.topk), buf.ptr<int32_t>(s.len)};
+    A.kkeys = cp_ ? buf.ptr<T>(s.kfull) : A.k;
+    return A;
 }
 
 template <typename T>
@@ -75,16 +82,17 @@ void DsaIndexer<T>::bind(const Buffers& buf, const std::vector<T*>& params,
     p_ = params, g_ = grads;
     scores_ = buf.ptr<T>(s_scores_), target_ = buf.ptr<T>(s_target_), dq_ = buf.ptr<T>(s_dq_);
     dk_ = buf.ptr<T>(s_dk_), dkraw_ = buf.ptr<T>(s_dkraw_), dw_ = buf.ptr<T>(s_dw_);
+    dk_keys_ = cp_ ? buf.ptr<T>(s_dk_keys_) : dk_;
 }
 
 template <typename T>
-void DsaIndexer<T>::scores_row(const Acts& A, int64_t t, int64_t begin, T* out) const {
+void DsaIndexer<T>::scores_row(const Acts& A, int64_t t, int64_t row, int64_t begin, T* out) const {
     // I[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for causal s in the document.
-    for (int64_t s = begin; s <= t; ++s) {
+    for (int64_t s = begin; s <= row; ++s) {
         double acc = 0;
         for (int64_t j = 0; j < HI_; ++j) {
             const T* q = A.q + (t * HI_ + j) * dI_;
-            const T* k = A.k + s * dI_;
+            const T* k = A.kkeys + s * dI_;
             T d = 0;
             for (int64_t i = 0; i < dI_; ++i) d += q[i] * k[i];
             if (d > 0) acc += double(A.w[t * HI_ + j]) * d;
@@ -104,20 +112,24 @@ void DsaIndexer<T>::forward(const Acts& A, const T* a, const T* cq, const StepIn
     cpu::rope(A.k, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
               c_.dsa_indexer_rope_interleaved, false);
     gemm<T>(false, true, Tn, HI_, h_, wscale_, a, h_, p_[ww_], h_, 0, A.w, HI_);
+    if (cp_) cp_gather_rows(in, A.k, dI_, A.kkeys);
     std::fill_n(A.topk, Tn * K_, -1);
     std::fill_n(A.len, Tn, 0);
+    const int32_t* kcu = key_cu_seqlens(in);
     for (int64_t d = 0; d < in.num_docs; ++d) {
-        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        // Local rows [begin, end) of document d; its keys start at micro-batch row kbegin.
+        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1], kbegin = kcu[d];
         parallel_for(
             end - begin,
             [&](int64_t rb, int64_t re) {
                 std::vector<int32_t> order;
                 for (int64_t t = begin + rb; t < begin + re; ++t) {
-                    T* row = scores_ + t * Tn;
-                    scores_row(A, t, begin, row);
-                    const int64_t n = t - begin + 1, k = std::min(K_, n);
+                    T* row = scores_ + t * Tk_;
+                    const int64_t g = key_row(in, t);
+                    scores_row(A, t, g, kbegin, row);
+                    const int64_t n = g - kbegin + 1, k = std::min(K_, n);
                     order.resize(n);
-                    std::iota(order.begin(), order.end(), static_cast<int32_t>(begin));
+                    std::iota(order.begin(), order.end(), static_cast<int32_t>(kbegin));
                     // Largest scores; ties toward the smaller key index (SPEC §3).
                     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                                       [&](int32_t x, int32_t y) {
@@ -139,13 +151,16 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     const double coeff = c_.dsa_indexer_loss_coeff;
     if (coeff == 0) return 0;
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
-    int64_t rows = 0;
+    // Rows with a selection, over the whole micro-batch (every CP rank's rows).
+    double rows = 0;
     for (int64_t t = 0; t < Tn; ++t) rows += A.len[t] > 0;
+    if (in.cp) in.cp->allreduce_sum(&rows, 1);
     if (rows == 0) return 0;
+    const int32_t* kcu = key_cu_seqlens(in);
     // Per row: teacher p and student q over the support; KL and its logit gradient (into target_).
     std::vector<double> kl(Tn, 0.0);
     for (int64_t d = 0; d < in.num_docs; ++d) {
-        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1], kbegin = kcu[d];
         parallel_for(
             end - begin,
             [&](int64_t rb, int64_t re) {
@@ -156,7 +171,7 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                     if (sparse) {
                         support.assign(A.topk + t * K_, A.topk + t * K_ + A.len[t]);
                     } else {
-                        for (int64_t s = begin; s <= t; ++s)
+                        for (int64_t s = kbegin; s <= key_row(in, t); ++s)
                             support.push_back(static_cast<int32_t>(s));
                     }
                     const int64_t n = static_cast<int64_t>(support.size());
@@ -187,14 +202,14 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                     for (double v : p) psum += v;
                     psum = std::max(psum, 1e-10);
                     for (double& v : p) v /= psum;
-                    const T* row = scores_ + t * Tn;
+                    const T* row = scores_ + t * Tk_;
                     double mx = -INFINITY;
                     for (int32_t s : support) mx = std::max(mx, double(row[s]));
                     double sum = 0;
                     for (int32_t s : support) sum += std::exp(double(row[s]) - mx);
                     const double lse_i = mx + std::log(sum);
                     double k = 0;
-                    T* tg = target_ + t * Tn;
+                    T* tg = target_ + t * Tk_;
                     for (int64_t j = 0; j < n; ++j) {
                         double logq = double(row[support[j]]) - lse_i;
                         if (p[j] > 0) k += p[j] * (std::log(p[j]) - logq);
@@ -207,13 +222,13 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     }
     double total = 0;
     for (double v : kl) total += v;
-    const double loss = coeff * total / double(rows);
+    const double loss = coeff * total / rows;
     if (grad_scale == 0) return loss;
 
     // dI = g (q - p) with g = grad_scale * coeff / rows, on the support only.
-    const double gsc = grad_scale * coeff / double(rows);
+    const double gsc = grad_scale * coeff / rows;
     std::fill_n(dq_, Tn * HI_ * dI_, T(0));
-    std::fill_n(dk_, Tn * dI_, T(0));
+    std::fill_n(dk_keys_, Tk_ * dI_, T(0));
     std::fill_n(dw_, Tn * HI_, T(0));
     auto in_support = [&](int64_t t, int64_t s) {
         if (!sparse) return true;
@@ -222,15 +237,16 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     };
     for (int64_t d = 0; d < in.num_docs; ++d) {
         const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1];
+        const int64_t kbegin = kcu[d], kend = kcu[d + 1];
         // Query side: dw[t, j] and dq[t, j] (one writer per row).
         parallel_for(
             end - begin,
             [&](int64_t rb, int64_t re) {
                 for (int64_t t = begin + rb; t < begin + re; ++t)
-                    for (int64_t s = begin; s <= t; ++s) {
+                    for (int64_t s = kbegin; s <= key_row(in, t); ++s) {
                         if (!in_support(t, s)) continue;
-                        const double dI = gsc * double(target_[t * Tn + s]);
-                        const T* k = A.k + s * dI_;
+                        const double dI = gsc * double(target_[t * Tk_ + s]);
+                        const T* k = A.kkeys + s * dI_;
                         for (int64_t j = 0; j < HI_; ++j) {
                             const T* q = A.q + (t * HI_ + j) * dI_;
                             const double dd = head_dot(q, k, dI_);
@@ -243,27 +259,29 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                     }
             },
             2);
-        // Key side: dk[s] (one writer per key).
+        // Key side: dk[s] over this rank's queries t at or after s (one writer per key).
         parallel_for(
-            end - begin,
+            kend - kbegin,
             [&](int64_t rb, int64_t re) {
-                for (int64_t s = begin + rb; s < begin + re; ++s)
-                    for (int64_t t = s; t < end; ++t) {
-                        if (!in_support(t, s)) continue;
-                        const double dI = gsc * double(target_[t * Tn + s]);
-                        const T* k = A.k + s * dI_;
+                for (int64_t s = kbegin + rb; s < kbegin + re; ++s)
+                    for (int64_t t = begin; t < end; ++t) {
+                        if (key_row(in, t) < s || !in_support(t, s)) continue;
+                        const double dI = gsc * double(target_[t * Tk_ + s]);
+                        const T* k = A.kkeys + s * dI_;
                         for (int64_t j = 0; j < HI_; ++j) {
                             const T* q = A.q + (t * HI_ + j) * dI_;
                             const double dd = head_dot(q, k, dI_);
                             if (dd <= 0) continue;  // ReLU
                             const double da = dI * A.w[t * HI_ + j];
                             for (int64_t i = 0; i < dI_; ++i)
-                                dk_[s * dI_ + i] += static_cast<T>(da * q[i]);
+                                dk_keys_[s * dI_ + i] += static_cast<T>(da * q[i]);
                         }
                     }
             },
             2);
     }
+    // CP: every rank's queries reached every key row; sum and keep this rank's rows.
+    if (cp_) cp_reduce_rows(in, dk_keys_, dI_, dk_);
     // Back through the weight scale, RoPE, LayerNorm and the three projections (weights only).
     gemm<T>(true, false, HI_, h_, Tn, wscale_, dw_, HI_, a, h_, 1, g_[ww_], h_);
     cpu::rope(dq_, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,

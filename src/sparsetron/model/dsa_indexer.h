@@ -19,12 +19,15 @@ class DsaIndexer {
   public:
     struct Slots {
         MemoryPlan::Slot q, k_raw, k, mean, rstd, w, topk, len;
+        MemoryPlan::Slot kfull = -1;  // under CP: every micro-batch row's k_I
     };
     struct Acts {
         T *q, *k_raw, *k, *mean, *rstd, *w;
-        int32_t *topk, *len;
+        int32_t *topk, *len;  // top-k: key rows of the micro-batch
+        T* kkeys = nullptr;   // the keys scored, [key rows, dI]: k, or under CP all rows' k_I
     };
-    // What the loss needs from the attention: Q' [T, H, L], K' [T, L], the sparse LSE [H, T].
+    // What the loss needs from the attention: Q' [T, H, L], K' [key rows, L], the sparse LSE
+    // [H, T].
     struct Teacher {
         const T* q;
         const T* k;
@@ -33,8 +36,9 @@ class DsaIndexer {
         double scale;
     };
 
+    // key_tokens > 0: context parallelism (this rank's `tokens` rows score key_tokens rows).
     DsaIndexer(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
-               const std::string& hf_prefix, int64_t tokens);
+               const std::string& hf_prefix, int64_t tokens, int64_t key_tokens = 0);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;
     void bind(const Buffers& buf, const std::vector<T*>& params, const std::vector<T*>& grads);
@@ -43,19 +47,24 @@ class DsaIndexer {
     // Scores I[t, s] and the top-k of every row (ascending, -1 padded, lengths).
     void forward(const Acts& A, const T* a, const T* cq, const StepInputs& in) const;
     // coeff * mean over valid rows of KL(p || softmax(I)); with grad_scale != 0 also accumulates
-    // grad_scale * d(loss)/d(indexer weights).
+    // grad_scale * d(loss)/d(indexer weights). Under CP the mean is over the micro-batch's rows
+    // and the value returned is this rank's rows' share (the shares sum to the loss).
     double loss(const Acts& A, const T* a, const T* cq, const StepInputs& in, const Teacher& t,
                 double grad_scale) const;
 
   private:
-    void scores_row(const Acts& A, int64_t t, int64_t begin, T* out) const;
+    // Scores of local row t (micro-batch row `row`) against keys [begin, row]: out[s].
+    void scores_row(const Acts& A, int64_t t, int64_t row, int64_t begin, T* out) const;
     const ModelConfig& c_;
     int64_t T_, h_, HI_, dI_, dr_, qr_, K_;
+    bool cp_;
+    int64_t Tk_;  // key rows
     double wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
     std::vector<T*> p_, g_;
-    MemoryPlan::Slot s_scores_, s_dq_, s_dk_, s_dw_, s_dkraw_, s_target_;
+    MemoryPlan::Slot s_scores_, s_dq_, s_dk_, s_dw_, s_dkraw_, s_target_, s_dk_keys_ = -1;
     T *scores_, *dq_, *dk_, *dw_, *dkraw_, *target_;
+    T* dk_keys_ = nullptr;  // dk_I of every key row (CP; else dk_)
 };
 
 }  // namespace sparsetron

@@ -6,7 +6,9 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
+#include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/parallel/cp_shard.h"
 
 namespace sparsetron {
 
@@ -14,13 +16,19 @@ using cpu::gemm;
 
 template <typename T>
 Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
-                        int64_t chunk_rows)
+                        int64_t chunk_rows, int64_t key_tokens)
     : cfg_(cfg),
       plan_(plan),
       buf_(plan, dtype_of<T>()),
       T_(tokens),
       max_docs_(max_docs),
-      chunk_rows_(std::min(chunk_rows, tokens)) {
+      chunk_rows_(std::min(chunk_rows, tokens)),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+    ST_CHECK(
+        !cp_ || cfg.uses_dsa(),
+        "context parallelism is implemented for DSA attention (experimental_attention_variant: "
+        "dsa); this model attends densely");
     ST_CHECK(tokens > 0 && max_docs > 0 && chunk_rows > 0, "model: bad micro-batch shape");
     ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
              "model: moe_layer_pattern has ", cfg.moe_layer_pattern.size(), " entries for ",
@@ -31,10 +39,15 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
     s_targets_ = buf_.act_i32("inputs.targets", {Tn});
     s_positions_ = buf_.act_i32("inputs.positions", {Tn});
     s_cu_ = buf_.act_i32("inputs.cu_seqlens", {max_docs + 1});
+    if (cp_) {
+        s_key_row_ = buf_.act_i32("inputs.cp_key_row", {Tn});
+        s_key_cu_ = buf_.act_i32("inputs.cp_key_cu_seqlens", {max_docs + 1});
+    }
 
     embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        layers_.push_back(std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, l, tokens));
+        layers_.push_back(
+            std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, l, tokens, key_tokens));
         s_x_.push_back(buf_.act(cat("layers.", l, ".x_in"), {Tn, h}));
         layer_slots_.push_back(layers_.back()->declare_acts(buf_, cat("layers.", l, ".")));
     }
@@ -54,7 +67,7 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
         enorm_ = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
         hnorm_ = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
         eh_proj_ = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
-        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L, tokens);
+        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L, tokens, key_tokens);
         mtp_norm_ = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
         store_->set_mtp_from(first);
         for (int64_t k = 1; k <= D_; ++k) {
@@ -87,6 +100,10 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
             s_tv_p_ = buf_.scratch("mtp.tv.target_probs", {D_, chunk_rows_, cfg.vocab_size});
             s_tv_q_ = buf_.scratch("mtp.tv.draft_probs", {D_, chunk_rows_, cfg.vocab_size});
             s_tv_alpha_ = buf_.scratch("mtp.tv.alpha", {D_, Tn});
+            if (cp_) {
+                s_h_final_keys_ = buf_.act("mtp.tv.final_norm_out_all_rows", {Tk_, h});
+                s_tv_rows_ = buf_.scratch("mtp.tv.target_rows", {chunk_rows_, h});
+            }
         }
     }
 }
@@ -105,6 +122,11 @@ void Glm5Model<T>::bind() {
     in_.token_ids = buf_.ptr<int32_t>(s_tokens_);
     in_.positions = buf_.ptr<int32_t>(s_positions_);
     in_.cu_seqlens = buf_.ptr<int32_t>(s_cu_);
+    in_.key_tokens = Tk_;
+    if (cp_) {
+        in_.key_row = buf_.ptr<int32_t>(s_key_row_);
+        in_.key_cu_seqlens = buf_.ptr<int32_t>(s_key_cu_);
+    }
     targets_ = buf_.ptr<int32_t>(s_targets_);
     x_.clear();
     for (auto s : s_x_) x_.push_back(buf_.ptr<T>(s));
@@ -146,7 +168,7 @@ void Glm5Model<T>::bind() {
             if (kv_share() && k > 0) {
                 // Depths 2..D reuse depth 1's latent K' and top-k (dsa_mtp_index_kv_share).
                 const auto& first = mtp_acts_[0].layer;
-                a.layer.attn.kabs_shared = first.attn.kabs;
+                a.layer.attn.kabs_shared = first.attn.kkeys;
                 a.layer.topk = first.topk, a.layer.topk_len = first.topk_len;
                 a.layer.skip_indexer = true;
             }
@@ -161,36 +183,67 @@ void Glm5Model<T>::bind() {
         if (cfg_.mtp_loss_type == "e2e_tv") {
             tv_p_ = buf_.ptr<T>(s_tv_p_), tv_q_ = buf_.ptr<T>(s_tv_q_);
             tv_alpha_ = buf_.ptr<T>(s_tv_alpha_);
+            if (cp_)
+                h_final_keys_ = buf_.ptr<T>(s_h_final_keys_), tv_rows_ = buf_.ptr<T>(s_tv_rows_);
         }
     }
 }
 
 template <typename T>
 void Glm5Model<T>::load_inputs(const MicroBatch& mb) {
-    ST_CHECK(mb.capacity == T_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
-             " slots / ", mb.max_documents, " documents does not match the plan (", T_, " / ",
+    ST_CHECK(mb.capacity == Tk_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
+             " slots / ", mb.max_documents, " documents does not match the plan (", Tk_, " / ",
              max_docs_, ")");
-    for (int64_t i = 0; i < T_; ++i)
+    for (int64_t i = 0; i < Tk_; ++i)
         ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
                  " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
     int32_t* tok = const_cast<int32_t*>(in_.token_ids);
-    std::memcpy(tok, mb.tokens.data(), T_ * sizeof(int32_t));
-    std::memcpy(targets_, mb.targets.data(), T_ * sizeof(int32_t));
-    std::memcpy(const_cast<int32_t*>(in_.positions), mb.positions.data(), T_ * sizeof(int32_t));
-    std::memcpy(const_cast<int32_t*>(in_.cu_seqlens), mb.cu_seqlens.data(),
-                (max_docs_ + 1) * sizeof(int32_t));
+    int32_t* pos = const_cast<int32_t*>(in_.positions);
+    int32_t* cu = const_cast<int32_t*>(in_.cu_seqlens);
     in_.num_docs = mb.num_documents;
-    // MTP: depth k reads the token at row i+k and predicts row i+k+1, inside i's document only.
+    if (!cp_) {
+        std::memcpy(tok, mb.tokens.data(), T_ * sizeof(int32_t));
+        std::memcpy(targets_, mb.targets.data(), T_ * sizeof(int32_t));
+        std::memcpy(pos, mb.positions.data(), T_ * sizeof(int32_t));
+        std::memcpy(cu, mb.cu_seqlens.data(), (max_docs_ + 1) * sizeof(int32_t));
+    } else {
+        // This CP rank's rows: chunks r and 2cp-1-r of every document, documents in order.
+        ST_CHECK(in_.cp, "the model is planned for context parallelism but has no CP group");
+        const int cp = in_.cp->size(), rank = in_.cp->rank();
+        int32_t* key_row = const_cast<int32_t*>(in_.key_row);
+        std::fill_n(tok, T_, 0), std::fill_n(targets_, T_, -1), std::fill_n(pos, T_, 0);
+        std::fill_n(key_row, T_, -1);
+        int64_t n = 0;
+        for (int64_t d = 0; d < mb.num_documents; ++d) {
+            cu[d] = static_cast<int32_t>(n);
+            const int64_t b = mb.cu_seqlens[d], len = mb.cu_seqlens[d + 1] - b;
+            for (const RowRange& rr : cp_rows(len, cp, rank))
+                for (int64_t i = rr.begin; i < rr.end; ++i, ++n) {
+                    ST_CHECK(n < T_, "CP rank ", rank, " holds more than the ", T_,
+                             " rows it was planned for");
+                    const int64_t g = b + i;
+                    tok[n] = mb.tokens[g], targets_[n] = mb.targets[g];
+                    pos[n] = mb.positions[g], key_row[n] = static_cast<int32_t>(g);
+                }
+        }
+        for (int64_t d = mb.num_documents; d <= max_docs_; ++d) cu[d] = static_cast<int32_t>(n);
+        std::memcpy(const_cast<int32_t*>(in_.key_cu_seqlens), mb.cu_seqlens.data(),
+                    (max_docs_ + 1) * sizeof(int32_t));
+    }
+    // MTP: depth k reads the token at micro-batch row g+k and predicts row g+k+1, inside g's
+    // document only (under CP those rows may belong to another rank: every rank has the tokens).
+    const int32_t* kcu = key_cu_seqlens(in_);
     for (int64_t k = 1; k <= D_; ++k) {
         int32_t* ids = mtp_acts_[k - 1].ids;
         int32_t* tg = mtp_targets_[k - 1];
         std::fill_n(ids, T_, -1);
         std::fill_n(tg, T_, -1);
         for (int64_t d = 0; d < in_.num_docs; ++d) {
-            const int64_t b = in_.cu_seqlens[d], e = in_.cu_seqlens[d + 1];
-            for (int64_t i = b; i < e; ++i) {
-                if (i + k < e) ids[i] = tok[i + k];
-                if (i + k + 1 < e) tg[i] = tok[i + k + 1];
+            const int64_t e = kcu[d + 1];
+            for (int64_t i = in_.cu_seqlens[d]; i < in_.cu_seqlens[d + 1]; ++i) {
+                const int64_t g = key_row(in_, i);
+                if (g + k < e) ids[i] = mb.tokens[g + k];
+                if (g + k + 1 < e) tg[i] = mb.tokens[g + k + 1];
             }
         }
     }
@@ -293,8 +346,12 @@ void Glm5Model<T>::mtp_tv_loss(const LossScales& sc, LossSums& out) {
     out.mtp_sum.assign(1, 0.0);
     out.mtp_count.assign(1, 0);
     std::vector<uint8_t> valid(Tn, 0);
+    const int32_t* kcu = key_cu_seqlens(in_);
     for (int64_t d = 0; d < in_.num_docs; ++d)
-        for (int64_t i = in_.cu_seqlens[d]; i + D < in_.cu_seqlens[d + 1]; ++i) valid[i] = 1;
+        for (int64_t i = in_.cu_seqlens[d]; i < in_.cu_seqlens[d + 1]; ++i)
+            valid[i] = key_row(in_, i) + D < kcu[d + 1];
+    // Under CP the target rows i + k + 1 may be another rank's: every row's final hidden first.
+    if (cp_) cp_gather_rows(in_, h_final_, h, h_final_keys_);
     const double row_w = sc.backward ? sc.mtp.at(0) : 0.0;
     for (int64_t k = 0; k < D; ++k)
         if (sc.backward) std::fill_n(dmtp_zk_[k], Tn * h, T(0));
@@ -316,9 +373,21 @@ void Glm5Model<T>::mtp_tv_loss(const LossScales& sc, LossSums& out) {
             // Target rows i + k + 1 (depth index k is depth k+1); rows past the end are unused.
             const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
             std::fill_n(p, n * V, T(0));
-            if (m > 0)
+            if (cp_) {
+                // The chunk's target rows gathered (rows past the micro-batch stay 0: unused).
+                for (int64_t r = 0; r < n; ++r) {
+                    const int64_t g = key_row(in_, r0 + r) + shift;
+                    T* dst = tv_rows_ + r * h;
+                    if (g >= shift && g < Tk_)
+                        std::copy_n(h_final_keys_ + g * h, h, dst);
+                    else
+                        std::fill_n(dst, h, T(0));
+                }
+                gemm<T>(false, true, n, V, h, 1, tv_rows_, h, param(head_), h, 0, p, V);
+            } else if (m > 0) {
                 gemm<T>(false, true, m, V, h, 1, h_final_ + (r0 + shift) * h, h, param(head_), h, 0,
                         p, V);
+            }
             softmax_rows(p, n);
             gemm<T>(false, true, n, V, h, 1, mtp_acts_[k].hz + r0 * h, h, param(head_), h, 0, q, V);
             softmax_rows(q, n);
@@ -484,6 +553,13 @@ void Glm5Model<T>::set_expert_parallel(Comm* ep) {
     for (auto& l : layers_)
         if (l->moe()) l->moe()->set_expert_parallel(ep);
     if (mtp_layer_ && mtp_layer_->moe()) mtp_layer_->moe()->set_expert_parallel(ep);
+}
+
+template <typename T>
+void Glm5Model<T>::set_context_parallel(Comm* cp) {
+    ST_CHECK(cp_ || !cp || cp->size() == 1, "context parallelism over ", cp ? cp->size() : 1,
+             " ranks, but the model was planned without it");
+    in_.cp = cp_ ? cp : nullptr;
 }
 
 template <typename T>

@@ -46,8 +46,11 @@ struct LossSums {
 template <typename T>
 class Glm5Model {
   public:
+    // key_tokens > 0: context parallelism. The model computes `tokens` rows (this CP rank's
+    // share, parallel/cp_shard.h: cp_local_tokens) of micro-batches of key_tokens slots; its
+    // attention and indexer read keys of every row (set_context_parallel gives the CP group).
     Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
-              int64_t chunk_rows);
+              int64_t chunk_rows, int64_t key_tokens = 0);
     ~Glm5Model();
     void bind();
 
@@ -56,6 +59,8 @@ class Glm5Model {
     int64_t tokens() const { return T_; }
     int64_t mtp_depths() const { return D_; }
 
+    // A micro-batch of key_tokens slots under CP (this rank takes its chunks of every document),
+    // of `tokens` slots otherwise.
     void load_inputs(const MicroBatch& mb);
     LossSums forward_backward(const LossScales& scales);
     // Forward only, LM loss only (eval) — or with backward at a uniform per-target scale.
@@ -72,10 +77,21 @@ class Glm5Model {
     // Expert parallelism: every MoE layer exchanges its rows over `ep` (the layout's EP group,
     // of the size the model was planned for: cfg.expert_parallel_ranks).
     void set_expert_parallel(Comm* ep);
+    // Context parallelism over `cp` (the layout's CP group; the model must be planned with
+    // key_tokens). Loss sums are then this rank's rows' shares: they add up over the group.
+    void set_context_parallel(Comm* cp);
+    bool context_parallel() const { return cp_; }
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].
     void logits_row(int64_t row, T* out) const;
+
+    // The activations of decoder-layer application `a`: backbone layer a < num_layers, MTP depth
+    // a - num_layers + 1 after them (tests read the top-k there); the inputs of the loaded rows.
+    const typename DecoderLayer<T>::Acts& application(int64_t a) const {
+        return a < cfg_.num_layers ? layer_acts_.at(a) : mtp_acts_.at(a - cfg_.num_layers).layer;
+    }
+    const StepInputs& inputs() const { return in_; }
 
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }
@@ -100,6 +116,8 @@ class Glm5Model {
     Buffers buf_;
     std::unique_ptr<ParamStore> store_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
+    bool cp_ = false;  // planned for context parallelism
+    int64_t Tk_;       // micro-batch rows (T_ without CP)
     std::vector<std::unique_ptr<DecoderLayer<T>>> layers_;
     std::vector<typename DecoderLayer<T>::Slots> layer_slots_;
     std::vector<typename DecoderLayer<T>::Acts> layer_acts_;
@@ -124,11 +142,15 @@ class Glm5Model {
     std::vector<T*> dmtp_zk_;
 
     // Inputs.
-    MemoryPlan::Slot s_tokens_, s_targets_, s_positions_, s_cu_;
+    MemoryPlan::Slot s_tokens_, s_targets_, s_positions_, s_cu_, s_key_row_ = -1, s_key_cu_ = -1;
     StepInputs in_;
     int32_t* targets_ = nullptr;
     MemoryPlan::Slot s_h_final_, s_rstd_final_;
     T *h_final_ = nullptr, *rstd_final_ = nullptr;
+    // e2e_tv under CP: every micro-batch row's final hidden (the TV targets read rows i + k + 1)
+    // and a chunk of them gathered for one GEMM.
+    MemoryPlan::Slot s_h_final_keys_ = -1, s_tv_rows_ = -1;
+    T *h_final_keys_ = nullptr, *tv_rows_ = nullptr;
     MemoryPlan::Slot s_dx_, s_dh_, s_logits_;
     T *dx_ = nullptr, *dh_ = nullptr, *logits_ = nullptr;
 };

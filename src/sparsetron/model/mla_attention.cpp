@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
+#include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/cpu/kernels.h"
 
 namespace sparsetron {
@@ -12,7 +14,8 @@ using cpu::gemm;
 
 template <typename T>
 MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& buf,
-                              const std::string& p, int64_t tokens, bool absorbed)
+                              const std::string& p, int64_t tokens, bool absorbed,
+                              int64_t key_tokens)
     : c_(c),
       T_(tokens),
       h_(c.hidden_size),
@@ -23,7 +26,10 @@ MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& 
       dv_(c.v_head_dim),
       qr_(c.q_lora_rank),
       kr_(c.kv_lora_rank),
-      absorbed_(absorbed) {
+      absorbed_(absorbed),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+    ST_CHECK(!cp_ || absorbed, "context parallelism needs the absorbed (DSA) attention");
     q_a_ = store.add(p + "q_a_proj.weight", {qr_, h_}, InitRule::Normal);
     q_a_norm_ = store.add(p + "q_a_layernorm.weight", {qr_}, InitRule::Ones, false);
     q_b_ = store.add(p + "q_b_proj.weight", {H_ * dq_, qr_}, InitRule::Normal);
@@ -41,7 +47,8 @@ MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& 
     if (absorbed) {
         s_dqabs_ = buf.scratch("grad.attn.q_absorbed", {Tn, H_ * L});
         s_dkabs_ = buf.scratch("grad.attn.k_latent", {Tn, L});
-        s_dkabs_heads_ = buf.scratch("grad.attn.k_latent_per_head", {H_, Tn, L});
+        s_dkabs_heads_ = buf.scratch("grad.attn.k_latent_per_head", {H_, Tk_, L});
+        if (cp_) s_dkabs_keys_ = buf.scratch("grad.attn.k_latent_all_rows", {Tk_, L});
         s_doabs_ = buf.scratch("grad.attn.o_latent", {Tn, H_ * kr_});
     } else {
         s_dk_ = buf.scratch("grad.attn.k", {Tn, H_ * dq_});
@@ -61,11 +68,12 @@ typename MlaAttention<T>::Slots MlaAttention<T>::declare_acts(Buffers& buf,
     s.ckv = buf.act(p + "kv_a", {Tn, L});
     s.ckv_n = buf.act(p + "kv_a_norm_out", {Tn, kr_});
     s.rstd_kv = buf.act(p + "kv_a_norm_rstd", {Tn});
-    s.kv = s.k = s.qabs = s.kabs = s.oabs = -1;
+    s.kv = s.k = s.qabs = s.kabs = s.oabs = s.kfull = -1;
     if (absorbed_) {
         s.qabs = buf.act(p + "q_absorbed", {Tn, H_ * L});
         s.kabs = buf.act(p + "k_latent", {Tn, L});
         s.oabs = buf.act(p + "o_latent", {Tn, H_ * kr_});
+        if (cp_) s.kfull = buf.act(p + "k_latent_all_rows", {Tk_, L});
     } else {
         s.kv = buf.act(p + "kv", {Tn, H_ * (dn_ + dv_)});
         s.k = buf.act(p + "k", {Tn, H_ * dq_});
@@ -78,8 +86,10 @@ typename MlaAttention<T>::Slots MlaAttention<T>::declare_acts(Buffers& buf,
 template <typename T>
 typename MlaAttention<T>::Acts MlaAttention<T>::resolve(const Buffers& buf, const Slots& s) const {
     auto P = [&](MemoryPlan::Slot x) { return x < 0 ? nullptr : buf.ptr<T>(x); };
-    return {P(s.cq_raw), P(s.cq), P(s.rstd_q), P(s.q),    P(s.ckv),  P(s.ckv_n), P(s.rstd_kv),
-            P(s.kv),     P(s.k),  P(s.qabs),   P(s.kabs), P(s.oabs), P(s.o),     P(s.lse)};
+    Acts A{P(s.cq_raw), P(s.cq), P(s.rstd_q), P(s.q),    P(s.ckv),  P(s.ckv_n), P(s.rstd_kv),
+           P(s.kv),     P(s.k),  P(s.qabs),   P(s.kabs), P(s.oabs), P(s.o),     P(s.lse)};
+    A.kkeys = cp_ ? P(s.kfull) : A.kabs;
+    return A;
 }
 
 template <typename T>
@@ -92,6 +102,7 @@ void MlaAttention<T>::bind(const Buffers& buf, const std::vector<T*>& params,
     if (absorbed_) {
         dqabs_ = P(s_dqabs_), dkabs_ = P(s_dkabs_), dkabs_heads_ = P(s_dkabs_heads_);
         doabs_ = P(s_doabs_);
+        dkabs_keys_ = cp_ ? P(s_dkabs_keys_) : dkabs_;
     } else {
         dk_ = P(s_dk_), dkv_ = P(s_dkv_);
     }
@@ -136,6 +147,7 @@ void MlaAttention<T>::project(const Acts& A, const T* a, const StepInputs& in) c
             }
         },
         16);
+    if (cp_ && !A.kabs_shared) cp_gather_rows(in, A.kabs, L, A.kkeys);
 }
 
 template <typename T>
@@ -143,7 +155,7 @@ void MlaAttention<T>::attend(const Acts& A, const StepInputs& in, const int32_t*
                              const int32_t* len, int64_t kslots, T* x_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     if (absorbed_) {
-        const T* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        const T* K = A.kabs_shared ? A.kabs_shared : A.kkeys;
         cpu::sparse_mqa_forward(Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
                                 A.lse);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
@@ -188,9 +200,11 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
             gemm<T>(true, false, dv_, kr_, Tn, 1, do_ + hh * dv_, H_ * dv_, A.oabs + hh * kr_,
                     H_ * kr_, 1, gkvb + uv, kr_);
         }
-        const T* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        const T* K = A.kabs_shared ? A.kabs_shared : A.kkeys;
         cpu::sparse_mqa_backward(Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse, doabs_, dqabs_, dkabs_heads_, dkabs_);
+                                 A.lse, doabs_, dqabs_, dkabs_heads_, dkabs_keys_, Tk_);
+        // CP: every rank's queries reached every key row; sum and keep this rank's rows.
+        if (cp_) cp_reduce_rows(in, dkabs_keys_, L, dkabs_);
         // Shared K': hand dK' to its owner. Owner: add what the sharers accumulated.
         if (kv_grad_accum)
             cpu::add_inplace(A.kabs_shared ? kv_grad_accum : dkabs_,

@@ -22,17 +22,24 @@ class MlaAttention {
         MemoryPlan::Slot cq_raw, cq, rstd_q, q, ckv, ckv_n, rstd_kv;
         MemoryPlan::Slot kv, k;             // expanded
         MemoryPlan::Slot qabs, kabs, oabs;  // absorbed
+        MemoryPlan::Slot kfull;             // absorbed under CP: every micro-batch row's K'
         MemoryPlan::Slot o, lse;
     };
     struct Acts {
         T *cq_raw, *cq, *rstd_q, *q, *ckv, *ckv_n, *rstd_kv, *kv, *k, *qabs, *kabs, *oabs, *o, *lse;
+        // The keys the absorbed attention reads, [key rows, L]: kabs, or under context
+        // parallelism every micro-batch row's K' gathered from the CP group.
+        T* kkeys = nullptr;
         // Latent-KV sharing (repeated MTP, dsa_mtp_index_kv_share): attend over another
         // application's K' instead of computing one; only the query path runs here.
         const T* kabs_shared = nullptr;
     };
 
+    // key_tokens > 0: context parallelism, `tokens` of this rank's rows attend over key_tokens
+    // micro-batch rows (absorbed mode only).
     MlaAttention(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
-                 const std::string& hf_prefix, int64_t tokens, bool absorbed);
+                 const std::string& hf_prefix, int64_t tokens, bool absorbed,
+                 int64_t key_tokens = 0);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;
     void bind(const Buffers& buf, const std::vector<T*>& params, const std::vector<T*>& grads);
@@ -57,13 +64,16 @@ class MlaAttention {
     const ModelConfig& c_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
     bool absorbed_;
+    bool cp_;     // planned for context parallelism
+    int64_t Tk_;  // key rows
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
     std::vector<T*> p_, g_;
     // Shared backward scratch.
     MemoryPlan::Slot s_do_, s_dq_, s_dk_, s_dkv_, s_dcq_, s_dcq_raw_, s_dckv_, s_dckv_n_, s_dqabs_,
-        s_dkabs_, s_dkabs_heads_, s_doabs_;
+        s_dkabs_, s_dkabs_heads_, s_doabs_, s_dkabs_keys_ = -1;
     T *do_, *dq_b_, *dk_, *dkv_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *dkabs_,
         *dkabs_heads_, *doabs_;
+    T* dkabs_keys_ = nullptr;  // dK' of every key row (CP; else dkabs_)
 };
 
 }  // namespace sparsetron

@@ -280,18 +280,10 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
     if (shared_) shared_->forward(m, Tn, {A.sg, A.su, A.sact}, y, true);
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
         // DeepSeek-V3 sequence aux loss, per packed document: α Σ_e f_e P_e.
+        const Balance bal = document_balance(A, in);
         double total = 0;
-        for (int64_t d = 0; d < in.num_docs; ++d) {
-            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
-            const std::vector<double> f = expert_fractions(A, b, e);
-            std::vector<double> P(E_, 0.0);
-            for (int64_t t = b; t < e; ++t) {
-                double z = 0;
-                for (int64_t x = 0; x < E_; ++x) z += A.probs[t * E_ + x];
-                for (int64_t x = 0; x < E_; ++x) P[x] += A.probs[t * E_ + x] / z / n;
-            }
-            for (int64_t x = 0; x < E_; ++x) total += c_.moe_aux_loss_coeff * f[x] * P[x];
-        }
+        for (size_t i = 0; i < bal.f.size(); ++i)
+            total += c_.moe_aux_loss_coeff * bal.f[i] * bal.P[i];
         return aux_scale * total / std::max<int64_t>(1, in.num_docs);
     }
     return 0.0;
@@ -357,9 +349,11 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
         },
         8);
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
+        const Balance bal = document_balance(A, in);
+        const int32_t* kcu = key_cu_seqlens(in);
         for (int64_t d = 0; d < in.num_docs; ++d) {
-            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = e - b;
-            const std::vector<double> f = expert_fractions(A, b, e);
+            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = kcu[d + 1] - kcu[d];
+            const double* f = bal.f.data() + d * E_;
             double w = aux_scale * c_.moe_aux_loss_coeff / std::max<int64_t>(1, in.num_docs) / n;
             for (int64_t t = b; t < e; ++t) {
                 const T* s = A.probs + t * E_;
@@ -395,13 +389,29 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
 }
 
 template <typename T>
-std::vector<double> MoeLayer<T>::expert_fractions(const Acts& A, int64_t begin, int64_t end) const {
-    // f_e = E / (k * n) * (tokens of the document routed to e): 1 for every expert when balanced.
-    std::vector<double> f(E_, 0.0);
-    const double unit = double(E_) / double(k_ * (end - begin));
-    for (int64_t t = begin; t < end; ++t)
-        for (int64_t j = 0; j < k_; ++j) f[A.topk[t * k_ + j]] += unit;
-    return f;
+typename MoeLayer<T>::Balance MoeLayer<T>::document_balance(const Acts& A,
+                                                            const StepInputs& in) const {
+    // f_e = E / (k * n) * (tokens of the document routed to e): 1 for every expert when balanced;
+    // P_e = (1 / n) Σ_t s_e / Σ_x s_x; n: the document's length in the micro-batch.
+    const int64_t D = in.num_docs;
+    const int32_t* kcu = key_cu_seqlens(in);
+    Balance bal{std::vector<double>(D * E_, 0.0), std::vector<double>(D * E_, 0.0)};
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t t = in.cu_seqlens[d]; t < in.cu_seqlens[d + 1]; ++t) {
+            for (int64_t j = 0; j < k_; ++j) bal.f[d * E_ + A.topk[t * k_ + j]] += 1;
+            double z = 0;
+            for (int64_t x = 0; x < E_; ++x) z += A.probs[t * E_ + x];
+            for (int64_t x = 0; x < E_; ++x) bal.P[d * E_ + x] += A.probs[t * E_ + x] / z;
+        }
+    if (in.cp) in.cp->allreduce_sum(bal.f.data(), D * E_);  // counts: exact in double
+    for (int64_t d = 0; d < D; ++d) {
+        const double n = double(kcu[d + 1] - kcu[d]);
+        for (int64_t x = 0; x < E_; ++x) {
+            bal.f[d * E_ + x] *= double(E_) / (double(k_) * n);
+            bal.P[d * E_ + x] /= n;
+        }
+    }
+    return bal;
 }
 
 template <typename T>

@@ -75,7 +75,13 @@ class MoeLayer {
   private:
     void route(Acts& A, const StepInputs& in);
     // The aux loss's per-expert routed fraction f_e over the document rows [begin, end).
-    std::vector<double> expert_fractions(const Acts& A, int64_t begin, int64_t end) const;
+    // The sequence aux loss's per-document terms, [num_docs * E] each: f_e over the whole
+    // document (under CP its routed counts are summed over the CP group) and this rank's rows'
+    // part of P_e (mean normalized score; the parts sum to P_e over the group).
+    struct Balance {
+        std::vector<double> f, P;
+    };
+    Balance document_balance(const Acts& A, const StepInputs& in) const;
     bool ep() const { return ep_ != nullptr; }
     // Bytes of the permuted rows sent to each rank (row width `width`), and received from each.
     std::vector<int64_t> ep_send_bytes(const Acts& A, int64_t width) const;

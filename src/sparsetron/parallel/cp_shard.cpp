@@ -22,6 +22,12 @@ std::vector<int64_t> cp_positions(int64_t length, int cp, int rank) {
     return out;
 }
 
+int64_t cp_local_tokens(int64_t tokens, int64_t max_docs, int cp) {
+    ST_CHECK(cp >= 1, "CP size ", cp);
+    if (cp == 1) return tokens;
+    return std::min(tokens, (tokens + cp - 1) / cp + 2 * max_docs);
+}
+
 int64_t cp_causal_pairs(int64_t length, int cp, int rank) {
     int64_t pairs = 0;
     for (int64_t p : cp_positions(length, cp, rank)) pairs += p + 1;

@@ -22,5 +22,9 @@ std::vector<RowRange> cp_rows(int64_t length, int cp, int rank);
 std::vector<int64_t> cp_positions(int64_t length, int cp, int rank);
 // Causal attention work of a rank: Σ over its rows of the keys they see (row index + 1).
 int64_t cp_causal_pairs(int64_t length, int cp, int rank);
+// Rows a CP rank may hold of a micro-batch of `tokens` slots and up to `max_docs` documents:
+// each document gives a rank two chunks of ceil(L / 2cp) < L / 2cp + 1 rows, so fewer than
+// tokens / cp + 2 max_docs in all (the rank's planned row count).
+int64_t cp_local_tokens(int64_t tokens, int64_t max_docs, int cp);
 
 }  // namespace sparsetron

@@ -12,6 +12,7 @@
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/optim/owner_assignment.h"
+#include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/parallel/layout.h"
 
 namespace fs = std::filesystem;
@@ -84,10 +85,14 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "multi-process training on CUDA needs ",
              "the NCCL communicator (run `sparsetron`, not sparsetron-mpi, under the launcher); ",
              "this one is ", o.comm->name());
-    ST_CHECK(r.run.context_parallel_size == 1 && r.run.tensor_model_parallel_size == 1 &&
-                 r.run.pipeline_model_parallel_size == 1,
-             "only data and expert parallelism are implemented across processes so far "
-             "(context, tensor and pipeline parallel sizes must be 1)");
+    ST_CHECK(r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
+             "tensor and pipeline parallelism are not implemented (their sizes must be 1)");
+    ST_CHECK(r.run.context_parallel_size == 1 || o.device == Device::CPU,
+             "context parallelism runs on CPU ranks (sparsetron-mpi) so far; on CUDA use "
+             "context_parallel_size: 1");
+    ST_CHECK(!r.run.dynamic_context_parallel,
+             "dynamic_context_parallel is not implemented yet (the packing exists, "
+             "parallel/dynamic_cp.h); use a fixed context_parallel_size");
 }
 
 fs::path find_bundled_corpus() {
@@ -132,8 +137,13 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     tp->max_documents = r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch
                                                            : default_max_documents(slots);
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
-    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, slots, tp->max_documents,
-                                                   tp->chunk_rows);
+    // Context parallelism: a rank computes its chunks of every document (cp_local_tokens rows)
+    // and attends over every row of the micro-batch.
+    const int cp = static_cast<int>(r.context_parallel_size);
+    const int64_t rows = cp_local_tokens(slots, tp->max_documents, cp);
+    tp->chunk_rows = std::min(tp->chunk_rows, rows);
+    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, rows, tp->max_documents,
+                                                   tp->chunk_rows, cp > 1 ? slots : 0);
     tp->optimizer =
         std::make_unique<Optimizer>(tp->model->params(), tp->plan, recipe.model, recipe.run);
     return tp;
@@ -159,9 +169,10 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
     tp_ = make_training_plan(recipe_);
-    // Expert parallelism: the layout's communicators, made once; the MoE layers exchange rows
-    // over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA).
-    if (r.expert_model_parallel_size > 1)
+    // Expert and context parallelism: the layout's communicators, made once; the MoE layers
+    // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the
+    // attention gathers keys over the CP group.
+    if (r.expert_model_parallel_size > 1 || r.context_parallel_size > 1)
         groups_ = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
     if (options_.device == Device::CUDA) {
@@ -175,15 +186,18 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
-        if (groups_) tp_->model->set_expert_parallel(groups_->ep.get());
+        if (groups_ && r.expert_model_parallel_size > 1)
+            tp_->model->set_expert_parallel(groups_->ep.get());
+        if (groups_ && r.context_parallel_size > 1)
+            tp_->model->set_context_parallel(groups_->cp.get());
     }
     for (const auto& p : tp_->model->params().params())
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
     packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
     // microbatches_per_step() is per data-parallel rank: every rank packs the whole step's
-    // micro-batches (the same sequence) and runs its share.
-    for (int64_t i = 0; i < r.microbatches_per_step() * dp_size(); ++i)
+    // micro-batches (the same sequence) and runs its share (with CP, a CP group shares each).
+    for (int64_t i = 0; i < r.microbatches_per_step() * data_parallel_size(); ++i)
         batches_.emplace_back(slots, tp_->max_documents);
     state_.seed = static_cast<uint64_t>(r.seed);
 
@@ -267,10 +281,11 @@ StepMetrics Trainer::train_step() {
     }
     sc.indexer = 1.0 / double(n_mb);
     sc.aux = 1.0 / double(n_mb);
-    // This rank's micro-batches (all of them without data parallelism).
+    // This rank's micro-batches (all of them without data parallelism; the CP ranks of one
+    // data-parallel rank run the same ones, each its rows).
     std::vector<const MicroBatch*> mine;
     for (size_t i = 0; i < batches_.size(); ++i)
-        if (int(i) % dp_size() == dp_rank()) mine.push_back(&batches_[i]);
+        if (int(i) % data_parallel_size() == data_parallel_rank()) mine.push_back(&batches_[i]);
     std::vector<LossSums> sums;
     StepStats st;
     if (engine_) {
@@ -300,8 +315,9 @@ StepMetrics Trainer::train_step() {
         m.aux_loss += s.aux_loss;
     }
     if (dp_size() > 1) {
-        // Sum loss sums, gradients and routing statistics over the data-parallel ranks (the CUDA
-        // engine summed gradients and statistics on the device inside its step).
+        // Sum loss sums, gradients and routing statistics over every rank: data-parallel ranks
+        // ran other micro-batches, CP ranks other rows of the same ones (the CUDA engine summed
+        // gradients and statistics on the device inside its step).
         Comm& comm = *options_.comm;
         double sums[5] = {loss_sum, mtp, accept, m.indexer_loss, m.aux_loss};
         comm.allreduce_sum(sums, 5);

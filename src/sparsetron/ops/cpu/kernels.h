@@ -88,14 +88,15 @@ template <typename T>
 void sparse_mqa_forward(int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, const T* q,
                         const T* kv, const int32_t* idx, const int32_t* len, int64_t kslots,
                         double scale, T* out, T* lse);
-// dq: [T, H, dqk] (overwritten); dkv: [T, dqk] (overwritten; the value gradient is added into its
-// first dv columns because v aliases them). dkv_heads: scratch [H, T, dqk] (per-head partials,
-// summed in head order so the result does not depend on threads).
+// dq: [T, H, dqk] (overwritten); dkv: [keys, dqk] (overwritten; the value gradient is added into
+// its first dv columns because v aliases them). dkv_heads: scratch [H, keys, dqk] (per-head
+// partials, summed in head order so the result does not depend on threads). keys: rows of kv
+// (0: tokens; context parallelism attends over more key rows than it has queries).
 template <typename T>
 void sparse_mqa_backward(int64_t tokens, int64_t heads, int64_t dqk, int64_t dv, const T* q,
                          const T* kv, const int32_t* idx, const int32_t* len, int64_t kslots,
                          double scale, const T* out, const T* lse, const T* dout, T* dq,
-                         T* dkv_heads, T* dkv);
+                         T* dkv_heads, T* dkv, int64_t keys = 0);
 
 }  // namespace sparsetron::cpu
 

@@ -47,11 +47,13 @@ void sparse_mqa_forward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T*
 template <typename T>
 void sparse_mqa_backward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T* q, const T* kv,
                          const int32_t* idx, const int32_t* len, int64_t K, double scale,
-                         const T* out, const T* lse, const T* dout, T* dq, T* dkv_heads, T* dkv) {
+                         const T* out, const T* lse, const T* dout, T* dq, T* dkv_heads, T* dkv,
+                         int64_t keys) {
+    const int64_t Tk = keys > 0 ? keys : Tn;
     parallel_for(H, [&](int64_t hb, int64_t he) {
         for (int64_t h = hb; h < he; ++h) {
-            T* dkh = dkv_heads + h * Tn * dqk;
-            std::fill_n(dkh, Tn * dqk, T(0));
+            T* dkh = dkv_heads + h * Tk * dqk;
+            std::fill_n(dkh, Tk * dqk, T(0));
             for (int64_t t = 0; t < Tn; ++t) {
                 T* dqt = dq + (t * H + h) * dqk;
                 std::fill_n(dqt, dqk, T(0));
@@ -75,12 +77,12 @@ void sparse_mqa_backward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T
         }
     });
     parallel_for(
-        Tn,
+        Tk,
         [&](int64_t tb, int64_t te) {
             for (int64_t t = tb; t < te; ++t) {
                 T* d = dkv + t * dqk;
                 std::fill_n(d, dqk, T(0));
-                for (int64_t h = 0; h < H; ++h) axpy(T(1), dkv_heads + (h * Tn + t) * dqk, d, dqk);
+                for (int64_t h = 0; h < H; ++h) axpy(T(1), dkv_heads + (h * Tk + t) * dqk, d, dqk);
             }
         },
         8);
@@ -91,7 +93,7 @@ void sparse_mqa_backward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T
                                         const int32_t*, const int32_t*, int64_t, double, T*, T*); \
     template void sparse_mqa_backward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,  \
                                          const int32_t*, const int32_t*, int64_t, double,         \
-                                         const T*, const T*, const T*, T*, T*, T*);
+                                         const T*, const T*, const T*, T*, T*, T*, int64_t);
 INSTANTIATE(float)
 INSTANTIATE(double)
 #undef INSTANTIATE

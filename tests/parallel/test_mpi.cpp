@@ -354,6 +354,48 @@ TEST(Mpi, ContextParallelTrainingMatchesOneProcess) {
     }
 }
 
+// Dynamic CP over every rank: the step's documents (pieces of up to 64 tokens) are scheduled at 40
+// tokens per rank, so longer pieces need groups of 2 ranks and shorter ones 1 (a group grows into
+// an idle neighbour block: with 4 ranks some run over all 4). The documents are the one-process
+// run's, regrouped: LM and MTP losses, gradient norms and expert loads match it (the indexer's loss
+// is a mean per micro-batch, so it depends on the grouping: its coefficient is 0 here, the top-k
+// still selects 16 keys), weights bit-identical on every rank.
+TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
+    const int W = g_comm->size();
+    const std::vector<std::string> base = {"dsa_indexer_topk=16", "dsa_indexer_loss_coeff=0"};
+    auto one = run(small_recipe(1, base), nullptr, "dcp-one");
+    std::vector<std::string> extra = {
+        cat("context_parallel_size=", W), "dynamic_context_parallel=true",
+        "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=40"};
+    extra.insert(extra.end(), base.begin(), base.end());
+    double w = 0;
+    auto got = run(small_recipe(W, extra), g_comm, "dcp", &w);
+    ASSERT_EQ(got.size(), one.size());
+    std::vector<int64_t> groups;
+    for (size_t i = 0; i < got.size(); ++i) {
+        if (g_comm->rank() == 0) {
+            std::cout << "[dynamic cp over " << W << "] step " << i + 1 << ": lm " << got[i].lm_loss
+                      << " vs " << one[i].lm_loss << ", grad_norm " << got[i].grad_norm << " vs "
+                      << one[i].grad_norm << ", groups by size";
+            for (int64_t n : got[i].dynamic_cp_groups) std::cout << " " << n;
+            std::cout << "\n";
+        }
+        EXPECT_NEAR(got[i].lm_loss, one[i].lm_loss, 1e-5 * one[i].lm_loss) << "step " << i + 1;
+        EXPECT_NEAR(got[i].mtp_loss, one[i].mtp_loss, 1e-5 * one[i].mtp_loss + 1e-9);
+        EXPECT_NEAR(got[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
+        EXPECT_EQ(got[i].targets, one[i].targets);
+        EXPECT_EQ(got[i].moe_load, one[i].moe_load) << "step " << i + 1;
+        groups.resize(std::max(groups.size(), got[i].dynamic_cp_groups.size()));
+        for (size_t k = 0; k < got[i].dynamic_cp_groups.size(); ++k)
+            groups[k] += got[i].dynamic_cp_groups[k];
+    }
+    ASSERT_GE(groups.size(), 2u) << "no group of 2 ranks ran";
+    EXPECT_GT(groups[1], 0) << "pieces of 64 tokens need 2 ranks at 32 per rank";
+    uint64_t bits = 0;
+    std::memcpy(&bits, &w, sizeof bits);
+    for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+}
+
 TEST(Mpi, DifferentRecipesStopEveryRank) {
     Recipe r = small_recipe(g_comm->size());
     if (g_comm->rank() == 1) r.run.lr = 5e-3;

@@ -5,7 +5,8 @@
 // micro-batch's keys on every rank; cp_reduce_rows sends the key gradients (every rank's queries
 // contribute to every key) back to the rows that own them. Both are one all-reduce over the CP
 // group of a zero-filled micro-batch buffer: in the gather every row has exactly one nonzero
-// contributor, so the sum is exact. Without CP (in.cp null) nothing moves.
+// contributor, so the sum is exact. Called only by a model planned for CP; with in.cp null (a
+// group of one rank under dynamic CP) the rank holds every row and only the reordering remains.
 #pragma once
 
 #include <algorithm>
@@ -18,21 +19,19 @@ namespace sparsetron {
 // full [key_rows(in), dim] <- every CP rank's `local` [in.tokens, dim] at its rows' key rows.
 template <typename T>
 void cp_gather_rows(const StepInputs& in, const T* local, int64_t dim, T* full) {
-    if (!in.cp) return;
     std::fill_n(full, key_rows(in) * dim, T(0));
     for (int64_t i = 0; i < in.tokens; ++i) {
         const int64_t r = key_row(in, i);
         if (r >= 0) std::copy_n(local + i * dim, dim, full + r * dim);
     }
-    in.cp->allreduce_sum(full, key_rows(in) * dim);
+    if (in.cp) in.cp->allreduce_sum(full, key_rows(in) * dim);
 }
 
 // full [key_rows(in), dim] (this rank's contributions; summed in place over the CP group), then
 // local [in.tokens, dim] <- the sums at this rank's rows (0 for padding rows).
 template <typename T>
 void cp_reduce_rows(const StepInputs& in, T* full, int64_t dim, T* local) {
-    if (!in.cp) return;
-    in.cp->allreduce_sum(full, key_rows(in) * dim);
+    if (in.cp) in.cp->allreduce_sum(full, key_rows(in) * dim);
     for (int64_t i = 0; i < in.tokens; ++i) {
         const int64_t r = key_row(in, i);
         if (r >= 0)

@@ -208,8 +208,8 @@ void Glm5Model<T>::load_inputs(const MicroBatch& mb) {
         std::memcpy(cu, mb.cu_seqlens.data(), (max_docs_ + 1) * sizeof(int32_t));
     } else {
         // This CP rank's rows: chunks r and 2cp-1-r of every document, documents in order.
-        ST_CHECK(in_.cp, "the model is planned for context parallelism but has no CP group");
-        const int cp = in_.cp->size(), rank = in_.cp->rank();
+        // No group: this rank holds every row (dynamic CP's groups of one rank).
+        const int cp = in_.cp ? in_.cp->size() : 1, rank = in_.cp ? in_.cp->rank() : 0;
         int32_t* key_row = const_cast<int32_t*>(in_.key_row);
         std::fill_n(tok, T_, 0), std::fill_n(targets_, T_, -1), std::fill_n(pos, T_, 0);
         std::fill_n(key_row, T_, -1);

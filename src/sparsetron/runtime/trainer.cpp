@@ -13,6 +13,7 @@
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/parallel/cp_shard.h"
+#include "sparsetron/parallel/dynamic_cp.h"
 #include "sparsetron/parallel/layout.h"
 
 namespace fs = std::filesystem;
@@ -43,6 +44,7 @@ std::string StepMetrics::to_json() const {
     j["targets"] = targets;
     j["step_ms"] = step_ms;
     j["skipped"] = skipped;
+    if (!dynamic_cp_groups.empty()) j["dynamic_cp_groups"] = dynamic_cp_groups;
     if (graph) j["graph"] = true;
     return j.dump();
 }
@@ -90,9 +92,14 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
     ST_CHECK(r.run.context_parallel_size == 1 || o.device == Device::CPU,
              "context parallelism runs on CPU ranks (sparsetron-mpi) so far; on CUDA use "
              "context_parallel_size: 1");
-    ST_CHECK(!r.run.dynamic_context_parallel,
-             "dynamic_context_parallel is not implemented yet (the packing exists, "
-             "parallel/dynamic_cp.h); use a fixed context_parallel_size");
+    if (r.run.dynamic_context_parallel) {
+        ST_CHECK(o.device == Device::CPU,
+                 "dynamic context parallelism runs on CPU ranks (sparsetron-mpi) so far");
+        ST_CHECK(r.run.max_seqlen_per_dp_cp_rank > 0,
+                 "dynamic_context_parallel needs max_seqlen_per_dp_cp_rank (tokens per rank)");
+        ST_CHECK(r.run.sequence_packing_scheduler == "default_dynamic_cp",
+                 "dynamic_context_parallel needs sequence_packing_scheduler: default_dynamic_cp");
+    }
 }
 
 fs::path find_bundled_corpus() {
@@ -140,10 +147,22 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     // Context parallelism: a rank computes its chunks of every document (cp_local_tokens rows)
     // and attends over every row of the micro-batch.
     const int cp = static_cast<int>(r.context_parallel_size);
-    const int64_t rows = cp_local_tokens(slots, tp->max_documents, cp);
+    int64_t rows = cp_local_tokens(slots, tp->max_documents, cp), model_docs = tp->max_documents;
+    int64_t keys = cp > 1 ? slots : 0;
+    if (r.dynamic_context_parallel && r.max_seqlen_per_dp_cp_rank > 0) {
+        // Dynamic CP: a group of s ranks packs up to s x max_seqlen_per_dp_cp_rank tokens; the
+        // largest group is every rank. A rank holds fewer than per_rank + 2 x documents rows of
+        // any group's micro-batch (two chunks per document).
+        const int64_t per_rank = r.max_seqlen_per_dp_cp_rank;
+        tp->group_slots = keys = r.world_size * per_rank;
+        tp->group_max_documents = model_docs = r.max_documents_per_microbatch > 0
+                                                   ? r.max_documents_per_microbatch
+                                                   : default_max_documents(keys);
+        rows = std::min(keys, per_rank + 2 * model_docs);
+    }
     tp->chunk_rows = std::min(tp->chunk_rows, rows);
-    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, rows, tp->max_documents,
-                                                   tp->chunk_rows, cp > 1 ? slots : 0);
+    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, rows, model_docs,
+                                                   tp->chunk_rows, keys);
     tp->optimizer =
         std::make_unique<Optimizer>(tp->model->params(), tp->plan, recipe.model, recipe.run);
     return tp;
@@ -172,9 +191,12 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     // Expert and context parallelism: the layout's communicators, made once; the MoE layers
     // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the
     // attention gathers keys over the CP group.
-    if (r.expert_model_parallel_size > 1 || r.context_parallel_size > 1)
+    if (r.expert_model_parallel_size > 1 || r.context_parallel_size > 1 ||
+        (r.dynamic_context_parallel && dp_size() > 1))
         groups_ = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
+    if (r.dynamic_context_parallel)
+        group_batch_ = std::make_unique<MicroBatch>(tp_->group_slots, tp_->group_max_documents);
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
@@ -188,7 +210,7 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         tp_->model->bind();
         if (groups_ && r.expert_model_parallel_size > 1)
             tp_->model->set_expert_parallel(groups_->ep.get());
-        if (groups_ && r.context_parallel_size > 1)
+        if (groups_ && r.context_parallel_size > 1 && !r.dynamic_context_parallel)
             tp_->model->set_context_parallel(groups_->cp.get());
     }
     for (const auto& p : tp_->model->params().params())
@@ -279,8 +301,11 @@ StepMetrics Trainer::train_step() {
         double rows = std::max<int64_t>(1, mtp_rows[k]);
         sc.mtp.push_back(tv ? lambda / rows : lambda / double(D) / rows);
     }
-    sc.indexer = 1.0 / double(n_mb);
-    sc.aux = 1.0 / double(n_mb);
+    // Per-micro-batch losses (indexer, aux) are averaged over the micro-batches the step runs:
+    // under dynamic CP over its groups.
+    const int64_t runs = recipe_.run.dynamic_context_parallel ? dynamic_cp_group_count() : n_mb;
+    sc.indexer = 1.0 / double(runs);
+    sc.aux = 1.0 / double(runs);
     // This rank's micro-batches (all of them without data parallelism; the CP ranks of one
     // data-parallel rank run the same ones, each its rows).
     std::vector<const MicroBatch*> mine;
@@ -298,6 +323,10 @@ StepMetrics Trainer::train_step() {
         m.moe_stash_pages = o.stash.pool_pages;
         m.moe_stash_peak_pages = o.stash.peak_pages;
         if (o.stash.overflow) throw Error(stash_overflow_message(mc, o.stash, m.step));
+    } else if (recipe_.run.dynamic_context_parallel) {
+        zero_grads(tp_->plan);
+        tp_->model->reset_moe_stats();
+        run_dynamic_cp(sc, sums, m);
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
@@ -363,6 +392,70 @@ StepMetrics Trainer::train_step() {
     m.step_ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     return m;
+}
+
+namespace {
+
+// The step's samples for dynamic CP: every document (piece) of the packed micro-batches.
+struct StepSample {
+    const MicroBatch* mb;
+    int64_t begin, length;
+};
+
+std::vector<StepSample> step_samples(const std::vector<MicroBatch>& batches) {
+    std::vector<StepSample> out;
+    for (const MicroBatch& mb : batches)
+        for (int64_t d = 0; d < mb.num_documents; ++d)
+            out.push_back({&mb, mb.cu_seqlens[d], mb.cu_seqlens[d + 1] - mb.cu_seqlens[d]});
+    return out;
+}
+
+std::vector<DynamicCpMicroBatch> step_schedule(const std::vector<StepSample>& samples, int ranks,
+                                               int64_t per_rank) {
+    std::vector<int64_t> lengths;
+    for (const StepSample& s : samples) lengths.push_back(s.length);
+    return schedule_dynamic_cp(lengths, ranks, per_rank);
+}
+
+}  // namespace
+
+int64_t Trainer::dynamic_cp_group_count() {
+    int64_t n = 0;
+    for (const auto& smb :
+         step_schedule(step_samples(batches_), dp_size(), recipe_.run.max_seqlen_per_dp_cp_rank))
+        n += int64_t(smb.groups.size());
+    return n;
+}
+
+void Trainer::run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, StepMetrics& m) {
+    // Every rank computes the same schedule; a rank runs the groups that hold it, with CP = the
+    // group's size over the aligned sub-communicator of that size (made once).
+    const std::vector<StepSample> samples = step_samples(batches_);
+    const int me = dp_rank();
+    for (const auto& smb :
+         step_schedule(samples, dp_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
+        for (const DynamicCpGroup& g : smb.groups) {
+            int bucket = 0;
+            while ((1 << bucket) < g.size) ++bucket;
+            if (int(m.dynamic_cp_groups.size()) <= bucket) m.dynamic_cp_groups.resize(bucket + 1);
+            ++m.dynamic_cp_groups[size_t(bucket)];
+            if (me < g.first_rank || me >= g.first_rank + g.size) continue;
+            ST_ASSERT(g.first_rank % g.size == 0, "dynamic CP group not aligned");
+            MicroBatch& mb = *group_batch_;
+            mb.clear();
+            for (int s : g.samples) {
+                const StepSample& x = samples[size_t(s)];
+                std::vector<int32_t> doc(x.mb->tokens.begin() + x.begin,
+                                         x.mb->tokens.begin() + x.begin + x.length);
+                ST_CHECK(mb.add_document(doc), "dynamic CP: a group's micro-batch holds more than ",
+                         mb.max_documents, " documents (raise max_documents_per_microbatch)");
+            }
+            Comm* cp = dp_size() > 1 ? &groups_->dynamic(g.size) : nullptr;
+            tp_->model->set_context_parallel(cp);
+            tp_->model->load_inputs(mb);
+            sums.push_back(tp_->model->forward_backward(sc));
+        }
+    }
 }
 
 void Trainer::assign_owners() {

@@ -41,6 +41,8 @@ struct StepMetrics {
     double step_ms = 0;
     bool skipped = false;
     bool graph = false;  // the step ran as a CUDA graph replay (cuda_graph_impl full_iteration)
+    // Dynamic CP: groups the step ran, by CP size (entry i: size 2^i).
+    std::vector<int64_t> dynamic_cp_groups;
     std::string to_json() const;
 };
 
@@ -61,8 +63,11 @@ struct TrainingPlan {
     MemoryPlan plan;
     std::unique_ptr<Glm5Model<float>> model;
     std::unique_ptr<Optimizer> optimizer;
-    int64_t max_documents = 0;
+    int64_t max_documents = 0;  // of the packed micro-batches
     int64_t chunk_rows = 0;
+    // Dynamic CP: a group's micro-batch holds world x max_seqlen_per_dp_cp_rank slots and up to
+    // group_max_documents documents (0 without dynamic CP).
+    int64_t group_slots = 0, group_max_documents = 0;
 };
 std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe);
 
@@ -102,6 +107,10 @@ class Trainer {
 
   private:
     void next_step_batches(std::vector<MicroBatch>& out);
+    // Dynamic CP: runs this rank's groups of the step's schedule (the documents of `batches_`)
+    // and returns the number of groups in the step (every rank), counting sizes into `m`.
+    void run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, StepMetrics& m);
+    int64_t dynamic_cp_group_count();
     void assign_owners();
     // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
     void broadcast_from_owners(bool state);
@@ -112,7 +121,8 @@ class Trainer {
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;
     std::vector<MicroBatch> batches_;
-    std::vector<bool> indexer_only_;  // parameters dense warm-up updates
+    std::unique_ptr<MicroBatch> group_batch_;  // dynamic CP: this rank's group's micro-batch
+    std::vector<bool> indexer_only_;           // parameters dense warm-up updates
     TrainerState state_;
     std::unique_ptr<DeviceEngine> engine_;   // set for --device cuda
     std::unique_ptr<ProcessGroups> groups_;  // expert parallelism (CPU ranks)

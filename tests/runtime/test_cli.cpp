@@ -101,5 +101,9 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(wide.output.find("parallel layout: 8 ranks: DP 4 x CP 2 (dense), EP 4 x EDP 2"),
               std::string::npos)
         << wide.output;
-    EXPECT_NE(wide.output.find("sharding are not built yet"), std::string::npos);
+    EXPECT_NE(wide.output.find("expert-weight sharding is not built yet"), std::string::npos);
+    // CP 2: a rank plans its rows (< 256 / 2 + 2 x 4 documents) of 256-row micro-batches.
+    EXPECT_NE(wide.output.find("this rank computes 136 rows of micro-batches of 256 key rows"),
+              std::string::npos)
+        << wide.output;
 }

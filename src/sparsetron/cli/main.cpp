@@ -260,14 +260,14 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     auto tp = make_training_plan(recipe);
     const auto& params = tp->model->params();
     if (recipe.run.world_size > 1) {
-        // The layout the recipe asks for; the plans below are still of one unsharded process.
+        // The layout the recipe asks for; the plans below are of one process of it.
         const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
         std::printf(
-            "parallel layout: %s\nnote: the plan below keeps every expert's weights and the "
-            "whole sequence on each GPU (expert-weight and context sharding are not built yet); "
-            "expert parallelism adds its worst-case receive rows, and use_distributed_optimizer "
-            "would drop the AdamW moments a rank does not own (not shown: they depend on the "
-            "rank; docs/parallel.md)\n",
+            "parallel layout: %s\nnote: the plan below keeps every expert's weights on each "
+            "process (expert-weight sharding is not built yet); expert parallelism adds its "
+            "worst-case receive rows, and use_distributed_optimizer would drop the AdamW "
+            "moments a rank does not own (not shown: they depend on the rank; "
+            "docs/parallel.md)\n",
             layout.describe().c_str());
     }
     if (parse_device(device) == Device::CUDA) {
@@ -290,9 +290,16 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
     std::printf("parameters: %lld tensors, %.3fM elements\n",
                 static_cast<long long>(params.params().size()), params.total_numel() / 1e6);
-    std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n\n",
+    std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n",
                 static_cast<long long>(recipe.run.tokens_per_microbatch()),
                 static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
+    if (tp->model->context_parallel())
+        std::printf(
+            "context parallelism: this rank computes %lld rows of micro-batches of %lld "
+            "key rows\n",
+            static_cast<long long>(tp->model->tokens()),
+            static_cast<long long>(tp->model->key_tokens()));
+    std::printf("\n");
     std::printf("%s\n", tp->plan.format().c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     return 0;

@@ -81,6 +81,7 @@ class Glm5Model {
     // key_tokens). Loss sums are then this rank's rows' shares: they add up over the group.
     void set_context_parallel(Comm* cp);
     bool context_parallel() const { return cp_; }
+    int64_t key_tokens() const { return Tk_; }  // micro-batch rows (tokens() without CP)
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -54,9 +56,12 @@ std::string tail_of(const std::string& path) {
     return s.size() > 3000 ? s.substr(s.size() - 3000) : s;
 }
 
-// `two_only`: settings for the two-process run alone (expert parallelism).
+// `two_only`: settings for the two-process run alone (expert or context parallelism).
+// `step1_tol`: relative tolerance of step 1's losses (the gradient norm's: 10x); `load_tol`:
+// the share of step 1's routed rows that may go to another expert (0: equal loads).
 void compare_with_one_gpu(const std::string& tag, const std::string& extra,
-                          const std::string& two_only = "") {
+                          const std::string& two_only = "", double step1_tol = 1e-6,
+                          double load_tol = 0) {
     const std::string args = "--set train_iters=4 --set save_interval=0 " + extra;
     const std::string one = test::temp_dir(tag + "-1gpu"), two = test::temp_dir(tag + "-2gpu");
     ASSERT_EQ(launch(1, one, args), 0) << tail_of(one + "/rank0.log");
@@ -71,18 +76,34 @@ void compare_with_one_gpu(const std::string& tag, const std::string& extra,
         const double ma = a[i]["mtp_loss"], mb = b[i]["mtp_loss"];
         std::cout << "[dp2 " << tag << "] step " << i + 1 << ": lm " << lb << " vs " << la
                   << ", mtp " << mb << " vs " << ma << ", grad_norm " << gb << " vs " << ga
-                  << (b[i].value("graph", false) ? " (graph replay)" : "") << "\n";
+                  << (b[i].value("graph", false) ? " (graph replay)" : "") << std::endl;
         EXPECT_EQ(a[i]["tokens"], b[i]["tokens"]);
         EXPECT_EQ(a[i]["targets"], b[i]["targets"]);
         // Step 1 starts from the same weights: the same forward (loss sums differ only in the
         // order of fp64 additions) and gradients summed in another fp32 order. Later steps
         // carry Adam's amplification of those last bits (m / sqrt(v) of tiny gradients).
-        const double tol = i == 0 ? 1e-6 : 2e-4;
+        const double tol = i == 0 ? step1_tol : 2e-4;
         EXPECT_NEAR(lb, la, tol * la) << "step " << i + 1;
         EXPECT_NEAR(mb, ma, tol * ma + 1e-9) << "step " << i + 1;
-        EXPECT_NEAR(gb, ga, (i == 0 ? 1e-5 : 2e-3) * ga) << "step " << i + 1;
-        if (i == 0) {
+        EXPECT_NEAR(gb, ga, (i == 0 ? std::max(1e-5, 10 * step1_tol) : 2e-3) * ga)
+            << "step " << i + 1;
+        if (i == 0 && load_tol == 0) {
             EXPECT_EQ(a[i]["moe_load"], b[i]["moe_load"]) << "step 1 expert loads";
+        } else if (i == 0) {
+            const auto& la_ = a[i]["moe_load"];
+            const auto& lb_ = b[i]["moe_load"];
+            ASSERT_EQ(la_.size(), lb_.size());
+            for (size_t l = 0; l < la_.size(); ++l) {
+                int64_t total = 0, moved = 0;
+                for (size_t e = 0; e < la_[l].size(); ++e) {
+                    const int64_t x = la_[l][e], y = lb_[l][e];
+                    total += x, moved += std::abs(x - y);
+                }
+                int64_t total_b = 0;
+                for (const auto& y : lb_[l]) total_b += int64_t(y);
+                EXPECT_EQ(total_b, total) << "every row routed";
+                EXPECT_LE(double(moved), load_tol * double(total)) << "step 1 expert loads";
+            }
         }
     }
 }
@@ -154,6 +175,26 @@ TEST(DataParallelGpu, ExpertParallelTwoGpusMatchOneGpuEagerAndGraph) {
     compare_with_one_gpu("ep2-graph", "--set cuda_graph_impl=full_iteration", ep);
     compare_with_one_gpu("ep2-distopt-muon",
                          "--set optimizer=muon --set use_distributed_optimizer=true", ep);
+}
+
+// Context parallelism on GPUs: each GPU computes its two chunks of every document of every
+// micro-batch (DP 1 x CP 2); the latent keys K' and indexer keys k_I of all rows are gathered
+// over NCCL (the top-k runs over micro-batch key rows, 64 of up to 256), the key gradients summed
+// back; the e2e_tv targets read the other GPU's rows. Losses, gradient norms and expert loads
+// must be the one-GPU run's, eager and in the captured graph. Step 1's tolerances (losses 1e-5,
+// gradient norm 1e-4, 0.1% of the routed rows at another expert): the GEMMs run over about half
+// the rows, where cuBLASLt may pick other kernels whose bf16 outputs round differently (seen:
+// grad_norm 5.2e-5 apart, 2 of 4096 routed rows moved), and the key gradients are summed in
+// another order.
+TEST(DataParallelGpu, ContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string cp = "--set context_parallel_size=2";
+    compare_with_one_gpu("cp2-eager", "", cp, 1e-5, 1e-3);
+    compare_with_one_gpu("cp2-graph", "--set cuda_graph_impl=full_iteration", cp, 1e-5, 1e-3);
+    compare_with_one_gpu("cp2-e2e-tv", "--set mtp_loss_type=e2e_tv --set mtp_detach_heads=true", cp,
+                         1e-5, 1e-3);
 }
 
 // The exchange alone (sparsetron bench-exchange, two processes): a dispatch and a combine of

@@ -45,7 +45,8 @@ std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
     no_cuda("plan --device cuda");
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
-                                               const Optimizer&, int64_t, int64_t, Comm*, Comm*) {
+                                               const Optimizer&, int64_t, int64_t, Comm*, Comm*,
+                                               Comm*) {
     no_cuda("--device cuda");
 }
 

@@ -79,14 +79,16 @@ class DeviceEngine {
 // and optimizer state (`host_optimizer`). With `data_parallel` (a communicator with device
 // collectives, NCCL, over more than one rank) every step sums the gradients and the routing
 // statistics over its ranks on the device, after the micro-batches and before the optimizer
-// (inside the captured graph with full_iteration). Throws "built without CUDA" in a CPU-only
-// build.
+// (inside the captured graph with full_iteration). With `context_parallel` (the CP group, for
+// context_parallel_size > 1) a rank computes its chunks of every document of its micro-batches.
+// Throws "built without CUDA" in a CPU-only build.
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
                                                Comm* data_parallel = nullptr,
-                                               Comm* expert_parallel = nullptr);
+                                               Comm* expert_parallel = nullptr,
+                                               Comm* context_parallel = nullptr);
 
 // The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
 // GPU): the per-class table of MemoryPlan::format(). Throws "built without CUDA" in a CPU-only

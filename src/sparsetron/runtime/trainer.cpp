@@ -89,9 +89,6 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "this one is ", o.comm->name());
     ST_CHECK(r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
              "tensor and pipeline parallelism are not implemented (their sizes must be 1)");
-    ST_CHECK(r.run.context_parallel_size == 1 || o.device == Device::CPU,
-             "context parallelism runs on CPU ranks (sparsetron-mpi) so far; on CUDA use "
-             "context_parallel_size: 1");
     if (r.run.dynamic_context_parallel) {
         ST_CHECK(o.device == Device::CPU,
                  "dynamic context parallelism runs on CPU ranks (sparsetron-mpi) so far");
@@ -201,10 +198,10 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
         // With data parallelism over NCCL the engine sums gradients on the device.
-        engine_ = make_cuda_engine(recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer,
-                                   tp_->max_documents, tp_->chunk_rows,
-                                   dp_size() > 1 ? options_.comm : nullptr,
-                                   groups_ ? groups_->ep.get() : nullptr);
+        engine_ = make_cuda_engine(
+            recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer, tp_->max_documents,
+            tp_->chunk_rows, dp_size() > 1 ? options_.comm : nullptr,
+            groups_ ? groups_->ep.get() : nullptr, groups_ ? groups_->cp.get() : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
@@ -250,7 +247,11 @@ std::string Trainer::device_description() const {
     return cat("cpu (", num_threads(), " threads)");
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+    // The engine first: a captured step graph holds NCCL operations on the process groups'
+    // communicators (CP), and destroying a communicator a live graph uses hangs at exit.
+    engine_.reset();
+}
 
 std::string Trainer::checkpoint_dir() const {
     return recipe_.run.save.empty() ? (fs::path(options_.out_dir) / "checkpoints").string()

@@ -14,6 +14,7 @@
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/param_store.h"
 #include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron::gpu {
 
@@ -90,7 +91,18 @@ struct GpuInputs {
     // [0] LM gradient per target row, [1] the indexer loss's gradient per real row
     // (scale x coeff / rows), [2 + k] MTP depth k's row weight (one value for e2e_tv).
     const float* loss_scales = nullptr;
+    // Context parallelism (key_row null: none): these rows are some of a micro-batch of
+    // key_tokens rows, key_row[t] (device) the micro-batch row of row t (-1: padding); keys are
+    // gathered and key gradients summed over `cp` (device collectives).
+    int64_t key_tokens = 0;
+    int32_t* key_row = nullptr;
+    Comm* cp = nullptr;
 };
+
+// Sum over the CP group on the step's stream (nothing without one).
+inline void cp_allreduce(const ExecContext& ctx, const GpuInputs& in, float* x, int64_t n) {
+    if (in.cp) in.cp->device_allreduce_sum(x, n, ctx.stream);
+}
 
 class MoeStash;
 

@@ -8,7 +8,7 @@ namespace sparsetron::gpu {
 using cuda::gemm;
 
 GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-                       const std::string& p, int64_t tokens)
+                       const std::string& p, int64_t tokens, int64_t key_tokens)
     : c_(c),
       P_(P),
       S_(S),
@@ -18,7 +18,9 @@ GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, 
       dI_(c.dsa_indexer_head_dim),
       dr_(c.qk_pos_emb_head_dim),
       qr_(c.q_lora_rank),
-      K_(std::min(c.dsa_indexer_topk, tokens)),
+      K_(std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens)),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens),
       wscale_(float(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * c.dsa_indexer_head_dim))) {
     wq_ = P.index(p + "wq_b.weight");
     wk_ = P.index(p + "wk.weight");
@@ -26,10 +28,13 @@ GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, 
     knb_ = P.index(p + "k_norm.bias");
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
-    B.scratch(scores_, "dsa.scores", {Tn, Tn});
-    dots_bytes_ = cuda::indexer_scores_workspace_bytes(Tn, HI_);
-    B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
-    B.scratch(dscore_, "dsa.loss_grad", {Tn, Tn});
+    B.scratch(scores_, "dsa.scores", {Tn, Tk_});
+    // The GEMM form of the scores pairs query row t with key row t: not under CP.
+    dots_bytes_ = cp_ ? 0 : cuda::indexer_scores_workspace_bytes(Tn, HI_);
+    dots_ = nullptr;
+    if (!cp_) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
+    if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
+    B.scratch(dscore_, "dsa.loss_grad", {Tn, Tk_});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
     B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
     B.scratch(dwb_, "grad.dsa.weights_bf16", {Tn, HI_});
@@ -49,6 +54,7 @@ void GpuIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.w, p + "indexer_weights", {T_, HI_});
     B.act(A.topk, p + "topk_indices", {T_, K_});
     B.act(A.len, p + "topk_length", {T_});
+    if (cp_) B.act(A.kkeys, p + "indexer_k_all_rows", {Tk_, dI_});
 }
 
 void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
@@ -64,6 +70,16 @@ void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, c
                c_.dsa_indexer_rope_interleaved, false);
     gemm(ctx, false, true, Tn, HI_, h_, wscale_, a, h_, P_[ww_].w, h_, 0.f, A.w, HI_, DType::BF16,
          DType::F32);
+    if (cp_) {
+        // Every micro-batch row's k_I; scores and top-k over micro-batch key rows.
+        cuda::rows_to_keys(ctx, A.k, Tn, dI_, in.key_row, keys_f32_, Tk_);
+        cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
+        cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * dI_);
+        cuda::indexer_scores(ctx, A.q, A.kkeys, A.w, in.row_begin, Tn, HI_, dI_, scores_, nullptr,
+                             0, in.key_row, Tk_);
+        cuda::topk_rows(ctx, scores_, Tk_, in.row_begin, Tn, K_, A.topk, A.len, in.key_row);
+        return;
+    }
     cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
                          dots_bytes_);
     cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
@@ -76,15 +92,23 @@ void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     if (coeff == 0) return;
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
     const int64_t Tn = T_;
+    const int32_t* key_row = cp_ ? in.key_row : nullptr;
     cuda::indexer_kl(ctx, sparse, tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, scores_, A.topk,
-                     A.len, K_, in.row_begin, Tn, kl_, dscore_, sparse ? tc.prob_sum : nullptr);
+                     A.len, K_, in.row_begin, Tn, kl_, dscore_, sparse ? tc.prob_sum : nullptr,
+                     key_row, Tk_);
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
     if (grad_scale == 0) return;
     // dI = g (q - p) with g = scale * coeff / rows (rows = the micro-batch's real rows), read from
     // the device (in.loss_scales[1]) so a captured step follows each micro-batch's value.
-    cuda::indexer_scores_backward(ctx, sparse, A.q, A.k, A.w, dscore_, 1.f, A.topk, A.len, K_,
-                                  in.row_begin, Tn, HI_, dI_, dw32_, dq_, dk32_,
-                                  in.loss_scales + 1);
+    // Under CP the key side lands on every micro-batch row's k_I: summed over the CP group, then
+    // this rank's rows (dk32_).
+    cuda::indexer_scores_backward(ctx, sparse, A.q, cp_ ? A.kkeys : A.k, A.w, dscore_, 1.f, A.topk,
+                                  A.len, K_, in.row_begin, Tn, HI_, dI_, dw32_, dq_,
+                                  cp_ ? keys_f32_ : dk32_, in.loss_scales + 1, key_row, Tk_);
+    if (cp_) {
+        cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
+        cuda::keys_to_rows(ctx, keys_f32_, dI_, in.key_row, Tn, dk32_);
+    }
     const auto BF = DType::BF16, F32 = DType::F32;
     cuda::f32_to_bf16(ctx, dw32_, dwb_, Tn * HI_);
     gemm(ctx, true, false, HI_, h_, Tn, wscale_, dwb_, HI_, a, h_, 1.f, P_[ww_].grad, h_, BF, F32);

@@ -12,18 +12,19 @@ class GpuIndexer {
     struct Acts {
         bf16 *q, *k_raw, *k;
         float *mean, *rstd, *w;
-        int32_t *topk, *len;
+        int32_t *topk, *len;    // top-k: micro-batch key rows
+        bf16* kkeys = nullptr;  // CP: every micro-batch row's k_I, gathered over the CP group
     };
     struct Teacher {
         const bf16* q;  // Q' [T, H, L]
-        const bf16* k;  // K' [T, L]
+        const bf16* k;  // K' [key rows, L]
         const float* lse;
         int64_t heads, dim;
         float scale;
         const float* prob_sum = nullptr;  // Σ_h P from the attention (sparse loss), or null
     };
     GpuIndexer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-               const std::string& hf_prefix, int64_t tokens);
+               const std::string& hf_prefix, int64_t tokens, int64_t key_tokens = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     int64_t kslots() const { return K_; }
 
@@ -40,6 +41,9 @@ class GpuIndexer {
     const GpuParams& P_;
     GpuShared& S_;
     int64_t T_, h_, HI_, dI_, dr_, qr_, K_;
+    bool cp_;                    // planned for context parallelism
+    int64_t Tk_;                 // key rows
+    float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
     float *scores_, *dscore_, *kl_, *dw32_, *dk32_;

@@ -5,17 +5,19 @@
 namespace sparsetron::gpu {
 
 GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-                   int64_t layer0, int64_t tokens)
+                   int64_t layer0, int64_t tokens, int64_t key_tokens)
     : c_(c), P_(P), S_(S), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 == c.num_layers;
     in_norm_ = P.index(p + "input_layernorm.weight");
     post_norm_ = P.index(p + "post_attention_layernorm.weight");
-    attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa());
+    attn_ =
+        std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(), key_tokens);
     if (c.uses_dsa()) {
-        kslots_ = std::min(c.dsa_indexer_topk, tokens);
+        kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
         if (dsa_layer_is_full(c, layer0)) {
-            indexer_ = std::make_unique<GpuIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens);
+            indexer_ = std::make_unique<GpuIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens,
+                                                    key_tokens);
             if (c.dsa_indexer_loss_coeff > 0 && c.dsa_indexer_use_sparse_loss)
                 B.scratch(prob_sum_, "attn.head_prob_sum", {tokens, kslots_});
         }
@@ -56,7 +58,7 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     cuda::copy_2d(ctx, A.x_mid, h_ * B2, x, h_ * B2, h_ * B2, Tn);
     attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
     if (run_indexer) {
-        GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kabs,
+        GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kkeys ? A.attn.kkeys : A.attn.kabs,
                               A.attn.lse,          c_.num_attention_heads,
                               attn_->latent_dim(), attn_->scale()};
         indexer_->loss(ctx, A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale, A.indexer_sums);

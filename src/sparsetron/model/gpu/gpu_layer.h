@@ -24,7 +24,7 @@ class GpuLayer {
         double* indexer_sums = nullptr;  // device [2]: Σ KL and rows of this application
     };
     GpuLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-             int64_t layer0, int64_t tokens);
+             int64_t layer0, int64_t tokens, int64_t key_tokens = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     bool has_indexer() const { return indexer_ != nullptr; }
     GpuMoe* moe() const { return moe_.get(); }

@@ -8,7 +8,7 @@ namespace sparsetron::gpu {
 using cuda::gemm;
 
 GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-               const std::string& p, int64_t tokens, bool absorbed)
+               const std::string& p, int64_t tokens, bool absorbed, int64_t key_tokens)
     : c_(c),
       P_(P),
       S_(S),
@@ -21,7 +21,10 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
       dv_(c.v_head_dim),
       qr_(c.q_lora_rank),
       kr_(c.kv_lora_rank),
-      absorbed_(absorbed) {
+      absorbed_(absorbed),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+    ST_CHECK(!cp_ || absorbed, "context parallelism needs the absorbed (DSA) attention");
     q_a_ = P.index(p + "q_a_proj.weight");
     q_a_norm_ = P.index(p + "q_a_layernorm.weight");
     q_b_ = P.index(p + "q_b_proj.weight");
@@ -42,7 +45,10 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
         B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
         B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
         B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
-        mqa_ws_bytes_ = cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, Tn));
+        // The masked-dense form pairs query row t with key row t: not under CP.
+        mqa_ws_bytes_ =
+            cp_ ? 0 : cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, Tn));
+        if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
         if (mqa_ws_bytes_ > 0)
             B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
     } else {
@@ -66,6 +72,7 @@ void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.act(A.qabs, p + "q_absorbed", {Tn, H_ * L});
         B.act(A.kabs, p + "k_latent", {Tn, L});
         B.act(A.oabs, p + "o_latent", {Tn, H_ * kr_});
+        if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
     } else {
         B.act(A.kv, p + "kv", {Tn, H_ * (dn_ + dv_)});
         B.act(A.k, p + "k", {Tn, H_ * dq_});
@@ -103,6 +110,12 @@ void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
     if (!A.kabs_shared) {
         cuda::copy_2d(ctx, A.kabs, L * B2, A.ckv_n, kr_ * B2, kr_ * B2, Tn);
         cuda::copy_2d(ctx, A.kabs + kr_, L * B2, A.ckv + kr_, L * B2, dr_ * B2, Tn);
+        if (cp_) {
+            // Every micro-batch row's K' from the CP group (fp32 sum of one contributor: exact).
+            cuda::rows_to_keys(ctx, A.kabs, Tn, L, in.key_row, keys_f32_, Tk_);
+            cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
+            cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * L);
+        }
     }
 }
 
@@ -110,7 +123,7 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
                     const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
     if (absorbed_) {
-        const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
+        const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
                                  A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
@@ -148,9 +161,18 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
              doabs_, H_ * kr_, BF, BF, {H_, dv_, wstride, kr_});
         gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, 1.f,
              gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
-        const bf16* K = A.kabs_shared ? A.kabs_shared : A.kabs;
-        cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                  A.lse, doabs_, dqabs_, dkabs_, mqa_ws_, mqa_ws_bytes_);
+        const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
+        if (cp_) {
+            // dK' of every key row, summed over the CP group; this rank keeps its rows.
+            cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
+                                      A.oabs, A.lse, doabs_, dqabs_, keys_f32_, nullptr, 0, Tk_);
+            cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
+            cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, Tn, dkabs_);
+        } else {
+            cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
+                                      A.oabs, A.lse, doabs_, dqabs_, dkabs_, mqa_ws_,
+                                      mqa_ws_bytes_);
+        }
         // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
         if (kv_grad_accum) {
             if (A.kabs_shared)

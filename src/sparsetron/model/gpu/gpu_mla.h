@@ -13,9 +13,14 @@ class GpuMla {
         bf16 *cq_raw, *cq, *q, *ckv, *ckv_n, *kv, *k, *qabs, *kabs, *oabs, *o;
         float *rstd_q, *rstd_kv, *lse;
         const bf16* kabs_shared = nullptr;  // MTP latent-KV sharing: attend over this K'
+        // The keys the absorbed attention reads, [key rows, L]: kabs, or under context
+        // parallelism every micro-batch row's K' gathered over the CP group.
+        bf16* kkeys = nullptr;
     };
+    // key_tokens > 0: context parallelism (absorbed only): `tokens` rows of this rank attend
+    // over key_tokens micro-batch rows.
     GpuMla(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-           const std::string& hf_prefix, int64_t tokens, bool absorbed);
+           const std::string& hf_prefix, int64_t tokens, bool absorbed, int64_t key_tokens = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
     void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;
@@ -34,6 +39,9 @@ class GpuMla {
     GpuShared& S_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
     bool absorbed_;
+    bool cp_;                    // planned for context parallelism
+    int64_t Tk_;                 // key rows
+    float* keys_f32_ = nullptr;  // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
     // Backward scratch (shared by every MLA of the model).
     bf16 *do_, *dq_b_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *doabs_, *dkv_;

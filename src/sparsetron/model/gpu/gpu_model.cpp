@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "sparsetron/parallel/cp_shard.h"
+
 namespace sparsetron::gpu {
 
 using cuda::gemm;
@@ -10,13 +12,19 @@ constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
 GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
-                   int64_t tokens, int64_t max_docs, int64_t chunk_rows)
+                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens)
     : cfg_(cfg),
       plan_(plan),
       B_(plan),
       T_(tokens),
       max_docs_(max_docs),
-      chunk_rows_(std::min(chunk_rows, tokens)) {
+      chunk_rows_(std::min(chunk_rows, tokens)),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+    ST_CHECK(
+        !cp_ || cfg.uses_dsa(),
+        "context parallelism is implemented for DSA attention (experimental_attention_variant: "
+        "dsa); this model attends densely");
     store_ = std::make_unique<ParamStore>(plan, DType::F32);
     for (const auto& p : host_store.params()) store_->add_like(p);
     P_ = std::make_unique<GpuParams>(*store_, plan);
@@ -29,13 +37,14 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         S_.moe_stash = stash_.get();
     }
     in_.tokens = Tn;
+    in_.key_tokens = Tk_;
     embed_ = P_->index("model.embed_tokens.weight");
     final_norm_ = P_->index("model.norm.weight");
     head_ = P_->index("lm_head.weight");
     x_.assign(cfg.num_layers + 1, nullptr);
     int64_t indexer_apps = 0;
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        layers_.push_back(std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, l, tokens));
+        layers_.push_back(std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
         acts_.push_back(std::make_unique<GpuLayer::Acts>());
         layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
         B_.act(x_[l], cat("layers.", l, ".x_in"), {Tn, h});
@@ -57,7 +66,8 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         hnorm_ = P_->index(p + "hnorm.weight");
         eh_proj_ = P_->index(p + "eh_proj.weight");
         mtp_norm_ = P_->index(p + "shared_head.norm.weight");
-        mtp_layer_ = std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens);
+        mtp_layer_ =
+            std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens, key_tokens);
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             auto m = std::make_unique<MtpActs>();
@@ -88,6 +98,11 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
             B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
+            if (cp_) {
+                B_.act(h_final_keys_, "mtp.tv.final_norm_out_all_rows", {Tk_, h});
+                B_.scratch(h_final_f32_, "mtp.tv.cp_rows_f32", {Tk_, h});
+                B_.scratch(tv_rows_, "mtp.tv.target_rows", {chunk_rows_, h});
+            }
         }
     }
     tv_at_ = 2 + 2 * std::max<int64_t>(D_, 1);
@@ -97,7 +112,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     // Every per-micro-batch input in one block (layout in carve_inputs()): one upload per
     // micro-batch, one device copy per micro-batch inside a captured step.
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
-    input_words_ = (4 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
+    input_words_ = (4 + 2 * D_ + (cp_ ? 1 : 0)) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
 }
 
@@ -106,6 +121,7 @@ void GpuModel::carve_inputs() {
     int32_t* w = in_block_;
     in_.token_ids = w, in_.targets = w + Tn, in_.positions = w + 2 * Tn, in_.row_begin = w + 3 * Tn;
     w += 4 * Tn;
+    if (cp_) in_.key_row = w, w += Tn;
     for (auto& m : mtp_) m->ids = w, m->targets = w + Tn, w += 2 * Tn;
     in_.loss_scales = reinterpret_cast<const float*>(w);
     w += n_scales_;
@@ -141,7 +157,7 @@ void GpuModel::bind(const ExecContext& ctx) {
         GpuLayer::Acts& A = mtp_[k]->layer;
         if (kv_share() && k > 0) {
             const GpuLayer::Acts& first = mtp_[0]->layer;
-            A.attn.kabs_shared = first.attn.kabs;
+            A.attn.kabs_shared = first.attn.kkeys ? first.attn.kkeys : first.attn.kabs;
             A.topk = first.topk, A.topk_len = first.topk_len;
             A.skip_indexer = true;
         } else if (mtp_layer_->has_indexer()) {
@@ -153,6 +169,15 @@ void GpuModel::bind(const ExecContext& ctx) {
     }
     for (GpuMoe* m : moes()) m->check_layout();
     reset_moe_stats(ctx);
+}
+
+void GpuModel::set_context_parallel(Comm* cp) {
+    ST_CHECK(cp_ || !cp || cp->size() == 1, "context parallelism over ", cp ? cp->size() : 1,
+             " ranks, but the model was planned without it");
+    ST_CHECK(!cp || cp->size() == 1 || cp->on_device(),
+             "CUDA context parallelism needs device collectives (NCCL); the ", cp ? cp->name() : "",
+             " communicator has none");
+    in_.cp = cp_ ? cp : nullptr;
 }
 
 void GpuModel::set_expert_exchange(cuda::ExpertExchange* ep) {
@@ -169,36 +194,52 @@ std::vector<GpuMoe*> GpuModel::moes() const {
 
 void GpuModel::pack_inputs(const MicroBatch& mb, const LossScales& sc,
                            std::vector<int32_t>& out) const {
-    ST_CHECK(mb.capacity == T_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
-             " slots / ", mb.max_documents, " documents does not match the plan (", T_, " / ",
+    ST_CHECK(mb.capacity == Tk_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
+             " slots / ", mb.max_documents, " documents does not match the plan (", Tk_, " / ",
              max_docs_, ")");
-    for (int64_t i = 0; i < T_; ++i)
+    for (int64_t i = 0; i < Tk_; ++i)
         ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
                  " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
     const int64_t Tn = T_;
     out.assign(size_t(input_words_), 0);
     int32_t* w = out.data();
-    std::copy_n(mb.tokens.data(), Tn, w);
-    std::copy_n(mb.targets.data(), Tn, w + Tn);
-    std::copy_n(mb.positions.data(), Tn, w + 2 * Tn);
-    int32_t* row_begin = w + 3 * Tn;
+    int32_t *tok = w, *tgt = w + Tn, *pos = w + 2 * Tn, *row_begin = w + 3 * Tn;
+    int32_t* key_row = cp_ ? w + 4 * Tn : nullptr;
+    int32_t* mtp = w + (cp_ ? 5 : 4) * Tn;  // per depth: input ids [Tn], targets [Tn]
+    std::fill_n(tgt, Tn, -1);
     std::fill_n(row_begin, Tn, -1);
-    for (int64_t d = 0; d < mb.num_documents; ++d)
-        for (int32_t t = mb.cu_seqlens[d]; t < mb.cu_seqlens[d + 1]; ++t)
-            row_begin[t] = mb.cu_seqlens[d];
-    w += 4 * Tn;
-    // MTP: depth k reads the token at row i+k and predicts row i+k+1, inside i's document only.
-    for (int64_t k = 1; k <= D_; ++k, w += 2 * Tn) {
-        std::fill_n(w, 2 * Tn, -1);
-        for (int64_t d = 0; d < mb.num_documents; ++d) {
-            const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
-            for (int64_t i = b; i < e; ++i) {
-                if (i + k < e) w[i] = mb.tokens[i + k];
-                if (i + k + 1 < e) w[Tn + i] = mb.tokens[i + k + 1];
+    if (key_row) std::fill_n(key_row, Tn, -1);
+    std::fill_n(mtp, 2 * D_ * Tn, -1);
+    const int64_t scales_at = (cp_ ? 5 : 4) * Tn + 2 * D_ * Tn;
+    uint8_t* valid = tv_p_ ? reinterpret_cast<uint8_t*>(w + scales_at + n_scales_) : nullptr;
+    // This rank's rows: every row of the micro-batch, or under CP its two chunks of every
+    // document. Row n is micro-batch row g of the document [b, e).
+    const int cp = cp_ && in_.cp ? in_.cp->size() : 1, rank = cp_ && in_.cp ? in_.cp->rank() : 0;
+    int64_t n = 0;
+    for (int64_t d = 0; d < mb.num_documents; ++d) {
+        const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
+        const std::vector<RowRange> ranges =
+            cp_ ? cp_rows(e - b, cp, rank) : std::vector<RowRange>{RowRange{0, e - b}};
+        for (const RowRange& rr : ranges)
+            for (int64_t i = rr.begin; i < rr.end; ++i, ++n) {
+                ST_CHECK(n < Tn, "CP rank ", rank, " holds more than the ", Tn,
+                         " rows it was planned for");
+                const int64_t g = b + i;
+                tok[n] = mb.tokens[g], tgt[n] = mb.targets[g], pos[n] = mb.positions[g];
+                row_begin[n] = int32_t(b);
+                if (key_row) key_row[n] = int32_t(g);
+                // MTP: depth k reads the token at row g+k and predicts row g+k+1, inside the
+                // document only (under CP those rows may be another rank's).
+                for (int64_t k = 1; k <= D_; ++k) {
+                    int32_t* ids = mtp + 2 * (k - 1) * Tn;
+                    if (g + k < e) ids[n] = mb.tokens[g + k];
+                    if (g + k + 1 < e) ids[Tn + n] = mb.tokens[g + k + 1];
+                }
+                if (valid && g + D_ < e) valid[n] = 1;
             }
-        }
     }
-    // Loss scales (see GpuInputs::loss_scales); 0 where the step has no backward.
+    // Loss scales (see GpuInputs::loss_scales); 0 where the step has no backward. The indexer's
+    // mean is over the micro-batch's real rows (every CP rank's).
     const int64_t real_rows = mb.cu_seqlens[mb.num_documents];
     float scales[64] = {};
     ST_ASSERT(n_scales_ <= 64, "loss scales");
@@ -209,13 +250,7 @@ void GpuModel::pack_inputs(const MicroBatch& mb, const LossScales& sc,
     }
     if ((sc.backward || sc.indexer_grads) && real_rows > 0)
         scales[1] = float(sc.indexer * cfg_.dsa_indexer_loss_coeff / double(real_rows));
-    std::memcpy(w, scales, size_t(n_scales_) * sizeof(float));
-    w += n_scales_;
-    if (tv_p_) {
-        uint8_t* valid = reinterpret_cast<uint8_t*>(w);
-        for (int64_t d = 0; d < mb.num_documents; ++d)
-            for (int64_t i = mb.cu_seqlens[d]; i + D_ < mb.cu_seqlens[d + 1]; ++i) valid[i] = 1;
-    }
+    std::memcpy(w + scales_at, scales, size_t(n_scales_) * sizeof(float));
 }
 
 void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc) {
@@ -229,6 +264,7 @@ void GpuModel::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const 
     if (dst == in_block_) {
         in_.real_rows = mb.cu_seqlens[mb.num_documents];
         last_tv_rows_ = tv_rows(mb);
+        last_real_rows_ = in_.real_rows;
     }
 }
 
@@ -287,7 +323,11 @@ int GpuModel::backward_point(const std::string& name) const {
 LossSums GpuModel::read_losses(const ExecContext& ctx) const {
     std::vector<double> s(n_sums_);
     cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
-    return losses_from(s.data(), last_tv_rows_);
+    return losses_from(s.data(), last_tv_rows_, last_real_rows_);
+}
+
+LossSums GpuModel::losses_from(const double* sums, const MicroBatch& mb) const {
+    return losses_from(sums, tv_rows(mb), mb.cu_seqlens[mb.num_documents]);
 }
 
 int64_t GpuModel::tv_rows(const MicroBatch& mb) const {
@@ -297,7 +337,7 @@ int64_t GpuModel::tv_rows(const MicroBatch& mb) const {
     return rows;
 }
 
-LossSums GpuModel::losses_from(const double* s, int64_t tv_rows) const {
+LossSums GpuModel::losses_from(const double* s, int64_t tv_rows, int64_t real_rows) const {
     const auto& c = cfg_;
     LossSums out;
     out.lm_loss_sum = s[0];
@@ -315,8 +355,10 @@ LossSums GpuModel::losses_from(const double* s, int64_t tv_rows) const {
         }
     }
     for (double* p : idx_sums_) {
+        // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows).
         const int64_t i = p - sums_;
-        if (s[i + 1] > 0) out.indexer_loss += c.dsa_indexer_loss_coeff * s[i] / s[i + 1];
+        const double rows = cp_ ? double(real_rows) : s[i + 1];
+        if (rows > 0) out.indexer_loss += c.dsa_indexer_loss_coeff * s[i] / rows;
     }
     return out;
 }
@@ -361,6 +403,12 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     // The row weight is read from the device (in_.loss_scales[2]); 0 without a backward.
     const float row_w = sc.backward ? 1.f : 0.f;
     const bf16* head = (*P_)[head_].w;
+    if (cp_) {
+        // Every micro-batch row's final hidden from the CP group (exact, as for the keys).
+        cuda::rows_to_keys(ctx, h_final_, Tn, h, in_.key_row, h_final_f32_, Tk_);
+        cp_allreduce(ctx, in_, h_final_f32_, Tk_ * h);
+        cuda::f32_to_bf16(ctx, h_final_f32_, h_final_keys_, Tk_ * h);
+    }
     for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
         const int64_t n = std::min(chunk_rows_, Tn - r0);
         for (int64_t k = 0; k < D; ++k) {
@@ -368,9 +416,15 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
             float* q = tv_q_ + k * chunk_rows_ * V;
             const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
             cuda::zero(ctx, p, n * V * int64_t(sizeof(float)));
-            if (m > 0)
+            if (cp_) {
+                // Target rows g + k + 1 of the micro-batch (often another CP rank's).
+                cuda::gather_key_rows(ctx, h_final_keys_, Tk_, h, in_.key_row + r0, shift, n,
+                                      tv_rows_);
+                gemm(ctx, false, true, n, V, h, 1.f, tv_rows_, h, head, h, 0.f, p, V, BF, F32);
+            } else if (m > 0) {
                 gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + shift) * h, h, head, h, 0.f,
                      p, V, BF, F32);
+            }
             cuda::softmax_rows(ctx, p, n, V);
             gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
                  F32);

@@ -20,8 +20,10 @@ namespace sparsetron::gpu {
 class GpuModel {
   public:
     // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
+    // key_tokens > 0: context parallelism (the CPU Glm5Model's rule): `tokens` rows of this
+    // rank of micro-batches of key_tokens slots; set_context_parallel() gives the CP group.
     GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan, int64_t tokens,
-             int64_t max_docs, int64_t chunk_rows);
+             int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0);
     ~GpuModel();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);
@@ -42,8 +44,7 @@ class GpuModel {
     // tv_rows(): the e2e TV rows of a micro-batch (for LossSums::mtp_count).
     const double* sums() const { return sums_; }
     int64_t n_sums() const { return n_sums_; }
-    LossSums losses_from(const double* sums, int64_t tv_rows) const;
-    int64_t tv_rows(const MicroBatch& mb) const;
+    LossSums losses_from(const double* sums, const MicroBatch& mb) const;
     // enqueue(): the micro-batch's forward (and backward) on the stream, nothing else: no host
     // synchronization, allocation or host read, so it can be captured in a CUDA graph.
     // read_losses(): downloads the loss sums of the last enqueue (synchronizes).
@@ -77,6 +78,9 @@ class GpuModel {
     // Expert parallelism (cfg.expert_parallel_ranks > 1): every MoE layer exchanges rows
     // through `ep` (set once, before the first step).
     void set_expert_exchange(cuda::ExpertExchange* ep);
+    // Context parallelism over `cp` (device collectives; the model planned with key_tokens).
+    // Loss sums are then this rank's rows' shares.
+    void set_context_parallel(Comm* cp);
 
   private:
     struct MtpActs {
@@ -89,6 +93,8 @@ class GpuModel {
     void mtp_forward(const ExecContext& ctx, const LossScales& sc);
     void mtp_tv(const ExecContext& ctx, const LossScales& sc);
     void mtp_backward(const ExecContext& ctx);
+    int64_t tv_rows(const MicroBatch& mb) const;
+    LossSums losses_from(const double* sums, int64_t tv_rows, int64_t real_rows) const;
     std::vector<GpuMoe*> moes() const;
 
     ModelConfig cfg_;
@@ -99,6 +105,10 @@ class GpuModel {
     GpuShared S_;
     std::unique_ptr<MoeStash> stash_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
+    bool cp_ = false;                                    // planned for context parallelism
+    int64_t Tk_;                                         // micro-batch rows (T_ without CP)
+    bf16 *h_final_keys_ = nullptr, *tv_rows_ = nullptr;  // CP + e2e_tv: every row's final hidden
+    float* h_final_f32_ = nullptr;
     std::vector<std::unique_ptr<GpuLayer>> layers_;
     std::vector<std::unique_ptr<GpuLayer::Acts>> acts_;
     std::vector<bf16*> x_;
@@ -118,7 +128,7 @@ class GpuModel {
     void pack_inputs(const MicroBatch& mb, const LossScales& sc, std::vector<int32_t>& out) const;
     void carve_inputs();
     int32_t* in_block_ = nullptr;  // see pack_inputs() for the layout
-    int64_t input_words_ = 0, n_scales_ = 0, last_tv_rows_ = 0;
+    int64_t input_words_ = 0, n_scales_ = 0, last_tv_rows_ = 0, last_real_rows_ = 0;
     std::vector<int32_t> h_block_;  // host staging of one micro-batch's block
     std::function<void(int)> hook_;
 };

@@ -261,9 +261,16 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv, void* workspace,
-                         int64_t workspace_bytes) {
+                         int64_t workspace_bytes, int64_t key_rows) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    if (key_rows > tokens) {
+        // Context parallelism: more key rows than queries. The gathered kernels zero the first
+        // `tokens` rows and accumulate; zero them all here. The masked form pairs query row t
+        // with key row t and is not used then.
+        ST_CHECK(!workspace, "sparse_mqa_backward: the masked form takes query row = key row");
+        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
+    }
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,

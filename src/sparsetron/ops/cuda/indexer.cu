@@ -20,13 +20,19 @@ namespace {
 constexpr int kKeyTile = 128;
 constexpr int kTopkThreads = 512;
 
+// Query row t is key row `row` (key_row[t] under context parallelism, else t); keys: key rows.
+__device__ __forceinline__ int64_t query_key_row(const int32_t* key_row, int64_t t) {
+    return key_row ? int64_t(key_row[t]) : t;
+}
+
 __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
-                                      const int32_t* row_begin, int64_t tokens, int64_t heads,
-                                      int64_t dim, float* scores) {
+                                      const int32_t* row_begin, const int32_t* key_row,
+                                      int64_t keys, int64_t heads, int64_t dim, float* scores) {
     extern __shared__ float smem[];
     const int64_t t = blockIdx.x, s0 = int64_t(blockIdx.y) * kKeyTile;
     const int32_t begin = row_begin[t];
-    if (begin < 0 || s0 > t || s0 + kKeyTile <= begin) return;
+    const int64_t row = query_key_row(key_row, t);
+    if (begin < 0 || s0 > row || s0 + kKeyTile <= begin) return;
     float* qs = smem;                            // [heads * dim]
     float* ws = qs + heads * dim;                // [heads]
     bf* ks = reinterpret_cast<bf*>(ws + heads);  // [kKeyTile, dim + 2]
@@ -36,11 +42,11 @@ __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
     for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) ws[j] = w[t * heads + j];
     for (int64_t i = threadIdx.x; i < kKeyTile * dim; i += blockDim.x) {
         const int64_t r = i / dim, c = i % dim, s = s0 + r;
-        ks[r * kld + c] = s < tokens ? k[s * dim + c] : __float2bfloat16(0.f);
+        ks[r * kld + c] = s < keys ? k[s * dim + c] : __float2bfloat16(0.f);
     }
     __syncthreads();
     const int64_t s = s0 + threadIdx.x;
-    if (s < begin || s > t) return;
+    if (s < begin || s > row) return;
     const bf* kr = ks + threadIdx.x * kld;
     float acc = 0;
     for (int64_t j = 0; j < heads; ++j) {
@@ -49,7 +55,7 @@ __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
         for (int64_t c = 0; c < dim; ++c) d += qj[c] * __bfloat162float(kr[c]);
         acc += ws[j] * fmaxf(d, 0.f);
     }
-    scores[t * tokens + s] = acc;
+    scores[t * keys + s] = acc;
 }
 
 // scores[t, s] = Σ_j w[t, j] relu(dots[(t - t0) H + j, s]) for s in [begin, t].
@@ -80,7 +86,7 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 }
 
 __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
-                            int64_t kslots, int32_t* idx, int32_t* len) {
+                            const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
     using Scan = cub::BlockScan<int, kTopkThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ int hist[256];
@@ -88,7 +94,7 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
     __shared__ int remaining_s;
     const int64_t t = blockIdx.x;
     const int32_t begin = row_begin[t];
-    const int64_t n = begin < 0 ? 0 : t - begin + 1;
+    const int64_t n = begin < 0 ? 0 : query_key_row(key_row, t) - begin + 1;
     const float* row = scores + t * ld + (begin < 0 ? 0 : begin);
     int32_t* out = idx + t * kslots;
     if (n <= kslots) {
@@ -151,8 +157,11 @@ int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
 
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores, void* workspace, int64_t workspace_bytes) {
+                    float* scores, void* workspace, int64_t workspace_bytes, const int32_t* key_row,
+                    int64_t keys) {
     if (tokens == 0) return;
+    ST_CHECK(!key_row || !workspace, "indexer_scores: the GEMM form takes query row = key row");
+    if (!key_row) keys = tokens;
     if (workspace) {
         float* dots = static_cast<float*>(workspace);
         const int64_t elems = workspace_bytes / int64_t(sizeof(float));
@@ -175,17 +184,17 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
              " dims do not fit in shared memory");
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    dim3 grid(static_cast<unsigned>(tokens), blocks_for(tokens, kKeyTile));
-    indexer_scores_kernel<<<grid, kKeyTile, smem, stream_of(ctx)>>>(dev(q), dev(k), w, row_begin,
-                                                                    tokens, heads, dim, scores);
+    dim3 grid(static_cast<unsigned>(tokens), blocks_for(keys, kKeyTile));
+    indexer_scores_kernel<<<grid, kKeyTile, smem, stream_of(ctx)>>>(
+        dev(q), dev(k), w, row_begin, key_row, keys, heads, dim, scores);
     ST_CUDA_LAUNCH_CHECK();
 }
 
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
-               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len) {
+               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len, const int32_t* key_row) {
     if (tokens == 0) return;
-    topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, kslots, idx,
-                                                             len);
+    topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row, kslots,
+                                                             idx, len);
     ST_CUDA_LAUNCH_CHECK();
 }
 

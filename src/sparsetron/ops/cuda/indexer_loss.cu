@@ -14,9 +14,11 @@ struct Support {
     bool sparse;
     const int32_t *idx, *len, *row_begin;
     int64_t kslots;
+    const int32_t* key_row;  // context parallelism: query row t is key row key_row[t]
+    int64_t keys;            // key rows (the scores' row length)
     __device__ int64_t count(int64_t t) const {
         if (sparse) return len[t];
-        return row_begin[t] < 0 ? 0 : t - row_begin[t] + 1;
+        return row_begin[t] < 0 ? 0 : (key_row ? int64_t(key_row[t]) : t) - row_begin[t] + 1;
     }
     __device__ int64_t key(int64_t t, int64_t j) const {
         return sparse ? idx[t * kslots + j] : row_begin[t] + j;
@@ -69,7 +71,7 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
     float ps = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ps += p[j];
     ps = fmaxf(block_sum(ps), 1e-10f);
-    const float* row = scores + t * tokens;
+    const float* row = scores + t * sup.keys;
     float mx = -INFINITY;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, row[sup.key(t, j)]);
     mx = block_max(mx);
@@ -81,7 +83,7 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
         const int64_t key = sup.key(t, j);
         const float pj = p[j] / ps, logq = row[key] - lse_i;
         if (pj > 0) k += pj * (logf(pj) - logq);
-        dscore[t * tokens + key] = __expf(logq) - pj;
+        dscore[t * sup.keys + key] = __expf(logq) - pj;
     }
     k = block_sum(k);
     if (threadIdx.x == 0) kl[t] = k;
@@ -107,7 +109,7 @@ __global__ void indexer_scores_bwd_kernel(Support sup, const bf* q, const bf* k,
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
     for (int64_t j = warp; j < n; j += nwarps) {
         const int64_t s = sup.key(t, j);
-        const float g = grad_scale * dscore[t * tokens + s];
+        const float g = grad_scale * dscore[t * sup.keys + s];
         const bf* ks = k + s * dim;
         for (int64_t h = 0; h < heads; ++h) {
             const float* qh = qs + h * dim;
@@ -183,17 +185,19 @@ void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const 
 void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
                 const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
                 const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore, const float* teacher_sum) {
+                int64_t tokens, float* kl, float* dscore, const float* teacher_sum,
+                const int32_t* key_row, int64_t keys) {
     if (tokens == 0) return;
     ST_ASSERT(!teacher_sum || sparse, "indexer_kl: a teacher sum is the sparse loss's");
-    const int64_t nmax = sparse ? kslots : tokens;
+    if (!key_row) keys = tokens;
+    const int64_t nmax = sparse ? kslots : keys;
     const size_t smem = (dl + 2 * nmax) * sizeof(float);
     ST_CHECK(smem <= 200 * 1024, "indexer_kl: a support of ", nmax, " keys does not fit");
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_kl_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_kl_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
-        Support{sparse, idx, len, row_begin, kslots}, dev(qabs), dev(kabs), lse, heads, dl, scale,
-        scores, tokens, kl, dscore, teacher_sum);
+        Support{sparse, idx, len, row_begin, kslots, key_row, keys}, dev(qabs), dev(kabs), lse,
+        heads, dl, scale, scores, tokens, kl, dscore, teacher_sum);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -201,16 +205,18 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
                              const float* w, const float* dscore, float grad_scale,
                              const int32_t* idx, const int32_t* len, int64_t kslots,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                             float* dw, bf16* dq, float* dk, const float* grad_scale_dev) {
+                             float* dw, bf16* dq, float* dk, const float* grad_scale_dev,
+                             const int32_t* key_row, int64_t keys) {
     if (tokens == 0) return;
-    zero(ctx, dk, tokens * dim * sizeof(float));
+    if (!key_row) keys = tokens;
+    zero(ctx, dk, keys * dim * sizeof(float));
     const size_t smem = (2 * heads * dim + heads) * sizeof(float);
     ST_CHECK(smem <= 200 * 1024, "indexer_scores_backward: ", heads, "x", dim, " does not fit");
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_bwd_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_scores_bwd_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
-        Support{sparse, idx, len, row_begin, kslots}, dev(q), dev(k), w, dscore, grad_scale,
-        grad_scale_dev, tokens, heads, dim, dw, dev(dq), dk);
+        Support{sparse, idx, len, row_begin, kslots, key_row, keys}, dev(q), dev(k), w, dscore,
+        grad_scale, grad_scale_dev, tokens, heads, dim, dw, dev(dq), dk);
     ST_CUDA_LAUNCH_CHECK();
 }
 

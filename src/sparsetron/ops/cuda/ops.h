@@ -145,13 +145,14 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
                         float* prob_sum = nullptr, void* workspace = nullptr,
                         int64_t workspace_bytes = 0);
-// dq bf16 (overwritten); dkv fp32 [T, dqk] (zeroed, then accumulated: atomics when gathered,
-// chunk-ordered GEMM accumulation when masked).
+// dq bf16 (overwritten); dkv fp32 [keys, dqk] (zeroed, then accumulated: atomics when gathered,
+// chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens; context parallelism
+// reads more key rows than it has queries, gathered form only).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         void* workspace = nullptr, int64_t workspace_bytes = 0);
+                         void* workspace = nullptr, int64_t workspace_bytes = 0, int64_t keys = 0);
 
 // ---- DSA indexer
 // --------------------------------------------------------------------------------- scores[t, s] =
@@ -161,13 +162,18 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
 // smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
 // simple kernel computes everything.
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
+// Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
+// k holds `keys` micro-batch rows and scores rows are `keys` long.
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0);
+                    float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0,
+                    const int32_t* key_row = nullptr, int64_t keys = 0);
 // Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
 // key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
+// key_row (context parallelism): row t's keys are [begin, key_row[t]].
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
-               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len);
+               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len,
+               const int32_t* key_row = nullptr);
 
 // ---- MoE
 // ----------------------------------------------------------------------------------------- probs =
@@ -260,6 +266,17 @@ void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf
 void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n);
 void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n);
 
+// ---- Context parallelism (cp_rows.cu): key_row[i] is row i's micro-batch row (-1: padding).
+// dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).
+void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t dim,
+                  const int32_t* key_row, float* dst, int64_t keys);
+// dst [rows, dim] <- src[key_row[i]] (0 for padding): this rank's rows of all-reduced key grads.
+void keys_to_rows(const ExecContext& ctx, const float* src, int64_t dim, const int32_t* key_row,
+                  int64_t rows, float* dst);
+// dst [rows, dim] <- src[key_row[i] + shift] where that is a row of src ([keys, dim]), else 0.
+void gather_key_rows(const ExecContext& ctx, const bf16* src, int64_t keys, int64_t dim,
+                     const int32_t* key_row, int64_t shift, int64_t rows, bf16* dst);
+
 // ---- MLA helpers
 // ---------------------------------------------------------------------------------
 // Expanded-attention key/value gradients back to the kv_b output and the shared RoPE key:
@@ -282,7 +299,8 @@ void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* 
 void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
                 const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
                 const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore, const float* teacher_sum = nullptr);
+                int64_t tokens, float* kl, float* dscore, const float* teacher_sum = nullptr,
+                const int32_t* key_row = nullptr, int64_t keys = 0);
 // Back through the scores: with g = dscore * grad_scale on the support,
 //   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
 //   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first).
@@ -291,7 +309,8 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
                              const int32_t* idx, const int32_t* len, int64_t kslots,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                              float* dw, bf16* dq, float* dk,
-                             const float* grad_scale_dev = nullptr);  // multiplies grad_scale
+                             const float* grad_scale_dev = nullptr,  // multiplies grad_scale
+                             const int32_t* key_row = nullptr, int64_t keys = 0);  // dk: [keys]
 // Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);

@@ -9,6 +9,7 @@
 #include "sparsetron/ops/cuda/cuda_session.h"
 #include "sparsetron/ops/cuda/side_stream.h"
 #include "sparsetron/ops/cuda/step_graph.h"
+#include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 
@@ -19,7 +20,7 @@ class CudaEngine final : public DeviceEngine {
   public:
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
                const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
-               Comm* data_parallel, Comm* expert_parallel)
+               Comm* data_parallel, Comm* expert_parallel, Comm* context_parallel)
         : recipe_(recipe),
           host_store_(host_store),
           host_plan_(host_plan),
@@ -39,8 +40,15 @@ class CudaEngine final : public DeviceEngine {
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");
         const int64_t slots = recipe.run.tokens_per_microbatch();
-        model_ = std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, slots,
-                                                 max_documents, chunk_rows);
+        // Context parallelism: this rank's chunks of every document (the CPU model's plan).
+        const int cp = static_cast<int>(recipe.run.context_parallel_size);
+        ST_CHECK(cp == 1 || (context_parallel && context_parallel->size() == cp),
+                 "context_parallel_size ", cp,
+                 " needs a context-parallel group of that many processes");
+        const int64_t rows = cp_local_tokens(slots, max_documents, cp);
+        model_ =
+            std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, rows, max_documents,
+                                            std::min(chunk_rows, rows), cp > 1 ? slots : 0);
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
             recipe_.run.use_distributed_optimizer ? dp_ : nullptr);
@@ -54,6 +62,7 @@ class CudaEngine final : public DeviceEngine {
         }
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
+        if (cp > 1) model_->set_context_parallel(context_parallel);
         opt_->bind(plan_);
         opt_->prepare(ctx());
         if (expert_parallel && expert_parallel->size() > 1) {
@@ -66,7 +75,12 @@ class CudaEngine final : public DeviceEngine {
         }
         if (dp_) {
             plan_buckets();
-            if (recipe_.run.overlap_grad_reduce) side_ = std::make_unique<cuda::SideStream>(ctx());
+            // Not with CP: the backward's key-gradient all-reduces (CP communicator) would run
+            // concurrently with the buckets' (world communicator) on the same GPUs, and NCCL
+            // kernels of two communicators may then wait on each other in different orders on
+            // the two GPUs (a deadlock); the buckets are reduced after the backward instead.
+            if (recipe_.run.overlap_grad_reduce && cp == 1)
+                side_ = std::make_unique<cuda::SideStream>(ctx());
         }
         // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
         if (const gpu::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
@@ -172,8 +186,8 @@ class CudaEngine final : public DeviceEngine {
         std::vector<double> host(size_t(n * model_->n_sums()));
         cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
         for (int64_t i = 0; i < n; ++i)
-            out.losses.push_back(model_->losses_from(host.data() + i * model_->n_sums(),
-                                                     model_->tv_rows(*mbs[size_t(i)])));
+            out.losses.push_back(
+                model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
         out.stats = opt_->read_stats(ctx(), run, step);
         out.stash = stash_use();
         return out;
@@ -363,8 +377,11 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
-    gpu::GpuModel model(m, host_store, plan, recipe.run.tokens_per_microbatch(), max_documents,
-                        chunk_rows);
+    const int64_t slots = recipe.run.tokens_per_microbatch();
+    const int cp = static_cast<int>(recipe.run.context_parallel_size);
+    const int64_t rows = cp_local_tokens(slots, max_documents, cp);
+    gpu::GpuModel model(m, host_store, plan, rows, max_documents, std::min(chunk_rows, rows),
+                        cp > 1 ? slots : 0);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     std::string text = plan.format();
     size_t total = plan.total_bytes();
@@ -386,12 +403,14 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const MemoryPlan& host_plan,
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
-                                               Comm* data_parallel, Comm* expert_parallel) {
+                                               Comm* data_parallel, Comm* expert_parallel,
+                                               Comm* context_parallel) {
     // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
     ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
              "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
     return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
-                                        max_documents, chunk_rows, data_parallel, expert_parallel);
+                                        max_documents, chunk_rows, data_parallel, expert_parallel,
+                                        context_parallel);
 }
 
 }  // namespace sparsetron

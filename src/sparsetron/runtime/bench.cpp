@@ -60,14 +60,14 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),
                                    recipe.model.init_method_std, recipe.model.num_layers);
     std::unique_ptr<ProcessGroups> groups;
-    if (recipe.run.expert_model_parallel_size > 1) {
-        ST_CHECK(o.comm, "bench: expert_model_parallel_size > 1 needs a launcher's processes");
+    if (recipe.run.expert_model_parallel_size > 1 || recipe.run.context_parallel_size > 1) {
+        ST_CHECK(o.comm, "bench: expert or context parallelism needs a launcher's processes");
         groups = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*o.comm, make_layout(recipe.run, ranks)));
     }
-    auto engine =
-        make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents,
-                         tp->chunk_rows, o.comm, groups ? groups->ep.get() : nullptr);
+    auto engine = make_cuda_engine(
+        recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents, tp->chunk_rows,
+        o.comm, groups ? groups->ep.get() : nullptr, groups ? groups->cp.get() : nullptr);
     engine->upload_state();
     // One synthetic document filling every slot of the micro-batch (the seed's THD benchmark).
     const int64_t slots = recipe.run.tokens_per_microbatch();

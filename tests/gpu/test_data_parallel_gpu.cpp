@@ -58,16 +58,17 @@ std::string tail_of(const std::string& path) {
 
 // `two_only`: settings for the two-process run alone (expert or context parallelism).
 // `step1_tol`: relative tolerance of step 1's losses (the gradient norm's: 10x); `load_tol`:
-// the share of step 1's routed rows that may go to another expert (0: equal loads).
-void compare_with_one_gpu(const std::string& tag, const std::string& extra,
-                          const std::string& two_only = "", double step1_tol = 1e-6,
-                          double load_tol = 0) {
+// the share of step 1's routed rows that may go to another expert (0: equal loads). `two_gpu`:
+// the two-process run's metrics.
+void compare_runs(const std::string& tag, const std::string& extra, const std::string& two_only,
+                  double step1_tol, double load_tol, std::vector<nlohmann::json>& two_gpu) {
     const std::string args = "--set train_iters=4 --set save_interval=0 " + extra;
     const std::string one = test::temp_dir(tag + "-1gpu"), two = test::temp_dir(tag + "-2gpu");
     ASSERT_EQ(launch(1, one, args), 0) << tail_of(one + "/rank0.log");
     ASSERT_EQ(launch(2, two, args + " " + two_only), 0)
         << tail_of(two + "/rank0.log") << tail_of(two + "/rank1.log");
     const auto a = read_metrics(one), b = read_metrics(two);
+    two_gpu = b;
     ASSERT_EQ(a.size(), 4u);
     ASSERT_EQ(b.size(), 4u);
     for (size_t i = 0; i < a.size(); ++i) {
@@ -106,6 +107,14 @@ void compare_with_one_gpu(const std::string& tag, const std::string& extra,
             }
         }
     }
+}
+
+std::vector<nlohmann::json> compare_with_one_gpu(const std::string& tag, const std::string& extra,
+                                                 const std::string& two_only = "",
+                                                 double step1_tol = 1e-6, double load_tol = 0) {
+    std::vector<nlohmann::json> two_gpu;
+    compare_runs(tag, extra, two_only, step1_tol, load_tol, two_gpu);
+    return two_gpu;
 }
 
 }  // namespace
@@ -195,6 +204,35 @@ TEST(DataParallelGpu, ContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
     compare_with_one_gpu("cp2-graph", "--set cuda_graph_impl=full_iteration", cp, 1e-5, 1e-3);
     compare_with_one_gpu("cp2-e2e-tv", "--set mtp_loss_type=e2e_tv --set mtp_detach_heads=true", cp,
                          1e-5, 1e-3);
+}
+
+// Dynamic CP on GPUs: the step's documents (pieces of up to 256 tokens) scheduled at 160 tokens
+// per rank: longer pieces run in groups of both GPUs (CP 2 over the size-2 communicator), shorter
+// ones in groups of one GPU side by side (or grown into an idle neighbour). The documents are the
+// one-GPU run's, regrouped: LM and MTP losses, gradient norms and loads must match it (the
+// indexer loss is a mean per micro-batch, so its coefficient is 0 here; the top-k still selects
+// 64 keys), eagerly and with one captured graph per CP size (replayed for later micro-batches).
+TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string both = "--set dsa_indexer_loss_coeff=0 ";
+    const std::string dyn =
+        "--set context_parallel_size=2 --set dynamic_context_parallel=true "
+        "--set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=160";
+    compare_with_one_gpu("dcp-eager", both, dyn, 1e-5, 1e-3);
+    const auto m = compare_with_one_gpu("dcp-graph", both + "--set cuda_graph_impl=full_iteration",
+                                        dyn, 1e-5, 1e-3);
+    // Groups of two GPUs ran (and the replays).
+    ASSERT_FALSE(m.empty());
+    EXPECT_TRUE(m.back().value("graph", false)) << "the last step replayed its graphs";
+    int64_t sizes[2] = {0, 0};
+    for (const auto& step : m)
+        for (size_t k = 0; k < step["dynamic_cp_groups"].size() && k < 2; ++k)
+            sizes[k] += int64_t(step["dynamic_cp_groups"][k]);
+    std::cout << "[dynamic cp] groups of 1 GPU: " << sizes[0] << ", of 2 GPUs: " << sizes[1]
+              << std::endl;
+    EXPECT_GT(sizes[1], 0) << "no group of 2 GPUs ran";
 }
 
 // The exchange alone (sparsetron bench-exchange, two processes): a dispatch and a combine of

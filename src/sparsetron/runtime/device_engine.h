@@ -48,8 +48,11 @@ class DeviceEngine {
         bool replayed = false;  // the step ran as a graph replay
         StashUse stash;
     };
+    // cp_groups (dynamic context parallelism only): each micro-batch's CP communicator (null: a
+    // group of this rank alone).
     virtual StepOutcome run_step(const std::vector<const MicroBatch*>& micro_batches,
-                                 const LossScales& scales, const RunConfig& run, int64_t step) = 0;
+                                 const LossScales& scales, const RunConfig& run, int64_t step,
+                                 const std::vector<Comm*>* cp_groups = nullptr) = 0;
     // How many times run_step captured a graph (0 without graphs).
     virtual int64_t graph_captures() const = 0;
     virtual std::vector<std::vector<int64_t>> moe_loads() = 0;

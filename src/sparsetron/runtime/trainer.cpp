@@ -15,6 +15,7 @@
 #include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/parallel/dynamic_cp.h"
 #include "sparsetron/parallel/layout.h"
+#include "sparsetron/runtime/cp_row_plan.h"
 
 namespace fs = std::filesystem;
 
@@ -90,8 +91,6 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
     ST_CHECK(r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
              "tensor and pipeline parallelism are not implemented (their sizes must be 1)");
     if (r.run.dynamic_context_parallel) {
-        ST_CHECK(o.device == Device::CPU,
-                 "dynamic context parallelism runs on CPU ranks (sparsetron-mpi) so far");
         ST_CHECK(r.run.max_seqlen_per_dp_cp_rank > 0,
                  "dynamic_context_parallel needs max_seqlen_per_dp_cp_rank (tokens per rank)");
         ST_CHECK(r.run.sequence_packing_scheduler == "default_dynamic_cp",
@@ -141,25 +140,14 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     tp->max_documents = r.max_documents_per_microbatch > 0 ? r.max_documents_per_microbatch
                                                            : default_max_documents(slots);
     tp->chunk_rows = r.loss_chunk_rows > 0 ? r.loss_chunk_rows : std::min<int64_t>(slots, 1024);
-    // Context parallelism: a rank computes its chunks of every document (cp_local_tokens rows)
-    // and attends over every row of the micro-batch.
-    const int cp = static_cast<int>(r.context_parallel_size);
-    int64_t rows = cp_local_tokens(slots, tp->max_documents, cp), model_docs = tp->max_documents;
-    int64_t keys = cp > 1 ? slots : 0;
-    if (r.dynamic_context_parallel && r.max_seqlen_per_dp_cp_rank > 0) {
-        // Dynamic CP: a group of s ranks packs up to s x max_seqlen_per_dp_cp_rank tokens; the
-        // largest group is every rank. A rank holds fewer than per_rank + 2 x documents rows of
-        // any group's micro-batch (two chunks per document).
-        const int64_t per_rank = r.max_seqlen_per_dp_cp_rank;
-        tp->group_slots = keys = r.world_size * per_rank;
-        tp->group_max_documents = model_docs = r.max_documents_per_microbatch > 0
-                                                   ? r.max_documents_per_microbatch
-                                                   : default_max_documents(keys);
-        rows = std::min(keys, per_rank + 2 * model_docs);
-    }
-    tp->chunk_rows = std::min(tp->chunk_rows, rows);
-    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, rows, model_docs,
-                                                   tp->chunk_rows, keys);
+    // Context parallelism: a rank computes its chunks of every document and attends over every
+    // row of the micro-batch (runtime/cp_row_plan.h).
+    const CpRowPlan cpp = cp_row_plan(r, slots, tp->max_documents);
+    if (r.dynamic_context_parallel)
+        tp->group_slots = cpp.slots, tp->group_max_documents = cpp.max_documents;
+    tp->chunk_rows = std::min(tp->chunk_rows, cpp.rows);
+    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, cpp.rows,
+                                                   cpp.max_documents, tp->chunk_rows, cpp.key_rows);
     tp->optimizer =
         std::make_unique<Optimizer>(tp->model->params(), tp->plan, recipe.model, recipe.run);
     return tp;
@@ -192,8 +180,6 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         (r.dynamic_context_parallel && dp_size() > 1))
         groups_ = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
-    if (r.dynamic_context_parallel)
-        group_batch_ = std::make_unique<MicroBatch>(tp_->group_slots, tp_->group_max_documents);
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
@@ -316,8 +302,15 @@ StepMetrics Trainer::train_step() {
     StepStats st;
     if (engine_) {
         // The device runs the whole step (the optimizer included; a graph replay with
-        // cuda_graph_impl full_iteration).
-        DeviceEngine::StepOutcome o = engine_->run_step(mine, sc, recipe_.run, m.step);
+        // cuda_graph_impl full_iteration). Dynamic CP: this rank's groups' micro-batches, each
+        // with its CP communicator.
+        std::vector<Comm*> cps;
+        if (recipe_.run.dynamic_context_parallel) {
+            mine.clear();
+            for (const MicroBatch* mb : dynamic_cp_batches(cps, m)) mine.push_back(mb);
+        }
+        DeviceEngine::StepOutcome o = engine_->run_step(
+            mine, sc, recipe_.run, m.step, recipe_.run.dynamic_context_parallel ? &cps : nullptr);
         sums = std::move(o.losses);
         st = o.stats;
         m.graph = o.replayed;
@@ -327,7 +320,13 @@ StepMetrics Trainer::train_step() {
     } else if (recipe_.run.dynamic_context_parallel) {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
-        run_dynamic_cp(sc, sums, m);
+        std::vector<Comm*> cps;
+        const std::vector<const MicroBatch*> groups = dynamic_cp_batches(cps, m);
+        for (size_t i = 0; i < groups.size(); ++i) {
+            tp_->model->set_context_parallel(cps[i]);
+            tp_->model->load_inputs(*groups[i]);
+            sums.push_back(tp_->model->forward_backward(sc));
+        }
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
@@ -428,11 +427,15 @@ int64_t Trainer::dynamic_cp_group_count() {
     return n;
 }
 
-void Trainer::run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, StepMetrics& m) {
+std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& cps,
+                                                           StepMetrics& m) {
     // Every rank computes the same schedule; a rank runs the groups that hold it, with CP = the
-    // group's size over the aligned sub-communicator of that size (made once).
+    // group's size over the aligned sub-communicator of that size (made once; none for a group
+    // of one rank).
     const std::vector<StepSample> samples = step_samples(batches_);
     const int me = dp_rank();
+    std::vector<const MicroBatch*> out;
+    cps.clear();
     for (const auto& smb :
          step_schedule(samples, dp_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
         for (const DynamicCpGroup& g : smb.groups) {
@@ -442,7 +445,10 @@ void Trainer::run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, 
             ++m.dynamic_cp_groups[size_t(bucket)];
             if (me < g.first_rank || me >= g.first_rank + g.size) continue;
             ST_ASSERT(g.first_rank % g.size == 0, "dynamic CP group not aligned");
-            MicroBatch& mb = *group_batch_;
+            if (out.size() == group_batches_.size())
+                group_batches_.push_back(
+                    std::make_unique<MicroBatch>(tp_->group_slots, tp_->group_max_documents));
+            MicroBatch& mb = *group_batches_[out.size()];
             mb.clear();
             for (int s : g.samples) {
                 const StepSample& x = samples[size_t(s)];
@@ -451,12 +457,11 @@ void Trainer::run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, 
                 ST_CHECK(mb.add_document(doc), "dynamic CP: a group's micro-batch holds more than ",
                          mb.max_documents, " documents (raise max_documents_per_microbatch)");
             }
-            Comm* cp = dp_size() > 1 ? &groups_->dynamic(g.size) : nullptr;
-            tp_->model->set_context_parallel(cp);
-            tp_->model->load_inputs(mb);
-            sums.push_back(tp_->model->forward_backward(sc));
+            cps.push_back(g.size > 1 ? &groups_->dynamic(g.size) : nullptr);
+            out.push_back(&mb);
         }
     }
+    return out;
 }
 
 void Trainer::assign_owners() {

@@ -107,9 +107,10 @@ class Trainer {
 
   private:
     void next_step_batches(std::vector<MicroBatch>& out);
-    // Dynamic CP: runs this rank's groups of the step's schedule (the documents of `batches_`)
-    // and returns the number of groups in the step (every rank), counting sizes into `m`.
-    void run_dynamic_cp(const LossScales& sc, std::vector<LossSums>& sums, StepMetrics& m);
+    // Dynamic CP: this rank's groups of the step's schedule (the documents of `batches_`), each
+    // packed into a micro-batch, with its CP communicator in `cps` (null: a group of one rank);
+    // counts every group by size into `m`. dynamic_cp_group_count(): groups in the step.
+    std::vector<const MicroBatch*> dynamic_cp_batches(std::vector<Comm*>& cps, StepMetrics& m);
     int64_t dynamic_cp_group_count();
     void assign_owners();
     // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
@@ -121,8 +122,8 @@ class Trainer {
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;
     std::vector<MicroBatch> batches_;
-    std::unique_ptr<MicroBatch> group_batch_;  // dynamic CP: this rank's group's micro-batch
-    std::vector<bool> indexer_only_;           // parameters dense warm-up updates
+    std::vector<std::unique_ptr<MicroBatch>> group_batches_;  // dynamic CP: this rank's groups
+    std::vector<bool> indexer_only_;                          // parameters dense warm-up updates
     TrainerState state_;
     std::unique_ptr<DeviceEngine> engine_;   // set for --device cuda
     std::unique_ptr<ProcessGroups> groups_;  // expert parallelism (CPU ranks)

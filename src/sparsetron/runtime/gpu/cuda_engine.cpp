@@ -3,13 +3,15 @@
 #include <algorithm>
 #include <iostream>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/model/gpu/gpu_model.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
 #include "sparsetron/ops/cuda/side_stream.h"
 #include "sparsetron/ops/cuda/step_graph.h"
-#include "sparsetron/parallel/cp_shard.h"
+#include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 
@@ -40,15 +42,17 @@ class CudaEngine final : public DeviceEngine {
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");
         const int64_t slots = recipe.run.tokens_per_microbatch();
-        // Context parallelism: this rank's chunks of every document (the CPU model's plan).
+        // Context parallelism: this rank's chunks of every document (the CPU model's plan);
+        // dynamic CP: the largest group's micro-batch, a CP group given per micro-batch.
         const int cp = static_cast<int>(recipe.run.context_parallel_size);
-        ST_CHECK(cp == 1 || (context_parallel && context_parallel->size() == cp),
+        dynamic_cp_ = recipe.run.dynamic_context_parallel;
+        ST_CHECK(cp == 1 || dynamic_cp_ || (context_parallel && context_parallel->size() == cp),
                  "context_parallel_size ", cp,
                  " needs a context-parallel group of that many processes");
-        const int64_t rows = cp_local_tokens(slots, max_documents, cp);
-        model_ =
-            std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, rows, max_documents,
-                                            std::min(chunk_rows, rows), cp > 1 ? slots : 0);
+        const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
+        model_ = std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, cpp.rows,
+                                                 cpp.max_documents, std::min(chunk_rows, cpp.rows),
+                                                 cpp.key_rows);
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
             recipe_.run.use_distributed_optimizer ? dp_ : nullptr);
@@ -62,7 +66,7 @@ class CudaEngine final : public DeviceEngine {
         }
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
-        if (cp > 1) model_->set_context_parallel(context_parallel);
+        if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
         opt_->bind(plan_);
         opt_->prepare(ctx());
         if (expert_parallel && expert_parallel->size() > 1) {
@@ -79,7 +83,7 @@ class CudaEngine final : public DeviceEngine {
             // concurrently with the buckets' (world communicator) on the same GPUs, and NCCL
             // kernels of two communicators may then wait on each other in different orders on
             // the two GPUs (a deadlock); the buckets are reduced after the backward instead.
-            if (recipe_.run.overlap_grad_reduce && cp == 1)
+            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_)
                 side_ = std::make_unique<cuda::SideStream>(ctx());
         }
         // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
@@ -127,7 +131,10 @@ class CudaEngine final : public DeviceEngine {
     }
 
     StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
-                         const RunConfig& run, int64_t step) override {
+                         const RunConfig& run, int64_t step,
+                         const std::vector<Comm*>* cp_groups) override {
+        if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups);
+        ST_CHECK(!cp_groups, "CP groups per micro-batch are dynamic CP's");
         StepOutcome out;
         if (slots_ == 0) {  // eager
             begin_step();
@@ -189,6 +196,51 @@ class CudaEngine final : public DeviceEngine {
             out.losses.push_back(
                 model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
         out.stats = opt_->read_stats(ctx(), run, step);
+        out.stash = stash_use();
+        return out;
+    }
+
+    // Dynamic CP: each micro-batch is a group's, with its own CP communicator. Eager, or with
+    // full_iteration one graph per CP size (and kind of step) of one micro-batch's forward and
+    // backward, captured after an eager warm-up of that size and replayed for every micro-batch
+    // of that size (the static plan is the graphs' one memory pool); the inputs are uploaded,
+    // the gradients reduced and the optimizer run eagerly around them.
+    StepOutcome run_dynamic_cp_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                                    const RunConfig& run, int64_t step,
+                                    const std::vector<Comm*>* cp_groups) {
+        ST_CHECK(cp_groups && cp_groups->size() == mbs.size(),
+                 "dynamic CP: every micro-batch needs its CP group");
+        const bool graphs = run.cuda_graph_impl == "full_iteration";
+        StepOutcome out;
+        begin_step();
+        for (size_t i = 0; i < mbs.size(); ++i) {
+            Comm* cp = (*cp_groups)[i];
+            model_->set_context_parallel(cp);
+            model_->load_inputs(ctx(), *mbs[i], sc);
+            const DynamicGraphKey key{cp ? cp->size() : 1, sc.backward, sc.indexer_grads,
+                                      sc.indexer != 0, int64_t(sc.mtp.size())};
+            if (!graphs || !cp_warm_.count(key)) {
+                model_->enqueue(ctx(), sc);
+                cp_warm_.insert(key);
+            } else {
+                auto& g = cp_graphs_[key];
+                if (!g) {
+                    g = std::make_unique<cuda::StepGraph>(session_);
+                    g->begin_capture();
+                    model_->enqueue(ctx(), sc);
+                    g->end_capture();
+                    ++captures_;
+                    std::cerr << "[graph] captured a CP-" << std::get<0>(key)
+                              << " micro-batch: " << g->nodes() << " nodes\n";
+                }
+                g->replay();
+                out.replayed = true;
+            }
+            out.losses.push_back(model_->read_losses(ctx()));
+        }
+        begin_reduce();
+        finish_reduce();
+        out.stats = opt_->step(ctx(), run, step);
         out.stash = stash_use();
         return out;
     }
@@ -367,6 +419,12 @@ class CudaEngine final : public DeviceEngine {
     bool warmed_up_ = false;
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;
+    // Dynamic CP: one micro-batch graph per (CP size, backward, indexer gradients, indexer
+    // loss, MTP scales), and the keys already run eagerly once.
+    bool dynamic_cp_ = false;
+    using DynamicGraphKey = std::tuple<int, bool, bool, bool, int64_t>;
+    std::map<DynamicGraphKey, std::unique_ptr<cuda::StepGraph>> cp_graphs_;
+    std::set<DynamicGraphKey> cp_warm_;
     std::pair<int64_t, bool> graph_signature_{0, false};
 };
 
@@ -377,11 +435,10 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
-    const int64_t slots = recipe.run.tokens_per_microbatch();
-    const int cp = static_cast<int>(recipe.run.context_parallel_size);
-    const int64_t rows = cp_local_tokens(slots, max_documents, cp);
-    gpu::GpuModel model(m, host_store, plan, rows, max_documents, std::min(chunk_rows, rows),
-                        cp > 1 ? slots : 0);
+    const CpRowPlan cpp =
+        cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
+    gpu::GpuModel model(m, host_store, plan, cpp.rows, cpp.max_documents,
+                        std::min(chunk_rows, cpp.rows), cpp.key_rows);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     std::string text = plan.format();
     size_t total = plan.total_bytes();

@@ -498,6 +498,9 @@ int main(int argc, char** argv) {
                 r.name.c_str(), res.front().gpu.c_str(),
                 res.front().gpus > 1
                     ? cat(" x ", res.front().gpus, " (data parallel",
+                          r.run.context_parallel_size > 1
+                              ? cat(" x context parallel ", r.run.context_parallel_size)
+                              : std::string(),
                           r.run.expert_model_parallel_size > 1
                               ? cat(", expert parallel ", r.run.expert_model_parallel_size)
                               : std::string(),

@@ -117,8 +117,10 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
         r.flops = f.total;
         r.flops_terms = f.terms;
         r.tokens = f.tokens;
-        r.tflops_per_gpu = f.total / (r.median_ms * 1e-3) / 1e12;
-        r.tokens_per_s_per_gpu = double(f.tokens) / (r.median_ms * 1e-3);
+        // Under CP the ranks of a group share each micro-batch: a GPU does 1/cp of its work.
+        const double cp = double(recipe.run.context_parallel_size);
+        r.tflops_per_gpu = f.total / cp / (r.median_ms * 1e-3) / 1e12;
+        r.tokens_per_s_per_gpu = double(f.tokens) / cp / (r.median_ms * 1e-3);
         r.peak_mem_mib = mem[v];
         r.planned_mem_mib = engine->planned_memory_mib();
         r.gpus = ranks;

@@ -22,7 +22,7 @@ cmake --preset default
 cmake --build --preset default
 stage "tests: cpu (and gpu, which skip without a GPU)"
 ctest --preset default -L 'cpu|gpu'
-stage "tests: mpi (data and expert parallelism over 2 and 4 MPI ranks on CPU)"
+stage "tests: mpi (data, expert and context parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
 
 stage "build: asan preset (ASan + UBSan, no CUDA, no MPI or gpu test targets)"

@@ -1,6 +1,7 @@
-// Data parallelism over MPI ranks on CPU (label mpi; ctest runs it under mpirun -np 2 and 4):
-// the same tiny recipe on W ranks gives the one-process run's losses and gradient norms, every
-// rank ends with identical weights, and ranks with different recipes all stop with a message.
+// Parallel training over MPI ranks on CPU (label mpi; ctest runs it under mpirun -np 2 and 4):
+// data, expert and context parallelism (fixed and dynamic) and the distributed optimizer on W
+// ranks give the one-process run's losses and gradient norms, every rank ends with identical
+// weights, and ranks with different recipes all stop with a message.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "../test_util.h"
@@ -395,6 +396,45 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
     uint64_t bits = 0;
     std::memcpy(&bits, &w, sizeof bits);
     for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+}
+
+// A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a
+// directory every rank sees (rank 0 writes it); resuming from step 2 on the same layout, and on
+// one process, reproduces step 3 (every rank holds the same weights and optimizer state, so the
+// checkpoint does not depend on the layout).
+TEST(Mpi, ContextParallelCheckpointResumes) {
+    const int W = g_comm->size();
+    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.ContextParallelCheckpoint.np", W);
+    if (g_comm->rank() == 0) {
+        std::filesystem::remove_all(shared);
+        std::filesystem::create_directories(shared);
+    }
+    g_comm->allgather(0);  // every rank waits for the directory
+    const std::vector<std::string> base = {"dsa_indexer_topk=16", "save_interval=2",
+                                           "save=" + shared};
+    std::vector<std::string> cp = base;
+    cp.push_back("context_parallel_size=2");
+    std::vector<StepMetrics> full;
+    {
+        Trainer t(small_recipe(W, cp), {rank_dir("cp-save"), "", Device::CPU, true, g_comm});
+        t.run([&](const StepMetrics& m) { full.push_back(m); });
+    }
+    ASSERT_EQ(full.size(), 3u);
+    g_comm->allgather(0);  // rank 0 has written the checkpoints
+    const std::string ckpt = shared + "/iter_0000002";
+    Trainer resumed(small_recipe(W, cp), {rank_dir("cp-resume"), ckpt, Device::CPU, false, g_comm});
+    ASSERT_EQ(resumed.iteration(), 2);
+    const StepMetrics m = resumed.train_step();
+    Trainer one(small_recipe(1, base),
+                {rank_dir("cp-resume-one"), ckpt, Device::CPU, false, nullptr});
+    const StepMetrics m1 = one.train_step();
+    if (g_comm->rank() == 0)
+        std::cout << "[cp checkpoint] step 3: lm " << m.lm_loss << " (resumed, CP 2) / "
+                  << m1.lm_loss << " (resumed, one process) vs " << full[2].lm_loss << "\n";
+    EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
+    EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
+    EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
+    EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
 }
 
 TEST(Mpi, DifferentRecipesStopEveryRank) {

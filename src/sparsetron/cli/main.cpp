@@ -170,15 +170,15 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
     TrainOptions opts{out, resume, parse_device(device), !no_save, g_comm};
     Trainer trainer(recipe, opts);
     // Rank 0 reports and writes the metrics; the other ranks train silently.
-    if (trainer.dp_rank() != 0) {
+    if (trainer.world_rank() != 0) {
         trainer.run();
         return 0;
     }
     const auto& r = trainer.recipe().run;
     const auto& params = trainer.params();
     const std::string dp =
-        trainer.dp_size() > 1 && g_comm
-            ? cat(" | ", trainer.dp_size(), " ", g_comm->name(), " ranks: data parallel ",
+        trainer.world_size() > 1 && g_comm
+            ? cat(" | ", trainer.world_size(), " ", g_comm->name(), " ranks: data parallel ",
                   trainer.data_parallel_size(),
                   r.context_parallel_size > 1 ? cat(" x context parallel ", r.context_parallel_size)
                                               : std::string(),

@@ -156,18 +156,18 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
 Trainer::Trainer(Recipe recipe, TrainOptions options)
     : recipe_(std::move(recipe)), options_(std::move(options)) {
     check_supported(recipe_, options_);
-    if (dp_size() > 1) check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
+    if (world_size() > 1) check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
     const RunConfig& r = recipe_.run;
     // Data first: a bad dataset fails before any memory is planned. Rank 0 prepares the bundled
     // corpus (a file write) before the other ranks read it.
     std::vector<std::string> data_paths;
-    if (dp_rank() == 0) data_paths = resolve_data_path(r, options_.out_dir);
-    if (dp_size() > 1) {
+    if (world_rank() == 0) data_paths = resolve_data_path(r, options_.out_dir);
+    if (world_size() > 1) {
         char ready = 1;
         options_.comm->broadcast(&ready, 1, 0);
-        if (dp_rank() != 0) data_paths = resolve_data_path(r, options_.out_dir);
+        if (world_rank() != 0) data_paths = resolve_data_path(r, options_.out_dir);
     }
     stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed));
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
@@ -177,16 +177,16 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the
     // attention gathers keys over the CP group.
     if (r.expert_model_parallel_size > 1 || r.context_parallel_size > 1 ||
-        (r.dynamic_context_parallel && dp_size() > 1))
+        (r.dynamic_context_parallel && world_size() > 1))
         groups_ = std::make_unique<ProcessGroups>(
-            ProcessGroups::create(*options_.comm, make_layout(r, dp_size())));
+            ProcessGroups::create(*options_.comm, make_layout(r, world_size())));
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
         // With data parallelism over NCCL the engine sums gradients on the device.
         engine_ = make_cuda_engine(
             recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer, tp_->max_documents,
-            tp_->chunk_rows, dp_size() > 1 ? options_.comm : nullptr,
+            tp_->chunk_rows, world_size() > 1 ? options_.comm : nullptr,
             groups_ ? groups_->ep.get() : nullptr, groups_ ? groups_->cp.get() : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
@@ -219,7 +219,7 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     }
     if (engine_) engine_->upload_state();
     // With one rank the distributed optimizer is the plain one.
-    if (r.use_distributed_optimizer && dp_size() > 1) {
+    if (r.use_distributed_optimizer && world_size() > 1) {
         // The CUDA engine shards AdamW state by parameter and Muon's work by batch itself.
         if (engine_)
             owner_ = engine_->state_owners();
@@ -343,7 +343,7 @@ StepMetrics Trainer::train_step() {
         m.indexer_loss += s.indexer_loss * sc.indexer;
         m.aux_loss += s.aux_loss;
     }
-    if (dp_size() > 1) {
+    if (world_size() > 1) {
         // Sum loss sums, gradients and routing statistics over every rank: data-parallel ranks
         // ran other micro-batches, CP ranks other rows of the same ones (the CUDA engine summed
         // gradients and statistics on the device inside its step).
@@ -353,7 +353,7 @@ StepMetrics Trainer::train_step() {
         loss_sum = sums[0], mtp = sums[1], accept = sums[2], m.indexer_loss = sums[3];
         m.aux_loss = sums[4];
     }
-    if (dp_size() > 1 && !engine_) {
+    if (world_size() > 1 && !engine_) {
         Comm& comm = *options_.comm;
         comm.allreduce_sum(reinterpret_cast<float*>(tp_->plan.class_base(MemClass::Gradients)),
                            int64_t(tp_->plan.class_bytes(MemClass::Gradients) / sizeof(float)));
@@ -422,7 +422,7 @@ std::vector<DynamicCpMicroBatch> step_schedule(const std::vector<StepSample>& sa
 int64_t Trainer::dynamic_cp_group_count() {
     int64_t n = 0;
     for (const auto& smb :
-         step_schedule(step_samples(batches_), dp_size(), recipe_.run.max_seqlen_per_dp_cp_rank))
+         step_schedule(step_samples(batches_), world_size(), recipe_.run.max_seqlen_per_dp_cp_rank))
         n += int64_t(smb.groups.size());
     return n;
 }
@@ -433,11 +433,11 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
     // group's size over the aligned sub-communicator of that size (made once; none for a group
     // of one rank).
     const std::vector<StepSample> samples = step_samples(batches_);
-    const int me = dp_rank();
+    const int me = world_rank();
     std::vector<const MicroBatch*> out;
     cps.clear();
     for (const auto& smb :
-         step_schedule(samples, dp_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
+         step_schedule(samples, world_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
         for (const DynamicCpGroup& g : smb.groups) {
             int bucket = 0;
             while ((1 << bucket) < g.size) ++bucket;
@@ -475,9 +475,9 @@ void Trainer::assign_owners() {
         if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
             cost[i] *= double(std::min(params[i].shape[0], params[i].shape[1]));
     }
-    owner_ = assign_owners_greedy(cost, dp_size());
+    owner_ = assign_owners_greedy(cost, world_size());
     owned_.assign(params.size(), false);
-    for (size_t i = 0; i < params.size(); ++i) owned_[i] = owner_[i] == dp_rank();
+    for (size_t i = 0; i < params.size(); ++i) owned_[i] = owner_[i] == world_rank();
 }
 
 void Trainer::broadcast_from_owners(bool state) {
@@ -508,7 +508,7 @@ std::string Trainer::save() {
     // gathered from its owners: every rank holds the full state after; rank 0 writes.
     if (engine_) engine_->download_state();
     if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
-    if (dp_rank() != 0) return checkpoint_dir();
+    if (world_rank() != 0) return checkpoint_dir();
     state_.data_position = stream_->position().to_json();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
                            recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),

@@ -94,12 +94,12 @@ class Trainer {
     std::vector<MicroBatch> peek_next_step_batches();
 
     // Every process of the job (data x context parallel ranks).
-    int dp_rank() const { return options_.comm ? options_.comm->rank() : 0; }
-    int dp_size() const { return options_.comm ? options_.comm->size() : 1; }
+    int world_rank() const { return options_.comm ? options_.comm->rank() : 0; }
+    int world_size() const { return options_.comm ? options_.comm->size() : 1; }
     // The data-parallel rank and size proper: the ranks of one CP group (context_parallel_size
     // consecutive ranks) share their micro-batches.
-    int data_parallel_rank() const { return dp_rank() / cp_size(); }
-    int data_parallel_size() const { return dp_size() / cp_size(); }
+    int data_parallel_rank() const { return world_rank() / cp_size(); }
+    int data_parallel_size() const { return world_size() / cp_size(); }
     int cp_size() const { return static_cast<int>(recipe_.run.context_parallel_size); }
     // Distributed optimizer: the rank that updates each parameter (-1: not trained); empty
     // without one.

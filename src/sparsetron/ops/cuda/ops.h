@@ -266,6 +266,16 @@ void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf
 void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n);
 void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n);
 
+// ---- FP8 blockwise quantization (fp8_quantize.cu; bit for bit the CPU reference,
+// ops/cpu/fp8_blockwise.h): e4m3 q and fp32 scale_inv (x ~ q * scale_inv).
+// Activations x [rows, cols] bf16 (row stride ld): scale_inv [rows, ceil(cols / 128)].
+void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
+                        int64_t ld, bool pow2, uint8_t* q, float* scale_inv);
+// Weights w [rows, cols] fp32 (the masters: quantized from full precision):
+// scale_inv [ceil(rows / 128), ceil(cols / 128)].
+void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
+                          bool pow2, uint8_t* q, float* scale_inv);
+
 // ---- Context parallelism (cp_rows.cu): key_row[i] is row i's micro-batch row (-1: padding).
 // dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).
 void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t dim,

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <vector>
 
+#include "../fp8_test_data.h"
 #include "harness.h"
-#include "sparsetron/core/rng.h"
 #include "sparsetron/ops/cpu/fp8_blockwise.h"
 
 #if SPARSETRON_WITH_CUDA
@@ -26,19 +26,6 @@ TEST(CudaFp8, Skipped) {
 
 namespace {
 
-std::vector<float> blocky(int64_t rows, int64_t cols, uint64_t seed) {
-    CounterRng rng(seed, 8);
-    std::vector<float> x(size_t(rows * cols));
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-            const int64_t block = (r / 128) * 5 + c / 128;
-            const uint64_t i = uint64_t(r * cols + c);
-            x[size_t(i)] =
-                std::ldexp(1.f, int((block * 7) % 13) - 6) * float(2.0 * rng.uniform(i) - 1.0);
-        }
-    return x;
-}
-
 template <typename A, typename B>
 int64_t mismatches(const std::vector<A>& a, const std::vector<B>& b) {
     int64_t n = 0;
@@ -54,7 +41,7 @@ TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
     for (bool pow2 : {true, false}) {
         const int64_t rows = 300, cols = 520, nb = (cols + 127) / 128, rb = (rows + 127) / 128;
         // Activations: bf16 on the device, the same rounded values on the host.
-        std::vector<float> x = blocky(rows, cols, 11);
+        std::vector<float> x = fp8_blocky_values(rows, cols, 11);
         DeviceArray<bf16> dx(to_bf16_rounding(x));
         DeviceArray<uint8_t> dq(rows * cols);
         DeviceArray<float> ds(rows * nb);
@@ -67,7 +54,7 @@ TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
         EXPECT_EQ(mismatches(ds.download(), s), 0) << "1x128 scales, pow2 " << pow2;
         EXPECT_TRUE(dq.guard_intact() && ds.guard_intact());
         // Weights: fp32 masters.
-        const std::vector<float> w = blocky(rows, cols, 12);
+        const std::vector<float> w = fp8_blocky_values(rows, cols, 12);
         DeviceArray<float> dw(w);
         DeviceArray<uint8_t> dqw(rows * cols);
         DeviceArray<float> dsw(rb * nb);

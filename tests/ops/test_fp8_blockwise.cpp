@@ -5,31 +5,14 @@
 #include <cmath>
 #include <vector>
 
-#include "sparsetron/core/rng.h"
+#include "../fp8_test_data.h"
 #include "sparsetron/ops/cpu/fp8_blockwise.h"
 #include "sparsetron/ops/cpu/kernels.h"
 
 using namespace sparsetron;
 using namespace sparsetron::cpu;
 
-namespace {
-
-// Random values whose magnitude changes by up to 2^12 from one 128-wide block to the next, so
-// per-block scales matter (a single scale would flush the small blocks to zero).
-std::vector<float> random_blocks(int64_t rows, int64_t cols, uint64_t seed) {
-    CounterRng rng(seed, 4);
-    std::vector<float> x(size_t(rows * cols));
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-            const int64_t block = (r / kFp8Block) * 7 + c / kFp8Block;
-            const float mag = std::ldexp(1.f, int((block * 5) % 13) - 6);
-            const uint64_t i = uint64_t(r * cols + c);
-            x[size_t(i)] = mag * float(2.0 * rng.uniform(i) - 1.0);
-        }
-    return x;
-}
-
-}  // namespace
+using test::fp8_blocky_values;
 
 // Every finite code decodes and encodes back to itself; the largest is 448, the smallest
 // subnormal 2^-9; 0x7F is NaN.
@@ -97,7 +80,7 @@ TEST(Fp8Blockwise, ScaleFromAmax) {
 // [224, 448] after scaling with pow2 scales, and shapes that do not divide by 128 work.
 TEST(Fp8Blockwise, QuantizersKeepEveryBlockWithinE4m3Precision) {
     const int64_t rows = 200, cols = 300;  // partial blocks on both axes
-    const std::vector<float> x = random_blocks(rows, cols, 3);
+    const std::vector<float> x = fp8_blocky_values(rows, cols, 3);
     const int64_t nb = (cols + 127) / 128, rb = (rows + 127) / 128;
     std::vector<uint8_t> q(x.size());
     std::vector<float> s1(size_t(rows * nb)), s2(size_t(rb * nb));
@@ -133,7 +116,7 @@ TEST(Fp8Blockwise, QuantizersKeepEveryBlockWithinE4m3Precision) {
 // within FP8's error of the unquantized fp32 GEMM (normalized error ~2^-5 for e4m3 inputs).
 TEST(Fp8Blockwise, BlockScaledGemmMatchesDequantizedAndFp32) {
     const int64_t m = 96, n = 160, k = 384;
-    const std::vector<float> x = random_blocks(m, k, 5), w = random_blocks(n, k, 6);
+    const std::vector<float> x = fp8_blocky_values(m, k, 5), w = fp8_blocky_values(n, k, 6);
     const int64_t kb = k / 128;
     std::vector<uint8_t> qx(x.size()), qw(w.size());
     std::vector<float> sx(size_t(m * kb)), sw(size_t(((n + 127) / 128) * kb));

@@ -3,8 +3,13 @@
 // chunks of every document, with dynamic CP the largest group's micro-batch.
 #include <gtest/gtest.h>
 
+#include <string>
+
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/error.h"
 #include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/runtime/cp_row_plan.h"
+#include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
 
@@ -43,4 +48,23 @@ TEST(CpRowPlan, NoneFixedAndDynamic) {
     p = cp_row_plan(r, 4096, 64);
     EXPECT_EQ(p.rows, p.key_rows);
     EXPECT_EQ(p.key_rows, 64);
+}
+
+// Context parallelism needs DSA (it shards attention through the one-head latent keys): a dense
+// model planned for CP stops with a message naming the key.
+TEST(CpRowPlan, DenseAttentionUnderCpIsAClearError) {
+    Recipe r = load_recipe("", {"experimental_attention_variant=none", "dsa_indexer_loss_coeff=0",
+                                "world_size=2", "context_parallel_size=2"});
+    std::string msg;
+    try {
+        make_training_plan(r);
+    } catch (const Error& e) {
+        msg = e.what();
+    }
+    EXPECT_NE(msg.find("context parallelism is implemented for DSA attention"), std::string::npos)
+        << msg;
+    // The same recipe without CP plans.
+    r.run.context_parallel_size = 1;
+    r.run.world_size = 1;
+    EXPECT_NO_THROW(make_training_plan(r));
 }

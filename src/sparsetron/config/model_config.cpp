@@ -26,6 +26,13 @@ int64_t ModelConfig::moe_expert_capacity(int64_t tokens) const {
                                                double(moe_router_topk) / double(num_experts))));
 }
 
+void require_dsa_for_context_parallel(const ModelConfig& c) {
+    ST_CHECK(
+        c.uses_dsa(),
+        "context parallelism is implemented for DSA attention (experimental_attention_variant: "
+        "dsa); this model attends densely");
+}
+
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
         return c.indexer_types[layer0] == "full";

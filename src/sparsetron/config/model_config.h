@@ -89,6 +89,9 @@ struct ModelConfig {
 // its own top-k, and which layer's top-k a shared layer reuses. An explicit indexer_types wins.
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0);
 int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
+// Context parallelism shards the attention through DSA's one-head latent keys: throws for a model
+// without DSA (the CPU and CUDA models check it when planned for CP).
+void require_dsa_for_context_parallel(const ModelConfig& c);
 
 // Parses `moe_layer_freq`: an int N (every N-th layer is MoE, Megatron semantics: layer i is MoE
 // iff i % N == 0), a list literal "[0,1,1]", or the Python-like expression "([0]*2+[1]*19)".

@@ -25,10 +25,7 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
       chunk_rows_(std::min(chunk_rows, tokens)),
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
-    ST_CHECK(
-        !cp_ || cfg.uses_dsa(),
-        "context parallelism is implemented for DSA attention (experimental_attention_variant: "
-        "dsa); this model attends densely");
+    if (cp_) require_dsa_for_context_parallel(cfg);
     ST_CHECK(tokens > 0 && max_docs > 0 && chunk_rows > 0, "model: bad micro-batch shape");
     ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
              "model: moe_layer_pattern has ", cfg.moe_layer_pattern.size(), " entries for ",

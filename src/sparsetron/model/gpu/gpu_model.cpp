@@ -21,10 +21,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
       chunk_rows_(std::min(chunk_rows, tokens)),
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
-    ST_CHECK(
-        !cp_ || cfg.uses_dsa(),
-        "context parallelism is implemented for DSA attention (experimental_attention_variant: "
-        "dsa); this model attends densely");
+    if (cp_) require_dsa_for_context_parallel(cfg);
     store_ = std::make_unique<ParamStore>(plan, DType::F32);
     for (const auto& p : host_store.params()) store_->add_like(p);
     P_ = std::make_unique<GpuParams>(*store_, plan);

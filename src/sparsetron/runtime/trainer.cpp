@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
@@ -288,50 +289,44 @@ StepMetrics Trainer::train_step() {
         double rows = std::max<int64_t>(1, mtp_rows[k]);
         sc.mtp.push_back(tv ? lambda / rows : lambda / double(D) / rows);
     }
+    // This rank's micro-batches (all of them without data parallelism; the CP ranks of one
+    // data-parallel rank run the same ones, each its rows). Dynamic CP: this rank's groups'
+    // micro-batches, each with its CP communicator in `cps`.
+    const bool dynamic = recipe_.run.dynamic_context_parallel;
+    std::vector<const MicroBatch*> mine;
+    std::vector<Comm*> cps;
+    if (dynamic) {
+        mine = dynamic_cp_batches(cps, m);
+    } else {
+        for (size_t i = 0; i < batches_.size(); ++i)
+            if (int(i) % data_parallel_size() == data_parallel_rank()) mine.push_back(&batches_[i]);
+    }
     // Per-micro-batch losses (indexer, aux) are averaged over the micro-batches the step runs:
-    // under dynamic CP over its groups.
-    const int64_t runs = recipe_.run.dynamic_context_parallel ? dynamic_cp_group_count() : n_mb;
+    // under dynamic CP over its groups (every rank's).
+    int64_t runs = n_mb;
+    if (dynamic)
+        runs = std::accumulate(m.dynamic_cp_groups.begin(), m.dynamic_cp_groups.end(), int64_t(0));
     sc.indexer = 1.0 / double(runs);
     sc.aux = 1.0 / double(runs);
-    // This rank's micro-batches (all of them without data parallelism; the CP ranks of one
-    // data-parallel rank run the same ones, each its rows).
-    std::vector<const MicroBatch*> mine;
-    for (size_t i = 0; i < batches_.size(); ++i)
-        if (int(i) % data_parallel_size() == data_parallel_rank()) mine.push_back(&batches_[i]);
     std::vector<LossSums> sums;
     StepStats st;
     if (engine_) {
         // The device runs the whole step (the optimizer included; a graph replay with
-        // cuda_graph_impl full_iteration). Dynamic CP: this rank's groups' micro-batches, each
-        // with its CP communicator.
-        std::vector<Comm*> cps;
-        if (recipe_.run.dynamic_context_parallel) {
-            mine.clear();
-            for (const MicroBatch* mb : dynamic_cp_batches(cps, m)) mine.push_back(mb);
-        }
-        DeviceEngine::StepOutcome o = engine_->run_step(
-            mine, sc, recipe_.run, m.step, recipe_.run.dynamic_context_parallel ? &cps : nullptr);
+        // cuda_graph_impl full_iteration).
+        DeviceEngine::StepOutcome o =
+            engine_->run_step(mine, sc, recipe_.run, m.step, dynamic ? &cps : nullptr);
         sums = std::move(o.losses);
         st = o.stats;
         m.graph = o.replayed;
         m.moe_stash_pages = o.stash.pool_pages;
         m.moe_stash_peak_pages = o.stash.peak_pages;
         if (o.stash.overflow) throw Error(stash_overflow_message(mc, o.stash, m.step));
-    } else if (recipe_.run.dynamic_context_parallel) {
-        zero_grads(tp_->plan);
-        tp_->model->reset_moe_stats();
-        std::vector<Comm*> cps;
-        const std::vector<const MicroBatch*> groups = dynamic_cp_batches(cps, m);
-        for (size_t i = 0; i < groups.size(); ++i) {
-            tp_->model->set_context_parallel(cps[i]);
-            tp_->model->load_inputs(*groups[i]);
-            sums.push_back(tp_->model->forward_backward(sc));
-        }
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
-        for (const MicroBatch* mb : mine) {
-            tp_->model->load_inputs(*mb);
+        for (size_t i = 0; i < mine.size(); ++i) {
+            if (dynamic) tp_->model->set_context_parallel(cps[i]);
+            tp_->model->load_inputs(*mine[i]);
             sums.push_back(tp_->model->forward_backward(sc));
         }
     }
@@ -410,22 +405,7 @@ std::vector<StepSample> step_samples(const std::vector<MicroBatch>& batches) {
     return out;
 }
 
-std::vector<DynamicCpMicroBatch> step_schedule(const std::vector<StepSample>& samples, int ranks,
-                                               int64_t per_rank) {
-    std::vector<int64_t> lengths;
-    for (const StepSample& s : samples) lengths.push_back(s.length);
-    return schedule_dynamic_cp(lengths, ranks, per_rank);
-}
-
 }  // namespace
-
-int64_t Trainer::dynamic_cp_group_count() {
-    int64_t n = 0;
-    for (const auto& smb :
-         step_schedule(step_samples(batches_), world_size(), recipe_.run.max_seqlen_per_dp_cp_rank))
-        n += int64_t(smb.groups.size());
-    return n;
-}
 
 std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& cps,
                                                            StepMetrics& m) {
@@ -433,11 +413,13 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
     // group's size over the aligned sub-communicator of that size (made once; none for a group
     // of one rank).
     const std::vector<StepSample> samples = step_samples(batches_);
+    std::vector<int64_t> lengths;
+    for (const StepSample& s : samples) lengths.push_back(s.length);
     const int me = world_rank();
     std::vector<const MicroBatch*> out;
     cps.clear();
     for (const auto& smb :
-         step_schedule(samples, world_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
+         schedule_dynamic_cp(lengths, world_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
         for (const DynamicCpGroup& g : smb.groups) {
             int bucket = 0;
             while ((1 << bucket) < g.size) ++bucket;

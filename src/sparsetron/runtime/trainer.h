@@ -109,9 +109,8 @@ class Trainer {
     void next_step_batches(std::vector<MicroBatch>& out);
     // Dynamic CP: this rank's groups of the step's schedule (the documents of `batches_`), each
     // packed into a micro-batch, with its CP communicator in `cps` (null: a group of one rank);
-    // counts every group by size into `m`. dynamic_cp_group_count(): groups in the step.
+    // counts every rank's groups by size into `m`.
     std::vector<const MicroBatch*> dynamic_cp_batches(std::vector<Comm*>& cps, StepMetrics& m);
-    int64_t dynamic_cp_group_count();
     void assign_owners();
     // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
     void broadcast_from_owners(bool state);
@@ -126,7 +125,7 @@ class Trainer {
     std::vector<bool> indexer_only_;                          // parameters dense warm-up updates
     TrainerState state_;
     std::unique_ptr<DeviceEngine> engine_;   // set for --device cuda
-    std::unique_ptr<ProcessGroups> groups_;  // expert parallelism (CPU ranks)
+    std::unique_ptr<ProcessGroups> groups_;  // expert and context parallelism
     std::vector<int> owner_;                 // distributed optimizer: owning rank per parameter
     std::vector<bool> owned_;                // ... and whether this rank owns it
 };

@@ -2,6 +2,7 @@
 # On nvidia-h200-x2: the proxy recipe trained for a few steps on one GPU and on two GPUs with
 # expert parallelism (EP2 x DP2) and with dynamic context parallelism, each two-GPU run against a
 # one-GPU run of the same step data, printing the per-step losses side by side.
+# Documents over max_seqlen_per_dp_cp_rank (default 2048) run on CP groups of both GPUs.
 # Usage (from the repository root, after building): bench/scripts/proxy-parallel-vs-1gpu.sh OUT
 set -uo pipefail
 out=${1:?usage: proxy-parallel-vs-1gpu.sh OUT_DIR}
@@ -12,17 +13,17 @@ common="--recipe $recipe --set train_iters=$steps --set global_batch_size=2"
 # Dynamic CP: the indexer loss is a per-micro-batch mean, which depends on the grouping, so both
 # runs of that pair leave it out of the loss (its coefficient 0), as the tiny test does.
 dyn="--set context_parallel_size=2 --set dynamic_context_parallel=true \
- --set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=${DCP_MAX:-1024}"
+ --set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=${DCP_MAX:-2048}"
 one() {  # tag, extra args
   mkdir -p "$out/$1"
   scripts/gpu-run.sh $bin train --device cuda --quiet --no-save --out "$out/$1" $common $2 \
-    >"$out/$1/rank0.log" 2>&1 || { echo "$1 failed"; tail -20 "$out/$1/rank0.log"; }
+    >"$out/$1/rank0.log" 2>&1 || { echo "$1 failed"; tail -n 20 "$out/$1/rank0.log"; }
 }
 two() {  # tag, port, extra args
   mkdir -p "$out/$1"
   LOG_DIR="$out/$1" MASTER_PORT=$2 scripts/launch-local.sh 2 scripts/gpu-run.sh $bin train \
     --device cuda --quiet --no-save --out "$out/$1" $common --set world_size=2 $3 >/dev/null ||
-    { echo "$1 failed"; tail -20 "$out/$1/rank0.log" "$out/$1/rank1.log"; }
+    { echo "$1 failed"; tail -n 20 "$out/$1/rank0.log" "$out/$1/rank1.log"; }
 }
 one 1gpu ""
 two ep2 29611 "--set expert_model_parallel_size=2"

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
 
 #include "../test_util.h"
@@ -45,21 +46,57 @@ Recipe small_recipe(int world, std::vector<std::string> extra = {}) {
     return load_recipe("", sets);
 }
 
+// A run's final weights: the squared norm of the dense parameters (every rank holds them) and
+// of each routed expert's weight this rank holds (all of them without expert parallelism).
+struct Weights {
+    double dense = 0;
+    std::map<std::string, double> experts;
+    double expert_total() const {
+        double s = 0;
+        for (const auto& [name, v] : experts) s += v;
+        return s;
+    }
+};
+
+Weights weights_of(const Trainer& t) {
+    Weights w;
+    for (const ParamInfo& p : t.params().params()) {
+        const float* x = t.plan().view(p.param_slot).ptr<float>();
+        double s = 0;
+        for (int64_t i = 0; i < p.numel(); ++i) s += double(x[i]) * x[i];
+        if (p.routed_expert)
+            w.experts[p.name] = s;
+        else
+            w.dense += s;
+    }
+    return w;
+}
+
 std::vector<StepMetrics> run(const Recipe& r, Comm* comm, const std::string& tag,
-                             double* weight_sum = nullptr) {
+                             Weights* weights = nullptr) {
     // Every process needs its own directory, also for the one-process reference run.
     Trainer t(r, {rank_dir(tag), "", Device::CPU, false, comm});
     std::vector<StepMetrics> out;
     t.run([&](const StepMetrics& m) { out.push_back(m); });
-    if (weight_sum) {
-        const auto& plan = t.plan();
-        const float* w = reinterpret_cast<const float*>(plan.class_base(MemClass::Parameters));
-        double s = 0;
-        for (size_t i = 0; i < plan.class_bytes(MemClass::Parameters) / 4; ++i)
-            s += double(w[i]) * w[i];
-        *weight_sum = s;
-    }
+    if (weights) *weights = weights_of(t);
     return out;
+}
+
+uint64_t bits_of(double x) {
+    uint64_t b = 0;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+// Dense weights bit-identical on every rank; the experts' on the ranks that hold the same
+// experts (equal EP rank: rank % ep).
+void expect_replicas_identical(const Weights& w, int ep, const std::string& what) {
+    const auto dense = g_comm->allgather(bits_of(w.dense));
+    const auto experts = g_comm->allgather(bits_of(w.expert_total()));
+    for (size_t r = 0; r < dense.size(); ++r) {
+        EXPECT_EQ(dense[r], dense[0]) << what << ": dense weights of rank " << r;
+        EXPECT_EQ(experts[r], experts[r % size_t(ep)]) << what << ": experts of rank " << r;
+    }
 }
 
 // Forwards to another communicator and counts the bytes alltoallv sends to other ranks (its
@@ -100,7 +137,7 @@ class CountingComm final : public Comm {
 
 TEST(Mpi, DataParallelMatchesOneProcess) {
     const int W = g_comm->size();
-    double w_dp = 0;
+    Weights w_dp;
     auto dp = run(small_recipe(W), g_comm, "dp", &w_dp);
     auto one = run(small_recipe(1), nullptr, "one");
     ASSERT_EQ(dp.size(), one.size());
@@ -114,21 +151,22 @@ TEST(Mpi, DataParallelMatchesOneProcess) {
         EXPECT_EQ(dp[i].moe_load, one[i].moe_load) << "routing statistics summed over ranks";
     }
     // Every rank holds bit-identical weights after the steps.
-    uint64_t bits = 0;
-    std::memcpy(&bits, &w_dp, sizeof bits);
-    for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+    expect_replicas_identical(w_dp, 1, "DP");
 }
 
 // Expert parallelism in the model: the MoE layers (layer 1 and the MTP layer) send their routed
 // rows to the experts' ranks and back. EP = W (every rank one expert block, W = 4: one expert per
-// rank) and, with 4 ranks, EP 2 x EDP 2. Losses, gradient norms and expert loads equal the
-// one-process run's (the same micro-batches; an expert's gradient summed on its owner in another
-// order: fp32 rounding only), weights bit-identical on every rank.
+// rank) and, with 4 ranks, EP 2 x EDP 2 (expert gradients summed over the 2 ranks holding the
+// same experts). Losses, gradient norms and expert loads equal the one-process run's (the same
+// micro-batches; an expert's gradient summed on its owner in another order: fp32 rounding only).
+// A rank holds only its E / EP experts: each equals the one-process run's expert of that name
+// after the steps, replicas are bit-identical.
 TEST(Mpi, ExpertParallelMatchesOneProcess) {
     const int W = g_comm->size();
-    auto one = run(small_recipe(1), nullptr, "ep-one");
+    Weights w1;
+    auto one = run(small_recipe(1), nullptr, "ep-one", &w1);
     for (int ep = 2; ep <= W; ep *= 2) {
-        double w = 0;
+        Weights w;
         auto sent = std::make_shared<int64_t>(0);
         CountingComm counting(*g_comm, sent);
         auto got = run(small_recipe(W, {cat("expert_model_parallel_size=", ep)}), &counting,
@@ -147,9 +185,14 @@ TEST(Mpi, ExpertParallelMatchesOneProcess) {
             EXPECT_NEAR(got[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
             EXPECT_EQ(got[i].moe_load, one[i].moe_load) << "EP " << ep << " step " << i + 1;
         }
-        uint64_t bits = 0;
-        std::memcpy(&bits, &w, sizeof bits);
-        for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits) << "EP " << ep;
+        expect_replicas_identical(w, ep, cat("EP ", ep));
+        EXPECT_NEAR(w.dense, w1.dense, 1e-6 * w1.dense) << "EP " << ep;
+        ASSERT_EQ(w.experts.size() * size_t(ep), w1.experts.size())
+            << "EP " << ep << ": a rank holds 1/EP of the experts";
+        for (const auto& [name, v] : w.experts) {
+            ASSERT_TRUE(w1.experts.count(name)) << name;
+            EXPECT_NEAR(v, w1.experts.at(name), 1e-6 * w1.experts.at(name)) << name;
+        }
     }
 }
 
@@ -197,14 +240,7 @@ TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
             den += double(s1[i]) * double(s1[i]);
         }
         EXPECT_LT(std::sqrt(num / den), 1e-4) << opt << ": gathered optimizer state";
-        const float* wd = reinterpret_cast<const float*>(pd.class_base(MemClass::Parameters));
-        double w = 0;
-        for (size_t i = 0; i < pd.class_bytes(MemClass::Parameters) / 4; ++i)
-            w += double(wd[i]) * wd[i];
-        uint64_t bits = 0;
-        std::memcpy(&bits, &w, sizeof bits);
-        for (uint64_t b : g_comm->allgather(bits))
-            EXPECT_EQ(b, bits) << "weights differ across ranks";
+        expect_replicas_identical(weights_of(dist), 1, opt);
     }
 }
 
@@ -334,7 +370,7 @@ TEST(Mpi, ContextParallelTrainingMatchesOneProcess) {
     for (auto extra : layouts) {
         extra.insert(extra.end(), base.begin(), base.end());
         const std::string name = extra.size() > 2 ? cat(extra[0], "+", extra[1]) : extra[0];
-        double w = 0;
+        Weights w;
         auto got = run(small_recipe(W, extra), g_comm, cat("cp.", name), &w);
         ASSERT_EQ(got.size(), one.size());
         for (size_t i = 0; i < got.size(); ++i) {
@@ -350,9 +386,7 @@ TEST(Mpi, ContextParallelTrainingMatchesOneProcess) {
             EXPECT_EQ(got[i].targets, one[i].targets);
             EXPECT_EQ(got[i].moe_load, one[i].moe_load) << name << " step " << i + 1;
         }
-        uint64_t bits = 0;
-        std::memcpy(&bits, &w, sizeof bits);
-        for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits) << name;
+        expect_replicas_identical(w, extra.size() > 2 ? 2 : 1, name);
     }
 }
 
@@ -370,7 +404,7 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
         cat("context_parallel_size=", W), "dynamic_context_parallel=true",
         "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=40"};
     extra.insert(extra.end(), base.begin(), base.end());
-    double w = 0;
+    Weights w;
     auto got = run(small_recipe(W, extra), g_comm, "dcp", &w);
     ASSERT_EQ(got.size(), one.size());
     std::vector<int64_t> groups;
@@ -393,9 +427,7 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
     }
     ASSERT_GE(groups.size(), 2u) << "no group of 2 ranks ran";
     EXPECT_GT(groups[1], 0) << "pieces of 64 tokens need 2 ranks at 32 per rank";
-    uint64_t bits = 0;
-    std::memcpy(&bits, &w, sizeof bits);
-    for (uint64_t b : g_comm->allgather(bits)) EXPECT_EQ(b, bits);
+    expect_replicas_identical(w, 1, "dynamic CP");
 }
 
 // A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a
@@ -435,6 +467,70 @@ TEST(Mpi, ContextParallelCheckpointResumes) {
     EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
     EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
     EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
+}
+
+// An expert-parallel run's checkpoint (experts sharded: EP = every rank; with 4 ranks also EP 2
+// x EDP 2 with the distributed Muon optimizer): the first EP group's ranks write one shard each
+// and rank 0 the index. Resuming from step 2 on the same layout, and on one process (which reads
+// every shard), reproduces step 3: each rank's experts and their optimizer state came back.
+TEST(Mpi, ExpertParallelCheckpointResumes) {
+    const int W = g_comm->size();
+    std::vector<std::vector<std::string>> layouts = {{cat("expert_model_parallel_size=", W)}};
+    if (W == 4)
+        layouts.push_back(
+            {"expert_model_parallel_size=2", "use_distributed_optimizer=true", "optimizer=muon"});
+    for (const auto& layout : layouts) {
+        const int ep = W == 4 && layout.size() > 1 ? 2 : W;
+        const std::string shared =
+            cat(SPARSETRON_TEST_TMP, "/Mpi.ExpertParallelCheckpoint.np", W, ".ep", ep);
+        if (g_comm->rank() == 0) {
+            std::filesystem::remove_all(shared);
+            std::filesystem::create_directories(shared);
+        }
+        g_comm->allgather(0);  // every rank waits for the directory
+        std::vector<std::string> base = {"save_interval=2", "save=" + shared};
+        for (const auto& x : layout)
+            if (x.rfind("expert_model", 0) != 0) base.push_back(x);
+        std::vector<std::string> sharded = base;
+        sharded.push_back(cat("expert_model_parallel_size=", ep));
+        std::vector<StepMetrics> full;
+        {
+            Trainer t(small_recipe(W, sharded),
+                      {rank_dir(cat("ep-save", ep)), "", Device::CPU, true, g_comm});
+            t.run([&](const StepMetrics& m) { full.push_back(m); });
+        }
+        ASSERT_EQ(full.size(), 3u);
+        const std::string ckpt = shared + "/iter_0000002";
+        for (int s = 1; s <= ep; ++s)
+            EXPECT_TRUE(std::filesystem::exists(
+                cat(ckpt, "/model-0000", s, "-of-0000", ep, ".safetensors")))
+                << "shard " << s;
+        EXPECT_TRUE(std::filesystem::exists(ckpt + "/model.safetensors.index.json"));
+        EXPECT_TRUE(std::filesystem::exists(ckpt + "/optimizer.safetensors.index.json"));
+        EXPECT_FALSE(std::filesystem::exists(ckpt + "/model.safetensors"));
+        Trainer resumed(small_recipe(W, sharded),
+                        {rank_dir(cat("ep-resume", ep)), ckpt, Device::CPU, false, g_comm});
+        ASSERT_EQ(resumed.iteration(), 2);
+        const StepMetrics m = resumed.train_step();
+        std::vector<std::string> one_process;
+        for (const auto& x : base)
+            if (x != "use_distributed_optimizer=true") one_process.push_back(x);
+        Trainer one(small_recipe(1, one_process),
+                    {rank_dir(cat("ep-resume-one", ep)), ckpt, Device::CPU, false, nullptr});
+        const StepMetrics m1 = one.train_step();
+        if (g_comm->rank() == 0)
+            std::cout << "[ep" << ep << " checkpoint] step 3: lm " << m.lm_loss << " (resumed, EP "
+                      << ep << ") / " << m1.lm_loss << " (resumed, one process) vs "
+                      << full[2].lm_loss << ", grad_norm " << m.grad_norm << " / " << m1.grad_norm
+                      << " vs " << full[2].grad_norm << "\n";
+        EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
+        EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
+        EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
+        EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
+        // Step 4 after the resumed step 3 uses the restored optimizer state of every expert.
+        const StepMetrics m2 = resumed.train_step(), m12 = one.train_step();
+        EXPECT_NEAR(m2.lm_loss, m12.lm_loss, 1e-5 * m12.lm_loss);
+    }
 }
 
 TEST(Mpi, DifferentRecipesStopEveryRank) {

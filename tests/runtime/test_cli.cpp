@@ -93,7 +93,7 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(plan.output.find("activations"), std::string::npos);
     EXPECT_NE(plan.output.find("total"), std::string::npos);
     EXPECT_EQ(plan.output.find("parallel layout"), std::string::npos);
-    // A multi-GPU recipe's layout is printed, with what the plan does not shard yet.
+    // A multi-GPU recipe's layout is printed, and the plan is one rank's.
     CliRun wide =
         run("plan --set world_size=8 --set global_batch_size=8 "
             "--set expert_model_parallel_size=4 --set context_parallel_size=2");
@@ -101,7 +101,10 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(wide.output.find("parallel layout: 8 ranks: DP 4 x CP 2 (dense), EP 4 x EDP 2"),
               std::string::npos)
         << wide.output;
-    EXPECT_NE(wide.output.find("expert-weight sharding is not built yet"), std::string::npos);
+    // Experts sharded: EP rank 0 of 4 holds expert 0 of the 4 (each layer), not expert 1.
+    EXPECT_NE(wide.output.find("the plan below is EP rank 0's"), std::string::npos);
+    EXPECT_NE(wide.output.find("mlp.experts.0.gate_proj.weight"), std::string::npos);
+    EXPECT_EQ(wide.output.find("mlp.experts.1.gate_proj.weight"), std::string::npos);
     // CP 2: a rank plans its rows (< 256 / 2 + 2 x 4 documents) of 256-row micro-batches.
     EXPECT_NE(wide.output.find("this rank computes 136 rows of micro-batches of 256 key rows"),
               std::string::npos)

@@ -263,11 +263,10 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
         // The layout the recipe asks for; the plans below are of one process of it.
         const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
         std::printf(
-            "parallel layout: %s\nnote: the plan below keeps every expert's weights on each "
-            "process (expert-weight sharding is not built yet); expert parallelism adds its "
-            "worst-case receive rows, and use_distributed_optimizer would drop the AdamW "
-            "moments a rank does not own (not shown: they depend on the rank; "
-            "docs/parallel.md)\n",
+            "parallel layout: %s\nnote: the plan below is EP rank 0's (every EP rank holds "
+            "as many experts); expert parallelism adds its worst-case receive rows, and "
+            "use_distributed_optimizer would drop the AdamW moments a rank does not own "
+            "(not shown: they depend on the rank; docs/parallel.md)\n",
             layout.describe().c_str());
     }
     if (parse_device(device) == Device::CUDA) {

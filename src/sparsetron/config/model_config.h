@@ -47,9 +47,14 @@ struct ModelConfig {
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page
     double moe_paged_stash_buffer_size_factor = 1.0;  // pool / the worst case of every application
-    // Not a recipe key: make_training_plan() copies the run's expert_model_parallel_size here,
-    // the bound of the MoE layers' expert-parallel receive buffers.
+    // Not recipe keys: make_training_plan() copies the run's expert_model_parallel_size here
+    // (the bound of the MoE layers' expert-parallel receive buffers) and the trainer this
+    // process's rank in its EP group. With more than one EP rank the routed experts are sharded:
+    // a rank's model holds (and trains) only experts [rank E/W, (rank + 1) E/W) of each layer.
     int64_t expert_parallel_ranks = 1;
+    int64_t expert_parallel_rank = 0;
+    int64_t local_experts() const { return num_experts / expert_parallel_ranks; }
+    int64_t first_local_expert() const { return expert_parallel_rank * local_experts(); }
 
     // DSA.
     std::string experimental_attention_variant = "dsa";  // "none" | "dsa"

@@ -91,6 +91,37 @@ void load_tensors(const SafetensorsFile& file, const std::string& what,
     }
 }
 
+bool has_weights(const fs::path& dir) {
+    return fs::exists(dir / "model.safetensors") ||
+           fs::exists(dir / "model.safetensors.index.json");
+}
+
+// Loads `targets` from <base>.safetensors in `dir`, or from the shards its
+// <base>.safetensors.index.json lists (HF's sharded format); tensors not targeted are not read.
+void load_from(const fs::path& dir, const std::string& base, const std::string& what,
+               const std::vector<std::pair<std::string, Tensor>>& targets) {
+    if (fs::exists(dir / (base + ".safetensors"))) {
+        load_tensors(SafetensorsFile((dir / (base + ".safetensors")).string()), what, targets);
+        return;
+    }
+    const fs::path index = dir / (base + ".safetensors.index.json");
+    ST_CHECK(fs::exists(index), dir.string(), ": no ", base, ".safetensors or ", base,
+             ".safetensors.index.json");
+    nlohmann::json map;
+    try {
+        map = nlohmann::json::parse(read_text(index)).at("weight_map");
+    } catch (const std::exception& e) {
+        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
+    }
+    std::map<std::string, std::vector<std::pair<std::string, Tensor>>> by_shard;
+    for (const auto& [name, dst] : targets) {
+        ST_CHECK(map.contains(name), index.string(), ": weight_map has no entry for '", name, "'");
+        by_shard[map[name].get<std::string>()].emplace_back(name, dst);
+    }
+    for (const auto& [shard, list] : by_shard)
+        load_tensors(SafetensorsFile((dir / shard).string()), what, list);
+}
+
 }  // namespace
 
 void ensure_writable_dir(const std::string& dir) {
@@ -101,68 +132,165 @@ void ensure_writable_dir(const std::string& dir) {
     ST_CHECK(::access(dir.c_str(), W_OK) == 0, "output directory '", dir, "' is not writable");
 }
 
+namespace {
+
+// "model-00002-of-00004.safetensors" (HF's shard names, 1-based).
+std::string shard_file(const std::string& base, int shard, int shards) {
+    std::ostringstream os;
+    os << base << "-" << std::setw(5) << std::setfill('0') << shard + 1 << "-of-" << std::setw(5)
+       << std::setfill('0') << shards << ".safetensors";
+    return os.str();
+}
+
+// Every rank learns whether every rank succeeded; on failure all of them throw (a rank that
+// threw alone would leave the others waiting in the next collective).
+void agree(Comm* world, const std::string& error, const std::string& what) {
+    if (!world || world->size() == 1) {
+        if (!error.empty()) throw Error(error);
+        return;
+    }
+    const std::vector<uint64_t> ok = world->allgather(error.empty() ? 1 : 0);
+    if (!error.empty()) throw Error(error);
+    for (size_t r = 0; r < ok.size(); ++r)
+        ST_CHECK(ok[r] == 1, what, " failed on rank ", r, " (its log says why)");
+}
+
+template <typename F>
+std::string capture_error(F&& f) {
+    try {
+        f();
+    } catch (const std::exception& e) {
+        return e.what();
+    }
+    return {};
+}
+
+// The weights and optimizer state this rank writes: everything, or (sharded) shard 0 the dense
+// tensors and its experts, the other shards their experts.
+void collect(const ParamStore& store, const MemoryPlan& plan, const Optimizer* optimizer, int shard,
+             std::vector<SafetensorsEntry>& weights, std::vector<SafetensorsEntry>& optim) {
+    std::map<std::string, bool> expert;
+    for (const auto& p : store.params()) {
+        expert[p.name] = p.routed_expert;
+        if (shard > 0 && !p.routed_expert) continue;
+        Tensor t = plan.view(p.param_slot);
+        weights.push_back({p.name, t.dtype, p.shape, t.data});
+    }
+    if (!optimizer) return;
+    for (const auto& [name, slot] : optimizer->state_tensors()) {
+        if (shard > 0 && !expert[name.substr(0, name.rfind('.'))]) continue;
+        Tensor t = plan.view(slot);
+        optim.push_back({name, t.dtype, plan.entries()[slot].shape, t.data});
+    }
+}
+
+// HF's index of a sharded checkpoint: every tensor of the shard files, by the file that holds it.
+void write_index(const fs::path& dir, const std::string& base, int shards) {
+    nlohmann::json map = nlohmann::json::object();
+    size_t total = 0;
+    for (int s = 0; s < shards; ++s) {
+        const std::string file = shard_file(base, s, shards);
+        SafetensorsFile f((dir / file).string());
+        for (const auto& [name, info] : f.tensors()) {
+            ST_CHECK(!map.contains(name), "checkpoint: tensor '", name, "' is in two shards");
+            map[name] = file;
+            total += info.bytes;
+        }
+    }
+    nlohmann::json js;
+    js["metadata"] = {{"total_size", total}};
+    js["weight_map"] = map;
+    write_text_atomic(dir / (base + ".safetensors.index.json"), js.dump(1) + "\n");
+}
+
+}  // namespace
+
 std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
                             const std::string& recipe_yaml, const ParamStore& store,
                             const MemoryPlan& plan, const Optimizer* optimizer,
-                            const TrainerState& state) {
-    ensure_writable_dir(save_dir);
+                            const TrainerState& state, const CheckpointShards* shards) {
+    Comm* world = shards ? shards->world : nullptr;
+    const bool lead = !world || world->rank() == 0;
     const fs::path root(save_dir);
     const std::string name = iter_name(state.iteration);
-    const fs::path tmp = root / (".tmp-" + name + "-" + std::to_string(::getpid()));
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    try {
-        write_text_atomic(tmp / "config.json", hf_config_json(m));
-        write_text_atomic(tmp / "recipe.yaml", recipe_yaml);
-        std::vector<SafetensorsEntry> weights, optim;
-        for (const auto& p : store.params()) {
-            Tensor t = plan.view(p.param_slot);
-            weights.push_back({p.name, t.dtype, p.shape, t.data});
-        }
-        if (optimizer)
-            for (const auto& [name, slot] : optimizer->state_tensors()) {
-                Tensor t = plan.view(slot);
-                const auto& shape = plan.entries()[slot].shape;
-                optim.push_back({name, t.dtype, shape, t.data});
-            }
-        write_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
-        if (optimizer) write_safetensors((tmp / "optimizer.safetensors").string(), optim);
-        nlohmann::json js;
-        js["iteration"] = state.iteration;
-        js["consumed_tokens"] = state.consumed_tokens;
-        js["skipped_steps"] = state.skipped_steps;
-        js["rng"] = {{"kind", "philox4x32-10 counter-based"}, {"seed", state.seed}};
-        js["data_position"] = nlohmann::json::parse(state.data_position);
-        write_text_atomic(tmp / "trainer_state.json", js.dump(2) + "\n");
-    } catch (...) {
+    // The writers of a sharded checkpoint share one temporary directory: one name on every rank.
+    const fs::path tmp = root / cat(".tmp-", name, shards ? std::string() : cat("-", ::getpid()));
+    std::string error;
+    if (lead)
+        error = capture_error([&] {
+            ensure_writable_dir(save_dir);
+            fs::remove_all(tmp);
+            fs::create_directories(tmp);
+        });
+    agree(world, error, "creating the checkpoint directory");
+    auto discard = [&] {
         std::error_code ec;
-        fs::remove_all(tmp, ec);
+        if (lead) fs::remove_all(tmp, ec);
+    };
+    const int shard = shards ? shards->shard : 0;
+    error = capture_error([&] {
+        if (shard < 0) return;
+        std::vector<SafetensorsEntry> weights, optim;
+        collect(store, plan, optimizer, shards ? shard : 0, weights, optim);
+        const int n = shards ? shards->shards : 1;
+        write_safetensors(
+            (tmp / (shards ? shard_file("model", shard, n) : "model.safetensors")).string(),
+            weights, {{"format", "pt"}});
+        if (optimizer)
+            write_safetensors(
+                (tmp / (shards ? shard_file("optimizer", shard, n) : "optimizer.safetensors"))
+                    .string(),
+                optim);
+    });
+    try {
+        agree(world, error, "writing the checkpoint's shards");
+    } catch (...) {
+        discard();
         throw;
     }
-    const fs::path final_dir = root / name;
-    if (fs::exists(final_dir)) {  // re-saving an iteration: move the old one aside first
-        fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-        fs::rename(final_dir, old);
-        fs::rename(tmp, final_dir);
-        fs::remove_all(old);
-    } else {
-        fs::rename(tmp, final_dir);
-    }
-    write_text_atomic(root / kLatest, std::to_string(state.iteration) + "\n");
-    // Keep the newest `keep_last` iter_* directories.
-    std::vector<fs::path> iters;
-    for (const auto& e : fs::directory_iterator(root))
-        if (e.is_directory() && e.path().filename().string().rfind("iter_", 0) == 0)
-            iters.push_back(e.path());
-    std::sort(iters.begin(), iters.end());
-    for (size_t i = 0; i + keep_last < iters.size(); ++i) fs::remove_all(iters[i]);
+    fs::path final_dir = root / name;
+    if (lead)
+        error = capture_error([&] {
+            if (shards) {
+                write_index(tmp, "model", shards->shards);
+                if (optimizer) write_index(tmp, "optimizer", shards->shards);
+            }
+            write_text_atomic(tmp / "config.json", hf_config_json(m));
+            write_text_atomic(tmp / "recipe.yaml", recipe_yaml);
+            nlohmann::json js;
+            js["iteration"] = state.iteration;
+            js["consumed_tokens"] = state.consumed_tokens;
+            js["skipped_steps"] = state.skipped_steps;
+            js["rng"] = {{"kind", "philox4x32-10 counter-based"}, {"seed", state.seed}};
+            js["data_position"] = nlohmann::json::parse(state.data_position);
+            write_text_atomic(tmp / "trainer_state.json", js.dump(2) + "\n");
+            if (fs::exists(final_dir)) {  // re-saving an iteration: move the old one aside first
+                fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
+                fs::rename(final_dir, old);
+                fs::rename(tmp, final_dir);
+                fs::remove_all(old);
+            } else {
+                fs::rename(tmp, final_dir);
+            }
+            write_text_atomic(root / kLatest, std::to_string(state.iteration) + "\n");
+            // Keep the newest `keep_last` iter_* directories.
+            std::vector<fs::path> iters;
+            for (const auto& e : fs::directory_iterator(root))
+                if (e.is_directory() && e.path().filename().string().rfind("iter_", 0) == 0)
+                    iters.push_back(e.path());
+            std::sort(iters.begin(), iters.end());
+            for (size_t i = 0; i + keep_last < iters.size(); ++i) fs::remove_all(iters[i]);
+        });
+    if (!error.empty()) discard();
+    // No rank goes on (to read the checkpoint, or to save the next) before it is complete.
+    agree(world, error, "completing the checkpoint");
     return final_dir.string();
 }
 
 std::string resolve_checkpoint(const std::string& dir) {
     const fs::path p(dir);
     ST_CHECK(fs::is_directory(p), "checkpoint directory '", dir, "' does not exist");
-    if (fs::exists(p / "model.safetensors")) return p.string();
+    if (has_weights(p)) return p.string();
     if (fs::exists(p / kLatest)) {
         std::string text = read_text(p / kLatest);
         int64_t it = -1;
@@ -173,8 +301,8 @@ std::string resolve_checkpoint(const std::string& dir) {
         ST_CHECK(it >= 0, (p / kLatest).string(), ": expected an iteration number, got \"", text,
                  "\"");
         fs::path c = p / iter_name(it);
-        ST_CHECK(fs::exists(c / "model.safetensors"), (p / kLatest).string(), " names iteration ",
-                 it, " but ", (c / "model.safetensors").string(), " does not exist");
+        ST_CHECK(has_weights(c), (p / kLatest).string(), " names iteration ", it, " but ",
+                 c.string(), " holds no model.safetensors (or its index)");
         return c.string();
     }
     throw Error(cat("'", dir,
@@ -185,47 +313,22 @@ std::string resolve_checkpoint(const std::string& dir) {
 
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan) {
-    const fs::path dir(ckpt_dir);
-    if (fs::exists(dir / "model.safetensors")) {
-        SafetensorsFile file((dir / "model.safetensors").string());
-        std::vector<std::pair<std::string, Tensor>> targets;
-        for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
-        load_tensors(file, "model", targets);
-        return;
-    }
-    // Sharded HF checkpoint: model.safetensors.index.json maps each tensor to its shard.
-    const fs::path index = dir / "model.safetensors.index.json";
-    ST_CHECK(fs::exists(index), ckpt_dir, ": no model.safetensors or model.safetensors.index.json");
-    nlohmann::json map;
-    try {
-        map = nlohmann::json::parse(read_text(index)).at("weight_map");
-    } catch (const std::exception& e) {
-        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
-    }
-    std::map<std::string, std::vector<std::pair<std::string, Tensor>>> by_shard;
-    for (const auto& p : store.params()) {
-        ST_CHECK(map.contains(p.name), index.string(), ": weight_map has no entry for '", p.name,
-                 "'");
-        by_shard[map[p.name].get<std::string>()].emplace_back(p.name, plan.view(p.param_slot));
-    }
-    for (const auto& [shard, targets] : by_shard)
-        load_tensors(SafetensorsFile((dir / shard).string()), "model", targets);
+    std::vector<std::pair<std::string, Tensor>> targets;
+    for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
+    load_from(fs::path(ckpt_dir), "model", "model", targets);
 }
 
 bool is_model_dir(const std::string& dir) {
-    return fs::exists(fs::path(dir) / "config.json") &&
-           (fs::exists(fs::path(dir) / "model.safetensors") ||
-            fs::exists(fs::path(dir) / "model.safetensors.index.json"));
+    return fs::exists(fs::path(dir) / "config.json") && has_weights(fs::path(dir));
 }
 
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
                           const Optimizer& optimizer, const MemoryPlan& plan) {
     (void)store;
-    SafetensorsFile file((fs::path(ckpt_dir) / "optimizer.safetensors").string());
     std::vector<std::pair<std::string, Tensor>> targets;
     for (const auto& [name, slot] : optimizer.state_tensors())
         targets.emplace_back(name, plan.view(slot));
-    load_tensors(file, "optimizer", targets);
+    load_from(fs::path(ckpt_dir), "optimizer", "optimizer", targets);
 }
 
 TrainerState load_trainer_state(const std::string& ckpt_dir) {

@@ -1,7 +1,9 @@
 // Checkpoints (DESIGN §1.5): one directory per saved iteration, `iter_NNNNNNN/`, holding
 //   config.json          HF glm_moe_dsa config of the model
 //   model.safetensors    weights by HF names (fp32 master copy)
-//   optimizer.safetensors  AdamW state as <name>.exp_avg / <name>.exp_avg_sq
+//   optimizer.safetensors  AdamW state as <name>.exp_avg / <name>.exp_avg_sq (Muon's as
+//                        <name>.momentum_buffer)
+// or, with experts sharded over EP ranks, shards of both with index files (CheckpointShards),
 //   trainer_state.json   iteration, consumed tokens, data position, RNG seed
 //   recipe.yaml          the effective recipe
 // written under a temporary name and renamed, so a crash never leaves a half-written checkpoint;
@@ -16,6 +18,7 @@
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/param_store.h"
 #include "sparsetron/optim/optimizer.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron {
 
@@ -30,17 +33,30 @@ struct TrainerState {
 // Fails early, naming `dir`, if it cannot be created or written.
 void ensure_writable_dir(const std::string& dir);
 
+// A checkpoint written by several ranks (expert parallelism: each EP rank holds other experts).
+// Every rank of `world` calls save_checkpoint; the ranks with shard >= 0 (one per EP rank) write
+// model-<s>-of-<n>.safetensors and optimizer-<s>-of-<n>.safetensors (shard 0 also holds every
+// dense tensor, the others their routed experts), rank 0 the index files
+// (model.safetensors.index.json, HF's sharded format; optimizer.safetensors.index.json) and
+// the rest. The ranks must share the file system (one host, or a shared save directory).
+struct CheckpointShards {
+    Comm* world = nullptr;
+    int shard = -1;  // -1: this rank writes no shard (another rank holds the same tensors)
+    int shards = 1;
+};
+
 std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
                             const std::string& recipe_yaml, const ParamStore& store,
                             const MemoryPlan& plan, const Optimizer* optimizer,
-                            const TrainerState& state);
+                            const TrainerState& state, const CheckpointShards* shards = nullptr);
 
 // `dir` is a checkpoint directory or a save directory with latest_checkpointed_iteration.txt.
 std::string resolve_checkpoint(const std::string& dir);
 // A directory with config.json and weights (single model.safetensors or a sharded index).
 bool is_model_dir(const std::string& dir);
 // Copies weights into the planned parameters; every parameter must be present with its shape.
-// Reads model.safetensors, or the shards listed in model.safetensors.index.json.
+// Reads model.safetensors, or the shards listed in model.safetensors.index.json; tensors the
+// store does not hold (another EP rank's experts) are not read.
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan);
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,

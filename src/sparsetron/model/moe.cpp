@@ -25,8 +25,17 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
     capacity_ = c.moe_expert_capacity(tokens);
     router_ = store.add(p + "gate.weight", {E_, h_}, InitRule::Normal, false);
     bias_ = store.add_buffer(p + "gate.e_score_correction_bias", {E_}, InitRule::Zeros);
-    for (int64_t e = 0; e < E_; ++e)
+    W_ = c.expert_parallel_ranks;
+    ST_CHECK(W_ >= 1 && E_ % W_ == 0, "num_experts (", E_,
+             ") must be divisible by expert_model_parallel_size (", W_, ")");
+    El_ = E_ / W_;
+    ST_CHECK(c.expert_parallel_rank >= 0 && c.expert_parallel_rank < W_, "expert-parallel rank ",
+             c.expert_parallel_rank, " of ", W_);
+    // This rank's experts (all of them without expert parallelism), by their global index.
+    const int64_t first_param = store.size();
+    for (int64_t e = c.first_local_expert(); e < c.first_local_expert() + c.local_experts(); ++e)
         experts_.emplace_back(store, cat(p, "experts.", e, "."), h_, F_);
+    store.set_routed_expert_from(first_param);
     if (Fs_ > 0) shared_ = std::make_unique<SwiGluMlp<T>>(store, p + "shared_experts.", h_, Fs_);
     const int64_t R = tokens * k_;
     s_dxperm_ = buf.scratch("grad.moe.x_permuted", {R, h_});
@@ -42,10 +51,6 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
         s_sdu_ = buf.scratch("grad.moe.shared_up", {tokens, Fs_});
     }
     stats_.load.assign(E_, 0);
-    W_ = c.expert_parallel_ranks;
-    ST_CHECK(W_ >= 1 && E_ % W_ == 0, "num_experts (", E_,
-             ") must be divisible by expert_model_parallel_size (", W_, ")");
-    El_ = E_ / W_;
     if (W_ > 1) {
         // A source sends at most tokens x top-k rows: W of them can arrive.
         const int64_t Rr = W_ * R;
@@ -118,6 +123,9 @@ void MoeLayer<T>::set_expert_parallel(Comm* ep) {
     const int ranks = ep ? ep->size() : 1;
     ST_CHECK(ranks == W_, "the MoE layers were planned for ", W_,
              " expert-parallel ranks, the group has ", ranks);
+    ST_CHECK(!ep || ep->rank() == c_.expert_parallel_rank, "the MoE layers hold the experts of ",
+             "expert-parallel rank ", c_.expert_parallel_rank, ", this process is rank ",
+             ep ? ep->rank() : 0, " of its EP group");
     ep_ = ranks > 1 ? ep : nullptr;
 }
 
@@ -148,14 +156,13 @@ void MoeLayer<T>::ep_forward(Acts& A) {
     ep_->alltoallv(send.data(), counts, A.ep_recv.data(), counts);
     const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
     ep_->alltoallv(A.xperm, sb, A.xr, rb);
-    const int64_t first = int64_t(ep_->rank()) * El_;
     int64_t r = 0;
     for (int64_t s = 0; s < W_; ++s)
         for (int64_t l = 0; l < El_; ++l) {
             const int64_t n = A.ep_recv[size_t(s * El_ + l)];
-            experts_[size_t(first + l)].forward(A.xr + r * h_, n,
-                                                {A.gr + r * F_, A.ur + r * F_, A.actr + r * F_},
-                                                outr_ + r * h_, false);
+            experts_[size_t(l)].forward(A.xr + r * h_, n,
+                                        {A.gr + r * F_, A.ur + r * F_, A.actr + r * F_},
+                                        outr_ + r * h_, false);
             r += n;
         }
     // The outputs land where the rows came from: the permuted layout of the one-rank code.
@@ -166,12 +173,11 @@ template <typename T>
 void MoeLayer<T>::ep_backward(const Acts& A) const {
     const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
     ep_->alltoallv(doutperm_, sb, doutr_, rb);
-    const int64_t first = int64_t(ep_->rank()) * El_;
     int64_t r = 0;
     for (int64_t s = 0; s < W_; ++s)
         for (int64_t l = 0; l < El_; ++l) {
             const int64_t n = A.ep_recv[size_t(s * El_ + l)];
-            experts_[size_t(first + l)].backward(
+            experts_[size_t(l)].backward(
                 A.xr + r * h_, doutr_ + r * h_, n, {A.gr + r * F_, A.ur + r * F_, A.actr + r * F_},
                 {dactr_ + r * F_, dgr_ + r * F_, dur_ + r * F_}, dxr_ + r * h_, false);
             r += n;
@@ -254,6 +260,8 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
                 std::copy_n(m + A.perm_token[r] * h_, h_, A.xperm + r * h_);
         },
         16);
+    ST_CHECK(ep() || W_ == 1, "the MoE layers hold ", El_, " of ", E_,
+             " experts (expert parallelism) but no expert-parallel group was set");
     if (ep()) {
         ep_forward(A);
     } else {

@@ -10,9 +10,10 @@
 // dispatch is one alltoallv of their blocks (after one of the per-expert counts); the owner runs
 // its experts over every source's rows (source by source, expert by expert) and one alltoallv
 // sends the outputs back into the permuted layout, where the combine is the one-rank code. The
-// backward sends the output gradients the same way and the input gradients back. Every rank
-// keeps all expert weights (the static plan is the one-rank plan plus the receive buffers); an
-// expert's gradient is nonzero only on its owner, so the data-parallel sum is the full gradient.
+// backward sends the output gradients the same way and the input gradients back. A rank holds
+// only its own experts' weights (cfg.expert_parallel_rank; parameters marked routed_expert), so
+// their gradients are summed over the expert-data-parallel group (the ranks holding the same
+// experts) and everything else over every rank.
 #pragma once
 
 #include <string>

@@ -60,6 +60,11 @@ void ParamStore::set_mtp_from(int64_t first) {
     for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i) params_[i].mtp = true;
 }
 
+void ParamStore::set_routed_expert_from(int64_t first) {
+    for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i)
+        params_[i].routed_expert = true;
+}
+
 const ParamInfo& ParamStore::at(const std::string& name) const {
     int64_t i = index_of(name);
     ST_CHECK(i >= 0, "no parameter named '", name, "'");

@@ -22,6 +22,9 @@ struct ParamInfo {
     bool weight_decay = true;
     bool trainable = true;  // false for buffers
     bool mtp = false;       // belongs to the MTP layer (its own clipping group when detached)
+    // A routed expert's weight: sharded over the expert-parallel group (each rank holds its own
+    // experts), its gradient summed over the expert-data-parallel group only.
+    bool routed_expert = false;
     InitRule init = InitRule::Normal;
     MemoryPlan::Slot param_slot = -1;
     MemoryPlan::Slot grad_slot = -1;  // -1 for buffers
@@ -37,7 +40,9 @@ class ParamStore {
     int64_t add(std::string name, std::vector<int64_t> shape, InitRule init, bool decay = true);
     int64_t add_embedding_like(std::string name, std::vector<int64_t> shape);  // AdamW, 2-D
     int64_t add_buffer(std::string name, std::vector<int64_t> shape, InitRule init);
-    void set_mtp_from(int64_t first_index);  // marks parameters [first_index, end) as MTP
+    void set_mtp_from(int64_t first_index);            // marks parameters [first_index, end) as MTP
+    void set_routed_expert_from(int64_t first_index);  // ... as routed experts' weights
+    int64_t size() const { return int64_t(params_.size()); }
     // A copy of another store's entry (same name, shape, group, flags) planned in this store's
     // plan: how a second backend's model gets the identical parameter table.
     int64_t add_like(const ParamInfo& other);

@@ -9,6 +9,7 @@
 
 #include "sparsetron/optim/adamw.h"
 #include "sparsetron/optim/muon.h"
+#include "sparsetron/parallel/comm.h"
 
 namespace sparsetron {
 
@@ -29,6 +30,10 @@ class Optimizer {
                    const std::vector<bool>* update = nullptr,
                    const std::vector<bool>* owned = nullptr);
 
+    // Expert parallelism with sharded experts: a rank holds only its experts' gradients, so
+    // their squared norms are summed over `ep` (the expert-parallel group) into the global norm.
+    void set_expert_parallel(Comm* ep) { ep_ = ep && ep->size() > 1 ? ep : nullptr; }
+
     // Every state tensor by checkpoint name ("<param>.exp_avg", "<param>.momentum_buffer", ...).
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
     // What `sparsetron plan` prints per parameter: optimizer, split, state bytes.
@@ -40,6 +45,7 @@ class Optimizer {
     std::unique_ptr<Muon> muon_;
     std::vector<bool> uses_muon_, mtp_group_;
     bool separate_mtp_ = false;
+    Comm* ep_ = nullptr;
 };
 
 }  // namespace sparsetron

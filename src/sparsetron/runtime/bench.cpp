@@ -47,7 +47,8 @@ void summarize_times(BenchResult& r) {
     r.cv = r.step_ms.size() > 1 ? std::sqrt(var / double(r.step_ms.size() - 1)) / mean : 0.0;
 }
 
-std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) {
+std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& o) {
+    Recipe recipe = recipe_in;
     ST_CHECK(o.iters > 0 && o.warmup >= 0, "bench: --iters must be positive");
     ST_CHECK(!o.variants.empty(), "bench: no variants");
     for (const auto& v : o.variants)
@@ -55,6 +56,10 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& o) 
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(recipe.run.world_size == ranks, "bench: world_size ", recipe.run.world_size, " but ",
              ranks, " processes were started");
+    // Expert parallelism shards the routed experts: this rank's model holds its EP rank's.
+    if (recipe.run.expert_model_parallel_size > 1)
+        recipe.model.expert_parallel_rank =
+            make_layout(recipe.run, ranks).ep_rank(o.comm ? o.comm->rank() : 0);
     auto tp = make_training_plan(recipe);
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),

@@ -17,6 +17,7 @@
 #include "sparsetron/parallel/dynamic_cp.h"
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/runtime/cp_row_plan.h"
+#include "sparsetron/runtime/grad_ranges.h"
 
 namespace fs = std::filesystem;
 
@@ -173,6 +174,9 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed));
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
+    // Expert parallelism shards the routed experts: this rank's model holds its EP rank's.
+    if (r.expert_model_parallel_size > 1)
+        recipe_.model.expert_parallel_rank = make_layout(r, world_size()).ep_rank(world_rank());
     tp_ = make_training_plan(recipe_);
     // Expert and context parallelism: the layout's communicators, made once; the MoE layers
     // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the
@@ -192,8 +196,11 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
-        if (groups_ && r.expert_model_parallel_size > 1)
+        grad_ranges_ = gradient_ranges(tp_->model->params(), tp_->plan);
+        if (groups_ && r.expert_model_parallel_size > 1) {
             tp_->model->set_expert_parallel(groups_->ep.get());
+            tp_->optimizer->set_expert_parallel(groups_->ep.get());
+        }
         if (groups_ && r.context_parallel_size > 1 && !r.dynamic_context_parallel)
             tp_->model->set_context_parallel(groups_->cp.get());
     }
@@ -350,8 +357,14 @@ StepMetrics Trainer::train_step() {
     }
     if (world_size() > 1 && !engine_) {
         Comm& comm = *options_.comm;
-        comm.allreduce_sum(reinterpret_cast<float*>(tp_->plan.class_base(MemClass::Gradients)),
-                           int64_t(tp_->plan.class_bytes(MemClass::Gradients) / sizeof(float)));
+        // Dense gradients over every rank; the sharded experts' over the ranks holding the same
+        // experts (none to reduce when every rank holds other experts).
+        Comm* edp =
+            groups_ && recipe_.run.expert_model_parallel_size > 1 ? groups_->edp.get() : &comm;
+        for (const GradRange& g : grad_ranges_) {
+            Comm* over = g.routed_expert ? edp : &comm;
+            if (over->size() > 1) over->allreduce_sum(g.begin, g.count);
+        }
         std::vector<int64_t> stats = tp_->model->moe_stats_flat();
         std::vector<double> st(stats.begin(), stats.end());
         comm.allreduce_sum(st.data(), int64_t(st.size()));
@@ -457,9 +470,17 @@ void Trainer::assign_owners() {
         if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
             cost[i] *= double(std::min(params[i].shape[0], params[i].shape[1]));
     }
+    // Sharded experts: each rank updates its own (the ranks of its EDP group hold the same
+    // reduced gradients and update them alike); the rest goes to owners.
+    const bool sharded = recipe_.run.expert_model_parallel_size > 1;
+    for (size_t i = 0; i < params.size(); ++i)
+        if (sharded && params[i].routed_expert) cost[i] = -1.0;
     owner_ = assign_owners_greedy(cost, world_size());
     owned_.assign(params.size(), false);
-    for (size_t i = 0; i < params.size(); ++i) owned_[i] = owner_[i] == world_rank();
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (sharded && params[i].routed_expert && params[i].trainable) owner_[i] = kLocalOwner;
+        owned_[i] = owner_[i] == world_rank() || owner_[i] == kLocalOwner;
+    }
 }
 
 void Trainer::broadcast_from_owners(bool state) {
@@ -490,8 +511,18 @@ std::string Trainer::save() {
     // gathered from its owners: every rank holds the full state after; rank 0 writes.
     if (engine_) engine_->download_state();
     if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
-    if (world_rank() != 0) return checkpoint_dir();
     state_.data_position = stream_->position().to_json();
+    if (groups_ && recipe_.run.expert_model_parallel_size > 1) {
+        // Sharded experts: the first EP group's ranks write a shard each (rank 0's with every
+        // dense tensor), the EDP replicas of the same experts nothing.
+        const ParallelLayout& l = groups_->layout;
+        const CheckpointShards shards{
+            options_.comm, l.edp_rank(world_rank()) == 0 ? l.ep_rank(world_rank()) : -1, l.ep};
+        return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
+                               recipe_.to_yaml(), tp_->model->params(), tp_->plan,
+                               tp_->optimizer.get(), state_, &shards);
+    }
+    if (world_rank() != 0) return checkpoint_dir();
     return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
                            recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),
                            state_);

@@ -18,6 +18,7 @@
 #include "sparsetron/parallel/comm.h"
 #include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/grad_ranges.h"
 
 namespace sparsetron {
 
@@ -101,8 +102,10 @@ class Trainer {
     int data_parallel_rank() const { return world_rank() / cp_size(); }
     int data_parallel_size() const { return world_size() / cp_size(); }
     int cp_size() const { return static_cast<int>(recipe_.run.context_parallel_size); }
-    // Distributed optimizer: the rank that updates each parameter (-1: not trained); empty
+    // Distributed optimizer: the rank that updates each parameter (-1: not trained;
+    // kLocalOwner: a routed expert sharded over EP, which every rank updates itself); empty
     // without one.
+    static constexpr int kLocalOwner = -2;
     const std::vector<int>& parameter_owners() const { return owner_; }
 
   private:
@@ -128,6 +131,7 @@ class Trainer {
     std::unique_ptr<ProcessGroups> groups_;  // expert and context parallelism
     std::vector<int> owner_;                 // distributed optimizer: owning rank per parameter
     std::vector<bool> owned_;                // ... and whether this rank owns it
+    std::vector<GradRange> grad_ranges_;     // CPU data parallelism: what each reduction covers
 };
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.

@@ -186,6 +186,37 @@ TEST(DataParallelGpu, ExpertParallelTwoGpusMatchOneGpuEagerAndGraph) {
                          "--set optimizer=muon --set use_distributed_optimizer=true", ep);
 }
 
+// Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)
+// checkpoints at step 2 as two shards and an index; one GPU resuming from it (reading both
+// shards: every expert's weights and Muon momentum) reproduces steps 3 and 4.
+TEST(DataParallelGpu, ExpertParallelCheckpointResumesOnOneGpu) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string args = "--set optimizer=muon --set train_iters=4 ";
+    const std::string full = test::temp_dir("ep2-ckpt-full"), one = test::temp_dir("ep2-ckpt-one");
+    ASSERT_EQ(
+        launch(2, full, args + "--set save_interval=2 --set expert_model_parallel_size=2", true), 0)
+        << tail_of(full + "/rank0.log") << tail_of(full + "/rank1.log");
+    const std::string ckpt = full + "/checkpoints/iter_0000002";
+    ASSERT_TRUE(fs::exists(ckpt + "/model-00001-of-00002.safetensors"));
+    ASSERT_TRUE(fs::exists(ckpt + "/model-00002-of-00002.safetensors"));
+    ASSERT_TRUE(fs::exists(ckpt + "/model.safetensors.index.json"));
+    ASSERT_EQ(launch(1, one, args + "--set save_interval=0 --resume " + ckpt), 0)
+        << tail_of(one + "/rank0.log");
+    const auto a = read_metrics(full), b = read_metrics(one);
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+        const double la = a[i + 2]["lm_loss"], lb = b[i]["lm_loss"];
+        const double ga = a[i + 2]["grad_norm"], gb = b[i]["grad_norm"];
+        std::cout << "[ep2 checkpoint -> 1 GPU] step " << i + 3 << ": lm " << lb << " vs " << la
+                  << ", grad_norm " << gb << " vs " << ga << "\n";
+        EXPECT_NEAR(lb, la, 1e-4 * la) << "step " << i + 3;
+        EXPECT_NEAR(gb, ga, 1e-2 * ga) << "step " << i + 3;
+    }
+}
+
 // Context parallelism on GPUs: each GPU computes its two chunks of every document of every
 // micro-batch (DP 1 x CP 2); the latent keys K' and indexer keys k_I of all rows are gathered
 // over NCCL (the top-k runs over micro-batch key rows, 64 of up to 256), the key gradients summed

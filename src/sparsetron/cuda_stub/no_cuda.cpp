@@ -46,7 +46,7 @@ std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
                                                const Optimizer&, int64_t, int64_t, Comm*, Comm*,
-                                               Comm*) {
+                                               Comm*, Comm*) {
     no_cuda("--device cuda");
 }
 

@@ -70,9 +70,10 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         groups = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*o.comm, make_layout(recipe.run, ranks)));
     }
-    auto engine = make_cuda_engine(
-        recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents, tp->chunk_rows,
-        o.comm, groups ? groups->ep.get() : nullptr, groups ? groups->cp.get() : nullptr);
+    auto engine =
+        make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents,
+                         tp->chunk_rows, o.comm, groups ? groups->ep.get() : nullptr,
+                         groups ? groups->cp.get() : nullptr, groups ? groups->edp.get() : nullptr);
     engine->upload_state();
     // One synthetic document filling every slot of the micro-batch (the seed's THD benchmark).
     const int64_t slots = recipe.run.tokens_per_microbatch();

@@ -85,13 +85,11 @@ class DeviceEngine {
 // (inside the captured graph with full_iteration). With `context_parallel` (the CP group, for
 // context_parallel_size > 1) a rank computes its chunks of every document of its micro-batches.
 // Throws "built without CUDA" in a CPU-only build.
-std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const ParamStore& host_store,
-                                               const MemoryPlan& host_plan,
-                                               const Optimizer& host_optimizer,
-                                               int64_t max_documents, int64_t chunk_rows,
-                                               Comm* data_parallel = nullptr,
-                                               Comm* expert_parallel = nullptr,
-                                               Comm* context_parallel = nullptr);
+std::unique_ptr<DeviceEngine> make_cuda_engine(
+    const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
+    const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
+    Comm* data_parallel = nullptr, Comm* expert_parallel = nullptr,
+    Comm* context_parallel = nullptr, Comm* expert_data_parallel = nullptr);
 
 // The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
 // GPU): the per-class table of MemoryPlan::format(). Throws "built without CUDA" in a CPU-only

@@ -192,7 +192,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         engine_ = make_cuda_engine(
             recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer, tp_->max_documents,
             tp_->chunk_rows, world_size() > 1 ? options_.comm : nullptr,
-            groups_ ? groups_->ep.get() : nullptr, groups_ ? groups_->cp.get() : nullptr);
+            groups_ ? groups_->ep.get() : nullptr, groups_ ? groups_->cp.get() : nullptr,
+            groups_ ? groups_->edp.get() : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();

@@ -63,10 +63,13 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     capacity_ = c.moe_expert_capacity(tokens);
     router_ = P.index(p + "gate.weight");
     bias_ = P.index(p + "gate.e_score_correction_bias");
-    gate0_ = P.index(p + "experts.0.gate_proj.weight");
-    up0_ = P.index(p + "experts.0.up_proj.weight");
-    down0_ = P.index(p + "experts.0.down_proj.weight");
-    wstride_ = E_ > 1 ? P.index(p + "experts.1.gate_proj.weight") - gate0_ : 0;  // in params
+    // This rank's experts (all of them without expert parallelism: the weights are sharded).
+    El_ = c.local_experts();
+    const int64_t e0 = c.first_local_expert();
+    gate0_ = P.index(cat(p, "experts.", e0, ".gate_proj.weight"));
+    up0_ = P.index(cat(p, "experts.", e0, ".up_proj.weight"));
+    down0_ = P.index(cat(p, "experts.", e0, ".down_proj.weight"));
+    wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
         shared_ =
             std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens, "moe.shared");
@@ -146,7 +149,7 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
                      bf16* y) const {
     const int64_t Tn = T_, R = T_ * k_;
     // The expert weights are consecutive parameters: one stride apart in every arena.
-    const int64_t ws = E_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
+    const int64_t ws = El_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
     cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
     gemm(ctx, false, true, Tn, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f, A.logits, E_,
          F32, F32);
@@ -185,7 +188,7 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
 void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                       bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
-    const int64_t ws = E_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
+    const int64_t ws = El_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
     using K = cuda::GroupedGemm;
     if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
@@ -202,7 +205,7 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     if (W_ > 1) ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
     const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
     const Local L = local(A);
-    const int64_t gs = E_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
+    const int64_t gs = El_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
     const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                    &down = P_[down0_ + L.first * wstride_];
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, h_, F_, dout,
@@ -232,22 +235,23 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
 
 GpuMoe::Local GpuMoe::local(const Acts& A) const {
     if (W_ == 1) return {A.offsets, E_, capacity_, 0};
-    const int64_t el = E_ / W_;
-    return {A.recv_offsets, el, std::min(rows_, W_ * capacity_), int64_t(ep_->rank()) * el};
+    ST_ASSERT(ep_->rank() == c_.expert_parallel_rank, "CUDA MoE: EP rank ", ep_->rank(),
+              " holds the weights of EP rank ", c_.expert_parallel_rank);
+    return {A.recv_offsets, El_, std::min(rows_, W_ * capacity_), 0};
 }
 
 void GpuMoe::check_layout() const {
     for (int64_t first : {gate0_, up0_, down0_}) {
-        const int64_t ws = E_ > 1 ? P_[first + wstride_].w - P_[first].w : 0;
-        const int64_t gs = E_ > 1 ? P_[first + wstride_].grad - P_[first].grad : 0;
-        for (int64_t e = 0; e < E_; ++e) {
+        const int64_t ws = El_ > 1 ? P_[first + wstride_].w - P_[first].w : 0;
+        const int64_t gs = El_ > 1 ? P_[first + wstride_].grad - P_[first].grad : 0;
+        for (int64_t e = 0; e < El_; ++e) {
             const GpuParam& p = P_[first + e * wstride_];
             ST_CHECK(p.w == P_[first].w + e * ws && p.grad == P_[first].grad + e * gs,
                      "CUDA MoE: expert ", e, " of '", P_.store().params()[first].name,
                      "' is not at a fixed stride (the grouped GEMM needs one)");
         }
     }
-    ST_CHECK(E_ <= 1 ||
+    ST_CHECK(El_ <= 1 ||
                  (P_[gate0_ + wstride_].w - P_[gate0_].w == P_[up0_ + wstride_].w - P_[up0_].w &&
                   P_[gate0_ + wstride_].w - P_[gate0_].w == P_[down0_ + wstride_].w - P_[down0_].w),
              "CUDA MoE: gate/up/down expert strides differ");

@@ -61,8 +61,8 @@ class GpuMoe {
                  bf16* y) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                   bf16* dm) const;
-    // The grouped GEMM reads expert e's weights at one fixed stride from expert 0's; throws if
-    // the planned parameters are not laid out that way.
+    // The grouped GEMM reads local expert e's weights at one fixed stride from the first's;
+    // throws if the planned parameters are not laid out that way.
     void check_layout() const;
     void reset_stats(const ExecContext& ctx) const;
     void update_bias(const ExecContext& ctx, double rate) const;
@@ -73,7 +73,7 @@ class GpuMoe {
   private:
     StashRows stashed(const Acts& A) const;
     // Grouped GEMM inputs for this rank's experts: offsets, expert count, rows per expert bound,
-    // first expert.
+    // first expert among the weights this rank holds.
     struct Local {
         const int32_t* offsets;
         int64_t experts, max_rows, first;
@@ -85,6 +85,7 @@ class GpuMoe {
     cuda::ExpertExchange* ep_ = nullptr;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
     int64_t W_ = 1, rows_ = 0;    // expert-parallel ranks; expert rows (worst case received)
+    int64_t El_ = 1;              // experts this rank holds (E / W)
     bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;

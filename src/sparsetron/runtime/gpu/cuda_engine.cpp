@@ -22,7 +22,8 @@ class CudaEngine final : public DeviceEngine {
   public:
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
                const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
-               Comm* data_parallel, Comm* expert_parallel, Comm* context_parallel)
+               Comm* data_parallel, Comm* expert_parallel, Comm* context_parallel,
+               Comm* expert_data_parallel)
         : recipe_(recipe),
           host_store_(host_store),
           host_plan_(host_plan),
@@ -31,8 +32,15 @@ class CudaEngine final : public DeviceEngine {
         ST_CHECK(!dp_ || dp_->on_device(),
                  "CUDA data parallelism needs device collectives (NCCL); ", "the ",
                  dp_ ? dp_->name() : "", " communicator has none");
-        // The MoE layers plan for the expert-parallel group's size (make_training_plan's rule).
+        // The MoE layers plan for the expert-parallel group's size (make_training_plan's rule);
+        // the trainer set the rank whose experts this process holds.
         recipe_.model.expert_parallel_ranks = recipe_.run.expert_model_parallel_size;
+        // Sharded experts: their gradients are summed over the ranks holding the same experts.
+        if (expert_parallel && expert_parallel->size() > 1)
+            edp_ = expert_data_parallel && expert_data_parallel->size() > 1 ? expert_data_parallel
+                                                                            : nullptr;
+        else
+            edp_ = dp_;
         ST_CHECK(
             recipe_.model.expert_parallel_ranks == 1 ||
                 (expert_parallel && expert_parallel->size() == recipe_.model.expert_parallel_ranks),
@@ -55,7 +63,7 @@ class CudaEngine final : public DeviceEngine {
                                                  cpp.key_rows);
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
-            recipe_.run.use_distributed_optimizer ? dp_ : nullptr);
+            recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel);
         if (recipe_.run.cuda_graph_impl == "full_iteration") {
             // Staging for a whole step: every micro-batch's input block and loss sums.
             slots_ = recipe_.run.microbatches_per_step();
@@ -316,22 +324,29 @@ class CudaEngine final : public DeviceEngine {
             float* grad;
             int64_t n;
             int point;
+            Comm* over;  // dense: every rank; sharded experts: their EDP group (none: null)
         };
         std::vector<Entry> all;
         for (size_t i = 0; i < params.size(); ++i) {
             const gpu::GpuParam& g = model_->gpu_params()[int64_t(i)];
-            if (g.grad) all.push_back({g.grad, g.numel, model_->backward_point(params[i].name)});
+            Comm* over = params[i].routed_expert ? edp_ : dp_;
+            if (g.grad)
+                all.push_back({g.grad, g.numel, model_->backward_point(params[i].name), over});
         }
         std::sort(all.begin(), all.end(),
                   [](const Entry& a, const Entry& b) { return a.grad < b.grad; });
         buckets_.assign(size_t(model_->backward_points()), {});
-        // Neighbours in the arena that complete at the same point form one range (the gap
-        // between them is alignment padding, zeroed with the gradients).
+        // Neighbours in the arena that complete at the same point and reduce over the same
+        // group form one range (the gap between them is alignment padding, zeroed with the
+        // gradients).
         for (size_t i = 0; i < all.size();) {
             size_t j = i + 1;
-            while (j < all.size() && all[j].point == all[i].point) ++j;
+            while (j < all.size() && all[j].point == all[i].point && all[j].over == all[i].over)
+                ++j;
             float* end = all[j - 1].grad + all[j - 1].n;
-            buckets_[size_t(all[i].point)].push_back({all[i].grad, int64_t(end - all[i].grad)});
+            if (all[i].over)
+                buckets_[size_t(all[i].point)].push_back(
+                    {all[i].grad, int64_t(end - all[i].grad), all[i].over});
             i = j;
         }
     }
@@ -341,7 +356,8 @@ class CudaEngine final : public DeviceEngine {
         if (buckets_[size_t(p)].empty()) return;
         void* stream = ctx().stream;
         if (side_) side_->fork(), stream = side_->stream();
-        for (auto [ptr, n] : buckets_[size_t(p)]) dp_->device_allreduce_sum(ptr, n, stream);
+        for (const Bucket& b : buckets_[size_t(p)])
+            b.over->device_allreduce_sum(b.grad, b.n, stream);
     }
     void begin_reduce() {
         if (!dp_) return;
@@ -404,7 +420,13 @@ class CudaEngine final : public DeviceEngine {
     const MemoryPlan& host_plan_;
     const Optimizer& host_optimizer_;
     Comm* dp_ = nullptr;
-    std::vector<std::vector<std::pair<float*, int64_t>>> buckets_;  // per backward point
+    Comm* edp_ = nullptr;  // the sharded experts' gradient group (null: nothing to reduce)
+    struct Bucket {
+        float* grad;
+        int64_t n;
+        Comm* over;
+    };
+    std::vector<std::vector<Bucket>> buckets_;  // per backward point
     std::vector<bool> fired_;
     std::unique_ptr<cuda::SideStream> side_;  // overlap_grad_reduce
     cuda::CudaSession session_;
@@ -461,13 +483,13 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
                                                Comm* data_parallel, Comm* expert_parallel,
-                                               Comm* context_parallel) {
+                                               Comm* context_parallel, Comm* expert_data_parallel) {
     // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
     ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
              "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
     return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
                                         max_documents, chunk_rows, data_parallel, expert_parallel,
-                                        context_parallel);
+                                        context_parallel, expert_data_parallel);
 }
 
 }  // namespace sparsetron

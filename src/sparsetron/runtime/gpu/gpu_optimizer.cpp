@@ -11,28 +11,32 @@
 namespace sparsetron::gpu {
 
 GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m,
-                           const RunConfig& r, Comm* distributed)
-    : P_(P), cfg_(m), dist_(distributed && distributed->size() > 1 ? distributed : nullptr) {
+                           const RunConfig& r, Comm* distributed, Comm* expert_parallel)
+    : P_(P),
+      cfg_(m),
+      dist_(distributed && distributed->size() > 1 ? distributed : nullptr),
+      ep_(expert_parallel && expert_parallel->size() > 1 ? expert_parallel : nullptr) {
     const auto& params = P.store().params();
     muon_ = r.optimizer == "muon";
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
     rank_ = dist_ ? dist_->rank() : 0;
     ranks_ = dist_ ? dist_->size() : 1;
     // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
-    // by size), which then broadcasts the updated weights.
+    // by size), which then broadcasts the updated weights. Experts sharded over EP are this
+    // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).
     std::vector<double> adam_cost(params.size(), -1.0);
     for (size_t i = 0; i < params.size(); ++i) {
         uses_muon_.push_back(muon_ && params[i].trainable && params[i].group == OptimGroup::Muon);
-        if (params[i].trainable && !uses_muon_[i]) adam_cost[i] = double(params[i].numel());
+        local_.push_back(ep_ && params[i].routed_expert);
+        if (params[i].trainable && !uses_muon_[i] && !local_[i])
+            adam_cost[i] = double(params[i].numel());
     }
     adam_owner_ = assign_owners_greedy(adam_cost, ranks_);
-    int64_t off = 0, max_numel = 0;
-    bool seen_mtp = false;
-    parts_main_ = -1;
+    int64_t max_numel = 0;
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         const bool muon = uses_muon_[i];
-        const bool adam = p.trainable && !muon && adam_owner_[i] == rank_;
+        const bool adam = p.trainable && !muon && (adam_owner_[i] == rank_ || local_[i]);
         m_slots_.push_back(
             adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
                  : -1);
@@ -44,14 +48,26 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
                                   : -1);
         splits_.push_back(muon ? muon_split_for(p, m, r) : MuonSplit{});
         if (muon) max_numel = std::max(max_numel, p.numel());
-        if (separate_mtp_ && p.mtp && !seen_mtp) parts_main_ = off, seen_mtp = true;
-        ST_CHECK(!(separate_mtp_ && seen_mtp && !p.mtp), "optimizer: parameter '", p.name,
-                 "' follows the MTP layer's; the MTP clipping group must be the last");
-        part_off_.push_back(off);
-        if (p.trainable) off += cuda::sum_squares_blocks(p.numel());
+    }
+    // Gradient-norm partial sums, [main dense | main experts | MTP dense | MTP experts]: each
+    // clipping group one range, its sharded experts' partials a sub-range summed over EP.
+    part_off_.assign(params.size(), 0);
+    int64_t off = 0;
+    for (int g = 0; g < 2; ++g) {
+        if (g == 1) parts_main_ = off;
+        for (int expert = 0; expert < 2; ++expert) {
+            const int64_t begin = off;
+            for (size_t i = 0; i < params.size(); ++i) {
+                const auto& p = params[i];
+                const int group = separate_mtp_ && p.mtp ? 1 : 0;
+                if (!p.trainable || group != g || local_[i] != bool(expert)) continue;
+                part_off_[i] = off;
+                off += cuda::sum_squares_blocks(p.numel());
+            }
+            if (expert) expert_parts_[g] = {begin, off - begin};
+        }
     }
     parts_total_ = off;
-    if (parts_main_ < 0) parts_main_ = parts_total_;
     s_parts_ = plan.add(MemClass::Workspace, "optim.grad_norm_partials", DType::F32,
                         {std::max<int64_t>(parts_total_, 1)});
     s_norm_ = plan.add(MemClass::Workspace, "optim.grad_norms", DType::F32, {2});
@@ -81,12 +97,22 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // Up to 64 Mi elements per batch (a larger matrix alone): enough matrices per GEMM to fill
     // the GPU with small per-head slices, a bounded workspace for the large ones.
     constexpr int64_t kBatchElements = int64_t(64) << 20;
-    batches_ = plan_muon_batches(splits_, shapes, std::max(kBatchElements, max_numel));
+    const int64_t limit = std::max(kBatchElements, max_numel);
+    // Distributed: the sharded experts' batches (other matrices on every rank) are not split
+    // over the ranks; each rank runs its own after the shared rounds.
+    std::vector<MuonSplit> shared = splits_, own(splits_.size());
+    if (dist_)
+        for (size_t i = 0; i < splits_.size(); ++i)
+            if (local_[i]) std::swap(shared[i], own[i]);
+    batches_ = plan_muon_batches(shared, shapes, limit);
+    shared_batches_ = int64_t(batches_.size());
+    for (MuonBatch& b : plan_muon_batches(own, shapes, limit)) batches_.push_back(std::move(b));
     // Rounds: the batches by Newton-Schulz FLOPs, largest first, W to a round (one per rank), so
     // the ranks of a round wait little for each other (on the proxy the round maxima sum to 1.03x
     // the ideal half; pairing each rank's j-th batch of a greedy split gave 1.15x).
     std::vector<std::pair<double, int>> cost;
-    for (size_t k = 0; k < batches_.size(); ++k) cost.emplace_back(batches_[k].ns_cost(), int(k));
+    for (int64_t k = 0; k < shared_batches_; ++k)
+        cost.emplace_back(batches_[size_t(k)].ns_cost(), int(k));
     std::stable_sort(cost.begin(), cost.end(),
                      [](const auto& x, const auto& y) { return x.first > y.first; });
     rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),
@@ -162,6 +188,11 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         if (params[i].trainable)
             cuda::sum_squares_partials(ctx, P_[int64_t(i)].grad, P_[int64_t(i)].numel,
                                        parts_ + part_off_[i]);
+    // Sharded experts: the partials of every rank's experts (the same layout on every EP rank)
+    // summed, so each clipping group's norm covers all experts.
+    if (ep_)
+        for (const auto& [begin, count] : expert_parts_)
+            if (count > 0) ep_->device_allreduce_sum(parts_ + begin, count, ctx.stream);
     const float clip = float(run.clip_grad);
     cuda::clip_scale(ctx, parts_, parts_main_, clip, norm_, scale_, skip_);
     if (separate_mtp_) {
@@ -181,7 +212,7 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
             cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f,
                                 float(run.muon_momentum), scale_ + g, skip_ + g, sched_,
                                 p.weight_decay ? float(run.weight_decay) : 0.f);
-        } else if (adam_owner_[i] == rank_) {
+        } else if (adam_owner_[i] == rank_ || local_[i]) {
             cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
                                p.weight_decay ? float(run.weight_decay) : 0.f, 1, scale_ + g,
@@ -238,34 +269,36 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         return base + int64_t(j % size_t(ns_buffers_)) * ranks_ * ns_stack_ * es;
     };
     auto slot_bytes_of = [&](size_t j) { return round_elements_[j] * es; };
+    // Batch k gathered, normalized and orthogonalized into `w`.
+    auto orthogonalize = [&](int k, char* w) {
+        const MuonBatch& b = batches_[size_t(k)];
+        const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
+        char* bb = a + b.count() * b.rr() * b.rr() * es;
+        cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
+                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
+        cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
+                                   ns_elem_, w);
+        cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
+                                  ns_elem_, ns_tf32_);
+    };
+    auto apply = [&](int k, const char* w) {
+        const MuonBatch& b = batches_[size_t(k)];
+        // The step is lr (staged on the device) times the shape scale.
+        const float factor =
+            float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
+        cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows, b.cols,
+                               b.transposed(), w, ns_elem_, factor, skip_, sched_);
+    };
     // Every rank applies every batch of a round: the weights stay identical everywhere.
     auto apply_round = [&](size_t j) {
-        for (int s = 0; s < ranks_; ++s) {
-            const int k = rounds_[j][size_t(s)];
-            if (k < 0) continue;
-            const MuonBatch& b = batches_[size_t(k)];
-            // The step is lr (staged on the device) times the shape scale.
-            const float factor =
-                float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
-            cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows,
-                                   b.cols, b.transposed(), slots_of(j) + s * slot_bytes_of(j),
-                                   ns_elem_, factor, skip_, sched_);
-        }
+        for (int s = 0; s < ranks_; ++s)
+            if (const int k = rounds_[j][size_t(s)]; k >= 0)
+                apply(k, slots_of(j) + s * slot_bytes_of(j));
     };
     for (size_t j = 0; j < rounds_.size(); ++j) {
         // This rank's batch: gather, normalize, Newton-Schulz into its slot.
-        if (const int k = rounds_[j][size_t(rank_)]; k >= 0) {
-            const MuonBatch& b = batches_[size_t(k)];
-            const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
-            char* w = slots_of(j) + rank_ * slot_bytes_of(j);
-            char* bb = a + b.count() * b.rr() * b.rr() * es;
-            cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
-                                    float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
-            cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
-                                       ns_elem_, w);
-            cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
-                                      ns_elem_, ns_tf32_);
-        }
+        if (const int k = rounds_[j][size_t(rank_)]; k >= 0)
+            orthogonalize(k, slots_of(j) + rank_ * slot_bytes_of(j));
         if (!dist_) {
             apply_round(j);
             continue;
@@ -281,6 +314,11 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
     if (dist_ && !rounds_.empty()) {
         side_->join();
         apply_round(rounds_.size() - 1);
+    }
+    // This rank's own batches (sharded experts), after the shared rounds: slot 0 is free.
+    for (int k = int(shared_batches_); k < int(batches_.size()); ++k) {
+        orthogonalize(k, base);
+        apply(k, base);
     }
 }
 

@@ -4,6 +4,7 @@
 // splits, batched Newton-Schulz through cuBLASLt) for the 2-D weights when the recipe asks for it.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <utility>
@@ -28,8 +29,11 @@ class GpuOptimizer {
     // (owners broadcast the new weights) and Muon's Newton-Schulz batches are split over the
     // ranks (results all-gathered, every rank applies all of them); Muon momentum stays whole on
     // every rank.
+    // With `expert_parallel` (more than one rank: the routed experts are sharded), each rank
+    // updates its own experts (state kept here, never broadcast, Newton-Schulz outside the
+    // distributed split) and their squared gradient norms are summed over the group.
     GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r,
-                 Comm* distributed = nullptr);
+                 Comm* distributed = nullptr, Comm* expert_parallel = nullptr);
     void bind(const MemoryPlan& plan);
     // Distributed: creates the side stream its collectives overlap on (once, outside a step).
     void prepare(const ExecContext& ctx);
@@ -63,6 +67,8 @@ class GpuOptimizer {
     const GpuParams& P_;
     const ModelConfig& cfg_;
     Comm* dist_ = nullptr;
+    Comm* ep_ = nullptr;
+    std::vector<bool> local_;  // a sharded routed expert's weight: this rank's alone
     int rank_ = 0, ranks_ = 1;
     std::vector<int> adam_owner_;  // AdamW parameters' owning rank, -1 for the others
     bool muon_ = false, separate_mtp_ = false;
@@ -71,10 +77,12 @@ class GpuOptimizer {
     std::vector<MuonSplit> splits_;
     std::vector<int64_t> part_off_;  // first partial-sum block of each parameter
     int64_t parts_main_ = 0, parts_total_ = 0;
+    std::array<std::pair<int64_t, int64_t>, 2> expert_parts_{};  // per group: (first, count)
     MemoryPlan::Slot s_parts_, s_norm_, s_scale_, s_skip_, s_sched_;
     float *parts_ = nullptr, *norm_ = nullptr, *scale_ = nullptr;
     // Muon: Newton-Schulz batches, their workspace and the device table of their problems.
-    std::vector<MuonBatch> batches_;
+    std::vector<MuonBatch> batches_;  // the shared batches first, then this rank's own
+    int64_t shared_batches_ = 0;
     std::vector<int64_t> batch_first_;      // each batch's first row in the problem table
     std::vector<std::vector<int>> rounds_;  // [round][rank] -> batch, -1 for none
     std::vector<int64_t> round_elements_;   // per round: its largest batch's elements

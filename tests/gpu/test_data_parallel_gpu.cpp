@@ -203,10 +203,10 @@ TEST(DataParallelGpu, ExpertParallelCheckpointResumesOnOneGpu) {
     ASSERT_TRUE(fs::exists(ckpt + "/model-00002-of-00002.safetensors"));
     ASSERT_TRUE(fs::exists(ckpt + "/model.safetensors.index.json"));
     // The checkpoint's recipe asks for EP 2: one GPU overrides it.
-    ASSERT_EQ(launch(1, one,
-                     args + "--set save_interval=0 --set expert_model_parallel_size=1 --resume " +
-                         ckpt),
-              0)
+    ASSERT_EQ(
+        launch(1, one,
+               args + "--set save_interval=0 --set expert_model_parallel_size=1 --resume " + ckpt),
+        0)
         << tail_of(one + "/rank0.log");
     const auto a = read_metrics(full), b = read_metrics(one);
     ASSERT_EQ(a.size(), 4u);

@@ -3,12 +3,14 @@
 // quantizers), on shapes with partial blocks and block magnitudes 2^12 apart.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "../fp8_test_data.h"
 #include "harness.h"
 #include "sparsetron/ops/cpu/fp8_blockwise.h"
+#include "sparsetron/ops/fp8_scale_layout.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/ops/cuda/cuda_session.h"
@@ -33,6 +35,23 @@ int64_t mismatches(const std::vector<A>& a, const std::vector<B>& b) {
     return n;
 }
 
+// GEMM-layout scales (ops/fp8_scale_layout.h) back to the CPU reference's [rows, blocks(k)] and
+// [blocks(rows), blocks(k)].
+std::vector<float> logical_1x128(const std::vector<float>& g, int64_t rows, int64_t k) {
+    std::vector<float> out(size_t(rows * fp8::blocks(k)));
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t kb = 0; kb < fp8::blocks(k); ++kb)
+            out[size_t(r * fp8::blocks(k) + kb)] = g[size_t(fp8::scale_index_1x128(r, kb, rows))];
+    return out;
+}
+std::vector<float> logical_128x128(const std::vector<float>& g, int64_t rows, int64_t k) {
+    std::vector<float> out(size_t(fp8::blocks(rows) * fp8::blocks(k)));
+    for (int64_t rb = 0; rb < fp8::blocks(rows); ++rb)
+        for (int64_t kb = 0; kb < fp8::blocks(k); ++kb)
+            out[size_t(rb * fp8::blocks(k) + kb)] = g[size_t(fp8::scale_index_128x128(rb, kb, k))];
+    return out;
+}
+
 }  // namespace
 
 TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
@@ -44,27 +63,29 @@ TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
         std::vector<float> x = fp8_blocky_values(rows, cols, 11);
         DeviceArray<bf16> dx(to_bf16_rounding(x));
         DeviceArray<uint8_t> dq(rows * cols);
-        DeviceArray<float> ds(rows * nb);
+        DeviceArray<float> ds(fp8::scales_1x128(rows, cols));
         cuda::quantize_fp8_1x128(session.ctx(), dx, rows, cols, cols, pow2, dq, ds);
         std::vector<uint8_t> q(size_t(rows * cols));
         std::vector<float> s(size_t(rows * nb));
         cpu::quantize_1x128(x.data(), rows, cols, cols, pow2, q.data(), s.data());
         session.synchronize();
         EXPECT_EQ(mismatches(dq.download(), q), 0) << "1x128 bytes, pow2 " << pow2;
-        EXPECT_EQ(mismatches(ds.download(), s), 0) << "1x128 scales, pow2 " << pow2;
+        EXPECT_EQ(mismatches(logical_1x128(ds.download(), rows, cols), s), 0)
+            << "1x128 scales, pow2 " << pow2;
         EXPECT_TRUE(dq.guard_intact() && ds.guard_intact());
         // Weights: fp32 masters.
         const std::vector<float> w = fp8_blocky_values(rows, cols, 12);
         DeviceArray<float> dw(w);
         DeviceArray<uint8_t> dqw(rows * cols);
-        DeviceArray<float> dsw(rb * nb);
+        DeviceArray<float> dsw(fp8::scales_128x128(rows, cols));
         cuda::quantize_fp8_128x128(session.ctx(), dw, rows, cols, pow2, dqw, dsw);
         std::vector<uint8_t> qw(size_t(rows * cols));
         std::vector<float> sw(size_t(rb * nb));
         cpu::quantize_128x128(w.data(), rows, cols, pow2, qw.data(), sw.data());
         session.synchronize();
         EXPECT_EQ(mismatches(dqw.download(), qw), 0) << "128x128 bytes, pow2 " << pow2;
-        EXPECT_EQ(mismatches(dsw.download(), sw), 0) << "128x128 scales, pow2 " << pow2;
+        EXPECT_EQ(mismatches(logical_128x128(dsw.download(), rows, cols), sw), 0)
+            << "128x128 scales, pow2 " << pow2;
         EXPECT_TRUE(dqw.guard_intact() && dsw.guard_intact());
         // Not trivially equal: the quantized values span many codes.
         int64_t distinct = 0;
@@ -75,6 +96,83 @@ TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
         }
         EXPECT_GT(distinct, 200);
     }
+}
+
+// cuBLASLt's block-scaled GEMM against the CPU reference on the same quantized operands (the
+// CUDA quantizers' output): x [m, k] 1x128, w [n, k] 128x128 (the forward) and 1x128 (the
+// gradient GEMMs), with a partial last block of k and accumulation into y. The GEMM sums the
+// 128-wide blocks in fp32 and rounds y to bf16: within 1% of the reference value plus 1e-3 of
+// the output's rms. The scales matter: blocks 2^12 apart in magnitude.
+TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const int64_t m = 264, n = 392, k = 656;
+    // bf16-representable values: the 1x128 quantizer reads bf16, the 128x128 one fp32.
+    std::vector<float> x = fp8_blocky_values(m, k, 21), w = fp8_blocky_values(n, k, 22);
+    DeviceArray<bf16> dx(to_bf16_rounding(x)), dwb(to_bf16_rounding(w));
+    DeviceArray<float> dw(w);
+    DeviceArray<uint8_t> qx(m * k), qw(n * k), qw1(n * k);
+    DeviceArray<float> sx(fp8::scales_1x128(m, k)), sw(fp8::scales_128x128(n, k)),
+        sw1(fp8::scales_1x128(n, k));
+    const ExecContext& ctx = session.ctx();
+    cuda::quantize_fp8_1x128(ctx, dx, m, k, k, true, qx, sx);
+    cuda::quantize_fp8_128x128(ctx, dw, n, k, true, qw, sw);
+    cuda::quantize_fp8_1x128(ctx, dwb, n, k, k, true, qw1, sw1);
+    const std::vector<uint8_t> hqx = qx.download(), hqw = qw.download(), hqw1 = qw1.download();
+    const std::vector<float> hsx = logical_1x128(sx.download(), m, k);
+    const std::vector<float> hsw = logical_128x128(sw.download(), n, k);
+    const std::vector<float> hsw1 = logical_1x128(sw1.download(), n, k);
+    // The reference of the 128x128 case (cpu::gemm_fp8_blockwise); the 1x128 x 1x128 case by the
+    // same sum with w's per-row scales.
+    std::vector<float> ref(size_t(m * n)), ref1(size_t(m * n)), exact(size_t(m * n));
+    cpu::gemm_fp8_blockwise(hqx.data(), hsx.data(), hqw.data(), hsw.data(), m, n, k, ref.data());
+    const int64_t kb_n = fp8::blocks(k);
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+            double acc = 0, e = 0;
+            for (int64_t kb = 0; kb < kb_n; ++kb) {
+                double part = 0;
+                for (int64_t c = kb * 128; c < std::min(k, kb * 128 + 128); ++c) {
+                    part += double(cpu::e4m3_to_float(hqx[size_t(i * k + c)])) *
+                            double(cpu::e4m3_to_float(hqw1[size_t(j * k + c)]));
+                    e += double(x[size_t(i * k + c)]) * double(w[size_t(j * k + c)]);
+                }
+                acc += part * hsx[size_t(i * kb_n + kb)] * hsw1[size_t(j * kb_n + kb)];
+            }
+            ref1[size_t(i * n + j)] = float(acc);
+            exact[size_t(i * n + j)] = float(e);
+        }
+    auto check = [&](const std::vector<float>& got, const std::vector<float>& want,
+                     const std::string& what) {
+        double rms = 0, err = 0, qerr = 0, den = 0;
+        for (size_t i = 0; i < want.size(); ++i) rms += double(want[i]) * want[i];
+        rms = std::sqrt(rms / double(want.size()));
+        int64_t bad = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+            const double d = std::fabs(double(got[i]) - want[i]);
+            if (d > 1e-2 * std::fabs(want[i]) + 1e-3 * rms) ++bad;
+            err += d * d;
+            qerr += (double(want[i]) - exact[i]) * (double(want[i]) - exact[i]);
+            den += double(exact[i]) * exact[i];
+        }
+        std::cout << "[fp8 gemm] " << what << ": |gpu - reference| / |reference| "
+                  << std::sqrt(err / (rms * rms * double(want.size())))
+                  << ", reference vs the unquantized product " << std::sqrt(qerr / den) << "\n";
+        EXPECT_EQ(bad, 0) << what;
+    };
+    DeviceArray<bf16> y(m * n);
+    cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw, sw, true}, y, n);
+    check(to_float(y.download()), ref, "x 1x128 . w 128x128");
+    cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw1, sw1, false}, y, n);
+    check(to_float(y.download()), ref1, "x 1x128 . w 1x128");
+    // Accumulate: y (the 1x128 result) + the 128x128 product.
+    const std::vector<float> y1 = to_float(y.download());
+    cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw, sw, true}, y, n, true);
+    std::vector<float> sum(ref.size());
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] = y1[i] + ref[i];
+    check(to_float(y.download()), sum, "accumulate");
+    EXPECT_THROW(cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, true}, {qw, sw, true}, y, n),
+                 Error);
 }
 
 #endif

@@ -15,6 +15,7 @@
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/ops/cuda/cuda_session.h"
 #include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/fp8_scale_layout.h"
 #endif
 
 using namespace sparsetron;
@@ -69,6 +70,44 @@ class CudaOpsPerf : public ::testing::Test {
 };
 
 }  // namespace
+
+// The block-scaled FP8 GEMM (1x128 activations x 128x128 weights, cuBLASLt) against the bf16
+// GEMM of the same shape, plus the activation quantizer's cost (bytes: bf16 in, e4m3 out).
+TEST_F(CudaOpsPerf, Fp8BlockScaledGemmVsBf16) {
+    struct Shape {
+        const char* name;
+        int64_t m, n, k;
+    };
+    for (const Shape& s :
+         {Shape{"8192^3", 8192, 8192, 8192}, Shape{"mlp up 4096x24576x6144", T, 24576, h},
+          Shape{"mlp down 4096x6144x12288", T, h, 12288},
+          Shape{"o_proj 4096x6144x16384", T, h, 16384}}) {
+        auto a = bf(s.m * s.k), w = bf(s.n * s.k), y = bf(s.m * s.n);
+        auto wf = f32(s.n * s.k);
+        DeviceArray<uint8_t> qa(s.m * s.k), qw(s.n * s.k);
+        DeviceArray<float> sa(fp8::scales_1x128(s.m, s.k)), sw(fp8::scales_128x128(s.n, s.k));
+        cuda::quantize_fp8_1x128(ctx(), *a, s.m, s.k, s.k, true, qa, sa);
+        cuda::quantize_fp8_128x128(ctx(), *wf, s.n, s.k, true, qw, sw);
+        const double flops = 2.0 * s.m * s.n * s.k;
+        report(
+            cat("gemm bf16 ", s.name),
+            [&] {
+                cuda::gemm(ctx(), false, true, s.m, s.n, s.k, 1.f, *a, s.k, *w, s.k, 0.f, *y, s.n);
+            },
+            flops, 2.0 * (s.m * s.k + s.n * s.k + s.m * s.n));
+        report(
+            cat("gemm fp8 1x128.128x128 ", s.name),
+            [&] {
+                cuda::gemm_fp8_blockwise(ctx(), s.m, s.n, s.k, {qa, sa, false}, {qw, sw, true}, *y,
+                                         s.n);
+            },
+            flops, double(s.m * s.k + s.n * s.k) + 2.0 * s.m * s.n);
+        report(
+            cat("quantize 1x128 ", s.m, "x", s.k),
+            [&] { cuda::quantize_fp8_1x128(ctx(), *a, s.m, s.k, s.k, true, qa, sa); }, 0,
+            3.0 * s.m * s.k);
+    }
+}
 
 TEST_F(CudaOpsPerf, DenseGemmsAndElementwise) {
     auto a = bf(T * 16384), w = bf(h * 16384), y = bf(T * h);

@@ -2,12 +2,15 @@
 // and 128x128 quantizers and the block-scaled GEMM they feed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <vector>
 
 #include "../fp8_test_data.h"
 #include "sparsetron/ops/cpu/fp8_blockwise.h"
 #include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/fp8_scale_layout.h"
 
 using namespace sparsetron;
 using namespace sparsetron::cpu;
@@ -146,4 +149,26 @@ TEST(Fp8Blockwise, BlockScaledGemmMatchesDequantizedAndFp32) {
     EXPECT_LT(err_d, 1e-6);
     EXPECT_LT(err_f, 0.04);
     EXPECT_GT(err_f, 1e-4) << "FP8 must lose something: the inputs were not quantized";
+}
+
+// The GEMM's scale layouts (ops/fp8_scale_layout.h): every block of an operand gets its own slot
+// inside the buffer, rows contiguous for 1x128 and blocks of k contiguous for 128x128.
+TEST(Fp8ScaleLayout, EveryBlockHasItsOwnSlot) {
+    for (int64_t rows : {1, 5, 128, 300})
+        for (int64_t k : {16, 128, 656}) {
+            std::vector<int> used(size_t(fp8::scales_1x128(rows, k)), 0);
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t kb = 0; kb < fp8::blocks(k); ++kb)
+                    ++used[size_t(fp8::scale_index_1x128(r, kb, rows))];
+            EXPECT_EQ(*std::max_element(used.begin(), used.end()), 1) << rows << "x" << k;
+            EXPECT_EQ(fp8::scale_index_1x128(1, 0, rows) - fp8::scale_index_1x128(0, 0, rows), 1);
+            std::vector<int> used2(size_t(fp8::scales_128x128(rows, k)), 0);
+            for (int64_t rb = 0; rb < fp8::blocks(rows); ++rb)
+                for (int64_t kb = 0; kb < fp8::blocks(k); ++kb)
+                    ++used2[size_t(fp8::scale_index_128x128(rb, kb, k))];
+            EXPECT_EQ(*std::max_element(used2.begin(), used2.end()), 1) << rows << "x" << k;
+        }
+    // Padding to 4: 5 rows take 8 slots per block of k; 656 columns (6 blocks) 8 per block row.
+    EXPECT_EQ(fp8::scales_1x128(5, 656), 6 * 8);
+    EXPECT_EQ(fp8::scales_128x128(300, 656), 3 * 8);
 }

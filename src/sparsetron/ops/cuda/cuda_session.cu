@@ -14,12 +14,14 @@ CudaSession::CudaSession() : libs_(std::make_unique<Libraries>()) {
 }
 
 CudaSession::~CudaSession() {
-    for (auto& [key, p] : libs_->plans) {
+    auto destroy = [](GemmPlan& p) {
         cublasLtMatrixLayoutDestroy(p.a);
         cublasLtMatrixLayoutDestroy(p.b);
         cublasLtMatrixLayoutDestroy(p.c);
         cublasLtMatmulDescDestroy(p.op);
-    }
+    };
+    for (auto& [key, p] : libs_->plans) destroy(p);
+    for (auto& [key, p] : libs_->fp8_plans) destroy(p);
     cudaFree(libs_->workspace);
     cublasLtDestroy(libs_->lt);
     cudaStreamDestroy(static_cast<cudaStream_t>(ctx_.stream));

@@ -2,11 +2,13 @@
 // these kernels match bit for bit): one fp32 scale per 1x128 block of an activation row and per
 // 128x128 block of a weight, e4m3 with round-to-nearest-even and saturation to +-448
 // (__NV_SATFINITE), scales by Transformer Engine's rule with correctly rounded divisions, so
-// the result does not depend on fast-math flags.
+// the result does not depend on fast-math flags. The scales are written where cuBLASLt's
+// block-scaled GEMM reads them (ops/fp8_scale_layout.h).
 #include <cuda_fp8.h>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/fp8_scale_layout.h"
 
 namespace sparsetron::cuda {
 namespace {
@@ -30,18 +32,18 @@ __device__ __forceinline__ uint8_t to_e4m3(float v) {
 }
 
 // One block of 128 threads per (row, 128-column block).
-__global__ void quantize_1x128_kernel(const bf* x, int64_t cols, int64_t ld, int64_t nb, bool pow2,
-                                      uint8_t* q, float* scale_inv) {
+__global__ void quantize_1x128_kernel(const bf* x, int64_t rows, int64_t cols, int64_t ld,
+                                      bool pow2, uint8_t* q, float* scale_inv) {
     const int64_t r = blockIdx.x, b = blockIdx.y, c = b * kBlock + threadIdx.x;
     const float v = c < cols ? __bfloat162float(x[r * ld + c]) : 0.f;
     const float s = scale_from_amax(block_max(fabsf(v)), pow2);
     if (c < cols) q[r * cols + c] = to_e4m3(v * s);
-    if (threadIdx.x == 0) scale_inv[r * nb + b] = __fdiv_rn(1.f, s);
+    if (threadIdx.x == 0) scale_inv[fp8::scale_index_1x128(r, b, rows)] = __fdiv_rn(1.f, s);
 }
 
 // One block of 256 threads per 128x128 tile.
-__global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t cols, int64_t cb_n,
-                                        bool pow2, uint8_t* q, float* scale_inv) {
+__global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t cols, bool pow2,
+                                        uint8_t* q, float* scale_inv) {
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
     float amax = 0.f;
     for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
@@ -53,7 +55,8 @@ __global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t co
         const int64_t r = r0 + i / kBlock, c = c0 + i % kBlock;
         if (r < rows && c < cols) q[r * cols + c] = to_e4m3(w[r * cols + c] * s);
     }
-    if (threadIdx.x == 0) scale_inv[blockIdx.x * cb_n + blockIdx.y] = __fdiv_rn(1.f, s);
+    if (threadIdx.x == 0)
+        scale_inv[fp8::scale_index_128x128(blockIdx.x, blockIdx.y, cols)] = __fdiv_rn(1.f, s);
 }
 
 }  // namespace
@@ -63,7 +66,7 @@ void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int
     if (rows == 0 || cols == 0) return;
     const int64_t nb = (cols + kBlock - 1) / kBlock;
     quantize_1x128_kernel<<<dim3(unsigned(rows), unsigned(nb)), kBlock, 0, stream_of(ctx)>>>(
-        dev(x), cols, ld, nb, pow2, q, scale_inv);
+        dev(x), rows, cols, ld, pow2, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -72,7 +75,7 @@ void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, 
     if (rows == 0 || cols == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
     quantize_128x128_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
-        w, rows, cols, cb, pow2, q, scale_inv);
+        w, rows, cols, pow2, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();
 }
 

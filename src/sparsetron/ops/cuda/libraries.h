@@ -32,6 +32,7 @@ struct Libraries {
     void* workspace = nullptr;
     size_t workspace_bytes = 64u << 20;  // cuBLASLt's recommendation for Hopper is 32 MiB or more
     std::map<std::array<int64_t, 15>, GemmPlan> plans;
+    std::map<std::array<int64_t, 7>, GemmPlan> fp8_plans;  // gemm_fp8_blockwise's
 };
 
 }  // namespace sparsetron::cuda

@@ -267,14 +267,27 @@ void bf16_to_f32(const ExecContext& ctx, const bf16* src, float* dst, int64_t n)
 void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n);
 
 // ---- FP8 blockwise quantization (fp8_quantize.cu; bit for bit the CPU reference,
-// ops/cpu/fp8_blockwise.h): e4m3 q and fp32 scale_inv (x ~ q * scale_inv).
-// Activations x [rows, cols] bf16 (row stride ld): scale_inv [rows, ceil(cols / 128)].
+// ops/cpu/fp8_blockwise.h): e4m3 q and fp32 scale_inv (x ~ q * scale_inv), the scales in the
+// GEMM's layout (ops/fp8_scale_layout.h: fp8::scales_1x128 / scales_128x128 floats).
+// Activations x [rows, cols] bf16 (row stride ld), one scale per 1x128 block of a row.
 void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
                         int64_t ld, bool pow2, uint8_t* q, float* scale_inv);
-// Weights w [rows, cols] fp32 (the masters: quantized from full precision):
-// scale_inv [ceil(rows / 128), ceil(cols / 128)].
+// Weights w [rows, cols] fp32 (the masters: quantized from full precision), 128x128 blocks.
 void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
                           bool pow2, uint8_t* q, float* scale_inv);
+
+// ---- FP8 block-scaled GEMM (gemm_fp8.cu, cuBLASLt on Hopper): y [m, n] bf16 (row stride
+// ldy) = x [m, k] w [n, k]^T (+ y when accumulate), both e4m3 with k contiguous and their scales
+// in the GEMM layout; x has 1x128 scales, w 1x128 or 128x128 (not both 128x128: cuBLASLt
+// rejects 2D x 2D). k and ldy multiples of 16. Products in fp32 with the scales applied per
+// 128-wide block of k (no fast accumulation).
+struct Fp8Operand {
+    const uint8_t* q = nullptr;
+    const float* scale_inv = nullptr;
+    bool blocks_128x128 = false;  // false: 1x128
+};
+void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
+                        Fp8Operand w, bf16* y, int64_t ldy, bool accumulate = false);
 
 // ---- Context parallelism (cp_rows.cu): key_row[i] is row i's micro-batch row (-1: padding).
 // dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).

@@ -11,14 +11,20 @@ namespace sparsetron::fp8 {
 
 constexpr int64_t kBlock = 128;
 
-constexpr int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
-constexpr int64_t round4(int64_t n) { return (n + 3) / 4 * 4; }
+constexpr int64_t blocks(int64_t n) {
+    return (n + kBlock - 1) / kBlock;
+}
+constexpr int64_t round4(int64_t n) {
+    return (n + 3) / 4 * 4;
+}
 
 // 1x128: the scale of row r's block kb (columns [128 kb, 128 kb + 128)).
 constexpr int64_t scale_index_1x128(int64_t r, int64_t kb, int64_t rows) {
     return kb * round4(rows) + r;
 }
-constexpr int64_t scales_1x128(int64_t rows, int64_t k) { return blocks(k) * round4(rows); }
+constexpr int64_t scales_1x128(int64_t rows, int64_t k) {
+    return blocks(k) * round4(rows);
+}
 
 // 128x128: the scale of block (rb, kb).
 constexpr int64_t scale_index_128x128(int64_t rb, int64_t kb, int64_t k) {

@@ -27,10 +27,10 @@ GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t
     ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
                                                    &fast_accum, sizeof(fast_accum)));
     const cublasLtMatmulMatrixScale_t mode_a = scale_mode(w), mode_b = scale_mode(x);
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                                                   &mode_a, sizeof(mode_a)));
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                                                   &mode_b, sizeof(mode_b)));
+    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a,
+                                                   sizeof(mode_a)));
+    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b,
+                                                   sizeof(mode_b)));
     // The scale pointers are set per call (the attribute is part of the descriptor, so a plan is
     // cached per shape and re-pointed: cublasLtMatmul reads them at enqueue time).
     ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, k, n, k));
@@ -67,8 +67,8 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
     if (m == 0 || n == 0) return;
     ST_CHECK(!(x.blocks_128x128 && w.blocks_128x128),
              "FP8 GEMM: cuBLASLt does not take 128x128 scales on both operands");
-    ST_CHECK(k % 16 == 0 && ldy % 8 == 0, "FP8 GEMM: k (", k, ") must be a multiple of 16 and ldy (",
-             ldy, ") of 8");
+    ST_CHECK(k % 16 == 0 && ldy % 8 == 0, "FP8 GEMM: k (", k,
+             ") must be a multiple of 16 and ldy (", ldy, ") of 8");
     Libraries& libs = *ctx.libs;
     const std::array<int64_t, 7> key{m, n, k, ldy, x.blocks_128x128, w.blocks_128x128, 0};
     auto it = libs.fp8_plans.find(key);
@@ -82,8 +82,8 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
     ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                                    sizeof(sb)));
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-    ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, w.q, p.a, x.q, p.b, &beta, y, p.c, y,
-                                   p.c, &p.algo, libs.workspace, libs.workspace_bytes,
+    ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, w.q, p.a, x.q, p.b, &beta, y, p.c, y, p.c,
+                                   &p.algo, libs.workspace, libs.workspace_bytes,
                                    static_cast<cudaStream_t>(ctx.stream)));
 }
 

@@ -184,6 +184,9 @@ TEST(DataParallelGpu, ExpertParallelTwoGpusMatchOneGpuEagerAndGraph) {
     compare_with_one_gpu("ep2-graph", "--set cuda_graph_impl=full_iteration", ep);
     compare_with_one_gpu("ep2-distopt-muon",
                          "--set optimizer=muon --set use_distributed_optimizer=true", ep);
+    // Force-balanced routing: the receive buffers planned at tokens x top-k rows (half of the
+    // dropless bound here), filled exactly by the rule.
+    compare_with_one_gpu("ep2-force", "--set moe_router_force_load_balancing=true", ep);
 }
 
 // Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)

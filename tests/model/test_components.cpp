@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "../test_util.h"
+#include "sparsetron/core/rng.h"
 #include "sparsetron/model/glm5_model.h"
 
 using namespace sparsetron;
@@ -121,4 +122,72 @@ TEST(Components, MoeForceBalanceCapacityAndBiasUpdate) {
         EXPECT_DOUBLE_EQ(p[bias][1], 0.01);
         EXPECT_DOUBLE_EQ(p[bias][2], 0.0);
     }
+}
+
+// The expert-parallel receive bound the plan sizes its buffers by (ModelConfig::
+// moe_ep_received_rows): routings that reach it exist, and no routing the rules allow exceeds
+// it. A token picks k distinct experts; with force-balanced routing token t's j-th pick is
+// (t k + j) mod E; with a capacity an expert keeps at most that many rows from a source.
+TEST(Components, ExpertParallelReceiveBoundHoldsAndIsReached) {
+    ModelConfig m = base();
+    for (int64_t E : {4, 8, 64})
+        for (int64_t W : {2, 4, 16}) {
+            if (E % W != 0 || W > E) continue;
+            m.num_experts = E, m.expert_parallel_ranks = W, m.moe_router_topk = E >= 8 ? 8 : 2;
+            const int64_t T = 96, k = m.moe_router_topk, El = E / W;
+            // Rows rank 0 gets from one source for a routing (topk[t * k + j]), capacity applied.
+            auto to_rank0 = [&](const std::vector<int64_t>& topk, int64_t cap) {
+                std::vector<int64_t> per_expert(static_cast<size_t>(E), 0);
+                for (int64_t e : topk) ++per_expert[size_t(e)];
+                int64_t rows = 0;
+                for (int64_t e = 0; e < El; ++e) rows += std::min(per_expert[size_t(e)], cap);
+                return rows;
+            };
+            // Dropless: every token sends as many of its k picks as rank 0 has experts.
+            m.moe_capacity_factor = 0, m.moe_router_force_load_balancing = false;
+            std::vector<int64_t> adversarial;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j) adversarial.push_back(j);  // experts 0..k-1
+            const int64_t dropless = m.moe_ep_received_rows(T);
+            EXPECT_EQ(W * to_rank0(adversarial, T), dropless) << E << " experts, EP " << W;
+            CounterRng rng(uint64_t(E * 100 + W), 3);
+            for (int trial = 0; trial < 20; ++trial) {
+                std::vector<int64_t> topk;
+                for (int64_t t = 0; t < T; ++t) {
+                    std::vector<int64_t> all(static_cast<size_t>(E));
+                    for (int64_t e = 0; e < E; ++e) all[size_t(e)] = e;
+                    for (int64_t j = 0; j < k; ++j) {  // k distinct experts
+                        const int64_t pick =
+                            j + int64_t(rng.bits(uint64_t(trial * 100000 + t * 64 + j)) %
+                                        uint64_t(E - j));
+                        std::swap(all[size_t(j)], all[size_t(pick)]);
+                        topk.push_back(all[size_t(j)]);
+                    }
+                }
+                EXPECT_LE(W * to_rank0(topk, T), dropless);
+            }
+            // Force-balanced: the bound is the rows the rule sends (about T k, not W T k).
+            m.moe_router_force_load_balancing = true;
+            std::vector<int64_t> forced;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j) forced.push_back((t * k + j) % E);
+            EXPECT_EQ(W * to_rank0(forced, T), m.moe_ep_received_rows(T)) << E << ", EP " << W;
+            EXPECT_LE(m.moe_ep_received_rows(T), T * k + W * El);
+            // Capacity: kept rows per expert and source at most the capacity; a routing that
+            // spreads every token's picks over rank 0's experts fills them all to it.
+            m.moe_router_force_load_balancing = false, m.moe_capacity_factor = 1.0;
+            const int64_t cap = m.moe_expert_capacity(T), local = std::min(k, El);
+            std::vector<int64_t> spread;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j)
+                    spread.push_back(j < local ? (t * local + j) % El : El + (j - local));
+            EXPECT_EQ(W * to_rank0(spread, cap), m.moe_ep_received_rows(T)) << E << ", EP " << W;
+        }
+    // The seed's 16-GPU proxy (64 experts, EP 16, top-8, 4096 tokens): 524,288 received rows
+    // would be W x tokens x k; dropless routing bounds them at 262,144, force-balanced at 32,768.
+    m.num_experts = 64, m.expert_parallel_ranks = 16, m.moe_router_topk = 8;
+    m.moe_capacity_factor = 0, m.moe_router_force_load_balancing = false;
+    EXPECT_EQ(m.moe_ep_received_rows(4096), 262144);
+    m.moe_router_force_load_balancing = true;
+    EXPECT_EQ(m.moe_ep_received_rows(4096), 32768);
 }

@@ -194,6 +194,19 @@ TEST(Mpi, ExpertParallelMatchesOneProcess) {
             EXPECT_NEAR(v, w1.experts.at(name), 1e-6 * w1.experts.at(name)) << name;
         }
     }
+    // Force-balanced routing (the seed's benchmark setting): the receive buffers are planned at
+    // tokens x top-k rows instead of W times that (ModelConfig::moe_ep_received_rows), and the
+    // rule fills them exactly; a row past the plan stops the run.
+    const std::vector<std::string> force = {"moe_router_force_load_balancing=true"};
+    auto one_f = run(small_recipe(1, force), nullptr, "ep-one-force");
+    std::vector<std::string> ep_force = force;
+    ep_force.push_back(cat("expert_model_parallel_size=", W));
+    auto got_f = run(small_recipe(W, ep_force), g_comm, "ep-force");
+    ASSERT_EQ(got_f.size(), one_f.size());
+    for (size_t i = 0; i < got_f.size(); ++i) {
+        EXPECT_NEAR(got_f[i].lm_loss, one_f[i].lm_loss, 1e-5 * one_f[i].lm_loss);
+        EXPECT_EQ(got_f[i].moe_load, one_f[i].moe_load);
+    }
 }
 
 // The distributed optimizer (each rank updates the parameters it owns, then broadcasts them) gives

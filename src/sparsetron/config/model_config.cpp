@@ -26,6 +26,21 @@ int64_t ModelConfig::moe_expert_capacity(int64_t tokens) const {
                                                double(moe_router_topk) / double(num_experts))));
 }
 
+int64_t ModelConfig::moe_rows_per_expert_from_one_source(int64_t tokens) const {
+    int64_t rows = moe_expert_capacity(tokens);
+    if (moe_router_force_load_balancing)
+        rows = std::min(rows, (tokens * moe_router_topk + num_experts - 1) / num_experts);
+    return rows;
+}
+
+int64_t ModelConfig::moe_ep_received_rows(int64_t tokens) const {
+    // A source sends at most tokens x k rows in all, and at most the per-expert bound to each of
+    // the rank's experts.
+    const int64_t per_source = std::min(
+        tokens * moe_router_topk, local_experts() * moe_rows_per_expert_from_one_source(tokens));
+    return expert_parallel_ranks * per_source;
+}
+
 void require_dsa_for_context_parallel(const ModelConfig& c) {
     ST_CHECK(
         c.uses_dsa(),

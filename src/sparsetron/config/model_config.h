@@ -87,6 +87,13 @@ struct ModelConfig {
     // Rows one expert keeps from a micro-batch of `tokens`: ceil(moe_capacity_factor x tokens x
     // top-k / experts), at most tokens; tokens when dropless (factor 0).
     int64_t moe_expert_capacity(int64_t tokens) const;
+    // Expert parallelism: the most rows one expert gets from one source's `tokens` in one MoE
+    // application (a token picks an expert once: at most `tokens`, the capacity when
+    // moe_capacity_factor > 0, ceil(tokens k / E) with force-balanced routing) ...
+    int64_t moe_rows_per_expert_from_one_source(int64_t tokens) const;
+    // ... and the most rows one EP rank's experts receive in it from all W sources: the static
+    // plan's receive buffers (W x tokens x k would be the bound without these rules).
+    int64_t moe_ep_received_rows(int64_t tokens) const;
     bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
 };
 

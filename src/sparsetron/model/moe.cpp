@@ -52,8 +52,8 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
     }
     stats_.load.assign(E_, 0);
     if (W_ > 1) {
-        // A source sends at most tokens x top-k rows: W of them can arrive.
-        const int64_t Rr = W_ * R;
+        // What can arrive from the W sources (ModelConfig::moe_ep_received_rows).
+        const int64_t Rr = c.moe_ep_received_rows(tokens);
         s_outr_ = buf.scratch("grad.moe.ep_out_received", {Rr, h_});
         s_doutr_ = buf.scratch("grad.moe.ep_dout_received", {Rr, h_});
         s_dxr_ = buf.scratch("grad.moe.ep_dx_received", {Rr, h_});
@@ -78,10 +78,11 @@ typename MoeLayer<T>::Slots MoeLayer<T>::declare_acts(Buffers& buf, const std::s
     s.act = buf.act(p + "expert_act", {R, F_});
     s.out_perm = buf.act(p + "expert_out", {R, h_});
     if (W_ > 1) {
-        s.xr = buf.act(p + "ep_x_received", {W_ * R, h_});
-        s.gr = buf.act(p + "ep_gate_received", {W_ * R, F_});
-        s.ur = buf.act(p + "ep_up_received", {W_ * R, F_});
-        s.actr = buf.act(p + "ep_act_received", {W_ * R, F_});
+        const int64_t Rr = c_.moe_ep_received_rows(T_);
+        s.xr = buf.act(p + "ep_x_received", {Rr, h_});
+        s.gr = buf.act(p + "ep_gate_received", {Rr, F_});
+        s.ur = buf.act(p + "ep_up_received", {Rr, F_});
+        s.actr = buf.act(p + "ep_act_received", {Rr, F_});
     }
     s.sg = s.su = s.sact = -1;
     if (Fs_ > 0) {
@@ -154,6 +155,9 @@ void MoeLayer<T>::ep_forward(Acts& A) {
     A.ep_recv.assign(size_t(W_ * El_), 0);
     const std::vector<int64_t> counts(size_t(W_), El_ * int64_t(sizeof(int64_t)));
     ep_->alltoallv(send.data(), counts, A.ep_recv.data(), counts);
+    const int64_t received = std::accumulate(A.ep_recv.begin(), A.ep_recv.end(), int64_t(0));
+    ST_ASSERT(received <= c_.moe_ep_received_rows(T_), "MoE expert parallelism: ", received,
+              " rows received, the plan holds ", c_.moe_ep_received_rows(T_));
     const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
     ep_->alltoallv(A.xperm, sb, A.xr, rb);
     int64_t r = 0;

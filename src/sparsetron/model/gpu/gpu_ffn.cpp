@@ -80,7 +80,7 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     ST_CHECK(W_ == 1 || !stash,
              "moe_paged_stash with expert parallelism is not implemented on "
              "CUDA yet: set moe_paged_stash: false");
-    rows_ = W_ * R;
+    rows_ = W_ == 1 ? R : c.moe_ep_received_rows(tokens);
     B.scratch(dxperm_, "grad.moe.x_permuted", {R, h_});
     B.scratch(doutperm_, "grad.moe.out_permuted", {R, h_});
     B.scratch(dact_, "grad.moe.act", {rows_, F_});
@@ -237,7 +237,8 @@ GpuMoe::Local GpuMoe::local(const Acts& A) const {
     if (W_ == 1) return {A.offsets, E_, capacity_, 0};
     ST_ASSERT(ep_->rank() == c_.expert_parallel_rank, "CUDA MoE: EP rank ", ep_->rank(),
               " holds the weights of EP rank ", c_.expert_parallel_rank);
-    return {A.recv_offsets, El_, std::min(rows_, W_ * capacity_), 0};
+    return {A.recv_offsets, El_, std::min(rows_, W_ * c_.moe_rows_per_expert_from_one_source(T_)),
+            0};
 }
 
 void GpuMoe::check_layout() const {

@@ -18,6 +18,12 @@
 namespace sparsetron {
 namespace {
 
+// The expert exchange's rows per rank: a rank publishes its routed rows (dispatch) or the
+// results of the rows its experts received (combine).
+int64_t exchange_rows(const ModelConfig& m, int64_t slots) {
+    return std::max(slots * m.moe_router_topk, m.moe_ep_received_rows(slots));
+}
+
 class CudaEngine final : public DeviceEngine {
   public:
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
@@ -78,11 +84,11 @@ class CudaEngine final : public DeviceEngine {
         opt_->bind(plan_);
         opt_->prepare(ctx());
         if (expert_parallel && expert_parallel->size() > 1) {
-            // Worst case received by one rank's experts: every rank's routed rows.
+            // The most rows a rank publishes: its routed rows (dispatch) or what its experts
+            // received (the results going back).
             const auto& m = recipe_.model;
             exchange_ = std::make_unique<cuda::ExpertExchange>(
-                *expert_parallel, m.num_experts,
-                expert_parallel->size() * slots * m.moe_router_topk, m.hidden_size);
+                *expert_parallel, m.num_experts, exchange_rows(m, slots), m.hidden_size);
             model_->set_expert_exchange(exchange_.get());
         }
         if (dp_) {
@@ -467,9 +473,7 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     if (m.expert_parallel_ranks > 1) {
         // Expert parallelism: the exchange's shared region, a separate allocation (CUDA IPC).
         const int64_t region = cuda::ExpertExchange::region_bytes_for(
-            m.num_experts,
-            m.expert_parallel_ranks * recipe.run.tokens_per_microbatch() * m.moe_router_topk,
-            m.hidden_size);
+            m.num_experts, exchange_rows(m, recipe.run.tokens_per_microbatch()), m.hidden_size);
         total += size_t(region);
         text += cat("expert exchange region (CUDA IPC) ", format_bytes(double(region)),
                     "\ntotal with it          ", format_bytes(double(total)), "\n");

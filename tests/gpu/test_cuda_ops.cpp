@@ -1141,3 +1141,59 @@ TEST_F(CudaOps, MlaExpandedKvGradient) {
     expect_close("mla expanded d k_pe (sum over heads)", download_f(dckv), per, kBf16Tol, pe_cols);
 }
 #endif  // SPARSETRON_WITH_CUDA
+
+// Context parallelism: a rank's query rows are some of the micro-batch's key rows (here every
+// other row, key_row[i] = 2i + 1), so the masked-dense form scores every chunk against all key
+// rows and the top-k picks which count. It must agree with the gathered form on the same inputs
+// (out, lse, head probability sums, dq, and dkv over every key row), in one chunk and in three.
+TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
+    const ExecContext& ctx = session_->ctx();
+    const int64_t H = 12, dqk = 72, dv = 64, K = 32, Tq = 100, Tk = 200;
+    Rounded q(Tq * H * dqk, 91), kv(Tk * dqk, 92), dout(Tq * H * dv, 93);
+    std::vector<int32_t> idx(Tq * K, -1), len(Tq, 0);
+    CounterRng rng(94, 1);
+    uint64_t draw = 0;
+    for (int64_t i = 0; i < Tq; ++i) {
+        const int64_t row = 2 * i + 1, begin = row >= 120 ? 120 : 0;  // two documents
+        std::vector<int32_t> cand(size_t(row - begin + 1));
+        std::iota(cand.begin(), cand.end(), int32_t(begin));
+        for (size_t j = cand.size(); j > 1; --j) std::swap(cand[j - 1], cand[rng.bits(draw++) % j]);
+        const int64_t n = std::min<int64_t>(K, int64_t(cand.size()));
+        std::sort(cand.begin(), cand.begin() + n);
+        std::copy_n(cand.begin(), n, idx.begin() + i * K);
+        len[size_t(i)] = int32_t(n);
+    }
+    DeviceArray<int32_t> didx(idx), dlen(len);
+    const float scale = float(0.9 / std::sqrt(double(dqk)));
+    struct Result {
+        std::vector<float> out, lse, psum, dq, dkv;
+    };
+    auto run = [&](int chunks) {
+        DeviceArray<bf16> out(Tq * H * dv), dq(Tq * H * dqk);
+        DeviceArray<float> lse(H * Tq), dkv(Tk * dqk), psum(Tq * K);
+        const int64_t planned = cuda::sparse_mqa_workspace_bytes(Tq, H, K, Tk);
+        EXPECT_EQ(planned, Tq * H * ((Tk + 15) / 16 * 16) * 10) << "one chunk, rows of all keys";
+        const int64_t bytes = chunks ? (Tq + chunks - 1) / chunks * (planned / Tq) : 0;
+        DeviceArray<float> ws(std::max<int64_t>(1, (bytes + 3) / 4));
+        void* w = chunks ? static_cast<void*>(static_cast<float*>(ws)) : nullptr;
+        cuda::sparse_mqa_forward(ctx, Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
+                                 psum, w, bytes, Tk);
+        cuda::sparse_mqa_backward(ctx, Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out,
+                                  lse, dout.dev, dq, dkv, w, bytes, Tk);
+        session_->synchronize();
+        EXPECT_TRUE(dkv.guard_intact());
+        return Result{download_f(out), lse.download(), psum.download(), download_f(dq),
+                      dkv.download()};
+    };
+    const Result gathered = run(0);
+    for (int chunks : {1, 3}) {
+        const Result masked = run(chunks);
+        const std::string tag =
+            cat("sparse mqa masked, ", Tq, " queries over ", Tk, " keys, ", chunks, " chunk(s)");
+        expect_close(tag + " out", masked.out, gathered.out, kBf16Tol);
+        expect_close(tag + " lse", masked.lse, gathered.lse, 1e-5);
+        expect_close(tag + " head probability sums", masked.psum, gathered.psum, 1e-4);
+        expect_close(tag + " dq", masked.dq, gathered.dq, kBf16Tol);
+        expect_close(tag + " dkv", masked.dkv, gathered.dkv, kBf16Tol);
+    }
+}

@@ -45,9 +45,11 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
         B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
         B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
         B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
-        // The masked-dense form pairs query row t with key row t: not under CP.
-        mqa_ws_bytes_ =
-            cp_ ? 0 : cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, Tn));
+        // Under CP the masked-dense form scores every chunk of this rank's rows against all
+        // Tk_ key rows of the micro-batch.
+        const int64_t keys = cp_ ? Tk_ : Tn;
+        mqa_ws_bytes_ = cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, keys),
+                                                         cp_ ? Tk_ : 0);
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
         if (mqa_ws_bytes_ > 0)
             B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
@@ -125,7 +127,7 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_);
+                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_, cp_ ? Tk_ : 0);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
@@ -165,7 +167,8 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         if (cp_) {
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
             cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
-                                      A.oabs, A.lse, doabs_, dqabs_, keys_f32_, nullptr, 0, Tk_);
+                                      A.oabs, A.lse, doabs_, dqabs_, keys_f32_, mqa_ws_,
+                                      mqa_ws_bytes_, Tk_);
             cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
             cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, Tn, dkabs_);
         } else {

@@ -239,12 +239,14 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum, void* workspace, int64_t workspace_bytes) {
+                        float* prob_sum, void* workspace, int64_t workspace_bytes,
+                        int64_t key_rows) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
     if (workspace && !reference_forced())
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                         scale, out, lse, prob_sum, workspace, workspace_bytes);
+                                         scale, out, lse, prob_sum, workspace, workspace_bytes,
+                                         key_rows);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);
@@ -264,17 +266,14 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          int64_t workspace_bytes, int64_t key_rows) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    if (key_rows > tokens) {
-        // Context parallelism: more key rows than queries. The gathered kernels zero the first
-        // `tokens` rows and accumulate; zero them all here. The masked form pairs query row t
-        // with key row t and is not used then.
-        ST_CHECK(!workspace, "sparse_mqa_backward: the masked form takes query row = key row");
-        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
-    }
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,
-                                          workspace_bytes);
+                                          workspace_bytes, key_rows);
+    // Context parallelism: more key rows than queries. The gathered kernels zero the first
+    // `tokens` rows and accumulate; zero them all here.
+    if (key_rows > tokens)
+        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                       out, lse, dout, dq, dkv);

@@ -137,17 +137,19 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // Two implementations: gathered keys (sparse_mqa_tc.cu, or the per-head reference kernels), and
 // masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given:
 // sparse_mqa_workspace_bytes() is the size the model plans, 0 where the gathered form is the
-// faster one (the top-k a small share of the context: tokens > 8 * kslots); a smaller workspace
-// only means smaller chunks of query rows.
-int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots);
+// faster one (the top-k a small share of the context: keys > 8 * kslots); a smaller workspace
+// only means smaller chunks of query rows. key_rows: rows of kv (0: tokens, query row t being
+// key row t; context parallelism has more key rows than queries, and every chunk of queries is
+// scored against all of them, the top-k still selecting which count).
+int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
+                                   int64_t key_rows = 0);
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
                         float* prob_sum = nullptr, void* workspace = nullptr,
-                        int64_t workspace_bytes = 0);
+                        int64_t workspace_bytes = 0, int64_t key_rows = 0);
 // dq bf16 (overwritten); dkv fp32 [keys, dqk] (zeroed, then accumulated: atomics when gathered,
-// chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens; context parallelism
-// reads more key rows than it has queries, gathered form only).
+// chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,

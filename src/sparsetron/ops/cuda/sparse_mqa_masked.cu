@@ -5,7 +5,8 @@
 // probability exactly 0, so only the order of summation differs.
 //
 // Per chunk of cq tokens (R = cq * H query rows, contiguous in q's [T, H, dqk] layout) against keys
-// 0..t1-1 (t1 = the chunk's end; causality bounds every selected key):
+// 0..t1-1 (t1 = the chunk's end; causality bounds every selected key; with context parallelism
+// query row t is not key row t, and every chunk scores all key_rows keys):
 //   forward:  S = scale Q K^T (fp32) -> P = mask(exp(S - lse)) (bf16, lse computed) -> O = P V
 //   backward: S again; P from the saved lse; dP = dO V^T; dV += P^T dO;
 //             dS = scale P (dP - D), D = rowsum(dO o O), into P's buffer; dQ = dS K; dK += dS^T Q
@@ -41,9 +42,10 @@ struct Workspace {
     float *s, *dp;
     bf* p;
 };
-Workspace carve(void* ws, int64_t bytes, int64_t tokens, int64_t heads) {
-    const int64_t cq = chunk_tokens(tokens, heads, bytes);
-    const int64_t elems = cq * heads * leading_dim(tokens);
+// `keys`: the widest key range of a chunk (tokens, or the key rows under context parallelism).
+Workspace carve(void* ws, int64_t bytes, int64_t tokens, int64_t keys, int64_t heads) {
+    const int64_t cq = std::min(tokens, chunk_tokens(keys, heads, bytes));
+    const int64_t elems = cq * heads * leading_dim(keys);
     float* s = static_cast<float*>(ws);
     return Workspace{cq, s, s + elems, reinterpret_cast<bf*>(s + 2 * elems)};
 }
@@ -176,16 +178,18 @@ size_t probs_smem(int64_t kslots, bool prob_sum) {
 
 }  // namespace
 
-bool sparse_mqa_masked_preferred(int64_t tokens, int64_t kslots) {
+bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
     // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
     // far more than the 4x extra work this allows (docs/perf/). The head-summed probabilities
     // need kWarps floats per slot of shared memory.
-    return tokens <= 8 * kslots && kWarps * kslots * sizeof(float) <= kMaxProbsSmem;
+    return keys <= 8 * kslots && kWarps * kslots * sizeof(float) <= kMaxProbsSmem;
 }
 
-int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots) {
-    if (tokens == 0 || !sparse_mqa_masked_preferred(tokens, kslots)) return 0;
-    const int64_t row = heads * leading_dim(tokens);  // elements per query token
+int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
+                                   int64_t key_rows) {
+    const int64_t keys = key_rows > 0 ? key_rows : tokens;
+    if (tokens == 0 || !sparse_mqa_masked_preferred(keys, kslots)) return 0;
+    const int64_t row = heads * leading_dim(keys);  // elements per query token
     const int64_t cq = std::max<int64_t>(1, std::min(tokens, kChunkElems / row));
     return cq * row * kBytesPerElem;
 }
@@ -194,14 +198,15 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
                                float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes) {
-    const Workspace w = carve(workspace, workspace_bytes, tokens, heads);
+                               int64_t workspace_bytes, int64_t key_rows) {
+    const Workspace w =
+        carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;
     const size_t smem = probs_smem(kslots, prob_sum != nullptr);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
-        const int64_t ld = leading_dim(t1);
-        gemm(ctx, false, true, rows, t1, dqk, scale, q + t0 * heads * dqk, dqk, kv, dqk, 0.f, w.s,
+        const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
+        gemm(ctx, false, true, rows, keys, dqk, scale, q + t0 * heads * dqk, dqk, kv, dqk, 0.f, w.s,
              ld, DType::BF16, DType::F32);
         // With prob_sum a block takes all heads of its token (the sum stays in the block).
         const int64_t hpb = prob_sum ? heads : kWarps;
@@ -209,7 +214,7 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
                               smem, stream_of(ctx)>>>(w.s, w.p, ld, idx, len, kslots, t0, tokens,
                                                       heads, hpb, nullptr, lse, prob_sum);
         ST_CUDA_LAUNCH_CHECK();
-        gemm(ctx, false, false, rows, dv, t1, 1.f, w.p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
+        gemm(ctx, false, false, rows, dv, keys, 1.f, w.p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
              dv);
     }
 }
@@ -218,32 +223,34 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes) {
-    const Workspace w = carve(workspace, workspace_bytes, tokens, heads);
+                                void* workspace, int64_t workspace_bytes, int64_t key_rows) {
+    const Workspace w =
+        carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;
     const auto BF = DType::BF16, F32 = DType::F32;
-    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
+    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, (key_rows > 0 ? key_rows : tokens) * dqk * sizeof(float),
+                                  stream_of(ctx)));
     const size_t smem = probs_smem(kslots, false);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
-        const int64_t ld = leading_dim(t1);
+        const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
         const bf16* qc = q + t0 * heads * dqk;
         const bf16* gc = dout + t0 * heads * dv;
-        gemm(ctx, false, true, rows, t1, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
+        gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
         const dim3 grid(unsigned(t1 - t0), unsigned((heads + kWarps - 1) / kWarps));
         masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
             w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
         ST_CUDA_LAUNCH_CHECK();
-        gemm(ctx, false, true, rows, t1, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
+        gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
         // dV' (the first dv latent columns) += P^T dO
-        gemm(ctx, true, false, t1, dv, rows, 1.f, w.p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
+        gemm(ctx, true, false, keys, dv, rows, 1.f, w.p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
         masked_dscores_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
             w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out), dev(dout),
             scale);
         ST_CUDA_LAUNCH_CHECK();
-        gemm(ctx, false, false, rows, dqk, t1, 1.f, w.p, ld, kv, dqk, 0.f, dq + t0 * heads * dqk,
+        gemm(ctx, false, false, rows, dqk, keys, 1.f, w.p, ld, kv, dqk, 0.f, dq + t0 * heads * dqk,
              dqk, BF, BF);
-        gemm(ctx, true, false, t1, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
+        gemm(ctx, true, false, keys, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
     }
 }
 

@@ -1197,35 +1197,3 @@ TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
         expect_close(tag + " dkv", masked.dkv, gathered.dkv, kBf16Tol);
     }
 }
-
-// Context parallelism: 100 query rows that are micro-batch rows key_row[i] = 2i + 1 of 200 keys
-// (two documents). The GEMM form (every chunk against all key rows) must write the simple
-// kernel's scores in each row's window [row_begin, key row], in one chunk and in 3.
-TEST_F(CudaOps, IndexerScoresGemmFormWithMoreKeysThanQueries) {
-    const int64_t Tq = 100, Tk = 200, H = 4, d = 32;
-    Rounded q(Tq * H * d, 95), k(Tk * d, 96);
-    auto w = random_vector<float>(Tq * H, 97);
-    std::vector<int32_t> rbv(Tq), krv(Tq);
-    std::vector<bool> window(Tq * Tk, false);
-    for (int64_t i = 0; i < Tq; ++i) {
-        krv[size_t(i)] = int32_t(2 * i + 1);
-        rbv[size_t(i)] = krv[size_t(i)] >= 120 ? 120 : 0;
-        for (int64_t s = rbv[size_t(i)]; s <= krv[size_t(i)]; ++s)
-            window[size_t(i * Tk + s)] = true;
-    }
-    DeviceArray<float> dw(w), scores(Tq * Tk);
-    DeviceArray<int32_t> rb(rbv), kr(krv);
-    cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, Tq, H, d, scores, nullptr, 0, kr, Tk);
-    sync();
-    const auto simple = scores.download();
-    const int64_t planned = cuda::indexer_scores_workspace_bytes(Tq, H, Tk);
-    ASSERT_EQ(planned, Tq * H * Tk * 4) << "one chunk of rows over all keys";
-    DeviceArray<float> ws(planned / 4);
-    for (int64_t bytes : {planned, int64_t(34 * H * Tk * 4)}) {
-        cuda::fill(ctx(), scores, Tq * Tk, -7.f);
-        cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, Tq, H, d, scores, ws, bytes, kr, Tk);
-        sync();
-        expect_close(cat("indexer scores (GEMM form, CP rows, ", bytes, " B) vs simple"),
-                     scores.download(), simple, 1e-5, window);
-    }
-}

@@ -29,10 +29,10 @@ GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, 
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
     B.scratch(scores_, "dsa.scores", {Tn, Tk_});
-    // The GEMM form of the scores (under CP against every key row of the micro-batch).
-    dots_bytes_ = cuda::indexer_scores_workspace_bytes(Tn, HI_, cp_ ? Tk_ : 0);
+    // The GEMM form of the scores pairs query row t with key row t: not under CP.
+    dots_bytes_ = cp_ ? 0 : cuda::indexer_scores_workspace_bytes(Tn, HI_);
     dots_ = nullptr;
-    B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
+    if (!cp_) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
     if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
     B.scratch(dscore_, "dsa.loss_grad", {Tn, Tk_});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
@@ -75,8 +75,8 @@ void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, c
         cuda::rows_to_keys(ctx, A.k, Tn, dI_, in.key_row, keys_f32_, Tk_);
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * dI_);
-        cuda::indexer_scores(ctx, A.q, A.kkeys, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
-                             dots_bytes_, in.key_row, Tk_);
+        cuda::indexer_scores(ctx, A.q, A.kkeys, A.w, in.row_begin, Tn, HI_, dI_, scores_, nullptr,
+                             0, in.key_row, Tk_);
         cuda::topk_rows(ctx, scores_, Tk_, in.row_begin, Tn, K_, A.topk, A.len, in.key_row);
         return;
     }

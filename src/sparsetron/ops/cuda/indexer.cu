@@ -1,8 +1,7 @@
 // DSA lightning-indexer scores and the per-row top-k.
 //
 // Scores, two forms. With a workspace: per chunk of query rows, the [rows x H, keys] dot products
-// as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1 (under context parallelism against every
-// key row: a chunk's rows are not consecutive key rows), then a kernel applies ReLU and the
+// as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1, then a kernel applies ReLU and the
 // per-head weights column by column (coalesced). Without: one block per (query row, tile of
 // kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
 // [begin, t] exiting at once (the simple form; small shapes and the harness).
@@ -59,20 +58,18 @@ __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
     scores[t * keys + s] = acc;
 }
 
-// scores[t, s] = Σ_j w[t, j] relu(dots[(t - t0) H + j, s]) for s in [begin, row] (row: t's key
-// row); scores rows are `keys` long.
+// scores[t, s] = Σ_j w[t, j] relu(dots[(t - t0) H + j, s]) for s in [begin, t].
 __global__ void indexer_weighted_relu_kernel(const float* dots, int64_t ldd, const float* w,
-                                             const int32_t* row_begin, const int32_t* key_row,
-                                             int64_t t0, int64_t keys, int64_t heads,
-                                             float* scores) {
+                                             const int32_t* row_begin, int64_t t0, int64_t tokens,
+                                             int64_t heads, float* scores) {
     const int64_t t = t0 + blockIdx.y, s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int32_t begin = row_begin[t];
-    if (begin < 0 || s < begin || s > query_key_row(key_row, t)) return;
+    if (begin < 0 || s < begin || s > t) return;
     const float* col = dots + int64_t(blockIdx.y) * heads * ldd + s;
     const float* wt = w + t * heads;
     float acc = 0.f;
     for (int64_t j = 0; j < heads; ++j) acc += wt[j] * fmaxf(col[j * ldd], 0.f);
-    scores[t * keys + s] = acc;
+    scores[t * tokens + s] = acc;
 }
 
 constexpr int64_t kDotsChunkElems = int64_t(32) << 20;  // 128 MiB of fp32 dot products
@@ -153,10 +150,9 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
 
 }  // namespace
 
-int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads, int64_t keys) {
-    if (keys <= 0) keys = tokens;
-    return std::min(tokens, dots_chunk_tokens(keys, heads, kDotsChunkElems)) * heads *
-           dots_ld(keys) * int64_t(sizeof(float));
+int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
+    return dots_chunk_tokens(tokens, heads, kDotsChunkElems) * heads * dots_ld(tokens) *
+           int64_t(sizeof(float));
 }
 
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
@@ -164,21 +160,21 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
                     float* scores, void* workspace, int64_t workspace_bytes, const int32_t* key_row,
                     int64_t keys) {
     if (tokens == 0) return;
+    ST_CHECK(!key_row || !workspace, "indexer_scores: the GEMM form takes query row = key row");
     if (!key_row) keys = tokens;
     if (workspace) {
         float* dots = static_cast<float*>(workspace);
         const int64_t elems = workspace_bytes / int64_t(sizeof(float));
-        ST_CHECK(elems >= heads * dots_ld(keys), "indexer_scores: a workspace of ", workspace_bytes,
-                 " bytes holds no query row");
-        const int64_t cq = std::min(tokens, dots_chunk_tokens(keys, heads, elems));
+        ST_CHECK(elems >= heads * dots_ld(tokens), "indexer_scores: a workspace of ",
+                 workspace_bytes, " bytes holds no query row");
+        const int64_t cq = dots_chunk_tokens(tokens, heads, elems);
         for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
-            const int64_t t1 = std::min(tokens, t0 + cq);
-            const int64_t span = key_row ? keys : t1, ldd = dots_ld(span);
-            gemm(ctx, false, true, (t1 - t0) * heads, span, dim, 1.f, q + t0 * heads * dim, dim, k,
+            const int64_t t1 = std::min(tokens, t0 + cq), ldd = dots_ld(t1);
+            gemm(ctx, false, true, (t1 - t0) * heads, t1, dim, 1.f, q + t0 * heads * dim, dim, k,
                  dim, 0.f, dots, ldd, DType::BF16, DType::F32);
-            dim3 grid(blocks_for(span, 256), unsigned(t1 - t0));
+            dim3 grid(blocks_for(t1, 256), unsigned(t1 - t0));
             indexer_weighted_relu_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
-                dots, ldd, w, row_begin, key_row, t0, keys, heads, scores);
+                dots, ldd, w, row_begin, t0, tokens, heads, scores);
             ST_CUDA_LAUNCH_CHECK();
         }
         return;

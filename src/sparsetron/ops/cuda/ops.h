@@ -163,10 +163,9 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
 // With `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
 // smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
 // simple kernel computes everything.
-int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads, int64_t keys = 0);
-// Context parallelism (key_row given): query row t is micro-batch row key_row[t], k holds `keys`
-// micro-batch rows and scores rows are `keys` long (the GEMM form scores every chunk against all
-// of them).
+int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
+// Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
+// k holds `keys` micro-batch rows and scores rows are `keys` long.
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                     float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0,

@@ -546,6 +546,23 @@ TEST(Mpi, ExpertParallelCheckpointResumes) {
     }
 }
 
+// A sharded checkpoint's ranks must write into one directory: ranks saving to their own ones all
+// stop with a message instead of rank 0 indexing shards that are elsewhere.
+TEST(Mpi, ShardedCheckpointNeedsOneDirectory) {
+    const int W = g_comm->size();
+    Trainer t(small_recipe(W, {cat("expert_model_parallel_size=", W), "train_iters=1"}),
+              {rank_dir("ep-own-dirs"), "", Device::CPU, true, g_comm});
+    t.train_step();
+    try {
+        t.save();
+        ADD_FAILURE() << "saving to per-rank directories did not stop";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("a sharded checkpoint goes to one directory"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
 TEST(Mpi, DifferentRecipesStopEveryRank) {
     Recipe r = small_recipe(g_comm->size());
     if (g_comm->rank() == 1) r.run.lr = 5e-3;

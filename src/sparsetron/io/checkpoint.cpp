@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -210,6 +211,15 @@ std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, cons
                             const MemoryPlan& plan, const Optimizer* optimizer,
                             const TrainerState& state, const CheckpointShards* shards) {
     Comm* world = shards ? shards->world : nullptr;
+    // The shards of one checkpoint go to one directory: every rank must name the same one.
+    if (world && world->size() > 1) {
+        const std::string dir = fs::absolute(save_dir).lexically_normal().string();
+        const std::vector<uint64_t> dirs = world->allgather(std::hash<std::string>{}(dir));
+        for (size_t r = 1; r < dirs.size(); ++r)
+            ST_CHECK(dirs[r] == dirs[0], "a sharded checkpoint goes to one directory, but rank ", r,
+                     " saves to another than rank 0 (this rank: ", dir,
+                     "); set `save` to one path every rank sees");
+    }
     const bool lead = !world || world->rank() == 0;
     const fs::path root(save_dir);
     const std::string name = iter_name(state.iteration);

@@ -509,7 +509,8 @@ void Trainer::broadcast_from_owners(bool state) {
 
 std::string Trainer::save() {
     // Every rank's device state to its host mirror, then a distributed optimizer's state is
-    // gathered from its owners: every rank holds the full state after; rank 0 writes.
+    // gathered from its owners: every rank holds the full state after (of its own experts, when
+    // they are sharded); rank 0 writes, or with sharded experts one rank per EP rank.
     if (engine_) engine_->download_state();
     if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
     state_.data_position = stream_->position().to_json();

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <iostream>
 #include <map>
-#include <set>
 #include <tuple>
 
 #include "sparsetron/core/device_memory.h"
@@ -233,11 +232,14 @@ class CudaEngine final : public DeviceEngine {
             model_->load_inputs(ctx(), *mbs[i], sc);
             const DynamicGraphKey key{cp ? cp->size() : 1, sc.backward, sc.indexer_grads,
                                       sc.indexer != 0, int64_t(sc.mtp.size())};
-            if (!graphs || !cp_warm_.count(key)) {
+            // A key without an entry has not run yet: eagerly first (its entry, still without a
+            // graph, marks it warmed up), captured on its second micro-batch.
+            const auto it = cp_graphs_.find(key);
+            if (!graphs || it == cp_graphs_.end()) {
                 model_->enqueue(ctx(), sc);
-                cp_warm_.insert(key);
+                if (graphs) cp_graphs_.emplace(key, nullptr);
             } else {
-                auto& g = cp_graphs_[key];
+                auto& g = it->second;
                 if (!g) {
                     g = std::make_unique<cuda::StepGraph>(session_);
                     g->begin_capture();
@@ -448,11 +450,10 @@ class CudaEngine final : public DeviceEngine {
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;
     // Dynamic CP: one micro-batch graph per (CP size, backward, indexer gradients, indexer
-    // loss, MTP scales), and the keys already run eagerly once.
+    // loss, MTP scales); a key with a null graph has run eagerly once.
     bool dynamic_cp_ = false;
     using DynamicGraphKey = std::tuple<int, bool, bool, bool, int64_t>;
     std::map<DynamicGraphKey, std::unique_ptr<cuda::StepGraph>> cp_graphs_;
-    std::set<DynamicGraphKey> cp_warm_;
     std::pair<int64_t, bool> graph_signature_{0, false};
 };
 

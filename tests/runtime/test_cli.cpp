@@ -83,6 +83,13 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
         run("train --resume " + dir + "/run/checkpoints --out " + dir + "/run --set train_iters=3");
     ASSERT_EQ(more.code, 0) << more.output;
     EXPECT_NE(more.output.find("resumed at iteration 2"), std::string::npos) << more.output;
+    // A checkpoint's recipe whose layout does not fit the launch: the error says how to override.
+    CliRun layout = run("train --resume " + dir + "/run/checkpoints --out " + dir +
+                        "/run-ep --set train_iters=4 --set expert_model_parallel_size=2");
+    EXPECT_NE(layout.code, 0);
+    EXPECT_NE(layout.output.find("must divide world_size"), std::string::npos) << layout.output;
+    EXPECT_NE(layout.output.find("override its layout with --set"), std::string::npos)
+        << layout.output;
     CliRun plan = run("plan --set optimizer=muon --set muon_split_qkv_per_head=true");
     EXPECT_EQ(plan.code, 0);
     // Each parameter with its optimizer, split and state size.

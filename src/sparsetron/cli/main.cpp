@@ -157,7 +157,15 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
         for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
             recipe.apply(s);
         for (const auto& o : sets) recipe.apply(parse_override(o));
-        recipe.validate();
+        try {
+            recipe.validate();
+        } catch (const Error& e) {
+            // Most often a checkpoint of another layout resumed on fewer processes.
+            throw Error(cat(e.what(), "\n(the recipe is the checkpoint's, ", ckpt,
+                            "/recipe.yaml: override its layout with --set, e.g. --set world_size=1 "
+                            "--set expert_model_parallel_size=1 --set context_parallel_size=1 "
+                            "to resume on one process)"));
+        }
         recipe.name = ckpt + "/recipe.yaml";
     } else {
         recipe = load_recipe(recipe_path, sets);

@@ -109,6 +109,24 @@ void compare_runs(const std::string& tag, const std::string& extra, const std::s
     }
 }
 
+// A 4-step run `a` (checkpoint at step 2) and a run `b` resumed from it: b's two steps are a's
+// steps 3 and 4. Atomics in the embedding and attention backward make two runs differ in the
+// last bits; step 3's loss is the saved weights', step 4's follows the restored optimizer state.
+void expect_resumed_steps(const std::string& tag, const std::vector<nlohmann::json>& a,
+                          const std::vector<nlohmann::json>& b) {
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+        const double la = a[i + 2]["lm_loss"], lb = b[i]["lm_loss"];
+        const double ga = a[i + 2]["grad_norm"], gb = b[i]["grad_norm"];
+        std::cout << "[" << tag << "] step " << i + 3 << ": lm " << lb << " vs " << la
+                  << ", grad_norm " << gb << " vs " << ga << "\n";
+        EXPECT_EQ(b[i]["step"], a[i + 2]["step"]);
+        EXPECT_NEAR(lb, la, 1e-4 * la) << "step " << i + 3;
+        EXPECT_NEAR(gb, ga, 1e-2 * ga) << "step " << i + 3;
+    }
+}
+
 std::vector<nlohmann::json> compare_with_one_gpu(const std::string& tag, const std::string& extra,
                                                  const std::string& two_only = "",
                                                  double step1_tol = 1e-6, double load_tol = 0) {
@@ -155,20 +173,7 @@ TEST(DataParallelGpu, DistributedOptimizerMatchesOneGpuAndResumes) {
                          "/checkpoints/iter_0000002"),
               0)
         << tail_of(resumed + "/rank0.log") << tail_of(resumed + "/rank1.log");
-    const auto a = read_metrics(full), b = read_metrics(resumed);
-    ASSERT_EQ(a.size(), 4u);
-    ASSERT_EQ(b.size(), 2u);
-    for (size_t i = 0; i < 2; ++i) {
-        const double la = a[i + 2]["lm_loss"], lb = b[i]["lm_loss"];
-        const double ga = a[i + 2]["grad_norm"], gb = b[i]["grad_norm"];
-        std::cout << "[dp2 distopt resume] step " << i + 3 << ": lm " << lb << " vs " << la
-                  << ", grad_norm " << gb << " vs " << ga << "\n";
-        EXPECT_EQ(b[i]["step"], a[i + 2]["step"]);
-        // Atomics in the embedding and attention backward: two runs differ in the last bits.
-        // Step 3's loss is the saved weights'; step 4's follows the restored optimizer state.
-        EXPECT_NEAR(lb, la, 1e-4 * la) << "step " << i + 3;
-        EXPECT_NEAR(gb, ga, 1e-2 * ga) << "step " << i + 3;
-    }
+    expect_resumed_steps("dp2 distopt resume", read_metrics(full), read_metrics(resumed));
 }
 
 // Expert parallelism on GPUs: each GPU computes half of the experts for both GPUs' rows (rows
@@ -211,17 +216,7 @@ TEST(DataParallelGpu, ExpertParallelCheckpointResumesOnOneGpu) {
                args + "--set save_interval=0 --set expert_model_parallel_size=1 --resume " + ckpt),
         0)
         << tail_of(one + "/rank0.log");
-    const auto a = read_metrics(full), b = read_metrics(one);
-    ASSERT_EQ(a.size(), 4u);
-    ASSERT_EQ(b.size(), 2u);
-    for (size_t i = 0; i < 2; ++i) {
-        const double la = a[i + 2]["lm_loss"], lb = b[i]["lm_loss"];
-        const double ga = a[i + 2]["grad_norm"], gb = b[i]["grad_norm"];
-        std::cout << "[ep2 checkpoint -> 1 GPU] step " << i + 3 << ": lm " << lb << " vs " << la
-                  << ", grad_norm " << gb << " vs " << ga << "\n";
-        EXPECT_NEAR(lb, la, 1e-4 * la) << "step " << i + 3;
-        EXPECT_NEAR(gb, ga, 1e-2 * ga) << "step " << i + 3;
-    }
+    expect_resumed_steps("ep2 checkpoint -> 1 GPU", read_metrics(full), read_metrics(one));
 }
 
 // Context parallelism on GPUs: each GPU computes its two chunks of every document of every

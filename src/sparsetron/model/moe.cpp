@@ -53,7 +53,8 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
     stats_.load.assign(E_, 0);
     if (W_ > 1) {
         // What can arrive from the W sources (ModelConfig::moe_ep_received_rows).
-        const int64_t Rr = c.moe_ep_received_rows(tokens);
+        received_rows_ = c.moe_ep_received_rows(tokens);
+        const int64_t Rr = received_rows_;
         s_outr_ = buf.scratch("grad.moe.ep_out_received", {Rr, h_});
         s_doutr_ = buf.scratch("grad.moe.ep_dout_received", {Rr, h_});
         s_dxr_ = buf.scratch("grad.moe.ep_dx_received", {Rr, h_});
@@ -78,7 +79,7 @@ typename MoeLayer<T>::Slots MoeLayer<T>::declare_acts(Buffers& buf, const std::s
     s.act = buf.act(p + "expert_act", {R, F_});
     s.out_perm = buf.act(p + "expert_out", {R, h_});
     if (W_ > 1) {
-        const int64_t Rr = c_.moe_ep_received_rows(T_);
+        const int64_t Rr = received_rows_;
         s.xr = buf.act(p + "ep_x_received", {Rr, h_});
         s.gr = buf.act(p + "ep_gate_received", {Rr, F_});
         s.ur = buf.act(p + "ep_up_received", {Rr, F_});
@@ -156,8 +157,8 @@ void MoeLayer<T>::ep_forward(Acts& A) {
     const std::vector<int64_t> counts(size_t(W_), El_ * int64_t(sizeof(int64_t)));
     ep_->alltoallv(send.data(), counts, A.ep_recv.data(), counts);
     const int64_t received = std::accumulate(A.ep_recv.begin(), A.ep_recv.end(), int64_t(0));
-    ST_ASSERT(received <= c_.moe_ep_received_rows(T_), "MoE expert parallelism: ", received,
-              " rows received, the plan holds ", c_.moe_ep_received_rows(T_));
+    ST_ASSERT(received <= received_rows_, "MoE expert parallelism: ", received,
+              " rows received, the plan holds ", received_rows_);
     const std::vector<int64_t> sb = ep_send_bytes(A, h_), rb = ep_recv_bytes(A, h_);
     ep_->alltoallv(A.xperm, sb, A.xr, rb);
     int64_t r = 0;

@@ -99,7 +99,8 @@ class MoeLayer {
         s_dlogits_;
     T *dxperm_, *doutperm_, *dact_, *dg_, *du_, *sdact_, *sdg_, *sdu_, *dlogits_;
     Stats stats_;
-    int64_t W_ = 1, El_ = 0;  // expert-parallel ranks, experts per rank
+    int64_t W_ = 1, El_ = 0;     // expert-parallel ranks, experts per rank
+    int64_t received_rows_ = 0;  // expert parallelism: the planned receive rows
     Comm* ep_ = nullptr;
     MemoryPlan::Slot s_outr_ = -1, s_doutr_ = -1, s_dxr_ = -1, s_dactr_ = -1, s_dgr_ = -1,
                      s_dur_ = -1;

@@ -34,17 +34,16 @@ AdamW::AdamW(const ParamStore& store, MemoryPlan& plan, std::vector<bool> handle
     }
 }
 
-double grad_sum_squares(const ParamStore& store, const MemoryPlan& plan,
-                        const std::vector<bool>& select) {
-    double ss = 0;
+void grad_sum_squares(const ParamStore& store, const MemoryPlan& plan,
+                      const std::vector<int>& bucket, double* sums) {
     with_type(store.dtype(), [&](auto zero) {
         using T = decltype(zero);
         const auto& params = store.params();
         for (size_t i = 0; i < params.size(); ++i)
-            if (params[i].trainable && select[i])
-                ss += cpu::sum_squares(plan.view(params[i].grad_slot).ptr<T>(), params[i].numel());
+            if (params[i].trainable && bucket[i] >= 0)
+                sums[bucket[i]] +=
+                    cpu::sum_squares(plan.view(params[i].grad_slot).ptr<T>(), params[i].numel());
     });
-    return ss;
 }
 
 void zero_grads(const MemoryPlan& plan) {

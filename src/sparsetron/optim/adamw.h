@@ -29,9 +29,10 @@ class AdamW {
     std::vector<MemoryPlan::Slot> m_, v_;  // -1 where not handled
 };
 
-// Sum of squared gradients of the trainable parameters selected by `select` (fixed order).
-double grad_sum_squares(const ParamStore& store, const MemoryPlan& plan,
-                        const std::vector<bool>& select);
+// Sums of squared gradients by bucket: sums[bucket[i]] += |grad_i|^2 for every trainable
+// parameter i with bucket[i] >= 0, in parameter order (fixed).
+void grad_sum_squares(const ParamStore& store, const MemoryPlan& plan,
+                      const std::vector<int>& bucket, double* sums);
 void zero_grads(const MemoryPlan& plan);
 
 }  // namespace sparsetron

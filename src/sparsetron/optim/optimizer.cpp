@@ -34,22 +34,16 @@ StepStats Optimizer::step(const MemoryPlan& plan, const RunConfig& run, int64_t 
         mtp[i] = selected && separate_mtp_ && mtp_group_[i];
         main[i] = selected && !mtp[i];
     }
-    // Squared norms of [main, MTP] x [dense, routed experts]; the experts' summed over EP.
+    // Squared norms [main dense, MTP dense, main experts, MTP experts]; the routed experts'
+    // (sharded over EP) summed over the EP group.
+    std::vector<int> bucket(n, -1);
+    for (size_t i = 0; i < n; ++i)
+        if (main[i] || mtp[i]) bucket[i] = (store_.params()[i].routed_expert ? 2 : 0) + int(mtp[i]);
     double ss[4] = {0, 0, 0, 0};
-    for (int g = 0; g < 2; ++g)
-        for (int expert = 0; expert < 2; ++expert) {
-            std::vector<bool> sel(n);
-            for (size_t i = 0; i < n; ++i)
-                sel[i] = (g ? mtp[i] : main[i]) && store_.params()[i].routed_expert == bool(expert);
-            ss[2 * g + expert] = grad_sum_squares(store_, plan, sel);
-        }
-    if (ep_) {
-        double experts[2] = {ss[1], ss[3]};
-        ep_->allreduce_sum(experts, 2);
-        ss[1] = experts[0], ss[3] = experts[1];
-    }
-    st.grad_norm = std::sqrt(ss[0] + ss[1]);
-    if (separate_mtp_) st.grad_norm_mtp = std::sqrt(ss[2] + ss[3]);
+    grad_sum_squares(store_, plan, bucket, ss);
+    if (ep_) ep_->allreduce_sum(ss + 2, 2);
+    st.grad_norm = std::sqrt(ss[0] + ss[2]);
+    if (separate_mtp_) st.grad_norm_mtp = std::sqrt(ss[1] + ss[3]);
     if (!std::isfinite(st.grad_norm) || !std::isfinite(st.grad_norm_mtp)) {
         st.skipped = true;
         return st;

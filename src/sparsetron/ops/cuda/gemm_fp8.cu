@@ -13,6 +13,16 @@ cublasLtMatmulMatrixScale_t scale_mode(const Fp8Operand& o) {
                             : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
 }
 
+// The operands' scale pointers into the descriptor (cuBLASLt reads them at enqueue time).
+void point_scales(cublasLtMatmulDesc_t op, const Fp8Operand& x, const Fp8Operand& w) {
+    const void* sa = w.scale_inv;
+    const void* sb = x.scale_inv;
+    ST_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    ST_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+}
+
 GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t ldy,
                        const Fp8Operand& x, const Fp8Operand& w) {
     GemmPlan p;
@@ -42,12 +52,7 @@ GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                              &libs.workspace_bytes, sizeof(libs.workspace_bytes)));
     // The heuristic needs the scale pointers' modes only; any non-null pointers do here.
-    const void* sa = w.scale_inv;
-    const void* sb = x.scale_inv;
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
-                                                   sizeof(sa)));
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
-                                                   sizeof(sb)));
+    point_scales(p.op, x, w);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     ST_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(libs.lt, p.op, p.a, p.b, p.c, p.c, pref, 1,
@@ -75,12 +80,7 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
     if (it == libs.fp8_plans.end())
         it = libs.fp8_plans.emplace(key, make_fp8_plan(libs, m, n, k, ldy, x, w)).first;
     const GemmPlan& p = it->second;
-    const void* sa = w.scale_inv;
-    const void* sb = x.scale_inv;
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
-                                                   sizeof(sa)));
-    ST_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
-                                                   sizeof(sb)));
+    point_scales(p.op, x, w);
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, w.q, p.a, x.q, p.b, &beta, y, p.c, y, p.c,
                                    &p.algo, libs.workspace, libs.workspace_bytes,

@@ -52,90 +52,144 @@ Workspace carve(void* ws, int64_t bytes, int64_t tokens, int64_t keys, int64_t h
 
 constexpr int kWarps = kThreads / 32;
 
+// The token's selected keys as a bitmask over 0..ld-1 in shared memory (ld / 32 words, rounded
+// up): the kernels below then stream whole S rows with coalesced 16-byte loads and test a bit per
+// key, instead of gathering S at the selected keys (random 4-byte reads) and scattering into a
+// zeroed P (measured 1.4 TB/s effective; docs/perf/2026-11-30-masked-attention-rows.md).
+__device__ void build_key_mask(uint32_t* mask, int64_t words, const int32_t* sel, int64_t n) {
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) mask[i] = 0u;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x)
+        atomicOr(&mask[sel[j] >> 5], 1u << (sel[j] & 31));
+    __syncthreads();
+}
+// The four mask bits of keys 4v .. 4v+3 (a group never straddles a word).
+__device__ __forceinline__ uint32_t mask_bits4(const uint32_t* mask, int64_t v) {
+    return (mask[v >> 3] >> ((v & 7) * 4)) & 0xFu;
+}
+
+__device__ __forceinline__ void online_add(float& mx, float& l, float x) {
+    if (x > mx) {
+        l = l * __expf(mx - x) + 1.f;
+        mx = x;
+    } else {
+        l += __expf(x - mx);
+    }
+}
+__device__ __forceinline__ void online_merge(float& mx, float& l, float m2, float l2) {
+    const float mm = fmaxf(mx, m2);
+    l = (mx == -INFINITY ? 0.f : l * __expf(mx - mm)) +
+        (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - mm));
+    mx = mm;
+}
+
 // One block per token of the chunk and group of heads_per_block heads (all heads when the
-// head-summed probabilities are wanted, kWarps otherwise: more blocks, more latency hidden): zero
-// the group's probability rows over 0..ld-1, then a warp per head writes exp(s - lse) at the
-// selected keys. With lse_out (the forward) the lse comes from an
-// online max/sum over the selected scores and is written, and the head-summed probabilities too
-// (per-warp partial rows in shared memory, added in warp order: deterministic); otherwise lse_in
-// is read.
+// head-summed probabilities are wanted, kWarps otherwise: more blocks). Per head row the whole
+// block streams S: with lse_out (the forward) a first sweep takes an online max/sum over the
+// selected scores (block-reduced) and writes the lse; otherwise lse_in is read. The second sweep
+// (the row is still in L1/L2) writes the full P row: exp(s - lse) at selected keys, 0 elsewhere.
+// prob_sum: the head-summed probabilities per selected slot; each thread owns fixed key columns
+// of a shared-memory row, added in head order (deterministic, no atomics).
 __global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const int32_t* idx,
                                     const int32_t* len, int64_t kslots, int64_t t0, int64_t tokens,
                                     int64_t heads, int64_t heads_per_block, const float* lse_in,
                                     float* lse_out, float* prob_sum) {
-    extern __shared__ float psum[];  // [kWarps][kslots] when prob_sum
+    extern __shared__ uint32_t smem[];
+    const int64_t words = (lds + 31) / 32;
+    uint32_t* mask = smem;
+    float* keysum = reinterpret_cast<float*>(smem + (words + 3) / 4 * 4);  // [lds] with prob_sum
+    __shared__ float red_m[2][kWarps], red_l[2][kWarps];
     const int64_t tl = blockIdx.x, t = t0 + tl;
     const int64_t h0 = int64_t(blockIdx.y) * heads_per_block;
     const int64_t h1 = std::min(heads, h0 + heads_per_block);
     const int32_t* sel = idx + t * kslots;
     const int64_t n = len[t];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint4* rows = reinterpret_cast<uint4*>(p + (tl * heads + h0) * lds);
-    for (int64_t i = threadIdx.x; i < (h1 - h0) * lds / 8; i += blockDim.x)
-        rows[i] = make_uint4(0, 0, 0, 0);
+    build_key_mask(mask, words, sel, n);
+    const int64_t vecs = lds / 4;
     if (prob_sum)
-        for (int64_t j = threadIdx.x; j < kWarps * kslots; j += blockDim.x) psum[j] = 0.f;
-    __syncthreads();  // zeros before the scatter below (other warps write the same rows)
-    float* mine = psum + warp * kslots;
-    for (int64_t h = h0 + warp; h < h1; h += kWarps) {
-        const float* srow = s + (tl * heads + h) * lds;
-        bf* prow = p + (tl * heads + h) * lds;
+        for (int64_t k = threadIdx.x; k < lds; k += blockDim.x) keysum[k] = 0.f;
+    for (int64_t h = h0; h < h1; ++h) {
+        const float4* srow = reinterpret_cast<const float4*>(s + (tl * heads + h) * lds);
         float m;
         if (lse_out) {
             float mx = -INFINITY, l = 0.f;
-            for (int64_t j = lane; j < n; j += 32) {
-                const float x = srow[sel[j]];
-                if (x > mx) {
-                    l = l * __expf(mx - x) + 1.f;
-                    mx = x;
-                } else {
-                    l += __expf(x - mx);
-                }
+            for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+                const uint32_t bits = mask_bits4(mask, v);
+                if (!bits) continue;
+                const float4 x = srow[v];
+                if (bits & 1u) online_add(mx, l, x.x);
+                if (bits & 2u) online_add(mx, l, x.y);
+                if (bits & 4u) online_add(mx, l, x.z);
+                if (bits & 8u) online_add(mx, l, x.w);
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float m2 = __shfl_xor_sync(0xffffffffu, mx, o);
-                const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
-                const float mm = fmaxf(mx, m2);
-                l = (mx == -INFINITY ? 0.f : l * __expf(mx - mm)) +
-                    (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - mm));
-                mx = mm;
+            for (int o = 16; o > 0; o >>= 1)
+                online_merge(mx, l, __shfl_xor_sync(0xffffffffu, mx, o),
+                             __shfl_xor_sync(0xffffffffu, l, o));
+            // Two buffers by head parity: the next head's writes cannot race this head's reads
+            // (the __syncthreads of the head in between separates them).
+            const int b = int(h & 1);
+            if (lane == 0) {
+                red_m[b][warp] = mx;
+                red_l[b][warp] = l;
             }
+            __syncthreads();
+            mx = -INFINITY;
+            l = 0.f;
+            for (int w = 0; w < kWarps; ++w) online_merge(mx, l, red_m[b][w], red_l[b][w]);
             m = n > 0 ? mx + logf(l) : 0.f;
-            if (lane == 0) lse_out[h * tokens + t] = m;
+            if (threadIdx.x == 0) lse_out[h * tokens + t] = m;
         } else {
             m = lse_in[h * tokens + t];
         }
-        for (int64_t j = lane; j < n; j += 32) {
-            const float pj = __expf(srow[sel[j]] - m);
-            prow[sel[j]] = __float2bfloat16(pj);
-            if (prob_sum) mine[j] += pj;
+        uint2* prow = reinterpret_cast<uint2*>(p + (tl * heads + h) * lds);
+        for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+            const uint32_t bits = mask_bits4(mask, v);
+            float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (bits) {
+                const float4 x = srow[v];
+                e.x = (bits & 1u) ? __expf(x.x - m) : 0.f;
+                e.y = (bits & 2u) ? __expf(x.y - m) : 0.f;
+                e.z = (bits & 4u) ? __expf(x.z - m) : 0.f;
+                e.w = (bits & 8u) ? __expf(x.w - m) : 0.f;
+                if (prob_sum) {
+                    keysum[4 * v] += e.x;
+                    keysum[4 * v + 1] += e.y;
+                    keysum[4 * v + 2] += e.z;
+                    keysum[4 * v + 3] += e.w;
+                }
+            }
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(e.x, e.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(e.z, e.w);
+            prow[v] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                 *reinterpret_cast<const uint32_t*>(&hi));
         }
     }
     if (prob_sum) {
         __syncthreads();
-        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x) {
-            float sum = 0.f;
-            for (int w = 0; w < kWarps; ++w) sum += psum[w * kslots + j];
-            prob_sum[t * kslots + j] = sum;
-        }
+        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
+            prob_sum[t * kslots + j] = j < n ? keysum[sel[j]] : 0.f;
     }
 }
 
-// dS = scale P (dP - D) at the selected keys of the token's rows of kWarps heads (blockIdx.y's
-// group; a warp per head), written
-// over P (whose other entries are already 0). P is recomputed in fp32 from S and the lse.
+// dS = scale P (dP - D) over the token's rows of kWarps heads (blockIdx.y's group), written over
+// P as full rows (0 at unselected keys), P recomputed in fp32 from S and the lse. D =
+// rowsum(dO o O) per head, a warp each, first.
 __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, int64_t lds,
                                       const int32_t* idx, const int32_t* len, int64_t kslots,
                                       int64_t t0, int64_t tokens, int64_t heads, int64_t dv,
                                       const float* lse, const bf* out, const bf* dout,
                                       float scale) {
+    extern __shared__ uint32_t mask[];
+    __shared__ float dsum[kWarps];
     const int64_t tl = blockIdx.x, t = t0 + tl;
-    const int64_t h1 = std::min(heads, int64_t(blockIdx.y + 1) * kWarps);
+    const int64_t h0 = int64_t(blockIdx.y) * kWarps, h1 = std::min(heads, h0 + kWarps);
     const int32_t* sel = idx + t * kslots;
     const int64_t n = len[t];
-    if (n == 0) return;
+    if (n == 0) return;  // P's rows are already 0
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int64_t h = int64_t(blockIdx.y) * kWarps + warp; h < h1; h += kWarps) {
+    if (h0 + warp < h1) {
+        const int64_t h = h0 + warp;
         const __nv_bfloat162* o =
             reinterpret_cast<const __nv_bfloat162*>(out + (t * heads + h) * dv);
         const __nv_bfloat162* g =
@@ -148,25 +202,51 @@ __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, i
         if (dv % 2 && lane == 0)
             d += ld(out + (t * heads + h + 1) * dv - 1) * ld(dout + (t * heads + h + 1) * dv - 1);
         d = warp_sum(d);
+        if (lane == 0) dsum[warp] = d;
+    }
+    build_key_mask(mask, (lds + 31) / 32, sel, n);  // its __syncthreads also publishes dsum
+    const int64_t vecs = lds / 4;
+    for (int64_t h = h0; h < h1; ++h) {
         const int64_t r = (tl * heads + h) * lds;
-        const float m = lse[h * tokens + t];
-        for (int64_t j = lane; j < n; j += 32) {
-            const int64_t key = sel[j];
-            const float pj = __expf(s[r + key] - m);
-            ds[r + key] = __float2bfloat16(scale * pj * (dp[r + key] - d));
+        const float4* srow = reinterpret_cast<const float4*>(s + r);
+        const float4* dprow = reinterpret_cast<const float4*>(dp + r);
+        uint2* out_row = reinterpret_cast<uint2*>(ds + r);
+        const float m = lse[h * tokens + t], d = dsum[h - h0];
+        for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+            const uint32_t bits = mask_bits4(mask, v);
+            float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (bits) {
+                const float4 x = srow[v], g = dprow[v];
+                e.x = (bits & 1u) ? scale * __expf(x.x - m) * (g.x - d) : 0.f;
+                e.y = (bits & 2u) ? scale * __expf(x.y - m) * (g.y - d) : 0.f;
+                e.z = (bits & 4u) ? scale * __expf(x.z - m) * (g.z - d) : 0.f;
+                e.w = (bits & 8u) ? scale * __expf(x.w - m) * (g.w - d) : 0.f;
+            }
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(e.x, e.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(e.z, e.w);
+            out_row[v] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                    *reinterpret_cast<const uint32_t*>(&hi));
         }
     }
 }
 
-// The forward's probability kernel keeps a float per top-k slot and warp in shared memory.
+// Dynamic shared memory: the key mask, and with prob_sum a float per key.
 constexpr size_t kMaxProbsSmem = 200 * 1024;
-size_t probs_smem(int64_t kslots, bool prob_sum) {
-    const size_t bytes = prob_sum ? kWarps * kslots * sizeof(float) : 0;
-    ST_CHECK(bytes <= kMaxProbsSmem, "sparse MQA (masked): top-k ", kslots,
-             " exceeds shared memory");
+size_t mask_smem(int64_t lds) {
+    return size_t((lds + 31) / 32 + 3) / 4 * 4 * sizeof(uint32_t);
+}
+size_t probs_smem_bytes(int64_t lds, bool prob_sum) {
+    return mask_smem(lds) + (prob_sum ? size_t(lds) * sizeof(float) : 0);
+}
+size_t probs_smem(int64_t lds, bool prob_sum) {
+    const size_t bytes = probs_smem_bytes(lds, prob_sum);
+    ST_CHECK(bytes <= kMaxProbsSmem, "sparse MQA (masked): ", lds, " keys exceed shared memory");
     if (bytes > 48 * 1024) {
         static const bool configured = [] {
             ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               int(kMaxProbsSmem)));
+            ST_CUDA_CHECK(cudaFuncSetAttribute(masked_dscores_kernel,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                int(kMaxProbsSmem)));
             return true;
@@ -181,8 +261,8 @@ size_t probs_smem(int64_t kslots, bool prob_sum) {
 bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
     // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
     // far more than the 4x extra work this allows (docs/perf/). The head-summed probabilities
-    // need kWarps floats per slot of shared memory.
-    return keys <= 8 * kslots && kWarps * kslots * sizeof(float) <= kMaxProbsSmem;
+    // need a float per key of shared memory.
+    return keys <= 8 * kslots && probs_smem_bytes(leading_dim(keys), true) <= kMaxProbsSmem;
 }
 
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
@@ -202,7 +282,6 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
     const Workspace w =
         carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;
-    const size_t smem = probs_smem(kslots, prob_sum != nullptr);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
@@ -210,6 +289,7 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
              ld, DType::BF16, DType::F32);
         // With prob_sum a block takes all heads of its token (the sum stays in the block).
         const int64_t hpb = prob_sum ? heads : kWarps;
+        const size_t smem = probs_smem(ld, prob_sum != nullptr);
         masked_probs_kernel<<<dim3(unsigned(t1 - t0), unsigned((heads + hpb - 1) / hpb)), kThreads,
                               smem, stream_of(ctx)>>>(w.s, w.p, ld, idx, len, kslots, t0, tokens,
                                                       heads, hpb, nullptr, lse, prob_sum);
@@ -230,7 +310,6 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
     const auto BF = DType::BF16, F32 = DType::F32;
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, (key_rows > 0 ? key_rows : tokens) * dqk * sizeof(float),
                                   stream_of(ctx)));
-    const size_t smem = probs_smem(kslots, false);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
@@ -238,13 +317,14 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         const bf16* gc = dout + t0 * heads * dv;
         gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
         const dim3 grid(unsigned(t1 - t0), unsigned((heads + kWarps - 1) / kWarps));
+        const size_t smem = probs_smem(ld, false);
         masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
             w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
         ST_CUDA_LAUNCH_CHECK();
         gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
         // dV' (the first dv latent columns) += P^T dO
         gemm(ctx, true, false, keys, dv, rows, 1.f, w.p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
-        masked_dscores_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+        masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
             w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out), dev(dout),
             scale);
         ST_CUDA_LAUNCH_CHECK();

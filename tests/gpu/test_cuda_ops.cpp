@@ -664,6 +664,45 @@ TEST_F(CudaOps, GroupedGemmManyTiles) {
     grouped_gemm_check(*session_, {0, 300, 301, 301, 560}, 264, 392, 300, "grouped gemm (tiles)");
 }
 
+// Every tile configuration of the tensor-core kernels (on Hopper: the wgmma kernel, then the WMMA
+// ones the engine uses elsewhere) against per-expert CPU GEMMs, each kind, partial tiles.
+TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
+    const std::vector<int32_t> off{0, 37, 37, 101, 260};
+    const int64_t E = int64_t(off.size()) - 1, R = off.back(), n = 136, kk = 200, max_rows = 159;
+    DeviceArray<int32_t> doff(off);
+    Rounded w(E * n * kk, 121, 0.3), x(R * kk, 122), dy(R * n, 123);
+    std::vector<float> yr(R * n), dxr(R * kk), dwr(E * n * kk, 0.f);
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], m = off[e + 1] - off[e];
+        if (m == 0) continue;
+        const float* we = w.host.data() + e * n * kk;
+        cpu::gemm<float>(false, true, m, n, kk, 1.f, x.host.data() + r0 * kk, kk, we, kk, 0.f,
+                         yr.data() + r0 * n, n);
+        cpu::gemm<float>(false, false, m, kk, n, 1.f, dy.host.data() + r0 * n, n, we, kk, 0.f,
+                         dxr.data() + r0 * kk, kk);
+        cpu::gemm<float>(true, false, n, kk, m, 1.f, dy.host.data() + r0 * n, n,
+                         x.host.data() + r0 * kk, kk, 0.f, dwr.data() + e * n * kk, kk);
+    }
+    using K2 = cuda::GroupedGemm;
+    const int configs = cuda::grouped_gemm_tc_configs();
+    ASSERT_GE(configs, 5);
+    for (int cfg = 0; cfg < configs; ++cfg) {
+        DeviceArray<bf16> y(R * n), dx(R * kk);
+        DeviceArray<float> dw(std::vector<float>(E * n * kk, 0.f));
+        const std::string name =
+            cuda::grouped_gemm_tc_config(ctx(), cfg, K2::RowsTimesWeightT, doff, E, max_rows, n, kk,
+                                         x.dev, w.dev, static_cast<bf16*>(y));
+        cuda::grouped_gemm_tc_config(ctx(), cfg, K2::RowsTimesWeight, doff, E, max_rows, n, kk,
+                                     dy.dev, w.dev, static_cast<bf16*>(dx));
+        cuda::grouped_gemm_tc_config(ctx(), cfg, K2::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
+                                     x.dev, static_cast<float*>(dw));
+        sync();
+        expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
+        expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);
+        expect_close(name + ": weight grad", dw.download(), dwr, 1e-5);
+    }
+}
+
 // Dimensions not a multiple of 8: the simple fallback kernel.
 TEST_F(CudaOps, GroupedGemmUnalignedFallback) {
     grouped_gemm_check(*session_, {0, 37, 37, 101, 130, 200}, 36, 20, 70,

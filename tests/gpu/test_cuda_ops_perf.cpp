@@ -277,6 +277,23 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             std::cout << "[perf]   cfg " << cfg << " = " << name << "\n";
         }
     }
+    // Skewed routing: half the experts get 3x the rows of the other half (3072 / 1024; the same
+    // 32768 rows), through the engine's path, each kind.
+    std::vector<int32_t> skew(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) skew[e + 1] = skew[e] + int32_t(e % 2 ? 1024 : 3072);
+    DeviceArray<int32_t> dskew(skew);
+    report(
+        "grouped gemm x W^T, skewed 3072/1024 rows",
+        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dskew, E, T, F, h, *x, *w, *y); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
+        "grouped gemm dy W, skewed",
+        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dskew, E, T, F, h, *y, *w, *x); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
+        "grouped gemm weight grad, skewed",
+        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, dskew, E, T, F, h, *y, *x, *dw); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(
         "dense cuBLASLt gemm of the same total shape",

@@ -263,20 +263,33 @@ bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, cons
 void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                      int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                      const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride, accumulate);
+    if (grouped_gemm_wgmma_available())
+        grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
+                           accumulate);
+    else
+        run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
+                     accumulate);
 }
 
 int grouped_gemm_tc_configs() {
-    return 5;
+    return grouped_gemm_wgmma_available() ? 6 : 5;
 }
 
 std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                    const int32_t* offsets, int64_t experts, int64_t max_rows,
                                    int64_t n, int64_t k, const bf16* a, const bf16* b, void* c) {
+    // On Hopper config 0 is the wgmma kernel and the WMMA ones follow.
+    if (grouped_gemm_wgmma_available()) {
+        if (config == 0) {
+            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, false);
+            return "wgmma 128x128, k64, 3 stages (the engine's on Hopper)";
+        }
+        --config;
+    }
     switch (config) {
         case 0:
             run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, false);
-            return "4 warps 64x64, k32, 3 stages (the engine's)";
+            return "WMMA 4 warps 64x64, k32, 3 stages (the engine's elsewhere)";
         case 1:
             run<Cfg<2, 2, 32, 4>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
                                   false);

@@ -43,5 +43,10 @@ bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, cons
 void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                      int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                      const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+// The wgmma grouped GEMM (grouped_gemm_wgmma.cu), what grouped_gemm_tc runs on sm_90 devices.
+bool grouped_gemm_wgmma_available();
+void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                        int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                        const bf16* b, void* c, int64_t weight_stride, bool accumulate);
 
 }  // namespace sparsetron::cuda

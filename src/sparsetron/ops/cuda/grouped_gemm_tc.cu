@@ -272,19 +272,18 @@ void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* of
 }
 
 int grouped_gemm_tc_configs() {
-    return grouped_gemm_wgmma_available() ? 6 : 5;
+    return (grouped_gemm_wgmma_available() ? grouped_gemm_wgmma_configs() : 0) + 5;
 }
 
 std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                    const int32_t* offsets, int64_t experts, int64_t max_rows,
                                    int64_t n, int64_t k, const bf16* a, const bf16* b, void* c) {
-    // On Hopper config 0 is the wgmma kernel and the WMMA ones follow.
+    // On Hopper the wgmma kernel's configurations come first (0 is the engine's), then WMMA's.
     if (grouped_gemm_wgmma_available()) {
-        if (config == 0) {
-            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, false);
-            return "wgmma 128x128, k64, 3 stages (the engine's on Hopper)";
-        }
-        --config;
+        if (config < grouped_gemm_wgmma_configs())
+            return grouped_gemm_wgmma_config(ctx, config, kind, offsets, experts, max_rows, n, k, a,
+                                             b, c);
+        config -= grouped_gemm_wgmma_configs();
     }
     switch (config) {
         case 0:

@@ -48,5 +48,10 @@ bool grouped_gemm_wgmma_available();
 void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                         int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                         const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+// Its tile configurations for the perf harness (0 is the engine's; packed weights).
+int grouped_gemm_wgmma_configs();
+std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
+                                      const int32_t* offsets, int64_t experts, int64_t max_rows,
+                                      int64_t n, int64_t k, const bf16* a, const bf16* b, void* c);
 
 }  // namespace sparsetron::cuda

@@ -101,6 +101,72 @@ TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
     }
 }
 
+template <typename T>
+std::vector<T> transpose(const std::vector<T>& a, int64_t rows, int64_t cols) {
+    std::vector<T> t(a.size());
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = a[size_t(r * cols + c)];
+    return t;
+}
+
+// The transposed quantizers (the gradient GEMMs' operands) are the plain ones applied to the
+// transpose, bit for bit: weights' 128x128 blocks written as w^T, activations' 1x128 blocks down
+// the columns written as x^T. 300 rows: four-byte stores; 302: byte stores and a partial tile.
+TEST(CudaFp8, TransposedQuantizersMatchTheCpuReferenceBitForBit) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    for (const auto& [rows, cols] :
+         {std::pair{int64_t(300), int64_t(520)}, std::pair{int64_t(302), int64_t(523)}}) {
+        std::vector<float> x = fp8_blocky_values(rows, cols, 31);
+        const std::vector<float> xr = to_float(to_bf16_rounding(x));
+        DeviceArray<bf16> dx(to_bf16_rounding(x));
+        DeviceArray<uint8_t> dq(rows * cols);
+        DeviceArray<float> ds(fp8::scales_1x128(cols, rows));
+        cuda::quantize_fp8_1x128_columns(session.ctx(), dx, rows, cols, cols, true, dq, ds);
+        const std::vector<float> xt = transpose(xr, rows, cols);
+        std::vector<uint8_t> q(size_t(rows * cols));
+        std::vector<float> sc(size_t(cols * fp8::blocks(rows)));
+        cpu::quantize_1x128(xt.data(), cols, rows, rows, true, q.data(), sc.data());
+        session.synchronize();
+        EXPECT_EQ(mismatches(dq.download(), q), 0) << "1x128 down columns, bytes, rows " << rows;
+        EXPECT_EQ(mismatches(logical_1x128(ds.download(), cols, rows), sc), 0)
+            << "1x128 down columns, scales, rows " << rows;
+        EXPECT_TRUE(dq.guard_intact() && ds.guard_intact());
+
+        const std::vector<float> w = fp8_blocky_values(rows, cols, 32);
+        DeviceArray<float> dw(w);
+        DeviceArray<uint8_t> dqw(rows * cols);
+        DeviceArray<float> dsw(fp8::scales_128x128(cols, rows));
+        cuda::quantize_fp8_128x128(session.ctx(), dw, rows, cols, false, dqw, dsw, true);
+        const std::vector<float> wt = transpose(w, rows, cols);
+        std::vector<uint8_t> qw(size_t(rows * cols));
+        std::vector<float> sw(size_t(fp8::blocks(cols) * fp8::blocks(rows)));
+        cpu::quantize_128x128(wt.data(), cols, rows, false, qw.data(), sw.data());
+        session.synchronize();
+        EXPECT_EQ(mismatches(dqw.download(), qw), 0) << "128x128 transposed, bytes, rows " << rows;
+        EXPECT_EQ(mismatches(logical_128x128(dsw.download(), cols, rows), sw), 0)
+            << "128x128 transposed, scales, rows " << rows;
+        EXPECT_TRUE(dqw.guard_intact() && dsw.guard_intact());
+        // Both orientations from one read (what the FP8 linears quantize every step).
+        DeviceArray<uint8_t> bq(rows * cols), bqt(rows * cols);
+        DeviceArray<float> bs(fp8::scales_128x128(rows, cols)),
+            bst(fp8::scales_128x128(cols, rows));
+        cuda::quantize_fp8_128x128_both(session.ctx(), dw, rows, cols, false, bq, bs, bqt, bst);
+        std::vector<uint8_t> q0(size_t(rows * cols));
+        std::vector<float> s0(size_t(fp8::blocks(rows) * fp8::blocks(cols)));
+        cpu::quantize_128x128(w.data(), rows, cols, false, q0.data(), s0.data());
+        session.synchronize();
+        EXPECT_EQ(mismatches(bq.download(), q0), 0) << "both: W bytes, rows " << rows;
+        EXPECT_EQ(mismatches(logical_128x128(bs.download(), rows, cols), s0), 0)
+            << "both: W scales";
+        EXPECT_EQ(mismatches(bqt.download(), qw), 0) << "both: W^T bytes, rows " << rows;
+        EXPECT_EQ(mismatches(logical_128x128(bst.download(), cols, rows), sw), 0)
+            << "both: W^T scales";
+        EXPECT_TRUE(bq.guard_intact() && bqt.guard_intact() && bs.guard_intact() &&
+                    bst.guard_intact());
+    }
+}
+
 // cuBLASLt's block-scaled GEMM against the CPU reference on the same quantized operands (the
 // CUDA quantizers' output): x [m, k] 1x128, w [n, k] 128x128 (the forward) and 1x128 (the
 // gradient GEMMs), with a partial last block of k and accumulation into y. The GEMM sums the
@@ -176,6 +242,15 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
     check(to_float(y.download()), sum, "accumulate");
     EXPECT_THROW(cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, true}, {qw, sw, true}, y, n),
                  Error);
+    // fp32 output accumulated onto existing values (weight gradients): y32 = y0 + x . w (1x128).
+    const std::vector<float> y0 = fp8_blocky_values(m, n, 23);
+    DeviceArray<float> y32(y0);
+    cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw1, sw1, false},
+                             static_cast<float*>(y32), n, true);
+    std::vector<float> acc(ref1.size());
+    for (size_t i = 0; i < acc.size(); ++i) acc[i] = y0[i] + ref1[i];
+    check(y32.download(), acc, "fp32 output, accumulated");
+    EXPECT_TRUE(y32.guard_intact());
 }
 
 #endif

@@ -169,13 +169,18 @@ TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
     EXPECT_NE(msg.find("token id 256 but vocab_size is 200"), std::string::npos) << msg;
     msg = error_of([&] { Trainer(small_recipe(), {dir, "", Device::CUDA}); });
     EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
-    // FP8 recipes stop instead of training bf16; mxfp8 points to the Hopper recipe.
+    // FP8 recipes never train bf16 silently: mxfp8 points to the Hopper recipe, blockwise needs
+    // CUDA, tensorwise is not implemented.
     msg = error_of([&] { Trainer(small_recipe({"fp8_recipe=mxfp8"}), {dir, "", Device::CPU}); });
-    EXPECT_NE(msg.find("the Hopper FP8 recipe is fp8_recipe: blockwise"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("On Hopper use fp8_recipe: blockwise"), std::string::npos) << msg;
     msg = error_of([&] {
         Trainer(small_recipe({"fp8_recipe=blockwise"}), {dir, "", Device::CPU});
     });
-    EXPECT_NE(msg.find("fp8_recipe: blockwise is not implemented yet"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("fp8_recipe: blockwise trains on CUDA only"), std::string::npos) << msg;
+    msg = error_of([&] {
+        Trainer(small_recipe({"fp8_recipe=tensorwise"}), {dir, "", Device::CPU});
+    });
+    EXPECT_NE(msg.find("fp8_recipe: tensorwise is not implemented"), std::string::npos) << msg;
     // 2 layers + MTP layer 3 with freq 2, offset 1: layer 3 is full, so kv sharing is accepted;
     // offset 2 makes it shared (max(3-2,0) % 2 != 0), which kv sharing cannot use.
     std::vector<std::string> dsa = {"experimental_attention_variant=dsa",

@@ -71,15 +71,21 @@ std::string stash_overflow_message(const ModelConfig& mc, const DeviceEngine::St
 }
 
 void check_supported(const Recipe& r, const TrainOptions& o) {
-    // FP8 is not trained yet: never run bf16 silently under an FP8 recipe.
+    // Never run bf16 silently under an FP8 recipe.
     if (r.run.fp8_recipe == "mxfp8")
         throw Error(
-            "fp8_recipe: mxfp8 is not implemented, and its block scaling (32-element UE8M0 "
-            "scales) needs Blackwell: Hopper's cuBLASLt has no MXFP8 GEMM; the Hopper FP8 recipe "
-            "is fp8_recipe: blockwise (1x128 / 128x128 scales), which is not implemented yet "
-            "either. Drop fp8_recipe to train in bf16");
-    ST_CHECK(r.run.fp8_recipe.empty(), "fp8_recipe: ", r.run.fp8_recipe,
-             " is not implemented yet (training is bf16); drop the key to train in bf16");
+            "fp8_recipe: mxfp8 is not implemented: its block scaling (32-element UE8M0 scales) "
+            "needs Blackwell, and Hopper's cuBLASLt has no MXFP8 GEMM. On Hopper use "
+            "fp8_recipe: blockwise (1x128 activation / 128x128 weight scales)");
+    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_recipe == "blockwise",
+             "fp8_recipe: ", r.run.fp8_recipe,
+             " is not implemented (blockwise is; drop the key to train in bf16)");
+    ST_CHECK(r.run.fp8_recipe.empty() || o.device == Device::CUDA,
+             "fp8_recipe: blockwise trains on CUDA only (the CPU reference model is bf16/fp32; "
+             "its FP8 quantizers and GEMM are the references the CUDA ones are tested against): "
+             "use --device cuda or drop fp8_recipe");
+    ST_CHECK(r.run.fp8_format == "e4m3", "fp8_format: ", r.run.fp8_format,
+             " is not implemented (blockwise uses e4m3 for every operand)");
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(r.run.world_size == ranks, "world_size ", r.run.world_size, " but ", ranks,
              ranks == 1 ? " process was started (launch N processes with mpirun -np N, or set "

@@ -28,6 +28,12 @@ class GpuBuffers {
         refs_.emplace_back(plan_.add(MemClass::Activations, name, dtype_of<T>(), std::move(shape)),
                            reinterpret_cast<void**>(&ptr));
     }
+    // A derived copy of parameters (e.g. their FP8 quantization): planned with the parameters.
+    template <typename T>
+    void param_copy(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        refs_.emplace_back(plan_.add(MemClass::Parameters, name, dtype_of<T>(), std::move(shape)),
+                           reinterpret_cast<void**>(&ptr));
+    }
     // Workspace shared by name: every module asking for the same name gets the same buffer.
     template <typename T>
     void scratch(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
@@ -105,11 +111,14 @@ inline void cp_allreduce(const ExecContext& ctx, const GpuInputs& in, float* x, 
 }
 
 class MoeStash;
+class Fp8Weights;
 
-// What every module shares: norm weight-gradient partials, the MoE paged stash (null when off).
+// What every module shares: norm weight-gradient partials, the MoE paged stash (null when off),
+// the FP8 linear weights (fp8_recipe: blockwise; null in bf16).
 struct GpuShared {
     float* norm_ws = nullptr;
     const MoeStash* moe_stash = nullptr;
+    Fp8Weights* fp8 = nullptr;
 };
 
 }  // namespace sparsetron::gpu

@@ -11,11 +11,16 @@ constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
 GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
-               int64_t tokens, const std::string& tag)
-    : P_(P), h_(hidden), f_(ffn), T_(tokens) {
+               int64_t tokens, const std::string& tag, Fp8Weights* fp8)
+    : P_(P), h_(hidden), f_(ffn), T_(tokens), fp8_(fp8) {
     gate_ = P.index(p + "gate_proj.weight");
     up_ = P.index(p + "up_proj.weight");
     down_ = P.index(p + "down_proj.weight");
+    if (fp8) {
+        fgate_ = fp8->add(gate_);
+        fup_ = fp8->add(up_);
+        fdown_ = fp8->add(down_);
+    }
     B.scratch(dact_, "grad." + tag + ".act", {tokens, ffn});
     B.scratch(dg_, "grad." + tag + ".gate", {tokens, ffn});
     B.scratch(du_, "grad." + tag + ".up", {tokens, ffn});
@@ -28,6 +33,14 @@ void GpuMlp::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
 }
 
 void GpuMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const {
+    if (fp8_) {
+        fp8_->quantize_input(ctx, x, h_);
+        fp8_->forward_quantized(ctx, fgate_, A.g, f_, false);
+        fp8_->forward_quantized(ctx, fup_, A.u, f_, false);
+        cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
+        fp8_->forward(ctx, fdown_, A.act, y, h_, true);
+        return;
+    }
     gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[gate_].w, h_, 0.f, A.g, f_);
     gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[up_].w, h_, 0.f, A.u, f_);
     cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
@@ -36,6 +49,17 @@ void GpuMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16*
 
 void GpuMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy,
                       bf16* dx, bool accumulate) const {
+    if (fp8_) {
+        fp8_->dgrad(ctx, fdown_, dy, dact_, false);
+        fp8_->wgrad(ctx, fdown_, dy, A.act);
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
+        fp8_->dgrad(ctx, fgate_, dg_, dx, accumulate);
+        fp8_->dgrad(ctx, fup_, du_, dx, true);
+        fp8_->quantize_input_columns(ctx, x, h_);
+        fp8_->wgrad_quantized(ctx, fgate_, dg_);
+        fp8_->wgrad_quantized(ctx, fup_, du_);
+        return;
+    }
     gemm(ctx, false, false, T_, f_, h_, 1.f, dy, h_, P_[down_].w, f_, 0.f, dact_, f_);
     gemm(ctx, true, false, h_, f_, T_, 1.f, dy, h_, A.act, f_, 1.f, P_[down_].grad, f_, BF, F32);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
@@ -47,7 +71,7 @@ void GpuMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, cons
 }
 
 GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const std::string& p,
-               int64_t tokens, const MoeStash* stash)
+               int64_t tokens, const MoeStash* stash, Fp8Weights* fp8)
     : c_(c),
       P_(P),
       stash_(stash),
@@ -71,8 +95,8 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     down0_ = P.index(cat(p, "experts.", e0, ".down_proj.weight"));
     wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
-        shared_ =
-            std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens, "moe.shared");
+        shared_ = std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
+                                           "moe.shared", fp8);
     const int64_t R = tokens * k_;
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;

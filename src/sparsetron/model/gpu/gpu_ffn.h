@@ -3,6 +3,7 @@
 #pragma once
 
 #include "sparsetron/config/model_config.h"
+#include "sparsetron/model/gpu/fp8_linear.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 #include "sparsetron/model/gpu/moe_stash.h"
 #include "sparsetron/ops/cuda/expert_exchange.h"
@@ -14,8 +15,9 @@ class GpuMlp {
     struct Acts {
         bf16 *g, *u, *act;
     };
+    // fp8: the three projections run as FP8 linears (null: bf16).
     GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
-           int64_t ffn, int64_t tokens, const std::string& scratch_tag);
+           int64_t ffn, int64_t tokens, const std::string& scratch_tag, Fp8Weights* fp8 = nullptr);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     // y += down(swiglu(gate(x), up(x))).
     void forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const;
@@ -28,6 +30,8 @@ class GpuMlp {
     int64_t h_, f_, T_;
     int64_t gate_, up_, down_;
     bf16 *dact_, *dg_, *du_;
+    const Fp8Weights* fp8_ = nullptr;
+    int fgate_ = -1, fup_ = -1, fdown_ = -1;
 };
 
 class GpuMoe {
@@ -47,7 +51,7 @@ class GpuMoe {
     // `stash`: the model's paged stash (moe_stash.h), or null to keep every application's
     // expert activations in its own buffers.
     GpuMoe(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix,
-           int64_t tokens, const MoeStash* stash);
+           int64_t tokens, const MoeStash* stash, Fp8Weights* fp8 = nullptr);
     // bf16 values per stashed row: gate and up outputs, expert output.
     static int64_t stash_row_width(const ModelConfig& c) {
         return 2 * c.moe_ffn_hidden_size + c.hidden_size;

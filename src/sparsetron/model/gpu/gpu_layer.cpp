@@ -23,9 +23,10 @@ GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuS
         }
     }
     if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
-        moe_ = std::make_unique<GpuMoe>(c, P, B, p + "mlp.", tokens, S.moe_stash);
+        moe_ = std::make_unique<GpuMoe>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
     else
-        mlp_ = std::make_unique<GpuMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp");
+        mlp_ =
+            std::make_unique<GpuMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp", S.fp8);
     B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
     B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
 }

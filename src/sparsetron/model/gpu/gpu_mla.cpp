@@ -32,6 +32,13 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
     kv_a_norm_ = P.index(p + "kv_a_layernorm.weight");
     kv_b_ = P.index(p + "kv_b_proj.weight");
     o_ = P.index(p + "o_proj.weight");
+    if (S.fp8) {
+        fp8_ = S.fp8;
+        fqa_ = S.fp8->add(q_a_);
+        fqb_ = S.fp8->add(q_b_);
+        fkva_ = S.fp8->add(kv_a_);
+        fo_ = S.fp8->add(o_);
+    }
     const int64_t Tn = tokens, L = kr_ + dr_;
     B.scratch(do_, "grad.attn.o", {Tn, H_ * dv_});
     B.scratch(dq_b_, "grad.attn.q", {Tn, H_ * dq_});
@@ -90,14 +97,24 @@ float GpuMla::scale() const {
 void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
                      const GpuInputs& in) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
-    gemm(ctx, false, true, Tn, qr_, h_, 1.f, a, h_, P_[q_a_].w, h_, 0.f, A.cq_raw, qr_);
+    if (fp8_) {
+        // q_a and kv_a read the same input: quantized once, both GEMMs before q_b's.
+        fp8_->quantize_input(ctx, a, h_);
+        fp8_->forward_quantized(ctx, fqa_, A.cq_raw, qr_, false);
+        if (!A.kabs_shared) fp8_->forward_quantized(ctx, fkva_, A.ckv, L, false);
+    } else
+        gemm(ctx, false, true, Tn, qr_, h_, 1.f, a, h_, P_[q_a_].w, h_, 0.f, A.cq_raw, qr_);
     cuda::rmsnorm_forward(ctx, A.cq_raw, qr_, P_[q_a_norm_].w, Tn, qr_,
                           float(c_.latent_norm_epsilon), A.cq, qr_, A.rstd_q);
-    gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q, H_ * dq_);
+    if (fp8_)
+        fp8_->forward(ctx, fqb_, A.cq, A.q, H_ * dq_, false);
+    else
+        gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q,
+             H_ * dq_);
     cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
                c_.rotary_interleaved, false);
     if (!A.kabs_shared) {
-        gemm(ctx, false, true, Tn, L, h_, 1.f, a, h_, P_[kv_a_].w, h_, 0.f, A.ckv, L);
+        if (!fp8_) gemm(ctx, false, true, Tn, L, h_, 1.f, a, h_, P_[kv_a_].w, h_, 0.f, A.ckv, L);
         cuda::rmsnorm_forward(ctx, A.ckv, L, P_[kv_a_norm_].w, Tn, kr_,
                               float(c_.latent_norm_epsilon), A.ckv_n, kr_, A.rstd_kv);
         cuda::rope(ctx, A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
@@ -142,8 +159,11 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
                           dn_ + dv_};
         cuda::attention_forward(ctx, s, A.q, A.k, A.kv + dn_, in.row_begin, scale(), A.o, A.lse);
     }
-    gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f, x_accum,
-         h_);
+    if (fp8_)
+        fp8_->forward(ctx, fo_, A.o, x_accum, h_, true);
+    else
+        gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f,
+             x_accum, h_);
 }
 
 void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
@@ -153,9 +173,15 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     const auto F32 = DType::F32, BF = DType::BF16;
     float* gkvb = P_[kv_b_].grad;
     const bf16* wkvb = P_[kv_b_].w;
-    gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_, H_ * dv_);
-    gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad, H_ * dv_,
-         BF, F32);
+    if (fp8_) {
+        fp8_->dgrad(ctx, fo_, dy, do_, false);
+        fp8_->wgrad(ctx, fo_, dy, A.o);
+    } else {
+        gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_,
+             H_ * dv_);
+        gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad,
+             H_ * dv_, BF, F32);
+    }
     const bool kv_path = !A.kabs_shared;
     if (absorbed_) {
         const int64_t wstride = (dn_ + dv_) * kr_;
@@ -211,12 +237,25 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         cuda::rmsnorm_backward(ctx, dckv_n_, kr_, A.ckv, L, P_[kv_a_norm_].w, A.rstd_kv, Tn, kr_,
                                dckv_, L, false, P_[kv_a_norm_].grad, S_.norm_ws);
     }
-    gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f, dcq_,
-         qr_);
-    gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_, 1.f, P_[q_b_].grad,
-         qr_, BF, F32);
+    if (fp8_) {
+        fp8_->dgrad(ctx, fqb_, dq_b_, dcq_, false);
+        fp8_->wgrad(ctx, fqb_, dq_b_, A.cq);
+    } else {
+        gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f, dcq_,
+             qr_);
+        gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_, 1.f,
+             P_[q_b_].grad, qr_, BF, F32);
+    }
     cuda::rmsnorm_backward(ctx, dcq_, qr_, A.cq_raw, qr_, P_[q_a_norm_].w, A.rstd_q, Tn, qr_,
                            dcq_raw_, qr_, false, P_[q_a_norm_].grad, S_.norm_ws);
+    if (fp8_) {
+        fp8_->dgrad(ctx, fqa_, dcq_raw_, da, false);
+        if (kv_path) fp8_->dgrad(ctx, fkva_, dckv_, da, true);
+        fp8_->quantize_input_columns(ctx, a, h_);
+        fp8_->wgrad_quantized(ctx, fqa_, dcq_raw_);
+        if (kv_path) fp8_->wgrad_quantized(ctx, fkva_, dckv_);
+        return;
+    }
     gemm(ctx, false, false, Tn, h_, qr_, 1.f, dcq_raw_, qr_, P_[q_a_].w, h_, 0.f, da, h_);
     gemm(ctx, true, false, qr_, h_, Tn, 1.f, dcq_raw_, qr_, a, h_, 1.f, P_[q_a_].grad, h_, BF, F32);
     if (kv_path) {

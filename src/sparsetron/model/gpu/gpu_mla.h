@@ -3,6 +3,7 @@
 #pragma once
 
 #include "sparsetron/config/model_config.h"
+#include "sparsetron/model/gpu/fp8_linear.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 
 namespace sparsetron::gpu {
@@ -43,6 +44,10 @@ class GpuMla {
     int64_t Tk_;                 // key rows
     float* keys_f32_ = nullptr;  // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
+    // fp8_recipe: blockwise: q_a, q_b, kv_a and o_proj as FP8 linears (kv_b stays bf16: the
+    // absorbed attention reads it per head, as a strided batch).
+    const Fp8Weights* fp8_ = nullptr;
+    int fqa_ = -1, fqb_ = -1, fkva_ = -1, fo_ = -1;
     // Backward scratch (shared by every MLA of the model).
     bf16 *do_, *dq_b_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *doabs_, *dkv_;
     float *dkabs_, *dk32_, *dv32_;

@@ -12,7 +12,8 @@ constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
 GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
-                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens)
+                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
+                   bool fp8_blockwise)
     : cfg_(cfg),
       plan_(plan),
       B_(plan),
@@ -32,6 +33,10 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
         stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, GpuMoe::stash_row_width(cfg));
         S_.moe_stash = stash_.get();
+    }
+    if (fp8_blockwise) {
+        fp8_ = std::make_unique<Fp8Weights>(*P_, B_, tokens);
+        S_.fp8 = fp8_.get();
     }
     in_.tokens = Tn;
     in_.key_tokens = Tk_;
@@ -62,6 +67,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         enorm_ = P_->index(p + "enorm.weight");
         hnorm_ = P_->index(p + "hnorm.weight");
         eh_proj_ = P_->index(p + "eh_proj.weight");
+        if (fp8_) feh_ = fp8_->add(eh_proj_);
         mtp_norm_ = P_->index(p + "shared_head.norm.weight");
         mtp_layer_ =
             std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens, key_tokens);
@@ -111,6 +117,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
     input_words_ = (4 + 2 * D_ + (cp_ ? 1 : 0)) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
+    if (fp8_) fp8_->declare();
 }
 
 void GpuModel::carve_inputs() {
@@ -274,6 +281,9 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     const int64_t h = c.hidden_size, Tn = T_;
     cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
     if (stash_) stash_->reset(ctx, /*new_step=*/false);
+    // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
+    // the masters change only between steps).
+    if (fp8_) fp8_->quantize(ctx);
     cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t l = 0; l < c.num_layers; ++l)
@@ -373,8 +383,11 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
         cuda::rmsnorm_forward(ctx, prev, h, (*P_)[hnorm_].w, Tn, h, eps, A.hn, h, A.rstd_h);
         cuda::copy_2d(ctx, A.cat, 2 * h * B2, A.en, h * B2, h * B2, Tn);  // embedding half first
         cuda::copy_2d(ctx, A.cat + h, 2 * h * B2, A.hn, h * B2, h * B2, Tn);
-        gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f,
-             A.hin, h);
+        if (fp8_)
+            fp8_->forward(ctx, feh_, A.cat, A.hin, h, false);
+        else
+            gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+                 A.hin, h);
         mtp_layer_->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
         cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[mtp_norm_].w, Tn, h, eps, A.hz, h, A.rstd_z);
         prev = A.hout;
@@ -453,10 +466,15 @@ void GpuModel::mtp_backward(const ExecContext& ctx) {
         cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[mtp_norm_].w, A.rstd_z, Tn, h,
                                dmtp_z_, h, true, (*P_)[mtp_norm_].grad, S_.norm_ws);
         mtp_layer_->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
-        gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[eh_proj_].w, 2 * h, 0.f,
-             dmtp_cat_, 2 * h);
-        gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h, 1.f,
-             (*P_)[eh_proj_].grad, 2 * h, BF, F32);
+        if (fp8_) {
+            fp8_->dgrad(ctx, feh_, dmtp_z_, dmtp_cat_, false);
+            fp8_->wgrad(ctx, feh_, dmtp_z_, A.cat);
+        } else {
+            gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+                 dmtp_cat_, 2 * h);
+            gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h, 1.f,
+                 (*P_)[eh_proj_].grad, 2 * h, BF, F32);
+        }
         cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[enorm_].w, A.rstd_e, Tn, h,
                                dmtp_e_, h, false, (*P_)[enorm_].grad, S_.norm_ws);
         if (!c.mtp_detach_heads)

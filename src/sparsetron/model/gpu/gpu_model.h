@@ -22,8 +22,11 @@ class GpuModel {
     // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
     // key_tokens > 0: context parallelism (the CPU Glm5Model's rule): `tokens` rows of this
     // rank of micro-batches of key_tokens slots; set_context_parallel() gives the CP group.
+    // fp8_blockwise: the dense linears (MLA projections but kv_b, dense MLPs, shared experts,
+    // eh_proj) as FP8 blockwise linears (model/gpu/fp8_linear.h).
     GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan, int64_t tokens,
-             int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0);
+             int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
+             bool fp8_blockwise = false);
     ~GpuModel();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);
@@ -104,6 +107,8 @@ class GpuModel {
     GpuBuffers B_;
     GpuShared S_;
     std::unique_ptr<MoeStash> stash_;
+    std::unique_ptr<Fp8Weights> fp8_;
+    int feh_ = -1;  // eh_proj's FP8 handle
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     bool cp_ = false;                                    // planned for context parallelism
     int64_t Tk_;                                         // micro-batch rows (T_ without CP)

@@ -65,9 +65,11 @@ __global__ void quantize_1x128_kernel(const bf* x, int64_t rows, int64_t cols, i
     if (lane == 0) scale_inv[fp8::scale_index_1x128(r, b, rows)] = __fdiv_rn(1.f, s);
 }
 
-// One block of 256 threads per 128x128 tile.
+// One block of 256 threads per 128x128 tile. `transposed`: q is w^T [cols, rows] and the scales
+// are w^T's (the same blocks, so the same values: w^T's 128x128 quantization bit for bit); the
+// second sweep walks the tile column by column so the byte stores stay coalesced.
 __global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t cols, bool pow2,
-                                        uint8_t* q, float* scale_inv) {
+                                        bool transposed, uint8_t* q, float* scale_inv) {
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
     float amax = 0.f;
     for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
@@ -75,12 +77,98 @@ __global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t co
         if (r < rows && c < cols) amax = fmaxf(amax, fabsf(w[r * cols + c]));
     }
     const float s = scale_from_amax(block_max(amax), pow2);
+    if (transposed) {
+        for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+            const int64_t c = c0 + i / kBlock, r = r0 + i % kBlock;
+            if (r < rows && c < cols) q[c * rows + r] = to_e4m3(w[r * cols + c] * s);
+        }
+        if (threadIdx.x == 0)
+            scale_inv[fp8::scale_index_128x128(blockIdx.y, blockIdx.x, rows)] = __fdiv_rn(1.f, s);
+        return;
+    }
     for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
         const int64_t r = r0 + i / kBlock, c = c0 + i % kBlock;
         if (r < rows && c < cols) q[r * cols + c] = to_e4m3(w[r * cols + c] * s);
     }
     if (threadIdx.x == 0)
         scale_inv[fp8::scale_index_128x128(blockIdx.x, blockIdx.y, cols)] = __fdiv_rn(1.f, s);
+}
+
+// Both orientations of a weight from one read: the 128x128 fp32 tile in shared memory (rows
+// padded to 129 floats: the column sweep is conflict-free), the block amax, then q row by row
+// and q^T column by column, both with coalesced byte stores. The weights are quantized every
+// step: one fp32 read instead of the two-kernel form's four.
+constexpr int kTileLd = kBlock + 1;
+constexpr size_t kBothSmem = size_t(kBlock) * kTileLd * sizeof(float);
+__global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64_t cols, bool pow2,
+                                             uint8_t* q, float* scale_inv, uint8_t* qt,
+                                             float* scale_inv_t) {
+    extern __shared__ float wt[];  // [128][kTileLd]
+    const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+        const int r = i / kBlock, c = i % kBlock;
+        const float v = r0 + r < rows && c0 + c < cols ? w[(r0 + r) * cols + c0 + c] : 0.f;
+        wt[r * kTileLd + c] = v;
+        amax = fmaxf(amax, fabsf(v));
+    }
+    const float s = scale_from_amax(block_max(amax), pow2);  // its barriers publish the tile
+    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+        const int r = i / kBlock, c = i % kBlock;
+        if (r0 + r < rows && c0 + c < cols)
+            q[(r0 + r) * cols + c0 + c] = to_e4m3(wt[r * kTileLd + c] * s);
+    }
+    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+        const int c = i / kBlock, r = i % kBlock;
+        if (r0 + r < rows && c0 + c < cols)
+            qt[(c0 + c) * rows + r0 + r] = to_e4m3(wt[r * kTileLd + c] * s);
+    }
+    if (threadIdx.x == 0) {
+        const float inv = __fdiv_rn(1.f, s);
+        scale_inv[fp8::scale_index_128x128(blockIdx.x, blockIdx.y, cols)] = inv;
+        scale_inv_t[fp8::scale_index_128x128(blockIdx.y, blockIdx.x, rows)] = inv;
+    }
+}
+
+// 1x128 blocks down the columns of x [rows, cols] (128 consecutive rows of one column: the
+// contraction of a weight gradient runs over tokens), written as the transposed operand
+// q [cols, rows] with its GEMM-layout scales. A block of 256 threads per 128-row x 64-column
+// tile: the tile in shared memory (fp32, padded rows), four threads per column for the amax
+// (one quarter of the rows each, shuffle-reduced), then each thread writes 32 consecutive codes
+// of its column's row range (8 four-byte stores).
+constexpr int kColTile = 64;
+__global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t cols, int64_t ld,
+                                              bool pow2, uint8_t* q, float* scale_inv) {
+    __shared__ float tile[kBlock][kColTile + 1];
+    const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kColTile;
+    for (int i = threadIdx.x; i < kBlock * kColTile; i += blockDim.x) {
+        const int r = i / kColTile, c = i % kColTile;
+        tile[r][c] =
+            r0 + r < rows && c0 + c < cols ? __bfloat162float(x[(r0 + r) * ld + c0 + c]) : 0.f;
+    }
+    __syncthreads();
+    const int c = threadIdx.x / 4, part = threadIdx.x % 4;  // 4 adjacent lanes per column
+    float amax = 0.f;
+    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][c]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float s = scale_from_amax(amax, pow2);
+    const int64_t col = c0 + c;
+    if (col >= cols) return;
+    for (int r = part * 32; r < part * 32 + 32; r += 4) {
+        uint8_t out[4];
+        for (int i = 0; i < 4; ++i) out[i] = to_e4m3(tile[r + i][c] * s);
+        const int64_t row = r0 + r;
+        if (row + 3 < rows && rows % 4 == 0) {
+            *reinterpret_cast<uint32_t*>(q + col * rows + row) =
+                uint32_t(out[0]) | uint32_t(out[1]) << 8 | uint32_t(out[2]) << 16 |
+                uint32_t(out[3]) << 24;
+        } else {
+            for (int i = 0; i < 4; ++i)
+                if (row + i < rows) q[col * rows + row + i] = out[i];
+        }
+    }
+    if (part == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
 }
 
 }  // namespace
@@ -98,11 +186,38 @@ void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int
 }
 
 void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
-                          bool pow2, uint8_t* q, float* scale_inv) {
+                          bool pow2, uint8_t* q, float* scale_inv, bool transposed) {
     if (rows == 0 || cols == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
     quantize_128x128_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
-        w, rows, cols, pow2, q, scale_inv);
+        w, rows, cols, pow2, transposed, q, scale_inv);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
+                               bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
+                               float* scale_inv_t) {
+    if (rows == 0 || cols == 0) return;
+    static const bool configured = [] {  // before any capture
+        ST_CUDA_CHECK(cudaFuncSetAttribute(quantize_128x128_both_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(kBothSmem)));
+        return true;
+    }();
+    (void)configured;
+    const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
+    quantize_128x128_both_kernel<<<dim3(unsigned(rb), unsigned(cb)), 512, kBothSmem,
+                                   stream_of(ctx)>>>(w, rows, cols, pow2, q, scale_inv, qt,
+                                                     scale_inv_t);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
+                                int64_t ld, bool pow2, uint8_t* q, float* scale_inv) {
+    if (rows == 0 || cols == 0) return;
+    const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kColTile - 1) / kColTile;
+    quantize_1x128_columns_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
+        dev(x), rows, cols, ld, pow2, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -24,7 +24,7 @@ void point_scales(cublasLtMatmulDesc_t op, const Fp8Operand& x, const Fp8Operand
 }
 
 GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t ldy,
-                       const Fp8Operand& x, const Fp8Operand& w) {
+                       const Fp8Operand& x, const Fp8Operand& w, bool out_f32) {
     GemmPlan p;
     ST_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
@@ -45,7 +45,8 @@ GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t
     // cached per shape and re-pointed: cublasLtMatmul reads them at enqueue time).
     ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_8F_E4M3, k, n, k));
     ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_8F_E4M3, k, m, k));
-    ST_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, ldy));
+    ST_CUBLAS_CHECK(
+        cublasLtMatrixLayoutCreate(&p.c, out_f32 ? CUDA_R_32F : CUDA_R_16BF, n, m, ldy));
     cublasLtMatmulPreference_t pref = nullptr;
     ST_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     ST_CUBLAS_CHECK(
@@ -64,10 +65,8 @@ GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t
     return p;
 }
 
-}  // namespace
-
-void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
-                        Fp8Operand w, bf16* y, int64_t ldy, bool accumulate) {
+void gemm_fp8(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, const Fp8Operand& x,
+              const Fp8Operand& w, void* y, bool out_f32, int64_t ldy, bool accumulate) {
     ST_ASSERT(ctx.libs, "cuda::gemm_fp8_blockwise needs an ExecContext from a CudaSession");
     if (m == 0 || n == 0) return;
     ST_CHECK(!(x.blocks_128x128 && w.blocks_128x128),
@@ -75,16 +74,28 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
     ST_CHECK(k % 16 == 0 && ldy % 8 == 0, "FP8 GEMM: k (", k,
              ") must be a multiple of 16 and ldy (", ldy, ") of 8");
     Libraries& libs = *ctx.libs;
-    const std::array<int64_t, 7> key{m, n, k, ldy, x.blocks_128x128, w.blocks_128x128, 0};
+    const std::array<int64_t, 7> key{m, n, k, ldy, x.blocks_128x128, w.blocks_128x128, out_f32};
     auto it = libs.fp8_plans.find(key);
     if (it == libs.fp8_plans.end())
-        it = libs.fp8_plans.emplace(key, make_fp8_plan(libs, m, n, k, ldy, x, w)).first;
+        it = libs.fp8_plans.emplace(key, make_fp8_plan(libs, m, n, k, ldy, x, w, out_f32)).first;
     const GemmPlan& p = it->second;
     point_scales(p.op, x, w);
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, w.q, p.a, x.q, p.b, &beta, y, p.c, y, p.c,
                                    &p.algo, libs.workspace, libs.workspace_bytes,
                                    static_cast<cudaStream_t>(ctx.stream)));
+}
+
+}  // namespace
+
+void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
+                        Fp8Operand w, bf16* y, int64_t ldy, bool accumulate) {
+    gemm_fp8(ctx, m, n, k, x, w, y, false, ldy, accumulate);
+}
+
+void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
+                        Fp8Operand w, float* y, int64_t ldy, bool accumulate) {
+    gemm_fp8(ctx, m, n, k, x, w, y, true, ldy, accumulate);
 }
 
 }  // namespace sparsetron::cuda

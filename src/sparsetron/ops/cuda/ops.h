@@ -275,8 +275,19 @@ void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n)
 void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
                         int64_t ld, bool pow2, uint8_t* q, float* scale_inv);
 // Weights w [rows, cols] fp32 (the masters: quantized from full precision), 128x128 blocks.
+// `transposed`: q and scale_inv are those of w^T [cols, rows] (the input-gradient GEMM's operand;
+// bit for bit the quantization of w^T).
 void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
-                          bool pow2, uint8_t* q, float* scale_inv);
+                          bool pow2, uint8_t* q, float* scale_inv, bool transposed = false);
+// Both at once (one read of w): q, scale_inv as the plain call, qt, scale_inv_t as transposed.
+void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
+                               bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
+                               float* scale_inv_t);
+// 1x128 blocks down the columns of x [rows, cols] bf16 (row stride ld), written as the operand
+// x^T [cols, rows] (rows contiguous) with its 1x128 scales: the weight gradient's operands, whose
+// contraction runs over rows (tokens). Bit for bit quantize_fp8_1x128 of x^T.
+void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
+                                int64_t ld, bool pow2, uint8_t* q, float* scale_inv);
 
 // ---- FP8 block-scaled GEMM (gemm_fp8.cu, cuBLASLt on Hopper): y [m, n] bf16 (row stride
 // ldy) = x [m, k] w [n, k]^T (+ y when accumulate), both e4m3 with k contiguous and their scales
@@ -290,6 +301,9 @@ struct Fp8Operand {
 };
 void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
                         Fp8Operand w, bf16* y, int64_t ldy, bool accumulate = false);
+// The same with an fp32 y (weight gradients accumulated into the fp32 gradient).
+void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
+                        Fp8Operand w, float* y, int64_t ldy, bool accumulate = false);
 
 // ---- Context parallelism (cp_rows.cu): key_row[i] is row i's micro-batch row (-1: padding).
 // dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).

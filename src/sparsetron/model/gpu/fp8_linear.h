@@ -1,0 +1,70 @@
+// FP8 blockwise linear layers (`fp8_recipe: blockwise`, SPEC §6): the DeepSeek-V3 recipe on
+// Hopper's block-scaled cuBLASLt GEMMs. For a linear y = x W^T (x [T, K], W [N, K]):
+//   forward  y  = x W^T     x 1x128 along K,          W 128x128
+//   dgrad    dx = dy W      dy 1x128 along N,         W^T 128x128 (a transposed copy)
+//   wgrad    dW += dy^T x   dy^T and x^T, 1x128 along T (tokens), into the fp32 gradient
+// All e4m3, scales by Transformer Engine's rule rounded down to powers of two. The weights are
+// quantized from the fp32 masters once per forward (Fp8Weights::quantize, inside the step's
+// graph), W and W^T both, so no bf16 weight is read by these GEMMs; activations and gradients
+// are quantized on the fly into shared scratch. Router, norms, the indexer, the absorbed
+// attention core, the output head and the routed experts stay bf16 (SPEC §6 keeps the first
+// three out; the last three have no FP8 kernel here yet).
+#pragma once
+
+#include <vector>
+
+#include "sparsetron/model/gpu/gpu_common.h"
+
+namespace sparsetron::gpu {
+
+class Fp8Weights {
+  public:
+    struct Weight {
+        int64_t param = -1;          // GpuParams index
+        int64_t rows = 0, cols = 0;  // W [rows = N, cols = K]
+        uint8_t* q = nullptr;        // W  [N, K]
+        float* s = nullptr;          // its 128x128 scales (GEMM layout)
+        uint8_t* qt = nullptr;       // W^T [K, N]
+        float* st = nullptr;
+    };
+    Fp8Weights(const GpuParams& P, GpuBuffers& B, int64_t tokens) : P_(P), B_(B), T_(tokens) {}
+    // Registers parameter `param` ([rows, cols]) as an FP8 linear weight (once per parameter:
+    // a module used several times, like the MTP layer, registers once) and returns its handle.
+    int add(int64_t param);
+    const Weight& operator[](int i) const { return w_[size_t(i)]; }
+    // Plans the copies and the activation scratch; after every add(), before allocation.
+    void declare();
+    // W and W^T from the fp32 masters, every registered weight.
+    void quantize(const ExecContext& ctx) const;
+
+    // y [T, N] (row stride ldy) (+)= x [T, K] W^T.
+    void forward(const ExecContext& ctx, int w, const bf16* x, bf16* y, int64_t ldy,
+                 bool accumulate) const;
+    // dx [T, K] (+)= dy [T, N] W.
+    void dgrad(const ExecContext& ctx, int w, const bf16* dy, bf16* dx, bool accumulate) const;
+    // W's fp32 gradient += dy^T x.
+    void wgrad(const ExecContext& ctx, int w, const bf16* dy, const bf16* x) const;
+
+    // Linears that share an input quantize it once: quantize_input(x [T, K]) then
+    // forward_quantized() for each (until the next quantize_input, forward or dgrad);
+    // quantize_input_columns(x) then wgrad_quantized(dy) for each (until the next
+    // quantize_input_columns or wgrad).
+    void quantize_input(const ExecContext& ctx, const bf16* x, int64_t k) const;
+    void forward_quantized(const ExecContext& ctx, int w, bf16* y, int64_t ldy,
+                           bool accumulate) const;
+    void quantize_input_columns(const ExecContext& ctx, const bf16* x, int64_t k) const;
+    void wgrad_quantized(const ExecContext& ctx, int w, const bf16* dy) const;
+
+  private:
+    const GpuParams& P_;
+    GpuBuffers& B_;
+    int64_t T_;
+    std::vector<Weight> w_;
+    int64_t widest_ = 0;  // the largest N or K: the activation scratch's width
+    uint8_t *qa_ = nullptr, *qb_ = nullptr;
+    float *sa_ = nullptr, *sb_ = nullptr;
+    // What the operand slots hold (host-side bookkeeping, checked by the *_quantized calls).
+    mutable int64_t a_cols_ = -1, b_cols_ = -1;
+};
+
+}  // namespace sparsetron::gpu

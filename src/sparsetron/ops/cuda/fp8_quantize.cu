@@ -100,28 +100,64 @@ __global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t co
 // step: one fp32 read instead of the two-kernel form's four.
 constexpr int kTileLd = kBlock + 1;
 constexpr size_t kBothSmem = size_t(kBlock) * kTileLd * sizeof(float);
+__device__ __forceinline__ uint32_t pack4(const uint8_t (&b)[4]) {
+    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
+}
+
+// vec (rows and cols multiples of 4, w 16-byte aligned): 16-byte loads, 4-byte code stores.
 __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64_t cols, bool pow2,
-                                             uint8_t* q, float* scale_inv, uint8_t* qt,
+                                             bool vec, uint8_t* q, float* scale_inv, uint8_t* qt,
                                              float* scale_inv_t) {
     extern __shared__ float wt[];  // [128][kTileLd]
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
+    constexpr int kQuads = kBlock * kBlock / 4;
     float amax = 0.f;
-    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
-        const int r = i / kBlock, c = i % kBlock;
-        const float v = r0 + r < rows && c0 + c < cols ? w[(r0 + r) * cols + c0 + c] : 0.f;
-        wt[r * kTileLd + c] = v;
-        amax = fmaxf(amax, fabsf(v));
+    if (vec) {
+        for (int i = threadIdx.x; i < kQuads; i += blockDim.x) {
+            const int r = i / (kBlock / 4), c = (i % (kBlock / 4)) * 4;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (r0 + r < rows && c0 + c < cols)
+                v = *reinterpret_cast<const float4*>(w + (r0 + r) * cols + c0 + c);
+            float* d = wt + r * kTileLd + c;
+            d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+            amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+    } else {
+        for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+            const int r = i / kBlock, c = i % kBlock;
+            const float v = r0 + r < rows && c0 + c < cols ? w[(r0 + r) * cols + c0 + c] : 0.f;
+            wt[r * kTileLd + c] = v;
+            amax = fmaxf(amax, fabsf(v));
+        }
     }
     const float s = scale_from_amax(block_max(amax), pow2);  // its barriers publish the tile
-    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
-        const int r = i / kBlock, c = i % kBlock;
-        if (r0 + r < rows && c0 + c < cols)
-            q[(r0 + r) * cols + c0 + c] = to_e4m3(wt[r * kTileLd + c] * s);
-    }
-    for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
-        const int c = i / kBlock, r = i % kBlock;
-        if (r0 + r < rows && c0 + c < cols)
-            qt[(c0 + c) * rows + r0 + r] = to_e4m3(wt[r * kTileLd + c] * s);
+    if (vec) {
+        // Four consecutive codes per thread: a row's four columns, then a column's four rows.
+        for (int i = threadIdx.x; i < kQuads; i += blockDim.x) {
+            const int r = i / (kBlock / 4), c = (i % (kBlock / 4)) * 4;
+            if (r0 + r >= rows || c0 + c >= cols) continue;
+            uint8_t b[4];
+            for (int j = 0; j < 4; ++j) b[j] = to_e4m3(wt[r * kTileLd + c + j] * s);
+            *reinterpret_cast<uint32_t*>(q + (r0 + r) * cols + c0 + c) = pack4(b);
+        }
+        for (int i = threadIdx.x; i < kQuads; i += blockDim.x) {
+            const int c = i / (kBlock / 4), r = (i % (kBlock / 4)) * 4;
+            if (r0 + r >= rows || c0 + c >= cols) continue;
+            uint8_t b[4];
+            for (int j = 0; j < 4; ++j) b[j] = to_e4m3(wt[(r + j) * kTileLd + c] * s);
+            *reinterpret_cast<uint32_t*>(qt + (c0 + c) * rows + r0 + r) = pack4(b);
+        }
+    } else {
+        for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+            const int r = i / kBlock, c = i % kBlock;
+            if (r0 + r < rows && c0 + c < cols)
+                q[(r0 + r) * cols + c0 + c] = to_e4m3(wt[r * kTileLd + c] * s);
+        }
+        for (int i = threadIdx.x; i < kBlock * kBlock; i += blockDim.x) {
+            const int c = i / kBlock, r = i % kBlock;
+            if (r0 + r < rows && c0 + c < cols)
+                qt[(c0 + c) * rows + r0 + r] = to_e4m3(wt[r * kTileLd + c] * s);
+        }
     }
     if (threadIdx.x == 0) {
         const float inv = __fdiv_rn(1.f, s);
@@ -137,14 +173,26 @@ __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64
 // (one quarter of the rows each, shuffle-reduced), then each thread writes 32 consecutive codes
 // of its column's row range (8 four-byte stores).
 constexpr int kColTile = 64;
+// vec (cols and ld multiples of 8, x 16-byte aligned): eight bf16 per 16-byte load.
 __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t cols, int64_t ld,
-                                              bool pow2, uint8_t* q, float* scale_inv) {
+                                              bool pow2, bool vec, uint8_t* q, float* scale_inv) {
     __shared__ float tile[kBlock][kColTile + 1];
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kColTile;
-    for (int i = threadIdx.x; i < kBlock * kColTile; i += blockDim.x) {
-        const int r = i / kColTile, c = i % kColTile;
-        tile[r][c] =
-            r0 + r < rows && c0 + c < cols ? __bfloat162float(x[(r0 + r) * ld + c0 + c]) : 0.f;
+    if (vec) {
+        for (int i = threadIdx.x; i < kBlock * kColTile / 8; i += blockDim.x) {
+            const int r = i / (kColTile / 8), c = (i % (kColTile / 8)) * 8;
+            uint4 raw = make_uint4(0, 0, 0, 0);
+            if (r0 + r < rows && c0 + c < cols)
+                raw = *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + c);
+            const bf* h = reinterpret_cast<const bf*>(&raw);
+            for (int j = 0; j < 8; ++j) tile[r][c + j] = __bfloat162float(h[j]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < kBlock * kColTile; i += blockDim.x) {
+            const int r = i / kColTile, c = i % kColTile;
+            tile[r][c] =
+                r0 + r < rows && c0 + c < cols ? __bfloat162float(x[(r0 + r) * ld + c0 + c]) : 0.f;
+        }
     }
     __syncthreads();
     const int c = threadIdx.x / 4, part = threadIdx.x % 4;  // 4 adjacent lanes per column
@@ -206,8 +254,11 @@ void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t r
     }();
     (void)configured;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
+    const bool vec = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(qt) % 4 == 0;
     quantize_128x128_both_kernel<<<dim3(unsigned(rb), unsigned(cb)), 512, kBothSmem,
-                                   stream_of(ctx)>>>(w, rows, cols, pow2, q, scale_inv, qt,
+                                   stream_of(ctx)>>>(w, rows, cols, pow2, vec, q, scale_inv, qt,
                                                      scale_inv_t);
     ST_CUDA_LAUNCH_CHECK();
 }
@@ -216,8 +267,9 @@ void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t r
                                 int64_t ld, bool pow2, uint8_t* q, float* scale_inv) {
     if (rows == 0 || cols == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kColTile - 1) / kColTile;
+    const bool vec = cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
     quantize_1x128_columns_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
-        dev(x), rows, cols, ld, pow2, q, scale_inv);
+        dev(x), rows, cols, ld, pow2, vec, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();
 }
 

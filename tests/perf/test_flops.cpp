@@ -79,6 +79,19 @@ TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
         EXPECT_NE(r.output.find(cls), std::string::npos) << cls;
     // bf16 activations: the first layer's normed input is planned in bf16 on the device.
     EXPECT_NE(r.output.find("bf16"), std::string::npos) << r.output;
+    // fp8_recipe: blockwise adds four parameter buffers per FP8 linear (e4m3 W and W^T, their
+    // scales) and the operand scratch. The tiny recipe's FP8 linears: per MLA (2 layers + the
+    // MTP layer) q_a, q_b, kv_a, o_proj; the dense MLP's three; the MoE layers' shared experts
+    // (layer 1 and the MTP layer) three each; eh_proj: 12 + 3 + 6 + 1 = 22.
+    auto f = sparsetron::test::run_cli("plan --recipe " + recipe +
+                                       " --device cuda --set fp8_recipe=blockwise");
+    EXPECT_EQ(f.code, 0) << f.output;
+    const auto parameter_buffers = [](const std::string& out) {
+        const size_t at = out.find("parameters");
+        const size_t open = out.find('(', at);
+        return at == std::string::npos ? -1 : std::stol(out.substr(open + 1));
+    };
+    EXPECT_EQ(parameter_buffers(f.output), parameter_buffers(r.output) + 4 * 22) << f.output;
 #else
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;

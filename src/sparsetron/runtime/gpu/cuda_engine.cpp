@@ -467,7 +467,8 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
     gpu::GpuModel model(m, host_store, plan, cpp.rows, cpp.max_documents,
-                        std::min(chunk_rows, cpp.rows), cpp.key_rows);
+                        std::min(chunk_rows, cpp.rows), cpp.key_rows,
+                        recipe.run.fp8_recipe == "blockwise");
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     std::string text = plan.format();
     size_t total = plan.total_bytes();

@@ -92,6 +92,19 @@ TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
         return at == std::string::npos ? -1 : std::stol(out.substr(open + 1));
     };
     EXPECT_EQ(parameter_buffers(f.output), parameter_buffers(r.output) + 4 * 22) << f.output;
+    // FP8 GEMMs contract over multiples of 16: a weight dimension or a micro-batch that is not
+    // one stops with the name of what to change.
+    auto odd = sparsetron::test::run_cli("plan --recipe " + recipe +
+                                         " --device cuda --set fp8_recipe=blockwise"
+                                         " --set ffn_hidden_size=344");
+    EXPECT_EQ(odd.code, 1) << odd.output;
+    EXPECT_NE(odd.output.find("multiples of 16 on both sides"), std::string::npos) << odd.output;
+    auto rows = sparsetron::test::run_cli("plan --recipe " + recipe +
+                                          " --device cuda --set fp8_recipe=blockwise"
+                                          " --set seq_length=200");
+    EXPECT_EQ(rows.code, 1) << rows.output;
+    EXPECT_NE(rows.output.find("micro-batch rows in multiples of 16"), std::string::npos)
+        << rows.output;
 #else
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;

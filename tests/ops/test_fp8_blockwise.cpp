@@ -151,6 +151,51 @@ TEST(Fp8Blockwise, BlockScaledGemmMatchesDequantizedAndFp32) {
     EXPECT_GT(err_f, 1e-4) << "FP8 must lose something: the inputs were not quantized";
 }
 
+// The weight gradient's form (what fp8_recipe: blockwise runs for dW = dy^T x): dy [T, N] and
+// x [T, K] quantized in 1x128 blocks along the tokens T (as the operands dy^T [N, T] and x^T
+// [K, T]), both 1x128 in the GEMM with per-row scales: equal to the dequantized GEMM and within
+// FP8's error of fp32 (blocks of values 2^12 apart in magnitude from one 128-token block to the
+// next: one scale per operand would flush the small blocks).
+TEST(Fp8Blockwise, WeightGradientFormQuantizesAlongTheTokens) {
+    const int64_t T = 384, N = 96, K = 160;
+    const std::vector<float> dy = fp8_blocky_values(T, N, 7), x = fp8_blocky_values(T, K, 8);
+    const auto transpose = [](const std::vector<float>& a, int64_t rows, int64_t cols) {
+        std::vector<float> t(a.size());
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = a[size_t(r * cols + c)];
+        return t;
+    };
+    const std::vector<float> dyt = transpose(dy, T, N), xt = transpose(x, T, K);
+    const int64_t tb = T / 128;
+    std::vector<uint8_t> qa(dyt.size()), qb(xt.size());
+    std::vector<float> sa(size_t(N * tb)), sb(size_t(K * tb));
+    quantize_1x128(dyt.data(), N, T, T, true, qa.data(), sa.data());
+    quantize_1x128(xt.data(), K, T, T, true, qb.data(), sb.data());
+    std::vector<float> dw(size_t(N * K)), dd(dw.size()), df(dw.size());
+    gemm_fp8_blockwise(qa.data(), sa.data(), qb.data(), sb.data(), N, K, T, dw.data(), true);
+    for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < K; ++j) {
+            double acc = 0;
+            for (int64_t t = 0; t < T; ++t)
+                acc += double(e4m3_to_float(qa[size_t(i * T + t)]) * sa[size_t(i * tb + t / 128)]) *
+                       double(e4m3_to_float(qb[size_t(j * T + t)]) * sb[size_t(j * tb + t / 128)]);
+            dd[size_t(i * K + j)] = float(acc);
+        }
+    cpu::gemm<float>(true, false, N, K, T, 1.f, dy.data(), N, x.data(), K, 0.f, df.data(), K);
+    double num_d = 0, num_f = 0, den = 0;
+    for (size_t i = 0; i < dw.size(); ++i) {
+        num_d += double(dw[i] - dd[i]) * double(dw[i] - dd[i]);
+        num_f += double(dw[i] - df[i]) * double(dw[i] - df[i]);
+        den += double(df[i]) * double(df[i]);
+    }
+    const double err_d = std::sqrt(num_d / den), err_f = std::sqrt(num_f / den);
+    std::cout << "[fp8 weight-gradient gemm] vs dequantized " << err_d << ", vs fp32 " << err_f
+              << "\n";
+    EXPECT_LT(err_d, 1e-6);
+    EXPECT_LT(err_f, 0.04);
+    EXPECT_GT(err_f, 1e-4);
+}
+
 // The GEMM's scale layouts (ops/fp8_scale_layout.h): every block of an operand gets its own slot
 // inside the buffer, rows contiguous for 1x128 and blocks of k contiguous for 128x128.
 TEST(Fp8ScaleLayout, EveryBlockHasItsOwnSlot) {

@@ -111,7 +111,7 @@ void quantize_128x128(const float* w, int64_t rows, int64_t cols, bool pow2, uin
 }
 
 void gemm_fp8_blockwise(const uint8_t* qx, const float* sx, const uint8_t* qw, const float* sw,
-                        int64_t m, int64_t n, int64_t k, float* y) {
+                        int64_t m, int64_t n, int64_t k, float* y, bool w_1x128) {
     const int64_t kb_n = blocks(k);
     parallel_for(
         m,
@@ -125,8 +125,8 @@ void gemm_fp8_blockwise(const uint8_t* qx, const float* sx, const uint8_t* qw, c
                         for (int64_t c = k0; c < k1; ++c)
                             part += double(e4m3_to_float(qx[i * k + c])) *
                                     double(e4m3_to_float(qw[j * k + c]));
-                        acc += part * double(sx[i * kb_n + kb]) *
-                               double(sw[(j / kFp8Block) * kb_n + kb]);
+                        const int64_t wr = w_1x128 ? j : j / kFp8Block;
+                        acc += part * double(sx[i * kb_n + kb]) * double(sw[wr * kb_n + kb]);
                     }
                     y[i * n + j] = float(acc);
                 }

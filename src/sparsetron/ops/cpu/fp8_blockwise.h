@@ -35,8 +35,10 @@ void quantize_128x128(const float* w, int64_t rows, int64_t cols, bool pow2, uin
 
 // y [m, n] = x w^T from quantized operands, the way a block-scaled GEMM computes it: for every
 // 128-wide block kb of the contraction, the e4m3 products summed (in double here) and scaled by
-// sx[m, kb] * sw[n / 128, kb]. x: [m, k] with 1x128 scales, w: [n, k] with 128x128 scales.
+// sx[m, kb] * sw[n / 128, kb]. x: [m, k] with 1x128 scales, w: [n, k] with 128x128 scales, or
+// with `w_1x128` 1x128 scales too (sw [n, blocks(k)], scaled by sw[n, kb]): the weight gradient's
+// form, dW = dy^T x with both operands quantized along the tokens.
 void gemm_fp8_blockwise(const uint8_t* qx, const float* sx, const uint8_t* qw, const float* sw,
-                        int64_t m, int64_t n, int64_t k, float* y);
+                        int64_t m, int64_t n, int64_t k, float* y, bool w_1x128 = false);
 
 }  // namespace sparsetron::cpu

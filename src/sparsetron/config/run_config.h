@@ -84,6 +84,8 @@ struct RunConfig {
     int64_t data_parallel_size() const;
     int64_t microbatches_per_step() const;
     int64_t tokens_per_microbatch() const { return micro_batch_size * seq_length; }
+    // The CUDA model's FP8 linears (model/gpu/fp8_linear.h) are on.
+    bool fp8_blockwise() const { return fp8_recipe == "blockwise"; }
 };
 
 }  // namespace sparsetron

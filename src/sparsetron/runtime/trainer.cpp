@@ -77,8 +77,7 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
             "fp8_recipe: mxfp8 is not implemented: its block scaling (32-element UE8M0 scales) "
             "needs Blackwell, and Hopper's cuBLASLt has no MXFP8 GEMM. On Hopper use "
             "fp8_recipe: blockwise (1x128 activation / 128x128 weight scales)");
-    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_recipe == "blockwise",
-             "fp8_recipe: ", r.run.fp8_recipe,
+    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_blockwise(), "fp8_recipe: ", r.run.fp8_recipe,
              " is not implemented (blockwise is; drop the key to train in bf16)");
     ST_CHECK(r.run.fp8_recipe.empty() || o.device == Device::CUDA,
              "fp8_recipe: blockwise trains on CUDA only (the CPU reference model is bf16/fp32; "

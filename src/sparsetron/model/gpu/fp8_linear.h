@@ -31,7 +31,6 @@ class Fp8Weights {
     // Registers parameter `param` ([rows, cols]) as an FP8 linear weight (once per parameter:
     // a module used several times, like the MTP layer, registers once) and returns its handle.
     int add(int64_t param);
-    const Weight& operator[](int i) const { return w_[size_t(i)]; }
     // Plans the copies and the activation scratch; after every add(), before allocation.
     void declare();
     // W and W^T from the fp32 masters, every registered weight.

@@ -63,9 +63,9 @@ class CudaEngine final : public DeviceEngine {
                  "context_parallel_size ", cp,
                  " needs a context-parallel group of that many processes");
         const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
-        model_ = std::make_unique<gpu::GpuModel>(
-            recipe_.model, host_store, plan_, cpp.rows, cpp.max_documents,
-            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_recipe == "blockwise");
+        model_ = std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, cpp.rows,
+                                                 cpp.max_documents, std::min(chunk_rows, cpp.rows),
+                                                 cpp.key_rows, recipe_.run.fp8_blockwise());
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
             recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel);
@@ -467,8 +467,7 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
     gpu::GpuModel model(m, host_store, plan, cpp.rows, cpp.max_documents,
-                        std::min(chunk_rows, cpp.rows), cpp.key_rows,
-                        recipe.run.fp8_recipe == "blockwise");
+                        std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe.run.fp8_blockwise());
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     std::string text = plan.format();
     size_t total = plan.total_bytes();

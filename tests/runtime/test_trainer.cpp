@@ -181,6 +181,11 @@ TEST(Trainer, BadDataAndOutputStopWithClearMessages) {
         Trainer(small_recipe({"fp8_recipe=tensorwise"}), {dir, "", Device::CPU});
     });
     EXPECT_NE(msg.find("fp8_recipe: tensorwise is not implemented"), std::string::npos) << msg;
+    // fp8_format only matters under an FP8 recipe: a bf16 run with it set gets past the check
+    // (to the next one: this test's CUDA device is not there).
+    msg = error_of([&] { Trainer(small_recipe({"fp8_format=hybrid"}), {dir, "", Device::CUDA}); });
+    EXPECT_EQ(msg.find("fp8_format"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--device cuda"), std::string::npos) << msg;
     // 2 layers + MTP layer 3 with freq 2, offset 1: layer 3 is full, so kv sharing is accepted;
     // offset 2 makes it shared (max(3-2,0) % 2 != 0), which kv sharing cannot use.
     std::vector<std::string> dsa = {"experimental_attention_variant=dsa",

@@ -83,7 +83,8 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "fp8_recipe: blockwise trains on CUDA only (the CPU reference model is bf16/fp32; "
              "its FP8 quantizers and GEMM are the references the CUDA ones are tested against): "
              "use --device cuda or drop fp8_recipe");
-    ST_CHECK(r.run.fp8_format == "e4m3", "fp8_format: ", r.run.fp8_format,
+    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_format == "e4m3",
+             "fp8_format: ", r.run.fp8_format,
              " is not implemented (blockwise uses e4m3 for every operand)");
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(r.run.world_size == ranks, "world_size ", r.run.world_size, " but ", ranks,

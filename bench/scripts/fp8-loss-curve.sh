@@ -8,6 +8,7 @@ set -euo pipefail
 out=${1:?usage: fp8-loss-curve.sh OUT_DIR bf16|fp8 [STEPS]}
 precision=${2:?bf16 or fp8}
 steps=${3:-200}
+mkdir -p "$out"
 extra=()
 [ "$precision" = fp8 ] && extra=(--set fp8_recipe=blockwise)
 scripts/gpu-run.sh build/default/bin/sparsetron train --recipe recipes/glm5.2-proxy-h200.yaml \

@@ -48,6 +48,13 @@ bool grouped_gemm_wgmma_available();
 void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                         int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                         const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+// The warp-specialized persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `config`
+// picks its tile (grouped_gemm_ws_name says which).
+void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
+                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                     const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+constexpr int kGroupedGemmWsConfigs = 3;
+const char* grouped_gemm_ws_name(int config);
 // Its tile configurations for the perf harness (0 is the engine's; packed weights).
 int grouped_gemm_wgmma_configs();
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,

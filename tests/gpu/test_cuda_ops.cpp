@@ -340,9 +340,11 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
 namespace {
 // masked_chunks > 0: run the masked-dense implementation with a workspace that holds about
 // T / masked_chunks query tokens (several chunks: the chunk offsets are exercised), instead of
-// the gathered one.
+// the gathered one. saved_probs: the forward keeps every chunk's probabilities and the backward
+// reads them instead of recomputing scores and probabilities.
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, int masked_chunks = 0);
+                      int64_t K, const std::string& tag, int masked_chunks = 0,
+                      bool saved_probs = false);
 }  // namespace
 
 TEST_F(CudaOps, SparseMqaForwardBackward) {
@@ -363,10 +365,17 @@ TEST_F(CudaOps, SparseMqaMaskedDense) {
 TEST_F(CudaOps, SparseMqaMaskedDenseAtTheGlm5Shape) {
     sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, GLM-5 shape)", 2);
 }
+// Saved probabilities: one chunk, 3 chunks with a partial head group, the GLM-5 shape.
+TEST_F(CudaOps, SparseMqaMaskedDenseWithSavedProbabilities) {
+    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked, saved P, one chunk)", 1, true);
+    sparse_mqa_check(*session_, 12, 72, 64, 32, "sparse mqa (masked, saved P, 3 chunks)", 3, true);
+    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, saved P, GLM-5 shape)", 2,
+                     true);
+}
 
 namespace {
 void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, int masked_chunks) {
+                      int64_t K, const std::string& tag, int masked_chunks, bool saved_probs) {
     const ExecContext& ctx = session.ctx();
     const Docs docs;
     const int64_t T = 200;
@@ -399,10 +408,23 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     const int64_t ws_bytes = masked ? (T + masked_chunks - 1) / masked_chunks * per_token : 0;
     DeviceArray<float> workspace(std::max<int64_t>(1, (ws_bytes + 3) / 4));
     void* wsp = masked ? static_cast<void*>(static_cast<float*>(workspace)) : nullptr;
+    // Saved probabilities: one [rows, 16-rounded keys] block per chunk of cq tokens.
+    const int64_t saved_elems =
+        saved_probs ? cuda::sparse_mqa_saved_probs_elems(T, H, ws_bytes) : 0;
+    if (saved_probs) {
+        ASSERT_TRUE(masked);
+        const int64_t cq = (T + masked_chunks - 1) / masked_chunks;
+        int64_t expect = 0;
+        for (int64_t t0 = 0; t0 < T; t0 += cq)
+            expect += (std::min(T, t0 + cq) - t0) * H * ((std::min(T, t0 + cq) + 15) / 16 * 16);
+        ASSERT_EQ(saved_elems, expect) << tag;
+    }
+    DeviceArray<bf16> probs(std::max<int64_t>(1, saved_elems));
+    bf16* pp = saved_probs ? static_cast<bf16*>(probs) : nullptr;
     cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                             psum, wsp, ws_bytes);
+                             psum, wsp, ws_bytes, 0, pp);
     cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                              dout.dev, dq, dkv, wsp, ws_bytes);
+                              dout.dev, dq, dkv, wsp, ws_bytes, 0, pp);
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),

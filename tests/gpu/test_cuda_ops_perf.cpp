@@ -200,6 +200,25 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
                                       *dout, *dq, *dkv, *ws, ws_bytes);
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+    // With the forward's probabilities kept (the model's choice when a layer's fit
+    // dsa_saved_probs_max_mib): the forward writes P into the saved buffer, the backward skips
+    // the second score GEMM and the probability kernel.
+    const int64_t saved_elems = cuda::sparse_mqa_saved_probs_elems(T, H, ws_bytes);
+    auto saved = bf(saved_elems);
+    report(
+        "sparse mqa fwd, masked, probabilities kept",
+        [&] {
+            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                     *psum, *ws, ws_bytes, 0, *saved);
+        },
+        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+    report(
+        "sparse mqa bwd, masked, from kept probabilities",
+        [&] {
+            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                      *dout, *dq, *dkv, *ws, ws_bytes, 0, *saved);
+        },
+        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
     // Smaller chunks of query tokens: S and P of a chunk stay in L2 between the GEMM that
     // writes them and the kernel that reads them, at the price of more, smaller GEMMs.
     const int64_t per_token = H * T * 10;  // S, dP fp32 + P bf16 per query token (T % 16 == 0)

@@ -3,7 +3,7 @@
 
 Usage: python3 compare_loss_curves.py BASE.jsonl CANDIDATE.jsonl [--window 10] [--skip 20]
            [--tolerance 0.01] [--json OUT.json --note TEXT]
-The stated tolerance: after the first `skip` steps, the candidate's `window`-step moving average of
+The stated tolerance (fixed before the first 200-step run, 2026-11-30): after the first `skip` steps, the candidate's `window`-step moving average of
 lm_loss stays within `tolerance` (relative) of the baseline's at every step. Prints the per-step
 table's summary and exits 1 when the bound fails.
 """
@@ -15,6 +15,11 @@ import sys
 def load(path):
     rows = [json.loads(l) for l in open(path) if l.strip()]
     return {int(r["step"]): r for r in rows if "lm_loss" in r}
+
+
+def median_ms(run, steps, skip):
+    ms = sorted(run[s]["step_ms"] for s in steps if s > skip and "step_ms" in run[s])
+    return ms[len(ms) // 2] if ms else None
 
 
 def moving(values, window):
@@ -34,6 +39,7 @@ def main():
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--skip", type=int, default=20)
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--tail", type=int, default=20, help="also report the mean over the last N")
     ap.add_argument("--json")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
@@ -58,6 +64,12 @@ def main():
         "worst_relative_gap": worst[1],
         "worst_step": worst[0],
         "within_tolerance": ok,
+        # Descriptive, not part of the bound: the last `tail` steps' mean loss of each run and
+        # the candidate's step time relative to the base's (medians after the skip).
+        "tail_mean": {"steps": a.tail, "base": sum(b[-a.tail:]) / len(b[-a.tail:]),
+                      "candidate": sum(c[-a.tail:]) / len(c[-a.tail:])},
+        "median_step_ms": {"base": median_ms(base, steps, a.skip),
+                           "candidate": median_ms(cand, steps, a.skip)},
     }
     print(json.dumps(summary))
     if a.json:

@@ -57,6 +57,7 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(moe_aux_loss_coeff, Float),
         MODEL_KEY(moe_router_force_load_balancing, Bool),
         MODEL_KEY(moe_capacity_factor, Float),
+        MODEL_KEY(dsa_saved_probs_max_mib, Int),
         MODEL_KEY(moe_paged_stash, Bool),
         MODEL_KEY(moe_paged_stash_page_size, Int),
         MODEL_KEY(moe_paged_stash_buffer_size_factor, Float),

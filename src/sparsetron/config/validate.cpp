@@ -62,6 +62,8 @@ void Recipe::validate() {
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
+    ST_CHECK(m.dsa_saved_probs_max_mib >= 0,
+             "recipe key 'dsa_saved_probs_max_mib' must be >= 0, got ", m.dsa_saved_probs_max_mib);
     if (m.uses_dsa()) {
         positive(m.dsa_indexer_n_heads, "dsa_indexer_n_heads");
         positive(m.dsa_indexer_head_dim, "dsa_indexer_head_dim");

@@ -60,6 +60,12 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
         if (mqa_ws_bytes_ > 0)
             B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
+        // Keep the forward's probabilities when a layer's fit the recipe's bound: the backward
+        // then skips one score GEMM and one probability kernel per chunk (not under CP, whose
+        // chunks score all key rows).
+        const int64_t elems = cp_ ? 0 : cuda::sparse_mqa_saved_probs_elems(Tn, H_, mqa_ws_bytes_);
+        if (elems * int64_t(sizeof(bf16)) <= (c.dsa_saved_probs_max_mib << 20))
+            saved_probs_elems_ = elems;
     } else {
         B.scratch(dkv_, "grad.attn.kv", {Tn, H_ * (dn_ + dv_)});
         B.scratch(dk32_, "grad.attn.k_f32", {Tn, H_ * dq_});
@@ -82,6 +88,7 @@ void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.act(A.kabs, p + "k_latent", {Tn, L});
         B.act(A.oabs, p + "o_latent", {Tn, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
+        if (saved_probs_elems_ > 0) B.act(A.probs, p + "attn_probs", {saved_probs_elems_});
     } else {
         B.act(A.kv, p + "kv", {Tn, H_ * (dn_ + dv_)});
         B.act(A.k, p + "k", {Tn, H_ * dq_});
@@ -144,7 +151,7 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_, cp_ ? Tk_ : 0);
+                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_, cp_ ? Tk_ : 0, A.probs);
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
@@ -199,8 +206,8 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
             cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, Tn, dkabs_);
         } else {
             cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
-                                      A.oabs, A.lse, doabs_, dqabs_, dkabs_, mqa_ws_,
-                                      mqa_ws_bytes_);
+                                      A.oabs, A.lse, doabs_, dqabs_, dkabs_, mqa_ws_, mqa_ws_bytes_,
+                                      0, A.probs);
         }
         // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
         if (kv_grad_accum) {

@@ -17,6 +17,9 @@ class GpuMla {
         // The keys the absorbed attention reads, [key rows, L]: kabs, or under context
         // parallelism every micro-batch row's K' gathered over the CP group.
         bf16* kkeys = nullptr;
+        // The masked sparse attention's probabilities from the forward, for the backward
+        // (saved_probs_elems_ > 0 only).
+        bf16* probs = nullptr;
     };
     // key_tokens > 0: context parallelism (absorbed only): `tokens` rows of this rank attend
     // over key_tokens micro-batch rows.
@@ -54,6 +57,8 @@ class GpuMla {
     // Masked-dense sparse MQA workspace (null where the gathered kernels are used).
     float* mqa_ws_ = nullptr;
     int64_t mqa_ws_bytes_ = 0;
+    // bf16 elements of one layer's saved probabilities (0: the backward recomputes them).
+    int64_t saved_probs_elems_ = 0;
 };
 
 }  // namespace sparsetron::gpu

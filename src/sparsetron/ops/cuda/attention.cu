@@ -239,14 +239,18 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum, void* workspace, int64_t workspace_bytes,
-                        int64_t key_rows) {
+                        float* prob_sum, void* workspace, int64_t workspace_bytes, int64_t key_rows,
+                        bf16* saved_probs) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    // Saved probabilities belong to the masked form (with the reference kernels forced, both
+    // passes ignore them alike).
+    ST_CHECK(!saved_probs || workspace,
+             "sparse MQA: saved probabilities need the masked form's workspace");
     if (workspace && !reference_forced())
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, prob_sum, workspace, workspace_bytes,
-                                         key_rows);
+                                         key_rows, saved_probs);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);
@@ -263,13 +267,17 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv, void* workspace,
-                         int64_t workspace_bytes, int64_t key_rows) {
+                         int64_t workspace_bytes, int64_t key_rows, const bf16* saved_probs) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
+    // Saved probabilities belong to the masked form (with the reference kernels forced, both
+    // passes ignore them alike).
+    ST_CHECK(!saved_probs || workspace,
+             "sparse MQA: saved probabilities need the masked form's workspace");
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,
-                                          workspace_bytes, key_rows);
+                                          workspace_bytes, key_rows, saved_probs);
     // Context parallelism: more key rows than queries. The gathered kernels zero the first
     // `tokens` rows and accumulate; zero them all here.
     if (key_rows > tokens)

@@ -24,12 +24,13 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
                                float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, int64_t key_rows);
+                               int64_t workspace_bytes, int64_t key_rows, bf16* saved_probs);
 void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes, int64_t key_rows);
+                                void* workspace, int64_t workspace_bytes, int64_t key_rows,
+                                const bf16* saved_probs);
 
 // indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
 void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,

@@ -143,18 +143,25 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // scored against all of them, the top-k still selecting which count).
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
                                    int64_t key_rows = 0);
+// Saved probabilities (masked form, key_rows 0 only): the bf16 elements of every chunk's P for a
+// masked forward with this workspace (0 without one). Given to the forward as `saved_probs` it
+// keeps them; given to the backward it skips recomputing the scores and P (one GEMM and one
+// kernel per chunk) at the cost of this buffer per layer.
+int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes);
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
                         float* prob_sum = nullptr, void* workspace = nullptr,
-                        int64_t workspace_bytes = 0, int64_t key_rows = 0);
+                        int64_t workspace_bytes = 0, int64_t key_rows = 0,
+                        bf16* saved_probs = nullptr);
 // dq bf16 (overwritten); dkv fp32 [keys, dqk] (zeroed, then accumulated: atomics when gathered,
 // chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                          int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                          const int32_t* len, int64_t kslots, float scale, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         void* workspace = nullptr, int64_t workspace_bytes = 0, int64_t keys = 0);
+                         void* workspace = nullptr, int64_t workspace_bytes = 0, int64_t keys = 0,
+                         const bf16* saved_probs = nullptr);
 
 // ---- DSA indexer
 // --------------------------------------------------------------------------------- scores[t, s] =

@@ -12,6 +12,10 @@
 //             dS = scale P (dP - D), D = rowsum(dO o O), into P's buffer; dQ = dS K; dK += dS^T Q
 // Workspace per chunk: S and dP fp32, P bf16, each [R, ld]. dkv accumulates through the GEMMs'
 // beta = 1 in a fixed chunk order: deterministic, no atomics.
+// With saved probabilities (sparse_mqa_saved_probs_elems; no context parallelism) the forward
+// writes every chunk's P into the caller's buffer, chunk after chunk, and the backward skips the
+// second S GEMM and the P kernel: dP = dO V^T; dV += P^T dO; dS = scale P (dP - D) from the saved
+// bf16 P, into the workspace's P; dQ, dK as above.
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -230,6 +234,56 @@ __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, i
     }
 }
 
+// dS = scale P (dP - D) from the forward's saved bf16 P ([rows, lds] of this chunk): P is 0 at
+// unselected keys and past the chunk's keys, so no key mask is needed; dP past `keys` was never
+// written (P = 0 there gives dS = 0 without reading it into the product). One block per token of
+// the chunk and kWarps heads; D = rowsum(dO o O) per head, a warp each, first.
+__global__ void masked_dscores_saved_kernel(const bf* p, const float* dp, bf* ds, int64_t lds,
+                                            int64_t t0, int64_t heads, int64_t dv, const bf* out,
+                                            const bf* dout, float scale) {
+    __shared__ float dsum[kWarps];
+    const int64_t tl = blockIdx.x, t = t0 + tl;
+    const int64_t h0 = int64_t(blockIdx.y) * kWarps, h1 = std::min(heads, h0 + kWarps);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (h0 + warp < h1) {
+        const int64_t h = h0 + warp;
+        const bf* o = out + (t * heads + h) * dv;
+        const bf* g = dout + (t * heads + h) * dv;
+        float d = 0.f;
+        for (int64_t i = lane; i < dv; i += 32) d += ld(o + i) * ld(g + i);
+        d = warp_sum(d);
+        if (lane == 0) dsum[warp] = d;
+    }
+    __syncthreads();
+    const int64_t vecs = lds / 4;
+    for (int64_t h = h0; h < h1; ++h) {
+        const int64_t r = (tl * heads + h) * lds;
+        const uint2* prow = reinterpret_cast<const uint2*>(p + r);
+        const float4* dprow = reinterpret_cast<const float4*>(dp + r);
+        uint2* out_row = reinterpret_cast<uint2*>(ds + r);
+        const float d = dsum[h - h0];
+        for (int64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+            const uint2 pv = prow[v];
+            float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (pv.x | pv.y) {
+                const float2 lo =
+                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pv.x));
+                const float2 hi =
+                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pv.y));
+                const float4 g = dprow[v];
+                e.x = lo.x != 0.f ? scale * lo.x * (g.x - d) : 0.f;
+                e.y = lo.y != 0.f ? scale * lo.y * (g.y - d) : 0.f;
+                e.z = hi.x != 0.f ? scale * hi.x * (g.z - d) : 0.f;
+                e.w = hi.y != 0.f ? scale * hi.y * (g.w - d) : 0.f;
+            }
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(e.x, e.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(e.z, e.w);
+            out_row[v] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                    *reinterpret_cast<const uint32_t*>(&hi));
+        }
+    }
+}
+
 // Dynamic shared memory: the key mask, and with prob_sum a float per key.
 constexpr size_t kMaxProbsSmem = 200 * 1024;
 size_t mask_smem(int64_t lds) {
@@ -274,28 +328,45 @@ int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots
     return cq * row * kBytesPerElem;
 }
 
+int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes) {
+    if (tokens == 0 || workspace_bytes == 0) return 0;
+    // The forward's chunks (carve's chunk size for this workspace), each [rows, ld(t1)].
+    const int64_t cq = carve(nullptr, workspace_bytes, tokens, tokens, heads).chunk;
+    int64_t elems = 0;
+    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq);
+        elems += (t1 - t0) * heads * leading_dim(t1);
+    }
+    return elems;
+}
+
 void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, bf16* out,
                                float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, int64_t key_rows) {
+                               int64_t workspace_bytes, int64_t key_rows, bf16* saved_probs) {
+    ST_CHECK(!saved_probs || key_rows == 0,
+             "sparse MQA (masked): saved probabilities without context parallelism only");
     const Workspace w =
         carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;
+    bf* saved = saved_probs ? dev(saved_probs) : nullptr;
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
+        bf* p = saved ? saved : w.p;
         gemm(ctx, false, true, rows, keys, dqk, scale, q + t0 * heads * dqk, dqk, kv, dqk, 0.f, w.s,
              ld, DType::BF16, DType::F32);
         // With prob_sum a block takes all heads of its token (the sum stays in the block).
         const int64_t hpb = prob_sum ? heads : kWarps;
         const size_t smem = probs_smem(ld, prob_sum != nullptr);
         masked_probs_kernel<<<dim3(unsigned(t1 - t0), unsigned((heads + hpb - 1) / hpb)), kThreads,
-                              smem, stream_of(ctx)>>>(w.s, w.p, ld, idx, len, kslots, t0, tokens,
+                              smem, stream_of(ctx)>>>(w.s, p, ld, idx, len, kslots, t0, tokens,
                                                       heads, hpb, nullptr, lse, prob_sum);
         ST_CUDA_LAUNCH_CHECK();
-        gemm(ctx, false, false, rows, dv, keys, 1.f, w.p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
+        gemm(ctx, false, false, rows, dv, keys, 1.f, p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
              dv);
+        if (saved) saved += rows * ld;
     }
 }
 
@@ -303,20 +374,37 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
                                 int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                 const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes, int64_t key_rows) {
+                                void* workspace, int64_t workspace_bytes, int64_t key_rows,
+                                const bf16* saved_probs) {
+    ST_CHECK(!saved_probs || key_rows == 0,
+             "sparse MQA (masked): saved probabilities without context parallelism only");
     const Workspace w =
         carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;
     const auto BF = DType::BF16, F32 = DType::F32;
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, (key_rows > 0 ? key_rows : tokens) * dqk * sizeof(float),
                                   stream_of(ctx)));
+    const bf16* saved = saved_probs;
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
         const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
         const bf16* qc = q + t0 * heads * dqk;
         const bf16* gc = dout + t0 * heads * dv;
-        gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
         const dim3 grid(unsigned(t1 - t0), unsigned((heads + kWarps - 1) / kWarps));
+        if (saved) {
+            gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
+            // dV' (the first dv latent columns) += P^T dO
+            gemm(ctx, true, false, keys, dv, rows, 1.f, saved, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
+            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
+            ST_CUDA_LAUNCH_CHECK();
+            gemm(ctx, false, false, rows, dqk, keys, 1.f, w.p, ld, kv, dqk, 0.f,
+                 dq + t0 * heads * dqk, dqk, BF, BF);
+            gemm(ctx, true, false, keys, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
+            saved += rows * ld;
+            continue;
+        }
+        gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
         const size_t smem = probs_smem(ld, false);
         masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
             w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);

@@ -150,6 +150,32 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
                                      *row_loss, *dh, *dw);
         },
         3 * 2.0 * rows * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * rows * V);
+    // The engine's form at the proxy's 4096 rows (chunks of 512 rows, the weight gradient one
+    // GEMM over every row's dlogits) against its three GEMMs alone at the same shapes (issue 7:
+    // the fused head + loss at >= 80% of the plain GEMMs' rate).
+    const int64_t R = T, chunk = 512;
+    auto hr = bf(R * h), dhr = bf(R * h), dlr = bf(R * V);
+    auto logits_all = f32(R * V), loss_r = f32(R);
+    std::vector<int32_t> tgr(R);
+    for (int64_t i = 0; i < R; ++i) tgr[i] = int32_t(i * 97 % V);
+    DeviceArray<int32_t> targets_r(tgr);
+    report(
+        "head + CE fwd+bwd, 4096 rows, chunks of 512",
+        [&] {
+            cuda::head_cross_entropy(ctx(), *hr, R, h, *w, V, targets_r, chunk, *logits_all, *dlr,
+                                     1e-3f, *loss_r, *dhr, *dw);
+        },
+        3 * 2.0 * R * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * R * V);
+    report(
+        "head GEMMs alone (logits, dX, dW), 4096 rows",
+        [&] {
+            cuda::gemm(ctx(), false, true, R, V, h, 1.f, *hr, h, *w, h, 0.f, *logits_all, V,
+                       DType::BF16, DType::F32);
+            cuda::gemm(ctx(), false, false, R, h, V, 1.f, *dlr, V, *w, h, 0.f, *dhr, h);
+            cuda::gemm(ctx(), true, false, V, h, R, 1.f, *dlr, V, *hr, h, 1.f, *dw, h, DType::BF16,
+                       DType::F32);
+        },
+        3 * 2.0 * R * h * V, 2.0 * V * h + 4.0 * V * h + 8.0 * R * V);
 }
 
 TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {

@@ -86,4 +86,21 @@ __device__ __forceinline__ float block_max(float v) {
     return total;
 }
 
+// Online softmax statistics: the running max mx and the sum l of exp(x - mx) over the values
+// seen; add one value, or merge another partial (mx = -inf: nothing seen).
+__device__ __forceinline__ void online_add(float& mx, float& l, float x) {
+    if (x > mx) {
+        l = l * __expf(mx - x) + 1.f;
+        mx = x;
+    } else {
+        l += __expf(x - mx);
+    }
+}
+__device__ __forceinline__ void online_merge(float& mx, float& l, float m2, float l2) {
+    const float mm = fmaxf(mx, m2);
+    l = (mx == -INFINITY ? 0.f : l * __expf(mx - mm)) +
+        (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - mm));
+    mx = mm;
+}
+
 }  // namespace sparsetron::cuda

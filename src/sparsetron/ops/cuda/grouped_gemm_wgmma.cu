@@ -161,14 +161,19 @@ bool grouped_gemm_wgmma_available() {
 }
 
 namespace {
-// SPARSETRON_GROUPED_GEMM=blocked runs the non-specialized kernel of this file instead of the
-// warp-specialized one (for measuring one against the other in the same process).
-bool blocked_forced() {
-    static const bool blocked = [] {
+// SPARSETRON_GROUPED_GEMM picks the kernels for measuring them against each other in one
+// process: "blocked" runs this file's kernel for every kind, "ws" the warp-specialized one for
+// every kind (weight gradients included); unset, the engine's choice below.
+enum class Choice { Engine, Blocked, WarpSpecialized };
+Choice forced_choice() {
+    static const Choice choice = [] {
         const char* e = std::getenv("SPARSETRON_GROUPED_GEMM");
-        return e && std::string(e) == "blocked";
+        const std::string v = e ? e : "";
+        return v == "blocked" ? Choice::Blocked
+               : v == "ws"    ? Choice::WarpSpecialized
+                              : Choice::Engine;
     }();
-    return blocked;
+    return choice;
 }
 }  // namespace
 
@@ -179,7 +184,9 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
     // here, docs/perf/2026-11-30-grouped-gemm-warp-specialized.md); weight gradients stay on the
     // two-blocks-per-SM kernel below, whose second block hides the fp32 read-modify-write store
     // that the persistent kernel's consumers do with the tensor cores idle (412 vs 362).
-    if (!blocked_forced() && kind != GroupedGemm::WeightGrad) {
+    const Choice choice = forced_choice();
+    if (choice == Choice::WarpSpecialized ||
+        (choice == Choice::Engine && kind != GroupedGemm::WeightGrad)) {
         grouped_gemm_ws(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
                         accumulate);
         return;
@@ -217,8 +224,9 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
     switch (config) {
         case 0:
             grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
-            return blocked_forced() ? "wgmma, the engine's choice (SPARSETRON_GROUPED_GEMM=blocked)"
-                                    : "wgmma, the engine's choice (warp-specialized rows)";
+            return forced_choice() == Choice::Engine
+                       ? "wgmma, the engine's choice (warp-specialized rows)"
+                       : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
         case 1:
             run<WgPlain>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x128, k64, 3 stages";

@@ -9,9 +9,24 @@ namespace {
 
 constexpr int kThreads = 512;
 
+// Adds four values to the online statistics (one rescale at most).
+__device__ __forceinline__ void online_add4(float& mx, float& l, float4 x) {
+    const float m4 = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+    if (m4 > mx) {
+        l = mx == -INFINITY ? 0.f : l * __expf(mx - m4);
+        mx = m4;
+    }
+    l += __expf(x.x - mx) + __expf(x.y - mx) + __expf(x.z - mx) + __expf(x.w - mx);
+}
+
+// One block per row. Two sweeps over the row's fp32 logits (a 154880-wide row does not stay in
+// cache): the max and the sum of exponentials together (online softmax), then the dlogits; the
+// earlier form swept three times (max, sum, write). 16-byte loads when the row length is a
+// multiple of 4 (rows are then 16-byte aligned).
 __global__ void cross_entropy_rows(const float* logits, int64_t vocab, const int32_t* targets,
                                    float grad_scale_host, const float* grad_scale_dev,
                                    float* row_loss, bf* dlogits) {
+    __shared__ float red_m[kThreads / 32], red_l[kThreads / 32];
     const int64_t r = blockIdx.x;
     const float grad_scale = grad_scale_host * (grad_scale_dev ? *grad_scale_dev : 1.f);
     const float* z = logits + r * vocab;
@@ -23,18 +38,47 @@ __global__ void cross_entropy_rows(const float* logits, int64_t vocab, const int
                 st(dlogits + r * vocab + c, 0.f);
         return;
     }
-    float mx = -INFINITY;
-    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) mx = fmaxf(mx, z[c]);
-    mx = block_max(mx);
-    float s = 0;
-    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) s += __expf(z[c] - mx);
-    const float lse = mx + logf(block_sum(s));
+    const bool vec = vocab % 4 == 0;
+    float mx = -INFINITY, l = 0.f;
+    if (vec) {
+        const float4* z4 = reinterpret_cast<const float4*>(z);
+        for (int64_t v = threadIdx.x; v < vocab / 4; v += blockDim.x) online_add4(mx, l, z4[v]);
+    } else {
+        for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) online_add(mx, l, z[c]);
+    }
+    for (int o = 16; o > 0; o >>= 1)
+        online_merge(mx, l, __shfl_xor_sync(0xffffffffu, mx, o),
+                     __shfl_xor_sync(0xffffffffu, l, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) red_m[warp] = mx, red_l[warp] = l;
+    __syncthreads();
+    mx = -INFINITY, l = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) online_merge(mx, l, red_m[w], red_l[w]);  // fixed order
+    const float lse = mx + logf(l);
     if (threadIdx.x == 0) row_loss[r] = lse - z[tgt];
-    if (dlogits)
-        for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
-            float p = __expf(z[c] - lse) * grad_scale;
-            st(dlogits + r * vocab + c, c == tgt ? p - grad_scale : p);
+    if (!dlogits) return;
+    bf* dl = dlogits + r * vocab;
+    if (vec) {
+        const float4* z4 = reinterpret_cast<const float4*>(z);
+        uint2* d4 = reinterpret_cast<uint2*>(dl);  // 8-byte aligned: rows of 4k bf16
+        for (int64_t v = threadIdx.x; v < vocab / 4; v += blockDim.x) {
+            const float4 x = z4[v];
+            const int hit = tgt >> 2 == v ? (tgt & 3) : -1;  // the target's lane of the four
+            const float p0 = __expf(x.x - lse) * grad_scale - (hit == 0 ? grad_scale : 0.f);
+            const float p1 = __expf(x.y - lse) * grad_scale - (hit == 1 ? grad_scale : 0.f);
+            const float p2 = __expf(x.z - lse) * grad_scale - (hit == 2 ? grad_scale : 0.f);
+            const float p3 = __expf(x.w - lse) * grad_scale - (hit == 3 ? grad_scale : 0.f);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(p0, p1);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(p2, p3);
+            d4[v] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                               *reinterpret_cast<const uint32_t*>(&hi));
         }
+    } else {
+        for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
+            const float p = __expf(z[c] - lse) * grad_scale;
+            st(dl + c, c == tgt ? p - grad_scale : p);
+        }
+    }
 }
 
 __global__ void loss_sum_kernel(const float* row_loss, const int32_t* targets, int64_t rows,

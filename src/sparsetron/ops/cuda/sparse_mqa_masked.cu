@@ -72,21 +72,6 @@ __device__ __forceinline__ uint32_t mask_bits4(const uint32_t* mask, int64_t v) 
     return (mask[v >> 3] >> ((v & 7) * 4)) & 0xFu;
 }
 
-__device__ __forceinline__ void online_add(float& mx, float& l, float x) {
-    if (x > mx) {
-        l = l * __expf(mx - x) + 1.f;
-        mx = x;
-    } else {
-        l += __expf(x - mx);
-    }
-}
-__device__ __forceinline__ void online_merge(float& mx, float& l, float m2, float l2) {
-    const float mm = fmaxf(mx, m2);
-    l = (mx == -INFINITY ? 0.f : l * __expf(mx - mm)) +
-        (m2 == -INFINITY ? 0.f : l2 * __expf(m2 - mm));
-    mx = mm;
-}
-
 // One block per token of the chunk and group of heads_per_block heads (all heads when the
 // head-summed probabilities are wanted, kWarps otherwise: more blocks). Per head row the whole
 // block streams S: with lse_out (the forward) a first sweep takes an online max/sum over the

@@ -241,63 +241,40 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // bf16 rows of the expert (added to with `accumulate`) or, for weight gradients, added to the
 // fp32 gradient. Accumulator layout (m64nNk16, fp32): warp w of the warpgroup holds rows
 // 16w + lane / 4 (+ 8); register 4j + {0, 1} (+ {2, 3} for the +8 row) is column
-// 8j + 2 (lane % 4) + {0, 1}.
+// 8j + 2 (lane % 4) + {0, 1}. One read-modify-write pair at a time: batching a group's loads
+// before its stores measured slower (weight gradient 345 / 186 TFLOP/s against 412 / 362 on the
+// blocked / warp-specialized kernels, docs/perf/2026-11-30-grouped-gemm-warp-specialized.md).
 template <GroupedGemm kKind, int kAcc>
 __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem& p, int64_t e,
                                           int64_t wstride, int64_t row0, int64_t j0,
                                           bool accumulate, void* c) {
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int64_t r = row0 + warp * 16 + lane / 4;
-    if constexpr (kKind != GroupedGemm::WeightGrad) {
-        // bf16 rows; with `accumulate` (off in the engine's hot paths) one pair at a time.
-        bf* cb = static_cast<bf*>(c) + p.r0 * p.N;
 #pragma unroll
-        for (int j = 0; j < kAcc / 4; ++j) {
-            const int64_t gj = j0 + j * 8 + 2 * (lane % 4);
-            if (gj >= p.N) continue;  // N is a multiple of 8: a pair is all in or all out
+    for (int j = 0; j < kAcc / 4; ++j) {
+        const int64_t gj = j0 + j * 8 + 2 * (lane % 4);
+        if (gj >= p.N) continue;  // N is a multiple of 8: a pair is all in or all out
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int64_t gi = r + half * 8;
-                if (gi >= p.M) continue;
-                __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(cb + gi * p.N + gj);
-                float2 o{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]};
+        for (int half = 0; half < 2; ++half) {
+            const int64_t gi = r + half * 8;
+            if (gi >= p.M) continue;
+            const float v0 = d[4 * j + 2 * half], v1 = d[4 * j + 2 * half + 1];
+            if constexpr (kKind == GroupedGemm::WeightGrad) {
+                float2* dst = reinterpret_cast<float2*>(static_cast<float*>(c) + e * wstride +
+                                                        gi * p.N + gj);
+                float2 o = *dst;
+                o.x += v0, o.y += v1;
+                *dst = o;
+            } else {
+                __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
+                                                                        (p.r0 + gi) * p.N + gj);
+                float2 o{v0, v1};
                 if (accumulate) {
                     const float2 q = __bfloat1622float2(*dst);
                     o.x += q.x, o.y += q.y;
                 }
                 *dst = __float22bfloat162_rn(o);
             }
-        }
-    } else {
-        // fp32 gradient += tile, in groups of kGroup column blocks: all of a group's loads,
-        // then its adds and stores. One pair at a time, each load waited for the previous store
-        // (the compiler cannot move a load above a store that may alias it): a full memory
-        // latency per pair, one load in flight per thread.
-        constexpr int kGroup = kAcc >= 128 ? 4 : 8;  // 4 x kGroup registers
-        static_assert((kAcc / 4) % kGroup == 0, "whole groups");
-        float* cf = static_cast<float*>(c) + e * wstride;
-#pragma unroll
-        for (int g = 0; g < kAcc / 4; g += kGroup) {
-            float2 old[kGroup][2];
-#pragma unroll
-            for (int jj = 0; jj < kGroup; ++jj)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t gi = r + half * 8, gj = j0 + (g + jj) * 8 + 2 * (lane % 4);
-                    old[jj][half] = gi < p.M && gj < p.N
-                                        ? *reinterpret_cast<const float2*>(cf + gi * p.N + gj)
-                                        : make_float2(0.f, 0.f);
-                }
-#pragma unroll
-            for (int jj = 0; jj < kGroup; ++jj)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int64_t gi = r + half * 8, gj = j0 + (g + jj) * 8 + 2 * (lane % 4);
-                    if (gi >= p.M || gj >= p.N) continue;
-                    const int i = 4 * (g + jj) + 2 * half;
-                    *reinterpret_cast<float2*>(cf + gi * p.N + gj) =
-                        make_float2(old[jj][half].x + d[i], old[jj][half].y + d[i + 1]);
-                }
         }
     }
 }

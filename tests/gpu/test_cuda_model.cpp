@@ -166,6 +166,9 @@ TEST(CudaModel, TinyRecipeMatchesCpu) {
     // repeated MTP x2 with cross-entropy and latent-KV sharing.
     ModelConfig cfg = builtin_tiny_recipe().model;
     cfg.moe_router_force_load_balancing = true;
+    // The masked attention's backward from the forward's kept probabilities (the test below
+    // recomputes them, the default).
+    cfg.dsa_saved_probs_max_mib = 2048;
     run_parity(cfg, "tiny");
 }
 
@@ -186,6 +189,7 @@ TEST(CudaModel, E2eTvDetachedDenseIndexerLossMatchesCpu) {
     cfg.dsa_indexer_use_sparse_loss = false;
     cfg.dsa_mtp_index_kv_share = false;
     cfg.moe_router_force_load_balancing = true;
+    cfg.dsa_saved_probs_max_mib = 2048;
     run_parity(cfg, "e2e_tv", 1e-1);
 }
 

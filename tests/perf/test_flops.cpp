@@ -105,6 +105,22 @@ TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
     EXPECT_EQ(rows.code, 1) << rows.output;
     EXPECT_NE(rows.output.find("micro-batch rows in multiples of 16"), std::string::npos)
         << rows.output;
+    // dsa_saved_probs_max_mib: one bf16 [4 heads x 256 tokens, 256 keys] probability buffer per
+    // masked attention application (2 layers + 2 MTP depths, one chunk each); none by default
+    // or when a layer's exceed the bound (512 KiB > 0 MiB).
+    const auto activation_buffers = [](const std::string& out) {
+        const size_t at = out.find("\nactivations");
+        const size_t open = out.find('(', at);
+        return at == std::string::npos ? -1 : std::stol(out.substr(open + 1));
+    };
+    auto kept = sparsetron::test::run_cli("plan --recipe " + recipe +
+                                          " --device cuda --set dsa_saved_probs_max_mib=1");
+    EXPECT_EQ(kept.code, 0) << kept.output;
+    EXPECT_EQ(activation_buffers(kept.output), activation_buffers(r.output) + 4) << kept.output;
+    for (const char* name : {"layers.0.attn_probs", "layers.1.attn_probs", "mtp.depth1.attn_probs",
+                             "mtp.depth2.attn_probs"})
+        EXPECT_NE(kept.output.find(name), std::string::npos) << name;
+    EXPECT_EQ(r.output.find("attn_probs"), std::string::npos) << r.output;
 #else
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;

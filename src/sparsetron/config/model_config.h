@@ -45,8 +45,9 @@ struct ModelConfig {
     double moe_capacity_factor = 0.0;  // 0 = dropless bound (worst case)
     // CUDA: the masked sparse attention keeps a layer's forward probabilities (bf16) for its
     // backward, instead of recomputing scores and probabilities, when they fit in this many MiB
-    // per layer (1.2 GiB at the proxy's 4096 tokens x 64 heads); 0 = always recompute.
-    int64_t dsa_saved_probs_max_mib = 2048;
+    // per layer (1.12 GiB at the proxy's 4096 tokens x 64 heads, for every layer and MTP depth);
+    // 0 (default) = always recompute. A memory-for-speed trade the recipe opts into.
+    int64_t dsa_saved_probs_max_mib = 0;
     // CUDA: the MoE's saved activations in a shared page pool (model/gpu/moe_stash.h).
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page

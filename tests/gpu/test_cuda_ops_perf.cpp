@@ -282,6 +282,67 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
 }
 
+// Issue 7's 32K points: sparse MQA at 32768 tokens with top-2048 (the masked form does not apply
+// past 8 x top-k keys, so the gathered kernels run), and the indexer's scores + top-k there.
+// Row t selects its last min(t + 1, 2048) keys, as at 4K. FLOPs as in the 4K test.
+TEST_F(CudaOpsPerf, SparseMqaAndIndexerAt32K) {
+    const int64_t T32 = 32768;
+    auto q = bf(T32 * H * L), kv = bf(T32 * L), o = bf(T32 * H * kr), dout = bf(T32 * H * kr),
+         dq = bf(T32 * H * L);
+    auto lse = f32(H * T32), dkv = f32(T32 * L), psum = f32(T32 * K);
+    std::vector<int32_t> idx(T32 * K, -1), len(T32);
+    double pairs = 0;
+    for (int64_t t = 0; t < T32; ++t) {
+        const int64_t nk = std::min<int64_t>(t + 1, K);
+        for (int64_t j = 0; j < nk; ++j) idx[t * K + j] = int32_t(t + 1 - nk + j);
+        len[t] = int32_t(nk);
+        pairs += double(nk);
+    }
+    DeviceArray<int32_t> didx(idx), dlen(len);
+    ASSERT_EQ(cuda::sparse_mqa_workspace_bytes(T32, H, K), 0) << "32K takes the gathered form";
+    const float scale = 0.0417f;
+    report(
+        "32K sparse mqa fwd (gathered, selected pairs)",
+        [&] {
+            cuda::sparse_mqa_forward(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                     *psum);
+        },
+        2.0 * H * pairs * (L + kr), 2.0 * (T32 * H * (L + kr) + pairs * L));
+    report(
+        "32K sparse mqa bwd (gathered, 2.5x fwd count)",
+        [&] {
+            cuda::sparse_mqa_backward(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
+                                      *dout, *dq, *dkv);
+        },
+        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T32 * H * (L + kr) + pairs * L));
+    const int64_t HI = 32, dI = 128;
+    auto qi = bf(T32 * HI * dI), ki = bf(T32 * dI);
+    auto wi = f32(T32 * HI), scores = f32(T32 * T32);
+    std::vector<int32_t> rb(T32, 0);
+    DeviceArray<int32_t> row_begin(rb), tk(T32 * K), tl(T32);
+    const int64_t dots_bytes = cuda::indexer_scores_workspace_bytes(T32, HI);
+    auto dots = f32(dots_bytes / 4);
+    const double causal = double(T32) * (T32 + 1) / 2;
+    report(
+        "32K indexer scores, cuBLASLt dots (causal pairs)",
+        [&] {
+            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
+                                 dots_bytes);
+        },
+        2.0 * HI * dI * causal, 4.0 * causal);
+    report(
+        "32K top-2048 of up to 32768 keys per row",
+        [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
+    report(
+        "32K indexer scores + top-2048 (issue 7's pair)",
+        [&] {
+            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
+                                 dots_bytes);
+            cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl);
+        },
+        2.0 * HI * dI * causal, 8.0 * causal);
+}
+
 TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     // 16 experts x 2048 rows (uniform top-8 routing of 4096 tokens), 6144 -> 2048.
     const int64_t E = 16, rows = 2048, F = 2048;

@@ -236,6 +236,15 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
     ST_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+// Saved probabilities belong to the masked form (with the reference kernels forced, the forward
+// and the backward both ignore them).
+void check_saved_probs(const void* saved_probs, const void* workspace) {
+    ST_CHECK(!saved_probs || workspace,
+             "sparse MQA: saved probabilities need the masked form's workspace");
+}
+}  // namespace
+
 void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                         const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
@@ -243,10 +252,7 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
                         bf16* saved_probs) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    // Saved probabilities belong to the masked form (with the reference kernels forced, both
-    // passes ignore them alike).
-    ST_CHECK(!saved_probs || workspace,
-             "sparse MQA: saved probabilities need the masked form's workspace");
+    check_saved_probs(saved_probs, workspace);
     if (workspace && !reference_forced())
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, prob_sum, workspace, workspace_bytes,
@@ -270,10 +276,7 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          int64_t workspace_bytes, int64_t key_rows, const bf16* saved_probs) {
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    // Saved probabilities belong to the masked form (with the reference kernels forced, both
-    // passes ignore them alike).
-    ST_CHECK(!saved_probs || workspace,
-             "sparse MQA: saved probabilities need the masked form's workspace");
+    check_saved_probs(saved_probs, workspace);
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,

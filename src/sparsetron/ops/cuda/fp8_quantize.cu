@@ -208,9 +208,7 @@ __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t
         for (int i = 0; i < 4; ++i) out[i] = to_e4m3(tile[r + i][c] * s);
         const int64_t row = r0 + r;
         if (row + 3 < rows && rows % 4 == 0) {
-            *reinterpret_cast<uint32_t*>(q + col * rows + row) =
-                uint32_t(out[0]) | uint32_t(out[1]) << 8 | uint32_t(out[2]) << 16 |
-                uint32_t(out[3]) << 24;
+            *reinterpret_cast<uint32_t*>(q + col * rows + row) = pack4(out);
         } else {
             for (int i = 0; i < 4; ++i)
                 if (row + i < rows) q[col * rows + row + i] = out[i];

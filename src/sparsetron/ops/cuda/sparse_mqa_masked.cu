@@ -161,6 +161,21 @@ __global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const in
     }
 }
 
+// D = rowsum(dO o O) of one head row (elements row0 .. row0 + dv - 1), by one warp (every lane
+// gets it): the softmax backward's per-row term. bf16 pairs; dv odd adds the last element.
+__device__ __forceinline__ float head_row_dot(const bf* out, const bf* dout, int64_t row0,
+                                              int64_t dv, int lane) {
+    const __nv_bfloat162* o = reinterpret_cast<const __nv_bfloat162*>(out + row0);
+    const __nv_bfloat162* g = reinterpret_cast<const __nv_bfloat162*>(dout + row0);
+    float d = 0.f;
+    for (int64_t i = lane; i < dv / 2; i += 32) {
+        const float2 a = __bfloat1622float2(o[i]), b = __bfloat1622float2(g[i]);
+        d += a.x * b.x + a.y * b.y;
+    }
+    if (dv % 2 && lane == 0) d += ld(out + row0 + dv - 1) * ld(dout + row0 + dv - 1);
+    return warp_sum(d);
+}
+
 // dS = scale P (dP - D) over the token's rows of kWarps heads (blockIdx.y's group), written over
 // P as full rows (0 at unselected keys), P recomputed in fp32 from S and the lse. D =
 // rowsum(dO o O) per head, a warp each, first.
@@ -178,19 +193,7 @@ __global__ void masked_dscores_kernel(const float* s, const float* dp, bf* ds, i
     if (n == 0) return;  // P's rows are already 0
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (h0 + warp < h1) {
-        const int64_t h = h0 + warp;
-        const __nv_bfloat162* o =
-            reinterpret_cast<const __nv_bfloat162*>(out + (t * heads + h) * dv);
-        const __nv_bfloat162* g =
-            reinterpret_cast<const __nv_bfloat162*>(dout + (t * heads + h) * dv);
-        float d = 0.f;
-        for (int64_t i = lane; i < dv / 2; i += 32) {
-            const float2 a = __bfloat1622float2(o[i]), b = __bfloat1622float2(g[i]);
-            d += a.x * b.x + a.y * b.y;
-        }
-        if (dv % 2 && lane == 0)
-            d += ld(out + (t * heads + h + 1) * dv - 1) * ld(dout + (t * heads + h + 1) * dv - 1);
-        d = warp_sum(d);
+        const float d = head_row_dot(out, dout, (t * heads + h0 + warp) * dv, dv, lane);
         if (lane == 0) dsum[warp] = d;
     }
     build_key_mask(mask, (lds + 31) / 32, sel, n);  // its __syncthreads also publishes dsum
@@ -231,12 +234,7 @@ __global__ void masked_dscores_saved_kernel(const bf* p, const float* dp, bf* ds
     const int64_t h0 = int64_t(blockIdx.y) * kWarps, h1 = std::min(heads, h0 + kWarps);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (h0 + warp < h1) {
-        const int64_t h = h0 + warp;
-        const bf* o = out + (t * heads + h) * dv;
-        const bf* g = dout + (t * heads + h) * dv;
-        float d = 0.f;
-        for (int64_t i = lane; i < dv; i += 32) d += ld(o + i) * ld(g + i);
-        d = warp_sum(d);
+        const float d = head_row_dot(out, dout, (t * heads + h0 + warp) * dv, dv, lane);
         if (lane == 0) dsum[warp] = d;
     }
     __syncthreads();
@@ -376,34 +374,31 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         const bf16* qc = q + t0 * heads * dqk;
         const bf16* gc = dout + t0 * heads * dv;
         const dim3 grid(unsigned(t1 - t0), unsigned((heads + kWarps - 1) / kWarps));
-        if (saved) {
-            gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
-            // dV' (the first dv latent columns) += P^T dO
-            gemm(ctx, true, false, keys, dv, rows, 1.f, saved, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
-            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
-            ST_CUDA_LAUNCH_CHECK();
-            gemm(ctx, false, false, rows, dqk, keys, 1.f, w.p, ld, kv, dqk, 0.f,
-                 dq + t0 * heads * dqk, dqk, BF, BF);
-            gemm(ctx, true, false, keys, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
-            saved += rows * ld;
-            continue;
-        }
-        gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
         const size_t smem = probs_smem(ld, false);
-        masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-            w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
-        ST_CUDA_LAUNCH_CHECK();
+        // P: the forward's (saved), or S recomputed and P formed from it in the workspace.
+        const bf16* p = saved ? saved : reinterpret_cast<const bf16*>(w.p);
+        if (!saved) {
+            gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
+            masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
+                w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
+            ST_CUDA_LAUNCH_CHECK();
+        }
         gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
         // dV' (the first dv latent columns) += P^T dO
-        gemm(ctx, true, false, keys, dv, rows, 1.f, w.p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
-        masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-            w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out), dev(dout),
-            scale);
+        gemm(ctx, true, false, keys, dv, rows, 1.f, p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
+        // dS into the workspace's P (read there by the two GEMMs below).
+        if (saved)
+            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
+        else
+            masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
+                w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
+                dev(dout), scale);
         ST_CUDA_LAUNCH_CHECK();
         gemm(ctx, false, false, rows, dqk, keys, 1.f, w.p, ld, kv, dqk, 0.f, dq + t0 * heads * dqk,
              dqk, BF, BF);
         gemm(ctx, true, false, keys, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
+        if (saved) saved += rows * ld;
     }
 }
 

@@ -50,6 +50,15 @@ class CudaOpsPerf : public ::testing::Test {
         session_->synchronize();
         return out;
     }
+    // Random buffers, where the values steer the work (the indexer's top-k: constant scores would
+    // put every key in one radix bin).
+    std::unique_ptr<DeviceArray<bf16>> bf_random(int64_t n, uint64_t seed) {
+        auto host = random_vector<float>(n, seed);
+        return std::make_unique<DeviceArray<bf16>>(to_bf16_rounding(host));
+    }
+    std::unique_ptr<DeviceArray<float>> f32_random(int64_t n, uint64_t seed) {
+        return std::make_unique<DeviceArray<float>>(random_vector<float>(n, seed));
+    }
     std::unique_ptr<DeviceArray<float>> f32(int64_t n, float v = 0.01f) {
         auto out = std::make_unique<DeviceArray<float>>(n);
         cuda::fill(ctx(), *out, n, v);
@@ -260,8 +269,8 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
             3.5 * 2.0 * H * pairs * (L + kr), 0);
     }
     const int64_t HI = 32, dI = 128;
-    auto qi = bf(T * HI * dI), ki = bf(T * dI);
-    auto wi = f32(T * HI), scores = f32(T * T);
+    auto qi = bf_random(T * HI * dI, 31), ki = bf_random(T * dI, 32);
+    auto wi = f32_random(T * HI, 33), scores = f32(T * T);
     std::vector<int32_t> rb(T, 0);
     DeviceArray<int32_t> row_begin(rb), tk(T * K), tl(T);
     report(
@@ -273,10 +282,17 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     report(
         "indexer scores, cuBLASLt dots (causal pairs)",
         [&] {
-            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores, *dots,
-                                 dots_bytes);
+            cuda::indexer_scores_gemm(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores, *dots,
+                                      dots_bytes);
         },
         2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
+    if (cuda::indexer_scores_wgmma_supported(HI, dI))
+        report(
+            "indexer scores, fused wgmma (causal pairs)",
+            [&] {
+                cuda::indexer_scores_wgmma(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores);
+            },
+            2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
     report(
         "top-2048 of up to 4096 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
@@ -316,8 +332,8 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAt32K) {
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T32 * H * (L + kr) + pairs * L));
     const int64_t HI = 32, dI = 128;
-    auto qi = bf(T32 * HI * dI), ki = bf(T32 * dI);
-    auto wi = f32(T32 * HI), scores = f32(T32 * T32);
+    auto qi = bf_random(T32 * HI * dI, 41), ki = bf_random(T32 * dI, 42);
+    auto wi = f32_random(T32 * HI, 43), scores = f32(T32 * T32);
     std::vector<int32_t> rb(T32, 0);
     DeviceArray<int32_t> row_begin(rb), tk(T32 * K), tl(T32);
     const int64_t dots_bytes = cuda::indexer_scores_workspace_bytes(T32, HI);
@@ -326,13 +342,21 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAt32K) {
     report(
         "32K indexer scores, cuBLASLt dots (causal pairs)",
         [&] {
-            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
-                                 dots_bytes);
+            cuda::indexer_scores_gemm(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
+                                      dots_bytes);
         },
         2.0 * HI * dI * causal, 4.0 * causal);
+    if (cuda::indexer_scores_wgmma_supported(HI, dI))
+        report(
+            "32K indexer scores, fused wgmma (causal pairs)",
+            [&] {
+                cuda::indexer_scores_wgmma(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores);
+            },
+            2.0 * HI * dI * causal, 4.0 * causal);
     report(
         "32K top-2048 of up to 32768 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
+    // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
     report(
         "32K indexer scores + top-2048 (issue 7's pair)",
         [&] {

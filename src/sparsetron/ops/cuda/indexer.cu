@@ -1,15 +1,23 @@
 // DSA lightning-indexer scores and the per-row top-k.
 //
-// Scores, two forms. With a workspace: per chunk of query rows, the [rows x H, keys] dot products
-// as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1, then a kernel applies ReLU and the
-// per-head weights column by column (coalesced). Without: one block per (query row, tile of
-// kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
+// Scores: on sm_90 with 16 / 32 / 64 heads of 64 or 128 dims, the fused wgmma kernel
+// (indexer_wgmma.cu). Otherwise two forms. With a workspace: per chunk of query rows, the [rows x
+// H, keys] dot products as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1, then a kernel applies
+// ReLU and the per-head weights column by column (coalesced). Without: one block per (query row,
+// tile of kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
 // [begin, t] exiting at once (the simple form; small shapes and the harness).
 // Top-k: one block per row, an exact radix select on the order-preserving integer image of the
-// fp32 scores (4 passes of 8 bits), then one ordered pass that keeps every score above the
-// threshold and the first `need` equal ones by index, so ties go to the smaller key index and the
-// result is deterministic; block scans give each kept key its ascending output slot.
+// fp32 scores, then one ordered pass that keeps every score above the threshold and the first
+// `need` equal ones by index, so ties go to the smaller key index and the result is
+// deterministic; block scans give each kept key its ascending output slot. Rows up to 32768 keys:
+// 1024 threads hold the row in registers (a contiguous run each, so thread order is key order),
+// read it once, select in 3 passes of 11 / 11 / 10 bits and place it with two block scans.
+// Longer rows: 512 threads stream the row from memory, 4 passes of 8 bits and two block scans per
+// 512 keys.
 #include <cub/block/block_scan.cuh>
+
+#include <cstdlib>
+#include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/ops.h"
@@ -148,11 +156,116 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
     if (threadIdx.x == 0) len[t] = int32_t(kslots);
 }
 
+constexpr int kRegTopkThreads = 1024;
+
+// The registers form above: kPer keys per thread, rows of at most kPer x 1024 keys.
+template <int kPer>
+__global__ void __launch_bounds__(kRegTopkThreads, 1)
+    topk_regs_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
+                     const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
+    using Scan = cub::BlockScan<int, kRegTopkThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int hist[2048];
+    __shared__ uint32_t prefix_s;
+    __shared__ int remaining_s;
+    const int64_t t = blockIdx.x;
+    const int32_t begin = row_begin[t];
+    const int64_t n = begin < 0 ? 0 : query_key_row(key_row, t) - begin + 1;
+    const float* row = scores + t * ld + (begin < 0 ? 0 : begin);
+    int32_t* out = idx + t * kslots;
+    if (n <= kslots) {
+        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
+            out[j] = j < n ? int32_t(begin + j) : -1;
+        if (threadIdx.x == 0) len[t] = int32_t(n);
+        return;
+    }
+    const int64_t j0 = int64_t(threadIdx.x) * kPer;
+    const int nv = int(n - j0 >= kPer ? kPer : (n - j0 > 0 ? n - j0 : 0));  // this thread's keys
+    uint32_t u[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) u[i] = i < nv ? order_key(row[j0 + i]) : 0u;
+    uint32_t prefix = 0, mask = 0;
+    int remaining = int(kslots);
+#pragma unroll 1
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
+        for (int i = threadIdx.x; i < bins; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+            if (i < nv && (u[i] & mask) == prefix)
+                atomicAdd(&hist[(u[i] >> shift) & (bins - 1)], 1);
+        __syncthreads();
+        // Thread i owns bins hb and hb - 1 from the top; the scan counts the keys above them.
+        const int hb = bins - 1 - 2 * int(threadIdx.x);
+        const int c0 = hb >= 1 ? hist[hb] : 0, c1 = hb >= 1 ? hist[hb - 1] : 0;
+        int above;
+        Scan(scan_tmp).ExclusiveSum(c0 + c1, above);
+        if (hb >= 1 && above < remaining && above + c0 + c1 >= remaining) {
+            const bool first = above + c0 >= remaining;
+            prefix_s = prefix | (uint32_t(first ? hb : hb - 1) << shift);
+            remaining_s = remaining - above - (first ? 0 : c0);
+        }
+        __syncthreads();
+        prefix = prefix_s, remaining = remaining_s;
+        mask |= uint32_t(bins - 1) << shift;
+    }
+    const uint32_t thr = prefix;
+    const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
+    int gt = 0, eq = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+        if (i < nv) gt += u[i] > thr, eq += u[i] == thr;
+    int eq_base, pos;
+    Scan(scan_tmp).ExclusiveSum(eq, eq_base);
+    __syncthreads();
+    const int keep_eq = max(0, min(eq, need - eq_base));
+    Scan(scan_tmp).ExclusiveSum(gt + keep_eq, pos);
+    int eq_kept = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+        if (i >= nv) continue;
+        const bool take = u[i] > thr || (u[i] == thr && eq_kept++ < keep_eq);
+        if (take) out[pos++] = int32_t(begin + j0 + i);
+    }
+    if (threadIdx.x == 0) len[t] = int32_t(kslots);
+}
+
+// SPARSETRON_INDEXER=gemm keeps the cuBLASLt / simple forms on sm_90 (measuring them against
+// the fused kernel in one process).
+bool indexer_forced_gemm() {
+    static const bool forced = [] {
+        const char* e = std::getenv("SPARSETRON_INDEXER");
+        return e && std::string(e) == "gemm";
+    }();
+    return forced;
+}
+
 }  // namespace
 
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
     return dots_chunk_tokens(tokens, heads, kDotsChunkElems) * heads * dots_ld(tokens) *
            int64_t(sizeof(float));
+}
+
+void indexer_scores_gemm(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                         const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                         float* scores, void* workspace, int64_t workspace_bytes) {
+    if (tokens == 0) return;
+    float* dots = static_cast<float*>(workspace);
+    const int64_t elems = workspace_bytes / int64_t(sizeof(float));
+    ST_CHECK(elems >= heads * dots_ld(tokens), "indexer_scores: a workspace of ", workspace_bytes,
+             " bytes holds no query row");
+    const int64_t cq = dots_chunk_tokens(tokens, heads, elems);
+    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq), ldd = dots_ld(t1);
+        gemm(ctx, false, true, (t1 - t0) * heads, t1, dim, 1.f, q + t0 * heads * dim, dim, k, dim,
+             0.f, dots, ldd, DType::BF16, DType::F32);
+        dim3 grid(blocks_for(t1, 256), unsigned(t1 - t0));
+        indexer_weighted_relu_kernel<<<grid, 256, 0, stream_of(ctx)>>>(dots, ldd, w, row_begin, t0,
+                                                                       tokens, heads, scores);
+        ST_CUDA_LAUNCH_CHECK();
+    }
 }
 
 void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
@@ -162,21 +275,15 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
     if (tokens == 0) return;
     ST_CHECK(!key_row || !workspace, "indexer_scores: the GEMM form takes query row = key row");
     if (!key_row) keys = tokens;
+    // The fused wgmma kernel where the shape and device allow it (the workspace then goes unused;
+    // docs/perf/2026-11-30-indexer-scores-wgmma.md).
+    if (indexer_scores_wgmma_supported(heads, dim) && !indexer_forced_gemm()) {
+        indexer_scores_wgmma(ctx, q, k, w, row_begin, tokens, heads, dim, scores, key_row, keys);
+        return;
+    }
     if (workspace) {
-        float* dots = static_cast<float*>(workspace);
-        const int64_t elems = workspace_bytes / int64_t(sizeof(float));
-        ST_CHECK(elems >= heads * dots_ld(tokens), "indexer_scores: a workspace of ",
-                 workspace_bytes, " bytes holds no query row");
-        const int64_t cq = dots_chunk_tokens(tokens, heads, elems);
-        for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
-            const int64_t t1 = std::min(tokens, t0 + cq), ldd = dots_ld(t1);
-            gemm(ctx, false, true, (t1 - t0) * heads, t1, dim, 1.f, q + t0 * heads * dim, dim, k,
-                 dim, 0.f, dots, ldd, DType::BF16, DType::F32);
-            dim3 grid(blocks_for(t1, 256), unsigned(t1 - t0));
-            indexer_weighted_relu_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
-                dots, ldd, w, row_begin, t0, tokens, heads, scores);
-            ST_CUDA_LAUNCH_CHECK();
-        }
+        indexer_scores_gemm(ctx, q, k, w, row_begin, tokens, heads, dim, scores, workspace,
+                            workspace_bytes);
         return;
     }
     const size_t smem = (heads * dim + heads) * sizeof(float) + kKeyTile * (dim + 2) * sizeof(bf);
@@ -193,8 +300,23 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
                int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len, const int32_t* key_row) {
     if (tokens == 0) return;
-    topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row, kslots,
-                                                             idx, len);
+    // Rows are at most ld keys: the registers form's smallest run that holds them.
+    const int64_t per = (ld + kRegTopkThreads - 1) / kRegTopkThreads;
+    auto regs = [&](auto kernel) {
+        kernel<<<tokens, kRegTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row,
+                                                               kslots, idx, len);
+    };
+    if (per <= 4)
+        regs(topk_regs_kernel<4>);
+    else if (per <= 8)
+        regs(topk_regs_kernel<8>);
+    else if (per <= 16)
+        regs(topk_regs_kernel<16>);
+    else if (per <= 32)
+        regs(topk_regs_kernel<32>);
+    else
+        topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row,
+                                                                 kslots, idx, len);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -167,9 +167,10 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
 // --------------------------------------------------------------------------------- scores[t, s] =
 // Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a row are not
 // written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32.
-// With `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
+// On sm_90 with a shape indexer_scores_wgmma_supported() takes, the fused wgmma kernel. Otherwise,
+// with `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
 // smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
-// simple kernel computes everything.
+// simple kernel computes everything. SPARSETRON_INDEXER=gemm keeps the latter two on sm_90.
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
 // Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
 // k holds `keys` micro-batch rows and scores rows are `keys` long.
@@ -177,6 +178,16 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
                     const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                     float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0,
                     const int32_t* key_row = nullptr, int64_t keys = 0);
+// The forms indexer_scores chooses from, for the harness and tests: the cuBLASLt chunks (a
+// workspace is required) and the fused wgmma kernel (sm_90; 16 / 32 / 64 heads, 64 / 128 dims;
+// key_row as in indexer_scores).
+void indexer_scores_gemm(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                         const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                         float* scores, void* workspace, int64_t workspace_bytes);
+bool indexer_scores_wgmma_supported(int64_t heads, int64_t dim);
+void indexer_scores_wgmma(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                          const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                          float* scores, const int32_t* key_row = nullptr, int64_t keys = 0);
 // Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
 // key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
 // key_row (context parallelism): row t's keys are [begin, key_row[t]].

@@ -10,8 +10,8 @@
 // fp32 scores, then one ordered pass that keeps every score above the threshold and the first
 // `need` equal ones by index, so ties go to the smaller key index and the result is
 // deterministic; block scans give each kept key its ascending output slot. Rows up to 32768 keys:
-// 1024 threads hold the row in registers (a contiguous run each, so thread order is key order),
-// read it once, select in 3 passes of 11 / 11 / 10 bits and place it with two block scans.
+// 1024 threads hold the row in registers (read once, coalesced), select in 3 passes of 11 / 11 /
+// 10 bits and place the kept keys with ballots and two block scans.
 // Longer rows: 512 threads stream the row from memory, 4 passes of 8 bits and two block scans per
 // 512 keys.
 #include <cub/block/block_scan.cuh>
@@ -158,11 +158,15 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
 
 constexpr int kRegTopkThreads = 1024;
 
-// The registers form above: kPer keys per thread, rows of at most kPer x 1024 keys.
+// The registers form above: thread i holds keys i + 1024 m, m < kPer (coalesced loads), rows of
+// at most kPer x 1024 keys. Placement in key order: per (m, warp) a ballot counts the warp's
+// kept keys, one block scan over the kPer x 32 counts (m-major: key order) gives each its base,
+// the lanes below a key in its ballot its offset.
 template <int kPer>
 __global__ void __launch_bounds__(kRegTopkThreads, 1)
     topk_regs_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
                      const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
+    static_assert(kPer * 32 <= kRegTopkThreads && kPer <= 32, "one scan entry per (m, warp)");
     using Scan = cub::BlockScan<int, kRegTopkThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ int hist[2048];
@@ -179,25 +183,29 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
         if (threadIdx.x == 0) len[t] = int32_t(n);
         return;
     }
-    const int64_t j0 = int64_t(threadIdx.x) * kPer;
-    const int nv = int(n - j0 >= kPer ? kPer : (n - j0 > 0 ? n - j0 : 0));  // this thread's keys
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t below = (1u << lane) - 1u;  // lanes before this one in a ballot
+    // This thread's keys: m < held (n <= kPer x 1024, so held <= kPer).
+    const int held = n > tid ? int((n - tid + kRegTopkThreads - 1) / kRegTopkThreads) : 0;
+    auto valid = [&](int m) { return m < held; };
     uint32_t u[kPer];
+    const float* mine = row + tid;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) u[i] = i < nv ? order_key(row[j0 + i]) : 0u;
+    for (int m = 0; m < kPer; ++m) u[m] = valid(m) ? order_key(mine[m * kRegTopkThreads]) : 0u;
     uint32_t prefix = 0, mask = 0;
     int remaining = int(kslots);
 #pragma unroll 1
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
-        for (int i = threadIdx.x; i < bins; i += blockDim.x) hist[i] = 0;
+        for (int i = tid; i < bins; i += blockDim.x) hist[i] = 0;
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < kPer; ++i)
-            if (i < nv && (u[i] & mask) == prefix)
-                atomicAdd(&hist[(u[i] >> shift) & (bins - 1)], 1);
+        for (int m = 0; m < kPer; ++m)
+            if (valid(m) && (u[m] & mask) == prefix)
+                atomicAdd(&hist[(u[m] >> shift) & (bins - 1)], 1);
         __syncthreads();
         // Thread i owns bins hb and hb - 1 from the top; the scan counts the keys above them.
-        const int hb = bins - 1 - 2 * int(threadIdx.x);
+        const int hb = bins - 1 - 2 * tid;
         const int c0 = hb >= 1 ? hist[hb] : 0, c1 = hb >= 1 ? hist[hb - 1] : 0;
         int above;
         Scan(scan_tmp).ExclusiveSum(c0 + c1, above);
@@ -212,23 +220,40 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     }
     const uint32_t thr = prefix;
     const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
-    int gt = 0, eq = 0;
+    // Key-order bases of each (m, warp)'s flagged keys, in hist[m * 32 + warp].
+    auto bases = [&](auto flag) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i)
-        if (i < nv) gt += u[i] > thr, eq += u[i] == thr;
-    int eq_base, pos;
-    Scan(scan_tmp).ExclusiveSum(eq, eq_base);
-    __syncthreads();
-    const int keep_eq = max(0, min(eq, need - eq_base));
-    Scan(scan_tmp).ExclusiveSum(gt + keep_eq, pos);
-    int eq_kept = 0;
+        for (int m = 0; m < kPer; ++m) {
+            const uint32_t b = __ballot_sync(0xffffffffu, flag(m));
+            if (lane == 0) hist[m * 32 + warp] = __popc(b);
+        }
+        __syncthreads();
+        const int c = tid < kPer * 32 ? hist[tid] : 0;
+        int base;
+        Scan(scan_tmp).ExclusiveSum(c, base);
+        if (tid < kPer * 32) hist[tid] = base;
+        __syncthreads();
+    };
+    auto is_eq = [&](int m) { return valid(m) && u[m] == thr; };
+    bases(is_eq);
+    uint32_t keep = 0;  // bit m: key i + 1024 m is kept
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-        if (i >= nv) continue;
-        const bool take = u[i] > thr || (u[i] == thr && eq_kept++ < keep_eq);
-        if (take) out[pos++] = int32_t(begin + j0 + i);
+    for (int m = 0; m < kPer; ++m) {
+        const uint32_t b = __ballot_sync(0xffffffffu, is_eq(m));
+        const int rank = hist[m * 32 + warp] + __popc(b & below);
+        if (valid(m) && (u[m] > thr || (u[m] == thr && rank < need))) keep |= 1u << m;
     }
-    if (threadIdx.x == 0) len[t] = int32_t(kslots);
+    __syncthreads();  // every rank read before the second scan overwrites hist
+    auto kept = [&](int m) { return (keep >> m) & 1u; };
+    bases(kept);
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+        const uint32_t b = __ballot_sync(0xffffffffu, kept(m));
+        if (kept(m))
+            out[hist[m * 32 + warp] + __popc(b & below)] =
+                int32_t(begin + int64_t(m) * kRegTopkThreads + tid);
+    }
+    if (tid == 0) len[t] = int32_t(kslots);
 }
 
 // SPARSETRON_INDEXER=gemm keeps the cuBLASLt / simple forms on sm_90 (measuring them against

@@ -11,7 +11,8 @@
 // `need` equal ones by index, so ties go to the smaller key index and the result is
 // deterministic; block scans give each kept key its ascending output slot. Rows up to 32768 keys:
 // 1024 threads hold the row in registers (read once, coalesced), select in 3 passes of 11 / 11 /
-// 10 bits and place the kept keys with ballots and two block scans.
+// 10 bits (the last two over the threshold bin's keys only) and place the kept keys with ballots
+// and block scans.
 // Longer rows: 512 threads stream the row from memory, 4 passes of 8 bits and two block scans per
 // 512 keys.
 #include <cub/block/block_scan.cuh>
@@ -157,11 +158,17 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
 }
 
 constexpr int kRegTopkThreads = 1024;
+constexpr int kTopkCandidates =
+    4096;  // threshold-bin keys the later passes read from shared memory
 
 // The registers form above: thread i holds keys i + 1024 m, m < kPer (coalesced loads), rows of
-// at most kPer x 1024 keys. Placement in key order: per (m, warp) a ballot counts the warp's
-// kept keys, one block scan over the kPer x 32 counts (m-major: key order) gives each its base,
-// the lanes below a key in its ballot its offset.
+// at most kPer x 1024 keys. Pass 1 histograms every key; the keys in the threshold's bin (a few
+// percent of a row of real scores) are then copied to shared memory, and passes 2 and 3 read only
+// them (from the registers again when the bin is too full). Placement in key order: per (m, warp)
+// a ballot counts the warp's kept keys, one block scan over the kPer x 32 counts (m-major: key
+// order) gives each its base, the lanes below a key in its ballot its offset. When every key equal
+// to the threshold is kept (no tie straddles the k-th place: the usual case), kept = above or
+// equal and the tie ranks are skipped.
 template <int kPer>
 __global__ void __launch_bounds__(kRegTopkThreads, 1)
     topk_regs_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
@@ -170,8 +177,9 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     using Scan = cub::BlockScan<int, kRegTopkThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
     __shared__ int hist[2048];
+    __shared__ uint32_t cand[kTopkCandidates];
     __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s;
+    __shared__ int remaining_s, bin_count_s, cand_n;
     const int64_t t = blockIdx.x;
     const int32_t begin = row_begin[t];
     const int64_t n = begin < 0 ? 0 : query_key_row(key_row, t) - begin + 1;
@@ -187,22 +195,29 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     const uint32_t below = (1u << lane) - 1u;  // lanes before this one in a ballot
     // This thread's keys: m < held (n <= kPer x 1024, so held <= kPer).
     const int held = n > tid ? int((n - tid + kRegTopkThreads - 1) / kRegTopkThreads) : 0;
-    auto valid = [&](int m) { return m < held; };
     uint32_t u[kPer];
     const float* mine = row + tid;
 #pragma unroll
-    for (int m = 0; m < kPer; ++m) u[m] = valid(m) ? order_key(mine[m * kRegTopkThreads]) : 0u;
+    for (int m = 0; m < kPer; ++m) u[m] = m < held ? order_key(mine[m * kRegTopkThreads]) : 0u;
     uint32_t prefix = 0, mask = 0;
-    int remaining = int(kslots);
+    int remaining = int(kslots), bin_count = 0;
+    bool from_cand = false;
+    if (tid == 0) cand_n = 0;  // published by pass 1's first barrier
 #pragma unroll 1
     for (int pass = 0; pass < 3; ++pass) {
         const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
         for (int i = tid; i < bins; i += blockDim.x) hist[i] = 0;
         __syncthreads();
+        if (from_cand) {
+            for (int i = tid; i < cand_n; i += blockDim.x)
+                if ((cand[i] & mask) == prefix)
+                    atomicAdd(&hist[(cand[i] >> shift) & (bins - 1)], 1);
+        } else {
 #pragma unroll
-        for (int m = 0; m < kPer; ++m)
-            if (valid(m) && (u[m] & mask) == prefix)
-                atomicAdd(&hist[(u[m] >> shift) & (bins - 1)], 1);
+            for (int m = 0; m < kPer; ++m)
+                if (m < held && (u[m] & mask) == prefix)
+                    atomicAdd(&hist[(u[m] >> shift) & (bins - 1)], 1);
+        }
         __syncthreads();
         // Thread i owns bins hb and hb - 1 from the top; the scan counts the keys above them.
         const int hb = bins - 1 - 2 * tid;
@@ -213,10 +228,18 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
             const bool first = above + c0 >= remaining;
             prefix_s = prefix | (uint32_t(first ? hb : hb - 1) << shift);
             remaining_s = remaining - above - (first ? 0 : c0);
+            bin_count_s = first ? c0 : c1;
         }
         __syncthreads();
-        prefix = prefix_s, remaining = remaining_s;
+        prefix = prefix_s, remaining = remaining_s, bin_count = bin_count_s;
         mask |= uint32_t(bins - 1) << shift;
+        if (pass == 0 && bin_count <= kTopkCandidates) {
+            // The threshold bin's keys to shared memory (any order: they only set thresholds).
+#pragma unroll
+            for (int m = 0; m < kPer; ++m)
+                if (m < held && (u[m] & mask) == prefix) cand[atomicAdd(&cand_n, 1)] = u[m];
+            from_cand = true;  // the next pass's first barrier publishes cand and cand_n
+        }
     }
     const uint32_t thr = prefix;
     const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
@@ -234,16 +257,23 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
         if (tid < kPer * 32) hist[tid] = base;
         __syncthreads();
     };
-    auto is_eq = [&](int m) { return valid(m) && u[m] == thr; };
-    bases(is_eq);
     uint32_t keep = 0;  // bit m: key i + 1024 m is kept
+    if (need == bin_count) {
+        // Every key equal to the threshold is kept.
 #pragma unroll
-    for (int m = 0; m < kPer; ++m) {
-        const uint32_t b = __ballot_sync(0xffffffffu, is_eq(m));
-        const int rank = hist[m * 32 + warp] + __popc(b & below);
-        if (valid(m) && (u[m] > thr || (u[m] == thr && rank < need))) keep |= 1u << m;
+        for (int m = 0; m < kPer; ++m)
+            if (m < held && u[m] >= thr) keep |= 1u << m;
+    } else {
+        auto is_eq = [&](int m) { return m < held && u[m] == thr; };
+        bases(is_eq);
+#pragma unroll
+        for (int m = 0; m < kPer; ++m) {
+            const uint32_t b = __ballot_sync(0xffffffffu, is_eq(m));
+            const int rank = hist[m * 32 + warp] + __popc(b & below);
+            if (m < held && (u[m] > thr || (u[m] == thr && rank < need))) keep |= 1u << m;
+        }
+        __syncthreads();  // every rank read before the second scan overwrites hist
     }
-    __syncthreads();  // every rank read before the second scan overwrites hist
     auto kept = [&](int m) { return (keep >> m) & 1u; };
     bases(kept);
 #pragma unroll

@@ -298,10 +298,10 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
 }
 
-// Issue 7's 32K points: sparse MQA at 32768 tokens with top-2048 (the masked form does not apply
-// past 8 x top-k keys, so the gathered kernels run), and the indexer's scores + top-k there.
-// Row t selects its last min(t + 1, 2048) keys, as at 4K. FLOPs as in the 4K test.
-TEST_F(CudaOpsPerf, SparseMqaAndIndexerAt32K) {
+// Issue 7's 32K sparse MQA point: 32768 tokens with top-2048 (the masked form does not apply
+// past 8 x top-k keys, so the gathered kernels run). Row t selects its last min(t + 1, 2048)
+// keys, as at 4K. FLOPs as in the 4K test.
+TEST_F(CudaOpsPerf, SparseMqaAt32K) {
     const int64_t T32 = 32768;
     auto q = bf(T32 * H * L), kv = bf(T32 * L), o = bf(T32 * H * kr), dout = bf(T32 * H * kr),
          dq = bf(T32 * H * L);
@@ -331,6 +331,11 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAt32K) {
                                       *dout, *dq, *dkv);
         },
         2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T32 * H * (L + kr) + pairs * L));
+}
+
+// Issue 7's 32K indexer point: scores over every causal pair, then the top-2048 of each row.
+TEST_F(CudaOpsPerf, IndexerAt32K) {
+    const int64_t T32 = 32768;
     const int64_t HI = 32, dI = 128;
     auto qi = bf_random(T32 * HI * dI, 41), ki = bf_random(T32 * dI, 42);
     auto wi = f32_random(T32 * HI, 43), scores = f32(T32 * T32);

@@ -9,6 +9,7 @@
 
 #include "harness.h"
 #include "sparsetron/ops/cpu/kernels.h"
+#include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/ops/cuda/cuda_session.h"
@@ -470,23 +471,6 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
 }
 }  // namespace
 
-namespace {
-// The CPU rule (SPEC §3): the k largest, ties toward the smaller index, written ascending.
-std::vector<int32_t> reference_topk(const std::vector<float>& row, int32_t begin, int64_t n,
-                                    int64_t k) {
-    std::vector<int32_t> order(n);
-    std::iota(order.begin(), order.end(), begin);
-    const int64_t kk = std::min(k, n);
-    std::partial_sort(order.begin(), order.begin() + kk, order.end(), [&](int32_t x, int32_t y) {
-        return row[x] > row[y] || (row[x] == row[y] && x < y);
-    });
-    order.resize(kk);
-    std::sort(order.begin(), order.end());
-    order.resize(k, -1);
-    return order;
-}
-}  // namespace
-
 TEST_F(CudaOps, IndexerScoresAndTopk) {
     const Docs docs;
     const int64_t T = 200, H = 4, d = 32, K = 16;
@@ -537,7 +521,7 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
     for (int64_t t = 0; t < T; ++t) {
         const int64_t n = rbv[t] < 0 ? 0 : t - rbv[t] + 1;
         std::vector<float> row(sg.begin() + t * T, sg.begin() + (t + 1) * T);
-        auto ref = n ? reference_topk(row, rbv[t], n, K) : std::vector<int32_t>(K, -1);
+        auto ref = n ? reference_topk(row.data(), rbv[t], n, K) : std::vector<int32_t>(K, -1);
         wrong += !std::equal(ref.begin(), ref.end(), ig.begin() + t * K);
         wrong += lg[t] != std::min<int64_t>(K, n);
     }
@@ -561,7 +545,7 @@ TEST_F(CudaOps, TopkTiesGoToTheSmallerIndex) {
     int64_t wrong = 0;
     for (int64_t t = 0; t < T; ++t) {
         std::vector<float> row(s.begin() + t * T, s.begin() + (t + 1) * T);
-        auto ref = reference_topk(row, rbv[t], t - rbv[t] + 1, K);
+        auto ref = reference_topk(row.data(), rbv[t], t - rbv[t] + 1, K);
         wrong += !std::equal(ref.begin(), ref.end(), ig.begin() + t * K);
     }
     EXPECT_EQ(wrong, 0);

@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <numeric>
 
 #include "harness.h"
+#include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/ops/cuda/cuda_session.h"
@@ -75,20 +75,6 @@ int64_t overwritten(const std::vector<float>& got, const std::vector<bool>& vali
     int64_t n = 0;
     for (size_t i = 0; i < got.size(); ++i) n += !valid[i] && got[i] != fill;
     return n;
-}
-
-// The CPU rule (SPEC §3): the k largest, ties toward the smaller index, written ascending.
-std::vector<int32_t> reference_topk(const float* row, int32_t begin, int64_t n, int64_t k) {
-    std::vector<int32_t> order(n);
-    std::iota(order.begin(), order.end(), begin);
-    const int64_t kk = std::min(k, n);
-    std::partial_sort(order.begin(), order.begin() + kk, order.end(), [&](int32_t x, int32_t y) {
-        return row[x] > row[y] || (row[x] == row[y] && x < y);
-    });
-    order.resize(kk);
-    std::sort(order.begin(), order.end());
-    order.resize(k, -1);
-    return order;
 }
 
 }  // namespace

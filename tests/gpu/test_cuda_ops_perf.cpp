@@ -209,6 +209,14 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
                                      *psum);
         },
         2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+    if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
+        report(
+            "sparse mqa fwd, flash wgmma (no prob sums)",
+            [&] {
+                cuda::sparse_mqa_forward_wgmma(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale,
+                                               *o, *lse);
+            },
+            2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
     report(
         "sparse mqa bwd (2.5x fwd pairs count)",
         [&] {
@@ -324,6 +332,14 @@ TEST_F(CudaOpsPerf, SparseMqaAt32K) {
                                      *psum);
         },
         2.0 * H * pairs * (L + kr), 2.0 * (T32 * H * (L + kr) + pairs * L));
+    if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
+        report(
+            "32K sparse mqa fwd, flash wgmma (no prob sums)",
+            [&] {
+                cuda::sparse_mqa_forward_wgmma(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale,
+                                               *o, *lse);
+            },
+            2.0 * H * pairs * (L + kr), 2.0 * (T32 * H * (L + kr) + pairs * L));
     report(
         "32K sparse mqa bwd (gathered, 2.5x fwd count)",
         [&] {

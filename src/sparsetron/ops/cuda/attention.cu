@@ -23,6 +23,15 @@ bool reference_forced() {
     }();
     return reference;
 }
+// SPARSETRON_SPARSE_MQA=wgmma: the gathered forward on the flash-style wgmma kernel (opt-in until
+// it has run on the GPU machine).
+bool wgmma_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
+    static const bool chosen = [] {
+        const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
+        return e && std::string(e) == "wgmma";
+    }();
+    return chosen && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
+}
 bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
     return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
 }
@@ -257,6 +266,9 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, prob_sum, workspace, workspace_bytes,
                                          key_rows, saved_probs);
+    if (wgmma_forward_chosen(heads, dqk, dv))
+        return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
+                                        out, lse, prob_sum);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);

@@ -30,17 +30,18 @@ namespace sparsetron::cuda {
 namespace {
 
 using wgmma::BK;
-constexpr int kThreads = 384, kProducerThreads = 128;
+// [[maybe_unused]]: the host compilation pass (and the sm_100 one) sees no kernel body.
+constexpr int kThreads = 384;
+[[maybe_unused]] constexpr int kProducerThreads = 128;
 constexpr int kN = 256;     // (token, head) columns per block
 constexpr int kFill = 64;   // keys per fill: one consumer warpgroup's M
 constexpr int kStages = 8;  // fills in flight
-constexpr int kLag = kStages - 2;
+[[maybe_unused]] constexpr int kLag = kStages - 2;
 
 template <int kHeads, int kSlices>
 struct IxCfg {
     static_assert(kHeads % 8 == 0 && kN % kHeads == 0, "a token's heads are whole 8-column groups");
     static constexpr int Tokens = kN / kHeads;
-    static constexpr int Dim = kSlices * BK;
     static constexpr int QSliceBytes = kN * BK * 2, KSliceBytes = kFill * BK * 2;
     static constexpr int QBytes = kSlices * QSliceBytes, FillBytes = kSlices * KSliceBytes;
     // Alignment slack for the 1024-byte swizzle period, queries, fills, full / empty mbarriers,
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     using C = IxCfg<kHeads, kSlices>;
-    constexpr int TT = C::Tokens, kGroups = kHeads / 8;
+    constexpr int TT = C::Tokens, kGroups = kHeads / 8, kDim = kSlices * BK;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
     const uint32_t base = (raw + 1023u) & ~1023u;
@@ -125,15 +126,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The queries go with the first fill's copies: publishing any fill implies them.
 #pragma unroll
         for (int sl = 0; sl < kSlices; ++sl)
-            load_tile_walk<true, kN, kProducerThreads>(q_tile(sl), q, C::Dim, t0 * kHeads,
-                                                       tokens * kHeads, sl * BK, C::Dim, tid);
+            load_tile_walk<true, kN, kProducerThreads>(q_tile(sl), q, kDim, t0 * kHeads,
+                                                       tokens * kHeads, sl * BK, kDim, tid);
         for (int64_t f = 0; f < fills; ++f) {
             const uint32_t s = uint32_t(f % kStages);
             mbar_wait(empty(s), (uint32_t(f / kStages) & 1u) ^ 1u);  // round 0 passes at once
 #pragma unroll
             for (int sl = 0; sl < kSlices; ++sl)
                 load_tile_walk<true, kFill, kProducerThreads>(
-                    k_tile(s, sl), k, C::Dim, (f0 + f) * kFill, keys, sl * BK, C::Dim, tid);
+                    k_tile(s, sl), k, kDim, (f0 + f) * kFill, keys, sl * BK, kDim, tid);
             asm volatile("cp.async.commit_group;\n" ::);
             if (f >= kLag) {
                 asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));

@@ -143,6 +143,21 @@ __device__ __forceinline__ uint64_t slice_descriptor(uint32_t tile, int kk) {
 // d += A (64 x 16) * B (16 x N), N = 2 x the accumulator count; kTA / kTB: the operand is
 // MN-major (transposed). One overload per N the kernels use.
 template <int kTA, int kTB>
+__device__ __forceinline__ void mma_m64k16(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"  // scale-d: 1 accumulates into d
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, %19, %20;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(1), "n"(kTA), "n"(kTB));
+}
+template <int kTA, int kTB>
 __device__ __forceinline__ void mma_m64k16(float (&d)[64], uint64_t da, uint64_t db) {
     asm volatile(
         "{\n"

@@ -1,0 +1,251 @@
+// Sparse MQA forward on wgmma (sm_90), flash-style: the GLM-5 shape only (64 heads, qk 576 =
+// latent 512 + rope 64, v 512 = the latent part of the same key rows). One block per query token:
+// its 64 heads are the MMA's M; the token's selected keys go through in chunks of 64, gathered
+// by cp.async into a double-buffered tile; per chunk S = Q K^T, an online softmax, O += P V.
+// Scores never leave the SM and the output needs no second pass.
+//
+// Why: the gathered WMMA kernels (sparse_mqa_tc.cu) keep their accumulators in shared memory and
+// run two passes: 11.4 TFLOP/s at 32K context (docs/perf/2026-11-30-indexer-scores-wgmma.md's
+// call 1). The masked-dense form (4K) writes fp32 scores through HBM: 203 TFLOP/s.
+//
+// Layout (wgmma.cuh's 128-byte swizzle): Q and each key chunk are 9 slices of [64 rows][64]
+// (8 KiB each). A key chunk is the B operand of S = Q K^T (K-major: rows are keys) and, read
+// again as MN-major atoms (a slice's 64 key rows are the reduction, its 64 dims the N), the B
+// operand of O = P V: slices 0-3 for consumer warpgroup 0's output dims 0-255, 4-7 for
+// warpgroup 1's 256-511. So V is never copied. P (bf16, [64 heads][64 keys]) is written by the
+// softmax into one slice, the A operand of P V.
+//
+// Per chunk (both warpgroups, 256 threads): S for 32 of the chunk's keys each (m64n32), keys past
+// the row's count masked; row maxima exchanged through shared memory, so both keep the same
+// running max m; p = exp(scale s - m); each keeps its own running row sum (added at the end);
+// O (m64n256 per warpgroup, in registers) rescaled by exp(m_old - m_new); O += P V. lse and the
+// empty-row convention (len 0: out 0, lse 0) as sparse_mqa_tc.cu.
+//
+// Status: written and compiled without a GPU run (2026-11-30, night); opt-in by
+// SPARSETRON_SPARSE_MQA=wgmma until its test (IndexerWgmma's neighbour, test_sparse_mqa_wgmma.cpp)
+// has passed on the GPU machine.
+#include <cmath>
+
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/cuda/wgmma.cuh"
+
+namespace sparsetron::cuda {
+
+namespace {
+
+constexpr int kH = 64, kD = 576, kDv = 512;  // heads (the M), qk dim, v dim
+[[maybe_unused]] constexpr int kChunk = 64;  // keys per chunk (device code only)
+constexpr int kSlices = kD / 64;             // 9 slices of 64 dims
+constexpr int kThreads = 256;                // two consumer warpgroups
+constexpr int kSliceBytes = 64 * 128;        // [64 rows][64] bf16
+constexpr int kTileBytes = kSlices * kSliceBytes;
+// Alignment slack, Q, two key chunks, P, the row maxima and sums the warpgroups exchange.
+constexpr size_t kSmemBytes = 1024 + 3 * size_t(kTileBytes) + kSliceBytes + 2 * 2 * kH * 4;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+
+#ifdef ST_WGMMA
+// 64 rows of 576 bf16 into the 9 swizzled slices at `tile`: row r from src(r) (nullptr: zeros;
+// `any` is a readable address the zero-filling copies name). Consecutive threads copy consecutive
+// 16-byte pieces of a row (72 per row).
+template <class Src>
+__device__ __forceinline__ void load_rows(uint32_t tile, const bf* any, Src src) {
+    constexpr int kPieces = kD / 8;  // 16-byte pieces per row
+#pragma unroll 2
+    for (int i = threadIdx.x; i < kH * kPieces; i += kThreads) {
+        const int r = i / kPieces, c = i % kPieces, slice = c >> 3, w = c & 7;
+        const bf* row = src(r);
+        wgmma::cp_async16(tile + slice * kSliceBytes + r * 128 + ((w ^ (r & 7)) << 4),
+                          row ? row + c * 8 : any, row != nullptr);
+    }
+}
+#endif
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mqa_fwd_wgmma_kernel(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len,
+                                int64_t kslots, int64_t tokens, float scale, bf* out, float* lse) {
+#ifdef ST_WGMMA
+    using namespace wgmma;
+    extern __shared__ unsigned char smem_raw[];
+    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+    const uint32_t base = (raw + 1023u) & ~1023u;
+    unsigned char* gbase = smem_raw + (base - raw);
+    const uint32_t q_tile = base, p_tile = base + 3 * kTileBytes;
+    auto k_tile = [&](int64_t c) { return base + uint32_t((1 + (c & 1)) * kTileBytes); };
+    float* red_max = reinterpret_cast<float*>(gbase + 3 * kTileBytes + kSliceBytes);  // [2][64]
+    float* red_sum = red_max + 2 * kH;                                                // [2][64]
+
+    const int64_t t = blockIdx.x, n = len[t];
+    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int quad = lane & 3, r0 = warp * 16 + lane / 4;  // this thread's rows: r0, r0 + 8
+    if (n == 0) {                                          // no selected key: out 0, lse 0
+        for (int i = tid; i < kH * kDv; i += kThreads)
+            out[t * kH * kDv + i] = __float2bfloat16(0.f);
+        if (tid < kH) lse[int64_t(tid) * tokens + t] = 0.f;
+        return;
+    }
+    const int32_t* sel = idx + t * kslots;
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    auto gather = [&](int64_t c) {
+        load_rows(k_tile(c), kv, [&](int r) -> const bf* {
+            const int64_t j = c * kChunk + r;
+            return j < n ? kv + int64_t(sel[j]) * kD : nullptr;
+        });
+    };
+    load_rows(q_tile, q, [&](int r) -> const bf* { return q + (t * kH + r) * kD; });
+    gather(0);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
+#pragma unroll
+    for (int i = 0; i < kDv / 4; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};
+
+    for (int64_t c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) gather(c + 1);
+        asm volatile("cp.async.commit_group;\n" ::);  // possibly empty: one group per chunk
+        asm volatile("cp.async.wait_group 1;\n" ::);  // chunk c (and Q) landed for this thread
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        // S for keys 32 wg .. 32 wg + 31 of the chunk.
+        float s[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s[i] = 0.f;
+        const uint32_t kt = k_tile(c);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+                mma_m64k16<0, 0>(
+                    s, descriptor(q_tile + sl * kSliceBytes + kk * 32, 16, 1024),
+                    descriptor(kt + sl * kSliceBytes + wg * 32 * 128 + kk * 32, 16, 1024));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // s[4 i + 2 half + e]: row r0 + 8 half, key 32 wg + 8 i + 2 quad + e of the chunk.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t j = c * kChunk + 32 * wg + 8 * i + 2 * quad + e;
+                    float& v = s[4 * i + 2 * half + e];
+                    v = j < n ? v * scale : -INFINITY;
+                    mx[half] = fmaxf(mx[half], v);
+                }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+            mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+            if (quad == 0) red_max[wg * kH + r0 + 8 * half] = mx[half];
+        }
+        __syncthreads();
+        float alpha[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            // Key c * 64 is valid, so warpgroup 0's half has a finite maximum: m_new is finite.
+            const float m_new =
+                fmaxf(m_run[half], fmaxf(mx[half], red_max[(1 - wg) * kH + r0 + 8 * half]));
+            alpha[half] = __expf(m_run[half] - m_new);  // 0 on the first chunk
+            m_run[half] = m_new;
+        }
+        float rowsum[2] = {0.f, 0.f};
+        unsigned char* pbase = gbase + 3 * kTileBytes;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float p0 = __expf(s[4 * i + 2 * half] - m_run[half]);
+                const float p1 = __expf(s[4 * i + 2 * half + 1] - m_run[half]);
+                rowsum[half] += p0 + p1;
+                const int row = r0 + 8 * half, col = 32 * wg + 8 * i + 2 * quad;
+                *reinterpret_cast<__nv_bfloat162*>(
+                    pbase + row * 128 + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) =
+                    __floats2bfloat162_rn(p0, p1);
+            }
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            l_part[half] = l_part[half] * alpha[half] + rowsum[half];
+#pragma unroll
+        for (int i = 0; i < kDv / 16; ++i) {
+            o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
+            o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // P: generic -> wgmma
+        __syncthreads();
+        // O += P V: P [64 heads][64 keys] K-major; V = the chunk's slices 4 wg .. 4 wg + 3 read
+        // MN-major (key rows are the reduction).
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            mma_m64k16<0, 1>(o, descriptor(p_tile + kk * 32, 16, 1024),
+                             descriptor(kt + 4 * wg * kSliceBytes + kk * 2048, 8192, 1024));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        __syncthreads();  // P and this chunk's keys are free for the next chunk and gather
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    // Row sums: the quad's lanes, then the other warpgroup's keys.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l_part[half] += __shfl_xor_sync(0xffffffffu, l_part[half], 1);
+        l_part[half] += __shfl_xor_sync(0xffffffffu, l_part[half], 2);
+        if (quad == 0) red_sum[wg * kH + r0 + 8 * half] = l_part[half];
+    }
+    __syncthreads();
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = r0 + 8 * half;
+        const float l = l_part[half] + red_sum[(1 - wg) * kH + row];
+        inv[half] = 1.f / l;
+        if (wg == 0 && quad == 0) lse[int64_t(row) * tokens + t] = m_run[half] + logf(l);
+    }
+    bf* orow = out + t * kH * kDv + 256 * wg + 2 * quad;
+#pragma unroll
+    for (int i = 0; i < kDv / 16; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = r0 + 8 * half;
+            *reinterpret_cast<__nv_bfloat162*>(orow + row * kDv + 8 * i) = __floats2bfloat162_rn(
+                o[4 * i + 2 * half] * inv[half], o[4 * i + 2 * half + 1] * inv[half]);
+        }
+#else
+    __trap();  // dispatched only on sm_90 (sparse_mqa_forward_wgmma_supported)
+#endif
+}
+
+}  // namespace
+
+bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv) {
+    return grouped_gemm_wgmma_available() && heads == kH && dqk == kD && dv == kDv;
+}
+
+void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                              int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
+                              const int32_t* len, int64_t kslots, float scale, bf16* out,
+                              float* lse, float* prob_sum) {
+    ST_CHECK(sparse_mqa_forward_wgmma_supported(heads, dqk, dv),
+             "sparse_mqa_forward_wgmma: ", heads, " heads, qk ", dqk, ", v ", dv,
+             " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");
+    if (tokens == 0) return;
+    static const bool configured = [] {  // once, before any capture
+        ST_CUDA_CHECK(cudaFuncSetAttribute(sparse_mqa_fwd_wgmma_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(kSmemBytes)));
+        return true;
+    }();
+    (void)configured;
+    sparse_mqa_fwd_wgmma_kernel<<<unsigned(tokens), kThreads, kSmemBytes, stream_of(ctx)>>>(
+        dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse);
+    ST_CUDA_LAUNCH_CHECK();
+    // The indexer loss's teacher from the final lse (a second pass over Q K^T, as the reference
+    // path does; folding it in needs the final lse inside the kernel).
+    if (prob_sum)
+        head_prob_sum(ctx, q, kv, idx, len, kslots, tokens, heads, dqk, scale, lse, prob_sum);
+}
+
+}  // namespace sparsetron::cuda

@@ -1,0 +1,87 @@
+// The flash-style wgmma sparse MQA forward (sparse_mqa_wgmma.cu) against the CPU reference at the
+// GLM-5 shape (64 heads, qk 576, v 512), label gpu: out at the bf16 tolerance, lse and the head
+// probability sums at fp32 tolerances (as test_cuda_ops.cpp's sparse MQA checks). Rows select
+// 0 keys (padding), fewer than one 64-key chunk, exact multiples of it and partial last chunks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "harness.h"
+#include "sparsetron/ops/cpu/kernels.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/ops.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(SparseMqaWgmma, Skipped) {
+    GTEST_SKIP() << "built without CUDA: the CUDA op harness runs on the GPU machine";
+}
+#else
+
+TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
+    REQUIRE_GPU();
+    if (!cuda::sparse_mqa_forward_wgmma_supported(64, 576, 512))
+        GTEST_SKIP() << "the wgmma sparse MQA forward needs an sm_90 device";
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    const int64_t T = 300, H = 64, dqk = 576, dv = 512, K = 192;
+    // One document of 290 rows, then 10 padding rows; row t selects a random ascending subset of
+    // min(K, t + 1) of its keys, except every 7th row which takes exactly 64 or 128 (chunk edges).
+    std::vector<int32_t> idx(T * K, -1), len(T, 0);
+    CounterRng rng(301, 1);
+    uint64_t draw = 0;
+    for (int64_t t = 0; t < 290; ++t) {
+        std::vector<int32_t> cand(t + 1);
+        std::iota(cand.begin(), cand.end(), 0);
+        for (size_t i = cand.size(); i > 1; --i) std::swap(cand[i - 1], cand[rng.bits(draw++) % i]);
+        int64_t n = std::min<int64_t>(K, t + 1);
+        if (t % 7 == 0 && t >= 128) n = (t / 7) % 2 ? 64 : 128;
+        std::sort(cand.begin(), cand.begin() + n);
+        std::copy_n(cand.begin(), n, idx.begin() + t * K);
+        len[t] = int32_t(n);
+    }
+    auto qh = random_vector<float>(T * H * dqk, 302), kvh = random_vector<float>(T * dqk, 303);
+    DeviceArray<bf16> q(to_bf16_rounding(qh)), kv(to_bf16_rounding(kvh)), out(T * H * dv);
+    DeviceArray<int32_t> didx(idx), dlen(len);
+    DeviceArray<float> lse(H * T), psum(T * K);
+    const float scale = float(0.9 / std::sqrt(double(dqk)));
+    cuda::sparse_mqa_forward_wgmma(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, scale, out, lse, psum);
+    session.synchronize();
+    std::vector<float> o(T * H * dv), l(H * T);
+    cpu::sparse_mqa_forward<float>(T, H, dqk, dv, qh.data(), kvh.data(), idx.data(), len.data(), K,
+                                   scale, o.data(), l.data());
+    expect_close("wgmma sparse mqa out", to_float(out.download()), o, 1e-2);
+    expect_close("wgmma sparse mqa lse", lse.download(), l, 1e-5);
+    std::vector<float> pref(T * K, 0.f);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < len[t]; ++j) {
+            double sum = 0;
+            for (int64_t h = 0; h < H; ++h) {
+                double d = 0;
+                for (int64_t i = 0; i < dqk; ++i)
+                    d += double(qh[(t * H + h) * dqk + i]) * kvh[idx[t * K + j] * dqk + i];
+                sum += std::exp(d * scale - l[h * T + t]);
+            }
+            pref[t * K + j] = float(sum);
+        }
+    expect_close("wgmma sparse mqa head probability sums", psum.download(), pref, 1e-4);
+    // Padding rows: zero output, zero lse.
+    const auto og = out.download();
+    const auto lg = lse.download();
+    int64_t nonzero = 0;
+    for (int64_t t = 290; t < T; ++t) {
+        for (int64_t i = 0; i < H * dv; ++i) nonzero += bf16_to_float(og[t * H * dv + i]) != 0.f;
+        for (int64_t h = 0; h < H; ++h) nonzero += lg[h * T + t] != 0.f;
+    }
+    EXPECT_EQ(nonzero, 0) << "rows with no selected key";
+    expect_guard(out, "wgmma sparse mqa out");
+}
+
+#endif

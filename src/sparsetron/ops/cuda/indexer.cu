@@ -21,18 +21,15 @@
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/cuda/topk_row.cuh"
 
 namespace sparsetron::cuda {
 namespace {
 
 constexpr int kKeyTile = 128;
 constexpr int kTopkThreads = 512;
-
-// Query row t is key row `row` (key_row[t] under context parallelism, else t); keys: key rows.
-__device__ __forceinline__ int64_t query_key_row(const int32_t* key_row, int64_t t) {
-    return key_row ? int64_t(key_row[t]) : t;
-}
 
 __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
                                       const int32_t* row_begin, const int32_t* key_row,
@@ -89,11 +86,6 @@ int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
     return std::max<int64_t>(1, std::min(tokens, elems / (heads * dots_ld(tokens))));
 }
 
-__device__ __forceinline__ uint32_t order_key(float f) {
-    uint32_t u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
                             const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
     using Scan = cub::BlockScan<int, kTopkThreads>;
@@ -102,16 +94,12 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
     __shared__ uint32_t prefix_s;
     __shared__ int remaining_s;
     const int64_t t = blockIdx.x;
-    const int32_t begin = row_begin[t];
-    const int64_t n = begin < 0 ? 0 : query_key_row(key_row, t) - begin + 1;
-    const float* row = scores + t * ld + (begin < 0 ? 0 : begin);
-    int32_t* out = idx + t * kslots;
-    if (n <= kslots) {
-        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
-            out[j] = j < n ? int32_t(begin + j) : -1;
-        if (threadIdx.x == 0) len[t] = int32_t(n);
-        return;
-    }
+    const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
+    if (topk_short_row(r, kslots, len, t)) return;
+    const int32_t begin = r.begin;
+    const int64_t n = r.n;
+    const float* row = r.row;
+    int32_t* out = r.out;
     // Radix select: the kslots-th largest key, one byte at a time from the top.
     uint32_t prefix = 0, mask = 0;
     int remaining = int(kslots);
@@ -181,16 +169,12 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     __shared__ uint32_t prefix_s;
     __shared__ int remaining_s, bin_count_s, cand_n;
     const int64_t t = blockIdx.x;
-    const int32_t begin = row_begin[t];
-    const int64_t n = begin < 0 ? 0 : query_key_row(key_row, t) - begin + 1;
-    const float* row = scores + t * ld + (begin < 0 ? 0 : begin);
-    int32_t* out = idx + t * kslots;
-    if (n <= kslots) {
-        for (int64_t j = threadIdx.x; j < kslots; j += blockDim.x)
-            out[j] = j < n ? int32_t(begin + j) : -1;
-        if (threadIdx.x == 0) len[t] = int32_t(n);
-        return;
-    }
+    const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
+    if (topk_short_row(r, kslots, len, t)) return;
+    const int32_t begin = r.begin;
+    const int64_t n = r.n;
+    const float* row = r.row;
+    int32_t* out = r.out;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const uint32_t below = (1u << lane) - 1u;  // lanes before this one in a ballot
     // This thread's keys: m < held (n <= kPer x 1024, so held <= kPer).
@@ -296,6 +280,16 @@ bool indexer_forced_gemm() {
     return forced;
 }
 
+// SPARSETRON_TOPK=stream: the streaming top-k (topk_stream.cu; opt-in until it has run on the GPU
+// machine).
+bool topk_stream_chosen() {
+    static const bool chosen = [] {
+        const char* e = std::getenv("SPARSETRON_TOPK");
+        return e && std::string(e) == "stream";
+    }();
+    return chosen;
+}
+
 }  // namespace
 
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
@@ -355,6 +349,8 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
                int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len, const int32_t* key_row) {
     if (tokens == 0) return;
+    if (topk_stream_chosen())
+        return topk_rows_stream(ctx, scores, ld, row_begin, tokens, kslots, idx, len, key_row);
     // Rows are at most ld keys: the registers form's smallest run that holds them.
     const int64_t per = (ld + kRegTopkThreads - 1) / kRegTopkThreads;
     auto regs = [&](auto kernel) {

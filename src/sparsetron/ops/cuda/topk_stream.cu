@@ -1,0 +1,180 @@
+// DSA top-k with a small register footprint: the same selection as indexer.cu's kernels (an exact
+// radix select on order_key images, ties to the smaller key index, ascending output), but the
+// row is read from memory again for each step instead of held in registers, so several rows
+// share an SM.
+//
+// Why (docs/perf/2026-11-30-indexer-scores-wgmma.md): the register form holds a 32K-key row in
+// 1024 threads x 32 registers, one row per SM at half occupancy; ncu found it latency-bound
+// (0.58 instructions issued per scheduler, 2.25 of 8 warps eligible) and spilling, 4.5 ms at 32K
+// against ~1.2 ms for its bytes. Here: 512 threads and about 40 registers, three rows per SM.
+//
+// Per row of n > kslots keys: (1) an 11-bit histogram of every key (the one read from HBM; the
+// row stays in L2 for the next reads); (2) the threshold bin's keys copied to shared memory
+// (passes 2 and 3, 11 + 10 bits, read only them; from memory again when the bin holds over 4096);
+// (3) each warp owns a contiguous segment of the row and counts its kept keys (ballots), a scan
+// of the 16 counts gives each warp its first output slot; (4) the warps write their kept keys in
+// order. Ties straddling the k-th place add a count of equal keys per segment first.
+//
+// Status: written and compiled without a GPU run (2026-11-30, night); topk_rows takes it only with
+// SPARSETRON_TOPK=stream until the top-k tests pass with it on the GPU machine.
+#include <cub/block/block_scan.cuh>
+
+#include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/cuda/topk_row.cuh"
+
+namespace sparsetron::cuda {
+
+namespace {
+
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kCandidates = 4096;  // threshold-bin keys kept in shared memory
+constexpr int kBinsPerThread = 2048 / kThreads;
+
+__global__ void __launch_bounds__(kThreads, 3)
+    topk_stream_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
+                       const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
+    using Scan = cub::BlockScan<int, kThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    __shared__ int hist[2048];
+    __shared__ uint32_t cand[kCandidates];
+    __shared__ int seg_base[kWarps];
+    __shared__ uint32_t prefix_s;
+    __shared__ int remaining_s, bin_count_s, cand_n;
+    const int64_t t = blockIdx.x;
+    const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
+    if (topk_short_row(r, kslots, len, t)) return;
+    const int64_t n = r.n;
+    const float* row = r.row;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t below = (1u << lane) - 1u;
+
+    // Radix select: 11 + 11 + 10 bits from the top.
+    uint32_t prefix = 0, mask = 0;
+    int remaining = int(kslots), bin_count = 0;
+    bool from_cand = false;
+    if (tid == 0) cand_n = 0;  // published by the first pass's barrier
+#pragma unroll 1
+    for (int pass = 0; pass < 3; ++pass) {
+        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
+        for (int i = tid; i < bins; i += kThreads) hist[i] = 0;
+        __syncthreads();
+        if (from_cand) {
+            for (int i = tid; i < cand_n; i += kThreads)
+                if ((cand[i] & mask) == prefix)
+                    atomicAdd(&hist[(cand[i] >> shift) & (bins - 1)], 1);
+        } else {
+            for (int64_t j = tid; j < n; j += kThreads) {
+                const uint32_t u = order_key(row[j]);
+                if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & (bins - 1)], 1);
+            }
+        }
+        __syncthreads();
+        // Thread i owns bins top - 4 i .. top - 4 i - 3 (descending); the scan counts the keys
+        // in the bins above them.
+        const int top = bins - 1 - kBinsPerThread * tid;
+        int c[kBinsPerThread], mine = 0;
+#pragma unroll
+        for (int k = 0; k < kBinsPerThread; ++k) {
+            c[k] = top - k >= 0 ? hist[top - k] : 0;
+            mine += c[k];
+        }
+        int above;
+        Scan(scan_tmp).ExclusiveSum(mine, above);
+        if (above < remaining && above + mine >= remaining) {
+#pragma unroll
+            for (int k = 0; k < kBinsPerThread; ++k) {
+                if (above + c[k] >= remaining) {
+                    prefix_s = prefix | (uint32_t(top - k) << shift);
+                    remaining_s = remaining - above;
+                    bin_count_s = c[k];
+                    break;
+                }
+                above += c[k];
+            }
+        }
+        __syncthreads();
+        prefix = prefix_s, remaining = remaining_s, bin_count = bin_count_s;
+        mask |= uint32_t(bins - 1) << shift;
+        if (pass == 0 && bin_count <= kCandidates) {
+            for (int64_t j = tid; j < n; j += kThreads) {
+                const uint32_t u = order_key(row[j]);
+                if ((u & mask) == prefix) cand[atomicAdd(&cand_n, 1)] = u;
+            }
+            from_cand = true;  // the next pass's first barrier publishes cand and cand_n
+        }
+    }
+    const uint32_t thr = prefix;
+    const int need = remaining;  // keys equal to thr that are kept (the smallest indices)
+    const bool ties = need != bin_count;
+
+    // Placement: warp w owns keys [s0, s1), walked 32 at a time (lane i: key s0 + 32 m + i).
+    const int64_t seg = (n + kThreads - 1) / kThreads * 32;
+    const int64_t s0 = min(n, warp * seg), s1 = min(n, s0 + seg);
+    auto key_at = [&](int64_t j) { return j < s1 ? order_key(row[j]) : 0u; };
+    // Segment bases (exclusive, in warp order) of a per-warp count, in seg_base.
+    auto segment_bases = [&](int count) {
+        if (lane == 0) seg_base[warp] = count;
+        __syncthreads();
+        if (tid == 0) {
+            int acc = 0;
+            for (int w = 0; w < kWarps; ++w) {
+                const int c = seg_base[w];
+                seg_base[w] = acc;
+                acc += c;
+            }
+        }
+        __syncthreads();
+        return seg_base[warp];
+    };
+    int eq_before = 0;  // keys equal to thr in earlier segments (ties only)
+    if (ties) {
+        int eq = 0;
+        for (int64_t j0 = s0; j0 < s1; j0 += 32) {
+            const int64_t j = j0 + lane;
+            eq += __popc(__ballot_sync(0xffffffffu, j < s1 && key_at(j) == thr));
+        }
+        eq_before = segment_bases(eq);
+        __syncthreads();  // every warp read its base before seg_base is reused
+    }
+    // kept(j): above thr, or equal and among the first `need` equal keys.
+    auto walk = [&](auto emit) {
+        int eq_seen = eq_before;
+        for (int64_t j0 = s0; j0 < s1; j0 += 32) {
+            const int64_t j = j0 + lane;
+            const uint32_t u = key_at(j);
+            const bool valid = j < s1, eq = valid && u == thr;
+            bool keep = valid && u > thr;
+            if (ties) {
+                const uint32_t eqb = __ballot_sync(0xffffffffu, eq);
+                keep = keep || (eq && eq_seen + __popc(eqb & below) < need);
+                eq_seen += __popc(eqb);
+            } else {
+                keep = keep || eq;
+            }
+            emit(j, keep, __ballot_sync(0xffffffffu, keep));
+        }
+    };
+    int kept = 0;
+    walk([&](int64_t, bool, uint32_t b) { kept += __popc(b); });
+    int pos = segment_bases(kept);
+    walk([&](int64_t j, bool keep, uint32_t b) {
+        if (keep) r.out[pos + __popc(b & below)] = int32_t(r.begin + j);
+        pos += __popc(b);
+    });
+    if (tid == 0) len[t] = int32_t(kslots);
+}
+
+}  // namespace
+
+void topk_rows_stream(const ExecContext& ctx, const float* scores, int64_t ld,
+                      const int32_t* row_begin, int64_t tokens, int64_t kslots, int32_t* idx,
+                      int32_t* len, const int32_t* key_row) {
+    if (tokens == 0) return;
+    topk_stream_kernel<<<unsigned(tokens), kThreads, 0, stream_of(ctx)>>>(
+        scores, ld, row_begin, key_row, kslots, idx, len);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace sparsetron::cuda

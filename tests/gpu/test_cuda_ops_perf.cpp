@@ -377,6 +377,10 @@ TEST_F(CudaOpsPerf, IndexerAt32K) {
     report(
         "32K top-2048 of up to 32768 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
+    report(
+        "32K top-2048, streaming kernel",
+        [&] { cuda::topk_rows_stream(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0,
+        4.0 * causal);
     // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
     report(
         "32K indexer scores + top-2048 (issue 7's pair)",

@@ -132,8 +132,9 @@ TEST_F(IndexerWgmma, ContextParallelKeyRows) {
 
 TEST_F(IndexerWgmma, TopkEveryRowLengthClassMatchesCpuRule) {
     // topk_rows picks its kernel by the row stride: 4 / 8 / 16 / 32 keys per thread in registers
-    // up to 32768, the streaming kernel past it. Rows of several lengths per stride (key_row sets
-    // a row's last key), half of them drawn from 7 values so ties straddle the k-th place.
+    // up to 32768, the 4-pass kernel reading memory past it; topk_rows_stream (topk_stream.cu)
+    // takes every stride. Rows of several lengths per stride (key_row sets a row's last key),
+    // half of them drawn from 7 values so ties straddle the k-th place.
     const int64_t K = 2048, rows = 6;
     for (int64_t ld :
          {int64_t(4096), int64_t(8192), int64_t(16384), int64_t(32768), int64_t(40000)}) {
@@ -149,18 +150,26 @@ TEST_F(IndexerWgmma, TopkEveryRowLengthClassMatchesCpuRule) {
         const int64_t last[rows] = {1000, K + 1, ld / 2, ld / 2 + 17, ld - 1, ld - 1};
         for (int64_t t = 0; t < rows; ++t) rbv[t] = t == 4 ? 5 : 0, key_row[t] = int32_t(last[t]);
         DeviceArray<float> ds(s);
-        DeviceArray<int32_t> rb(rbv), kr(key_row), idx(rows * K), len(rows);
-        cuda::topk_rows(ctx(), ds, ld, rb, rows, K, idx, len, kr);
-        sync();
-        const auto ig = idx.download(), lg = len.download();
-        for (int64_t t = 0; t < rows; ++t) {
-            const int64_t n = key_row[t] - rbv[t] + 1;
-            const auto ref = reference_topk(s.data() + t * ld, rbv[t], n, K);
-            EXPECT_TRUE(std::equal(ref.begin(), ref.end(), ig.begin() + t * K))
-                << "stride " << ld << ", row " << t << " (" << n << " keys)";
-            EXPECT_EQ(lg[t], std::min<int64_t>(K, n)) << "stride " << ld << ", row " << t;
+        DeviceArray<int32_t> rb(rbv), kr(key_row);
+        // topk_rows' choice, then the streaming kernel on the same rows.
+        for (bool stream : {false, true}) {
+            DeviceArray<int32_t> idx(rows * K), len(rows);
+            if (stream)
+                cuda::topk_rows_stream(ctx(), ds, ld, rb, rows, K, idx, len, kr);
+            else
+                cuda::topk_rows(ctx(), ds, ld, rb, rows, K, idx, len, kr);
+            sync();
+            const auto ig = idx.download(), lg = len.download();
+            const std::string form = stream ? "streaming top-k" : "top-k";
+            for (int64_t t = 0; t < rows; ++t) {
+                const int64_t n = key_row[t] - rbv[t] + 1;
+                const auto ref = reference_topk(s.data() + t * ld, rbv[t], n, K);
+                EXPECT_TRUE(std::equal(ref.begin(), ref.end(), ig.begin() + t * K))
+                    << form << ", stride " << ld << ", row " << t << " (" << n << " keys)";
+                EXPECT_EQ(lg[t], std::min<int64_t>(K, n)) << form << ", stride " << ld;
+            }
+            expect_guard(idx, form + " idx");
         }
-        expect_guard(idx, "topk idx");
     }
 }
 

@@ -32,12 +32,6 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
                                 void* workspace, int64_t workspace_bytes, int64_t key_rows,
                                 const bf16* saved_probs);
 
-// The streaming top-k (topk_stream.cu): the same contract as topk_rows, a small register
-// footprint. Not yet run on a GPU: topk_rows takes it only with SPARSETRON_TOPK=stream.
-void topk_rows_stream(const ExecContext& ctx, const float* scores, int64_t ld,
-                      const int32_t* row_begin, int64_t tokens, int64_t kslots, int32_t* idx,
-                      int32_t* len, const int32_t* key_row);
-
 // indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
 void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
                    const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,

@@ -304,6 +304,10 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     report(
         "top-2048 of up to 4096 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
+    report(
+        "top-2048 of up to 4096 keys, streaming kernel",
+        [&] { cuda::topk_rows_stream(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0,
+        4.0 * T * T / 2);
 }
 
 // Issue 7's 32K sparse MQA point: 32768 tokens with top-2048 (the masked form does not apply

@@ -23,8 +23,8 @@ bool reference_forced() {
     }();
     return reference;
 }
-// SPARSETRON_SPARSE_MQA=wgmma: the gathered forward on the flash-style wgmma kernel (opt-in until
-// it has run on the GPU machine).
+// SPARSETRON_SPARSE_MQA=wgmma: the forward on the flash-style wgmma kernel, gathered or in place of
+// the masked form (opt-in until it has run on the GPU machine).
 bool wgmma_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
     static const bool chosen = [] {
         const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
@@ -262,13 +262,15 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
     check_dims(dqk, dv);
     if (tokens == 0) return;
     check_saved_probs(saved_probs, workspace);
+    // The opt-in flash forward also replaces the masked one (not when the backward wants the
+    // probabilities kept): the backward then recomputes P from this lse.
+    if (wgmma_forward_chosen(heads, dqk, dv) && !saved_probs)
+        return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
+                                        out, lse, prob_sum);
     if (workspace && !reference_forced())
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, prob_sum, workspace, workspace_bytes,
                                          key_rows, saved_probs);
-    if (wgmma_forward_chosen(heads, dqk, dv))
-        return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
-                                        out, lse, prob_sum);
     if (use_tensor_cores(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);

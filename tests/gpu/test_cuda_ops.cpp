@@ -8,10 +8,12 @@
 #include <numeric>
 
 #include "harness.h"
+#include "head_prob_sums.h"
 #include "sparsetron/ops/cpu/kernels.h"
 #include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
+#include "cuda_session_test.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
 #include "sparsetron/ops/cuda/ops.h"
 #endif
@@ -53,17 +55,7 @@ std::vector<float> download_f(const DeviceArray<bf16>& a) {
     return to_float(a.download());
 }
 
-class CudaOps : public ::testing::Test {
-  protected:
-    void SetUp() override {
-        if (!cuda_available())
-            GTEST_SKIP() << "no CUDA device visible: GPU tests run on the GPU machine";
-        session_ = std::make_unique<cuda::CudaSession>();
-    }
-    const ExecContext& ctx() const { return session_->ctx(); }
-    void sync() const { session_->synchronize(); }
-    std::unique_ptr<cuda::CudaSession> session_;
-};
+class CudaOps : public CudaSessionTest {};
 
 }  // namespace
 
@@ -451,18 +443,7 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     expect_close(tag + " out", o_gpu, o, kBf16Tol);
     expect_close(tag + " lse", lse.download(), l, 1e-5);
     // Σ_h P per selected key (the indexer loss's teacher), in fp64 from the CPU lse.
-    std::vector<float> pref(T * K, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t j = 0; j < len[t]; ++j) {
-            double sum = 0;
-            for (int64_t h = 0; h < H; ++h) {
-                double d = 0;
-                for (int64_t i = 0; i < dqk; ++i)
-                    d += double(q.host[(t * H + h) * dqk + i]) * kv.host[idx[t * K + j] * dqk + i];
-                sum += std::exp(d * scale - l[h * T + t]);
-            }
-            pref[t * K + j] = float(sum);
-        }
+    const auto pref = head_prob_sums(q.host, kv.host, idx, len, l, T, H, dqk, K, scale);
     expect_close(tag + " head probability sums", psum.download(), pref, 1e-4);
     expect_close(tag + " dq", download_f(dq), dqr, kBf16Tol);
     expect_close(tag + " dkv", dkv.download(), dkvr, kBf16Tol);

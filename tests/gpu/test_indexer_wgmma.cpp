@@ -10,6 +10,7 @@
 #include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
+#include "cuda_session_test.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
 #include "sparsetron/ops/cuda/ops.h"
 #endif
@@ -25,17 +26,7 @@ TEST(IndexerWgmma, Skipped) {
 
 namespace {
 
-class IndexerWgmma : public ::testing::Test {
-  protected:
-    void SetUp() override {
-        if (!cuda_available())
-            GTEST_SKIP() << "no CUDA device visible: GPU tests run on the GPU machine";
-        session_ = std::make_unique<cuda::CudaSession>();
-    }
-    const ExecContext& ctx() const { return session_->ctx(); }
-    void sync() const { session_->synchronize(); }
-    std::unique_ptr<cuda::CudaSession> session_;
-};
+class IndexerWgmma : public CudaSessionTest {};
 
 // Documents [0, 70), [70, 71), [71, end - 5) and 5 padding rows (row_begin -1).
 std::vector<int32_t> doc_row_begin(int64_t tokens) {

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "harness.h"
+#include "head_prob_sums.h"
 #include "sparsetron/ops/cpu/kernels.h"
 
 #if SPARSETRON_WITH_CUDA
@@ -59,18 +60,7 @@ TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
                                    scale, o.data(), l.data());
     expect_close("wgmma sparse mqa out", to_float(out.download()), o, 1e-2);
     expect_close("wgmma sparse mqa lse", lse.download(), l, 1e-5);
-    std::vector<float> pref(T * K, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t j = 0; j < len[t]; ++j) {
-            double sum = 0;
-            for (int64_t h = 0; h < H; ++h) {
-                double d = 0;
-                for (int64_t i = 0; i < dqk; ++i)
-                    d += double(qh[(t * H + h) * dqk + i]) * kvh[idx[t * K + j] * dqk + i];
-                sum += std::exp(d * scale - l[h * T + t]);
-            }
-            pref[t * K + j] = float(sum);
-        }
+    const auto pref = head_prob_sums(qh, kvh, idx, len, l, T, H, dqk, K, scale);
     expect_close("wgmma sparse mqa head probability sums", psum.download(), pref, 1e-4);
     // Padding rows: zero output, zero lse.
     const auto og = out.download();

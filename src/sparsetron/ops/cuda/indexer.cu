@@ -96,10 +96,7 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
     const int64_t t = blockIdx.x;
     const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
     if (topk_short_row(r, kslots, len, t)) return;
-    const int32_t begin = r.begin;
-    const int64_t n = r.n;
-    const float* row = r.row;
-    int32_t* out = r.out;
+    const auto [begin, n, row, out] = r;
     // Radix select: the kslots-th largest key, one byte at a time from the top.
     uint32_t prefix = 0, mask = 0;
     int remaining = int(kslots);
@@ -171,10 +168,7 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     const int64_t t = blockIdx.x;
     const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
     if (topk_short_row(r, kslots, len, t)) return;
-    const int32_t begin = r.begin;
-    const int64_t n = r.n;
-    const float* row = r.row;
-    int32_t* out = r.out;
+    const auto [begin, n, row, out] = r;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const uint32_t below = (1u << lane) - 1u;  // lanes before this one in a ballot
     // This thread's keys: m < held (n <= kPer x 1024, so held <= kPer).

@@ -19,7 +19,9 @@
 // the row's count masked; row maxima exchanged through shared memory, so both keep the same
 // running max m; p = exp(scale s - m); each keeps its own running row sum (added at the end);
 // O (m64n256 per warpgroup, in registers) rescaled by exp(m_old - m_new); O += P V. lse and the
-// empty-row convention (len 0: out 0, lse 0) as sparse_mqa_tc.cu.
+// empty-row convention (len 0: out 0, lse 0) as sparse_mqa_tc.cu. With prob_sum (the indexer
+// loss's teacher, Σ_h P per selected key) a second pass over the chunks recomputes S against the
+// final lse and sums each key's column over the heads.
 //
 // Status: written and compiled without a GPU run (2026-11-30, night); opt-in by
 // SPARSETRON_SPARSE_MQA=wgmma until its test (IndexerWgmma's neighbour, test_sparse_mqa_wgmma.cpp)
@@ -60,11 +62,39 @@ __device__ __forceinline__ void load_rows(uint32_t tile, const bf* any, Src src)
                           row ? row + c * 8 : any, row != nullptr);
     }
 }
+
+// One chunk's scores for this warpgroup's 32 keys (32 wg ..), scaled, keys at or past the row's
+// count (j >= n) -inf: s[4 i + 2 half + e] is row r0 + 8 half, key 32 wg + 8 i + 2 quad + e.
+__device__ __forceinline__ void chunk_scores(float (&s)[16], uint32_t q_tile, uint32_t kt, int wg,
+                                             int quad, int64_t key0, int64_t n, float scale) {
+    using namespace wgmma;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            mma_m64k16<0, 0>(s, descriptor(q_tile + sl * kSliceBytes + kk * 32, 16, 1024),
+                             descriptor(kt + sl * kSliceBytes + wg * 32 * 128 + kk * 32, 16, 1024));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float& v = s[4 * i + 2 * half + e];
+                v = key0 + 32 * wg + 8 * i + 2 * quad + e < n ? v * scale : -INFINITY;
+            }
+}
 #endif
 
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mqa_fwd_wgmma_kernel(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len,
-                                int64_t kslots, int64_t tokens, float scale, bf* out, float* lse) {
+                                int64_t kslots, int64_t tokens, float scale, bf* out, float* lse,
+                                float* prob_sum) {
 #ifdef ST_WGMMA
     using namespace wgmma;
     extern __shared__ unsigned char smem_raw[];
@@ -79,10 +109,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t t = blockIdx.x, n = len[t];
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int quad = lane & 3, r0 = warp * 16 + lane / 4;  // this thread's rows: r0, r0 + 8
-    if (n == 0) {                                          // no selected key: out 0, lse 0
+    if (n == 0) {  // no selected key: out 0, lse 0, no probability
         for (int i = tid; i < kH * kDv; i += kThreads)
             out[t * kH * kDv + i] = __float2bfloat16(0.f);
         if (tid < kH) lse[int64_t(tid) * tokens + t] = 0.f;
+        for (int64_t j = tid; prob_sum && j < kslots; j += kThreads) prob_sum[t * kslots + j] = 0.f;
         return;
     }
     const int32_t* sel = idx + t * kslots;
@@ -109,33 +140,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         // S for keys 32 wg .. 32 wg + 31 of the chunk.
-        float s[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = 0.f;
         const uint32_t kt = k_tile(c);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                mma_m64k16<0, 0>(
-                    s, descriptor(q_tile + sl * kSliceBytes + kk * 32, 16, 1024),
-                    descriptor(kt + sl * kSliceBytes + wg * 32 * 128 + kk * 32, 16, 1024));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        // s[4 i + 2 half + e]: row r0 + 8 half, key 32 wg + 8 i + 2 quad + e of the chunk.
+        float s[16];
+        chunk_scores(s, q_tile, kt, wg, quad, c * kChunk, n, scale);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int64_t j = c * kChunk + 32 * wg + 8 * i + 2 * quad + e;
-                    float& v = s[4 * i + 2 * half + e];
-                    v = j < n ? v * scale : -INFINITY;
-                    mx[half] = fmaxf(mx[half], v);
-                }
+                mx[half] = fmaxf(mx[half], fmaxf(s[4 * i + 2 * half], s[4 * i + 2 * half + 1]));
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
@@ -196,13 +209,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (quad == 0) red_sum[wg * kH + r0 + 8 * half] = l_part[half];
     }
     __syncthreads();
-    float inv[2];
+    float inv[2], row_lse[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = r0 + 8 * half;
         const float l = l_part[half] + red_sum[(1 - wg) * kH + row];
         inv[half] = 1.f / l;
-        if (wg == 0 && quad == 0) lse[int64_t(row) * tokens + t] = m_run[half] + logf(l);
+        row_lse[half] = m_run[half] + logf(l);
+        if (wg == 0 && quad == 0) lse[int64_t(row) * tokens + t] = row_lse[half];
     }
     bf* orow = out + t * kH * kDv + 256 * wg + 2 * quad;
 #pragma unroll
@@ -213,6 +227,54 @@ __global__ void __launch_bounds__(kThreads, 1)
             *reinterpret_cast<__nv_bfloat162*>(orow + row * kDv + 8 * i) = __floats2bfloat162_rn(
                 o[4 * i + 2 * half] * inv[half], o[4 * i + 2 * half + 1] * inv[half]);
         }
+    if (!prob_sum) return;
+
+    // The indexer loss's teacher needs the final lse: a second pass over the chunks (S only),
+    // prob_sum[t, j] = Σ_h exp(s[h, j] - lse_h); 0 past the row's count.
+    float* colsum = red_max;  // [4 warps][64 keys]: each warp's 16 heads summed
+    float* ps_row = prob_sum + t * kslots;
+    __syncthreads();  // every thread read red_sum before colsum (the same words) is written
+    gather(0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int64_t c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) gather(c + 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        float s[16];
+        chunk_scores(s, q_tile, k_tile(c), wg, quad, c * kChunk, n, scale);
+        // cs[2 i + e]: key 32 wg + 8 i + 2 quad + e summed over this thread's two heads, then over
+        // the warp's 8 lanes of the same quad (its 16 heads).
+        float cs[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                cs[2 * i + e] =
+                    __expf(s[4 * i + e] - row_lse[0]) + __expf(s[4 * i + 2 + e] - row_lse[1]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+#pragma unroll
+            for (int m = 4; m < 32; m *= 2) cs[k] += __shfl_xor_sync(0xffffffffu, cs[k], m);
+        if (lane < 4)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    colsum[warp * kH + 32 * wg + 8 * i + 2 * quad + e] = cs[2 * i + e];
+        __syncthreads();
+        if (tid < kChunk) {
+            const int64_t j = c * kChunk + tid;
+            if (j < kslots)
+                ps_row[j] = j < n ? colsum[tid] + colsum[kH + tid] + colsum[2 * kH + tid] +
+                                        colsum[3 * kH + tid]
+                                  : 0.f;
+        }
+        __syncthreads();  // colsum and this chunk's keys are free
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    for (int64_t j = chunks * kChunk + tid; j < kslots; j += kThreads) ps_row[j] = 0.f;
 #else
     __trap();  // dispatched only on sm_90 (sparse_mqa_forward_wgmma_supported)
 #endif
@@ -240,12 +302,8 @@ void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t he
     }();
     (void)configured;
     sparse_mqa_fwd_wgmma_kernel<<<unsigned(tokens), kThreads, kSmemBytes, stream_of(ctx)>>>(
-        dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse);
+        dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse, prob_sum);
     ST_CUDA_LAUNCH_CHECK();
-    // The indexer loss's teacher from the final lse (a second pass over Q K^T, as the reference
-    // path does; folding it in needs the final lse inside the kernel).
-    if (prob_sum)
-        head_prob_sum(ctx, q, kv, idx, len, kslots, tokens, heads, dqk, scale, lse, prob_sum);
 }
 
 }  // namespace sparsetron::cuda

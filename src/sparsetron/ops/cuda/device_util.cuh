@@ -29,6 +29,18 @@ inline unsigned blocks_for(int64_t n, int threads) {
     return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// Raises kKernel's dynamic shared memory limit (48 KiB by default) to `bytes`, once per kernel:
+// the first call sets it, before any graph capture.
+template <auto kKernel>
+void allow_dynamic_smem(size_t bytes) {
+    static const bool done = [bytes] {
+        ST_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(bytes)));
+        return true;
+    }();
+    (void)done;
+}
+
 __device__ __forceinline__ float ld(const bf* p) {
     return __bfloat162float(*p);
 }

@@ -244,13 +244,7 @@ void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t r
                                bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
                                float* scale_inv_t) {
     if (rows == 0 || cols == 0) return;
-    static const bool configured = [] {  // before any capture
-        ST_CUDA_CHECK(cudaFuncSetAttribute(quantize_128x128_both_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(kBothSmem)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<quantize_128x128_both_kernel>(kBothSmem);
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
     const bool vec = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(q) % 4 == 0 &&

@@ -214,14 +214,7 @@ __global__ void __launch_bounds__(C::Threads)
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, dim3 grid, const int32_t* offsets, int64_t n, int64_t k,
             int64_t wstride, bool accumulate, const bf16* a, const bf16* b, void* c) {
-    // Once per instance, before any capture: the stage buffers exceed the 48 KiB default.
-    static const bool configured = [] {
-        ST_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_tc_kernel<C, kKind>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(C::SmemBytes)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<grouped_gemm_tc_kernel<C, kKind>>(C::SmemBytes);  // stages exceed 48 KiB
     grouped_gemm_tc_kernel<C, kKind><<<grid, C::Threads, C::SmemBytes, stream_of(ctx)>>>(
         offsets, n, k, wstride, accumulate, dev(a), dev(b), c);
     ST_CUDA_LAUNCH_CHECK();

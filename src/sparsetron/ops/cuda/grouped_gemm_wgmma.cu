@@ -110,13 +110,7 @@ __global__ void __launch_bounds__(kThreads, C::MinBlocks)
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, dim3 grid, const int32_t* offsets, int64_t n, int64_t k,
             int64_t wstride, bool accumulate, const bf16* a, const bf16* b, void* c) {
-    static const bool configured = [] {  // once per instance, before any capture
-        ST_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_wgmma_kernel<C, kKind>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(C::SmemBytes)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<grouped_gemm_wgmma_kernel<C, kKind>>(C::SmemBytes);
     grouped_gemm_wgmma_kernel<C, kKind><<<grid, kThreads, C::SmemBytes, stream_of(ctx)>>>(
         offsets, n, k, wstride, accumulate, dev(a), dev(b), c);
     ST_CUDA_LAUNCH_CHECK();

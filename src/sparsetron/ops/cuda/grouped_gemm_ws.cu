@@ -167,13 +167,7 @@ template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
             TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate, const bf16* a,
             const bf16* b, void* c) {
-    static const bool configured = [] {  // once per instance, before any capture
-        ST_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_ws_kernel<C, kKind>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(C::SmemBytes)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
     const int64_t tiles = experts * space.m_tiles * space.n_tiles;
     if (tiles == 0) return;
     const int blocks = int(std::min<int64_t>(tiles, max_blocks > 0 ? max_blocks : sm_count()));

@@ -203,13 +203,7 @@ void launch(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w
             const int32_t* row_begin, const int32_t* key_row, int64_t tokens, int64_t keys,
             float* scores) {
     using C = IxCfg<kHeads, kSlices>;
-    static const bool configured = [] {  // once per instance, before any capture
-        ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_wgmma_kernel<kHeads, kSlices>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(C::SmemBytes)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<indexer_wgmma_kernel<kHeads, kSlices>>(C::SmemBytes);
     const int64_t tiles = (tokens + C::Tokens - 1) / C::Tokens;
     indexer_wgmma_kernel<kHeads, kSlices>
         <<<unsigned(tiles), kThreads, C::SmemBytes, stream_of(ctx)>>>(

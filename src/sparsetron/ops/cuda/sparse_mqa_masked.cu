@@ -279,16 +279,8 @@ size_t probs_smem(int64_t lds, bool prob_sum) {
     const size_t bytes = probs_smem_bytes(lds, prob_sum);
     ST_CHECK(bytes <= kMaxProbsSmem, "sparse MQA (masked): ", lds, " keys exceed shared memory");
     if (bytes > 48 * 1024) {
-        static const bool configured = [] {
-            ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(kMaxProbsSmem)));
-            ST_CUDA_CHECK(cudaFuncSetAttribute(masked_dscores_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               int(kMaxProbsSmem)));
-            return true;
-        }();
-        (void)configured;
+        allow_dynamic_smem<masked_probs_kernel>(kMaxProbsSmem);
+        allow_dynamic_smem<masked_dscores_kernel>(kMaxProbsSmem);
     }
     return bytes;
 }

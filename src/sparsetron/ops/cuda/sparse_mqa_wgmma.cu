@@ -294,13 +294,7 @@ void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t he
              "sparse_mqa_forward_wgmma: ", heads, " heads, qk ", dqk, ", v ", dv,
              " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");
     if (tokens == 0) return;
-    static const bool configured = [] {  // once, before any capture
-        ST_CUDA_CHECK(cudaFuncSetAttribute(sparse_mqa_fwd_wgmma_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(kSmemBytes)));
-        return true;
-    }();
-    (void)configured;
+    allow_dynamic_smem<sparse_mqa_fwd_wgmma_kernel>(kSmemBytes);
     sparse_mqa_fwd_wgmma_kernel<<<unsigned(tokens), kThreads, kSmemBytes, stream_of(ctx)>>>(
         dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse, prob_sum);
     ST_CUDA_LAUNCH_CHECK();

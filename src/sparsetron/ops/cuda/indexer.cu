@@ -143,28 +143,20 @@ __global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_
 }
 
 constexpr int kRegTopkThreads = 1024;
-constexpr int kTopkCandidates =
-    4096;  // threshold-bin keys the later passes read from shared memory
 
 // The registers form above: thread i holds keys i + 1024 m, m < kPer (coalesced loads), rows of
-// at most kPer x 1024 keys. Pass 1 histograms every key; the keys in the threshold's bin (a few
-// percent of a row of real scores) are then copied to shared memory, and passes 2 and 3 read only
-// them (from the registers again when the bin is too full). Placement in key order: per (m, warp)
-// a ballot counts the warp's kept keys, one block scan over the kPer x 32 counts (m-major: key
-// order) gives each its base, the lanes below a key in its ballot its offset. When every key equal
-// to the threshold is kept (no tie straddles the k-th place: the usual case), kept = above or
-// equal and the tie ranks are skipped.
+// at most kPer x 1024 keys, the threshold by topk_threshold (topk_row.cuh). Placement in key
+// order: per (m, warp) a ballot counts the warp's kept keys, one block scan over the kPer x 32
+// counts (m-major: key order) gives each its base, the lanes below a key in its ballot its offset.
+// When every key equal to the threshold is kept (no tie straddles the k-th place: the usual case),
+// kept = above or equal and the tie ranks are skipped.
 template <int kPer>
 __global__ void __launch_bounds__(kRegTopkThreads, 1)
     topk_regs_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
                      const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
     static_assert(kPer * 32 <= kRegTopkThreads && kPer <= 32, "one scan entry per (m, warp)");
     using Scan = cub::BlockScan<int, kRegTopkThreads>;
-    __shared__ typename Scan::TempStorage scan_tmp;
-    __shared__ int hist[2048];
-    __shared__ uint32_t cand[kTopkCandidates];
-    __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s, bin_count_s, cand_n;
+    __shared__ TopkSelectShared<kRegTopkThreads> sm;
     const int64_t t = blockIdx.x;
     const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
     if (topk_short_row(r, kslots, len, t)) return;
@@ -177,50 +169,14 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
     const float* mine = row + tid;
 #pragma unroll
     for (int m = 0; m < kPer; ++m) u[m] = m < held ? order_key(mine[m * kRegTopkThreads]) : 0u;
-    uint32_t prefix = 0, mask = 0;
-    int remaining = int(kslots), bin_count = 0;
-    bool from_cand = false;
-    if (tid == 0) cand_n = 0;  // published by pass 1's first barrier
-#pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
-        for (int i = tid; i < bins; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        if (from_cand) {
-            for (int i = tid; i < cand_n; i += blockDim.x)
-                if ((cand[i] & mask) == prefix)
-                    atomicAdd(&hist[(cand[i] >> shift) & (bins - 1)], 1);
-        } else {
+    const TopkThreshold th = topk_threshold(sm, kslots, [&](auto f) {
 #pragma unroll
-            for (int m = 0; m < kPer; ++m)
-                if (m < held && (u[m] & mask) == prefix)
-                    atomicAdd(&hist[(u[m] >> shift) & (bins - 1)], 1);
-        }
-        __syncthreads();
-        // Thread i owns bins hb and hb - 1 from the top; the scan counts the keys above them.
-        const int hb = bins - 1 - 2 * tid;
-        const int c0 = hb >= 1 ? hist[hb] : 0, c1 = hb >= 1 ? hist[hb - 1] : 0;
-        int above;
-        Scan(scan_tmp).ExclusiveSum(c0 + c1, above);
-        if (hb >= 1 && above < remaining && above + c0 + c1 >= remaining) {
-            const bool first = above + c0 >= remaining;
-            prefix_s = prefix | (uint32_t(first ? hb : hb - 1) << shift);
-            remaining_s = remaining - above - (first ? 0 : c0);
-            bin_count_s = first ? c0 : c1;
-        }
-        __syncthreads();
-        prefix = prefix_s, remaining = remaining_s, bin_count = bin_count_s;
-        mask |= uint32_t(bins - 1) << shift;
-        if (pass == 0 && bin_count <= kTopkCandidates) {
-            // The threshold bin's keys to shared memory (any order: they only set thresholds).
-#pragma unroll
-            for (int m = 0; m < kPer; ++m)
-                if (m < held && (u[m] & mask) == prefix) cand[atomicAdd(&cand_n, 1)] = u[m];
-            from_cand = true;  // the next pass's first barrier publishes cand and cand_n
-        }
-    }
-    const uint32_t thr = prefix;
-    const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
+        for (int m = 0; m < kPer; ++m)
+            if (m < held) f(u[m]);
+    });
+    const uint32_t thr = th.thr;
+    const int need = th.need;  // how many keys equal to thr are kept (the smallest indices)
+    int* hist = sm.hist;       // reused for the placement's per-(m, warp) bases
     // Key-order bases of each (m, warp)'s flagged keys, in hist[m * 32 + warp].
     auto bases = [&](auto flag) {
 #pragma unroll
@@ -231,12 +187,12 @@ __global__ void __launch_bounds__(kRegTopkThreads, 1)
         __syncthreads();
         const int c = tid < kPer * 32 ? hist[tid] : 0;
         int base;
-        Scan(scan_tmp).ExclusiveSum(c, base);
+        Scan(sm.scan).ExclusiveSum(c, base);
         if (tid < kPer * 32) hist[tid] = base;
         __syncthreads();
     };
     uint32_t keep = 0;  // bit m: key i + 1024 m is kept
-    if (need == bin_count) {
+    if (need == th.equal) {
         // Every key equal to the threshold is kept.
 #pragma unroll
         for (int m = 0; m < kPer; ++m)

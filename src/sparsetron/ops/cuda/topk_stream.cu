@@ -17,8 +17,6 @@
 //
 // Status: written and compiled without a GPU run (2026-11-30, night); topk_rows takes it only with
 // SPARSETRON_TOPK=stream until the top-k tests pass with it on the GPU machine.
-#include <cub/block/block_scan.cuh>
-
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -29,19 +27,12 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kThreads = 512, kWarps = kThreads / 32;
-constexpr int kCandidates = 4096;  // threshold-bin keys kept in shared memory
-constexpr int kBinsPerThread = 2048 / kThreads;
 
 __global__ void __launch_bounds__(kThreads, 3)
     topk_stream_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
                        const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
-    using Scan = cub::BlockScan<int, kThreads>;
-    __shared__ typename Scan::TempStorage scan_tmp;
-    __shared__ int hist[2048];
-    __shared__ uint32_t cand[kCandidates];
+    __shared__ TopkSelectShared<kThreads> sm;
     __shared__ int seg_base[kWarps];
-    __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s, bin_count_s, cand_n;
     const int64_t t = blockIdx.x;
     const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
     if (topk_short_row(r, kslots, len, t)) return;
@@ -49,65 +40,12 @@ __global__ void __launch_bounds__(kThreads, 3)
     const float* row = r.row;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const uint32_t below = (1u << lane) - 1u;
-
-    // Radix select: 11 + 11 + 10 bits from the top.
-    uint32_t prefix = 0, mask = 0;
-    int remaining = int(kslots), bin_count = 0;
-    bool from_cand = false;
-    if (tid == 0) cand_n = 0;  // published by the first pass's barrier
-#pragma unroll 1
-    for (int pass = 0; pass < 3; ++pass) {
-        const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0, bins = pass == 2 ? 1024 : 2048;
-        for (int i = tid; i < bins; i += kThreads) hist[i] = 0;
-        __syncthreads();
-        if (from_cand) {
-            for (int i = tid; i < cand_n; i += kThreads)
-                if ((cand[i] & mask) == prefix)
-                    atomicAdd(&hist[(cand[i] >> shift) & (bins - 1)], 1);
-        } else {
-            for (int64_t j = tid; j < n; j += kThreads) {
-                const uint32_t u = order_key(row[j]);
-                if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & (bins - 1)], 1);
-            }
-        }
-        __syncthreads();
-        // Thread i owns bins top - 4 i .. top - 4 i - 3 (descending); the scan counts the keys
-        // in the bins above them.
-        const int top = bins - 1 - kBinsPerThread * tid;
-        int c[kBinsPerThread], mine = 0;
-#pragma unroll
-        for (int k = 0; k < kBinsPerThread; ++k) {
-            c[k] = top - k >= 0 ? hist[top - k] : 0;
-            mine += c[k];
-        }
-        int above;
-        Scan(scan_tmp).ExclusiveSum(mine, above);
-        if (above < remaining && above + mine >= remaining) {
-#pragma unroll
-            for (int k = 0; k < kBinsPerThread; ++k) {
-                if (above + c[k] >= remaining) {
-                    prefix_s = prefix | (uint32_t(top - k) << shift);
-                    remaining_s = remaining - above;
-                    bin_count_s = c[k];
-                    break;
-                }
-                above += c[k];
-            }
-        }
-        __syncthreads();
-        prefix = prefix_s, remaining = remaining_s, bin_count = bin_count_s;
-        mask |= uint32_t(bins - 1) << shift;
-        if (pass == 0 && bin_count <= kCandidates) {
-            for (int64_t j = tid; j < n; j += kThreads) {
-                const uint32_t u = order_key(row[j]);
-                if ((u & mask) == prefix) cand[atomicAdd(&cand_n, 1)] = u;
-            }
-            from_cand = true;  // the next pass's first barrier publishes cand and cand_n
-        }
-    }
-    const uint32_t thr = prefix;
-    const int need = remaining;  // keys equal to thr that are kept (the smallest indices)
-    const bool ties = need != bin_count;
+    const TopkThreshold th = topk_threshold(sm, kslots, [&](auto f) {
+        for (int64_t j = tid; j < n; j += kThreads) f(order_key(row[j]));
+    });
+    const uint32_t thr = th.thr;
+    const int need = th.need;  // keys equal to thr that are kept (the smallest indices)
+    const bool ties = need != th.equal;
 
     // Placement: warp w owns keys [s0, s1), walked 32 at a time (lane i: key s0 + 32 m + i).
     const int64_t seg = (n + kThreads - 1) / kThreads * 32;

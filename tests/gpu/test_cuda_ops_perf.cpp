@@ -31,6 +31,33 @@ namespace {
 
 constexpr int64_t T = 4096, h = 6144, H = 64, L = 576, kr = 512, K = 2048, V = 154880;
 
+// Sparse MQA over `tokens` tokens of one document, row t selecting its last min(t + 1, 2048) keys;
+// report() times the gathered forward, the flash wgmma forward (where supported) and the gathered
+// backward. FLOPs on the selected pairs (absorbed: 576 + 512 per pair and head; backward 2.5x).
+struct SparseMqaBench {
+    int64_t tokens = 0;
+    std::unique_ptr<DeviceArray<bf16>> q, kv, o, dout, dq;
+    std::unique_ptr<DeviceArray<float>> lse, dkv, psum;
+    std::unique_ptr<DeviceArray<int32_t>> idx, len;
+    double pairs = 0;
+    const float scale = 0.0417f;
+
+    double fwd_flops() const { return 2.0 * H * pairs * (L + kr); }
+    double fwd_bytes() const { return 2.0 * (tokens * H * (L + kr) + pairs * L); }
+    double bwd_bytes() const { return 2.0 * (2 * tokens * H * (L + kr) + pairs * L); }
+    // Gathered without a workspace; masked dense with one (and `saved`: probabilities kept).
+    void forward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
+                 bf16* saved = nullptr) const {
+        cuda::sparse_mqa_forward(ctx, tokens, H, L, kr, *q, *kv, *idx, *len, K, scale, *o, *lse,
+                                 *psum, ws, ws_bytes, 0, saved);
+    }
+    void backward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
+                  const bf16* saved = nullptr) const {
+        cuda::sparse_mqa_backward(ctx, tokens, H, L, kr, *q, *kv, *idx, *len, K, scale, *o, *lse,
+                                  *dout, *dq, *dkv, ws, ws_bytes, 0, saved);
+    }
+};
+
 class CudaOpsPerf : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -74,6 +101,39 @@ class CudaOpsPerf : public ::testing::Test {
                   << (flops > 0 ? flops / (med * 1e-3) / 1e12 : 0.0) << " TFLOP/s  " << std::setw(7)
                   << bytes / (med * 1e-3) / 1e9 << " GB/s\n";
         EXPECT_GT(med, 0);
+    }
+    SparseMqaBench sparse_mqa_bench(int64_t tokens) {
+        SparseMqaBench b;
+        b.tokens = tokens;
+        b.q = bf(tokens * H * L), b.kv = bf(tokens * L), b.o = bf(tokens * H * kr);
+        b.dout = bf(tokens * H * kr), b.dq = bf(tokens * H * L);
+        b.lse = f32(H * tokens), b.dkv = f32(tokens * L), b.psum = f32(tokens * K);
+        std::vector<int32_t> idx(tokens * K, -1), len(tokens);
+        for (int64_t t = 0; t < tokens; ++t) {
+            const int64_t nk = std::min<int64_t>(t + 1, K);
+            for (int64_t j = 0; j < nk; ++j) idx[t * K + j] = int32_t(t + 1 - nk + j);
+            len[t] = int32_t(nk);
+            b.pairs += double(nk);
+        }
+        b.idx = std::make_unique<DeviceArray<int32_t>>(idx);
+        b.len = std::make_unique<DeviceArray<int32_t>>(len);
+        return b;
+    }
+    void report_gathered_sparse_mqa(const SparseMqaBench& b, const std::string& prefix) {
+        report(
+            prefix + "sparse mqa fwd (gathered, selected pairs)", [&] { b.forward(ctx()); },
+            b.fwd_flops(), b.fwd_bytes());
+        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
+            report(
+                prefix + "sparse mqa fwd, flash wgmma (no prob sums)",
+                [&] {
+                    cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
+                                                   *b.len, K, b.scale, *b.o, *b.lse);
+                },
+                b.fwd_flops(), b.fwd_bytes());
+        report(
+            prefix + "sparse mqa bwd (gathered, 2.5x fwd count)", [&] { b.backward(ctx()); },
+            2.5 * b.fwd_flops(), b.bwd_bytes());
     }
     std::unique_ptr<cuda::CudaSession> session_;
 };
@@ -188,61 +248,19 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
 }
 
 TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
-    auto q = bf(T * H * L), kv = bf(T * L), o = bf(T * H * kr), dout = bf(T * H * kr),
-         dq = bf(T * H * L);
-    auto lse = f32(H * T), dkv = f32(T * L), psum = f32(T * K);
-    // Row t attends over min(t + 1, 2048) keys of one 4096-token document.
-    std::vector<int32_t> idx(T * K, -1), len(T);
-    double pairs = 0;
-    for (int64_t t = 0; t < T; ++t) {
-        const int64_t nk = std::min<int64_t>(t + 1, K);
-        for (int64_t j = 0; j < nk; ++j) idx[t * K + j] = int32_t(t + 1 - nk + j);
-        len[t] = int32_t(nk);
-        pairs += double(nk);
-    }
-    DeviceArray<int32_t> didx(idx), dlen(len);
-    const float scale = 0.0417f;
-    report(
-        "sparse mqa fwd (absorbed pairs x (576+512))",
-        [&] {
-            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                     *psum);
-        },
-        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
-    if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-        report(
-            "sparse mqa fwd, flash wgmma (no prob sums)",
-            [&] {
-                cuda::sparse_mqa_forward_wgmma(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale,
-                                               *o, *lse);
-            },
-            2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
-    report(
-        "sparse mqa bwd (2.5x fwd pairs count)",
-        [&] {
-            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                      *dout, *dq, *dkv);
-        },
-        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+    const SparseMqaBench b = sparse_mqa_bench(T);
+    report_gathered_sparse_mqa(b, "");
     // The same function as masked dense GEMMs (the model's choice at T <= 8 k); FLOPs are still
     // counted on the selected pairs, so the TFLOP/s compare directly with the lines above.
     const int64_t ws_bytes = cuda::sparse_mqa_workspace_bytes(T, H, K);
     ASSERT_GT(ws_bytes, 0);
     auto ws = f32((ws_bytes + 3) / 4);
     report(
-        "sparse mqa fwd, masked dense (selected pairs)",
-        [&] {
-            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                     *psum, *ws, ws_bytes);
-        },
-        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+        "sparse mqa fwd, masked dense (selected pairs)", [&] { b.forward(ctx(), *ws, ws_bytes); },
+        b.fwd_flops(), b.fwd_bytes());
     report(
-        "sparse mqa bwd, masked dense (selected pairs)",
-        [&] {
-            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                      *dout, *dq, *dkv, *ws, ws_bytes);
-        },
-        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+        "sparse mqa bwd, masked dense (selected pairs)", [&] { b.backward(ctx(), *ws, ws_bytes); },
+        2.5 * b.fwd_flops(), b.bwd_bytes());
     // With the forward's probabilities kept (the model's choice when a layer's fit
     // dsa_saved_probs_max_mib): the forward writes P into the saved buffer, the backward skips
     // the second score GEMM and the probability kernel.
@@ -250,18 +268,10 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     auto saved = bf(saved_elems);
     report(
         "sparse mqa fwd, masked, probabilities kept",
-        [&] {
-            cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                     *psum, *ws, ws_bytes, 0, *saved);
-        },
-        2.0 * H * pairs * (L + kr), 2.0 * (T * H * (L + kr) + pairs * L));
+        [&] { b.forward(ctx(), *ws, ws_bytes, *saved); }, b.fwd_flops(), b.fwd_bytes());
     report(
         "sparse mqa bwd, masked, from kept probabilities",
-        [&] {
-            cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                      *dout, *dq, *dkv, *ws, ws_bytes, 0, *saved);
-        },
-        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T * H * (L + kr) + pairs * L));
+        [&] { b.backward(ctx(), *ws, ws_bytes, *saved); }, 2.5 * b.fwd_flops(), b.bwd_bytes());
     // Smaller chunks of query tokens: S and P of a chunk stay in L2 between the GEMM that
     // writes them and the kernel that reads them, at the price of more, smaller GEMMs.
     const int64_t per_token = H * T * 10;  // S, dP fp32 + P bf16 per query token (T % 16 == 0)
@@ -269,12 +279,10 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         report(
             "masked fwd+bwd, chunks of " + std::to_string(cq) + " tokens",
             [&] {
-                cuda::sparse_mqa_forward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o,
-                                         *lse, *psum, *ws, cq * per_token);
-                cuda::sparse_mqa_backward(ctx(), T, H, L, kr, *q, *kv, didx, dlen, K, scale, *o,
-                                          *lse, *dout, *dq, *dkv, *ws, cq * per_token);
+                b.forward(ctx(), *ws, cq * per_token);
+                b.backward(ctx(), *ws, cq * per_token);
             },
-            3.5 * 2.0 * H * pairs * (L + kr), 0);
+            3.5 * b.fwd_flops(), 0);
     }
     const int64_t HI = 32, dI = 128;
     auto qi = bf_random(T * HI * dI, 31), ki = bf_random(T * dI, 32);
@@ -315,42 +323,8 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
 // keys, as at 4K. FLOPs as in the 4K test.
 TEST_F(CudaOpsPerf, SparseMqaAt32K) {
     const int64_t T32 = 32768;
-    auto q = bf(T32 * H * L), kv = bf(T32 * L), o = bf(T32 * H * kr), dout = bf(T32 * H * kr),
-         dq = bf(T32 * H * L);
-    auto lse = f32(H * T32), dkv = f32(T32 * L), psum = f32(T32 * K);
-    std::vector<int32_t> idx(T32 * K, -1), len(T32);
-    double pairs = 0;
-    for (int64_t t = 0; t < T32; ++t) {
-        const int64_t nk = std::min<int64_t>(t + 1, K);
-        for (int64_t j = 0; j < nk; ++j) idx[t * K + j] = int32_t(t + 1 - nk + j);
-        len[t] = int32_t(nk);
-        pairs += double(nk);
-    }
-    DeviceArray<int32_t> didx(idx), dlen(len);
     ASSERT_EQ(cuda::sparse_mqa_workspace_bytes(T32, H, K), 0) << "32K takes the gathered form";
-    const float scale = 0.0417f;
-    report(
-        "32K sparse mqa fwd (gathered, selected pairs)",
-        [&] {
-            cuda::sparse_mqa_forward(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                     *psum);
-        },
-        2.0 * H * pairs * (L + kr), 2.0 * (T32 * H * (L + kr) + pairs * L));
-    if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-        report(
-            "32K sparse mqa fwd, flash wgmma (no prob sums)",
-            [&] {
-                cuda::sparse_mqa_forward_wgmma(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale,
-                                               *o, *lse);
-            },
-            2.0 * H * pairs * (L + kr), 2.0 * (T32 * H * (L + kr) + pairs * L));
-    report(
-        "32K sparse mqa bwd (gathered, 2.5x fwd count)",
-        [&] {
-            cuda::sparse_mqa_backward(ctx(), T32, H, L, kr, *q, *kv, didx, dlen, K, scale, *o, *lse,
-                                      *dout, *dq, *dkv);
-        },
-        2.5 * 2.0 * H * pairs * (L + kr), 2.0 * (2 * T32 * H * (L + kr) + pairs * L));
+    report_gathered_sparse_mqa(sparse_mqa_bench(T32), "32K ");
 }
 
 // Issue 7's 32K indexer point: scores over every causal pair, then the top-2048 of each row.

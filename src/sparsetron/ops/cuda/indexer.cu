@@ -11,10 +11,9 @@
 // `need` equal ones by index, so ties go to the smaller key index and the result is
 // deterministic; block scans give each kept key its ascending output slot. Rows up to 32768 keys:
 // 1024 threads hold the row in registers (read once, coalesced), select in 3 passes of 11 / 11 /
-// 10 bits (the last two over the threshold bin's keys only) and place the kept keys with ballots
-// and block scans.
-// Longer rows: 512 threads stream the row from memory, 4 passes of 8 bits and two block scans per
-// 512 keys.
+// 10 bits (topk_threshold, topk_row.cuh: the last two over the threshold bin's keys only) and
+// place the kept keys with ballots and block scans. Longer rows: the 4-pass kernel, 512 threads
+// reading the row from memory, 4 passes of 8 bits and two block scans per 512 keys.
 #include <cub/block/block_scan.cuh>
 
 #include <cstdlib>

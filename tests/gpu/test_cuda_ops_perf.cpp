@@ -91,8 +91,12 @@ class CudaOpsPerf : public ::testing::Test {
         cuda::fill(ctx(), *out, n, v);
         return out;
     }
+    // SPARSETRON_OPS_PERF_LINES=TEXT times only the lines whose name contains TEXT (a device
+    // call that needs a few lines of a test skips the rest).
     void report(const std::string& op, const std::function<void()>& fn, double flops,
                 double bytes) {
+        static const char* only = std::getenv("SPARSETRON_OPS_PERF_LINES");
+        if (only && op.find(only) == std::string::npos) return;
         auto ms = session_->time_ms(fn, 10);
         std::sort(ms.begin(), ms.end());
         const double med = ms[ms.size() / 2];
@@ -313,8 +317,8 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         "top-2048 of up to 4096 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
     report(
-        "top-2048 of up to 4096 keys, streaming kernel",
-        [&] { cuda::topk_rows_stream(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0,
+        "top-2048 of up to 4096 keys, registers kernel",
+        [&] { cuda::topk_rows_registers(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0,
         4.0 * T * T / 2);
 }
 
@@ -356,8 +360,8 @@ TEST_F(CudaOpsPerf, IndexerAt32K) {
         "32K top-2048 of up to 32768 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
     report(
-        "32K top-2048, streaming kernel",
-        [&] { cuda::topk_rows_stream(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0,
+        "32K top-2048, registers kernel",
+        [&] { cuda::topk_rows_registers(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0,
         4.0 * causal);
     // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
     report(

@@ -1,21 +1,11 @@
-// DSA lightning-indexer scores and the per-row top-k.
+// DSA lightning-indexer scores (the top-k: topk_stream.cu, topk_registers.cu).
 //
-// Scores: on sm_90 with 16 / 32 / 64 heads of 64 or 128 dims, the fused wgmma kernel
+// On sm_90 with 16 / 32 / 64 heads of 64 or 128 dims, the fused wgmma kernel
 // (indexer_wgmma.cu). Otherwise two forms. With a workspace: per chunk of query rows, the [rows x
 // H, keys] dot products as one cuBLASLt GEMM (fp32 out) against keys 0..t1-1, then a kernel applies
 // ReLU and the per-head weights column by column (coalesced). Without: one block per (query row,
 // tile of kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
 // [begin, t] exiting at once (the simple form; small shapes and the harness).
-// Top-k: one block per row, an exact radix select on the order-preserving integer image of the
-// fp32 scores, then one ordered pass that keeps every score above the threshold and the first
-// `need` equal ones by index, so ties go to the smaller key index and the result is
-// deterministic; block scans give each kept key its ascending output slot. Rows up to 32768 keys:
-// 1024 threads hold the row in registers (read once, coalesced), select in 3 passes of 11 / 11 /
-// 10 bits (topk_threshold, topk_row.cuh: the last two over the threshold bin's keys only) and
-// place the kept keys with ballots and block scans. Longer rows: the 4-pass kernel, 512 threads
-// reading the row from memory, 4 passes of 8 bits and two block scans per 512 keys.
-#include <cub/block/block_scan.cuh>
-
 #include <cstdlib>
 #include <string>
 
@@ -28,7 +18,6 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kKeyTile = 128;
-constexpr int kTopkThreads = 512;
 
 __global__ void indexer_scores_kernel(const bf* q, const bf* k, const float* w,
                                       const int32_t* row_begin, const int32_t* key_row,
@@ -85,140 +74,6 @@ int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
     return std::max<int64_t>(1, std::min(tokens, elems / (heads * dots_ld(tokens))));
 }
 
-__global__ void topk_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
-                            const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
-    using Scan = cub::BlockScan<int, kTopkThreads>;
-    __shared__ typename Scan::TempStorage scan_tmp;
-    __shared__ int hist[256];
-    __shared__ uint32_t prefix_s;
-    __shared__ int remaining_s;
-    const int64_t t = blockIdx.x;
-    const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
-    if (topk_short_row(r, kslots, len, t)) return;
-    const auto [begin, n, row, out] = r;
-    // Radix select: the kslots-th largest key, one byte at a time from the top.
-    uint32_t prefix = 0, mask = 0;
-    int remaining = int(kslots);
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-        __syncthreads();
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            const uint32_t u = order_key(row[j]);
-            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int acc = 0, b = 255;
-            for (; b > 0; --b) {
-                if (acc + hist[b] >= remaining) break;
-                acc += hist[b];
-            }
-            prefix_s = prefix | (uint32_t(b) << shift);
-            remaining_s = remaining - acc;
-        }
-        __syncthreads();
-        prefix = prefix_s, remaining = remaining_s;
-        mask |= 0xffu << shift;
-        __syncthreads();
-    }
-    const uint32_t thr = prefix;
-    const int need = remaining;  // how many keys equal to thr are kept (the smallest indices)
-    int eq_base = 0, out_base = 0;
-    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
-        const int64_t j = c0 + threadIdx.x;
-        const uint32_t u = j < n ? order_key(row[j]) : 0u;
-        const int gt = j < n && u > thr, eq = j < n && u == thr;
-        int eq_rank, eq_total;
-        Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-        __syncthreads();
-        const int sel = gt || (eq && eq_base + eq_rank < need);
-        int pos, sel_total;
-        Scan(scan_tmp).ExclusiveSum(sel, pos, sel_total);
-        __syncthreads();
-        if (sel) out[out_base + pos] = int32_t(begin + j);
-        eq_base += eq_total, out_base += sel_total;
-    }
-    if (threadIdx.x == 0) len[t] = int32_t(kslots);
-}
-
-constexpr int kRegTopkThreads = 1024;
-
-// The registers form above: thread i holds keys i + 1024 m, m < kPer (coalesced loads), rows of
-// at most kPer x 1024 keys, the threshold by topk_threshold (topk_row.cuh). Placement in key
-// order: per (m, warp) a ballot counts the warp's kept keys, one block scan over the kPer x 32
-// counts (m-major: key order) gives each its base, the lanes below a key in its ballot its offset.
-// When every key equal to the threshold is kept (no tie straddles the k-th place: the usual case),
-// kept = above or equal and the tie ranks are skipped.
-template <int kPer>
-__global__ void __launch_bounds__(kRegTopkThreads, 1)
-    topk_regs_kernel(const float* scores, int64_t ld, const int32_t* row_begin,
-                     const int32_t* key_row, int64_t kslots, int32_t* idx, int32_t* len) {
-    static_assert(kPer * 32 <= kRegTopkThreads && kPer <= 32, "one scan entry per (m, warp)");
-    using Scan = cub::BlockScan<int, kRegTopkThreads>;
-    __shared__ TopkSelectShared<kRegTopkThreads> sm;
-    const int64_t t = blockIdx.x;
-    const TopkRow r = topk_row(scores, ld, row_begin, key_row, kslots, idx, t);
-    if (topk_short_row(r, kslots, len, t)) return;
-    const auto [begin, n, row, out] = r;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const uint32_t below = (1u << lane) - 1u;  // lanes before this one in a ballot
-    // This thread's keys: m < held (n <= kPer x 1024, so held <= kPer).
-    const int held = n > tid ? int((n - tid + kRegTopkThreads - 1) / kRegTopkThreads) : 0;
-    uint32_t u[kPer];
-    const float* mine = row + tid;
-#pragma unroll
-    for (int m = 0; m < kPer; ++m) u[m] = m < held ? order_key(mine[m * kRegTopkThreads]) : 0u;
-    const TopkThreshold th = topk_threshold(sm, kslots, [&](auto f) {
-#pragma unroll
-        for (int m = 0; m < kPer; ++m)
-            if (m < held) f(u[m]);
-    });
-    const uint32_t thr = th.thr;
-    const int need = th.need;  // how many keys equal to thr are kept (the smallest indices)
-    int* hist = sm.hist;       // reused for the placement's per-(m, warp) bases
-    // Key-order bases of each (m, warp)'s flagged keys, in hist[m * 32 + warp].
-    auto bases = [&](auto flag) {
-#pragma unroll
-        for (int m = 0; m < kPer; ++m) {
-            const uint32_t b = __ballot_sync(0xffffffffu, flag(m));
-            if (lane == 0) hist[m * 32 + warp] = __popc(b);
-        }
-        __syncthreads();
-        const int c = tid < kPer * 32 ? hist[tid] : 0;
-        int base;
-        Scan(sm.scan).ExclusiveSum(c, base);
-        if (tid < kPer * 32) hist[tid] = base;
-        __syncthreads();
-    };
-    uint32_t keep = 0;  // bit m: key i + 1024 m is kept
-    if (need == th.equal) {
-        // Every key equal to the threshold is kept.
-#pragma unroll
-        for (int m = 0; m < kPer; ++m)
-            if (m < held && u[m] >= thr) keep |= 1u << m;
-    } else {
-        auto is_eq = [&](int m) { return m < held && u[m] == thr; };
-        bases(is_eq);
-#pragma unroll
-        for (int m = 0; m < kPer; ++m) {
-            const uint32_t b = __ballot_sync(0xffffffffu, is_eq(m));
-            const int rank = hist[m * 32 + warp] + __popc(b & below);
-            if (m < held && (u[m] > thr || (u[m] == thr && rank < need))) keep |= 1u << m;
-        }
-        __syncthreads();  // every rank read before the second scan overwrites hist
-    }
-    auto kept = [&](int m) { return (keep >> m) & 1u; };
-    bases(kept);
-#pragma unroll
-    for (int m = 0; m < kPer; ++m) {
-        const uint32_t b = __ballot_sync(0xffffffffu, kept(m));
-        if (kept(m))
-            out[hist[m * 32 + warp] + __popc(b & below)] =
-                int32_t(begin + int64_t(m) * kRegTopkThreads + tid);
-    }
-    if (tid == 0) len[t] = int32_t(kslots);
-}
-
 // SPARSETRON_INDEXER=gemm keeps the cuBLASLt / simple forms on sm_90 (measuring them against
 // the fused kernel in one process).
 bool indexer_forced_gemm() {
@@ -227,16 +82,6 @@ bool indexer_forced_gemm() {
         return e && std::string(e) == "gemm";
     }();
     return forced;
-}
-
-// SPARSETRON_TOPK=stream: the streaming top-k (topk_stream.cu; opt-in until it has run on the GPU
-// machine).
-bool topk_stream_chosen() {
-    static const bool chosen = [] {
-        const char* e = std::getenv("SPARSETRON_TOPK");
-        return e && std::string(e) == "stream";
-    }();
-    return chosen;
 }
 
 }  // namespace
@@ -292,31 +137,6 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
     dim3 grid(static_cast<unsigned>(tokens), blocks_for(keys, kKeyTile));
     indexer_scores_kernel<<<grid, kKeyTile, smem, stream_of(ctx)>>>(
         dev(q), dev(k), w, row_begin, key_row, keys, heads, dim, scores);
-    ST_CUDA_LAUNCH_CHECK();
-}
-
-void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
-               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len, const int32_t* key_row) {
-    if (tokens == 0) return;
-    if (topk_stream_chosen())
-        return topk_rows_stream(ctx, scores, ld, row_begin, tokens, kslots, idx, len, key_row);
-    // Rows are at most ld keys: the registers form's smallest run that holds them.
-    const int64_t per = (ld + kRegTopkThreads - 1) / kRegTopkThreads;
-    auto regs = [&](auto kernel) {
-        kernel<<<tokens, kRegTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row,
-                                                               kslots, idx, len);
-    };
-    if (per <= 4)
-        regs(topk_regs_kernel<4>);
-    else if (per <= 8)
-        regs(topk_regs_kernel<8>);
-    else if (per <= 16)
-        regs(topk_regs_kernel<16>);
-    else if (per <= 32)
-        regs(topk_regs_kernel<32>);
-    else
-        topk_kernel<<<tokens, kTopkThreads, 0, stream_of(ctx)>>>(scores, ld, row_begin, key_row,
-                                                                 kslots, idx, len);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -202,12 +202,11 @@ void indexer_scores_wgmma(const ExecContext& ctx, const bf16* q, const bf16* k, 
 void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
                int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len,
                const int32_t* key_row = nullptr);
-// The streaming top-k (topk_stream.cu): the same contract, a small register footprint (several
-// rows per SM). Not yet run on a GPU: topk_rows takes it only with SPARSETRON_TOPK=stream; its
-// test calls it directly.
-void topk_rows_stream(const ExecContext& ctx, const float* scores, int64_t ld,
-                      const int32_t* row_begin, int64_t tokens, int64_t kslots, int32_t* idx,
-                      int32_t* len, const int32_t* key_row = nullptr);
+// The top-k with the row in registers (topk_registers.cu; rows of at most 32768 keys): the same
+// contract, the form topk_rows (topk_stream.cu) replaced; kept for the harness and the tests.
+void topk_rows_registers(const ExecContext& ctx, const float* scores, int64_t ld,
+                         const int32_t* row_begin, int64_t tokens, int64_t kslots, int32_t* idx,
+                         int32_t* len, const int32_t* key_row = nullptr);
 
 // ---- MoE
 // ----------------------------------------------------------------------------------------- probs =

@@ -48,18 +48,21 @@ constexpr size_t kSmemBytes = 1024 + 3 * size_t(kTileBytes) + kSliceBytes + 2 * 
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 #ifdef ST_WGMMA
-// 64 rows of 576 bf16 into the 9 swizzled slices at `tile`: row r from src(r) (nullptr: zeros;
-// `any` is a readable address the zero-filling copies name). Consecutive threads copy consecutive
-// 16-byte pieces of a row (72 per row).
-template <class Src>
-__device__ __forceinline__ void load_rows(uint32_t tile, const bf* any, Src src) {
-    constexpr int kPieces = kD / 8;  // 16-byte pieces per row
-#pragma unroll 2
-    for (int i = threadIdx.x; i < kH * kPieces; i += kThreads) {
-        const int r = i / kPieces, c = i % kPieces, slice = c >> 3, w = c & 7;
-        const bf* row = src(r);
-        wgmma::cp_async16(tile + slice * kSliceBytes + r * 128 + ((w ^ (r & 7)) << 4),
-                          row ? row + c * 8 : any, row != nullptr);
+// 64 rows of 576 bf16 into the 9 swizzled slices at `tile`. Thread tid copies rows tid / 8 and
+// tid / 8 + 32 (row[0], row[1]; nullptr: zeros, `any` a readable address the zero-filling copies
+// name), 16-byte piece tid % 8 of each slice: a warp's copy covers 4 whole 128-byte row segments,
+// and the addresses need no division or index load in the loop (ncu at 2ccc43d: the per-piece
+// index load and row arithmetic were 30% of the stall samples, the copies on the critical path).
+__device__ __forceinline__ void load_rows(uint32_t tile, const bf* any, const bf* const (&row)[2]) {
+    const int w = threadIdx.x & 7;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = (threadIdx.x >> 3) + 32 * h;
+        const uint32_t dst = tile + r * 128 + ((w ^ (r & 7)) << 4);
+#pragma unroll
+        for (int slice = 0; slice < kSlices; ++slice)
+            wgmma::cp_async16(dst + slice * kSliceBytes, row[h] ? row[h] + slice * 64 + w * 8 : any,
+                              row[h] != nullptr);
     }
 }
 
@@ -118,15 +121,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const int32_t* sel = idx + t * kslots;
     const int64_t chunks = (n + kChunk - 1) / kChunk;
-    auto gather = [&](int64_t c) {
-        load_rows(k_tile(c), kv, [&](int r) -> const bf* {
-            const int64_t j = c * kChunk + r;
-            return j < n ? kv + int64_t(sel[j]) * kD : nullptr;
-        });
+    // The selected key of this thread's two rows (load_rows) in chunk c, -1 past the row's count.
+    // Loaded a chunk ahead of its gather, so the copies never wait on the index load.
+    auto chunk_keys = [&](int64_t c, int32_t(&key)[2]) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int64_t j = c * kChunk + (tid >> 3) + 32 * h;
+            key[h] = j < n ? sel[j] : -1;
+        }
     };
-    load_rows(q_tile, q, [&](int r) -> const bf* { return q + (t * kH + r) * kD; });
-    gather(0);
+    auto gather = [&](int64_t c, const int32_t(&key)[2]) {
+        const bf* rows[2] = {key[0] >= 0 ? kv + int64_t(key[0]) * kD : nullptr,
+                             key[1] >= 0 ? kv + int64_t(key[1]) * kD : nullptr};
+        load_rows(k_tile(c), kv, rows);
+    };
+    {
+        const bf* qrows[2] = {q + (t * kH + (tid >> 3)) * kD, q + (t * kH + (tid >> 3) + 32) * kD};
+        load_rows(q_tile, q, qrows);
+    }
+    int32_t keys[2];
+    chunk_keys(0, keys);
+    gather(0, keys);
     asm volatile("cp.async.commit_group;\n" ::);
+    chunk_keys(1, keys);  // chunk 1's, gathered in the first iteration
 
     float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
 #pragma unroll
@@ -134,7 +151,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     float m_run[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};
 
     for (int64_t c = 0; c < chunks; ++c) {
-        if (c + 1 < chunks) gather(c + 1);
+        if (c + 1 < chunks) {
+            gather(c + 1, keys);
+            chunk_keys(c + 2, keys);
+        }
         asm volatile("cp.async.commit_group;\n" ::);  // possibly empty: one group per chunk
         asm volatile("cp.async.wait_group 1;\n" ::);  // chunk c (and Q) landed for this thread
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -234,10 +254,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     float* colsum = red_max;  // [4 warps][64 keys]: each warp's 16 heads summed
     float* ps_row = prob_sum + t * kslots;
     __syncthreads();  // every thread read red_sum before colsum (the same words) is written
-    gather(0);
+    chunk_keys(0, keys);
+    gather(0, keys);
     asm volatile("cp.async.commit_group;\n" ::);
+    chunk_keys(1, keys);
     for (int64_t c = 0; c < chunks; ++c) {
-        if (c + 1 < chunks) gather(c + 1);
+        if (c + 1 < chunks) {
+            gather(c + 1, keys);
+            chunk_keys(c + 2, keys);
+        }
         asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -1,7 +1,8 @@
 // The harness's perf mode (DESIGN §4): each op at the GLM-5.2 proxy's shapes (one 4096-token
 // micro-batch), timed with CUDA events: median µs, TFLOP/s by the op's FLOP count and GB/s by the
 // bytes it must move at least. Runs only with SPARSETRON_OPS_PERF=1 (label gpu); otherwise every
-// test skips with a message. Inputs are constant-filled: timing, not correctness (the other
+// test skips with a message. Inputs are constant-filled or random where values steer the work
+// (the top-k's bins, the flash attention's running maximum): timing, not correctness (the other
 // harness tests check correctness).
 #include <gtest/gtest.h>
 
@@ -83,6 +84,17 @@ class CudaOpsPerf : public ::testing::Test {
         auto host = random_vector<float>(n, seed);
         return std::make_unique<DeviceArray<bf16>>(to_bf16_rounding(host));
     }
+    // Random bf16 in [-1, 1] without an n-long host vector: one 4M-element random block repeated.
+    std::unique_ptr<DeviceArray<bf16>> bf_tiled_random(int64_t n, uint64_t seed) {
+        auto out = std::make_unique<DeviceArray<bf16>>(n);
+        auto block = random_vector<float>(size_t(std::min<int64_t>(n, int64_t(1) << 22)), seed);
+        const auto rounded = to_bf16_rounding(block);
+        for (int64_t off = 0; off < n; off += int64_t(rounded.size()))
+            copy_to_device(
+                out->get() + off, rounded.data(),
+                size_t(std::min<int64_t>(int64_t(rounded.size()), n - off)) * sizeof(bf16));
+        return out;
+    }
     std::unique_ptr<DeviceArray<float>> f32_random(int64_t n, uint64_t seed) {
         return std::make_unique<DeviceArray<float>>(random_vector<float>(n, seed));
     }
@@ -109,7 +121,9 @@ class CudaOpsPerf : public ::testing::Test {
     SparseMqaBench sparse_mqa_bench(int64_t tokens) {
         SparseMqaBench b;
         b.tokens = tokens;
-        b.q = bf(tokens * H * L), b.kv = bf(tokens * L), b.o = bf(tokens * H * kr);
+        // Random q and kv: the flash forward's running maximum moves with the data.
+        b.q = bf_tiled_random(tokens * H * L, 51), b.kv = bf_tiled_random(tokens * L, 52);
+        b.o = bf(tokens * H * kr);
         b.dout = bf(tokens * H * kr), b.dq = bf(tokens * H * L);
         b.lse = f32(H * tokens), b.dkv = f32(tokens * L), b.psum = f32(tokens * K);
         std::vector<int32_t> idx(tokens * K, -1), len(tokens);
@@ -133,6 +147,14 @@ class CudaOpsPerf : public ::testing::Test {
                 [&] {
                     cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
                                                    *b.len, K, b.scale, *b.o, *b.lse);
+                },
+                b.fwd_flops(), b.fwd_bytes());
+        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
+            report(
+                prefix + "sparse mqa fwd, flash wgmma, with prob sums",
+                [&] {
+                    cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
+                                                   *b.len, K, b.scale, *b.o, *b.lse, *b.psum);
                 },
                 b.fwd_flops(), b.fwd_bytes());
         report(

@@ -26,15 +26,17 @@ TEST(SparseMqaWgmma, Skipped) {
 }
 #else
 
-TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
-    REQUIRE_GPU();
-    if (!cuda::sparse_mqa_forward_wgmma_supported(64, 576, 512))
-        GTEST_SKIP() << "the wgmma sparse MQA forward needs an sm_90 device";
+namespace {
+
+// One document of 290 rows, then 10 padding rows; row t selects a random ascending subset of
+// min(K, t + 1) of its keys, except every 7th row which takes exactly 64 or 128 (chunk edges).
+// kv row s is multiplied by 1 + growth * s, and the scores by score_mult: with growth, the later
+// (larger-index) chunks' scores exceed the running maximum by far more than the kernel's stale-max
+// margin (2^8), so the accumulator's rescale runs after the first chunk too.
+void check_forward(double score_mult, double growth) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     const int64_t T = 300, H = 64, dqk = 576, dv = 512, K = 192;
-    // One document of 290 rows, then 10 padding rows; row t selects a random ascending subset of
-    // min(K, t + 1) of its keys, except every 7th row which takes exactly 64 or 128 (chunk edges).
     std::vector<int32_t> idx(T * K, -1), len(T, 0);
     CounterRng rng(301, 1);
     uint64_t draw = 0;
@@ -49,19 +51,43 @@ TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
         len[t] = int32_t(n);
     }
     auto qh = random_vector<float>(T * H * dqk, 302), kvh = random_vector<float>(T * dqk, 303);
+    for (int64_t r = 0; r < T; ++r)
+        for (int64_t c = 0; c < dqk; ++c) kvh[r * dqk + c] *= float(1 + growth * double(r));
     DeviceArray<bf16> q(to_bf16_rounding(qh)), kv(to_bf16_rounding(kvh)), out(T * H * dv);
     DeviceArray<int32_t> didx(idx), dlen(len);
     DeviceArray<float> lse(H * T), psum(T * K);
-    const float scale = float(0.9 / std::sqrt(double(dqk)));
+    const float scale = float(score_mult * 0.9 / std::sqrt(double(dqk)));
     cuda::sparse_mqa_forward_wgmma(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, scale, out, lse, psum);
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, qh.data(), kvh.data(), idx.data(), len.data(), K,
                                    scale, o.data(), l.data());
-    expect_close("wgmma sparse mqa out", to_float(out.download()), o, 1e-2);
-    expect_close("wgmma sparse mqa lse", lse.download(), l, 1e-5);
+    if (growth > 0) {
+        // The premise: some row's last chunk tops its first by more than the 2^8 margin (log2).
+        double widest = 0;
+        for (int64_t t = 0; t < 290; ++t) {
+            if (len[t] <= 128) continue;
+            auto max_score = [&](int64_t j0, int64_t j1) {
+                double m = -1e300;
+                for (int64_t j = j0; j < j1; ++j) {
+                    double d = 0;
+                    for (int64_t c = 0; c < dqk; ++c)
+                        d += double(qh[t * H * dqk + c]) * kvh[idx[t * K + j] * dqk + c];
+                    m = std::max(m, d * scale);
+                }
+                return m;
+            };
+            widest = std::max(widest, (max_score(128, len[t]) - max_score(0, 64)) / std::log(2.0));
+        }
+        EXPECT_GT(widest, 16.0)
+            << "head 0's later chunks must raise the running maximum by over 2^16";
+    }
+    const std::string what =
+        growth > 0 ? "wgmma sparse mqa (growing scores) " : "wgmma sparse mqa ";
+    expect_close(what + "out", to_float(out.download()), o, 1e-2);
+    expect_close(what + "lse", lse.download(), l, 1e-5);
     const auto pref = head_prob_sums(qh, kvh, idx, len, l, T, H, dqk, K, scale);
-    expect_close("wgmma sparse mqa head probability sums", psum.download(), pref, 1e-4);
+    expect_close(what + "head probability sums", psum.download(), pref, 1e-4);
     // Padding rows: zero output, zero lse.
     const auto og = out.download();
     const auto lg = lse.download();
@@ -71,7 +97,23 @@ TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
         for (int64_t h = 0; h < H; ++h) nonzero += lg[h * T + t] != 0.f;
     }
     EXPECT_EQ(nonzero, 0) << "rows with no selected key";
-    expect_guard(out, "wgmma sparse mqa out");
+    expect_guard(out, what + "out");
+}
+
+}  // namespace
+
+TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
+    REQUIRE_GPU();
+    if (!cuda::sparse_mqa_forward_wgmma_supported(64, 576, 512))
+        GTEST_SKIP() << "the wgmma sparse MQA forward needs an sm_90 device";
+    check_forward(1.0, 0.0);
+}
+
+TEST(SparseMqaWgmma, ForwardMatchesCpuWhenLaterChunksRaiseTheMaximum) {
+    REQUIRE_GPU();
+    if (!cuda::sparse_mqa_forward_wgmma_supported(64, 576, 512))
+        GTEST_SKIP() << "the wgmma sparse MQA forward needs an sm_90 device";
+    check_forward(3.0, 0.05);
 }
 
 #endif

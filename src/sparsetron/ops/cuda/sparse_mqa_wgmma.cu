@@ -15,17 +15,19 @@
 // warpgroup 1's 256-511. So V is never copied. P (bf16, [64 heads][64 keys]) is written by the
 // softmax into one slice, the A operand of P V.
 //
-// Per chunk (both warpgroups, 256 threads): S for 32 of the chunk's keys each (m64n32), keys past
-// the row's count masked; row maxima exchanged through shared memory, so both keep the same
-// running max m; p = exp(scale s - m); each keeps its own running row sum (added at the end);
-// O (m64n256 per warpgroup, in registers) rescaled by exp(m_old - m_new); O += P V. lse and the
+// Per chunk (both warpgroups, 256 threads): S for 32 of the chunk's keys each (m64n32), issued
+// before the next chunk's copies so they overlap, keys past the row's count masked; row maxima
+// exchanged through shared memory, so both keep the same running max m (raised only when a chunk
+// exceeds it by 2^8: the O rescale is then rare); p = 2^(s log2e scale - m); each keeps its own
+// running row sum (added at the end); O (m64n256 per warpgroup, in registers) rescaled when m
+// moved; O += P V. The output leaves through shared memory in 16-byte stores. lse and the
 // empty-row convention (len 0: out 0, lse 0) as sparse_mqa_tc.cu. With prob_sum (the indexer
 // loss's teacher, Σ_h P per selected key) a second pass over the chunks recomputes S against the
 // final lse and sums each key's column over the heads.
 //
-// Status: written and compiled without a GPU run (2026-11-30, night); opt-in by
-// SPARSETRON_SPARSE_MQA=wgmma until its test (IndexerWgmma's neighbour, test_sparse_mqa_wgmma.cpp)
-// has passed on the GPU machine.
+// Measured (one H200, perf harness, constant inputs): the first form 195 / 202 TFLOP/s at 4K /
+// 32K; its gather's per-piece index loads removed (9599f7d) 387 / 407; this form: see
+// docs/perf/2026-12-01-sparse-mqa-flash-forward.md.
 #include <cmath>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -48,40 +50,57 @@ constexpr size_t kSmemBytes = 1024 + 3 * size_t(kTileBytes) + kSliceBytes + 2 * 
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 #ifdef ST_WGMMA
+// A descriptor `bytes` further into its tile: the start address is the low 14 bits in 16-byte
+// units, and every tile here ends below 256 KiB, so the add never carries out of the field.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t bytes) {
+    return d + (bytes >> 4);
+}
+
 // 64 rows of 576 bf16 into the 9 swizzled slices at `tile`. Thread tid copies rows tid / 8 and
-// tid / 8 + 32 (row[0], row[1]; nullptr: zeros, `any` a readable address the zero-filling copies
-// name), 16-byte piece tid % 8 of each slice: a warp's copy covers 4 whole 128-byte row segments,
-// and the addresses need no division or index load in the loop (ncu at 2ccc43d: the per-piece
-// index load and row arithmetic were 30% of the stall samples, the copies on the critical path).
-__device__ __forceinline__ void load_rows(uint32_t tile, const bf* any, const bf* const (&row)[2]) {
+// tid / 8 + 32 (row[h]; valid[h] false: zeros, row[h] then any readable row), 16-byte piece
+// tid % 8 of each slice: a warp's copy covers 4 whole 128-byte row segments, and the source
+// offsets are constants (ncu at 2ccc43d: a per-piece index load and division were 30% of the
+// stall samples, on the critical path).
+__device__ __forceinline__ void load_rows(uint32_t tile, const bf* const (&row)[2],
+                                          const bool (&valid)[2]) {
     const int w = threadIdx.x & 7;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = (threadIdx.x >> 3) + 32 * h;
         const uint32_t dst = tile + r * 128 + ((w ^ (r & 7)) << 4);
+        const bf* src = row[h] + w * 8;
 #pragma unroll
         for (int slice = 0; slice < kSlices; ++slice)
-            wgmma::cp_async16(dst + slice * kSliceBytes, row[h] ? row[h] + slice * 64 + w * 8 : any,
-                              row[h] != nullptr);
+            wgmma::cp_async16(dst + slice * kSliceBytes, src + slice * 64, valid[h]);
     }
 }
 
-// One chunk's scores for this warpgroup's 32 keys (32 wg ..), scaled, keys at or past the row's
-// count (j >= n) -inf: s[4 i + 2 half + e] is row r0 + 8 half, key 32 wg + 8 i + 2 quad + e.
-__device__ __forceinline__ void chunk_scores(float (&s)[16], uint32_t q_tile, uint32_t kt, int wg,
-                                             int quad, int64_t key0, int64_t n, float scale) {
-    using namespace wgmma;
+// Issues (does not wait for) one chunk's scores for this warpgroup's 32 keys: S = Q K^T over the
+// 9 slices, dq / dk the descriptors of Q's and the keys' first k16 step. s[4 i + 2 half + e] is
+// row r0 + 8 half, key 32 wg + 8 i + 2 quad + e.
+__device__ __forceinline__ void issue_scores(float (&s)[16], uint64_t dq, uint64_t dk) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = 0.f;
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
     for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            mma_m64k16<0, 0>(s, descriptor(q_tile + sl * kSliceBytes + kk * 32, 16, 1024),
-                             descriptor(kt + sl * kSliceBytes + wg * 32 * 128 + kk * 32, 16, 1024));
+        for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t off = sl * kSliceBytes + kk * 32;
+            wgmma::mma_m64k16<0, 0>(s, desc_plus(dq, off), desc_plus(dk, off));
+        }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wait_mma() {
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// Scores to the log2 domain (scale_log2 = scale x log2 e), keys at or past the row's count
+// (key0 + j >= n, only in the last chunk) -inf.
+__device__ __forceinline__ void scale_and_mask(float (&s)[16], float scale_log2, int wg, int quad,
+                                               int64_t key0, int64_t n) {
+    const bool partial = key0 + kChunk > n;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -89,10 +108,17 @@ __device__ __forceinline__ void chunk_scores(float (&s)[16], uint32_t q_tile, ui
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 float& v = s[4 * i + 2 * half + e];
-                v = key0 + 32 * wg + 8 * i + 2 * quad + e < n ? v * scale : -INFINITY;
+                v *= scale_log2;
+                if (partial && key0 + 32 * wg + 8 * i + 2 * quad + e >= n) v = -INFINITY;
             }
 }
 #endif
+
+// The running maximum is raised only when a chunk's exceeds it by more than this (log2 units):
+// below that, p = 2^(s - m) stays under 256 (exact enough in fp32 sums and bf16 P), and the
+// accumulator's rescale (128 multiplies per thread) is skipped. lse is exact either way.
+[[maybe_unused]] constexpr float kStaleMaxLog2 = 8.f;
+[[maybe_unused]] constexpr float kLn2 = 0.69314718f, kLog2e = 1.44269504f;
 
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mqa_fwd_wgmma_kernel(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len,
@@ -121,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const int32_t* sel = idx + t * kslots;
     const int64_t chunks = (n + kChunk - 1) / kChunk;
+    const float scale_log2 = scale * kLog2e;
     // The selected key of this thread's two rows (load_rows) in chunk c, -1 past the row's count.
     // Loaded a chunk ahead of its gather, so the copies never wait on the index load.
     auto chunk_keys = [&](int64_t c, int32_t(&key)[2]) {
@@ -131,38 +158,54 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     };
     auto gather = [&](int64_t c, const int32_t(&key)[2]) {
-        const bf* rows[2] = {key[0] >= 0 ? kv + int64_t(key[0]) * kD : nullptr,
-                             key[1] >= 0 ? kv + int64_t(key[1]) * kD : nullptr};
-        load_rows(k_tile(c), kv, rows);
+        const bf* rows[2] = {kv + int64_t(max(key[0], 0)) * kD, kv + int64_t(max(key[1], 0)) * kD};
+        const bool valid[2] = {key[0] >= 0, key[1] >= 0};
+        load_rows(k_tile(c), rows, valid);
     };
-    {
-        const bf* qrows[2] = {q + (t * kH + (tid >> 3)) * kD, q + (t * kH + (tid >> 3) + 32) * kD};
-        load_rows(q_tile, q, qrows);
-    }
+    // Chunk 0 (with Q) in flight, chunk 1's keys in `keys`. In the loop, chunk c + 1's copies are
+    // issued while chunk c's score MMAs run.
     int32_t keys[2];
-    chunk_keys(0, keys);
-    gather(0, keys);
-    asm volatile("cp.async.commit_group;\n" ::);
-    chunk_keys(1, keys);  // chunk 1's, gathered in the first iteration
-
-    float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
-#pragma unroll
-    for (int i = 0; i < kDv / 4; ++i) o[i] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};
-
-    for (int64_t c = 0; c < chunks; ++c) {
+    auto start_gathers = [&] {
+        chunk_keys(0, keys);
+        gather(0, keys);
+        asm volatile("cp.async.commit_group;\n" ::);
+        chunk_keys(1, keys);
+    };
+    auto gather_next = [&](int64_t c) {
         if (c + 1 < chunks) {
             gather(c + 1, keys);
             chunk_keys(c + 2, keys);
         }
-        asm volatile("cp.async.commit_group;\n" ::);  // possibly empty: one group per chunk
-        asm volatile("cp.async.wait_group 1;\n" ::);  // chunk c (and Q) landed for this thread
+        asm volatile("cp.async.commit_group;\n" ::);  // possibly empty
+    };
+    // Chunk c landed for every thread, and every MMA reading the buffer chunk c + 1 goes to is
+    // done.
+    auto chunk_landed = [] {
+        asm volatile("cp.async.wait_group 0;\n" ::);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        // S for keys 32 wg .. 32 wg + 31 of the chunk.
-        const uint32_t kt = k_tile(c);
+    };
+    {
+        const bf* qrows[2] = {q + (t * kH + (tid >> 3)) * kD, q + (t * kH + (tid >> 3) + 32) * kD};
+        const bool all[2] = {true, true};
+        load_rows(q_tile, qrows, all);
+    }
+    start_gathers();
+    const uint64_t dq = descriptor(q_tile, 16, 1024), dp = descriptor(p_tile, 16, 1024);
+    auto dk = [&](int64_t c) { return descriptor(k_tile(c) + wg * 32 * 128, 16, 1024); };
+
+    float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
+#pragma unroll
+    for (int i = 0; i < kDv / 4; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};  // log2 domain
+
+    for (int64_t c = 0; c < chunks; ++c) {
+        chunk_landed();
         float s[16];
-        chunk_scores(s, q_tile, kt, wg, quad, c * kChunk, n, scale);
+        issue_scores(s, dq, dk(c));
+        gather_next(c);
+        wait_mma();
+        scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -179,11 +222,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         float alpha[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            // Key c * 64 is valid, so warpgroup 0's half has a finite maximum: m_new is finite.
-            const float m_new =
-                fmaxf(m_run[half], fmaxf(mx[half], red_max[(1 - wg) * kH + r0 + 8 * half]));
-            alpha[half] = __expf(m_run[half] - m_new);  // 0 on the first chunk
-            m_run[half] = m_new;
+            // Key c * 64 is valid, so warpgroup 0's half has a finite maximum. Every thread of a
+            // row sees the same values, so both warpgroups keep the same m_run.
+            const float m_chunk = fmaxf(mx[half], red_max[(1 - wg) * kH + r0 + 8 * half]);
+            alpha[half] = 1.f;
+            if (m_chunk > m_run[half] + kStaleMaxLog2) {  // always on the first chunk
+                alpha[half] = exp2f(m_run[half] - m_chunk);
+                m_run[half] = m_chunk;
+            }
         }
         float rowsum[2] = {0.f, 0.f};
         unsigned char* pbase = gbase + 3 * kTileBytes;
@@ -191,8 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = 0; i < 4; ++i)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const float p0 = __expf(s[4 * i + 2 * half] - m_run[half]);
-                const float p1 = __expf(s[4 * i + 2 * half + 1] - m_run[half]);
+                const float p0 = exp2f(s[4 * i + 2 * half] - m_run[half]);
+                const float p1 = exp2f(s[4 * i + 2 * half + 1] - m_run[half]);
                 rowsum[half] += p0 + p1;
                 const int row = r0 + 8 * half, col = 32 * wg + 8 * i + 2 * quad;
                 *reinterpret_cast<__nv_bfloat162*>(
@@ -202,23 +248,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             l_part[half] = l_part[half] * alpha[half] + rowsum[half];
+        if (c > 0 && __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int i = 0; i < kDv / 16; ++i) {
-            o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
-            o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
+            for (int i = 0; i < kDv / 16; ++i) {
+                o[4 * i] *= alpha[0], o[4 * i + 1] *= alpha[0];
+                o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
+            }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // P: generic -> wgmma
         __syncthreads();
         // O += P V: P [64 heads][64 keys] K-major; V = the chunk's slices 4 wg .. 4 wg + 3 read
         // MN-major (key rows are the reduction).
         asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        const uint64_t dv = descriptor(k_tile(c) + 4 * wg * kSliceBytes, 8192, 1024);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            mma_m64k16<0, 1>(o, descriptor(p_tile + kk * 32, 16, 1024),
-                             descriptor(kt + 4 * wg * kSliceBytes + kk * 2048, 8192, 1024));
+            mma_m64k16<0, 1>(o, desc_plus(dp, kk * 32), desc_plus(dv, kk * 2048));
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        __syncthreads();  // P and this chunk's keys are free for the next chunk and gather
+        wait_mma();  // the next chunk_landed's barrier frees P and this chunk's buffer
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // Row sums: the quad's lanes, then the other warpgroup's keys.
@@ -228,47 +275,50 @@ __global__ void __launch_bounds__(kThreads, 1)
         l_part[half] += __shfl_xor_sync(0xffffffffu, l_part[half], 2);
         if (quad == 0) red_sum[wg * kH + r0 + 8 * half] = l_part[half];
     }
-    __syncthreads();
-    float inv[2], row_lse[2];
+    __syncthreads();  // also: every MMA done, so the key buffers can stage the output
+    float inv[2], lse_log2[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int row = r0 + 8 * half;
         const float l = l_part[half] + red_sum[(1 - wg) * kH + row];
         inv[half] = 1.f / l;
-        row_lse[half] = m_run[half] + logf(l);
-        if (wg == 0 && quad == 0) lse[int64_t(row) * tokens + t] = row_lse[half];
+        lse_log2[half] = m_run[half] + log2f(l);
+        if (wg == 0 && quad == 0) lse[int64_t(row) * tokens + t] = lse_log2[half] * kLn2;
     }
-    bf* orow = out + t * kH * kDv + 256 * wg + 2 * quad;
+    // The output through shared memory (rows padded to 1040 bytes: a warp's 4-byte writes hit 32
+    // banks), then 16-byte coalesced stores.
+    constexpr int kStageLd = kDv * 2 + 16;
+    unsigned char* stage = gbase + kTileBytes;
 #pragma unroll
     for (int i = 0; i < kDv / 16; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int row = r0 + 8 * half;
-            *reinterpret_cast<__nv_bfloat162*>(orow + row * kDv + 8 * i) = __floats2bfloat162_rn(
-                o[4 * i + 2 * half] * inv[half], o[4 * i + 2 * half + 1] * inv[half]);
+            const int row = r0 + 8 * half, col = 256 * wg + 8 * i + 2 * quad;
+            *reinterpret_cast<__nv_bfloat162*>(stage + row * kStageLd + col * 2) =
+                __floats2bfloat162_rn(o[4 * i + 2 * half] * inv[half],
+                                      o[4 * i + 2 * half + 1] * inv[half]);
         }
+    __syncthreads();
+    uint4* orow = reinterpret_cast<uint4*>(out + t * kH * kDv);
+    constexpr int kPiecesPerRow = kDv * 2 / 16;
+    for (int p = tid; p < kH * kPiecesPerRow; p += kThreads)
+        orow[p] = *reinterpret_cast<const uint4*>(stage + (p / kPiecesPerRow) * kStageLd +
+                                                  (p % kPiecesPerRow) * 16);
     if (!prob_sum) return;
 
     // The indexer loss's teacher needs the final lse: a second pass over the chunks (S only),
-    // prob_sum[t, j] = Σ_h exp(s[h, j] - lse_h); 0 past the row's count.
+    // prob_sum[t, j] = Σ_h 2^(s[h, j] - lse_h); 0 past the row's count.
     float* colsum = red_max;  // [4 warps][64 keys]: each warp's 16 heads summed
     float* ps_row = prob_sum + t * kslots;
-    __syncthreads();  // every thread read red_sum before colsum (the same words) is written
-    chunk_keys(0, keys);
-    gather(0, keys);
-    asm volatile("cp.async.commit_group;\n" ::);
-    chunk_keys(1, keys);
+    __syncthreads();  // the staged output read, and red_sum read, before the buffers are reused
+    start_gathers();
     for (int64_t c = 0; c < chunks; ++c) {
-        if (c + 1 < chunks) {
-            gather(c + 1, keys);
-            chunk_keys(c + 2, keys);
-        }
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+        chunk_landed();
         float s[16];
-        chunk_scores(s, q_tile, k_tile(c), wg, quad, c * kChunk, n, scale);
+        issue_scores(s, dq, dk(c));
+        gather_next(c);
+        wait_mma();
+        scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
         // cs[2 i + e]: key 32 wg + 8 i + 2 quad + e summed over this thread's two heads, then over
         // the warp's 8 lanes of the same quad (its 16 heads).
         float cs[8];
@@ -277,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
                 cs[2 * i + e] =
-                    __expf(s[4 * i + e] - row_lse[0]) + __expf(s[4 * i + 2 + e] - row_lse[1]);
+                    exp2f(s[4 * i + e] - lse_log2[0]) + exp2f(s[4 * i + 2 + e] - lse_log2[1]);
 #pragma unroll
         for (int k = 0; k < 8; ++k)
 #pragma unroll
@@ -296,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                         colsum[3 * kH + tid]
                                   : 0.f;
         }
-        __syncthreads();  // colsum and this chunk's keys are free
+        // The next chunk_landed's barrier: colsum read before it is written again.
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     for (int64_t j = chunks * kChunk + tid; j < kslots; j += kThreads) ps_row[j] = 0.f;

@@ -23,14 +23,15 @@ bool reference_forced() {
     }();
     return reference;
 }
-// SPARSETRON_SPARSE_MQA=wgmma: the forward on the flash-style wgmma kernel, gathered or in place of
-// the masked form (opt-in until it has run on the GPU machine).
-bool wgmma_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
-    static const bool chosen = [] {
+// The sparse MQA forward on the flash-style wgmma kernel where it applies (sm_90, the GLM-5 shape):
+// gathered or in place of the masked form. SPARSETRON_SPARSE_MQA=noflash keeps the forms before
+// it (measuring them against it in one process).
+bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
+    static const bool off = [] {
         const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
-        return e && std::string(e) == "wgmma";
+        return e && std::string(e) == "noflash";
     }();
-    return chosen && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
+    return !off && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
 bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
     return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
@@ -262,9 +263,9 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
     check_dims(dqk, dv);
     if (tokens == 0) return;
     check_saved_probs(saved_probs, workspace);
-    // The opt-in flash forward also replaces the masked one (not when the backward wants the
-    // probabilities kept): the backward then recomputes P from this lse.
-    if (wgmma_forward_chosen(heads, dqk, dv) && !saved_probs)
+    // The flash forward also replaces the masked one, except when the backward wants the
+    // probabilities kept: the backward then recomputes P from this lse.
+    if (flash_forward_chosen(heads, dqk, dv) && !saved_probs)
         return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                         out, lse, prob_sum);
     if (workspace && !reference_forced())

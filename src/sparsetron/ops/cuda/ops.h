@@ -154,9 +154,9 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
                         float* prob_sum = nullptr, void* workspace = nullptr,
                         int64_t workspace_bytes = 0, int64_t key_rows = 0,
                         bf16* saved_probs = nullptr);
-// The flash-style wgmma forward (sm_90, 64 heads, qk 576, v 512; no saved probabilities, key
-// row t = query row t), for its test and the harness; sparse_mqa_forward takes it only with
-// SPARSETRON_SPARSE_MQA=wgmma until it has run on the GPU machine.
+// The flash-style wgmma forward (sm_90, 64 heads, qk 576, v 512; no saved probabilities):
+// sparse_mqa_forward's choice where it applies and no saved probabilities are asked for
+// (SPARSETRON_SPARSE_MQA=noflash: the gathered / masked forms instead).
 void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                               const int32_t* len, int64_t kslots, float scale, bf16* out,

@@ -33,6 +33,15 @@ bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
     }();
     return !off && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
+// SPARSETRON_SPARSE_MQA_BWD=flash: the backward on the flash-style wgmma kernel where it applies
+// and no probabilities were kept (opt-in until its test has run on the GPU machine).
+bool flash_backward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
+    static const bool on = [] {
+        const char* e = std::getenv("SPARSETRON_SPARSE_MQA_BWD");
+        return e && std::string(e) == "flash";
+    }();
+    return on && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
+}
 bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
     return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
 }
@@ -292,6 +301,9 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
     check_dims(dqk, dv);
     if (tokens == 0) return;
     check_saved_probs(saved_probs, workspace);
+    if (flash_backward_chosen(heads, dqk, dv) && !saved_probs)
+        return sparse_mqa_backward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
+                                         scale, out, lse, dout, dq, dkv, key_rows);
     if (workspace && !reference_forced())
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,

@@ -33,67 +33,23 @@
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
-#include "sparsetron/ops/cuda/wgmma.cuh"
+#include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
 
 namespace sparsetron::cuda {
 
 namespace {
 
-constexpr int kH = 64, kD = 576, kDv = 512;  // heads (the M), qk dim, v dim
-[[maybe_unused]] constexpr int kChunk = 64;  // keys per chunk (device code only)
-constexpr int kSlices = kD / 64;             // 9 slices of 64 dims
-constexpr int kThreads = 256;                // two consumer warpgroups
-constexpr int kSliceBytes = 64 * 128;        // [64 rows][64] bf16
-constexpr int kTileBytes = kSlices * kSliceBytes;
+using namespace flash_mqa;
 // Alignment slack, Q, two key chunks, P, the row maxima and sums the warpgroups exchange.
 constexpr size_t kSmemBytes = 1024 + 3 * size_t(kTileBytes) + kSliceBytes + 2 * 2 * kH * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 #ifdef ST_WGMMA
-// A descriptor `bytes` further into its tile: the start address is the low 14 bits in 16-byte
-// units, and every tile here ends below 256 KiB, so the add never carries out of the field.
-__device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t bytes) {
-    return d + (bytes >> 4);
-}
-
-// 64 rows of 576 bf16 into the 9 swizzled slices at `tile`. Thread tid copies rows tid / 8 and
-// tid / 8 + 32 (row[h]; valid[h] false: zeros, row[h] then any readable row), 16-byte piece
-// tid % 8 of each slice: a warp's copy covers 4 whole 128-byte row segments, and the source
-// offsets are constants (ncu at 2ccc43d: a per-piece index load and division were 30% of the
-// stall samples, on the critical path).
-__device__ __forceinline__ void load_rows(uint32_t tile, const bf* const (&row)[2],
-                                          const bool (&valid)[2]) {
-    const int w = threadIdx.x & 7;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = (threadIdx.x >> 3) + 32 * h;
-        const uint32_t dst = tile + r * 128 + ((w ^ (r & 7)) << 4);
-        const bf* src = row[h] + w * 8;
-#pragma unroll
-        for (int slice = 0; slice < kSlices; ++slice)
-            wgmma::cp_async16(dst + slice * kSliceBytes, src + slice * 64, valid[h]);
-    }
-}
-
 // Issues (does not wait for) one chunk's scores for this warpgroup's 32 keys: S = Q K^T over the
-// 9 slices, dq / dk the descriptors of Q's and the keys' first k16 step. s[4 i + 2 half + e] is
-// row r0 + 8 half, key 32 wg + 8 i + 2 quad + e.
+// 9 slices, dq / dk the descriptors of Q and of the warpgroup's first key row.
 __device__ __forceinline__ void issue_scores(float (&s)[16], uint64_t dq, uint64_t dk) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-    for (int sl = 0; sl < kSlices; ++sl)
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t off = sl * kSliceBytes + kk * 32;
-            wgmma::mma_m64k16<0, 0>(s, desc_plus(dq, off), desc_plus(dk, off));
-        }
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wait_mma() {
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    chunk_dots<kSlices>(s, dq, dk);
+    mma_commit();
 }
 
 // Scores to the log2 domain (scale_log2 = scale x log2 e), keys at or past the row's count
@@ -148,33 +104,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int32_t* sel = idx + t * kslots;
     const int64_t chunks = (n + kChunk - 1) / kChunk;
     const float scale_log2 = scale * kLog2e;
-    // The selected key of this thread's two rows (load_rows) in chunk c, -1 past the row's count.
-    // Loaded a chunk ahead of its gather, so the copies never wait on the index load.
-    auto chunk_keys = [&](int64_t c, int32_t(&key)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int64_t j = c * kChunk + (tid >> 3) + 32 * h;
-            key[h] = j < n ? sel[j] : -1;
-        }
-    };
-    auto gather = [&](int64_t c, const int32_t(&key)[2]) {
-        const bf* rows[2] = {kv + int64_t(max(key[0], 0)) * kD, kv + int64_t(max(key[1], 0)) * kD};
-        const bool valid[2] = {key[0] >= 0, key[1] >= 0};
-        load_rows(k_tile(c), rows, valid);
-    };
+    auto gather = [&](int64_t c, const int32_t(&key)[2]) { gather_chunk(k_tile(c), kv, key); };
     // Chunk 0 (with Q) in flight, chunk 1's keys in `keys`. In the loop, chunk c + 1's copies are
     // issued while chunk c's score MMAs run.
     int32_t keys[2];
     auto start_gathers = [&] {
-        chunk_keys(0, keys);
+        chunk_keys(sel, n, 0, keys);
         gather(0, keys);
         asm volatile("cp.async.commit_group;\n" ::);
-        chunk_keys(1, keys);
+        chunk_keys(sel, n, 1, keys);
     };
     auto gather_next = [&](int64_t c) {
         if (c + 1 < chunks) {
             gather(c + 1, keys);
-            chunk_keys(c + 2, keys);
+            chunk_keys(sel, n, c + 2, keys);
         }
         asm volatile("cp.async.commit_group;\n" ::);  // possibly empty
     };
@@ -188,11 +131,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
         const bf* qrows[2] = {q + (t * kH + (tid >> 3)) * kD, q + (t * kH + (tid >> 3) + 32) * kD};
         const bool all[2] = {true, true};
-        load_rows(q_tile, qrows, all);
+        load_rows<kSlices>(q_tile, qrows, all);
     }
     start_gathers();
-    const uint64_t dq = descriptor(q_tile, 16, 1024), dp = descriptor(p_tile, 16, 1024);
-    auto dk = [&](int64_t c) { return descriptor(k_tile(c) + wg * 32 * 128, 16, 1024); };
+    const uint64_t dq = k_major(q_tile), dp = k_major(p_tile);
+    auto dk = [&](int64_t c) { return k_major(k_tile(c) + wg * 32 * 128); };
 
     float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
 #pragma unroll
@@ -204,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float s[16];
         issue_scores(s, dq, dk(c));
         gather_next(c);
-        wait_mma();
+        mma_wait();
         scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -259,13 +202,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
         // O += P V: P [64 heads][64 keys] K-major; V = the chunk's slices 4 wg .. 4 wg + 3 read
         // MN-major (key rows are the reduction).
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-        const uint64_t dv = descriptor(k_tile(c) + 4 * wg * kSliceBytes, 8192, 1024);
+        mma_fence();
+        const uint64_t dv = mn_major(k_tile(c) + 4 * wg * kSliceBytes);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
             mma_m64k16<0, 1>(o, desc_plus(dp, kk * 32), desc_plus(dv, kk * 2048));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        wait_mma();  // the next chunk_landed's barrier frees P and this chunk's buffer
+        mma_commit();
+        mma_wait();  // the next chunk_landed's barrier frees P and this chunk's buffer
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // Row sums: the quad's lanes, then the other warpgroup's keys.
@@ -317,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float s[16];
         issue_scores(s, dq, dk(c));
         gather_next(c);
-        wait_mma();
+        mma_wait();
         scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
         // cs[2 i + e]: key 32 wg + 8 i + 2 quad + e summed over this thread's two heads, then over
         // the warp's 8 lanes of the same quad (its 16 heads).

@@ -33,14 +33,17 @@ bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
     }();
     return !off && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
-// SPARSETRON_SPARSE_MQA_BWD=flash: the backward on the flash-style wgmma kernel where it applies
-// and no probabilities were kept (opt-in until its test has run on the GPU machine).
-bool flash_backward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
-    static const bool on = [] {
+// The backward on the flash-style wgmma kernel where it applies and no probabilities were kept:
+// in place of the gathered kernels (32K: 253 TFLOP/s against 21), and in place of the masked form
+// only with SPARSETRON_SPARSE_MQA_BWD=flash (at 4K the masked backward is faster: 7.4 ms
+// recomputing, 5.0 from kept probabilities, against 9.0; docs/perf/2026-12-01-sparse-mqa-flash-
+// forward.md). SPARSETRON_SPARSE_MQA=noflash turns it off with the forward.
+bool flash_backward_chosen(int64_t heads, int64_t dqk, int64_t dv, bool masked_available) {
+    static const bool forced = [] {
         const char* e = std::getenv("SPARSETRON_SPARSE_MQA_BWD");
         return e && std::string(e) == "flash";
     }();
-    return on && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
+    return (forced || !masked_available) && flash_forward_chosen(heads, dqk, dv);
 }
 bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
     return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
@@ -301,7 +304,7 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
     check_dims(dqk, dv);
     if (tokens == 0) return;
     check_saved_probs(saved_probs, workspace);
-    if (flash_backward_chosen(heads, dqk, dv) && !saved_probs)
+    if (flash_backward_chosen(heads, dqk, dv, workspace != nullptr) && !saved_probs)
         return sparse_mqa_backward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, dout, dq, dkv, key_rows);
     if (workspace && !reference_forced())

@@ -163,8 +163,9 @@ void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t he
                               float* lse, float* prob_sum = nullptr);
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv);
 // The flash-style wgmma backward (same shapes; sparse_mqa_wgmma_bwd.cu): dq overwritten, dkv
-// [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward takes
-// it only with SPARSETRON_SPARSE_MQA_BWD=flash until its test has passed on the GPU machine.
+// [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward's choice
+// in place of the gathered kernels; in place of the masked form only with
+// SPARSETRON_SPARSE_MQA_BWD=flash.
 void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, const bf16* out,

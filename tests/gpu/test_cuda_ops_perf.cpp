@@ -166,6 +166,15 @@ class CudaOpsPerf : public ::testing::Test {
                                                     *b.dq, *b.dkv);
                 },
                 2.5 * b.fwd_flops(), b.bwd_bytes());
+        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
+            report(
+                prefix + "sparse mqa bwd, flash wgmma, shared keys",
+                [&] {
+                    cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
+                                                    *b.len, K, b.scale, *b.o, *b.lse, *b.dout,
+                                                    *b.dq, *b.dkv, 0, true);
+                },
+                2.5 * b.fwd_flops(), b.bwd_bytes());
         report(
             prefix + "sparse mqa bwd (gathered, 2.5x fwd count)", [&] { b.backward(ctx()); },
             2.5 * b.fwd_flops(), b.bwd_bytes());

@@ -141,40 +141,30 @@ class CudaOpsPerf : public ::testing::Test {
         report(
             prefix + "sparse mqa fwd (gathered, selected pairs)", [&] { b.forward(ctx()); },
             b.fwd_flops(), b.fwd_bytes());
-        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-            report(
-                prefix + "sparse mqa fwd, flash wgmma (no prob sums)",
-                [&] {
-                    cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
-                                                   *b.len, K, b.scale, *b.o, *b.lse);
-                },
-                b.fwd_flops(), b.fwd_bytes());
-        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-            report(
-                prefix + "sparse mqa fwd, flash wgmma, with prob sums",
-                [&] {
-                    cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
-                                                   *b.len, K, b.scale, *b.o, *b.lse, *b.psum);
-                },
-                b.fwd_flops(), b.fwd_bytes());
-        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-            report(
-                prefix + "sparse mqa bwd, flash wgmma (2.5x fwd count)",
-                [&] {
-                    cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
-                                                    *b.len, K, b.scale, *b.o, *b.lse, *b.dout,
-                                                    *b.dq, *b.dkv);
-                },
-                2.5 * b.fwd_flops(), b.bwd_bytes());
-        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr))
-            report(
-                prefix + "sparse mqa bwd, flash wgmma, shared keys",
-                [&] {
-                    cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
-                                                    *b.len, K, b.scale, *b.o, *b.lse, *b.dout,
-                                                    *b.dq, *b.dkv, 0, true);
-                },
-                2.5 * b.fwd_flops(), b.bwd_bytes());
+        if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr)) {
+            // The flash kernels: forward without and with the teacher's prob sums; backward in
+            // the measured form and the shared-keys one.
+            for (float* psum : {static_cast<float*>(nullptr), b.psum->get()})
+                report(
+                    prefix + (psum ? "sparse mqa fwd, flash wgmma, with prob sums"
+                                   : "sparse mqa fwd, flash wgmma (no prob sums)"),
+                    [&] {
+                        cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv,
+                                                       *b.idx, *b.len, K, b.scale, *b.o, *b.lse,
+                                                       psum);
+                    },
+                    b.fwd_flops(), b.fwd_bytes());
+            for (bool shared_keys : {false, true})
+                report(
+                    prefix + (shared_keys ? "sparse mqa bwd, flash wgmma, shared keys"
+                                          : "sparse mqa bwd, flash wgmma (2.5x fwd count)"),
+                    [&] {
+                        cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv,
+                                                        *b.idx, *b.len, K, b.scale, *b.o, *b.lse,
+                                                        *b.dout, *b.dq, *b.dkv, 0, shared_keys);
+                    },
+                    2.5 * b.fwd_flops(), b.bwd_bytes());
+        }
         report(
             prefix + "sparse mqa bwd (gathered, 2.5x fwd count)", [&] { b.backward(ctx()); },
             2.5 * b.fwd_flops(), b.bwd_bytes());

@@ -83,9 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-    const uint32_t base = (raw + 1023u) & ~1023u;
-    unsigned char* gbase = smem_raw + (base - raw);
+    const auto [base, gbase] = aligned_smem_base(smem_raw);
     const uint32_t q_tile = base, p_tile = base + 3 * kTileBytes;
     auto k_tile = [&](int64_t c) { return base + uint32_t((1 + (c & 1)) * kTileBytes); };
     float* red_max = reinterpret_cast<float*>(gbase + 3 * kTileBytes + kSliceBytes);  // [2][64]

@@ -33,6 +33,19 @@ __device__ __forceinline__ uint64_t mn_major(uint32_t addr) {
     return wgmma::descriptor(addr, 8192, 1024);
 }
 
+// The dynamic shared memory's first 1024-byte boundary (the 128-byte swizzle's 8-row atoms are
+// 1024 B and its pattern follows the address bits), as a shared-window address and a generic
+// pointer; kernels reserve 1024 bytes of slack for it.
+struct SmemBase {
+    uint32_t addr;
+    unsigned char* ptr;
+};
+__device__ __forceinline__ SmemBase aligned_smem_base(unsigned char* raw) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(raw));
+    const uint32_t base = (a + 1023u) & ~1023u;
+    return {base, raw + (base - a)};
+}
+
 __device__ __forceinline__ void mma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

@@ -64,9 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-    const uint32_t base = (raw + 1023u) & ~1023u;
-    unsigned char* gbase = smem_raw + (base - raw);
+    const auto [base, gbase] = aligned_smem_base(smem_raw);
     const uint32_t q_tile = base, k_tile = base + kTileBytes, do_tile = base + 2 * kTileBytes;
     const uint32_t p_tile = do_tile + kDoBytes, ds_tile = p_tile + kSliceBytes;
     unsigned char* p_gen = gbase + (p_tile - base);

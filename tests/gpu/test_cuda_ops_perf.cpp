@@ -33,8 +33,9 @@ namespace {
 constexpr int64_t T = 4096, h = 6144, H = 64, L = 576, kr = 512, K = 2048, V = 154880;
 
 // Sparse MQA over `tokens` tokens of one document, row t selecting its last min(t + 1, 2048) keys;
-// report() times the gathered forward, the flash wgmma forward (where supported) and the gathered
-// backward. FLOPs on the selected pairs (absorbed: 576 + 512 per pair and head; backward 2.5x).
+// report_gathered_sparse_mqa() times the gathered forward and backward and, where supported, the
+// flash wgmma forward and backward. FLOPs on the selected pairs (absorbed: 576 + 512 per pair and
+// head; backward 2.5x).
 struct SparseMqaBench {
     int64_t tokens = 0;
     std::unique_ptr<DeviceArray<bf16>> q, kv, o, dout, dq;

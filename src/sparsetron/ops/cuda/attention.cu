@@ -3,9 +3,6 @@
 // latent row is both key and value). One block per (row, head); keys in chunks of kChunk with an
 // online softmax, so any key count fits. This is the correctness-first form: the performance issue
 // replaces it with tiled tensor-core kernels behind the same signatures.
-#include <cstdlib>
-#include <string>
-
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -17,20 +14,14 @@ namespace {
 // SPARSETRON_SPARSE_MQA=reference forces the per-head reference kernels (the harness compares
 // both implementations against the CPU).
 bool reference_forced() {
-    static const bool reference = [] {
-        const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
-        return e && std::string(e) == "reference";
-    }();
+    static const bool reference = env_is("SPARSETRON_SPARSE_MQA", "reference");
     return reference;
 }
 // The sparse MQA forward on the flash-style wgmma kernel where it applies (sm_90, the GLM-5 shape):
 // gathered or in place of the masked form. SPARSETRON_SPARSE_MQA=noflash keeps the forms before
 // it (measuring them against it in one process).
 bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
-    static const bool off = [] {
-        const char* e = std::getenv("SPARSETRON_SPARSE_MQA");
-        return e && std::string(e) == "noflash";
-    }();
+    static const bool off = env_is("SPARSETRON_SPARSE_MQA", "noflash");
     return !off && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
 // The backward on the flash-style wgmma kernel where it applies and no probabilities were kept:
@@ -39,10 +30,7 @@ bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
 // recomputing, 5.0 from kept probabilities, against 9.0; docs/perf/2026-12-01-sparse-mqa-flash-
 // forward.md). SPARSETRON_SPARSE_MQA=noflash turns it off with the forward.
 bool flash_backward_chosen(int64_t heads, int64_t dqk, int64_t dv, bool masked_available) {
-    static const bool forced = [] {
-        const char* e = std::getenv("SPARSETRON_SPARSE_MQA_BWD");
-        return e && std::string(e) == "flash";
-    }();
+    static const bool forced = env_is("SPARSETRON_SPARSE_MQA_BWD", "flash");
     return (forced || !masked_available) && flash_forward_chosen(heads, dqk, dv);
 }
 bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {

@@ -6,9 +6,6 @@
 // ReLU and the per-head weights column by column (coalesced). Without: one block per (query row,
 // tile of kKeyTile keys), the row's H x d query and the tile's keys in shared memory, tiles outside
 // [begin, t] exiting at once (the simple form; small shapes and the harness).
-#include <cstdlib>
-#include <string>
-
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -77,10 +74,7 @@ int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
 // SPARSETRON_INDEXER=gemm keeps the cuBLASLt / simple forms on sm_90 (measuring them against
 // the fused kernel in one process).
 bool indexer_forced_gemm() {
-    static const bool forced = [] {
-        const char* e = std::getenv("SPARSETRON_INDEXER");
-        return e && std::string(e) == "gemm";
-    }();
+    static const bool forced = env_is("SPARSETRON_INDEXER", "gemm");
     return forced;
 }
 

@@ -3,10 +3,19 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
+
+// True when environment variable `name` is exactly `value`: the A/B switches the harness and the
+// bench scripts set (callers keep the answer in a function-local static).
+inline bool env_is(const char* name, const char* value) {
+    const char* e = std::getenv(name);
+    return e && std::strcmp(e, value) == 0;
+}
 
 // Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
 bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);

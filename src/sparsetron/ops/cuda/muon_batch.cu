@@ -1,10 +1,8 @@
 // Batched Muon pieces (muon_batch.h). The gather and apply kernels move 32 x 32 tiles through
 // shared memory so both the parameter rows and the (possibly transposed) stack are read and
 // written along their contiguous dimension; blockIdx.z is the problem.
-#include <cstdlib>
-#include <string>
-
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
 
 namespace sparsetron::cuda {
@@ -123,10 +121,7 @@ constexpr int64_t kSymmetricMin = 512;
 void symmetric_product(const ExecContext& ctx, const void* x, int64_t rr, int64_t k, float alpha,
                        float beta, void* out, DType elem, int64_t count, int64_t xs, int64_t os,
                        bool tf32) {
-    static const bool full = [] {
-        const char* v = std::getenv("SPARSETRON_NS_FULL_GEMMS");
-        return v && std::string(v) == "1";
-    }();
+    static const bool full = env_is("SPARSETRON_NS_FULL_GEMMS", "1");
     const GemmBatch g{count, xs, xs, os, tf32};
     if (full || rr < kSymmetricMin || rr % 2 != 0) {
         gemm(ctx, false, true, rr, rr, k, alpha, x, k, x, k, beta, out, rr, elem, elem, g);

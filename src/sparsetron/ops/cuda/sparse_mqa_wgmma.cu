@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto start_gathers = [&] {
         chunk_keys(sel, n, 0, keys);
         gather(0, keys);
-        asm volatile("cp.async.commit_group;\n" ::);
+        cp_async_commit();
         chunk_keys(sel, n, 1, keys);
     };
     auto gather_next = [&](int64_t c) {
@@ -117,14 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             gather(c + 1, keys);
             chunk_keys(sel, n, c + 2, keys);
         }
-        asm volatile("cp.async.commit_group;\n" ::);  // possibly empty
-    };
-    // Chunk c landed for every thread, and every MMA reading the buffer chunk c + 1 goes to is
-    // done.
-    auto chunk_landed = [] {
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();
+        cp_async_commit();  // possibly empty
     };
     {
         const bf* qrows[2] = {q + (t * kH + (tid >> 3)) * kD, q + (t * kH + (tid >> 3) + 32) * kD};
@@ -135,18 +128,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t dq = k_major(q_tile), dp = k_major(p_tile);
     auto dk = [&](int64_t c) { return k_major(k_tile(c) + wg * 32 * 128); };
 
+    // Chunk c's scores for this warpgroup's 32 keys (log2 domain, masked), chunk c + 1's copies
+    // issued while the MMAs run. Both passes over the chunks start this way.
+    auto chunk_scores = [&](int64_t c, float(&s)[16]) {
+        copies_landed();  // chunk c, and every MMA reading chunk c + 1's buffer is done
+        issue_scores(s, dq, dk(c));
+        gather_next(c);
+        mma_wait();
+        scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
+    };
+
     float o[kDv / 4];  // m64n256: this warpgroup's dims 256 wg .. 256 wg + 255
 #pragma unroll
     for (int i = 0; i < kDv / 4; ++i) o[i] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_part[2] = {0.f, 0.f};  // log2 domain
 
     for (int64_t c = 0; c < chunks; ++c) {
-        chunk_landed();
         float s[16];
-        issue_scores(s, dq, dk(c));
-        gather_next(c);
-        mma_wait();
-        scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
+        chunk_scores(c, s);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 o[4 * i + 2] *= alpha[1], o[4 * i + 3] *= alpha[1];
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // P: generic -> wgmma
+        fence_async_proxy();  // P
         __syncthreads();
         // O += P V: P [64 heads][64 keys] K-major; V = the chunk's slices 4 wg .. 4 wg + 3 read
         // MN-major (key rows are the reduction).
@@ -206,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kk = 0; kk < 4; ++kk)
             mma_m64k16<0, 1>(o, desc_plus(dp, kk * 32), desc_plus(dv, kk * 2048));
         mma_commit();
-        mma_wait();  // the next chunk_landed's barrier frees P and this chunk's buffer
+        mma_wait();  // the next copies_landed barrier frees P and this chunk's buffer
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // Row sums: the quad's lanes, then the other warpgroup's keys.
@@ -254,12 +253,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // the staged output read, and red_sum read, before the buffers are reused
     start_gathers();
     for (int64_t c = 0; c < chunks; ++c) {
-        chunk_landed();
         float s[16];
-        issue_scores(s, dq, dk(c));
-        gather_next(c);
-        mma_wait();
-        scale_and_mask(s, scale_log2, wg, quad, c * kChunk, n);
+        chunk_scores(c, s);
         // cs[2 i + e]: key 32 wg + 8 i + 2 quad + e summed over this thread's two heads, then over
         // the warp's 8 lanes of the same quad (its 16 heads).
         float cs[8];
@@ -287,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                         colsum[3 * kH + tid]
                                   : 0.f;
         }
-        // The next chunk_landed's barrier: colsum read before it is written again.
+        // The next copies_landed barrier: colsum read before it is written again.
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     for (int64_t j = chunks * kChunk + tid; j < kslots; j += kThreads) ps_row[j] = 0.f;

@@ -46,6 +46,20 @@ __device__ __forceinline__ SmemBase aligned_smem_base(unsigned char* raw) {
     return {base, raw + (base - a)};
 }
 
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+// Shared memory written by ordinary stores, made visible to the MMAs (before a barrier).
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Every copy this block issued has landed and is visible to every thread and to the MMAs.
+__device__ __forceinline__ void copies_landed() {
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    fence_async_proxy();
+    __syncthreads();
+}
+
 __device__ __forceinline__ void mma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

@@ -50,6 +50,31 @@ static_assert(kBwdSmemBytes <= 227 * 1024, "shared memory per block");
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
+
+// One dK'/dV' block of 64 dims (M = the chunk's 64 keys, N = 64 dims, K = heads): acc = dS^T
+// Q_slice over k16 steps kk0 .. kk0 + kSteps - 1, plus P^T dO_slice over all four with kWithDv;
+// every operand read MN-major from its [64 heads][64] tile. Issued and waited for.
+template <int kSteps, bool kWithDv>
+__device__ __forceinline__ void dkv_block(float (&acc)[32], uint64_t d_dst, uint64_t d_pt,
+                                          uint32_t q_slice, uint32_t do_slice, int kk0) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    mma_fence();
+    const uint64_t d_q = mn_major(q_slice);
+#pragma unroll
+    for (int k = 0; k < kSteps; ++k) {
+        const int kk = kk0 + k;
+        wgmma::mma_m64k16<1, 1>(acc, desc_plus(d_dst, kk * 2048), desc_plus(d_q, kk * 2048));
+    }
+    if constexpr (kWithDv) {
+        const uint64_t d_do = mn_major(do_slice);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            wgmma::mma_m64k16<1, 1>(acc, desc_plus(d_pt, kk * 2048), desc_plus(d_do, kk * 2048));
+    }
+    mma_commit();
+    mma_wait();
+}
 #endif
 
 // The reductions' dkv rows: kSharedKeys false, the measured form (a268012), loads them from the
@@ -104,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     chunk_keys(sel, n, 0, keys);
     gather(0);
-    asm volatile("cp.async.commit_group;\n" ::);
+    cp_async_commit();
     chunk_keys(sel, n, 1, keys);
     // delta_h = dO_h . O_h (warp w: heads 8 w .. 8 w + 7) and lse in log2 units, while the copies
     // fly; the first chunk's barrier publishes them.
@@ -142,20 +167,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 32; ++i) dq_rope[i] = 0.f;
 
     for (int64_t c = 0; c < chunks; ++c) {
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        __syncthreads();  // chunk c landed; P, dS and the previous chunk's MMAs are done
+        copies_landed();  // chunk c; P, dS and the previous chunk's MMAs are done
         float s[16], dp[16];
         chunk_dots<kSlices>(s, d_q, d_keys);
         chunk_dots<kDv / 64>(dp, d_do, d_keys);
         mma_commit();
         // The dkv rows of this thread's accumulator rows in the dK'/dV' blocks (keys r0, r0 + 8).
-        int32_t red_key[2];
+        int32_t red_key[2];  // kSharedKeys: read from shared memory below
+        if constexpr (!kSharedKeys)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int64_t j = c * kChunk + r0 + 8 * half;
-            if (!kSharedKeys) red_key[half] = j < n ? sel[j] : -1;  // kSharedKeys: read below
-        }
+            for (int half = 0; half < 2; ++half) {
+                const int64_t j = c * kChunk + r0 + 8 * half;
+                red_key[half] = j < n ? sel[j] : -1;
+            }
         mma_wait();
         const bool partial = c * kChunk + kChunk > n;
 #pragma unroll
@@ -176,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 *reinterpret_cast<__nv_bfloat162*>(ds_gen + off) =
                     __floats2bfloat162_rn(ds[0], ds[1]);
             }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // P, dS: generic -> wgmma
+        fence_async_proxy();  // P, dS
         __syncthreads();
         // dQ += dS K: A = dS [64 heads][64 keys] K-major; B = the key tile read MN-major (key
         // rows the reduction): slices 4 wg .. 4 wg + 3, and slice 8 over this warpgroup's keys.
@@ -200,8 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             gather(c + 1);
             chunk_keys(sel, n, c + 2, keys);
         }
-        asm volatile("cp.async.commit_group;\n" ::);  // possibly empty
-        if (kSharedKeys)
+        cp_async_commit();  // possibly empty
+        if constexpr (kSharedKeys)
 #pragma unroll
             for (int half = 0; half < 2; ++half)
                 red_key[half] = sel_s[(c & 1) * kChunk + r0 + 8 * half];
@@ -221,40 +245,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         };
         const uint64_t d_dst = mn_major(ds_tile), d_pt = mn_major(p_tile);
+        float acc[32];
 #pragma unroll 1
         for (int j = 0; j < 4; ++j) {
             const int b = 2 * j + wg;
-            float acc[32];
-#pragma unroll
-            for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-            mma_fence();
-            const uint64_t d_qb = mn_major(q_tile + b * kSliceBytes);
-            const uint64_t d_dob = mn_major(do_tile + b * kSliceBytes);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                mma_m64k16<1, 1>(acc, desc_plus(d_dst, kk * 2048), desc_plus(d_qb, kk * 2048));
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                mma_m64k16<1, 1>(acc, desc_plus(d_pt, kk * 2048), desc_plus(d_dob, kk * 2048));
-            mma_commit();
-            mma_wait();
+            dkv_block<4, true>(acc, d_dst, d_pt, q_tile + b * kSliceBytes,
+                               do_tile + b * kSliceBytes, 0);
             reduce_block(acc, b);
         }
-        {
-            float acc[32];
-#pragma unroll
-            for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-            mma_fence();
-            const uint64_t d_qr = mn_major(q_tile + 8 * kSliceBytes);
-#pragma unroll
-            for (int k2 = 0; k2 < 2; ++k2) {
-                const int kk = 2 * wg + k2;
-                mma_m64k16<1, 1>(acc, desc_plus(d_dst, kk * 2048), desc_plus(d_qr, kk * 2048));
-            }
-            mma_commit();
-            mma_wait();
-            reduce_block(acc, 8);
-        }
+        dkv_block<2, false>(acc, d_dst, d_pt, q_tile + 8 * kSliceBytes, 0, 2 * wg);
+        reduce_block(acc, 8);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // dQ out: the latent dims from each warpgroup; the rope dims as warpgroup 1's partial (through

@@ -155,16 +155,14 @@ class CudaOpsPerf : public ::testing::Test {
                                                        psum);
                     },
                     b.fwd_flops(), b.fwd_bytes());
-            for (bool shared_keys : {false, true})
-                report(
-                    prefix + (shared_keys ? "sparse mqa bwd, flash wgmma, shared keys"
-                                          : "sparse mqa bwd, flash wgmma (2.5x fwd count)"),
-                    [&] {
-                        cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv,
-                                                        *b.idx, *b.len, K, b.scale, *b.o, *b.lse,
-                                                        *b.dout, *b.dq, *b.dkv, 0, shared_keys);
-                    },
-                    2.5 * b.fwd_flops(), b.bwd_bytes());
+            report(
+                prefix + "sparse mqa bwd, flash wgmma (2.5x fwd count)",
+                [&] {
+                    cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
+                                                    *b.len, K, b.scale, *b.o, *b.lse, *b.dout,
+                                                    *b.dq, *b.dkv);
+                },
+                2.5 * b.fwd_flops(), b.bwd_bytes());
         }
         report(
             prefix + "sparse mqa bwd (gathered, 2.5x fwd count)", [&] { b.backward(ctx()); },

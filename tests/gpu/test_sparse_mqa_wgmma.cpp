@@ -119,9 +119,8 @@ void check_forward(double score_mult, double growth) {
 
 // The backward from the CPU forward's output (rounded to bf16, as the model stores it) and lse,
 // against the CPU backward on the same values. extra_key_rows: kv has that many rows past the
-// queries' (context parallelism): their dkv rows must come out zero. shared_keys: the form that
-// reads the reductions' dkv rows from shared memory.
-void check_backward(double score_mult, double growth, int64_t extra_key_rows, bool shared_keys) {
+// queries' (context parallelism): their dkv rows must come out zero.
+void check_backward(double score_mult, double growth, int64_t extra_key_rows) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     Problem pr(score_mult, growth);
@@ -137,15 +136,14 @@ void check_backward(double score_mult, double growth, int64_t extra_key_rows, bo
     DeviceArray<int32_t> didx(pr.idx), dlen(pr.len);
     DeviceArray<float> lse(l), dkv(keys * dqk);
     cuda::sparse_mqa_backward_wgmma(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, pr.scale, out, lse,
-                                    dout, dq, dkv, keys, shared_keys);
+                                    dout, dq, dkv, keys);
     session.synchronize();
     std::vector<float> dqr(T * H * dqk), ws(H * T * dqk), dkvr(keys * dqk, 0.f);
     cpu::sparse_mqa_backward<float>(T, H, dqk, dv, pr.qh.data(), pr.kvh.data(), pr.idx.data(),
                                     pr.len.data(), K, pr.scale, o.data(), l.data(), doh.data(),
                                     dqr.data(), ws.data(), dkvr.data());
-    const std::string what = std::string("wgmma sparse mqa backward") +
-                             (shared_keys ? " (shared keys)" : "") +
-                             (growth > 0 ? " (growing scores) " : " ");
+    const std::string what =
+        std::string("wgmma sparse mqa backward") + (growth > 0 ? " (growing scores) " : " ");
     expect_close(what + "dq", to_float(dq.download()), dqr, 1e-2);
     expect_close(what + "dkv", dkv.download(), dkvr, 1e-2);
     expect_guard(dq, what + "dq");
@@ -169,10 +167,8 @@ TEST(SparseMqaWgmma, ForwardMatchesCpuWhenLaterChunksRaiseTheMaximum) {
 TEST(SparseMqaWgmma, BackwardMatchesCpuAtTheGlm5Shape) {
     REQUIRE_GPU();
     if (wgmma_unsupported()) GTEST_SKIP() << "the wgmma sparse MQA needs an sm_90 device";
-    for (bool shared_keys : {false, true}) {
-        check_backward(1.0, 0.0, 0, shared_keys);
-        check_backward(3.0, 0.05, 37, shared_keys);
-    }
+    check_backward(1.0, 0.0, 0);
+    check_backward(3.0, 0.05, 37);
 }
 
 #endif

@@ -165,13 +165,12 @@ bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv);
 // The flash-style wgmma backward (same shapes; sparse_mqa_wgmma_bwd.cu): dq overwritten, dkv
 // [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward's choice
 // in place of the gathered kernels; in place of the masked form only with
-// SPARSETRON_SPARSE_MQA_BWD=flash. shared_keys: the form that reads the reductions' dkv rows
-// from shared memory (not yet run on a GPU; the engine passes false).
+// SPARSETRON_SPARSE_MQA_BWD=flash.
 void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                               int64_t key_rows = 0, bool shared_keys = false);
+                               int64_t key_rows = 0);
 // dq bf16 (overwritten); dkv fp32 [keys, dqk] (zeroed, then accumulated: atomics when gathered,
 // chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens).
 void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,

@@ -39,10 +39,9 @@ namespace {
 
 using namespace flash_mqa;
 constexpr int kDoBytes = (kDv / 64) * kSliceBytes;
-// Alignment slack, Q, the key chunk, dO, P, dS, delta and lse (log2 units) per head, two chunks'
-// selected keys (kSharedKeys).
+// Alignment slack, Q, the key chunk, dO, P, dS, delta and lse (log2 units) per head.
 constexpr size_t kBwdSmemBytes =
-    1024 + 2 * size_t(kTileBytes) + kDoBytes + 2 * kSliceBytes + 2 * kH * 4 + 2 * kChunk * 4;
+    1024 + 2 * size_t(kTileBytes) + kDoBytes + 2 * kSliceBytes + 2 * kH * 4;
 static_assert(kBwdSmemBytes <= 227 * 1024, "shared memory per block");
 [[maybe_unused]] constexpr float kLog2e = 1.44269504f;
 
@@ -77,11 +76,9 @@ __device__ __forceinline__ void dkv_block(float (&acc)[32], uint64_t d_dst, uint
 }
 #endif
 
-// The reductions' dkv rows: kSharedKeys false, the measured form (a268012), loads them from the
-// selection just before the reductions (ncu: 23% of the stall samples wait on those loads);
-// kSharedKeys true (written 2026-12-01, not yet run on a GPU) reads them from shared memory,
-// written when the chunk's gather was issued.
-template <bool kSharedKeys>
+// The reductions' dkv rows are loaded from the selection while the chunk's S / dP MMAs run.
+// Reading them from shared memory instead (written at the gather) measured slower: 8860 vs 8765
+// us at 4K, 88.3 vs 86.7 ms at 32K (2026-12-01, docs/perf/2026-12-01-sparse-mqa-flash-forward.md).
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mqa_bwd_wgmma_kernel(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len,
                                 int64_t kslots, int64_t tokens, float scale, const bf* out,
@@ -96,7 +93,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     unsigned char* ds_gen = gbase + (ds_tile - base);
     float* delta = reinterpret_cast<float*>(gbase + (ds_tile - base) + kSliceBytes);  // [64]
     float* lse2 = delta + kH;                                                         // [64]
-    int32_t* sel_s = reinterpret_cast<int32_t*>(lse2 + kH);  // [2][64]: chunk c\'s keys in c & 1
 
     const int64_t t = blockIdx.x, n = len[t];
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -119,16 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_rows<kDv / 64>(do_tile, dorows, all);
     }
     int32_t keys[2];
-    // The gather of chunk c, and (kSharedKeys) its keys for the reductions.
-    auto gather = [&](int64_t c) {
-        gather_chunk(k_tile, kv, keys);
-        if (kSharedKeys && (tid & 7) == 0) {
-            sel_s[(c & 1) * kChunk + (tid >> 3)] = keys[0];
-            sel_s[(c & 1) * kChunk + (tid >> 3) + 32] = keys[1];
-        }
-    };
     chunk_keys(sel, n, 0, keys);
-    gather(0);
+    gather_chunk(k_tile, kv, keys);
     cp_async_commit();
     chunk_keys(sel, n, 1, keys);
     // delta_h = dO_h . O_h (warp w: heads 8 w .. 8 w + 7) and lse in log2 units, while the copies
@@ -173,13 +161,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         chunk_dots<kDv / 64>(dp, d_do, d_keys);
         mma_commit();
         // The dkv rows of this thread's accumulator rows in the dK'/dV' blocks (keys r0, r0 + 8).
-        int32_t red_key[2];  // kSharedKeys: read from shared memory below
-        if constexpr (!kSharedKeys)
+        int32_t red_key[2];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int64_t j = c * kChunk + r0 + 8 * half;
-                red_key[half] = j < n ? sel[j] : -1;
-            }
+        for (int half = 0; half < 2; ++half) {
+            const int64_t j = c * kChunk + r0 + 8 * half;
+            red_key[half] = j < n ? sel[j] : -1;
+        }
         mma_wait();
         const bool partial = c * kChunk + kChunk > n;
 #pragma unroll
@@ -221,14 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         mma_wait();
         __syncthreads();  // both warpgroups are done with the key tile
         if (c + 1 < chunks) {
-            gather(c + 1);
+            gather_chunk(k_tile, kv, keys);
             chunk_keys(sel, n, c + 2, keys);
         }
         cp_async_commit();  // possibly empty
-        if constexpr (kSharedKeys)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                red_key[half] = sel_s[(c & 1) * kChunk + r0 + 8 * half];
         // dK'/dV' blocks of 64 dims: warpgroup w takes latent blocks w, 2 + w, 4 + w, 6 + w
         // (dS^T Q + P^T dO) and the rope block over heads 32 w .. 32 w + 31 (dS^T Q; the two
         // halves meet in dkv's reductions). The same code path in both warpgroups: wgmma in a
@@ -301,18 +284,15 @@ void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t h
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
                                const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                               int64_t key_rows, bool shared_keys) {
+                               int64_t key_rows) {
     ST_CHECK(sparse_mqa_forward_wgmma_supported(heads, dqk, dv),
              "sparse_mqa_backward_wgmma: ", heads, " heads, qk ", dqk, ", v ", dv,
              " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");
     if (tokens == 0) return;
     const int64_t keys = std::max(tokens, key_rows);
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, keys * dqk * sizeof(float), stream_of(ctx)));
-    allow_dynamic_smem<sparse_mqa_bwd_wgmma_kernel<false>>(kBwdSmemBytes);
-    allow_dynamic_smem<sparse_mqa_bwd_wgmma_kernel<true>>(kBwdSmemBytes);
-    auto kernel =
-        shared_keys ? sparse_mqa_bwd_wgmma_kernel<true> : sparse_mqa_bwd_wgmma_kernel<false>;
-    kernel<<<unsigned(tokens), kThreads, kBwdSmemBytes, stream_of(ctx)>>>(
+    allow_dynamic_smem<sparse_mqa_bwd_wgmma_kernel>(kBwdSmemBytes);
+    sparse_mqa_bwd_wgmma_kernel<<<unsigned(tokens), kThreads, kBwdSmemBytes, stream_of(ctx)>>>(
         dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse, dev(dout), dev(dq), dkv);
     ST_CUDA_LAUNCH_CHECK();
 }

@@ -29,6 +29,17 @@ inline unsigned blocks_for(int64_t n, int threads) {
     return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// The current device's SM count, read once (persistent kernels launch one block per SM).
+inline int sm_count() {
+    static const int count = [] {
+        int device = 0, sms = 0;
+        ST_CUDA_CHECK(cudaGetDevice(&device));
+        ST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        return sms;
+    }();
+    return count;
+}
+
 // Raises kKernel's dynamic shared memory limit (48 KiB by default) to `bytes`, once per kernel:
 // the first call sets it, before any graph capture.
 template <auto kKernel>

@@ -158,14 +158,15 @@ namespace {
 // SPARSETRON_GROUPED_GEMM picks the kernels for measuring them against each other in one
 // process: "blocked" runs this file's kernel for every kind, "ws" the warp-specialized one for
 // every kind (weight gradients included); unset, the engine's choice below.
-enum class Choice { Engine, Blocked, WarpSpecialized };
+enum class Choice { Engine, Blocked, WarpSpecialized, PingPong };
 Choice forced_choice() {
     static const Choice choice = [] {
         const char* e = std::getenv("SPARSETRON_GROUPED_GEMM");
         const std::string v = e ? e : "";
-        return v == "blocked" ? Choice::Blocked
-               : v == "ws"    ? Choice::WarpSpecialized
-                              : Choice::Engine;
+        return v == "blocked"    ? Choice::Blocked
+               : v == "ws"       ? Choice::WarpSpecialized
+               : v == "pingpong" ? Choice::PingPong
+                                 : Choice::Engine;
     }();
     return choice;
 }
@@ -179,6 +180,11 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
     // two-blocks-per-SM kernel below, whose second block hides the fp32 read-modify-write store
     // that the persistent kernel's consumers do with the tensor cores idle (412 vs 362).
     const Choice choice = forced_choice();
+    if (choice == Choice::PingPong) {
+        grouped_gemm_pingpong(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c,
+                              weight_stride, accumulate);
+        return;
+    }
     if (choice == Choice::WarpSpecialized ||
         (choice == Choice::Engine && kind != GroupedGemm::WeightGrad)) {
         grouped_gemm_ws(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
@@ -208,7 +214,7 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
 }
 
 int grouped_gemm_wgmma_configs() {
-    return 6 + kGroupedGemmWsConfigs;
+    return 6 + kGroupedGemmWsConfigs + kGroupedGemmPingPongConfigs;
 }
 
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
@@ -239,9 +245,15 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
             run<WgWideLongK>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x256, k64, 4 stages, a group in flight";
         default:
-            grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, n, k, a, b, c, ws,
-                            false);
-            return grouped_gemm_ws_name(config - 6);
+            if (config < 6 + kGroupedGemmWsConfigs) {
+                grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, n, k, a, b, c,
+                                ws, false);
+                return grouped_gemm_ws_name(config - 6);
+            }
+            config -= 6 + kGroupedGemmWsConfigs;
+            grouped_gemm_pingpong(ctx, config, kind, offsets, experts, max_rows, n, k, a, b, c, ws,
+                                  false);
+            return grouped_gemm_pingpong_name(config);
     }
 }
 

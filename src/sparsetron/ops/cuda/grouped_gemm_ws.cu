@@ -153,16 +153,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-int sm_count() {
-    static const int count = [] {
-        int device = 0, sms = 0;
-        ST_CUDA_CHECK(cudaGetDevice(&device));
-        ST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-        return sms;
-    }();
-    return count;
-}
-
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
             TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate, const bf16* a,

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On nvidia-h200: the ping-pong grouped GEMM (grouped_gemm_pingpong.cu) against the engine's
+# kernels: the grouped GEMM tests, the perf harness's grouped GEMM lines (every configuration,
+# each kind, uniform and skewed routing, the dense cuBLASLt GEMM of the same shape), then the
+# proxy backbone forward+backward (graph) with the engine's choice and with
+# SPARSETRON_GROUPED_GEMM=pingpong, interleaved, one process each.
+# Usage: bench/scripts/grouped-gemm-pingpong.sh OUT_DIR COMMIT
+set -uo pipefail
+out=${1:?usage: grouped-gemm-pingpong.sh OUT_DIR COMMIT}
+commit=${2:-unknown}
+mkdir -p "$out"
+bin=build/default/bin
+timeout 120 scripts/gpu-run.sh $bin/test_gpu --gtest_filter='*GroupedGemm*' >"$out/tests.log" 2>&1
+echo "grouped gemm tests rc=$?"
+grep -E "^\[  (PASSED|FAILED) |FAILED  \]|SKIPPED \] [0-9]" "$out/tests.log"
+SPARSETRON_OPS_PERF=1 timeout 200 scripts/gpu-run.sh $bin/test_gpu \
+  --gtest_filter='CudaOpsPerf.GroupedExpertGemm' 2>&1 | grep "^\[perf\]" | tee "$out/perf.txt"
+r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
+bb="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward --warmup 3 --iters 10"
+run() {  # name, SPARSETRON_GROUPED_GEMM value
+  # shellcheck disable=SC2086  # the options are words
+  SPARSETRON_GROUPED_GEMM=$2 timeout 150 scripts/gpu-run.sh $bin/sparsetron bench $r $bb \
+    --variants graph --json "$out/$1.jsonl" >>"$out/$1.log" 2>&1 || echo "$1 failed"
+  grep -h "graph " "$out/$1.log" | tail -1 | sed "s/^/$1 /"
+}
+for round in 1 2; do
+  run backbone-engine ""
+  run backbone-pingpong pingpong
+done

@@ -667,11 +667,15 @@ TEST_F(CudaOps, GroupedGemmManyTiles) {
     grouped_gemm_check(*session_, {0, 300, 301, 301, 560}, 264, 392, 300, "grouped gemm (tiles)");
 }
 
-// Every tile configuration of the tensor-core kernels (on Hopper: the wgmma kernel, then the WMMA
+namespace {
+// Every tile configuration of the tensor-core kernels (on Hopper: the wgmma kernels, then the WMMA
 // ones the engine uses elsewhere) against per-expert CPU GEMMs, each kind, partial tiles.
-TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
-    const std::vector<int32_t> off{0, 37, 37, 101, 260};
-    const int64_t E = int64_t(off.size()) - 1, R = off.back(), n = 136, kk = 200, max_rows = 159;
+void grouped_gemm_every_configuration(const cuda::CudaSession& session,
+                                      const std::vector<int32_t>& off, int64_t n, int64_t kk) {
+    const ExecContext& ctx = session.ctx();
+    const int64_t E = int64_t(off.size()) - 1, R = off.back();
+    int64_t max_rows = 0;
+    for (int64_t e = 0; e < E; ++e) max_rows = std::max<int64_t>(max_rows, off[e + 1] - off[e]);
     DeviceArray<int32_t> doff(off);
     Rounded w(E * n * kk, 121, 0.3), x(R * kk, 122), dy(R * n, 123);
     std::vector<float> yr(R * n), dxr(R * kk), dwr(E * n * kk, 0.f);
@@ -693,17 +697,29 @@ TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
         DeviceArray<float> dw(std::vector<float>(E * n * kk, 0.f));
         const std::string name =
-            cuda::grouped_gemm_tc_config(ctx(), cfg, K2::RowsTimesWeightT, doff, E, max_rows, n, kk,
+            cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeightT, doff, E, max_rows, n, kk,
                                          x.dev, w.dev, static_cast<bf16*>(y));
-        cuda::grouped_gemm_tc_config(ctx(), cfg, K2::RowsTimesWeight, doff, E, max_rows, n, kk,
+        cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeight, doff, E, max_rows, n, kk,
                                      dy.dev, w.dev, static_cast<bf16*>(dx));
-        cuda::grouped_gemm_tc_config(ctx(), cfg, K2::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
+        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
                                      x.dev, static_cast<float*>(dw));
-        sync();
+        session.synchronize();
         expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
         expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);
         expect_close(name + ": weight grad", dw.download(), dwr, 1e-5);
     }
+}
+}  // namespace
+
+TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
+    grouped_gemm_every_configuration(*session_, {0, 37, 37, 101, 260}, 136, 200);
+}
+
+// Reductions of many more 64-deep slices than pipeline stages (x W^T 18, weight gradient up to
+// 10) and several tiles per block: the persistent kernels' stage rings wrap many times within a
+// tile (the ping-pong kernel's first form passed the 4-slice case above and hung at this depth).
+TEST_F(CudaOps, GroupedGemmEveryConfigurationDeepReduction) {
+    grouped_gemm_every_configuration(*session_, {0, 300, 301, 301, 900}, 264, 1100);
 }
 
 // Dimensions not a multiple of 8: the simple fallback kernel.

@@ -14,6 +14,13 @@
 // w, w + 2, ...: it waits only for its own tiles' stages (skipping the other's slices in the fill
 // count) and releases each stage to the producer alone (128 arrivals). A consumer owns a whole
 // TM x BN tile: kHalves row halves of 64 (two m64 MMAs per k16 step sharing B) or one.
+//
+// Turn order: a consumer starts a tile only once the other has waited for the previous tile's
+// last stage (an mbarrier per consumer, "turn"). The stage waits are by phase parity, which
+// cannot tell a phase from the one two rounds earlier: without the turn, a consumer done with
+// its tile would wait on its next tile's first stage while that stage is still two or more
+// rounds behind (the other consumer mid-tile) and pass on a stale phase. (The first form had
+// no turn: it passed the tests' 4-slice tiles and hung at the proxy's 32-slice ones.)
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -38,7 +45,8 @@ struct PpCfg {
     static constexpr int Lag = Stages - 2;  // as in grouped_gemm_ws.cu's WsCfg
     static constexpr int ABytes = TM * BK * 2, BBytes = BN * BK * 2;
     static constexpr int StageBytes = ABytes + BBytes;
-    static constexpr size_t SmemBytes = size_t(Stages) * StageBytes + 1024 + 2 * Stages * 8;
+    // Stages, alignment slack, the full and empty mbarriers per stage and the two turn barriers.
+    static constexpr size_t SmemBytes = size_t(Stages) * StageBytes + 1024 + (2 * Stages + 2) * 8;
     static_assert(Lag >= 1, "at least three stages");
     static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
     static_assert(kHalves == 1 || kHalves == 2, "m64n256 or two m64n128 per k16 step");
@@ -67,11 +75,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t bars = base + uint32_t(kStages * C::StageBytes);
     auto full = [&](uint32_t s) { return bars + 8u * s; };
     auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
-    if (threadIdx.x == 0)
+    // turn(w): consumer w may start its next tile (the other consumer arrives on it).
+    auto turn = [&](int64_t w) { return bars + 8u * (2 * kStages + uint32_t(w)); };
+    if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), kProducerThreads);
             mbar_init(empty(s), kConsumerThreads);
         }
+        mbar_init(turn(0), kConsumerThreads);
+        mbar_init(turn(1), kConsumerThreads);
+    }
     __syncthreads();
 
     const int64_t tiles = experts * space.m_tiles * space.n_tiles;
@@ -125,6 +138,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 it += uint32_t(slices);
                 continue;
             }
+            // The other consumer's tile local - 1 has had all its stages: its turn number
+            // (local - 1) / 2 is this wait's phase.
+            if (local > 0) mbar_wait(turn(mine), uint32_t((local - 1) >> 1) & 1u);
             float d[C::kHalves][BN / 2];
 #pragma unroll
             for (int h = 0; h < C::kHalves; ++h)
@@ -144,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 if (sl > 0) mbar_arrive(empty((it - 1) % kStages));
             }
+            mbar_arrive(turn(1 - mine));  // every stage of this tile has been waited for
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             mbar_arrive(empty((it - 1) % kStages));
 #pragma unroll

@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     extern __shared__ unsigned char smem_raw[];
-    const auto [base, gbase] = aligned_smem_base(smem_raw);
+    const auto [base_, gbase] = aligned_smem_base(smem_raw);
+    const uint32_t base = base_;  // a plain variable: the lambda below captures it (CUDA C++17)
     const uint32_t q_tile = base, p_tile = base + 3 * kTileBytes;
     auto k_tile = [&](int64_t c) { return base + uint32_t((1 + (c & 1)) * kTileBytes); };
     float* red_max = reinterpret_cast<float*>(gbase + 3 * kTileBytes + kSliceBytes);  // [2][64]

@@ -269,9 +269,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // bf16 rows of the expert (added to with `accumulate`) or, for weight gradients, added to the
 // fp32 gradient. Accumulator layout (m64nNk16, fp32): warp w of the warpgroup holds rows
 // 16w + lane / 4 (+ 8); register 4j + {0, 1} (+ {2, 3} for the +8 row) is column
-// 8j + 2 (lane % 4) + {0, 1}. One read-modify-write pair at a time: batching a group's loads
-// before its stores measured slower (weight gradient 345 / 186 TFLOP/s against 412 / 362 on the
-// blocked / warp-specialized kernels, docs/perf/2026-11-30-grouped-gemm-warp-specialized.md).
+// 8j + 2 (lane % 4) + {0, 1}. The weight gradient's fp32 adds are reductions
+// (`red.global.add.v2.f32`); as a load-add-store per pair they held the consumers for the
+// loads' latency with the tensor cores idle (docs/perf/2026-11-30-grouped-gemm-warp-specialized.md,
+// docs/perf/2026-12-01-grouped-gemm-weight-gradient.md).
 template <GroupedGemm kKind, int kAcc>
 __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem& p, int64_t e,
                                           int64_t wstride, int64_t row0, int64_t j0,
@@ -288,11 +289,13 @@ __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem&
             if (gi >= p.M) continue;
             const float v0 = d[4 * j + 2 * half], v1 = d[4 * j + 2 * half + 1];
             if constexpr (kKind == GroupedGemm::WeightGrad) {
-                float2* dst = reinterpret_cast<float2*>(static_cast<float*>(c) + e * wstride +
-                                                        gi * p.N + gj);
-                float2 o = *dst;
-                o.x += v0, o.y += v1;
-                *dst = o;
+                // A reduction, not a load-add-store: the thread does not wait for the old value,
+                // so the consumers go on to the next tile's MMAs while L2 adds. One block owns
+                // each element: one add per element, in no race, as deterministic as the load.
+                float* dst = static_cast<float*>(c) + e * wstride + gi * p.N + gj;
+                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v0),
+                             "f"(v1)
+                             : "memory");
             } else {
                 __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
                                                                         (p.r0 + gi) * p.N + gj);

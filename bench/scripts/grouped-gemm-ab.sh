@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# On nvidia-h200: the ping-pong grouped GEMM (grouped_gemm_pingpong.cu) against the engine's
-# kernels: the grouped GEMM tests, the perf harness's grouped GEMM lines (every configuration,
-# each kind, uniform and skewed routing, the dense cuBLASLt GEMM of the same shape), then the
-# proxy backbone forward+backward (graph) with the engine's choice and with
-# SPARSETRON_GROUPED_GEMM=pingpong, interleaved, one process each.
-# Usage: bench/scripts/grouped-gemm-pingpong.sh OUT_DIR COMMIT
+# On nvidia-h200: a grouped GEMM kernel choice against the engine's: the grouped GEMM tests, the
+# perf harness's grouped GEMM lines (every configuration, each kind, uniform and skewed routing,
+# the dense cuBLASLt GEMM of the same shape), then the proxy backbone forward+backward (graph)
+# with the engine's choice and with SPARSETRON_GROUPED_GEMM=CHOICE (blocked, ws or pingpong),
+# interleaved, one process each.
+# Usage: bench/scripts/grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE
 set -uo pipefail
-out=${1:?usage: grouped-gemm-pingpong.sh OUT_DIR COMMIT}
+out=${1:?usage: grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE}
 commit=${2:-unknown}
+choice=${3:?usage: grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE}
 mkdir -p "$out"
 bin=build/default/bin
 timeout 60 scripts/gpu-run.sh $bin/test_gpu --gtest_filter='*GroupedGemm*' >"$out/tests.log" 2>&1
@@ -27,5 +28,5 @@ run() {  # name, SPARSETRON_GROUPED_GEMM value
 }
 for round in 1 2; do
   run backbone-engine ""
-  run backbone-pingpong pingpong
+  run "backbone-$choice" "$choice"
 done

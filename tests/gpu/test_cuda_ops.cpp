@@ -717,8 +717,8 @@ TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
 
 // Reductions of many more 64-deep slices than pipeline stages (x W^T 17, weight gradient up to
 // 10; every dimension a multiple of 8, as the 16-byte copies need) and several tiles per block: the
-// persistent kernels' stage rings wrap many times within a tile (the ping-pong kernel's first form
-// passed the 4-slice case above and hung at this depth).
+// persistent kernels' stage rings wrap many times within a tile (a ping-pong kernel's first form,
+// since removed, passed the 4-slice case above and hung at this depth).
 TEST_F(CudaOps, GroupedGemmEveryConfigurationDeepReduction) {
     grouped_gemm_every_configuration(*session_, {0, 300, 301, 301, 900}, 264, 1088);
 }

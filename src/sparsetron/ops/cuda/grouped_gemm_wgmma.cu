@@ -7,10 +7,10 @@
 // registers), 64-deep reduction slices in a 3-stage cp.async pipeline (96 KiB: two blocks per
 // SM, so one block's MMAs run while the other waits on its wgmma group or its copies).
 //
-// grouped_gemm_wgmma() dispatches: the warp-specialized persistent kernel (grouped_gemm_ws.cu) for
-// x W^T and dy W, this file's kernel for weight gradients. The swizzled operand tiles, the
-// descriptors and each kind's operand roles: wgmma.cuh.
-#include <cstdlib>
+// grouped_gemm_wgmma() dispatches to the warp-specialized persistent kernel (grouped_gemm_ws.cu)
+// for every kind; this file's kernels run with SPARSETRON_GROUPED_GEMM=blocked (for measuring)
+// and in the perf harness. The swizzled operand tiles, the descriptors and each kind's operand
+// roles: wgmma.cuh.
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -155,38 +155,22 @@ bool grouped_gemm_wgmma_available() {
 }
 
 namespace {
-// SPARSETRON_GROUPED_GEMM picks the kernels for measuring them against each other in one
-// process: "blocked" runs this file's kernel for every kind, "ws" the warp-specialized one for
-// every kind (weight gradients included); unset, the engine's choice below.
-enum class Choice { Engine, Blocked, WarpSpecialized, PingPong };
-Choice forced_choice() {
-    static const Choice choice = [] {
-        const char* e = std::getenv("SPARSETRON_GROUPED_GEMM");
-        const std::string v = e ? e : "";
-        return v == "blocked"    ? Choice::Blocked
-               : v == "ws"       ? Choice::WarpSpecialized
-               : v == "pingpong" ? Choice::PingPong
-                                 : Choice::Engine;
-    }();
-    return choice;
+// SPARSETRON_GROUPED_GEMM=blocked runs this file's kernels for every kind (to measure them against
+// the engine's in one process).
+bool blocked_forced() {
+    static const bool forced = env_is("SPARSETRON_GROUPED_GEMM", "blocked");
+    return forced;
 }
 }  // namespace
 
 void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
                         int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                         const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // The warp-specialized kernel for the two row kinds (797 / 638 TFLOP/s against 530 / 454
-    // here, docs/perf/2026-11-30-grouped-gemm-warp-specialized.md); weight gradients stay on the
-    // two-blocks-per-SM kernel below, whose second block hides the fp32 read-modify-write store
-    // that the persistent kernel's consumers do with the tensor cores idle (412 vs 362).
-    const Choice choice = forced_choice();
-    if (choice == Choice::PingPong) {
-        grouped_gemm_pingpong(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c,
-                              weight_stride, accumulate);
-        return;
-    }
-    if (choice == Choice::WarpSpecialized ||
-        (choice == Choice::Engine && kind != GroupedGemm::WeightGrad)) {
+    // The warp-specialized kernel for every kind (x W^T 794, dy W 636, weight gradient 610
+    // TFLOP/s against 530 / 454 / 463 here: docs/perf/2026-11-30-grouped-gemm-warp-specialized.md,
+    // docs/perf/2026-12-01-grouped-gemm-weight-gradient.md); this file's kernels only when
+    // SPARSETRON_GROUPED_GEMM=blocked.
+    if (!blocked_forced()) {
         grouped_gemm_ws(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
                         accumulate);
         return;
@@ -214,7 +198,7 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
 }
 
 int grouped_gemm_wgmma_configs() {
-    return 6 + kGroupedGemmWsConfigs + kGroupedGemmPingPongConfigs;
+    return 6 + kGroupedGemmWsConfigs;
 }
 
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
@@ -224,9 +208,8 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
     switch (config) {
         case 0:
             grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
-            return forced_choice() == Choice::Engine
-                       ? "wgmma, the engine's choice (warp-specialized rows)"
-                       : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
+            return blocked_forced() ? "wgmma, as SPARSETRON_GROUPED_GEMM sets"
+                                    : "wgmma, the engine's choice (warp-specialized)";
         case 1:
             run<WgPlain>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x128, k64, 3 stages";
@@ -245,15 +228,9 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
             run<WgWideLongK>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x256, k64, 4 stages, a group in flight";
         default:
-            if (config < 6 + kGroupedGemmWsConfigs) {
-                grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, n, k, a, b, c,
-                                ws, false);
-                return grouped_gemm_ws_name(config - 6);
-            }
-            config -= 6 + kGroupedGemmWsConfigs;
-            grouped_gemm_pingpong(ctx, config, kind, offsets, experts, max_rows, n, k, a, b, c, ws,
-                                  false);
-            return grouped_gemm_pingpong_name(config);
+            grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, n, k, a, b, c, ws,
+                            false);
+            return grouped_gemm_ws_name(config - 6);
     }
 }
 

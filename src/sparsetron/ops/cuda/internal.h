@@ -65,14 +65,6 @@ void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const
                      const bf16* b, void* c, int64_t weight_stride, bool accumulate);
 constexpr int kGroupedGemmWsConfigs = 3;
 const char* grouped_gemm_ws_name(int config);
-// The ping-pong persistent wgmma kernel (grouped_gemm_pingpong.cu): the consumer warpgroups on
-// alternate tiles, so one's store overlaps the other's MMAs. Same contract.
-void grouped_gemm_pingpong(const ExecContext& ctx, int config, GroupedGemm kind,
-                           const int32_t* offsets, int64_t experts, int64_t max_rows, int64_t n,
-                           int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
-                           bool accumulate);
-constexpr int kGroupedGemmPingPongConfigs = 3;
-const char* grouped_gemm_pingpong_name(int config);
 // Its tile configurations for the perf harness (0 is the engine's; packed weights).
 int grouped_gemm_wgmma_configs();
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,

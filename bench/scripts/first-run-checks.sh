@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# On nvidia-h200: the first call of a session after code that no GPU has run (as of 2026-12-01:
-# the flash backward's shared_keys form, and the review refactors of both flash kernels): the
-# GPU suite, then the harness's flash sparse MQA lines (forward with and without the teacher,
-# backward in the measured and the shared-keys form) at 4K and 32K, and the 32K indexer pair.
+# On nvidia-h200: a session's first call after code that no GPU has run: the GPU suite, then the
+# harness's flash sparse MQA lines (forward with and without the teacher, backward) at 4K and
+# 32K, and the 32K indexer pair.
 # Usage: bench/scripts/first-run-checks.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: first-run-checks.sh OUT_DIR}

@@ -55,6 +55,8 @@ using WsNarrow = WsCfg<128, 6>;  // 128 x 128 tiles, 6 x 32 KiB stages
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
+// m_tiles is the worst case per expert (from max_rows: it sizes the grid); the kernel walks each
+// expert's own row tiles. n_tiles is every expert's.
 struct TileSpace {
     int64_t m_tiles, n_tiles;
 };
@@ -83,16 +85,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     __syncthreads();
 
-    const int64_t tiles = experts * space.m_tiles * space.n_tiles;
-    // The same walk for every role: a tile is skipped when it lies past its expert's rows.
-    auto next_tile = [&](int64_t& t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p) {
-        for (; t < tiles; t += gridDim.x) {
-            const int64_t per_expert = space.m_tiles * space.n_tiles;
-            e = t / per_expert;
-            const int64_t mi = t % per_expert / space.n_tiles, nj = t % space.n_tiles;
-            p = problem<kKind>(offsets, e, n, k, wstride, a, b);
-            i0 = mi * BM, j0 = nj * BN;
-            if (i0 < p.M && j0 < p.N && p.K > 0) return true;
+    // The same walk for every role over the experts' real tiles only (row tiles up to each
+    // expert's own rows, experts with no rows or no reduction skipped), so the blocks' tile
+    // counts differ by at most one however the routing is skewed. The walk only moves forward:
+    // `w_e` is the current expert and `w_first` the linear index of its first tile.
+    int64_t w_e = 0, w_first = 0;
+    auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p) {
+        for (; w_e < experts; ++w_e) {
+            p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
+            const int64_t count =
+                p.M > 0 && p.K > 0 ? (p.M + BM - 1) / BM * space.n_tiles : int64_t(0);
+            if (t < w_first + count) {
+                const int64_t local = t - w_first;
+                e = w_e, i0 = local / space.n_tiles * BM, j0 = local % space.n_tiles * BN;
+                return true;
+            }
+            w_first += count;
         }
         return false;
     };
@@ -170,7 +178,7 @@ template <class C>
 void run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t* offsets,
          int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b,
          void* c, int64_t wstride, bool accumulate) {
-    // Tile space: the worst case per expert (max_rows); tiles past an expert's rows are skipped.
+    // Tile space: the worst case per expert (max_rows) sizes the grid.
     switch (kind) {
         case GroupedGemm::RowsTimesWeightT:
             launch<C, GroupedGemm::RowsTimesWeightT>(

@@ -155,11 +155,15 @@ bool grouped_gemm_wgmma_available() {
 }
 
 namespace {
-// SPARSETRON_GROUPED_GEMM=blocked runs this file's kernels for every kind (to measure them against
-// the engine's in one process).
-bool blocked_forced() {
-    static const bool forced = env_is("SPARSETRON_GROUPED_GEMM", "blocked");
-    return forced;
+// SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
+// one process: "blocked" runs this file's kernels for every kind, "async" the warp-specialized
+// kernel whose stages are published by the copies' arrival (grouped_gemm_ws.cu, configuration 3).
+enum class Choice { Engine, Blocked, AsyncArrive };
+Choice forced_choice() {
+    static const Choice choice = env_is("SPARSETRON_GROUPED_GEMM", "blocked") ? Choice::Blocked
+                                 : env_is("SPARSETRON_GROUPED_GEMM", "async") ? Choice::AsyncArrive
+                                                                              : Choice::Engine;
+    return choice;
 }
 }  // namespace
 
@@ -169,10 +173,11 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
     // The warp-specialized kernel for every kind (x W^T 794, dy W 636, weight gradient 610
     // TFLOP/s against 530 / 454 / 463 here: docs/perf/2026-11-30-grouped-gemm-warp-specialized.md,
     // docs/perf/2026-12-01-grouped-gemm-weight-gradient.md); this file's kernels only when
-    // SPARSETRON_GROUPED_GEMM=blocked.
-    if (!blocked_forced()) {
-        grouped_gemm_ws(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                        accumulate);
+    // SPARSETRON_GROUPED_GEMM=blocked (and the warp-specialized kernel's configuration 3 with
+    // SPARSETRON_GROUPED_GEMM=async).
+    if (forced_choice() != Choice::Blocked) {
+        grouped_gemm_ws(ctx, forced_choice() == Choice::AsyncArrive ? 3 : 0, kind, offsets, experts,
+                        max_rows, n, k, a, b, c, weight_stride, accumulate);
         return;
     }
     // Per kind, the fastest configuration in the perf harness (docs/perf/
@@ -208,8 +213,9 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
     switch (config) {
         case 0:
             grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
-            return blocked_forced() ? "wgmma, as SPARSETRON_GROUPED_GEMM sets"
-                                    : "wgmma, the engine's choice (warp-specialized)";
+            return forced_choice() == Choice::Engine
+                       ? "wgmma, the engine's choice (warp-specialized)"
+                       : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
         case 1:
             run<WgPlain>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x128, k64, 3 stages";

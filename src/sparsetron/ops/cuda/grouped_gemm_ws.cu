@@ -37,9 +37,18 @@ constexpr int kProducerThreads = 128, kConsumerThreads = 256;
 static_assert(kProducerThreads + kConsumerThreads == kThreads, "one producer, two consumers");
 
 // Tile width BN (128 or 256) and pipeline stages.
-template <int BN_, int Stages_>
+// AsyncArrive_: how a stage is published. false (measured, the engine's): each producer thread
+// waits for its own copies `Lag` fills later, fences and arrives, so a stage is published only
+// when the producer gets back to it. true (written 2026-12-01, not yet run on a GPU): each
+// producer thread's arrival is `cp.async.mbarrier.arrive.noinc`, made by the hardware when that
+// thread's copies land; the producer never waits on its copies, and each consumer fences the
+// async proxy after its full-barrier wait (the copies are generic-proxy writes, wgmma reads
+// through the async proxy). ncu at 6bdb431 had the consumers waiting on full barriers in 32% of
+// the stall samples (docs/perf/2026-12-01-grouped-gemm-weight-gradient.md).
+template <int BN_, int Stages_, bool AsyncArrive_ = false>
 struct WsCfg {
     static constexpr int BN = BN_, Stages = Stages_;
+    static constexpr bool AsyncArrive = AsyncArrive_;
     // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
     // or the producer would wait for a stage the consumers release only after that fill.
     static constexpr int Lag = Stages - 2;
@@ -47,11 +56,12 @@ struct WsCfg {
     static constexpr int StageBytes = ABytes + BBytes;
     // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
     static constexpr size_t SmemBytes = size_t(Stages) * StageBytes + 1024 + 2 * Stages * 8;
-    static_assert(Lag >= 1, "at least three stages");
+    static_assert(AsyncArrive || Lag >= 1, "a producer that waits needs three stages or more");
     static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
 };
-using WsWide = WsCfg<256, 4>;    // 128 x 256 tiles, 4 x 48 KiB stages
-using WsNarrow = WsCfg<128, 6>;  // 128 x 128 tiles, 6 x 32 KiB stages
+using WsWide = WsCfg<256, 4>;             // 128 x 256 tiles, 4 x 48 KiB stages
+using WsNarrow = WsCfg<128, 6>;           // 128 x 128 tiles, 6 x 32 KiB stages
+using WsWideAsync = WsCfg<256, 4, true>;  // WsWide, stages published by the copies' arrival
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -69,6 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
+    constexpr bool kAsync = C::AsyncArrive;
     constexpr bool kAK = a_k_major<kKind>, kBK = b_k_major<kKind>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -119,18 +130,29 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                           sl * BK, p.K, tid);
                 load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N,
                                                           sl * BK, p.K, tid);
-                asm volatile("cp.async.commit_group;\n" ::);
-                if (it >= uint32_t(kLag)) {
-                    asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    mbar_arrive(full((it - kLag) % kStages));
+                if constexpr (kAsync) {
+                    // This thread's arrival on full[s], once all its copies so far have landed.
+                    asm volatile(
+                        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
+                        : "memory");
+                } else {
+                    asm volatile("cp.async.commit_group;\n" ::);
+                    if (it >= uint32_t(kLag)) {
+                        asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        mbar_arrive(full((it - kLag) % kStages));
+                    }
                 }
             }
         }
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
-            mbar_arrive(full(f % kStages));
+        if constexpr (kAsync) {
+            asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
+                mbar_arrive(full(f % kStages));
+        }
     } else {
         const int wg = (threadIdx.x - kProducerThreads) >> 7;  // this warpgroup's 64 rows
         uint32_t it = 0;  // slices consumed so far, across tiles
@@ -144,6 +166,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
                 mbar_wait(full(s), (it / kStages) & 1u);
+                if constexpr (kAsync)  // the producer's copies, seen by the async proxy
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 mma_slice<kKind>(d, tile_a(int(s)) + uint32_t(wg * 8192), tile_b(int(s)));
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -203,6 +227,8 @@ void run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t
 void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
                      int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
                      const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
+    // Three blocks (configurations 2 and 4): every block walks many tiles, so the stage ring
+    // wraps across tiles (what the correctness tests need to see; not configurations to run).
     switch (config) {
         case 0:
             run<WsWide>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
@@ -212,11 +238,17 @@ void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const
             run<WsNarrow>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
                           accumulate);
             break;
-        default:
-            // Three blocks: every block walks many tiles, so the stage ring wraps across tiles
-            // (what the correctness test needs to see; not a configuration to run).
+        case 2:
             run<WsWide>(ctx, 3, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
                         accumulate);
+            break;
+        case 3:
+            run<WsWideAsync>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
+                             accumulate);
+            break;
+        default:
+            run<WsWideAsync>(ctx, 3, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
+                             accumulate);
             break;
     }
 }
@@ -227,8 +259,12 @@ const char* grouped_gemm_ws_name(int config) {
             return "wgmma warp-specialized persistent 128x256, k64, 4 stages";
         case 1:
             return "wgmma warp-specialized persistent 128x128, k64, 6 stages";
-        default:
+        case 2:
             return "wgmma warp-specialized 128x256 on 3 blocks (test of the tile walk)";
+        case 3:
+            return "wgmma warp-specialized persistent 128x256, 4 stages, copies arrive";
+        default:
+            return "wgmma warp-specialized 128x256, copies arrive, on 3 blocks (test)";
     }
 }
 

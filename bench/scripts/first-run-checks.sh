@@ -8,9 +8,5 @@
 set -uo pipefail
 out=${1:?usage: first-run-checks.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
-mkdir -p "$out"
-bin=build/default/bin
-timeout 120 scripts/gpu-run.sh $bin/test_gpu >"$out/gpu.log" 2>&1
-echo "gpu suite rc=$?"
-grep -E "^\[  (PASSED|FAILED) |FAILED  \]|SKIPPED \] [0-9]" "$out/gpu.log"
+bench/scripts/gpu-suite.sh "$out"
 bench/scripts/grouped-gemm-ab.sh "$out/grouped" "$commit" async

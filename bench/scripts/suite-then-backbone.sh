@@ -6,11 +6,8 @@
 set -uo pipefail
 out=${1:?usage: suite-then-backbone.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
-mkdir -p "$out"
+bench/scripts/gpu-suite.sh "$out"
 bin=build/default/bin
-timeout 120 scripts/gpu-run.sh $bin/test_gpu >"$out/gpu.log" 2>&1
-echo "gpu suite rc=$?"
-grep -E "^\[  (PASSED|FAILED) |FAILED  \]|SKIPPED \] [0-9]" "$out/gpu.log"
 SPARSETRON_OPS_PERF=1 SPARSETRON_OPS_PERF_LINES=gemm timeout 60 scripts/gpu-run.sh \
   $bin/test_gpu --gtest_filter='CudaOpsPerf.GroupedExpertGemm' 2>&1 | grep "^\[perf\]" |
   tee "$out/perf-grouped.txt"

@@ -466,6 +466,20 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
         "dense cuBLASLt gemm of the same total shape",
         [&] { cuda::gemm(ctx(), false, true, E * rows, F, h, 1.f, *a, h, *b, h, 0.f, *c, F); },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + F * h + E * rows * F));
+    // Each kind's own dense counterpart (the line above is x W^T's): dy W as one [32768 x 2048]
+    // x [2048 x 6144] GEMM (K = 2048, bf16 out); the weight gradient as 16 batched [2048 x 2048]^T
+    // x [2048 x 6144] GEMMs added into fp32 (K = one expert's 2048 rows).
+    report(
+        "dense cuBLASLt gemm, dy W's shape",
+        [&] { cuda::gemm(ctx(), false, false, E * rows, h, F, 1.f, *c, F, *b, h, 0.f, *a, h); },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * F + F * h + E * rows * h));
+    report(
+        "dense cuBLASLt gemm, weight grad's shape (16 batched, fp32 +=)",
+        [&] {
+            cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, 1.f, *dw, h, DType::BF16,
+                       DType::F32, {E, rows * F, rows * h, F * h});
+        },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
 }
 
 #endif  // SPARSETRON_WITH_CUDA

@@ -175,8 +175,9 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
     // docs/perf/2026-12-01-grouped-gemm-weight-gradient.md); this file's kernels only when
     // SPARSETRON_GROUPED_GEMM=blocked (and the warp-specialized kernel's configuration 3 with
     // SPARSETRON_GROUPED_GEMM=async).
-    if (forced_choice() != Choice::Blocked) {
-        grouped_gemm_ws(ctx, forced_choice() == Choice::AsyncArrive ? 3 : 0, kind, offsets, experts,
+    const Choice choice = forced_choice();
+    if (choice != Choice::Blocked) {
+        grouped_gemm_ws(ctx, choice == Choice::AsyncArrive ? 3 : 0, kind, offsets, experts,
                         max_rows, n, k, a, b, c, weight_stride, accumulate);
         return;
     }

@@ -46,10 +46,6 @@ static_assert(kBwdSmemBytes <= 227 * 1024, "shared memory per block");
 [[maybe_unused]] constexpr float kLog2e = 1.44269504f;
 
 #ifdef ST_WGMMA
-__device__ __forceinline__ void red_add2(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
 // One dK'/dV' block of 64 dims (M = the chunk's 64 keys, N = 64 dims, K = heads): acc = dS^T
 // Q_slice over k16 steps kk0 .. kk0 + kSteps - 1, plus P^T dO_slice over all four with kWithDv;
 // every operand read MN-major from its [64 heads][64] tile. Issued and waited for.

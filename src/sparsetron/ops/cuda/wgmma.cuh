@@ -128,6 +128,12 @@ __device__ __forceinline__ void load_tile_walk(uint32_t tile, const bf* src, int
     }
 }
 
+// *p += a, p[1] += b as one fire-and-forget L2 reduction: the thread does not wait for the old
+// values (the weight gradient's store here, the flash backward's dK'/dV' rows).
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
 // The 64-bit shared memory matrix descriptor: start, leading and stride byte offsets (all in
 // 16-byte units), 128-byte swizzle (mode 1 in bits 62-63).
 __device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo, uint32_t sbo) {
@@ -292,10 +298,7 @@ __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem&
                 // A reduction, not a load-add-store: the thread does not wait for the old value,
                 // so the consumers go on to the next tile's MMAs while L2 adds. One block owns
                 // each element: one add per element, in no race, as deterministic as the load.
-                float* dst = static_cast<float*>(c) + e * wstride + gi * p.N + gj;
-                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v0),
-                             "f"(v1)
-                             : "memory");
+                red_add2(static_cast<float*>(c) + e * wstride + gi * p.N + gj, v0, v1);
             } else {
                 __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
                                                                         (p.r0 + gi) * p.N + gj);

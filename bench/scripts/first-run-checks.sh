@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# On nvidia-h200: a session's first call after code that no GPU has run (as of 2026-12-01: the
-# warp-specialized grouped GEMM whose stages are published by the copies' arrival, configuration
-# 3 of grouped_gemm_ws.cu). First bench/scripts/grouped-gemm-ab.sh with
-# SPARSETRON_GROUPED_GEMM=async (grouped GEMM tests, every configuration in the harness, the
-# backbone A/B against the engine's kernel), then the GPU suite; if the grouped GEMM tests
-# failed or hung, the suite runs without them, so one kernel's hang does not hide the rest.
-# Usage: bench/scripts/first-run-checks.sh OUT_DIR COMMIT
+# On nvidia-h200: a session's first call after grouped GEMM code that no GPU has run (as of
+# 2026-12-01: the warp-specialized kernel's TMA feed, configuration 5 of grouped_gemm_ws.cu).
+# First bench/scripts/grouped-gemm-ab.sh with SPARSETRON_GROUPED_GEMM=CHOICE (grouped GEMM tests,
+# every configuration in the harness, the backbone A/B against the engine's kernel), then the GPU
+# suite; if the grouped GEMM tests failed or hung, the suite runs without them, so one kernel's
+# hang does not hide the rest.
+# Usage: bench/scripts/first-run-checks.sh OUT_DIR COMMIT [CHOICE (default tma)]
 set -uo pipefail
 out=${1:?usage: first-run-checks.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
+choice=${3:-tma}
 mkdir -p "$out"
-if bench/scripts/grouped-gemm-ab.sh "$out/grouped" "$commit" async; then
+if bench/scripts/grouped-gemm-ab.sh "$out/grouped" "$commit" "$choice"; then
   bench/scripts/gpu-suite.sh "$out"
 else
   echo "grouped GEMM tests failed: the suite without them"

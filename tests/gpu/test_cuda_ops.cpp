@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "harness.h"
@@ -37,6 +38,8 @@ struct Rounded {
     DeviceArray<bf16> dev;
     Rounded(int64_t n, uint64_t seed, double scale = 1.0)
         : host(random_vector<float>(n, seed, scale)), dev(to_bf16_rounding(host)) {}
+    explicit Rounded(std::vector<float> values)
+        : host(std::move(values)), dev(to_bf16_rounding(host)) {}
 };
 
 // Documents [0, 70), [70, 71), [71, 180), then padding rows up to `tokens`.
@@ -615,25 +618,36 @@ TEST_F(CudaOps, RouterPermuteGatherCombine) {
 }
 
 namespace {
+// A grouped GEMM's row operand: `rows` random rows of `width`, then `pad` rows of NaN. The buffer's
+// capacity is rows + pad; the kernels' tile loads read past an expert's last row, and nothing
+// they read past offsets[E] may reach an output (the weight gradient's reduction included).
+Rounded nan_padded_rows(int64_t rows, int64_t pad, int64_t width, uint64_t seed) {
+    std::vector<float> v = random_vector<float>(rows * width, seed);
+    v.resize((rows + pad) * width, std::numeric_limits<float>::quiet_NaN());
+    return Rounded(std::move(v));
+}
+constexpr int64_t kNanPad = 72;  // more than a 64-row slice, not a multiple of it
+
 // Each kind against per-expert CPU GEMMs. Uneven experts (one empty), rows of some expert up to the
 // bound; RowsTimesWeightT runs twice, the second time accumulating into its own output.
 void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int32_t>& off,
                         int64_t n, int64_t kk, int64_t max_rows, const std::string& tag) {
     const ExecContext& ctx = session.ctx();
-    const int64_t E = int64_t(off.size()) - 1, R = off.back();
+    const int64_t E = int64_t(off.size()) - 1, R = off.back(), cap = R + kNanPad;
     DeviceArray<int32_t> doff(off);
-    Rounded w(E * n * kk, 111, 0.3), x(R * kk, 112), dy(R * n, 113);
+    Rounded w(E * n * kk, 111, 0.3);
+    Rounded x = nan_padded_rows(R, kNanPad, kk, 112), dy = nan_padded_rows(R, kNanPad, n, 113);
     DeviceArray<bf16> y(R * n), dx(R * kk);
     auto dw0 = random_vector<float>(E * n * kk, 114);
     DeviceArray<float> dw(dw0);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
-                       w.dev, y);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, n, kk, x.dev,
-                       w.dev, y, 0, /*accumulate=*/true);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, n, kk, dy.dev,
-                       w.dev, dx);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, n, kk, dy.dev, x.dev,
-                       dw);
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
+                       x.dev, w.dev, y);
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
+                       x.dev, w.dev, y, 0, /*accumulate=*/true);
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, cap, n, kk,
+                       dy.dev, w.dev, dx);
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, cap, n, kk, dy.dev,
+                       x.dev, dw);
     session.synchronize();
     std::vector<float> yr(R * n), dxr(R * kk), dwr = dw0;
     for (int64_t e = 0; e < E; ++e) {
@@ -673,11 +687,12 @@ namespace {
 void grouped_gemm_every_configuration(const cuda::CudaSession& session,
                                       const std::vector<int32_t>& off, int64_t n, int64_t kk) {
     const ExecContext& ctx = session.ctx();
-    const int64_t E = int64_t(off.size()) - 1, R = off.back();
+    const int64_t E = int64_t(off.size()) - 1, R = off.back(), cap = R + kNanPad;
     int64_t max_rows = 0;
     for (int64_t e = 0; e < E; ++e) max_rows = std::max<int64_t>(max_rows, off[e + 1] - off[e]);
     DeviceArray<int32_t> doff(off);
-    Rounded w(E * n * kk, 121, 0.3), x(R * kk, 122), dy(R * n, 123);
+    Rounded w(E * n * kk, 121, 0.3);
+    Rounded x = nan_padded_rows(R, kNanPad, kk, 122), dy = nan_padded_rows(R, kNanPad, n, 123);
     std::vector<float> yr(R * n), dxr(R * kk), dwr(E * n * kk, 0.f);
     for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], m = off[e + 1] - off[e];
@@ -697,12 +712,12 @@ void grouped_gemm_every_configuration(const cuda::CudaSession& session,
         DeviceArray<bf16> y(R * n), dx(R * kk);
         DeviceArray<float> dw(std::vector<float>(E * n * kk, 0.f));
         const std::string name =
-            cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeightT, doff, E, max_rows, n, kk,
-                                         x.dev, w.dev, static_cast<bf16*>(y));
-        cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeight, doff, E, max_rows, n, kk,
+            cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeightT, doff, E, max_rows, cap, n,
+                                         kk, x.dev, w.dev, static_cast<bf16*>(y));
+        cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeight, doff, E, max_rows, cap, n, kk,
                                      dy.dev, w.dev, static_cast<bf16*>(dx));
-        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, n, kk, dy.dev,
-                                     x.dev, static_cast<float*>(dw));
+        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, cap, n, kk,
+                                     dy.dev, x.dev, static_cast<float*>(dw));
         session.synchronize();
         expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
         expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);

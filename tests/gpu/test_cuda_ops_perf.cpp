@@ -414,11 +414,13 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     using K2 = cuda::GroupedGemm;
     report(
         "grouped gemm x W^T, 16 x 2048 x 6144 -> 2048",
-        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, doff, E, T, F, h, *x, *w, *y); },
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, doff, E, T, E * rows, F, h, *x, *w, *y);
+        },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
     report(
         "grouped gemm weight grad",
-        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, F, h, *y, *x, *dw); },
+        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw); },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
     // Every tile configuration of the tensor-core kernel, each kind (config 0 is the engine's).
     for (int cfg = 0; cfg < cuda::grouped_gemm_tc_configs(); ++cfg) {
@@ -436,8 +438,8 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             report(
                 "grouped cfg " + std::to_string(cfg) + " kind " + std::to_string(int(kind)),
                 [&] {
-                    name =
-                        cuda::grouped_gemm_tc_config(ctx(), cfg, kind, doff, E, T, n, k, A, B, C);
+                    name = cuda::grouped_gemm_tc_config(ctx(), cfg, kind, doff, E, T, E * rows, n,
+                                                        k, A, B, C);
                 },
                 2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
             if (!name.empty())  // empty when SPARSETRON_OPS_PERF_LINES skipped the line
@@ -451,15 +453,22 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     DeviceArray<int32_t> dskew(skew);
     report(
         "grouped gemm x W^T, skewed 3072/1024 rows",
-        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dskew, E, T, F, h, *x, *w, *y); },
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dskew, E, T, E * rows, F, h, *x, *w,
+                               *y);
+        },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
     report(
         "grouped gemm dy W, skewed",
-        [&] { cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dskew, E, T, F, h, *y, *w, *x); },
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dskew, E, T, E * rows, F, h, *y, *w, *x);
+        },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
     report(
         "grouped gemm weight grad, skewed",
-        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, dskew, E, T, F, h, *y, *x, *dw); },
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::WeightGrad, dskew, E, T, E * rows, F, h, *y, *x, *dw);
+        },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(

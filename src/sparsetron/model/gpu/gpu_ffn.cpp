@@ -195,13 +195,13 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     const Local L = local(A);
     bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
     using K = cuda::GroupedGemm;
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, F_, h_, A.xperm,
-                       P_[gate0_ + L.first * wstride_].w, A.g, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, F_, h_, A.xperm,
-                       P_[up0_ + L.first * wstride_].w, A.u, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
+                       A.xperm, P_[gate0_ + L.first * wstride_].w, A.g, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
+                       A.xperm, P_[up0_ + L.first * wstride_].w, A.u, ws);
     cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, h_, F_, A.act,
-                       P_[down0_ + L.first * wstride_].w, out, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, h_, F_,
+                       A.act, P_[down0_ + L.first * wstride_].w, out, ws);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
@@ -232,20 +232,20 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     const int64_t gs = El_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
     const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                    &down = P_[down0_ + L.first * wstride_];
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, h_, F_, dout,
-                       down.w, dact_, ws);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, h_, F_, dout, A.act,
-                       down.grad, gs);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, h_, F_,
+                       dout, down.w, dact_, ws);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
+                       A.act, down.grad, gs);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
     bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, dg_,
-                       gate.w, dx, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, F_, h_, du_, up.w,
-                       dx, ws, true);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, F_, h_, dg_, A.xperm,
-                       gate.grad, gs);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, F_, h_, du_, A.xperm,
-                       up.grad, gs);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
+                       dg_, gate.w, dx, ws);
+    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
+                       du_, up.w, dx, ws, true);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
+                       A.xperm, gate.grad, gs);
+    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
+                       A.xperm, up.grad, gs);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm_);
     cuda::moe_gather_backward(ctx, dxperm_, A.slot_row, Tn, k_, h_, dm, false);
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);

@@ -254,11 +254,12 @@ bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, cons
 }
 
 void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                     const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
+                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                     const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                     bool accumulate) {
     if (grouped_gemm_wgmma_available())
-        grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                           accumulate);
+        grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
+                           weight_stride, accumulate);
     else
         run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
                      accumulate);
@@ -270,12 +271,13 @@ int grouped_gemm_tc_configs() {
 
 std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                    const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                   int64_t n, int64_t k, const bf16* a, const bf16* b, void* c) {
+                                   int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
+                                   const bf16* b, void* c) {
     // On Hopper the wgmma kernel's configurations come first (0 is the engine's), then WMMA's.
     if (grouped_gemm_wgmma_available()) {
         if (config < grouped_gemm_wgmma_configs())
-            return grouped_gemm_wgmma_config(ctx, config, kind, offsets, experts, max_rows, n, k, a,
-                                             b, c);
+            return grouped_gemm_wgmma_config(ctx, config, kind, offsets, experts, max_rows,
+                                             row_capacity, n, k, a, b, c);
         config -= grouped_gemm_wgmma_configs();
     }
     switch (config) {

@@ -156,29 +156,38 @@ bool grouped_gemm_wgmma_available() {
 
 namespace {
 // SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
-// one process: "blocked" runs this file's kernels for every kind, "async" the warp-specialized
-// kernel whose stages are published by the copies' arrival (grouped_gemm_ws.cu, configuration 3).
-enum class Choice { Engine, Blocked, AsyncArrive };
+// one process: "blocked" runs this file's kernels for every kind; "async", "tma" and "waits" the
+// warp-specialized kernel with that feed for every kind (grouped_gemm_ws.cu's configurations 3,
+// 5 and 0).
+enum class Choice { Engine, Blocked, CopiesArrive, Tma, ProducerWaits };
 Choice forced_choice() {
-    static const Choice choice = env_is("SPARSETRON_GROUPED_GEMM", "blocked") ? Choice::Blocked
-                                 : env_is("SPARSETRON_GROUPED_GEMM", "async") ? Choice::AsyncArrive
-                                                                              : Choice::Engine;
+    static const Choice choice = [] {
+        if (env_is("SPARSETRON_GROUPED_GEMM", "blocked")) return Choice::Blocked;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "async")) return Choice::CopiesArrive;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return Choice::Tma;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return Choice::ProducerWaits;
+        return Choice::Engine;
+    }();
     return choice;
 }
 }  // namespace
 
 void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                        int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                        const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // The warp-specialized kernel for every kind (x W^T 794, dy W 636, weight gradient 610
-    // TFLOP/s against 530 / 454 / 463 here: docs/perf/2026-11-30-grouped-gemm-warp-specialized.md,
-    // docs/perf/2026-12-01-grouped-gemm-weight-gradient.md); this file's kernels only when
-    // SPARSETRON_GROUPED_GEMM=blocked (and the warp-specialized kernel's configuration 3 with
-    // SPARSETRON_GROUPED_GEMM=async).
+                        int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
+                        int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                        bool accumulate) {
+    // The warp-specialized kernel for every kind; its feed per kind as measured at fb2e062
+    // (docs/perf/2026-12-01-grouped-gemm-tma.md): x W^T with the producer's own waits (805 vs
+    // 784 TFLOP/s), dy W and the weight gradient with the copies' arrivals (690 vs 649, 622 vs
+    // 608). This file's kernels only when SPARSETRON_GROUPED_GEMM=blocked.
     const Choice choice = forced_choice();
     if (choice != Choice::Blocked) {
-        grouped_gemm_ws(ctx, choice == Choice::AsyncArrive ? 3 : 0, kind, offsets, experts,
-                        max_rows, n, k, a, b, c, weight_stride, accumulate);
+        int config = kind == GroupedGemm::RowsTimesWeightT ? 0 : 3;
+        if (choice == Choice::CopiesArrive) config = 3;
+        if (choice == Choice::Tma) config = 5;
+        if (choice == Choice::ProducerWaits) config = 0;
+        grouped_gemm_ws(ctx, config, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
+                        weight_stride, accumulate);
         return;
     }
     // Per kind, the fastest configuration in the perf harness (docs/perf/
@@ -209,11 +218,13 @@ int grouped_gemm_wgmma_configs() {
 
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                       const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                      int64_t n, int64_t k, const bf16* a, const bf16* b, void* c) {
+                                      int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
+                                      const bf16* b, void* c) {
     const int64_t ws = n * k;
     switch (config) {
         case 0:
-            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
+            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
+                               ws, false);
             return forced_choice() == Choice::Engine
                        ? "wgmma, the engine's choice (warp-specialized)"
                        : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
@@ -235,8 +246,8 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
             run<WgWideLongK>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x256, k64, 4 stages, a group in flight";
         default:
-            grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, n, k, a, b, c, ws,
-                            false);
+            grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, row_capacity, n, k,
+                            a, b, c, ws, false);
             return grouped_gemm_ws_name(config - 6);
     }
 }

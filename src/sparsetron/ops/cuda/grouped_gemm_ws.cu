@@ -19,11 +19,19 @@
 //             previous group has completed, arrive on that slice's empty[] (256 arrivals).
 // Copies past an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte source), so the
 // weight gradient's reduction over an expert's rows needs no host decision.
+//
+// The TMA feed (Feed::Tma): one producer thread loads each stage with bulk tensor copies (a 2-d
+// or 3-d box per operand, 64-wide atoms for the MN-major ones) that complete on full[s] as bytes;
+// the other producer warps exit. The boxes read whole tiles: rows past an expert belong to the
+// next expert (their output rows are not stored), rows past the row buffer's capacity and columns
+// past n or k read as zero. Only the weight gradient reduces over rows, so its last, partial slice
+// of an expert goes through the zero-filling cp.async path above, by the producer warp.
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/cuda/tensor_map.h"
 #include "sparsetron/ops/cuda/wgmma.cuh"
 
 namespace sparsetron::cuda {
@@ -36,19 +44,22 @@ constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kProducerThreads = 128, kConsumerThreads = 256;
 static_assert(kProducerThreads + kConsumerThreads == kThreads, "one producer, two consumers");
 
-// Tile width BN (128 or 256) and pipeline stages.
-// AsyncArrive_: how a stage is published. false (measured, the engine's): each producer thread
-// waits for its own copies `Lag` fills later, fences and arrives, so a stage is published only
-// when the producer gets back to it. true (written 2026-12-01, not yet run on a GPU): each
-// producer thread's arrival is `cp.async.mbarrier.arrive.noinc`, made by the hardware when that
-// thread's copies land; the producer never waits on its copies, and each consumer fences the
-// async proxy after its full-barrier wait (the copies are generic-proxy writes, wgmma reads
-// through the async proxy). ncu at 6bdb431 had the consumers waiting on full barriers in 32% of
-// the stall samples (docs/perf/2026-12-01-grouped-gemm-weight-gradient.md).
-template <int BN_, int Stages_, bool AsyncArrive_ = false>
+// How the producer fills a stage and publishes it:
+//   ProducerWaits: 128 threads cp.async; each waits for its own copies `Lag` fills later, fences
+//     and arrives, so a stage is published only when the producer gets back to it.
+//   CopiesArrive: each thread's arrival is `cp.async.mbarrier.arrive.noinc`, made by the hardware
+//     when that thread's copies land; each consumer fences the async proxy after its wait (the
+//     copies are generic-proxy writes, wgmma reads through the async proxy). Measured at fb2e062
+//     against ProducerWaits: dy W 690 vs 649 TFLOP/s, weight gradient 622 vs 608, x W^T 784 vs
+//     805 (docs/perf/2026-12-01-grouped-gemm-tma.md).
+//   Tma: bulk tensor copies issued by one thread (see the top of this file).
+enum class Feed { ProducerWaits, CopiesArrive, Tma };
+
+// Tile width BN (128 or 256), pipeline stages, feed.
+template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits>
 struct WsCfg {
     static constexpr int BN = BN_, Stages = Stages_;
-    static constexpr bool AsyncArrive = AsyncArrive_;
+    static constexpr Feed kFeed = Feed_;
     // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
     // or the producer would wait for a stage the consumers release only after that fill.
     static constexpr int Lag = Stages - 2;
@@ -56,12 +67,14 @@ struct WsCfg {
     static constexpr int StageBytes = ABytes + BBytes;
     // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
     static constexpr size_t SmemBytes = size_t(Stages) * StageBytes + 1024 + 2 * Stages * 8;
-    static_assert(AsyncArrive || Lag >= 1, "a producer that waits needs three stages or more");
+    static_assert(kFeed != Feed::ProducerWaits || Lag >= 1,
+                  "a producer that waits needs three stages or more");
     static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
 };
-using WsWide = WsCfg<256, 4>;             // 128 x 256 tiles, 4 x 48 KiB stages
-using WsNarrow = WsCfg<128, 6>;           // 128 x 128 tiles, 6 x 32 KiB stages
-using WsWideAsync = WsCfg<256, 4, true>;  // WsWide, stages published by the copies' arrival
+using WsWide = WsCfg<256, 4>;                           // 128 x 256 tiles, 4 x 48 KiB stages
+using WsNarrow = WsCfg<128, 6>;                         // 128 x 128 tiles, 6 x 32 KiB stages
+using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;  // WsWide, published by the copies
+using WsWideTma = WsCfg<256, 4, Feed::Tma>;             // WsWide, bulk tensor copies
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -71,15 +84,46 @@ struct TileSpace {
     int64_t m_tiles, n_tiles;
 };
 
+#ifdef ST_WGMMA
+// One stage's operand tiles by bulk tensor copies, completing on `bar` (the maps: tensor_maps
+// below). K-major tiles are one box of 64 x width; MN-major tiles are width / 64 boxes of 64 x 64
+// (the wgmma.cuh atoms, 8 KiB apart). The row coordinate of a row operand is r0 + the tile's own.
+template <GroupedGemm kKind, int BN>
+__device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtensorMap* ma,
+                                          const CUtensorMap* mb, int64_t r0, int64_t e, int64_t i0,
+                                          int64_t j0, int64_t k0, uint32_t bar) {
+    using namespace wgmma;
+    const int32_t ex = int32_t(e), kk = int32_t(k0);
+    if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
+        tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
+        tma_load(tb, mb, kk, int32_t(j0), ex, bar);
+    } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
+        tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
+#pragma unroll
+        for (int t = 0; t < BN / 64; ++t)
+            tma_load(tb + t * 8192, mb, int32_t(j0 + 64 * t), kk, ex, bar);
+    } else {
+        const int32_t row = int32_t(r0 + k0);
+#pragma unroll
+        for (int t = 0; t < BM / 64; ++t)
+            tma_load(ta + t * 8192, ma, int32_t(i0 + 64 * t), row, bar);
+#pragma unroll
+        for (int t = 0; t < BN / 64; ++t)
+            tma_load(tb + t * 8192, mb, int32_t(j0 + 64 * t), row, bar);
+    }
+}
+#endif
+
 template <class C, GroupedGemm kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_ws_kernel(const int32_t* offsets, int64_t experts, TileSpace space, int64_t n,
                            int64_t k, int64_t wstride, bool accumulate, const bf* a, const bf* b,
-                           void* c) {
+                           void* c, const __grid_constant__ CUtensorMap map_a,
+                           const __grid_constant__ CUtensorMap map_b) {
 #ifdef ST_WGMMA
     using namespace wgmma;
     constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
-    constexpr bool kAsync = C::AsyncArrive;
+    constexpr bool kAsync = C::kFeed == Feed::CopiesArrive, kTma = C::kFeed == Feed::Tma;
     constexpr bool kAK = a_k_major<kKind>, kBK = b_k_major<kKind>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -91,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
     if (threadIdx.x == 0)
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), kProducerThreads);
+            mbar_init(full(s), kTma ? 1 : kProducerThreads);
             mbar_init(empty(s), kConsumerThreads);
         }
     __syncthreads();
@@ -116,7 +160,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         return false;
     };
 
-    if (threadIdx.x < kProducerThreads) {
+    if (kTma && threadIdx.x < kProducerThreads) {
+        if (threadIdx.x >= 32) return;  // one warp feeds the ring (no block barrier follows)
+        const int lane = threadIdx.x;
+        if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
+        uint32_t it = 0;  // fills issued so far, across tiles
+        int64_t e, i0, j0;
+        Problem p;
+        for (int64_t t = blockIdx.x; next_tile(t, e, i0, j0, p); t += gridDim.x) {
+            const int64_t slices = (p.K + BK - 1) / BK;
+            for (int64_t sl = 0; sl < slices; ++sl, ++it) {
+                const uint32_t s = it % kStages;
+                mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);  // round 0 passes at once
+                const int64_t k0 = sl * BK;
+                if (kKind != GroupedGemm::WeightGrad || k0 + BK <= p.K) {
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
+                        tma_stage<kKind, BN>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b, p.r0,
+                                             e, i0, j0, k0, full(s));
+                    }
+                } else {
+                    // An expert's last, partial slice of rows: zero-filled copies past them.
+                    if constexpr (kKind == GroupedGemm::WeightGrad) {
+                        load_tile_walk<false, BM, 32>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0, p.K,
+                                                      lane);
+                        load_tile_walk<false, BN, 32>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0, p.K,
+                                                      lane);
+                    }
+                    asm volatile("cp.async.wait_all;\n" ::: "memory");
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(full(s));
+                }
+                __syncwarp();
+            }
+        }
+    } else if (threadIdx.x < kProducerThreads) {
         const int tid = threadIdx.x;
         uint32_t it = 0;  // fills issued so far, across tiles
         int64_t e, i0, j0;
@@ -185,37 +264,60 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
+// buffers' capacity; weights [E][n][k] with `wstride` elements between experts).
+template <GroupedGemm kKind, int BN>
+void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows, int64_t n,
+                 int64_t k, int64_t wstride, const bf16* a, const bf16* b) {
+    const int64_t e2 = 2;  // bytes per element
+    if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
+        ma = bf16_tensor_map(a, {k, rows}, {k * e2}, {BK, BM});
+        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {BK, BN, 1});
+    } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
+        ma = bf16_tensor_map(a, {n, rows}, {n * e2}, {BK, BM});
+        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {64, BK, 1});
+    } else {
+        ma = bf16_tensor_map(a, {n, rows}, {n * e2}, {64, BK});
+        mb = bf16_tensor_map(b, {k, rows}, {k * e2}, {64, BK});
+    }
+}
+
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
-            TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate, const bf16* a,
-            const bf16* b, void* c) {
+            int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
+            const bf16* a, const bf16* b, void* c) {
     allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
     const int64_t tiles = experts * space.m_tiles * space.n_tiles;
-    if (tiles == 0) return;
+    if (tiles == 0 || rows == 0) return;  // no rows: nothing to multiply or add
     const int blocks = int(std::min<int64_t>(tiles, max_blocks > 0 ? max_blocks : sm_count()));
+    CUtensorMap ma{}, mb{};
+    if constexpr (C::kFeed == Feed::Tma)
+        tensor_maps<kKind, C::BN>(ma, mb, experts, rows, n, k, wstride, a, b);
     grouped_gemm_ws_kernel<C, kKind><<<blocks, kThreads, C::SmemBytes, stream_of(ctx)>>>(
-        offsets, experts, space, n, k, wstride, accumulate, dev(a), dev(b), c);
+        offsets, experts, space, n, k, wstride, accumulate, dev(a), dev(b), c, ma, mb);
     ST_CUDA_LAUNCH_CHECK();
 }
 
 template <class C>
 void run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t* offsets,
-         int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b,
-         void* c, int64_t wstride, bool accumulate) {
+         int64_t experts, int64_t max_rows, int64_t rows, int64_t n, int64_t k, const bf16* a,
+         const bf16* b, void* c, int64_t wstride, bool accumulate) {
     // Tile space: the worst case per expert (max_rows) sizes the grid.
     switch (kind) {
         case GroupedGemm::RowsTimesWeightT:
             launch<C, GroupedGemm::RowsTimesWeightT>(
-                ctx, max_blocks, offsets, experts, {blocks_for(max_rows, BM), blocks_for(n, C::BN)},
-                n, k, wstride, accumulate, a, b, c);
+                ctx, max_blocks, offsets, experts, rows,
+                {blocks_for(max_rows, BM), blocks_for(n, C::BN)}, n, k, wstride, accumulate, a, b,
+                c);
             break;
         case GroupedGemm::RowsTimesWeight:
             launch<C, GroupedGemm::RowsTimesWeight>(
-                ctx, max_blocks, offsets, experts, {blocks_for(max_rows, BM), blocks_for(k, C::BN)},
-                n, k, wstride, accumulate, a, b, c);
+                ctx, max_blocks, offsets, experts, rows,
+                {blocks_for(max_rows, BM), blocks_for(k, C::BN)}, n, k, wstride, accumulate, a, b,
+                c);
             break;
         default:
-            launch<C, GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts,
+            launch<C, GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
                                                {blocks_for(n, BM), blocks_for(k, C::BN)}, n, k,
                                                wstride, accumulate, a, b, c);
             break;
@@ -225,30 +327,30 @@ void run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t
 }  // namespace
 
 void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                     const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // Three blocks (configurations 2 and 4): every block walks many tiles, so the stage ring
+                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                     const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                     bool accumulate) {
+    // Three blocks (configurations 2, 4 and 6): every block walks many tiles, so the stage ring
     // wraps across tiles (what the correctness tests need to see; not configurations to run).
+    const int blocks = config == 2 || config == 4 || config == 6 ? 3 : 0;
+    auto go = [&](auto cfg) {
+        run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k, a, b,
+                           c, weight_stride, accumulate);
+    };
     switch (config) {
         case 0:
-            run<WsWide>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                        accumulate);
+        case 2:
+            go(WsWide{});
             break;
         case 1:
-            run<WsNarrow>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                          accumulate);
-            break;
-        case 2:
-            run<WsWide>(ctx, 3, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                        accumulate);
+            go(WsNarrow{});
             break;
         case 3:
-            run<WsWideAsync>(ctx, 0, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                             accumulate);
+        case 4:
+            go(WsWideAsync{});
             break;
         default:
-            run<WsWideAsync>(ctx, 3, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                             accumulate);
+            go(WsWideTma{});
             break;
     }
 }
@@ -263,8 +365,12 @@ const char* grouped_gemm_ws_name(int config) {
             return "wgmma warp-specialized 128x256 on 3 blocks (test of the tile walk)";
         case 3:
             return "wgmma warp-specialized persistent 128x256, 4 stages, copies arrive";
-        default:
+        case 4:
             return "wgmma warp-specialized 128x256, copies arrive, on 3 blocks (test)";
+        case 5:
+            return "wgmma warp-specialized persistent 128x256, 4 stages, TMA";
+        default:
+            return "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)";
     }
 }
 

@@ -51,24 +51,26 @@ void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const 
 bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
                                const void* b, const void* c);
 void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                     const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
 // The wgmma grouped GEMM (grouped_gemm_wgmma.cu), what grouped_gemm_tc runs on sm_90 devices.
 bool grouped_gemm_wgmma_available();
 void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                        int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                        const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+                        int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
+                        int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                        bool accumulate);
 // The warp-specialized persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `config`
 // picks its tile (grouped_gemm_ws_name says which).
 void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                     const bf16* b, void* c, int64_t weight_stride, bool accumulate);
-constexpr int kGroupedGemmWsConfigs = 5;
+                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+constexpr int kGroupedGemmWsConfigs = 7;
 const char* grouped_gemm_ws_name(int config);
 // Its tile configurations for the perf harness (0 is the engine's; packed weights).
 int grouped_gemm_wgmma_configs();
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                       const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                      int64_t n, int64_t k, const bf16* a, const bf16* b, void* c);
+                                      int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
+                                      const bf16* b, void* c);
 
 }  // namespace sparsetron::cuda

@@ -364,15 +364,15 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 }
 
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
-                  int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
-                  int64_t weight_stride, bool accumulate) {
+                  int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
+                  const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
     if (experts == 0) return;
     if (weight_stride == 0) weight_stride = n * k;
     // The pipelined tensor-core kernel (grouped_gemm_tc.cu) whenever rows are 16-byte aligned;
     // this file's simple kernel covers the rest (odd test shapes).
     if (grouped_gemm_tc_supported(n, k, weight_stride, a, b, c)) {
-        grouped_gemm_tc(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                        accumulate);
+        grouped_gemm_tc(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
+                        weight_stride, accumulate);
         return;
     }
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.

@@ -251,6 +251,28 @@ __device__ __forceinline__ void mma_slice(float (&d)[kAcc], uint32_t ta, uint32_
                                               slice_descriptor<kBK>(tb, kk));
 }
 
+// Bulk tensor copies (TMA) into a CTA's own shared memory, completing on an mbarrier as bytes:
+// `map` is a __grid_constant__ CUtensorMap parameter (tensor_map.h), coordinates innermost first.
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, int32_t c0, int32_t c1,
+                                         uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+        "{%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* map, int32_t c0, int32_t c1,
+                                         int32_t c2, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+        "{%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const void* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // mbarriers in shared memory (32-bit shared addresses): init with an arrival count, arrive
 // (release), wait for the phase of the given parity to complete (acquire).
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -258,6 +280,11 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+                 : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(

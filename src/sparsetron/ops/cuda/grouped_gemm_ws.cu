@@ -55,11 +55,14 @@ static_assert(kProducerThreads + kConsumerThreads == kThreads, "one producer, tw
 //   Tma: bulk tensor copies issued by one thread (see the top of this file).
 enum class Feed { ProducerWaits, CopiesArrive, Tma };
 
-// Tile width BN (128 or 256), pipeline stages, feed.
-template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits>
+// Tile width BN (128 or 256), pipeline stages, feed, and blocks per cluster: with 2, the pair
+// takes vertically adjacent tiles (the same columns of B) and each block loads half of the B tile,
+// multicast to both (the TMA feed only), so each block reads a third fewer bytes from L2.
+template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits, int Cluster_ = 1>
 struct WsCfg {
-    static constexpr int BN = BN_, Stages = Stages_;
+    static constexpr int BN = BN_, Stages = Stages_, Cluster = Cluster_;
     static constexpr Feed kFeed = Feed_;
+    static_assert(Cluster == 1 || (Cluster == 2 && Feed_ == Feed::Tma), "multicast is by TMA");
     // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
     // or the producer would wait for a stage the consumers release only after that fill.
     static constexpr int Lag = Stages - 2;
@@ -75,6 +78,7 @@ using WsWide = WsCfg<256, 4>;                           // 128 x 256 tiles, 4 x 
 using WsNarrow = WsCfg<128, 6>;                         // 128 x 128 tiles, 6 x 32 KiB stages
 using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;  // WsWide, published by the copies
 using WsWideTma = WsCfg<256, 4, Feed::Tma>;             // WsWide, bulk tensor copies
+using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;      // WsWideTma, B multicast to a pair
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -88,28 +92,45 @@ struct TileSpace {
 // One stage's operand tiles by bulk tensor copies, completing on `bar` (the maps: tensor_maps
 // below). K-major tiles are one box of 64 x width; MN-major tiles are width / 64 boxes of 64 x 64
 // (the wgmma.cuh atoms, 8 KiB apart). The row coordinate of a row operand is r0 + the tile's own.
-template <GroupedGemm kKind, int BN>
+// In a cluster of kCluster blocks, block `rank` loads the rank-th part of the B tile (rows of a
+// K-major tile, atoms of an MN-major one) for every block of the cluster.
+template <GroupedGemm kKind, int BN, int kCluster>
 __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtensorMap* ma,
                                           const CUtensorMap* mb, int64_t r0, int64_t e, int64_t i0,
-                                          int64_t j0, int64_t k0, uint32_t bar) {
+                                          int64_t j0, int64_t k0, uint32_t bar, uint32_t rank) {
     using namespace wgmma;
     const int32_t ex = int32_t(e), kk = int32_t(k0);
+    constexpr uint16_t kAll = uint16_t((1u << kCluster) - 1u);
+    // One box of B into this block's tile (kCluster 1) or every block's (multicast).
+    auto load_b = [&](uint32_t dst, int32_t c0, int32_t c1, auto... c2) {
+        if constexpr (kCluster == 1)
+            tma_load(dst, mb, c0, c1, c2..., bar);
+        else
+            tma_load_multicast(dst, mb, c0, c1, c2..., bar, kAll);
+    };
     if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
         tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
-        tma_load(tb, mb, kk, int32_t(j0), ex, bar);
+        constexpr int kRows = BN / kCluster;  // the part's B rows (the map's box)
+        load_b(tb + rank * kRows * 128, kk, int32_t(j0 + rank * kRows), ex);
     } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
         tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
+        constexpr int kAtoms = BN / 64 / kCluster;
 #pragma unroll
-        for (int t = 0; t < BN / 64; ++t)
-            tma_load(tb + t * 8192, mb, int32_t(j0 + 64 * t), kk, ex, bar);
+        for (int u = 0; u < kAtoms; ++u) {
+            const int t = int(rank) * kAtoms + u;
+            load_b(tb + t * 8192, int32_t(j0 + 64 * t), kk, ex);
+        }
     } else {
         const int32_t row = int32_t(r0 + k0);
 #pragma unroll
         for (int t = 0; t < BM / 64; ++t)
             tma_load(ta + t * 8192, ma, int32_t(i0 + 64 * t), row, bar);
+        constexpr int kAtoms = BN / 64 / kCluster;
 #pragma unroll
-        for (int t = 0; t < BN / 64; ++t)
-            tma_load(tb + t * 8192, mb, int32_t(j0 + 64 * t), row, bar);
+        for (int u = 0; u < kAtoms; ++u) {
+            const int t = int(rank) * kAtoms + u;
+            load_b(tb + t * 8192, int32_t(j0 + 64 * t), row);
+        }
     }
 }
 #endif
@@ -124,6 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     using namespace wgmma;
     constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
     constexpr bool kAsync = C::kFeed == Feed::CopiesArrive, kTma = C::kFeed == Feed::Tma;
+    constexpr int kCluster = C::Cluster, kUnitRows = kCluster * BM;  // a cluster's tile rows
     constexpr bool kAK = a_k_major<kKind>, kBK = b_k_major<kKind>;
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -133,26 +155,41 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t bars = base + uint32_t(kStages * C::StageBytes);
     auto full = [&](uint32_t s) { return bars + 8u * s; };
     auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
-    if (threadIdx.x == 0)
+    // A stage is released by each consumer warp of every block in the cluster (its B part went
+    // to all of them).
+    constexpr uint32_t kReleases = kCluster * kConsumerThreads / 32;
+    if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), kTma ? 1 : kProducerThreads);
-            mbar_init(empty(s), kConsumerThreads);
+            mbar_init(empty(s), kReleases);
         }
-    __syncthreads();
+        if constexpr (kCluster > 1)  // visible to the other blocks' arrivals and multicasts
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    uint32_t rank = 0;
+    if constexpr (kCluster > 1) {
+        rank = cluster_rank();
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
+    // Clusters walk the tiles in units of kCluster vertically adjacent tiles.
+    const int64_t unit0 = blockIdx.x / kCluster, units = gridDim.x / kCluster;
 
     // The same walk for every role over the experts' real tiles only (row tiles up to each
     // expert's own rows, experts with no rows or no reduction skipped), so the blocks' tile
     // counts differ by at most one however the routing is skewed. The walk only moves forward:
-    // `w_e` is the current expert and `w_first` the linear index of its first tile.
+    // `w_e` is the current expert and `w_first` the linear index of its first tile (unit).
     int64_t w_e = 0, w_first = 0;
     auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p) {
         for (; w_e < experts; ++w_e) {
             p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
             const int64_t count =
-                p.M > 0 && p.K > 0 ? (p.M + BM - 1) / BM * space.n_tiles : int64_t(0);
+                p.M > 0 && p.K > 0 ? (p.M + kUnitRows - 1) / kUnitRows * space.n_tiles : int64_t(0);
             if (t < w_first + count) {
                 const int64_t local = t - w_first;
-                e = w_e, i0 = local / space.n_tiles * BM, j0 = local % space.n_tiles * BN;
+                e = w_e, j0 = local % space.n_tiles * BN;
+                i0 = local / space.n_tiles * kUnitRows + int64_t(rank) * BM;
                 return true;
             }
             w_first += count;
@@ -161,38 +198,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     if (kTma && threadIdx.x < kProducerThreads) {
-        if (threadIdx.x >= 32) return;  // one warp feeds the ring (no block barrier follows)
-        const int lane = threadIdx.x;
-        if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
-        uint32_t it = 0;  // fills issued so far, across tiles
-        int64_t e, i0, j0;
-        Problem p;
-        for (int64_t t = blockIdx.x; next_tile(t, e, i0, j0, p); t += gridDim.x) {
-            const int64_t slices = (p.K + BK - 1) / BK;
-            for (int64_t sl = 0; sl < slices; ++sl, ++it) {
-                const uint32_t s = it % kStages;
-                mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);  // round 0 passes at once
-                const int64_t k0 = sl * BK;
-                if (kKind != GroupedGemm::WeightGrad || k0 + BK <= p.K) {
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
-                        tma_stage<kKind, BN>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b, p.r0,
-                                             e, i0, j0, k0, full(s));
+        // One warp feeds the ring; the other producer warps only meet the cluster at the end.
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
+            uint32_t it = 0;  // fills issued so far, across tiles
+            int64_t e, i0, j0;
+            Problem p;
+            for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
+                const int64_t slices = (p.K + BK - 1) / BK;
+                for (int64_t sl = 0; sl < slices; ++sl, ++it) {
+                    const uint32_t s = it % kStages;
+                    if constexpr (kCluster > 1)  // the other blocks' consumers released it too
+                        mbar_wait_cluster(empty(s), ((it / kStages) & 1u) ^ 1u);
+                    else
+                        mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);  // round 0 passes at once
+                    const int64_t k0 = sl * BK;
+                    if (kKind != GroupedGemm::WeightGrad || k0 + BK <= p.K) {
+                        if (lane == 0) {
+                            mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
+                            tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a,
+                                                           &map_b, p.r0, e, i0, j0, k0, full(s),
+                                                           rank);
+                        }
+                    } else {
+                        // An expert's last, partial slice of rows: zero-filled copies past them.
+                        if constexpr (kKind == GroupedGemm::WeightGrad) {
+                            load_tile_walk<false, BM, 32>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0,
+                                                          p.K, lane);
+                            load_tile_walk<false, BN, 32>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0,
+                                                          p.K, lane);
+                        }
+                        asm volatile("cp.async.wait_all;\n" ::: "memory");
+                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                        __syncwarp();
+                        if (lane == 0) mbar_arrive(full(s));
                     }
-                } else {
-                    // An expert's last, partial slice of rows: zero-filled copies past them.
-                    if constexpr (kKind == GroupedGemm::WeightGrad) {
-                        load_tile_walk<false, BM, 32>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0, p.K,
-                                                      lane);
-                        load_tile_walk<false, BN, 32>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0, p.K,
-                                                      lane);
-                    }
-                    asm volatile("cp.async.wait_all;\n" ::: "memory");
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                     __syncwarp();
-                    if (lane == 0) mbar_arrive(full(s));
                 }
-                __syncwarp();
             }
         }
     } else if (threadIdx.x < kProducerThreads) {
@@ -200,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t it = 0;  // fills issued so far, across tiles
         int64_t e, i0, j0;
         Problem p;
-        for (int64_t t = blockIdx.x; next_tile(t, e, i0, j0, p); t += gridDim.x) {
+        for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
             const int64_t slices = (p.K + BK - 1) / BK;
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
@@ -234,10 +277,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     } else {
         const int wg = (threadIdx.x - kProducerThreads) >> 7;  // this warpgroup's 64 rows
+        // Stage s read by this warp (after its wgmma wait): one arrival per warp on the stage's
+        // empty barrier in every block of the cluster.
+        auto release = [&](uint32_t s) {
+            if ((threadIdx.x & 31) != 0) return;
+            if constexpr (kCluster == 1)
+                mbar_arrive(empty(s));
+            else
+                for (uint32_t r = 0; r < uint32_t(kCluster); ++r) mbar_arrive_cluster(empty(s), r);
+        };
         uint32_t it = 0;  // slices consumed so far, across tiles
         int64_t e, i0, j0;
         Problem p;
-        for (int64_t t = blockIdx.x; next_tile(t, e, i0, j0, p); t += gridDim.x) {
+        for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
             const int64_t slices = (p.K + BK - 1) / BK;
             float d[BN / 2];
 #pragma unroll
@@ -252,27 +304,31 @@ __global__ void __launch_bounds__(kThreads, 1)
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
                 // The previous slice's group has completed: its stage can be refilled.
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                if (sl > 0) mbar_arrive(empty((it - 1) % kStages));
+                if (sl > 0) release((it - 1) % kStages);
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            mbar_arrive(empty((it - 1) % kStages));
+            release((it - 1) % kStages);
             store_acc<kKind>(d, p, e, wstride, i0 + wg * 64, j0, accumulate, c);
         }
     }
+    // A block's arrivals on the others' barriers (and their multicasts into it) are over only
+    // when every block of the cluster is here.
+    if constexpr (kCluster > 1) cluster_sync();
 #else
     __trap();  // dispatched only on sm_90 (grouped_gemm_wgmma_available)
 #endif
 }
 
 // The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
-// buffers' capacity; weights [E][n][k] with `wstride` elements between experts).
-template <GroupedGemm kKind, int BN>
+// buffers' capacity; weights [E][n][k] with `wstride` elements between experts; a K-major B tile
+// in kCluster parts).
+template <GroupedGemm kKind, int BN, int kCluster>
 void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows, int64_t n,
                  int64_t k, int64_t wstride, const bf16* a, const bf16* b) {
     const int64_t e2 = 2;  // bytes per element
     if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
         ma = bf16_tensor_map(a, {k, rows}, {k * e2}, {BK, BM});
-        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {BK, BN, 1});
+        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {BK, BN / kCluster, 1});
     } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
         ma = bf16_tensor_map(a, {n, rows}, {n * e2}, {BK, BM});
         mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {64, BK, 1});
@@ -282,20 +338,54 @@ void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows
     }
 }
 
+// Blocks a persistent launch of `kernel` may keep resident: one per SM, or for clusters of two
+// the resident clusters' blocks (the GPCs' SM counts may leave some SMs out).
+template <class C, GroupedGemm kKind>
+int resident_blocks(cudaLaunchConfig_t config) {
+    if constexpr (C::Cluster == 1) {
+        return sm_count();
+    } else {
+        static const int blocks = [&] {
+            cudaLaunchAttribute attr{};
+            attr.id = cudaLaunchAttributeClusterDimension;
+            attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1,
+            attr.val.clusterDim.z = 1;
+            config.attrs = &attr, config.numAttrs = 1;
+            config.gridDim = dim3(unsigned(C::Cluster * sm_count()));
+            int clusters = 0;
+            ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
+                &clusters, grouped_gemm_ws_kernel<C, kKind>, &config));
+            ST_CHECK(clusters > 0, "grouped GEMM: no cluster of ", C::Cluster,
+                     " blocks fits on this GPU");
+            return clusters * C::Cluster;
+        }();
+        return blocks;
+    }
+}
+
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
             int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
             const bf16* a, const bf16* b, void* c) {
+    auto* kernel = grouped_gemm_ws_kernel<C, kKind>;
     allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
-    const int64_t tiles = experts * space.m_tiles * space.n_tiles;
-    if (tiles == 0 || rows == 0) return;  // no rows: nothing to multiply or add
-    const int blocks = int(std::min<int64_t>(tiles, max_blocks > 0 ? max_blocks : sm_count()));
+    const int64_t units = experts * blocks_for(space.m_tiles, C::Cluster) * space.n_tiles;
+    if (units == 0 || rows == 0) return;  // no rows: nothing to multiply or add
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = C::SmemBytes;
+    config.stream = stream_of(ctx);
+    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<C, kKind>(config);
+    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / C::Cluster) * C::Cluster));
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    if (C::Cluster > 1) config.attrs = &attr, config.numAttrs = 1;
     CUtensorMap ma{}, mb{};
     if constexpr (C::kFeed == Feed::Tma)
-        tensor_maps<kKind, C::BN>(ma, mb, experts, rows, n, k, wstride, a, b);
-    grouped_gemm_ws_kernel<C, kKind><<<blocks, kThreads, C::SmemBytes, stream_of(ctx)>>>(
-        offsets, experts, space, n, k, wstride, accumulate, dev(a), dev(b), c, ma, mb);
-    ST_CUDA_LAUNCH_CHECK();
+        tensor_maps<kKind, C::BN, C::Cluster>(ma, mb, experts, rows, n, k, wstride, a, b);
+    ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
+                                     accumulate, dev(a), dev(b), c, ma, mb));
 }
 
 template <class C>
@@ -330,9 +420,10 @@ void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const
                      int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
                      const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                      bool accumulate) {
-    // Three blocks (configurations 2, 4 and 6): every block walks many tiles, so the stage ring
-    // wraps across tiles (what the correctness tests need to see; not configurations to run).
-    const int blocks = config == 2 || config == 4 || config == 6 ? 3 : 0;
+    // Three blocks (configurations 2, 4 and 6; two clusters of two for 8): every block walks many
+    // tiles, so the stage ring wraps across tiles (what the correctness tests need to see; not
+    // configurations to run).
+    const int blocks = config == 2 || config == 4 || config == 6 ? 3 : config == 8 ? 4 : 0;
     auto go = [&](auto cfg) {
         run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k, a, b,
                            c, weight_stride, accumulate);
@@ -349,8 +440,12 @@ void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const
         case 4:
             go(WsWideAsync{});
             break;
-        default:
+        case 5:
+        case 6:
             go(WsWideTma{});
+            break;
+        default:
+            go(WsWideTmaPair{});
             break;
     }
 }
@@ -369,8 +464,12 @@ const char* grouped_gemm_ws_name(int config) {
             return "wgmma warp-specialized 128x256, copies arrive, on 3 blocks (test)";
         case 5:
             return "wgmma warp-specialized persistent 128x256, 4 stages, TMA";
-        default:
+        case 6:
             return "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)";
+        case 7:
+            return "wgmma warp-specialized persistent 128x256, 4 stages, TMA, B multicast to pairs";
+        default:
+            return "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)";
     }
 }
 

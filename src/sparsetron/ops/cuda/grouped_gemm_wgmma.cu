@@ -246,10 +246,12 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
         case 5:
             run<WgWideLongK>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);
             return "wgmma 128x256, k64, 4 stages, a group in flight";
-        default:
-            grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows, row_capacity, n, k,
-                            a, b, c, ws, false);
-            return grouped_gemm_ws_name(config - 6);
+        default: {
+            const int blocks = grouped_gemm_ws(ctx, config - 6, kind, offsets, experts, max_rows,
+                                               row_capacity, n, k, a, b, c, ws, false);
+            return std::string(grouped_gemm_ws_name(config - 6)) + ", " + std::to_string(blocks) +
+                   " blocks";
+        }
     }
 }
 

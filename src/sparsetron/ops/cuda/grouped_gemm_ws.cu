@@ -209,10 +209,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int64_t slices = (p.K + BK - 1) / BK;
                 for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                     const uint32_t s = it % kStages;
-                    if constexpr (kCluster > 1)  // the other blocks' consumers released it too
-                        mbar_wait_cluster(empty(s), ((it / kStages) & 1u) ^ 1u);
-                    else
-                        mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);  // round 0 passes at once
+                    // Released by the consumers of every block of the cluster; round 0 passes at
+                    // once.
+                    mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
                     const int64_t k0 = sl * BK;
                     if (kKind != GroupedGemm::WeightGrad || k0 + BK <= p.K) {
                         if (lane == 0) {
@@ -364,13 +363,13 @@ int resident_blocks(cudaLaunchConfig_t config) {
 }
 
 template <class C, GroupedGemm kKind>
-void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
-            int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
-            const bf16* a, const bf16* b, void* c) {
+int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
+           int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
+           const bf16* a, const bf16* b, void* c) {
     auto* kernel = grouped_gemm_ws_kernel<C, kKind>;
     allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
     const int64_t units = experts * blocks_for(space.m_tiles, C::Cluster) * space.n_tiles;
-    if (units == 0 || rows == 0) return;  // no rows: nothing to multiply or add
+    if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply or add
     cudaLaunchConfig_t config{};
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = C::SmemBytes;
@@ -386,67 +385,59 @@ void launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int6
         tensor_maps<kKind, C::BN, C::Cluster>(ma, mb, experts, rows, n, k, wstride, a, b);
     ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
                                      accumulate, dev(a), dev(b), c, ma, mb));
+    return int(config.gridDim.x);
 }
 
 template <class C>
-void run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t* offsets,
-         int64_t experts, int64_t max_rows, int64_t rows, int64_t n, int64_t k, const bf16* a,
-         const bf16* b, void* c, int64_t wstride, bool accumulate) {
+int run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t* offsets,
+        int64_t experts, int64_t max_rows, int64_t rows, int64_t n, int64_t k, const bf16* a,
+        const bf16* b, void* c, int64_t wstride, bool accumulate) {
     // Tile space: the worst case per expert (max_rows) sizes the grid.
     switch (kind) {
         case GroupedGemm::RowsTimesWeightT:
-            launch<C, GroupedGemm::RowsTimesWeightT>(
+            return launch<C, GroupedGemm::RowsTimesWeightT>(
                 ctx, max_blocks, offsets, experts, rows,
                 {blocks_for(max_rows, BM), blocks_for(n, C::BN)}, n, k, wstride, accumulate, a, b,
                 c);
-            break;
         case GroupedGemm::RowsTimesWeight:
-            launch<C, GroupedGemm::RowsTimesWeight>(
+            return launch<C, GroupedGemm::RowsTimesWeight>(
                 ctx, max_blocks, offsets, experts, rows,
                 {blocks_for(max_rows, BM), blocks_for(k, C::BN)}, n, k, wstride, accumulate, a, b,
                 c);
-            break;
         default:
-            launch<C, GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
-                                               {blocks_for(n, BM), blocks_for(k, C::BN)}, n, k,
-                                               wstride, accumulate, a, b, c);
-            break;
+            return launch<C, GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
+                                                      {blocks_for(n, BM), blocks_for(k, C::BN)}, n,
+                                                      k, wstride, accumulate, a, b, c);
     }
 }
 
 }  // namespace
 
-void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                     const bf16* a, const bf16* b, void* c, int64_t weight_stride,
-                     bool accumulate) {
+int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
+                    int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                    const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
     // Three blocks (configurations 2, 4 and 6; two clusters of two for 8): every block walks many
     // tiles, so the stage ring wraps across tiles (what the correctness tests need to see; not
     // configurations to run).
     const int blocks = config == 2 || config == 4 || config == 6 ? 3 : config == 8 ? 4 : 0;
     auto go = [&](auto cfg) {
-        run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k, a, b,
-                           c, weight_stride, accumulate);
+        return run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k,
+                                  a, b, c, weight_stride, accumulate);
     };
     switch (config) {
         case 0:
         case 2:
-            go(WsWide{});
-            break;
+            return go(WsWide{});
         case 1:
-            go(WsNarrow{});
-            break;
+            return go(WsNarrow{});
         case 3:
         case 4:
-            go(WsWideAsync{});
-            break;
+            return go(WsWideAsync{});
         case 5:
         case 6:
-            go(WsWideTma{});
-            break;
+            return go(WsWideTma{});
         default:
-            go(WsWideTmaPair{});
-            break;
+            return go(WsWideTmaPair{});
     }
 }
 

@@ -60,10 +60,10 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
                         int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                         bool accumulate);
 // The warp-specialized persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `config`
-// picks its tile (grouped_gemm_ws_name says which).
-void grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+// picks its tile (grouped_gemm_ws_name says which). Returns the blocks it launched.
+int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
+                    int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
+                    const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
 constexpr int kGroupedGemmWsConfigs = 9;
 const char* grouped_gemm_ws_name(int config);
 // Its tile configurations for the perf harness (0 is the engine's; packed weights).

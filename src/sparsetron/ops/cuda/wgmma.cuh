@@ -301,8 +301,9 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // Thread block clusters: this block's rank, a barrier over every thread of the cluster (release /
-// acquire), an mbarrier arrival on CTA `rank`'s barrier at this block's offset `bar`, and a wait
-// that acquires at cluster scope (what other CTAs released before arriving).
+// acquire), and an mbarrier arrival on CTA `rank`'s barrier at this block's offset `bar` (default
+// semantics: a consumer's arrival only says its wgmma reads of the stage are over; a release at
+// cluster scope would first wait for the thread's outstanding global stores).
 __device__ __forceinline__ uint32_t cluster_rank() {
     uint32_t r;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -317,20 +318,9 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
         "{\n"
         ".reg .b32 remote;\n"
         "mapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
         "}\n" ::"r"(bar),
         "r"(rank)
-        : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
         : "memory");
 }
 // One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.

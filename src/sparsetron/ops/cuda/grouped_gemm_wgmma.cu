@@ -156,16 +156,15 @@ bool grouped_gemm_wgmma_available() {
 
 namespace {
 // SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
-// one process: "blocked" runs this file's kernels for every kind; "async", "tma", "pair" (TMA, B
-// multicast to clusters of two) and "waits" the warp-specialized kernel with that feed for every
-// kind (grouped_gemm_ws.cu's configurations 3, 5, 7 and 0).
-enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaPair, ProducerWaits };
+// one process: "blocked" runs this file's kernels for every kind; "async", "tma" (without the
+// multicast) and "waits" the warp-specialized kernel with that feed for every kind
+// (grouped_gemm_ws.cu's configurations 3, 5 and 0).
+enum class Choice { Engine, Blocked, CopiesArrive, Tma, ProducerWaits };
 Choice forced_choice() {
     static const Choice choice = [] {
         if (env_is("SPARSETRON_GROUPED_GEMM", "blocked")) return Choice::Blocked;
         if (env_is("SPARSETRON_GROUPED_GEMM", "async")) return Choice::CopiesArrive;
         if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return Choice::Tma;
-        if (env_is("SPARSETRON_GROUPED_GEMM", "pair")) return Choice::TmaPair;
         if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return Choice::ProducerWaits;
         return Choice::Engine;
     }();
@@ -177,15 +176,15 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
                         int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
                         int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                         bool accumulate) {
-    // The warp-specialized kernel with the TMA feed for every kind (docs/perf/
-    // 2026-12-01-grouped-gemm-tma.md, d8b0c94: the backbone 165.9 / 166.2 ms against 167.8 / 167.6
-    // with the cp.async feeds; the kernels within 2% of the best cp.async feed, each kind). This
-    // file's kernels only when SPARSETRON_GROUPED_GEMM=blocked.
+    // The warp-specialized kernel with the TMA feed and B multicast to clusters of two, every
+    // kind (docs/perf/2026-12-01-grouped-gemm-tma.md, 3b3628a, same call: x W^T / dy W / weight
+    // gradient 830 / 699 / 684 TFLOP/s against 793 / 678 / 652 by TMA alone and 807 / 651 / 609 by
+    // the first cp.async feed). This file's kernels only when SPARSETRON_GROUPED_GEMM=blocked.
     const Choice choice = forced_choice();
     if (choice != Choice::Blocked) {
-        int config = 5;
+        int config = 7;
         if (choice == Choice::CopiesArrive) config = 3;
-        if (choice == Choice::TmaPair) config = 7;
+        if (choice == Choice::Tma) config = 5;
         if (choice == Choice::ProducerWaits) config = 0;
         grouped_gemm_ws(ctx, config, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                         weight_stride, accumulate);
@@ -227,7 +226,7 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
             grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                                ws, false);
             return forced_choice() == Choice::Engine
-                       ? "wgmma, the engine's choice (warp-specialized, TMA)"
+                       ? "wgmma, the engine's choice (warp-specialized, TMA, B multicast to pairs)"
                        : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
         case 1:
             run<WgPlain>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);

@@ -10,22 +10,30 @@
 // their slice's mbarrier, and the producer refills a stage as soon as both consumers release it,
 // including the next tile's first stages while the consumers store this tile.
 //
-// Pipeline per stage s (fill number f = it, round f / Stages):
-//   producer: wait empty[s] (both consumer warpgroups done reading it), cp.async the A and B
-//             slices, commit; publish fill f - Lag: wait for its copies, fence.proxy.async (the
-//             copies are generic-proxy writes, wgmma reads through the async proxy), arrive on
-//             full[s'] (128 arrivals, one per producer thread).
-//   consumer: wait full[s], four wgmma, commit; after the next slice's wgmma is issued and the
-//             previous group has completed, arrive on that slice's empty[] (256 arrivals).
-// Copies past an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte source), so the
-// weight gradient's reduction over an expert's rows needs no host decision.
+// The engine runs the TMA feed with B multicast to clusters of two (configuration 7; the others
+// are kept for the perf harness and SPARSETRON_GROUPED_GEMM,
+// docs/perf/2026-12-01-grouped-gemm-tma.md).
 //
-// The TMA feed (Feed::Tma): one producer thread loads each stage with bulk tensor copies (a 2-d
-// or 3-d box per operand, 64-wide atoms for the MN-major ones) that complete on full[s] as bytes;
-// the other producer warps exit. The boxes read whole tiles: rows past an expert belong to the
-// next expert (their output rows are not stored), rows past the row buffer's capacity and columns
-// past n or k read as zero. Only the weight gradient reduces over rows, so its last, partial slice
-// of an expert goes through the zero-filling cp.async path above, by the producer warp.
+// TMA feed, per stage s (fill number f = it, round f / Stages):
+//   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],
+//     arrive on full[s] expecting the stage's bytes, issue the bulk tensor copies (a 2-d or 3-d
+//     box per operand, 64-wide atoms for the MN-major ones) that complete on full[s] as bytes.
+//   consumer: wait full[s], four wgmma, commit; after the next slice's wgmma is issued and the
+//     previous group has completed, each warp arrives once on that slice's empty[] (in every
+//     block of the cluster: its B part came from all of them).
+// The boxes read whole tiles: rows past an expert belong to the next expert (their output rows are
+// not stored), rows past the row buffer's capacity and columns past n or k read as zero. Only the
+// weight gradient reduces over rows, so its last, partial slice of an expert goes through the
+// zero-filling cp.async copies below, by the producer warp, in each block for itself.
+//
+// Clusters of two: the pair takes vertically adjacent tiles (the same B columns, the next 128
+// rows); each block loads its own A and half of B, multicast to both blocks' stages, so a block
+// reads 32 of the stage's 48 KiB from L2.
+//
+// The cp.async feeds (measured before TMA): 128 producer threads copy 16-byte pieces; copies past
+// an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte source). Each thread either
+// waits for its own copies `Lag` fills later, fences the async proxy and arrives on full[s'], or
+// has the hardware arrive when its copies land (cp.async.mbarrier.arrive.noinc).
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"

@@ -157,14 +157,16 @@ bool grouped_gemm_wgmma_available() {
 namespace {
 // SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
 // one process: "blocked" runs this file's kernels for every kind; "async", "tma" (without the
-// multicast) and "waits" the warp-specialized kernel with that feed for every kind
-// (grouped_gemm_ws.cu's configurations 3, 5 and 0).
-enum class Choice { Engine, Blocked, CopiesArrive, Tma, ProducerWaits };
+// multicast) and "waits" the warp-specialized kernel with that feed for every kind, "store" the
+// engine's with bulk tensor stores of the bf16 outputs (grouped_gemm_ws.cu's configurations 3, 5,
+// 0 and 9).
+enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaStore, ProducerWaits };
 Choice forced_choice() {
     static const Choice choice = [] {
         if (env_is("SPARSETRON_GROUPED_GEMM", "blocked")) return Choice::Blocked;
         if (env_is("SPARSETRON_GROUPED_GEMM", "async")) return Choice::CopiesArrive;
         if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return Choice::Tma;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "store")) return Choice::TmaStore;
         if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return Choice::ProducerWaits;
         return Choice::Engine;
     }();
@@ -185,6 +187,7 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
         int config = 7;
         if (choice == Choice::CopiesArrive) config = 3;
         if (choice == Choice::Tma) config = 5;
+        if (choice == Choice::TmaStore) config = 9;
         if (choice == Choice::ProducerWaits) config = 0;
         grouped_gemm_ws(ctx, config, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                         weight_stride, accumulate);

@@ -66,27 +66,37 @@ enum class Feed { ProducerWaits, CopiesArrive, Tma };
 // Tile width BN (128 or 256), pipeline stages, feed, and blocks per cluster: with 2, the pair
 // takes vertically adjacent tiles (the same columns of B) and each block loads half of the B tile,
 // multicast to both (the TMA feed only), so each block reads a third fewer bytes from L2.
-template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits, int Cluster_ = 1>
+// TmaStore_: bf16 outputs (not added to) leave through shared memory by bulk tensor stores, a
+// consumer warpgroup's 64 x 128 half-tile at a time (16 KiB each), where the warpgroup's rows are
+// all the expert's; the st.global epilogue writes 16-byte half-sectors, 8 rows per instruction.
+template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits, int Cluster_ = 1,
+          bool TmaStore_ = false>
 struct WsCfg {
     static constexpr int BN = BN_, Stages = Stages_, Cluster = Cluster_;
     static constexpr Feed kFeed = Feed_;
+    static constexpr bool TmaStore = TmaStore_;
     static_assert(Cluster == 1 || (Cluster == 2 && Feed_ == Feed::Tma), "multicast is by TMA");
+    static_assert(!TmaStore || (Feed_ == Feed::Tma && BN_ == 256), "TMA store: the wide tile");
     // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
     // or the producer would wait for a stage the consumers release only after that fill.
     static constexpr int Lag = Stages - 2;
     static constexpr int ABytes = BM * BK * 2, BBytes = BN * BK * 2;
     static constexpr int StageBytes = ABytes + BBytes;
-    // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
-    static constexpr size_t SmemBytes = size_t(Stages) * StageBytes + 1024 + 2 * Stages * 8;
+    static constexpr int StagingBytes = TmaStore ? 2 * 16384 : 0;  // per consumer warpgroup
+    // Stages, the store staging, alignment slack for the 1024-byte swizzle period, the full and
+    // empty mbarriers.
+    static constexpr size_t SmemBytes =
+        size_t(Stages) * StageBytes + StagingBytes + 1024 + 2 * Stages * 8;
     static_assert(kFeed != Feed::ProducerWaits || Lag >= 1,
                   "a producer that waits needs three stages or more");
     static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
 };
-using WsWide = WsCfg<256, 4>;                           // 128 x 256 tiles, 4 x 48 KiB stages
-using WsNarrow = WsCfg<128, 6>;                         // 128 x 128 tiles, 6 x 32 KiB stages
-using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;  // WsWide, published by the copies
-using WsWideTma = WsCfg<256, 4, Feed::Tma>;             // WsWide, bulk tensor copies
-using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;      // WsWideTma, B multicast to a pair
+using WsWide = WsCfg<256, 4>;                                  // 128 x 256 tiles, 4 x 48 KiB stages
+using WsNarrow = WsCfg<128, 6>;                                // 128 x 128 tiles, 6 x 32 KiB stages
+using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;         // WsWide, published by the copies
+using WsWideTma = WsCfg<256, 4, Feed::Tma>;                    // WsWide, bulk tensor copies
+using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;             // WsWideTma, B multicast to a pair
+using WsWideTmaPairStore = WsCfg<256, 4, Feed::Tma, 2, true>;  // ... and bulk tensor stores
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -141,6 +151,46 @@ __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtens
         }
     }
 }
+
+// A consumer warpgroup's 64 x 256 accumulator block (rows row0.. of the expert, all of them its
+// rows; columns j0..) through its 16 KiB staging buffer `buf` by bulk tensor stores, in two 64 x
+// 128 halves. Each half is two 64 x 64 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c
+// ^ (r % 8): the map's 128-byte swizzle; the writes are free of bank conflicts). Named barrier
+// 1 + wg orders the warpgroup's writes before its leader's stores, and the leader's wait for the
+// previous stores' reads of the buffer before the writes. Accumulator layout: store_acc.
+__device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUtensorMap* mc,
+                                              uint32_t buf, int wg, int64_t row0, int64_t j0) {
+    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    const bool leader = t == 0;
+    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        sync_warpgroup();
+#pragma unroll
+        for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
+            const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp * 16 + lane / 4 + half * 8;
+                const __nv_bfloat162 v =
+                    __float22bfloat162_rn(float2{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]});
+                const uint32_t addr = buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * q;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
+                             "r"(*reinterpret_cast<const uint32_t*>(&v))
+                             : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by the stores
+        sync_warpgroup();
+        if (leader) {
+            for (int box = 0; box < 2; ++box)
+                wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box),
+                                 int32_t(row0));
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+}
 #endif
 
 template <class C, GroupedGemm kKind>
@@ -148,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_ws_kernel(const int32_t* offsets, int64_t experts, TileSpace space, int64_t n,
                            int64_t k, int64_t wstride, bool accumulate, const bf* a, const bf* b,
                            void* c, const __grid_constant__ CUtensorMap map_a,
-                           const __grid_constant__ CUtensorMap map_b) {
+                           const __grid_constant__ CUtensorMap map_b,
+                           const __grid_constant__ CUtensorMap map_c) {
 #ifdef ST_WGMMA
     using namespace wgmma;
     constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
@@ -160,7 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 B
     auto tile_a = [&](int s) { return base + uint32_t(s * C::StageBytes); };
     auto tile_b = [&](int s) { return base + uint32_t(s * C::StageBytes + C::ABytes); };
-    const uint32_t bars = base + uint32_t(kStages * C::StageBytes);
+    const uint32_t staging = base + uint32_t(kStages * C::StageBytes);  // TmaStore only
+    const uint32_t bars = staging + uint32_t(C::StagingBytes);
     auto full = [&](uint32_t s) { return bars + 8u * s; };
     auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
     // A stage is released by each consumer warp of every block in the cluster (its B part went
@@ -315,8 +367,18 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release((it - 1) % kStages);
-            store_acc<kKind>(d, p, e, wstride, i0 + wg * 64, j0, accumulate, c);
+            constexpr bool kBf16Out = kKind != GroupedGemm::WeightGrad;
+            if (C::TmaStore && kBf16Out && !accumulate && i0 + wg * 64 + 64 <= p.M) {
+                if constexpr (C::TmaStore && BN == 256)
+                    store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
+                                  p.r0 + i0 + wg * 64, j0);
+            } else {
+                store_acc<kKind>(d, p, e, wstride, i0 + wg * 64, j0, accumulate, c);
+            }
         }
+        // The last stores have read their staging before the block's shared memory goes.
+        if (C::TmaStore && (threadIdx.x & 127) == 0)
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
     // A block's arrivals on the others' barriers (and their multicasts into it) are over only
     // when every block of the cluster is here.
@@ -388,11 +450,16 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     if (C::Cluster > 1) config.attrs = &attr, config.numAttrs = 1;
-    CUtensorMap ma{}, mb{};
+    CUtensorMap ma{}, mb{}, mc{};
     if constexpr (C::kFeed == Feed::Tma)
         tensor_maps<kKind, C::BN, C::Cluster>(ma, mb, experts, rows, n, k, wstride, a, b);
+    if constexpr (C::TmaStore && kKind != GroupedGemm::WeightGrad) {
+        // C [rows, N] bf16, boxes of 64 x 64 (store_acc_tma).
+        const int64_t N = kKind == GroupedGemm::RowsTimesWeightT ? n : k;
+        mc = bf16_tensor_map(c, {N, rows}, {N * 2}, {64, 64});
+    }
     ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
-                                     accumulate, dev(a), dev(b), c, ma, mb));
+                                     accumulate, dev(a), dev(b), c, ma, mb, mc));
     return int(config.gridDim.x);
 }
 
@@ -427,7 +494,9 @@ int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const 
     // Three blocks (configurations 2, 4 and 6; two clusters of two for 8): every block walks many
     // tiles, so the stage ring wraps across tiles (what the correctness tests need to see; not
     // configurations to run).
-    const int blocks = config == 2 || config == 4 || config == 6 ? 3 : config == 8 ? 4 : 0;
+    const int blocks = config == 2 || config == 4 || config == 6 ? 3
+                       : config == 8 || config == 10             ? 4
+                                                                 : 0;
     auto go = [&](auto cfg) {
         return run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k,
                                   a, b, c, weight_stride, accumulate);
@@ -444,8 +513,11 @@ int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const 
         case 5:
         case 6:
             return go(WsWideTma{});
-        default:
+        case 7:
+        case 8:
             return go(WsWideTmaPair{});
+        default:
+            return go(WsWideTmaPairStore{});
     }
 }
 
@@ -467,8 +539,12 @@ const char* grouped_gemm_ws_name(int config) {
             return "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)";
         case 7:
             return "wgmma warp-specialized persistent 128x256, 4 stages, TMA, B multicast to pairs";
-        default:
+        case 8:
             return "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)";
+        case 9:
+            return "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores";
+        default:
+            return "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores, 2 pairs (test)";
     }
 }
 

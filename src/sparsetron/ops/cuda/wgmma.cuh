@@ -288,6 +288,15 @@ __device__ __forceinline__ void tma_load_multicast(uint32_t dst, const void* map
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask)
         : "memory");
 }
+// A 2-d box from this CTA's shared memory to global memory (elements past the map's bounds are
+// not written), in this thread's bulk group.
+__device__ __forceinline__ void tma_store(const void* map, uint32_t src, int32_t c0, int32_t c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(c0), "r"(c1), "r"(src)
+        : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const void* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

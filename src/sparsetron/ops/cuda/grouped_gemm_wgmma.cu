@@ -157,16 +157,15 @@ bool grouped_gemm_wgmma_available() {
 namespace {
 // SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
 // one process: "blocked" runs this file's kernels for every kind; "async", "tma" (without the
-// multicast) and "waits" the warp-specialized kernel with that feed for every kind, "store" the
-// engine's with bulk tensor stores of the bf16 outputs (grouped_gemm_ws.cu's configurations 3, 5,
-// 0 and 9).
-enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaStore, ProducerWaits };
+// multicast) and "waits" the warp-specialized kernel with that feed, "pair" the engine's without
+// the bulk tensor stores (grouped_gemm_ws.cu's configurations 3, 5, 0 and 7).
+enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaPair, ProducerWaits };
 Choice forced_choice() {
     static const Choice choice = [] {
         if (env_is("SPARSETRON_GROUPED_GEMM", "blocked")) return Choice::Blocked;
         if (env_is("SPARSETRON_GROUPED_GEMM", "async")) return Choice::CopiesArrive;
         if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return Choice::Tma;
-        if (env_is("SPARSETRON_GROUPED_GEMM", "store")) return Choice::TmaStore;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "pair")) return Choice::TmaPair;
         if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return Choice::ProducerWaits;
         return Choice::Engine;
     }();
@@ -178,16 +177,17 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
                         int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
                         int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                         bool accumulate) {
-    // The warp-specialized kernel with the TMA feed and B multicast to clusters of two, every
-    // kind (docs/perf/2026-12-01-grouped-gemm-tma.md, 3b3628a, same call: x W^T / dy W / weight
-    // gradient 830 / 699 / 684 TFLOP/s against 793 / 678 / 652 by TMA alone and 807 / 651 / 609 by
-    // the first cp.async feed). This file's kernels only when SPARSETRON_GROUPED_GEMM=blocked.
+    // The warp-specialized kernel with the TMA feed, B multicast to clusters of two and bulk
+    // tensor stores of the bf16 outputs, every kind (docs/perf/2026-12-01-grouped-gemm-tma.md,
+    // 17533f2, same call: x W^T / dy W / weight gradient 909 / 869 / 700 TFLOP/s against
+    // 837 / 703 / 699 without the stores, 800 / 684 / 660 by TMA alone). This file's kernels only
+    // when SPARSETRON_GROUPED_GEMM=blocked.
     const Choice choice = forced_choice();
     if (choice != Choice::Blocked) {
-        int config = 7;
+        int config = 9;
         if (choice == Choice::CopiesArrive) config = 3;
         if (choice == Choice::Tma) config = 5;
-        if (choice == Choice::TmaStore) config = 9;
+        if (choice == Choice::TmaPair) config = 7;
         if (choice == Choice::ProducerWaits) config = 0;
         grouped_gemm_ws(ctx, config, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                         weight_stride, accumulate);
@@ -229,7 +229,8 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
             grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                                ws, false);
             return forced_choice() == Choice::Engine
-                       ? "wgmma, the engine's choice (warp-specialized, TMA, B multicast to pairs)"
+                       ? "wgmma, the engine's choice (warp-specialized, TMA, B multicast, TMA "
+                         "stores)"
                        : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
         case 1:
             run<WgPlain>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, ws, false);

@@ -158,14 +158,16 @@ namespace {
 // SPARSETRON_GROUPED_GEMM picks other kernels than the engine's, to measure them against it in
 // one process: "blocked" runs this file's kernels for every kind; "async", "tma" (without the
 // multicast) and "waits" the warp-specialized kernel with that feed, "pair" the engine's without
-// the bulk tensor stores (grouped_gemm_ws.cu's configurations 3, 5, 0 and 7).
-enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaPair, ProducerWaits };
+// the bulk tensor stores, "reduce" the engine's with the weight gradient's fp32 adds as bulk
+// tensor reduce-adds (grouped_gemm_ws.cu's configurations 3, 5, 0, 7 and 11).
+enum class Choice { Engine, Blocked, CopiesArrive, Tma, TmaPair, TmaReduce, ProducerWaits };
 Choice forced_choice() {
     static const Choice choice = [] {
         if (env_is("SPARSETRON_GROUPED_GEMM", "blocked")) return Choice::Blocked;
         if (env_is("SPARSETRON_GROUPED_GEMM", "async")) return Choice::CopiesArrive;
         if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return Choice::Tma;
         if (env_is("SPARSETRON_GROUPED_GEMM", "pair")) return Choice::TmaPair;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "reduce")) return Choice::TmaReduce;
         if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return Choice::ProducerWaits;
         return Choice::Engine;
     }();
@@ -188,6 +190,7 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
         if (choice == Choice::CopiesArrive) config = 3;
         if (choice == Choice::Tma) config = 5;
         if (choice == Choice::TmaPair) config = 7;
+        if (choice == Choice::TmaReduce) config = 11;
         if (choice == Choice::ProducerWaits) config = 0;
         grouped_gemm_ws(ctx, config, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
                         weight_stride, accumulate);

@@ -69,12 +69,15 @@ enum class Feed { ProducerWaits, CopiesArrive, Tma };
 // TmaStore_: bf16 outputs (not added to) leave through shared memory by bulk tensor stores, a
 // consumer warpgroup's 64 x 128 half-tile at a time (16 KiB each), where the warpgroup's rows are
 // all the expert's; the st.global epilogue writes 16-byte half-sectors, 8 rows per instruction.
+// TmaReduce_ (with TmaStore_): the weight gradient's fp32 adds leave the same way, as bulk tensor
+// reduce-adds of 64 x 64 fp32 quarters, instead of the consumers' red.global.add pairs.
 template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits, int Cluster_ = 1,
-          bool TmaStore_ = false>
+          bool TmaStore_ = false, bool TmaReduce_ = false>
 struct WsCfg {
     static constexpr int BN = BN_, Stages = Stages_, Cluster = Cluster_;
     static constexpr Feed kFeed = Feed_;
-    static constexpr bool TmaStore = TmaStore_;
+    static constexpr bool TmaStore = TmaStore_, TmaReduce = TmaReduce_;
+    static_assert(!TmaReduce || TmaStore, "the reductions use the stores' staging");
     static_assert(Cluster == 1 || (Cluster == 2 && Feed_ == Feed::Tma), "multicast is by TMA");
     static_assert(!TmaStore || (Feed_ == Feed::Tma && BN_ == 256), "TMA store: the wide tile");
     // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
@@ -97,6 +100,7 @@ using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;         // WsWide, publis
 using WsWideTma = WsCfg<256, 4, Feed::Tma>;                    // WsWide, bulk tensor copies
 using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;             // WsWideTma, B multicast to a pair
 using WsWideTmaPairStore = WsCfg<256, 4, Feed::Tma, 2, true>;  // ... and bulk tensor stores
+using WsWideTmaPairReduce = WsCfg<256, 4, Feed::Tma, 2, true, true>;  // ... and reduce-adds
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -187,6 +191,47 @@ __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUten
             for (int box = 0; box < 2; ++box)
                 wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box),
                                  int32_t(row0));
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+}
+
+// The weight gradient's version of store_acc_tma: the warpgroup's 64 x 256 fp32 block (rows row0..
+// of expert e's [n, k] gradient, columns j0..) added into it by bulk tensor reduce-adds, in four
+// 64 x 64 quarters through the same 16 KiB buffer, each two 64-row x 32-column boxes (8 KiB,
+// 128-byte rows of 32 floats, 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of
+// columns 8j + 2q.. lands in chunk 2 (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two
+// lanes per bank: the 256 bytes of a warp's store take the minimum two wavefronts). Rows and
+// columns past the gradient's edges are not written (the map's bounds).
+__device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUtensorMap* mc,
+                                               uint32_t buf, int wg, int64_t row0, int64_t j0,
+                                               int64_t e) {
+    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    const bool leader = t == 0;
+    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        sync_warpgroup();
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {  // the quarter's 8-column groups
+            const int j = 8 * u + jj, box = jj >> 2, chunk = 2 * (jj & 3) + (q >> 1);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp * 16 + lane / 4 + half * 8;
+                const uint32_t addr =
+                    buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 8 * (q & 1);
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
+                             "f"(d[4 * j + 2 * half]), "f"(d[4 * j + 2 * half + 1])
+                             : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by the adds
+        sync_warpgroup();
+        if (leader) {
+            for (int box = 0; box < 2; ++box)
+                wgmma::tma_reduce_add(mc, buf + box * 8192, int32_t(j0 + 64 * u + 32 * box),
+                                      int32_t(row0), int32_t(e));
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
     }
@@ -368,7 +413,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release((it - 1) % kStages);
             constexpr bool kBf16Out = kKind != GroupedGemm::WeightGrad;
-            if (C::TmaStore && kBf16Out && !accumulate && i0 + wg * 64 + 64 <= p.M) {
+            if constexpr (C::TmaReduce && !kBf16Out && BN == 256) {
+                reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0, e);
+            } else if (C::TmaStore && kBf16Out && !accumulate && i0 + wg * 64 + 64 <= p.M) {
                 if constexpr (C::TmaStore && BN == 256)
                     store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
                                   p.r0 + i0 + wg * 64, j0);
@@ -458,6 +505,8 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
         const int64_t N = kKind == GroupedGemm::RowsTimesWeightT ? n : k;
         mc = bf16_tensor_map(c, {N, rows}, {N * 2}, {64, 64});
     }
+    if constexpr (C::TmaReduce && kKind == GroupedGemm::WeightGrad)  // dW [E][n][k] fp32
+        mc = f32_tensor_map(c, {k, n, experts}, {k * 4, wstride * 4}, {32, 64, 1});
     ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
                                      accumulate, dev(a), dev(b), c, ma, mb, mc));
     return int(config.gridDim.x);
@@ -494,9 +543,9 @@ int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const 
     // Three blocks (configurations 2, 4 and 6; two clusters of two for 8): every block walks many
     // tiles, so the stage ring wraps across tiles (what the correctness tests need to see; not
     // configurations to run).
-    const int blocks = config == 2 || config == 4 || config == 6 ? 3
-                       : config == 8 || config == 10             ? 4
-                                                                 : 0;
+    const int blocks = config == 2 || config == 4 || config == 6     ? 3
+                       : config == 8 || config == 10 || config == 12 ? 4
+                                                                     : 0;
     auto go = [&](auto cfg) {
         return run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k,
                                   a, b, c, weight_stride, accumulate);
@@ -516,8 +565,11 @@ int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const 
         case 7:
         case 8:
             return go(WsWideTmaPair{});
-        default:
+        case 9:
+        case 10:
             return go(WsWideTmaPairStore{});
+        default:
+            return go(WsWideTmaPairReduce{});
     }
 }
 
@@ -543,8 +595,14 @@ const char* grouped_gemm_ws_name(int config) {
             return "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)";
         case 9:
             return "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores";
-        default:
+        case 10:
             return "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores, 2 pairs (test)";
+        case 11:
+            return "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores and "
+                   "reduce-adds";
+        default:
+            return "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores and reduce-adds, "
+                   "2 pairs (test)";
     }
 }
 

@@ -64,7 +64,7 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
 int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
-constexpr int kGroupedGemmWsConfigs = 11;
+constexpr int kGroupedGemmWsConfigs = 13;
 const char* grouped_gemm_ws_name(int config);
 // Its tile configurations for the perf harness (0 is the engine's; packed weights).
 int grouped_gemm_wgmma_configs();

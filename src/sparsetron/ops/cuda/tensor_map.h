@@ -17,5 +17,10 @@ namespace sparsetron::cuda {
 CUtensorMap bf16_tensor_map(const void* base, std::initializer_list<int64_t> dims,
                             std::initializer_list<int64_t> strides,
                             std::initializer_list<uint32_t> box);
+// The same over fp32 elements (a 128-byte row is 32 of them): for bulk tensor reduce-adds into
+// fp32 gradients.
+CUtensorMap f32_tensor_map(const void* base, std::initializer_list<int64_t> dims,
+                           std::initializer_list<int64_t> strides,
+                           std::initializer_list<uint32_t> box);
 
 }  // namespace sparsetron::cuda

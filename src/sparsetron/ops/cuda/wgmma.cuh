@@ -297,6 +297,15 @@ __device__ __forceinline__ void tma_store(const void* map, uint32_t src, int32_t
         "r"(c0), "r"(c1), "r"(src)
         : "memory");
 }
+// The same box added into global memory (the map's element type: fp32 here), element by element.
+__device__ __forceinline__ void tma_reduce_add(const void* map, uint32_t src, int32_t c0,
+                                               int32_t c1, int32_t c2) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, "
+        "%3}], [%4];\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const void* map) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

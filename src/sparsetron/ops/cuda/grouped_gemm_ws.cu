@@ -156,21 +156,38 @@ __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtens
     }
 }
 
+// The staging both epilogues below use, a round at a time through a warpgroup's 16 KiB buffer:
+// its leader waits until the buffer's previous bulk copies have read it, the warpgroup writes it
+// (`write(round)`), fences the async proxy (the bulk copies read through it) and meets again on
+// named barrier 1 + wg, then the leader issues the round's bulk copies (`issue(round)`) as one
+// group. The copies run on while the warpgroup goes on to its next round or tile.
+template <int kRounds, class Write, class Issue>
+__device__ __forceinline__ void through_staging(int wg, Write write, Issue issue) {
+    const bool leader = (threadIdx.x & 127) == 0;
+    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        sync_warpgroup();
+        write(u);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        sync_warpgroup();
+        if (leader) {
+            issue(u);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+}
+
 // A consumer warpgroup's 64 x 256 accumulator block (rows row0.. of the expert, all of them its
-// rows; columns j0..) through its 16 KiB staging buffer `buf` by bulk tensor stores, in two 64 x
-// 128 halves. Each half is two 64 x 64 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c
-// ^ (r % 8): the map's 128-byte swizzle; the writes are free of bank conflicts). Named barrier
-// 1 + wg orders the warpgroup's writes before its leader's stores, and the leader's wait for the
-// previous stores' reads of the buffer before the writes. Accumulator layout: store_acc.
+// rows; columns j0..) through its staging buffer `buf` by bulk tensor stores, in two 64 x 128
+// halves. Each half is two 64 x 64 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c ^
+// (r % 8): the map's 128-byte swizzle; the writes are free of bank conflicts). Accumulator
+// layout: store_acc.
 __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUtensorMap* mc,
                                               uint32_t buf, int wg, int64_t row0, int64_t j0) {
     const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-    const bool leader = t == 0;
-    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        sync_warpgroup();
+    auto write = [&](int h) {
 #pragma unroll
         for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
             const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
@@ -185,34 +202,26 @@ __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUten
                              : "memory");
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by the stores
-        sync_warpgroup();
-        if (leader) {
-            for (int box = 0; box < 2; ++box)
-                wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box),
-                                 int32_t(row0));
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        }
-    }
+    };
+    auto issue = [&](int h) {
+        for (int box = 0; box < 2; ++box)
+            wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box), int32_t(row0));
+    };
+    through_staging<2>(wg, write, issue);
 }
 
 // The weight gradient's version of store_acc_tma: the warpgroup's 64 x 256 fp32 block (rows row0..
 // of expert e's [n, k] gradient, columns j0..) added into it by bulk tensor reduce-adds, in four
-// 64 x 64 quarters through the same 16 KiB buffer, each two 64-row x 32-column boxes (8 KiB,
-// 128-byte rows of 32 floats, 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of
-// columns 8j + 2q.. lands in chunk 2 (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two
-// lanes per bank: the 256 bytes of a warp's store take the minimum two wavefronts). Rows and
-// columns past the gradient's edges are not written (the map's bounds).
+// 64 x 64 quarters through the same buffer, each two 64-row x 32-column boxes (8 KiB, 128-byte
+// rows of 32 floats, 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of columns 8j +
+// 2q.. lands in chunk 2 (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two lanes per bank:
+// the 256 bytes of a warp's store take the minimum two wavefronts). Rows and columns past the
+// gradient's edges are not written (the map's bounds).
 __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUtensorMap* mc,
                                                uint32_t buf, int wg, int64_t row0, int64_t j0,
                                                int64_t e) {
     const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-    const bool leader = t == 0;
-    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        sync_warpgroup();
+    auto write = [&](int u) {
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {  // the quarter's 8-column groups
             const int j = 8 * u + jj, box = jj >> 2, chunk = 2 * (jj & 3) + (q >> 1);
@@ -226,15 +235,13 @@ __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUte
                              : "memory");
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by the adds
-        sync_warpgroup();
-        if (leader) {
-            for (int box = 0; box < 2; ++box)
-                wgmma::tma_reduce_add(mc, buf + box * 8192, int32_t(j0 + 64 * u + 32 * box),
-                                      int32_t(row0), int32_t(e));
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        }
-    }
+    };
+    auto issue = [&](int u) {
+        for (int box = 0; box < 2; ++box)
+            wgmma::tma_reduce_add(mc, buf + box * 8192, int32_t(j0 + 64 * u + 32 * box),
+                                  int32_t(row0), int32_t(e));
+    };
+    through_staging<4>(wg, write, issue);
 }
 #endif
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h200: a session's first call after grouped GEMM code that no GPU has run (as of
 # 2026-12-01, eleventh session: the weight gradient's fp32 adds as bulk tensor reduce-adds,
-# configuration 11 of grouped_gemm_ws.cu, harness configuration 17, SPARSETRON_GROUPED_GEMM=reduce).
+# configuration 8 of grouped_gemm_ws.cu, harness configuration 9, SPARSETRON_GROUPED_GEMM=reduce).
 # First bench/scripts/grouped-gemm-ab.sh with SPARSETRON_GROUPED_GEMM=CHOICE (grouped GEMM tests,
 # every configuration in the harness, the backbone A/B against the engine's kernel), then the GPU
 # suite; if the grouped GEMM tests failed or hung, the suite runs without them, so one kernel's

@@ -2,8 +2,8 @@
 # On nvidia-h200: a grouped GEMM kernel choice against the engine's: the grouped GEMM tests, the
 # perf harness's grouped GEMM lines (every configuration, each kind, uniform and skewed routing,
 # the dense cuBLASLt GEMM of the same shape), then the proxy backbone forward+backward (graph)
-# with the engine's choice and with SPARSETRON_GROUPED_GEMM=CHOICE (blocked, waits, async, tma,
-# pair or reduce), interleaved, one process each.
+# with the engine's choice and with SPARSETRON_GROUPED_GEMM=CHOICE (waits, tma, pair or
+# reduce), interleaved, one process each.
 # Usage: bench/scripts/grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE
 set -uo pipefail
 out=${1:?usage: grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE}

@@ -30,10 +30,12 @@
 // rows); each block loads its own A and half of B, multicast to both blocks' stages, so a block
 // reads 32 of the stage's 48 KiB from L2.
 //
-// The cp.async feeds (measured before TMA): 128 producer threads copy 16-byte pieces; copies past
-// an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte source). Each thread either
-// waits for its own copies `Lag` fills later, fences the async proxy and arrives on full[s'], or
-// has the hardware arrive when its copies land (cp.async.mbarrier.arrive.noinc).
+// The cp.async feed (the engine's before TMA, kept to measure against): 128 producer threads copy
+// 16-byte pieces; copies past an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte
+// source). Each thread waits for its own copies `Lag` fills later, fences the async proxy and
+// arrives on full[s']. Removed after measurement (docs/perf/2026-12-01-grouped-gemm-tma.md): a
+// 128 x 128 tile with 6 stages, a feed whose stages the copies' own arrivals published, and the
+// blocked two-blocks-per-SM kernels of grouped_gemm_wgmma.cu.
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -55,13 +57,8 @@ static_assert(kProducerThreads + kConsumerThreads == kThreads, "one producer, tw
 // How the producer fills a stage and publishes it:
 //   ProducerWaits: 128 threads cp.async; each waits for its own copies `Lag` fills later, fences
 //     and arrives, so a stage is published only when the producer gets back to it.
-//   CopiesArrive: each thread's arrival is `cp.async.mbarrier.arrive.noinc`, made by the hardware
-//     when that thread's copies land; each consumer fences the async proxy after its wait (the
-//     copies are generic-proxy writes, wgmma reads through the async proxy). Measured at fb2e062
-//     against ProducerWaits: dy W 690 vs 649 TFLOP/s, weight gradient 622 vs 608, x W^T 784 vs
-//     805 (docs/perf/2026-12-01-grouped-gemm-tma.md).
 //   Tma: bulk tensor copies issued by one thread (see the top of this file).
-enum class Feed { ProducerWaits, CopiesArrive, Tma };
+enum class Feed { ProducerWaits, Tma };
 
 // Tile width BN (128 or 256), pipeline stages, feed, and blocks per cluster: with 2, the pair
 // takes vertically adjacent tiles (the same columns of B) and each block loads half of the B tile,
@@ -95,8 +92,6 @@ struct WsCfg {
     static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
 };
 using WsWide = WsCfg<256, 4>;                                  // 128 x 256 tiles, 4 x 48 KiB stages
-using WsNarrow = WsCfg<128, 6>;                                // 128 x 128 tiles, 6 x 32 KiB stages
-using WsWideAsync = WsCfg<256, 4, Feed::CopiesArrive>;         // WsWide, published by the copies
 using WsWideTma = WsCfg<256, 4, Feed::Tma>;                    // WsWide, bulk tensor copies
 using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;             // WsWideTma, B multicast to a pair
 using WsWideTmaPairStore = WsCfg<256, 4, Feed::Tma, 2, true>;  // ... and bulk tensor stores
@@ -255,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef ST_WGMMA
     using namespace wgmma;
     constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
-    constexpr bool kAsync = C::kFeed == Feed::CopiesArrive, kTma = C::kFeed == Feed::Tma;
+    constexpr bool kTma = C::kFeed == Feed::Tma;
     constexpr int kCluster = C::Cluster, kUnitRows = kCluster * BM;  // a cluster's tile rows
     constexpr bool kAK = a_k_major<kKind>, kBK = b_k_major<kKind>;
     extern __shared__ unsigned char smem_raw[];
@@ -363,29 +358,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                           sl * BK, p.K, tid);
                 load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N,
                                                           sl * BK, p.K, tid);
-                if constexpr (kAsync) {
-                    // This thread's arrival on full[s], once all its copies so far have landed.
-                    asm volatile(
-                        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full(s))
-                        : "memory");
-                } else {
-                    asm volatile("cp.async.commit_group;\n" ::);
-                    if (it >= uint32_t(kLag)) {
-                        asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                        mbar_arrive(full((it - kLag) % kStages));
-                    }
+                asm volatile("cp.async.commit_group;\n" ::);
+                if (it >= uint32_t(kLag)) {
+                    asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
+                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                    mbar_arrive(full((it - kLag) % kStages));
                 }
             }
         }
-        if constexpr (kAsync) {
-            asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
-                mbar_arrive(full(f % kStages));
-        }
+        asm volatile("cp.async.wait_group 0;\n" ::);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
+            mbar_arrive(full(f % kStages));
     } else {
         const int wg = (threadIdx.x - kProducerThreads) >> 7;  // this warpgroup's 64 rows
         // Stage s read by this warp (after its wgmma wait): one arrival per warp on the stage's
@@ -408,8 +392,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
                 mbar_wait(full(s), (it / kStages) & 1u);
-                if constexpr (kAsync)  // the producer's copies, seen by the async proxy
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 mma_slice<kKind>(d, tile_a(int(s)) + uint32_t(wg * 8192), tile_b(int(s)));
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -547,33 +529,22 @@ int run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t*
 int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // Three blocks (configurations 2, 4 and 6; two clusters of two for 8): every block walks many
-    // tiles, so the stage ring wraps across tiles (what the correctness tests need to see; not
-    // configurations to run).
-    const int blocks = config == 2 || config == 4 || config == 6     ? 3
-                       : config == 8 || config == 10 || config == 12 ? 4
-                                                                     : 0;
+    // Odd configurations run the one before them on 3 blocks (two clusters of two): every block
+    // walks many tiles, so the stage ring wraps across tiles (what the correctness tests need to
+    // see; not configurations to run).
+    const int blocks = config % 2 == 0 ? 0 : config < 4 ? 3 : 4;
     auto go = [&](auto cfg) {
         return run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k,
                                   a, b, c, weight_stride, accumulate);
     };
-    switch (config) {
+    switch (config / 2) {
         case 0:
-        case 2:
             return go(WsWide{});
         case 1:
-            return go(WsNarrow{});
-        case 3:
-        case 4:
-            return go(WsWideAsync{});
-        case 5:
-        case 6:
             return go(WsWideTma{});
-        case 7:
-        case 8:
+        case 2:
             return go(WsWideTmaPair{});
-        case 9:
-        case 10:
+        case 3:
             return go(WsWideTmaPairStore{});
         default:
             return go(WsWideTmaPairReduce{});
@@ -581,36 +552,19 @@ int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const 
 }
 
 const char* grouped_gemm_ws_name(int config) {
-    switch (config) {
-        case 0:
-            return "wgmma warp-specialized persistent 128x256, k64, 4 stages";
-        case 1:
-            return "wgmma warp-specialized persistent 128x128, k64, 6 stages";
-        case 2:
-            return "wgmma warp-specialized 128x256 on 3 blocks (test of the tile walk)";
-        case 3:
-            return "wgmma warp-specialized persistent 128x256, 4 stages, copies arrive";
-        case 4:
-            return "wgmma warp-specialized 128x256, copies arrive, on 3 blocks (test)";
-        case 5:
-            return "wgmma warp-specialized persistent 128x256, 4 stages, TMA";
-        case 6:
-            return "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)";
-        case 7:
-            return "wgmma warp-specialized persistent 128x256, 4 stages, TMA, B multicast to pairs";
-        case 8:
-            return "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)";
-        case 9:
-            return "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores";
-        case 10:
-            return "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores, 2 pairs (test)";
-        case 11:
-            return "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores and "
-                   "reduce-adds";
-        default:
-            return "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores and reduce-adds, "
-                   "2 pairs (test)";
-    }
+    static const char* const names[kGroupedGemmWsConfigs] = {
+        "wgmma warp-specialized persistent 128x256, 4 stages, cp.async",
+        "wgmma warp-specialized 128x256, cp.async, on 3 blocks (test)",
+        "wgmma warp-specialized persistent 128x256, 4 stages, TMA",
+        "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)",
+        "wgmma warp-specialized persistent 128x256, 4 stages, TMA, B multicast to pairs",
+        "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)",
+        "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores",
+        "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores, 2 pairs (test)",
+        "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores and reduce-adds",
+        "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores and reduce-adds, 2 pairs "
+        "(test)"};
+    return names[config];
 }
 
 }  // namespace sparsetron::cuda

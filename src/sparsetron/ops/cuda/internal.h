@@ -60,13 +60,15 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
                         int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                         bool accumulate);
 // The warp-specialized persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `config`
-// picks its tile (grouped_gemm_ws_name says which). Returns the blocks it launched.
+// picks its feed, clusters and epilogue (grouped_gemm_ws_name says which; 6 is the engine's).
+// Returns the blocks it launched.
 int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
-constexpr int kGroupedGemmWsConfigs = 13;
+constexpr int kGroupedGemmWsConfigs = 10;
 const char* grouped_gemm_ws_name(int config);
-// Its tile configurations for the perf harness (0 is the engine's; packed weights).
+// The harness's wgmma configurations (0 the engine's choice, then 1 + each of grouped_gemm_ws's;
+// packed weights).
 int grouped_gemm_wgmma_configs();
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                       const int32_t* offsets, int64_t experts, int64_t max_rows,

@@ -1,8 +1,9 @@
-// Hopper (sm_90a) building blocks shared by the grouped expert GEMM kernels on warpgroup MMA
-// (grouped_gemm_wgmma.cu: every warp copies and multiplies; grouped_gemm_ws.cu: a producer
-// warpgroup copies, two consumer warpgroups multiply): 16-byte cp.async into 128-byte-swizzled
-// operand tiles, the wgmma shared-memory matrix descriptor, the m64nNk16 bf16 MMA, mbarriers, each
-// kind's operand roles and the accumulator's store.
+// Hopper (sm_90a) building blocks of the grouped expert GEMM on warpgroup MMA
+// (grouped_gemm_ws.cu: a producer copies, two consumer warpgroups multiply): 16-byte cp.async and
+// TMA bulk tensor copies into 128-byte-swizzled operand tiles, the wgmma shared-memory matrix
+// descriptor, the m64nNk16 bf16 MMA, mbarriers and cluster arrivals, each kind's operand roles and
+// the accumulator's store. The fused indexer scores and the flash sparse MQA kernels use the
+// descriptors, the MMA, the copies and red_add2 from here.
 //
 // Shared memory operand tiles use the 128-byte swizzle wgmma reads (PTX "matrix descriptor";
 // CuTe's Swizzle<3,4,3>): a 128-byte row's 16-byte chunk c is stored at chunk c ^ (row % 8).
@@ -64,33 +65,9 @@ __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, bool
 // this thread's index among them). kMajorK: the source's rows are the tile's kWidth rows and the
 // reduction is contiguous; otherwise the source's rows are the reduction and the tile's
 // kWidth-wide index is contiguous (kWidth / 64 atoms, 8 KiB apart). Out-of-range rows / columns /
-// reduction are zero-filled.
-template <bool kMajorK, int kWidth, int kThreads>
-__device__ __forceinline__ void load_tile(uint32_t tile, const bf* src, int64_t ld, int64_t base,
-                                          int64_t extent, int64_t k0, int64_t depth, int tid) {
-    static_assert(kWidth * BK / 8 % kThreads == 0, "every thread copies the same chunk count");
-#pragma unroll
-    for (int it = 0; it < kWidth * BK / 8 / kThreads; ++it) {
-        const int c = tid + it * kThreads;
-        if constexpr (kMajorK) {
-            const int row = c >> 3, ch = c & 7;
-            const bool ok = base + row < extent && k0 + ch * 8 < depth;
-            const bf* g = ok ? src + (base + row) * ld + k0 + ch * 8 : src;
-            cp_async16(tile + row * 128 + ((ch ^ (row & 7)) << 4), g, ok);
-        } else {
-            constexpr int kChunksPerRow = kWidth / 8;
-            const int kk = c / kChunksPerRow, mn = c % kChunksPerRow, atom = mn >> 3, ch = mn & 7;
-            const bool ok = k0 + kk < depth && base + mn * 8 < extent;
-            const bf* g = ok ? src + (k0 + kk) * ld + base + mn * 8 : src;
-            cp_async16(tile + atom * 8192 + kk * 128 + ((ch ^ (kk & 7)) << 4), g, ok);
-        }
-    }
-}
-
-// load_tile for a producer warpgroup that issues every copy of the block: the same tile, walked
-// with one running source pointer per thread (a thread's chunks are kThreads / 8 rows, or
-// kThreads / (kWidth / 8) reduction rows, apart), so no per-chunk address stays live across
-// slices (the unrolled per-chunk addresses of load_tile spilled at 168 registers).
+// reduction are zero-filled. Walked with one running source pointer per thread (a thread's chunks
+// are kThreads / 8 rows, or kThreads / (kWidth / 8) reduction rows, apart), so no per-chunk address
+// stays live across slices (unrolled per-chunk addresses spilled at 168 registers).
 template <bool kMajorK, int kWidth, int kThreads>
 __device__ __forceinline__ void load_tile_walk(uint32_t tile, const bf* src, int64_t ld,
                                                int64_t base, int64_t extent, int64_t k0,

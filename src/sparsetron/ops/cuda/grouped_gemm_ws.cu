@@ -1,7 +1,7 @@
 // Grouped expert GEMM on wgmma with warp specialization, persistent: one block per SM walks the
 // output tiles of every expert; a producer warpgroup copies operand slices into a ring of
 // shared-memory stages while two consumer warpgroups multiply (64 rows of the 128-row tile each)
-// and store. Same contract and operand roles as grouped_gemm_wgmma (wgmma.cuh).
+// and store. Same contract as grouped_gemm (ops.h); operand roles and tile layouts: wgmma.cuh.
 //
 // Why (docs/perf/2026-11-30-grouped-gemm-warp-specialized.md): ncu put the non-specialized kernel
 // at 54% of the SM's throughput with only 50% of L2 bandwidth in use and 3.6x cuBLASLt's
@@ -10,9 +10,9 @@
 // their slice's mbarrier, and the producer refills a stage as soon as both consumers release it,
 // including the next tile's first stages while the consumers store this tile.
 //
-// The engine runs the TMA feed with B multicast to clusters of two (configuration 7; the others
-// are kept for the perf harness and SPARSETRON_GROUPED_GEMM,
-// docs/perf/2026-12-01-grouped-gemm-tma.md).
+// The engine runs the TMA feed with B multicast to clusters of two and bulk tensor stores of the
+// bf16 outputs (configuration 6: WsWideTmaPairStore; the others are kept for the perf harness and
+// SPARSETRON_GROUPED_GEMM, docs/perf/2026-12-01-grouped-gemm-tma.md).
 //
 // TMA feed, per stage s (fill number f = it, round f / Stages):
 //   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],

@@ -368,6 +368,10 @@ void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offse
                   const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
     if (experts == 0) return;
     if (weight_stride == 0) weight_stride = n * k;
+    // The kernels' bulk tensor loads are bounded by the row buffers' capacity: a capacity below
+    // what an expert may hold would read its rows as zeros.
+    ST_CHECK(row_capacity >= max_rows, "grouped_gemm: the row buffers hold ", row_capacity,
+             " rows, fewer than one expert's bound of ", max_rows);
     // The pipelined tensor-core kernel (grouped_gemm_tc.cu) whenever rows are 16-byte aligned;
     // this file's simple kernel covers the rest (odd test shapes).
     if (grouped_gemm_tc_supported(n, k, weight_stride, a, b, c)) {

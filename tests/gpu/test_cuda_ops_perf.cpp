@@ -419,6 +419,12 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
         },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
     report(
+        "grouped gemm dy W",
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, doff, E, T, E * rows, F, h, *y, *w, *x);
+        },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
         "grouped gemm weight grad",
         [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw); },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);

@@ -476,6 +476,32 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             cuda::grouped_gemm(ctx(), K2::WeightGrad, dskew, E, T, E * rows, F, h, *y, *x, *dw);
         },
         2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    // Ragged routing: 2011 / 2085 rows alternating (the same 32768), so every expert ends inside
+    // a 64-row slice, as routing does in training: the weight gradient's last slice of each tile
+    // is partial.
+    std::vector<int32_t> ragged(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) ragged[e + 1] = ragged[e] + int32_t(e % 2 ? 2085 : 2011);
+    DeviceArray<int32_t> dragged(ragged);
+    report(
+        "grouped gemm x W^T, ragged 2011/2085 rows",
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dragged, E, T, E * rows, F, h, *x, *w,
+                               *y);
+        },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
+        "grouped gemm dy W, ragged",
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dragged, E, T, E * rows, F, h, *y, *w,
+                               *x);
+        },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+    report(
+        "grouped gemm weight grad, ragged",
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::WeightGrad, dragged, E, T, E * rows, F, h, *y, *x, *dw);
+        },
+        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(
         "dense cuBLASLt gemm of the same total shape",

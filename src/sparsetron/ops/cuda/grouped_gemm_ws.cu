@@ -23,8 +23,8 @@
 //     block of the cluster: its B part came from all of them).
 // The boxes read whole tiles: rows past an expert belong to the next expert (their output rows are
 // not stored), rows past the row buffer's capacity and columns past n or k read as zero. Only the
-// weight gradient reduces over rows, so its last, partial slice of an expert goes through the
-// zero-filling cp.async copies below, by the producer warp, in each block for itself.
+// weight gradient reduces over rows, so in its last, partial slice of an expert the consumers zero
+// the rows past the expert before multiplying (zero_tail_rows).
 //
 // Clusters of two: the pair takes vertically adjacent tiles (the same B columns, the next 128
 // rows); each block loads its own A and half of B, multicast to both blocks' stages, so a block
@@ -149,6 +149,33 @@ __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtens
             load_b(tb + t * 8192, int32_t(j0 + 64 * t), row);
         }
     }
+}
+
+// The weight gradient's reduction is over an expert's rows, but the TMA boxes read whole 64-row
+// slices: past the expert's last row they hold the next expert's rows, or whatever lies past
+// offsets[E] (NaN in the tests). The consumers zero reduction rows valid.. of every atom of both
+// MN-major tiles (whole 128-byte rows, so the swizzle does not matter) once the stage has landed,
+// before either warpgroup's MMAs read it: both warpgroups share the B tile, so all 256 consumer
+// threads write and meet on named barrier 3 (the epilogues use 1 and 2). Only an expert's last
+// slice of a tile takes this: at most 48 KiB, 12 16-byte stores per thread.
+template <int BN>
+__device__ __forceinline__ void zero_tail_rows(uint32_t tile_a, uint32_t tile_b, int valid) {
+    // Thread t zeroes 16-byte chunk t % 8 of rows valid + t / 8, + 32, ... in every atom.
+    const int t = int(threadIdx.x) - kProducerThreads;  // 0..255
+    const uint32_t ch = uint32_t(t & 7) * 16;
+    for (int r = valid + (t >> 3); r < 64; r += kConsumerThreads / 8) {
+        const uint32_t off = uint32_t(r) * 128 + ch;
+#pragma unroll
+        for (int atom = 0; atom < wgmma::BM / 64 + BN / 64; ++atom) {
+            const uint32_t addr = atom < wgmma::BM / 64
+                                      ? tile_a + atom * 8192 + off
+                                      : tile_b + (atom - wgmma::BM / 64) * 8192 + off;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0)
+                         : "memory");
+        }
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // seen by wgmma
+    asm volatile("bar.sync 3, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
 
 // The staging both epilogues below use, a round at a time through a warpgroup's 16 KiB buffer:
@@ -319,26 +346,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                     // Released by the consumers of every block of the cluster; round 0 passes at
                     // once.
                     mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
-                    const int64_t k0 = sl * BK;
-                    if (kKind != GroupedGemm::WeightGrad || k0 + BK <= p.K) {
-                        if (lane == 0) {
-                            mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
-                            tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a,
-                                                           &map_b, p.r0, e, i0, j0, k0, full(s),
-                                                           rank);
-                        }
-                    } else {
-                        // An expert's last, partial slice of rows: zero-filled copies past them.
-                        if constexpr (kKind == GroupedGemm::WeightGrad) {
-                            load_tile_walk<false, BM, 32>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0,
-                                                          p.K, lane);
-                            load_tile_walk<false, BN, 32>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0,
-                                                          p.K, lane);
-                        }
-                        asm volatile("cp.async.wait_all;\n" ::: "memory");
-                        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                        __syncwarp();
-                        if (lane == 0) mbar_arrive(full(s));
+                    if (lane == 0) {
+                        mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
+                        tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a,
+                                                       &map_b, p.r0, e, i0, j0, sl * BK, full(s),
+                                                       rank);
                     }
                     __syncwarp();
                 }
@@ -392,6 +404,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
                 mbar_wait(full(s), (it / kStages) & 1u);
+                if constexpr (kTma && kKind == GroupedGemm::WeightGrad) {
+                    // An expert's last, partial slice of rows: the boxes read on past them.
+                    const int64_t valid = p.K - sl * BK;
+                    if (valid < BK) zero_tail_rows<BN>(tile_a(int(s)), tile_b(int(s)), int(valid));
+                }
                 asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
                 mma_slice<kKind>(d, tile_a(int(s)) + uint32_t(wg * 8192), tile_b(int(s)));
                 asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");

@@ -412,22 +412,35 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     auto x = bf(E * rows * h), w = bf(E * F * h), y = bf(E * rows * F);
     auto dw = f32(E * F * h, 0.f);
     using K2 = cuda::GroupedGemm;
-    report(
-        "grouped gemm x W^T, 16 x 2048 x 6144 -> 2048",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, doff, E, T, E * rows, F, h, *x, *w, *y);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm dy W",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, doff, E, T, E * rows, F, h, *y, *w, *x);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm weight grad",
-        [&] { cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw); },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    // The engine's path for each kind under one routing (`offs`): x W^T (x -> y), dy W (y -> x),
+    // weight gradient (dW += y^T x); all with n = F, k = h.
+    const double flops = 2.0 * E * rows * F * h;
+    const double bytes = 2.0 * (E * rows * h + E * F * h + E * rows * F);
+    const double wgrad_bytes = 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h;
+    auto each_kind = [&](const std::string& xw_name, const std::string& suffix,
+                         const int32_t* offs) {
+        report(
+            xw_name,
+            [&] {
+                cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, offs, E, T, E * rows, F, h, *x, *w,
+                                   *y);
+            },
+            flops, bytes);
+        report(
+            "grouped gemm dy W" + suffix,
+            [&] {
+                cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, offs, E, T, E * rows, F, h, *y, *w,
+                                   *x);
+            },
+            flops, bytes);
+        report(
+            "grouped gemm weight grad" + suffix,
+            [&] {
+                cuda::grouped_gemm(ctx(), K2::WeightGrad, offs, E, T, E * rows, F, h, *y, *x, *dw);
+            },
+            flops, wgrad_bytes);
+    };
+    each_kind("grouped gemm x W^T, 16 x 2048 x 6144 -> 2048", "", doff);
     // Every tile configuration of the tensor-core kernel, each kind (config 0 is the engine's).
     for (int cfg = 0; cfg < cuda::grouped_gemm_tc_configs(); ++cfg) {
         for (K2 kind : {K2::RowsTimesWeightT, K2::RowsTimesWeight, K2::WeightGrad}) {
@@ -447,7 +460,7 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
                     name = cuda::grouped_gemm_tc_config(ctx(), cfg, kind, doff, E, T, E * rows, n,
                                                         k, A, B, C);
                 },
-                2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
+                flops, bytes);
             if (!name.empty())  // empty when SPARSETRON_OPS_PERF_LINES skipped the line
                 std::cout << "[perf]   cfg " << cfg << " = " << name << "\n";
         }
@@ -457,51 +470,14 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     std::vector<int32_t> skew(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) skew[e + 1] = skew[e] + int32_t(e % 2 ? 1024 : 3072);
     DeviceArray<int32_t> dskew(skew);
-    report(
-        "grouped gemm x W^T, skewed 3072/1024 rows",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dskew, E, T, E * rows, F, h, *x, *w,
-                               *y);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm dy W, skewed",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dskew, E, T, E * rows, F, h, *y, *w, *x);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm weight grad, skewed",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::WeightGrad, dskew, E, T, E * rows, F, h, *y, *x, *dw);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    each_kind("grouped gemm x W^T, skewed 3072/1024 rows", ", skewed", dskew);
     // Ragged routing: 2011 / 2085 rows alternating (the same 32768), so every expert ends inside
     // a 64-row slice, as routing does in training: the weight gradient's last slice of each tile
     // is partial.
     std::vector<int32_t> ragged(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) ragged[e + 1] = ragged[e] + int32_t(e % 2 ? 2085 : 2011);
     DeviceArray<int32_t> dragged(ragged);
-    report(
-        "grouped gemm x W^T, ragged 2011/2085 rows",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, dragged, E, T, E * rows, F, h, *x, *w,
-                               *y);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm dy W, ragged",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, dragged, E, T, E * rows, F, h, *y, *w,
-                               *x);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * F * h + E * rows * F));
-    report(
-        "grouped gemm weight grad, ragged",
-        [&] {
-            cuda::grouped_gemm(ctx(), K2::WeightGrad, dragged, E, T, E * rows, F, h, *y, *x, *dw);
-        },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+    each_kind("grouped gemm x W^T, ragged 2011/2085 rows", ", ragged", dragged);
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(
         "dense cuBLASLt gemm of the same total shape",

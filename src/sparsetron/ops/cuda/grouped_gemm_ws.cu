@@ -331,53 +331,55 @@ __global__ void __launch_bounds__(kThreads, 1)
         return false;
     };
 
-    if (kTma && threadIdx.x < kProducerThreads) {
-        // One warp feeds the ring; the other producer warps only meet the cluster at the end.
-        if (threadIdx.x < 32) {
-            const int lane = threadIdx.x;
-            if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
-            uint32_t it = 0;  // fills issued so far, across tiles
-            int64_t e, i0, j0;
-            Problem p;
-            for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
-                const int64_t slices = (p.K + BK - 1) / BK;
-                for (int64_t sl = 0; sl < slices; ++sl, ++it) {
-                    const uint32_t s = it % kStages;
-                    // Released by the consumers of every block of the cluster; round 0 passes at
-                    // once.
-                    mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
-                    if (lane == 0) {
-                        mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
-                        tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a,
-                                                       &map_b, p.r0, e, i0, j0, sl * BK, full(s),
-                                                       rank);
-                    }
-                    __syncwarp();
-                }
-            }
-        }
-    } else if (threadIdx.x < kProducerThreads) {
-        const int tid = threadIdx.x;
-        uint32_t it = 0;  // fills issued so far, across tiles
+    // The producer's walk: every slice of every tile this block takes, in order, each into the
+    // ring's next stage once the consumers (of every block of the cluster) have released it;
+    // round 0 passes at once. fill(s, it, p, e, i0, j0, k0) loads fill number `it` into stage s.
+    // Returns the fills issued.
+    auto fill_ring = [&](auto fill) {
+        uint32_t it = 0;
         int64_t e, i0, j0;
         Problem p;
         for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
             const int64_t slices = (p.K + BK - 1) / BK;
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
-                mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);  // round 0 passes at once
-                load_tile_walk<kAK, BM, kProducerThreads>(tile_a(int(s)), p.A, p.lda, i0, p.M,
-                                                          sl * BK, p.K, tid);
-                load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N,
-                                                          sl * BK, p.K, tid);
-                asm volatile("cp.async.commit_group;\n" ::);
-                if (it >= uint32_t(kLag)) {
-                    asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                    mbar_arrive(full((it - kLag) % kStages));
-                }
+                mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
+                fill(s, it, p, e, i0, j0, sl * BK);
             }
         }
+        return it;
+    };
+
+    if (kTma && threadIdx.x < kProducerThreads) {
+        // One warp feeds the ring; the other producer warps only meet the cluster at the end.
+        if (threadIdx.x < 32) {
+            const int lane = threadIdx.x;
+            if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
+            fill_ring([&](uint32_t s, uint32_t, const Problem& p, int64_t e, int64_t i0, int64_t j0,
+                          int64_t k0) {
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
+                    tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b,
+                                                   p.r0, e, i0, j0, k0, full(s), rank);
+                }
+                __syncwarp();
+            });
+        }
+    } else if (threadIdx.x < kProducerThreads) {
+        const int tid = threadIdx.x;
+        const uint32_t it = fill_ring([&](uint32_t s, uint32_t f, const Problem& p, int64_t,
+                                          int64_t i0, int64_t j0, int64_t k0) {
+            load_tile_walk<kAK, BM, kProducerThreads>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0, p.K,
+                                                      tid);
+            load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0, p.K,
+                                                      tid);
+            asm volatile("cp.async.commit_group;\n" ::);
+            if (f >= uint32_t(kLag)) {
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+                mbar_arrive(full((f - kLag) % kStages));
+            }
+        });
         asm volatile("cp.async.wait_group 0;\n" ::);
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
@@ -460,19 +462,15 @@ void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows
     }
 }
 
-// Blocks a persistent launch of `kernel` may keep resident: one per SM, or for clusters of two
-// the resident clusters' blocks (the GPCs' SM counts may leave some SMs out).
+// Blocks a persistent launch may keep resident: one per SM, or for clusters of two the resident
+// clusters' blocks (the GPCs' SM counts may leave some SMs out); `config` is the launch's, with
+// its cluster attribute.
 template <class C, GroupedGemm kKind>
 int resident_blocks(cudaLaunchConfig_t config) {
     if constexpr (C::Cluster == 1) {
         return sm_count();
     } else {
         static const int blocks = [&] {
-            cudaLaunchAttribute attr{};
-            attr.id = cudaLaunchAttributeClusterDimension;
-            attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1,
-            attr.val.clusterDim.z = 1;
-            config.attrs = &attr, config.numAttrs = 1;
             config.gridDim = dim3(unsigned(C::Cluster * sm_count()));
             int clusters = 0;
             ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
@@ -497,12 +495,12 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = C::SmemBytes;
     config.stream = stream_of(ctx);
-    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<C, kKind>(config);
-    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / C::Cluster) * C::Cluster));
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
     attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
     if (C::Cluster > 1) config.attrs = &attr, config.numAttrs = 1;
+    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<C, kKind>(config);
+    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / C::Cluster) * C::Cluster));
     CUtensorMap ma{}, mb{}, mc{};
     if constexpr (C::kFeed == Feed::Tma)
         tensor_maps<kKind, C::BN, C::Cluster>(ma, mb, experts, rows, n, k, wstride, a, b);

@@ -3,7 +3,7 @@
 # perf harness's grouped GEMM lines (every configuration, each kind, uniform and skewed routing,
 # the dense cuBLASLt GEMM of the same shape), then the proxy backbone forward+backward (graph)
 # with the engine's choice and with SPARSETRON_GROUPED_GEMM=CHOICE (waits, tma, pair or
-# reduce), interleaved, one process each.
+# stores), interleaved, one process each.
 # Usage: bench/scripts/grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE
 set -uo pipefail
 out=${1:?usage: grouped-gemm-ab.sh OUT_DIR COMMIT CHOICE}
@@ -22,7 +22,7 @@ r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
 bb="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward --warmup 3 --iters 10"
 run() {  # name, SPARSETRON_GROUPED_GEMM value
   # shellcheck disable=SC2086  # the options are words
-  SPARSETRON_GROUPED_GEMM=$2 timeout 60 scripts/gpu-run.sh $bin/sparsetron bench $r $bb \
+  SPARSETRON_GROUPED_GEMM=$2 timeout 90 scripts/gpu-run.sh $bin/sparsetron bench $r $bb \
     --variants graph --json "$out/$1.jsonl" >>"$out/$1.log" 2>&1 || echo "$1 failed"
   grep -h "graph " "$out/$1.log" | tail -1 | sed "s/^/$1 /"
 }

@@ -27,15 +27,15 @@ bool grouped_gemm_wgmma_available() {
 namespace {
 // SPARSETRON_GROUPED_GEMM picks another configuration than the engine's for every kind, to measure
 // it against the engine's in one process: "waits" the cp.async feed, "tma" TMA without the
-// multicast, "pair" TMA with B multicast but without the bulk tensor stores, "reduce" the
-// engine's with the weight gradient's fp32 adds as bulk tensor reduce-adds (grouped_gemm_ws.cu's
-// configurations 0, 2, 4 and 8).
+// multicast, "pair" TMA with B multicast but without the bulk tensor stores, "stores" the bulk
+// tensor stores of the bf16 outputs but the weight gradient's fp32 adds by the consumers'
+// red.global (grouped_gemm_ws.cu's configurations 0, 2, 4 and 6; the engine's is 8).
 int forced_config() {
     static const int config = [] {
         if (env_is("SPARSETRON_GROUPED_GEMM", "waits")) return 0;
         if (env_is("SPARSETRON_GROUPED_GEMM", "tma")) return 2;
         if (env_is("SPARSETRON_GROUPED_GEMM", "pair")) return 4;
-        if (env_is("SPARSETRON_GROUPED_GEMM", "reduce")) return 8;
+        if (env_is("SPARSETRON_GROUPED_GEMM", "stores")) return 6;
         return -1;
     }();
     return config;
@@ -46,12 +46,13 @@ void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t*
                         int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
                         int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
                         bool accumulate) {
-    // TMA loads, B multicast to clusters of two and bulk tensor stores of the bf16 outputs, every
-    // kind (grouped_gemm_ws.cu's configuration 6; 17533f2, same call: x W^T / dy W / weight
-    // gradient 909 / 869 / 700 TFLOP/s against 837 / 703 / 699 without the stores and 800 / 684 /
-    // 660 by TMA alone).
+    // TMA loads, B multicast to clusters of two, bulk tensor stores of the bf16 outputs and bulk
+    // tensor reduce-adds of the weight gradient's fp32 tiles (grouped_gemm_ws.cu's configuration
+    // 8). Same call, 6f60da3: x W^T / dy W / weight gradient 900 / 862 / 735 TFLOP/s against 900 /
+    // 862 / 695 with the consumers' red.global adds (configuration 6); 17533f2: 909 / 869 / 700
+    // with the stores against 837 / 703 / 699 without them and 800 / 684 / 660 by TMA alone.
     const int forced = forced_config();
-    grouped_gemm_ws(ctx, forced >= 0 ? forced : 6, kind, offsets, experts, max_rows, row_capacity,
+    grouped_gemm_ws(ctx, forced >= 0 ? forced : 8, kind, offsets, experts, max_rows, row_capacity,
                     n, k, a, b, c, weight_stride, accumulate);
 }
 
@@ -67,7 +68,8 @@ std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, Groupe
     if (config == 0) {
         grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c, ws,
                            false);
-        return forced_config() < 0 ? "wgmma, the engine's choice (TMA, B multicast, TMA stores)"
+        return forced_config() < 0 ? "wgmma, the engine's choice (TMA, B multicast, TMA stores "
+                                     "and reduce-adds)"
                                    : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
     }
     const int blocks = grouped_gemm_ws(ctx, config - 1, kind, offsets, experts, max_rows,

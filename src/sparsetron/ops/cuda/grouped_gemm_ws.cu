@@ -10,9 +10,10 @@
 // their slice's mbarrier, and the producer refills a stage as soon as both consumers release it,
 // including the next tile's first stages while the consumers store this tile.
 //
-// The engine runs the TMA feed with B multicast to clusters of two and bulk tensor stores of the
-// bf16 outputs (configuration 6: WsWideTmaPairStore; the others are kept for the perf harness and
-// SPARSETRON_GROUPED_GEMM, docs/perf/2026-12-01-grouped-gemm-tma.md).
+// The engine runs the TMA feed with B multicast to clusters of two, bulk tensor stores of the
+// bf16 outputs and bulk tensor reduce-adds of the weight gradient's fp32 tiles (configuration 8:
+// WsWideTmaPairReduce; the others are kept for the perf harness and SPARSETRON_GROUPED_GEMM,
+// docs/perf/2026-12-01-grouped-gemm-tma.md).
 //
 // TMA feed, per stage s (fill number f = it, round f / Stages):
 //   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],

@@ -196,6 +196,127 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     test::expect_close("weights after the replayed step", replay_w, eager_w, 1e-5);
 }
 
+// Gradients without a whole-arena memset (GpuParams::begin_gradients): every gradient buffer
+// is filled with NaN before a step, and the step must still produce the gradients of a step that
+// started from zeros (the first step, where every gradient is zeroed first): each buffer is
+// overwritten by its first writer, zeroed before its first addition, or zeroed because the step
+// does not write it. Eager, captured and replayed, and steps that stop writing the indexer's
+// gradients (its loss off: zeroed at the step's end, then at the next step's start) and resume.
+// Tolerance 1e-5: the same kernels on the same inputs; fp32 atomics (embedding and attention
+// backward) may add in another order.
+TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    const int64_t T = r.run.tokens_per_microbatch(), docs = 8, chunk = 128;
+    MemoryPlan hplan;
+    Glm5Model<float> host(r.model, hplan, T, docs, chunk);
+    hplan.allocate_only(Device::CPU, {MemClass::Parameters});
+    host.params().initialize(hplan, 11, 0.02, r.model.num_layers);
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    MemoryPlan dplan;
+    gpu::GpuModel model(r.model, host.params(), dplan, T, docs, chunk);
+    dplan.allocate(Device::CUDA);
+    model.bind(ctx);
+    const auto& hp = host.params().params();
+    const gpu::GpuParams& P = model.gpu_params();
+    for (size_t i = 0; i < hp.size(); ++i)
+        copy_to_device(P[int64_t(i)].master, hplan.view(hp[i].param_slot).data,
+                       hp[i].numel() * sizeof(float));
+    model.refresh_bf16(ctx);
+    MicroBatch mb(T, docs);
+    std::vector<int32_t> doc(200);
+    for (size_t i = 0; i < doc.size(); ++i) doc[i] = int32_t((i * 37 + 5) % 256);
+    ASSERT_TRUE(mb.add_document(doc));
+    LossScales with_indexer;
+    with_indexer.backward = true;
+    with_indexer.lm = 1.0 / double(mb.num_targets());
+    with_indexer.mtp = {0.05 / 198, 0.05 / 197};
+    with_indexer.indexer = with_indexer.aux = 1.0;
+    LossScales without_indexer = with_indexer;
+    without_indexer.indexer = 0.0;
+    auto step = [&](const LossScales& sc) {
+        P.begin_gradients(ctx);
+        model.reset_moe_stats(ctx);
+        model.enqueue(ctx, sc);
+        P.finish_gradients(ctx);
+    };
+    std::vector<int64_t> with_grad;
+    for (size_t i = 0; i < hp.size(); ++i)
+        if (P[int64_t(i)].grad) with_grad.push_back(int64_t(i));
+    auto grads = [&] {
+        session.synchronize();
+        std::vector<std::vector<float>> g;
+        for (int64_t i : with_grad) {
+            g.emplace_back(size_t(P[i].numel));
+            copy_to_host(g.back().data(), P[i].grad, g.back().size() * sizeof(float));
+        }
+        return g;
+    };
+    auto poison = [&] {
+        session.synchronize();
+        for (int64_t i : with_grad) {
+            const std::vector<float> nan(size_t(P[i].numel), std::nanf(""));
+            copy_to_device(P[i].grad, nan.data(), nan.size() * sizeof(float));
+        }
+    };
+    auto is_indexer = [&](int64_t i) {
+        return hp[size_t(i)].name.find(".indexer.") != std::string::npos;
+    };
+    // Every gradient against the first step's; `indexer_zero`: the indexer's must be exactly 0.
+    auto expect_grads = [&](const std::string& what, const std::vector<std::vector<float>>& ref,
+                            bool indexer_zero) {
+        const auto g = grads();
+        int64_t indexer_params = 0;
+        for (size_t j = 0; j < with_grad.size(); ++j) {
+            const std::string name = what + ": " + hp[size_t(with_grad[j])].name;
+            const bool zero = indexer_zero && is_indexer(with_grad[j]);
+            indexer_params += is_indexer(with_grad[j]);
+            bool ref_zero = true;
+            for (float v : ref[j]) ref_zero = ref_zero && v == 0.f;
+            if (zero || ref_zero) {
+                int64_t nonzero = 0;
+                for (float v : g[j]) nonzero += !(v == 0.f);  // NaN counts
+                EXPECT_EQ(nonzero, 0) << name << ": expected an all-zero gradient";
+            } else {
+                test::expect_close(name, g[j], ref[j], 1e-5);
+            }
+        }
+        EXPECT_GT(indexer_params, 0) << "the tiny recipe has indexer parameters";
+    };
+    model.load_inputs(ctx, mb, with_indexer);
+    step(with_indexer);  // the first step: every gradient zeroed at its start
+    const auto ref = grads();
+    int64_t indexer_nonzero = 0;
+    for (size_t j = 0; j < with_grad.size(); ++j)
+        if (is_indexer(with_grad[j]))
+            for (float v : ref[j]) indexer_nonzero += v != 0.f;
+    ASSERT_GT(indexer_nonzero, 0) << "the indexer's loss must give its weights gradients";
+    poison();
+    step(with_indexer);
+    expect_grads("eager step over NaN gradients", ref, false);
+    cuda::StepGraph graph(session);
+    graph.begin_capture();
+    step(with_indexer);
+    ASSERT_NO_THROW(graph.end_capture());
+    poison();
+    graph.replay();
+    expect_grads("replayed step over NaN gradients", ref, false);
+    // The indexer's loss off: its gradients unwritten, zeroed at the end (this step), then at the
+    // start (the next, since the previous did not write them).
+    model.load_inputs(ctx, mb, without_indexer);
+    poison();
+    step(without_indexer);
+    expect_grads("step without the indexer's gradients", ref, true);
+    poison();
+    step(without_indexer);
+    expect_grads("second step without the indexer's gradients", ref, true);
+    model.load_inputs(ctx, mb, with_indexer);
+    poison();
+    step(with_indexer);
+    expect_grads("the indexer's gradients again", ref, false);
+}
+
 // cuda_graph_impl full_iteration in training, at the engine: a graph engine and an eager engine
 // from the same weights run the same steps on fresh data (static staging buffers refilled every
 // step). Step 1 is the graph engine's eager warm-up, step 2 captures and replays, step 3 replays,

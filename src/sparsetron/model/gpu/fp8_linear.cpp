@@ -82,7 +82,7 @@ void Fp8Weights::wgrad_quantized(const ExecContext& ctx, int i, const bf16* dy) 
     cuda::quantize_fp8_1x128_columns(ctx, dy, T_, w.rows, w.rows, kPow2, qa_, sa_);
     a_cols_ = -1;
     cuda::gemm_fp8_blockwise(ctx, w.rows, w.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
-                             P_[w.param].grad, w.cols, true);
+                             P_[w.param].grad, w.cols, P_.grad_beta(w.param) != 0.f);
 }
 
 void Fp8Weights::forward(const ExecContext& ctx, int i, const bf16* x, bf16* y, int64_t ldy,

@@ -61,13 +61,16 @@ void GpuMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, cons
         return;
     }
     gemm(ctx, false, false, T_, f_, h_, 1.f, dy, h_, P_[down_].w, f_, 0.f, dact_, f_);
-    gemm(ctx, true, false, h_, f_, T_, 1.f, dy, h_, A.act, f_, 1.f, P_[down_].grad, f_, BF, F32);
+    gemm(ctx, true, false, h_, f_, T_, 1.f, dy, h_, A.act, f_, P_.grad_beta(down_), P_[down_].grad,
+         f_, BF, F32);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
     gemm(ctx, false, false, T_, h_, f_, 1.f, dg_, f_, P_[gate_].w, h_, accumulate ? 1.f : 0.f, dx,
          h_);
     gemm(ctx, false, false, T_, h_, f_, 1.f, du_, f_, P_[up_].w, h_, 1.f, dx, h_);
-    gemm(ctx, true, false, f_, h_, T_, 1.f, dg_, f_, x, h_, 1.f, P_[gate_].grad, h_, BF, F32);
-    gemm(ctx, true, false, f_, h_, T_, 1.f, du_, f_, x, h_, 1.f, P_[up_].grad, h_, BF, F32);
+    gemm(ctx, true, false, f_, h_, T_, 1.f, dg_, f_, x, h_, P_.grad_beta(gate_), P_[gate_].grad, h_,
+         BF, F32);
+    gemm(ctx, true, false, f_, h_, T_, 1.f, du_, f_, x, h_, P_.grad_beta(up_), P_[up_].grad, h_, BF,
+         F32);
 }
 
 GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const std::string& p,
@@ -232,6 +235,11 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     const int64_t gs = El_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
     const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                    &down = P_[down0_ + L.first * wstride_];
+    // The grouped weight gradients add (an expert with no rows writes nothing): each local
+    // expert's gradients zeroed before the step's first addition.
+    for (int64_t e = 0; e < L.experts; ++e)
+        for (int64_t first : {gate0_, up0_, down0_})
+            P_.grad_to_add(ctx, first + (L.first + e) * wstride_);
     cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, h_, F_,
                        dout, down.w, dact_, ws);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
@@ -251,8 +259,8 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
                           float(c_.moe_router_topk_scaling_factor), dlogits_);
-    gemm(ctx, true, false, E_, h_, Tn, 1.f, dlogits_, E_, A.m32, h_, 1.f, P_[router_].grad, h_, F32,
-         F32);
+    gemm(ctx, true, false, E_, h_, Tn, 1.f, dlogits_, E_, A.m32, h_, P_.grad_beta(router_),
+         P_[router_].grad, h_, F32, F32);
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
 }

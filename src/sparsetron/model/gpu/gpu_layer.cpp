@@ -76,10 +76,10 @@ void GpuLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* x, bf
     if (mlp_) mlp_->backward(ctx, A.mlp, A.m, dx, dm_, false);
     if (moe_) moe_->backward(ctx, A.moe, A.m, dx, dm_);
     cuda::rmsnorm_backward(ctx, dm_, h_, A.x_mid, h_, P_[post_norm_].w, A.rstd_post, Tn, h_, dx, h_,
-                           true, P_[post_norm_].grad, S_.norm_ws);
+                           true, P_.grad_to_add(ctx, post_norm_), S_.norm_ws);
     attn_->backward(ctx, A.attn, A.a, dx, in, A.topk, A.topk_len, kslots_, da_, kv_grad_accum);
     cuda::rmsnorm_backward(ctx, da_, h_, x, h_, P_[in_norm_].w, A.rstd_in, Tn, h_, dx, h_, true,
-                           P_[in_norm_].grad, S_.norm_ws);
+                           P_.grad_to_add(ctx, in_norm_), S_.norm_ws);
 }
 
 }  // namespace sparsetron::gpu

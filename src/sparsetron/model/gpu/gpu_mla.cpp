@@ -186,15 +186,18 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     } else {
         gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_,
              H_ * dv_);
-        gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, 1.f, P_[o_].grad,
-             H_ * dv_, BF, F32);
+        gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, P_.grad_beta(o_),
+             P_[o_].grad, H_ * dv_, BF, F32);
     }
     const bool kv_path = !A.kabs_shared;
     if (absorbed_) {
         const int64_t wstride = (dn_ + dv_) * kr_;
+        // kv_b's gradient in two parts, every head's V rows here and its K rows below: one
+        // decision (overwrite or add) for both, which together cover it.
+        const float kvb_beta = P_.grad_beta(kv_b_);
         gemm(ctx, false, false, Tn, kr_, dv_, 1.f, do_, H_ * dv_, wkvb + dn_ * kr_, kr_, 0.f,
              doabs_, H_ * kr_, BF, BF, {H_, dv_, wstride, kr_});
-        gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, 1.f,
+        gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, kvb_beta,
              gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         if (cp_) {
@@ -218,8 +221,8 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         }
         gemm(ctx, false, true, Tn, dn_, kr_, 1.f, dqabs_, H_ * L, wkvb, kr_, 0.f, dq_b_, H_ * dq_,
              BF, BF, {H_, L, wstride, dq_});
-        gemm(ctx, true, false, dn_, kr_, Tn, 1.f, A.q, H_ * dq_, dqabs_, H_ * L, 1.f, gkvb, kr_, BF,
-             F32, {H_, dq_, L, wstride});
+        gemm(ctx, true, false, dn_, kr_, Tn, 1.f, A.q, H_ * dq_, dqabs_, H_ * L, kvb_beta, gkvb,
+             kr_, BF, F32, {H_, dq_, L, wstride});
         cuda::copy_2d(ctx, dq_b_ + dn_, dq_ * B2, dqabs_ + kr_, L * B2, dr_ * B2, Tn * H_);
         if (kv_path) {
             cuda::f32_to_bf16_2d(ctx, dkabs_, L, dckv_n_, kr_, Tn, kr_, false);
@@ -234,7 +237,7 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         gemm(ctx, false, false, Tn, kr_, H_ * (dn_ + dv_), 1.f, dkv_, H_ * (dn_ + dv_), wkvb, kr_,
              0.f, dckv_n_, kr_);
         gemm(ctx, true, false, H_ * (dn_ + dv_), kr_, Tn, 1.f, dkv_, H_ * (dn_ + dv_), A.ckv_n, kr_,
-             1.f, gkvb, kr_, BF, F32);
+             P_.grad_beta(kv_b_), gkvb, kr_, BF, F32);
     }
     cuda::rope(ctx, dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
                c_.rotary_interleaved, true);
@@ -242,7 +245,7 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         cuda::rope(ctx, dckv_ + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
                    c_.rotary_interleaved, true);
         cuda::rmsnorm_backward(ctx, dckv_n_, kr_, A.ckv, L, P_[kv_a_norm_].w, A.rstd_kv, Tn, kr_,
-                               dckv_, L, false, P_[kv_a_norm_].grad, S_.norm_ws);
+                               dckv_, L, false, P_.grad_to_add(ctx, kv_a_norm_), S_.norm_ws);
     }
     if (fp8_) {
         fp8_->dgrad(ctx, fqb_, dq_b_, dcq_, false);
@@ -250,11 +253,11 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     } else {
         gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f, dcq_,
              qr_);
-        gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_, 1.f,
-             P_[q_b_].grad, qr_, BF, F32);
+        gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_,
+             P_.grad_beta(q_b_), P_[q_b_].grad, qr_, BF, F32);
     }
     cuda::rmsnorm_backward(ctx, dcq_, qr_, A.cq_raw, qr_, P_[q_a_norm_].w, A.rstd_q, Tn, qr_,
-                           dcq_raw_, qr_, false, P_[q_a_norm_].grad, S_.norm_ws);
+                           dcq_raw_, qr_, false, P_.grad_to_add(ctx, q_a_norm_), S_.norm_ws);
     if (fp8_) {
         fp8_->dgrad(ctx, fqa_, dcq_raw_, da, false);
         if (kv_path) fp8_->dgrad(ctx, fkva_, dckv_, da, true);
@@ -264,10 +267,12 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
         return;
     }
     gemm(ctx, false, false, Tn, h_, qr_, 1.f, dcq_raw_, qr_, P_[q_a_].w, h_, 0.f, da, h_);
-    gemm(ctx, true, false, qr_, h_, Tn, 1.f, dcq_raw_, qr_, a, h_, 1.f, P_[q_a_].grad, h_, BF, F32);
+    gemm(ctx, true, false, qr_, h_, Tn, 1.f, dcq_raw_, qr_, a, h_, P_.grad_beta(q_a_),
+         P_[q_a_].grad, h_, BF, F32);
     if (kv_path) {
         gemm(ctx, false, false, Tn, h_, L, 1.f, dckv_, L, P_[kv_a_].w, h_, 1.f, da, h_);
-        gemm(ctx, true, false, L, h_, Tn, 1.f, dckv_, L, a, h_, 1.f, P_[kv_a_].grad, h_, BF, F32);
+        gemm(ctx, true, false, L, h_, Tn, 1.f, dckv_, L, a, h_, P_.grad_beta(kv_a_), P_[kv_a_].grad,
+             h_, BF, F32);
     }
 }
 

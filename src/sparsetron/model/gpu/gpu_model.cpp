@@ -293,7 +293,7 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     cuda::head_cross_entropy(ctx, h_final_, Tn, h, (*P_)[head_].w, c.vocab_size, in_.targets,
                              chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
                              sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr,
-                             in_.loss_scales);
+                             in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f);
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
     if (D_ > 0) mtp_forward(ctx, sc);
     if (sc.backward) {
@@ -303,13 +303,13 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
         if (D_ > 0) mtp_backward(ctx);
         point(0);
         cuda::rmsnorm_backward(ctx, dh_, h, x_[c.num_layers], h, (*P_)[final_norm_].w, rstd_final_,
-                               Tn, h, dx_, h, false, (*P_)[final_norm_].grad, S_.norm_ws);
+                               Tn, h, dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
         point(1);
         for (int64_t l = c.num_layers - 1; l >= 0; --l) {
             layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
             point(int(2 + c.num_layers - 1 - l));
         }
-        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, (*P_)[embed_].grad);
+        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
         point(int(2 + c.num_layers));
     }
 }
@@ -400,7 +400,8 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
         float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
         cuda::head_cross_entropy(ctx, mtp_[k]->hz, Tn, h, (*P_)[head_].w, c.vocab_size,
                                  mtp_[k]->targets, chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
-                                 sc.backward ? mtp_[k]->dzk : nullptr, dw, in_.loss_scales + 2 + k);
+                                 sc.backward ? mtp_[k]->dzk : nullptr, dw, in_.loss_scales + 2 + k,
+                                 dw ? P_->grad_beta(head_) : 1.f);
         cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
     }
 }
@@ -464,7 +465,7 @@ void GpuModel::mtp_backward(const ExecContext& ctx) {
         MtpActs& A = *mtp_[k];
         cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
         cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[mtp_norm_].w, A.rstd_z, Tn, h,
-                               dmtp_z_, h, true, (*P_)[mtp_norm_].grad, S_.norm_ws);
+                               dmtp_z_, h, true, P_->grad_to_add(ctx, mtp_norm_), S_.norm_ws);
         mtp_layer_->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
         if (fp8_) {
             fp8_->dgrad(ctx, feh_, dmtp_z_, dmtp_cat_, false);
@@ -472,16 +473,16 @@ void GpuModel::mtp_backward(const ExecContext& ctx) {
         } else {
             gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[eh_proj_].w, 2 * h, 0.f,
                  dmtp_cat_, 2 * h);
-            gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h, 1.f,
-                 (*P_)[eh_proj_].grad, 2 * h, BF, F32);
+            gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
+                 P_->grad_beta(eh_proj_), (*P_)[eh_proj_].grad, 2 * h, BF, F32);
         }
         cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[enorm_].w, A.rstd_e, Tn, h,
-                               dmtp_e_, h, false, (*P_)[enorm_].grad, S_.norm_ws);
+                               dmtp_e_, h, false, P_->grad_to_add(ctx, enorm_), S_.norm_ws);
         if (!c.mtp_detach_heads)
-            cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, (*P_)[embed_].grad);
+            cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, P_->grad_to_add(ctx, embed_));
         const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
         cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, prev, h, (*P_)[hnorm_].w, A.rstd_h, Tn, h,
-                               dmtp_h_, h, false, (*P_)[hnorm_].grad, S_.norm_ws);
+                               dmtp_h_, h, false, P_->grad_to_add(ctx, hnorm_), S_.norm_ws);
     }
     if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
 }

@@ -20,6 +20,9 @@ void GpuParams::bind(const MemoryPlan& plan) {
         g.numel = p.numel();
         all_.push_back(g);
     }
+    written_.assign(all_.size(), 0);
+    written_before_.assign(all_.size(), 0);
+    zeroed_.assign(all_.size(), 0);
 }
 
 int64_t GpuParams::index(const std::string& name) const {
@@ -30,6 +33,51 @@ int64_t GpuParams::index(const std::string& name) const {
 
 void GpuParams::refresh_bf16(const ExecContext& ctx) const {
     for (const auto& p : all_) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
+}
+
+}  // namespace sparsetron::gpu
+
+namespace sparsetron::gpu {
+
+void GpuParams::begin_gradients(const ExecContext& ctx, bool accumulate_only) const {
+    written_before_ = written_;
+    for (size_t i = 0; i < all_.size(); ++i) {
+        written_[i] = zeroed_[i] = 0;
+        if (accumulate_only && all_[i].grad) {
+            zero_grad(ctx, i);
+            written_[i] = 1;
+            continue;
+        }
+        // Not written last step (every gradient before the first step; a frozen part): zeroed
+        // here, before any reduction of the step's gradients can read it.
+        if (all_[i].grad && !written_before_[i]) zero_grad(ctx, i);
+    }
+}
+
+float GpuParams::grad_beta(int64_t i) const {
+    ST_ASSERT(all_[size_t(i)].grad, "grad_beta: '", store_.params()[size_t(i)].name,
+              "' has no gradient");
+    const bool first = !written_[size_t(i)];
+    written_[size_t(i)] = 1;
+    return first ? 0.f : 1.f;  // overwriting a zeroed gradient is the same as adding to it
+}
+
+float* GpuParams::grad_to_add(const ExecContext& ctx, int64_t i) const {
+    ST_ASSERT(all_[size_t(i)].grad, "grad_to_add: '", store_.params()[size_t(i)].name,
+              "' has no gradient");
+    if (!written_[size_t(i)] && !zeroed_[size_t(i)]) zero_grad(ctx, size_t(i));
+    written_[size_t(i)] = 1;
+    return all_[size_t(i)].grad;
+}
+
+void GpuParams::finish_gradients(const ExecContext& ctx) const {
+    for (size_t i = 0; i < all_.size(); ++i)
+        if (all_[i].grad && !written_[i] && !zeroed_[i]) zero_grad(ctx, i);
+}
+
+void GpuParams::zero_grad(const ExecContext& ctx, size_t i) const {
+    cuda::zero(ctx, all_[i].grad, all_[i].numel * int64_t(sizeof(float)));
+    zeroed_[i] = 1;
 }
 
 }  // namespace sparsetron::gpu

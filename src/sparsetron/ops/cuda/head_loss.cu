@@ -107,7 +107,7 @@ __global__ void loss_sum_kernel(const float* row_loss, const int32_t* targets, i
 void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
                         const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
                         float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
-                        bf16* dh, float* dw, const float* grad_scale_dev) {
+                        bf16* dh, float* dw, const float* grad_scale_dev, float dw_beta) {
     ST_ASSERT(chunk_rows > 0, "head_cross_entropy: chunk rows");
     const bool backward = dh || dw;
     ST_ASSERT(!backward || dlogits_ws, "head_cross_entropy: backward needs the dlogits workspace");
@@ -127,7 +127,7 @@ void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int
     // One pass over the fp32 [vocab, dim] gradient (3.8 GB at GLM-5's shape) instead of one per
     // chunk: the accumulation's memory traffic, not its FLOPs, was the cost.
     if (dw)
-        gemm(ctx, true, false, vocab, dim, rows, 1.f, dlogits_ws, vocab, h, dim, 1.f, dw, dim,
+        gemm(ctx, true, false, vocab, dim, rows, 1.f, dlogits_ws, vocab, h, dim, dw_beta, dw, dim,
              DType::BF16, DType::F32);
 }
 

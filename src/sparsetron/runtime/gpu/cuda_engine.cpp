@@ -1,8 +1,10 @@
 // The CUDA DeviceEngine: a CudaSession, the device plan (parameters, gradients, optimizer state,
 // activations, workspace), the CUDA model and optimizer.
 #include <algorithm>
+#include <cstdlib>
 #include <iostream>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include "sparsetron/core/device_memory.h"
@@ -132,10 +134,25 @@ class CudaEngine final : public DeviceEngine {
                          plan_.entries()[dev_slot].bytes);
     }
 
-    void begin_step() override {
-        cuda::zero(ctx(), plan_.class_base(MemClass::Gradients),
-                   plan_.class_bytes(MemClass::Gradients));
+    // The gradients are not zeroed here as a whole: each is overwritten by its first writer of
+    // the step or zeroed where needed (GpuParams::begin_gradients), and end_backward() zeroes
+    // what the step did not write.
+    void begin_step() override { begin_step(false); }
+    void begin_step(bool accumulate_only) {
+        // SPARSETRON_GRADIENTS=zeroed: every gradient zeroed at the step's start and every writer
+        // adding, as before 2026-12-01 (to measure against in one process).
+        static const bool zeroed = [] {
+            const char* e = std::getenv("SPARSETRON_GRADIENTS");
+            return e && std::string(e) == "zeroed";
+        }();
+        model_->gpu_params().begin_gradients(ctx(), accumulate_only || zeroed);
         model_->reset_moe_stats(ctx());
+    }
+    // After the last micro-batch's backward: the gradient reductions, then the gradients the
+    // step did not write zeroed (after the reductions: a side stream may still read them).
+    void end_backward() {
+        finish_reduce();
+        model_->gpu_params().finish_gradients(ctx());
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) override {
@@ -155,7 +172,7 @@ class CudaEngine final : public DeviceEngine {
                 if (i + 1 == mbs.size()) begin_reduce();
                 out.losses.push_back(micro_batch(*mbs[i], sc));
             }
-            finish_reduce();
+            end_backward();
             out.stats = opt_->step(ctx(), run, step);
             out.stash = stash_use();
             return out;
@@ -178,7 +195,7 @@ class CudaEngine final : public DeviceEngine {
                 const int64_t bytes = model_->n_sums() * int64_t(sizeof(double));
                 cuda::copy_2d(ctx(), sums + i * model_->n_sums(), 0, model_->sums(), 0, bytes, 1);
             }
-            finish_reduce();
+            end_backward();
             opt_->enqueue_step(ctx(), run);
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
@@ -225,7 +242,7 @@ class CudaEngine final : public DeviceEngine {
                  "dynamic CP: every micro-batch needs its CP group");
         const bool graphs = run.cuda_graph_impl == "full_iteration";
         StepOutcome out;
-        begin_step();
+        begin_step(true);  // a graph of one micro-batch is replayed at any place in the step
         for (size_t i = 0; i < mbs.size(); ++i) {
             Comm* cp = (*cp_groups)[i];
             model_->set_context_parallel(cp);
@@ -255,7 +272,7 @@ class CudaEngine final : public DeviceEngine {
             out.losses.push_back(model_->read_losses(ctx()));
         }
         begin_reduce();
-        finish_reduce();
+        end_backward();
         out.stats = opt_->step(ctx(), run, step);
         out.stash = stash_use();
         return out;
@@ -267,6 +284,7 @@ class CudaEngine final : public DeviceEngine {
     int64_t moe_dropped() override { return model_->moe_dropped(ctx()); }
 
     StepStats optimizer_step(const RunConfig& run, int64_t step) override {
+        model_->gpu_params().finish_gradients(ctx());  // after begin_step + micro_batch calls
         return opt_->step(ctx(), run, step);
     }
 
@@ -284,14 +302,12 @@ class CudaEngine final : public DeviceEngine {
     double timed_step(bool graph, bool optimizer, const LossScales& scales, int64_t micro_batches,
                       const RunConfig& run, int64_t step) override {
         auto enqueue = [&] {
-            cuda::zero(ctx(), plan_.class_base(MemClass::Gradients),
-                       plan_.class_bytes(MemClass::Gradients));
-            model_->reset_moe_stats(ctx());
+            begin_step(false);
             for (int64_t i = 0; i < micro_batches; ++i) {
                 if (i + 1 == micro_batches) begin_reduce();
                 model_->enqueue(ctx(), scales);
             }
-            finish_reduce();
+            end_backward();
             if (optimizer) opt_->enqueue_step(ctx(), run);
         };
         if (optimizer) opt_->stage_schedule(ctx(), run, step);

@@ -203,7 +203,7 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
 // does not write it. Eager, captured and replayed, and steps that stop writing the indexer's
 // gradients (its loss off: zeroed at the step's end, then at the next step's start) and resume.
 // Tolerance 1e-5: the same kernels on the same inputs; fp32 atomics (embedding and attention
-// backward) may add in another order. The indexer's weights 1e-4: its scores backward sums each
+// backward) may add in another order. The indexer's weights 3e-4: its scores backward sums each
 // head's weight gradient over the keys by shared-memory atomics from several warps, with
 // cancellation (seen: 6.0e-5 for layer 0's weights_proj between the first, cold step and the
 // later ones, the same value in each later step). A gradient left NaN fails on its non-finite
@@ -283,7 +283,7 @@ TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
                 for (float v : g[j]) nonzero += !(v == 0.f);  // NaN counts
                 EXPECT_EQ(nonzero, 0) << name << ": expected an all-zero gradient";
             } else {
-                test::expect_close(name, g[j], ref[j], is_indexer(with_grad[j]) ? 1e-4 : 1e-5);
+                test::expect_close(name, g[j], ref[j], is_indexer(with_grad[j]) ? 3e-4 : 1e-5);
             }
         }
         EXPECT_GT(indexer_params, 0) << "the tiny recipe has indexer parameters";

@@ -478,6 +478,16 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     for (int64_t e = 0; e < E; ++e) ragged[e + 1] = ragged[e] + int32_t(e % 2 ? 2085 : 2011);
     DeviceArray<int32_t> dragged(ragged);
     each_kind("grouped gemm x W^T, ragged 2011/2085 rows", ", ragged", dragged);
+    // Training's routing: the first MoE layer's loads in the proxy's first step (train
+    // --device cuda, mtp_num_layers=0; bench/results/2026-12-01-h200-reduce-adds-power-cap.json),
+    // 513 to 3343 rows, the same 32768 in all.
+    const std::vector<int32_t> loads = {3343, 2027, 1513, 1413, 2180, 3230, 2079, 1717,
+                                        2719, 2388, 1520, 2772, 1895, 1064, 2395, 513};
+    std::vector<int32_t> trained(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) trained[e + 1] = trained[e] + loads[size_t(e)];
+    ASSERT_EQ(trained[E], E * rows);
+    DeviceArray<int32_t> dtrained(trained);
+    each_kind("grouped gemm x W^T, training routing", ", training routing", dtrained);
     auto a = bf(E * rows * h), b = bf(h * F), c = bf(E * rows * F);
     report(
         "dense cuBLASLt gemm of the same total shape",

@@ -111,17 +111,21 @@ struct TileSpace {
 // below). K-major tiles are one box of 64 x width; MN-major tiles are width / 64 boxes of 64 x 64
 // (the wgmma.cuh atoms, 8 KiB apart). The row coordinate of a row operand is r0 + the tile's own.
 // In a cluster of kCluster blocks, block `rank` loads the rank-th part of the B tile (rows of a
-// K-major tile, atoms of an MN-major one) for every block of the cluster.
+// K-major tile, atoms of an MN-major one) for every block of the cluster; where the blocks' tiles
+// are of different experts (`shared` false: x W^T and dy W, see the walk), each block loads
+// every part of its own B instead, into its own tile only.
 template <GroupedGemm kKind, int BN, int kCluster>
 __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtensorMap* ma,
                                           const CUtensorMap* mb, int64_t r0, int64_t e, int64_t i0,
-                                          int64_t j0, int64_t k0, uint32_t bar, uint32_t rank) {
+                                          int64_t j0, int64_t k0, uint32_t bar, uint32_t rank,
+                                          bool shared) {
     using namespace wgmma;
     const int32_t ex = int32_t(e), kk = int32_t(k0);
     constexpr uint16_t kAll = uint16_t((1u << kCluster) - 1u);
-    // One box of B into this block's tile (kCluster 1) or every block's (multicast).
+    // One box of B into this block's tile (kCluster 1, or a tile of its own) or every block's
+    // (multicast).
     auto load_b = [&](uint32_t dst, int32_t c0, int32_t c1, auto... c2) {
-        if constexpr (kCluster == 1)
+        if (kCluster == 1 || !shared)
             tma_load(dst, mb, c0, c1, c2..., bar);
         else
             tma_load_multicast(dst, mb, c0, c1, c2..., bar, kAll);
@@ -129,14 +133,19 @@ __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtens
     if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
         tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
         constexpr int kRows = BN / kCluster;  // the part's B rows (the map's box)
-        load_b(tb + rank * kRows * 128, kk, int32_t(j0 + rank * kRows), ex);
+        for (int part = 0; part < kCluster; ++part)
+            if (!shared || part == int(rank))
+                load_b(tb + part * kRows * 128, kk, int32_t(j0 + part * kRows), ex);
     } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
         tma_load(ta, ma, kk, int32_t(r0 + i0), bar);
         constexpr int kAtoms = BN / 64 / kCluster;
+        for (int part = 0; part < kCluster; ++part) {
+            if (shared && part != int(rank)) continue;
 #pragma unroll
-        for (int u = 0; u < kAtoms; ++u) {
-            const int t = int(rank) * kAtoms + u;
-            load_b(tb + t * 8192, int32_t(j0 + 64 * t), kk, ex);
+            for (int u = 0; u < kAtoms; ++u) {
+                const int t = part * kAtoms + u;
+                load_b(tb + t * 8192, int32_t(j0 + 64 * t), kk, ex);
+            }
         }
     } else {
         const int32_t row = int32_t(r0 + k0);
@@ -315,8 +324,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     // expert's own rows, experts with no rows or no reduction skipped), so the blocks' tile
     // counts differ by at most one however the routing is skewed. The walk only moves forward:
     // `w_e` is the current expert and `w_first` the linear index of its first tile (unit).
+    //
+    // x W^T and dy W in clusters of two (kPairsAcross): a unit is two consecutive 128-row tiles
+    // of the experts' row tiles in order, of one expert or of two, so an expert whose rows end in
+    // the first half of a 256-row unit leaves no empty tile (training's routing: 10-15% of the
+    // time went to them). Both tiles of one expert share B (multicast); tiles of two experts
+    // each load their own (`shared` false). An odd last tile pairs with an empty one past its
+    // expert's rows (nothing stored). `w_first` then counts row tiles, not units.
+    constexpr bool kPairsAcross = kCluster == 2 && kKind != GroupedGemm::WeightGrad;
     int64_t w_e = 0, w_first = 0;
-    auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p) {
+    auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p,
+                         bool& shared) {
+        shared = true;
+        if constexpr (kPairsAcross) {
+            const int64_t g0 = t / space.n_tiles * 2;  // the unit's first row tile
+            for (; w_e < experts; ++w_e) {
+                p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
+                const int64_t count = p.M > 0 && p.K > 0 ? (p.M + BM - 1) / BM : int64_t(0);
+                if (g0 < w_first + count) {
+                    const int64_t local = g0 - w_first;
+                    e = w_e, j0 = t % space.n_tiles * BN, i0 = (local + int64_t(rank)) * BM;
+                    if (local + 1 < count) return true;
+                    // The second tile is the next expert's first, if one has rows.
+                    for (int64_t e1 = w_e + 1; e1 < experts; ++e1) {
+                        const Problem q = problem<kKind>(offsets, e1, n, k, wstride, a, b);
+                        if (q.M > 0 && q.K > 0) {
+                            shared = false;
+                            if (rank == 1) e = e1, p = q, i0 = 0;
+                            return true;
+                        }
+                    }
+                    return true;  // an odd last tile: its partner multiplies rows past M
+                }
+                w_first += count;
+            }
+            return false;
+        }
         for (; w_e < experts; ++w_e) {
             p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
             const int64_t count =
@@ -340,12 +383,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t it = 0;
         int64_t e, i0, j0;
         Problem p;
-        for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
+        bool shared;
+        for (int64_t t = unit0; next_tile(t, e, i0, j0, p, shared); t += units) {
             const int64_t slices = (p.K + BK - 1) / BK;
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
                 mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
-                fill(s, it, p, e, i0, j0, sl * BK);
+                fill(s, it, p, e, i0, j0, sl * BK, shared);
             }
         }
         return it;
@@ -357,11 +401,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int lane = threadIdx.x;
             if (lane == 0) tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
             fill_ring([&](uint32_t s, uint32_t, const Problem& p, int64_t e, int64_t i0, int64_t j0,
-                          int64_t k0) {
+                          int64_t k0, bool shared) {
                 if (lane == 0) {
                     mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
                     tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b,
-                                                   p.r0, e, i0, j0, k0, full(s), rank);
+                                                   p.r0, e, i0, j0, k0, full(s), rank, shared);
                 }
                 __syncwarp();
             });
@@ -369,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else if (threadIdx.x < kProducerThreads) {
         const int tid = threadIdx.x;
         const uint32_t it = fill_ring([&](uint32_t s, uint32_t f, const Problem& p, int64_t,
-                                          int64_t i0, int64_t j0, int64_t k0) {
+                                          int64_t i0, int64_t j0, int64_t k0, bool) {
             load_tile_walk<kAK, BM, kProducerThreads>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0, p.K,
                                                       tid);
             load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0, p.K,
@@ -399,7 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t it = 0;  // slices consumed so far, across tiles
         int64_t e, i0, j0;
         Problem p;
-        for (int64_t t = unit0; next_tile(t, e, i0, j0, p); t += units) {
+        bool shared;  // the producers' business
+        for (int64_t t = unit0; next_tile(t, e, i0, j0, p, shared); t += units) {
             const int64_t slices = (p.K + BK - 1) / BK;
             float d[BN / 2];
 #pragma unroll

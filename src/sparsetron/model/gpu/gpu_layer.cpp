@@ -11,8 +11,13 @@ GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuS
     const bool is_mtp = layer0 == c.num_layers;
     in_norm_ = P.index(p + "input_layernorm.weight");
     post_norm_ = P.index(p + "post_attention_layernorm.weight");
-    attn_ =
-        std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(), key_tokens);
+    // The expanded DSA form keeps neither the latent keys that MTP's kv sharing hands on nor the
+    // absorbed Q' / K' that the indexer loss's teacher reads.
+    const bool teacher =
+        c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
+    const bool expanded_ok = !teacher && !(is_mtp && c.dsa_mtp_index_kv_share);
+    attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(), key_tokens,
+                                     expanded_ok);
     if (c.uses_dsa()) {
         kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
         if (dsa_layer_is_full(c, layer0)) {
@@ -59,6 +64,8 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     cuda::copy_2d(ctx, A.x_mid, h_ * B2, x, h_ * B2, h_ * B2, Tn);
     attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid);
     if (run_indexer) {
+        ST_ASSERT(c_.dsa_indexer_loss_coeff == 0 || attn_->absorbed(), "DSA layer ", layer_,
+                  ": the indexer loss's teacher needs the absorbed attention");
         GpuIndexer::Teacher t{A.attn.qabs,         A.attn.kkeys ? A.attn.kkeys : A.attn.kabs,
                               A.attn.lse,          c_.num_attention_heads,
                               attn_->latent_dim(), attn_->scale()};

@@ -2,13 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace sparsetron::gpu {
 
 using cuda::gemm;
 
 GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-               const std::string& p, int64_t tokens, bool absorbed, int64_t key_tokens)
+               const std::string& p, int64_t tokens, bool dsa, int64_t key_tokens, bool expanded_ok)
     : c_(c),
       P_(P),
       S_(S),
@@ -21,10 +23,10 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
       dv_(c.v_head_dim),
       qr_(c.q_lora_rank),
       kr_(c.kv_lora_rank),
-      absorbed_(absorbed),
+      dsa_(dsa),
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
-    ST_CHECK(!cp_ || absorbed, "context parallelism needs the absorbed (DSA) attention");
+    ST_CHECK(!cp_ || dsa, "context parallelism needs the absorbed (DSA) attention");
     q_a_ = P.index(p + "q_a_proj.weight");
     q_a_norm_ = P.index(p + "q_a_layernorm.weight");
     q_b_ = P.index(p + "q_b_proj.weight");
@@ -48,15 +50,29 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
     B.scratch(dckv_n_, "grad.attn.kv_a_norm_out", {Tn, kr_});
     dqabs_ = doabs_ = dkv_ = nullptr;
     dkabs_ = dk32_ = dv32_ = nullptr;
-    if (absorbed) {
-        B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
-        B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
-        B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
+    if (dsa) {
         // Under CP the masked-dense form scores every chunk of this rank's rows against all
         // Tk_ key rows of the micro-batch.
         const int64_t keys = cp_ ? Tk_ : Tn;
         mqa_ws_bytes_ = cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, keys),
                                                          cp_ ? Tk_ : 0);
+        // Masked dense GEMMs score every key of a chunk: per head over qk + v dims (expanded)
+        // costs 0.47x the FLOPs of the latent's L + kr at the GLM-5 shape, so the expanded form
+        // is taken where the masked form is (docs/perf/2026-12-01-expanded-masked-attention.md).
+        // SPARSETRON_MLA_FORM=absorbed keeps the absorbed form (A/B runs).
+        static const bool absorbed_forced = [] {
+            const char* e = std::getenv("SPARSETRON_MLA_FORM");
+            return e && std::string(e) == "absorbed";
+        }();
+        sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0 && !absorbed_forced;
+    }
+    absorbed_ = dsa && !sparse_expanded_;
+    if (dsa) {
+        if (absorbed_) {
+            B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
+            B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
+            B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
+        }
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
         if (mqa_ws_bytes_ > 0)
             B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
@@ -66,7 +82,8 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
         const int64_t elems = cp_ ? 0 : cuda::sparse_mqa_saved_probs_elems(Tn, H_, mqa_ws_bytes_);
         if (elems * int64_t(sizeof(bf16)) <= (c.dsa_saved_probs_max_mib << 20))
             saved_probs_elems_ = elems;
-    } else {
+    }
+    if (!absorbed_) {
         B.scratch(dkv_, "grad.attn.kv", {Tn, H_ * (dn_ + dv_)});
         B.scratch(dk32_, "grad.attn.k_f32", {Tn, H_ * dq_});
         B.scratch(dv32_, "grad.attn.v_f32", {Tn, H_ * dv_});
@@ -88,13 +105,17 @@ void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.act(A.kabs, p + "k_latent", {Tn, L});
         B.act(A.oabs, p + "o_latent", {Tn, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
-        if (saved_probs_elems_ > 0) B.act(A.probs, p + "attn_probs", {saved_probs_elems_});
     } else {
         B.act(A.kv, p + "kv", {Tn, H_ * (dn_ + dv_)});
         B.act(A.k, p + "k", {Tn, H_ * dq_});
     }
+    if (saved_probs_elems_ > 0) B.act(A.probs, p + "attn_probs", {saved_probs_elems_});
     B.act(A.o, p + "attn_out", {Tn, H_ * dv_});
     B.act(A.lse, p + "attn_lse", {H_, Tn});
+}
+
+cuda::HeadKV GpuMla::head_kv(const Acts& A) const {
+    return cuda::HeadKV{A.k, H_ * dq_, dq_, A.kv + dn_, H_ * (dn_ + dv_), dn_ + dv_};
 }
 
 float GpuMla::scale() const {
@@ -147,7 +168,8 @@ void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
 
 void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
                     const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum) const {
-    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+    const int64_t Tn = T_, L = kr_ + dr_;
+    ST_ASSERT(!dsa_ || idx, "MLA: a DSA layer attends without a top-k");
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
@@ -156,15 +178,20 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
     } else {
+        ST_ASSERT(!A.kabs_shared, "MLA: the expanded form does not attend over shared keys");
         gemm(ctx, false, true, Tn, H_ * (dn_ + dv_), kr_, 1.f, A.ckv_n, kr_, P_[kv_b_].w, kr_, 0.f,
              A.kv, H_ * (dn_ + dv_));
-        cuda::copy_2d(ctx, A.k, dq_ * B2, A.kv, (dn_ + dv_) * B2, dn_ * B2, Tn * H_);
-        for (int64_t hh = 0; hh < H_; ++hh)
-            cuda::copy_2d(ctx, A.k + hh * dq_ + dn_, H_ * dq_ * B2, A.ckv + kr_, L * B2, dr_ * B2,
-                          Tn);
-        cuda::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
-                          dn_ + dv_};
-        cuda::attention_forward(ctx, s, A.q, A.k, A.kv + dn_, in.row_begin, scale(), A.o, A.lse);
+        cuda::mla_expanded_keys(ctx, A.kv, A.ckv + kr_, L, Tn, H_, dn_, dr_, dv_, A.k);
+        if (sparse_expanded_) {
+            cuda::sparse_mha_forward_masked(ctx, Tn, H_, dq_, dv_, A.q, head_kv(A), idx, len,
+                                            kslots, scale(), A.o, A.lse, prob_sum, mqa_ws_,
+                                            mqa_ws_bytes_, A.probs);
+        } else {
+            cuda::AttnShape s{
+                Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
+            cuda::attention_forward(ctx, s, A.q, A.k, A.kv + dn_, in.row_begin, scale(), A.o,
+                                    A.lse);
+        }
     }
     if (fp8_)
         fp8_->forward(ctx, fo_, A.o, x_accum, h_, true);
@@ -229,10 +256,17 @@ void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, cons
             cuda::f32_to_bf16_2d(ctx, dkabs_ + kr_, L, dckv_ + kr_, L, Tn, dr_, false);
         }
     } else {
-        cuda::AttnShape s{Tn,       H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_),
-                          dn_ + dv_};
-        cuda::attention_backward(ctx, s, A.q, A.k, A.kv + dn_, A.o, A.lse, do_, in.row_begin,
-                                 scale(), dq_b_, dk32_, dv32_);
+        ST_ASSERT(!kv_grad_accum, "MLA: the expanded form has no shared latent keys");
+        if (sparse_expanded_) {
+            cuda::sparse_mha_backward_masked(ctx, Tn, H_, dq_, dv_, A.q, head_kv(A), idx, len,
+                                             kslots, scale(), A.o, A.lse, do_, dq_b_, dk32_, dv32_,
+                                             mqa_ws_, mqa_ws_bytes_, A.probs);
+        } else {
+            cuda::AttnShape s{
+                Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
+            cuda::attention_backward(ctx, s, A.q, A.k, A.kv + dn_, A.o, A.lse, do_, in.row_begin,
+                                     scale(), dq_b_, dk32_, dv32_);
+        }
         cuda::mla_expanded_kv_grad(ctx, dk32_, dv32_, Tn, H_, dn_, dr_, dv_, dkv_, dckv_ + kr_, L);
         gemm(ctx, false, false, Tn, kr_, H_ * (dn_ + dv_), 1.f, dkv_, H_ * (dn_ + dv_), wkvb, kr_,
              0.f, dckv_n_, kr_);

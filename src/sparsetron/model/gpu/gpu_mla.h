@@ -21,14 +21,18 @@ class GpuMla {
         // (saved_probs_elems_ > 0 only).
         bf16* probs = nullptr;
     };
-    // key_tokens > 0: context parallelism (absorbed only): `tokens` rows of this rank attend
-    // over key_tokens micro-batch rows.
+    // dsa: sparse attention over a DSA top-k, absorbed (MQA over the latent) or, where the masked
+    // dense form applies and expanded_ok (no shared latent keys, no indexer-loss teacher reading
+    // Q' / K'), expanded (per-head keys and values). key_tokens > 0: context parallelism
+    // (absorbed only): `tokens` rows of this rank attend over key_tokens micro-batch rows.
     GpuMla(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-           const std::string& hf_prefix, int64_t tokens, bool absorbed, int64_t key_tokens = 0);
+           const std::string& hf_prefix, int64_t tokens, bool dsa, int64_t key_tokens = 0,
+           bool expanded_ok = true);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
     void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;
-    // prob_sum (absorbed mode, may be null): Σ_h attention probabilities per selected key.
+    // prob_sum (DSA, masked or absorbed forms, may be null): Σ_h attention probabilities per
+    // selected key.
     void attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
                 const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum = nullptr) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
@@ -36,16 +40,20 @@ class GpuMla {
                   bf16* da, float* kv_grad_accum) const;
     float scale() const;
     int64_t latent_dim() const { return kr_ + dr_; }
+    bool absorbed() const { return absorbed_; }
 
   private:
+    cuda::HeadKV head_kv(const Acts& A) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     GpuShared& S_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
-    bool absorbed_;
-    bool cp_;                    // planned for context parallelism
-    int64_t Tk_;                 // key rows
-    float* keys_f32_ = nullptr;  // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
+    bool dsa_;
+    bool sparse_expanded_ = false;  // DSA in the expanded form (masked dense GEMMs per head)
+    bool absorbed_;                 // DSA in the absorbed form
+    bool cp_;                       // planned for context parallelism
+    int64_t Tk_;                    // key rows
+    float* keys_f32_ = nullptr;     // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
     // fp8_recipe: blockwise: q_a, q_b, kv_a and o_proj as FP8 linears (kv_b stays bf16: the
     // absorbed attention reads it per head, as a strided batch).

@@ -41,6 +41,17 @@ __global__ void expanded_kv_grad_kernel(const float* dk, const float* dv, int64_
     }
 }
 
+// One block per token; bf16 pairs (dn and dr even, checked by the caller).
+__global__ void expanded_keys_kernel(const __nv_bfloat162* kv, const __nv_bfloat162* pe,
+                                     int64_t ld_pe2, int64_t heads, int64_t dn2, int64_t dr2,
+                                     int64_t dvh2, __nv_bfloat162* k) {
+    const int64_t t = blockIdx.x, dq2 = dn2 + dr2, w2 = dn2 + dvh2;
+    for (int64_t i = threadIdx.x; i < heads * dq2; i += blockDim.x) {
+        const int64_t h = i / dq2, c = i % dq2;
+        k[t * heads * dq2 + i] = c < dn2 ? kv[(t * heads + h) * w2 + c] : pe[t * ld_pe2 + c - dn2];
+    }
+}
+
 }  // namespace
 
 void copy_2d(const ExecContext& ctx, void* dst, int64_t dst_pitch, const void* src,
@@ -96,6 +107,18 @@ void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* 
     if (tokens == 0) return;
     expanded_kv_grad_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dk, dv, heads, dn, dr, dvh,
                                                                 dev(dkv), dev(dpe), ld_pe);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void mla_expanded_keys(const ExecContext& ctx, const bf16* kv, const bf16* pe, int64_t ld_pe,
+                       int64_t tokens, int64_t heads, int64_t dn, int64_t dr, int64_t dvh,
+                       bf16* k) {
+    ST_CHECK(dn % 2 == 0 && dr % 2 == 0 && dvh % 2 == 0 && ld_pe % 2 == 0,
+             "expanded MLA keys: even head dimensions expected (", dn, ", ", dr, ", ", dvh, ")");
+    if (tokens == 0) return;
+    expanded_keys_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(
+        reinterpret_cast<const __nv_bfloat162*>(kv), reinterpret_cast<const __nv_bfloat162*>(pe),
+        ld_pe / 2, heads, dn / 2, dr / 2, dvh / 2, reinterpret_cast<__nv_bfloat162*>(k));
     ST_CUDA_LAUNCH_CHECK();
 }
 

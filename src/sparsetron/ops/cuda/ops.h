@@ -180,6 +180,31 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
                          void* workspace = nullptr, int64_t workspace_bytes = 0, int64_t keys = 0,
                          const bf16* saved_probs = nullptr);
+// The same sparse attention in MLA's expanded form (per-head keys and values, the top-k shared by
+// the heads), as masked dense GEMMs batched over the heads: the absorbed form's workspace
+// (sparse_mqa_workspace_bytes without key rows), its saved probabilities and its P / dS kernels;
+// scores over dqk and values of dv per head instead of the latent's L and kr (at the GLM-5 shape
+// 256 + 256 against 576 + 512: 0.47x the GEMM FLOPs). q [T, H, dqk], out [T, H, dv], dq
+// (overwritten) contiguous; head h's keys at k + t * k_row + h * k_head, values likewise.
+// Backward: dk [T, H, dqk] and dv [T, H, dv] fp32, overwritten (chunks in reverse order: the last
+// covers every key and writes, the others add; deterministic). Not for context parallelism.
+struct HeadKV {
+    const bf16* k;
+    int64_t k_row, k_head;
+    const bf16* v;
+    int64_t v_row, v_head;
+};
+void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes, bf16* saved_probs = nullptr);
+void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dvv,
+                                void* workspace, int64_t workspace_bytes,
+                                const bf16* saved_probs = nullptr);
 
 // ---- DSA indexer
 // --------------------------------------------------------------------------------- scores[t, s] =
@@ -363,6 +388,11 @@ void gather_key_rows(const ExecContext& ctx, const bf16* src, int64_t keys, int6
 
 // ---- MLA helpers
 // ---------------------------------------------------------------------------------
+// Expanded-attention keys from the kv_b output [T, H, dn + dvh] and the shared RoPE key (row t at
+// pe + t * ld_pe): k[t, h, :dn] = kv[t, h, :dn], k[t, h, dn:] = pe[t, :dr]. One launch for all
+// heads (the shared key broadcast to every head).
+void mla_expanded_keys(const ExecContext& ctx, const bf16* kv, const bf16* pe, int64_t ld_pe,
+                       int64_t tokens, int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* k);
 // Expanded-attention key/value gradients back to the kv_b output and the shared RoPE key:
 // dkv[t, h*(dn+dv) + i] = dk[t, h, i] (i < dn), dkv[t, h*(dn+dv) + dn + i] = dv[t, h, i];
 // dpe[t * ld_pe + i] = Σ_h dk[t, h, dn + i].

@@ -394,4 +394,90 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
     }
 }
 
+// ---- The expanded form: the same chunks, masks and kernels; the GEMMs batched over the heads.
+// Head h's rows of a chunk's S / dP / P are rows (t - t0) * H + h of [rows, ld]: one batch entry
+// is every H-th row (ld * H apart), so the P / dS kernels see the absorbed form's layout.
+
+void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                               int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
+                               const int32_t* len, int64_t kslots, float scale, bf16* out,
+                               float* lse, float* prob_sum, void* workspace,
+                               int64_t workspace_bytes, bf16* saved_probs) {
+    const Workspace w = carve(workspace, workspace_bytes, tokens, tokens, heads);
+    const int64_t cq = w.chunk, H = heads;
+    const auto BF = DType::BF16, F32 = DType::F32;
+    bf* saved = saved_probs ? dev(saved_probs) : nullptr;
+    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq), n = t1 - t0, ld = leading_dim(t1);
+        bf* p = saved ? saved : w.p;
+        gemm(ctx, false, true, n, t1, dqk, scale, q + t0 * H * dqk, H * dqk, kv.k, kv.k_row, 0.f,
+             w.s, H * ld, BF, F32, {H, dqk, kv.k_head, ld});
+        const int64_t hpb = prob_sum ? heads : kWarps;
+        const size_t smem = probs_smem(ld, prob_sum != nullptr);
+        masked_probs_kernel<<<dim3(unsigned(n), unsigned((heads + hpb - 1) / hpb)), kThreads, smem,
+                              stream_of(ctx)>>>(w.s, p, ld, idx, len, kslots, t0, tokens, heads,
+                                                hpb, nullptr, lse, prob_sum);
+        ST_CUDA_LAUNCH_CHECK();
+        gemm(ctx, false, false, n, dv, t1, 1.f, p, H * ld, kv.v, kv.v_row, 0.f, out + t0 * H * dv,
+             H * dv, BF, BF, {H, ld, kv.v_head, dv});
+        if (saved) saved += n * H * ld;
+    }
+}
+
+void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
+                                int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
+                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dvv,
+                                void* workspace, int64_t workspace_bytes, const bf16* saved_probs) {
+    const Workspace w = carve(workspace, workspace_bytes, tokens, tokens, heads);
+    const int64_t cq = w.chunk, H = heads;
+    const auto BF = DType::BF16, F32 = DType::F32;
+    // The saved probabilities are laid out chunk after chunk in the forward's order; walk back
+    // from their end.
+    const int64_t saved_end =
+        saved_probs ? sparse_mqa_saved_probs_elems(tokens, heads, workspace_bytes) : 0;
+    int64_t saved_at = saved_end;
+    const int64_t last = (tokens - 1) / cq * cq;
+    for (int64_t t0 = last; t0 >= 0; t0 -= cq) {
+        const int64_t t1 = std::min(tokens, t0 + cq), n = t1 - t0, ld = leading_dim(t1);
+        // The last chunk scores every key: it writes dK and dV, the earlier chunks add.
+        const float beta = t0 == last ? 0.f : 1.f;
+        const bf16* qc = q + t0 * H * dqk;
+        const bf16* gc = dout + t0 * H * dv;
+        const dim3 grid(unsigned(n), unsigned((heads + kWarps - 1) / kWarps));
+        const size_t smem = probs_smem(ld, false);
+        const bf16* saved = nullptr;
+        if (saved_probs) {
+            saved_at -= n * H * ld;
+            saved = saved_probs + saved_at;
+        }
+        const bf16* p = saved ? saved : reinterpret_cast<const bf16*>(w.p);
+        if (!saved) {
+            gemm(ctx, false, true, n, t1, dqk, scale, qc, H * dqk, kv.k, kv.k_row, 0.f, w.s, H * ld,
+                 BF, F32, {H, dqk, kv.k_head, ld});
+            masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
+                w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
+            ST_CUDA_LAUNCH_CHECK();
+        }
+        // dP_h = dO_h V_h^T; dV_h (+)= P_h^T dO_h
+        gemm(ctx, false, true, n, t1, dv, 1.f, gc, H * dv, kv.v, kv.v_row, 0.f, w.dp, H * ld, BF,
+             F32, {H, dv, kv.v_head, ld});
+        gemm(ctx, true, false, t1, dv, n, 1.f, p, H * ld, gc, H * dv, beta, dvv, H * dv, BF, F32,
+             {H, ld, dv, dv});
+        if (saved)
+            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
+        else
+            masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
+                w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
+                dev(dout), scale);
+        ST_CUDA_LAUNCH_CHECK();
+        // dQ_h = dS_h K_h; dK_h (+)= dS_h^T Q_h
+        gemm(ctx, false, false, n, dqk, t1, 1.f, w.p, H * ld, kv.k, kv.k_row, 0.f,
+             dq + t0 * H * dqk, H * dqk, BF, BF, {H, ld, kv.k_head, dqk});
+        gemm(ctx, true, false, t1, dqk, n, 1.f, w.p, H * ld, qc, H * dqk, beta, dk, H * dqk, BF,
+             F32, {H, ld, dqk, dqk});
+    }
+}
+
 }  // namespace sparsetron::cuda

@@ -41,6 +41,8 @@ class GpuMla {
     float scale() const;
     int64_t latent_dim() const { return kr_ + dr_; }
     bool absorbed() const { return absorbed_; }
+    // attend() fills prob_sum from the masked form's probability kernel (no context parallelism).
+    bool gives_prob_sum() const { return dsa_ && mqa_ws_bytes_ > 0 && !cp_; }
 
   private:
     cuda::HeadKV head_kv(const Acts& A) const;

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <numeric>
 
@@ -194,6 +195,35 @@ TEST_F(CudaOps, RmsNormForwardBackwardStrided) {
     expect_guard(dw, "rmsnorm dw");
 }
 
+// Rows that take the 16-byte vector kernels (dim and strides multiples of 8; up to 4 vectors per
+// thread: 6144 at the proxy's width) against the CPU, with and without accumulating into dx.
+TEST_F(CudaOps, RmsNormVectorRows) {
+    for (const auto [rows, dim, ld] : {std::array<int64_t, 3>{37, 6144, 6160}, {64, 512, 512}}) {
+        for (bool acc : {false, true}) {
+            SCOPED_TRACE(cat("dim ", dim, " accumulate ", acc));
+            Rounded x(rows * ld, 26), w(dim, 27), dy(rows * ld, 28), dx0(rows * ld, 29);
+            DeviceArray<bf16> y(rows * ld), dx(to_bf16_rounding(dx0.host));
+            DeviceArray<float> rstd(rows), dw(dim), ws(cuda::rmsnorm_ws_floats(rows, dim));
+            cuda::rmsnorm_forward(ctx(), x.dev, ld, w.dev, rows, dim, 1e-6f, y, ld, rstd);
+            cuda::rmsnorm_backward(ctx(), dy.dev, ld, x.dev, ld, w.dev, rstd, rows, dim, dx, ld,
+                                   acc, nullptr, ws);
+            sync();
+            std::vector<float> yref(rows * ld, 0.f), rref(rows), dxref = dx0.host;
+            cpu::rmsnorm_forward<float>(x.host.data(), ld, w.host.data(), rows, dim, 1e-6,
+                                        yref.data(), ld, rref.data());
+            cpu::rmsnorm_backward<float>(dy.host.data(), ld, x.host.data(), ld, w.host.data(),
+                                         rref.data(), rows, dim, dxref.data(), ld, acc, nullptr);
+            std::vector<bool> in(rows * ld);
+            for (int64_t i = 0; i < rows * ld; ++i) in[i] = i % ld < dim;
+            expect_close("rmsnorm y (vector)", download_f(y), yref, kBf16Tol, in);
+            expect_close("rmsnorm rstd (vector)", rstd.download(), rref, kF32Tol);
+            expect_close("rmsnorm dx (vector)", download_f(dx), dxref, kBf16Tol, in);
+            expect_guard(y, "rmsnorm (vector)");
+            expect_guard(dx, "rmsnorm dx (vector)");
+        }
+    }
+}
+
 TEST_F(CudaOps, LayerNormForwardBackward) {
     const int64_t rows = 140, dim = 128;
     Rounded x(rows * dim, 31, 2.0), w(dim, 32), b(dim, 33), dy(rows * dim, 34);
@@ -237,21 +267,26 @@ TEST_F(CudaOps, RopeBothPairingsAndInverse) {
         }
 }
 
+// n = 5000 takes the 8-wide vector kernels, 5003 the scalar ones.
 TEST_F(CudaOps, SwiGlu) {
-    const int64_t n = 5000;
-    Rounded g(n, 51, 4.0), u(n, 52), dout(n, 53);
-    DeviceArray<bf16> out(n), dg(n), du(n);
-    cuda::swiglu_forward(ctx(), g.dev, u.dev, n, out);
-    cuda::swiglu_backward(ctx(), g.dev, u.dev, dout.dev, n, dg, du);
-    sync();
-    std::vector<float> o(n), dgr(n), dur(n);
-    cpu::swiglu_forward<float>(g.host.data(), u.host.data(), n, o.data());
-    cpu::swiglu_backward<float>(g.host.data(), u.host.data(), dout.host.data(), n, dgr.data(),
-                                dur.data());
-    expect_close("swiglu out", download_f(out), o, kBf16Tol);
-    expect_close("swiglu dg", download_f(dg), dgr, kBf16Tol);
-    expect_close("swiglu du", download_f(du), dur, kBf16Tol);
-    expect_guard(du, "swiglu");
+    for (const int64_t n : {int64_t(5000), int64_t(5003)}) {
+        SCOPED_TRACE(cat("n ", n));
+        Rounded g(n, 51, 4.0), u(n, 52), dout(n, 53);
+        DeviceArray<bf16> out(n), dg(n), du(n);
+        cuda::swiglu_forward(ctx(), g.dev, u.dev, n, out);
+        cuda::swiglu_backward(ctx(), g.dev, u.dev, dout.dev, n, dg, du);
+        sync();
+        std::vector<float> o(n), dgr(n), dur(n);
+        cpu::swiglu_forward<float>(g.host.data(), u.host.data(), n, o.data());
+        cpu::swiglu_backward<float>(g.host.data(), u.host.data(), dout.host.data(), n, dgr.data(),
+                                    dur.data());
+        expect_close("swiglu out", download_f(out), o, kBf16Tol);
+        expect_close("swiglu dg", download_f(dg), dgr, kBf16Tol);
+        expect_close("swiglu du", download_f(du), dur, kBf16Tol);
+        expect_guard(du, "swiglu");
+        expect_guard(dg, "swiglu dg");
+        expect_guard(out, "swiglu out");
+    }
 }
 
 namespace {
@@ -539,7 +574,7 @@ TEST_F(CudaOps, TopkTiesGoToTheSmallerIndex) {
 
 TEST_F(CudaOps, RouterPermuteGatherCombine) {
     const Docs docs;
-    const int64_t T = 200, E = 12, k = 3, dim = 40, capacity = 40;
+    const int64_t T = 200, E = 12, k = 3, capacity = 40;
     auto logits = random_vector<float>(T * E, 101, 3.0), bias = random_vector<float>(E, 102, 0.2);
     auto rbv = docs.row_begin(T);
     DeviceArray<float> dl(logits), db(bias), probs(T * E), gates(T * k);
@@ -595,25 +630,29 @@ TEST_F(CudaOps, RouterPermuteGatherCombine) {
         if (!force) {
             EXPECT_GT(oref[E], 0);
         }
-        // Gather and combine.
-        Rounded x(T * dim, 103), outp(T * k * dim, 104), y0(T * dim, 105);
-        DeviceArray<bf16> xp(T * k * dim);
-        cuda::moe_gather(ctx(), x.dev, perm, offsets, E, T * k, dim, xp);
-        cuda::moe_combine(ctx(), outp.dev, slot, gates, T, k, dim, y0.dev);
-        sync();
-        auto xpg = download_f(xp);
-        std::vector<float> xpr(oref[E] * dim);
-        for (int32_t r = 0; r < oref[E]; ++r)
-            std::copy_n(x.host.begin() + permref[r] * dim, dim, xpr.begin() + r * dim);
-        xpg.resize(oref[E] * dim);
-        expect_close("moe gather", xpg, xpr, 1e-7);
-        std::vector<float> yr = y0.host;
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < k; ++j)
-                if (sref[t * k + j] >= 0)
-                    for (int64_t c = 0; c < dim; ++c)
-                        yr[t * dim + c] += gg[t * k + j] * outp.host[sref[t * k + j] * dim + c];
-        expect_close("moe combine", download_f(y0.dev), yr, kBf16Tol);
+        // Gather and combine: rows of 40 (the 16-byte vector kernels) and of 36 (the scalar ones).
+        for (const int64_t gdim : {int64_t(40), int64_t(36)}) {
+            SCOPED_TRACE(cat("dim ", gdim));
+            Rounded x(T * gdim, 103), outp(T * k * gdim, 104), y0(T * gdim, 105);
+            DeviceArray<bf16> xp(T * k * gdim);
+            cuda::moe_gather(ctx(), x.dev, perm, offsets, E, T * k, gdim, xp);
+            cuda::moe_combine(ctx(), outp.dev, slot, gates, T, k, gdim, y0.dev);
+            sync();
+            auto xpg = download_f(xp);
+            std::vector<float> xpr(oref[E] * gdim);
+            for (int32_t r = 0; r < oref[E]; ++r)
+                std::copy_n(x.host.begin() + permref[r] * gdim, gdim, xpr.begin() + r * gdim);
+            xpg.resize(oref[E] * gdim);
+            expect_close("moe gather", xpg, xpr, 1e-7);
+            std::vector<float> yr = y0.host;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j)
+                    if (sref[t * k + j] >= 0)
+                        for (int64_t c = 0; c < gdim; ++c)
+                            yr[t * gdim + c] +=
+                                gg[t * k + j] * outp.host[sref[t * k + j] * gdim + c];
+            expect_close("moe combine", download_f(y0.dev), yr, kBf16Tol);
+        }
     }
 }
 
@@ -1125,94 +1164,105 @@ TEST_F(CudaOps, MtpTvSoftmaxOverlapChainAndGradient) {
     expect_close("tv logit gradient", download_f(dz), dzr, kBf16Tol, mask);
 }
 
+// Rows of 40 take the 16-byte vector kernels, rows of 36 the scalar ones.
 TEST_F(CudaOps, MoeBackwardPieces) {
-    const int64_t T = 150, k = 3, E = 6, dim = 40, R = T * k;
-    // Routing: every third token unrouted in its last choice (a capacity drop), rows permuted.
-    std::vector<int32_t> slot(T * k), topk(T * k);
-    for (int64_t i = 0; i < T * k; ++i) {
-        slot[i] = (i % k == k - 1 && (i / k) % 3 == 0) ? -1 : int32_t((i * 7) % R);
-        topk[i] = int32_t((i * 5 + i / k) % E);
-    }
-    // Distinct experts per token (the router never picks one twice).
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t j = 0; j < k; ++j) topk[t * k + j] = int32_t((t + j * 2) % E);
-    auto gates = random_vector<float>(T * k, 151);
-    auto probs = random_vector<float>(T * E, 152);
-    for (auto& x : probs) x = 0.5f + 0.45f * x;
-    Rounded dy(T * dim, 153), outp(R * dim, 154), dxp(R * dim, 155), dm0(T * dim, 156);
-    DeviceArray<int32_t> dslot(slot), dtopk(topk);
-    DeviceArray<float> dgates_in(gates), dprobs(probs), dgates(T * k), dlogits(T * E);
-    DeviceArray<bf16> doutp(R * dim);
-    cuda::moe_combine_backward(ctx(), dy.dev, outp.dev, dslot, dgates_in, T, k, dim, doutp, dgates);
-    cuda::moe_gather_backward(ctx(), dxp.dev, dslot, T, k, dim, dm0.dev, true);
-    sync();
-    std::vector<float> dop_ref = download_f(doutp), dg_ref(T * k, 0.f), dm_ref = dm0.host;
-    std::vector<bool> written(R * dim, false);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t j = 0; j < k; ++j) {
-            const int32_t r = slot[t * k + j];
-            if (r < 0) continue;
-            double s = 0;
-            for (int64_t c = 0; c < dim; ++c) {
-                s += double(dy.host[t * dim + c]) * outp.host[r * dim + c];
-                dop_ref[r * dim + c] = gates[t * k + j] * dy.host[t * dim + c];
-                written[r * dim + c] = true;
-                dm_ref[t * dim + c] += dxp.host[r * dim + c];
-            }
-            dg_ref[t * k + j] = float(s);
+    for (const int64_t dim : {int64_t(40), int64_t(36)}) {
+        SCOPED_TRACE(cat("dim ", dim));
+        const int64_t T = 150, k = 3, E = 6, R = T * k;
+        // Routing: every third token unrouted in its last choice (a capacity drop), rows permuted.
+        std::vector<int32_t> slot(T * k), topk(T * k);
+        for (int64_t i = 0; i < T * k; ++i) {
+            slot[i] = (i % k == k - 1 && (i / k) % 3 == 0) ? -1 : int32_t((i * 7) % R);
+            topk[i] = int32_t((i * 5 + i / k) % E);
         }
-    expect_close("moe combine backward dout_perm", download_f(doutp), dop_ref, kBf16Tol, written);
-    expect_close("moe combine backward dgates", dgates.download(), dg_ref, 1e-5);
-    expect_close("moe gather backward (accumulate)", download_f(dm0.dev), dm_ref, kBf16Tol);
-    // Router: gates = 2.5 s_c / Σ s_chosen through the sigmoid, by central differences.
-    cuda::router_backward(ctx(), dprobs, dtopk, dgates, T, E, k, 2.5f, dlogits);
-    sync();
-    auto dgg = dgates.download();
-    std::vector<float> dlr(T * E, 0.f);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t e = 0; e < E; ++e) {
-            auto f = [&](double delta) {
-                // probs are sigmoid(logit): perturb the logit.
-                std::vector<double> s(E);
-                for (int64_t x = 0; x < E; ++x) {
-                    const double p = probs[t * E + x];
-                    const double logit = std::log(p / (1 - p)) + (x == e ? delta : 0);
-                    s[x] = 1 / (1 + std::exp(-logit));
+        // Distinct experts per token (the router never picks one twice).
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j) topk[t * k + j] = int32_t((t + j * 2) % E);
+        auto gates = random_vector<float>(T * k, 151);
+        auto probs = random_vector<float>(T * E, 152);
+        for (auto& x : probs) x = 0.5f + 0.45f * x;
+        Rounded dy(T * dim, 153), outp(R * dim, 154), dxp(R * dim, 155), dm0(T * dim, 156);
+        DeviceArray<int32_t> dslot(slot), dtopk(topk);
+        DeviceArray<float> dgates_in(gates), dprobs(probs), dgates(T * k), dlogits(T * E);
+        DeviceArray<bf16> doutp(R * dim);
+        cuda::moe_combine_backward(ctx(), dy.dev, outp.dev, dslot, dgates_in, T, k, dim, doutp,
+                                   dgates);
+        cuda::moe_gather_backward(ctx(), dxp.dev, dslot, T, k, dim, dm0.dev, true);
+        sync();
+        std::vector<float> dop_ref = download_f(doutp), dg_ref(T * k, 0.f), dm_ref = dm0.host;
+        std::vector<bool> written(R * dim, false);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t r = slot[t * k + j];
+                if (r < 0) continue;
+                double s = 0;
+                for (int64_t c = 0; c < dim; ++c) {
+                    s += double(dy.host[t * dim + c]) * outp.host[r * dim + c];
+                    dop_ref[r * dim + c] = gates[t * k + j] * dy.host[t * dim + c];
+                    written[r * dim + c] = true;
+                    dm_ref[t * dim + c] += dxp.host[r * dim + c];
                 }
-                double S = 1e-20, out = 0;
-                for (int64_t j = 0; j < k; ++j) S += s[topk[t * k + j]];
-                for (int64_t j = 0; j < k; ++j)
-                    out += dgg[t * k + j] * 2.5 * s[topk[t * k + j]] / S;
-                return out;
-            };
-            dlr[t * E + e] = float((f(1e-5) - f(-1e-5)) / 2e-5);
-        }
-    expect_close("router backward (vs central differences)", dlogits.download(), dlr, 1e-4);
+                dg_ref[t * k + j] = float(s);
+            }
+        expect_close("moe combine backward dout_perm", download_f(doutp), dop_ref, kBf16Tol,
+                     written);
+        expect_close("moe combine backward dgates", dgates.download(), dg_ref, 1e-5);
+        expect_close("moe gather backward (accumulate)", download_f(dm0.dev), dm_ref, kBf16Tol);
+        // Router: gates = 2.5 s_c / Σ s_chosen through the sigmoid, by central differences.
+        cuda::router_backward(ctx(), dprobs, dtopk, dgates, T, E, k, 2.5f, dlogits);
+        sync();
+        auto dgg = dgates.download();
+        std::vector<float> dlr(T * E, 0.f);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t e = 0; e < E; ++e) {
+                auto f = [&](double delta) {
+                    // probs are sigmoid(logit): perturb the logit.
+                    std::vector<double> s(E);
+                    for (int64_t x = 0; x < E; ++x) {
+                        const double p = probs[t * E + x];
+                        const double logit = std::log(p / (1 - p)) + (x == e ? delta : 0);
+                        s[x] = 1 / (1 + std::exp(-logit));
+                    }
+                    double S = 1e-20, out = 0;
+                    for (int64_t j = 0; j < k; ++j) S += s[topk[t * k + j]];
+                    for (int64_t j = 0; j < k; ++j)
+                        out += dgg[t * k + j] * 2.5 * s[topk[t * k + j]] / S;
+                    return out;
+                };
+                dlr[t * E + e] = float((f(1e-5) - f(-1e-5)) / 2e-5);
+            }
+        expect_close("router backward (vs central differences)", dlogits.download(), dlr, 1e-4);
+    }
 }
 
+// Both kernels: head dims that are multiples of 4 (the vector kernel) and ones that are not.
 TEST_F(CudaOps, MlaExpandedKvGradient) {
-    const int64_t T = 70, H = 3, dn = 16, dr = 8, dv = 12;
-    auto dk = random_vector<float>(T * H * (dn + dr), 161),
-         dv32 = random_vector<float>(T * H * dv, 162);
-    const int64_t L = 40;  // the kv_a row: [kr | dr] with the pe part at column 32
-    DeviceArray<float> ddk(dk), ddv(dv32);
-    DeviceArray<bf16> dkv(T * H * (dn + dv)), dckv(T * L);
-    cuda::mla_expanded_kv_grad(ctx(), ddk, ddv, T, H, dn, dr, dv, dkv, dckv.get() + 32, L);
-    sync();
-    std::vector<float> kvr(T * H * (dn + dv)), per(T * L, 0.f);
-    std::vector<bool> pe_cols(T * L);
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < H; ++h) {
-            for (int64_t i = 0; i < dn; ++i)
-                kvr[(t * H + h) * (dn + dv) + i] = dk[(t * H + h) * (dn + dr) + i];
-            for (int64_t i = 0; i < dv; ++i)
-                kvr[(t * H + h) * (dn + dv) + dn + i] = dv32[(t * H + h) * dv + i];
-            for (int64_t i = 0; i < dr; ++i)
-                per[t * L + 32 + i] += dk[(t * H + h) * (dn + dr) + dn + i];
-        }
-    for (int64_t i = 0; i < T * L; ++i) pe_cols[i] = i % L >= 32;
-    expect_close("mla expanded dkv", download_f(dkv), kvr, kBf16Tol);
-    expect_close("mla expanded d k_pe (sum over heads)", download_f(dckv), per, kBf16Tol, pe_cols);
+    for (const auto [dn, dr, dv] : {std::array<int64_t, 3>{16, 8, 12}, {14, 6, 10}}) {
+        SCOPED_TRACE(cat("dn ", dn, " dr ", dr, " dv ", dv));
+        const int64_t T = 70, H = 3;
+        auto dk = random_vector<float>(T * H * (dn + dr), 161),
+             dv32 = random_vector<float>(T * H * dv, 162);
+        const int64_t L = 40;  // the kv_a row: [kr | dr] with the pe part at column 32
+        DeviceArray<float> ddk(dk), ddv(dv32);
+        DeviceArray<bf16> dkv(T * H * (dn + dv)), dckv(T * L);
+        cuda::mla_expanded_kv_grad(ctx(), ddk, ddv, T, H, dn, dr, dv, dkv, dckv.get() + 32, L);
+        sync();
+        std::vector<float> kvr(T * H * (dn + dv)), per(T * L, 0.f);
+        std::vector<bool> pe_cols(T * L);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+                for (int64_t i = 0; i < dn; ++i)
+                    kvr[(t * H + h) * (dn + dv) + i] = dk[(t * H + h) * (dn + dr) + i];
+                for (int64_t i = 0; i < dv; ++i)
+                    kvr[(t * H + h) * (dn + dv) + dn + i] = dv32[(t * H + h) * dv + i];
+                for (int64_t i = 0; i < dr; ++i)
+                    per[t * L + 32 + i] += dk[(t * H + h) * (dn + dr) + dn + i];
+            }
+        for (int64_t i = 0; i < T * L; ++i) pe_cols[i] = i % L >= 32 && i % L < 32 + dr;
+        expect_close("mla expanded dkv", download_f(dkv), kvr, kBf16Tol);
+        expect_close("mla expanded d k_pe (sum over heads)", download_f(dckv), per, kBf16Tol,
+                     pe_cols);
+    }
 }
 #endif  // SPARSETRON_WITH_CUDA
 

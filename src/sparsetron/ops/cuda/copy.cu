@@ -41,6 +41,30 @@ __global__ void expanded_kv_grad_kernel(const float* dk, const float* dv, int64_
     }
 }
 
+// The same by 4-element groups (dn, dr and dvh multiples of 4: a group never straddles dk / dv):
+// 16-byte loads, 8-byte stores and one index division per group instead of per element.
+__global__ void expanded_kv_grad_vec_kernel(const float4* dk, const float4* dv, int64_t heads,
+                                            int64_t dn4, int64_t dr4, int64_t dvh4, uint2* dkv,
+                                            bf* dpe, int64_t ld_pe) {
+    const int64_t t = blockIdx.x;
+    const int64_t dq4 = dn4 + dr4, w4 = dn4 + dvh4;
+    for (int64_t i = threadIdx.x; i < heads * w4; i += blockDim.x) {
+        const int64_t h = i / w4, c = i - h * w4;
+        const float4 v =
+            c < dn4 ? dk[(t * heads + h) * dq4 + c] : dv[(t * heads + h) * dvh4 + c - dn4];
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y),
+                             hi = __floats2bfloat162_rn(v.z, v.w);
+        dkv[t * heads * w4 + i] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                             *reinterpret_cast<const uint32_t*>(&hi));
+    }
+    const float* dkf = reinterpret_cast<const float*>(dk);
+    for (int64_t i = threadIdx.x; i < 4 * dr4; i += blockDim.x) {
+        float s = 0;
+        for (int64_t h = 0; h < heads; ++h) s += dkf[(t * heads + h) * 4 * dq4 + 4 * dn4 + i];
+        dpe[t * ld_pe + i] = __float2bfloat16(s);
+    }
+}
+
 // One block per token; bf16 pairs (dn and dr even, checked by the caller).
 __global__ void expanded_keys_kernel(const __nv_bfloat162* kv, const __nv_bfloat162* pe,
                                      int64_t ld_pe2, int64_t heads, int64_t dn2, int64_t dr2,
@@ -105,8 +129,16 @@ void mla_expanded_kv_grad(const ExecContext& ctx, const float* dk, const float* 
                           int64_t heads, int64_t dn, int64_t dr, int64_t dvh, bf16* dkv, bf16* dpe,
                           int64_t ld_pe) {
     if (tokens == 0) return;
-    expanded_kv_grad_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dk, dv, heads, dn, dr, dvh,
-                                                                dev(dkv), dev(dpe), ld_pe);
+    const bool vec =
+        dn % 4 == 0 && dr % 4 == 0 && dvh % 4 == 0 && reinterpret_cast<uintptr_t>(dk) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(dv) % 16 == 0 && reinterpret_cast<uintptr_t>(dkv) % 8 == 0;
+    if (vec)
+        expanded_kv_grad_vec_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const float4*>(dk), reinterpret_cast<const float4*>(dv), heads, dn / 4,
+            dr / 4, dvh / 4, reinterpret_cast<uint2*>(dkv), dev(dpe), ld_pe);
+    else
+        expanded_kv_grad_kernel<<<tokens, 256, 0, stream_of(ctx)>>>(dk, dv, heads, dn, dr, dvh,
+                                                                    dev(dkv), dev(dpe), ld_pe);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -45,8 +45,8 @@ inline int sm_count() {
 template <auto kKernel>
 void allow_dynamic_smem(size_t bytes) {
     static const bool done = [bytes] {
-        ST_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(bytes)));
+        ST_CUDA_CHECK(
+            cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
         return true;
     }();
     (void)done;
@@ -63,6 +63,33 @@ __device__ __forceinline__ void st(bf* p, float v) {
 }
 __device__ __forceinline__ void st(float* p, float v) {
     *p = v;
+}
+
+// Eight bf16 as one 16-byte access, unpacked to / packed from floats (round to nearest even).
+union Bf16x8 {
+    uint4 v;
+    __nv_bfloat162 p[4];
+};
+__device__ __forceinline__ void unpack8(const uint4& v, float* f) {
+    Bf16x8 u;
+    u.v = v;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 x = __bfloat1622float2(u.p[j]);
+        f[2 * j] = x.x, f[2 * j + 1] = x.y;
+    }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    Bf16x8 u;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u.p[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+    return u.v;
+}
+// Whether every pointer is 16-byte aligned (the 8-wide bf16 vector kernels' precondition, with
+// element counts and strides that are multiples of 8).
+template <typename... P>
+inline bool aligned16(const P*... ptrs) {
+    return ((reinterpret_cast<uintptr_t>(ptrs) % 16 == 0) && ...);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

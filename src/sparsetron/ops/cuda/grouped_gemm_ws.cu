@@ -359,20 +359,22 @@ __global__ void __launch_bounds__(kThreads, 1)
                 w_first += count;
             }
             return false;
-        }
-        for (; w_e < experts; ++w_e) {
-            p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
-            const int64_t count =
-                p.M > 0 && p.K > 0 ? (p.M + kUnitRows - 1) / kUnitRows * space.n_tiles : int64_t(0);
-            if (t < w_first + count) {
-                const int64_t local = t - w_first;
-                e = w_e, j0 = local % space.n_tiles * BN;
-                i0 = local / space.n_tiles * kUnitRows + int64_t(rank) * BM;
-                return true;
+        } else {
+            for (; w_e < experts; ++w_e) {
+                p = problem<kKind>(offsets, w_e, n, k, wstride, a, b);
+                const int64_t count = p.M > 0 && p.K > 0
+                                          ? (p.M + kUnitRows - 1) / kUnitRows * space.n_tiles
+                                          : int64_t(0);
+                if (t < w_first + count) {
+                    const int64_t local = t - w_first;
+                    e = w_e, j0 = local % space.n_tiles * BN;
+                    i0 = local / space.n_tiles * kUnitRows + int64_t(rank) * BM;
+                    return true;
+                }
+                w_first += count;
             }
-            w_first += count;
+            return false;
         }
-        return false;
     };
 
     // The producer's walk: every slice of every tile this block takes, in order, each into the

@@ -3,6 +3,8 @@
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/ops.h"
 
+#include <initializer_list>
+
 namespace sparsetron::cuda {
 namespace {
 
@@ -39,6 +41,87 @@ __global__ void rmsnorm_bwd_kernel(const bf* dy, int64_t lddy, const bf* x, int6
         bf* o = dx + r * lddx + i;
         st(o, accumulate ? ld(o) + v : v);
     }
+}
+
+// The vector forms: rows whose dim, strides and pointers allow 16-byte accesses of 8 bf16, at most
+// kVecPerThread vectors per thread. Each thread keeps its vectors of x (and dy) in registers
+// across the block reduction, so a row is read once instead of twice, and every access is 16 bytes
+// instead of 2 (the scalar kernels above ran at ~1.4 TB/s on 4096 x 6144).
+constexpr int kVecPerThread = 4;
+__global__ void rmsnorm_fwd_vec_kernel(const uint4* x, int64_t ldx8, const uint4* w, int64_t dim8,
+                                       float eps, uint4* y, int64_t ldy8, float* rstd) {
+    const int64_t r = blockIdx.x;
+    uint4 xv[kVecPerThread];
+    float ss = 0;
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k) {
+        const int64_t i = threadIdx.x + int64_t(k) * blockDim.x;
+        if (i >= dim8) break;
+        xv[k] = x[r * ldx8 + i];
+        float f[8];
+        unpack8(xv[k], f);
+        for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+    }
+    const float rs = rsqrtf(block_sum(ss) / float(dim8 * 8) + eps);
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k) {
+        const int64_t i = threadIdx.x + int64_t(k) * blockDim.x;
+        if (i >= dim8) break;
+        float f[8], g[8];
+        unpack8(xv[k], f);
+        unpack8(w[i], g);
+        for (int j = 0; j < 8; ++j) f[j] = g[j] * f[j] * rs;
+        y[r * ldy8 + i] = pack8(f);
+    }
+    if (threadIdx.x == 0) rstd[r] = rs;
+}
+
+__global__ void rmsnorm_bwd_vec_kernel(const uint4* dy, int64_t lddy8, const uint4* x, int64_t ldx8,
+                                       const uint4* w, const float* rstd, int64_t dim8, uint4* dx,
+                                       int64_t lddx8, bool accumulate) {
+    const int64_t r = blockIdx.x;
+    uint4 xv[kVecPerThread], gv[kVecPerThread];  // x and w * dy (as bf16 pairs of floats below)
+    float s = 0;
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k) {
+        const int64_t i = threadIdx.x + int64_t(k) * blockDim.x;
+        if (i >= dim8) break;
+        xv[k] = x[r * ldx8 + i];
+        gv[k] = dy[r * lddy8 + i];
+        float fx[8], fd[8], fw[8];
+        unpack8(xv[k], fx);
+        unpack8(gv[k], fd);
+        unpack8(w[i], fw);
+        for (int j = 0; j < 8; ++j) s += fw[j] * fd[j] * fx[j];
+    }
+    s = block_sum(s);
+    const float rs = rstd[r], c = rs * rs * rs * s / float(dim8 * 8);
+#pragma unroll
+    for (int k = 0; k < kVecPerThread; ++k) {
+        const int64_t i = threadIdx.x + int64_t(k) * blockDim.x;
+        if (i >= dim8) break;
+        float fx[8], fd[8], fw[8], o[8];
+        unpack8(xv[k], fx);
+        unpack8(gv[k], fd);
+        unpack8(w[i], fw);
+        if (accumulate) unpack8(dx[r * lddx8 + i], o);
+        for (int j = 0; j < 8; ++j) {
+            const float v = rs * fw[j] * fd[j] - fx[j] * c;
+            o[j] = accumulate ? o[j] + v : v;
+        }
+        dx[r * lddx8 + i] = pack8(o);
+    }
+}
+
+// Whether a row of `dim` with these strides and pointers takes the vector kernels.
+bool rows_vectorizable(int64_t dim, std::initializer_list<int64_t> strides,
+                       std::initializer_list<const void*> ptrs) {
+    if (dim % 8 != 0 || dim / 8 > int64_t(kVecPerThread) * kThreads) return false;
+    for (int64_t s : strides)
+        if (s % 8 != 0) return false;
+    for (const void* p : ptrs)
+        if (!aligned16(p)) return false;
+    return true;
 }
 
 // ws[chunk, i] = Σ_{r in chunk} f(r, i) for the weight gradients.
@@ -125,8 +208,13 @@ int64_t rmsnorm_ws_floats(int64_t rows, int64_t dim) {
 void rmsnorm_forward(const ExecContext& ctx, const bf16* x, int64_t ldx, const bf16* w,
                      int64_t rows, int64_t dim, float eps, bf16* y, int64_t ldy, float* rstd) {
     if (rows == 0) return;
-    rmsnorm_fwd_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(dev(x), ldx, dev(w), dim, eps, dev(y),
-                                                              ldy, rstd);
+    if (rows_vectorizable(dim, {ldx, ldy}, {x, w, y}))
+        rmsnorm_fwd_vec_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(x), ldx / 8, reinterpret_cast<const uint4*>(w), dim / 8,
+            eps, reinterpret_cast<uint4*>(y), ldy / 8, rstd);
+    else
+        rmsnorm_fwd_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(dev(x), ldx, dev(w), dim, eps,
+                                                                  dev(y), ldy, rstd);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -135,8 +223,14 @@ void rmsnorm_backward(const ExecContext& ctx, const bf16* dy, int64_t lddy, cons
                       bf16* dx, int64_t lddx, bool accumulate, float* dw, float* ws) {
     if (rows == 0) return;
     cudaStream_t s = stream_of(ctx);
-    rmsnorm_bwd_kernel<<<rows, kThreads, 0, s>>>(dev(dy), lddy, dev(x), ldx, dev(w), rstd, dim,
-                                                 dev(dx), lddx, accumulate);
+    if (rows_vectorizable(dim, {lddy, ldx, lddx}, {dy, x, w, dx}))
+        rmsnorm_bwd_vec_kernel<<<rows, kThreads, 0, s>>>(
+            reinterpret_cast<const uint4*>(dy), lddy / 8, reinterpret_cast<const uint4*>(x),
+            ldx / 8, reinterpret_cast<const uint4*>(w), rstd, dim / 8, reinterpret_cast<uint4*>(dx),
+            lddx / 8, accumulate);
+    else
+        rmsnorm_bwd_kernel<<<rows, kThreads, 0, s>>>(dev(dy), lddy, dev(x), ldx, dev(w), rstd, dim,
+                                                     dev(dx), lddx, accumulate);
     ST_CUDA_LAUNCH_CHECK();
     if (!dw) return;
     dim3 grid(blocks_for(dim, kThreads), static_cast<unsigned>(chunks_of(rows)));

@@ -161,6 +161,92 @@ __global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const in
     }
 }
 
+// The same probabilities without the head sums, a warp per head row: block (token, group of kWarps
+// heads), warp w takes head h0 + w, so the row's max / sum reductions are warp shuffles and no
+// block barrier separates one head from the next. Each sweep issues four 16-byte loads per lane
+// before using them. (One block per head row with a block reduction per head ran at ~1.7 TB/s,
+// the 512-key rows of a first chunk at 0.8: docs/perf/2026-12-01-expanded-masked-attention.md.)
+__global__ void masked_probs_rows_kernel(const float* s, bf* p, int64_t lds, const int32_t* idx,
+                                         const int32_t* len, int64_t kslots, int64_t t0,
+                                         int64_t tokens, int64_t heads, const float* lse_in,
+                                         float* lse_out) {
+    extern __shared__ uint32_t mask[];
+    const int64_t tl = blockIdx.x, t = t0 + tl;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t h = int64_t(blockIdx.y) * kWarps + warp;
+    const int64_t n = len[t];
+    build_key_mask(mask, (lds + 31) / 32, idx + t * kslots, n);
+    if (h >= heads) return;
+    const int64_t vecs = lds / 4;
+    constexpr int kUnroll = 4;
+    const float4* srow = reinterpret_cast<const float4*>(s + (tl * heads + h) * lds);
+    float m;
+    if (lse_out) {
+        float mx = -INFINITY, l = 0.f;
+        for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+            float4 x[kUnroll];
+            uint32_t bits[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int64_t v = v0 + 32 * u;
+                bits[u] = v < vecs ? mask_bits4(mask, v) : 0u;
+                if (bits[u]) x[u] = srow[v];
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                if (!bits[u]) continue;
+                if (bits[u] & 1u) online_add(mx, l, x[u].x);
+                if (bits[u] & 2u) online_add(mx, l, x[u].y);
+                if (bits[u] & 4u) online_add(mx, l, x[u].z);
+                if (bits[u] & 8u) online_add(mx, l, x[u].w);
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            online_merge(mx, l, __shfl_xor_sync(0xffffffffu, mx, o),
+                         __shfl_xor_sync(0xffffffffu, l, o));
+        m = n > 0 ? mx + logf(l) : 0.f;
+        if (lane == 0) lse_out[h * tokens + t] = m;
+    } else {
+        m = lse_in[h * tokens + t];
+    }
+    uint2* prow = reinterpret_cast<uint2*>(p + (tl * heads + h) * lds);
+    for (int64_t v0 = lane; v0 < vecs; v0 += 32 * kUnroll) {
+        float4 x[kUnroll];
+        uint32_t bits[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + 32 * u;
+            bits[u] = v < vecs ? mask_bits4(mask, v) : 0u;
+            if (bits[u]) x[u] = srow[v];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + 32 * u;
+            if (v >= vecs) break;
+            float4 e = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (bits[u] & 1u) e.x = __expf(x[u].x - m);
+            if (bits[u] & 2u) e.y = __expf(x[u].y - m);
+            if (bits[u] & 4u) e.z = __expf(x[u].z - m);
+            if (bits[u] & 8u) e.w = __expf(x[u].w - m);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(e.x, e.y);
+            const __nv_bfloat162 hi = __floats2bfloat162_rn(e.z, e.w);
+            prow[v] = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                 *reinterpret_cast<const uint32_t*>(&hi));
+        }
+    }
+}
+
+// The probability kernel of a chunk: without head sums the warp-per-row form
+// (SPARSETRON_MASKED_PROBS=block keeps the block-per-row one, to measure against), with them the
+// block-per-token form that keeps the sums in shared memory.
+bool probs_rows_form() {
+    static const bool block = [] {
+        const char* e = std::getenv("SPARSETRON_MASKED_PROBS");
+        return e && std::string(e) == "block";
+    }();
+    return !block;
+}
+
 // D = rowsum(dO o O) of one head row (elements row0 .. row0 + dv - 1), by one warp (every lane
 // gets it): the softmax backward's per-row term. bf16 pairs; dv odd adds the last element.
 __device__ __forceinline__ float head_row_dot(const bf* out, const bf* dout, int64_t row0,
@@ -281,8 +367,28 @@ size_t probs_smem(int64_t lds, bool prob_sum) {
     if (bytes > 48 * 1024) {
         allow_dynamic_smem<masked_probs_kernel>(kMaxProbsSmem);
         allow_dynamic_smem<masked_dscores_kernel>(kMaxProbsSmem);
+        allow_dynamic_smem<masked_probs_rows_kernel>(kMaxProbsSmem);
     }
     return bytes;
+}
+
+// P (and with lse_out the lse, with prob_sum the head sums) of a chunk's n tokens from its S.
+void launch_probs(const ExecContext& ctx, const float* s, bf* p, int64_t ld, const int32_t* idx,
+                  const int32_t* len, int64_t kslots, int64_t t0, int64_t n, int64_t tokens,
+                  int64_t heads, const float* lse_in, float* lse_out, float* prob_sum) {
+    const size_t smem = probs_smem(ld, prob_sum != nullptr);
+    if (!prob_sum && probs_rows_form()) {
+        masked_probs_rows_kernel<<<dim3(unsigned(n), unsigned((heads + kWarps - 1) / kWarps)),
+                                   kThreads, smem, stream_of(ctx)>>>(
+            s, p, ld, idx, len, kslots, t0, tokens, heads, lse_in, lse_out);
+    } else {
+        // With prob_sum a block takes all heads of its token (the sum stays in the block).
+        const int64_t hpb = prob_sum ? heads : kWarps;
+        masked_probs_kernel<<<dim3(unsigned(n), unsigned((heads + hpb - 1) / hpb)), kThreads, smem,
+                              stream_of(ctx)>>>(s, p, ld, idx, len, kslots, t0, tokens, heads, hpb,
+                                                lse_in, lse_out, prob_sum);
+    }
+    ST_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -332,13 +438,8 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
         bf* p = saved ? saved : w.p;
         gemm(ctx, false, true, rows, keys, dqk, scale, q + t0 * heads * dqk, dqk, kv, dqk, 0.f, w.s,
              ld, DType::BF16, DType::F32);
-        // With prob_sum a block takes all heads of its token (the sum stays in the block).
-        const int64_t hpb = prob_sum ? heads : kWarps;
-        const size_t smem = probs_smem(ld, prob_sum != nullptr);
-        masked_probs_kernel<<<dim3(unsigned(t1 - t0), unsigned((heads + hpb - 1) / hpb)), kThreads,
-                              smem, stream_of(ctx)>>>(w.s, p, ld, idx, len, kslots, t0, tokens,
-                                                      heads, hpb, nullptr, lse, prob_sum);
-        ST_CUDA_LAUNCH_CHECK();
+        launch_probs(ctx, w.s, p, ld, idx, len, kslots, t0, t1 - t0, tokens, heads, nullptr, lse,
+                     prob_sum);
         gemm(ctx, false, false, rows, dv, keys, 1.f, p, ld, kv, dqk, 0.f, out + t0 * heads * dv,
              dv);
         if (saved) saved += rows * ld;
@@ -371,9 +472,8 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         const bf16* p = saved ? saved : reinterpret_cast<const bf16*>(w.p);
         if (!saved) {
             gemm(ctx, false, true, rows, keys, dqk, scale, qc, dqk, kv, dqk, 0.f, w.s, ld, BF, F32);
-            masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-                w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
-            ST_CUDA_LAUNCH_CHECK();
+            launch_probs(ctx, w.s, w.p, ld, idx, len, kslots, t0, t1 - t0, tokens, heads, lse,
+                         nullptr, nullptr);
         }
         gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
         // dV' (the first dv latent columns) += P^T dO
@@ -412,12 +512,8 @@ void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
         bf* p = saved ? saved : w.p;
         gemm(ctx, false, true, n, t1, dqk, scale, q + t0 * H * dqk, H * dqk, kv.k, kv.k_row, 0.f,
              w.s, H * ld, BF, F32, {H, dqk, kv.k_head, ld});
-        const int64_t hpb = prob_sum ? heads : kWarps;
-        const size_t smem = probs_smem(ld, prob_sum != nullptr);
-        masked_probs_kernel<<<dim3(unsigned(n), unsigned((heads + hpb - 1) / hpb)), kThreads, smem,
-                              stream_of(ctx)>>>(w.s, p, ld, idx, len, kslots, t0, tokens, heads,
-                                                hpb, nullptr, lse, prob_sum);
-        ST_CUDA_LAUNCH_CHECK();
+        launch_probs(ctx, w.s, p, ld, idx, len, kslots, t0, n, tokens, heads, nullptr, lse,
+                     prob_sum);
         gemm(ctx, false, false, n, dv, t1, 1.f, p, H * ld, kv.v, kv.v_row, 0.f, out + t0 * H * dv,
              H * dv, BF, BF, {H, ld, kv.v_head, dv});
         if (saved) saved += n * H * ld;
@@ -455,9 +551,8 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         if (!saved) {
             gemm(ctx, false, true, n, t1, dqk, scale, qc, H * dqk, kv.k, kv.k_row, 0.f, w.s, H * ld,
                  BF, F32, {H, dqk, kv.k_head, ld});
-            masked_probs_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-                w.s, w.p, ld, idx, len, kslots, t0, tokens, heads, kWarps, lse, nullptr, nullptr);
-            ST_CUDA_LAUNCH_CHECK();
+            launch_probs(ctx, w.s, w.p, ld, idx, len, kslots, t0, t1 - t0, tokens, heads, lse,
+                         nullptr, nullptr);
         }
         // dP_h = dO_h V_h^T; dV_h (+)= P_h^T dO_h
         gemm(ctx, false, true, n, t1, dv, 1.f, gc, H * dv, kv.v, kv.v_row, 0.f, w.dp, H * ld, BF,

@@ -180,59 +180,63 @@ TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
 
 // Newton-Schulz on Gram sizes large enough for the blocked symmetric products (rr >= 512: two
 // half-size diagonal blocks, the lower-left block, its transposed copy), batched, against fp64 NS
-// on the CPU. A wrong block or mirror gives O(1) errors; fp32 must stay fp32-sized.
+// on the CPU. A wrong block or mirror gives O(1) errors; fp32 must stay fp32-sized. 5 and 4
+// iterations: the iterate alternates between two buffers and must end in w either way.
 TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
     REQUIRE_GPU();
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
-    const int64_t count = 2, rr = 512, cc = 576, n = rr * cc;
-    std::vector<std::array<float, 3>> coeff;
-    for (int64_t k = 0; k < 5; ++k) {
-        const auto c = muon_ns_coefficients("quintic", k);
-        coeff.push_back({float(c.a), float(c.b), float(c.c)});
-    }
-    std::vector<double> ref(size_t(count * n)), ws;
-    std::vector<float> x(size_t(count * n));
-    for (int64_t p = 0; p < count; ++p) {
-        const auto raw = random_vector<double>(size_t(n), 900 + uint64_t(p));
-        double norm = 0;
-        for (double v : raw) norm += v * v;
-        norm = std::sqrt(norm);
-        for (int64_t i = 0; i < n; ++i) x[size_t(p * n + i)] = float(raw[size_t(i)] / norm);
-        std::copy(raw.begin(), raw.end(), ref.begin() + p * n);
-        newton_schulz<double>(ref.data() + p * n, rr, cc, 5, "quintic", ws);
-    }
-    auto error = [&](DType elem) {
-        const int64_t es = int64_t(dtype_size(elem));
-        DeviceArray<uint8_t> w(count * n * es), y(count * n * es), a(count * rr * rr * es),
-            b(count * rr * rr * es);
-        if (elem == DType::F32) {
-            copy_to_device(w.get(), x.data(), x.size() * 4);
-        } else {
-            const auto xb = to_bf16_rounding(x);
-            copy_to_device(w.get(), xb.data(), xb.size() * 2);
+    for (const int64_t steps : {int64_t(5), int64_t(4)}) {
+        SCOPED_TRACE(cat(steps, " iterations"));
+        const int64_t count = 2, rr = 512, cc = 576, n = rr * cc;
+        std::vector<std::array<float, 3>> coeff;
+        for (int64_t k = 0; k < steps; ++k) {
+            const auto c = muon_ns_coefficients("quintic", k);
+            coeff.push_back({float(c.a), float(c.b), float(c.c)});
         }
-        cuda::newton_schulz_batch(ctx, w.get(), y.get(), a.get(), b.get(), count, rr, cc, coeff,
-                                  elem, false);
-        session.synchronize();
-        std::vector<float> got(size_t(count * n));
-        if (elem == DType::F32) {
-            copy_to_host(got.data(), w.get(), got.size() * 4);
-        } else {
-            std::vector<bf16> gb(got.size());
-            copy_to_host(gb.data(), w.get(), gb.size() * 2);
-            got = to_float(gb);
+        std::vector<double> ref(size_t(count * n)), ws;
+        std::vector<float> x(size_t(count * n));
+        for (int64_t p = 0; p < count; ++p) {
+            const auto raw = random_vector<double>(size_t(n), 900 + uint64_t(p));
+            double norm = 0;
+            for (double v : raw) norm += v * v;
+            norm = std::sqrt(norm);
+            for (int64_t i = 0; i < n; ++i) x[size_t(p * n + i)] = float(raw[size_t(i)] / norm);
+            std::copy(raw.begin(), raw.end(), ref.begin() + p * n);
+            newton_schulz<double>(ref.data() + p * n, rr, cc, steps, "quintic", ws);
         }
-        double num = 0, den = 0;
-        for (size_t i = 0; i < got.size(); ++i)
-            num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
-        return std::sqrt(num / den);
-    };
-    const double fp32 = error(DType::F32), bf16e = error(DType::BF16);
-    std::cout << "[harness] blocked symmetric Newton-Schulz [2 x 512 x 576] vs fp64 CPU: fp32 "
-              << fp32 << ", bf16 " << bf16e << "\n";
-    EXPECT_LT(fp32, 1e-4);
-    EXPECT_LT(bf16e, 5e-2);
+        auto error = [&](DType elem) {
+            const int64_t es = int64_t(dtype_size(elem));
+            DeviceArray<uint8_t> w(count * n * es), y(count * n * es), a(count * rr * rr * es),
+                b(count * rr * rr * es);
+            if (elem == DType::F32) {
+                copy_to_device(w.get(), x.data(), x.size() * 4);
+            } else {
+                const auto xb = to_bf16_rounding(x);
+                copy_to_device(w.get(), xb.data(), xb.size() * 2);
+            }
+            cuda::newton_schulz_batch(ctx, w.get(), y.get(), a.get(), b.get(), count, rr, cc, coeff,
+                                      elem, false);
+            session.synchronize();
+            std::vector<float> got(size_t(count * n));
+            if (elem == DType::F32) {
+                copy_to_host(got.data(), w.get(), got.size() * 4);
+            } else {
+                std::vector<bf16> gb(got.size());
+                copy_to_host(gb.data(), w.get(), gb.size() * 2);
+                got = to_float(gb);
+            }
+            double num = 0, den = 0;
+            for (size_t i = 0; i < got.size(); ++i)
+                num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
+            return std::sqrt(num / den);
+        };
+        const double fp32 = error(DType::F32), bf16e = error(DType::BF16);
+        std::cout << "[harness] blocked symmetric Newton-Schulz [2 x 512 x 576], " << steps
+                  << " iterations, vs fp64 CPU: fp32 " << fp32 << ", bf16 " << bf16e << "\n";
+        EXPECT_LT(fp32, 1e-4);
+        EXPECT_LT(bf16e, 5e-2);
+    }
 }
 
 #endif

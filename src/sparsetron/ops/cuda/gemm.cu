@@ -71,6 +71,12 @@ GemmPlan make_plan(Libraries& libs, bool ta, bool tb, int64_t m, int64_t n, int6
 void gemm(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
           const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c, int64_t ldc,
           DType ab, DType ct, GemmBatch batch) {
+    gemm_out(ctx, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, c, ldc, ab, ct, batch);
+}
+
+void gemm_out(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+              float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta,
+              const void* c_in, void* d, int64_t ldc, DType ab, DType ct, GemmBatch batch) {
     ST_ASSERT(ctx.libs, "cuda::gemm needs an ExecContext from a CudaSession");
     if (m == 0 || n == 0) return;
     Libraries& libs = *ctx.libs;
@@ -94,7 +100,7 @@ void gemm(const ExecContext& ctx, bool ta, bool tb, int64_t m, int64_t n, int64_
         it = libs.plans.emplace(key, make_plan(libs, ta, tb, m, n, k, lda, ldb, ldc, ab, ct, batch))
                  .first;
     const GemmPlan& p = it->second;
-    ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, b, p.a, a, p.b, &beta, c, p.c, c, p.c,
+    ST_CUBLAS_CHECK(cublasLtMatmul(libs.lt, p.op, &alpha, b, p.a, a, p.b, &beta, c_in, p.c, d, p.c,
                                    &p.algo, libs.workspace, libs.workspace_bytes,
                                    static_cast<cudaStream_t>(ctx.stream)));
 }

@@ -5,6 +5,8 @@
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
 
+#include <utility>
+
 namespace sparsetron::cuda {
 namespace {
 
@@ -114,27 +116,31 @@ __global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
 // one GEMM is faster there).
 constexpr int64_t kSymmetricMin = 512;
 
-// out = alpha X X^T + beta out for a batch of X [rr, k] (stride xs) and out [rr, rr] (stride os).
+// out = alpha X X^T + beta c_in for a batch of X [rr, k] (stride xs) and out, c_in [rr, rr] (stride
+// os; c_in may be out).
 // The product is symmetric: for an even rr >= kSymmetricMin the two diagonal blocks and the
 // lower-left block are three GEMMs of half the rows (3/4 of the FLOPs), the upper-right block a
 // transposed copy. SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
 void symmetric_product(const ExecContext& ctx, const void* x, int64_t rr, int64_t k, float alpha,
-                       float beta, void* out, DType elem, int64_t count, int64_t xs, int64_t os,
-                       bool tf32) {
+                       float beta, const void* c_in, void* out, DType elem, int64_t count,
+                       int64_t xs, int64_t os, bool tf32) {
     static const bool full = env_is("SPARSETRON_NS_FULL_GEMMS", "1");
     const GemmBatch g{count, xs, xs, os, tf32};
     if (full || rr < kSymmetricMin || rr % 2 != 0) {
-        gemm(ctx, false, true, rr, rr, k, alpha, x, k, x, k, beta, out, rr, elem, elem, g);
+        gemm_out(ctx, false, true, rr, rr, k, alpha, x, k, x, k, beta, c_in, out, rr, elem, elem,
+                 g);
         return;
     }
     const int64_t m = rr / 2, es = int64_t(dtype_size(elem));
     const char* x1 = static_cast<const char*>(x);
     const char* x2 = x1 + m * k * es;
+    const char* ci = static_cast<const char*>(c_in);
     char* o = static_cast<char*>(out);
-    gemm(ctx, false, true, m, m, k, alpha, x1, k, x1, k, beta, o, rr, elem, elem, g);
-    gemm(ctx, false, true, m, m, k, alpha, x2, k, x1, k, beta, o + m * rr * es, rr, elem, elem, g);
-    gemm(ctx, false, true, m, m, k, alpha, x2, k, x2, k, beta, o + (m * rr + m) * es, rr, elem,
-         elem, g);
+    gemm_out(ctx, false, true, m, m, k, alpha, x1, k, x1, k, beta, ci, o, rr, elem, elem, g);
+    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, x1, k, beta, ci + m * rr * es,
+             o + m * rr * es, rr, elem, elem, g);
+    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, x2, k, beta, ci + (m * rr + m) * es,
+             o + (m * rr + m) * es, rr, elem, elem, g);
     ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
     const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
         block(kTile, kTileRows);
@@ -206,16 +212,33 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
              "newton_schulz_batch: F32 or BF16 elements, got ", dtype_name(elem));
     const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr;
     GemmBatch bx{count, n2, n, n, tf32};
-    for (const auto& [ca, cb, cc_] : coefficients) {
-        // A = W W^T and A A = A A^T are symmetric.
-        symmetric_product(ctx, w, rr, cc, 1.f, 0.f, a, elem, count, n, n2, tf32);
-        // B = c A A + b A: B starts as a copy of A (GEMM's C term).
-        copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
-        symmetric_product(ctx, a, rr, rr, cc_, cb, b, elem, count, n2, n2, tf32);
-        // W = B Y + a W with Y a copy of W.
-        copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
-        gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
+    // The iterate alternates between w and y (each GEMM reads one and writes the other, its C
+    // term read from the input: out of place, no copies); an odd count ends in y and is copied
+    // back once. (Before: two full copies per iteration, B <- A and Y <- W.)
+    static const bool copies = env_is("SPARSETRON_NS_COPIES", "1");  // the old form, for A/B
+    if (copies) {
+        for (const auto& [ca, cb, cc_] : coefficients) {
+            symmetric_product(ctx, w, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+            copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
+            symmetric_product(ctx, a, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
+            copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
+            gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
+        }
+        return;
     }
+    void* cur = w;
+    void* next = y;
+    for (const auto& [ca, cb, cc_] : coefficients) {
+        // A = X X^T and A A = A A^T are symmetric.
+        symmetric_product(ctx, cur, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+        // B = c A A + b A
+        symmetric_product(ctx, a, rr, rr, cc_, cb, a, b, elem, count, n2, n2, tf32);
+        // X' = B X + a X
+        gemm_out(ctx, false, false, rr, cc, rr, 1.f, b, rr, cur, cc, ca, cur, next, cc, elem, elem,
+                 bx);
+        std::swap(cur, next);
+    }
+    if (cur != w) copy_2d(ctx, w, count * n * es, cur, count * n * es, count * n * es, 1);
 }
 
 void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,

@@ -40,7 +40,8 @@ void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count,
 // Newton-Schulz iterations on w [count, rr, cc] (rr <= cc) in place: A = W W^T;
 // B = b A + c A A; W = a W + B W, one (a, b, c) per iteration. `elem` F32 (tf32 allows TF32
 // tensor cores) or BF16 (bf16 operands and outputs, fp32 accumulation: what PyTorch's Muon does
-// at matmul precision "medium"). y: [count, rr, cc] and a, b: [count, rr, rr] of `elem`.
+// at matmul precision "medium"). y: [count, rr, cc] (the iterate alternates between w and y;
+// the result ends in w) and a, b: [count, rr, rr] of `elem`.
 void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void* b, int64_t count,
                          int64_t rr, int64_t cc,
                          const std::vector<std::array<float, 3>>& coefficients, DType elem,

@@ -33,6 +33,11 @@ struct GemmBatch {
 void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
           float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta, void* c,
           int64_t ldc, DType ab = DType::BF16, DType c_type = DType::BF16, GemmBatch batch = {});
+// The same out of place: d = alpha op(a) op(b) + beta c_in, c_in and d of one layout (ldc, c_type,
+// batch.stride_c); c_in may be an operand (Newton-Schulz's W' = B W + a W without copying W).
+void gemm_out(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+              float alpha, const void* a, int64_t lda, const void* b, int64_t ldb, float beta,
+              const void* c_in, void* d, int64_t ldc, DType ab, DType c_type, GemmBatch batch = {});
 
 // ---- Element-wise and small ops ----------------------------------------------------------------
 // A negative id gives a zero row (an MTP input past its document's end).

@@ -933,6 +933,22 @@ TEST_F(CudaOps, GradNormClipAndAdamW) {
     EXPECT_EQ(dp.download(), before);
 }
 
+// More partial sums than the clipping kernel has threads (each thread then sums several).
+TEST_F(CudaOps, GradNormOverManyPartials) {
+    const int64_t n = 12'000'000;
+    ASSERT_GT(cuda::sum_squares_blocks(n), 1024);
+    auto g = random_vector<float>(n, 125, 2.0);
+    DeviceArray<float> dg(g), parts(cuda::sum_squares_blocks(n)), norm(1), scale(1);
+    DeviceArray<int32_t> skip(1);
+    cuda::sum_squares_partials(ctx(), dg, n, parts);
+    cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), 10.f, norm, scale, skip);
+    sync();
+    const double ref_norm = std::sqrt(cpu::sum_squares(g.data(), n));
+    EXPECT_NEAR(norm.download()[0], ref_norm, 1e-5 * ref_norm);
+    EXPECT_NEAR(scale.download()[0], std::min(1.0, 10.0 / (ref_norm + 1e-6)), 1e-5);
+    EXPECT_EQ(skip.download()[0], 0);
+}
+
 #endif  // SPARSETRON_WITH_CUDA
 
 #if SPARSETRON_WITH_CUDA
@@ -1052,36 +1068,71 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
         auto ks = klsum.download();
         EXPECT_NEAR(ks[0], total, 1e-4 * total);
         EXPECT_EQ(int64_t(ks[1]), 180);
-        // Back through the scores: dw, dq, dk against fp64 loops on the CPU's dscore.
-        DeviceArray<float> dds(dref), dwo(T * HI), dk(T * dI);
-        DeviceArray<bf16> dq(T * HI * dI);
+        // Back through the scores: dw, dq, dk against fp64 loops on the CPU's dscore, by the
+        // per-row kernel (no workspace) and by the GEMM form in three chunks of query tokens.
+        // dscore off the support is poisoned: neither form may read it there.
+        std::vector<float> dpois = dref;
+        for (int64_t i = 0; i < T * T; ++i)
+            if (!on_support[i]) dpois[i] = std::numeric_limits<float>::quiet_NaN();
+        DeviceArray<float> dds(dpois);
         const float g = 0.37f;
-        cuda::indexer_scores_backward(ctx(), sparse, q.dev, k.dev, dw_in, dds, g, didx, dlen, K, rb,
-                                      T, HI, dI, dwo, dq, dk);
-        sync();
-        std::vector<double> dwr(T * HI, 0), dqr(T * HI * dI, 0), dkr(T * dI, 0);
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t s = 0; s < T; ++s) {
-                if (!on_support[t * T + s]) continue;
-                const double gs = g * double(dref[t * T + s]);
-                for (int64_t j = 0; j < HI; ++j) {
-                    double d = 0;
-                    for (int64_t i = 0; i < dI; ++i)
-                        d += double(q.host[(t * HI + j) * dI + i]) * k.host[s * dI + i];
-                    if (d <= 0) continue;
-                    dwr[t * HI + j] += gs * d;
-                    for (int64_t i = 0; i < dI; ++i) {
-                        dqr[(t * HI + j) * dI + i] += gs * w[t * HI + j] * k.host[s * dI + i];
-                        dkr[s * dI + i] += gs * w[t * HI + j] * q.host[(t * HI + j) * dI + i];
+        const int64_t per_token = cuda::indexer_scores_backward_bytes_per_token(T, HI);
+        DeviceArray<uint8_t> ws(per_token * ((T + 2) / 3));
+        for (const bool gemm_form : {false, true}) {
+            SCOPED_TRACE(gemm_form ? "GEMM form" : "per-row kernel");
+            DeviceArray<float> dwo(T * HI), dk(T * dI);
+            DeviceArray<bf16> dq(T * HI * dI);
+            cuda::indexer_scores_backward(
+                ctx(), sparse, q.dev, k.dev, dw_in, dds, g, didx, dlen, K, rb, T, HI, dI, dwo, dq,
+                dk, nullptr, nullptr, 0, gemm_form ? ws.get() : nullptr, per_token * ((T + 2) / 3));
+            sync();
+            std::vector<double> dwr(T * HI, 0), dqr(T * HI * dI, 0), dkr(T * dI, 0);
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t s = 0; s < T; ++s) {
+                    if (!on_support[t * T + s]) continue;
+                    const double gs = g * double(dref[t * T + s]);
+                    for (int64_t j = 0; j < HI; ++j) {
+                        double d = 0;
+                        for (int64_t i = 0; i < dI; ++i)
+                            d += double(q.host[(t * HI + j) * dI + i]) * k.host[s * dI + i];
+                        if (d <= 0) continue;
+                        dwr[t * HI + j] += gs * d;
+                        for (int64_t i = 0; i < dI; ++i) {
+                            dqr[(t * HI + j) * dI + i] += gs * w[t * HI + j] * k.host[s * dI + i];
+                            dkr[s * dI + i] += gs * w[t * HI + j] * q.host[(t * HI + j) * dI + i];
+                        }
                     }
                 }
-            }
-        auto f = [](const std::vector<double>& v) {
-            return std::vector<float>(v.begin(), v.end());
-        };
-        expect_close("indexer dw " + tag, dwo.download(), f(dwr), 1e-5);
-        expect_close("indexer dq " + tag, download_f(dq), f(dqr), kBf16Tol);
-        expect_close("indexer dk " + tag, dk.download(), f(dkr), 1e-5);
+            auto f = [](const std::vector<double>& v) {
+                return std::vector<float>(v.begin(), v.end());
+            };
+            expect_close("indexer dw " + tag, dwo.download(), f(dwr), 1e-5);
+            expect_close("indexer dq " + tag, download_f(dq), f(dqr), kBf16Tol);
+            // The GEMM form rounds the per-head logit gradients to bf16 before the dk GEMM (the
+            // seed's bf16 autograd does the same); the per-row kernel adds them in fp32.
+            expect_close("indexer dk " + tag, dk.download(), f(dkr), gemm_form ? 1e-2 : 1e-5);
+        }
+    }
+}
+
+// Both softmax kernels: 704 columns take the 16-byte online one, 701 the three-pass one.
+TEST_F(CudaOps, SoftmaxRowsBothKernels) {
+    for (const int64_t V : {int64_t(704), int64_t(701)}) {
+        SCOPED_TRACE(cat("vocab ", V));
+        const int64_t rows = 37;
+        auto z = random_vector<float>(rows * V, 143, 6.0);
+        DeviceArray<float> dz(z);
+        cuda::softmax_rows(ctx(), dz, rows, V);
+        sync();
+        std::vector<float> ref(rows * V);
+        for (int64_t r = 0; r < rows; ++r) {
+            double mx = -INFINITY, s = 0;
+            for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[r * V + v]));
+            for (int64_t v = 0; v < V; ++v) s += std::exp(double(z[r * V + v]) - mx);
+            for (int64_t v = 0; v < V; ++v)
+                ref[r * V + v] = float(std::exp(double(z[r * V + v]) - mx) / s);
+        }
+        expect_close("softmax rows", dz.download(), ref, 1e-5);
     }
 }
 

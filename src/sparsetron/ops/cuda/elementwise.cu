@@ -136,11 +136,23 @@ __global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
+// One block of kClipThreads: each thread sums a fixed strided subset of the partials in double,
+// then a fixed tree over the threads (deterministic). A single thread summing all of them (the
+// proxy has ~600K partials) took ~12 ms per call.
+constexpr int kClipThreads = 1024;
 __global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm, float* norm,
                                   float* scale, int32_t* skip) {
-    if (threadIdx.x != 0) return;
+    __shared__ double part[kClipThreads];
     double s = 0;
-    for (int64_t i = 0; i < count; ++i) s += partials[i];
+    for (int64_t i = threadIdx.x; i < count; i += kClipThreads) s += partials[i];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = kClipThreads / 2; w > 0; w >>= 1) {
+        if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) return;
+    s = part[0];
     const double nrm = sqrt(s);
     const bool finite = isfinite(nrm);
     *norm = float(nrm);
@@ -266,7 +278,8 @@ void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, flo
 
 void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
                 float* norm, float* scale, int32_t* skip) {
-    clip_scale_kernel<<<1, 32, 0, stream_of(ctx)>>>(partials, count, max_norm, norm, scale, skip);
+    clip_scale_kernel<<<1, kClipThreads, 0, stream_of(ctx)>>>(partials, count, max_norm, norm,
+                                                              scale, skip);
     ST_CUDA_LAUNCH_CHECK();
 }
 

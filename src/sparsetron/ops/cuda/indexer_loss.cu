@@ -131,6 +131,56 @@ __global__ void indexer_scores_bwd_kernel(Support sup, const bf* q, const bf* k,
     for (int64_t j = threadIdx.x; j < heads; j += blockDim.x) dw[t * heads + j] = dws[j];
 }
 
+// The GEMM form's middle step for one chunk: block (token of the chunk, group of kWarps heads),
+// a warp per head row of the chunk's logits D [rows, ld] (keys 0 .. ld-1, row (t - t0) H + h).
+// On the support, g = grad_scale dscore[t, s]: dw[t, h] = Σ g relu(D) (a warp sum: deterministic)
+// and dD = g w[t, h] 1[D > 0]; dD is written as a full bf16 row, 0 off the support.
+constexpr int kWarps = kThreads / 32;
+__global__ void indexer_dlogits_kernel(Support sup, const float* dots, bf* dd, int64_t ld,
+                                       const float* dscore, float grad_scale_host,
+                                       const float* grad_scale_dev, const float* w, int64_t t0,
+                                       int64_t heads, float* dw) {
+    extern __shared__ uint32_t mask[];
+    const float grad_scale = grad_scale_host * (grad_scale_dev ? *grad_scale_dev : 1.f);
+    const int64_t tl = blockIdx.x, t = t0 + tl, n = sup.count(t);
+    const int64_t words = (ld + 31) / 32;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) mask[i] = 0u;
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const int64_t s = sup.key(t, j);
+        atomicOr(&mask[s >> 5], 1u << (s & 31));
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int64_t h = int64_t(blockIdx.y) * kWarps + warp;
+    if (h >= heads) return;
+    const float* drow = dots + (tl * heads + h) * ld;
+    const float* grow = dscore + t * sup.keys;
+    const float wh = w[t * heads + h];
+    __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(dd + (tl * heads + h) * ld);
+    float acc = 0.f;
+    for (int64_t v = lane; v < ld / 2; v += 32) {
+        const uint32_t bits = (mask[v >> 4] >> ((v & 15) * 2)) & 3u;
+        float r0 = 0.f, r1 = 0.f;
+        if (bits) {
+            const float2 d = reinterpret_cast<const float2*>(drow)[v];
+            if ((bits & 1u) && d.x > 0.f) {
+                const float g = grad_scale * grow[2 * v];
+                acc += g * d.x;
+                r0 = g * wh;
+            }
+            if ((bits & 2u) && d.y > 0.f) {
+                const float g = grad_scale * grow[2 * v + 1];
+                acc += g * d.y;
+                r1 = g * wh;
+            }
+        }
+        out[v] = __floats2bfloat162_rn(r0, r1);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) dw[t * heads + h] = acc;
+}
+
 __global__ void kl_sum_kernel(const float* kl, const int32_t* len, int64_t tokens, double* out) {
     __shared__ double part[256];
     __shared__ long long cnt[256];
@@ -201,15 +251,52 @@ void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf1
     ST_CUDA_LAUNCH_CHECK();
 }
 
+namespace {
+int64_t dlogits_ld(int64_t keys) {
+    return (keys + 15) / 16 * 16;  // 16 elements: aligned bf16 rows for cuBLASLt and the kernel
+}
+}  // namespace
+
+int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads) {
+    return heads * dlogits_ld(tokens) * int64_t(sizeof(float) + sizeof(bf16));
+}
+
 void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
                              const float* w, const float* dscore, float grad_scale,
                              const int32_t* idx, const int32_t* len, int64_t kslots,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                              float* dw, bf16* dq, float* dk, const float* grad_scale_dev,
-                             const int32_t* key_row, int64_t keys) {
+                             const int32_t* key_row, int64_t keys, void* workspace,
+                             int64_t workspace_bytes) {
     if (tokens == 0) return;
     if (!key_row) keys = tokens;
     zero(ctx, dk, keys * dim * sizeof(float));
+    const int64_t per_token = indexer_scores_backward_bytes_per_token(tokens, heads);
+    if (workspace && !key_row && workspace_bytes >= per_token) {
+        // Chunks of cq query tokens against keys 0 .. t1-1 (every support key precedes its
+        // query): D = Q_c K^T (fp32), dD (bf16) and dw, dq_c = dD K, dk += dD^T Q_c.
+        const int64_t cq = std::min(tokens, workspace_bytes / per_token);
+        const auto BF = DType::BF16, F32 = DType::F32;
+        const Support sup{sparse, idx, len, row_begin, kslots, nullptr, keys};
+        for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
+            const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
+            const int64_t ld = dlogits_ld(t1);
+            float* dots = static_cast<float*>(workspace);
+            bf* dd = reinterpret_cast<bf*>(dots + rows * ld);
+            const bf16* qc = q + t0 * heads * dim;
+            gemm(ctx, false, true, rows, t1, dim, 1.f, qc, dim, k, dim, 0.f, dots, ld, BF, F32);
+            const size_t smem = size_t((ld + 31) / 32) * sizeof(uint32_t);
+            indexer_dlogits_kernel<<<dim3(unsigned(t1 - t0),
+                                          unsigned((heads + kWarps - 1) / kWarps)),
+                                     kThreads, smem, stream_of(ctx)>>>(
+                sup, dots, dd, ld, dscore, grad_scale, grad_scale_dev, w, t0, heads, dw);
+            ST_CUDA_LAUNCH_CHECK();
+            gemm(ctx, false, false, rows, dim, t1, 1.f, dd, ld, k, dim, 0.f, dq + t0 * heads * dim,
+                 dim, BF, BF);
+            gemm(ctx, true, false, t1, dim, rows, 1.f, dd, ld, qc, dim, 1.f, dk, dim, BF, F32);
+        }
+        return;
+    }
     const size_t smem = (2 * heads * dim + heads) * sizeof(float);
     ST_CHECK(smem <= 200 * 1024, "indexer_scores_backward: ", heads, "x", dim, " does not fit");
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_bwd_kernel,

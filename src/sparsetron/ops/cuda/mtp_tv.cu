@@ -20,6 +20,30 @@ __global__ void softmax_rows_kernel(float* z, int64_t vocab) {
     for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) row[v] = __expf(row[v] - mx) * inv;
 }
 
+// The same with the max and the sum in one online sweep and 16-byte accesses (vocab % 4 == 0,
+// aligned rows): the row (620 KB at the proxy's vocabulary) is read twice, not three times.
+__global__ void softmax_rows_vec_kernel(float4* z, int64_t vocab4) {
+    float4* row = z + blockIdx.x * vocab4;
+    float mx = -INFINITY, l = 0.f;
+    for (int64_t v = threadIdx.x; v < vocab4; v += blockDim.x) {
+        const float4 x = row[v];
+        const float m4 = fmaxf(fmaxf(x.x, x.y), fmaxf(x.z, x.w));
+        if (m4 > mx) {
+            l *= __expf(mx - m4);
+            mx = m4;
+        }
+        l += __expf(x.x - mx) + __expf(x.y - mx) + __expf(x.z - mx) + __expf(x.w - mx);
+    }
+    const float m = block_max(mx);
+    const float inv = 1.f / block_sum(mx == -INFINITY ? 0.f : l * __expf(mx - m));
+    for (int64_t v = threadIdx.x; v < vocab4; v += blockDim.x) {
+        float4 x = row[v];
+        x.x = __expf(x.x - m) * inv, x.y = __expf(x.y - m) * inv;
+        x.z = __expf(x.z - m) * inv, x.w = __expf(x.w - m) * inv;
+        row[v] = x;
+    }
+}
+
 __global__ void overlap_kernel(const float* p, const float* q, int64_t vocab, float* alpha) {
     const int64_t r = blockIdx.x;
     float s = 0;
@@ -86,7 +110,11 @@ __global__ void tv_grad_kernel(const float* p, const float* q, const float* dalp
 
 void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab) {
     if (rows == 0) return;
-    softmax_rows_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(z, vocab);
+    if (vocab % 4 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0)
+        softmax_rows_vec_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(reinterpret_cast<float4*>(z),
+                                                                       vocab / 4);
+    else
+        softmax_rows_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(z, vocab);
     ST_CUDA_LAUNCH_CHECK();
 }
 

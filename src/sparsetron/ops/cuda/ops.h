@@ -429,7 +429,13 @@ void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q,
                              const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
                              float* dw, bf16* dq, float* dk,
                              const float* grad_scale_dev = nullptr,  // multiplies grad_scale
-                             const int32_t* key_row = nullptr, int64_t keys = 0);  // dk: [keys]
+                             const int32_t* key_row = nullptr, int64_t keys = 0,  // dk: [keys]
+                             void* workspace = nullptr, int64_t workspace_bytes = 0);
+// With a workspace (and no key_row) the backward runs as GEMMs over chunks of query tokens: the
+// per-head logits Q K^T (fp32) against every earlier key, one kernel forming their gradient
+// (bf16, 0 off the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic).
+// Otherwise a kernel per query row with atomics. Bytes of workspace per query token of a chunk:
+int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads);
 // Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);

@@ -21,6 +21,7 @@ constexpr double kIndexerTol = 0.15;
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "harness.h"
 #include "sparsetron/config/recipe.h"
@@ -190,7 +191,12 @@ TEST(CudaModel, E2eTvDetachedDenseIndexerLossMatchesCpu) {
     cfg.dsa_mtp_index_kv_share = false;
     cfg.moe_router_force_load_balancing = true;
     cfg.dsa_saved_probs_max_mib = 2048;
+    // The engine's form: one block of target rows per chunk of 48 rows, shared by the depths.
     run_parity(cfg, "e2e_tv", 1e-1);
+    // A block per depth (CP's form; SPARSETRON_TV_TARGETS is read when the model is built).
+    setenv("SPARSETRON_TV_TARGETS", "per_depth", 1);
+    run_parity(cfg, "e2e_tv per-depth targets", 1e-1);
+    unsetenv("SPARSETRON_TV_TARGETS");
 }
 
 TEST(CudaModel, ExpandedAttentionWithoutDsaMatchesCpu) {

@@ -4,6 +4,8 @@
 // (or a mis-gathered row) fails.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <array>
 #include <cmath>
 #include <iostream>
@@ -69,7 +71,13 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         {48, 20, 0, whole(48), {}, {}, {}},
         {30, 40, 1, per_head(3, 6, 4, false), {}, {}, {}},
     };
+    // The apply decays the masters of the parameters that decay (0, 2, 4) by 1 - lr wd and
+    // rewrites each parameter's bf16 copy (a sentinel before, so an untouched copy shows).
+    const float lr = 0.8f, wd = 0.3f;
+    auto decays = [](size_t i) { return i % 2 == 0; };
+    const bf16 sentinel = float_to_bf16(7.f);
     std::vector<std::unique_ptr<DeviceArray<float>>> g, m, w;
+    std::vector<std::unique_ptr<DeviceArray<bf16>>> wb;
     std::vector<MuonSplit> splits;
     std::vector<std::vector<int64_t>> shapes;
     for (size_t i = 0; i < ps.size(); ++i) {
@@ -80,6 +88,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         g.push_back(std::make_unique<DeviceArray<float>>(p.grad));
         m.push_back(std::make_unique<DeviceArray<float>>(p.mom));
         w.push_back(std::make_unique<DeviceArray<float>>(p.master));
+        wb.push_back(std::make_unique<DeviceArray<bf16>>(std::vector<bf16>(n, sentinel)));
         splits.push_back(p.split);
         shapes.push_back({p.rows, p.cols});
     }
@@ -90,8 +99,9 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     int64_t stack = 0, gram = 0, norms = 0;
     for (const MuonBatch& b : batches) {
         for (const MuonProblem& q : b.problems)
-            table.push_back({g[q.param]->get(), m[q.param]->get(), w[q.param]->get(), q.row0,
-                             q.seg_rows, q.seg_stride, ps[q.param].group, 0});
+            table.push_back({g[q.param]->get(), m[q.param]->get(), w[q.param]->get(),
+                             wb[q.param]->get(), q.row0, q.seg_rows, q.seg_stride,
+                             ps[q.param].group, decays(size_t(q.param)) ? 1 : 0});
         stack = std::max(stack, b.elements());
         gram = std::max(gram, b.count() * b.rr() * b.rr());
         norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
@@ -99,7 +109,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     EXPECT_EQ(batches.size(), 7u);
     DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
     copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
-    DeviceArray<float> dstack(stack), dnorms(norms), dscales(scales);
+    DeviceArray<float> dstack(stack), dnorms(norms), dscales(scales), dlr(std::vector<float>{lr});
     DeviceArray<int32_t> dskips(std::vector<int32_t>{skipped_group == 0, skipped_group == 1});
     DeviceArray<uint8_t> ws((2 * stack + 2 * gram) * int64_t(dtype_size(elem)));
     std::vector<std::array<float, 3>> coeff;
@@ -119,7 +129,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W);
         cuda::newton_schulz_batch(ctx, W, Y, A, B, b.count(), b.rr(), b.cc(), coeff, elem, tf32);
         cuda::muon_apply_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), W, elem, step,
-                               dskips, nullptr);
+                               dskips, dlr, wd);
         dt += b.count();
     }
     session.synchronize();
@@ -128,11 +138,20 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     for (size_t i = 0; i < ps.size(); ++i) {
         const auto& p = ps[i];
         const auto got = w[i]->download();
+        const auto copy = wb[i]->download();
         EXPECT_TRUE(w[i]->guard_intact()) << "param " << i;
         if (p.group == skipped_group) {
             EXPECT_EQ(got, p.master) << "param " << i << " of the skipped group changed";
+            EXPECT_EQ(std::count_if(copy.begin(), copy.end(),
+                                    [&](bf16 x) { return x.bits != sentinel.bits; }),
+                      0)
+                << "param " << i << " of the skipped group: bf16 copy written";
             continue;
         }
+        int64_t wrong = 0;
+        for (size_t k = 0; k < got.size(); ++k) wrong += copy[k].bits != float_to_bf16(got[k]).bits;
+        EXPECT_EQ(wrong, 0) << "param " << i << ": bf16 copy differs from the rounded master";
+        const double decay = decays(i) ? 1.0 - double(lr) * wd : 1.0;
         for (const MuonSlice& s : p.split.slices) {
             const int64_t rows = s.num_rows();
             u.assign(size_t(rows * p.cols), 0.0);
@@ -151,7 +170,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
                     for (int64_t c = 0; c < p.cols; ++c) {
                         const size_t k = size_t(r * p.cols + c);
                         const double o = u[size_t(at * p.cols + c)];
-                        const double d = (double(p.master[k]) - got[k]) / step;
+                        const double d = (decay * p.master[k] - got[k]) / (double(lr) * step);
                         num += (d - o) * (d - o), den += o * o;
                     }
         }

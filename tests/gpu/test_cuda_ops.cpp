@@ -1136,83 +1136,88 @@ TEST_F(CudaOps, SoftmaxRowsBothKernels) {
     }
 }
 
+// Vocabularies of 700 take the 16-byte kernels, 701 the scalar ones.
 TEST_F(CudaOps, MtpTvSoftmaxOverlapChainAndGradient) {
-    const int64_t rows = 60, V = 700, D = 3, T = rows;
-    auto zp = random_vector<float>(rows * V, 141, 4.0),
-         zq = random_vector<float>(rows * V, 142, 4.0);
-    DeviceArray<float> p(zp), q(zq), alpha(D * T), dalpha(D * T);
-    DeviceArray<double> sums(2);
-    std::vector<uint8_t> valid(T);
-    for (int64_t i = 0; i < T; ++i) valid[i] = i % 7 != 3;
-    DeviceArray<uint8_t> dvalid(valid);
-    cuda::softmax_rows(ctx(), p, rows, V);
-    cuda::softmax_rows(ctx(), q, rows, V);
-    // Depth k of row i uses rows (i + k) % rows of p and q: three distinct α per row.
-    std::vector<float> ar(D * T);
-    auto soft = [&](const std::vector<float>& z, int64_t r) {
-        std::vector<double> out(V);
-        double mx = -INFINITY, s = 0;
-        for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[r * V + v]));
-        for (int64_t v = 0; v < V; ++v) s += out[v] = std::exp(double(z[r * V + v]) - mx);
-        for (auto& x : out) x /= s;
-        return out;
-    };
-    cuda::tv_overlap(ctx(), p, q, rows, V, alpha);  // depth 0
-    sync();
-    auto a0 = alpha.download();
-    std::vector<float> aref(rows);
-    for (int64_t r = 0; r < rows; ++r) {
-        auto pr = soft(zp, r), qr = soft(zq, r);
-        double a = 0;
-        for (int64_t v = 0; v < V; ++v) a += std::min(pr[v], qr[v]);
-        aref[r] = float(a);
-    }
-    a0.resize(rows);
-    expect_close("tv overlap", a0, aref, 1e-5);
-    // Chain over three depths with given α.
-    std::vector<float> al(D * T);
-    for (int64_t i = 0; i < D * T; ++i) al[i] = 0.3f + 0.6f * float((i * 37) % 11) / 11.f;
-    alpha.upload(al);
-    cuda::zero(ctx(), sums, 2 * sizeof(double));
-    cuda::tv_chain(ctx(), alpha, dvalid, D, T, T, 0.25f, dalpha, sums);
-    sync();
-    std::vector<float> dar(D * T, 0.f);
-    double loss = 0, acc = 0;
-    for (int64_t i = 0; i < T; ++i) {
-        if (!valid[i]) continue;
-        double prod = 1;
-        for (int64_t k = 0; k < D; ++k) prod *= al[k * T + i], loss += (1 - prod) / D, acc += prod;
-        // ∂L/∂α_d by central differences of the chain loss.
-        for (int64_t d = 0; d < D; ++d) {
-            auto L = [&](double delta) {
-                double pr = 1, l = 0;
-                for (int64_t k = 0; k < D; ++k)
-                    pr *= al[k * T + i] + (k == d ? delta : 0), l += (1 - pr) / D;
-                return l;
-            };
-            dar[d * T + i] = float((L(1e-4) - L(-1e-4)) / 2e-4 * 0.25);
+    for (const int64_t V : {int64_t(700), int64_t(701)}) {
+        SCOPED_TRACE(cat("vocab ", V));
+        const int64_t rows = 60, D = 3, T = rows;
+        auto zp = random_vector<float>(rows * V, 141, 4.0),
+             zq = random_vector<float>(rows * V, 142, 4.0);
+        DeviceArray<float> p(zp), q(zq), alpha(D * T), below(D * T), dalpha(D * T);
+        DeviceArray<double> sums(2);
+        std::vector<uint8_t> valid(T);
+        for (int64_t i = 0; i < T; ++i) valid[i] = i % 7 != 3;
+        DeviceArray<uint8_t> dvalid(valid);
+        auto soft = [&](const std::vector<float>& z, int64_t r) {
+            std::vector<double> out(V);
+            double mx = -INFINITY, s = 0;
+            for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(z[r * V + v]));
+            for (int64_t v = 0; v < V; ++v) s += out[v] = std::exp(double(z[r * V + v]) - mx);
+            for (auto& x : out) x /= s;
+            return out;
+        };
+        cuda::softmax_rows(ctx(), p, rows, V);
+        cuda::tv_draft_softmax_overlap(ctx(), p, q, rows, V, alpha, below);  // depth 0
+        sync();
+        auto a0 = alpha.download(), s0 = below.download(), qs = q.download();
+        std::vector<float> aref(rows), sref(rows), qref(rows * V);
+        for (int64_t r = 0; r < rows; ++r) {
+            auto pr = soft(zp, r), qr = soft(zq, r);
+            double a = 0, sb = 0;
+            for (int64_t v = 0; v < V; ++v) {
+                a += std::min(pr[v], qr[v]);
+                sb += qr[v] <= pr[v] ? qr[v] : 0.0;
+                qref[r * V + v] = float(qr[v]);
+            }
+            aref[r] = float(a), sref[r] = float(sb);
         }
+        a0.resize(rows), s0.resize(rows);
+        expect_close("draft softmax", qs, qref, 1e-5);
+        expect_close("tv overlap", a0, aref, 1e-5);
+        expect_close("tv sum of draft below target", s0, sref, 1e-5);
+        // Chain over three depths with given α.
+        std::vector<float> al(D * T);
+        for (int64_t i = 0; i < D * T; ++i) al[i] = 0.3f + 0.6f * float((i * 37) % 11) / 11.f;
+        alpha.upload(al);
+        cuda::zero(ctx(), sums, 2 * sizeof(double));
+        cuda::tv_chain(ctx(), alpha, dvalid, D, T, T, 0.25f, dalpha, sums);
+        sync();
+        std::vector<float> dar(D * T, 0.f);
+        double loss = 0, acc = 0;
+        for (int64_t i = 0; i < T; ++i) {
+            if (!valid[i]) continue;
+            double prod = 1;
+            for (int64_t k = 0; k < D; ++k)
+                prod *= al[k * T + i], loss += (1 - prod) / D, acc += prod;
+            // ∂L/∂α_d by central differences of the chain loss.
+            for (int64_t d = 0; d < D; ++d) {
+                auto L = [&](double delta) {
+                    double pr = 1, l = 0;
+                    for (int64_t k = 0; k < D; ++k)
+                        pr *= al[k * T + i] + (k == d ? delta : 0), l += (1 - pr) / D;
+                    return l;
+                };
+                dar[d * T + i] = float((L(1e-4) - L(-1e-4)) / 2e-4 * 0.25);
+            }
+        }
+        auto s = sums.download();
+        EXPECT_NEAR(s[0], loss, 1e-9 * loss + 1e-9);
+        EXPECT_NEAR(s[1], acc, 1e-9 * acc);
+        expect_close("tv chain dalpha (vs central differences)", dalpha.download(), dar, 1e-5);
+        // Logit gradient: dz = -dα q (s - 1 + 1[q > p]) with s = Σ_{q <= p} q.
+        DeviceArray<bf16> dz(rows * V);
+        cuda::tv_logit_grad(ctx(), p, q, dalpha, below, rows, V, dz);
+        sync();
+        std::vector<float> dzr(rows * V);
+        for (int64_t r = 0; r < rows; ++r) {
+            auto pr = soft(zp, r), qr = soft(zq, r);
+            for (int64_t v = 0; v < V; ++v)
+                dzr[r * V + v] = float(-dar[r] * qr[v] * (sref[r] - 1 + (qr[v] > pr[v] ? 1 : 0)));
+        }
+        std::vector<bool> mask(rows * V);
+        for (int64_t i = 0; i < rows * V; ++i) mask[i] = valid[i / V];
+        expect_close("tv logit gradient", download_f(dz), dzr, kBf16Tol, mask);
     }
-    auto s = sums.download();
-    EXPECT_NEAR(s[0], loss, 1e-9 * loss + 1e-9);
-    EXPECT_NEAR(s[1], acc, 1e-9 * acc);
-    expect_close("tv chain dalpha (vs central differences)", dalpha.download(), dar, 1e-5);
-    // Logit gradient: dz = -dα q (s - 1 + 1[q > p]) with s = Σ_{q <= p} q.
-    DeviceArray<bf16> dz(rows * V);
-    cuda::tv_logit_grad(ctx(), p, q, dalpha, rows, V, dz);
-    sync();
-    std::vector<float> dzr(rows * V);
-    for (int64_t r = 0; r < rows; ++r) {
-        auto pr = soft(zp, r), qr = soft(zq, r);
-        double sm = 0;
-        for (int64_t v = 0; v < V; ++v)
-            if (qr[v] <= pr[v]) sm += qr[v];
-        for (int64_t v = 0; v < V; ++v)
-            dzr[r * V + v] = float(-dar[r] * qr[v] * (sm - 1 + (qr[v] > pr[v] ? 1 : 0)));
-    }
-    std::vector<bool> mask(rows * V);
-    for (int64_t i = 0; i < rows * V; ++i) mask[i] = valid[i / V];
-    expect_close("tv logit gradient", download_f(dz), dzr, kBf16Tol, mask);
 }
 
 // Rows of 40 take the 16-byte vector kernels, rows of 36 the scalar ones.

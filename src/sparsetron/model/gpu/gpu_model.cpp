@@ -1,6 +1,7 @@
 #include "sparsetron/model/gpu/gpu_model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "sparsetron/parallel/cp_shard.h"
@@ -97,9 +98,17 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         B_.scratch(dmtp_z_, "grad.mtp.layer_out", {Tn, h});
         B_.scratch(dmtp_e_, "grad.mtp.embedding", {Tn, h});
         if (cfg.mtp_loss_type == "e2e_tv") {
-            B_.scratch(tv_p_, "mtp.tv.target_probs", {D_, chunk_rows_, V});
+            // Depth k's targets are the main head's rows shifted by k + 1: without CP one block
+            // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
+            // under CP a depth's target rows are gathered from the group, a block per depth.
+            // SPARSETRON_TV_TARGETS=per_depth keeps the block per depth without CP (the earlier
+            // form: D head GEMMs per chunk instead of one), to measure the difference.
+            const char* form = std::getenv("SPARSETRON_TV_TARGETS");
+            tv_per_depth_ = cp_ || (form && std::strcmp(form, "per_depth") == 0);
+            B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
             B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
+            B_.scratch(tv_below_, "mtp.tv.draft_below_target_sum", {D_, Tn});
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
             if (cp_) {
                 B_.act(h_final_keys_, "mtp.tv.final_norm_out_all_rows", {Tk_, h});
@@ -420,34 +429,46 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
         cp_allreduce(ctx, in_, h_final_f32_, Tk_ * h);
         cuda::f32_to_bf16(ctx, h_final_f32_, h_final_keys_, Tk_ * h);
     }
+    const int64_t B4 = sizeof(float);
     for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
         const int64_t n = std::min(chunk_rows_, Tn - r0);
+        if (!tv_per_depth_) {
+            // Target row j of the block is main row r0 + 1 + j; rows past the micro-batch stay
+            // zero (uniform after the softmax; their chain rows are invalid).
+            const int64_t rows = n + D - 1, m = std::max<int64_t>(0, std::min(rows, Tn - r0 - 1));
+            if (m < rows) cuda::zero(ctx, tv_p_ + m * V, (rows - m) * V * B4);
+            if (m > 0)
+                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + 1) * h, h, head, h, 0.f,
+                     tv_p_, V, BF, F32);
+            cuda::softmax_rows(ctx, tv_p_, rows, V);
+        }
         for (int64_t k = 0; k < D; ++k) {
-            float* p = tv_p_ + k * chunk_rows_ * V;
+            float* p = tv_target(k);
             float* q = tv_q_ + k * chunk_rows_ * V;
-            const int64_t shift = k + 1, m = std::max<int64_t>(0, std::min(n, Tn - r0 - shift));
-            cuda::zero(ctx, p, n * V * int64_t(sizeof(float)));
             if (cp_) {
                 // Target rows g + k + 1 of the micro-batch (often another CP rank's).
-                cuda::gather_key_rows(ctx, h_final_keys_, Tk_, h, in_.key_row + r0, shift, n,
+                cuda::gather_key_rows(ctx, h_final_keys_, Tk_, h, in_.key_row + r0, k + 1, n,
                                       tv_rows_);
                 gemm(ctx, false, true, n, V, h, 1.f, tv_rows_, h, head, h, 0.f, p, V, BF, F32);
-            } else if (m > 0) {
-                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + shift) * h, h, head, h, 0.f,
-                     p, V, BF, F32);
+            } else if (tv_per_depth_) {
+                const int64_t m = std::max<int64_t>(0, std::min(n, Tn - r0 - k - 1));
+                if (m < n) cuda::zero(ctx, p + m * V, (n - m) * V * B4);
+                if (m > 0)
+                    gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + k + 1) * h, h, head, h,
+                         0.f, p, V, BF, F32);
             }
-            cuda::softmax_rows(ctx, p, n, V);
+            if (tv_per_depth_) cuda::softmax_rows(ctx, p, n, V);
             gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
                  F32);
-            cuda::softmax_rows(ctx, q, n, V);
-            cuda::tv_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0);
+            cuda::tv_draft_softmax_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0,
+                                           tv_below_ + k * Tn + r0);
         }
         cuda::tv_chain(ctx, tv_alpha_ + r0, tv_valid_ + r0, D, n, Tn, row_w, tv_dalpha_ + r0,
                        sums_ + tv_at_, in_.loss_scales + 2);
         if (!sc.backward) continue;
         for (int64_t k = 0; k < D; ++k) {
-            cuda::tv_logit_grad(ctx, tv_p_ + k * chunk_rows_ * V, tv_q_ + k * chunk_rows_ * V,
-                                tv_dalpha_ + k * Tn + r0, n, V, dlogits_);
+            cuda::tv_logit_grad(ctx, tv_target(k), tv_q_ + k * chunk_rows_ * V,
+                                tv_dalpha_ + k * Tn + r0, tv_below_ + k * Tn + r0, n, V, dlogits_);
             gemm(ctx, false, false, n, h, V, 1.f, dlogits_, V, head, h, 0.f, mtp_[k]->dzk + r0 * h,
                  h);
         }

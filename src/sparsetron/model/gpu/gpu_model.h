@@ -95,6 +95,13 @@ class GpuModel {
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
     void mtp_forward(const ExecContext& ctx, const LossScales& sc);
     void mtp_tv(const ExecContext& ctx, const LossScales& sc);
+    // e2e_tv's target-probability rows: one shared block without CP, a block per depth under it.
+    int64_t tv_target_rows() const {
+        return tv_per_depth_ ? D_ * chunk_rows_ : chunk_rows_ + D_ - 1;
+    }
+    float* tv_target(int64_t k) const {
+        return tv_p_ + (tv_per_depth_ ? k * chunk_rows_ : k) * cfg_.vocab_size;
+    }
     void mtp_backward(const ExecContext& ctx);
     int64_t tv_rows(const MicroBatch& mb) const;
     LossSums losses_from(const double* sums, int64_t tv_rows, int64_t real_rows) const;
@@ -124,6 +131,8 @@ class GpuModel {
     bf16 *h_final_, *dx_, *dh_, *dlogits_, *dmtp_h_, *dmtp_cat_, *dmtp_z_, *dmtp_e_;
     float *rstd_final_, *logits_, *row_loss_, *dmtp_kv_ = nullptr;
     float *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr, *tv_dalpha_ = nullptr;
+    float* tv_below_ = nullptr;
+    bool tv_per_depth_ = false;  // a target block per depth (under CP, or for A/B)
     uint8_t* tv_valid_ = nullptr;
     // Loss sums on the device: [lm Σ, lm n, (mtp Σ_k, mtp n_k) per depth, tv Σ, accept Σ,
     // (Σ KL, rows) per indexer application].

@@ -44,13 +44,67 @@ __global__ void softmax_rows_vec_kernel(float4* z, int64_t vocab4) {
     }
 }
 
-__global__ void overlap_kernel(const float* p, const float* q, int64_t vocab, float* alpha) {
+// W consecutive floats of a row as one access (W = 4: 16 bytes; rows and vocab 16-byte aligned).
+template <int W>
+__device__ __forceinline__ void load_row(const float* at, float* out) {
+    if constexpr (W == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(at);
+        out[0] = x.x, out[1] = x.y, out[2] = x.z, out[3] = x.w;
+    } else {
+        out[0] = *at;
+    }
+}
+template <int W>
+__device__ __forceinline__ void store_row(float* at, const float* in) {
+    if constexpr (W == 4)
+        *reinterpret_cast<float4*>(at) = make_float4(in[0], in[1], in[2], in[3]);
+    else
+        *at = in[0];
+}
+
+// One draft row per block: softmax of the logits in place (online max/sum in the first sweep)
+// and, in the normalising sweep, the overlap with the target row, α = Σ min(p, q), and the
+// gradient's sum s = Σ_{q<=p} q. The separate overlap pass and the gradient kernel's own sum
+// sweep each re-read both rows (0.62 MB each at the proxy's vocabulary); here q is read twice
+// and p once.
+template <int W>
+__global__ void draft_softmax_overlap_kernel(const float* p, float* q, int64_t vocab, float* alpha,
+                                             float* below) {
     const int64_t r = blockIdx.x;
-    float s = 0;
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
-        s += fminf(p[r * vocab + v], q[r * vocab + v]);
+    const float* pr = p + r * vocab;
+    float* qr = q + r * vocab;
+    float mx = -INFINITY, l = 0.f;
+    for (int64_t v = int64_t(threadIdx.x) * W; v < vocab; v += int64_t(blockDim.x) * W) {
+        float x[W];
+        load_row<W>(qr + v, x);
+        float m = x[0];
+#pragma unroll
+        for (int j = 1; j < W; ++j) m = fmaxf(m, x[j]);
+        if (m > mx) {
+            l *= __expf(mx - m);
+            mx = m;
+        }
+#pragma unroll
+        for (int j = 0; j < W; ++j) l += __expf(x[j] - mx);
+    }
+    const float m = block_max(mx);
+    const float inv = 1.f / block_sum(mx == -INFINITY ? 0.f : l * __expf(mx - m));
+    float a = 0.f, s = 0.f;
+    for (int64_t v = int64_t(threadIdx.x) * W; v < vocab; v += int64_t(blockDim.x) * W) {
+        float x[W], t[W];
+        load_row<W>(qr + v, x);
+        load_row<W>(pr + v, t);
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+            x[j] = __expf(x[j] - m) * inv;
+            a += fminf(x[j], t[j]);
+            s += x[j] <= t[j] ? x[j] : 0.f;
+        }
+        store_row<W>(qr + v, x);
+    }
+    a = block_sum(a);
     s = block_sum(s);
-    if (threadIdx.x == 0) alpha[r] = s;
+    if (threadIdx.x == 0) alpha[r] = a, below[r] = s;
 }
 
 __global__ void chain_kernel(const float* alpha, const uint8_t* valid, int64_t D, int64_t tokens,
@@ -91,18 +145,30 @@ __global__ void chain_kernel(const float* alpha, const uint8_t* valid, int64_t D
     }
 }
 
-__global__ void tv_grad_kernel(const float* p, const float* q, const float* dalpha, int64_t vocab,
-                               bf* dz) {
+// dz = -dα q (s - 1 + 1[q > p]) with s from the overlap kernel: p and q read once.
+template <int W>
+__global__ void tv_grad_kernel(const float* p, const float* q, const float* dalpha,
+                               const float* below, int64_t vocab, bf* dz) {
     const int64_t r = blockIdx.x;
-    const float da = dalpha[r];
+    const float da = dalpha[r], s1 = below[r] - 1.f;
     const float *pr = p + r * vocab, *qr = q + r * vocab;
-    float s = 0;
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x)
-        if (qr[v] <= pr[v]) s += qr[v];
-    s = block_sum(s);
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-        const float dtv = qr[v] * (s - 1.f + (qr[v] > pr[v] ? 1.f : 0.f));
-        dz[r * vocab + v] = __float2bfloat16(-da * dtv);
+    bf* dr = dz + r * vocab;
+    for (int64_t v = int64_t(threadIdx.x) * W; v < vocab; v += int64_t(blockDim.x) * W) {
+        float x[W], t[W];
+        load_row<W>(qr + v, x);
+        load_row<W>(pr + v, t);
+#pragma unroll
+        for (int j = 0; j < W; ++j) x[j] = -da * x[j] * (s1 + (x[j] > t[j] ? 1.f : 0.f));
+        if constexpr (W == 4) {
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(x[0], x[1]),
+                                 hi = __floats2bfloat162_rn(x[2], x[3]);
+            uint2 packed;
+            packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+            packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+            *reinterpret_cast<uint2*>(dr + v) = packed;
+        } else {
+            dr[v] = __float2bfloat16(x[0]);
+        }
     }
 }
 
@@ -118,10 +184,21 @@ void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab)
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows, int64_t vocab,
-                float* alpha) {
+// 16-byte rows when the vocabulary and every row start allow it.
+static bool rows_vectorizable(int64_t vocab, const void* a, const void* b) {
+    return vocab % 4 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
+           reinterpret_cast<uintptr_t>(b) % 16 == 0;
+}
+
+void tv_draft_softmax_overlap(const ExecContext& ctx, const float* p, float* q, int64_t rows,
+                              int64_t vocab, float* alpha, float* below) {
     if (rows == 0) return;
-    overlap_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, vocab, alpha);
+    if (rows_vectorizable(vocab, p, q))
+        draft_softmax_overlap_kernel<4>
+            <<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, vocab, alpha, below);
+    else
+        draft_softmax_overlap_kernel<1>
+            <<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, vocab, alpha, below);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -135,9 +212,15 @@ void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, 
 }
 
 void tv_logit_grad(const ExecContext& ctx, const float* p, const float* q, const float* dalpha,
-                   int64_t rows, int64_t vocab, bf16* dz_out) {
+                   const float* below, int64_t rows, int64_t vocab, bf16* dz_out) {
     if (rows == 0) return;
-    tv_grad_kernel<<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, dalpha, vocab, dev(dz_out));
+    // The bf16 output takes 8-byte stores: its rows are aligned when the float rows are.
+    if (rows_vectorizable(vocab, p, q) && reinterpret_cast<uintptr_t>(dz_out) % 8 == 0)
+        tv_grad_kernel<4>
+            <<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, dalpha, below, vocab, dev(dz_out));
+    else
+        tv_grad_kernel<1>
+            <<<rows, kThreads, 0, stream_of(ctx)>>>(p, q, dalpha, below, vocab, dev(dz_out));
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -1,4 +1,5 @@
-// Muon's momentum and decoupled decay on the device (the batched Newton-Schulz: muon_batch.cu).
+// Muon's momentum on the device (the batched Newton-Schulz, the decoupled decay and the update:
+// muon_batch.cu).
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/ops.h"
 
@@ -7,23 +8,20 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void momentum_kernel(float* w, const float* g, float* mom, int64_t n, float decay,
-                                float beta, const float* scale, const int32_t* skip,
-                                const float* lr, float weight_decay) {
+__global__ void momentum_kernel(const float* g, float* mom, int64_t n, float beta,
+                                const float* scale, const int32_t* skip) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= n || (skip && *skip)) return;
-    w[i] *= lr ? 1.f - *lr * weight_decay : decay;
     mom[i] = beta * mom[i] + (1.f - beta) * g[i] * (scale ? *scale : 1.f);
 }
 
 }  // namespace
 
-void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
-                   float decay, float beta, const float* scale, const int32_t* skip,
-                   const float* lr, float weight_decay) {
+void muon_momentum(const ExecContext& ctx, const float* g, float* mom, int64_t n, float beta,
+                   const float* scale, const int32_t* skip) {
     if (n == 0) return;
-    momentum_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
-        w, g, mom, n, decay, beta, scale, skip, lr, weight_decay);
+    momentum_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(g, mom, n, beta,
+                                                                              scale, skip);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -46,11 +46,13 @@ __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, i
 
 template <bool Tr, typename E>
 __global__ void apply_kernel(const MuonDeviceProblem* problems, int64_t rows, int64_t cols,
-                             const E* w, float step, const int32_t* skips, const float* lr) {
+                             const E* w, float step, const int32_t* skips, const float* lr,
+                             float weight_decay) {
     __shared__ float tile[kTile][kTile + 1];
     const MuonDeviceProblem p = problems[blockIdx.z];
     if (skips && skips[p.group]) return;
-    const float s = (lr ? *lr : 1.f) * step;
+    const float rate = lr ? *lr : 1.f, s = rate * step,
+                decay = p.decays ? 1.f - rate * weight_decay : 1.f;
     const E* o = w + int64_t(blockIdx.z) * rows * cols;
     const int64_t c0 = int64_t(blockIdx.x) * kTile, r0 = int64_t(blockIdx.y) * kTile;
     if (Tr) {
@@ -65,7 +67,10 @@ __global__ void apply_kernel(const MuonDeviceProblem* problems, int64_t rows, in
         const int64_t r = r0 + dy, c = c0 + threadIdx.x;
         if (r >= rows || c >= cols) continue;
         const float v = Tr ? tile[threadIdx.x][dy] : ld(o + r * cols + c);
-        p.master[param_row(p, r) * cols + c] -= s * v;
+        const int64_t k = param_row(p, r) * cols + c;
+        const float m = p.master[k] * decay - s * v;
+        p.master[k] = m;
+        if (p.weights) reinterpret_cast<bf*>(p.weights)[k] = __float2bfloat16(m);
     }
 }
 
@@ -243,12 +248,12 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
 
 void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                       int64_t rows, int64_t cols, bool transpose, const void* w, DType w_type,
-                      float step, const int32_t* skips, const float* lr) {
+                      float step, const int32_t* skips, const float* lr, float weight_decay) {
     if (count == 0 || rows == 0 || cols == 0) return;
     const dim3 grid = tile_grid(rows, cols, count), block(kTile, kTileRows);
     auto launch = [&](auto tr, const auto* o) {
-        apply_kernel<decltype(tr)::value>
-            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, o, step, skips, lr);
+        apply_kernel<decltype(tr)::value><<<grid, block, 0, stream_of(ctx)>>>(
+            problems, rows, cols, o, step, skips, lr, weight_decay);
     };
     if (w_type == DType::BF16) {
         const bf* o = static_cast<const bf*>(w);

@@ -20,9 +20,10 @@ struct MuonDeviceProblem {
     const float* grad;
     const float* mom;
     float* master;
+    bf16* weights;  // the bf16 copy the model reads, rewritten by the apply (may be null)
     int64_t row0, seg_rows, seg_stride;
-    int32_t group;  // clipping group: reads scales[group] and skips[group]
-    int32_t unused;
+    int32_t group;   // clipping group: reads scales[group] and skips[group]
+    int32_t decays;  // 1: decoupled weight decay, master *= 1 - lr weight_decay before the update
 };
 
 // x[p] = U of problem p's rows (nesterov ? (1 - beta) g scale + beta mom : mom) as [rows, cols],
@@ -47,10 +48,13 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
                          const std::vector<std::array<float, 3>>& coefficients, DType elem,
                          bool tf32);
 
-// Unless skips[group]: master rows of problem p -= lr * step * O[p], O[p] read from w in the
-// layout muon_gather_batch wrote (transposed back when `transpose`). lr: a device scalar.
+// Unless skips[group]: master rows of problem p = master (1 - lr weight_decay [p decays])
+// - lr step O[p], O[p]
+// read from w in the layout muon_gather_batch wrote (transposed back when `transpose`), and the
+// problem's bf16 weights (when set) = the new master rounded. lr: a device scalar (1 when null).
+// Folding the decay and the bf16 copy in here saves two passes over every Muon parameter.
 void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                       int64_t rows, int64_t cols, bool transpose, const void* w, DType w_type,
-                      float step, const int32_t* skips, const float* lr);
+                      float step, const int32_t* skips, const float* lr, float weight_decay = 0.f);
 
 }  // namespace sparsetron::cuda

@@ -97,11 +97,10 @@ void adamw_update(const ExecContext& ctx, float* param, const float* grad, float
                   const float* schedule = nullptr);
 
 // ---- Muon pieces ------------------------------------------------------------------------------
-// Unless *skip: w *= decay; mom = beta mom + (1 - beta) g (*scale). With `lr` (a device
-// scalar: graph-safe), decay = 1 - *lr * weight_decay instead.
-void muon_momentum(const ExecContext& ctx, float* w, const float* g, float* mom, int64_t n,
-                   float decay, float beta, const float* scale, const int32_t* skip,
-                   const float* lr = nullptr, float weight_decay = 0.f);
+// Unless *skip: mom = beta mom + (1 - beta) g (*scale). (The decoupled decay is applied with the
+// update: muon_apply_batch.)
+void muon_momentum(const ExecContext& ctx, const float* g, float* mom, int64_t n, float beta,
+                   const float* scale, const int32_t* skip);
 
 // ---- Output head fused with cross-entropy ------------------------------------------------------
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
@@ -444,9 +443,10 @@ void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len,
 // ------------------------------------------------------------------------------ In place: rows of
 // z [rows, V] (fp32) become softmax(z).
 void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab);
-// alpha[r] = Σ_v min(p[r, v], q[r, v]).
-void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t rows, int64_t vocab,
-                float* alpha);
+// Rows of q (draft logits, fp32) become softmax(q) in place; with p the target probabilities,
+// alpha[r] = Σ_v min(p[r, v], q[r, v]) and below[r] = Σ_{v: q<=p} q[r, v] (tv_logit_grad's sum).
+void tv_draft_softmax_overlap(const ExecContext& ctx, const float* p, float* q, int64_t rows,
+                              int64_t vocab, float* alpha, float* below);
 // Per chain row i (valid[i] != 0): loss += (1/D) Σ_j (1 - Π_{k<=j} α_k), accept += Σ_j Π α;
 // dalpha[k, i] = row_weight * ∂L/∂α_k (0 for invalid rows). alpha, dalpha: [D, T].
 // Depth k's values of row i are at [k * stride + i]; sums[0] += loss, sums[1] += accept.
@@ -454,9 +454,9 @@ void tv_overlap(const ExecContext& ctx, const float* p, const float* q, int64_t 
 void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, int64_t depths,
               int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums,
               const float* row_weight_dev = nullptr);
-// In place on q (the draft probabilities): dz = -dalpha * q (s - 1 + 1[q > p]), s = Σ_{q<=p} q;
-// dz stored as bf16 into dz_out [rows, V].
+// dz = -dalpha * q (s - 1 + 1[q > p]) with s = below[r] = Σ_{q<=p} q (from
+// tv_draft_softmax_overlap), stored as bf16 into dz_out [rows, V].
 void tv_logit_grad(const ExecContext& ctx, const float* p, const float* q, const float* dalpha,
-                   int64_t rows, int64_t vocab, bf16* dz_out);
+                   const float* below, int64_t rows, int64_t vocab, bf16* dz_out);
 
 }  // namespace sparsetron::cuda

@@ -163,15 +163,24 @@ void GpuOptimizer::bind_muon(const MemoryPlan& plan) {
     ns_norms_ = plan.view(s_ns_norms_).ptr<float>();
     problems_ = reinterpret_cast<cuda::MuonDeviceProblem*>(plan.view(s_problems_).data);
     // The table of every batch's problems, back to back (pointers are fixed once bound).
+    // The apply also decays the master and rewrites the bf16 copy, so the problems of a
+    // parameter must cover each of its elements exactly once (checked by row count: slices are
+    // disjoint by construction).
     std::vector<cuda::MuonDeviceProblem> table;
     const auto& params = P_.store().params();
+    std::vector<int64_t> covered(params.size(), 0);
     for (const MuonBatch& b : batches_)
         for (const MuonProblem& q : b.problems) {
             const GpuParam& gp = P_[q.param];
-            const int32_t group = separate_mtp_ && params[q.param].mtp ? 1 : 0;
-            table.push_back(
-                {gp.grad, mom_[q.param], gp.master, q.row0, q.seg_rows, q.seg_stride, group, 0});
+            const auto& p = params[size_t(q.param)];
+            const int32_t group = separate_mtp_ && p.mtp ? 1 : 0;
+            table.push_back({gp.grad, mom_[q.param], gp.master, gp.w, q.row0, q.seg_rows,
+                             q.seg_stride, group, p.weight_decay ? 1 : 0});
+            covered[size_t(q.param)] += b.rows * b.cols;
         }
+    for (size_t i = 0; i < params.size(); ++i)
+        ST_CHECK(!uses_muon_[i] || covered[i] == P_[int64_t(i)].numel, "Muon batches cover ",
+                 covered[i], " of ", params[i].name, "'s ", P_[int64_t(i)].numel, " elements");
     copy_to_device(problems_, table.data(), table.size() * sizeof(table[0]));
 }
 
@@ -207,11 +216,10 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         const int g = separate_mtp_ && p.mtp ? 1 : 0;
         const GpuParam& gp = P_[int64_t(i)];
         if (uses_muon_[i]) {
-            // Decoupled decay (1 - lr wd from the staged learning rate) and momentum here; the
-            // orthogonalized update comes from the batches below.
-            cuda::muon_momentum(ctx, gp.master, gp.grad, mom_[i], gp.numel, 1.f,
-                                float(run.muon_momentum), scale_ + g, skip_ + g, sched_,
-                                p.weight_decay ? float(run.weight_decay) : 0.f);
+            // Momentum here; the decoupled decay (1 - lr wd from the staged learning rate), the
+            // orthogonalized update and the bf16 copy come from the batches below.
+            cuda::muon_momentum(ctx, gp.grad, mom_[i], gp.numel, float(run.muon_momentum),
+                                scale_ + g, skip_ + g);
         } else if (adam_owner_[i] == rank_ || local_[i]) {
             cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
@@ -235,10 +243,6 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
     }
     if (muon_) run_muon_batches(ctx, run);
     if (dist_) side_->join();
-    if (!muon_) return;
-    for (size_t i = 0; i < params.size(); ++i)
-        if (uses_muon_[i])
-            cuda::f32_to_bf16(ctx, P_[int64_t(i)].master, P_[int64_t(i)].w, P_[int64_t(i)].numel);
 }
 
 StepStats GpuOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,
@@ -287,7 +291,8 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         const float factor =
             float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
         cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows, b.cols,
-                               b.transposed(), w, ns_elem_, factor, skip_, sched_);
+                               b.transposed(), w, ns_elem_, factor, skip_, sched_,
+                               float(r.weight_decay));
     };
     // Every rank applies every batch of a round: the weights stay identical everywhere.
     auto apply_round = [&](size_t j) {

@@ -59,9 +59,11 @@ MuonSplit whole(int64_t rows) {
 }
 
 // Normalized Frobenius error of the applied update against fp64 Newton-Schulz, over every
-// slice of every parameter; `skipped` must leave its group's parameters unchanged.
+// slice of every parameter; `skipped` must leave its group's parameters unchanged. With
+// `fused_momentum` the gather updates the momentum itself (M = beta M + (1 - beta) G scale,
+// checked, and left alone in the skipped group); otherwise the given momentum is the updated one.
 double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, bool tf32,
-                int32_t skipped_group) {
+                int32_t skipped_group, bool fused_momentum = false) {
     const float beta = 0.9f, step = 0.5f;
     const std::vector<float> scales{0.7f, 1.3f};
     std::vector<HostParam> ps{
@@ -125,7 +127,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         uint8_t* A = Y + b.elements() * es;
         uint8_t* B = A + b.count() * b.rr() * b.rr() * es;
         cuda::muon_gather_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), beta, true,
-                                dscales, dstack);
+                                dscales, dstack, fused_momentum ? dskips.get() : nullptr);
         cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W);
         cuda::newton_schulz_batch(ctx, W, Y, A, B, b.count(), b.rr(), b.cc(), coeff, elem, tf32);
         cuda::muon_apply_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), W, elem, step,
@@ -139,6 +141,21 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         const auto& p = ps[i];
         const auto got = w[i]->download();
         const auto copy = wb[i]->download();
+        const auto mom = m[i]->download();
+        // The momentum the update used: updated here (fused) or given as updated.
+        std::vector<double> used(mom.size());
+        for (size_t k = 0; k < used.size(); ++k)
+            used[k] = fused_momentum
+                          ? beta * double(p.mom[k]) + (1.0 - beta) * p.grad[k] * scales[p.group]
+                          : p.mom[k];
+        if (fused_momentum && p.group != skipped_group) {
+            double e = 0, n = 0;
+            for (size_t k = 0; k < used.size(); ++k)
+                e += (mom[k] - used[k]) * (mom[k] - used[k]), n += used[k] * used[k];
+            EXPECT_LT(std::sqrt(e / n), 1e-6) << "param " << i << ": momentum not updated";
+        } else {
+            EXPECT_EQ(mom, p.mom) << "param " << i << ": momentum changed";
+        }
         EXPECT_TRUE(w[i]->guard_intact()) << "param " << i;
         if (p.group == skipped_group) {
             EXPECT_EQ(got, p.master) << "param " << i << " of the skipped group changed";
@@ -161,7 +178,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
                     for (int64_t c = 0; c < p.cols; ++c) {
                         const size_t k = size_t(r * p.cols + c);
                         u[size_t(at * p.cols + c)] =
-                            (1.0 - beta) * p.grad[k] * scales[p.group] + beta * double(p.mom[k]);
+                            (1.0 - beta) * p.grad[k] * scales[p.group] + beta * used[k];
                     }
             newton_schulz<double>(u.data(), rows, p.cols, 5, "quintic", ws64);
             at = 0;
@@ -187,9 +204,12 @@ TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
     const double fp32 = run_case(ctx, session, DType::F32, false, -1);
     const double tf32 = run_case(ctx, session, DType::F32, true, 1);
     const double bf16 = run_case(ctx, session, DType::BF16, false, 0);
+    const double fused = run_case(ctx, session, DType::F32, false, 1, true);
     std::cout << "[harness] batched Newton-Schulz update vs fp64 CPU, normalized error: fp32 "
-              << fp32 << ", tf32 " << tf32 << ", bf16 " << bf16 << "\n";
+              << fp32 << ", tf32 " << tf32 << ", bf16 " << bf16
+              << ", fp32 with the momentum updated in the gather " << fused << "\n";
     EXPECT_LT(fp32, 1e-4);
+    EXPECT_LT(fused, 1e-4);
     EXPECT_GT(tf32, 5e-6);
     EXPECT_LT(tf32, 1e-2);
     EXPECT_GT(bf16, 5e-4);

@@ -14,23 +14,37 @@ constexpr int kTile = 32, kTileRows = 8;
 constexpr int kThreads = 256;
 constexpr int64_t kNormBlock = 16384;  // elements per norm partial
 
+// Nearly every problem is one segment (a whole matrix or one head's rows): its rows map without
+// the 64-bit division and remainder, which cost ~150 instructions per element and held the gather
+// and apply kernels to 1.4-2.1 TB/s on the proxy (ncu, dec6024).
 __device__ __forceinline__ int64_t param_row(const MuonDeviceProblem& p, int64_t r) {
+    if (r < p.seg_rows) return p.row0 + r;
     return p.row0 + (r / p.seg_rows) * p.seg_stride + r % p.seg_rows;
 }
 
+// With `skips` (the momentum update fused in: each element belongs to one problem), the momentum
+// is updated here first, M = beta M + (1 - beta) G scale, unless skips[group].
 template <bool Tr>
 __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, int64_t cols,
-                              float beta, bool nesterov, const float* scales, float* x) {
+                              float beta, bool nesterov, const float* scales, float* x,
+                              const int32_t* skips) {
     __shared__ float tile[kTile][kTile + 1];
     const MuonDeviceProblem p = problems[blockIdx.z];
-    const float scale = nesterov && scales ? scales[p.group] : 1.f;
+    const float scale = scales ? scales[p.group] : 1.f;
+    const bool update = skips && !skips[p.group];
     float* out = x + int64_t(blockIdx.z) * rows * cols;
     const int64_t c0 = int64_t(blockIdx.x) * kTile, r0 = int64_t(blockIdx.y) * kTile;
     for (int dy = threadIdx.y; dy < kTile; dy += kTileRows) {
         const int64_t r = r0 + dy, c = c0 + threadIdx.x;
         if (r >= rows || c >= cols) continue;
         const int64_t k = param_row(p, r) * cols + c;
-        const float u = nesterov ? (1.f - beta) * p.grad[k] * scale + beta * p.mom[k] : p.mom[k];
+        float m = p.mom[k];
+        const float g = nesterov || update ? (1.f - beta) * p.grad[k] * scale : 0.f;
+        if (update) {
+            m = beta * m + g;
+            p.mom[k] = m;
+        }
+        const float u = nesterov ? g + beta * m : m;
         if (Tr)
             tile[dy][threadIdx.x] = u;
         else
@@ -83,13 +97,21 @@ __global__ void norm_partials_kernel(const float* x, int64_t n, int64_t blocks, 
     if (threadIdx.x == 0) partials[int64_t(blockIdx.y) * blocks + blockIdx.x] = s;
 }
 
-__global__ void inverse_norms_kernel(const float* partials, int64_t count, int64_t blocks,
-                                     float eps, float* inv) {
-    const int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-    if (p >= count) return;
+// One block per matrix: strided double sums, then a fixed-order tree (deterministic). One thread
+// per matrix summed up to 6144 partials serially (a big matrix alone in its batch): 80 us per
+// launch on the proxy.
+__global__ void inverse_norms_kernel(const float* partials, int64_t blocks, float eps, float* inv) {
+    __shared__ double part[kThreads];
+    const float* mine = partials + int64_t(blockIdx.x) * blocks;
     double s = 0;
-    for (int64_t b = 0; b < blocks; ++b) s += partials[p * blocks + b];
-    inv[p] = float(1.0 / (sqrt(s) + double(eps)));
+    for (int64_t b = threadIdx.x; b < blocks; b += kThreads) s += mine[b];
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = kThreads / 2; w > 0; w /= 2) {
+        if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) inv[blockIdx.x] = float(1.0 / (sqrt(part[0]) + double(eps)));
 }
 
 template <typename E>
@@ -170,15 +192,15 @@ int64_t norm_blocks(int64_t n) {
 
 void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                        int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
-                       const float* scales, float* x) {
+                       const float* scales, float* x, const int32_t* update_skips) {
     if (count == 0 || rows == 0 || cols == 0) return;
     const dim3 grid = tile_grid(rows, cols, count), block(kTile, kTileRows);
     if (transpose)
-        gather_kernel<true>
-            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta, nesterov, scales, x);
+        gather_kernel<true><<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta,
+                                                                nesterov, scales, x, update_skips);
     else
-        gather_kernel<false>
-            <<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta, nesterov, scales, x);
+        gather_kernel<false><<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta,
+                                                                 nesterov, scales, x, update_skips);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -195,8 +217,7 @@ void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count,
     norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
         x, n, blocks, ws);
     ST_CUDA_LAUNCH_CHECK();
-    inverse_norms_kernel<<<blocks_for(count, 128), 128, 0, stream_of(ctx)>>>(ws, count, blocks, eps,
-                                                                             inv);
+    inverse_norms_kernel<<<unsigned(count), kThreads, 0, stream_of(ctx)>>>(ws, blocks, eps, inv);
     ST_CUDA_LAUNCH_CHECK();
     const int64_t total = count * n;
     const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));

@@ -18,7 +18,7 @@ namespace sparsetron::cuda {
 // row row0 + (r / seg_rows) seg_stride + r % seg_rows of its [*, cols] parameter.
 struct MuonDeviceProblem {
     const float* grad;
-    const float* mom;
+    float* mom;
     float* master;
     bf16* weights;  // the bf16 copy the model reads, rewritten by the apply (may be null)
     int64_t row0, seg_rows, seg_stride;
@@ -27,10 +27,12 @@ struct MuonDeviceProblem {
 };
 
 // x[p] = U of problem p's rows (nesterov ? (1 - beta) g scale + beta mom : mom) as [rows, cols],
-// or its transpose [cols, rows] when `transpose` (the wide orientation of a tall matrix).
+// or its transpose [cols, rows] when `transpose` (the wide orientation of a tall matrix). With
+// `update_skips`, the momentum update (muon_momentum) is done here first, unless
+// update_skips[group]: one pass over the gradient and the momentum instead of two.
 void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                        int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
-                       const float* scales, float* x);
+                       const float* scales, float* x, const int32_t* update_skips = nullptr);
 
 // Floats of workspace muon_normalize_batch needs for `count` matrices of n elements.
 int64_t muon_normalize_floats(int64_t count, int64_t n);

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/optim/lr_schedule.h"
@@ -21,6 +23,9 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
     rank_ = dist_ ? dist_->rank() : 0;
     ranks_ = dist_ ? dist_->size() : 1;
+    const char* momentum_form = std::getenv("SPARSETRON_MUON_MOMENTUM");
+    fused_momentum_ =
+        muon_ && !dist_ && !(momentum_form && std::strcmp(momentum_form, "separate") == 0);
     // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
     // by size), which then broadcasts the updated weights. Experts sharded over EP are this
     // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).
@@ -216,10 +221,12 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         const int g = separate_mtp_ && p.mtp ? 1 : 0;
         const GpuParam& gp = P_[int64_t(i)];
         if (uses_muon_[i]) {
-            // Momentum here; the decoupled decay (1 - lr wd from the staged learning rate), the
-            // orthogonalized update and the bf16 copy come from the batches below.
-            cuda::muon_momentum(ctx, gp.grad, mom_[i], gp.numel, float(run.muon_momentum),
-                                scale_ + g, skip_ + g);
+            // Momentum here unless the gather does it; the decoupled decay (1 - lr wd from the
+            // staged learning rate), the orthogonalized update and the bf16 copy come from the
+            // batches below.
+            if (!fused_momentum_)
+                cuda::muon_momentum(ctx, gp.grad, mom_[i], gp.numel, float(run.muon_momentum),
+                                    scale_ + g, skip_ + g);
         } else if (adam_owner_[i] == rank_ || local_[i]) {
             cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
                                float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
@@ -279,7 +286,8 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
         char* bb = a + b.count() * b.rr() * b.rr() * es;
         cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
-                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_);
+                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_,
+                                fused_momentum_ ? skip_ : nullptr);
         cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
                                    ns_elem_, w);
         cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,

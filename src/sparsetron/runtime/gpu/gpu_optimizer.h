@@ -62,7 +62,8 @@ class GpuOptimizer {
   private:
     void plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_numel);
     void bind_muon(const MemoryPlan& plan);
-    // Newton-Schulz and the update of every Muon matrix, batch by batch (momentum already in).
+    // Newton-Schulz and the update of every Muon matrix, batch by batch (the momentum updated in
+    // the gather, or before it when not fused_momentum_).
     void run_muon_batches(const ExecContext& ctx, const RunConfig& run);
     const GpuParams& P_;
     const ModelConfig& cfg_;
@@ -72,6 +73,10 @@ class GpuOptimizer {
     int rank_ = 0, ranks_ = 1;
     std::vector<int> adam_owner_;  // AdamW parameters' owning rank, -1 for the others
     bool muon_ = false, separate_mtp_ = false;
+    // Muon's momentum updated inside the batches' gather (one pass over G and M, not two). Not
+    // when distributed: there a batch is gathered on one rank, but every rank keeps (and
+    // checkpoints) every momentum. SPARSETRON_MUON_MOMENTUM=separate keeps the separate pass.
+    bool fused_momentum_ = false;
     std::vector<bool> uses_muon_;
     std::vector<MemoryPlan::Slot> m_slots_, v_slots_, mom_slots_;
     std::vector<MuonSplit> splits_;

@@ -26,8 +26,9 @@ for round in 1 2; do
   run step-fused "" --warmup 2 --iters 4
   run step-separate separate --warmup 2 --iters 4
 done
+# NCU_KERNELS (a regex) limits the kernel times to those kernels.
 timeout 250 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-  scripts/gpu-run.sh $bin/sparsetron bench $r --warmup 0 --iters 1 --variants eager \
+  ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} scripts/gpu-run.sh $bin/sparsetron bench $r --warmup 0 --iters 1 --variants eager \
   >"$out/ncu.csv" 2>"$out/ncu.err"
 echo "ncu rc=$?"
 python3 tools/bench/ncu_summary.py "$out/ncu.csv" 70 >"$out/profile.txt" 2>&1

@@ -81,11 +81,23 @@ void build(MuonCase& c, const std::vector<std::pair<std::string, std::vector<int
 
 }  // namespace
 
+void one_step_against_reference(const std::string& method);
+
+// Both Newton-Schulz forms: the Gram form (muon_ns_method: gram) equals the standard iteration in
+// exact arithmetic, so the fp64 step matches the same reference.
 TEST(Muon, OneStepMatchesThePyTorchReference) {
+    for (const char* method : {"standard", "gram"}) {
+        SCOPED_TRACE(method);
+        one_step_against_reference(method);
+    }
+}
+
+void one_step_against_reference(const std::string& method) {
     nlohmann::json fx;
     std::ifstream(std::string(SPARSETRON_SOURCE_DIR) + "/tests/fixtures/muon/step.json") >> fx;
     const auto& hp = fx["hyper"];
     MuonCase c;
+    c.r.muon_ns_method = method;
     c.m.num_attention_heads = hp["heads"];
     c.m.qk_head_dim = hp["nope"];
     c.m.qk_pos_emb_head_dim = hp["rope"];

@@ -114,6 +114,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(muon_coefficient_type, String),
         RUN_KEY(muon_num_ns_steps, Int),
         RUN_KEY(muon_fp32_matmul_prec, String),
+        RUN_KEY(muon_ns_method, String),
         RUN_KEY(tensor_model_parallel_size, Int),
         RUN_KEY(pipeline_model_parallel_size, Int),
         RUN_KEY(decoder_first_pipeline_num_layers, Int),

@@ -127,6 +127,7 @@ void Recipe::validate() {
     one_of(r.muon_coefficient_type, "muon_coefficient_type", {"quintic", "simple"});
     positive(r.muon_num_ns_steps, "muon_num_ns_steps");
     one_of(r.muon_fp32_matmul_prec, "muon_fp32_matmul_prec", {"low", "medium", "high", "highest"});
+    one_of(r.muon_ns_method, "muon_ns_method", {"standard", "gram"});
     ST_CHECK(r.muon_extra_scale_factor > 0, "muon_extra_scale_factor must be > 0");
     ST_CHECK(r.muon_momentum >= 0 && r.muon_momentum < 1, "muon_momentum must be in [0, 1)");
 

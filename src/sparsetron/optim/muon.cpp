@@ -5,6 +5,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/optim/newton_schulz_gram.h"
 
 namespace sparsetron {
 
@@ -153,8 +154,12 @@ void Muon::step(const MemoryPlan& plan, const RunConfig& r, double lr, double gr
                                     ? (1.0 - beta) * double(g[k]) * grad_scale + beta * mom[k]
                                     : double(mom[k]));
                         }
-                newton_schulz(slice.data(), rows, cols, r.muon_num_ns_steps,
-                              r.muon_coefficient_type, ws);
+                if (r.muon_ns_method == "gram")
+                    newton_schulz_gram(slice.data(), rows, cols, r.muon_num_ns_steps,
+                                       r.muon_coefficient_type, gram_ns_restarts(), ws);
+                else
+                    newton_schulz(slice.data(), rows, cols, r.muon_num_ns_steps,
+                                  r.muon_coefficient_type, ws);
                 const double step =
                     lr * muon_scale(rows, cols, r.muon_scale_mode) * r.muon_extra_scale_factor;
                 at = 0;

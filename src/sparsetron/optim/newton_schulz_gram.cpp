@@ -1,0 +1,164 @@
+#include "sparsetron/optim/newton_schulz_gram.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/optim/muon.h"
+
+namespace sparsetron {
+
+double round_ns(NsRounding r, double x) {
+    switch (r) {
+        case NsRounding::None:
+            return x;
+        case NsRounding::BF16:
+            return bf16_to_float(float_to_bf16(float(x)));
+        case NsRounding::FP16: {
+            if (x == 0 || !std::isfinite(x)) return x;
+            const double a = std::fabs(x);
+            if (a >= 65520.0) return std::copysign(INFINITY, x);  // past the largest, 65504
+            int e = 0;
+            std::frexp(a, &e);  // a = f 2^e, f in [0.5, 1)
+            // 10 stored mantissa bits below the leading one; subnormals share 2^-24 steps.
+            const double quantum = std::ldexp(1.0, std::max(e - 1, -14) - 10);
+            return std::copysign(std::nearbyint(a / quantum) * quantum, x);
+        }
+    }
+    return x;
+}
+
+namespace {
+
+template <typename T>
+void round_all(NsRounding r, T* x, int64_t n) {
+    if (r == NsRounding::None) return;
+    for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(round_ns(r, double(x[i])));
+}
+
+// x [m, n] -> X [r, c] in the wide orientation, normalized by its Frobenius norm and rounded.
+template <typename T>
+void load_wide(const T* x, int64_t m, int64_t n, T* X, NsRounding rounding) {
+    const bool transpose = m > n;
+    const int64_t c = transpose ? m : n;
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) (transpose ? X[j * c + i] : X[i * c + j]) = x[i * n + j];
+    const double norm = std::sqrt(cpu::sum_squares(X, m * n));
+    cpu::scale_inplace(X, m * n, 1.0 / (norm + 1e-7));
+    round_all(rounding, X, m * n);
+}
+
+template <typename T>
+void store_wide(const T* X, int64_t m, int64_t n, T* x) {
+    const bool transpose = m > n;
+    const int64_t c = transpose ? m : n;
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) x[i * n + j] = transpose ? X[j * c + i] : X[i * c + j];
+}
+
+}  // namespace
+
+template <typename T>
+void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
+                        const std::vector<int64_t>& restarts, std::vector<T>& ws,
+                        NsRounding rounding) {
+    const int64_t r = std::min(m, n), c = std::max(m, n);
+    ws.resize(static_cast<size_t>(2 * r * c + 5 * r * r));
+    T* X = ws.data();
+    T* Y = X + r * c;
+    T* R = Y + r * c;
+    T* Q = R + r * r;
+    T* Z = Q + r * r;
+    T* RZ = Z + r * r;
+    T* S = RZ + r * r;  // scratch for out-of-place products
+    load_wide(x, m, n, X, rounding);
+    auto restart_at = [&](int64_t i) {
+        return std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+    };
+    auto gram = [&] {  // R = X Xᵀ
+        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, R, r);
+        round_all(rounding, R, r * r);
+    };
+    auto apply_q = [&] {  // X <- Q X
+        cpu::gemm<T>(false, false, r, c, r, 1, Q, r, X, c, 0, Y, c);
+        round_all(rounding, Y, r * c);
+        std::copy_n(Y, r * c, X);
+    };
+    gram();
+    for (int64_t i = 0; i < steps; ++i) {
+        const MuonCoefficients k = muon_ns_coefficients(type, i);
+        const bool fresh = i == 0 || restart_at(i);
+        if (i > 0 && restart_at(i)) {
+            apply_q();
+            gram();
+        }
+        // Z = b R + c R R: the polynomial of this iteration is Q_i = a I + Z.
+        std::copy_n(R, r * r, Z);
+        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), R, r, R, r, static_cast<T>(k.b),
+                     Z, r);
+        round_all(rounding, Z, r * r);
+        if (fresh) {
+            // Q = I (start or restart): Q Q_i = a I + Z.
+            std::copy_n(Z, r * r, Q);
+            for (int64_t d = 0; d < r; ++d)
+                Q[d * r + d] = static_cast<T>(round_ns(rounding, double(Q[d * r + d]) + k.a));
+        } else {
+            // Q <- Q Q_i = a Q + Q Z (the Q's and R are polynomials in R_0: they commute).
+            std::copy_n(Q, r * r, S);
+            cpu::gemm<T>(false, false, r, r, r, 1, S, r, Z, r, static_cast<T>(k.a), Q, r);
+            round_all(rounding, Q, r * r);
+        }
+        if (i + 1 < steps && !restart_at(i + 1)) {
+            // R <- Q_i R Q_i: RZ = a R + R Z = R Q_i, then R = a RZ + Z RZ = Q_i R Q_i.
+            std::copy_n(R, r * r, RZ);
+            cpu::gemm<T>(false, false, r, r, r, 1, R, r, Z, r, static_cast<T>(k.a), RZ, r);
+            round_all(rounding, RZ, r * r);
+            std::copy_n(RZ, r * r, R);
+            cpu::gemm<T>(false, false, r, r, r, 1, Z, r, RZ, r, static_cast<T>(k.a), R, r);
+            round_all(rounding, R, r * r);
+        }
+    }
+    apply_q();
+    store_wide(X, m, n, x);
+}
+
+template <typename T>
+void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
+                           std::vector<T>& ws, NsRounding rounding) {
+    const int64_t r = std::min(m, n), c = std::max(m, n);
+    ws.resize(static_cast<size_t>(2 * r * c + 2 * r * r));
+    T* X = ws.data();
+    T* Y = X + r * c;
+    T* A = Y + r * c;
+    T* B = A + r * r;
+    load_wide(x, m, n, X, rounding);
+    for (int64_t s = 0; s < steps; ++s) {
+        const MuonCoefficients k = muon_ns_coefficients(type, s);
+        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);  // A = X Xᵀ
+        round_all(rounding, A, r * r);
+        std::copy_n(A, r * r, B);  // B = b A + c A A
+        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), A, r, A, r, static_cast<T>(k.b),
+                     B, r);
+        round_all(rounding, B, r * r);
+        std::copy_n(X, r * c, Y);  // X = a X + B X
+        cpu::gemm<T>(false, false, r, c, r, 1, B, r, Y, c, static_cast<T>(k.a), X, c);
+        round_all(rounding, X, r * c);
+    }
+    store_wide(X, m, n, x);
+}
+
+template void newton_schulz_gram<float>(float*, int64_t, int64_t, int64_t, const std::string&,
+                                        const std::vector<int64_t>&, std::vector<float>&,
+                                        NsRounding);
+template void newton_schulz_gram<double>(double*, int64_t, int64_t, int64_t, const std::string&,
+                                         const std::vector<int64_t>&, std::vector<double>&,
+                                         NsRounding);
+template void newton_schulz_rounded<float>(float*, int64_t, int64_t, int64_t, const std::string&,
+                                           std::vector<float>&, NsRounding);
+template void newton_schulz_rounded<double>(double*, int64_t, int64_t, int64_t,
+                                            const std::string&, std::vector<double>&, NsRounding);
+
+}  // namespace sparsetron

@@ -1,0 +1,44 @@
+// Newton-Schulz in its Gram form (`muon_ns_method: gram`): SPEC §7's iteration rewritten to
+// iterate on the small symmetric Gram matrix R = X Xᵀ [r, r] and the accumulated polynomial Q,
+// touching the wide X [r, c] only at the start, at each restart and at the end. Equal to the
+// standard iteration in exact arithmetic (tested to 1e-12 in fp64); cheaper when c is several
+// times r. Between restarts R is carried by the polynomial alone, R <- Q R Q, so rounding drifts
+// it away from the true Gram matrix of Q X; a restart (X <- Q X, R <- X Xᵀ, Q <- I) resets that.
+// With half-precision products it diverges without restarts on ill-conditioned inputs; one
+// restart at iteration 2 (of 5) keeps it within ~2x the standard form's error in bf16, and in
+// fp16 it is ~4x more accurate than the standard form in bf16 (docs/optimizer.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparsetron {
+
+// Rounding applied to every product's output (and to the normalized input), to run the CPU
+// iterations on the grid of a device's reduced-precision GEMMs: none, bf16 or fp16 (round to
+// nearest even; fp16 with its subnormals, beyond +-65504 infinite).
+enum class NsRounding { None, BF16, FP16 };
+double round_ns(NsRounding r, double x);
+
+// The iterations at which the Gram form restarts (0-based; iteration 0 starts from X anyway).
+inline const std::vector<int64_t>& gram_ns_restarts() {
+    static const std::vector<int64_t> at{2};
+    return at;
+}
+
+// X [m, n] <- NS_steps(X / ||X||_F) in place, transposed to the wide orientation internally, by
+// the Gram form with restarts at `restarts`; coefficients as muon_ns_coefficients.
+template <typename T>
+void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::string& coefficients,
+                        const std::vector<int64_t>& restarts, std::vector<T>& workspace,
+                        NsRounding rounding = NsRounding::None);
+
+// SPEC §7's standard iteration with the same rounding hook (newton_schulz without rounding):
+// the reference the Gram form's numerics are measured against.
+template <typename T>
+void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps,
+                           const std::string& coefficients, std::vector<T>& workspace,
+                           NsRounding rounding);
+
+}  // namespace sparsetron

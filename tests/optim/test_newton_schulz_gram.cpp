@@ -52,7 +52,7 @@ TEST(NewtonSchulzGram, EqualsTheStandardIterationInExactArithmetic) {
         std::vector<int64_t> restarts;
     };
     const std::vector<Case> cases{
-        {24, 80, 5, "quintic", {2}},  {24, 80, 5, "quintic", {}},  {90, 30, 5, "quintic", {2}},
+        {24, 80, 5, "quintic", {2}},   {24, 80, 5, "quintic", {}},     {90, 30, 5, "quintic", {2}},
         {40, 40, 5, "simple", {1, 3}}, {16, 64, 7, "quintic", {2, 5}},
     };
     std::vector<double> ws;
@@ -115,10 +115,10 @@ TEST(NewtonSchulzGram, HalfPrecisionErrorsAgainstFp64) {
         const double gram_bf16 = run_gram(NsRounding::BF16, gram_ns_restarts());
         const double gram_bf16_free = run_gram(NsRounding::BF16, {});
         const double gram_fp16 = run_gram(NsRounding::FP16, gram_ns_restarts());
-        std::cout << "[ns] " << k.r << "x" << k.c << " decay " << k.decay
-                  << ": standard bf16 " << std_bf16 << ", fp16 " << std_fp16
-                  << "; gram (restart at 2) bf16 " << gram_bf16 << ", fp16 " << gram_fp16
-                  << "; gram bf16 without restart " << gram_bf16_free << "\n";
+        std::cout << "[ns] " << k.r << "x" << k.c << " decay " << k.decay << ": standard bf16 "
+                  << std_bf16 << ", fp16 " << std_fp16 << "; gram (restart at 2) bf16 " << gram_bf16
+                  << ", fp16 " << gram_fp16 << "; gram bf16 without restart " << gram_bf16_free
+                  << "\n";
         EXPECT_GT(std_bf16, 1e-3);  // the rounding does act
         EXPECT_LT(std_fp16, std_bf16 / 4);
         EXPECT_LT(gram_bf16, 4 * std_bf16);  // measured 1.5-2.7x

@@ -97,8 +97,8 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
         }
         // Z = b R + c R R: the polynomial of this iteration is Q_i = a I + Z.
         std::copy_n(R, r * r, Z);
-        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), R, r, R, r, static_cast<T>(k.b),
-                     Z, r);
+        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), R, r, R, r, static_cast<T>(k.b), Z,
+                     r);
         round_all(rounding, Z, r * r);
         if (fresh) {
             // Q = I (start or restart): Q Q_i = a I + Z.
@@ -140,8 +140,8 @@ void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps, const std:
         cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);  // A = X Xᵀ
         round_all(rounding, A, r * r);
         std::copy_n(A, r * r, B);  // B = b A + c A A
-        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), A, r, A, r, static_cast<T>(k.b),
-                     B, r);
+        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), A, r, A, r, static_cast<T>(k.b), B,
+                     r);
         round_all(rounding, B, r * r);
         std::copy_n(X, r * c, Y);  // X = a X + B X
         cpu::gemm<T>(false, false, r, c, r, 1, B, r, Y, c, static_cast<T>(k.a), X, c);
@@ -158,7 +158,7 @@ template void newton_schulz_gram<double>(double*, int64_t, int64_t, int64_t, con
                                          NsRounding);
 template void newton_schulz_rounded<float>(float*, int64_t, int64_t, int64_t, const std::string&,
                                            std::vector<float>&, NsRounding);
-template void newton_schulz_rounded<double>(double*, int64_t, int64_t, int64_t,
-                                            const std::string&, std::vector<double>&, NsRounding);
+template void newton_schulz_rounded<double>(double*, int64_t, int64_t, int64_t, const std::string&,
+                                            std::vector<double>&, NsRounding);
 
 }  // namespace sparsetron

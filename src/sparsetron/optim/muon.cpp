@@ -5,7 +5,6 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/ops/cpu/kernels.h"
-#include "sparsetron/optim/newton_schulz_gram.h"
 
 namespace sparsetron {
 
@@ -74,40 +73,6 @@ MuonSplit muon_split_for(const ParamInfo& p, const ModelConfig& m, const RunConf
     }
     return s;
 }
-
-template <typename T>
-void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
-                   std::vector<T>& ws) {
-    // Work on the wide orientation: X is [r, c] with r <= c.
-    const bool transpose = m > n;
-    const int64_t r = transpose ? n : m, c = transpose ? m : n;
-    ws.resize(static_cast<size_t>(2 * r * c + 3 * r * r));
-    T* X = ws.data();
-    T* Y = X + r * c;
-    T* A = Y + r * c;
-    T* AA = A + r * r;
-    T* B = AA + r * r;
-    for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) (transpose ? X[j * c + i] : X[i * c + j]) = x[i * n + j];
-    const double norm = std::sqrt(cpu::sum_squares(X, r * c));
-    cpu::scale_inplace(X, r * c, 1.0 / (norm + 1e-7));
-    for (int64_t s = 0; s < steps; ++s) {
-        const Coeff k = coefficients_at(type, s);
-        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);    // A = X X^T
-        cpu::gemm<T>(false, false, r, r, r, 1, A, r, A, r, 0, AA, r);  // A A
-        for (int64_t i = 0; i < r * r; ++i) B[i] = static_cast<T>(k.b * A[i] + k.c * AA[i]);
-        std::copy_n(X, r * c, Y);
-        // X = B Y + a X with Y a copy of X: aX + BX.
-        cpu::gemm<T>(false, false, r, c, r, 1, B, r, Y, c, static_cast<T>(k.a), X, c);
-    }
-    for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < n; ++j) x[i * n + j] = transpose ? X[j * c + i] : X[i * c + j];
-}
-
-template void newton_schulz<float>(float*, int64_t, int64_t, int64_t, const std::string&,
-                                   std::vector<float>&);
-template void newton_schulz<double>(double*, int64_t, int64_t, int64_t, const std::string&,
-                                    std::vector<double>&);
 
 Muon::Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r)
     : store_(store) {

@@ -11,6 +11,7 @@
 #include "sparsetron/config/run_config.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/param_store.h"
+#include "sparsetron/optim/newton_schulz.h"
 
 namespace sparsetron {
 
@@ -27,11 +28,6 @@ struct MuonSplit {
 
 // The split of `p` under the recipe's Muon settings (q_b_proj and kv_b_proj only; SPEC §7).
 MuonSplit muon_split_for(const ParamInfo& p, const ModelConfig& m, const RunConfig& r);
-
-// Newton-Schulz on x [m, n] in place (transposed to wide internally): X <- NS_steps(X / ||X||_F).
-template <typename T>
-void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string& coefficients,
-                   std::vector<T>& workspace);
 
 double muon_scale(int64_t m, int64_t n, const std::string& mode);
 

@@ -1,9 +1,9 @@
 #include "sparsetron/model/gpu/gpu_model.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/parallel/cp_shard.h"
 
 namespace sparsetron::gpu {
@@ -103,8 +103,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
             // under CP a depth's target rows are gathered from the group, a block per depth.
             // SPARSETRON_TV_TARGETS=per_depth keeps the block per depth without CP (the earlier
             // form: D head GEMMs per chunk instead of one), to measure the difference.
-            const char* form = std::getenv("SPARSETRON_TV_TARGETS");
-            tv_per_depth_ = cp_ || (form && std::strcmp(form, "per_depth") == 0);
+            tv_per_depth_ = cp_ || cuda::env_is("SPARSETRON_TV_TARGETS", "per_depth");
             B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
             B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
@@ -429,19 +428,20 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
         cp_allreduce(ctx, in_, h_final_f32_, Tk_ * h);
         cuda::f32_to_bf16(ctx, h_final_f32_, h_final_keys_, Tk_ * h);
     }
-    const int64_t B4 = sizeof(float);
+    // Target probabilities of main rows first.. first + rows - 1 into out; rows past the
+    // micro-batch stay zero (uniform after the softmax; their chain rows are invalid).
+    auto targets = [&](float* out, int64_t first, int64_t rows) {
+        const int64_t m = std::max<int64_t>(0, std::min(rows, Tn - first));
+        if (m < rows) cuda::zero(ctx, out + m * V, (rows - m) * V * int64_t(sizeof(float)));
+        if (m > 0)
+            gemm(ctx, false, true, m, V, h, 1.f, h_final_ + first * h, h, head, h, 0.f, out, V, BF,
+                 F32);
+        cuda::softmax_rows(ctx, out, rows, V);
+    };
     for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
         const int64_t n = std::min(chunk_rows_, Tn - r0);
-        if (!tv_per_depth_) {
-            // Target row j of the block is main row r0 + 1 + j; rows past the micro-batch stay
-            // zero (uniform after the softmax; their chain rows are invalid).
-            const int64_t rows = n + D - 1, m = std::max<int64_t>(0, std::min(rows, Tn - r0 - 1));
-            if (m < rows) cuda::zero(ctx, tv_p_ + m * V, (rows - m) * V * B4);
-            if (m > 0)
-                gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + 1) * h, h, head, h, 0.f,
-                     tv_p_, V, BF, F32);
-            cuda::softmax_rows(ctx, tv_p_, rows, V);
-        }
+        // One block for every depth: block row j is main row r0 + 1 + j.
+        if (!tv_per_depth_) targets(tv_p_, r0 + 1, n + D - 1);
         for (int64_t k = 0; k < D; ++k) {
             float* p = tv_target(k);
             float* q = tv_q_ + k * chunk_rows_ * V;
@@ -450,14 +450,10 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
                 cuda::gather_key_rows(ctx, h_final_keys_, Tk_, h, in_.key_row + r0, k + 1, n,
                                       tv_rows_);
                 gemm(ctx, false, true, n, V, h, 1.f, tv_rows_, h, head, h, 0.f, p, V, BF, F32);
+                cuda::softmax_rows(ctx, p, n, V);
             } else if (tv_per_depth_) {
-                const int64_t m = std::max<int64_t>(0, std::min(n, Tn - r0 - k - 1));
-                if (m < n) cuda::zero(ctx, p + m * V, (n - m) * V * B4);
-                if (m > 0)
-                    gemm(ctx, false, true, m, V, h, 1.f, h_final_ + (r0 + k + 1) * h, h, head, h,
-                         0.f, p, V, BF, F32);
+                targets(p, r0 + k + 1, n);
             }
-            if (tv_per_depth_) cuda::softmax_rows(ctx, p, n, V);
             gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
                  F32);
             cuda::tv_draft_softmax_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0,

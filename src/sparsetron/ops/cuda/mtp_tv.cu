@@ -186,8 +186,7 @@ void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab)
 
 // 16-byte rows when the vocabulary and every row start allow it.
 static bool rows_vectorizable(int64_t vocab, const void* a, const void* b) {
-    return vocab % 4 == 0 && reinterpret_cast<uintptr_t>(a) % 16 == 0 &&
-           reinterpret_cast<uintptr_t>(b) % 16 == 0;
+    return vocab % 4 == 0 && aligned16(a, b);
 }
 
 void tv_draft_softmax_overlap(const ExecContext& ctx, const float* p, float* q, int64_t rows,

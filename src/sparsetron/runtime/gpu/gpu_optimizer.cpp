@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "sparsetron/core/device_memory.h"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/optim/lr_schedule.h"
 #include "sparsetron/optim/owner_assignment.h"
 
@@ -23,9 +22,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
     rank_ = dist_ ? dist_->rank() : 0;
     ranks_ = dist_ ? dist_->size() : 1;
-    const char* momentum_form = std::getenv("SPARSETRON_MUON_MOMENTUM");
-    fused_momentum_ =
-        muon_ && !dist_ && !(momentum_form && std::strcmp(momentum_form, "separate") == 0);
+    fused_momentum_ = muon_ && !dist_ && !cuda::env_is("SPARSETRON_MUON_MOMENTUM", "separate");
     // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
     // by size), which then broadcasts the updated weights. Experts sharded over EP are this
     // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).

@@ -1,4 +1,5 @@
-// Newton-Schulz in its Gram form (`muon_ns_method: gram`): SPEC §7's iteration rewritten to
+// Newton-Schulz (SPEC §7) on the CPU, in two forms. The standard one iterates on X directly. The
+// Gram form (`muon_ns_method: gram`) is SPEC §7's iteration rewritten to
 // iterate on the small symmetric Gram matrix R = X Xᵀ [r, r] and the accumulated polynomial Q,
 // touching the wide X [r, c] only at the start, at each restart and at the end. Equal to the
 // standard iteration in exact arithmetic (tested to 1e-12 in fp64); cheaper when c is several
@@ -27,18 +28,16 @@ inline const std::vector<int64_t>& gram_ns_restarts() {
     return at;
 }
 
-// X [m, n] <- NS_steps(X / ||X||_F) in place, transposed to the wide orientation internally, by
-// the Gram form with restarts at `restarts`; coefficients as muon_ns_coefficients.
+// X [m, n] <- NS_steps(X / ||X||_F) in place (transposed to the wide orientation internally), by
+// SPEC §7's standard iteration; `rounding` emulates reduced-precision products.
+template <typename T>
+void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string& coefficients,
+                   std::vector<T>& workspace, NsRounding rounding = NsRounding::None);
+
+// The same by the Gram form with restarts at `restarts`; coefficients as muon_ns_coefficients.
 template <typename T>
 void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::string& coefficients,
                         const std::vector<int64_t>& restarts, std::vector<T>& workspace,
                         NsRounding rounding = NsRounding::None);
-
-// SPEC §7's standard iteration with the same rounding hook (newton_schulz without rounding):
-// the reference the Gram form's numerics are measured against.
-template <typename T>
-void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps,
-                           const std::string& coefficients, std::vector<T>& workspace,
-                           NsRounding rounding);
 
 }  // namespace sparsetron

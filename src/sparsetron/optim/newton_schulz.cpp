@@ -1,4 +1,4 @@
-#include "sparsetron/optim/newton_schulz_gram.h"
+#include "sparsetron/optim/newton_schulz.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,6 +51,15 @@ void load_wide(const T* x, int64_t m, int64_t n, T* X, NsRounding rounding) {
     round_all(rounding, X, m * n);
 }
 
+// C = alpha op(A) op(B) + beta C, then rounded: one device GEMM with its output's rounding.
+template <typename T>
+void product(NsRounding r, bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
+             const T* a, int64_t lda, const T* b, int64_t ldb, double beta, T* c, int64_t ldc) {
+    cpu::gemm<T>(ta, tb, m, n, k, static_cast<T>(alpha), a, lda, b, ldb, static_cast<T>(beta), c,
+                 ldc);
+    round_all(r, c, m * ldc);
+}
+
 template <typename T>
 void store_wide(const T* X, int64_t m, int64_t n, T* x) {
     const bool transpose = m > n;
@@ -78,13 +87,9 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
     auto restart_at = [&](int64_t i) {
         return std::find(restarts.begin(), restarts.end(), i) != restarts.end();
     };
-    auto gram = [&] {  // R = X Xᵀ
-        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, R, r);
-        round_all(rounding, R, r * r);
-    };
+    auto gram = [&] { product(rounding, false, true, r, r, c, 1.0, X, c, X, c, 0.0, R, r); };
     auto apply_q = [&] {  // X <- Q X
-        cpu::gemm<T>(false, false, r, c, r, 1, Q, r, X, c, 0, Y, c);
-        round_all(rounding, Y, r * c);
+        product(rounding, false, false, r, c, r, 1.0, Q, r, X, c, 0.0, Y, c);
         std::copy_n(Y, r * c, X);
     };
     gram();
@@ -97,9 +102,7 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
         }
         // Z = b R + c R R: the polynomial of this iteration is Q_i = a I + Z.
         std::copy_n(R, r * r, Z);
-        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), R, r, R, r, static_cast<T>(k.b), Z,
-                     r);
-        round_all(rounding, Z, r * r);
+        product(rounding, false, false, r, r, r, k.c, R, r, R, r, k.b, Z, r);
         if (fresh) {
             // Q = I (start or restart): Q Q_i = a I + Z.
             std::copy_n(Z, r * r, Q);
@@ -108,17 +111,14 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
         } else {
             // Q <- Q Q_i = a Q + Q Z (the Q's and R are polynomials in R_0: they commute).
             std::copy_n(Q, r * r, S);
-            cpu::gemm<T>(false, false, r, r, r, 1, S, r, Z, r, static_cast<T>(k.a), Q, r);
-            round_all(rounding, Q, r * r);
+            product(rounding, false, false, r, r, r, 1.0, S, r, Z, r, k.a, Q, r);
         }
         if (i + 1 < steps && !restart_at(i + 1)) {
             // R <- Q_i R Q_i: RZ = a R + R Z = R Q_i, then R = a RZ + Z RZ = Q_i R Q_i.
             std::copy_n(R, r * r, RZ);
-            cpu::gemm<T>(false, false, r, r, r, 1, R, r, Z, r, static_cast<T>(k.a), RZ, r);
-            round_all(rounding, RZ, r * r);
+            product(rounding, false, false, r, r, r, 1.0, R, r, Z, r, k.a, RZ, r);
             std::copy_n(RZ, r * r, R);
-            cpu::gemm<T>(false, false, r, r, r, 1, Z, r, RZ, r, static_cast<T>(k.a), R, r);
-            round_all(rounding, R, r * r);
+            product(rounding, false, false, r, r, r, 1.0, Z, r, RZ, r, k.a, R, r);
         }
     }
     apply_q();
@@ -126,8 +126,8 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
 }
 
 template <typename T>
-void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
-                           std::vector<T>& ws, NsRounding rounding) {
+void newton_schulz(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
+                   std::vector<T>& ws, NsRounding rounding) {
     const int64_t r = std::min(m, n), c = std::max(m, n);
     ws.resize(static_cast<size_t>(2 * r * c + 2 * r * r));
     T* X = ws.data();
@@ -137,28 +137,24 @@ void newton_schulz_rounded(T* x, int64_t m, int64_t n, int64_t steps, const std:
     load_wide(x, m, n, X, rounding);
     for (int64_t s = 0; s < steps; ++s) {
         const MuonCoefficients k = muon_ns_coefficients(type, s);
-        cpu::gemm<T>(false, true, r, r, c, 1, X, c, X, c, 0, A, r);  // A = X Xᵀ
-        round_all(rounding, A, r * r);
-        std::copy_n(A, r * r, B);  // B = b A + c A A
-        cpu::gemm<T>(false, false, r, r, r, static_cast<T>(k.c), A, r, A, r, static_cast<T>(k.b), B,
-                     r);
-        round_all(rounding, B, r * r);
+        product(rounding, false, true, r, r, c, 1.0, X, c, X, c, 0.0, A, r);  // A = X Xᵀ
+        std::copy_n(A, r * r, B);                                             // B = b A + c A A
+        product(rounding, false, false, r, r, r, k.c, A, r, A, r, k.b, B, r);
         std::copy_n(X, r * c, Y);  // X = a X + B X
-        cpu::gemm<T>(false, false, r, c, r, 1, B, r, Y, c, static_cast<T>(k.a), X, c);
-        round_all(rounding, X, r * c);
+        product(rounding, false, false, r, c, r, 1.0, B, r, Y, c, k.a, X, c);
     }
     store_wide(X, m, n, x);
 }
 
+template void newton_schulz<float>(float*, int64_t, int64_t, int64_t, const std::string&,
+                                   std::vector<float>&, NsRounding);
+template void newton_schulz<double>(double*, int64_t, int64_t, int64_t, const std::string&,
+                                    std::vector<double>&, NsRounding);
 template void newton_schulz_gram<float>(float*, int64_t, int64_t, int64_t, const std::string&,
                                         const std::vector<int64_t>&, std::vector<float>&,
                                         NsRounding);
 template void newton_schulz_gram<double>(double*, int64_t, int64_t, int64_t, const std::string&,
                                          const std::vector<int64_t>&, std::vector<double>&,
                                          NsRounding);
-template void newton_schulz_rounded<float>(float*, int64_t, int64_t, int64_t, const std::string&,
-                                           std::vector<float>&, NsRounding);
-template void newton_schulz_rounded<double>(double*, int64_t, int64_t, int64_t, const std::string&,
-                                            std::vector<double>&, NsRounding);
 
 }  // namespace sparsetron

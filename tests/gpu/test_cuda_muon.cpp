@@ -52,6 +52,13 @@ MuonSplit per_head(int64_t heads, int64_t first, int64_t second, bool per_projec
     return muon_split_for(p, m, r);
 }
 
+// An IEEE half's bits as a number (normals, subnormals; the values here are finite).
+double half_bits_to_double(uint16_t h) {
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const double v = e == 0 ? std::ldexp(double(m), -24) : std::ldexp(double(1024 + m), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+
 MuonSplit whole(int64_t rows) {
     MuonSplit s;
     s.slices.push_back({{{0, rows}}});
@@ -62,8 +69,9 @@ MuonSplit whole(int64_t rows) {
 // slice of every parameter; `skipped` must leave its group's parameters unchanged. With
 // `fused_momentum` the gather updates the momentum itself (M = beta M + (1 - beta) G scale,
 // checked, and left alone in the skipped group); otherwise the given momentum is the updated one.
+// With `gram` every batch runs the Gram form (newton_schulz_gram_batch, restart at 2).
 double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, bool tf32,
-                int32_t skipped_group, bool fused_momentum = false) {
+                int32_t skipped_group, bool fused_momentum = false, bool gram = false) {
     const float beta = 0.9f, step = 0.5f;
     const std::vector<float> scales{0.7f, 1.3f};
     std::vector<HostParam> ps{
@@ -98,14 +106,14 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     // clipping groups), the [4, 40] ones share one, the tall matrices go alone.
     const auto batches = plan_muon_batches(splits, shapes, 1000);
     std::vector<cuda::MuonDeviceProblem> table;
-    int64_t stack = 0, gram = 0, norms = 0;
+    int64_t stack = 0, squares = 0, norms = 0;
     for (const MuonBatch& b : batches) {
         for (const MuonProblem& q : b.problems)
             table.push_back({g[q.param]->get(), m[q.param]->get(), w[q.param]->get(),
                              wb[q.param]->get(), q.row0, q.seg_rows, q.seg_stride,
                              ps[q.param].group, decays(size_t(q.param)) ? 1 : 0});
         stack = std::max(stack, b.elements());
-        gram = std::max(gram, b.count() * b.rr() * b.rr());
+        squares = std::max(squares, b.count() * b.rr() * b.rr());
         norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
     }
     EXPECT_EQ(batches.size(), 7u);
@@ -113,7 +121,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
     DeviceArray<float> dstack(stack), dnorms(norms), dscales(scales), dlr(std::vector<float>{lr});
     DeviceArray<int32_t> dskips(std::vector<int32_t>{skipped_group == 0, skipped_group == 1});
-    DeviceArray<uint8_t> ws((2 * stack + 2 * gram) * int64_t(dtype_size(elem)));
+    DeviceArray<uint8_t> ws((2 * stack + cuda::kGramSquares * squares) * int64_t(dtype_size(elem)));
     std::vector<std::array<float, 3>> coeff;
     for (int64_t k = 0; k < 5; ++k) {
         const auto c = muon_ns_coefficients("quintic", k);
@@ -128,8 +136,15 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         uint8_t* B = A + b.count() * b.rr() * b.rr() * es;
         cuda::muon_gather_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), beta, true,
                                 dscales, dstack, fused_momentum ? dskips.get() : nullptr);
-        cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W);
-        cuda::newton_schulz_batch(ctx, W, Y, A, B, b.count(), b.rr(), b.cc(), coeff, elem, tf32);
+        const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
+        cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W,
+                                   x_scale);
+        if (gram)
+            cuda::newton_schulz_gram_batch(ctx, W, Y, A, b.count(), b.rr(), b.cc(), coeff,
+                                           gram_ns_restarts(), elem, tf32, x_scale);
+        else
+            cuda::newton_schulz_batch(ctx, W, Y, A, B, b.count(), b.rr(), b.cc(), coeff, elem,
+                                      tf32);
         cuda::muon_apply_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), W, elem, step,
                                dskips, dlr, wd);
         dt += b.count();
@@ -205,11 +220,19 @@ TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
     const double tf32 = run_case(ctx, session, DType::F32, true, 1);
     const double bf16 = run_case(ctx, session, DType::BF16, false, 0);
     const double fused = run_case(ctx, session, DType::F32, false, 1, true);
+    // The Gram form through the same gather / normalize / apply: fp32 and the fp16 products the
+    // optimizer uses under bf16 matmul precision.
+    const double gram32 = run_case(ctx, session, DType::F32, false, 0, false, true);
+    const double gram16 = run_case(ctx, session, DType::F16, false, 1, true, true);
     std::cout << "[harness] batched Newton-Schulz update vs fp64 CPU, normalized error: fp32 "
               << fp32 << ", tf32 " << tf32 << ", bf16 " << bf16
-              << ", fp32 with the momentum updated in the gather " << fused << "\n";
+              << ", fp32 with the momentum updated in the gather " << fused << ", Gram form fp32 "
+              << gram32 << ", Gram form fp16 " << gram16 << "\n";
     EXPECT_LT(fp32, 1e-4);
     EXPECT_LT(fused, 1e-4);
+    EXPECT_LT(gram32, 1e-4);
+    EXPECT_GT(gram16, 5e-5);  // fp16 products, not fp32 ones
+    EXPECT_LT(gram16, bf16);
     EXPECT_GT(tf32, 5e-6);
     EXPECT_LT(tf32, 1e-2);
     EXPECT_GT(bf16, 5e-4);
@@ -276,6 +299,138 @@ TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
         EXPECT_LT(fp32, 1e-4);
         EXPECT_LT(bf16e, 5e-2);
     }
+}
+
+namespace {
+
+// Newton-Schulz of the normalized batch x [count, rr, cc] on the device in `elem`, by the Gram
+// form (restarts as given) or the standard one, read back as floats.
+std::vector<float> device_newton_schulz(cuda::CudaSession& session, const std::vector<float>& x,
+                                        int64_t count, int64_t rr, int64_t cc, DType elem,
+                                        bool gram, const std::vector<int64_t>& restarts) {
+    const ExecContext& ctx = session.ctx();
+    std::vector<std::array<float, 3>> coeff;
+    for (int64_t k = 0; k < 5; ++k) {
+        const auto c = muon_ns_coefficients("quintic", k);
+        coeff.push_back({float(c.a), float(c.b), float(c.c)});
+    }
+    const int64_t n = rr * cc, es = int64_t(dtype_size(elem));
+    DeviceArray<uint8_t> w(count * n * es), y(count * n * es),
+        sq(cuda::kGramSquares * count * rr * rr * es);
+    DeviceArray<float> xf(x);
+    DeviceArray<float> norms(cuda::muon_normalize_floats(count, n));
+    // x is normalized already: this converts it to elem (times the Gram form's scale).
+    const float x_scale = gram ? cuda::gram_ns_x_scale(rr, cc) : 1.f;
+    cuda::muon_normalize_batch(ctx, xf, count, n, 0.f, norms, elem, w.get(), x_scale);
+    if (gram)
+        cuda::newton_schulz_gram_batch(ctx, w.get(), y.get(), sq.get(), count, rr, cc, coeff,
+                                       restarts, elem, false, x_scale);
+    else
+        cuda::newton_schulz_batch(ctx, w.get(), y.get(), sq.get(), sq.get() + count * rr * rr * es,
+                                  count, rr, cc, coeff, elem, false);
+    session.synchronize();
+    std::vector<float> got(size_t(count * n));
+    if (elem == DType::F32) {
+        copy_to_host(got.data(), w.get(), got.size() * 4);
+    } else {
+        std::vector<uint16_t> h(got.size());
+        copy_to_host(h.data(), w.get(), h.size() * 2);
+        for (size_t i = 0; i < h.size(); ++i)
+            got[i] =
+                elem == DType::BF16 ? bf16_to_float(bf16{h[i]}) : float(half_bits_to_double(h[i]));
+    }
+    return got;
+}
+
+// [count, rr, cc] of Gaussian rows scaled by 50^(-i / rr) (a spectrum spanning ~50x: random
+// matrices are well conditioned, and small singular values are where reduced precision fails),
+// each normalized to unit Frobenius norm.
+std::vector<double> spread_batch(int64_t count, int64_t rr, int64_t cc, uint64_t seed) {
+    const int64_t n = rr * cc;
+    std::vector<double> x(size_t(count * n));
+    for (int64_t p = 0; p < count; ++p) {
+        auto raw = random_vector<double>(size_t(n), seed + uint64_t(p));
+        double norm = 0;
+        for (int64_t i = 0; i < rr; ++i)
+            for (int64_t j = 0; j < cc; ++j) {
+                double& v = raw[size_t(i * cc + j)];
+                v *= std::pow(50.0, -double(i) / double(rr));
+                norm += v * v;
+            }
+        for (int64_t i = 0; i < n; ++i) x[size_t(p * n + i)] = raw[size_t(i)] / std::sqrt(norm);
+    }
+    return x;
+}
+
+template <typename R>
+double relative_error(const std::vector<float>& got, const std::vector<R>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+        num += (got[i] - double(ref[i])) * (got[i] - double(ref[i])),
+            den += double(ref[i]) * double(ref[i]);
+    return std::sqrt(num / den);
+}
+
+}  // namespace
+
+// The Gram form against fp64 standard Newton-Schulz on the CPU (equal in exact arithmetic), on a
+// batch with the blocked symmetric products (rr = 512) and one with full ones (rr = 96). Restart
+// sets {2} and {} (the iterate ends in w after two Q X products or is copied back after one).
+// fp32 must be fp32-sized; fp16 must beat the standard form in bf16, the mode it replaces (the CPU
+// emulation measured 3-5x).
+TEST(CudaMuon, GramNewtonSchulzMatchesCpu) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    struct Shape {
+        int64_t count, rr, cc;
+    };
+    for (const Shape sh : {Shape{2, 512, 1536}, Shape{3, 96, 384}}) {
+        const int64_t count = sh.count, rr = sh.rr, cc = sh.cc, n = rr * cc;
+        std::vector<double> ref = spread_batch(count, rr, cc, 700), ws;
+        const std::vector<float> x(ref.begin(), ref.end());
+        for (int64_t p = 0; p < count; ++p)
+            newton_schulz<double>(ref.data() + p * n, rr, cc, 5, "quintic", ws);
+        auto error = [&](DType elem, bool gram, const std::vector<int64_t>& restarts) {
+            return relative_error(
+                device_newton_schulz(session, x, count, rr, cc, elem, gram, restarts), ref);
+        };
+        const double gram32 = error(DType::F32, true, gram_ns_restarts());
+        const double gram32_no_restart = error(DType::F32, true, {});
+        const double gram16 = error(DType::F16, true, gram_ns_restarts());
+        const double standard_bf16 = error(DType::BF16, false, {});
+        const double standard_fp16 = error(DType::F16, false, {});
+        std::cout << "[harness] Gram Newton-Schulz [" << count << " x " << rr << " x " << cc
+                  << "] vs fp64 CPU: fp32 " << gram32 << " (no restart " << gram32_no_restart
+                  << "), fp16 " << gram16 << "; standard form bf16 " << standard_bf16 << ", fp16 "
+                  << standard_fp16 << "\n";
+        EXPECT_LT(gram32, 1e-4);
+        EXPECT_LT(gram32_no_restart, 1e-4);
+        EXPECT_LT(gram16, standard_bf16);
+        EXPECT_LT(gram16, 3e-2);
+        EXPECT_GT(gram16, 1e-5);  // really fp16
+    }
+}
+
+// A large matrix, [4096, 16384] (the proxy's largest is [6144, 24576]): unscaled, its normalized
+// entries (rms 1.2e-4) and R's entries (diagonal ~2.4e-4, off-diagonal ~2e-6) would sit at or
+// below fp16's smallest normal, 6.1e-5. The reference is the standard form in fp32 on the device
+// (6e-7 from fp64 on the small batches above).
+TEST(CudaMuon, GramNewtonSchulzLargeMatrixInFp16) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const int64_t rr = 4096, cc = 16384;
+    const auto x64 = spread_batch(1, rr, cc, 800);
+    const std::vector<float> x(x64.begin(), x64.end());
+    const auto ref = device_newton_schulz(session, x, 1, rr, cc, DType::F32, false, {});
+    const double gram16 = relative_error(
+        device_newton_schulz(session, x, 1, rr, cc, DType::F16, true, gram_ns_restarts()), ref);
+    const double standard_bf16 =
+        relative_error(device_newton_schulz(session, x, 1, rr, cc, DType::BF16, false, {}), ref);
+    std::cout << "[harness] Gram Newton-Schulz [" << rr << " x " << cc
+              << "] vs the fp32 standard form: fp16 " << gram16 << "; standard form bf16 "
+              << standard_bf16 << "\n";
+    EXPECT_LT(gram16, standard_bf16);
+    EXPECT_GT(gram16, 1e-5);
 }
 
 #endif

@@ -73,10 +73,21 @@ TEST(CudaTraining, TinyRecipeMatchesCpuForFiveSteps) {
     }
 }
 
-// Muon (per-head split) and e2e_tv with detached heads on the device against the CPU.
+void muon_and_e2e_tv_match_cpu(const std::string& method);
+
+// Muon (per-head split) and e2e_tv with detached heads on the device against the CPU, with each
+// Newton-Schulz form (the Gram form runs in fp16 on the device, fp32 on the CPU).
 TEST(CudaTraining, MuonAndE2eTvMatchCpu) {
     REQUIRE_GPU();
+    for (const char* method : {"standard", "gram"}) {
+        SCOPED_TRACE(method);
+        muon_and_e2e_tv_match_cpu(method);
+    }
+}
+
+void muon_and_e2e_tv_match_cpu(const std::string& method) {
     Recipe r = builtin_tiny_recipe();
+    r.run.muon_ns_method = method;
     r.run.train_iters = 4;
     r.run.save_interval = 0;
     r.run.optimizer = "muon";
@@ -88,10 +99,10 @@ TEST(CudaTraining, MuonAndE2eTvMatchCpu) {
     auto gpu = train(r, Device::CUDA, test::temp_dir("cuda"));
     ASSERT_EQ(gpu.size(), cpu.size());
     for (size_t i = 0; i < cpu.size(); ++i) {
-        std::cout << "[training muon] step " << i + 1 << ": lm " << gpu[i].lm_loss << " vs "
-                  << cpu[i].lm_loss << ", mtp " << gpu[i].mtp_loss << " vs " << cpu[i].mtp_loss
-                  << ", grad_norm_mtp " << gpu[i].grad_norm_mtp << " vs " << cpu[i].grad_norm_mtp
-                  << "\n";
+        std::cout << "[training muon " << method << "] step " << i + 1 << ": lm " << gpu[i].lm_loss
+                  << " vs " << cpu[i].lm_loss << ", mtp " << gpu[i].mtp_loss << " vs "
+                  << cpu[i].mtp_loss << ", grad_norm_mtp " << gpu[i].grad_norm_mtp << " vs "
+                  << cpu[i].grad_norm_mtp << "\n";
         EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 5e-3 * cpu[i].lm_loss);
         EXPECT_NEAR(gpu[i].mtp_loss, cpu[i].mtp_loss, 5e-2 * cpu[i].mtp_loss + 1e-6);
         EXPECT_GT(gpu[i].grad_norm_mtp, 0);

@@ -123,3 +123,20 @@ TEST(NewtonSchulzGram, HalfPrecisionErrorsAgainstFp64) {
         EXPECT_LT(gram_fp16, std_bf16 / 2);
     }
 }
+
+// The FLOP model that picks the form per matrix (muon_ns_method: gram). By hand for 5 steps and a
+// restart at 2, in units of r^3 with c = 4 r: standard 5 (0.75 * 4 + 0.75 + 4) = 38.75; Gram 0.75
+// * 4 + 4 (first X Xᵀ, final Q X) + 4 + 0.75 * 4 (the restart's Q X and X Xᵀ) + 0.75 (5 Z + 3 Q
+// updates + 2 x 3 R updates) = 24.5. The Gram form pays from c ~ 1.3 r.
+TEST(NewtonSchulzGram, CostModelPicksTheCheaperForm) {
+    const int64_t r = 256;
+    const double r3 = double(r) * r * r;
+    EXPECT_NEAR(newton_schulz_cost(r, 4 * r, 5) / r3, 38.75, 1e-12);
+    EXPECT_NEAR(newton_schulz_gram_cost(r, 4 * r, 5, gram_ns_restarts()) / r3, 24.5, 1e-12);
+    // Without the restart: 0.75 * 4 + 4 + 0.75 (5 Z + 4 Q + 2 x 4 R) = 19.75.
+    EXPECT_NEAR(newton_schulz_gram_cost(r, 4 * r, 5, {}) / r3, 19.75, 1e-12);
+    EXPECT_FALSE(gram_ns_pays(r, r, 5));
+    EXPECT_FALSE(gram_ns_pays(r, r * 5 / 4, 5));
+    EXPECT_TRUE(gram_ns_pays(r, r * 4 / 3, 5));
+    EXPECT_TRUE(gram_ns_pays(96, 768, 5));
+}

@@ -50,7 +50,7 @@ struct RunConfig {
     std::string muon_coefficient_type = "quintic";
     int64_t muon_num_ns_steps = 5;
     std::string muon_fp32_matmul_prec = "medium";
-    std::string muon_ns_method = "standard";  // engine key: "standard" | "gram" (CPU only so far)
+    std::string muon_ns_method = "standard";  // engine key: "standard" | "gram"
 
     // Parallel layout (SPEC §10).
     int64_t tensor_model_parallel_size = 1;

@@ -18,6 +18,8 @@ size_t dtype_size(DType t) {
             return 8;
         case DType::U8:
             return 1;
+        case DType::F16:
+            return 2;
     }
     ST_ASSERT(false, "unknown dtype");
     return 0;
@@ -37,6 +39,8 @@ const char* dtype_name(DType t) {
             return "int64";
         case DType::U8:
             return "uint8";
+        case DType::F16:
+            return "fp16";
     }
     return "?";
 }
@@ -55,6 +59,8 @@ const char* dtype_safetensors_name(DType t) {
             return "I64";
         case DType::U8:
             return "U8";
+        case DType::F16:
+            return "F16";
     }
     return "?";
 }

@@ -7,7 +7,9 @@
 
 namespace sparsetron {
 
-enum class DType : uint8_t { F32, F64, BF16, I32, I64, U8 };
+// F16 (IEEE half) is a device compute type only (the Gram form of Muon's Newton-Schulz runs its
+// products in it); tensors and checkpoints never hold it.
+enum class DType : uint8_t { F32, F64, BF16, I32, I64, U8, F16 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

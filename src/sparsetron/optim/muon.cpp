@@ -1,5 +1,6 @@
 #include "sparsetron/optim/muon.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "sparsetron/core/error.h"
@@ -119,7 +120,8 @@ void Muon::step(const MemoryPlan& plan, const RunConfig& r, double lr, double gr
                                     ? (1.0 - beta) * double(g[k]) * grad_scale + beta * mom[k]
                                     : double(mom[k]));
                         }
-                if (r.muon_ns_method == "gram")
+                if (r.muon_ns_method == "gram" &&
+                    gram_ns_pays(std::min(rows, cols), std::max(rows, cols), r.muon_num_ns_steps))
                     newton_schulz_gram(slice.data(), rows, cols, r.muon_num_ns_steps,
                                        r.muon_coefficient_type, gram_ns_restarts(), ws);
                 else

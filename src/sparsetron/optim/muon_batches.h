@@ -30,10 +30,6 @@ struct MuonBatch {
     bool transposed() const { return rows > cols; }
     int64_t rr() const { return transposed() ? cols : rows; }
     int64_t cc() const { return transposed() ? rows : cols; }
-    // Multiply-adds of one Newton-Schulz iteration over the batch / 2: X X^T, A A, B X.
-    double ns_cost() const {
-        return double(count()) * double(rr()) * double(rr()) * double(2 * cc() + rr());
-    }
 };
 
 // The batches for parameters with these splits (an empty split: not a Muon parameter) and

@@ -70,6 +70,33 @@ void store_wide(const T* X, int64_t m, int64_t n, T* x) {
 
 }  // namespace
 
+double newton_schulz_cost(int64_t r, int64_t c, int64_t steps) {
+    const double r2c = double(r) * double(r) * double(c), r3 = double(r) * double(r) * double(r);
+    return double(steps) * (0.75 * r2c + 0.75 * r3 + r2c);  // X Xᵀ, A A, B X
+}
+
+double newton_schulz_gram_cost(int64_t r, int64_t c, int64_t steps,
+                               const std::vector<int64_t>& restarts) {
+    const double r2c = double(r) * double(r) * double(c), r3 = double(r) * double(r) * double(r);
+    auto restart_at = [&](int64_t i) {
+        return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+    };
+    // The first Gram matrix and the final Q X; per restart Q X and a new Gram matrix.
+    double cost = 0.75 * r2c + r2c;
+    for (int64_t i = 0; i < steps; ++i) {
+        if (restart_at(i)) cost += r2c + 0.75 * r2c;
+        cost += 0.75 * r3;                                               // Z = b R + c R R
+        if (i > 0 && !restart_at(i)) cost += 0.75 * r3;                  // Q <- Q (a I + Z)
+        if (i + 1 < steps && !restart_at(i + 1)) cost += 2 * 0.75 * r3;  // R <- Q_i R Q_i
+    }
+    return cost;
+}
+
+bool gram_ns_pays(int64_t r, int64_t c, int64_t steps) {
+    return newton_schulz_gram_cost(r, c, steps, gram_ns_restarts()) <
+           newton_schulz_cost(r, c, steps);
+}
+
 template <typename T>
 void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
                         const std::vector<int64_t>& restarts, std::vector<T>& ws,

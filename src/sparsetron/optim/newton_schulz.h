@@ -28,6 +28,18 @@ inline const std::vector<int64_t>& gram_ns_restarts() {
     return at;
 }
 
+// Multiply-adds of Newton-Schulz on one wide [r, c] matrix (r <= c) in each form, a product whose
+// result is symmetric counted at 3/4 (the CUDA backend computes two diagonal half-blocks and one
+// off-diagonal one): X Xᵀ and A A in the standard form; X Xᵀ and every [r, r] product in the
+// Gram form (they are polynomials in the same R_0, so they commute and their products are
+// symmetric).
+double newton_schulz_cost(int64_t r, int64_t c, int64_t steps);
+double newton_schulz_gram_cost(int64_t r, int64_t c, int64_t steps,
+                               const std::vector<int64_t>& restarts);
+// `muon_ns_method: gram` uses the Gram form for a matrix where it costs less (with 5 steps and
+// one restart: c > ~1.3 r) and the standard iteration elsewhere (square-ish matrices).
+bool gram_ns_pays(int64_t r, int64_t c, int64_t steps);
+
 // X [m, n] <- NS_steps(X / ||X||_F) in place (transposed to the wide orientation internally), by
 // SPEC §7's standard iteration; `rounding` emulates reduced-precision products.
 template <typename T>

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -63,6 +64,13 @@ __device__ __forceinline__ void st(bf* p, float v) {
 }
 __device__ __forceinline__ void st(float* p, float v) {
     *p = v;
+}
+// IEEE half: only the Gram form of Muon's Newton-Schulz stores it (muon_batch.cu).
+__device__ __forceinline__ float ld(const __half* p) {
+    return __half2float(*p);
+}
+__device__ __forceinline__ void st(__half* p, float v) {
+    *p = __float2half_rn(v);
 }
 
 // Eight bf16 as one 16-byte access, unpacked to / packed from floats (round to nearest even).

@@ -12,6 +12,8 @@ cudaDataType_t lt_type(DType t) {
             return CUDA_R_16BF;
         case DType::F32:
             return CUDA_R_32F;
+        case DType::F16:
+            return CUDA_R_16F;
         default:
             throw Error(cat("cuda::gemm: unsupported element type ", dtype_name(t)));
     }

@@ -5,6 +5,8 @@
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 namespace sparsetron::cuda {
@@ -123,7 +125,8 @@ __global__ void norm_partials_kernel(const float* x, int64_t n, int64_t blocks, 
 // One block per matrix: strided double sums, then a fixed-order tree (deterministic). One thread
 // per matrix summed up to 6144 partials serially (a big matrix alone in its batch): 80 us per
 // launch on the proxy.
-__global__ void inverse_norms_kernel(const float* partials, int64_t blocks, float eps, float* inv) {
+__global__ void inverse_norms_kernel(const float* partials, int64_t blocks, float eps, float scale,
+                                     float* inv) {
     __shared__ double part[kThreads];
     const float* mine = partials + int64_t(blockIdx.x) * blocks;
     double s = 0;
@@ -134,7 +137,7 @@ __global__ void inverse_norms_kernel(const float* partials, int64_t blocks, floa
         if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
         __syncthreads();
     }
-    if (threadIdx.x == 0) inv[blockIdx.x] = float(1.0 / (sqrt(part[0]) + double(eps)));
+    if (threadIdx.x == 0) inv[blockIdx.x] = float(double(scale) / (sqrt(part[0]) + double(eps)));
 }
 
 template <typename E>
@@ -166,39 +169,75 @@ __global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
 // one GEMM is faster there).
 constexpr int64_t kSymmetricMin = 512;
 
-// out = alpha X X^T + beta c_in for a batch of X [rr, k] (stride xs) and out, c_in [rr, rr] (stride
-// os; c_in may be out).
-// The product is symmetric: for an even rr >= kSymmetricMin the two diagonal blocks and the
-// lower-left block are three GEMMs of half the rows (3/4 of the FLOPs), the upper-right block a
-// transposed copy. SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
-void symmetric_product(const ExecContext& ctx, const void* x, int64_t rr, int64_t k, float alpha,
-                       float beta, const void* c_in, void* out, DType elem, int64_t count,
-                       int64_t xs, int64_t os, bool tf32) {
+// out = alpha X Z^T + beta c_in for a batch of X, Z [rr, k] (stride xs; Z may be X) and out, c_in
+// [rr, rr] (stride os; c_in may be out), where the product is known to be symmetric: X X^T, and
+// in the Gram form products of symmetric matrices that commute. For an even rr >= kSymmetricMin
+// the two diagonal blocks and the lower-left block are three GEMMs of half the rows (3/4 of the
+// FLOPs), the upper-right block a transposed copy (exactly symmetric output).
+// SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
+void symmetric_product(const ExecContext& ctx, const void* x, const void* z, int64_t rr, int64_t k,
+                       float alpha, float beta, const void* c_in, void* out, DType elem,
+                       int64_t count, int64_t xs, int64_t os, bool tf32) {
     static const bool full = env_is("SPARSETRON_NS_FULL_GEMMS", "1");
     const GemmBatch g{count, xs, xs, os, tf32};
     if (full || rr < kSymmetricMin || rr % 2 != 0) {
-        gemm_out(ctx, false, true, rr, rr, k, alpha, x, k, x, k, beta, c_in, out, rr, elem, elem,
+        gemm_out(ctx, false, true, rr, rr, k, alpha, x, k, z, k, beta, c_in, out, rr, elem, elem,
                  g);
         return;
     }
     const int64_t m = rr / 2, es = int64_t(dtype_size(elem));
     const char* x1 = static_cast<const char*>(x);
     const char* x2 = x1 + m * k * es;
+    const char* z1 = static_cast<const char*>(z);
+    const char* z2 = z1 + m * k * es;
     const char* ci = static_cast<const char*>(c_in);
     char* o = static_cast<char*>(out);
-    gemm_out(ctx, false, true, m, m, k, alpha, x1, k, x1, k, beta, ci, o, rr, elem, elem, g);
-    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, x1, k, beta, ci + m * rr * es,
+    gemm_out(ctx, false, true, m, m, k, alpha, x1, k, z1, k, beta, ci, o, rr, elem, elem, g);
+    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, z1, k, beta, ci + m * rr * es,
              o + m * rr * es, rr, elem, elem, g);
-    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, x2, k, beta, ci + (m * rr + m) * es,
+    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, z2, k, beta, ci + (m * rr + m) * es,
              o + (m * rr + m) * es, rr, elem, elem, g);
     ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
     const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
         block(kTile, kTileRows);
-    if (elem == DType::BF16)
+    if (es == 2)
         mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<uint16_t*>(out), m, os);
     else
         mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<float*>(out), m, os);
     ST_CUDA_LAUNCH_CHECK();
+}
+
+// out[p] = scale in[p] + a I for [rr, rr] matrices (the Gram form's first polynomial,
+// Q = a I + Z from t Z); with rr = 1 (and a = 0) a plain scaling of `total` elements.
+template <typename E>
+__global__ void add_identity_kernel(const E* in, float scale, float a, int64_t rr, int64_t total,
+                                    E* out) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t e = i % (rr * rr);
+        st(out + i, scale * ld(in + i) + (e / rr == e % rr ? a : 0.f));
+    }
+}
+
+void add_identity(const ExecContext& ctx, const void* in, float scale, float a, int64_t count,
+                  int64_t rr, DType elem, void* out) {
+    const int64_t total = count * rr * rr;
+    const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));
+    if (elem == DType::F16)
+        add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+            static_cast<const __half*>(in), scale, a, rr, total, static_cast<__half*>(out));
+    else if (elem == DType::BF16)
+        add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+            static_cast<const bf*>(in), scale, a, rr, total, static_cast<bf*>(out));
+    else
+        add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+            static_cast<const float*>(in), scale, a, rr, total, static_cast<float*>(out));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+// x *= scale over n elements of `elem`.
+void scale_batch(const ExecContext& ctx, void* x, int64_t n, float scale, DType elem) {
+    add_identity(ctx, x, scale, 0.f, n, 1, elem, x);
 }
 
 dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
@@ -232,7 +271,7 @@ int64_t muon_normalize_floats(int64_t count, int64_t n) {
 }
 
 void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
-                          float eps, float* ws, DType w_type, void* w) {
+                          float eps, float* ws, DType w_type, void* w, float scale) {
     if (count == 0 || n == 0) return;
     const int64_t blocks = norm_blocks(n);
     ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
@@ -240,12 +279,16 @@ void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count,
     norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
         x, n, blocks, ws);
     ST_CUDA_LAUNCH_CHECK();
-    inverse_norms_kernel<<<unsigned(count), kThreads, 0, stream_of(ctx)>>>(ws, blocks, eps, inv);
+    inverse_norms_kernel<<<unsigned(count), kThreads, 0, stream_of(ctx)>>>(ws, blocks, eps, scale,
+                                                                           inv);
     ST_CUDA_LAUNCH_CHECK();
     const int64_t total = count * n;
     const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));
     if (w_type == DType::BF16)
         scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, total, n, inv, static_cast<bf*>(w));
+    else if (w_type == DType::F16)
+        scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, total, n, inv,
+                                                            static_cast<__half*>(w));
     else
         scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, total, n, inv,
                                                             static_cast<float*>(w));
@@ -257,8 +300,8 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
                          const std::vector<std::array<float, 3>>& coefficients, DType elem,
                          bool tf32) {
     ST_CHECK(rr <= cc, "newton_schulz_batch wants the wide orientation, got ", rr, " x ", cc);
-    ST_CHECK(elem == DType::F32 || elem == DType::BF16,
-             "newton_schulz_batch: F32 or BF16 elements, got ", dtype_name(elem));
+    ST_CHECK(elem == DType::F32 || elem == DType::BF16 || elem == DType::F16,
+             "newton_schulz_batch: F32, BF16 or F16 elements, got ", dtype_name(elem));
     const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr;
     GemmBatch bx{count, n2, n, n, tf32};
     // The iterate alternates between w and y (each GEMM reads one and writes the other, its C
@@ -267,9 +310,9 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     static const bool copies = env_is("SPARSETRON_NS_COPIES", "1");  // the old form, for A/B
     if (copies) {
         for (const auto& [ca, cb, cc_] : coefficients) {
-            symmetric_product(ctx, w, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+            symmetric_product(ctx, w, w, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
             copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
-            symmetric_product(ctx, a, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
+            symmetric_product(ctx, a, a, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
             copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
             gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
         }
@@ -279,14 +322,91 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     void* next = y;
     for (const auto& [ca, cb, cc_] : coefficients) {
         // A = X X^T and A A = A A^T are symmetric.
-        symmetric_product(ctx, cur, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+        symmetric_product(ctx, cur, cur, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
         // B = c A A + b A
-        symmetric_product(ctx, a, rr, rr, cc_, cb, a, b, elem, count, n2, n2, tf32);
+        symmetric_product(ctx, a, a, rr, rr, cc_, cb, a, b, elem, count, n2, n2, tf32);
         // X' = B X + a X
         gemm_out(ctx, false, false, rr, cc, rr, 1.f, b, rr, cur, cc, ca, cur, next, cc, elem, elem,
                  bx);
         std::swap(cur, next);
     }
+    if (cur != w) copy_2d(ctx, w, count * n * es, cur, count * n * es, count * n * es, 1);
+}
+
+float gram_ns_x_scale(int64_t rr, int64_t cc) {
+    // ~sqrt(rr cc): the normalized entries' rms near 1. Every |entry| of a unit-norm X is <= 1, so
+    // the cap keeps s X (and Q s X, whose singular values stay below ~1.2 s) under fp16's 65504.
+    const int e = int(std::lround(0.5 * std::log2(double(rr) * double(cc))));
+    return std::ldexp(1.f, std::clamp(e, 0, 14));
+}
+
+void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* squares,
+                              int64_t count, int64_t rr, int64_t cc,
+                              const std::vector<std::array<float, 3>>& coefficients,
+                              const std::vector<int64_t>& restarts, DType elem, bool tf32,
+                              float x_scale) {
+    ST_CHECK(rr <= cc, "newton_schulz_gram_batch wants the wide orientation, got ", rr, " x ", cc);
+    ST_CHECK(elem == DType::F32 || elem == DType::BF16 || elem == DType::F16,
+             "newton_schulz_gram_batch: F32, BF16 or F16 elements, got ", dtype_name(elem));
+    const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr, steps = coefficients.size();
+    // The [rr, rr] matrices R and Z are stored times t ~ rr (a power of two: exact): R's
+    // eigenvalues average 1 / rr (trace 1), so unscaled the entries of a large R sit in fp16's
+    // subnormals, whose absolute quantum 6e-8 would perturb its typical eigenvalues (~1.6e-4 at
+    // rr = 6144) by ~2%. Scaled, |t Z| <= 4.1 t stays below 65504 (t <= 4096). Q (eigenvalues in
+    // [1, ~16]) is stored as is; x_scale (s) likewise keeps X's entries normal. Every scale is
+    // folded into a GEMM's fp32 alpha and beta.
+    const float t = std::ldexp(1.f, std::min(12, int(std::floor(std::log2(double(rr))))));
+    const float s = x_scale;
+    char* sq = static_cast<char*>(squares);
+    void* R = sq;                         // t R
+    void* Z = sq + count * n2 * es;       // t Z
+    void* RZ = sq + 2 * count * n2 * es;  // t R Q_i
+    void* Q = sq + 3 * count * n2 * es;
+    void* Q_next = sq + 4 * count * n2 * es;
+    auto restart_at = [&](int64_t i) {
+        return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+    };
+    // The wide iterate (s X) alternates between w and y; the final Q X (alpha 1 / s) lands in w,
+    // through y and one copy when the number of Q X products is odd.
+    void* cur = w;
+    void* next = y;
+    auto apply_q = [&](float alpha) {  // X <- Q X
+        gemm_out(ctx, false, false, rr, cc, rr, alpha, Q, rr, cur, cc, 0.f, next, next, cc, elem,
+                 elem, GemmBatch{count, n2, n, n, tf32});
+        std::swap(cur, next);
+    };
+    auto gram = [&] {  // t R = (t / s^2) (s X) (s X)^T
+        symmetric_product(ctx, cur, cur, rr, cc, t / (s * s), 0.f, R, R, elem, count, n, n2, tf32);
+    };
+    auto square_product = [&](const void* a, const void* b, float alpha, float beta,
+                              const void* c_in, void* out) {  // out = alpha a b + beta c_in
+        symmetric_product(ctx, a, b, rr, rr, alpha, beta, c_in, out, elem, count, n2, n2, tf32);
+    };
+    if (steps == 0) {
+        scale_batch(ctx, w, count * n, 1.f / s, elem);
+        return;
+    }
+    gram();
+    for (int64_t i = 0; i < steps; ++i) {
+        const auto [ca, cb, cc_] = coefficients[size_t(i)];
+        if (restart_at(i)) {
+            apply_q(1.f);
+            gram();
+        }
+        // t Z = (c / t) (t R)(t R) + b (t R): this iteration's polynomial is Q_i = a I + Z.
+        square_product(R, R, cc_ / t, cb, R, Z);
+        if (i == 0 || restart_at(i)) {
+            add_identity(ctx, Z, 1.f / t, ca, count, rr, elem, Q);  // Q = a I + Z
+        } else {
+            square_product(Q, Z, 1.f / t, ca, Q, Q_next);  // Q Q_i = Q Z + a Q
+            std::swap(Q, Q_next);
+        }
+        if (i + 1 < steps && !restart_at(i + 1)) {
+            square_product(R, Z, 1.f / t, ca, R, RZ);   // t R Q_i = (t R) Z + a t R
+            square_product(Z, RZ, 1.f / t, ca, RZ, R);  // t Q_i R Q_i
+        }
+    }
+    apply_q(1.f / s);
     if (cur != w) copy_2d(ctx, w, count * n * es, cur, count * n * es, count * n * es, 1);
 }
 
@@ -301,6 +421,9 @@ void muon_apply_batch(const ExecContext& ctx, const MuonDeviceProblem* problems,
     };
     if (w_type == DType::BF16) {
         const bf* o = static_cast<const bf*>(w);
+        transpose ? launch(std::true_type{}, o) : launch(std::false_type{}, o);
+    } else if (w_type == DType::F16) {
+        const __half* o = static_cast<const __half*>(w);
         transpose ? launch(std::true_type{}, o) : launch(std::false_type{}, o);
     } else {
         const float* o = static_cast<const float*>(w);

@@ -36,9 +36,10 @@ void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems
 
 // Floats of workspace muon_normalize_batch needs for `count` matrices of n elements.
 int64_t muon_normalize_floats(int64_t count, int64_t n);
-// w[p] = x[p] / (||x[p]||_F + eps) in `w_type` (F32 or BF16); norms summed in fixed order.
+// w[p] = scale x[p] / (||x[p]||_F + eps) in `w_type` (F32, BF16 or F16); norms summed in fixed
+// order.
 void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
-                          float eps, float* ws, DType w_type, void* w);
+                          float eps, float* ws, DType w_type, void* w, float scale = 1.f);
 
 // Newton-Schulz iterations on w [count, rr, cc] (rr <= cc) in place: A = W W^T;
 // B = b A + c A A; W = a W + B W, one (a, b, c) per iteration. `elem` F32 (tf32 allows TF32
@@ -49,6 +50,22 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
                          int64_t rr, int64_t cc,
                          const std::vector<std::array<float, 3>>& coefficients, DType elem,
                          bool tf32);
+
+// The Gram form of the same iterations (optim/newton_schulz.h): R = X X^T once, then per
+// iteration Z = b R + c R R, Q <- Q (a I + Z) (Q = a I + Z at the start and at each restart),
+// R <- Q_i R Q_i; X <- Q X at each restart (then R = X X^T anew) and at the end. Every [rr, rr]
+// product is symmetric (polynomials in the same R commute) and computed as three half blocks.
+// `elem` F32, BF16 or F16 (the optimizer's choice under bf16 matmul precision: the accumulated Q
+// needs fp16's mantissa; docs/optimizer.md). w holds x_scale X on entry (normalized times a power
+// of two, gram_ns_x_scale, so fp16 keeps X's entries out of its subnormals) and X on return.
+// squares: kGramSquares [count, rr, rr] of `elem`.
+constexpr int64_t kGramSquares = 5;  // R, Z, R Z, Q and the next Q
+float gram_ns_x_scale(int64_t rr, int64_t cc);
+void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* squares,
+                              int64_t count, int64_t rr, int64_t cc,
+                              const std::vector<std::array<float, 3>>& coefficients,
+                              const std::vector<int64_t>& restarts, DType elem, bool tf32,
+                              float x_scale);
 
 // Unless skips[group]: master rows of problem p = master (1 - lr weight_decay [p decays])
 // - lr step O[p], O[p]

@@ -53,9 +53,6 @@ class CudaEngine final : public DeviceEngine {
                 (expert_parallel && expert_parallel->size() == recipe_.model.expert_parallel_ranks),
             "expert_model_parallel_size ", recipe_.model.expert_parallel_ranks,
             " needs an expert-parallel group of that many processes");
-        ST_CHECK(recipe.run.optimizer != "muon" || recipe.run.muon_ns_method == "standard",
-                 "muon_ns_method: gram is implemented on the CPU backend only so far; drop the key "
-                 "or run with --device cpu");
         ST_CHECK(!recipe.run.dsa_dense_warmup,
                  "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
                  "cpu or drop the key");

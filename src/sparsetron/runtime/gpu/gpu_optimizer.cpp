@@ -112,9 +112,20 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // Rounds: the batches by Newton-Schulz FLOPs, largest first, W to a round (one per rank), so
     // the ranks of a round wait little for each other (on the proxy the round maxima sum to 1.03x
     // the ideal half; pairing each rank's j-th batch of a greedy split gave 1.15x).
+    // muon_ns_method: gram runs the Gram form on the batches where it costs fewer FLOPs.
+    gram_.clear();
+    for (const MuonBatch& b : batches_)
+        gram_.push_back(r.muon_ns_method == "gram" &&
+                        gram_ns_pays(b.rr(), b.cc(), r.muon_num_ns_steps));
+    auto ns_cost = [&](size_t k) {
+        const MuonBatch& b = batches_[k];
+        const int64_t steps = r.muon_num_ns_steps;
+        return double(b.count()) *
+               (gram_[k] ? newton_schulz_gram_cost(b.rr(), b.cc(), steps, gram_ns_restarts())
+                         : newton_schulz_cost(b.rr(), b.cc(), steps));
+    };
     std::vector<std::pair<double, int>> cost;
-    for (int64_t k = 0; k < shared_batches_; ++k)
-        cost.emplace_back(batches_[size_t(k)].ns_cost(), int(k));
+    for (int64_t k = 0; k < shared_batches_; ++k) cost.emplace_back(ns_cost(size_t(k)), int(k));
     std::stable_sort(cost.begin(), cost.end(),
                      [](const auto& x, const auto& y) { return x.first > y.first; });
     rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),
@@ -137,21 +148,28 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     ns_elem_ = r.muon_fp32_matmul_prec == "medium" || r.muon_fp32_matmul_prec == "low" ? DType::BF16
                                                                                        : DType::F32;
     ns_tf32_ = r.muon_fp32_matmul_prec == "high";
-    int64_t stack = 0, gram = 0, norms = 0, problems = 0;
-    for (const MuonBatch& b : batches_) {
+    // The Gram form accumulates Q, a product of up to three polynomials between restarts, whose
+    // small eigenvalues bf16's 8-bit mantissa loses: it runs in fp16 instead (same speed; values
+    // stay far below fp16's 65504: |Q| <= 4.1 x 4.0 before the restart; docs/optimizer.md).
+    ns_gram_elem_ = ns_elem_ == DType::BF16 ? DType::F16 : ns_elem_;
+    int64_t stack = 0, squares = 0, norms = 0, problems = 0;
+    for (size_t k = 0; k < batches_.size(); ++k) {
+        const MuonBatch& b = batches_[k];
         stack = std::max(stack, b.elements());
-        gram = std::max(gram, b.count() * b.rr() * b.rr());
+        squares =
+            std::max(squares, (gram_[k] ? cuda::kGramSquares : 2) * b.count() * b.rr() * b.rr());
         norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
         problems += b.count();
     }
     // The gathered fp32 momentum stack; W [buffers, ranks, count, rr, cc] (one slot per rank: a
     // round's results are all-gathered; two buffers when distributed, so round j's all-gather
-    // overlaps round j + 1's Newton-Schulz), its copy Y and A, B [count, rr, rr] in the
-    // iteration's element type; norm partials; the problem table.
+    // overlaps round j + 1's Newton-Schulz), its copy Y and A, B [count, rr, rr] (the Gram
+    // form: kGramSquares of them) in the iteration's element type (both forms' types have the
+    // same size); norm partials; the problem table.
     ns_buffers_ = dist_ ? 2 : 1;
     s_stack_ = plan.add(MemClass::Workspace, "optim.muon_stack", DType::F32, {stack});
     s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_,
-                     {(ns_buffers_ * ranks_ + 1) * stack + 2 * gram});
+                     {(ns_buffers_ * ranks_ + 1) * stack + squares});
     ns_stack_ = stack;
     s_ns_norms_ = plan.add(MemClass::Workspace, "optim.muon_norms", DType::F32, {norms});
     static_assert(sizeof(cuda::MuonDeviceProblem) % 8 == 0);
@@ -281,14 +299,22 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
     auto orthogonalize = [&](int k, char* w) {
         const MuonBatch& b = batches_[size_t(k)];
         const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
-        char* bb = a + b.count() * b.rr() * b.rr() * es;
+        const DType elem = elem_of(size_t(k));
         cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
                                 float(r.muon_momentum), r.muon_nesterov, scale_, stack_,
                                 fused_momentum_ ? skip_ : nullptr);
-        cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
-                                   ns_elem_, w);
-        cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
-                                  ns_elem_, ns_tf32_);
+        const bool gram = gram_[size_t(k)];
+        const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
+        cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_, elem,
+                                   w, x_scale);
+        if (gram) {
+            cuda::newton_schulz_gram_batch(ctx, w, y, a, b.count(), b.rr(), b.cc(), coefficients,
+                                           gram_ns_restarts(), elem, ns_tf32_, x_scale);
+        } else {
+            char* bb = a + b.count() * b.rr() * b.rr() * es;
+            cuda::newton_schulz_batch(ctx, w, y, a, bb, b.count(), b.rr(), b.cc(), coefficients,
+                                      elem, ns_tf32_);
+        }
     };
     auto apply = [&](int k, const char* w) {
         const MuonBatch& b = batches_[size_t(k)];
@@ -296,7 +322,7 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         const float factor =
             float(muon_scale(b.rows, b.cols, r.muon_scale_mode) * r.muon_extra_scale_factor);
         cuda::muon_apply_batch(ctx, problems_ + batch_first_[size_t(k)], b.count(), b.rows, b.cols,
-                               b.transposed(), w, ns_elem_, factor, skip_, sched_,
+                               b.transposed(), w, elem_of(size_t(k)), factor, skip_, sched_,
                                float(r.weight_decay));
     };
     // Every rank applies every batch of a round: the weights stay identical everywhere.

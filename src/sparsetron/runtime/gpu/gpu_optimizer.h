@@ -88,15 +88,18 @@ class GpuOptimizer {
     // Muon: Newton-Schulz batches, their workspace and the device table of their problems.
     std::vector<MuonBatch> batches_;  // the shared batches first, then this rank's own
     int64_t shared_batches_ = 0;
-    std::vector<int64_t> batch_first_;      // each batch's first row in the problem table
-    std::vector<std::vector<int>> rounds_;  // [round][rank] -> batch, -1 for none
-    std::vector<int64_t> round_elements_;   // per round: its largest batch's elements
-    int64_t ns_stack_ = 0;
+    std::vector<int64_t> batch_first_;        // each batch's first row in the problem table
+    std::vector<std::vector<int>> rounds_;    // [round][rank] -> batch, -1 for none
+    std::vector<int64_t> round_elements_;     // per round: its largest batch's elements
+    int64_t ns_stack_ = 0;                    // elements of the largest batch
     int ns_buffers_ = 1;                      // slot buffers (2: pipelined all-gathers)
-    std::unique_ptr<cuda::SideStream> side_;  // distributed: broadcasts and all-gathers // elements
-                                              // of the largest batch
-    DType ns_elem_ = DType::F32;
+    std::unique_ptr<cuda::SideStream> side_;  // distributed: broadcasts and all-gathers
+    // Newton-Schulz element type per form: the standard iteration in ns_elem_; the Gram form
+    // (muon_ns_method: gram, on the batches where it costs less) in fp16 where ns_elem_ is bf16.
+    DType ns_elem_ = DType::F32, ns_gram_elem_ = DType::F32;
     bool ns_tf32_ = false;
+    std::vector<char> gram_;  // per batch: runs the Gram form
+    DType elem_of(size_t batch) const { return gram_[batch] ? ns_gram_elem_ : ns_elem_; }
     MemoryPlan::Slot s_stack_ = -1, s_ns_ = -1, s_ns_norms_ = -1, s_problems_ = -1;
     float *stack_ = nullptr, *ns_norms_ = nullptr;
     void* ns_ = nullptr;

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On nvidia-h200: the Muon tests (batched Newton-Schulz in both forms, the CUDA engine against the
+# CPU with each form), the GPU suite, then the full proxy step (graph, 2 warm-up + 4 timed) with
+# the standard Newton-Schulz (the recipe) against muon_ns_method=gram, interleaved, two rounds;
+# the forward+backward alone (the optimizer's share by difference); ncu kernel times of one eager
+# step with the Gram form.
+# Usage: bench/scripts/gram-ns-ab.sh OUT_DIR COMMIT
+set -uo pipefail
+out=${1:?usage: gram-ns-ab.sh OUT_DIR COMMIT}
+commit=${2:-unknown}
+mkdir -p "$out"
+bin=build/default/bin
+timeout 150 scripts/gpu-run.sh $bin/test_gpu --gtest_filter='CudaMuon*:CudaTraining.Muon*' \
+  >"$out/first.log" 2>&1
+echo "first tests rc=$?"
+grep -E "^\[  (PASSED|FAILED) |FAILED  \]|rror|harness\] (Gram|batched)|training muon" \
+  "$out/first.log" | head -40
+bench/scripts/gpu-suite.sh "$out"
+r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
+run() {  # name, bench options
+  local name=$1
+  shift
+  # shellcheck disable=SC2068  # the options are words
+  timeout 110 scripts/gpu-run.sh $bin/sparsetron bench $r $@ --variants graph \
+    --json "$out/runs.jsonl" >>"$out/$name.log" 2>&1 || echo "$name failed"
+  grep -h "graph " "$out/$name.log" | tail -1 | sed "s/^/$name /"
+}
+for round in 1 2; do
+  run step-standard --warmup 2 --iters 4
+  run step-gram --set muon_ns_method=gram --warmup 2 --iters 4
+done
+run fwdbwd --forward-backward --warmup 2 --iters 4
+if [ "${NCU:-1}" = 1 ]; then
+  timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+    scripts/gpu-run.sh $bin/sparsetron bench $r --set muon_ns_method=gram --warmup 0 --iters 1 \
+    --variants eager >"$out/ncu.csv" 2>"$out/ncu.err"
+  echo "ncu rc=$?"
+  python3 tools/bench/ncu_summary.py "$out/ncu.csv" 70 >"$out/profile.txt" 2>&1
+  head -40 "$out/profile.txt"
+fi

@@ -2,9 +2,11 @@
 # On nvidia-h200: the Muon tests (batched Newton-Schulz in both forms, the CUDA engine against the
 # CPU with each form), the GPU suite, then the full proxy step (graph, 2 warm-up + 4 timed) with
 # the standard Newton-Schulz (the recipe) against muon_ns_method=gram, interleaved, two rounds;
-# the forward+backward alone (the optimizer's share by difference); ncu kernel times of one eager
-# step with the Gram form.
-# Usage: bench/scripts/gram-ns-ab.sh OUT_DIR COMMIT
+# the forward+backward alone (the optimizer's share by difference); with CURVE_STEPS, proxy
+# training runs of that many steps with each form (the loss curves, compared afterwards with
+# tools/bench/compare_loss_curves.py); with NCU=1, ncu kernel times of one eager Gram-form step.
+# ROUNDS (default 2): A/B rounds.
+# Usage: [ROUNDS=n] [CURVE_STEPS=n] [NCU=1] bench/scripts/gram-ns-ab.sh OUT_DIR COMMIT
 set -uo pipefail
 out=${1:?usage: gram-ns-ab.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
@@ -25,12 +27,21 @@ run() {  # name, bench options
     --json "$out/runs.jsonl" >>"$out/$name.log" 2>&1 || echo "$name failed"
   grep -h "graph " "$out/$name.log" | tail -1 | sed "s/^/$name /"
 }
-for round in 1 2; do
+for round in $(seq "${ROUNDS:-2}"); do
   run step-standard --warmup 2 --iters 4
   run step-gram --set muon_ns_method=gram --warmup 2 --iters 4
 done
 run fwdbwd --forward-backward --warmup 2 --iters 4
-if [ "${NCU:-1}" = 1 ]; then
+if [ -n "${CURVE_STEPS:-}" ]; then
+  for method in standard gram; do
+    timeout 250 scripts/gpu-run.sh $bin/sparsetron train --recipe recipes/glm5.2-proxy-h200.yaml \
+      --device cuda --no-save --out "$out/curve-$method" --set train_iters="$CURVE_STEPS" \
+      --set cuda_graph_impl=full_iteration --set muon_ns_method=$method >"$out/curve-$method.log" 2>&1
+    echo "curve $method rc=$?"
+    tail -2 "$out/curve-$method.log"
+  done
+fi
+if [ "${NCU:-0}" = 1 ]; then
   timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
     scripts/gpu-run.sh $bin/sparsetron bench $r --set muon_ns_method=gram --warmup 0 --iters 1 \
     --variants eager >"$out/ncu.csv" 2>"$out/ncu.err"

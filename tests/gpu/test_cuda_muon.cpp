@@ -230,7 +230,7 @@ TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
               << gram32 << ", Gram form fp16 " << gram16 << "\n";
     EXPECT_LT(fp32, 1e-4);
     EXPECT_LT(fused, 1e-4);
-    EXPECT_LT(gram32, 1e-4);
+    EXPECT_LT(gram32, 2e-5);
     EXPECT_GT(gram16, 5e-5);  // fp16 products, not fp32 ones
     EXPECT_LT(gram16, bf16);
     EXPECT_GT(tf32, 5e-6);
@@ -403,7 +403,9 @@ TEST(CudaMuon, GramNewtonSchulzMatchesCpu) {
                   << "] vs fp64 CPU: fp32 " << gram32 << " (no restart " << gram32_no_restart
                   << "), fp16 " << gram16 << "; standard form bf16 " << standard_bf16 << ", fp16 "
                   << standard_fp16 << "\n";
-        EXPECT_LT(gram32, 1e-4);
+        // Products with Z^T instead of Z (the operands are symmetric only up to rounding) gave
+        // 5e-5 to 8e-5 here.
+        EXPECT_LT(gram32, 2e-5);
         EXPECT_LT(gram32_no_restart, 1e-4);
         EXPECT_LT(gram16, standard_bf16);
         EXPECT_LT(gram16, 3e-2);

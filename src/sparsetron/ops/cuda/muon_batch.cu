@@ -169,33 +169,40 @@ __global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
 // one GEMM is faster there).
 constexpr int64_t kSymmetricMin = 512;
 
-// out = alpha X Z^T + beta c_in for a batch of X, Z [rr, k] (stride xs; Z may be X) and out, c_in
-// [rr, rr] (stride os; c_in may be out), where the product is known to be symmetric: X X^T, and
-// in the Gram form products of symmetric matrices that commute. For an even rr >= kSymmetricMin
-// the two diagonal blocks and the lower-left block are three GEMMs of half the rows (3/4 of the
-// FLOPs), the upper-right block a transposed copy (exactly symmetric output).
+// out = alpha X op(Z) + beta c_in, op(Z) = Z^T when `transpose_z` (X, Z [rr, k], k = rr
+// otherwise; stride xs; Z may be X) and out, c_in [rr, rr] (stride os; c_in may be out), where the
+// product is known to be symmetric: X X^T, and in the Gram form products of symmetric matrices
+// that commute. For an even rr >= kSymmetricMin the two diagonal blocks and the lower-left block
+// are three GEMMs of half the rows (3/4 of the FLOPs), the upper-right block a transposed copy.
 // SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
-void symmetric_product(const ExecContext& ctx, const void* x, const void* z, int64_t rr, int64_t k,
-                       float alpha, float beta, const void* c_in, void* out, DType elem,
-                       int64_t count, int64_t xs, int64_t os, bool tf32) {
+// The Gram form's [rr, rr] products take Z as it is, not transposed: their operands are symmetric
+// only up to rounding, and with Z^T the antisymmetric rounding parts enter with the wrong sign and
+// grow through the R updates (fp32 error vs fp64 5e-5 that way, 2e-6 without; CPU mock).
+void symmetric_product(const ExecContext& ctx, const void* x, const void* z, bool transpose_z,
+                       int64_t rr, int64_t k, float alpha, float beta, const void* c_in, void* out,
+                       DType elem, int64_t count, int64_t xs, int64_t os, bool tf32) {
     static const bool full = env_is("SPARSETRON_NS_FULL_GEMMS", "1");
+    ST_ASSERT(transpose_z || k == rr, "symmetric_product: X Z needs square operands");
     const GemmBatch g{count, xs, xs, os, tf32};
     if (full || rr < kSymmetricMin || rr % 2 != 0) {
-        gemm_out(ctx, false, true, rr, rr, k, alpha, x, k, z, k, beta, c_in, out, rr, elem, elem,
-                 g);
+        gemm_out(ctx, false, transpose_z, rr, rr, k, alpha, x, k, z, transpose_z ? k : rr, beta,
+                 c_in, out, rr, elem, elem, g);
         return;
     }
     const int64_t m = rr / 2, es = int64_t(dtype_size(elem));
     const char* x1 = static_cast<const char*>(x);
     const char* x2 = x1 + m * k * es;
+    // Z's first and second m rows (Z^T's columns) or its first and second m columns.
     const char* z1 = static_cast<const char*>(z);
-    const char* z2 = z1 + m * k * es;
+    const char* z2 = z1 + (transpose_z ? m * k : m) * es;
+    const int64_t ldz = transpose_z ? k : rr;
     const char* ci = static_cast<const char*>(c_in);
     char* o = static_cast<char*>(out);
-    gemm_out(ctx, false, true, m, m, k, alpha, x1, k, z1, k, beta, ci, o, rr, elem, elem, g);
-    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, z1, k, beta, ci + m * rr * es,
+    gemm_out(ctx, false, transpose_z, m, m, k, alpha, x1, k, z1, ldz, beta, ci, o, rr, elem, elem,
+             g);
+    gemm_out(ctx, false, transpose_z, m, m, k, alpha, x2, k, z1, ldz, beta, ci + m * rr * es,
              o + m * rr * es, rr, elem, elem, g);
-    gemm_out(ctx, false, true, m, m, k, alpha, x2, k, z2, k, beta, ci + (m * rr + m) * es,
+    gemm_out(ctx, false, transpose_z, m, m, k, alpha, x2, k, z2, ldz, beta, ci + (m * rr + m) * es,
              o + (m * rr + m) * es, rr, elem, elem, g);
     ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
     const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
@@ -310,9 +317,9 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     static const bool copies = env_is("SPARSETRON_NS_COPIES", "1");  // the old form, for A/B
     if (copies) {
         for (const auto& [ca, cb, cc_] : coefficients) {
-            symmetric_product(ctx, w, w, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+            symmetric_product(ctx, w, w, true, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
             copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
-            symmetric_product(ctx, a, a, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
+            symmetric_product(ctx, a, a, true, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
             copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
             gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
         }
@@ -322,9 +329,9 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     void* next = y;
     for (const auto& [ca, cb, cc_] : coefficients) {
         // A = X X^T and A A = A A^T are symmetric.
-        symmetric_product(ctx, cur, cur, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
+        symmetric_product(ctx, cur, cur, true, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
         // B = c A A + b A
-        symmetric_product(ctx, a, a, rr, rr, cc_, cb, a, b, elem, count, n2, n2, tf32);
+        symmetric_product(ctx, a, a, true, rr, rr, cc_, cb, a, b, elem, count, n2, n2, tf32);
         // X' = B X + a X
         gemm_out(ctx, false, false, rr, cc, rr, 1.f, b, rr, cur, cc, ca, cur, next, cc, elem, elem,
                  bx);
@@ -376,11 +383,13 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
         std::swap(cur, next);
     };
     auto gram = [&] {  // t R = (t / s^2) (s X) (s X)^T
-        symmetric_product(ctx, cur, cur, rr, cc, t / (s * s), 0.f, R, R, elem, count, n, n2, tf32);
+        symmetric_product(ctx, cur, cur, true, rr, cc, t / (s * s), 0.f, R, R, elem, count, n, n2,
+                          tf32);
     };
     auto square_product = [&](const void* a, const void* b, float alpha, float beta,
                               const void* c_in, void* out) {  // out = alpha a b + beta c_in
-        symmetric_product(ctx, a, b, rr, rr, alpha, beta, c_in, out, elem, count, n2, n2, tf32);
+        symmetric_product(ctx, a, b, false, rr, rr, alpha, beta, c_in, out, elem, count, n2, n2,
+                          tf32);
     };
     if (steps == 0) {
         scale_batch(ctx, w, count * n, 1.f / s, elem);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On nvidia-h200: the Muon tests (batched Newton-Schulz in both forms, the CUDA engine against the
 # CPU with each form), the GPU suite, then the full proxy step (graph, 2 warm-up + 4 timed) with
-# the standard Newton-Schulz (the recipe) against muon_ns_method=gram, interleaved, two rounds;
+# the standard Newton-Schulz against the Gram form (muon_ns_method, set explicitly), interleaved, two rounds;
 # the forward+backward alone (the optimizer's share by difference); with CURVE_STEPS, proxy
 # training runs of that many steps with each form (the loss curves, compared afterwards with
 # tools/bench/compare_loss_curves.py); with NCU=1, ncu kernel times of one eager Gram-form step.
@@ -28,7 +28,7 @@ run() {  # name, bench options
   grep -h "graph " "$out/$name.log" | tail -1 | sed "s/^/$name /"
 }
 for round in $(seq "${ROUNDS:-2}"); do
-  run step-standard --warmup 2 --iters 4
+  run step-standard --set muon_ns_method=standard --warmup 2 --iters 4
   run step-gram --set muon_ns_method=gram --warmup 2 --iters 4
 done
 run fwdbwd --forward-backward --warmup 2 --iters 4

@@ -214,37 +214,37 @@ void symmetric_product(const ExecContext& ctx, const void* x, const void* z, boo
     ST_CUDA_LAUNCH_CHECK();
 }
 
-// out[p] = scale in[p] + a I for `count` [rr, rr] matrices of n2 = rr^2 elements (the Gram
-// form's first polynomial, Q = a I + Z from t Z); with a = 0, a scaling of `count` blocks of n2.
-// blockIdx.y strides over the matrices, so the diagonal test is a 32-bit remainder within one
-// matrix (a 64-bit division per element held this kernel to 7.8 ms per proxy step; ncu, 0388bdf).
+// out[p] = scale in[p] + a I for [rr, rr] matrices (the Gram form's first polynomial,
+// Q = a I + Z from t Z); with rr = 1 (and a = 0) a plain scaling of `total` elements.
 template <typename E>
-__global__ void add_identity_kernel(const E* in, float scale, float a, uint32_t n2, uint32_t rr,
-                                    int64_t count, E* out) {
-    for (int64_t p = blockIdx.y; p < count; p += gridDim.y)
-        for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n2;
-             e += gridDim.x * blockDim.x) {
-            const int64_t i = p * int64_t(n2) + e;
-            st(out + i, scale * ld(in + i) + (a != 0.f && e % (rr + 1) == 0 ? a : 0.f));
-        }
+__global__ void add_identity_kernel(const E* in, float scale, float a, int64_t rr, int64_t total,
+                                    E* out) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t e = i % (rr * rr);
+        st(out + i, scale * ld(in + i) + (e / rr == e % rr ? a : 0.f));
+    }
 }
 
 void add_identity(const ExecContext& ctx, const void* in, float scale, float a, int64_t count,
-                  int64_t n2, int64_t rr, DType elem, void* out) {
-    ST_CHECK(n2 < (int64_t(1) << 31), "add_identity: blocks of ", n2, " elements are too large");
-    const dim3 grid(unsigned(std::min<int64_t>(blocks_for(n2, kThreads), 1024)),
-                    unsigned(std::min<int64_t>(count, 65535)));
-    const auto r = uint32_t(rr), n = uint32_t(n2);
+                  int64_t rr, DType elem, void* out) {
+    const int64_t total = count * rr * rr;
+    const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));
     if (elem == DType::F16)
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const __half*>(in), scale, a, n, r, count, static_cast<__half*>(out));
+            static_cast<const __half*>(in), scale, a, rr, total, static_cast<__half*>(out));
     else if (elem == DType::BF16)
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const bf*>(in), scale, a, n, r, count, static_cast<bf*>(out));
+            static_cast<const bf*>(in), scale, a, rr, total, static_cast<bf*>(out));
     else
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const float*>(in), scale, a, n, r, count, static_cast<float*>(out));
+            static_cast<const float*>(in), scale, a, rr, total, static_cast<float*>(out));
     ST_CUDA_LAUNCH_CHECK();
+}
+
+// x *= scale over n elements of `elem`.
+void scale_batch(const ExecContext& ctx, void* x, int64_t n, float scale, DType elem) {
+    add_identity(ctx, x, scale, 0.f, n, 1, elem, x);
 }
 
 dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
@@ -391,8 +391,8 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
         symmetric_product(ctx, a, b, false, rr, rr, alpha, beta, c_in, out, elem, count, n2, n2,
                           tf32);
     };
-    if (steps == 0) {  // X = (s X) / s
-        add_identity(ctx, w, 1.f / s, 0.f, count, n, rr, elem, w);
+    if (steps == 0) {
+        scale_batch(ctx, w, count * n, 1.f / s, elem);
         return;
     }
     gram();
@@ -405,7 +405,7 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
         // t Z = (c / t) (t R)(t R) + b (t R): this iteration's polynomial is Q_i = a I + Z.
         square_product(R, R, cc_ / t, cb, R, Z);
         if (i == 0 || restart_at(i)) {
-            add_identity(ctx, Z, 1.f / t, ca, count, n2, rr, elem, Q);  // Q = a I + Z
+            add_identity(ctx, Z, 1.f / t, ca, count, rr, elem, Q);  // Q = a I + Z
         } else {
             square_product(Q, Z, 1.f / t, ca, Q, Q_next);  // Q Q_i = Q Z + a Q
             std::swap(Q, Q_next);

@@ -140,3 +140,29 @@ TEST(NewtonSchulzGram, CostModelPicksTheCheaperForm) {
     EXPECT_TRUE(gram_ns_pays(r, r * 4 / 3, 5));
     EXPECT_TRUE(gram_ns_pays(96, 768, 5));
 }
+
+// The per-step count `sparsetron plan` prints, by hand: a wide [64, 256] matrix (c = 4r: Gram
+// pays), a tall [300, 100] one (c = 3r: pays) and a [100, 110] one (standard). In r^3 units
+// (5 steps, restart at 2): standard 5 (1.75 x + 0.75) and Gram 3.5 x + 10.5 for c = x r.
+TEST(NewtonSchulzGram, PerStepCountOverSlices) {
+    std::vector<MuonSplit> splits(4);
+    const std::vector<std::vector<int64_t>> shapes{{64, 256}, {300, 100}, {100, 110}, {7}};
+    for (int i = 0; i < 3; ++i) splits[size_t(i)].slices.push_back({{{0, shapes[size_t(i)][0]}}});
+    RunConfig r;
+    r.muon_num_ns_steps = 5;
+    auto standard = [](double rr, double x) { return 2 * rr * rr * rr * 5 * (1.75 * x + 0.75); };
+    auto gram = [](double rr, double x) { return 2 * rr * rr * rr * (3.5 * x + 10.5); };
+    const double all_standard = standard(64, 4) + standard(100, 3) + standard(100, 1.1);
+    r.muon_ns_method = "standard";
+    NewtonSchulzCount n = newton_schulz_count(splits, shapes, r);
+    EXPECT_EQ(n.matrices, 3);
+    EXPECT_EQ(n.gram_matrices, 0);
+    EXPECT_NEAR(n.standard_flops, all_standard, 1e-6 * all_standard);
+    EXPECT_NEAR(n.chosen_flops, all_standard, 1e-6 * all_standard);
+    r.muon_ns_method = "gram";
+    n = newton_schulz_count(splits, shapes, r);
+    EXPECT_EQ(n.gram_matrices, 2);
+    const double chosen = gram(64, 4) + gram(100, 3) + standard(100, 1.1);
+    EXPECT_NEAR(n.chosen_flops, chosen, 1e-6 * chosen);
+    EXPECT_NEAR(n.standard_flops, all_standard, 1e-6 * all_standard);
+}

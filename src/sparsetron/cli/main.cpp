@@ -262,6 +262,18 @@ int cmd_eval(const std::string& model, const std::string& tokens, bool json) {
     return 0;
 }
 
+// The optimizer's Newton-Schulz work, which the audited count (sparsetron flops) leaves out.
+void print_newton_schulz(const NewtonSchulzCount& ns, const RunConfig& r) {
+    if (ns.matrices == 0) return;
+    std::printf(
+        "Muon Newton-Schulz per step (not in SPEC §8's count): %.1f TFLOP over %lld matrices",
+        ns.chosen_flops / 1e12, static_cast<long long>(ns.matrices));
+    if (r.muon_ns_method == "gram")
+        std::printf(", %lld in the Gram form (the standard form: %.1f TFLOP)",
+                    static_cast<long long>(ns.gram_matrices), ns.standard_flops / 1e12);
+    std::printf("\n");
+}
+
 int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& sets,
              const std::string& device) {
     Recipe recipe = load_recipe(recipe_path, sets);
@@ -292,6 +304,7 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
             static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows),
             table.c_str());
         std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
+        print_newton_schulz(tp->optimizer->ns_count(recipe.run), recipe.run);
         return 0;
     }
     std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
@@ -309,6 +322,7 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     std::printf("\n");
     std::printf("%s\n", tp->plan.format().c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
+    print_newton_schulz(tp->optimizer->ns_count(recipe.run), recipe.run);
     return 0;
 }
 

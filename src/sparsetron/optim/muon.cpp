@@ -40,6 +40,32 @@ MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step) {
     return coefficients_at(type, step);
 }
 
+NewtonSchulzCount newton_schulz_count(const std::vector<MuonSplit>& splits,
+                                      const std::vector<std::vector<int64_t>>& shapes,
+                                      const RunConfig& r) {
+    NewtonSchulzCount n;
+    const int64_t steps = r.muon_num_ns_steps;
+    for (size_t i = 0; i < splits.size(); ++i)
+        for (const MuonSlice& s : splits[i].slices) {
+            const int64_t rows = s.num_rows(), cols = shapes[i][1];
+            const int64_t lo = std::min(rows, cols), hi = std::max(rows, cols);
+            const double standard = 2 * newton_schulz_cost(lo, hi, steps);
+            const bool gram = r.muon_ns_method == "gram" && gram_ns_pays(lo, hi, steps);
+            n.standard_flops += standard;
+            n.chosen_flops +=
+                gram ? 2 * newton_schulz_gram_cost(lo, hi, steps, gram_ns_restarts()) : standard;
+            n.matrices += 1;
+            n.gram_matrices += gram ? 1 : 0;
+        }
+    return n;
+}
+
+NewtonSchulzCount Muon::ns_count(const RunConfig& r) const {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& p : store_.params()) shapes.push_back(p.shape);
+    return newton_schulz_count(splits_, shapes, r);
+}
+
 double muon_scale(int64_t m, int64_t n, const std::string& mode) {
     if (mode == "shape_scaling") return std::sqrt(std::max(1.0, double(m) / double(n)));
     if (mode == "unit_rms_norm") return std::sqrt(double(m) / double(n));

@@ -38,6 +38,18 @@ struct MuonCoefficients {
 };
 MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step);
 
+// FLOPs (2 per multiply-add) of one step's Newton-Schulz over Muon matrices: outside SPEC §8's
+// count, the optimizer's largest cost. Symmetric products at 3/4 as the CUDA batches run them
+// (newton_schulz_cost); `chosen` in the form muon_ns_method picks per matrix.
+struct NewtonSchulzCount {
+    double standard_flops = 0, chosen_flops = 0;
+    int64_t matrices = 0, gram_matrices = 0;
+};
+// Every slice of every split (an empty split: not a Muon parameter) of parameters [rows_i, cols_i].
+NewtonSchulzCount newton_schulz_count(const std::vector<MuonSplit>& splits,
+                                      const std::vector<std::vector<int64_t>>& shapes,
+                                      const RunConfig& r);
+
 class Muon {
   public:
     Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
@@ -46,6 +58,8 @@ class Muon {
               const std::vector<bool>* update = nullptr);
     const std::vector<MemoryPlan::Slot>& momentum_slots() const { return momentum_; }
     const MuonSplit& split(int64_t param) const { return splits_[param]; }
+    // This process's Muon matrices (newton_schulz_count).
+    NewtonSchulzCount ns_count(const RunConfig& r) const;
 
   private:
     const ParamStore& store_;

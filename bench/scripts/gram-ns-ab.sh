@@ -19,14 +19,7 @@ grep -E "^\[  (PASSED|FAILED) |FAILED  \]|rror|harness\] (Gram|batched)|training
   "$out/first.log" | head -40
 bench/scripts/gpu-suite.sh "$out"
 r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
-run() {  # name, bench options
-  local name=$1
-  shift
-  # shellcheck disable=SC2068  # the options are words
-  timeout 110 scripts/gpu-run.sh $bin/sparsetron bench $r $@ --variants graph \
-    --json "$out/runs.jsonl" >>"$out/$name.log" 2>&1 || echo "$name failed"
-  grep -h "graph " "$out/$name.log" | tail -1 | sed "s/^/$name /"
-}
+. bench/scripts/bench-run.sh
 for round in $(seq "${ROUNDS:-2}"); do
   run step-standard --set muon_ns_method=standard --warmup 2 --iters 4
   run step-gram --set muon_ns_method=gram --warmup 2 --iters 4

@@ -16,13 +16,6 @@ timeout 190 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
 echo "ncu rc=$?"
 python3 tools/bench/ncu_summary.py "$out/ncu.csv" 70 >"$out/profile.txt" 2>&1
 head -30 "$out/profile.txt"
-run() {  # name, bench options
-  local name=$1
-  shift
-  # shellcheck disable=SC2068  # the options are words
-  timeout 110 scripts/gpu-run.sh $bin/sparsetron bench $r $@ --variants graph \
-    --json "$out/runs.jsonl" >>"$out/$name.log" 2>&1 || echo "$name failed"
-  grep -h "graph " "$out/$name.log" | tail -1 | sed "s/^/$name /"
-}
+. bench/scripts/bench-run.sh
 run step-bf16 --warmup 2 --iters 4
 run step-fp8 --set fp8_recipe=blockwise --warmup 2 --iters 4

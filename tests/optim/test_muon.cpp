@@ -228,3 +228,25 @@ TEST(Optimizer, DetachedMtpParametersFormTheirOwnClippingGroup) {
     EXPECT_DOUBLE_EQ(st.grad_norm, 6.0);
     EXPECT_DOUBLE_EQ(st.grad_norm_mtp, std::sqrt(48.0));
 }
+
+// The count `sparsetron train` and `plan` print: every slice of every trainable 2-D parameter
+// (a per-head q_b_proj of 2 heads gives 4: each head's qk and rope rows; a 1-D norm weight none),
+// nothing without Muon.
+TEST(Muon, NewtonSchulzCountOverAModelsParameters) {
+    MuonCase c;
+    c.m.num_attention_heads = 2, c.m.qk_head_dim = 4, c.m.qk_pos_emb_head_dim = 2;
+    c.r.optimizer = "muon";
+    c.r.muon_split_qkv_per_head = true;
+    build(c, {{"model.layers.0.self_attn.q_b_proj.weight", {12, 6}},
+              {"model.layers.0.mlp.down_proj.weight", {8, 40}},
+              {"model.layers.0.input_layernorm.weight", {8}}});
+    const NewtonSchulzCount n = newton_schulz_count(*c.store, c.m, c.r);
+    EXPECT_EQ(n.matrices, int64_t(c.muon->split(0).slices.size()) + 1);
+    EXPECT_EQ(c.muon->split(0).slices.size(), 4u);
+    // Multiply-adds of 5 steps, 5 (0.75 r^2 c + 0.75 r^3 + r^2 c): [4, 6] twice 1080 each, [2, 6]
+    // twice 240 each, [8, 40] 24320; 2 FLOPs each.
+    const double standard = 2 * (2 * 1080 + 2 * 240 + 24320);
+    EXPECT_NEAR(n.standard_flops, standard, 1e-9 * standard);
+    c.r.optimizer = "adam";
+    EXPECT_EQ(newton_schulz_count(*c.store, c.m, c.r).matrices, 0);
+}

@@ -146,6 +146,23 @@ void connect_gpus_if_launched(Device device) {
     g_comm = g_nccl.get();
 }
 
+// The optimizer's Newton-Schulz work, which the audited count (sparsetron flops) leaves out.
+void print_newton_schulz(const NewtonSchulzCount& ns, const RunConfig& r) {
+    if (ns.matrices == 0) return;
+    auto flops = [](double f) {
+        char b[32];
+        std::snprintf(b, sizeof b, f >= 1e12 ? "%.1f TFLOP" : "%.2f GFLOP",
+                      f >= 1e12 ? f / 1e12 : f / 1e9);
+        return std::string(b);
+    };
+    std::printf("optimizer: muon | Newton-Schulz %s per step over %lld matrices",
+                flops(ns.chosen_flops).c_str(), static_cast<long long>(ns.matrices));
+    if (r.muon_ns_method == "gram")
+        std::printf(", %lld in the Gram form (standard form: %s)",
+                    static_cast<long long>(ns.gram_matrices), flops(ns.standard_flops).c_str());
+    std::printf(" | not in the audited count\n");
+}
+
 int cmd_train(const std::string& recipe_path, const std::vector<std::string>& sets,
               const std::string& out_arg, const std::string& resume, const std::string& device,
               bool quiet, bool no_save) {
@@ -209,6 +226,7 @@ int cmd_train(const std::string& recipe_path, const std::vector<std::string>& se
                 static_cast<long long>(r.tokens_per_microbatch()),
                 opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
                 format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
+    print_newton_schulz(newton_schulz_count(params, trainer.recipe().model, r), r);
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
     std::fflush(stdout);
@@ -262,18 +280,6 @@ int cmd_eval(const std::string& model, const std::string& tokens, bool json) {
     return 0;
 }
 
-// The optimizer's Newton-Schulz work, which the audited count (sparsetron flops) leaves out.
-void print_newton_schulz(const NewtonSchulzCount& ns, const RunConfig& r) {
-    if (ns.matrices == 0) return;
-    std::printf(
-        "Muon Newton-Schulz per step (not in SPEC §8's count): %.1f TFLOP over %lld matrices",
-        ns.chosen_flops / 1e12, static_cast<long long>(ns.matrices));
-    if (r.muon_ns_method == "gram")
-        std::printf(", %lld in the Gram form (the standard form: %.1f TFLOP)",
-                    static_cast<long long>(ns.gram_matrices), ns.standard_flops / 1e12);
-    std::printf("\n");
-}
-
 int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& sets,
              const std::string& device) {
     Recipe recipe = load_recipe(recipe_path, sets);
@@ -304,7 +310,7 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
             static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows),
             table.c_str());
         std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
-        print_newton_schulz(tp->optimizer->ns_count(recipe.run), recipe.run);
+        print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
         return 0;
     }
     std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
@@ -322,7 +328,7 @@ int cmd_plan(const std::string& recipe_path, const std::vector<std::string>& set
     std::printf("\n");
     std::printf("%s\n", tp->plan.format().c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
-    print_newton_schulz(tp->optimizer->ns_count(recipe.run), recipe.run);
+    print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
     return 0;
 }
 

@@ -34,6 +34,11 @@ bool ends_with(const std::string& s, const std::string& suffix) {
            s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// Muon updates the trainable parameters of its group (the others go to AdamW).
+bool is_muon_param(const ParamInfo& p) {
+    return p.trainable && p.group == OptimGroup::Muon;
+}
+
 }  // namespace
 
 MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step) {
@@ -60,10 +65,16 @@ NewtonSchulzCount newton_schulz_count(const std::vector<MuonSplit>& splits,
     return n;
 }
 
-NewtonSchulzCount Muon::ns_count(const RunConfig& r) const {
+NewtonSchulzCount newton_schulz_count(const ParamStore& store, const ModelConfig& m,
+                                      const RunConfig& r) {
+    if (r.optimizer != "muon") return {};
+    std::vector<MuonSplit> splits;
     std::vector<std::vector<int64_t>> shapes;
-    for (const auto& p : store_.params()) shapes.push_back(p.shape);
-    return newton_schulz_count(splits_, shapes, r);
+    for (const auto& p : store.params()) {
+        splits.push_back(is_muon_param(p) ? muon_split_for(p, m, r) : MuonSplit{});
+        shapes.push_back(p.shape);
+    }
+    return newton_schulz_count(splits, shapes, r);
 }
 
 double muon_scale(int64_t m, int64_t n, const std::string& mode) {
@@ -104,7 +115,7 @@ MuonSplit muon_split_for(const ParamInfo& p, const ModelConfig& m, const RunConf
 Muon::Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r)
     : store_(store) {
     for (const auto& p : store.params()) {
-        const bool muon = p.trainable && p.group == OptimGroup::Muon;
+        const bool muon = is_muon_param(p);
         momentum_.push_back(muon ? plan.add(MemClass::OptimizerState, p.name + ".momentum_buffer",
                                             store.dtype(), p.shape)
                                  : -1);

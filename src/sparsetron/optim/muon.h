@@ -50,6 +50,11 @@ NewtonSchulzCount newton_schulz_count(const std::vector<MuonSplit>& splits,
                                       const std::vector<std::vector<int64_t>>& shapes,
                                       const RunConfig& r);
 
+// The same for a model's parameters under the recipe (zeros unless `optimizer: muon`): its
+// trainable Muon-group parameters with their splits, as Muon itself takes them.
+NewtonSchulzCount newton_schulz_count(const ParamStore& store, const ModelConfig& m,
+                                      const RunConfig& r);
+
 class Muon {
   public:
     Muon(const ParamStore& store, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r);
@@ -58,8 +63,6 @@ class Muon {
               const std::vector<bool>* update = nullptr);
     const std::vector<MemoryPlan::Slot>& momentum_slots() const { return momentum_; }
     const MuonSplit& split(int64_t param) const { return splits_[param]; }
-    // This process's Muon matrices (newton_schulz_count).
-    NewtonSchulzCount ns_count(const RunConfig& r) const;
 
   private:
     const ParamStore& store_;

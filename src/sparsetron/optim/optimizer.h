@@ -38,10 +38,6 @@ class Optimizer {
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
     // What `sparsetron plan` prints per parameter: optimizer, split, state bytes.
     std::string describe(const MemoryPlan& plan) const;
-    // Muon's Newton-Schulz FLOPs per step (zeros without Muon).
-    NewtonSchulzCount ns_count(const RunConfig& r) const {
-        return muon_ ? muon_->ns_count(r) : NewtonSchulzCount{};
-    }
 
   private:
     const ParamStore& store_;

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 #include "sparsetron/core/error.h"
 #include "sparsetron/runtime/bench.h"
 
@@ -51,6 +53,23 @@ TEST(BenchStats, TableHasARowPerVariantAndTheDelta) {
                      "(faster)"),
               std::string::npos)
         << t;
+}
+
+// The JSON line a run appends to the history: the recipe keys set on the command line and the
+// optimizer's Newton-Schulz FLOPs beside the audited count, so A/B runs of one recipe stay apart.
+TEST(BenchStats, JsonLineKeepsOverridesAndNewtonSchulzFlops) {
+    BenchResult r;
+    r.variant = "step.graph";
+    r.step_ms = {10, 11, 12};
+    summarize_times(r);
+    r.flops = 3.0e14;
+    r.newton_schulz_flops = 1.61e14;
+    r.overrides = {"muon_ns_method=gram", "fp8_recipe=blockwise"};
+    const auto j = nlohmann::json::parse(r.to_json());
+    EXPECT_EQ(j.at("overrides"), nlohmann::json({"muon_ns_method=gram", "fp8_recipe=blockwise"}));
+    EXPECT_DOUBLE_EQ(j.at("newton_schulz_flops_per_step").get<double>(), 1.61e14);
+    EXPECT_DOUBLE_EQ(j.at("flops_per_step").get<double>(), 3.0e14);
+    EXPECT_DOUBLE_EQ(j.at("median_ms").get<double>(), 11.0);
 }
 
 }  // namespace

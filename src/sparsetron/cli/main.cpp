@@ -517,7 +517,8 @@ int main(int argc, char** argv) {
             bopt.variants = split_list(bench_variants);
             connect_gpus_if_launched(Device::CUDA);
             bopt.comm = g_comm;
-            const std::vector<BenchResult> res = run_bench(r, bopt);
+            std::vector<BenchResult> res = run_bench(r, bopt);
+            for (BenchResult& x : res) x.overrides = sets;
             if (g_comm && g_comm->rank() != 0) return 0;  // rank 0 reports
             std::printf(
                 "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "

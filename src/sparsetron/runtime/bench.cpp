@@ -9,6 +9,7 @@
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/rng.h"
+#include "sparsetron/optim/muon.h"
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/perf/flops.h"
@@ -130,6 +131,8 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.peak_mem_mib = mem[v];
         r.planned_mem_mib = engine->planned_memory_mib();
         r.gpus = ranks;
+        r.newton_schulz_flops =
+            optimizer ? newton_schulz_count(tp->model->params(), m, recipe.run).chosen_flops : 0.0;
     }
     return results;
 }
@@ -157,6 +160,8 @@ std::string BenchResult::to_json() const {
     j["peak_mem_mib"] = peak_mem_mib;
     j["planned_mem_mib"] = planned_mem_mib;
     j["gpus"] = gpus;
+    j["newton_schulz_flops_per_step"] = newton_schulz_flops;
+    j["overrides"] = overrides;
     return j.dump();
 }
 

@@ -32,6 +32,10 @@ struct BenchResult {
     int64_t tokens = 0;
     double peak_mem_mib = 0, planned_mem_mib = 0;
     int gpus = 1;  // data-parallel ranks of the run
+    // The optimizer's Newton-Schulz FLOPs in the timed step (0 with --forward-backward or without
+    // Muon): outside the audited count, recorded so a step's hardware work can be read beside it.
+    double newton_schulz_flops = 0;
+    std::vector<std::string> overrides;  // the recipe keys set on the command line, as given
     std::string to_json() const;
     std::string table() const;
 };

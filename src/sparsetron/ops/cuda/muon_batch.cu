@@ -359,9 +359,9 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
     // The [rr, rr] matrices R and Z are stored times t ~ rr (a power of two: exact): R's
     // eigenvalues average 1 / rr (trace 1), so unscaled the entries of a large R sit in fp16's
     // subnormals, whose absolute quantum 6e-8 would perturb its typical eigenvalues (~1.6e-4 at
-    // rr = 6144) by ~2%. Scaled, |t Z| <= 4.1 t stays below 65504 (t <= 4096). Q (eigenvalues in
-    // [1, ~16]) is stored as is; x_scale (s) likewise keeps X's entries normal. Every scale is
-    // folded into a GEMM's fp32 alpha and beta.
+    // rr = 6144) by ~2%. Scaled, |t Z| <= 4.1 t stays below 65504 (t <= 4096). Q (eigenvalues
+    // below 4.1^3 ~ 69: at most three Q_i between restarts) is stored as is; x_scale (s) likewise
+    // keeps X's entries normal. Every scale is folded into a GEMM's fp32 alpha and beta.
     const float t = std::ldexp(1.f, std::min(12, int(std::floor(std::log2(double(rr))))));
     const float s = x_scale;
     char* sq = static_cast<char*>(squares);

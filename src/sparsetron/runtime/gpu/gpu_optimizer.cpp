@@ -150,7 +150,8 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     ns_tf32_ = r.muon_fp32_matmul_prec == "high";
     // The Gram form accumulates Q, a product of up to three polynomials between restarts, whose
     // small eigenvalues bf16's 8-bit mantissa loses: it runs in fp16 instead (same speed; values
-    // stay far below fp16's 65504: |Q| <= 4.1 x 4.0 before the restart; docs/optimizer.md).
+    // stay far below fp16's 65504: Q's eigenvalues are products of at most three Q_i of <= 4.1
+    // between restarts; docs/optimizer.md).
     ns_gram_elem_ = ns_elem_ == DType::BF16 ? DType::F16 : ns_elem_;
     int64_t stack = 0, squares = 0, norms = 0, problems = 0;
     for (size_t k = 0; k < batches_.size(); ++k) {

@@ -59,6 +59,81 @@ double half_bits_to_double(uint16_t h) {
     return (h & 0x8000) ? -v : v;
 }
 
+// The quintic coefficients of `steps` iterations, as the device batches take them.
+std::vector<std::array<float, 3>> quintic_coefficients(int64_t steps) {
+    std::vector<std::array<float, 3>> coeff;
+    for (int64_t k = 0; k < steps; ++k) {
+        const auto c = muon_ns_coefficients("quintic", k);
+        coeff.push_back({float(c.a), float(c.b), float(c.c)});
+    }
+    return coeff;
+}
+
+// `steps` Newton-Schulz iterations of the normalized batch x [count, rr, cc] on the device in
+// `elem`, by the Gram form (restarts as given) or the standard one, read back as floats.
+std::vector<float> device_newton_schulz(cuda::CudaSession& session, const std::vector<float>& x,
+                                        int64_t count, int64_t rr, int64_t cc, DType elem,
+                                        bool gram, const std::vector<int64_t>& restarts,
+                                        int64_t steps = 5) {
+    const ExecContext& ctx = session.ctx();
+    const auto coeff = quintic_coefficients(steps);
+    const int64_t n = rr * cc, es = int64_t(dtype_size(elem));
+    DeviceArray<uint8_t> w(count * n * es), y(count * n * es),
+        sq(cuda::kGramSquares * count * rr * rr * es);
+    DeviceArray<float> xf(x);
+    DeviceArray<float> norms(cuda::muon_normalize_floats(count, n));
+    // x is normalized already: this converts it to elem (times the Gram form's scale).
+    const float x_scale = gram ? cuda::gram_ns_x_scale(rr, cc) : 1.f;
+    cuda::muon_normalize_batch(ctx, xf, count, n, 0.f, norms, elem, w.get(), x_scale);
+    if (gram)
+        cuda::newton_schulz_gram_batch(ctx, w.get(), y.get(), sq.get(), count, rr, cc, coeff,
+                                       restarts, elem, false, x_scale);
+    else
+        cuda::newton_schulz_batch(ctx, w.get(), y.get(), sq.get(), sq.get() + count * rr * rr * es,
+                                  count, rr, cc, coeff, elem, false);
+    session.synchronize();
+    std::vector<float> got(size_t(count * n));
+    if (elem == DType::F32) {
+        copy_to_host(got.data(), w.get(), got.size() * 4);
+    } else {
+        std::vector<uint16_t> h(got.size());
+        copy_to_host(h.data(), w.get(), h.size() * 2);
+        for (size_t i = 0; i < h.size(); ++i)
+            got[i] =
+                elem == DType::BF16 ? bf16_to_float(bf16{h[i]}) : float(half_bits_to_double(h[i]));
+    }
+    return got;
+}
+
+// [count, rr, cc] of Gaussian rows scaled by 50^(-i / rr) (a spectrum spanning ~50x: random
+// matrices are well conditioned, and small singular values are where reduced precision fails),
+// each normalized to unit Frobenius norm.
+std::vector<double> spread_batch(int64_t count, int64_t rr, int64_t cc, uint64_t seed) {
+    const int64_t n = rr * cc;
+    std::vector<double> x(size_t(count * n));
+    for (int64_t p = 0; p < count; ++p) {
+        auto raw = random_vector<double>(size_t(n), seed + uint64_t(p));
+        double norm = 0;
+        for (int64_t i = 0; i < rr; ++i)
+            for (int64_t j = 0; j < cc; ++j) {
+                double& v = raw[size_t(i * cc + j)];
+                v *= std::pow(50.0, -double(i) / double(rr));
+                norm += v * v;
+            }
+        for (int64_t i = 0; i < n; ++i) x[size_t(p * n + i)] = raw[size_t(i)] / std::sqrt(norm);
+    }
+    return x;
+}
+
+template <typename R>
+double relative_error(const std::vector<float>& got, const std::vector<R>& ref) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+        num += (got[i] - double(ref[i])) * (got[i] - double(ref[i])),
+            den += double(ref[i]) * double(ref[i]);
+    return std::sqrt(num / den);
+}
+
 MuonSplit whole(int64_t rows) {
     MuonSplit s;
     s.slices.push_back({{{0, rows}}});
@@ -122,11 +197,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
     DeviceArray<float> dstack(stack), dnorms(norms), dscales(scales), dlr(std::vector<float>{lr});
     DeviceArray<int32_t> dskips(std::vector<int32_t>{skipped_group == 0, skipped_group == 1});
     DeviceArray<uint8_t> ws((2 * stack + cuda::kGramSquares * squares) * int64_t(dtype_size(elem)));
-    std::vector<std::array<float, 3>> coeff;
-    for (int64_t k = 0; k < 5; ++k) {
-        const auto c = muon_ns_coefficients("quintic", k);
-        coeff.push_back({float(c.a), float(c.b), float(c.c)});
-    }
+    const auto coeff = quintic_coefficients(5);
     const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
     const size_t es = dtype_size(elem);
     for (const MuonBatch& b : batches) {
@@ -247,15 +318,9 @@ TEST(CudaMuon, BatchedNewtonSchulzMatchesCpuInEachPrecision) {
 TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
     REQUIRE_GPU();
     cuda::CudaSession session;
-    const ExecContext& ctx = session.ctx();
     for (const int64_t steps : {int64_t(5), int64_t(4)}) {
         SCOPED_TRACE(cat(steps, " iterations"));
         const int64_t count = 2, rr = 512, cc = 576, n = rr * cc;
-        std::vector<std::array<float, 3>> coeff;
-        for (int64_t k = 0; k < steps; ++k) {
-            const auto c = muon_ns_coefficients("quintic", k);
-            coeff.push_back({float(c.a), float(c.b), float(c.c)});
-        }
         std::vector<double> ref(size_t(count * n)), ws;
         std::vector<float> x(size_t(count * n));
         for (int64_t p = 0; p < count; ++p) {
@@ -268,30 +333,8 @@ TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
             newton_schulz<double>(ref.data() + p * n, rr, cc, steps, "quintic", ws);
         }
         auto error = [&](DType elem) {
-            const int64_t es = int64_t(dtype_size(elem));
-            DeviceArray<uint8_t> w(count * n * es), y(count * n * es), a(count * rr * rr * es),
-                b(count * rr * rr * es);
-            if (elem == DType::F32) {
-                copy_to_device(w.get(), x.data(), x.size() * 4);
-            } else {
-                const auto xb = to_bf16_rounding(x);
-                copy_to_device(w.get(), xb.data(), xb.size() * 2);
-            }
-            cuda::newton_schulz_batch(ctx, w.get(), y.get(), a.get(), b.get(), count, rr, cc, coeff,
-                                      elem, false);
-            session.synchronize();
-            std::vector<float> got(size_t(count * n));
-            if (elem == DType::F32) {
-                copy_to_host(got.data(), w.get(), got.size() * 4);
-            } else {
-                std::vector<bf16> gb(got.size());
-                copy_to_host(gb.data(), w.get(), gb.size() * 2);
-                got = to_float(gb);
-            }
-            double num = 0, den = 0;
-            for (size_t i = 0; i < got.size(); ++i)
-                num += (got[i] - ref[i]) * (got[i] - ref[i]), den += ref[i] * ref[i];
-            return std::sqrt(num / den);
+            return relative_error(
+                device_newton_schulz(session, x, count, rr, cc, elem, false, {}, steps), ref);
         };
         const double fp32 = error(DType::F32), bf16e = error(DType::BF16);
         std::cout << "[harness] blocked symmetric Newton-Schulz [2 x 512 x 576], " << steps
@@ -300,78 +343,6 @@ TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
         EXPECT_LT(bf16e, 5e-2);
     }
 }
-
-namespace {
-
-// Newton-Schulz of the normalized batch x [count, rr, cc] on the device in `elem`, by the Gram
-// form (restarts as given) or the standard one, read back as floats.
-std::vector<float> device_newton_schulz(cuda::CudaSession& session, const std::vector<float>& x,
-                                        int64_t count, int64_t rr, int64_t cc, DType elem,
-                                        bool gram, const std::vector<int64_t>& restarts) {
-    const ExecContext& ctx = session.ctx();
-    std::vector<std::array<float, 3>> coeff;
-    for (int64_t k = 0; k < 5; ++k) {
-        const auto c = muon_ns_coefficients("quintic", k);
-        coeff.push_back({float(c.a), float(c.b), float(c.c)});
-    }
-    const int64_t n = rr * cc, es = int64_t(dtype_size(elem));
-    DeviceArray<uint8_t> w(count * n * es), y(count * n * es),
-        sq(cuda::kGramSquares * count * rr * rr * es);
-    DeviceArray<float> xf(x);
-    DeviceArray<float> norms(cuda::muon_normalize_floats(count, n));
-    // x is normalized already: this converts it to elem (times the Gram form's scale).
-    const float x_scale = gram ? cuda::gram_ns_x_scale(rr, cc) : 1.f;
-    cuda::muon_normalize_batch(ctx, xf, count, n, 0.f, norms, elem, w.get(), x_scale);
-    if (gram)
-        cuda::newton_schulz_gram_batch(ctx, w.get(), y.get(), sq.get(), count, rr, cc, coeff,
-                                       restarts, elem, false, x_scale);
-    else
-        cuda::newton_schulz_batch(ctx, w.get(), y.get(), sq.get(), sq.get() + count * rr * rr * es,
-                                  count, rr, cc, coeff, elem, false);
-    session.synchronize();
-    std::vector<float> got(size_t(count * n));
-    if (elem == DType::F32) {
-        copy_to_host(got.data(), w.get(), got.size() * 4);
-    } else {
-        std::vector<uint16_t> h(got.size());
-        copy_to_host(h.data(), w.get(), h.size() * 2);
-        for (size_t i = 0; i < h.size(); ++i)
-            got[i] =
-                elem == DType::BF16 ? bf16_to_float(bf16{h[i]}) : float(half_bits_to_double(h[i]));
-    }
-    return got;
-}
-
-// [count, rr, cc] of Gaussian rows scaled by 50^(-i / rr) (a spectrum spanning ~50x: random
-// matrices are well conditioned, and small singular values are where reduced precision fails),
-// each normalized to unit Frobenius norm.
-std::vector<double> spread_batch(int64_t count, int64_t rr, int64_t cc, uint64_t seed) {
-    const int64_t n = rr * cc;
-    std::vector<double> x(size_t(count * n));
-    for (int64_t p = 0; p < count; ++p) {
-        auto raw = random_vector<double>(size_t(n), seed + uint64_t(p));
-        double norm = 0;
-        for (int64_t i = 0; i < rr; ++i)
-            for (int64_t j = 0; j < cc; ++j) {
-                double& v = raw[size_t(i * cc + j)];
-                v *= std::pow(50.0, -double(i) / double(rr));
-                norm += v * v;
-            }
-        for (int64_t i = 0; i < n; ++i) x[size_t(p * n + i)] = raw[size_t(i)] / std::sqrt(norm);
-    }
-    return x;
-}
-
-template <typename R>
-double relative_error(const std::vector<float>& got, const std::vector<R>& ref) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i)
-        num += (got[i] - double(ref[i])) * (got[i] - double(ref[i])),
-            den += double(ref[i]) * double(ref[i]);
-    return std::sqrt(num / den);
-}
-
-}  // namespace
 
 // The Gram form against fp64 standard Newton-Schulz on the CPU (equal in exact arithmetic), on a
 // batch with the blocked symmetric products (rr = 512) and one with full ones (rr = 96). Restart

@@ -34,11 +34,6 @@ bool ends_with(const std::string& s, const std::string& suffix) {
            s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Muon updates the trainable parameters of its group (the others go to AdamW).
-bool is_muon_param(const ParamInfo& p) {
-    return p.trainable && p.group == OptimGroup::Muon;
-}
-
 }  // namespace
 
 MuonCoefficients muon_ns_coefficients(const std::string& type, int64_t step) {
@@ -54,11 +49,9 @@ NewtonSchulzCount newton_schulz_count(const std::vector<MuonSplit>& splits,
         for (const MuonSlice& s : splits[i].slices) {
             const int64_t rows = s.num_rows(), cols = shapes[i][1];
             const int64_t lo = std::min(rows, cols), hi = std::max(rows, cols);
-            const double standard = 2 * newton_schulz_cost(lo, hi, steps);
-            const bool gram = r.muon_ns_method == "gram" && gram_ns_pays(lo, hi, steps);
-            n.standard_flops += standard;
-            n.chosen_flops +=
-                gram ? 2 * newton_schulz_gram_cost(lo, hi, steps, gram_ns_restarts()) : standard;
+            const bool gram = uses_gram_ns(r.muon_ns_method, lo, hi, steps);
+            n.standard_flops += 2 * newton_schulz_cost(lo, hi, steps);
+            n.chosen_flops += 2 * newton_schulz_cost(lo, hi, steps, gram);
             n.matrices += 1;
             n.gram_matrices += gram ? 1 : 0;
         }
@@ -157,8 +150,8 @@ void Muon::step(const MemoryPlan& plan, const RunConfig& r, double lr, double gr
                                     ? (1.0 - beta) * double(g[k]) * grad_scale + beta * mom[k]
                                     : double(mom[k]));
                         }
-                if (r.muon_ns_method == "gram" &&
-                    gram_ns_pays(std::min(rows, cols), std::max(rows, cols), r.muon_num_ns_steps))
+                if (uses_gram_ns(r.muon_ns_method, std::min(rows, cols), std::max(rows, cols),
+                                 r.muon_num_ns_steps))
                     newton_schulz_gram(slice.data(), rows, cols, r.muon_num_ns_steps,
                                        r.muon_coefficient_type, gram_ns_restarts(), ws);
                 else

@@ -26,6 +26,12 @@ struct MuonSplit {
     std::vector<MuonSlice> slices;
 };
 
+// Muon updates the trainable parameters of its group (with `optimizer: muon`; the rest go to
+// AdamW).
+inline bool is_muon_param(const ParamInfo& p) {
+    return p.trainable && p.group == OptimGroup::Muon;
+}
+
 // The split of `p` under the recipe's Muon settings (q_b_proj and kv_b_proj only; SPEC §7).
 MuonSplit muon_split_for(const ParamInfo& p, const ModelConfig& m, const RunConfig& r);
 

@@ -78,9 +78,7 @@ double newton_schulz_cost(int64_t r, int64_t c, int64_t steps) {
 double newton_schulz_gram_cost(int64_t r, int64_t c, int64_t steps,
                                const std::vector<int64_t>& restarts) {
     const double r2c = double(r) * double(r) * double(c), r3 = double(r) * double(r) * double(r);
-    auto restart_at = [&](int64_t i) {
-        return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
-    };
+    auto restart_at = [&](int64_t i) { return gram_ns_restarts_at(restarts, i); };
     // The first Gram matrix and the final Q X; per restart Q X and a new Gram matrix.
     double cost = 0.75 * r2c + r2c;
     for (int64_t i = 0; i < steps; ++i) {
@@ -97,6 +95,15 @@ bool gram_ns_pays(int64_t r, int64_t c, int64_t steps) {
            newton_schulz_cost(r, c, steps);
 }
 
+bool uses_gram_ns(const std::string& method, int64_t r, int64_t c, int64_t steps) {
+    return method == "gram" && gram_ns_pays(r, c, steps);
+}
+
+double newton_schulz_cost(int64_t r, int64_t c, int64_t steps, bool gram) {
+    return gram ? newton_schulz_gram_cost(r, c, steps, gram_ns_restarts())
+                : newton_schulz_cost(r, c, steps);
+}
+
 template <typename T>
 void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::string& type,
                         const std::vector<int64_t>& restarts, std::vector<T>& ws,
@@ -111,9 +118,7 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
     T* RZ = Z + r * r;
     T* S = RZ + r * r;  // scratch for out-of-place products
     load_wide(x, m, n, X, rounding);
-    auto restart_at = [&](int64_t i) {
-        return std::find(restarts.begin(), restarts.end(), i) != restarts.end();
-    };
+    auto restart_at = [&](int64_t i) { return gram_ns_restarts_at(restarts, i); };
     auto gram = [&] { product(rounding, false, true, r, r, c, 1.0, X, c, X, c, 0.0, R, r); };
     auto apply_q = [&] {  // X <- Q X
         product(rounding, false, false, r, c, r, 1.0, Q, r, X, c, 0.0, Y, c);
@@ -123,7 +128,7 @@ void newton_schulz_gram(T* x, int64_t m, int64_t n, int64_t steps, const std::st
     for (int64_t i = 0; i < steps; ++i) {
         const MuonCoefficients k = muon_ns_coefficients(type, i);
         const bool fresh = i == 0 || restart_at(i);
-        if (i > 0 && restart_at(i)) {
+        if (restart_at(i)) {
             apply_q();
             gram();
         }

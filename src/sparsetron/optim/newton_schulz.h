@@ -10,6 +10,7 @@
 // fp16 it is ~4x more accurate than the standard form in bf16 (docs/optimizer.md).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,6 +28,10 @@ inline const std::vector<int64_t>& gram_ns_restarts() {
     static const std::vector<int64_t> at{2};
     return at;
 }
+// Whether the Gram form restarts at iteration i (never at 0, which starts from X anyway).
+inline bool gram_ns_restarts_at(const std::vector<int64_t>& restarts, int64_t i) {
+    return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+}
 
 // Multiply-adds of Newton-Schulz on one wide [r, c] matrix (r <= c) in each form, a product whose
 // result is symmetric counted at 3/4 (the CUDA backend computes two diagonal half-blocks and one
@@ -39,6 +44,9 @@ double newton_schulz_gram_cost(int64_t r, int64_t c, int64_t steps,
 // `muon_ns_method: gram` uses the Gram form for a matrix where it costs less (with 5 steps and
 // one restart: c > ~1.3 r) and the standard iteration elsewhere (square-ish matrices).
 bool gram_ns_pays(int64_t r, int64_t c, int64_t steps);
+// The form a wide [r, c] matrix runs in under `method` (muon_ns_method), and its cost.
+bool uses_gram_ns(const std::string& method, int64_t r, int64_t c, int64_t steps);
+double newton_schulz_cost(int64_t r, int64_t c, int64_t steps, bool gram);
 
 // X [m, n] <- NS_steps(X / ||X||_F) in place (transposed to the wide orientation internally), by
 // SPEC §7's standard iteration; `rounding` emulates reduced-precision products.

@@ -14,7 +14,7 @@ Optimizer::Optimizer(const ParamStore& store, MemoryPlan& plan, const ModelConfi
     const bool muon = r.optimizer == "muon";
     std::vector<bool> adam_handles;
     for (const auto& p : store.params()) {
-        uses_muon_.push_back(muon && p.trainable && p.group == OptimGroup::Muon);
+        uses_muon_.push_back(muon && is_muon_param(p));
         adam_handles.push_back(p.trainable && !uses_muon_.back());
         mtp_group_.push_back(p.mtp);
     }

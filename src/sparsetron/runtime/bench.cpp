@@ -113,6 +113,8 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         for (int v = 0; v < V; ++v) run_one(v);
     for (int v : abba_order(V, o.iters)) results[v].step_ms.push_back(run_one(v));
     const FlopCount f = audited_flops(m, std::vector<int64_t>(size_t(n_mb), slots));
+    const double ns_flops =
+        optimizer ? newton_schulz_count(tp->model->params(), m, recipe.run).chosen_flops : 0.0;
     for (int v = 0; v < V; ++v) {
         BenchResult& r = results[v];
         r.recipe = recipe.name;
@@ -131,8 +133,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.peak_mem_mib = mem[v];
         r.planned_mem_mib = engine->planned_memory_mib();
         r.gpus = ranks;
-        r.newton_schulz_flops =
-            optimizer ? newton_schulz_count(tp->model->params(), m, recipe.run).chosen_flops : 0.0;
+        r.newton_schulz_flops = ns_flops;
     }
     return results;
 }

@@ -4,6 +4,7 @@
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
+#include "sparsetron/optim/newton_schulz.h"
 
 #include <algorithm>
 #include <cmath>
@@ -215,7 +216,7 @@ void symmetric_product(const ExecContext& ctx, const void* x, const void* z, boo
 }
 
 // out[p] = scale in[p] + a I for [rr, rr] matrices (the Gram form's first polynomial,
-// Q = a I + Z from t Z); with rr = 1 (and a = 0) a plain scaling of `total` elements.
+// Q = a I + Z from t Z).
 template <typename E>
 __global__ void add_identity_kernel(const E* in, float scale, float a, int64_t rr, int64_t total,
                                     E* out) {
@@ -240,11 +241,6 @@ void add_identity(const ExecContext& ctx, const void* in, float scale, float a, 
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
             static_cast<const float*>(in), scale, a, rr, total, static_cast<float*>(out));
     ST_CUDA_LAUNCH_CHECK();
-}
-
-// x *= scale over n elements of `elem`.
-void scale_batch(const ExecContext& ctx, void* x, int64_t n, float scale, DType elem) {
-    add_identity(ctx, x, scale, 0.f, n, 1, elem, x);
 }
 
 dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
@@ -355,6 +351,7 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
     ST_CHECK(rr <= cc, "newton_schulz_gram_batch wants the wide orientation, got ", rr, " x ", cc);
     ST_CHECK(elem == DType::F32 || elem == DType::BF16 || elem == DType::F16,
              "newton_schulz_gram_batch: F32, BF16 or F16 elements, got ", dtype_name(elem));
+    ST_CHECK(!coefficients.empty(), "newton_schulz_gram_batch: no iterations");
     const int64_t es = dtype_size(elem), n = rr * cc, n2 = rr * rr, steps = coefficients.size();
     // The [rr, rr] matrices R and Z are stored times t ~ rr (a power of two: exact): R's
     // eigenvalues average 1 / rr (trace 1), so unscaled the entries of a large R sit in fp16's
@@ -370,9 +367,7 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
     void* RZ = sq + 2 * count * n2 * es;  // t R Q_i
     void* Q = sq + 3 * count * n2 * es;
     void* Q_next = sq + 4 * count * n2 * es;
-    auto restart_at = [&](int64_t i) {
-        return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
-    };
+    auto restart_at = [&](int64_t i) { return gram_ns_restarts_at(restarts, i); };
     // The wide iterate (s X) alternates between w and y; the final Q X (alpha 1 / s) lands in w,
     // through y and one copy when the number of Q X products is odd.
     void* cur = w;
@@ -391,10 +386,6 @@ void newton_schulz_gram_batch(const ExecContext& ctx, void* w, void* y, void* sq
         symmetric_product(ctx, a, b, false, rr, rr, alpha, beta, c_in, out, elem, count, n2, n2,
                           tf32);
     };
-    if (steps == 0) {
-        scale_batch(ctx, w, count * n, 1.f / s, elem);
-        return;
-    }
     gram();
     for (int64_t i = 0; i < steps; ++i) {
         const auto [ca, cb, cc_] = coefficients[size_t(i)];

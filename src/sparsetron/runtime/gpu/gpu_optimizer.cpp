@@ -28,7 +28,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).
     std::vector<double> adam_cost(params.size(), -1.0);
     for (size_t i = 0; i < params.size(); ++i) {
-        uses_muon_.push_back(muon_ && params[i].trainable && params[i].group == OptimGroup::Muon);
+        uses_muon_.push_back(muon_ && is_muon_param(params[i]));
         local_.push_back(ep_ && params[i].routed_expert);
         if (params[i].trainable && !uses_muon_[i] && !local_[i])
             adam_cost[i] = double(params[i].numel());
@@ -115,17 +115,15 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     // muon_ns_method: gram runs the Gram form on the batches where it costs fewer FLOPs.
     gram_.clear();
     for (const MuonBatch& b : batches_)
-        gram_.push_back(r.muon_ns_method == "gram" &&
-                        gram_ns_pays(b.rr(), b.cc(), r.muon_num_ns_steps));
-    auto ns_cost = [&](size_t k) {
-        const MuonBatch& b = batches_[k];
-        const int64_t steps = r.muon_num_ns_steps;
-        return double(b.count()) *
-               (gram_[k] ? newton_schulz_gram_cost(b.rr(), b.cc(), steps, gram_ns_restarts())
-                         : newton_schulz_cost(b.rr(), b.cc(), steps));
-    };
+        gram_.push_back(uses_gram_ns(r.muon_ns_method, b.rr(), b.cc(), r.muon_num_ns_steps));
     std::vector<std::pair<double, int>> cost;
-    for (int64_t k = 0; k < shared_batches_; ++k) cost.emplace_back(ns_cost(size_t(k)), int(k));
+    for (int64_t k = 0; k < shared_batches_; ++k) {
+        const MuonBatch& b = batches_[size_t(k)];
+        cost.emplace_back(
+            double(b.count()) *
+                newton_schulz_cost(b.rr(), b.cc(), r.muon_num_ns_steps, gram_[size_t(k)]),
+            int(k));
+    }
     std::stable_sort(cost.begin(), cost.end(),
                      [](const auto& x, const auto& y) { return x.first > y.first; });
     rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),

@@ -344,8 +344,8 @@ TEST(CudaMuon, SymmetricBlockedNewtonSchulzMatchesCpu) {
     }
 }
 
-// The Gram form against fp64 standard Newton-Schulz on the CPU (equal in exact arithmetic), on a
-// batch with the blocked symmetric products (rr = 512) and one with full ones (rr = 96). Restart
+// The Gram form against fp64 standard Newton-Schulz on the CPU (equal in exact arithmetic), on
+// batches with the blocked symmetric products (rr >= 512) and one with full ones (rr = 96). Restart
 // sets {2} and {} (the iterate ends in w after two Q X products or is copied back after one).
 // fp32 must be fp32-sized; fp16 must beat the standard form in bf16, the mode it replaces (the CPU
 // emulation measured 3-5x).
@@ -355,7 +355,10 @@ TEST(CudaMuon, GramNewtonSchulzMatchesCpu) {
     struct Shape {
         int64_t count, rr, cc;
     };
-    for (const Shape sh : {Shape{2, 512, 1536}, Shape{3, 96, 384}}) {
+    // rr = 528 and 584: the mirror's 16-byte form with a partial 64-wide tile (m = 264) and its
+    // scalar form (m = 292, not a multiple of 8) in fp16.
+    for (const Shape sh :
+         {Shape{2, 512, 1536}, Shape{3, 96, 384}, Shape{1, 528, 1024}, Shape{1, 584, 1024}}) {
         const int64_t count = sh.count, rr = sh.rr, cc = sh.cc, n = rr * cc;
         std::vector<double> ref = spread_batch(count, rr, cc, 700), ws;
         const std::vector<float> x(ref.begin(), ref.end());

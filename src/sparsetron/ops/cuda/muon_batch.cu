@@ -166,6 +166,43 @@ __global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
     }
 }
 
+// The same for 16-bit elements when m % 8 == 0, in 64 x 64 tiles moved as 16-byte vectors: the
+// scalar kernel's 2-byte accesses (64 bytes per warp request) held it to 14.1 ms per proxy step
+// (560 launches; ncu, 0388bdf). A warp writes 4 rows x 128 bytes (whole sectors). The tile's rows
+// are 33 words apart: the transposed reads (8 rows 8 apart per warp request) meet 2-way conflicts.
+constexpr int kVecTile = 64, kVecLd = kVecTile + 2, kVecThreads = 256;
+__global__ void __launch_bounds__(kVecThreads)
+    mirror16_kernel(uint16_t* out, int64_t m, int64_t stride) {
+    __shared__ uint32_t tile[kVecTile * kVecLd / 2];
+    uint16_t* o = out + int64_t(blockIdx.z) * stride;
+    const int64_t ld = 2 * m, c0 = int64_t(blockIdx.x) * kVecTile,
+                  r0 = int64_t(blockIdx.y) * kVecTile;
+    // Load the lower-left tile rows r0.., columns c0..: 64 rows x 8 vectors.
+    for (int v = threadIdx.x; v < kVecTile * 8; v += kVecThreads) {
+        const int i = v >> 3, j8 = (v & 7) * 8;
+        const int64_t r = r0 + i, c = c0 + j8;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (r < m && c < m) x = *reinterpret_cast<const uint4*>(o + (m + r) * ld + c);
+        uint32_t* t = tile + (i * kVecLd + j8) / 2;
+        t[0] = x.x, t[1] = x.y, t[2] = x.z, t[3] = x.w;
+    }
+    __syncthreads();
+    // Write row c0 + j of the upper-right block, columns r0 + 8 g .. + 7: tile[8 g ..][j].
+    const uint16_t* th = reinterpret_cast<const uint16_t*>(tile);
+    for (int v = threadIdx.x; v < kVecTile * 8; v += kVecThreads) {
+        const int g = v & 7, j = v >> 3;
+        const int64_t r = c0 + j, c = r0 + 8 * g;
+        if (r >= m || c >= m) continue;
+        uint16_t e[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) e[k] = th[(8 * g + k) * kVecLd + j];
+        uint4 x;
+        x.x = e[0] | uint32_t(e[1]) << 16, x.y = e[2] | uint32_t(e[3]) << 16;
+        x.z = e[4] | uint32_t(e[5]) << 16, x.w = e[6] | uint32_t(e[7]) << 16;
+        *reinterpret_cast<uint4*>(o + r * ld + m + c) = x;
+    }
+}
+
 // The smallest Gram size computed as three half-size blocks (smaller ones are latency-bound:
 // one GEMM is faster there).
 constexpr int64_t kSymmetricMin = 512;
@@ -208,38 +245,49 @@ void symmetric_product(const ExecContext& ctx, const void* x, const void* z, boo
     ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
     const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
         block(kTile, kTileRows);
-    if (es == 2)
+    static const bool scalar_mirror = env_is("SPARSETRON_NS_SCALAR_MIRROR", "1");  // for A/B
+    if (es == 2 && m % 8 == 0 && os % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+        !scalar_mirror)
+        mirror16_kernel<<<dim3(blocks_for(m, kVecTile), blocks_for(m, kVecTile), unsigned(count)),
+                          kVecThreads, 0, stream_of(ctx)>>>(static_cast<uint16_t*>(out), m, os);
+    else if (es == 2)
         mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<uint16_t*>(out), m, os);
     else
         mirror_kernel<<<grid, block, 0, stream_of(ctx)>>>(static_cast<float*>(out), m, os);
     ST_CUDA_LAUNCH_CHECK();
 }
 
-// out[p] = scale in[p] + a I for [rr, rr] matrices (the Gram form's first polynomial,
-// Q = a I + Z from t Z).
+// out[p] = scale in[p] + a I for `count` [rr, rr] matrices (the Gram form's first polynomial,
+// Q = a I + Z from t Z). blockIdx.y strides over the matrices, so the diagonal test is a 32-bit
+// remainder within one matrix (a 64-bit division and remainder per element held this kernel to
+// 7.8 ms per proxy step; ncu, 0388bdf).
 template <typename E>
-__global__ void add_identity_kernel(const E* in, float scale, float a, int64_t rr, int64_t total,
-                                    E* out) {
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-         i += int64_t(gridDim.x) * blockDim.x) {
-        const int64_t e = i % (rr * rr);
-        st(out + i, scale * ld(in + i) + (e / rr == e % rr ? a : 0.f));
-    }
+__global__ void add_identity_kernel(const E* in, float scale, float a, uint32_t rr, uint32_t n2,
+                                    int64_t count, E* out) {
+    for (int64_t p = blockIdx.y; p < count; p += gridDim.y)
+        for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n2;
+             e += gridDim.x * blockDim.x) {
+            const int64_t i = p * int64_t(n2) + e;
+            st(out + i, scale * ld(in + i) + (e % (rr + 1) == 0 ? a : 0.f));
+        }
 }
 
 void add_identity(const ExecContext& ctx, const void* in, float scale, float a, int64_t count,
                   int64_t rr, DType elem, void* out) {
-    const int64_t total = count * rr * rr;
-    const unsigned grid = unsigned(std::min<int64_t>(blocks_for(total, kThreads), 4096));
+    const int64_t n2 = rr * rr;
+    ST_CHECK(n2 < (int64_t(1) << 32) / 2, "add_identity: [", rr, ", ", rr, "] is too large");
+    const dim3 grid(unsigned(std::min<int64_t>(blocks_for(n2, kThreads), 1024)),
+                    unsigned(std::min<int64_t>(count, 65535)));
+    const auto r = uint32_t(rr), n = uint32_t(n2);
     if (elem == DType::F16)
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const __half*>(in), scale, a, rr, total, static_cast<__half*>(out));
+            static_cast<const __half*>(in), scale, a, r, n, count, static_cast<__half*>(out));
     else if (elem == DType::BF16)
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const bf*>(in), scale, a, rr, total, static_cast<bf*>(out));
+            static_cast<const bf*>(in), scale, a, r, n, count, static_cast<bf*>(out));
     else
         add_identity_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-            static_cast<const float*>(in), scale, a, rr, total, static_cast<float*>(out));
+            static_cast<const float*>(in), scale, a, r, n, count, static_cast<float*>(out));
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -41,6 +41,15 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
                                 void* workspace, int64_t workspace_bytes, int64_t key_rows,
                                 const bf16* saved_probs);
 
+// masked_dscores_wgmma.cu: the expanded masked backward's dS = scale P (dO V^T - D) from saved
+// probabilities with dP in registers, for one chunk (query tokens t0 .. t0 + n - 1 against keys
+// 0 .. t1 - 1; P and dS [n * heads, lds] in the chunk's layout; dsum[t * heads + h] = D of token
+// t, head h). Supported on sm_90 with v 256 (SPARSETRON_MASKED_DSCORES=unfused turns it off).
+bool masked_dscores_wgmma_supported(int64_t dv, const HeadKV& kv);
+void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV& kv, const bf16* p,
+                          bf16* ds, int64_t lds, const float* dsum, int64_t t0, int64_t n,
+                          int64_t t1, int64_t heads, float scale);
+
 // indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
 void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
                    const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,

@@ -15,7 +15,8 @@
 // With saved probabilities (sparse_mqa_saved_probs_elems; no context parallelism) the forward
 // writes every chunk's P into the caller's buffer, chunk after chunk, and the backward skips the
 // second S GEMM and the P kernel: dP = dO V^T; dV += P^T dO; dS = scale P (dP - D) from the saved
-// bf16 P, into the workspace's P; dQ, dK as above.
+// bf16 P, into the workspace's P; dQ, dK as above. In the expanded form on sm_90 (v 256) dP and
+// dS are one kernel with dP in registers (masked_dscores_wgmma.cu).
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -260,6 +261,15 @@ __device__ __forceinline__ float head_row_dot(const bf* out, const bf* dout, int
     }
     if (dv % 2 && lane == 0) d += ld(out + row0 + dv - 1) * ld(dout + row0 + dv - 1);
     return warp_sum(d);
+}
+
+// d[r] = D of head row r (rowsum(dO o O) over dv), a warp per row: what the fused dS kernel reads.
+__global__ void head_row_dots_kernel(const bf* out, const bf* dout, int64_t rows, int64_t dv,
+                                     float* d) {
+    const int64_t r = blockIdx.x * int64_t(kWarps) + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const float v = head_row_dot(out, dout, r * dv, dv, threadIdx.x & 31);
+    if ((threadIdx.x & 31) == 0) d[r] = v;
 }
 
 // dS = scale P (dP - D) over the token's rows of kWarps heads (blockIdx.y's group), written over
@@ -534,6 +544,13 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         saved_probs ? sparse_mqa_saved_probs_elems(tokens, heads, workspace_bytes) : 0;
     int64_t saved_at = saved_end;
     const int64_t last = (tokens - 1) / cq * cq;
+    // With saved P on sm_90 (v 256) dS comes from one kernel that keeps dP in registers; D for
+    // every head row first, into the S buffer (unused when P is saved: tokens x H <= its size).
+    const bool fused = saved_probs && masked_dscores_wgmma_supported(dv, kv);
+    if (fused)
+        head_row_dots_kernel<<<blocks_for(tokens * H, kWarps), kThreads, 0, stream_of(ctx)>>>(
+            dev(out), dev(dout), tokens * H, dv, w.s);
+    ST_CUDA_LAUNCH_CHECK();
     for (int64_t t0 = last; t0 >= 0; t0 -= cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), n = t1 - t0, ld = leading_dim(t1);
         // The last chunk scores every key: it writes dK and dV, the earlier chunks add.
@@ -554,19 +571,26 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
             launch_probs(ctx, w.s, w.p, ld, idx, len, kslots, t0, t1 - t0, tokens, heads, lse,
                          nullptr, nullptr);
         }
-        // dP_h = dO_h V_h^T; dV_h (+)= P_h^T dO_h
-        gemm(ctx, false, true, n, t1, dv, 1.f, gc, H * dv, kv.v, kv.v_row, 0.f, w.dp, H * ld, BF,
-             F32, {H, dv, kv.v_head, ld});
+        // dV_h (+)= P_h^T dO_h; dP_h = dO_h V_h^T (in the fused kernel's registers, or through
+        // memory).
         gemm(ctx, true, false, t1, dv, n, 1.f, p, H * ld, gc, H * dv, beta, dvv, H * dv, BF, F32,
              {H, ld, dv, dv});
-        if (saved)
-            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
-        else
-            masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-                w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
-                dev(dout), scale);
-        ST_CUDA_LAUNCH_CHECK();
+        if (fused) {
+            masked_dscores_wgmma(ctx, dout, kv, saved, reinterpret_cast<bf16*>(w.p), ld, w.s, t0, n,
+                                 t1, H, scale);
+        } else {
+            gemm(ctx, false, true, n, t1, dv, 1.f, gc, H * dv, kv.v, kv.v_row, 0.f, w.dp, H * ld,
+                 BF, F32, {H, dv, kv.v_head, ld});
+            // dS into the workspace's P (read there by the two GEMMs below).
+            if (saved)
+                masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+                    dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
+            else
+                masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
+                    w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
+                    dev(dout), scale);
+            ST_CUDA_LAUNCH_CHECK();
+        }
         // dQ_h = dS_h K_h; dK_h (+)= dS_h^T Q_h
         gemm(ctx, false, false, n, dqk, t1, 1.f, w.p, H * ld, kv.k, kv.k_row, 0.f,
              dq + t0 * H * dqk, H * dqk, BF, BF, {H, ld, kv.k_head, dqk});

@@ -4,13 +4,17 @@
 // reads it back with P: 4 + 4 bytes per score element of the chunk (~4.8 GB per proxy layer at
 // 4K), ~1.24 ms per layer in masked_dscores_saved_kernel alone (ncu, 0388bdf).
 //
-// One block per (128 keys, 64 query rows, head), two warpgroups of 64 keys each: the block's dO
-// rows (64 x 256) and V rows (128 x 256) go into 128-byte-swizzled [64 rows][64] slices
-// (sparse_mqa_wgmma.cuh's layout, both K-major), dP = dO V^T is 16 m64n64k16 MMAs per warpgroup,
-// and the epilogue reads P at the accumulator's positions and writes dS. Tiles wholly past the
-// last query token of the block are causally empty: P = 0 there, so dS = 0 is written without
-// loading or multiplying. The sum is the GEMM's (fp32 accumulation over the 256 dims), so only
-// the summation order differs from the unfused form.
+// One block per (64 query rows, head), two warpgroups, looping over the row block's key tiles of
+// 128 (64 keys per warpgroup): the dO rows (64 x 256) stay in shared memory, each tile's V rows
+// (128 x 256) stream through two buffers (the next tile's copies in flight during this tile's
+// MMAs and epilogue), all in 128-byte-swizzled [64 rows][64] slices (sparse_mqa_wgmma.cuh's
+// layout, both K-major). dP = dO V^T is 16 m64n64k16 MMAs per warpgroup and tile; the epilogue
+// reads P at the accumulator's positions (loads issued while the MMAs run) and writes dS. Key tiles
+// wholly past the row block's last query token are causally empty: P = 0 there, so their dS = 0 is
+// written without loads or products. The sum is the GEMM's (fp32 accumulation over the 256 dims),
+// so only the summation order differs from the unfused form. (A first form, one block per 128-key
+// tile with no pipelining, measured no faster than the unfused pair: 145.2 vs 143.9 ms on the
+// proxy backbone, 9120e7c.)
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
@@ -22,46 +26,72 @@ namespace {
 using namespace flash_mqa;
 
 constexpr int kVDim = 256, kDvSlices = kVDim / 64;
-constexpr int kRows = 64, kKeys = 128;                  // the block's query rows and keys
+constexpr int kRows = 64, kKeys = 128;                  // the block's query rows, keys per tile
 constexpr int kOperandBytes = kDvSlices * kSliceBytes;  // 64 rows x 256 (32 KiB)
-// Alignment slack, dO, and V as two 64-key operands (one per warpgroup): two blocks per SM.
-constexpr size_t kSmemBytes = 1024 + 3 * size_t(kOperandBytes);
+constexpr int kVBytes = 2 * kOperandBytes;              // a tile's 128 V rows
+static_assert(kKeys == 2 * 64 && kThreads == 256, "two warpgroups of 64 keys each");
+// Alignment slack, dO, two V buffers: one block per SM.
+constexpr size_t kSmemBytes = 1024 + kOperandBytes + 2 * size_t(kVBytes);
 
-__global__ void __launch_bounds__(kThreads, 2)
+#ifdef ST_WGMMA
+// Tile kt's V rows (keys k0 .. k0 + 127 of head h; zeros at or past t1) into `buf`: two 64-row
+// operands, one per warpgroup.
+__device__ __forceinline__ void load_v(uint32_t buf, const bf* v, int64_t v_row, int64_t v_head,
+                                       int64_t h, int64_t k0, int64_t t1) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int64_t ka = k0 + 64 * s + (threadIdx.x >> 3), kb = ka + 32;
+        const bf* rows[2] = {v + min(ka, t1 - 1) * v_row + h * v_head,
+                             v + min(kb, t1 - 1) * v_row + h * v_head};
+        const bool valid[2] = {ka < t1, kb < t1};
+        load_rows<kDvSlices>(buf + uint32_t(s * kOperandBytes), rows, valid);
+    }
+}
+#endif
+
+__global__ void __launch_bounds__(kThreads, 1)
     masked_dscores_wgmma_kernel(const bf* dout, const bf* v, int64_t v_row, int64_t v_head,
                                 const bf* p, bf* ds, int64_t lds, const float* dsum, int64_t t0,
                                 int64_t n, int64_t t1, int64_t heads, float scale) {
 #ifdef ST_WGMMA
     extern __shared__ unsigned char smem_raw[];
     const uint32_t base = aligned_smem_base(smem_raw).addr;
-    const int64_t h = blockIdx.z, q0 = int64_t(blockIdx.y) * kRows,
-                  k0 = int64_t(blockIdx.x) * kKeys;
+    const uint32_t do_tile = base;
+    auto v_buf = [&](int64_t kt) { return base + uint32_t(kOperandBytes + (kt & 1) * kVBytes); };
+    const int64_t h = blockIdx.y, q0 = int64_t(blockIdx.x) * kRows;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int quad = lane & 3, r0 = warp * 16 + lane / 4;  // this thread's rows: r0, r0 + 8
-    // Keys past the block's last query token are causally unselected.
-    const bool live = k0 <= t0 + min(n, q0 + kRows) - 1;
-    float acc[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-    if (live) {
+    // Key tiles up to the row block's last query token are live; past it (up to lds) P = 0.
+    const int64_t live = (t0 + min(n, q0 + kRows) - 1) / kKeys + 1;
+    {
         const int64_t a = q0 + (tid >> 3), b = a + 32;  // the chunk rows this thread copies
-        {
-            const bf* rows[2] = {dout + ((t0 + min(a, n - 1)) * heads + h) * kVDim,
-                                 dout + ((t0 + min(b, n - 1)) * heads + h) * kVDim};
-            const bool valid[2] = {a < n, b < n};
-            load_rows<kDvSlices>(base, rows, valid);
-        }
+        const bf* rows[2] = {dout + ((t0 + min(a, n - 1)) * heads + h) * kVDim,
+                             dout + ((t0 + min(b, n - 1)) * heads + h) * kVDim};
+        const bool valid[2] = {a < n, b < n};
+        load_rows<kDvSlices>(do_tile, rows, valid);
+    }
+    load_v(v_buf(0), v, v_row, v_head, h, 0, t1);
+    cp_async_commit();
+    // This thread's rows: P / dS offsets (-1 past the chunk's rows) and D.
+    int64_t row_at[2];
+    float d[2];
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-            const int64_t ka = k0 + 64 * s + (tid >> 3), kb = ka + 32;
-            const bf* rows[2] = {v + min(ka, t1 - 1) * v_row + h * v_head,
-                                 v + min(kb, t1 - 1) * v_row + h * v_head};
-            const bool valid[2] = {ka < t1, kb < t1};
-            load_rows<kDvSlices>(base + uint32_t((1 + s) * kOperandBytes), rows, valid);
-        }
-        cp_async_commit();
-        copies_landed();
-        const uint64_t da = k_major(base), db = k_major(base + uint32_t((1 + wg) * kOperandBytes));
+    for (int half = 0; half < 2; ++half) {
+        const int64_t q = q0 + r0 + 8 * half;
+        row_at[half] = q < n ? (q * heads + h) * lds : -1;
+        d[half] = q < n ? dsum[(t0 + q) * heads + h] : 0.f;
+    }
+    const uint64_t da = k_major(do_tile);
+    for (int64_t kt = 0; kt < live; ++kt) {
+        if (kt + 1 < live) load_v(v_buf(kt + 1), v, v_row, v_head, h, (kt + 1) * kKeys, t1);
+        cp_async_commit();                            // possibly empty
+        asm volatile("cp.async.wait_group 1;\n" ::);  // dO and tile kt have landed
+        fence_async_proxy();
+        __syncthreads();
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        const uint64_t db = k_major(v_buf(kt) + uint32_t(wg * kOperandBytes));
         mma_fence();
 #pragma unroll
         for (int sl = 0; sl < kDvSlices; ++sl)
@@ -71,28 +101,46 @@ __global__ void __launch_bounds__(kThreads, 2)
                 wgmma::mma_m64k16<0, 0>(acc, desc_plus(da, off), desc_plus(db, off));
             }
         mma_commit();
-        mma_wait();
-    }
-    // acc[4 j + 2 half + e]: row r0 + 8 half, key 64 wg + 8 j + 2 quad + e of the block.
+        // acc[4 j + 2 half + e]: row r0 + 8 half, key k0 + 64 wg + 8 j + 2 quad + e. P's loads
+        // go out while the MMAs run.
+        const int64_t key0 = kt * kKeys + 64 * wg + 2 * quad;
+        uint32_t pv[2][8];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int64_t q = q0 + r0 + 8 * half;
-        if (q >= n) continue;
-        const int64_t row = (q * heads + h) * lds;
-        const float d = live ? dsum[(t0 + q) * heads + h] : 0.f;
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int64_t key = k0 + 64 * wg + 8 * j + 2 * quad;
-            if (key >= lds) continue;  // lds is a multiple of 16: a pair is all in or all out
-            float2 e = make_float2(0.f, 0.f);
-            if (live) {
-                const float2 pv =
-                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + row + key));
-                e.x = pv.x != 0.f ? scale * pv.x * (acc[4 * j + 2 * half] - d) : 0.f;
-                e.y = pv.y != 0.f ? scale * pv.y * (acc[4 * j + 2 * half + 1] - d) : 0.f;
+            for (int j = 0; j < 8; ++j) {
+                const int64_t key = key0 + 8 * j;
+                pv[half][j] = row_at[half] >= 0 && key < lds
+                                  ? *reinterpret_cast<const uint32_t*>(p + row_at[half] + key)
+                                  : 0u;
             }
-            *reinterpret_cast<__nv_bfloat162*>(ds + row + key) = __float22bfloat162_rn(e);
+        mma_wait();
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (row_at[half] < 0) continue;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int64_t key = key0 + 8 * j;
+                if (key >= lds) continue;  // lds is a multiple of 16: a pair is all in or out
+                const float2 pf =
+                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pv[half][j]));
+                float2 e;
+                e.x = pf.x != 0.f ? scale * pf.x * (acc[4 * j + 2 * half] - d[half]) : 0.f;
+                e.y = pf.y != 0.f ? scale * pf.y * (acc[4 * j + 2 * half + 1] - d[half]) : 0.f;
+                *reinterpret_cast<__nv_bfloat162*>(ds + row_at[half] + key) =
+                    __float22bfloat162_rn(e);
+            }
         }
+        __syncthreads();  // every warpgroup's MMAs on buffer kt done before tile kt + 2 lands there
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    // The causally empty keys from live * kKeys to lds: zeros, 8 per 16-byte store.
+    const int64_t z0 = live * kKeys, zvecs = (lds - min(lds, z0)) / 8;
+    for (int64_t i = tid; i < kRows * zvecs; i += kThreads) {
+        const int64_t q = q0 + i / zvecs;
+        if (q < n)
+            *reinterpret_cast<uint4*>(ds + (q * heads + h) * lds + z0 + (i % zvecs) * 8) =
+                make_uint4(0u, 0u, 0u, 0u);
     }
 #else
     __trap();  // dispatched only on sm_90 (masked_dscores_wgmma_supported)
@@ -113,10 +161,9 @@ void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV
     ST_CHECK(masked_dscores_wgmma_supported(kVDim, kv), "masked_dscores_wgmma: unsupported shape");
     ST_CHECK(lds % 16 == 0 && lds >= t1, "masked_dscores_wgmma: leading dimension ", lds);
     if (n == 0) return;
-    ST_CHECK(heads <= 65535 && blocks_for(n, kRows) <= 65535, "masked_dscores_wgmma: ", n,
-             " rows x ", heads, " heads in one launch");
+    ST_CHECK(heads <= 65535, "masked_dscores_wgmma: ", heads, " heads in one launch");
     allow_dynamic_smem<masked_dscores_wgmma_kernel>(kSmemBytes);
-    const dim3 grid(blocks_for(lds, kKeys), blocks_for(n, kRows), unsigned(heads));
+    const dim3 grid(blocks_for(n, kRows), unsigned(heads));
     masked_dscores_wgmma_kernel<<<grid, kThreads, kSmemBytes, stream_of(ctx)>>>(
         dev(dout), dev(kv.v), kv.v_row, kv.v_head, dev(p), dev(ds), lds, dsum, t0, n, t1, heads,
         scale);

@@ -6,15 +6,17 @@
 //
 // One block per (64 query rows, head), two warpgroups, looping over the row block's key tiles of
 // 128 (64 keys per warpgroup): the dO rows (64 x 256) stay in shared memory, each tile's V rows
-// (128 x 256) stream through two buffers (the next tile's copies in flight during this tile's
-// MMAs and epilogue), all in 128-byte-swizzled [64 rows][64] slices (sparse_mqa_wgmma.cuh's
-// layout, both K-major). dP = dO V^T is 16 m64n64k16 MMAs per warpgroup and tile; the epilogue
-// reads P at the accumulator's positions (loads issued while the MMAs run) and writes dS. Key tiles
+// (128 x 256) and P rows (64 x 128) stream through two buffers by cp.async (the next tile's copies
+// in flight during this tile's MMAs and epilogue), the operands in 128-byte-swizzled [64 rows][64]
+// slices (sparse_mqa_wgmma.cuh's layout, both K-major). dP = dO V^T is 16 m64n64k16 MMAs per
+// warpgroup and tile; the epilogue turns the shared P tile into dS in place at the accumulator's
+// positions, and the block writes it out in 16-byte pieces of whole rows. Key tiles
 // wholly past the row block's last query token are causally empty: P = 0 there, so their dS = 0 is
 // written without loads or products. The sum is the GEMM's (fp32 accumulation over the 256 dims),
-// so only the summation order differs from the unfused form. (A first form, one block per 128-key
-// tile with no pipelining, measured no faster than the unfused pair: 145.2 vs 143.9 ms on the
-// proxy backbone, 9120e7c.)
+// so only the summation order differs from the unfused form. (One block per 128-key tile without
+// pipelining measured no faster than the unfused pair, 9120e7c; with P read from global memory in
+// the epilogue, 1.76 ms per proxy layer vs the pair's 2.17 under ncu, d0afa8b: each tile waited
+// for its P loads.)
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
@@ -30,14 +32,21 @@ constexpr int kRows = 64, kKeys = 128;                  // the block's query row
 constexpr int kOperandBytes = kDvSlices * kSliceBytes;  // 64 rows x 256 (32 KiB)
 constexpr int kVBytes = 2 * kOperandBytes;              // a tile's 128 V rows
 static_assert(kKeys == 2 * 64 && kThreads == 256, "two warpgroups of 64 keys each");
-// Alignment slack, dO, two V buffers: one block per SM.
-constexpr size_t kSmemBytes = 1024 + kOperandBytes + 2 * size_t(kVBytes);
+// A tile's P (then dS) rows: 128 keys, padded to 272 bytes so the accumulator-ordered 4-byte
+// accesses of a warp (8 rows x 4 quads) hit 32 banks.
+constexpr int kPLd = kKeys * 2 + 16, kPBytes = kRows * kPLd;
+// Alignment slack, dO, two V buffers, two P buffers: one block per SM.
+constexpr size_t kSmemBytes = 1024 + kOperandBytes + 2 * size_t(kVBytes) + 2 * size_t(kPBytes);
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 #ifdef ST_WGMMA
 // Tile kt's V rows (keys k0 .. k0 + 127 of head h; zeros at or past t1) into `buf`: two 64-row
-// operands, one per warpgroup.
-__device__ __forceinline__ void load_v(uint32_t buf, const bf* v, int64_t v_row, int64_t v_head,
-                                       int64_t h, int64_t k0, int64_t t1) {
+// operands, one per warpgroup; and its P rows (chunk rows q0 .., zeros past n or lds) into
+// `pbuf`, 16 pieces of 16 bytes per row.
+__device__ __forceinline__ void load_tile(uint32_t buf, uint32_t pbuf, const bf* v, int64_t v_row,
+                                          int64_t v_head, const bf* p, int64_t lds, int64_t h,
+                                          int64_t heads, int64_t q0, int64_t n, int64_t k0,
+                                          int64_t t1) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
         const int64_t ka = k0 + 64 * s + (threadIdx.x >> 3), kb = ka + 32;
@@ -45,6 +54,16 @@ __device__ __forceinline__ void load_v(uint32_t buf, const bf* v, int64_t v_row,
                              v + min(kb, t1 - 1) * v_row + h * v_head};
         const bool valid[2] = {ka < t1, kb < t1};
         load_rows<kDvSlices>(buf + uint32_t(s * kOperandBytes), rows, valid);
+    }
+    const int piece = threadIdx.x & 15;
+    const int64_t key = k0 + 8 * piece;
+#pragma unroll
+    for (int it = 0; it < kRows / 16; ++it) {
+        const int r = (threadIdx.x >> 4) + 16 * it;
+        const int64_t q = q0 + r;
+        const bool ok = q < n && key < lds;
+        wgmma::cp_async16(pbuf + uint32_t(r * kPLd + piece * 16),
+                          ok ? p + (q * heads + h) * lds + key : p, ok);
     }
 }
 #endif
@@ -55,9 +74,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 int64_t n, int64_t t1, int64_t heads, float scale) {
 #ifdef ST_WGMMA
     extern __shared__ unsigned char smem_raw[];
-    const uint32_t base = aligned_smem_base(smem_raw).addr;
-    const uint32_t do_tile = base;
+    const SmemBase sb = aligned_smem_base(smem_raw);
+    const uint32_t base = sb.addr;
+    unsigned char* const gbase = sb.ptr;
+    const uint32_t do_tile = base, p0 = base + uint32_t(kOperandBytes + 2 * kVBytes);
     auto v_buf = [&](int64_t kt) { return base + uint32_t(kOperandBytes + (kt & 1) * kVBytes); };
+    auto p_buf = [&](int64_t kt) { return p0 + uint32_t((kt & 1) * kPBytes); };
+    auto p_ptr = [&](int64_t kt) { return gbase + (p_buf(kt) - base); };
     const int64_t h = blockIdx.y, q0 = int64_t(blockIdx.x) * kRows;
     const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int quad = lane & 3, r0 = warp * 16 + lane / 4;  // this thread's rows: r0, r0 + 8
@@ -70,20 +93,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool valid[2] = {a < n, b < n};
         load_rows<kDvSlices>(do_tile, rows, valid);
     }
-    load_v(v_buf(0), v, v_row, v_head, h, 0, t1);
+    load_tile(v_buf(0), p_buf(0), v, v_row, v_head, p, lds, h, heads, q0, n, 0, t1);
     cp_async_commit();
-    // This thread's rows: P / dS offsets (-1 past the chunk's rows) and D.
-    int64_t row_at[2];
-    float d[2];
+    float d[2];  // D of this thread's rows
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int64_t q = q0 + r0 + 8 * half;
-        row_at[half] = q < n ? (q * heads + h) * lds : -1;
         d[half] = q < n ? dsum[(t0 + q) * heads + h] : 0.f;
     }
     const uint64_t da = k_major(do_tile);
     for (int64_t kt = 0; kt < live; ++kt) {
-        if (kt + 1 < live) load_v(v_buf(kt + 1), v, v_row, v_head, h, (kt + 1) * kKeys, t1);
+        if (kt + 1 < live)
+            load_tile(v_buf(kt + 1), p_buf(kt + 1), v, v_row, v_head, p, lds, h, heads, q0, n,
+                      (kt + 1) * kKeys, t1);
         cp_async_commit();                            // possibly empty
         asm volatile("cp.async.wait_group 1;\n" ::);  // dO and tile kt have landed
         fence_async_proxy();
@@ -101,37 +123,35 @@ __global__ void __launch_bounds__(kThreads, 1)
                 wgmma::mma_m64k16<0, 0>(acc, desc_plus(da, off), desc_plus(db, off));
             }
         mma_commit();
-        // acc[4 j + 2 half + e]: row r0 + 8 half, key k0 + 64 wg + 8 j + 2 quad + e. P's loads
-        // go out while the MMAs run.
-        const int64_t key0 = kt * kKeys + 64 * wg + 2 * quad;
-        uint32_t pv[2][8];
+        mma_wait();
+        // acc[4 j + 2 half + e]: row r0 + 8 half, key 64 wg + 8 j + 2 quad + e of the tile; dS
+        // over P in place (each word read and written by this thread only).
+        unsigned char* pt = p_ptr(kt);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-                const int64_t key = key0 + 8 * j;
-                pv[half][j] = row_at[half] >= 0 && key < lds
-                                  ? *reinterpret_cast<const uint32_t*>(p + row_at[half] + key)
-                                  : 0u;
-            }
-        mma_wait();
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            if (row_at[half] < 0) continue;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int64_t key = key0 + 8 * j;
-                if (key >= lds) continue;  // lds is a multiple of 16: a pair is all in or out
-                const float2 pf =
-                    __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pv[half][j]));
+                auto* w = reinterpret_cast<__nv_bfloat162*>(pt + (r0 + 8 * half) * kPLd +
+                                                            (64 * wg + 8 * j + 2 * quad) * 2);
+                const float2 pf = __bfloat1622float2(*w);
                 float2 e;
                 e.x = pf.x != 0.f ? scale * pf.x * (acc[4 * j + 2 * half] - d[half]) : 0.f;
                 e.y = pf.y != 0.f ? scale * pf.y * (acc[4 * j + 2 * half + 1] - d[half]) : 0.f;
-                *reinterpret_cast<__nv_bfloat162*>(ds + row_at[half] + key) =
-                    __float22bfloat162_rn(e);
+                *w = __float22bfloat162_rn(e);
             }
+        __syncthreads();
+        // The tile's dS rows out in 16-byte pieces (256 contiguous bytes per row).
+        const int piece = tid & 15;
+        const int64_t key = kt * kKeys + 8 * piece;
+#pragma unroll
+        for (int it = 0; it < kRows / 16; ++it) {
+            const int r = (tid >> 4) + 16 * it;
+            const int64_t q = q0 + r;
+            if (q < n && key < lds)
+                *reinterpret_cast<uint4*>(ds + (q * heads + h) * lds + key) =
+                    *reinterpret_cast<const uint4*>(pt + r * kPLd + piece * 16);
         }
-        __syncthreads();  // every warpgroup's MMAs on buffer kt done before tile kt + 2 lands there
+        __syncthreads();  // buffers kt read (MMAs, dS) before tile kt + 2 lands there
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // The causally empty keys from live * kKeys to lds: zeros, 8 per 16-byte store.

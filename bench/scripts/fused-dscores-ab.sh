@@ -1,36 +1,7 @@
 #!/usr/bin/env bash
-# On nvidia-h200: the GPU suite, then the fused dS kernel of the masked expanded backward
-# (masked_dscores_wgmma.cu) against the unfused dP GEMM + dS kernel
-# (SPARSETRON_MASKED_DSCORES=unfused): the proxy backbone's forward+backward (graph) fused /
-# unfused / fused / unfused, HuggingFace glm_moe_dsa's at the same shape, and the full proxy step
-# fused / unfused.
+# On nvidia-h200: the GPU suite, the fused dS kernel of the masked expanded backward against the
+# unfused dP GEMM + dS kernel on the proxy backbone (ABAB), HuggingFace's backbone and the full
+# proxy step both ways: fused-dscores-backbone-ab.sh with STEP=1 (the 9120e7c record's run, which
+# also printed the Gram harness lines of the suite).
 # Usage: bench/scripts/fused-dscores-ab.sh OUT_DIR COMMIT
-set -uo pipefail
-out=${1:?usage: fused-dscores-ab.sh OUT_DIR COMMIT}
-commit=${2:-unknown}
-mkdir -p "$out"
-bench/scripts/gpu-suite.sh "$out"
-grep -h "\[harness\] Gram\|FAILED" "$out/gpu.log" | head -20
-if grep -q "FAILED.*SparseMha" "$out/gpu.log"; then
-  echo "sparse MHA tests failed: no benches"
-  exit 1
-fi
-bin=build/default/bin
-r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
-bb="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0"
-backbone() {  # NAME: the backbone's forward+backward as a graph
-  # shellcheck disable=SC2086  # the options are words
-  timeout 100 scripts/gpu-run.sh $bin/sparsetron bench $r $bb --forward-backward --variants graph \
-    --warmup 3 --iters 10 --json "$out/backbone.jsonl" >"$out/$1.log" 2>&1 || echo "$1 failed"
-  grep -h "graph " "$out/$1.log" | tail -1 | sed "s/^/$1 /"
-}
-backbone bb-fused
-SPARSETRON_MASKED_DSCORES=unfused backbone bb-unfused
-backbone bb-fused2
-SPARSETRON_MASKED_DSCORES=unfused backbone bb-unfused2
-timeout 120 python3 tools/bench/hf_glm_moe_dsa.py --warmup 3 --iters 10 >"$out/hf.jsonl" \
-  2>"$out/hf.err" || echo "HF baseline failed"
-tail -1 "$out/hf.jsonl"
-. bench/scripts/bench-run.sh
-RUN_TIMEOUT=100 run step-fused --warmup 2 --iters 4
-SPARSETRON_MASKED_DSCORES=unfused RUN_TIMEOUT=100 run step-unfused --warmup 2 --iters 4
+STEP=1 exec "$(dirname "$0")/fused-dscores-backbone-ab.sh" "$@"

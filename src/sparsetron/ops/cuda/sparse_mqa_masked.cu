@@ -401,6 +401,24 @@ void launch_probs(const ExecContext& ctx, const float* s, bf* p, int64_t ld, con
     ST_CUDA_LAUNCH_CHECK();
 }
 
+// dS = scale P (dP - D) of a chunk's n tokens into the workspace's P (read there by the dQ / dK
+// GEMMs), from dP in the workspace and P: the forward's saved one, or recomputed from S and the
+// lse (with the key mask) when `saved` is null.
+void launch_dscores(const ExecContext& ctx, const Workspace& w, const bf16* saved, int64_t ld,
+                    const int32_t* idx, const int32_t* len, int64_t kslots, int64_t t0, int64_t n,
+                    int64_t tokens, int64_t heads, int64_t dv, const float* lse, const bf16* out,
+                    const bf16* dout, float scale) {
+    const dim3 grid(unsigned(n), unsigned((heads + kWarps - 1) / kWarps));
+    if (saved)
+        masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
+            dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
+    else
+        masked_dscores_kernel<<<grid, kThreads, probs_smem(ld, false), stream_of(ctx)>>>(
+            w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out), dev(dout),
+            scale);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
@@ -476,8 +494,6 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         const int64_t keys = key_rows > 0 ? key_rows : t1, ld = leading_dim(keys);
         const bf16* qc = q + t0 * heads * dqk;
         const bf16* gc = dout + t0 * heads * dv;
-        const dim3 grid(unsigned(t1 - t0), unsigned((heads + kWarps - 1) / kWarps));
-        const size_t smem = probs_smem(ld, false);
         // P: the forward's (saved), or S recomputed and P formed from it in the workspace.
         const bf16* p = saved ? saved : reinterpret_cast<const bf16*>(w.p);
         if (!saved) {
@@ -488,15 +504,8 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         gemm(ctx, false, true, rows, keys, dv, 1.f, gc, dv, kv, dqk, 0.f, w.dp, ld, BF, F32);
         // dV' (the first dv latent columns) += P^T dO
         gemm(ctx, true, false, keys, dv, rows, 1.f, p, ld, gc, dv, 1.f, dkv, dqk, BF, F32);
-        // dS into the workspace's P (read there by the two GEMMs below).
-        if (saved)
-            masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-                dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
-        else
-            masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-                w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
-                dev(dout), scale);
-        ST_CUDA_LAUNCH_CHECK();
+        launch_dscores(ctx, w, saved, ld, idx, len, kslots, t0, t1 - t0, tokens, heads, dv, lse,
+                       out, dout, scale);
         gemm(ctx, false, false, rows, dqk, keys, 1.f, w.p, ld, kv, dqk, 0.f, dq + t0 * heads * dqk,
              dqk, BF, BF);
         gemm(ctx, true, false, keys, dqk, rows, 1.f, w.p, ld, qc, dqk, 1.f, dkv, dqk, BF, F32);
@@ -547,18 +556,17 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
     // With saved P on sm_90 (v 256) dS comes from one kernel that keeps dP in registers; D for
     // every head row first, into the S buffer (unused when P is saved: tokens x H <= its size).
     const bool fused = saved_probs && masked_dscores_wgmma_supported(dv, kv);
-    if (fused)
+    if (fused) {
         head_row_dots_kernel<<<blocks_for(tokens * H, kWarps), kThreads, 0, stream_of(ctx)>>>(
             dev(out), dev(dout), tokens * H, dv, w.s);
-    ST_CUDA_LAUNCH_CHECK();
+        ST_CUDA_LAUNCH_CHECK();
+    }
     for (int64_t t0 = last; t0 >= 0; t0 -= cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), n = t1 - t0, ld = leading_dim(t1);
         // The last chunk scores every key: it writes dK and dV, the earlier chunks add.
         const float beta = t0 == last ? 0.f : 1.f;
         const bf16* qc = q + t0 * H * dqk;
         const bf16* gc = dout + t0 * H * dv;
-        const dim3 grid(unsigned(n), unsigned((heads + kWarps - 1) / kWarps));
-        const size_t smem = probs_smem(ld, false);
         const bf16* saved = nullptr;
         if (saved_probs) {
             saved_at -= n * H * ld;
@@ -581,15 +589,8 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
         } else {
             gemm(ctx, false, true, n, t1, dv, 1.f, gc, H * dv, kv.v, kv.v_row, 0.f, w.dp, H * ld,
                  BF, F32, {H, dv, kv.v_head, ld});
-            // dS into the workspace's P (read there by the two GEMMs below).
-            if (saved)
-                masked_dscores_saved_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(
-                    dev(saved), w.dp, w.p, ld, t0, heads, dv, dev(out), dev(dout), scale);
-            else
-                masked_dscores_kernel<<<grid, kThreads, smem, stream_of(ctx)>>>(
-                    w.s, w.dp, w.p, ld, idx, len, kslots, t0, tokens, heads, dv, lse, dev(out),
-                    dev(dout), scale);
-            ST_CUDA_LAUNCH_CHECK();
+            launch_dscores(ctx, w, saved, ld, idx, len, kslots, t0, n, tokens, heads, dv, lse, out,
+                           dout, scale);
         }
         // dQ_h = dS_h K_h; dK_h (+)= dS_h^T Q_h
         gemm(ctx, false, false, n, dqk, t1, 1.f, w.p, H * ld, kv.k, kv.k_row, 0.f,

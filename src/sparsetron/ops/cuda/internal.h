@@ -50,6 +50,20 @@ void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV
                           bf16* ds, int64_t lds, const float* dsum, int64_t t0, int64_t n,
                           int64_t t1, int64_t heads, float scale);
 
+// masked_probs_wgmma.cu: the expanded masked forward's P (bf16, the chunk's layout [n * heads,
+// lds]) and lse of one chunk with the scores in registers, from each token's selected keys as
+// bits (build_token_key_masks: mask[t * mwords + w] bit b = key 32 w + b; mwords =
+// token_key_mask_words(tokens)). Supported on sm_90 with qk 256 (SPARSETRON_MASKED_SCORES=unfused
+// turns it off); no head-summed probabilities (the indexer loss's layers keep the unfused form).
+bool masked_probs_wgmma_supported(int64_t dqk, const HeadKV& kv);
+int64_t token_key_mask_words(int64_t tokens);
+void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int32_t* len,
+                           int64_t kslots, int64_t tokens, int64_t mwords, uint32_t* mask);
+void masked_probs_wgmma(const ExecContext& ctx, const bf16* q, const HeadKV& kv,
+                        const uint32_t* mask, int64_t mwords, bf16* p, int64_t lds, float* lse,
+                        int64_t tokens, int64_t t0, int64_t n, int64_t t1, int64_t heads,
+                        float scale);
+
 // indexer_loss.cu: Σ_h P recomputed from Q', K' and the lse (the reference path's teacher).
 void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const int32_t* idx,
                    const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,

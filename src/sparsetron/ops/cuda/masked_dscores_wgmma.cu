@@ -111,17 +111,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_async_proxy();
         __syncthreads();
         float acc[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
         const uint64_t db = k_major(v_buf(kt) + uint32_t(wg * kOperandBytes));
-        mma_fence();
-#pragma unroll
-        for (int sl = 0; sl < kDvSlices; ++sl)
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const uint32_t off = sl * kSliceBytes + kk * 32;
-                wgmma::mma_m64k16<0, 0>(acc, desc_plus(da, off), desc_plus(db, off));
-            }
+        chunk_dots<kDvSlices>(acc, da, db);
         mma_commit();
         mma_wait();
         // acc[4 j + 2 half + e]: row r0 + 8 half, key 64 wg + 8 j + 2 quad + e of the tile; dS

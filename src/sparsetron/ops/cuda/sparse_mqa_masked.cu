@@ -263,6 +263,15 @@ __device__ __forceinline__ float head_row_dot(const bf* out, const bf* dout, int
     return warp_sum(d);
 }
 
+// Each token's selected keys as bits of its mask row (mwords words): a block per token.
+__global__ void token_key_masks_kernel(const int32_t* idx, const int32_t* len, int64_t kslots,
+                                       int64_t mwords, uint32_t* mask) {
+    extern __shared__ uint32_t bits[];
+    const int64_t t = blockIdx.x;
+    build_key_mask(bits, mwords, idx + t * kslots, len[t]);
+    for (int64_t w = threadIdx.x; w < mwords; w += blockDim.x) mask[t * mwords + w] = bits[w];
+}
+
 // d[r] = D of head row r (rowsum(dO o O) over dv), a warp per row: what the fused dS kernel reads.
 __global__ void head_row_dots_kernel(const bf* out, const bf* dout, int64_t rows, int64_t dv,
                                      float* d) {
@@ -421,6 +430,17 @@ void launch_dscores(const ExecContext& ctx, const Workspace& w, const bf16* save
 
 }  // namespace
 
+void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int32_t* len,
+                           int64_t kslots, int64_t tokens, int64_t mwords, uint32_t* mask) {
+    if (tokens == 0) return;
+    const size_t smem = size_t(mwords) * sizeof(uint32_t);
+    ST_CHECK(smem <= kMaxProbsSmem, "token key masks: ", mwords, " words per token");
+    if (smem > 48 * 1024) allow_dynamic_smem<token_key_masks_kernel>(kMaxProbsSmem);
+    token_key_masks_kernel<<<unsigned(tokens), kThreads, smem, stream_of(ctx)>>>(idx, len, kslots,
+                                                                                 mwords, mask);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
 bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
     // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
     // far more than the 4x extra work this allows (docs/perf/). The head-summed probabilities
@@ -526,13 +546,25 @@ void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
     const int64_t cq = w.chunk, H = heads;
     const auto BF = DType::BF16, F32 = DType::F32;
     bf* saved = saved_probs ? dev(saved_probs) : nullptr;
+    // Without the head sums, on sm_90 with qk 256, P and the lse come from one kernel that keeps
+    // the scores in registers; the tokens' key bits go into the S buffer it leaves unused.
+    const int64_t mwords = token_key_mask_words(tokens);
+    const bool fused = !prob_sum && masked_probs_wgmma_supported(dqk, kv) &&
+                       tokens * mwords <= cq * H * leading_dim(tokens);
+    uint32_t* mask = reinterpret_cast<uint32_t*>(w.s);
+    if (fused) build_token_key_masks(ctx, idx, len, kslots, tokens, mwords, mask);
     for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
         const int64_t t1 = std::min(tokens, t0 + cq), n = t1 - t0, ld = leading_dim(t1);
         bf* p = saved ? saved : w.p;
-        gemm(ctx, false, true, n, t1, dqk, scale, q + t0 * H * dqk, H * dqk, kv.k, kv.k_row, 0.f,
-             w.s, H * ld, BF, F32, {H, dqk, kv.k_head, ld});
-        launch_probs(ctx, w.s, p, ld, idx, len, kslots, t0, n, tokens, heads, nullptr, lse,
-                     prob_sum);
+        if (fused) {
+            masked_probs_wgmma(ctx, q, kv, mask, mwords, reinterpret_cast<bf16*>(p), ld, lse,
+                               tokens, t0, n, t1, H, scale);
+        } else {
+            gemm(ctx, false, true, n, t1, dqk, scale, q + t0 * H * dqk, H * dqk, kv.k, kv.k_row,
+                 0.f, w.s, H * ld, BF, F32, {H, dqk, kv.k_head, ld});
+            launch_probs(ctx, w.s, p, ld, idx, len, kslots, t0, n, tokens, heads, nullptr, lse,
+                         prob_sum);
+        }
         gemm(ctx, false, false, n, dv, t1, 1.f, p, H * ld, kv.v, kv.v_row, 0.f, out + t0 * H * dv,
              H * dv, BF, BF, {H, ld, kv.v_head, dv});
         if (saved) saved += n * H * ld;

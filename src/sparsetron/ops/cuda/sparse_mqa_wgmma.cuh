@@ -90,14 +90,14 @@ __device__ __forceinline__ void load_rows(uint32_t tile, const bf* const (&row)[
     }
 }
 
-// acc = A B^T over kSl slices: A the K-major [64 heads][kSl x 64] tile at da's address, B 32 key
-// rows of a K-major chunk at db's. Zeroes acc and fences (wgmma must see the zeros); issued
-// only: the caller commits and waits. acc[4 i + 2 half + e] is row r0 + 8 half, key 8 i + 2 quad
-// + e of the 32.
-template <int kSl>
-__device__ __forceinline__ void chunk_dots(float (&acc)[16], uint64_t da, uint64_t db) {
+// acc = A B^T over kSl slices: A the K-major [64 rows][kSl x 64] tile at da's address, B kAcc / 2
+// key rows (32 or 64) of a K-major chunk at db's. Zeroes acc and fences (wgmma must see the
+// zeros); issued only: the caller commits and waits. acc[4 i + 2 half + e] is row r0 + 8 half,
+// key 8 i + 2 quad + e of the kAcc / 2.
+template <int kSl, int kAcc>
+__device__ __forceinline__ void chunk_dots(float (&acc)[kAcc], uint64_t da, uint64_t db) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
     mma_fence();
 #pragma unroll
     for (int sl = 0; sl < kSl; ++sl)

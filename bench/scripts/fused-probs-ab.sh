@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On nvidia-h200: the GPU suite, then the proxy backbone's forward+backward (graph) with the fused
 # probability kernel of the masked expanded forward (masked_probs_wgmma.cu) and without
-# (SPARSETRON_MASKED_SCORES=unfused), ABAB, and HuggingFace's backbone in the same call.
+# (SPARSETRON_MASKED_SCORES=unfused), ABAB, and HuggingFace's backbone in the same call (HF=0
+# skips it); NCU=1 adds ncu's times of the probability kernels over one eager forward+backward.
 # Usage: bench/scripts/fused-probs-ab.sh OUT_DIR COMMIT
 set -uo pipefail
 out=${1:?usage: fused-probs-ab.sh OUT_DIR COMMIT}
@@ -26,6 +27,19 @@ backbone bb-fused
 SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused
 backbone bb-fused2
 SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused2
-timeout 120 python3 tools/bench/hf_glm_moe_dsa.py --warmup 3 --iters 10 >"$out/hf.jsonl" \
-  2>"$out/hf.err" || echo "HF baseline failed"
-tail -1 "$out/hf.jsonl"
+if [ "${NCU:-0}" = 1 ]; then
+  for v in fused unfused; do
+    [ $v = unfused ] && export SPARSETRON_MASKED_SCORES=unfused
+    # shellcheck disable=SC2086
+    timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --kernel-name regex:masked_probs $bin/sparsetron bench $r $bb --forward-backward --warmup 0 \
+      --iters 1 >"$out/ncu-$v.csv" 2>/dev/null || echo "ncu $v failed"
+    python3 tools/bench/ncu_summary.py "$out/ncu-$v.csv" 2>&1 | head -4 | sed "s/^/ncu $v /"
+  done
+  unset SPARSETRON_MASKED_SCORES
+fi
+if [ "${HF:-1}" = 1 ]; then
+  timeout 120 python3 tools/bench/hf_glm_moe_dsa.py --warmup 3 --iters 10 >"$out/hf.jsonl" \
+    2>"$out/hf.err" || echo "HF baseline failed"
+  tail -1 "$out/hf.jsonl"
+fi

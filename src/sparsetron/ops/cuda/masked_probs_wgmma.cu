@@ -5,16 +5,18 @@
 // 0.92 ms per proxy layer at 4K, write-bound) and the probability kernel reads it back (1.67 ms
 // per layer): 4 + 4 bytes per score element.
 //
-// One block per (64 query rows of the chunk, head), two warpgroups of 64 keys per 128-key tile,
-// in two passes over the row block's key tiles: the first keeps an online max / sum per row
-// (log2 domain) and ends with the lse; the second recomputes the same scores (the same MMAs in
-// the same order: bit-identical) and writes P, staged in shared memory and stored as 16-byte
-// pieces of whole rows. Q's rows stay in shared memory; each step's K rows (128 x 256) and the
-// rows' selected-key bits (64 x 128 bits, from build_token_key_masks) come by cp.async into two
-// buffers, the next step's in flight during this one. Tiles past the row block's last query
-// token are causally empty: zeros. A row with no selected key gets lse 0 and P 0 (the other
-// kernels' convention). The extra pass costs the scores' FLOPs again (309 GFLOP per proxy layer)
-// and no bytes.
+// One block of one warpgroup per (64 query rows of the chunk, head), 64-key tiles, two passes
+// over the row block's key tiles: the first keeps an online max / sum per row (log2 domain) and
+// ends with the lse; the second recomputes the same scores and writes P, staged in shared memory
+// and stored as 16-byte pieces of whole rows. Q's rows stay in shared memory; each step's K rows
+// (64 x 256) and the rows' selected-key bits (64 x 64 bits, from build_token_key_masks) come by
+// cp.async into two buffers, the next step's in flight during this one. Two blocks share an SM
+// (107 KiB of shared memory each), so one block's MMAs run under the other's exponentials: the
+// first form (one block of two warpgroups per SM, 185 KiB) ran both in turn, 587 us for the proxy's
+// widest chunk with the ALU the busiest pipe (ncu, 3a80b23). Tiles past the row block's last
+// query token are causally empty: zeros. A row with no selected key gets lse 0 and P 0 (the
+// other kernels' convention). The extra pass costs the scores' FLOPs again (309 GFLOP per proxy
+// layer) and no bytes.
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
@@ -26,47 +28,74 @@ namespace {
 using namespace flash_mqa;
 
 constexpr int kQkDim = 256, kQkSlices = kQkDim / 64;
-constexpr int kRows = 64, kKeys = 128;  // the block's query rows, keys per tile
-static_assert(kKeys == 2 * 64 && kThreads == 256, "two warpgroups of 64 keys each");
-constexpr int kOperandBytes = kQkSlices * kSliceBytes;  // 64 rows x 256 (32 KiB)
-constexpr int kKBytes = 2 * kOperandBytes;              // a tile's 128 K rows
-constexpr int kMaskBytes = kRows * kKeys / 8;           // a tile's mask bits (1 KiB)
-// The P staging tile: rows padded to 272 bytes (a warp's accumulator-ordered 4-byte writes, 8
+constexpr int kRows = 64, kKeys = 64;                   // the block's query rows, keys per tile
+constexpr int kBlockThreads = 128;                      // one warpgroup
+constexpr int kOperandBytes = kQkSlices * kSliceBytes;  // 64 rows x 256 (32 KiB): Q, a K tile
+constexpr int kMaskBytes = kRows * kKeys / 8;           // a tile's mask bits (512 B)
+// The P staging tile: rows padded to 144 bytes (a warp's accumulator-ordered 4-byte writes, 8
 // rows x 4 quads, hit 32 banks).
 constexpr int kPLd = kKeys * 2 + 16, kPBytes = kRows * kPLd;
-constexpr int kRedBytes = 2 * 2 * kRows * 4;  // [2 warpgroups][m, l][64 rows]
 constexpr size_t kSmemBytes =
-    1024 + kOperandBytes + 2 * size_t(kKBytes + kMaskBytes) + kPBytes + kRedBytes;
-static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+    1024 + kOperandBytes + 2 * size_t(kOperandBytes + kMaskBytes) + kPBytes;
+static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two blocks per SM");
 [[maybe_unused]] constexpr float kLn2 = 0.69314718f, kLog2e = 1.44269504f;
 
 #ifdef ST_WGMMA
-// Tile kt's K rows (keys k0 .. k0 + 127 of head h; zeros at or past t1) into `buf` (two 64-row
-// operands, one per warpgroup) and its mask words (rows q0 .., 4 words each: one 16-byte piece
-// per row, zeros past n) into `mbuf`.
+// 64 rows into the 64-row operand at `tile` by 128 threads: load_rows (written for 256) twice,
+// rows 0-15 / 32-47, then 16-31 / 48-63 (16 rows on keeps the swizzle's row phase).
+template <typename RowOf>
+__device__ __forceinline__ void load_operand(uint32_t tile, RowOf row_of) {
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+        const int a = 16 * part + (threadIdx.x >> 3), b = a + 32;
+        const bf* rows[2];
+        bool valid[2];
+        row_of(a, rows[0], valid[0]);
+        row_of(b, rows[1], valid[1]);
+        load_rows<kQkSlices>(tile + uint32_t(16 * part * 128), rows, valid);
+    }
+}
+
+__device__ __forceinline__ void cp_async8(uint32_t smem, const void* gmem, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem), "l"(gmem),
+                 "r"(valid ? 8 : 0));
+}
+
+// Tile kt's K rows (keys 64 kt .. 64 kt + 63 of head h; zeros at or past t1) into `buf` and its
+// mask words (rows q0 .., 2 words each; zeros past n) into `mbuf`.
 __device__ __forceinline__ void load_tile(uint32_t buf, uint32_t mbuf, const bf* k, int64_t k_row,
                                           int64_t k_head, const uint32_t* mask, int64_t mwords,
                                           int64_t h, int64_t t0, int64_t q0, int64_t n, int64_t kt,
                                           int64_t t1) {
     const int64_t k0 = kt * kKeys;
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-        const int64_t ka = k0 + 64 * s + (threadIdx.x >> 3), kb = ka + 32;
-        const bf* rows[2] = {k + min(ka, t1 - 1) * k_row + h * k_head,
-                             k + min(kb, t1 - 1) * k_row + h * k_head};
-        const bool valid[2] = {ka < t1, kb < t1};
-        load_rows<kQkSlices>(buf + uint32_t(s * kOperandBytes), rows, valid);
-    }
+    load_operand(buf, [&](int r, const bf*& row, bool& ok) {
+        ok = k0 + r < t1;
+        row = k + min(k0 + r, t1 - 1) * k_row + h * k_head;
+    });
     if (threadIdx.x < kRows) {
         const int64_t q = q0 + threadIdx.x;
         const bool ok = q < n;
-        wgmma::cp_async16(mbuf + threadIdx.x * 16, ok ? mask + (t0 + q) * mwords + 4 * kt : mask,
-                          ok);
+        cp_async8(mbuf + threadIdx.x * 8, ok ? mask + (t0 + q) * mwords + 2 * kt : mask, ok);
     }
+}
+
+// Masks this thread's 16 scores of row half (acc[4 j + 2 half + e], key 8 j + 2 quad + e of the
+// tile) to -inf where the key is not selected: word j / 4 of the row's two, bit 8 (j % 4) +
+// 2 quad + e. Most tiles are wholly selected (the rows up to the top-k select every earlier key):
+// one test skips the bit work there.
+__device__ __forceinline__ void mask_half(float (&acc)[32], int half, uint32_t w0, uint32_t w1,
+                                          int quad) {
+    if ((w0 & w1) == 0xffffffffu) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            if (!(((j < 4 ? w0 : w1) >> ((j & 3) * 8 + 2 * quad + e)) & 1u))
+                acc[4 * j + 2 * half + e] = -INFINITY;
 }
 #endif
 
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kBlockThreads, 2)
     masked_probs_wgmma_kernel(const bf* q, const bf* k, int64_t k_row, int64_t k_head,
                               const uint32_t* mask, int64_t mwords, bf* p, int64_t lds, float* lse,
                               int64_t tokens, int64_t t0, int64_t n, int64_t t1, int64_t heads,
@@ -77,34 +106,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t base = sb.addr;
     unsigned char* const gbase = sb.ptr;
     const uint32_t q_tile = base, k_base = base + uint32_t(kOperandBytes),
-                   m_base = k_base + uint32_t(2 * kKBytes), p_tile = m_base + 2 * kMaskBytes;
+                   m_base = k_base + uint32_t(2 * kOperandBytes), p_tile = m_base + 2 * kMaskBytes;
     unsigned char* const p_ptr = gbase + (p_tile - base);
     const uint32_t* const mask_ptr = reinterpret_cast<const uint32_t*>(gbase + (m_base - base));
-    float* const red = reinterpret_cast<float*>(p_ptr + kPBytes);  // [wg][m, l][row]
     const int64_t h = blockIdx.y, q0 = int64_t(blockIdx.x) * kRows;
-    const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int quad = lane & 3, r0 = warp * 16 + lane / 4;  // this thread's rows: r0, r0 + 8
     // Key tiles up to the row block's last query token; past it (up to lds) P = 0.
     const int64_t live = (t0 + min(n, q0 + kRows) - 1) / kKeys + 1;
     const float scale_log2 = scale * kLog2e;
-    {
-        const int64_t a = q0 + (tid >> 3), b = a + 32;  // the chunk rows this thread copies
-        const bf* rows[2] = {q + ((t0 + min(a, n - 1)) * heads + h) * kQkDim,
-                             q + ((t0 + min(b, n - 1)) * heads + h) * kQkDim};
-        const bool valid[2] = {a < n, b < n};
-        load_rows<kQkSlices>(q_tile, rows, valid);
-    }
+    load_operand(q_tile, [&](int r, const bf*& row, bool& ok) {
+        ok = q0 + r < n;
+        row = q + ((t0 + min(q0 + r, n - 1)) * heads + h) * kQkDim;
+    });
     // Step s < live is the first pass over tile s, s >= live the second over tile s - live.
     auto load_step = [&](int64_t s) {
         const int64_t kt = s < live ? s : s - live;
-        load_tile(k_base + uint32_t((s & 1) * kKBytes), m_base + uint32_t((s & 1) * kMaskBytes), k,
-                  k_row, k_head, mask, mwords, h, t0, q0, n, kt, t1);
+        load_tile(k_base + uint32_t((s & 1) * kOperandBytes),
+                  m_base + uint32_t((s & 1) * kMaskBytes), k, k_row, k_head, mask, mwords, h, t0,
+                  q0, n, kt, t1);
     };
     load_step(0);
     cp_async_commit();
     const uint64_t da = k_major(q_tile);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, lse2[2] = {0.f, 0.f};
-    bool empty[2] = {true, true};
     for (int64_t s = 0; s < 2 * live; ++s) {
         const bool second = s >= live;
         const int64_t kt = second ? s - live : s;
@@ -113,63 +138,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("cp.async.wait_group 1;\n" ::);  // Q and step s have landed
         fence_async_proxy();
         __syncthreads();
-        if (s == live) {  // the first pass is over: every row's lse from both warpgroups
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = r0 + 8 * half;
-                const float mo = red[((1 - wg) * 2) * kRows + row];
-                const float lo = red[((1 - wg) * 2 + 1) * kRows + row];
-                const float mm = fmaxf(m_run[half], mo);
-                const float l =
-                    (m_run[half] == -INFINITY ? 0.f : l_run[half] * exp2f(m_run[half] - mm)) +
-                    (mo == -INFINITY ? 0.f : lo * exp2f(mo - mm));
-                empty[half] = l == 0.f;
-                lse2[half] = empty[half] ? 0.f : mm + log2f(l);
-                const int64_t qq = q0 + row;
-                if (wg == 0 && quad == 0 && qq < n) lse[h * tokens + t0 + qq] = lse2[half] * kLn2;
-            }
-        }
         float acc[32];
-        const uint64_t db =
-            k_major(k_base + uint32_t((s & 1) * kKBytes) + uint32_t(wg * kOperandBytes));
-        chunk_dots<kQkSlices>(acc, da, db);
+        chunk_dots<kQkSlices>(acc, da, k_major(k_base + uint32_t((s & 1) * kOperandBytes)));
         mma_commit();
         mma_wait();
-        // acc[4 j + 2 half + e]: row r0 + 8 half, key 64 wg + 8 j + 2 quad + e of the tile; its
-        // mask bit: word 2 wg + j / 4 of the row's 4, bit 8 (j % 4) + 2 quad + e.
         const uint32_t* mrow = mask_ptr + (s & 1) * (kMaskBytes / 4);
-        uint32_t bits[2][2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int w = 0; w < 2; ++w) bits[half][w] = mrow[(r0 + 8 * half) * 4 + 2 * wg + w];
-        auto selected = [&](int half, int j, int e) {
-            return (bits[half][j >> 2] >> ((j & 3) * 8 + 2 * quad + e)) & 1u;
-        };
+        for (int half = 0; half < 2; ++half) {
+            const int row = r0 + 8 * half;
+            mask_half(acc, half, mrow[2 * row], mrow[2 * row + 1], quad);
+        }
         if (!second) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 float mx = -INFINITY;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (selected(half, j, e))
-                            mx = fmaxf(mx, acc[4 * j + 2 * half + e] * scale_log2);
+                    mx = fmaxf(mx, fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
                 if (mx == -INFINITY) continue;
-                const float mm = fmaxf(m_run[half], mx);
+                const float mm = fmaxf(m_run[half], mx * scale_log2);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < 8; ++j)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        if (selected(half, j, e))
-                            sum += exp2f(acc[4 * j + 2 * half + e] * scale_log2 - mm);
-                l_run[half] =
-                    (m_run[half] == -INFINITY ? 0.f : l_run[half] * exp2f(m_run[half] - mm)) + sum;
+                        sum += exp2f(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
+                l_run[half] = l_run[half] * exp2f(m_run[half] - mm) + sum;  // exp2(-inf) = 0
                 m_run[half] = mm;
             }
-            if (s + 1 == live) {  // this warpgroup's rows: the quad's lanes merged, then shared
+            if (s + 1 == live) {  // the quad's lanes merged: every row's lse
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -177,16 +174,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const float m2 = __shfl_xor_sync(0xffffffffu, m_run[half], o);
                         const float l2 = __shfl_xor_sync(0xffffffffu, l_run[half], o);
                         const float mm = fmaxf(m_run[half], m2);
-                        l_run[half] =
-                            (m_run[half] == -INFINITY ? 0.f
-                                                      : l_run[half] * exp2f(m_run[half] - mm)) +
-                            (m2 == -INFINITY ? 0.f : l2 * exp2f(m2 - mm));
+                        if (mm == -INFINITY) continue;
+                        l_run[half] = l_run[half] * exp2f(m_run[half] - mm) + l2 * exp2f(m2 - mm);
                         m_run[half] = mm;
                     }
-                    if (quad == 0) {
-                        red[(wg * 2) * kRows + r0 + 8 * half] = m_run[half];
-                        red[(wg * 2 + 1) * kRows + r0 + 8 * half] = l_run[half];
-                    }
+                    const bool empty = l_run[half] == 0.f;
+                    lse2[half] = empty ? 0.f : m_run[half] + log2f(l_run[half]);
+                    const int64_t qq = q0 + r0 + 8 * half;
+                    if (quad == 0 && qq < n) lse[h * tokens + t0 + qq] = lse2[half] * kLn2;
                 }
             }
         } else {
@@ -194,24 +189,21 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
-                    float2 e2;
-                    e2.x = !empty[half] && selected(half, j, 0)
-                               ? exp2f(acc[4 * j + 2 * half] * scale_log2 - lse2[half])
-                               : 0.f;
-                    e2.y = !empty[half] && selected(half, j, 1)
-                               ? exp2f(acc[4 * j + 2 * half + 1] * scale_log2 - lse2[half])
-                               : 0.f;
+                    // Unselected keys hold -inf: exp2 gives 0.
+                    const float2 e2 = make_float2(
+                        exp2f(fmaf(acc[4 * j + 2 * half], scale_log2, -lse2[half])),
+                        exp2f(fmaf(acc[4 * j + 2 * half + 1], scale_log2, -lse2[half])));
                     *reinterpret_cast<__nv_bfloat162*>(p_ptr + (r0 + 8 * half) * kPLd +
-                                                       (64 * wg + 8 * j + 2 * quad) * 2) =
+                                                       (8 * j + 2 * quad) * 2) =
                         __float22bfloat162_rn(e2);
                 }
             __syncthreads();
-            // The tile's P rows out in 16-byte pieces (256 contiguous bytes per row).
-            const int piece = tid & 15;
+            // The tile's P rows out in 16-byte pieces (128 contiguous bytes per row).
+            const int piece = tid & 7;
             const int64_t key = kt * kKeys + 8 * piece;
 #pragma unroll
             for (int it = 0; it < kRows / 16; ++it) {
-                const int r = (tid >> 4) + 16 * it;
+                const int r = (tid >> 3) + 16 * it;
                 const int64_t qq = q0 + r;
                 if (qq < n && key < lds)
                     *reinterpret_cast<uint4*>(p + (qq * heads + h) * lds + key) =
@@ -223,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("cp.async.wait_group 0;\n" ::);
     // The causally empty keys from live * kKeys to lds: zeros, 8 per 16-byte store.
     const int64_t z0 = live * kKeys, zvecs = (lds - min(lds, z0)) / 8;
-    for (int64_t i = tid; i < kRows * zvecs; i += kThreads) {
+    for (int64_t i = tid; i < kRows * zvecs; i += kBlockThreads) {
         const int64_t qq = q0 + i / zvecs;
         if (qq < n)
             *reinterpret_cast<uint4*>(p + (qq * heads + h) * lds + z0 + (i % zvecs) * 8) =
@@ -258,8 +250,15 @@ void masked_probs_wgmma(const ExecContext& ctx, const bf16* q, const HeadKV& kv,
     if (n == 0) return;
     ST_CHECK(heads <= 65535, "masked_probs_wgmma: ", heads, " heads in one launch");
     allow_dynamic_smem<masked_probs_wgmma_kernel>(kSmemBytes);
+    static const bool carved = [] {  // the whole unified L1 as shared memory: two blocks per SM
+        ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_wgmma_kernel,
+                                           cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           int(cudaSharedmemCarveoutMaxShared)));
+        return true;
+    }();
+    (void)carved;
     const dim3 grid(blocks_for(n, kRows), unsigned(heads));
-    masked_probs_wgmma_kernel<<<grid, kThreads, kSmemBytes, stream_of(ctx)>>>(
+    masked_probs_wgmma_kernel<<<grid, kBlockThreads, kSmemBytes, stream_of(ctx)>>>(
         dev(q), dev(kv.k), kv.k_row, kv.k_head, mask, mwords, dev(p), lds, lse, tokens, t0, n, t1,
         heads, scale);
     ST_CUDA_LAUNCH_CHECK();

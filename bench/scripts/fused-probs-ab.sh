@@ -2,7 +2,8 @@
 # On nvidia-h200: the GPU suite, then the proxy backbone's forward+backward (graph) with the fused
 # probability kernel of the masked expanded forward (masked_probs_wgmma.cu) and without
 # (SPARSETRON_MASKED_SCORES=unfused), ABAB, and HuggingFace's backbone in the same call (HF=0
-# skips it); NCU=1 adds ncu's times of the probability kernels over one eager forward+backward.
+# skips it); NCU=1 adds ncu's times of the probability kernels over one eager forward+backward
+# (NCU_VARIANTS: which of "fused unfused"); ROUNDS=1 runs one A B pair instead of two.
 # Usage: bench/scripts/fused-probs-ab.sh OUT_DIR COMMIT
 set -uo pipefail
 out=${1:?usage: fused-probs-ab.sh OUT_DIR COMMIT}
@@ -25,10 +26,12 @@ backbone() {  # NAME: the backbone's forward+backward as a graph
 }
 backbone bb-fused
 SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused
-backbone bb-fused2
-SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused2
+if [ "${ROUNDS:-2}" = 2 ]; then
+  backbone bb-fused2
+  SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused2
+fi
 if [ "${NCU:-0}" = 1 ]; then
-  for v in fused unfused; do
+  for v in ${NCU_VARIANTS:-fused unfused}; do
     [ $v = unfused ] && export SPARSETRON_MASKED_SCORES=unfused
     # shellcheck disable=SC2086
     timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \

@@ -8,15 +8,15 @@
 // One block of one warpgroup per (64 query rows of the chunk, head), 64-key tiles, two passes
 // over the row block's key tiles: the first keeps an online max / sum per row (log2 domain) and
 // ends with the lse; the second recomputes the same scores and writes P, staged in shared memory
-// and stored as 16-byte pieces of whole rows. Q's rows are the MMAs' A operand in registers
-// (loaded once per block), so each m64n64k16 reads only its K slice from shared memory: with both
-// operands there, the MMAs ran at shared memory's bandwidth (4 KiB per 131 kFLOP). Each step's K
-// rows (64 x 256) and the rows' selected-key bits (64 x 64 bits, from build_token_key_masks) come
-// by cp.async into two buffers, the next step's in flight during this one. Several blocks share
-// an SM (75 KiB of shared memory each), so one block's MMAs run under another's exponentials:
-// the first form (one block of two warpgroups per SM, 185 KiB) ran both in turn, 587 us for the
-// proxy's widest chunk with the ALU the busiest pipe (ncu, 3a80b23). Tiles past the row block's
-// last query token are causally empty: zeros. A row with no selected key gets lse 0 and P 0 (the
+// and stored as 16-byte pieces of whole rows. Q's rows stay in shared memory; each step's K rows
+// (64 x 256) and the rows' selected-key bits (64 x 64 bits, from build_token_key_masks) come by
+// cp.async into two buffers, the next step's in flight during this one. Two blocks share an SM
+// (107 KiB of shared memory each), so one block's MMAs run under the other's exponentials: the
+// first form (one block of two warpgroups per SM, 185 KiB) ran both in turn, 587 us for the proxy's
+// widest chunk with the ALU the busiest pipe (ncu, 3a80b23). Q as the MMAs' register operand
+// (three blocks per SM, only K read from shared memory) measured no faster (0fc4a92: 8.53 vs 8.12
+// ms per backbone under ncu, on another machine). Tiles past the row block's last query token
+// are causally empty: zeros. A row with no selected key gets lse 0 and P 0 (the
 // other kernels' convention). The extra pass costs the scores' FLOPs again (309 GFLOP per proxy
 // layer) and no bytes.
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -32,14 +32,14 @@ using namespace flash_mqa;
 constexpr int kQkDim = 256, kQkSlices = kQkDim / 64;
 constexpr int kRows = 64, kKeys = 64;                   // the block's query rows, keys per tile
 constexpr int kBlockThreads = 128;                      // one warpgroup
-constexpr int kOperandBytes = kQkSlices * kSliceBytes;  // a K tile: 64 rows x 256 (32 KiB)
-[[maybe_unused]] constexpr int kQkSteps = kQkDim / 16;  // k16 MMA steps over the qk dims
+constexpr int kOperandBytes = kQkSlices * kSliceBytes;  // 64 rows x 256 (32 KiB): Q, a K tile
 constexpr int kMaskBytes = kRows * kKeys / 8;           // a tile's mask bits (512 B)
 // The P staging tile: rows padded to 144 bytes (a warp's accumulator-ordered 4-byte writes, 8
 // rows x 4 quads, hit 32 banks).
 constexpr int kPLd = kKeys * 2 + 16, kPBytes = kRows * kPLd;
-constexpr size_t kSmemBytes = 1024 + 2 * size_t(kOperandBytes + kMaskBytes) + kPBytes;
-static_assert(3 * (kSmemBytes + 1024) <= 228 * 1024, "three blocks per SM");
+constexpr size_t kSmemBytes =
+    1024 + kOperandBytes + 2 * size_t(kOperandBytes + kMaskBytes) + kPBytes;
+static_assert(2 * (kSmemBytes + 1024) <= 228 * 1024, "two blocks per SM");
 [[maybe_unused]] constexpr float kLn2 = 0.69314718f, kLog2e = 1.44269504f;
 
 #ifdef ST_WGMMA
@@ -95,61 +95,9 @@ __device__ __forceinline__ void mask_half(float (&acc)[32], int half, uint32_t w
             if (!(((j < 4 ? w0 : w1) >> ((j & 3) * 8 + 2 * quad + e)) & 1u))
                 acc[4 * j + 2 * half + e] = -INFINITY;
 }
-
-// d += A (64 x 16, in registers) * B (16 x 64, K-major in shared memory at db).
-__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const uint32_t (&a)[4],
-                                                 uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %37, 0;\n"  // scale-d: 1 accumulates into d
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-}
-
-// This thread's A fragments of the block's 64 x 256 Q rows (wgmma's register layout for
-// m64k16: rows r0 and r0 + 8, columns 2 quad, 2 quad + 1 and 8 more, of each 16-wide step; the
-// accumulator's row layout). Rows past n are zeros.
-__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[kQkSteps][4], const bf* q,
-                                                 int64_t heads, int64_t h, int64_t t0, int64_t q0,
-                                                 int64_t n, int r0, int quad) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int64_t r = q0 + r0 + 8 * half;
-        const bool ok = r < n;
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(
-            q + ((t0 + min(r, n - 1)) * heads + h) * kQkDim + 2 * quad);
-#pragma unroll
-        for (int g = 0; g < kQkSteps; ++g) {
-            qa[g][half] = ok ? row[8 * g] : 0u;          // columns 16 g + 2 quad, + 1
-            qa[g][2 + half] = ok ? row[8 * g + 4] : 0u;  // 8 further
-        }
-    }
-}
-
-// acc = Q K^T for one 64-key tile (K-major at db): zeroed, fenced, issued; the caller commits and
-// waits.
-__device__ __forceinline__ void tile_scores(float (&acc)[32], const uint32_t (&qa)[kQkSteps][4],
-                                            uint64_t db) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-    mma_fence();
-#pragma unroll
-    for (int g = 0; g < kQkSteps; ++g)
-        mma_rs_m64n64k16(acc, qa[g], desc_plus(db, (g / 4) * kSliceBytes + (g % 4) * 32));
-}
 #endif
 
-__global__ void __launch_bounds__(kBlockThreads, 3)
+__global__ void __launch_bounds__(kBlockThreads, 2)
     masked_probs_wgmma_kernel(const bf* q, const bf* k, int64_t k_row, int64_t k_head,
                               const uint32_t* mask, int64_t mwords, bf* p, int64_t lds, float* lse,
                               int64_t tokens, int64_t t0, int64_t n, int64_t t1, int64_t heads,
@@ -159,8 +107,8 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
     const SmemBase sb = aligned_smem_base(smem_raw);
     const uint32_t base = sb.addr;
     unsigned char* const gbase = sb.ptr;
-    const uint32_t k_base = base, m_base = k_base + uint32_t(2 * kOperandBytes),
-                   p_tile = m_base + 2 * kMaskBytes;
+    const uint32_t q_tile = base, k_base = base + uint32_t(kOperandBytes),
+                   m_base = k_base + uint32_t(2 * kOperandBytes), p_tile = m_base + 2 * kMaskBytes;
     unsigned char* const p_ptr = gbase + (p_tile - base);
     const uint32_t* const mask_ptr = reinterpret_cast<const uint32_t*>(gbase + (m_base - base));
     const int64_t h = blockIdx.y, q0 = int64_t(blockIdx.x) * kRows;
@@ -169,6 +117,10 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
     // Key tiles up to the row block's last query token; past it (up to lds) P = 0.
     const int64_t live = (t0 + min(n, q0 + kRows) - 1) / kKeys + 1;
     const float scale_log2 = scale * kLog2e;
+    load_operand(q_tile, [&](int r, const bf*& row, bool& ok) {
+        ok = q0 + r < n;
+        row = q + ((t0 + min(q0 + r, n - 1)) * heads + h) * kQkDim;
+    });
     // Step s < live is the first pass over tile s, s >= live the second over tile s - live.
     auto load_step = [&](int64_t s) {
         const int64_t kt = s < live ? s : s - live;
@@ -178,19 +130,18 @@ __global__ void __launch_bounds__(kBlockThreads, 3)
     };
     load_step(0);
     cp_async_commit();
-    uint32_t qa[kQkSteps][4];
-    load_q_fragments(qa, q, heads, h, t0, q0, n, r0, quad);
+    const uint64_t da = k_major(q_tile);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, lse2[2] = {0.f, 0.f};
     for (int64_t s = 0; s < 2 * live; ++s) {
         const bool second = s >= live;
         const int64_t kt = second ? s - live : s;
         if (s + 1 < 2 * live) load_step(s + 1);
         cp_async_commit();                            // possibly empty
-        asm volatile("cp.async.wait_group 1;\n" ::);  // step s has landed
+        asm volatile("cp.async.wait_group 1;\n" ::);  // Q and step s have landed
         fence_async_proxy();
         __syncthreads();
         float acc[32];
-        tile_scores(acc, qa, k_major(k_base + uint32_t((s & 1) * kOperandBytes)));
+        chunk_dots<kQkSlices>(acc, da, k_major(k_base + uint32_t((s & 1) * kOperandBytes)));
         mma_commit();
         mma_wait();
         const uint32_t* mrow = mask_ptr + (s & 1) * (kMaskBytes / 4);
@@ -301,7 +252,7 @@ void masked_probs_wgmma(const ExecContext& ctx, const bf16* q, const HeadKV& kv,
     if (n == 0) return;
     ST_CHECK(heads <= 65535, "masked_probs_wgmma: ", heads, " heads in one launch");
     allow_dynamic_smem<masked_probs_wgmma_kernel>(kSmemBytes);
-    static const bool carved = [] {  // the whole unified L1 as shared memory: three blocks per SM
+    static const bool carved = [] {  // the whole unified L1 as shared memory: two blocks per SM
         ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_wgmma_kernel,
                                            cudaFuncAttributePreferredSharedMemoryCarveout,
                                            int(cudaSharedmemCarveoutMaxShared)));

@@ -9,21 +9,7 @@ set -uo pipefail
 out=${1:?usage: fused-probs-ab.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
 mkdir -p "$out"
-bench/scripts/gpu-suite.sh "$out"
-grep -h "FAILED" "$out/gpu.log" | head -20
-if grep -q "FAILED.*SparseMha" "$out/gpu.log"; then
-  echo "sparse MHA tests failed: no benches"
-  exit 1
-fi
-bin=build/default/bin
-r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
-bb="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0"
-backbone() {  # NAME: the backbone's forward+backward as a graph
-  # shellcheck disable=SC2086  # the options are words
-  timeout 100 scripts/gpu-run.sh $bin/sparsetron bench $r $bb --forward-backward --variants graph \
-    --warmup 3 --iters 10 --json "$out/backbone.jsonl" >"$out/$1.log" 2>&1 || echo "$1 failed"
-  grep -h "graph " "$out/$1.log" | tail -1 | sed "s/^/$1 /"
-}
+. bench/scripts/backbone-ab-run.sh  # the suite (stops on a sparse MHA failure), backbone NAME
 backbone bb-fused
 SPARSETRON_MASKED_SCORES=unfused backbone bb-unfused
 if [ "${ROUNDS:-2}" = 2 ]; then
@@ -32,7 +18,7 @@ if [ "${ROUNDS:-2}" = 2 ]; then
 fi
 if [ "${NCU:-0}" = 1 ]; then
   for v in ${NCU_VARIANTS:-fused unfused}; do
-    [ $v = unfused ] && export SPARSETRON_MASKED_SCORES=unfused
+    [ "$v" = unfused ] && export SPARSETRON_MASKED_SCORES=unfused
     # shellcheck disable=SC2086
     timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
       --kernel-name regex:masked_probs $bin/sparsetron bench $r $bb --forward-backward --warmup 0 \

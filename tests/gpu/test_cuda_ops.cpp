@@ -668,7 +668,9 @@ Rounded nan_padded_rows(int64_t rows, int64_t pad, int64_t width, uint64_t seed)
 constexpr int64_t kNanPad = 72;  // more than a 64-row slice, not a multiple of it
 
 // Each kind against per-expert CPU GEMMs. Uneven experts (one empty), rows of some expert up to the
-// bound; RowsTimesWeightT runs twice, the second time accumulating into its own output.
+// bound; RowsTimesWeightT runs twice, the second time accumulating into its own output. The weight
+// gradient is written over NaN (nothing may read the old gradient; the empty expert gets zeros),
+// then added to: twice the product.
 void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int32_t>& off,
                         int64_t n, int64_t kk, int64_t max_rows, const std::string& tag) {
     const ExecContext& ctx = session.ctx();
@@ -677,8 +679,7 @@ void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int3
     Rounded w(E * n * kk, 111, 0.3);
     Rounded x = nan_padded_rows(R, kNanPad, kk, 112), dy = nan_padded_rows(R, kNanPad, n, 113);
     DeviceArray<bf16> y(R * n), dx(R * kk);
-    auto dw0 = random_vector<float>(E * n * kk, 114);
-    DeviceArray<float> dw(dw0);
+    DeviceArray<float> dw(std::vector<float>(E * n * kk, std::numeric_limits<float>::quiet_NaN()));
     cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
                        x.dev, w.dev, y);
     cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
@@ -688,7 +689,11 @@ void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int3
     cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, cap, n, kk, dy.dev,
                        x.dev, dw);
     session.synchronize();
-    std::vector<float> yr(R * n), dxr(R * kk), dwr = dw0;
+    const std::vector<float> dw_written = dw.download();
+    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, cap, n, kk, dy.dev,
+                       x.dev, dw, 0, /*accumulate=*/true);
+    session.synchronize();
+    std::vector<float> yr(R * n), dxr(R * kk), dwr(E * n * kk, 0.f);
     for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], m = off[e + 1] - off[e];
         if (m == 0) continue;
@@ -698,11 +703,14 @@ void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int3
         cpu::gemm<float>(false, false, m, kk, n, 1.f, dy.host.data() + r0 * n, n, we, kk, 0.f,
                          dxr.data() + r0 * kk, kk);
         cpu::gemm<float>(true, false, n, kk, m, 1.f, dy.host.data() + r0 * n, n,
-                         x.host.data() + r0 * kk, kk, 1.f, dwr.data() + e * n * kk, kk);
+                         x.host.data() + r0 * kk, kk, 0.f, dwr.data() + e * n * kk, kk);
     }
     expect_close(tag + " x W^T (twice, accumulated)", download_f(y), yr, kBf16Tol);
     expect_close(tag + " dy W", download_f(dx), dxr, kBf16Tol);
-    expect_close(tag + " weight grad (fp32 +=)", dw.download(), dwr, 1e-5);
+    expect_close(tag + " weight grad (fp32 =, over NaN)", dw_written, dwr, 1e-5);
+    std::vector<float> dwr2 = dwr;
+    for (float& v : dwr2) v *= 2.f;
+    expect_close(tag + " weight grad (fp32 +=)", dw.download(), dwr2, 1e-5);
     expect_guard(y, tag + " y");
     expect_guard(dx, tag + " dx");
     expect_guard(dw, tag + " dw");
@@ -722,7 +730,8 @@ TEST_F(CudaOps, GroupedGemmManyTiles) {
 
 namespace {
 // Every tile configuration of the tensor-core kernels (on Hopper: the wgmma kernels, then the WMMA
-// ones the engine uses elsewhere) against per-expert CPU GEMMs, each kind, partial tiles.
+// ones the engine uses elsewhere) against per-expert CPU GEMMs, each kind, partial tiles; the
+// weight gradient written over NaN (an empty expert: zeros), then added to (twice the product).
 void grouped_gemm_every_configuration(const cuda::CudaSession& session,
                                       const std::vector<int32_t>& off, int64_t n, int64_t kk) {
     const ExecContext& ctx = session.ctx();
@@ -744,12 +753,15 @@ void grouped_gemm_every_configuration(const cuda::CudaSession& session,
         cpu::gemm<float>(true, false, n, kk, m, 1.f, dy.host.data() + r0 * n, n,
                          x.host.data() + r0 * kk, kk, 0.f, dwr.data() + e * n * kk, kk);
     }
+    std::vector<float> dwr2 = dwr;
+    for (float& v : dwr2) v *= 2.f;
     using K2 = cuda::GroupedGemm;
     const int configs = cuda::grouped_gemm_tc_configs();
     ASSERT_GE(configs, 5);
     for (int cfg = 0; cfg < configs; ++cfg) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
-        DeviceArray<float> dw(std::vector<float>(E * n * kk, 0.f));
+        DeviceArray<float> dw(
+            std::vector<float>(E * n * kk, std::numeric_limits<float>::quiet_NaN()));
         const std::string name =
             cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeightT, doff, E, max_rows, cap, n,
                                          kk, x.dev, w.dev, static_cast<bf16*>(y));
@@ -760,7 +772,11 @@ void grouped_gemm_every_configuration(const cuda::CudaSession& session,
         session.synchronize();
         expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
         expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);
-        expect_close(name + ": weight grad", dw.download(), dwr, 1e-5);
+        expect_close(name + ": weight grad (=, over NaN)", dw.download(), dwr, 1e-5);
+        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, cap, n, kk,
+                                     dy.dev, x.dev, static_cast<float*>(dw), /*accumulate=*/true);
+        session.synchronize();
+        expect_close(name + ": weight grad (+=)", dw.download(), dwr2, 1e-5);
     }
 }
 }  // namespace

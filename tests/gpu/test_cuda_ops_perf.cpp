@@ -413,10 +413,11 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     auto dw = f32(E * F * h, 0.f);
     using K2 = cuda::GroupedGemm;
     // The engine's path for each kind under one routing (`offs`): x W^T (x -> y), dy W (y -> x),
-    // weight gradient (dW += y^T x); all with n = F, k = h.
+    // weight gradient (dW = y^T x, a step's first write of it); all with n = F, k = h.
     const double flops = 2.0 * E * rows * F * h;
     const double bytes = 2.0 * (E * rows * h + E * F * h + E * rows * F);
-    const double wgrad_bytes = 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h;
+    const double wgrad_bytes = 2.0 * (E * rows * h + E * rows * F) + 4.0 * E * F * h;
+    const double wgrad_add_bytes = wgrad_bytes + 4.0 * E * F * h;  // dW read too
     auto each_kind = [&](const std::string& xw_name, const std::string& suffix,
                          const int32_t* offs) {
         report(
@@ -441,10 +442,17 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             flops, wgrad_bytes);
     };
     each_kind("grouped gemm x W^T, 16 x 2048 x 6144 -> 2048", "", doff);
+    report(
+        "grouped gemm weight grad, adding (dW +=)",
+        [&] {
+            cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw, 0,
+                               true);
+        },
+        flops, wgrad_add_bytes);
     // Every tile configuration of the tensor-core kernel, each kind (config 0 is the engine's).
     for (int cfg = 0; cfg < cuda::grouped_gemm_tc_configs(); ++cfg) {
         for (K2 kind : {K2::RowsTimesWeightT, K2::RowsTimesWeight, K2::WeightGrad}) {
-            // x W^T: x -> y;  dy W: y -> x;  weight grad: dW += y^T x. All with n = F, k = h.
+            // x W^T: x -> y;  dy W: y -> x;  weight grad: dW = y^T x. All with n = F, k = h.
             bf16* xp = *x;
             bf16* yp = *y;
             const bf16* A = kind == K2::RowsTimesWeightT ? xp : yp;
@@ -506,7 +514,14 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, 1.f, *dw, h, DType::BF16,
                        DType::F32, {E, rows * F, rows * h, F * h});
         },
-        2.0 * E * rows * F * h, 2.0 * (E * rows * h + E * rows * F) + 8.0 * E * F * h);
+        2.0 * E * rows * F * h, wgrad_add_bytes);
+    report(
+        "dense cuBLASLt gemm, weight grad's shape (16 batched, fp32 =)",
+        [&] {
+            cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, 0.f, *dw, h, DType::BF16,
+                       DType::F32, {E, rows * F, rows * h, F * h});
+        },
+        2.0 * E * rows * F * h, wgrad_bytes);
 }
 
 #endif  // SPARSETRON_WITH_CUDA

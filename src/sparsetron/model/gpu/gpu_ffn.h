@@ -83,6 +83,11 @@ class GpuMoe {
         int64_t experts, max_rows, first;
     };
     Local local(const Acts& A) const;
+    // Whether the local experts' weight gradients are added to (written before in this step, or
+    // a step that only accumulates) rather than written; marks them written. One answer for all:
+    // one grouped GEMM writes every local expert's gradient. SPARSETRON_EXPERT_GRADS=added zeroes
+    // them and adds (the form before, to measure against).
+    bool expert_grads_added(const ExecContext& ctx, const Local& L) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     const MoeStash* stash_;

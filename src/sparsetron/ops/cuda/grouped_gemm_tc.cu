@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(C::Threads)
     }
     const int64_t i0 = int64_t(blockIdx.y) * TM, j0 = int64_t(blockIdx.x) * TN;
     if (i0 >= M || j0 >= N) return;
-    if (K == 0) return;  // an empty expert: its weight gradient gets nothing added
+    // An empty expert: its weight gradient gets nothing added, or zeros written (no slices).
+    if (K == 0 && accumulate) return;
     constexpr int TK = C::TK, kStages = C::Stages, kFragsM = C::FragsM, kFragsN = C::FragsN;
     constexpr int kWarpTileM = C::WarpTileM, kWarpTileN = C::WarpTileN;
     constexpr int kRowMajorLd = C::RowMajorLd, kKMajorLd = C::KMajorLd;
@@ -194,8 +195,11 @@ __global__ void __launch_bounds__(C::Threads)
         if constexpr (kKind == GroupedGemm::WeightGrad) {
             float4* dst =
                 reinterpret_cast<float4*>(static_cast<float*>(c) + e * wstride + gi * N + gj);
-            float4 o = *dst;
-            o.x += v.x, o.y += v.y, o.z += v.z, o.w += v.w;
+            float4 o = v;
+            if (accumulate) {
+                const float4 q = *dst;
+                o.x += q.x, o.y += q.y, o.z += q.z, o.w += q.w;
+            }
             *dst = o;
         } else {
             __nv_bfloat162* dst =
@@ -272,33 +276,33 @@ int grouped_gemm_tc_configs() {
 std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                    const int32_t* offsets, int64_t experts, int64_t max_rows,
                                    int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                   const bf16* b, void* c) {
+                                   const bf16* b, void* c, bool accumulate) {
     // On Hopper the wgmma kernel's configurations come first (0 is the engine's), then WMMA's.
     if (grouped_gemm_wgmma_available()) {
         if (config < grouped_gemm_wgmma_configs())
             return grouped_gemm_wgmma_config(ctx, config, kind, offsets, experts, max_rows,
-                                             row_capacity, n, k, a, b, c);
+                                             row_capacity, n, k, a, b, c, accumulate);
         config -= grouped_gemm_wgmma_configs();
     }
     switch (config) {
         case 0:
-            run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, false);
+            run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, accumulate);
             return "WMMA 4 warps 64x64, k32, 3 stages (the engine's elsewhere)";
         case 1:
             run<Cfg<2, 2, 32, 4>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  false);
+                                  accumulate);
             return "4 warps 64x64, k32, 4 stages";
         case 2:
             run<Cfg<2, 2, 64, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  false);
+                                  accumulate);
             return "4 warps 64x64, k64, 3 stages";
         case 3:
             run<Cfg<2, 4, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  false);
+                                  accumulate);
             return "8 warps 64x32, k32, 3 stages";
         default:
             run<Cfg<4, 2, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  false);
+                                  accumulate);
             return "8 warps 32x64, k32, 3 stages";
     }
 }

@@ -63,17 +63,17 @@ int grouped_gemm_wgmma_configs() {
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                       const int32_t* offsets, int64_t experts, int64_t max_rows,
                                       int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                      const bf16* b, void* c) {
+                                      const bf16* b, void* c, bool accumulate) {
     const int64_t ws = n * k;
     if (config == 0) {
         grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c, ws,
-                           false);
+                           accumulate);
         return forced_config() < 0 ? "wgmma, the engine's choice (TMA, B multicast, TMA stores "
                                      "and reduce-adds)"
                                    : "wgmma, as SPARSETRON_GROUPED_GEMM sets";
     }
     const int blocks = grouped_gemm_ws(ctx, config - 1, kind, offsets, experts, max_rows,
-                                       row_capacity, n, k, a, b, c, ws, false);
+                                       row_capacity, n, k, a, b, c, ws, accumulate);
     return std::string(grouped_gemm_ws_name(config - 1)) + ", " + std::to_string(blocks) +
            " blocks";
 }

@@ -11,9 +11,12 @@
 // including the next tile's first stages while the consumers store this tile.
 //
 // The engine runs the TMA feed with B multicast to clusters of two, bulk tensor stores of the
-// bf16 outputs and bulk tensor reduce-adds of the weight gradient's fp32 tiles (configuration 8:
-// WsWideTmaPairReduce; the others are kept for the perf harness and SPARSETRON_GROUPED_GEMM,
-// docs/perf/2026-12-01-grouped-gemm-tma.md).
+// bf16 outputs and bulk tensor reduce-adds (or, for a step's first weight gradient, stores) of the
+// weight gradient's fp32 tiles (configuration 8: WsWideTmaPairReduce; the others are kept for the
+// perf harness and SPARSETRON_GROUPED_GEMM, docs/perf/2026-12-01-grouped-gemm-tma.md).
+//
+// A weight gradient that is written, not added to (accumulate false), also needs zeros for the
+// experts with no rows, which the tile walk skips: zero_empty_experts_kernel, before the GEMM.
 //
 // TMA feed, per stage s (fill number f = it, round f / Stages):
 //   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],
@@ -243,7 +246,8 @@ __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUten
 }
 
 // The weight gradient's version of store_acc_tma: the warpgroup's 64 x 256 fp32 block (rows row0..
-// of expert e's [n, k] gradient, columns j0..) added into it by bulk tensor reduce-adds, in four
+// of expert e's [n, k] gradient, columns j0..) added into it by bulk tensor reduce-adds (`add`) or
+// written by bulk tensor stores (a gradient's first write: its old tiles are never read), in four
 // 64 x 64 quarters through the same buffer, each two 64-row x 32-column boxes (8 KiB, 128-byte
 // rows of 32 floats, 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of columns 8j +
 // 2q.. lands in chunk 2 (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two lanes per bank:
@@ -251,7 +255,7 @@ __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUten
 // gradient's edges are not written (the map's bounds).
 __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUtensorMap* mc,
                                                uint32_t buf, int wg, int64_t row0, int64_t j0,
-                                               int64_t e) {
+                                               int64_t e, bool add) {
     const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
     auto write = [&](int u) {
 #pragma unroll
@@ -269,9 +273,13 @@ __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUte
         }
     };
     auto issue = [&](int u) {
-        for (int box = 0; box < 2; ++box)
-            wgmma::tma_reduce_add(mc, buf + box * 8192, int32_t(j0 + 64 * u + 32 * box),
-                                  int32_t(row0), int32_t(e));
+        for (int box = 0; box < 2; ++box) {
+            const int32_t c0 = int32_t(j0 + 64 * u + 32 * box);
+            if (add)
+                wgmma::tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+            else
+                wgmma::tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+        }
     };
     through_staging<4>(wg, write, issue);
 }
@@ -470,7 +478,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             release((it - 1) % kStages);
             constexpr bool kBf16Out = kKind != GroupedGemm::WeightGrad;
             if constexpr (C::TmaReduce && !kBf16Out && BN == 256) {
-                reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0, e);
+                reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0, e,
+                               accumulate);
             } else if (C::TmaStore && kBf16Out && !accumulate && i0 + wg * 64 + 64 <= p.M) {
                 if constexpr (C::TmaStore && BN == 256)
                     store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
@@ -489,6 +498,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #else
     __trap();  // dispatched only on sm_90 (grouped_gemm_wgmma_available)
 #endif
+}
+
+// Zeros for the weight gradient [n * k] (elems) of every expert with no rows, when the gradient
+// is written rather than added to: the GEMM's walk never reaches those experts. A grid row per
+// expert; an expert with rows returns at once (training's usual case: 16 x 128 empty blocks).
+__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t elems, int64_t wstride,
+                                          float* dw) {
+    const int64_t e = blockIdx.y;
+    if (offsets[e + 1] > offsets[e]) return;
+    float4* d = reinterpret_cast<float4*>(dw + e * wstride);  // elems, wstride: multiples of 8
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < elems / 4; i += stride)
+        d[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 // The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
@@ -537,8 +559,13 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
            const bf16* a, const bf16* b, void* c) {
     auto* kernel = grouped_gemm_ws_kernel<C, kKind>;
     allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
+    if (kKind == GroupedGemm::WeightGrad && !accumulate && experts > 0 && n * k > 0) {
+        zero_empty_experts_kernel<<<dim3(128, unsigned(experts)), 256, 0, stream_of(ctx)>>>(
+            offsets, n * k, wstride, static_cast<float*>(c));
+        ST_CUDA_LAUNCH_CHECK();
+    }
     const int64_t units = experts * blocks_for(space.m_tiles, C::Cluster) * space.n_tiles;
-    if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply or add
+    if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply (zeros written above)
     cudaLaunchConfig_t config{};
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = C::SmemBytes;

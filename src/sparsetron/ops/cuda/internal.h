@@ -96,6 +96,6 @@ int grouped_gemm_wgmma_configs();
 std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                       const int32_t* offsets, int64_t experts, int64_t max_rows,
                                       int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                      const bf16* b, void* c);
+                                      const bf16* b, void* c, bool accumulate);
 
 }  // namespace sparsetron::cuda

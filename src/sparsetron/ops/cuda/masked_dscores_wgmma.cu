@@ -19,6 +19,7 @@
 // for its P loads.)
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/masked_rows.cuh"
 #include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
 
 namespace sparsetron::cuda {
@@ -132,27 +133,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         __syncthreads();
         // The tile's dS rows out in 16-byte pieces (256 contiguous bytes per row).
-        const int piece = tid & 15;
-        const int64_t key = kt * kKeys + 8 * piece;
-#pragma unroll
-        for (int it = 0; it < kRows / 16; ++it) {
-            const int r = (tid >> 4) + 16 * it;
-            const int64_t q = q0 + r;
-            if (q < n && key < lds)
-                *reinterpret_cast<uint4*>(ds + (q * heads + h) * lds + key) =
-                    *reinterpret_cast<const uint4*>(pt + r * kPLd + piece * 16);
-        }
+        masked_rows::write_tile<kRows, kKeys, kPLd, kThreads>(ds, pt, q0, n, heads, h, lds,
+                                                              kt * kKeys, tid);
         __syncthreads();  // buffers kt read (MMAs, dS) before tile kt + 2 lands there
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    // The causally empty keys from live * kKeys to lds: zeros, 8 per 16-byte store.
-    const int64_t z0 = live * kKeys, zvecs = (lds - min(lds, z0)) / 8;
-    for (int64_t i = tid; i < kRows * zvecs; i += kThreads) {
-        const int64_t q = q0 + i / zvecs;
-        if (q < n)
-            *reinterpret_cast<uint4*>(ds + (q * heads + h) * lds + z0 + (i % zvecs) * 8) =
-                make_uint4(0u, 0u, 0u, 0u);
-    }
+    // The causally empty keys from live * kKeys to lds: zeros.
+    masked_rows::zero_tails<kRows, kThreads>(ds, q0, n, heads, h, lds, live * kKeys, tid);
 #else
     __trap();  // dispatched only on sm_90 (masked_dscores_wgmma_supported)
 #endif

@@ -21,6 +21,7 @@
 // layer) and no bytes.
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/masked_rows.cuh"
 #include "sparsetron/ops/cuda/sparse_mqa_wgmma.cuh"
 
 namespace sparsetron::cuda {
@@ -201,28 +202,14 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                 }
             __syncthreads();
             // The tile's P rows out in 16-byte pieces (128 contiguous bytes per row).
-            const int piece = tid & 7;
-            const int64_t key = kt * kKeys + 8 * piece;
-#pragma unroll
-            for (int it = 0; it < kRows / 16; ++it) {
-                const int r = (tid >> 3) + 16 * it;
-                const int64_t qq = q0 + r;
-                if (qq < n && key < lds)
-                    *reinterpret_cast<uint4*>(p + (qq * heads + h) * lds + key) =
-                        *reinterpret_cast<const uint4*>(p_ptr + r * kPLd + piece * 16);
-            }
+            masked_rows::write_tile<kRows, kKeys, kPLd, kBlockThreads>(p, p_ptr, q0, n, heads, h,
+                                                                       lds, kt * kKeys, tid);
         }
         __syncthreads();  // step s's buffers read (MMAs, mask, P tile) before step s + 2 lands
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
-    // The causally empty keys from live * kKeys to lds: zeros, 8 per 16-byte store.
-    const int64_t z0 = live * kKeys, zvecs = (lds - min(lds, z0)) / 8;
-    for (int64_t i = tid; i < kRows * zvecs; i += kBlockThreads) {
-        const int64_t qq = q0 + i / zvecs;
-        if (qq < n)
-            *reinterpret_cast<uint4*>(p + (qq * heads + h) * lds + z0 + (i % zvecs) * 8) =
-                make_uint4(0u, 0u, 0u, 0u);
-    }
+    // The causally empty keys from live * kKeys to lds: zeros.
+    masked_rows::zero_tails<kRows, kBlockThreads>(p, q0, n, heads, h, lds, live * kKeys, tid);
 #else
     __trap();  // dispatched only on sm_90 (masked_probs_wgmma_supported)
 #endif

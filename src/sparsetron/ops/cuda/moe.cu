@@ -226,8 +226,8 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
         const int64_t gi = i0 + ii, gj = j0 + jj;
         if (gi >= M || gj >= N) continue;
         if (g.kind == GroupedGemm::WeightGrad) {
-            float* c = static_cast<float*>(g.c) + e * g.wstride;
-            c[gi * N + gj] += Cs[ii][jj];
+            float* c = static_cast<float*>(g.c) + e * g.wstride + gi * N + gj;
+            *c = g.accumulate ? *c + Cs[ii][jj] : Cs[ii][jj];  // an empty expert: 0 (K = 0)
         } else {
             bf* c = static_cast<bf*>(g.c) + r0 * N + gi * N + gj;
             *c = __float2bfloat16(g.accumulate ? __bfloat162float(*c) + Cs[ii][jj] : Cs[ii][jj]);

@@ -270,26 +270,28 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 // Grouped GEMM over the permuted layout, expert e owning rows [offsets[e], offsets[e+1]):
 //   RowsTimesWeightT: C[r, :] = A[r, :] @ W_e^T      A [R, K], W [E, N, K], C [R, N] bf16
 //   RowsTimesWeight:  C[r, :] = A[r, :] @ W_e        A [R, N], W [E, N, K], C [R, K] bf16
-//   WeightGrad:       dW_e += A_e^T @ B_e            A [R, N], B [R, K], dW [E, N, K] fp32
+//   WeightGrad:       dW_e (+)= A_e^T @ B_e          A [R, N], B [R, K], dW [E, N, K] fp32
 // max_rows bounds any expert's row count (the capacity); counts are read from device memory.
 // row_capacity: the rows the row operands' buffers hold (A, and B for WeightGrad; offsets[E] <=
 // row_capacity): the bound of the kernels' bulk tensor loads, which read whole tiles past an
 // expert's last row (never past the buffer).
 enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
 // `weight_stride`: elements between consecutive experts' weights (0 = n * k, packed). With
-// `accumulate`, bf16 outputs are added to (RowsTimes* kinds); WeightGrad always adds.
+// `accumulate` the outputs are added to; without, they are written, and WeightGrad writes every
+// expert's dW (zeros for an expert with no rows), so a step's first weight gradient needs no
+// memset of the gradient before it and its tiles are not read.
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
                   int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
                   const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
 
 // Perf harness only: runs the tensor-core grouped GEMM with tile configuration `config` (0 is the
-// one grouped_gemm uses, up to grouped_gemm_tc_configs() - 1; packed weights, no accumulation)
-// and returns its description. Shapes must satisfy the tensor-core kernel (multiples of 8).
+// one grouped_gemm uses, up to grouped_gemm_tc_configs() - 1; packed weights) and returns its
+// description. Shapes must satisfy the tensor-core kernel (multiples of 8).
 int grouped_gemm_tc_configs();
 std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
                                    const int32_t* offsets, int64_t experts, int64_t max_rows,
                                    int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                   const bf16* b, void* c);
+                                   const bf16* b, void* c, bool accumulate = false);
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).

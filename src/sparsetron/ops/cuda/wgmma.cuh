@@ -274,7 +274,16 @@ __device__ __forceinline__ void tma_store(const void* map, uint32_t src, int32_t
         "r"(c0), "r"(c1), "r"(src)
         : "memory");
 }
-// The same box added into global memory (the map's element type: fp32 here), element by element.
+// A 3-d box from shared to global memory, as tma_store.
+__device__ __forceinline__ void tma_store(const void* map, uint32_t src, int32_t c0, int32_t c1,
+                                          int32_t c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+            reinterpret_cast<uint64_t>(map)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+}
+// The 3-d box added into global memory (the map's element type: fp32 here), element by element.
 __device__ __forceinline__ void tma_reduce_add(const void* map, uint32_t src, int32_t c0,
                                                int32_t c1, int32_t c2) {
     asm volatile(
@@ -336,8 +345,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 // Stores a warpgroup's 64 x (2 kAcc / 64 * 64) accumulator block at rows row0.., columns j0..:
-// bf16 rows of the expert (added to with `accumulate`) or, for weight gradients, added to the
-// fp32 gradient. Accumulator layout (m64nNk16, fp32): warp w of the warpgroup holds rows
+// bf16 rows of the expert or, for weight gradients, fp32 rows of its gradient; added to with
+// `accumulate`. Accumulator layout (m64nNk16, fp32): warp w of the warpgroup holds rows
 // 16w + lane / 4 (+ 8); register 4j + {0, 1} (+ {2, 3} for the +8 row) is column
 // 8j + 2 (lane % 4) + {0, 1}. The weight gradient's fp32 adds are reductions
 // (`red.global.add.v2.f32`); as a load-add-store per pair they held the consumers for the
@@ -362,7 +371,11 @@ __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem&
                 // A reduction, not a load-add-store: the thread does not wait for the old value,
                 // so the consumers go on to the next tile's MMAs while L2 adds. One block owns
                 // each element: one add per element, in no race, as deterministic as the load.
-                red_add2(static_cast<float*>(c) + e * wstride + gi * p.N + gj, v0, v1);
+                float* dst = static_cast<float*>(c) + e * wstride + gi * p.N + gj;
+                if (accumulate)
+                    red_add2(dst, v0, v1);
+                else
+                    *reinterpret_cast<float2*>(dst) = float2{v0, v1};
             } else {
                 __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
                                                                         (p.r0 + gi) * p.N + gj);

@@ -35,8 +35,8 @@ __device__ __forceinline__ void write_tile(bf* out, const unsigned char* stage, 
 // Zeros at keys z0 .. lds - 1 of rows q0 .. q0 + kRows - 1 (those below n), 8 per 16-byte store:
 // the causally empty key tiles (lds is a multiple of 8, z0 of the tile width).
 template <int kRows, int kThreads>
-__device__ __forceinline__ void zero_tails(bf* out, int64_t q0, int64_t n, int64_t heads,
-                                           int64_t h, int64_t lds, int64_t z0, int tid) {
+__device__ __forceinline__ void zero_tails(bf* out, int64_t q0, int64_t n, int64_t heads, int64_t h,
+                                           int64_t lds, int64_t z0, int tid) {
     const int64_t zvecs = (lds - min(lds, z0)) / 8;
     for (int64_t i = tid; i < kRows * zvecs; i += kThreads) {
         const int64_t q = q0 + i / zvecs;

@@ -119,8 +119,7 @@ __device__ __forceinline__ void chunk_keys(const int32_t* sel, int64_t n, int64_
     }
 }
 // Gathers the chunk whose keys are `key` into the tile at `tile` (rows of kv; -1: zeros).
-__device__ __forceinline__ void gather_chunk(uint32_t tile, const bf* kv,
-                                             const int32_t (&key)[2]) {
+__device__ __forceinline__ void gather_chunk(uint32_t tile, const bf* kv, const int32_t (&key)[2]) {
     const bf* rows[2] = {kv + int64_t(max(key[0], 0)) * kD, kv + int64_t(max(key[1], 0)) * kD};
     const bool valid[2] = {key[0] >= 0, key[1] >= 0};
     load_rows<kSlices>(tile, rows, valid);

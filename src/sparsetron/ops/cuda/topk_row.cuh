@@ -72,7 +72,7 @@ struct TopkThreshold {
 // keys above them, and the thread whose bins hold the k-th key publishes it.
 template <int kThreads, class ForEachKey>
 __device__ __forceinline__ TopkThreshold topk_threshold(TopkSelectShared<kThreads>& sm,
-                                                         int64_t kslots, ForEachKey for_each_key) {
+                                                        int64_t kslots, ForEachKey for_each_key) {
     constexpr int kBinsPerThread = 2048 / kThreads;
     using Scan = cub::BlockScan<int, kThreads>;
     const int tid = threadIdx.x;

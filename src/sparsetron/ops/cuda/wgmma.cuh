@@ -17,7 +17,8 @@
 //   RowsTimesWeightT  M = rows, N = n, K = k:    A = x [rows, k] K-major,  B = W_e [n, k] K-major
 //   RowsTimesWeight   M = rows, N = k, K = n:    A = dy [rows, n] K-major, B = W_e [n, k] MN-major
 //   WeightGrad        M = n, N = k, K = rows:    A = dy^T (dy [rows, n]),  B = x [rows, k]: both
-//                     MN-major; copies past the expert's rows zero-fill, so the reduction stops there.
+//                     MN-major; copies past the expert's rows zero-fill, so the reduction stops
+//                     there.
 #pragma once
 
 #include <cstdint>
@@ -120,7 +121,8 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t lbo, uint
 // The descriptor of k16 step kk of a 64-deep slice tile (see the layouts above).
 template <bool kMajorK>
 __device__ __forceinline__ uint64_t slice_descriptor(uint32_t tile, int kk) {
-    return kMajorK ? descriptor(tile + kk * 32, 16, 1024) : descriptor(tile + kk * 2048, 8192, 1024);
+    return kMajorK ? descriptor(tile + kk * 32, 16, 1024)
+                   : descriptor(tile + kk * 2048, 8192, 1024);
 }
 
 // d += A (64 x 16) * B (16 x N), N = 2 x the accumulator count; kTA / kTB: the operand is
@@ -147,10 +149,15 @@ __device__ __forceinline__ void mma_m64k16(float (&d)[32], uint64_t da, uint64_t
         ".reg .pred p;\n"
         "setp.ne.b32 p, %34, 0;\n"  // scale-d: 1 accumulates into d
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
         "%32, %33, p, 1, 1, %35, %36;\n"
         "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(da), "l"(db), "r"(1), "n"(kTA), "n"(kTB));
 }
 template <int kTA, int kTB>
@@ -225,7 +232,7 @@ __device__ __forceinline__ void mma_slice(float (&d)[kAcc], uint32_t ta, uint32_
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
         mma_m64k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, slice_descriptor<kAK>(ta, kk),
-                                              slice_descriptor<kBK>(tb, kk));
+                                             slice_descriptor<kBK>(tb, kk));
 }
 
 // Bulk tensor copies (TMA) into a CTA's own shared memory, completing on an mbarrier as bytes:
@@ -314,8 +321,9 @@ __device__ __forceinline__ uint32_t cluster_rank() {
     return r;
 }
 __device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+            : "memory");
 }
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
     asm volatile(
@@ -377,8 +385,8 @@ __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem&
                 else
                     *reinterpret_cast<float2*>(dst) = float2{v0, v1};
             } else {
-                __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) +
-                                                                        (p.r0 + gi) * p.N + gj);
+                __nv_bfloat162* dst =
+                    reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) + (p.r0 + gi) * p.N + gj);
                 float2 o{v0, v1};
                 if (accumulate) {
                     const float2 q = __bfloat1622float2(*dst);

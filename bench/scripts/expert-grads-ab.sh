@@ -5,6 +5,8 @@
 # (zeroed, then added to): the proxy backbone's forward+backward (graph) ABAB and the full proxy
 # step (graph, 2 warm-up + 4 timed) AB, one process each; HuggingFace's backbone last (HF=0
 # skips it). JSON lines: OUT/backbone.jsonl, OUT/runs.jsonl (the steps), OUT/hf.jsonl.
+# LONG=1 instead: the suite, the backbone ABBA with BB_ITERS timed graph replays (default 30),
+# then ncu's times of the grouped GEMM kernels over one eager forward+backward each way.
 # Usage: bench/scripts/expert-grads-ab.sh OUT_DIR COMMIT
 set -uo pipefail
 out=${1:?usage: expert-grads-ab.sh OUT_DIR COMMIT}
@@ -14,6 +16,22 @@ mkdir -p "$out"
 if grep -q "FAILED.*GroupedGemm" "$out/gpu.log"; then
   echo "grouped GEMM tests failed: no benches"
   exit 1
+fi
+if [ "${LONG:-0}" = 1 ]; then
+  export BB_ITERS=${BB_ITERS:-30}
+  backbone bb-written
+  SPARSETRON_EXPERT_GRADS=added backbone bb-added
+  SPARSETRON_EXPERT_GRADS=added backbone bb-added2
+  backbone bb-written2
+  for v in written added; do
+    [ "$v" = added ] && export SPARSETRON_EXPERT_GRADS=added
+    # shellcheck disable=SC2086
+    timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+      --kernel-name regex:grouped_gemm_ws $bin/sparsetron bench $r $bb --forward-backward \
+      --warmup 0 --iters 1 >"$out/ncu-$v.csv" 2>/dev/null || echo "ncu $v failed"
+    python3 tools/bench/ncu_summary.py "$out/ncu-$v.csv" 2>&1 | head -4 | sed "s/^/ncu $v /"
+  done
+  exit 0
 fi
 SPARSETRON_OPS_PERF=1 SPARSETRON_OPS_PERF_LINES='weight grad' timeout 90 scripts/gpu-run.sh $bin/test_gpu \
   --gtest_filter='CudaOpsPerf.GroupedExpertGemm' 2>&1 | grep "^\[perf\]" >"$out/perf.txt"

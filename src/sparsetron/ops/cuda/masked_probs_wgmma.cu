@@ -16,7 +16,8 @@
 // widest chunk with the ALU the busiest pipe (ncu, 3a80b23). Q as the MMAs' register operand
 // (three blocks per SM, only K read from shared memory) measured no faster (0fc4a92: 8.53 vs 8.12
 // ms per backbone under ncu, on another machine). Tiles past the row block's last query token
-// are causally empty: zeros. A row with no selected key gets lse 0 and P 0 (the
+// are causally empty: zeros. 2^x is one MUFU.EX2 and the first pass's row reductions run as four
+// chains (see exp2_of). A row with no selected key gets lse 0 and P 0 (the
 // other kernels' convention). The extra pass costs the scores' FLOPs again (309 GFLOP per proxy
 // layer) and no bytes.
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -98,6 +99,25 @@ __device__ __forceinline__ void mask_half(float (&acc)[32], int half, uint32_t w
 }
 #endif
 
+// 2^x: with kFast one MUFU.EX2 (ex2.approx.ftz; results below 2^-126 flush to 0, far below
+// what a probability or a row sum of them can show), else exp2f (ex2.approx without ftz, which
+// ptxas wraps in a denormal range fix-up).
+template <bool kFast>
+__device__ __forceinline__ float exp2_of(float x) {
+    if constexpr (kFast) {
+        float y;
+        asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+        return y;
+    } else {
+        return exp2f(x);
+    }
+}
+
+// kFast (the engine's; SPARSETRON_MASKED_PROBS_EXP=accurate runs the form before, for A/B): the
+// single-instruction 2^x above, and the first pass's row max and sum over a thread's 16 scores
+// as four independent chains instead of one (with two warps per scheduler, the dependent adds
+// and maxes stalled on their latency: ncu's top stall reason at d08f9dd, "wait", 29% of samples).
+template <bool kFast>
 __global__ void __launch_bounds__(kBlockThreads, 2)
     masked_probs_wgmma_kernel(const bf* q, const bf* k, int64_t k_row, int64_t k_head,
                               const uint32_t* mask, int64_t mwords, bf* p, int64_t lds, float* lse,
@@ -154,19 +174,38 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
         if (!second) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float mx = -INFINITY;
+                float mx = -INFINITY, sum = 0.f, mm;
+                if constexpr (kFast) {
+                    float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    mx = fmaxf(mx, fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-                if (mx == -INFINITY) continue;
-                const float mm = fmaxf(m_run[half], mx * scale_log2);
-                float sum = 0.f;
+                    for (int j = 0; j < 8; ++j)
+                        m4[j & 3] = fmaxf(m4[j & 3],
+                                          fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+                    mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
+                    if (mx == -INFINITY) continue;
+                    mm = fmaxf(m_run[half], mx * scale_log2);
+                    float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                    for (int j = 0; j < 8; ++j)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        sum += exp2f(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
-                l_run[half] = l_run[half] * exp2f(m_run[half] - mm) + sum;  // exp2(-inf) = 0
+                        for (int e = 0; e < 2; ++e)
+                            s4[(2 * j + e) & 3] +=
+                                exp2_of<true>(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
+                    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+                        mx = fmaxf(mx, fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+                    if (mx == -INFINITY) continue;
+                    mm = fmaxf(m_run[half], mx * scale_log2);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e)
+                            sum += exp2f(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
+                }
+                // exp2(-inf) = 0
+                l_run[half] = l_run[half] * exp2_of<kFast>(m_run[half] - mm) + sum;
                 m_run[half] = mm;
             }
             if (s + 1 == live) {  // the quad's lanes merged: every row's lse
@@ -178,7 +217,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                         const float l2 = __shfl_xor_sync(0xffffffffu, l_run[half], o);
                         const float mm = fmaxf(m_run[half], m2);
                         if (mm == -INFINITY) continue;
-                        l_run[half] = l_run[half] * exp2f(m_run[half] - mm) + l2 * exp2f(m2 - mm);
+                        l_run[half] = l_run[half] * exp2_of<kFast>(m_run[half] - mm) +
+                                      l2 * exp2_of<kFast>(m2 - mm);
                         m_run[half] = mm;
                     }
                     const bool empty = l_run[half] == 0.f;
@@ -194,8 +234,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                 for (int j = 0; j < 8; ++j) {
                     // Unselected keys hold -inf: exp2 gives 0.
                     const float2 e2 = make_float2(
-                        exp2f(fmaf(acc[4 * j + 2 * half], scale_log2, -lse2[half])),
-                        exp2f(fmaf(acc[4 * j + 2 * half + 1], scale_log2, -lse2[half])));
+                        exp2_of<kFast>(fmaf(acc[4 * j + 2 * half], scale_log2, -lse2[half])),
+                        exp2_of<kFast>(fmaf(acc[4 * j + 2 * half + 1], scale_log2, -lse2[half])));
                     *reinterpret_cast<__nv_bfloat162*>(p_ptr + (r0 + 8 * half) * kPLd +
                                                        (8 * j + 2 * quad) * 2) =
                         __float22bfloat162_rn(e2);
@@ -238,16 +278,18 @@ void masked_probs_wgmma(const ExecContext& ctx, const bf16* q, const HeadKV& kv,
     ST_CHECK(reinterpret_cast<uintptr_t>(q) % 16 == 0, "masked_probs_wgmma: unaligned queries");
     if (n == 0) return;
     ST_CHECK(heads <= 65535, "masked_probs_wgmma: ", heads, " heads in one launch");
-    allow_dynamic_smem<masked_probs_wgmma_kernel>(kSmemBytes);
-    static const bool carved = [] {  // the whole unified L1 as shared memory: two blocks per SM
-        ST_CUDA_CHECK(cudaFuncSetAttribute(masked_probs_wgmma_kernel,
-                                           cudaFuncAttributePreferredSharedMemoryCarveout,
+    static const bool fast = !env_is("SPARSETRON_MASKED_PROBS_EXP", "accurate");  // for A/B
+    auto* kernel = fast ? masked_probs_wgmma_kernel<true> : masked_probs_wgmma_kernel<false>;
+    static const bool carved = [&] {  // the whole unified L1 as shared memory: two blocks per SM
+        ST_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(kSmemBytes)));
+        ST_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                            int(cudaSharedmemCarveoutMaxShared)));
         return true;
     }();
     (void)carved;
     const dim3 grid(blocks_for(n, kRows), unsigned(heads));
-    masked_probs_wgmma_kernel<<<grid, kBlockThreads, kSmemBytes, stream_of(ctx)>>>(
+    kernel<<<grid, kBlockThreads, kSmemBytes, stream_of(ctx)>>>(
         dev(q), dev(kv.k), kv.k_row, kv.k_head, mask, mwords, dev(p), lds, lse, tokens, t0, n, t1,
         heads, scale);
     ST_CUDA_LAUNCH_CHECK();

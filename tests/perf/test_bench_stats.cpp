@@ -31,8 +31,16 @@ TEST(BenchStats, MedianP95MinMaxAndCv) {
     EXPECT_DOUBLE_EQ(r.min_ms, 10);
     EXPECT_DOUBLE_EQ(r.max_ms, 14);
     EXPECT_NEAR(r.p95_ms, 13.8, 1e-12);  // linear between the 4th and 5th of the sorted times
-    // Sample standard deviation sqrt(2.5) over the mean 12.
+    // Sample standard deviation sqrt(2.5) over the mean 12; its standard error sqrt(2.5 / 5).
     EXPECT_NEAR(r.cv, std::sqrt(2.5) / 12.0, 1e-12);
+    EXPECT_DOUBLE_EQ(r.mean_ms, 12);
+    EXPECT_NEAR(r.se_ms, std::sqrt(0.5), 1e-12);
+    BenchResult one;
+    one.step_ms = {7};
+    summarize_times(one);
+    EXPECT_DOUBLE_EQ(one.mean_ms, 7);
+    EXPECT_DOUBLE_EQ(one.se_ms, 0);
+    EXPECT_DOUBLE_EQ(one.cv, 0);
     BenchResult empty;
     EXPECT_THROW(summarize_times(empty), Error);
 }
@@ -70,6 +78,8 @@ TEST(BenchStats, JsonLineKeepsOverridesAndNewtonSchulzFlops) {
     EXPECT_DOUBLE_EQ(j.at("newton_schulz_flops_per_step").get<double>(), 1.61e14);
     EXPECT_DOUBLE_EQ(j.at("flops_per_step").get<double>(), 3.0e14);
     EXPECT_DOUBLE_EQ(j.at("median_ms").get<double>(), 11.0);
+    EXPECT_DOUBLE_EQ(j.at("mean_ms").get<double>(), 11.0);
+    EXPECT_NEAR(j.at("se_ms").get<double>(), 1.0 / std::sqrt(3.0), 1e-12);  // sd 1 over sqrt(3)
 }
 
 }  // namespace

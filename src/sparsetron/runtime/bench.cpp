@@ -45,7 +45,11 @@ void summarize_times(BenchResult& r) {
     for (double x : r.step_ms) mean += x;
     mean /= double(r.step_ms.size());
     for (double x : r.step_ms) var += (x - mean) * (x - mean);
-    r.cv = r.step_ms.size() > 1 ? std::sqrt(var / double(r.step_ms.size() - 1)) / mean : 0.0;
+    const double n = double(r.step_ms.size());
+    const double sd = n > 1 ? std::sqrt(var / (n - 1)) : 0.0;
+    r.cv = mean > 0 ? sd / mean : 0.0;
+    r.mean_ms = mean;
+    r.se_ms = sd / std::sqrt(n);
 }
 
 std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& o) {
@@ -149,6 +153,8 @@ std::string BenchResult::to_json() const {
     j["min_ms"] = min_ms;
     j["max_ms"] = max_ms;
     j["cv"] = cv;
+    j["mean_ms"] = mean_ms;
+    j["se_ms"] = se_ms;
     j["timing"] = "cuda_events";
     j["step_ms"] = step_ms;
     j["tflops_per_gpu"] = tflops_per_gpu;

@@ -27,6 +27,9 @@ struct BenchResult {
     std::string recipe, gpu, commit, variant;
     std::vector<double> step_ms;
     double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0, cv = 0;
+    // Mean and its standard error (sample standard deviation / sqrt(n)): what an A/B of two
+    // runs can resolve. Replays drift (power, clocks), so it is a lower bound on the real error.
+    double mean_ms = 0, se_ms = 0;
     double flops = 0, tflops_per_gpu = 0, tokens_per_s_per_gpu = 0;
     std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
@@ -46,7 +49,8 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& opt
 // Variant indices of the timed iterations: blocks of the variants forward then backward
 // (A B B A ...), `iters` of each; one variant: A A A.
 std::vector<int> abba_order(int variants, int64_t iters);
-// Median, p95, min, max and coefficient of variation of step_ms into `r`.
+// Median, p95, min, max, coefficient of variation, mean and its standard error of step_ms into
+// `r`.
 void summarize_times(BenchResult& r);
 // The seed-style table: one row per variant, then each later variant's change against the first.
 std::string bench_table(const std::vector<BenchResult>& results);

@@ -23,14 +23,8 @@ if [ "${LONG:-0}" = 1 ]; then
   SPARSETRON_EXPERT_GRADS=added backbone bb-added
   SPARSETRON_EXPERT_GRADS=added backbone bb-added2
   backbone bb-written2
-  for v in written added; do
-    [ "$v" = added ] && export SPARSETRON_EXPERT_GRADS=added
-    # shellcheck disable=SC2086
-    timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      --kernel-name regex:grouped_gemm_ws $bin/sparsetron bench $r $bb --forward-backward \
-      --warmup 0 --iters 1 >"$out/ncu-$v.csv" 2>/dev/null || echo "ncu $v failed"
-    python3 tools/bench/ncu_summary.py "$out/ncu-$v.csv" 2>&1 | head -4 | sed "s/^/ncu $v /"
-  done
+  ncu_times written grouped_gemm_ws
+  SPARSETRON_EXPERT_GRADS=added ncu_times added grouped_gemm_ws
   exit 0
 fi
 SPARSETRON_OPS_PERF=1 SPARSETRON_OPS_PERF_LINES='weight grad' timeout 90 scripts/gpu-run.sh $bin/test_gpu \

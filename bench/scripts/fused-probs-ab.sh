@@ -18,14 +18,12 @@ if [ "${ROUNDS:-2}" = 2 ]; then
 fi
 if [ "${NCU:-0}" = 1 ]; then
   for v in ${NCU_VARIANTS:-fused unfused}; do
-    [ "$v" = unfused ] && export SPARSETRON_MASKED_SCORES=unfused
-    # shellcheck disable=SC2086
-    timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-      --kernel-name regex:masked_probs $bin/sparsetron bench $r $bb --forward-backward --warmup 0 \
-      --iters 1 >"$out/ncu-$v.csv" 2>/dev/null || echo "ncu $v failed"
-    python3 tools/bench/ncu_summary.py "$out/ncu-$v.csv" 2>&1 | head -4 | sed "s/^/ncu $v /"
+    if [ "$v" = unfused ]; then
+      SPARSETRON_MASKED_SCORES=unfused ncu_times "$v" masked_probs
+    else
+      ncu_times "$v" masked_probs
+    fi
   done
-  unset SPARSETRON_MASKED_SCORES
 fi
 if [ "${HF:-1}" = 1 ]; then
   timeout 120 python3 tools/bench/hf_glm_moe_dsa.py --warmup 3 --iters 10 >"$out/hf.jsonl" \

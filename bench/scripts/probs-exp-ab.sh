@@ -10,15 +10,8 @@ out=${1:?usage: probs-exp-ab.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
 mkdir -p "$out"
 . bench/scripts/backbone-ab-run.sh  # the suite (stops on a sparse MHA failure), backbone NAME
-for v in fast accurate; do
-  [ "$v" = accurate ] && export SPARSETRON_MASKED_PROBS_EXP=accurate
-  # shellcheck disable=SC2086
-  timeout 120 scripts/gpu-run.sh ncu --clock-control none --metrics gpu__time_duration.sum --csv \
-    --kernel-name regex:masked_probs_wgmma $bin/sparsetron bench $r $bb --forward-backward \
-    --warmup 0 --iters 1 >"$out/ncu-$v.csv" 2>/dev/null || echo "ncu $v failed"
-  python3 tools/bench/ncu_summary.py "$out/ncu-$v.csv" 2>&1 | head -3 | sed "s/^/ncu $v /"
-done
-unset SPARSETRON_MASKED_PROBS_EXP
+ncu_times fast masked_probs_wgmma
+SPARSETRON_MASKED_PROBS_EXP=accurate ncu_times accurate masked_probs_wgmma
 backbone bb-fast
 SPARSETRON_MASKED_PROBS_EXP=accurate backbone bb-accurate
 backbone bb-fast2

@@ -61,6 +61,8 @@ TEST(BenchStats, TableHasARowPerVariantAndTheDelta) {
                      "(faster)"),
               std::string::npos)
         << t;
+    // Means 101 and 95: -6 ms; standard errors 1 / sqrt(3) each: sqrt(2 / 3) = 0.82.
+    EXPECT_NE(t.find("; means -6.00 +- 0.82 ms"), std::string::npos) << t;
 }
 
 // The JSON line a run appends to the history: the recipe keys set on the command line and the

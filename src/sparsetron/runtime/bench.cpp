@@ -192,10 +192,15 @@ std::string bench_table(const std::vector<BenchResult>& rs) {
            << std::setw(13) << r.peak_mem_mib << std::setw(13) << r.planned_mem_mib << "\n";
     for (size_t i = 1; i < rs.size(); ++i) {
         const double d = 100.0 * (rs[i].median_ms / rs[0].median_ms - 1.0);
+        // The means' difference and its standard error (the two in quadrature): a difference
+        // within ~2 of them is the replays' spread, not the variants'.
+        const double dm = rs[i].mean_ms - rs[0].mean_ms;
+        const double se = std::hypot(rs[i].se_ms, rs[0].se_ms);
         os << "delta " << rs[i].variant << " vs " << rs[0].variant << ": " << std::showpos
            << std::setprecision(2) << d << "% median step time, " << std::setprecision(1)
            << rs[i].peak_mem_mib - rs[0].peak_mem_mib << " MiB in use" << std::noshowpos << " ("
-           << (d <= 0 ? "faster" : "slower") << ")\n";
+           << (d <= 0 ? "faster" : "slower") << "); means " << std::showpos << std::setprecision(2)
+           << dm << std::noshowpos << " +- " << se << " ms\n";
     }
     std::string out = os.str();
     if (!out.empty() && out.back() == '\n') out.pop_back();

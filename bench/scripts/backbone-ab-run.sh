@@ -2,11 +2,11 @@
 # Sourced by the A/B scripts of the masked attention's fused kernels: runs the GPU suite into
 # $out and stops the script when a sparse MHA test failed (the kernels under test are wrong: no
 # benches), then defines `backbone NAME`, which times the proxy backbone's forward+backward as a
-# graph (3 warm-up + BB_ITERS timed, default 10), appends its JSON line to $out/backbone.jsonl, its output to
-# $out/NAME.log, and prints the graph row prefixed by NAME; and `ncu_times NAME REGEX`: ncu's
-# times of the kernels matching REGEX over one eager backbone forward+backward (into
-# $out/ncu-NAME.csv), the summary's first lines prefixed by "ncu NAME". An env assignment before
-# either applies to its run. Needs $out and $commit; sets $bin, $r and $bb.
+# graph (3 warm-up + BB_ITERS timed, default 10), appends its JSON line to $out/backbone.jsonl,
+# its output to $out/NAME.log, and prints the graph row prefixed by NAME; and
+# `ncu_times NAME REGEX`: ncu's times of the kernels matching REGEX over one eager backbone
+# forward+backward (into $out/ncu-NAME.csv), the summary's first lines prefixed by "ncu NAME".
+# An env assignment before either applies to its run. Needs $out and $commit; sets $bin, $r and $bb.
 bench/scripts/gpu-suite.sh "$out"
 grep -h "FAILED" "$out/gpu.log" | head -20
 if grep -q "FAILED.*SparseMha" "$out/gpu.log"; then
@@ -19,7 +19,8 @@ bb="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0"
 backbone() {  # NAME: the backbone's forward+backward as a graph
   # shellcheck disable=SC2086  # the options are words
   timeout $((90 + ${BB_ITERS:-10})) scripts/gpu-run.sh $bin/sparsetron bench $r $bb \
-    --forward-backward --variants graph --warmup 3 --iters "${BB_ITERS:-10}" --json "$out/backbone.jsonl" >"$out/$1.log" 2>&1 || echo "$1 failed"
+    --forward-backward --variants graph --warmup 3 --iters "${BB_ITERS:-10}" \
+    --json "$out/backbone.jsonl" >"$out/$1.log" 2>&1 || echo "$1 failed"
   grep -h "graph " "$out/$1.log" | tail -1 | sed "s/^/$1 /"
 }
 ncu_times() {  # NAME REGEX

@@ -27,8 +27,9 @@ if [ "${LONG:-0}" = 1 ]; then
   SPARSETRON_EXPERT_GRADS=added ncu_times added grouped_gemm_ws
   exit 0
 fi
-SPARSETRON_OPS_PERF=1 SPARSETRON_OPS_PERF_LINES='weight grad' timeout 90 scripts/gpu-run.sh $bin/test_gpu \
-  --gtest_filter='CudaOpsPerf.GroupedExpertGemm' 2>&1 | grep "^\[perf\]" >"$out/perf.txt"
+SPARSETRON_OPS_PERF=1 SPARSETRON_OPS_PERF_LINES='weight grad' timeout 90 scripts/gpu-run.sh \
+  $bin/test_gpu --gtest_filter='CudaOpsPerf.GroupedExpertGemm' 2>&1 |
+  grep "^\[perf\]" >"$out/perf.txt"
 cat "$out/perf.txt"
 backbone bb-written
 SPARSETRON_EXPERT_GRADS=added backbone bb-added

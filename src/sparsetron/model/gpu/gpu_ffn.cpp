@@ -279,16 +279,16 @@ bool GpuMoe::expert_grads_added(const ExecContext& ctx, const Local& L) const {
         const char* e = std::getenv("SPARSETRON_EXPERT_GRADS");
         return e && std::string(e) == "added";
     }();
-    if (zero_then_add) {
-        for (int64_t e = 0; e < L.experts; ++e)
-            for (int64_t first : {gate0_, up0_, down0_})
-                P_.grad_to_add(ctx, first + (L.first + e) * wstride_);
-        return true;
-    }
     int adds = 0, total = 0;
     for (int64_t e = 0; e < L.experts; ++e)
         for (int64_t first : {gate0_, up0_, down0_}) {
-            adds += P_.grad_beta(first + (L.first + e) * wstride_) != 0.f;
+            const int64_t i = first + (L.first + e) * wstride_;
+            if (zero_then_add) {
+                P_.grad_to_add(ctx, i);  // zeroed before the step's first addition
+                ++adds;
+            } else {
+                adds += P_.grad_beta(i) != 0.f;
+            }
             ++total;
         }
     ST_ASSERT(adds == 0 || adds == total, "CUDA MoE: ", adds, " of ", total,

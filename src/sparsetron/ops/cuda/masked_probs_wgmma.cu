@@ -174,36 +174,28 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
         if (!second) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                float mx = -INFINITY, sum = 0.f, mm;
-                if constexpr (kFast) {
-                    float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+                // kChains independent max / sum chains over the thread's 16 scores, combined
+                // at the end (one chain: the order of the form before).
+                constexpr int kChains = kFast ? 4 : 1;
+                float m[kChains], sums[kChains];
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        m4[j & 3] = fmaxf(m4[j & 3],
-                                          fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-                    mx = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-                    if (mx == -INFINITY) continue;
-                    mm = fmaxf(m_run[half], mx * scale_log2);
-                    float s4[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int c = 0; c < kChains; ++c) m[c] = -INFINITY, sums[c] = 0.f;
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < 8; ++j)
+                    m[j % kChains] = fmaxf(m[j % kChains],
+                                           fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+                float mx = m[0];
+                if constexpr (kChains == 4) mx = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+                if (mx == -INFINITY) continue;
+                const float mm = fmaxf(m_run[half], mx * scale_log2);
 #pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            s4[(2 * j + e) & 3] +=
-                                exp2_of<true>(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
-                    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-                } else {
+                for (int j = 0; j < 8; ++j)
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
-                        mx = fmaxf(mx, fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-                    if (mx == -INFINITY) continue;
-                    mm = fmaxf(m_run[half], mx * scale_log2);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e)
-                            sum += exp2f(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
-                }
+                    for (int e = 0; e < 2; ++e)
+                        sums[(2 * j + e) % kChains] +=
+                            exp2_of<kFast>(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
+                float sum = sums[0];
+                if constexpr (kChains == 4) sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
                 // exp2(-inf) = 0
                 l_run[half] = l_run[half] * exp2_of<kFast>(m_run[half] - mm) + sum;
                 m_run[half] = mm;

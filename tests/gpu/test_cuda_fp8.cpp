@@ -253,4 +253,80 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
     EXPECT_TRUE(y32.guard_intact());
 }
 
+// The routed experts' FP8 grouped GEMM (grouped_gemm_fp8) against the CPU reference expert by
+// expert, on the CUDA quantizers' output: uneven routing with an empty expert and experts ending
+// inside a 128-row tile, a partial last tile of n and of k, rows in the buffer past the last
+// expert (never written), the persistent grid capped at 3 blocks (every block's stage ring wraps
+// across tiles) and uncapped, and accumulation into y. Each expert's weights in the magnitudes of
+// another block pattern: a wrong expert's weights or scales would be off by up to 2^12.
+TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
+    REQUIRE_GPU();
+    if (!cuda::grouped_gemm_fp8_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs sm_90a";
+    cuda::CudaSession session;
+    const int64_t E = 4, n = 392, k = 656, capacity = 760;
+    const std::vector<int32_t> offsets = {0, 300, 300, 517, 700};
+    std::vector<float> x = fp8_blocky_values(capacity, k, 31);
+    DeviceArray<bf16> dx(to_bf16_rounding(x));
+    DeviceArray<uint8_t> qx(capacity * k), qw(E * n * k);
+    DeviceArray<float> sx(fp8::scales_1x128(capacity, k)), sw(E * fp8::scales_128x128(n, k));
+    const ExecContext& ctx = session.ctx();
+    cuda::quantize_fp8_1x128(ctx, dx, capacity, k, k, true, qx, sx);
+    std::vector<std::vector<float>> w(E);
+    for (int64_t e = 0; e < E; ++e) {
+        w[size_t(e)] = fp8_blocky_values(n, k, 40 + uint64_t(e));
+        DeviceArray<float> dw(w[size_t(e)]);
+        cuda::quantize_fp8_128x128(ctx, dw, n, k, true, qw.get() + e * n * k,
+                                   sw.get() + e * fp8::scales_128x128(n, k));
+    }
+    const std::vector<uint8_t> hqx = qx.download(), hqw = qw.download();
+    const std::vector<float> hsx = logical_1x128(sx.download(), capacity, k),
+                             hsw_all = sw.download();
+    std::vector<float> ref(size_t(capacity * n), 0.f);
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = offsets[size_t(e)], rows = offsets[size_t(e) + 1] - r0;
+        if (rows == 0) continue;
+        const std::vector<float> packed(hsw_all.begin() + e * fp8::scales_128x128(n, k),
+                                        hsw_all.begin() + (e + 1) * fp8::scales_128x128(n, k));
+        const std::vector<float> hsw = logical_128x128(packed, n, k);
+        cpu::gemm_fp8_blockwise(hqx.data() + r0 * k, hsx.data() + r0 * fp8::blocks(k),
+                                hqw.data() + e * n * k, hsw.data(), rows, n, k,
+                                ref.data() + r0 * n);
+    }
+    const int64_t used = offsets.back();
+    const std::vector<float> before = fp8_blocky_values(capacity, n, 33);
+    std::vector<float> start = before;
+    DeviceArray<int32_t> doff(offsets);
+    auto check = [&](const std::vector<float>& got, const std::vector<float>& want,
+                     const std::string& what) {
+        double rms = 0;
+        for (int64_t i = 0; i < used * n; ++i) rms += double(want[size_t(i)]) * want[size_t(i)];
+        rms = std::sqrt(rms / double(used * n));
+        int64_t bad = 0, touched = 0;
+        for (int64_t i = 0; i < used * n; ++i)
+            bad += std::fabs(double(got[size_t(i)]) - want[size_t(i)]) >
+                   1e-2 * std::fabs(want[size_t(i)]) + 1e-3 * rms;
+        for (int64_t i = used * n; i < capacity * n; ++i)
+            touched += got[size_t(i)] != start[size_t(i)];
+        EXPECT_EQ(bad, 0) << what;
+        EXPECT_EQ(touched, 0) << what << ": rows past the last expert were written";
+    };
+    for (int blocks : {3, 0}) {
+        DeviceArray<bf16> y(to_bf16_rounding(start));
+        cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
+                               y, false, blocks);
+        const std::vector<float> got = to_float(y.download());
+        check(got, ref, cat("written, ", blocks, " blocks"));
+        // y += the product again: 2x the reference where written.
+        cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
+                               y, true, blocks);
+        std::vector<float> twice(ref.size());
+        for (size_t i = 0; i < ref.size(); ++i) twice[i] = got[i] + ref[i];
+        check(to_float(y.download()), twice, cat("accumulated, ", blocks, " blocks"));
+        EXPECT_TRUE(y.guard_intact());
+    }
+    EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false},
+                                        {qw, sw, false}, static_cast<bf16*>(nullptr)),
+                 Error);
+}
+
 #endif

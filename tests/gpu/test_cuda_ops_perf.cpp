@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iomanip>
+#include <utility>
 
 #include "harness.h"
 
@@ -522,6 +523,72 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
                        DType::F32, {E, rows * F, rows * h, F * h});
         },
         2.0 * E * rows * F * h, wgrad_bytes);
+}
+
+// The routed experts' FP8 grouped GEMM (grouped_gemm_fp8) against the engine's bf16 grouped GEMM
+// and cuBLASLt's block-scaled FP8 GEMM of the same total shape (its ceiling here), both expert
+// shapes of the proxy (gate / up 6144 -> 2048, down 2048 -> 6144), uniform and training's
+// routing; then what FP8 adds per use: the 1x128 quantization of the permuted rows and the
+// per-step quantization of one expert matrix set from the fp32 masters (W and W^T).
+TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
+    if (!cuda::grouped_gemm_fp8_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs sm_90a";
+    const int64_t E = 16, rows = 2048, F = 2048, R = E * rows;
+    std::vector<int32_t> uniform(E + 1), trained(E + 1, 0);
+    const std::vector<int32_t> loads = {3343, 2027, 1513, 1413, 2180, 3230, 2079, 1717,
+                                        2719, 2388, 1520, 2772, 1895, 1064, 2395, 513};
+    for (int64_t e = 0; e <= E; ++e) uniform[e] = int32_t(e * rows);
+    for (int64_t e = 0; e < E; ++e) trained[e + 1] = trained[e] + loads[size_t(e)];
+    DeviceArray<int32_t> duniform(uniform), dtrained(trained);
+    auto x = bf_tiled_random(R * h, 61), y = bf(R * h);
+    auto wb = bf(E * F * h);
+    auto w32 = f32_random(E * F * h, 62);
+    DeviceArray<uint8_t> qx(R * h), qw(E * F * h), qwt(E * F * h);
+    const int64_t ws = fp8::scales_128x128(F, h), wst = fp8::scales_128x128(h, F);
+    DeviceArray<float> sx(std::max(fp8::scales_1x128(R, h), fp8::scales_1x128(R, F))), sw(E * ws),
+        swt(E * wst);
+    auto quantize_weights = [&] {
+        for (int64_t e = 0; e < E; ++e)
+            cuda::quantize_fp8_128x128_both(ctx(), w32->get() + e * F * h, F, h, true,
+                                            qw.get() + e * F * h, sw.get() + e * ws,
+                                            qwt.get() + e * F * h, swt.get() + e * wst);
+    };
+    quantize_weights();
+    using K2 = cuda::GroupedGemm;
+    const double flops = 2.0 * R * F * h;
+    for (int64_t k : {h, F}) {
+        const int64_t n = k == h ? F : h;  // gate / up: 6144 -> 2048; down: 2048 -> 6144
+        const std::string shape = cat(E, " x ", rows, " x ", k, " -> ", n);
+        cuda::quantize_fp8_1x128(ctx(), *x, R, k, k, true, qx, sx);
+        const cuda::Fp8Operand wq =
+            k == h ? cuda::Fp8Operand{qw, sw, true} : cuda::Fp8Operand{qwt, swt, true};
+        for (const auto& [name, offs] :
+             {std::pair<std::string, const int32_t*>{"uniform", duniform},
+              std::pair<std::string, const int32_t*>{"training routing", dtrained}}) {
+            report(
+                cat("grouped bf16 x W^T ", shape, ", ", name),
+                [&] {
+                    cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, offs, E, T, R, n, k, *x, *wb,
+                                       *y);
+                },
+                flops, 2.0 * (R * k + E * n * k + R * n));
+            report(
+                cat("grouped fp8 x W^T ", shape, ", ", name),
+                [&] {
+                    cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y);
+                },
+                flops, double(R * k + E * n * k) + 2.0 * R * n);
+        }
+        report(
+            cat("dense cuBLASLt fp8 1x128.128x128 ", R, " x ", k, " -> ", n),
+            [&] {
+                cuda::gemm_fp8_blockwise(ctx(), R, n, k, {qx, sx, false}, wq, *y, n);
+            },
+            flops, double(R * k + n * k) + 2.0 * R * n);
+        report(
+            cat("quantize 1x128 ", R, "x", k),
+            [&] { cuda::quantize_fp8_1x128(ctx(), *x, R, k, k, true, qx, sx); }, 0, 3.0 * R * k);
+    }
+    report("quantize 16 experts' W and W^T (fp32 masters)", quantize_weights, 0, 6.0 * E * F * h);
 }
 
 #endif  // SPARSETRON_WITH_CUDA

@@ -27,6 +27,30 @@ int Fp8Weights::add(int64_t param) {
     return int(w_.size() - 1);
 }
 
+int Fp8Weights::add_experts(int64_t first, int64_t stride, int64_t count) {
+    for (size_t i = 0; i < experts_.size(); ++i)
+        if (experts_[i].first == first) return int(i);
+    const ParamInfo& info = P_.store().params()[size_t(first)];
+    ST_CHECK(info.shape.size() == 2, "FP8 expert weight '", info.name, "' is not a matrix");
+    Experts x;
+    x.first = first, x.stride = stride, x.count = count;
+    x.rows = info.shape[0], x.cols = info.shape[1];
+    // The grouped FP8 GEMM's bulk copies step through rows of K bytes (both orientations).
+    ST_CHECK(x.rows % 16 == 0 && x.cols % 16 == 0,
+             "fp8_recipe: blockwise needs the expert weight '", info.name, "' [", x.rows, ", ",
+             x.cols, "] to have multiples of 16 on both sides");
+    experts_.push_back(x);
+    return int(experts_.size() - 1);
+}
+
+cuda::Fp8Operand Fp8Weights::Experts::forward(int64_t e0) const {
+    return {q + e0 * rows * cols, s + e0 * fp8::scales_128x128(rows, cols), true};
+}
+
+cuda::Fp8Operand Fp8Weights::Experts::dgrad(int64_t e0) const {
+    return {qt + e0 * rows * cols, st + e0 * fp8::scales_128x128(cols, rows), true};
+}
+
 void Fp8Weights::declare() {
     ST_CHECK(T_ % 16 == 0,
              "fp8_recipe: blockwise needs micro-batch rows in multiples of 16 (the "
@@ -38,6 +62,14 @@ void Fp8Weights::declare() {
         B_.param_copy(w.s, n + ".fp8_scales", {fp8::scales_128x128(w.rows, w.cols)});
         B_.param_copy(w.qt, n + ".fp8_transposed", {w.cols, w.rows});
         B_.param_copy(w.st, n + ".fp8_transposed_scales", {fp8::scales_128x128(w.cols, w.rows)});
+    }
+    for (Experts& x : experts_) {
+        const std::string n = P_.store().params()[size_t(x.first)].name + ".experts";
+        B_.param_copy(x.q, n + ".fp8", {x.count, x.rows, x.cols});
+        B_.param_copy(x.s, n + ".fp8_scales", {x.count * fp8::scales_128x128(x.rows, x.cols)});
+        B_.param_copy(x.qt, n + ".fp8_transposed", {x.count, x.cols, x.rows});
+        B_.param_copy(x.st, n + ".fp8_transposed_scales",
+                      {x.count * fp8::scales_128x128(x.cols, x.rows)});
     }
     if (w_.empty()) return;
     // Two operands' worth: the weight gradient quantizes dy^T and x^T at once. 1x128 scales of
@@ -54,6 +86,14 @@ void Fp8Weights::quantize(const ExecContext& ctx) const {
     for (const Weight& w : w_)
         cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kPow2, w.q, w.s,
                                         w.qt, w.st);
+    for (const Experts& x : experts_) {
+        const int64_t elems = x.rows * x.cols;
+        for (int64_t e = 0; e < x.count; ++e)
+            cuda::quantize_fp8_128x128_both(
+                ctx, P_[x.first + e * x.stride].master, x.rows, x.cols, kPow2, x.q + e * elems,
+                x.s + e * fp8::scales_128x128(x.rows, x.cols), x.qt + e * elems,
+                x.st + e * fp8::scales_128x128(x.cols, x.rows));
+    }
 }
 
 void Fp8Weights::quantize_input(const ExecContext& ctx, const bf16* x, int64_t k) const {

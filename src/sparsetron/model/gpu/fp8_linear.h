@@ -6,9 +6,11 @@
 // All e4m3, scales by Transformer Engine's rule rounded down to powers of two. The weights are
 // quantized from the fp32 masters once per forward (Fp8Weights::quantize, inside the step's
 // graph), W and W^T both, so no bf16 weight is read by these GEMMs; activations and gradients
-// are quantized on the fly into shared scratch. Router, norms, the indexer, the absorbed
-// attention core, the output head and the routed experts stay bf16 (SPEC §6 keeps the first
-// three out; the last three have no FP8 kernel here yet).
+// are quantized on the fly into shared scratch. The routed experts' forward and input-gradient
+// GEMMs run FP8 through the grouped FP8 kernel (add_experts: every expert's W and W^T, packed);
+// their weight gradients stay bf16 (an FP8 form needs the tokens quantized per expert segment).
+// Router, norms, the indexer, the absorbed attention core and the output head stay bf16 (SPEC §6
+// keeps the first three out; the last two have no FP8 kernel here yet).
 #pragma once
 
 #include <vector>
@@ -27,13 +29,28 @@ class Fp8Weights {
         uint8_t* qt = nullptr;       // W^T [K, N]
         float* st = nullptr;
     };
+    // One MoE layer's routed-expert matrices of one kind (gate, up or down): `count` parameters
+    // [rows, cols] `stride` parameter indices apart, their FP8 copies packed expert after expert.
+    struct Experts {
+        int64_t first = -1, stride = 0, count = 0;
+        int64_t rows = 0, cols = 0;  // each W [rows = N, cols = K]
+        uint8_t* q = nullptr;        // [count][N][K]
+        float* s = nullptr;          // 128x128 scales, fp8::scales_128x128(N, K) per expert
+        uint8_t* qt = nullptr;       // [count][K][N]
+        float* st = nullptr;
+        cuda::Fp8Operand forward(int64_t e0) const;  // W of experts e0.. (the x W^T operand)
+        cuda::Fp8Operand dgrad(int64_t e0) const;    // their W^T (the dy W operand)
+    };
     Fp8Weights(const GpuParams& P, GpuBuffers& B, int64_t tokens) : P_(P), B_(B), T_(tokens) {}
     // Registers parameter `param` ([rows, cols]) as an FP8 linear weight (once per parameter:
     // a module used several times, like the MTP layer, registers once) and returns its handle.
     int add(int64_t param);
+    // Registers routed-expert matrices (once per first parameter) and returns their handle.
+    int add_experts(int64_t first, int64_t stride, int64_t count);
+    const Experts& experts(int h) const { return experts_[size_t(h)]; }
     // Plans the copies and the activation scratch; after every add(), before allocation.
     void declare();
-    // W and W^T from the fp32 masters, every registered weight.
+    // W and W^T from the fp32 masters, every registered weight and expert.
     void quantize(const ExecContext& ctx) const;
 
     // y [T, N] (row stride ldy) (+)= x [T, K] W^T.
@@ -59,6 +76,7 @@ class Fp8Weights {
     GpuBuffers& B_;
     int64_t T_;
     std::vector<Weight> w_;
+    std::vector<Experts> experts_;
     int64_t widest_ = 0;  // the largest N or K: the activation scratch's width
     uint8_t *qa_ = nullptr, *qb_ = nullptr;
     float *sa_ = nullptr, *sb_ = nullptr;

@@ -1,16 +1,32 @@
 #include "sparsetron/model/gpu/gpu_ffn.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <string>
+
+#include "sparsetron/ops/fp8_scale_layout.h"
 
 namespace sparsetron::gpu {
 
 using cuda::gemm;
 constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
+
+namespace {
+// Under fp8_recipe: blockwise the routed experts' forward and input-gradient GEMMs run FP8 as the
+// dense linears do; SPARSETRON_FP8_EXPERTS=bf16 keeps them bf16 (the form before, to measure
+// against).
+bool fp8_experts_enabled() {
+    static const bool on = [] {
+        const char* e = std::getenv("SPARSETRON_FP8_EXPERTS");
+        return !(e && std::string(e) == "bf16");
+    }();
+    return on;
+}
+}  // namespace
 
 GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
                int64_t tokens, const std::string& tag, Fp8Weights* fp8)
@@ -118,6 +134,16 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     if (W_ > 1) {
         B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
     }
+    if (fp8 && fp8_experts_enabled()) {
+        fp8_ = fp8;
+        for (int i = 0; i < 3; ++i)
+            fp8_experts_[i] =
+                fp8->add_experts(std::array{gate0_, up0_, down0_}[size_t(i)], wstride_, El_);
+        const int64_t wide = std::max(h_, F_);
+        B.scratch(fp8_rows_, "fp8.moe.rows", {rows_ * wide});
+        B.scratch(fp8_row_scales_, "fp8.moe.row_scales",
+                  {std::max(fp8::scales_1x128(rows_, h_), fp8::scales_1x128(rows_, F_))});
+    }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
     B.scratch(dlogits_bf_, "grad.moe.router_logits_bf16", {tokens, E_});
@@ -177,8 +203,6 @@ StashRows GpuMoe::stashed(const Acts& A) const {
 void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
                      bf16* y) const {
     const int64_t Tn = T_, R = T_ * k_;
-    // The expert weights are consecutive parameters: one stride apart in every arena.
-    const int64_t ws = El_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
     cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
     gemm(ctx, false, true, Tn, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f, A.logits, E_,
          F32, F32);
@@ -199,14 +223,10 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     }
     const Local L = local(A);
     bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
-    using K = cuda::GroupedGemm;
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
-                       A.xperm, P_[gate0_ + L.first * wstride_].w, A.g, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
-                       A.xperm, P_[up0_ + L.first * wstride_].w, A.u, ws);
+    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g);
+    expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
     cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeightT, L.offsets, L.experts, L.max_rows, rows_, h_, F_,
-                       A.act, P_[down0_ + L.first * wstride_].w, out, ws);
+    expert_gemm(ctx, L, down0_, false, A.act, out);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
@@ -217,7 +237,6 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
 void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                       bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
-    const int64_t ws = El_ > 1 ? P_[gate0_ + wstride_].w - P_[gate0_].w : F_ * h_;
     using K = cuda::GroupedGemm;
     if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
@@ -241,16 +260,13 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     // rows) on the step's first write, and add after it: no memset of the experts' 4.5 GiB of
     // fp32 gradients in the proxy, and their old tiles are not read.
     const bool add = expert_grads_added(ctx, L);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, h_, F_,
-                       dout, down.w, dact_, ws);
+    expert_gemm(ctx, L, down0_, true, dout, dact_);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
                        A.act, down.grad, gs, add);
     cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
     bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
-                       dg_, gate.w, dx, ws);
-    cuda::grouped_gemm(ctx, K::RowsTimesWeight, L.offsets, L.experts, L.max_rows, rows_, F_, h_,
-                       du_, up.w, dx, ws, true);
+    expert_gemm(ctx, L, gate0_, true, dg_, dx);
+    expert_gemm(ctx, L, up0_, true, du_, dx, true);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
                        A.xperm, gate.grad, gs, add);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
@@ -264,6 +280,29 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
          P_[router_].grad, h_, F32, F32);
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
+}
+
+void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
+                         const bf16* x, bf16* y, bool accumulate, bool x_quantized) const {
+    const ParamInfo& info = P_.store().params()[size_t(first)];
+    const int64_t N = info.shape[0], K = info.shape[1];  // W [N, K]
+    const int64_t in = dgrad ? N : K, out = dgrad ? K : N;
+    if (fp8_) {
+        const int h = fp8_experts_[first == gate0_ ? 0 : first == up0_ ? 1 : 2];
+        const Fp8Weights::Experts& W = fp8_->experts(h);
+        if (!x_quantized)
+            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, true, fp8_rows_, fp8_row_scales_);
+        cuda::grouped_gemm_fp8(ctx, L.offsets, L.experts, L.max_rows, rows_, out, in,
+                               {fp8_rows_, fp8_row_scales_, false},
+                               dgrad ? W.dgrad(L.first) : W.forward(L.first), y, accumulate);
+        return;
+    }
+    // The expert weights are consecutive parameters: one stride apart in every arena.
+    const int64_t ws = El_ > 1 ? P_[first + wstride_].w - P_[first].w : N * K;
+    using Kind = cuda::GroupedGemm;
+    cuda::grouped_gemm(ctx, dgrad ? Kind::RowsTimesWeight : Kind::RowsTimesWeightT, L.offsets,
+                       L.experts, L.max_rows, rows_, N, K, x, P_[first + L.first * wstride_].w, y,
+                       ws, accumulate);
 }
 
 GpuMoe::Local GpuMoe::local(const Acts& A) const {

@@ -88,6 +88,14 @@ class GpuMoe {
     // one grouped GEMM writes every local expert's gradient. SPARSETRON_EXPERT_GRADS=added zeroes
     // them and adds (the form before, to measure against).
     bool expert_grads_added(const ExecContext& ctx, const Local& L) const;
+    // One grouped GEMM over the local experts' matrices of one kind (`first`: gate0_, up0_ or
+    // down0_, each W [N, K]): y (+)= x W^T, or with `dgrad` y (+)= x W. In FP8 (x quantized into
+    // the layer's row scratch, then grouped_gemm_fp8 on W or its W^T copy) where the experts run
+    // FP8, the bf16 grouped GEMM otherwise. `x_quantized`: the scratch already holds x (the
+    // previous call's input: gate and up share theirs).
+    void expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
+                     const bf16* x, bf16* y, bool accumulate = false,
+                     bool x_quantized = false) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     const MoeStash* stash_;
@@ -98,6 +106,12 @@ class GpuMoe {
     bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;
+    // FP8 routed experts (fp8_recipe: blockwise; SPARSETRON_FP8_EXPERTS=bf16 keeps them bf16):
+    // the weights' handles (gate, up, down) and the quantized rows of the GEMM's input.
+    const Fp8Weights* fp8_ = nullptr;
+    int fp8_experts_[3] = {-1, -1, -1};
+    uint8_t* fp8_rows_ = nullptr;
+    float* fp8_row_scales_ = nullptr;
     bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;
     float *dgates_, *dlogits_;
     int64_t *load_, *dropped_;

@@ -380,6 +380,18 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
 // The same with an fp32 y (weight gradients accumulated into the fp32 gradient).
 void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
                         Fp8Operand w, float* y, int64_t ldy, bool accumulate = false);
+// The routed experts' FP8 GEMM (grouped_gemm_fp8.cu, sm_90a wgmma): grouped_gemm's
+// RowsTimesWeightT for e4m3 operands. For every expert e with rows [offsets[e], offsets[e+1]):
+// y[rows] (+)= x[rows] W_e^T; x [row_capacity, k] with 1x128 scales (the GEMM layout of
+// row_capacity rows), W [experts][n][k] packed with 128x128 scales per expert
+// (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
+// rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
+// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
+void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
+                      int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
+                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0);
+// Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
+bool grouped_gemm_fp8_available();
 
 // ---- Context parallelism (cp_rows.cu): key_row[i] is row i's micro-batch row (-1: padding).
 // dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).

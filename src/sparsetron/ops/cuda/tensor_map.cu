@@ -62,4 +62,10 @@ CUtensorMap f32_tensor_map(const void* base, std::initializer_list<int64_t> dims
     return tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "f32_tensor_map", base, dims, strides, box);
 }
 
+CUtensorMap u8_tensor_map(const void* base, std::initializer_list<int64_t> dims,
+                          std::initializer_list<int64_t> strides,
+                          std::initializer_list<uint32_t> box) {
+    return tensor_map(CU_TENSOR_MAP_DATA_TYPE_UINT8, "u8_tensor_map", base, dims, strides, box);
+}
+
 }  // namespace sparsetron::cuda

@@ -22,5 +22,9 @@ CUtensorMap bf16_tensor_map(const void* base, std::initializer_list<int64_t> dim
 CUtensorMap f32_tensor_map(const void* base, std::initializer_list<int64_t> dims,
                            std::initializer_list<int64_t> strides,
                            std::initializer_list<uint32_t> box);
+// The same over bytes (a 128-byte row is 128 of them): e4m3 operands of the FP8 grouped GEMM.
+CUtensorMap u8_tensor_map(const void* base, std::initializer_list<int64_t> dims,
+                          std::initializer_list<int64_t> strides,
+                          std::initializer_list<uint32_t> box);
 
 }  // namespace sparsetron::cuda

@@ -187,6 +187,7 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
     cuda::quantize_fp8_1x128(ctx, dx, m, k, k, true, qx, sx);
     cuda::quantize_fp8_128x128(ctx, dw, n, k, true, qw, sw);
     cuda::quantize_fp8_1x128(ctx, dwb, n, k, k, true, qw1, sw1);
+    session.synchronize();  // the session's stream is non-blocking: downloads do not wait for it
     const std::vector<uint8_t> hqx = qx.download(), hqw = qw.download(), hqw1 = qw1.download();
     const std::vector<float> hsx = logical_1x128(sx.download(), m, k);
     const std::vector<float> hsw = logical_128x128(sw.download(), n, k);
@@ -231,12 +232,15 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
     };
     DeviceArray<bf16> y(m * n);
     cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw, sw, true}, y, n);
+    session.synchronize();
     check(to_float(y.download()), ref, "x 1x128 . w 128x128");
     cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw1, sw1, false}, y, n);
+    session.synchronize();
     check(to_float(y.download()), ref1, "x 1x128 . w 1x128");
     // Accumulate: y (the 1x128 result) + the 128x128 product.
     const std::vector<float> y1 = to_float(y.download());
     cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw, sw, true}, y, n, true);
+    session.synchronize();
     std::vector<float> sum(ref.size());
     for (size_t i = 0; i < sum.size(); ++i) sum[i] = y1[i] + ref[i];
     check(to_float(y.download()), sum, "accumulate");
@@ -247,6 +251,7 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
     DeviceArray<float> y32(y0);
     cuda::gemm_fp8_blockwise(ctx, m, n, k, {qx, sx, false}, {qw1, sw1, false},
                              static_cast<float*>(y32), n, true);
+    session.synchronize();
     std::vector<float> acc(ref1.size());
     for (size_t i = 0; i < acc.size(); ++i) acc[i] = y0[i] + ref1[i];
     check(y32.download(), acc, "fp32 output, accumulated");
@@ -277,6 +282,7 @@ TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
         DeviceArray<float> dw(w[size_t(e)]);
         cuda::quantize_fp8_128x128(ctx, dw, n, k, true, qw.get() + e * n * k,
                                    sw.get() + e * fp8::scales_128x128(n, k));
+        session.synchronize();  // the stream is non-blocking: done before dw goes
     }
     const std::vector<uint8_t> hqx = qx.download(), hqw = qw.download();
     const std::vector<float> hsx = logical_1x128(sx.download(), capacity, k),
@@ -314,11 +320,13 @@ TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
         DeviceArray<bf16> y(to_bf16_rounding(start));
         cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
                                y, false, blocks);
+        session.synchronize();  // downloads do not wait for the session's stream
         const std::vector<float> got = to_float(y.download());
         check(got, ref, cat("written, ", blocks, " blocks"));
         // y += the product again: 2x the reference where written.
         cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
                                y, true, blocks);
+        session.synchronize();
         std::vector<float> twice(ref.size());
         for (size_t i = 0; i < ref.size(); ++i) twice[i] = got[i] + ref[i];
         check(to_float(y.download()), twice, cat("accumulated, ", blocks, " blocks"));

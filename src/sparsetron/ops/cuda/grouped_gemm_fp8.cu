@@ -163,6 +163,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     descriptor(tb + kk * 32, 16, 1024), kk > 0);
             asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            // The compiler sees acc written when the MMAs are issued, not when the wait returns:
+            // without this it may read acc for the promotion above the wait (stale values).
+#pragma unroll
+            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
             if (lane == 0) mbar_arrive(empty(s));
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -201,8 +205,8 @@ void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t ex
     // x [row_capacity, k] and the experts' W [E][n][k], bytes; boxes of 128 x 128.
     const CUtensorMap ma = u8_tensor_map(x.q, {k, row_capacity}, {k}, {kBK, kBM});
     const CUtensorMap mb = u8_tensor_map(w.q, {k, n, experts}, {k, n * k}, {kBK, kBN, 1});
-    const Scales sc{x.scale_inv, fp8::round4(row_capacity), w.scale_inv,
-                    fp8::scales_128x128(n, k), fp8::round4(fp8::blocks(k))};
+    const Scales sc{x.scale_inv, fp8::round4(row_capacity), w.scale_inv, fp8::scales_128x128(n, k),
+                    fp8::round4(fp8::blocks(k))};
     const int most = blocks > 0 ? blocks : sm_count();
     grouped_gemm_fp8_kernel<<<unsigned(std::min<int64_t>(units, most)), kThreads, kSmemBytes,
                               stream_of(ctx)>>>(offsets, experts, n, k, row_capacity, sc,

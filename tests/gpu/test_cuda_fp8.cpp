@@ -262,7 +262,8 @@ TEST(CudaFp8, BlockScaledGemmMatchesTheCpuReference) {
 // expert, on the CUDA quantizers' output: uneven routing with an empty expert and experts ending
 // inside a 128-row tile, a partial last tile of n and of k, rows in the buffer past the last
 // expert (never written), the persistent grid capped at 3 blocks (every block's stage ring wraps
-// across tiles) and uncapped, and accumulation into y. Each expert's weights in the magnitudes of
+// across tiles) and uncapped, and accumulation into y; both consumer forms (serial, and the
+// next slice's MMAs overlapping this one's scaling). Each expert's weights in the magnitudes of
 // another block pattern: a wrong expert's weights or scales would be off by up to 2^12.
 TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
     REQUIRE_GPU();
@@ -316,20 +317,24 @@ TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
         EXPECT_EQ(bad, 0) << what;
         EXPECT_EQ(touched, 0) << what << ": rows past the last expert were written";
     };
-    for (int blocks : {3, 0}) {
+    using Form = cuda::Fp8GroupedForm;
+    for (const auto& [form, blocks] : {std::pair{Form::Serial, 3}, std::pair{Form::Serial, 0},
+                                       std::pair{Form::Overlap, 3}, std::pair{Form::Overlap, 0}}) {
+        const std::string how =
+            cat(form == Form::Serial ? "serial, " : "overlapped, ", blocks, " blocks");
         DeviceArray<bf16> y(to_bf16_rounding(start));
         cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
-                               y, false, blocks);
+                               y, false, blocks, form);
         session.synchronize();  // downloads do not wait for the session's stream
         const std::vector<float> got = to_float(y.download());
-        check(got, ref, cat("written, ", blocks, " blocks"));
+        check(got, ref, "written, " + how);
         // y += the product again: 2x the reference where written.
         cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
-                               y, true, blocks);
+                               y, true, blocks, form);
         session.synchronize();
         std::vector<float> twice(ref.size());
         for (size_t i = 0; i < ref.size(); ++i) twice[i] = got[i] + ref[i];
-        check(to_float(y.download()), twice, cat("accumulated, ", blocks, " blocks"));
+        check(to_float(y.download()), twice, "accumulated, " + how);
         EXPECT_TRUE(y.guard_intact());
     }
     EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false},

@@ -571,12 +571,16 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
                                        *y);
                 },
                 flops, 2.0 * (R * k + E * n * k + R * n));
-            report(
-                cat("grouped fp8 x W^T ", shape, ", ", name),
-                [&] {
-                    cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y);
-                },
-                flops, double(R * k + E * n * k) + 2.0 * R * n);
+            for (const auto form : {cuda::Fp8GroupedForm::Serial, cuda::Fp8GroupedForm::Overlap})
+                report(
+                    cat("grouped fp8 ",
+                        form == cuda::Fp8GroupedForm::Serial ? "serial" : "overlapped", " x W^T ",
+                        shape, ", ", name),
+                    [&] {
+                        cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y,
+                                               false, 0, form);
+                    },
+                    flops, double(R * k + E * n * k) + 2.0 * R * n);
         }
         report(
             cat("dense cuBLASLt fp8 1x128.128x128 ", R, " x ", k, " -> ", n),

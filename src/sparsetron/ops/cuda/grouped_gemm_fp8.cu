@@ -15,16 +15,12 @@
 //     blocks, hence 128-wide tiles (64 + 64 registers per thread) rather than bf16's 256.
 //   - The consumers wait for each block's MMAs before promoting; the other warpgroup's MMAs keep
 //     the tensor cores busy meanwhile. The scales are loaded before the stage's wait.
-//   - Clusters of two take horizontally adjacent tiles (the same 128 rows of x, the next 128
-//     columns of W_e) and share the x tile: each block loads 64 of its rows, multicast to both.
-//     At FP8's rate a lone 128 x 128 tile reads ~7 TB/s from L2 at 900 TFLOP/s (measured: the
-//     bf16 kernel's rate, no faster); sharing x cuts the reads per stage from 32 to 24 KiB. An
-//     odd last column tile pairs with one past n (its MMAs read zeros, nothing is stored). So a
-//     stage of block X is filled by X's B copy and both blocks' halves of x: it is refilled only
-//     when the consumers of both blocks have released it (every consumer warp arrives on the
-//     empty barrier of both).
 // wgmma reads e4m3 operands K-major only: both operands here have k contiguous (the input
 // gradient runs the same kernel on W^T copies, Fp8Weights).
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -38,7 +34,6 @@ namespace {
 
 constexpr int kBM = 128, kBN = 128, kBK = 128;  // tile rows, columns, slice depth (bytes)
 constexpr int kStages = 6;
-constexpr int kCluster = 2;    // blocks sharing the x tile
 constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kTileBytes = kBM * kBK;
 static_assert(kBN * kBK == kTileBytes, "A and B tiles of one size");
@@ -46,6 +41,10 @@ constexpr int kStageBytes = 2 * kTileBytes;
 // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
 constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 1024 + 2 * kStages * 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+// The form grouped_gemm_fp8 runs unless told (SPARSETRON_FP8_GROUPED=serial|overlap).
+constexpr Fp8GroupedForm kDefaultForm = Fp8GroupedForm::Overlap;
+using None = std::integral_constant<int, 0>;  // wgmma groups left running by a wait
+using One = std::integral_constant<int, 1>;
 
 #ifdef ST_WGMMA
 // d (=, or += with `acc`) A (64 x 32 e4m3) * B (32 x 128 e4m3), both K-major, fp32 accumulators in
@@ -87,6 +86,10 @@ struct Scales {
     int64_t w_ld;  // round4(blocks(k)): one 128-row block of W's scales
 };
 
+// kOverlap: a consumer warpgroup issues slice s + 1's MMAs into a second register block before
+// it promotes slice s (the serial form waits for each slice's MMAs, then promotes, and relies on
+// the other warpgroup's MMAs to keep the tensor cores busy meanwhile).
+template <bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_kernel(const int32_t* offsets, int64_t experts, int64_t n, int64_t k,
                             int64_t row_capacity, Scales sc, bool accumulate, bf* y,
@@ -105,30 +108,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full(s), 1);
-            mbar_init(empty(s), kCluster * 8);  // each consumer warp of the cluster
+            mbar_init(empty(s), 8);  // one arrival per consumer warp
         }
-        // Visible to the other block's arrivals and multicasts.
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    const uint32_t rank = cluster_rank();
-    cluster_sync();
+    __syncthreads();
 
-    // Expert by expert over its row tiles x column-tile pairs (units: a cluster's two tiles);
-    // the walk only moves forward (w_e, and w_first the linear index of its first unit), experts
-    // with no rows skipped. Block `rank` of the cluster takes column tile 2 pair + rank.
-    const int64_t pairs = (n + kCluster * kBN - 1) / (kCluster * kBN);
-    const int64_t slices = (k + kBK - 1) / kBK;
-    const int64_t unit0 = blockIdx.x / kCluster, units = gridDim.x / kCluster;
+    // Expert by expert over its row tiles x column tiles; the walk only moves forward (w_e, and
+    // w_first the linear index of its first tile), experts with no rows skipped.
+    const int64_t n_tiles = (n + kBN - 1) / kBN, slices = (k + kBK - 1) / kBK;
     int64_t w_e = 0, w_first = 0;
     auto next_tile = [&](int64_t t, int64_t& e, int64_t& r0, int64_t& rows, int64_t& i0,
                          int64_t& j0) {
         for (; w_e < experts; ++w_e) {
             r0 = offsets[w_e], rows = offsets[w_e + 1] - r0;
-            const int64_t count = rows > 0 ? (rows + kBM - 1) / kBM * pairs : int64_t(0);
+            const int64_t count = rows > 0 ? (rows + kBM - 1) / kBM * n_tiles : int64_t(0);
             if (t < w_first + count) {
                 const int64_t local = t - w_first;
-                e = w_e, i0 = local / pairs * kBM;
-                j0 = (local % pairs * kCluster + rank) * kBN;
+                e = w_e, i0 = local / n_tiles * kBM, j0 = local % n_tiles * kBN;
                 return true;
             }
             w_first += count;
@@ -138,77 +134,100 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     int64_t e, r0, rows, i0, j0;
     if (threadIdx.x < 128) {
-        if (threadIdx.x == 0) {  // one thread feeds the ring; the others wait for the cluster
-            tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
-            constexpr int kHalf = kBM / kCluster;  // rows of x this block loads for both
-            uint32_t it = 0;
-            for (int64_t t = unit0; next_tile(t, e, r0, rows, i0, j0); t += units)
-                for (int64_t sl = 0; sl < slices; ++sl, ++it) {
-                    const uint32_t s = it % kStages;
-                    mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
-                    mbar_arrive_expect_tx(full(s), uint32_t(kStageBytes));
-                    // Rows past the buffer and columns past k or n read as zero (the maps'
-                    // bounds).
-                    tma_load_multicast(tile_a(s) + rank * kHalf * kBK, &map_a, int32_t(sl * kBK),
-                                       int32_t(r0 + i0 + rank * kHalf), full(s), 0x3);
-                    tma_load(tile_b(s), &map_b, int32_t(sl * kBK), int32_t(j0), int32_t(e),
-                             full(s));
-                }
-        }
-    } else {
-        const int wg = (threadIdx.x - 128) >> 7, warp = (threadIdx.x >> 5) & 3,
-                  lane = threadIdx.x & 31;
+        // The overlapped form's consumers hold three register blocks: the producer gives its
+        // registers up (40 + 2 x 232 per thread of each warpgroup: the SM's 64K).
+        if constexpr (kOverlap) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x != 0) return;  // one thread feeds the ring
+        tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
         uint32_t it = 0;
-        float acc[64], sum[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-        for (int64_t t = unit0; next_tile(t, e, r0, rows, i0, j0); t += units) {
-#pragma unroll
-            for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-            // This thread's two accumulator rows (store_acc's layout), inside the buffer: rows past
-            // the expert multiply whatever is there and are not stored.
-            const int64_t ra = r0 + i0 + wg * 64 + warp * 16 + lane / 4;
-            const int64_t row_a = min(ra, row_capacity - 1), row_b = min(ra + 8, row_capacity - 1);
-            // A tile past n (an odd last pair's) reads the last block's scales: never stored.
-            const int64_t rb = min(j0, n - 1) / kBN;
-            const float* sw = sc.w + e * sc.w_stride + rb * sc.w_ld;
+        for (int64_t t = blockIdx.x; next_tile(t, e, r0, rows, i0, j0); t += gridDim.x)
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
-                const float bscale = __ldg(sw + sl);
-                const float s0 = __ldg(sc.x + sl * sc.x_ld + row_a) * bscale;
-                const float s1 = __ldg(sc.x + sl * sc.x_ld + row_b) * bscale;
-                mbar_wait(full(s), (it / kStages) & 1u);
-                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-                const uint32_t ta = tile_a(s) + uint32_t(wg * 64 * kBK), tb = tile_b(s);
-                // k32 steps: 32 bytes along the swizzled rows.
-#pragma unroll
-                for (int kk = 0; kk < kBK / 32; ++kk)
-                    mma_m64n128k32_e4m3(acc, descriptor(ta + kk * 32, 16, 1024),
-                                        descriptor(tb + kk * 32, 16, 1024), kk > 0);
-                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-                // The compiler sees acc written when the MMAs are issued, not when the wait
-                // returns: this keeps the promotion's reads of acc below the wait.
-#pragma unroll
-                for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
-                if (lane == 0)  // released in both blocks: both fill this stage
-                    for (uint32_t r = 0; r < uint32_t(kCluster); ++r)
-                        mbar_arrive_cluster(empty(s), r);
-#pragma unroll
-                for (int j = 0; j < 16; ++j) {
-                    sum[4 * j] += acc[4 * j] * s0;
-                    sum[4 * j + 1] += acc[4 * j + 1] * s0;
-                    sum[4 * j + 2] += acc[4 * j + 2] * s1;
-                    sum[4 * j + 3] += acc[4 * j + 3] * s1;
-                }
+                mbar_wait(empty(s), ((it / kStages) & 1u) ^ 1u);
+                mbar_arrive_expect_tx(full(s), uint32_t(kStageBytes));
+                // Rows past the buffer and columns past k or n read as zero (the maps' bounds).
+                tma_load(tile_a(s), &map_a, int32_t(sl * kBK), int32_t(r0 + i0), full(s));
+                tma_load(tile_b(s), &map_b, int32_t(sl * kBK), int32_t(j0), int32_t(e), full(s));
             }
-            const Problem p{r0, rows, n, k, 0, 0, nullptr, nullptr};
-            store_acc<GroupedGemm::RowsTimesWeightT>(sum, p, e, 0, i0 + wg * 64, j0, accumulate, y);
-        }
+        return;
     }
-    // The other block's arrivals on this one's barriers and its multicasts into this one's
-    // stages are over only when both blocks are here.
-    cluster_sync();
+    const int wg = (threadIdx.x - 128) >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    if constexpr (kOverlap) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    uint32_t it = 0;  // slices consumed before this tile
+    float acc0[64], acc1[64], sum[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+    for (int64_t t = blockIdx.x; next_tile(t, e, r0, rows, i0, j0); t += gridDim.x) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sum[i] = 0.f;
+        // This thread's two accumulator rows (store_acc's layout), inside the buffer: rows past
+        // the expert multiply whatever is there and are not stored.
+        const int64_t ra = r0 + i0 + wg * 64 + warp * 16 + lane / 4;
+        const int64_t row_a = min(ra, row_capacity - 1), row_b = min(ra + 8, row_capacity - 1);
+        const float* sw = sc.w + e * sc.w_stride + (j0 / kBN) * sc.w_ld;
+        // Slice sl's four k32 MMAs (32 bytes apart along the swizzled rows) into a, one group.
+        auto issue = [&](float(&a)[64], int64_t sl) {
+            const uint32_t f = it + uint32_t(sl), s = f % kStages;
+            mbar_wait(full(s), (f / kStages) & 1u);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            const uint32_t ta = tile_a(s) + uint32_t(wg * 64 * kBK), tb = tile_b(s);
+#pragma unroll
+            for (int kk = 0; kk < kBK / 32; ++kk)
+                mma_m64n128k32_e4m3(a, descriptor(ta + kk * 32, 16, 1024),
+                                    descriptor(tb + kk * 32, 16, 1024), kk > 0);
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        };
+        // Slice sl's group complete (kBehind: groups issued after it, still running), its stage
+        // released, a scaled by the slice's scales into sum. The wait counts are constants on
+        // every path: ptxas then sees which groups a promotion reads (with a count chosen at run
+        // time it injected waits and serialized the MMAs).
+        auto finish = [&](auto behind, float(&a)[64], int64_t sl) {
+            constexpr int kBehind = decltype(behind)::value;
+            const float bscale = __ldg(sw + sl);
+            const float s0 = __ldg(sc.x + sl * sc.x_ld + row_a) * bscale;
+            const float s1 = __ldg(sc.x + sl * sc.x_ld + row_b) * bscale;
+            asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kBehind) : "memory");
+            // The compiler sees a written when the MMAs are issued, not when the wait returns:
+            // this keeps the promotion's reads of a below the wait.
+#pragma unroll
+            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(a[i])::"memory");
+            if (lane == 0) mbar_arrive(empty((it + uint32_t(sl)) % kStages));
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                sum[4 * j] += a[4 * j] * s0;
+                sum[4 * j + 1] += a[4 * j + 1] * s0;
+                sum[4 * j + 2] += a[4 * j + 2] * s1;
+                sum[4 * j + 3] += a[4 * j + 3] * s1;
+            }
+        };
+        if constexpr (kOverlap) {
+            // The next slice's MMAs run while this one's are promoted: two register blocks. On
+            // entry to each round acc0's group (slice sl) is the one in flight.
+            issue(acc0, 0);
+            int64_t sl = 0;
+            for (; sl + 2 < slices; sl += 2) {
+                issue(acc1, sl + 1);
+                finish(One{}, acc0, sl);
+                issue(acc0, sl + 2);
+                finish(One{}, acc1, sl + 1);
+            }
+            if (sl + 1 < slices) {
+                issue(acc1, sl + 1);
+                finish(One{}, acc0, sl);
+                finish(None{}, acc1, sl + 1);
+            } else {
+                finish(None{}, acc0, sl);
+            }
+        } else {
+            for (int64_t sl = 0; sl < slices; ++sl) {
+                issue(acc0, sl);
+                finish(None{}, acc0, sl);
+            }
+        }
+        it += uint32_t(slices);
+        const Problem p{r0, rows, n, k, 0, 0, nullptr, nullptr};
+        store_acc<GroupedGemm::RowsTimesWeightT>(sum, p, e, 0, i0 + wg * 64, j0, accumulate, y);
+    }
 #else
     __trap();  // dispatched only on sm_90a (grouped_gemm_wgmma_available)
 #endif
@@ -222,43 +241,39 @@ bool grouped_gemm_fp8_available() {
 
 void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
                       int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate, int blocks) {
+                      Fp8Operand w, bf16* y, bool accumulate, int blocks, Fp8GroupedForm form) {
     ST_CHECK(grouped_gemm_fp8_available(),
              "the FP8 grouped expert GEMM needs an sm_90a GPU (Hopper's e4m3 wgmma)");
     ST_CHECK(!x.blocks_128x128 && w.blocks_128x128,
              "grouped_gemm_fp8: x takes 1x128 scales and the expert weights 128x128");
     ST_CHECK(k % 16 == 0 && n % 8 == 0, "grouped_gemm_fp8: k (", k,
              ") must be a multiple of 16 and n (", n, ") of 8");
-    const int64_t units =
-        experts * ((max_rows + kBM - 1) / kBM) * ((n + kCluster * kBN - 1) / (kCluster * kBN));
+    const int64_t units = experts * ((max_rows + kBM - 1) / kBM) * ((n + kBN - 1) / kBN);
     if (units == 0 || row_capacity == 0 || k == 0) return;
-    allow_dynamic_smem<grouped_gemm_fp8_kernel>(kSmemBytes);
+    if (form == Fp8GroupedForm::Default) {
+        static const Fp8GroupedForm chosen = [] {
+            const char* e = std::getenv("SPARSETRON_FP8_GROUPED");
+            if (e && std::string(e) == "serial") return Fp8GroupedForm::Serial;
+            if (e && std::string(e) == "overlap") return Fp8GroupedForm::Overlap;
+            return kDefaultForm;
+        }();
+        form = chosen;
+    }
+    const bool overlap = form == Fp8GroupedForm::Overlap;
+    auto* kernel = overlap ? grouped_gemm_fp8_kernel<true> : grouped_gemm_fp8_kernel<false>;
+    if (overlap)
+        allow_dynamic_smem<grouped_gemm_fp8_kernel<true>>(kSmemBytes);
+    else
+        allow_dynamic_smem<grouped_gemm_fp8_kernel<false>>(kSmemBytes);
     // x [row_capacity, k] and the experts' W [E][n][k], bytes; boxes of 128 x 128.
-    const CUtensorMap ma = u8_tensor_map(x.q, {k, row_capacity}, {k}, {kBK, kBM / kCluster});
+    const CUtensorMap ma = u8_tensor_map(x.q, {k, row_capacity}, {k}, {kBK, kBM});
     const CUtensorMap mb = u8_tensor_map(w.q, {k, n, experts}, {k, n * k}, {kBK, kBN, 1});
     const Scales sc{x.scale_inv, fp8::round4(row_capacity), w.scale_inv, fp8::scales_128x128(n, k),
                     fp8::round4(fp8::blocks(k))};
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream_of(ctx);
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kCluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    config.attrs = &attr, config.numAttrs = 1;
-    // One cluster per two SMs that can hold one (the GPCs' SM counts may leave some SMs out).
-    static const int resident = [&] {
-        cudaLaunchConfig_t probe = config;
-        probe.gridDim = dim3(unsigned(kCluster * sm_count()));
-        int clusters = 0;
-        ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_fp8_kernel, &probe));
-        ST_CHECK(clusters > 0, "grouped_gemm_fp8: no cluster of ", kCluster, " blocks fits");
-        return clusters;
-    }();
-    const int64_t most = blocks > 0 ? (blocks + kCluster - 1) / kCluster : resident;
-    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most) * kCluster));
-    ST_CUDA_CHECK(cudaLaunchKernelEx(&config, grouped_gemm_fp8_kernel, offsets, experts, n, k,
-                                     row_capacity, sc, accumulate, dev(y), ma, mb));
+    const int most = blocks > 0 ? blocks : sm_count();
+    kernel<<<unsigned(std::min<int64_t>(units, most)), kThreads, kSmemBytes, stream_of(ctx)>>>(
+        offsets, experts, n, k, row_capacity, sc, accumulate, dev(y), ma, mb);
+    ST_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace sparsetron::cuda

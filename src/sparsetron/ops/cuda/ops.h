@@ -386,10 +386,14 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
 // row_capacity rows), W [experts][n][k] packed with 128x128 scales per expert
 // (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
 // rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
-// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
+// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles). `form`:
+// how a consumer overlaps its MMAs with the per-block scaling (grouped_gemm_fp8.cu; Default:
+// SPARSETRON_FP8_GROUPED=serial|overlap, else the kernel's default).
+enum class Fp8GroupedForm { Default, Serial, Overlap };
 void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
                       int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0);
+                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0,
+                      Fp8GroupedForm form = Fp8GroupedForm::Default);
 // Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
 bool grouped_gemm_fp8_available();
 

@@ -82,6 +82,23 @@ TEST(BenchStats, JsonLineKeepsOverridesAndNewtonSchulzFlops) {
     EXPECT_DOUBLE_EQ(j.at("median_ms").get<double>(), 11.0);
     EXPECT_DOUBLE_EQ(j.at("mean_ms").get<double>(), 11.0);
     EXPECT_NEAR(j.at("se_ms").get<double>(), 1.0 / std::sqrt(3.0), 1e-12);  // sd 1 over sqrt(3)
+    EXPECT_FALSE(j.contains("env"));  // none set: no key, as the history's older lines
+}
+
+// The engine's A/B switches are environment variables: the JSON line records the SPARSETRON_*
+// ones that were set (and only those), so the history tells the arms of an A/B apart.
+TEST(BenchStats, JsonLineRecordsTheSparsetronEnvironment) {
+    const char* entries[] = {
+        "PATH=/usr/bin",     "SPARSETRON_FP8_EXPERTS=bf16", "SPARSETRON_OPS_PERF_LINES=a=b",
+        "XSPARSETRON_NOT=1", "SPARSETRON_NO_VALUE",         nullptr};
+    BenchResult r;
+    r.step_ms = {10};
+    summarize_times(r);
+    r.env = sparsetron_env(entries);
+    const auto j = nlohmann::json::parse(r.to_json());
+    EXPECT_EQ(j.at("env"), nlohmann::json({{"SPARSETRON_FP8_EXPERTS", "bf16"},
+                                           {"SPARSETRON_OPS_PERF_LINES", "a=b"}}));
+    EXPECT_TRUE(sparsetron_env(nullptr).empty());
 }
 
 }  // namespace

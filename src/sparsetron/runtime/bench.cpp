@@ -16,6 +16,8 @@
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
+extern char** environ;  // POSIX: the process environment
+
 namespace sparsetron {
 namespace {
 
@@ -124,6 +126,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.recipe = recipe.name;
         r.gpu = cuda_device_name();
         r.commit = o.commit;
+        r.env = sparsetron_env(environ);
         // The eager single-variant run keeps the plain name the history has used.
         r.variant = V == 1 && o.variants[v] == "eager" ? mode : mode + "." + o.variants[v];
         summarize_times(r);
@@ -140,6 +143,18 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.newton_schulz_flops = ns_flops;
     }
     return results;
+}
+
+std::map<std::string, std::string> sparsetron_env(const char* const* entries) {
+    std::map<std::string, std::string> env;
+    const std::string prefix = "SPARSETRON_";
+    for (const char* const* e = entries; e && *e; ++e) {
+        const std::string entry(*e);
+        const size_t eq = entry.find('=');
+        if (eq == std::string::npos || entry.compare(0, prefix.size(), prefix) != 0) continue;
+        env[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
+    return env;
 }
 
 std::string BenchResult::to_json() const {
@@ -169,6 +184,7 @@ std::string BenchResult::to_json() const {
     j["gpus"] = gpus;
     j["newton_schulz_flops_per_step"] = newton_schulz_flops;
     j["overrides"] = overrides;
+    if (!env.empty()) j["env"] = env;
     return j.dump();
 }
 

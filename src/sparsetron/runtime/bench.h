@@ -4,6 +4,7 @@
 // allocation, so drift (clocks, temperature) falls on both alike.
 #pragma once
 
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,9 +40,15 @@ struct BenchResult {
     // Muon): outside the audited count, recorded so a step's hardware work can be read beside it.
     double newton_schulz_flops = 0;
     std::vector<std::string> overrides;  // the recipe keys set on the command line, as given
+    // The SPARSETRON_* environment variables set for the run (the engine's A/B switches, e.g.
+    // SPARSETRON_FP8_EXPERTS=bf16): in the JSON line as "env" when any is set.
+    std::map<std::string, std::string> env;
     std::string to_json() const;
     std::string table() const;
 };
+
+// The SPARSETRON_* variables of `environ`-style entries ("NAME=value", null-terminated list).
+std::map<std::string, std::string> sparsetron_env(const char* const* entries);
 
 // One result per variant, in the order given.
 std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& options);

@@ -290,8 +290,9 @@ void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, 
     if (fp8_) {
         const int h = fp8_experts_[first == gate0_ ? 0 : first == up0_ ? 1 : 2];
         const Fp8Weights::Experts& W = fp8_->experts(h);
+        constexpr bool kPow2 = true;  // power-of-two scales, as Fp8Weights' (TE's default)
         if (!x_quantized)
-            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, true, fp8_rows_, fp8_row_scales_);
+            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_, fp8_row_scales_);
         cuda::grouped_gemm_fp8(ctx, L.offsets, L.experts, L.max_rows, rows_, out, in,
                                {fp8_rows_, fp8_row_scales_, false},
                                dgrad ? W.dgrad(L.first) : W.forward(L.first), y, accumulate);

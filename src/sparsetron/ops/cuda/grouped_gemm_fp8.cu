@@ -11,10 +11,12 @@
 //     stage is exactly one scale block of k: four m64n128k32 e4m3 MMAs.
 //   - The scales differ per 128-deep block, so the MMAs of a block accumulate into a fresh
 //     register block that is then scaled (x's row scale times W's block scale) and added to the
-//     tile's fp32 sum in registers ("promotion", as DeepGEMM does). That takes two accumulator
-//     blocks, hence 128-wide tiles (64 + 64 registers per thread) rather than bf16's 256.
-//   - The consumers wait for each block's MMAs before promoting; the other warpgroup's MMAs keep
-//     the tensor cores busy meanwhile. The scales are loaded before the stage's wait.
+//     tile's fp32 sum in registers ("promotion", as DeepGEMM does). That takes more than one
+//     accumulator block, hence 128-wide tiles (64 registers each) rather than bf16's 256.
+//   - The default (overlapped) form issues the next slice's MMAs into a second register block
+//     before it promotes this one; the serial form waits for each slice's MMAs, then promotes,
+//     and relies on the other warpgroup's MMAs to keep the tensor cores busy meanwhile
+//     (docs/perf/2026-12-02-fp8-routed-experts.md: 955 vs 840 TFLOP/s).
 // wgmma reads e4m3 operands K-major only: both operands here have k contiguous (the input
 // gradient runs the same kernel on W^T copies, Fp8Weights).
 #include <cstdlib>

@@ -509,20 +509,15 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
         "dense cuBLASLt gemm, dy W's shape",
         [&] { cuda::gemm(ctx(), false, false, E * rows, h, F, 1.f, *c, F, *b, h, 0.f, *a, h); },
         2.0 * E * rows * F * h, 2.0 * (E * rows * F + F * h + E * rows * h));
-    report(
-        "dense cuBLASLt gemm, weight grad's shape (16 batched, fp32 +=)",
-        [&] {
-            cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, 1.f, *dw, h, DType::BF16,
-                       DType::F32, {E, rows * F, rows * h, F * h});
-        },
-        2.0 * E * rows * F * h, wgrad_add_bytes);
-    report(
-        "dense cuBLASLt gemm, weight grad's shape (16 batched, fp32 =)",
-        [&] {
-            cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, 0.f, *dw, h, DType::BF16,
-                       DType::F32, {E, rows * F, rows * h, F * h});
-        },
-        2.0 * E * rows * F * h, wgrad_bytes);
+    for (const bool add : {true, false})  // dW += (reads dW too) and dW = (a step's first write)
+        report(
+            cat("dense cuBLASLt gemm, weight grad's shape (16 batched, fp32 ", add ? "+=" : "=",
+                ")"),
+            [&] {
+                cuda::gemm(ctx(), true, false, F, h, rows, 1.f, *c, F, *a, h, add ? 1.f : 0.f, *dw,
+                           h, DType::BF16, DType::F32, {E, rows * F, rows * h, F * h});
+            },
+            2.0 * E * rows * F * h, add ? wgrad_add_bytes : wgrad_bytes);
 }
 
 // The routed experts' FP8 grouped GEMM (grouped_gemm_fp8) against the engine's bf16 grouped GEMM

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -58,9 +60,11 @@ std::vector<float> logical_128x128(const std::vector<float>& g, int64_t rows, in
 TEST(CudaFp8, BlockwiseQuantizersMatchTheCpuReferenceBitForBit) {
     REQUIRE_GPU();
     cuda::CudaSession session;
-    // 520 columns: the quantizer's vector loads; 523: its element-wise path.
-    for (const auto& [pow2, cols] : {std::pair{true, int64_t(520)}, std::pair{false, int64_t(520)},
-                                     std::pair{true, int64_t(523)}}) {
+    // 520 columns: the activation quantizer's wide form (16-byte loads, a last block of 8
+    // columns); 524: the warp-per-block form's 8-byte loads; 523: its element-wise path.
+    for (const auto& [pow2, cols] :
+         {std::pair{true, int64_t(520)}, std::pair{false, int64_t(520)},
+          std::pair{true, int64_t(524)}, std::pair{true, int64_t(523)}}) {
         const int64_t rows = 300, nb = (cols + 127) / 128, rb = (rows + 127) / 128;
         // Activations: bf16 on the device, the same rounded values on the host.
         std::vector<float> x = fp8_blocky_values(rows, cols, 11);
@@ -111,12 +115,14 @@ std::vector<T> transpose(const std::vector<T>& a, int64_t rows, int64_t cols) {
 
 // The transposed quantizers (the gradient GEMMs' operands) are the plain ones applied to the
 // transpose, bit for bit: weights' 128x128 blocks written as w^T, activations' 1x128 blocks down
-// the columns written as x^T. 300 rows: four-byte stores; 302: byte stores and a partial tile.
+// the columns written as x^T. 300 rows: four-byte stores; 302: byte stores and a partial tile;
+// 288 (a multiple of 32, a partial row tile): the tiled form of both orientations at once.
 TEST(CudaFp8, TransposedQuantizersMatchTheCpuReferenceBitForBit) {
     REQUIRE_GPU();
     cuda::CudaSession session;
     for (const auto& [rows, cols] :
-         {std::pair{int64_t(300), int64_t(520)}, std::pair{int64_t(302), int64_t(523)}}) {
+         {std::pair{int64_t(300), int64_t(520)}, std::pair{int64_t(302), int64_t(523)},
+          std::pair{int64_t(288), int64_t(520)}}) {
         std::vector<float> x = fp8_blocky_values(rows, cols, 31);
         const std::vector<float> xr = to_float(to_bf16_rounding(x));
         DeviceArray<bf16> dx(to_bf16_rounding(x));
@@ -340,6 +346,121 @@ TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
     EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false},
                                         {qw, sw, false}, static_cast<bf16*>(nullptr)),
                  Error);
+}
+
+// The kernels that produce the routed experts' FP8 GEMM inputs (the gather, the SwiGLU forward
+// and backward, the combine backward) write the FP8 copy of their bf16 output in the same pass:
+// bit for bit the bf16 kernel followed by quantize_fp8_1x128 (bytes and scales of every row
+// written; where fused, nothing past them), the bf16 outputs unchanged. 384 columns: three whole
+// blocks (the fused kernels); 200: the fallback (the bf16 kernel, then the quantizer).
+TEST(CudaFp8, MoeProducersWriteTheFp8CopyOfTheirOutput) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    const int64_t T = 6, k = 2, E = 3, capacity = 14, used = 11;
+    const std::vector<int32_t> offsets = {0, 5, 5, int32_t(used)};  // an empty expert
+    // Every kept row once; one (token, choice) dropped.
+    const std::vector<int32_t> slot_row = {3, 7, 0, -1, 10, 1, 5, 8, 2, 9, 6, 4};
+    std::vector<int32_t> perm_token(size_t(capacity), 0);
+    std::vector<float> gates(size_t(T * k));
+    for (int64_t i = 0; i < T * k; ++i) {
+        if (slot_row[size_t(i)] >= 0) perm_token[size_t(slot_row[size_t(i)])] = int32_t(i / k);
+        gates[size_t(i)] = 0.3f + 0.37f * float(i);
+    }
+    DeviceArray<int32_t> doff(offsets), dslot(slot_row), dperm(perm_token);
+    DeviceArray<float> dgates(gates);
+    for (const int64_t dim : {int64_t(384), int64_t(200)}) {
+        const bool fused = dim % 128 == 0;
+        const int64_t nq = capacity * dim, ns = fp8::scales_1x128(capacity, dim);
+        struct Copy {
+            Copy(int64_t nq, int64_t ns) : q(nq), s(ns) {}
+            DeviceArray<uint8_t> q;
+            DeviceArray<float> s;
+        };
+        auto copy = [&] { return std::make_unique<Copy>(nq, ns); };
+        auto out8 = [&](Copy& c) { return cuda::Fp8RowsOut{c.q, c.s, capacity, true}; };
+        auto quantize = [&](const bf16* x, Copy& c) {
+            cuda::quantize_fp8_1x128(ctx, x, capacity, dim, dim, true, c.q, c.s);
+        };
+        auto bf16_rows = [&](const DeviceArray<bf16>& a, int64_t rows) {
+            std::vector<float> v = to_float(a.download());
+            v.resize(size_t(rows * dim));
+            return v;
+        };
+        // Fused copy a against the separate quantization b over the first `rows` rows.
+        auto same = [&](Copy& a, Copy& b, int64_t rows, const std::string& what) {
+            session.synchronize();
+            const std::vector<uint8_t> qa = a.q.download(), qb = b.q.download();
+            const std::vector<float> sa = a.s.download(), sb = b.s.download();
+            int64_t bytes = 0, scales = 0, past = 0;
+            for (int64_t i = 0; i < rows * dim; ++i) bytes += qa[size_t(i)] != qb[size_t(i)];
+            for (int64_t i = rows * dim; i < nq; ++i) past += qa[size_t(i)] != 0xFF;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t kb = 0; kb < fp8::blocks(dim); ++kb) {
+                    const size_t at = size_t(fp8::scale_index_1x128(r, kb, capacity));
+                    scales += !(sa[at] == sb[at]);
+                }
+            std::vector<bool> seen(256, false);
+            int64_t distinct = 0;
+            for (int64_t i = 0; i < rows * dim; ++i) {
+                distinct += !seen[qa[size_t(i)]];
+                seen[qa[size_t(i)]] = true;
+            }
+            EXPECT_EQ(bytes, 0) << what << ", dim " << dim;
+            EXPECT_EQ(scales, 0) << what << " scales, dim " << dim;
+            if (fused) EXPECT_EQ(past, 0) << what << ": bytes past the rows written";
+            EXPECT_GT(distinct, 100) << what;
+            EXPECT_TRUE(a.q.guard_intact() && a.s.guard_intact());
+        };
+        std::vector<float> x = fp8_blocky_values(T, dim, 51),
+                           g = fp8_blocky_values(capacity, dim, 52),
+                           u = fp8_blocky_values(capacity, dim, 53),
+                           d = fp8_blocky_values(capacity, dim, 54),
+                           dy = fp8_blocky_values(T, dim, 55);
+        DeviceArray<bf16> dx(to_bf16_rounding(x)), dg(to_bf16_rounding(g)), du(to_bf16_rounding(u)),
+            dd(to_bf16_rounding(d)), ddy(to_bf16_rounding(dy));
+
+        // Gather: rows [0, used) written.
+        DeviceArray<bf16> gp(nq), gf(nq);
+        auto gq = copy(), gq8 = copy();
+        cuda::moe_gather(ctx, dx, dperm, doff, E, capacity, dim, gp);
+        quantize(gp, *gq);
+        cuda::moe_gather(ctx, dx, dperm, doff, E, capacity, dim, gf, out8(*gq8));
+        same(*gq8, *gq, used, "gather");
+        EXPECT_EQ(bf16_rows(gf, used), bf16_rows(gp, used)) << "gather rows, dim " << dim;
+
+        // SwiGLU forward: every row.
+        DeviceArray<bf16> ap(nq), af(nq);
+        auto aq = copy(), aq8 = copy();
+        cuda::swiglu_forward(ctx, dg, du, nq, ap);
+        quantize(ap, *aq);
+        cuda::swiglu_forward(ctx, dg, du, capacity, dim, af, out8(*aq8));
+        same(*aq8, *aq, capacity, "swiglu forward");
+        EXPECT_EQ(bf16_rows(af, capacity), bf16_rows(ap, capacity)) << "swiglu, dim " << dim;
+
+        // SwiGLU backward: both gradients.
+        DeviceArray<bf16> dgp(nq), dup(nq), dgf(nq), duf(nq);
+        auto dgq = copy(), duq = copy(), dgq8 = copy(), duq8 = copy();
+        cuda::swiglu_backward(ctx, dg, du, dd, nq, dgp, dup);
+        quantize(dgp, *dgq);
+        quantize(dup, *duq);
+        cuda::swiglu_backward(ctx, dg, du, dd, capacity, dim, dgf, duf, out8(*dgq8), out8(*duq8));
+        same(*dgq8, *dgq, capacity, "swiglu backward, gate");
+        same(*duq8, *duq, capacity, "swiglu backward, up");
+        EXPECT_EQ(bf16_rows(dgf, capacity), bf16_rows(dgp, capacity)) << "dgate, dim " << dim;
+        EXPECT_EQ(bf16_rows(duf, capacity), bf16_rows(dup, capacity)) << "dup, dim " << dim;
+
+        // Combine backward: the kept rows, and the same gate gradients.
+        DeviceArray<bf16> cp(nq), cf(nq);
+        DeviceArray<float> gp32(T * k), gf32(T * k);
+        auto cq = copy(), cq8 = copy();
+        cuda::moe_combine_backward(ctx, ddy, dg, dslot, dgates, T, k, dim, cp, gp32);
+        quantize(cp, *cq);
+        cuda::moe_combine_backward(ctx, ddy, dg, dslot, dgates, T, k, dim, cf, gf32, out8(*cq8));
+        same(*cq8, *cq, used, "combine backward");
+        EXPECT_EQ(bf16_rows(cf, used), bf16_rows(cp, used)) << "combine backward, dim " << dim;
+        EXPECT_EQ(gf32.download(), gp32.download()) << "gate gradients, dim " << dim;
+    }
 }
 
 #endif

@@ -520,6 +520,69 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             2.0 * E * rows * F * h, add ? wgrad_add_bytes : wgrad_bytes);
 }
 
+// What the routed experts' FP8 inputs cost per MoE application at the proxy's shape (4096 tokens,
+// top-8: 32768 rows): each producer kernel (gather, SwiGLU forward and backward, combine
+// backward) alone and writing the FP8 copy of its output in the same pass, beside the separate
+// 1x128 passes that copy replaces.
+TEST_F(CudaOpsPerf, MoeProducersFp8) {
+    const int64_t k = 8, R = T * k, F = 2048, E = 16;
+    std::vector<int32_t> offsets(E + 1), slot_row(R), perm_token(R);
+    for (int64_t e = 0; e <= E; ++e) offsets[size_t(e)] = int32_t(e * R / E);
+    for (int64_t i = 0; i < R; ++i) {  // 7919 is prime: a permutation of the rows
+        slot_row[size_t(i)] = int32_t(i * 7919 % R);
+        perm_token[size_t(slot_row[size_t(i)])] = int32_t(i / k);
+    }
+    DeviceArray<int32_t> doff(offsets), dslot(slot_row), dperm(perm_token);
+    auto gates = f32_random(R, 71);
+    auto x = bf_tiled_random(T * h, 72), dy = bf_tiled_random(T * h, 73);
+    auto rows_h = bf_tiled_random(R * h, 74), out_h = bf(R * h);
+    auto g = bf_tiled_random(R * F, 75), u = bf_tiled_random(R * F, 76),
+         d = bf_tiled_random(R * F, 77), a = bf(R * F), b = bf(R * F);
+    auto dgates = f32(R);
+    DeviceArray<uint8_t> q0(R * h), q1(R * F);
+    DeviceArray<float> s0(fp8::scales_1x128(R, h)), s1(fp8::scales_1x128(R, F));
+    const cuda::Fp8RowsOut h8{q0, s0, R, true}, f8{q0, s0, R, true}, f8b{q1, s1, R, true};
+    const double row_h = 2.0 * R * h, row_f = 2.0 * R * F;  // bytes of one bf16 row set
+    report(
+        "moe gather 32768 x 6144",
+        [&] { cuda::moe_gather(ctx(), *x, dperm, doff, E, R, h, *out_h); }, 0, 2 * row_h);
+    report(
+        "moe gather + fp8 copy",
+        [&] { cuda::moe_gather(ctx(), *x, dperm, doff, E, R, h, *out_h, h8); }, 0, 2.5 * row_h);
+    report(
+        "quantize 1x128 32768 x 6144 (separate)",
+        [&] { cuda::quantize_fp8_1x128(ctx(), *rows_h, R, h, h, true, q0, s0); }, 0, 1.5 * row_h);
+    report(
+        "moe combine backward 32768 x 6144",
+        [&] {
+            cuda::moe_combine_backward(ctx(), *dy, *rows_h, dslot, *gates, T, k, h, *out_h,
+                                       *dgates);
+        },
+        0, 3 * row_h);
+    report(
+        "moe combine backward + fp8 copy",
+        [&] {
+            cuda::moe_combine_backward(ctx(), *dy, *rows_h, dslot, *gates, T, k, h, *out_h, *dgates,
+                                       h8);
+        },
+        0, 3.5 * row_h);
+    report(
+        "swiglu forward 32768 x 2048", [&] { cuda::swiglu_forward(ctx(), *g, *u, R * F, *a); }, 0,
+        3 * row_f);
+    report(
+        "swiglu forward + fp8 copy", [&] { cuda::swiglu_forward(ctx(), *g, *u, R, F, *a, f8); }, 0,
+        3.5 * row_f);
+    report(
+        "quantize 1x128 32768 x 2048 (separate)",
+        [&] { cuda::quantize_fp8_1x128(ctx(), *g, R, F, F, true, q1, s1); }, 0, 1.5 * row_f);
+    report(
+        "swiglu backward 32768 x 2048",
+        [&] { cuda::swiglu_backward(ctx(), *g, *u, *d, R * F, *a, *b); }, 0, 5 * row_f);
+    report(
+        "swiglu backward + fp8 copies",
+        [&] { cuda::swiglu_backward(ctx(), *g, *u, *d, R, F, *a, *b, f8, f8b); }, 0, 6 * row_f);
+}
+
 // The routed experts' FP8 grouped GEMM (grouped_gemm_fp8) against the engine's bf16 grouped GEMM
 // and cuBLASLt's block-scaled FP8 GEMM of the same total shape (its ceiling here), both expert
 // shapes of the proxy (gate / up 6144 -> 2048, down 2048 -> 6144), uniform and training's

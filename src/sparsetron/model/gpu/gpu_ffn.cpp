@@ -26,6 +26,17 @@ bool fp8_experts_enabled() {
     }();
     return on;
 }
+// Power-of-two scales for the expert rows, as Fp8Weights' (Transformer Engine's default).
+constexpr bool kPow2 = true;
+// SPARSETRON_FP8_PRODUCERS=separate: quantize each FP8 expert GEMM input in a pass of its own
+// (the form before the producers wrote FP8 copies, to measure against).
+bool fp8_producers_fused() {
+    static const bool on = [] {
+        const char* e = std::getenv("SPARSETRON_FP8_PRODUCERS");
+        return !(e && std::string(e) == "separate");
+    }();
+    return on;
+}
 }  // namespace
 
 GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
@@ -140,9 +151,15 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
             fp8_experts_[i] =
                 fp8->add_experts(std::array{gate0_, up0_, down0_}[size_t(i)], wstride_, El_);
         const int64_t wide = std::max(h_, F_);
-        B.scratch(fp8_rows_, "fp8.moe.rows", {rows_ * wide});
-        B.scratch(fp8_row_scales_, "fp8.moe.row_scales",
+        B.scratch(fp8_rows_[0], "fp8.moe.rows", {rows_ * wide});
+        B.scratch(fp8_row_scales_[0], "fp8.moe.row_scales",
                   {std::max(fp8::scales_1x128(rows_, h_), fp8::scales_1x128(rows_, F_))});
+        fp8_fused_ = fp8_producers_fused();
+        if (fp8_fused_) {
+            B.scratch(fp8_rows_[1], "fp8.moe.rows_up_grad", {rows_ * F_});
+            B.scratch(fp8_row_scales_[1], "fp8.moe.row_scales_up_grad",
+                      {fp8::scales_1x128(rows_, F_)});
+        }
     }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
@@ -219,14 +236,16 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, ep_->begin_send(ctx));
         ep_->dispatch(ctx, A.offsets, A.ep_offsets, A.recv_offsets, A.xperm);
     } else {
-        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
     }
     const Local L = local(A);
     bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
-    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g);
+    // FP8 copies from the producers: the gathered rows (not under expert parallelism: they are
+    // received), the SwiGLU output.
+    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_fused_ && W_ == 1);
     expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
-    cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
-    expert_gemm(ctx, L, down0_, false, A.act, out);
+    cuda::swiglu_forward(ctx, A.g, A.u, rows_, F_, A.act, rows8(0));
+    expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_fused_);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
@@ -249,7 +268,7 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     // to the experts' ranks; the input gradients come back the same way.
     bf16* dout_src = W_ > 1 ? ep_->begin_send(ctx) : doutperm_;
     cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, dout_src,
-                               dgates_);
+                               dgates_, W_ == 1 ? rows8(0) : cuda::Fp8RowsOut{});
     if (W_ > 1) ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
     const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
     const Local L = local(A);
@@ -260,13 +279,16 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     // rows) on the step's first write, and add after it: no memset of the experts' 4.5 GiB of
     // fp32 gradients in the proxy, and their old tiles are not read.
     const bool add = expert_grads_added(ctx, L);
-    expert_gemm(ctx, L, down0_, true, dout, dact_);
+    expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_fused_ && W_ == 1);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
                        A.act, down.grad, gs, add);
-    cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
+    if (fp8_fused_)
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg_, du_, rows8(0), rows8(1));
+    else
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
     bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
-    expert_gemm(ctx, L, gate0_, true, dg_, dx);
-    expert_gemm(ctx, L, up0_, true, du_, dx, true);
+    expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_fused_, 0);
+    expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_fused_, 1);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
                        A.xperm, gate.grad, gs, add);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
@@ -283,18 +305,19 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
 }
 
 void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
-                         const bf16* x, bf16* y, bool accumulate, bool x_quantized) const {
+                         const bf16* x, bf16* y, bool accumulate, bool x_quantized,
+                         int slot) const {
     const ParamInfo& info = P_.store().params()[size_t(first)];
     const int64_t N = info.shape[0], K = info.shape[1];  // W [N, K]
     const int64_t in = dgrad ? N : K, out = dgrad ? K : N;
     if (fp8_) {
         const int h = fp8_experts_[first == gate0_ ? 0 : first == up0_ ? 1 : 2];
         const Fp8Weights::Experts& W = fp8_->experts(h);
-        constexpr bool kPow2 = true;  // power-of-two scales, as Fp8Weights' (TE's default)
         if (!x_quantized)
-            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_, fp8_row_scales_);
+            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_[slot],
+                                     fp8_row_scales_[slot]);
         cuda::grouped_gemm_fp8(ctx, L.offsets, L.experts, L.max_rows, rows_, out, in,
-                               {fp8_rows_, fp8_row_scales_, false},
+                               {fp8_rows_[slot], fp8_row_scales_[slot], false},
                                dgrad ? W.dgrad(L.first) : W.forward(L.first), y, accumulate);
         return;
     }
@@ -304,6 +327,11 @@ void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, 
     cuda::grouped_gemm(ctx, dgrad ? Kind::RowsTimesWeight : Kind::RowsTimesWeightT, L.offsets,
                        L.experts, L.max_rows, rows_, N, K, x, P_[first + L.first * wstride_].w, y,
                        ws, accumulate);
+}
+
+cuda::Fp8RowsOut GpuMoe::rows8(int slot) const {
+    if (!fp8_fused_) return {};
+    return {fp8_rows_[slot], fp8_row_scales_[slot], rows_, kPow2};
 }
 
 GpuMoe::Local GpuMoe::local(const Acts& A) const {

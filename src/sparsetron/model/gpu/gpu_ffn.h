@@ -91,11 +91,11 @@ class GpuMoe {
     // One grouped GEMM over the local experts' matrices of one kind (`first`: gate0_, up0_ or
     // down0_, each W [N, K]): y (+)= x W^T, or with `dgrad` y (+)= x W. In FP8 (x quantized into
     // the layer's row scratch, then grouped_gemm_fp8 on W or its W^T copy) where the experts run
-    // FP8, the bf16 grouped GEMM otherwise. `x_quantized`: the scratch already holds x (the
-    // previous call's input: gate and up share theirs).
+    // FP8, the bf16 grouped GEMM otherwise. `x_quantized`: row slot `slot` already holds x
+    // (written by x's producer, or the previous call's input: gate and up share theirs).
     void expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
-                     const bf16* x, bf16* y, bool accumulate = false,
-                     bool x_quantized = false) const;
+                     const bf16* x, bf16* y, bool accumulate = false, bool x_quantized = false,
+                     int slot = 0) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     const MoeStash* stash_;
@@ -107,11 +107,17 @@ class GpuMoe {
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;
     // FP8 routed experts (fp8_recipe: blockwise; SPARSETRON_FP8_EXPERTS=bf16 keeps them bf16):
-    // the weights' handles (gate, up, down) and the quantized rows of the GEMM's input.
+    // the weights' handles (gate, up, down) and two slots of quantized GEMM input rows (slot 1:
+    // the up projection's input gradient, produced beside the gate's by the SwiGLU backward).
     const Fp8Weights* fp8_ = nullptr;
     int fp8_experts_[3] = {-1, -1, -1};
-    uint8_t* fp8_rows_ = nullptr;
-    float* fp8_row_scales_ = nullptr;
+    uint8_t* fp8_rows_[2] = {nullptr, nullptr};
+    float* fp8_row_scales_[2] = {nullptr, nullptr};
+    // Whether the kernels producing the expert GEMMs' inputs write their FP8 copies (fused;
+    // SPARSETRON_FP8_PRODUCERS=separate quantizes each input in a pass of its own instead).
+    bool fp8_fused_ = false;
+    // Slot `slot`'s rows as a producer's FP8 output (none where the producers are not fused).
+    cuda::Fp8RowsOut rows8(int slot) const;
     bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;
     float *dgates_, *dlogits_;
     int64_t *load_, *dropped_;

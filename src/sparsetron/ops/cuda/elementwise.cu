@@ -1,6 +1,7 @@
 // Element-wise ops: embedding, RoPE, SwiGLU, adds; gradient norm, clipping scale and AdamW with
 // device scalars (the step never reads a norm on the host).
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/fp8_block.cuh"
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
@@ -115,6 +116,47 @@ __global__ void swiglu_bwd_vec_kernel(const uint4* g, const uint4* u, const uint
     }
     dg[i] = og.v;
     du[i] = ou.v;
+}
+
+// The vector kernels over [rows, cols] (cols a multiple of 128) writing the FP8 copies of their
+// outputs too, quantized from the bf16 values written. Chunk i is (row i / (cols / 8), chunk
+// i % (cols / 8)); blocks of kThreads start at multiples of 16 chunks and n8 is one, so a
+// half-warp (one 1x128 block) is all in or all out.
+__global__ void swiglu_fwd_fp8_kernel(const uint4* g, const uint4* u, int64_t n8, int64_t cols,
+                                      uint4* out, Fp8RowsOut out8) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= n8) return;
+    float a[8], b[8], o[8];
+    unpack8(g[i], a);
+    unpack8(u[i], b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = swiglu_value(a[j], b[j]);
+    const uint4 written = pack8(o);
+    out[i] = written;
+    unpack8(written, o);
+    fp8_dev::store_row_chunk_fp8(o, out8.pow2, i / (cols / 8), i % (cols / 8), cols, out8.rows,
+                                 out8.q, out8.scale_inv);
+}
+
+__global__ void swiglu_bwd_fp8_kernel(const uint4* g, const uint4* u, const uint4* dout, int64_t n8,
+                                      int64_t cols, uint4* dg, uint4* du, Fp8RowsOut dg8,
+                                      Fp8RowsOut du8) {
+    const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+    if (i >= n8) return;
+    float a[8], b[8], d[8], og[8], ou[8];
+    unpack8(g[i], a);
+    unpack8(u[i], b);
+    unpack8(dout[i], d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) swiglu_grads(a[j], b[j], d[j], og[j], ou[j]);
+    const uint4 wg = pack8(og), wu = pack8(ou);
+    dg[i] = wg;
+    du[i] = wu;
+    unpack8(wg, og);
+    unpack8(wu, ou);
+    const int64_t r = i / (cols / 8), chunk = i % (cols / 8);
+    fp8_dev::store_row_chunk_fp8(og, dg8.pow2, r, chunk, cols, dg8.rows, dg8.q, dg8.scale_inv);
+    fp8_dev::store_row_chunk_fp8(ou, du8.pow2, r, chunk, cols, du8.rows, du8.q, du8.scale_inv);
 }
 
 template <typename T>
@@ -246,6 +288,40 @@ void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const
         swiglu_bwd_kernel<<<blocks_for(n, kThreads), kThreads, 0, stream_of(ctx)>>>(
             dev(g), dev(u), dev(dout), n, dev(dg), dev(du));
     ST_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_forward(const ExecContext& ctx, const bf16* g, const bf16* u, int64_t rows,
+                    int64_t cols, bf16* out, const Fp8RowsOut& out8) {
+    const int64_t n = rows * cols;
+    if (n == 0) return;
+    if (out8.q && cols % 128 == 0 && vectorizable(n, g, u, out) && aligned16(out8.q)) {
+        swiglu_fwd_fp8_kernel<<<blocks_for(n / 8, kThreads), kThreads, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u), n / 8, cols,
+            reinterpret_cast<uint4*>(out), out8);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
+    swiglu_forward(ctx, g, u, n, out);
+    if (out8.q) quantize_fp8_1x128(ctx, out, rows, cols, cols, out8.pow2, out8.q, out8.scale_inv);
+}
+
+void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const bf16* dout,
+                     int64_t rows, int64_t cols, bf16* dg, bf16* du, const Fp8RowsOut& dg8,
+                     const Fp8RowsOut& du8) {
+    const int64_t n = rows * cols;
+    if (n == 0) return;
+    if (dg8.q && du8.q && cols % 128 == 0 && vectorizable(n, g, u, dout, dg, du) &&
+        aligned16(dg8.q, du8.q)) {
+        swiglu_bwd_fp8_kernel<<<blocks_for(n / 8, kThreads), kThreads, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(g), reinterpret_cast<const uint4*>(u),
+            reinterpret_cast<const uint4*>(dout), n / 8, cols, reinterpret_cast<uint4*>(dg),
+            reinterpret_cast<uint4*>(du), dg8, du8);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
+    swiglu_backward(ctx, g, u, dout, n, dg, du);
+    for (const auto& [x, x8] : {std::pair{dg, &dg8}, std::pair{du, &du8}})
+        if (x8->q) quantize_fp8_1x128(ctx, x, rows, cols, cols, x8->pow2, x8->q, x8->scale_inv);
 }
 
 void add_inplace(const ExecContext& ctx, bf16* y, const bf16* x, int64_t n) {

@@ -6,7 +6,11 @@
 // block-scaled GEMM reads them (ops/fp8_scale_layout.h).
 #include <cuda_fp8.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/fp8_block.cuh"
 #include "sparsetron/ops/cuda/ops.h"
 #include "sparsetron/ops/fp8_scale_layout.h"
 
@@ -15,21 +19,9 @@ namespace {
 
 constexpr int kBlock = 128;
 
-__device__ __forceinline__ float scale_from_amax(float amax, bool pow2) {
-    if (!(amax > 0.f) || !isfinite(amax)) return 1.f;
-    float scale = __fdiv_rn(448.f, amax);
-    if (!isfinite(scale)) scale = 3.402823466e38f;
-    if (pow2) {
-        int e = 0;
-        frexpf(scale, &e);
-        scale = ldexpf(1.f, e - 1);
-    }
-    return scale;
-}
-
-__device__ __forceinline__ uint8_t to_e4m3(float v) {
-    return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
+using fp8_dev::pack4;
+using fp8_dev::scale_from_amax;
+using fp8_dev::to_e4m3;
 
 // One warp per (row, 128-column block), 8 blocks to a CTA: a lane holds 4 consecutive values
 // (one 8-byte load when the row allows it), the block's amax is a warp reduction, the 4 codes
@@ -63,6 +55,42 @@ __global__ void quantize_1x128_kernel(const bf* x, int64_t rows, int64_t cols, i
             if (c + i < cols) q[r * cols + c + i] = out[i];
     }
     if (lane == 0) scale_inv[fp8::scale_index_1x128(r, b, rows)] = __fdiv_rn(1.f, s);
+}
+
+// The wide form (rows of 8-aligned width): 16 lanes per (row, 128-column block), each with 8
+// consecutive values (one 16-byte load, one 8-byte store), kWideUnits units per thread with every
+// load issued before the first reduction, units numbered down the block columns (u = b * rows +
+// r) so the lanes writing scales write consecutive floats (the GEMM layout keeps a block
+// column's rows contiguous). The warp-per-block form above keeps one 8-byte load in flight per
+// lane and scatters its scales a column apart: 1.63 TB/s on the H200 (docs/perf).
+constexpr int kWideUnits = 2;
+constexpr int kWideThreads = 256;
+__global__ void __launch_bounds__(kWideThreads, 8)
+    quantize_1x128_wide_kernel(const bf* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                               bool pow2, uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+    const int64_t units = rows * ((cols + kBlock - 1) / kBlock);
+    const int sub = threadIdx.x & 15;
+    const int64_t groups = int64_t(gridDim.x) * (kWideThreads / 16);
+    const int64_t group = int64_t(blockIdx.x) * (kWideThreads / 16) + (threadIdx.x >> 4);
+    uint4 raw[kWideUnits];
+    int64_t at[kWideUnits];  // element offset of the lane's 8 values in x (-1: none)
+#pragma unroll
+    for (int i = 0; i < kWideUnits; ++i) {
+        const int64_t u = group + i * groups, r = u % rows, c = (u / rows) * kBlock + sub * 8;
+        at[i] = u < units && c < cols ? r * ld + c : -1;
+        raw[i] = at[i] >= 0 ? *reinterpret_cast<const uint4*>(x + at[i]) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kWideUnits; ++i) {
+        float v[8];
+        unpack8(raw[i], v);
+        // Every lane reaches the shuffles (those without a unit hold zeros and store nothing).
+        const fp8_dev::HalfWarpBlock blk = fp8_dev::quantize_half_warp_block(v, pow2);
+        if (at[i] < 0) continue;
+        const int64_t u = group + i * groups, r = u % rows, b = u / rows;
+        *reinterpret_cast<uint2*>(q + r * cols + b * kBlock + sub * 8) = blk.codes;
+        if (sub == 0) scale_inv[fp8::scale_index_1x128(r, b, rows)] = blk.scale_inv;
+    }
 }
 
 // One block of 256 threads per 128x128 tile. `transposed`: q is w^T [cols, rows] and the scales
@@ -100,10 +128,6 @@ __global__ void quantize_128x128_kernel(const float* w, int64_t rows, int64_t co
 // step: one fp32 read instead of the two-kernel form's four.
 constexpr int kTileLd = kBlock + 1;
 constexpr size_t kBothSmem = size_t(kBlock) * kTileLd * sizeof(float);
-__device__ __forceinline__ uint32_t pack4(const uint8_t (&b)[4]) {
-    return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24;
-}
-
 // vec (rows and cols multiples of 4, w 16-byte aligned): 16-byte loads, 4-byte code stores.
 __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64_t cols, bool pow2,
                                              bool vec, uint8_t* q, float* scale_inv, uint8_t* qt,
@@ -166,6 +190,71 @@ __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64
     }
 }
 
+// The tiled form of both orientations (rows a multiple of 32, cols of 4; w, qt 16-byte and q
+// 4-byte aligned): the tile unpadded in shared memory, written as float4 rows (four wavefronts a
+// warp, the fewest) and read back the same way for q, q^T with a lane per column and 32
+// consecutive rows per thread: consecutive lanes read consecutive words (no bank conflicts) and
+// each thread stores one 32-byte sector of w^T's row. The padded form above stores and reads
+// its tile with four-way conflicts (three passes): shared memory, not HBM, bounded it at 2.1 TB/s.
+constexpr int kTiledThreads = 512;
+constexpr int kTiledQuads = kBlock * kBlock / 4 / kTiledThreads;  // float4s per thread
+constexpr size_t kTiledSmem = size_t(kBlock) * kBlock * sizeof(float);
+__global__ void __launch_bounds__(kTiledThreads, 2)
+    quantize_128x128_both_tiled_kernel(const float* __restrict__ w, int64_t rows, int64_t cols,
+                                       bool pow2, uint8_t* __restrict__ q,
+                                       float* __restrict__ scale_inv, uint8_t* __restrict__ qt,
+                                       float* __restrict__ scale_inv_t) {
+    extern __shared__ float4 tile4[];  // [128][32]: row r's columns 4 to a float4
+    const float* tile = reinterpret_cast<const float*>(tile4);
+    const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
+    float4 v[kTiledQuads];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kTiledQuads; ++j) {
+        const int i = threadIdx.x + j * kTiledThreads, r = i / (kBlock / 4),
+                  c = i % (kBlock / 4) * 4;
+        v[j] = r0 + r < rows && c0 + c < cols
+                   ? *reinterpret_cast<const float4*>(w + (r0 + r) * cols + c0 + c)
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kTiledQuads; ++j) {
+        tile4[threadIdx.x + j * kTiledThreads] = v[j];
+        amax = fmaxf(
+            amax, fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
+    }
+    const float s = scale_from_amax(block_max(amax), pow2);  // its barriers publish the tile
+#pragma unroll
+    for (int j = 0; j < kTiledQuads; ++j) {
+        const int i = threadIdx.x + j * kTiledThreads, r = i / (kBlock / 4),
+                  c = i % (kBlock / 4) * 4;
+        if (r0 + r >= rows || c0 + c >= cols) continue;
+        const float4 t = tile4[i];  // read back, not kept: 64 registers allow two blocks an SM
+        const uint8_t b[4] = {to_e4m3(t.x * s), to_e4m3(t.y * s), to_e4m3(t.z * s),
+                              to_e4m3(t.w * s)};
+        *reinterpret_cast<uint32_t*>(q + (r0 + r) * cols + c0 + c) = pack4(b);
+    }
+    const int c = threadIdx.x % kBlock, rb = threadIdx.x / kBlock * 32;
+    if (c0 + c < cols && r0 + rb < rows) {  // rows % 32 == 0: all 32 rows or none
+        uint32_t word[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            uint8_t b[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) b[j] = to_e4m3(tile[(rb + 4 * k + j) * kBlock + c] * s);
+            word[k] = pack4(b);
+        }
+        uint4* dst = reinterpret_cast<uint4*>(qt + (c0 + c) * rows + r0 + rb);
+        dst[0] = make_uint4(word[0], word[1], word[2], word[3]);
+        dst[1] = make_uint4(word[4], word[5], word[6], word[7]);
+    }
+    if (threadIdx.x == 0) {
+        const float inv = __fdiv_rn(1.f, s);
+        scale_inv[fp8::scale_index_128x128(blockIdx.x, blockIdx.y, cols)] = inv;
+        scale_inv_t[fp8::scale_index_128x128(blockIdx.y, blockIdx.x, rows)] = inv;
+    }
+}
+
 // 1x128 blocks down the columns of x [rows, cols] (128 consecutive rows of one column: the
 // contraction of a weight gradient runs over tokens), written as the transposed operand
 // q [cols, rows] with its GEMM-layout scales. A block of 256 threads per 128-row x 64-column
@@ -217,12 +306,30 @@ __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t
     if (part == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
 }
 
+// SPARSETRON_FP8_QUANTIZE=v1 keeps the earlier kernels (the warp-per-block activation form, the
+// padded-tile weight form) to measure against.
+bool v1_quantizers() {
+    static const bool on = [] {
+        const char* e = std::getenv("SPARSETRON_FP8_QUANTIZE");
+        return e && std::string(e) == "v1";
+    }();
+    return on;
+}
+
 }  // namespace
 
 void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
                         int64_t ld, bool pow2, uint8_t* q, float* scale_inv) {
     if (rows == 0 || cols == 0) return;
     const int64_t units = rows * ((cols + kBlock - 1) / kBlock);
+    if (!v1_quantizers() && cols % 8 == 0 && ld % 8 == 0 &&
+        reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+        const int64_t per_block = kWideThreads / 16 * kWideUnits;
+        quantize_1x128_wide_kernel<<<unsigned((units + per_block - 1) / per_block), kWideThreads, 0,
+                                     stream_of(ctx)>>>(dev(x), rows, cols, ld, pow2, q, scale_inv);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
     // Vector loads and stores need 8-byte aligned rows of x and 4-byte aligned rows of q.
     const bool vec = cols % 4 == 0 && ld % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(q) % 4 == 0;
@@ -244,8 +351,18 @@ void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t r
                                bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
                                float* scale_inv_t) {
     if (rows == 0 || cols == 0) return;
-    allow_dynamic_smem<quantize_128x128_both_kernel>(kBothSmem);
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
+    if (!v1_quantizers() && rows % 32 == 0 && cols % 4 == 0 &&
+        reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+        reinterpret_cast<uintptr_t>(qt) % 16 == 0) {
+        allow_dynamic_smem<quantize_128x128_both_tiled_kernel>(kTiledSmem);
+        quantize_128x128_both_tiled_kernel<<<dim3(unsigned(rb), unsigned(cb)), kTiledThreads,
+                                             kTiledSmem, stream_of(ctx)>>>(
+            w, rows, cols, pow2, q, scale_inv, qt, scale_inv_t);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
+    allow_dynamic_smem<quantize_128x128_both_kernel>(kBothSmem);
     const bool vec = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
                      reinterpret_cast<uintptr_t>(qt) % 4 == 0;

@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
+#include "sparsetron/ops/cuda/fp8_block.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 
@@ -122,6 +123,23 @@ __global__ void gather_vec_kernel(const uint4* x, const int32_t* perm_token, con
     if (r >= offsets[E]) return;
     const uint4* src = x + int64_t(perm_token[r]) * dim8;
     for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) out[r * dim8 + i] = src[i];
+}
+
+// gather_vec_kernel writing the rows' FP8 copy too (dim8 a multiple of 16: a half-warp holds a
+// 1x128 block, and a block's threads stride by 256 chunks, so a half-warp is all in or all out).
+__global__ void gather_fp8_kernel(const uint4* x, const int32_t* perm_token, const int32_t* offsets,
+                                  int64_t E, int64_t dim8, uint4* out, Fp8RowsOut out8) {
+    const int64_t r = blockIdx.x;
+    if (r >= offsets[E]) return;
+    const uint4* src = x + int64_t(perm_token[r]) * dim8;
+    for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) {
+        const uint4 v = src[i];
+        out[r * dim8 + i] = v;
+        float f[8];
+        unpack8(v, f);
+        fp8_dev::store_row_chunk_fp8(f, out8.pow2, r, i, dim8 * 8, out8.rows, out8.q,
+                                     out8.scale_inv);
+    }
 }
 
 __global__ void combine_vec_kernel(const uint4* out_perm, const int32_t* slot_row,
@@ -295,6 +313,39 @@ __global__ void combine_bwd_vec_kernel(const uint4* dy, const uint4* out_perm,
     if (threadIdx.x == 0) dgates[t * k + j] = s;
 }
 
+// combine_bwd_vec_kernel writing dout_perm's FP8 copy too (dim8 a multiple of 16), quantized
+// from the bf16 values written.
+__global__ void combine_bwd_fp8_kernel(const uint4* dy, const uint4* out_perm,
+                                       const int32_t* slot_row, const float* gates, int64_t k,
+                                       int64_t dim8, uint4* dout_perm, float* dgates,
+                                       Fp8RowsOut dout8) {
+    const int64_t t = blockIdx.x, j = blockIdx.y;
+    const int32_t r = slot_row[t * k + j];
+    if (r < 0) {
+        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
+        return;
+    }
+    const float gate = gates[t * k + j];
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) {
+        float d[8], o[8];
+        unpack8(dy[t * dim8 + i], d);
+        unpack8(out_perm[int64_t(r) * dim8 + i], o);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            s += d[e] * o[e];
+            d[e] *= gate;
+        }
+        const uint4 written = pack8(d);
+        dout_perm[int64_t(r) * dim8 + i] = written;
+        unpack8(written, d);  // the rounded values, as a separate quantization would read them
+        fp8_dev::store_row_chunk_fp8(d, dout8.pow2, r, i, dim8 * 8, dout8.rows, dout8.q,
+                                     dout8.scale_inv);
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) dgates[t * k + j] = s;
+}
+
 __global__ void gather_bwd_vec_kernel(const uint4* dx_perm, const int32_t* slot_row, int64_t k,
                                       int64_t dim8, uint4* dx, bool accumulate) {
     const int64_t t = blockIdx.x;
@@ -362,8 +413,15 @@ __global__ void update_bias_kernel(const int64_t* load, int64_t E, float rate, f
 
 void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* out_perm,
                           const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
-                          int64_t dim, bf16* dout_perm, float* dgates) {
+                          int64_t dim, bf16* dout_perm, float* dgates, const Fp8RowsOut& dout8) {
     if (tokens == 0) return;
+    if (dout8.q && dim % 128 == 0 && aligned16(dy, out_perm, dout_perm, dout8.q)) {
+        combine_bwd_fp8_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(dy), reinterpret_cast<const uint4*>(out_perm), slot_row,
+            gates, k, dim / 8, reinterpret_cast<uint4*>(dout_perm), dgates, dout8);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
     if (dim % 8 == 0 && aligned16(dy, out_perm, dout_perm))
         combine_bwd_vec_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
             reinterpret_cast<const uint4*>(dy), reinterpret_cast<const uint4*>(out_perm), slot_row,
@@ -372,6 +430,9 @@ void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* ou
         combine_bwd_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
             dev(dy), dev(out_perm), slot_row, gates, k, dim, dev(dout_perm), dgates);
     ST_CUDA_LAUNCH_CHECK();
+    if (dout8.q)
+        quantize_fp8_1x128(ctx, dout_perm, dout8.rows, dim, dim, dout8.pow2, dout8.q,
+                           dout8.scale_inv);
 }
 
 void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
@@ -433,8 +494,16 @@ void moe_permute(const ExecContext& ctx, const int32_t* topk, int64_t tokens, in
 }
 
 void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token,
-                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out) {
+                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out,
+                const Fp8RowsOut& out8) {
     if (rows == 0) return;
+    if (out8.q && dim % 128 == 0 && aligned16(x, out, out8.q)) {
+        gather_fp8_kernel<<<rows, 256, 0, stream_of(ctx)>>>(reinterpret_cast<const uint4*>(x),
+                                                            perm_token, offsets, experts, dim / 8,
+                                                            reinterpret_cast<uint4*>(out), out8);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
     if (dim % 8 == 0 && aligned16(x, out))
         gather_vec_kernel<<<rows, 256, 0, stream_of(ctx)>>>(reinterpret_cast<const uint4*>(x),
                                                             perm_token, offsets, experts, dim / 8,
@@ -443,6 +512,8 @@ void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token
         gather_kernel<<<rows, 256, 0, stream_of(ctx)>>>(dev(x), perm_token, offsets, experts, dim,
                                                         dev(out));
     ST_CUDA_LAUNCH_CHECK();
+    if (out8.q)
+        quantize_fp8_1x128(ctx, out, out8.rows, dim, dim, out8.pow2, out8.q, out8.scale_inv);
 }
 
 void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* slot_row,

@@ -71,6 +71,24 @@ void swiglu_forward(const ExecContext& ctx, const bf16* g, const bf16* u, int64_
 void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const bf16* dout,
                      int64_t n, bf16* dg, bf16* du);
 
+// An FP8 copy written beside a bf16 output by the kernels that produce the routed experts' GEMM
+// inputs: the 1x128 quantization of the bf16 rows as written (bit for bit quantize_fp8_1x128 of
+// them), scales in the GEMM layout of `rows` rows (the buffer's row capacity). q == nullptr:
+// none. Fused where the rows are whole 128-column blocks and 16-byte aligned; otherwise the bf16
+// kernel then quantize_fp8_1x128 over the buffer (same bytes).
+struct Fp8RowsOut {
+    uint8_t* q = nullptr;
+    float* scale_inv = nullptr;
+    int64_t rows = 0;
+    bool pow2 = true;
+};
+// The same over [rows, cols] with the FP8 copies of out (forward) and of dg and du (backward).
+void swiglu_forward(const ExecContext& ctx, const bf16* g, const bf16* u, int64_t rows,
+                    int64_t cols, bf16* out, const Fp8RowsOut& out8);
+void swiglu_backward(const ExecContext& ctx, const bf16* g, const bf16* u, const bf16* dout,
+                     int64_t rows, int64_t cols, bf16* dg, bf16* du, const Fp8RowsOut& dg8,
+                     const Fp8RowsOut& du8);
+
 void add_inplace(const ExecContext& ctx, bf16* y, const bf16* x, int64_t n);
 void add_inplace(const ExecContext& ctx, float* y, const float* x, int64_t n);
 void fill(const ExecContext& ctx, float* x, int64_t n, float value);
@@ -261,8 +279,10 @@ void moe_permute(const ExecContext& ctx, const int32_t* topk, int64_t tokens, in
                  int64_t k, int64_t capacity, int32_t* counts, int32_t* offsets, int32_t* slot_row,
                  int32_t* perm_token);
 // out[r] = x[perm_token[r]] for r < offsets[E].
+// out8: the FP8 copy of the gathered rows (Fp8RowsOut above; rows past offsets[E] unwritten).
 void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token,
-                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out);
+                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out,
+                const Fp8RowsOut& out8 = {});
 // y[t] += Σ_j gates[t, j] * out_perm[slot_row[t, j]].
 void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* slot_row,
                  const float* gates, int64_t tokens, int64_t k, int64_t dim, bf16* y);
@@ -295,9 +315,11 @@ std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGe
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
+// dout8: the FP8 copy of dout_perm's written rows (Fp8RowsOut above).
 void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* out_perm,
                           const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
-                          int64_t dim, bf16* dout_perm, float* dgates);
+                          int64_t dim, bf16* dout_perm, float* dgates,
+                          const Fp8RowsOut& dout8 = {});
 // Backward of moe_gather: dx[t] (+)= Σ_j dx_perm[slot_row[t, j]] in j order (deterministic).
 void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
                          int64_t tokens, int64_t k, int64_t dim, bf16* dx, bool accumulate);

@@ -287,8 +287,10 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     else
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
     bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
+    // Separate quantization reuses slot 0 (the gate's input gradient is consumed by then); slot 1
+    // exists only where the SwiGLU backward writes both copies.
     expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_fused_, 0);
-    expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_fused_, 1);
+    expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_fused_, fp8_fused_ ? 1 : 0);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
                        A.xperm, gate.grad, gs, add);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
@@ -313,6 +315,7 @@ void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, 
     if (fp8_) {
         const int h = fp8_experts_[first == gate0_ ? 0 : first == up0_ ? 1 : 2];
         const Fp8Weights::Experts& W = fp8_->experts(h);
+        ST_ASSERT(fp8_rows_[slot], "CUDA MoE: FP8 row slot ", slot, " was not planned");
         if (!x_quantized)
             cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_[slot],
                                      fp8_row_scales_[slot]);

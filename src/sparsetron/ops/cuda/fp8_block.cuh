@@ -64,7 +64,8 @@ __device__ __forceinline__ void store_row_chunk_fp8(const float (&v)[8], bool po
                                                     uint8_t* q, float* scale_inv) {
     const HalfWarpBlock b = quantize_half_warp_block(v, pow2);
     *reinterpret_cast<uint2*>(q + r * cols + chunk * 8) = b.codes;
-    if ((threadIdx.x & 15) == 0) scale_inv[fp8::scale_index_1x128(r, chunk / 16, rows)] = b.scale_inv;
+    if ((threadIdx.x & 15) == 0)
+        scale_inv[fp8::scale_index_1x128(r, chunk / 16, rows)] = b.scale_inv;
 }
 
 }  // namespace sparsetron::cuda::fp8_dev

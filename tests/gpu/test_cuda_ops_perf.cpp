@@ -520,6 +520,31 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
             2.0 * E * rows * F * h, add ? wgrad_add_bytes : wgrad_bytes);
 }
 
+// The FP8 linears' quantizers at the proxy's dense shapes (4096 tokens): activations 1x128 along
+// the rows (the forward and input-gradient GEMMs' operand) and down the columns (the weight
+// gradient's), and a weight's W and W^T from its fp32 master (o_proj, 6144 x 16384).
+// SPARSETRON_FP8_QUANTIZE=v1 times the earlier kernels.
+TEST_F(CudaOpsPerf, Fp8Quantizers) {
+    const int64_t wide = 16384;
+    auto x = bf_tiled_random(T * wide, 81);
+    auto w = f32_random(h * wide, 82);
+    DeviceArray<uint8_t> q(h * wide), qt(h * wide);  // h > T: room for either
+    DeviceArray<float> s(fp8::scales_1x128(wide, T)), st(fp8::scales_128x128(wide, h));
+    for (const int64_t k : {h, wide}) {
+        report(
+            cat("fp8 quantize 1x128 rows ", T, "x", k),
+            [&] { cuda::quantize_fp8_1x128(ctx(), *x, T, k, k, true, q, s); }, 0, 3.0 * T * k);
+        report(
+            cat("fp8 quantize 1x128 columns ", T, "x", k),
+            [&] { cuda::quantize_fp8_1x128_columns(ctx(), *x, T, k, k, true, q, s); }, 0,
+            3.0 * T * k);
+    }
+    report(
+        cat("fp8 quantize W and W^T ", h, "x", wide),
+        [&] { cuda::quantize_fp8_128x128_both(ctx(), *w, h, wide, true, q, s, qt, st); }, 0,
+        6.0 * h * wide);
+}
+
 // What the routed experts' FP8 inputs cost per MoE application at the proxy's shape (4096 tokens,
 // top-8: 32768 rows): each producer kernel (gather, SwiGLU forward and backward, combine
 // backward) alone and writing the FP8 copy of its output in the same pass, beside the separate

@@ -191,15 +191,16 @@ __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64
 }
 
 // The tiled form of both orientations (rows a multiple of 32, cols of 4; w, qt 16-byte and q
-// 4-byte aligned): the tile unpadded in shared memory, written as float4 rows (four wavefronts a
-// warp, the fewest) and read back the same way for q, q^T with a lane per column and 32
-// consecutive rows per thread: consecutive lanes read consecutive words (no bank conflicts) and
-// each thread stores one 32-byte sector of w^T's row. The padded form above stores and reads
-// its tile with four-way conflicts (three passes): shared memory, not HBM, bounded it at 2.1 TB/s.
+// 4-byte aligned): the tile unpadded in shared memory, copied in as float4 rows (four wavefronts
+// a warp, the fewest) and read back the same way for the amax and q, q^T with a lane per column
+// and 32 consecutive rows per thread: consecutive lanes read consecutive words (no bank
+// conflicts) and each thread stores one 32-byte sector of w^T's row. The padded form above stores
+// and reads its tile with four-way conflicts (three passes): shared memory, not HBM, bounded it
+// at 2.1 TB/s.
 constexpr int kTiledThreads = 512;
 constexpr int kTiledQuads = kBlock * kBlock / 4 / kTiledThreads;  // float4s per thread
 constexpr size_t kTiledSmem = size_t(kBlock) * kBlock * sizeof(float);
-__global__ void __launch_bounds__(kTiledThreads, 2)
+__global__ void __launch_bounds__(kTiledThreads, 3)
     quantize_128x128_both_tiled_kernel(const float* __restrict__ w, int64_t rows, int64_t cols,
                                        bool pow2, uint8_t* __restrict__ q,
                                        float* __restrict__ scale_inv, uint8_t* __restrict__ qt,
@@ -207,21 +208,24 @@ __global__ void __launch_bounds__(kTiledThreads, 2)
     extern __shared__ float4 tile4[];  // [128][32]: row r's columns 4 to a float4
     const float* tile = reinterpret_cast<const float*>(tile4);
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
-    float4 v[kTiledQuads];
-    float amax = 0.f;
+    // Straight into shared memory (cp.async, zero-filled past the edges): no registers hold the
+    // tile in flight, so three blocks fit an SM and one stores while the others load.
 #pragma unroll
     for (int j = 0; j < kTiledQuads; ++j) {
         const int i = threadIdx.x + j * kTiledThreads, r = i / (kBlock / 4),
                   c = i % (kBlock / 4) * 4;
-        v[j] = r0 + r < rows && c0 + c < cols
-                   ? *reinterpret_cast<const float4*>(w + (r0 + r) * cols + c0 + c)
-                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        const bool ok = r0 + r < rows && c0 + c < cols;
+        const float* src = ok ? w + (r0 + r) * cols + c0 + c : w;
+        const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(tile4 + i));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(ok ? 16 : 0));
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's copies have landed
+    float amax = 0.f;
 #pragma unroll
     for (int j = 0; j < kTiledQuads; ++j) {
-        tile4[threadIdx.x + j * kTiledThreads] = v[j];
-        amax = fmaxf(
-            amax, fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
+        const float4 v = tile4[threadIdx.x + j * kTiledThreads];
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
     const float s = scale_from_amax(block_max(amax), pow2);  // its barriers publish the tile
 #pragma unroll
@@ -229,7 +233,7 @@ __global__ void __launch_bounds__(kTiledThreads, 2)
         const int i = threadIdx.x + j * kTiledThreads, r = i / (kBlock / 4),
                   c = i % (kBlock / 4) * 4;
         if (r0 + r >= rows || c0 + c >= cols) continue;
-        const float4 t = tile4[i];  // read back, not kept: 64 registers allow two blocks an SM
+        const float4 t = tile4[i];
         const uint8_t b[4] = {to_e4m3(t.x * s), to_e4m3(t.y * s), to_e4m3(t.z * s),
                               to_e4m3(t.w * s)};
         *reinterpret_cast<uint32_t*>(q + (r0 + r) * cols + c0 + c) = pack4(b);
@@ -306,8 +310,66 @@ __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t
     if (part == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
 }
 
+// The tiled form of the column quantizer (rows a multiple of 32; cols and ld of 8; x and q
+// 16-byte aligned): the 128 x 64 tile kept in bf16 in shared memory, unpadded (16-byte row stores:
+// four wavefronts a warp), then a lane per column and a quarter of the rows per warp (consecutive
+// lanes read consecutive bf16: no bank conflicts), the column's amax across the four quarters
+// through shared memory, and each thread's 32 codes as two 16-byte stores (one 32-byte sector of
+// x^T's row). The form above reads its fp32 tile with four-way conflicts (a column's four parts
+// sit 32 rows apart: the same bank) and stores it with two-way ones.
+constexpr int kColThreads = 256;
+__global__ void __launch_bounds__(kColThreads)
+    quantize_1x128_columns_tiled_kernel(const bf* __restrict__ x, int64_t rows, int64_t cols,
+                                        int64_t ld, bool pow2, uint8_t* __restrict__ q,
+                                        float* __restrict__ scale_inv) {
+    __shared__ uint4 tile[kBlock][kColTile / 8];  // bf16 rows of the tile
+    __shared__ float part_max[4][kColTile];
+    const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kColTile;
+    constexpr int kLoads = kBlock * kColTile / 8 / kColThreads;  // 16-byte loads per thread
+    uint4 raw[kLoads];
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+        const int i = threadIdx.x + j * kColThreads, r = i / (kColTile / 8),
+                  c = i % (kColTile / 8) * 8;
+        raw[j] = r0 + r < rows && c0 + c < cols
+                     ? *reinterpret_cast<const uint4*>(x + (r0 + r) * ld + c0 + c)
+                     : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+        const int i = threadIdx.x + j * kColThreads;
+        tile[i / (kColTile / 8)][i % (kColTile / 8)] = raw[j];
+    }
+    __syncthreads();
+    const int c = threadIdx.x % kColTile, quarter = threadIdx.x / kColTile;
+    const bf* column = reinterpret_cast<const bf*>(&tile[0][0]) + c;
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 32; ++k)
+        amax = fmaxf(amax, fabsf(__bfloat162float(column[(quarter * 32 + k) * kColTile])));
+    part_max[quarter][c] = amax;
+    __syncthreads();
+    amax = fmaxf(fmaxf(part_max[0][c], part_max[1][c]), fmaxf(part_max[2][c], part_max[3][c]));
+    const float s = scale_from_amax(amax, pow2);
+    const int64_t col = c0 + c, row = r0 + quarter * 32;
+    if (col >= cols || row >= rows) return;  // rows % 32 == 0: a quarter is all in or all out
+    uint32_t word[8];  // the column read again (conflict-free) rather than held: fewer registers
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        uint8_t b[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            b[j] = to_e4m3(__bfloat162float(column[(quarter * 32 + 4 * k + j) * kColTile]) * s);
+        word[k] = pack4(b);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(q + col * rows + row);
+    dst[0] = make_uint4(word[0], word[1], word[2], word[3]);
+    dst[1] = make_uint4(word[4], word[5], word[6], word[7]);
+    if (quarter == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
+}
+
 // SPARSETRON_FP8_QUANTIZE=v1 keeps the earlier kernels (the warp-per-block activation form, the
-// padded-tile weight form) to measure against.
+// padded-tile weight and column forms) to measure against.
 bool v1_quantizers() {
     static const bool on = [] {
         const char* e = std::getenv("SPARSETRON_FP8_QUANTIZE");
@@ -377,6 +439,13 @@ void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t r
     if (rows == 0 || cols == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kColTile - 1) / kColTile;
     const bool vec = cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    if (!v1_quantizers() && vec && rows % 32 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0) {
+        quantize_1x128_columns_tiled_kernel<<<dim3(unsigned(rb), unsigned(cb)), kColThreads, 0,
+                                              stream_of(ctx)>>>(dev(x), rows, cols, ld, pow2, q,
+                                                                scale_inv);
+        ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
     quantize_1x128_columns_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
         dev(x), rows, cols, ld, pow2, vec, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();

@@ -117,17 +117,10 @@ __global__ void combine_kernel(const bf* out_perm, const int32_t* slot_row, cons
 // The row kernels above and below with 16-byte accesses of 8 bf16 (dim % 8 == 0, aligned
 // pointers): the permuted rows are 6144 wide on the proxy, and 2-byte accesses held these kernels
 // at ~1.8-2.1 TB/s. Same arithmetic per element, in the same order.
+// kFp8: the rows' FP8 copy too (dim8 a multiple of 16: a half-warp holds a 1x128 block, and a
+// block's threads stride by 256 chunks, so a half-warp is all in or all out).
+template <bool kFp8>
 __global__ void gather_vec_kernel(const uint4* x, const int32_t* perm_token, const int32_t* offsets,
-                                  int64_t E, int64_t dim8, uint4* out) {
-    const int64_t r = blockIdx.x;
-    if (r >= offsets[E]) return;
-    const uint4* src = x + int64_t(perm_token[r]) * dim8;
-    for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) out[r * dim8 + i] = src[i];
-}
-
-// gather_vec_kernel writing the rows' FP8 copy too (dim8 a multiple of 16: a half-warp holds a
-// 1x128 block, and a block's threads stride by 256 chunks, so a half-warp is all in or all out).
-__global__ void gather_fp8_kernel(const uint4* x, const int32_t* perm_token, const int32_t* offsets,
                                   int64_t E, int64_t dim8, uint4* out, Fp8RowsOut out8) {
     const int64_t r = blockIdx.x;
     if (r >= offsets[E]) return;
@@ -135,10 +128,12 @@ __global__ void gather_fp8_kernel(const uint4* x, const int32_t* perm_token, con
     for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) {
         const uint4 v = src[i];
         out[r * dim8 + i] = v;
-        float f[8];
-        unpack8(v, f);
-        fp8_dev::store_row_chunk_fp8(f, out8.pow2, r, i, dim8 * 8, out8.rows, out8.q,
-                                     out8.scale_inv);
+        if constexpr (kFp8) {
+            float f[8];
+            unpack8(v, f);
+            fp8_dev::store_row_chunk_fp8(f, out8.pow2, r, i, dim8 * 8, out8.rows, out8.q,
+                                         out8.scale_inv);
+        }
     }
 }
 
@@ -287,35 +282,9 @@ __global__ void gather_bwd_kernel(const bf* dx_perm, const int32_t* slot_row, in
     }
 }
 
+// kFp8: dout_perm's FP8 copy too (dim8 a multiple of 16), quantized from the bf16 values written.
+template <bool kFp8>
 __global__ void combine_bwd_vec_kernel(const uint4* dy, const uint4* out_perm,
-                                       const int32_t* slot_row, const float* gates, int64_t k,
-                                       int64_t dim8, uint4* dout_perm, float* dgates) {
-    const int64_t t = blockIdx.x, j = blockIdx.y;
-    const int32_t r = slot_row[t * k + j];
-    if (r < 0) {
-        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
-        return;
-    }
-    const float gate = gates[t * k + j];
-    float s = 0;
-    for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) {
-        float d[8], o[8];
-        unpack8(dy[t * dim8 + i], d);
-        unpack8(out_perm[int64_t(r) * dim8 + i], o);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            s += d[e] * o[e];
-            d[e] *= gate;
-        }
-        dout_perm[int64_t(r) * dim8 + i] = pack8(d);
-    }
-    s = block_sum(s);
-    if (threadIdx.x == 0) dgates[t * k + j] = s;
-}
-
-// combine_bwd_vec_kernel writing dout_perm's FP8 copy too (dim8 a multiple of 16), quantized
-// from the bf16 values written.
-__global__ void combine_bwd_fp8_kernel(const uint4* dy, const uint4* out_perm,
                                        const int32_t* slot_row, const float* gates, int64_t k,
                                        int64_t dim8, uint4* dout_perm, float* dgates,
                                        Fp8RowsOut dout8) {
@@ -338,9 +307,11 @@ __global__ void combine_bwd_fp8_kernel(const uint4* dy, const uint4* out_perm,
         }
         const uint4 written = pack8(d);
         dout_perm[int64_t(r) * dim8 + i] = written;
-        unpack8(written, d);  // the rounded values, as a separate quantization would read them
-        fp8_dev::store_row_chunk_fp8(d, dout8.pow2, r, i, dim8 * 8, dout8.rows, dout8.q,
-                                     dout8.scale_inv);
+        if constexpr (kFp8) {
+            unpack8(written, d);  // the rounded values, as a separate quantization reads them
+            fp8_dev::store_row_chunk_fp8(d, dout8.pow2, r, i, dim8 * 8, dout8.rows, dout8.q,
+                                         dout8.scale_inv);
+        }
     }
     s = block_sum(s);
     if (threadIdx.x == 0) dgates[t * k + j] = s;
@@ -416,16 +387,16 @@ void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* ou
                           int64_t dim, bf16* dout_perm, float* dgates, const Fp8RowsOut& dout8) {
     if (tokens == 0) return;
     if (dout8.q && dim % 128 == 0 && aligned16(dy, out_perm, dout_perm, dout8.q)) {
-        combine_bwd_fp8_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
+        combine_bwd_vec_kernel<true><<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
             reinterpret_cast<const uint4*>(dy), reinterpret_cast<const uint4*>(out_perm), slot_row,
             gates, k, dim / 8, reinterpret_cast<uint4*>(dout_perm), dgates, dout8);
         ST_CUDA_LAUNCH_CHECK();
         return;
     }
     if (dim % 8 == 0 && aligned16(dy, out_perm, dout_perm))
-        combine_bwd_vec_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
+        combine_bwd_vec_kernel<false><<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
             reinterpret_cast<const uint4*>(dy), reinterpret_cast<const uint4*>(out_perm), slot_row,
-            gates, k, dim / 8, reinterpret_cast<uint4*>(dout_perm), dgates);
+            gates, k, dim / 8, reinterpret_cast<uint4*>(dout_perm), dgates, Fp8RowsOut{});
     else
         combine_bwd_kernel<<<dim3(tokens, k), 256, 0, stream_of(ctx)>>>(
             dev(dy), dev(out_perm), slot_row, gates, k, dim, dev(dout_perm), dgates);
@@ -498,16 +469,16 @@ void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token
                 const Fp8RowsOut& out8) {
     if (rows == 0) return;
     if (out8.q && dim % 128 == 0 && aligned16(x, out, out8.q)) {
-        gather_fp8_kernel<<<rows, 256, 0, stream_of(ctx)>>>(reinterpret_cast<const uint4*>(x),
-                                                            perm_token, offsets, experts, dim / 8,
-                                                            reinterpret_cast<uint4*>(out), out8);
+        gather_vec_kernel<true><<<rows, 256, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(x), perm_token, offsets, experts, dim / 8,
+            reinterpret_cast<uint4*>(out), out8);
         ST_CUDA_LAUNCH_CHECK();
         return;
     }
     if (dim % 8 == 0 && aligned16(x, out))
-        gather_vec_kernel<<<rows, 256, 0, stream_of(ctx)>>>(reinterpret_cast<const uint4*>(x),
-                                                            perm_token, offsets, experts, dim / 8,
-                                                            reinterpret_cast<uint4*>(out));
+        gather_vec_kernel<false><<<rows, 256, 0, stream_of(ctx)>>>(
+            reinterpret_cast<const uint4*>(x), perm_token, offsets, experts, dim / 8,
+            reinterpret_cast<uint4*>(out), Fp8RowsOut{});
     else
         gather_kernel<<<rows, 256, 0, stream_of(ctx)>>>(dev(x), perm_token, offsets, experts, dim,
                                                         dev(out));

@@ -173,6 +173,68 @@ TEST(CudaFp8, TransposedQuantizersMatchTheCpuReferenceBitForBit) {
     }
 }
 
+// A batch of matrices in one launch (a layer's experts from their masters, one parameter stride
+// apart with other parameters between them): each matrix's W and W^T, packed matrix after matrix,
+// equal to the CPU reference's. Strides a multiple of four floats take the tiled kernel (one
+// grid over the batch), odd ones the untiled kernel a matrix at a time; both must match.
+TEST(CudaFp8, BatchedWeightQuantizerMatchesTheCpuReferencePerMatrix) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const int64_t rows = 288, cols = 392, count = 3, elems = rows * cols;
+    const int64_t sc = fp8::scales_128x128(rows, cols), sct = fp8::scales_128x128(cols, rows);
+    for (const int64_t stride : {elems + 4 * 37, elems + 3}) {
+        std::vector<float> masters(size_t(stride * count), 0.f);
+        for (int64_t m = 0; m < count; ++m) {
+            const std::vector<float> w = fp8_blocky_values(rows, cols, uint64_t(40 + m));
+            std::copy(w.begin(), w.end(), masters.begin() + m * stride);
+            std::fill(masters.begin() + m * stride + elems,  // a neighbour the batch must not read
+                      masters.begin() + std::min((m + 1) * stride, stride * count), 1e4f);
+        }
+        DeviceArray<float> dw(masters);
+        DeviceArray<uint8_t> q(count * elems), qt(count * elems);
+        DeviceArray<float> s(count * sc), st(count * sct);
+        cuda::quantize_fp8_128x128_both(session.ctx(), dw, rows, cols, true, q, s, qt, st, count,
+                                        stride);
+        session.synchronize();
+        const std::vector<uint8_t> hq = q.download(), hqt = qt.download();
+        const std::vector<float> hs = s.download(), hst = st.download();
+        for (int64_t m = 0; m < count; ++m) {
+            const std::vector<float> w(masters.begin() + m * stride,
+                                       masters.begin() + m * stride + elems);
+            const std::vector<float> wt = transpose(w, rows, cols);
+            std::vector<uint8_t> q0(static_cast<size_t>(elems)), q1(q0.size());
+            std::vector<float> s0(size_t(fp8::blocks(rows) * fp8::blocks(cols))), s1(s0.size());
+            cpu::quantize_128x128(w.data(), rows, cols, true, q0.data(), s0.data());
+            cpu::quantize_128x128(wt.data(), cols, rows, true, q1.data(), s1.data());
+            const std::string at =
+                "stride " + std::to_string(stride) + ", matrix " + std::to_string(m);
+            EXPECT_EQ(
+                mismatches(
+                    std::vector<uint8_t>(hq.begin() + m * elems, hq.begin() + (m + 1) * elems), q0),
+                0)
+                << "W bytes, " << at;
+            EXPECT_EQ(mismatches(logical_128x128(std::vector<float>(hs.begin() + m * sc,
+                                                                    hs.begin() + (m + 1) * sc),
+                                                 rows, cols),
+                                 s0),
+                      0)
+                << "W scales, " << at;
+            EXPECT_EQ(mismatches(std::vector<uint8_t>(hqt.begin() + m * elems,
+                                                      hqt.begin() + (m + 1) * elems),
+                                 q1),
+                      0)
+                << "W^T bytes, " << at;
+            EXPECT_EQ(mismatches(logical_128x128(std::vector<float>(hst.begin() + m * sct,
+                                                                    hst.begin() + (m + 1) * sct),
+                                                 cols, rows),
+                                 s1),
+                      0)
+                << "W^T scales, " << at;
+        }
+        EXPECT_TRUE(q.guard_intact() && qt.guard_intact() && s.guard_intact() && st.guard_intact());
+    }
+}
+
 // cuBLASLt's block-scaled GEMM against the CPU reference on the same quantized operands (the
 // CUDA quantizers' output): x [m, k] 1x128, w [n, k] 128x128 (the forward) and 1x128 (the
 // gradient GEMMs), with a partial last block of k and accumulation into y. The GEMM sums the
@@ -408,7 +470,9 @@ TEST(CudaFp8, MoeProducersWriteTheFp8CopyOfTheirOutput) {
             }
             EXPECT_EQ(bytes, 0) << what << ", dim " << dim;
             EXPECT_EQ(scales, 0) << what << " scales, dim " << dim;
-            if (fused) EXPECT_EQ(past, 0) << what << ": bytes past the rows written";
+            if (fused) {
+                EXPECT_EQ(past, 0) << what << ": bytes past the rows written";
+            }
             EXPECT_GT(distinct, 100) << what;
             EXPECT_TRUE(a.q.guard_intact() && a.s.guard_intact());
         };

@@ -676,6 +676,12 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
             [&] { cuda::quantize_fp8_1x128(ctx(), *x, R, k, k, true, qx, sx); }, 0, 3.0 * R * k);
     }
     report("quantize 16 experts' W and W^T (fp32 masters)", quantize_weights, 0, 6.0 * E * F * h);
+    report(
+        "quantize 16 experts' W and W^T, one launch",
+        [&] {
+            cuda::quantize_fp8_128x128_both(ctx(), *w32, F, h, true, qw, sw, qwt, swt, E, F * h);
+        },
+        0, 6.0 * E * F * h);
 }
 
 #endif  // SPARSETRON_WITH_CUDA

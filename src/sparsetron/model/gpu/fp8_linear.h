@@ -48,6 +48,8 @@ class Fp8Weights {
     // Registers routed-expert matrices (once per first parameter) and returns their handle.
     int add_experts(int64_t first, int64_t stride, int64_t count);
     const Experts& experts(int h) const { return experts_[size_t(h)]; }
+    // Every registered parameter (linears and experts): read only through their FP8 copies.
+    std::vector<int64_t> params() const;
     // Plans the copies and the activation scratch; after every add(), before allocation.
     void declare();
     // W and W^T from the fp32 masters, every registered weight and expert.

@@ -63,20 +63,26 @@ class GpuBuffers {
 struct GpuParam {
     float* master = nullptr;  // fp32 value (the optimizer's)
     float* grad = nullptr;    // fp32 gradient (null for buffers)
-    bf16* w = nullptr;        // bf16 copy the kernels read
+    bf16* w = nullptr;        // bf16 copy the kernels read (null when none does: FP8 weights)
     int64_t numel = 0;
 };
 
-// One handle per ParamStore entry; the bf16 copies are planned right after the store's entries.
+// One handle per ParamStore entry.
 class GpuParams {
   public:
-    GpuParams(const ParamStore& store, MemoryPlan& plan);
+    explicit GpuParams(const ParamStore& store) : store_(store) {}
+    // Plans the bf16 copies, but of the parameters in `unread`: weights no kernel reads in bf16
+    // (the FP8 linears' and experts', read through their FP8 copies), whose copy would cost
+    // 2 bytes a parameter of memory and of the optimizer's writes every step. Their `w` stays
+    // null, so a kernel that did read one fails at once instead of reading stale values.
+    void plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread);
     void bind(const MemoryPlan& plan);
     const ParamStore& store() const { return store_; }
     int64_t index(const std::string& name) const;  // throws when absent
     const GpuParam& operator[](int64_t i) const { return all_[i]; }
     size_t size() const { return all_.size(); }
-    // bf16 copies from the fp32 masters (after loading or initializing the masters).
+    // bf16 copies from the fp32 masters (after loading or initializing the masters); the
+    // parameters without one are skipped.
     void refresh_bf16(const ExecContext& ctx) const;
 
     // A step's gradients without zeroing them all first (16 GiB of writes, 4.6 ms per step on the

@@ -26,7 +26,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     if (cp_) require_dsa_for_context_parallel(cfg);
     store_ = std::make_unique<ParamStore>(plan, DType::F32);
     for (const auto& p : host_store.params()) store_->add_like(p);
-    P_ = std::make_unique<GpuParams>(*store_, plan);
+    P_ = std::make_unique<GpuParams>(*store_);
     const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
     const int64_t maxdim =
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
@@ -126,6 +126,10 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     input_words_ = (4 + 2 * D_ + (cp_ ? 1 : 0)) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
     if (fp8_) fp8_->declare();
+    // The FP8 weights without bf16 copies; SPARSETRON_FP8_BF16_COPIES=keep plans them anyway (the
+    // earlier form: an A/B of what they cost).
+    const bool keep = cuda::env_is("SPARSETRON_FP8_BF16_COPIES", "keep");
+    P_->plan_bf16(plan, fp8_ && !keep ? fp8_->params() : std::vector<int64_t>{});
 }
 
 void GpuModel::carve_inputs() {

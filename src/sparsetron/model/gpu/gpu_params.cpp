@@ -2,11 +2,17 @@
 
 namespace sparsetron::gpu {
 
-GpuParams::GpuParams(const ParamStore& store, MemoryPlan& plan) : store_(store) {
-    ST_CHECK(store.dtype() == DType::F32, "the CUDA model keeps fp32 masters");
-    for (const auto& p : store.params())
+void GpuParams::plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread) {
+    ST_CHECK(store_.dtype() == DType::F32, "the CUDA model keeps fp32 masters");
+    ST_CHECK(bf16_slots_.empty(), "GpuParams: the bf16 copies are already planned");
+    std::vector<bool> skip(store_.params().size(), false);
+    for (const int64_t i : unread) skip[size_t(i)] = true;
+    for (size_t i = 0; i < store_.params().size(); ++i) {
+        const ParamInfo& p = store_.params()[i];
         bf16_slots_.push_back(
-            plan.add(MemClass::Parameters, p.name + ".bf16", DType::BF16, p.shape));
+            skip[i] ? MemoryPlan::Slot(-1)
+                    : plan.add(MemClass::Parameters, p.name + ".bf16", DType::BF16, p.shape));
+    }
 }
 
 void GpuParams::bind(const MemoryPlan& plan) {
@@ -16,7 +22,8 @@ void GpuParams::bind(const MemoryPlan& plan) {
         GpuParam g;
         g.master = plan.view(p.param_slot).ptr<float>();
         g.grad = p.grad_slot < 0 ? nullptr : plan.view(p.grad_slot).ptr<float>();
-        g.w = plan.view(bf16_slots_[i]).ptr<bf16>();
+        ST_ASSERT(i < bf16_slots_.size(), "GpuParams: bind before plan_bf16");
+        g.w = bf16_slots_[i] < 0 ? nullptr : plan.view(bf16_slots_[i]).ptr<bf16>();
         g.numel = p.numel();
         all_.push_back(g);
     }
@@ -32,7 +39,8 @@ int64_t GpuParams::index(const std::string& name) const {
 }
 
 void GpuParams::refresh_bf16(const ExecContext& ctx) const {
-    for (const auto& p : all_) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
+    for (const auto& p : all_)
+        if (p.w) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
 }
 
 }  // namespace sparsetron::gpu

@@ -204,9 +204,17 @@ __global__ void __launch_bounds__(kTiledThreads, 3)
     quantize_128x128_both_tiled_kernel(const float* __restrict__ w, int64_t rows, int64_t cols,
                                        bool pow2, uint8_t* __restrict__ q,
                                        float* __restrict__ scale_inv, uint8_t* __restrict__ qt,
-                                       float* __restrict__ scale_inv_t) {
+                                       float* __restrict__ scale_inv_t, int64_t w_stride) {
     extern __shared__ float4 tile4[];  // [128][32]: row r's columns 4 to a float4
     const float* tile = reinterpret_cast<const float*>(tile4);
+    {  // matrix blockIdx.z of a batch: its master, its packed outputs
+        const int64_t m = blockIdx.z;
+        w += m * w_stride;
+        q += m * rows * cols;
+        qt += m * rows * cols;
+        scale_inv += m * fp8::scales_128x128(rows, cols);
+        scale_inv_t += m * fp8::scales_128x128(cols, rows);
+    }
     const int64_t r0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kBlock;
     // Straight into shared memory (cp.async, zero-filled past the edges): no registers hold the
     // tile in flight, so three blocks fit an SM and one stores while the others load.
@@ -411,17 +419,30 @@ void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, 
 
 void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
                                bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
-                               float* scale_inv_t) {
-    if (rows == 0 || cols == 0) return;
+                               float* scale_inv_t, int64_t count, int64_t w_stride) {
+    if (rows == 0 || cols == 0 || count == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
-    if (!v1_quantizers() && rows % 32 == 0 && cols % 4 == 0 &&
+    // Every matrix of a batch keeps the alignment of the first: rows x cols is a multiple of
+    // 32 x 4 = 128 bytes of codes, and the masters' stride a multiple of four floats.
+    if (!v1_quantizers() && rows % 32 == 0 && cols % 4 == 0 && w_stride % 4 == 0 &&
         reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
         reinterpret_cast<uintptr_t>(qt) % 16 == 0) {
+        ST_CHECK(count <= 65535, "quantize_fp8_128x128_both: ", count,
+                 " matrices in one batch (a grid's z holds 65535)");
         allow_dynamic_smem<quantize_128x128_both_tiled_kernel>(kTiledSmem);
-        quantize_128x128_both_tiled_kernel<<<dim3(unsigned(rb), unsigned(cb)), kTiledThreads,
-                                             kTiledSmem, stream_of(ctx)>>>(
-            w, rows, cols, pow2, q, scale_inv, qt, scale_inv_t);
+        quantize_128x128_both_tiled_kernel<<<dim3(unsigned(rb), unsigned(cb), unsigned(count)),
+                                             kTiledThreads, kTiledSmem, stream_of(ctx)>>>(
+            w, rows, cols, pow2, q, scale_inv, qt, scale_inv_t, w_stride);
         ST_CUDA_LAUNCH_CHECK();
+        return;
+    }
+    if (count > 1) {  // the untiled form one matrix at a time
+        const int64_t scales = fp8::scales_128x128(rows, cols),
+                      scales_t = fp8::scales_128x128(cols, rows);
+        for (int64_t m = 0; m < count; ++m)
+            quantize_fp8_128x128_both(ctx, w + m * w_stride, rows, cols, pow2, q + m * rows * cols,
+                                      scale_inv + m * scales, qt + m * rows * cols,
+                                      scale_inv_t + m * scales_t);
         return;
     }
     allow_dynamic_smem<quantize_128x128_both_kernel>(kBothSmem);

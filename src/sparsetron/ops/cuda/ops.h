@@ -378,9 +378,12 @@ void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int
 void quantize_fp8_128x128(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
                           bool pow2, uint8_t* q, float* scale_inv, bool transposed = false);
 // Both at once (one read of w): q, scale_inv as the plain call, qt, scale_inv_t as transposed.
+// With `count` > 1: `count` matrices, w's `w_stride` elements apart (a layer's experts: one
+// parameter stride apart in the masters), their outputs packed matrix after matrix (q and qt
+// rows x cols apart, the scales fp8::scales_128x128 of their shapes apart), in one launch.
 void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t rows, int64_t cols,
                                bool pow2, uint8_t* q, float* scale_inv, uint8_t* qt,
-                               float* scale_inv_t);
+                               float* scale_inv_t, int64_t count = 1, int64_t w_stride = 0);
 // 1x128 blocks down the columns of x [rows, cols] bf16 (row stride ld), written as the operand
 // x^T [cols, rows] (rows contiguous) with its 1x128 scales: the weight gradient's operands, whose
 // contraction runs over rows (tokens). Bit for bit quantize_fp8_1x128 of x^T.

@@ -259,7 +259,8 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
             const GpuParam& gp = P_[int64_t(i)];
             dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), adam_owner_[i],
                                     side_->stream());
-            if (adam_owner_[i] != rank_) cuda::f32_to_bf16(side_->ctx(), gp.master, gp.w, gp.numel);
+            if (adam_owner_[i] != rank_ && gp.w)
+                cuda::f32_to_bf16(side_->ctx(), gp.master, gp.w, gp.numel);
         }
     }
     if (muon_) run_muon_batches(ctx, run);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <tuple>
 
 #include "harness.h"
 #include "sparsetron/optim/muon.h"
@@ -145,7 +146,9 @@ MuonSplit whole(int64_t rows) {
 // slice of every parameter; `skipped` must leave its group's parameters unchanged. With
 // `fused_momentum` the gather updates the momentum itself (M = beta M + (1 - beta) G scale,
 // checked, and left alone in the skipped group); otherwise the given momentum is the updated one.
-// With `gram` every batch runs the Gram form (newton_schulz_gram_batch, the default restart).
+// The fused cases also take the norms' partial sums from the gather (the optimizer's default),
+// the others from the separate pass. With `gram` every batch runs the Gram form
+// (newton_schulz_gram_batch, the default restart).
 double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, bool tf32,
                 int32_t skipped_group, bool fused_momentum = false, bool gram = false) {
     const float beta = 0.9f, step = 0.5f;
@@ -190,7 +193,8 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
                              ps[q.param].group, decays(size_t(q.param)) ? 1 : 0});
         stack = std::max(stack, b.elements());
         squares = std::max(squares, b.count() * b.rr() * b.rr());
-        norms = std::max(norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols));
+        norms = std::max({norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols),
+                          cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols)});
     }
     EXPECT_EQ(batches.size(), 7u);
     DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
@@ -207,10 +211,15 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         uint8_t* A = Y + b.elements() * es;
         uint8_t* B = A + b.count() * b.rr() * b.rr() * es;
         cuda::muon_gather_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), beta, true,
-                                dscales, dstack, fused_momentum ? dskips.get() : nullptr);
+                                dscales, dstack, fused_momentum ? dskips.get() : nullptr,
+                                fused_momentum ? dnorms.get() : nullptr);
         const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
-        cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem, W,
-                                   x_scale);
+        if (fused_momentum)
+            cuda::muon_normalize_gathered(ctx, dstack, b.count(), b.rows, b.cols, 1e-7f, dnorms,
+                                          elem, W, x_scale);
+        else
+            cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem,
+                                       W, x_scale);
         if (gram)
             cuda::newton_schulz_gram_batch(ctx, W, Y, A, b.count(), b.rr(), b.cc(), coeff,
                                            gram_ns_restarts(), elem, tf32, x_scale);
@@ -325,6 +334,53 @@ TEST(CudaMuon, NormalizeBatchMatchesCpu) {
             }
             EXPECT_LT(worst, elem == DType::F32 ? 1e-5 : 1e-3);
         }
+    }
+}
+
+// The normalization from the gather's per-tile sums of squares against the separate pass over the
+// gathered stack: the same values up to fp32 summation order, on shapes with partial 32 x 32 tiles
+// in both orientations (a tall [70, 45] batch gathered transposed, a wide [45, 70] one as is).
+TEST(CudaMuon, GatheredNormsMatchTheSeparatePass) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    for (const auto& [rows, cols, transposed] : {std::tuple{int64_t(70), int64_t(45), true},
+                                                 std::tuple{int64_t(45), int64_t(70), false}}) {
+        SCOPED_TRACE(cat(rows, " x ", cols, transposed ? ", transposed" : ""));
+        const int64_t count = 3, n = rows * cols;
+        std::vector<std::unique_ptr<DeviceArray<float>>> g, m, w;
+        std::vector<cuda::MuonDeviceProblem> table;
+        for (int64_t p = 0; p < count; ++p) {
+            g.push_back(std::make_unique<DeviceArray<float>>(
+                random_vector<float>(size_t(n), 60 + uint64_t(p))));
+            m.push_back(std::make_unique<DeviceArray<float>>(
+                random_vector<float>(size_t(n), 70 + uint64_t(p))));
+            w.push_back(std::make_unique<DeviceArray<float>>(
+                random_vector<float>(size_t(n), 80 + uint64_t(p))));
+            table.push_back(
+                {g.back()->get(), m.back()->get(), w.back()->get(), nullptr, 0, rows, rows, 0, 0});
+        }
+        DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
+        copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
+        const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
+        DeviceArray<float> scales(std::vector<float>{0.7f}), stack(count * n);
+        DeviceArray<float> ws(std::max(cuda::muon_normalize_floats(count, n),
+                                       cuda::muon_gathered_norm_floats(count, rows, cols)));
+        DeviceArray<float> separate(count * n), fused(count * n);
+        cuda::muon_gather_batch(ctx, dt, count, rows, cols, transposed, 0.9f, true, scales, stack);
+        cuda::muon_normalize_batch(ctx, stack, count, n, 1e-7f, ws, DType::F32, separate.get(),
+                                   2.f);
+        cuda::muon_gather_batch(ctx, dt, count, rows, cols, transposed, 0.9f, true, scales, stack,
+                                nullptr, ws);
+        cuda::muon_normalize_gathered(ctx, stack, count, rows, cols, 1e-7f, ws, DType::F32,
+                                      fused.get(), 2.f);
+        session.synchronize();
+        const auto a = separate.download(), b = fused.download();
+        EXPECT_LT(relative_error(b, a), 1e-6);
+        double ss = 0;  // 2 x normalized: each matrix's squares sum to 4
+        for (size_t i = 0; i < size_t(n); ++i) ss += double(b[i]) * b[i];
+        EXPECT_NEAR(ss, 4.0, 1e-4);
+        EXPECT_TRUE(ws.guard_intact() && fused.guard_intact());
     }
 }
 

@@ -32,12 +32,15 @@ constexpr int kPerThread = kTile / kTileRows;  // rows of a tile per thread
 // (the apply measured 1.5 TB/s that way on the proxy; ncu, bdea0c7).
 
 // With `skips` (the momentum update fused in: each element belongs to one problem), the momentum
-// is updated here first, M = beta M + (1 - beta) G scale, unless skips[group].
+// is updated here first, M = beta M + (1 - beta) G scale, unless skips[group]. With `partials`,
+// each block also writes the sum of squares of its tile's values (one float per tile, tiles of a
+// matrix in grid order): the normalization's partial sums without reading x back.
 template <bool Tr>
 __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, int64_t cols,
                               float beta, bool nesterov, const float* scales, float* x,
-                              const int32_t* skips) {
+                              const int32_t* skips, float* partials) {
     __shared__ float tile[kTile][kTile + 1];
+    __shared__ float warp_squares[kTileRows];
     const MuonDeviceProblem p = problems[blockIdx.z];
     const float scale = scales ? scales[p.group] : 1.f;
     const bool update = skips && !skips[p.group], read_grad = nesterov || update;
@@ -53,6 +56,7 @@ __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, i
         m[i] = at[i] >= 0 ? p.mom[at[i]] : 0.f;
         g[i] = at[i] >= 0 && read_grad ? p.grad[at[i]] : 0.f;
     }
+    float squares = 0.f;  // outside the matrix m = g = 0: u = 0
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
         const int dy = threadIdx.y + i * kTileRows;
@@ -62,10 +66,25 @@ __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, i
             if (at[i] >= 0) p.mom[at[i]] = m[i];
         }
         const float u = nesterov ? gs + beta * m[i] : m[i];
+        squares += u * u;
         if (Tr)
             tile[dy][threadIdx.x] = u;
         else if (at[i] >= 0)
             out[(r0 + dy) * cols + c] = u;
+    }
+    if (partials) {
+        // A warp is one threadIdx.y (blockDim.x = 32); the eight warps' sums in a fixed order.
+        squares = warp_sum(squares);
+        if (threadIdx.x == 0) warp_squares[threadIdx.y] = squares;
+        __syncthreads();
+        if (threadIdx.x == 0 && threadIdx.y == 0) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < kTileRows; ++w) s += warp_squares[w];
+            const int64_t tiles = int64_t(gridDim.x) * gridDim.y;
+            partials[int64_t(blockIdx.z) * tiles + int64_t(blockIdx.y) * gridDim.x + blockIdx.x] =
+                s;
+        }
     }
     if (!Tr) return;
     __syncthreads();
@@ -322,15 +341,15 @@ int64_t norm_blocks(int64_t n) {
 
 void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                        int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
-                       const float* scales, float* x, const int32_t* update_skips) {
+                       const float* scales, float* x, const int32_t* update_skips, float* norm_ws) {
     if (count == 0 || rows == 0 || cols == 0) return;
     const dim3 grid = tile_grid(rows, cols, count), block(kTile, kTileRows);
     if (transpose)
-        gather_kernel<true><<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta,
-                                                                nesterov, scales, x, update_skips);
+        gather_kernel<true><<<grid, block, 0, stream_of(ctx)>>>(
+            problems, rows, cols, beta, nesterov, scales, x, update_skips, norm_ws);
     else
-        gather_kernel<false><<<grid, block, 0, stream_of(ctx)>>>(problems, rows, cols, beta,
-                                                                 nesterov, scales, x, update_skips);
+        gather_kernel<false><<<grid, block, 0, stream_of(ctx)>>>(
+            problems, rows, cols, beta, nesterov, scales, x, update_skips, norm_ws);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -338,15 +357,16 @@ int64_t muon_normalize_floats(int64_t count, int64_t n) {
     return count * norm_blocks(n) + count;
 }
 
-void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
-                          float eps, float* ws, DType w_type, void* w, float scale) {
-    if (count == 0 || n == 0) return;
-    const int64_t blocks = norm_blocks(n);
-    ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
+int64_t muon_gathered_norm_floats(int64_t count, int64_t rows, int64_t cols) {
+    return count * int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile) + count;
+}
+
+namespace {
+// ws: `blocks` partial sums of squares per matrix, then the inverse norms; w = scale x inv.
+void scale_by_inverse_norms(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
+                            int64_t blocks, float eps, float* ws, DType w_type, void* w,
+                            float scale) {
     float* inv = ws + count * blocks;
-    norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
-        x, n, blocks, ws);
-    ST_CUDA_LAUNCH_CHECK();
     inverse_norms_kernel<<<unsigned(count), kThreads, 0, stream_of(ctx)>>>(ws, blocks, eps, scale,
                                                                            inv);
     ST_CUDA_LAUNCH_CHECK();
@@ -364,6 +384,28 @@ void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count,
         scale_kernel<<<grid, kThreads, 0, stream_of(ctx)>>>(x, n, count, inv,
                                                             static_cast<float*>(w), vec);
     ST_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
+                          float eps, float* ws, DType w_type, void* w, float scale) {
+    if (count == 0 || n == 0) return;
+    const int64_t blocks = norm_blocks(n);
+    ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
+    norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
+        x, n, blocks, ws);
+    ST_CUDA_LAUNCH_CHECK();
+    scale_by_inverse_norms(ctx, x, count, n, blocks, eps, ws, w_type, w, scale);
+}
+
+void muon_normalize_gathered(const ExecContext& ctx, const float* x, int64_t count, int64_t rows,
+                             int64_t cols, float eps, float* ws, DType w_type, void* w,
+                             float scale) {
+    if (count == 0 || rows == 0 || cols == 0) return;
+    ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
+    scale_by_inverse_norms(ctx, x, count, rows * cols,
+                           int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile), eps, ws,
+                           w_type, w, scale);
 }
 
 void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void* b, int64_t count,

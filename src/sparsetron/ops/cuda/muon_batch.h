@@ -29,10 +29,13 @@ struct MuonDeviceProblem {
 // x[p] = U of problem p's rows (nesterov ? (1 - beta) g scale + beta mom : mom) as [rows, cols],
 // or its transpose [cols, rows] when `transpose` (the wide orientation of a tall matrix). With
 // `update_skips`, the momentum update (muon_momentum) is done here first, unless
-// update_skips[group]: one pass over the gradient and the momentum instead of two.
+// update_skips[group]: one pass over the gradient and the momentum instead of two. With
+// `norm_ws` (muon_gathered_norm_floats of workspace), the sums of squares the normalization needs
+// are written too, per 32 x 32 tile: muon_normalize_gathered then skips its own read of x.
 void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
                        int64_t rows, int64_t cols, bool transpose, float beta, bool nesterov,
-                       const float* scales, float* x, const int32_t* update_skips = nullptr);
+                       const float* scales, float* x, const int32_t* update_skips = nullptr,
+                       float* norm_ws = nullptr);
 
 // Floats of workspace muon_normalize_batch needs for `count` matrices of n elements.
 int64_t muon_normalize_floats(int64_t count, int64_t n);
@@ -40,6 +43,11 @@ int64_t muon_normalize_floats(int64_t count, int64_t n);
 // order.
 void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
                           float eps, float* ws, DType w_type, void* w, float scale = 1.f);
+// The same from the partial sums muon_gather_batch wrote into ws (the gather's rows x cols).
+int64_t muon_gathered_norm_floats(int64_t count, int64_t rows, int64_t cols);
+void muon_normalize_gathered(const ExecContext& ctx, const float* x, int64_t count, int64_t rows,
+                             int64_t cols, float eps, float* ws, DType w_type, void* w,
+                             float scale = 1.f);
 
 // Newton-Schulz iterations on w [count, rr, cc] (rr <= cc) in place: A = W W^T;
 // B = b A + c A A; W = a W + B W, one (a, b, c) per iteration. `elem` F32 (tf32 allows TF32

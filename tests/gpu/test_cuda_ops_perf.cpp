@@ -16,6 +16,7 @@
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/muon_batch.h"
 #include "sparsetron/ops/cuda/ops.h"
 #include "sparsetron/ops/fp8_scale_layout.h"
 #endif
@@ -682,6 +683,55 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
             cuda::quantize_fp8_128x128_both(ctx(), *w32, F, h, true, qw, sw, qwt, swt, E, F * h);
         },
         0, 6.0 * E * F * h);
+}
+
+// Muon's gather and normalization for the proxy's largest batch (a layer's 16 routed experts'
+// [2048, 6144] matrices; the optimizer's form: momentum updated in the gather, fp16 Newton-Schulz
+// input), with the norms' sums of squares from a separate pass over the gathered fp32 stack and
+// from the gather itself. Bytes: the gather reads G and M and writes M and the stack (16 per
+// element); the separate normalization reads the stack twice and writes fp16 (10), the gathered
+// form reads it once (6).
+TEST_F(CudaOpsPerf, MuonGatherAndNormalize) {
+    const int64_t E = 16, rows = 2048, cols = h, n = rows * cols;
+    auto g = f32_random(E * n, 91), m = f32_random(E * n, 92);
+    std::vector<cuda::MuonDeviceProblem> table;
+    for (int64_t e = 0; e < E; ++e)
+        table.push_back(
+            {g->get() + e * n, m->get() + e * n, nullptr, nullptr, 0, rows, rows, 0, 0});
+    DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
+    copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
+    const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
+    auto scales = f32(1, 1.f), stack = f32(E * n);
+    DeviceArray<int32_t> skips(std::vector<int32_t>{0});
+    DeviceArray<float> ws(std::max(cuda::muon_normalize_floats(E, n),
+                                   cuda::muon_gathered_norm_floats(E, rows, cols)));
+    DeviceArray<uint16_t> w(E * n);
+    const double el = double(E * n);
+    report(
+        "muon gather 16 x 2048x6144 (momentum fused)",
+        [&] {
+            cuda::muon_gather_batch(ctx(), dt, E, rows, cols, false, 0.95f, true, *scales, *stack,
+                                    skips);
+        },
+        0, 16 * el);
+    report(
+        "muon normalize, separate sums pass",
+        [&] { cuda::muon_normalize_batch(ctx(), *stack, E, n, 1e-7f, ws, DType::F16, w.get()); }, 0,
+        10 * el);
+    report(
+        "muon gather + sums of squares",
+        [&] {
+            cuda::muon_gather_batch(ctx(), dt, E, rows, cols, false, 0.95f, true, *scales, *stack,
+                                    skips, ws);
+        },
+        0, 16 * el);
+    report(
+        "muon normalize from the gather's sums",
+        [&] {
+            cuda::muon_normalize_gathered(ctx(), *stack, E, rows, cols, 1e-7f, ws, DType::F16,
+                                          w.get());
+        },
+        0, 6 * el);
 }
 
 #endif  // SPARSETRON_WITH_CUDA

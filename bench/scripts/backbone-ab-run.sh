@@ -7,10 +7,11 @@
 # `ncu_times NAME REGEX`: ncu's times of the kernels matching REGEX over one eager backbone
 # forward+backward (into $out/ncu-NAME.csv), the summary's first lines prefixed by "ncu NAME".
 # An env assignment before either applies to its run. Needs $out and $commit; sets $bin, $r and $bb.
+# STOP_ON (default SparseMha): the test names whose failure stops the script.
 bench/scripts/gpu-suite.sh "$out"
 grep -h "FAILED" "$out/gpu.log" | head -20
-if grep -q "FAILED.*SparseMha" "$out/gpu.log"; then
-  echo "sparse MHA tests failed: no benches"
+if grep -q "FAILED.*${STOP_ON:-SparseMha}" "$out/gpu.log"; then
+  echo "${STOP_ON:-SparseMha} tests failed: no benches"
   exit 1
 fi
 bin=build/default/bin

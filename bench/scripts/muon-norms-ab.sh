@@ -8,14 +8,7 @@ set -uo pipefail
 out=${1:?usage: muon-norms-ab.sh OUT_DIR COMMIT}
 commit=${2:-unknown}
 mkdir -p "$out"
-bench/scripts/gpu-suite.sh "$out"
-grep -h "FAILED" "$out/gpu.log" | head -20
-if grep -q "FAILED.*Muon" "$out/gpu.log"; then
-  echo "Muon tests failed: no benches"
-  exit 1
-fi
-bin=build/default/bin
-r="--recipe recipes/glm5.2-proxy-h200.yaml --commit $commit"
+STOP_ON=Muon . bench/scripts/backbone-ab-run.sh  # the suite; $bin, $r
 SPARSETRON_OPS_PERF=1 timeout 120 scripts/gpu-run.sh $bin/test_gpu \
   --gtest_filter='CudaOpsPerf.MuonGatherAndNormalize' 2>&1 | grep "^\[perf\]" | tee "$out/perf.txt"
 . bench/scripts/bench-run.sh  # run NAME OPTIONS...

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -208,27 +209,16 @@ TEST(CudaFp8, BatchedWeightQuantizerMatchesTheCpuReferencePerMatrix) {
             cpu::quantize_128x128(wt.data(), cols, rows, true, q1.data(), s1.data());
             const std::string at =
                 "stride " + std::to_string(stride) + ", matrix " + std::to_string(m);
-            EXPECT_EQ(
-                mismatches(
-                    std::vector<uint8_t>(hq.begin() + m * elems, hq.begin() + (m + 1) * elems), q0),
-                0)
-                << "W bytes, " << at;
-            EXPECT_EQ(mismatches(logical_128x128(std::vector<float>(hs.begin() + m * sc,
-                                                                    hs.begin() + (m + 1) * sc),
-                                                 rows, cols),
-                                 s0),
-                      0)
+            // Matrix m's share of a packed output: `each` values per matrix.
+            auto part = [m](const auto& all, int64_t each) {
+                return std::vector<typename std::decay_t<decltype(all)>::value_type>(
+                    all.begin() + m * each, all.begin() + (m + 1) * each);
+            };
+            EXPECT_EQ(mismatches(part(hq, elems), q0), 0) << "W bytes, " << at;
+            EXPECT_EQ(mismatches(logical_128x128(part(hs, sc), rows, cols), s0), 0)
                 << "W scales, " << at;
-            EXPECT_EQ(mismatches(std::vector<uint8_t>(hqt.begin() + m * elems,
-                                                      hqt.begin() + (m + 1) * elems),
-                                 q1),
-                      0)
-                << "W^T bytes, " << at;
-            EXPECT_EQ(mismatches(logical_128x128(std::vector<float>(hst.begin() + m * sct,
-                                                                    hst.begin() + (m + 1) * sct),
-                                                 cols, rows),
-                                 s1),
-                      0)
+            EXPECT_EQ(mismatches(part(hqt, elems), q1), 0) << "W^T bytes, " << at;
+            EXPECT_EQ(mismatches(logical_128x128(part(hst, sct), cols, rows), s1), 0)
                 << "W^T scales, " << at;
         }
         EXPECT_TRUE(q.guard_intact() && qt.guard_intact() && s.guard_intact() && st.guard_intact());

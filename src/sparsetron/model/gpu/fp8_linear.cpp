@@ -96,18 +96,15 @@ void Fp8Weights::quantize(const ExecContext& ctx) const {
         cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kPow2, w.q, w.s,
                                         w.qt, w.st);
     for (const Experts& x : experts_) {
-        // One launch for the layer's experts when their masters lie one stride apart (the
-        // parameter store's layout): 16 launches of two waves each left the SMs idle between
-        // them (491.7 us for the proxy's 16 experts' W and W^T vs 182.4 us for one weight of
-        // the same size, 2026-12-02).
-        const float* m0 = P_[x.first].master;
-        const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;
+        // One launch for the layer's experts, their masters one stride apart (GpuMoe::
+        // check_layout holds the store to that at bind): 16 launches of two waves each left the
+        // SMs idle between them (491.7 us for the proxy's 16 experts' W and W^T vs 182.4 us for
+        // one weight of the same size, 2026-12-02).
         // SPARSETRON_FP8_EXPERT_QUANTIZE=per_expert: a launch per expert (the earlier form).
         static const bool per_expert = cuda::env_is("SPARSETRON_FP8_EXPERT_QUANTIZE", "per_expert");
-        bool strided = !per_expert;
-        for (int64_t e = 0; e < x.count; ++e)
-            strided = strided && P_[x.first + e * x.stride].master == m0 + e * ms;
-        if (strided) {
+        if (!per_expert) {
+            const float* m0 = P_[x.first].master;
+            const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;
             cuda::quantize_fp8_128x128_both(ctx, m0, x.rows, x.cols, kPow2, x.q, x.s, x.qt, x.st,
                                             x.count, ms);
             continue;

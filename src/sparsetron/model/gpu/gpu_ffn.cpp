@@ -368,16 +368,20 @@ bool GpuMoe::expert_grads_added(const ExecContext& ctx, const Local& L) const {
 }
 
 void GpuMoe::check_layout() const {
-    for (int64_t first : {gate0_, up0_, down0_}) {
-        const int64_t ws = El_ > 1 ? P_[first + wstride_].w - P_[first].w : 0;
-        const int64_t gs = El_ > 1 ? P_[first + wstride_].grad - P_[first].grad : 0;
-        for (int64_t e = 0; e < El_; ++e) {
-            const GpuParam& p = P_[first + e * wstride_];
-            ST_CHECK(p.w == P_[first].w + e * ws && p.grad == P_[first].grad + e * gs,
-                     "CUDA MoE: expert ", e, " of '", P_.store().params()[first].name,
-                     "' is not at a fixed stride (the grouped GEMM needs one)");
-        }
-    }
+    // Every arena: the bf16 copies (null under FP8, which has none), the gradients, and the fp32
+    // masters (the FP8 weight quantizer reads all experts of a kind at one stride).
+    auto fixed_stride = [&](int64_t first, auto member) {
+        const auto* p0 = P_[first].*member;
+        const int64_t s = El_ > 1 ? P_[first + wstride_].*member - p0 : 0;
+        for (int64_t e = 0; e < El_; ++e)
+            if (P_[first + e * wstride_].*member != p0 + e * s) return false;
+        return true;
+    };
+    for (int64_t first : {gate0_, up0_, down0_})
+        ST_CHECK(fixed_stride(first, &GpuParam::w) && fixed_stride(first, &GpuParam::grad) &&
+                     fixed_stride(first, &GpuParam::master),
+                 "CUDA MoE: the experts of '", P_.store().params()[first].name,
+                 "' are not at a fixed stride (the grouped GEMMs need one)");
     ST_CHECK(El_ <= 1 ||
                  (P_[gate0_ + wstride_].w - P_[gate0_].w == P_[up0_ + wstride_].w - P_[up0_].w &&
                   P_[gate0_ + wstride_].w - P_[gate0_].w == P_[down0_ + wstride_].w - P_[down0_].w),

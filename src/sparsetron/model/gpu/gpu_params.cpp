@@ -16,13 +16,13 @@ void GpuParams::plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread) 
 }
 
 void GpuParams::bind(const MemoryPlan& plan) {
+    ST_ASSERT(bf16_slots_.size() == store_.params().size(), "GpuParams: bind before plan_bf16");
     all_.clear();
     for (size_t i = 0; i < store_.params().size(); ++i) {
         const ParamInfo& p = store_.params()[i];
         GpuParam g;
         g.master = plan.view(p.param_slot).ptr<float>();
         g.grad = p.grad_slot < 0 ? nullptr : plan.view(p.grad_slot).ptr<float>();
-        ST_ASSERT(i < bf16_slots_.size(), "GpuParams: bind before plan_bf16");
         g.w = bf16_slots_[i] < 0 ? nullptr : plan.view(bf16_slots_[i]).ptr<bf16>();
         g.numel = p.numel();
         all_.push_back(g);

@@ -337,6 +337,11 @@ int64_t norm_blocks(int64_t n) {
     return (n + kNormBlock - 1) / kNormBlock;
 }
 
+// The gather's 32 x 32 tiles per matrix: one sum of squares each when it writes them.
+int64_t gather_tiles(int64_t rows, int64_t cols) {
+    return int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile);
+}
+
 }  // namespace
 
 void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems, int64_t count,
@@ -358,7 +363,7 @@ int64_t muon_normalize_floats(int64_t count, int64_t n) {
 }
 
 int64_t muon_gathered_norm_floats(int64_t count, int64_t rows, int64_t cols) {
-    return count * int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile) + count;
+    return count * gather_tiles(rows, cols) + count;
 }
 
 namespace {
@@ -403,9 +408,8 @@ void muon_normalize_gathered(const ExecContext& ctx, const float* x, int64_t cou
                              float scale) {
     if (count == 0 || rows == 0 || cols == 0) return;
     ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
-    scale_by_inverse_norms(ctx, x, count, rows * cols,
-                           int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile), eps, ws,
-                           w_type, w, scale);
+    scale_by_inverse_norms(ctx, x, count, rows * cols, gather_tiles(rows, cols), eps, ws, w_type, w,
+                           scale);
 }
 
 void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void* b, int64_t count,

@@ -348,17 +348,16 @@ TEST(CudaMuon, GatheredNormsMatchTheSeparatePass) {
                                                  std::tuple{int64_t(45), int64_t(70), false}}) {
         SCOPED_TRACE(cat(rows, " x ", cols, transposed ? ", transposed" : ""));
         const int64_t count = 3, n = rows * cols;
-        std::vector<std::unique_ptr<DeviceArray<float>>> g, m, w;
+        // The gather reads the gradient and the momentum only (no master, no bf16 copy).
+        std::vector<std::unique_ptr<DeviceArray<float>>> g, m;
         std::vector<cuda::MuonDeviceProblem> table;
         for (int64_t p = 0; p < count; ++p) {
             g.push_back(std::make_unique<DeviceArray<float>>(
                 random_vector<float>(size_t(n), 60 + uint64_t(p))));
             m.push_back(std::make_unique<DeviceArray<float>>(
                 random_vector<float>(size_t(n), 70 + uint64_t(p))));
-            w.push_back(std::make_unique<DeviceArray<float>>(
-                random_vector<float>(size_t(n), 80 + uint64_t(p))));
             table.push_back(
-                {g.back()->get(), m.back()->get(), w.back()->get(), nullptr, 0, rows, rows, 0, 0});
+                {g.back()->get(), m.back()->get(), nullptr, nullptr, 0, rows, rows, 0, 0});
         }
         DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
         copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));

@@ -71,6 +71,27 @@ std::vector<std::array<float, 3>> quintic_coefficients(int64_t steps) {
     return coeff;
 }
 
+// w[p] = scale x[p] / ||x[p]|| in `elem` for the device matrices x [count, rows, cols], the way the
+// optimizer normalizes: x gathered as each problem's momentum (no Nesterov term, no update) with
+// the per-tile sums of squares, then muon_normalize_gathered.
+void gathered_normalize(cuda::CudaSession& session, const float* x, int64_t count, int64_t rows,
+                        int64_t cols, DType elem, void* w, float scale) {
+    const ExecContext& ctx = session.ctx();
+    const int64_t n = rows * cols;
+    std::vector<cuda::MuonDeviceProblem> table;
+    for (int64_t p = 0; p < count; ++p)
+        table.push_back(
+            {nullptr, const_cast<float*>(x) + p * n, nullptr, nullptr, 0, rows, rows, 0, 0});
+    DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
+    copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
+    DeviceArray<float> stack(count * n), ws(cuda::muon_gathered_norm_floats(count, rows, cols));
+    const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
+    cuda::muon_gather_batch(ctx, dt, count, rows, cols, false, 0.f, false, nullptr, stack, nullptr,
+                            ws);
+    cuda::muon_normalize_gathered(ctx, stack, count, rows, cols, 0.f, ws, elem, w, scale);
+    session.synchronize();  // the table and the stack go when this returns
+}
+
 // `steps` Newton-Schulz iterations of the normalized batch x [count, rr, cc] on the device in
 // `elem`, by the Gram form (restarts as given) or the standard one, read back as floats.
 std::vector<float> device_newton_schulz(cuda::CudaSession& session, const std::vector<float>& x,
@@ -83,10 +104,9 @@ std::vector<float> device_newton_schulz(cuda::CudaSession& session, const std::v
     DeviceArray<uint8_t> w(count * n * es), y(count * n * es),
         sq(cuda::kGramSquares * count * rr * rr * es);
     DeviceArray<float> xf(x);
-    DeviceArray<float> norms(cuda::muon_normalize_floats(count, n));
     // x is normalized already: this converts it to elem (times the Gram form's scale).
     const float x_scale = gram ? cuda::gram_ns_x_scale(rr, cc) : 1.f;
-    cuda::muon_normalize_batch(ctx, xf, count, n, 0.f, norms, elem, w.get(), x_scale);
+    gathered_normalize(session, xf, count, rr, cc, elem, w.get(), x_scale);
     if (gram)
         cuda::newton_schulz_gram_batch(ctx, w.get(), y.get(), sq.get(), count, rr, cc, coeff,
                                        restarts, elem, false, x_scale);
@@ -146,8 +166,7 @@ MuonSplit whole(int64_t rows) {
 // slice of every parameter; `skipped` must leave its group's parameters unchanged. With
 // `fused_momentum` the gather updates the momentum itself (M = beta M + (1 - beta) G scale,
 // checked, and left alone in the skipped group); otherwise the given momentum is the updated one.
-// The fused cases also take the norms' partial sums from the gather (the optimizer's default),
-// the others from the separate pass. With `gram` every batch runs the Gram form
+// The norms' partial sums come from the gather. With `gram` every batch runs the Gram form
 // (newton_schulz_gram_batch, the default restart).
 double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, bool tf32,
                 int32_t skipped_group, bool fused_momentum = false, bool gram = false) {
@@ -193,8 +212,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
                              ps[q.param].group, decays(size_t(q.param)) ? 1 : 0});
         stack = std::max(stack, b.elements());
         squares = std::max(squares, b.count() * b.rr() * b.rr());
-        norms = std::max({norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols),
-                          cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols)});
+        norms = std::max(norms, cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols));
     }
     EXPECT_EQ(batches.size(), 7u);
     DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
@@ -211,15 +229,10 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         uint8_t* A = Y + b.elements() * es;
         uint8_t* B = A + b.count() * b.rr() * b.rr() * es;
         cuda::muon_gather_batch(ctx, dt, b.count(), b.rows, b.cols, b.transposed(), beta, true,
-                                dscales, dstack, fused_momentum ? dskips.get() : nullptr,
-                                fused_momentum ? dnorms.get() : nullptr);
+                                dscales, dstack, fused_momentum ? dskips.get() : nullptr, dnorms);
         const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
-        if (fused_momentum)
-            cuda::muon_normalize_gathered(ctx, dstack, b.count(), b.rows, b.cols, 1e-7f, dnorms,
-                                          elem, W, x_scale);
-        else
-            cuda::muon_normalize_batch(ctx, dstack, b.count(), b.rows * b.cols, 1e-7f, dnorms, elem,
-                                       W, x_scale);
+        cuda::muon_normalize_gathered(ctx, dstack, b.count(), b.rows, b.cols, 1e-7f, dnorms, elem,
+                                      W, x_scale);
         if (gram)
             cuda::newton_schulz_gram_batch(ctx, W, Y, A, b.count(), b.rr(), b.cc(), coeff,
                                            gram_ns_restarts(), elem, tf32, x_scale);
@@ -294,13 +307,16 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
 }  // namespace
 
 // The normalization alone: w[p] = scale x[p] / ||x[p]|| for each matrix of a batch, in fp32 and
-// fp16, with n % 4 == 0 (16-byte loads) and n = 1001 (the scalar loop), against the CPU.
-TEST(CudaMuon, NormalizeBatchMatchesCpu) {
+// fp16, with n % 4 == 0 (16-byte loads) and n = 1001 (the scalar loop; partial 32 x 32 tiles of
+// the gather's sums), against the CPU.
+TEST(CudaMuon, GatheredNormalizationMatchesCpu) {
     REQUIRE_GPU();
     cuda::CudaSession session;
     const int64_t count = 3;
     const float scale = 64.f;
-    for (const int64_t n : {int64_t(4096), int64_t(1001)}) {
+    for (const auto& [rows, cols] :
+         {std::pair{int64_t(64), int64_t(64)}, {int64_t(7), int64_t(143)}}) {
+        const int64_t n = rows * cols;
         const auto x = random_vector<float>(size_t(count * n), 40 + uint64_t(n));
         std::vector<double> want(x.size());
         for (int64_t p = 0; p < count; ++p) {
@@ -311,13 +327,11 @@ TEST(CudaMuon, NormalizeBatchMatchesCpu) {
                 want[size_t(p * n + i)] = scale * x[size_t(p * n + i)] / std::sqrt(ss);
         }
         for (const DType elem : {DType::F32, DType::F16}) {
-            SCOPED_TRACE(cat("n ", n, ", ", dtype_name(elem)));
+            SCOPED_TRACE(cat(rows, " x ", cols, ", ", dtype_name(elem)));
             const int64_t es = int64_t(dtype_size(elem));
-            DeviceArray<float> xf(x), norms(cuda::muon_normalize_floats(count, n));
+            DeviceArray<float> xf(x);
             DeviceArray<uint8_t> w(count * n * es);
-            cuda::muon_normalize_batch(session.ctx(), xf, count, n, 0.f, norms, elem, w.get(),
-                                       scale);
-            session.synchronize();
+            gathered_normalize(session, xf, count, rows, cols, elem, w.get(), scale);
             std::vector<uint8_t> h(size_t(count * n * es));
             copy_to_host(h.data(), w.get(), h.size());
             double worst = 0;
@@ -337,49 +351,58 @@ TEST(CudaMuon, NormalizeBatchMatchesCpu) {
     }
 }
 
-// The normalization from the gather's per-tile sums of squares against the separate pass over the
-// gathered stack: the same values up to fp32 summation order, on shapes with partial 32 x 32 tiles
-// in both orientations (a tall [70, 45] batch gathered transposed, a wide [45, 70] one as is).
-TEST(CudaMuon, GatheredNormsMatchTheSeparatePass) {
+// The gather's Nesterov term and its per-tile sums of squares on shapes with partial 32 x 32 tiles
+// in both orientations (a tall [70, 45] batch gathered transposed, a wide [45, 70] one as is):
+// the normalized stack against the CPU's u / ||u|| in the gathered layout.
+TEST(CudaMuon, GatheredNormsMatchCpuInBothOrientations) {
     REQUIRE_GPU();
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
+    const float beta = 0.9f, gscale = 0.7f;
     for (const auto& [rows, cols, transposed] : {std::tuple{int64_t(70), int64_t(45), true},
                                                  std::tuple{int64_t(45), int64_t(70), false}}) {
         SCOPED_TRACE(cat(rows, " x ", cols, transposed ? ", transposed" : ""));
         const int64_t count = 3, n = rows * cols;
         // The gather reads the gradient and the momentum only (no master, no bf16 copy).
+        std::vector<std::vector<float>> hg, hm;
         std::vector<std::unique_ptr<DeviceArray<float>>> g, m;
         std::vector<cuda::MuonDeviceProblem> table;
         for (int64_t p = 0; p < count; ++p) {
-            g.push_back(std::make_unique<DeviceArray<float>>(
-                random_vector<float>(size_t(n), 60 + uint64_t(p))));
-            m.push_back(std::make_unique<DeviceArray<float>>(
-                random_vector<float>(size_t(n), 70 + uint64_t(p))));
+            hg.push_back(random_vector<float>(size_t(n), 60 + uint64_t(p)));
+            hm.push_back(random_vector<float>(size_t(n), 70 + uint64_t(p)));
+            g.push_back(std::make_unique<DeviceArray<float>>(hg.back()));
+            m.push_back(std::make_unique<DeviceArray<float>>(hm.back()));
             table.push_back(
                 {g.back()->get(), m.back()->get(), nullptr, nullptr, 0, rows, rows, 0, 0});
         }
         DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
         copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
         const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
-        DeviceArray<float> scales(std::vector<float>{0.7f}), stack(count * n);
-        DeviceArray<float> ws(std::max(cuda::muon_normalize_floats(count, n),
-                                       cuda::muon_gathered_norm_floats(count, rows, cols)));
-        DeviceArray<float> separate(count * n), fused(count * n);
-        cuda::muon_gather_batch(ctx, dt, count, rows, cols, transposed, 0.9f, true, scales, stack);
-        cuda::muon_normalize_batch(ctx, stack, count, n, 1e-7f, ws, DType::F32, separate.get(),
-                                   2.f);
-        cuda::muon_gather_batch(ctx, dt, count, rows, cols, transposed, 0.9f, true, scales, stack,
+        DeviceArray<float> scales(std::vector<float>{gscale}), stack(count * n);
+        DeviceArray<float> ws(cuda::muon_gathered_norm_floats(count, rows, cols));
+        DeviceArray<float> out(count * n);
+        cuda::muon_gather_batch(ctx, dt, count, rows, cols, transposed, beta, true, scales, stack,
                                 nullptr, ws);
         cuda::muon_normalize_gathered(ctx, stack, count, rows, cols, 1e-7f, ws, DType::F32,
-                                      fused.get(), 2.f);
+                                      out.get(), 2.f);
         session.synchronize();
-        const auto a = separate.download(), b = fused.download();
-        EXPECT_LT(relative_error(b, a), 1e-6);
-        double ss = 0;  // 2 x normalized: each matrix's squares sum to 4
-        for (size_t i = 0; i < size_t(n); ++i) ss += double(b[i]) * b[i];
-        EXPECT_NEAR(ss, 4.0, 1e-4);
-        EXPECT_TRUE(ws.guard_intact() && fused.guard_intact());
+        std::vector<double> want(size_t(count * n));
+        for (int64_t p = 0; p < count; ++p) {
+            double ss = 0;
+            std::vector<double> u(static_cast<size_t>(n));
+            for (int64_t i = 0; i < n; ++i) {
+                u[size_t(i)] = (1.0 - beta) * hg[size_t(p)][size_t(i)] * gscale +
+                               beta * hm[size_t(p)][size_t(i)];
+                ss += u[size_t(i)] * u[size_t(i)];
+            }
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t c = 0; c < cols; ++c) {
+                    const int64_t at = transposed ? c * rows + r : r * cols + c;
+                    want[size_t(p * n + at)] = 2.0 * u[size_t(r * cols + c)] / std::sqrt(ss);
+                }
+        }
+        EXPECT_LT(relative_error(out.download(), want), 1e-6);
+        EXPECT_TRUE(ws.guard_intact() && out.guard_intact());
     }
 }
 

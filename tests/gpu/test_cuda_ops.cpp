@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <limits>
 #include <numeric>
 
@@ -17,6 +18,7 @@
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"
 #include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
 #endif
 
@@ -729,11 +731,12 @@ TEST_F(CudaOps, GroupedGemmManyTiles) {
 }
 
 namespace {
-// Every tile configuration of the tensor-core kernels (on Hopper: the wgmma kernels, then the WMMA
-// ones the engine uses elsewhere) against per-expert CPU GEMMs, each kind, partial tiles; the
-// weight gradient written over NaN (an empty expert: zeros), then added to (twice the product).
-void grouped_gemm_every_configuration(const cuda::CudaSession& session,
-                                      const std::vector<int32_t>& off, int64_t n, int64_t kk) {
+// Every tensor-core form of the grouped GEMM (the dispatch's choice; on sm_90a the wgmma kernel on
+// four blocks, so every block walks many tiles; the WMMA kernel of other GPUs) against per-expert
+// CPU GEMMs, each kind, partial tiles; the weight gradient written over NaN (an empty expert:
+// zeros), then added to (twice the product).
+void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector<int32_t>& off,
+                             int64_t n, int64_t kk) {
     const ExecContext& ctx = session.ctx();
     const int64_t E = int64_t(off.size()) - 1, R = off.back(), cap = R + kNanPad;
     int64_t max_rows = 0;
@@ -756,41 +759,48 @@ void grouped_gemm_every_configuration(const cuda::CudaSession& session,
     std::vector<float> dwr2 = dwr;
     for (float& v : dwr2) v *= 2.f;
     using K2 = cuda::GroupedGemm;
-    const int configs = cuda::grouped_gemm_tc_configs();
-    ASSERT_GE(configs, 5);
-    for (int cfg = 0; cfg < configs; ++cfg) {
+    using GemmForm = std::function<void(K2, const bf16*, const bf16*, void*, bool)>;
+    std::vector<std::pair<std::string, GemmForm>> forms;
+    forms.emplace_back(
+        "grouped_gemm", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+            cuda::grouped_gemm(ctx, kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc);
+        });
+    if (cuda::has_sm90a())
+        forms.emplace_back("wgmma on 4 blocks",
+                           [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+                               cuda::grouped_gemm_wgmma(ctx, kind, doff, E, max_rows, cap, n, kk, a,
+                                                        b, c, n * kk, acc, 4);
+                           });
+    forms.emplace_back("WMMA", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+        cuda::grouped_gemm_wmma(ctx, kind, doff, E, max_rows, n, kk, a, b, c, n * kk, acc);
+    });
+    for (const auto& [name, run] : forms) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
         DeviceArray<float> dw(
             std::vector<float>(E * n * kk, std::numeric_limits<float>::quiet_NaN()));
-        const std::string name =
-            cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeightT, doff, E, max_rows, cap, n,
-                                         kk, x.dev, w.dev, static_cast<bf16*>(y));
-        cuda::grouped_gemm_tc_config(ctx, cfg, K2::RowsTimesWeight, doff, E, max_rows, cap, n, kk,
-                                     dy.dev, w.dev, static_cast<bf16*>(dx));
-        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, cap, n, kk,
-                                     dy.dev, x.dev, static_cast<float*>(dw));
+        run(K2::RowsTimesWeightT, x.dev, w.dev, static_cast<bf16*>(y), false);
+        run(K2::RowsTimesWeight, dy.dev, w.dev, static_cast<bf16*>(dx), false);
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), false);
         session.synchronize();
         expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
         expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);
         expect_close(name + ": weight grad (=, over NaN)", dw.download(), dwr, 1e-5);
-        cuda::grouped_gemm_tc_config(ctx, cfg, K2::WeightGrad, doff, E, max_rows, cap, n, kk,
-                                     dy.dev, x.dev, static_cast<float*>(dw), /*accumulate=*/true);
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), true);
         session.synchronize();
         expect_close(name + ": weight grad (+=)", dw.download(), dwr2, 1e-5);
     }
 }
 }  // namespace
 
-TEST_F(CudaOps, GroupedGemmEveryConfiguration) {
-    grouped_gemm_every_configuration(*session_, {0, 37, 37, 101, 260}, 136, 200);
+TEST_F(CudaOps, GroupedGemmEveryForm) {
+    grouped_gemm_every_form(*session_, {0, 37, 37, 101, 260}, 136, 200);
 }
-
 // Reductions of many more 64-deep slices than pipeline stages (x W^T 17, weight gradient up to
 // 10; every dimension a multiple of 8, as the 16-byte copies need) and several tiles per block: the
 // persistent kernels' stage rings wrap many times within a tile (a ping-pong kernel's first form,
 // since removed, passed the 4-slice case above and hung at this depth).
-TEST_F(CudaOps, GroupedGemmEveryConfigurationDeepReduction) {
-    grouped_gemm_every_configuration(*session_, {0, 300, 301, 301, 900}, 264, 1088);
+TEST_F(CudaOps, GroupedGemmEveryFormDeepReduction) {
+    grouped_gemm_every_form(*session_, {0, 300, 301, 301, 900}, 264, 1088);
 }
 
 // Dimensions not a multiple of 8: the simple fallback kernel.
@@ -965,9 +975,6 @@ TEST_F(CudaOps, GradNormOverManyPartials) {
     EXPECT_EQ(skip.download()[0], 0);
 }
 
-#endif  // SPARSETRON_WITH_CUDA
-
-#if SPARSETRON_WITH_CUDA
 namespace {
 // Teacher/student KL of the DSA indexer in fp64 (SPEC §3.1), one row: returns kl, fills dscore.
 double reference_indexer_kl(const std::vector<float>& qabs, const std::vector<float>& kabs,
@@ -1336,7 +1343,6 @@ TEST_F(CudaOps, MlaExpandedKvGradient) {
                      pe_cols);
     }
 }
-#endif  // SPARSETRON_WITH_CUDA
 
 // Context parallelism: a rank's query rows are some of the micro-batch's key rows (here every
 // other row, key_row[i] = 2i + 1), so the masked-dense form scores every chunk against all key
@@ -1393,3 +1399,5 @@ TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
         expect_close(tag + " dkv", masked.dkv, gathered.dkv, kBf16Tol);
     }
 }
+
+#endif  // SPARSETRON_WITH_CUDA

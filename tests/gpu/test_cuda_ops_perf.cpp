@@ -451,30 +451,6 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
                                true);
         },
         flops, wgrad_add_bytes);
-    // Every tile configuration of the tensor-core kernel, each kind (config 0 is the engine's).
-    for (int cfg = 0; cfg < cuda::grouped_gemm_tc_configs(); ++cfg) {
-        for (K2 kind : {K2::RowsTimesWeightT, K2::RowsTimesWeight, K2::WeightGrad}) {
-            // x W^T: x -> y;  dy W: y -> x;  weight grad: dW = y^T x. All with n = F, k = h.
-            bf16* xp = *x;
-            bf16* yp = *y;
-            const bf16* A = kind == K2::RowsTimesWeightT ? xp : yp;
-            const bf16* B = kind == K2::WeightGrad ? xp : static_cast<bf16*>(*w);
-            void* C = kind == K2::WeightGrad        ? static_cast<void*>(static_cast<float*>(*dw))
-                      : kind == K2::RowsTimesWeight ? static_cast<void*>(xp)
-                                                    : static_cast<void*>(yp);
-            const int64_t n = F, k = h;
-            std::string name;
-            report(
-                "grouped cfg " + std::to_string(cfg) + " kind " + std::to_string(int(kind)),
-                [&] {
-                    name = cuda::grouped_gemm_tc_config(ctx(), cfg, kind, doff, E, T, E * rows, n,
-                                                        k, A, B, C);
-                },
-                flops, bytes);
-            if (!name.empty())  // empty when SPARSETRON_OPS_PERF_LINES skipped the line
-                std::cout << "[perf]   cfg " << cfg << " = " << name << "\n";
-        }
-    }
     // Skewed routing: half the experts get 3x the rows of the other half (3072 / 1024; the same
     // 32768 rows), through the engine's path, each kind.
     std::vector<int32_t> skew(E + 1, 0);
@@ -524,7 +500,6 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
 // The FP8 linears' quantizers at the proxy's dense shapes (4096 tokens): activations 1x128 along
 // the rows (the forward and input-gradient GEMMs' operand) and down the columns (the weight
 // gradient's), and a weight's W and W^T from its fp32 master (o_proj, 6144 x 16384).
-// SPARSETRON_FP8_QUANTIZE=v1 times the earlier kernels.
 TEST_F(CudaOpsPerf, Fp8Quantizers) {
     const int64_t wide = 16384;
     auto x = bf_tiled_random(T * wide, 81);
@@ -655,16 +630,12 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
                                        *y);
                 },
                 flops, 2.0 * (R * k + E * n * k + R * n));
-            for (const auto form : {cuda::Fp8GroupedForm::Serial, cuda::Fp8GroupedForm::Overlap})
-                report(
-                    cat("grouped fp8 ",
-                        form == cuda::Fp8GroupedForm::Serial ? "serial" : "overlapped", " x W^T ",
-                        shape, ", ", name),
-                    [&] {
-                        cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y,
-                                               false, 0, form);
-                    },
-                    flops, double(R * k + E * n * k) + 2.0 * R * n);
+            report(
+                cat("grouped fp8 x W^T ", shape, ", ", name),
+                [&] {
+                    cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y);
+                },
+                flops, double(R * k + E * n * k) + 2.0 * R * n);
         }
         report(
             cat("dense cuBLASLt fp8 1x128.128x128 ", R, " x ", k, " -> ", n),
@@ -686,11 +657,9 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
 }
 
 // Muon's gather and normalization for the proxy's largest batch (a layer's 16 routed experts'
-// [2048, 6144] matrices; the optimizer's form: momentum updated in the gather, fp16 Newton-Schulz
-// input), with the norms' sums of squares from a separate pass over the gathered fp32 stack and
-// from the gather itself. Bytes: the gather reads G and M and writes M and the stack (16 per
-// element); the separate normalization reads the stack twice and writes fp16 (10), the gathered
-// form reads it once (6).
+// [2048, 6144] matrices; the optimizer's form: momentum updated in the gather, which writes the
+// norms' sums of squares too, fp16 Newton-Schulz input). Bytes: the gather reads G and M and
+// writes M and the stack (16 per element); the normalization reads the stack and writes fp16 (6).
 TEST_F(CudaOpsPerf, MuonGatherAndNormalize) {
     const int64_t E = 16, rows = 2048, cols = h, n = rows * cols;
     auto g = f32_random(E * n, 91), m = f32_random(E * n, 92);
@@ -703,21 +672,9 @@ TEST_F(CudaOpsPerf, MuonGatherAndNormalize) {
     const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());
     auto scales = f32(1, 1.f), stack = f32(E * n);
     DeviceArray<int32_t> skips(std::vector<int32_t>{0});
-    DeviceArray<float> ws(std::max(cuda::muon_normalize_floats(E, n),
-                                   cuda::muon_gathered_norm_floats(E, rows, cols)));
+    DeviceArray<float> ws(cuda::muon_gathered_norm_floats(E, rows, cols));
     DeviceArray<uint16_t> w(E * n);
     const double el = double(E * n);
-    report(
-        "muon gather 16 x 2048x6144 (momentum fused)",
-        [&] {
-            cuda::muon_gather_batch(ctx(), dt, E, rows, cols, false, 0.95f, true, *scales, *stack,
-                                    skips);
-        },
-        0, 16 * el);
-    report(
-        "muon normalize, separate sums pass",
-        [&] { cuda::muon_normalize_batch(ctx(), *stack, E, n, 1e-7f, ws, DType::F16, w.get()); }, 0,
-        10 * el);
     report(
         "muon gather + sums of squares",
         [&] {

@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include "sparsetron/core/env.h"
+
 namespace sparsetron {
 namespace {
 
@@ -100,8 +102,8 @@ class Pool {
 };
 
 int default_threads() {
-    if (const char* env = std::getenv("SPARSETRON_NUM_THREADS")) {
-        int n = std::atoi(env);
+    if (const auto env = env_value("SPARSETRON_NUM_THREADS")) {
+        const int n = std::atoi(env->c_str());
         if (n > 0) return n;
     }
     return std::max(1u, std::thread::hardware_concurrency());

@@ -1,21 +1,20 @@
 #include "sparsetron/parallel/launch_env.h"
 
-#include <cstdlib>
-
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 
 namespace sparsetron {
 namespace {
 
 bool read_int(const char* name, int& out) {
-    const char* v = std::getenv(name);
+    const std::optional<std::string> v = env_value(name);
     if (!v) return false;
     try {
         size_t used = 0;
-        out = std::stoi(v, &used);
-        ST_CHECK(used == std::string(v).size(), "");
+        out = std::stoi(*v, &used);
+        ST_CHECK(used == v->size(), "");
     } catch (const std::exception&) {
-        throw Error(cat("launch environment: ", name, "='", v, "' is not an integer"));
+        throw Error(cat("launch environment: ", name, "='", *v, "' is not an integer"));
     }
     return true;
 }

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 
 namespace sparsetron {
@@ -123,12 +124,12 @@ std::string join(const LaunchEnv& env, const RendezvousAddress& at, double timeo
 
 RendezvousAddress rendezvous_address() {
     RendezvousAddress a;
-    if (const char* h = std::getenv("MASTER_ADDR"); h && *h) a.host = h;
-    if (const char* p = std::getenv("MASTER_PORT"); p && *p) {
+    if (const auto h = env_value("MASTER_ADDR")) a.host = *h;
+    if (const auto p = env_value("MASTER_PORT")) {
         try {
-            a.port = std::stoi(p);
+            a.port = std::stoi(*p);
         } catch (const std::exception&) {
-            throw Error(cat("MASTER_PORT='", p, "' is not a port number"));
+            throw Error(cat("MASTER_PORT='", *p, "' is not a port number"));
         }
         ST_CHECK(a.port > 0 && a.port < 65536, "MASTER_PORT=", a.port, " is not a port number");
     }

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 
 namespace sparsetron {
@@ -121,7 +122,7 @@ document.body.dataset.charts = String(made);
 
 std::string find_chartjs() {
     std::vector<std::string> tried;
-    if (const char* env = std::getenv("SPARSETRON_CHARTJS")) tried.emplace_back(env);
+    if (const auto env = env_value("SPARSETRON_CHARTJS")) tried.push_back(*env);
     tried.push_back(std::string(SPARSETRON_SOURCE_DIR) +
                     "/tools/report/node_modules/chart.js/dist/chart.umd.js");
     tried.emplace_back("tools/report/node_modules/chart.js/dist/chart.umd.js");

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
@@ -108,7 +109,7 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
 
 fs::path find_bundled_corpus() {
     std::vector<fs::path> candidates;
-    if (const char* env = std::getenv("SPARSETRON_DATA_DIR")) candidates.emplace_back(env);
+    if (const auto env = env_value("SPARSETRON_DATA_DIR")) candidates.emplace_back(*env);
     candidates.emplace_back(fs::path(SPARSETRON_SOURCE_DIR) / "data" / "corpus");
     candidates.emplace_back(fs::path("data") / "corpus");
     for (const auto& c : candidates)

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/fp8_scale_layout.h"
 
 namespace sparsetron::gpu {
@@ -95,26 +94,14 @@ void Fp8Weights::quantize(const ExecContext& ctx) const {
     for (const Weight& w : w_)
         cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kPow2, w.q, w.s,
                                         w.qt, w.st);
+    // One launch per layer and kind for the experts, their masters one stride apart
+    // (GpuMoe::check_layout holds the store to that at bind): a launch per expert leaves the SMs
+    // idle between small grids.
     for (const Experts& x : experts_) {
-        // One launch for the layer's experts, their masters one stride apart (GpuMoe::
-        // check_layout holds the store to that at bind): 16 launches of two waves each left the
-        // SMs idle between them (491.7 us for the proxy's 16 experts' W and W^T vs 182.4 us for
-        // one weight of the same size, 2026-12-02).
-        // SPARSETRON_FP8_EXPERT_QUANTIZE=per_expert: a launch per expert (the earlier form).
-        static const bool per_expert = cuda::env_is("SPARSETRON_FP8_EXPERT_QUANTIZE", "per_expert");
-        if (!per_expert) {
-            const float* m0 = P_[x.first].master;
-            const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;
-            cuda::quantize_fp8_128x128_both(ctx, m0, x.rows, x.cols, kPow2, x.q, x.s, x.qt, x.st,
-                                            x.count, ms);
-            continue;
-        }
-        const int64_t elems = x.rows * x.cols;
-        for (int64_t e = 0; e < x.count; ++e)
-            cuda::quantize_fp8_128x128_both(
-                ctx, P_[x.first + e * x.stride].master, x.rows, x.cols, kPow2, x.q + e * elems,
-                x.s + e * fp8::scales_128x128(x.rows, x.cols), x.qt + e * elems,
-                x.st + e * fp8::scales_128x128(x.cols, x.rows));
+        const float* m0 = P_[x.first].master;
+        const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;
+        cuda::quantize_fp8_128x128_both(ctx, m0, x.rows, x.cols, kPow2, x.q, x.s, x.qt, x.st,
+                                        x.count, ms);
     }
 }
 

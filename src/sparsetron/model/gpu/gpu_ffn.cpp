@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -16,27 +15,8 @@ constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
 namespace {
-// Under fp8_recipe: blockwise the routed experts' forward and input-gradient GEMMs run FP8 as the
-// dense linears do; SPARSETRON_FP8_EXPERTS=bf16 keeps them bf16 (the form before, to measure
-// against).
-bool fp8_experts_enabled() {
-    static const bool on = [] {
-        const char* e = std::getenv("SPARSETRON_FP8_EXPERTS");
-        return !(e && std::string(e) == "bf16");
-    }();
-    return on;
-}
 // Power-of-two scales for the expert rows, as Fp8Weights' (Transformer Engine's default).
 constexpr bool kPow2 = true;
-// SPARSETRON_FP8_PRODUCERS=separate: quantize each FP8 expert GEMM input in a pass of its own
-// (the form before the producers wrote FP8 copies, to measure against).
-bool fp8_producers_fused() {
-    static const bool on = [] {
-        const char* e = std::getenv("SPARSETRON_FP8_PRODUCERS");
-        return !(e && std::string(e) == "separate");
-    }();
-    return on;
-}
 }  // namespace
 
 GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
@@ -145,7 +125,9 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     if (W_ > 1) {
         B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
     }
-    if (fp8 && fp8_experts_enabled()) {
+    // Under fp8_recipe: blockwise the routed experts' forward and input-gradient GEMMs run FP8 as
+    // the dense linears do; the kernels that produce their inputs write the FP8 copies.
+    if (fp8) {
         fp8_ = fp8;
         for (int i = 0; i < 3; ++i)
             fp8_experts_[i] =
@@ -154,12 +136,8 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
         B.scratch(fp8_rows_[0], "fp8.moe.rows", {rows_ * wide});
         B.scratch(fp8_row_scales_[0], "fp8.moe.row_scales",
                   {std::max(fp8::scales_1x128(rows_, h_), fp8::scales_1x128(rows_, F_))});
-        fp8_fused_ = fp8_producers_fused();
-        if (fp8_fused_) {
-            B.scratch(fp8_rows_[1], "fp8.moe.rows_up_grad", {rows_ * F_});
-            B.scratch(fp8_row_scales_[1], "fp8.moe.row_scales_up_grad",
-                      {fp8::scales_1x128(rows_, F_)});
-        }
+        B.scratch(fp8_rows_[1], "fp8.moe.rows_up_grad", {rows_ * F_});
+        B.scratch(fp8_row_scales_[1], "fp8.moe.row_scales_up_grad", {fp8::scales_1x128(rows_, F_)});
     }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
@@ -242,10 +220,10 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
     // FP8 copies from the producers: the gathered rows (not under expert parallelism: they are
     // received), the SwiGLU output.
-    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_fused_ && W_ == 1);
+    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_ && W_ == 1);
     expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
     cuda::swiglu_forward(ctx, A.g, A.u, rows_, F_, A.act, rows8(0));
-    expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_fused_);
+    expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_ != nullptr);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
@@ -278,19 +256,19 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     // The grouped weight gradients write every local expert's gradient (zeros for one with no
     // rows) on the step's first write, and add after it: no memset of the experts' 4.5 GiB of
     // fp32 gradients in the proxy, and their old tiles are not read.
-    const bool add = expert_grads_added(ctx, L);
-    expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_fused_ && W_ == 1);
+    const bool add = expert_grads_added(L);
+    expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
                        A.act, down.grad, gs, add);
-    if (fp8_fused_)
+    if (fp8_)
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg_, du_, rows8(0), rows8(1));
     else
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
     bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
-    // Separate quantization reuses slot 0 (the gate's input gradient is consumed by then); slot 1
-    // exists only where the SwiGLU backward writes both copies.
-    expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_fused_, 0);
-    expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_fused_, fp8_fused_ ? 1 : 0);
+    // The SwiGLU backward wrote both FP8 copies: the gate's input gradient in slot 0, the up
+    // projection's in slot 1.
+    expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_ != nullptr, 0);
+    expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_ != nullptr, 1);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
                        A.xperm, gate.grad, gs, add);
     cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
@@ -333,7 +311,7 @@ void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, 
 }
 
 cuda::Fp8RowsOut GpuMoe::rows8(int slot) const {
-    if (!fp8_fused_) return {};
+    if (!fp8_) return {};
     return {fp8_rows_[slot], fp8_row_scales_[slot], rows_, kPow2};
 }
 
@@ -345,21 +323,11 @@ GpuMoe::Local GpuMoe::local(const Acts& A) const {
             0};
 }
 
-bool GpuMoe::expert_grads_added(const ExecContext& ctx, const Local& L) const {
-    static const bool zero_then_add = [] {
-        const char* e = std::getenv("SPARSETRON_EXPERT_GRADS");
-        return e && std::string(e) == "added";
-    }();
+bool GpuMoe::expert_grads_added(const Local& L) const {
     int adds = 0, total = 0;
     for (int64_t e = 0; e < L.experts; ++e)
         for (int64_t first : {gate0_, up0_, down0_}) {
-            const int64_t i = first + (L.first + e) * wstride_;
-            if (zero_then_add) {
-                P_.grad_to_add(ctx, i);  // zeroed before the step's first addition
-                ++adds;
-            } else {
-                adds += P_.grad_beta(i) != 0.f;
-            }
+            adds += P_.grad_beta(first + (L.first + e) * wstride_) != 0.f;
             ++total;
         }
     ST_ASSERT(adds == 0 || adds == total, "CUDA MoE: ", adds, " of ", total,

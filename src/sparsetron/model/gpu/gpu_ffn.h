@@ -85,9 +85,8 @@ class GpuMoe {
     Local local(const Acts& A) const;
     // Whether the local experts' weight gradients are added to (written before in this step, or
     // a step that only accumulates) rather than written; marks them written. One answer for all:
-    // one grouped GEMM writes every local expert's gradient. SPARSETRON_EXPERT_GRADS=added zeroes
-    // them and adds (the form before, to measure against).
-    bool expert_grads_added(const ExecContext& ctx, const Local& L) const;
+    // one grouped GEMM writes every local expert's gradient.
+    bool expert_grads_added(const Local& L) const;
     // One grouped GEMM over the local experts' matrices of one kind (`first`: gate0_, up0_ or
     // down0_, each W [N, K]): y (+)= x W^T, or with `dgrad` y (+)= x W. In FP8 (x quantized into
     // the layer's row scratch, then grouped_gemm_fp8 on W or its W^T copy) where the experts run
@@ -106,17 +105,14 @@ class GpuMoe {
     bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
     std::unique_ptr<GpuMlp> shared_;
-    // FP8 routed experts (fp8_recipe: blockwise; SPARSETRON_FP8_EXPERTS=bf16 keeps them bf16):
-    // the weights' handles (gate, up, down) and two slots of quantized GEMM input rows (slot 1:
-    // the up projection's input gradient, produced beside the gate's by the SwiGLU backward).
+    // FP8 routed experts (fp8_recipe: blockwise): the weights' handles (gate, up, down) and two
+    // slots of quantized GEMM input rows (slot 1: the up projection's input gradient, produced
+    // beside the gate's by the SwiGLU backward).
     const Fp8Weights* fp8_ = nullptr;
     int fp8_experts_[3] = {-1, -1, -1};
     uint8_t* fp8_rows_[2] = {nullptr, nullptr};
     float* fp8_row_scales_[2] = {nullptr, nullptr};
-    // Whether the kernels producing the expert GEMMs' inputs write their FP8 copies (fused;
-    // SPARSETRON_FP8_PRODUCERS=separate quantizes each input in a pass of its own instead).
-    bool fp8_fused_ = false;
-    // Slot `slot`'s rows as a producer's FP8 output (none where the producers are not fused).
+    // Slot `slot`'s rows as a producer's FP8 output (none when the experts run bf16).
     cuda::Fp8RowsOut rows8(int slot) const;
     bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;
     float *dgates_, *dlogits_;

@@ -2,24 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 namespace sparsetron::gpu {
 
 using cuda::gemm;
-
-namespace {
-// SPARSETRON_INDEXER_BWD=atomic: the scores backward as one kernel per query row with atomics
-// (before 2026-12-01), to measure the GEMM form against in one process.
-bool scores_backward_atomic() {
-    static const bool v = [] {
-        const char* e = std::getenv("SPARSETRON_INDEXER_BWD");
-        return e && std::string(e) == "atomic";
-    }();
-    return v;
-}
-}  // namespace
 
 GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
                        const std::string& p, int64_t tokens, int64_t key_tokens)
@@ -118,8 +105,8 @@ void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, cons
     // this rank's rows (dk32_).
     cuda::indexer_scores_backward(ctx, sparse, A.q, cp_ ? A.kkeys : A.k, A.w, dscore_, 1.f, A.topk,
                                   A.len, K_, in.row_begin, Tn, HI_, dI_, dw32_, dq_,
-                                  cp_ ? keys_f32_ : dk32_, in.loss_scales + 1, key_row, Tk_,
-                                  scores_backward_atomic() ? nullptr : dots_, dots_bytes_);
+                                  cp_ ? keys_f32_ : dk32_, in.loss_scales + 1, key_row, Tk_, dots_,
+                                  dots_bytes_);
     if (cp_) {
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::keys_to_rows(ctx, keys_f32_, dI_, in.key_row, Tn, dk32_);

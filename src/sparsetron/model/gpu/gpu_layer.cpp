@@ -1,20 +1,9 @@
 #include "sparsetron/model/gpu/gpu_layer.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 namespace sparsetron::gpu {
-
-namespace {
-bool teacher_recomputed() {
-    static const bool v = [] {
-        const char* e = std::getenv("SPARSETRON_INDEXER_TEACHER");
-        return e && std::string(e) == "recompute";
-    }();
-    return v;
-}
-}  // namespace
 
 GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
                    int64_t layer0, int64_t tokens, int64_t key_tokens)
@@ -25,13 +14,11 @@ GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuS
     post_norm_ = P.index(p + "post_attention_layernorm.weight");
     // The expanded DSA form keeps neither the latent keys that MTP's kv sharing hands on nor the
     // absorbed Q' / K' that a recomputing indexer-loss teacher reads. The sparse loss's teacher
-    // (Σ_h P per selected key) comes from the masked attention's probability kernel instead
-    // (SPARSETRON_INDEXER_TEACHER=recompute: from Q' / K' in a second pass, for A/B runs).
+    // (Σ_h P per selected key) comes from the masked attention's probability kernel instead.
     const bool teacher =
         c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
     const bool expanded_ok =
-        !(teacher && (teacher_recomputed() || !c.dsa_indexer_use_sparse_loss)) &&
-        !(is_mtp && c.dsa_mtp_index_kv_share);
+        !(teacher && !c.dsa_indexer_use_sparse_loss) && !(is_mtp && c.dsa_mtp_index_kv_share);
     attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(), key_tokens,
                                      expanded_ok);
     if (c.uses_dsa()) {
@@ -81,9 +68,7 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     // The sparse indexer loss's teacher from the masked attention's probabilities (no second
     // pass); the flash and gathered forms would pay one inside the attention, so the loss
     // recomputes it there.
-    float* prob_sum = run_indexer && prob_sum_ && attn_->gives_prob_sum() && !teacher_recomputed()
-                          ? prob_sum_
-                          : nullptr;
+    float* prob_sum = run_indexer && prob_sum_ && attn_->gives_prob_sum() ? prob_sum_ : nullptr;
     attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid, prob_sum);
     if (run_indexer) {
         ST_ASSERT(c_.dsa_indexer_loss_coeff == 0 || prob_sum || attn_->absorbed(), "DSA layer ",

@@ -58,13 +58,8 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
                                                          cp_ ? Tk_ : 0);
         // Masked dense GEMMs score every key of a chunk: per head over qk + v dims (expanded)
         // costs 0.47x the FLOPs of the latent's L + kr at the GLM-5 shape, so the expanded form
-        // is taken where the masked form is (docs/perf/2026-12-01-expanded-masked-attention.md).
-        // SPARSETRON_MLA_FORM=absorbed keeps the absorbed form (A/B runs).
-        static const bool absorbed_forced = [] {
-            const char* e = std::getenv("SPARSETRON_MLA_FORM");
-            return e && std::string(e) == "absorbed";
-        }();
-        sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0 && !absorbed_forced;
+        // is taken where the masked form is (docs/cuda.md, "Which kernel runs when").
+        sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0;
     }
     absorbed_ = dsa && !sparse_expanded_;
     if (dsa) {

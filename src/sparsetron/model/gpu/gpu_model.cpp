@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/ops.h"
 #include "sparsetron/parallel/cp_shard.h"
 
 namespace sparsetron::gpu {
@@ -101,9 +101,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
             // Depth k's targets are the main head's rows shifted by k + 1: without CP one block
             // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
             // under CP a depth's target rows are gathered from the group, a block per depth.
-            // SPARSETRON_TV_TARGETS=per_depth keeps the block per depth without CP (the earlier
-            // form: D head GEMMs per chunk instead of one), to measure the difference.
-            tv_per_depth_ = cp_ || cuda::env_is("SPARSETRON_TV_TARGETS", "per_depth");
+            tv_per_depth_ = cp_;
             B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
             B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
@@ -126,10 +124,8 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     input_words_ = (4 + 2 * D_ + (cp_ ? 1 : 0)) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
     if (fp8_) fp8_->declare();
-    // The FP8 weights without bf16 copies; SPARSETRON_FP8_BF16_COPIES=keep plans them anyway (the
-    // earlier form: an A/B of what they cost).
-    const bool keep = cuda::env_is("SPARSETRON_FP8_BF16_COPIES", "keep");
-    P_->plan_bf16(plan, fp8_ && !keep ? fp8_->params() : std::vector<int64_t>{});
+    // The weights read only through FP8 have no bf16 copies.
+    P_->plan_bf16(plan, fp8_ ? fp8_->params() : std::vector<int64_t>{});
 }
 
 void GpuModel::carve_inputs() {

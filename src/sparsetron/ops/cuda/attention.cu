@@ -1,8 +1,8 @@
 // Attention over a per-row list of keys, used twice: dense causal attention within documents
 // (keys begin..t, separate K and V heads) and sparse MQA over the indexer's top-k (one shared
 // latent row is both key and value). One block per (row, head); keys in chunks of kChunk with an
-// online softmax, so any key count fits. This is the correctness-first form: the performance issue
-// replaces it with tiled tensor-core kernels behind the same signatures.
+// online softmax, so any key count fits: the form for shapes no tensor-core kernel takes. The
+// dense attention (MLA's expanded form without DSA) always runs here.
 #include "sparsetron/ops/cuda/device_util.cuh"
 #include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/ops.h"
@@ -11,30 +11,16 @@ namespace sparsetron::cuda {
 
 namespace {
 
-// SPARSETRON_SPARSE_MQA=reference forces the per-head reference kernels (the harness compares
-// both implementations against the CPU).
-bool reference_forced() {
-    static const bool reference = env_is("SPARSETRON_SPARSE_MQA", "reference");
-    return reference;
+// The sparse MQA forms, as sparse_mqa_forward / sparse_mqa_backward below pick them: the
+// flash-style wgmma kernels where they apply (sm_90a, the GLM-5 shape), except that the masked
+// dense form's backward is the faster one when the model plans its workspace (the top-k a large
+// share of the context, docs/cuda.md); the tensor-core gathered kernels for other shapes they
+// support; the per-(row, head) kernels in this file for the rest.
+bool flash_forward_applies(int64_t heads, int64_t dqk, int64_t dv) {
+    return sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
-// The sparse MQA forward on the flash-style wgmma kernel where it applies (sm_90, the GLM-5 shape):
-// gathered or in place of the masked form. SPARSETRON_SPARSE_MQA=noflash keeps the forms before
-// it (measuring them against it in one process).
-bool flash_forward_chosen(int64_t heads, int64_t dqk, int64_t dv) {
-    static const bool off = env_is("SPARSETRON_SPARSE_MQA", "noflash");
-    return !off && !reference_forced() && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
-}
-// The backward on the flash-style wgmma kernel where it applies and no probabilities were kept:
-// in place of the gathered kernels (32K: 253 TFLOP/s against 21), and in place of the masked form
-// only with SPARSETRON_SPARSE_MQA_BWD=flash (at 4K the masked backward is faster: 7.4 ms
-// recomputing, 5.0 from kept probabilities, against 9.0; docs/perf/2026-12-01-sparse-mqa-flash-
-// forward.md). SPARSETRON_SPARSE_MQA=noflash turns it off with the forward.
-bool flash_backward_chosen(int64_t heads, int64_t dqk, int64_t dv, bool masked_available) {
-    static const bool forced = env_is("SPARSETRON_SPARSE_MQA_BWD", "flash");
-    return (forced || !masked_available) && flash_forward_chosen(heads, dqk, dv);
-}
-bool use_tensor_cores(int64_t heads, int64_t dqk, int64_t dv) {
-    return !reference_forced() && sparse_mqa_tc_supported(heads, dqk, dv);
+bool flash_backward_applies(int64_t heads, int64_t dqk, int64_t dv, bool masked_available) {
+    return !masked_available && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
 }
 
 constexpr int kThreads = 128;
@@ -247,8 +233,7 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 }
 
 namespace {
-// Saved probabilities belong to the masked form (with the reference kernels forced, the forward
-// and the backward both ignore them).
+// Saved probabilities belong to the masked form.
 void check_saved_probs(const void* saved_probs, const void* workspace) {
     ST_CHECK(!saved_probs || workspace,
              "sparse MQA: saved probabilities need the masked form's workspace");
@@ -265,14 +250,14 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
     check_saved_probs(saved_probs, workspace);
     // The flash forward also replaces the masked one, except when the backward wants the
     // probabilities kept: the backward then recomputes P from this lse.
-    if (flash_forward_chosen(heads, dqk, dv) && !saved_probs)
+    if (flash_forward_applies(heads, dqk, dv) && !saved_probs)
         return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                         out, lse, prob_sum);
-    if (workspace && !reference_forced())
+    if (workspace)
         return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, prob_sum, workspace, workspace_bytes,
                                          key_rows, saved_probs);
-    if (use_tensor_cores(heads, dqk, dv))
+    if (sparse_mqa_tc_supported(heads, dqk, dv))
         return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                      out, lse, prob_sum);
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};
@@ -292,10 +277,10 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
     check_dims(dqk, dv);
     if (tokens == 0) return;
     check_saved_probs(saved_probs, workspace);
-    if (flash_backward_chosen(heads, dqk, dv, workspace != nullptr) && !saved_probs)
+    if (flash_backward_applies(heads, dqk, dv, workspace != nullptr) && !saved_probs)
         return sparse_mqa_backward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                          scale, out, lse, dout, dq, dkv, key_rows);
-    if (workspace && !reference_forced())
+    if (workspace)
         return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
                                           scale, out, lse, dout, dq, dkv, workspace,
                                           workspace_bytes, key_rows, saved_probs);
@@ -303,7 +288,7 @@ void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, 
     // `tokens` rows and accumulate; zero them all here.
     if (key_rows > tokens)
         ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
-    if (use_tensor_cores(heads, dqk, dv))
+    if (sparse_mqa_tc_supported(heads, dqk, dv))
         return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
                                       out, lse, dout, dq, dkv);
     cudaStream_t st_ = stream_of(ctx);

@@ -376,24 +376,14 @@ __global__ void __launch_bounds__(kColThreads)
     if (quarter == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
 }
 
-// SPARSETRON_FP8_QUANTIZE=v1 keeps the earlier kernels (the warp-per-block activation form, the
-// padded-tile weight and column forms) to measure against.
-bool v1_quantizers() {
-    static const bool on = [] {
-        const char* e = std::getenv("SPARSETRON_FP8_QUANTIZE");
-        return e && std::string(e) == "v1";
-    }();
-    return on;
-}
-
 }  // namespace
 
 void quantize_fp8_1x128(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
                         int64_t ld, bool pow2, uint8_t* q, float* scale_inv) {
     if (rows == 0 || cols == 0) return;
     const int64_t units = rows * ((cols + kBlock - 1) / kBlock);
-    if (!v1_quantizers() && cols % 8 == 0 && ld % 8 == 0 &&
-        reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    if (cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+        reinterpret_cast<uintptr_t>(q) % 8 == 0) {
         const int64_t per_block = kWideThreads / 16 * kWideUnits;
         quantize_1x128_wide_kernel<<<unsigned((units + per_block - 1) / per_block), kWideThreads, 0,
                                      stream_of(ctx)>>>(dev(x), rows, cols, ld, pow2, q, scale_inv);
@@ -424,7 +414,7 @@ void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t r
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kBlock - 1) / kBlock;
     // Every matrix of a batch keeps the alignment of the first: rows x cols is a multiple of
     // 32 x 4 = 128 bytes of codes, and the masters' stride a multiple of four floats.
-    if (!v1_quantizers() && rows % 32 == 0 && cols % 4 == 0 && w_stride % 4 == 0 &&
+    if (rows % 32 == 0 && cols % 4 == 0 && w_stride % 4 == 0 &&
         reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
         reinterpret_cast<uintptr_t>(qt) % 16 == 0) {
         ST_CHECK(count <= 65535, "quantize_fp8_128x128_both: ", count,
@@ -460,7 +450,7 @@ void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t r
     if (rows == 0 || cols == 0) return;
     const int64_t rb = (rows + kBlock - 1) / kBlock, cb = (cols + kColTile - 1) / kColTile;
     const bool vec = cols % 8 == 0 && ld % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    if (!v1_quantizers() && vec && rows % 32 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0) {
+    if (vec && rows % 32 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0) {
         quantize_1x128_columns_tiled_kernel<<<dim3(unsigned(rb), unsigned(cb)), kColThreads, 0,
                                               stream_of(ctx)>>>(dev(x), rows, cols, ld, pow2, q,
                                                                 scale_inv);

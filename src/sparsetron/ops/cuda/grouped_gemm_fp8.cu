@@ -13,14 +13,11 @@
 //     register block that is then scaled (x's row scale times W's block scale) and added to the
 //     tile's fp32 sum in registers ("promotion", as DeepGEMM does). That takes more than one
 //     accumulator block, hence 128-wide tiles (64 registers each) rather than bf16's 256.
-//   - The default (overlapped) form issues the next slice's MMAs into a second register block
-//     before it promotes this one; the serial form waits for each slice's MMAs, then promotes,
-//     and relies on the other warpgroup's MMAs to keep the tensor cores busy meanwhile
-//     (docs/perf/2026-12-02-fp8-routed-experts.md: 955 vs 840 TFLOP/s).
+//   - A consumer issues the next slice's MMAs into a second register block before it promotes
+//     this one, so its own MMAs keep the tensor cores busy during the promotion (waiting for each
+//     slice before promoting leaves that to the other warpgroup, and measured slower).
 // wgmma reads e4m3 operands K-major only: both operands here have k contiguous (the input
 // gradient runs the same kernel on W^T copies, Fp8Weights).
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -43,8 +40,6 @@ constexpr int kStageBytes = 2 * kTileBytes;
 // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
 constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 1024 + 2 * kStages * 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-// The form grouped_gemm_fp8 runs unless told (SPARSETRON_FP8_GROUPED=serial|overlap).
-constexpr Fp8GroupedForm kDefaultForm = Fp8GroupedForm::Overlap;
 using None = std::integral_constant<int, 0>;  // wgmma groups left running by a wait
 using One = std::integral_constant<int, 1>;
 
@@ -75,10 +70,8 @@ struct Scales {
     int64_t w_ld;  // round4(blocks(k)): one 128-row block of W's scales
 };
 
-// kOverlap: a consumer warpgroup issues slice s + 1's MMAs into a second register block before
-// it promotes slice s (the serial form waits for each slice's MMAs, then promotes, and relies on
-// the other warpgroup's MMAs to keep the tensor cores busy meanwhile).
-template <bool kOverlap>
+// A consumer warpgroup issues slice s + 1's MMAs into a second register block before it promotes
+// slice s.
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_fp8_kernel(const int32_t* offsets, int64_t experts, int64_t n, int64_t k,
                             int64_t row_capacity, Scales sc, bool accumulate, bf* y,
@@ -123,9 +116,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     int64_t e, r0, rows, i0, j0;
     if (threadIdx.x < 128) {
-        // The overlapped form's consumers hold three register blocks: the producer gives its
-        // registers up (40 + 2 x 232 per thread of each warpgroup: the SM's 64K).
-        if constexpr (kOverlap) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        // The consumers hold three register blocks: the producer gives its registers up (40 + 2 x
+        // 232 per thread of each warpgroup: the SM's 64K).
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x != 0) return;  // one thread feeds the ring
         tma_prefetch_map(&map_a), tma_prefetch_map(&map_b);
         uint32_t it = 0;
@@ -141,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return;
     }
     const int wg = (threadIdx.x - 128) >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    if constexpr (kOverlap) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     uint32_t it = 0;  // slices consumed before this tile
     float acc0[64], acc1[64], sum[64];
 #pragma unroll
@@ -189,48 +182,41 @@ __global__ void __launch_bounds__(kThreads, 1)
                 sum[4 * j + 3] += a[4 * j + 3] * s1;
             }
         };
-        if constexpr (kOverlap) {
-            // The next slice's MMAs run while this one's are promoted: two register blocks. On
-            // entry to each round acc0's group (slice sl) is the one in flight.
-            issue(acc0, 0);
-            int64_t sl = 0;
-            for (; sl + 2 < slices; sl += 2) {
-                issue(acc1, sl + 1);
-                finish(One{}, acc0, sl);
-                issue(acc0, sl + 2);
-                finish(One{}, acc1, sl + 1);
-            }
-            if (sl + 1 < slices) {
-                issue(acc1, sl + 1);
-                finish(One{}, acc0, sl);
-                finish(None{}, acc1, sl + 1);
-            } else {
-                finish(None{}, acc0, sl);
-            }
+        // The next slice's MMAs run while this one's are promoted: two register blocks. On entry
+        // to each round acc0's group (slice sl) is the one in flight.
+        issue(acc0, 0);
+        int64_t sl = 0;
+        for (; sl + 2 < slices; sl += 2) {
+            issue(acc1, sl + 1);
+            finish(One{}, acc0, sl);
+            issue(acc0, sl + 2);
+            finish(One{}, acc1, sl + 1);
+        }
+        if (sl + 1 < slices) {
+            issue(acc1, sl + 1);
+            finish(One{}, acc0, sl);
+            finish(None{}, acc1, sl + 1);
         } else {
-            for (int64_t sl = 0; sl < slices; ++sl) {
-                issue(acc0, sl);
-                finish(None{}, acc0, sl);
-            }
+            finish(None{}, acc0, sl);
         }
         it += uint32_t(slices);
         const Problem p{r0, rows, n, k, 0, 0, nullptr, nullptr};
         store_acc<GroupedGemm::RowsTimesWeightT>(sum, p, e, 0, i0 + wg * 64, j0, accumulate, y);
     }
 #else
-    __trap();  // dispatched only on sm_90a (grouped_gemm_wgmma_available)
+    __trap();  // dispatched only on sm_90a (has_sm90a)
 #endif
 }
 
 }  // namespace
 
 bool grouped_gemm_fp8_available() {
-    return grouped_gemm_wgmma_available();
+    return has_sm90a();
 }
 
 void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
                       int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate, int blocks, Fp8GroupedForm form) {
+                      Fp8Operand w, bf16* y, bool accumulate, int blocks) {
     ST_CHECK(grouped_gemm_fp8_available(),
              "the FP8 grouped expert GEMM needs an sm_90a GPU (Hopper's e4m3 wgmma)");
     ST_CHECK(!x.blocks_128x128 && w.blocks_128x128,
@@ -239,21 +225,8 @@ void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t ex
              ") must be a multiple of 16 and n (", n, ") of 8");
     const int64_t units = experts * ((max_rows + kBM - 1) / kBM) * ((n + kBN - 1) / kBN);
     if (units == 0 || row_capacity == 0 || k == 0) return;
-    if (form == Fp8GroupedForm::Default) {
-        static const Fp8GroupedForm chosen = [] {
-            const char* e = std::getenv("SPARSETRON_FP8_GROUPED");
-            if (e && std::string(e) == "serial") return Fp8GroupedForm::Serial;
-            if (e && std::string(e) == "overlap") return Fp8GroupedForm::Overlap;
-            return kDefaultForm;
-        }();
-        form = chosen;
-    }
-    const bool overlap = form == Fp8GroupedForm::Overlap;
-    auto* kernel = overlap ? grouped_gemm_fp8_kernel<true> : grouped_gemm_fp8_kernel<false>;
-    if (overlap)
-        allow_dynamic_smem<grouped_gemm_fp8_kernel<true>>(kSmemBytes);
-    else
-        allow_dynamic_smem<grouped_gemm_fp8_kernel<false>>(kSmemBytes);
+    auto* kernel = grouped_gemm_fp8_kernel;
+    allow_dynamic_smem<grouped_gemm_fp8_kernel>(kSmemBytes);
     // x [row_capacity, k] and the experts' W [E][n][k], bytes; boxes of 128 x 128.
     const CUtensorMap ma = u8_tensor_map(x.q, {k, row_capacity}, {k}, {kBK, kBM});
     const CUtensorMap mb = u8_tensor_map(w.q, {k, n, experts}, {k, n * k}, {kBK, kBN, 1});

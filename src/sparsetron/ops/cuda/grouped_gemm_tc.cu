@@ -1,7 +1,7 @@
 // Grouped expert GEMM on tensor cores with a cp.async pipeline: 128x128 output tiles, 32-deep
 // reduction slices, 3 shared-memory stages, 4 warps of 64x64 each (bf16 WMMA, fp32 accumulation;
-// a 64x64 warp tile loads 8 fragments per 16 MMAs). Measured against other tile configurations
-// by the perf harness (grouped_gemm_tc_config); docs/perf/2026-11-30-cuda-backend-speedups.md.
+// a 64x64 warp tile loads 8 fragments per 16 MMAs): the grouped GEMM on GPUs without sm_90a's
+// wgmma.
 // Expert e's row range [offsets[e], offsets[e+1]) is read from device memory; tiles past it exit,
 // reductions over rows (weight gradients) zero-fill past it, so nothing is decided on the host.
 //
@@ -10,10 +10,9 @@
 //   RowsTimesWeight   A [rows, K] K-contiguous,   B = W_e [K, N] N-contiguous
 //   WeightGrad        A = X_e^T (X [rows, M]),    B = Y_e [rows, N]: both reduction-major
 // Needs every leading dimension and expert stride to be a multiple of 8 elements (16 bytes);
-// grouped_gemm() falls back to the simple kernel otherwise.
+// grouped_gemm() runs the simple kernel otherwise.
 #include <mma.h>
 
-#include <string>
 #include <type_traits>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -45,9 +44,8 @@ struct Cfg {
                                             ? Stages* StageElems * sizeof(bf)
                                             : TM* EpilogueLd * sizeof(float);
 };
-// The configuration the engine uses: the fastest of grouped_gemm_tc_config's on the H200 at the
-// proxy's shapes (2026-11-30: 291 / 250 / 214 TFLOP/s for the three kinds against 223 / 168 / 185
-// for 8 warps of 64x32).
+// Four warps of 64x64, 32-deep slices, three stages: the fastest of the tile configurations tried
+// at the proxy's shapes (docs/perf/log/).
 using Default = Cfg<2, 2, 32, 3>;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -250,61 +248,17 @@ void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64
 
 }  // namespace
 
-bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
-                               const void* b, const void* c) {
+bool grouped_gemm_wmma_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
+                                 const void* b, const void* c) {
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     return n % 8 == 0 && k % 8 == 0 && weight_stride % 8 == 0 && aligned(a) && aligned(b) &&
            aligned(c);
 }
 
-void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                     const bf16* a, const bf16* b, void* c, int64_t weight_stride,
-                     bool accumulate) {
-    if (grouped_gemm_wgmma_available())
-        grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
-                           weight_stride, accumulate);
-    else
-        run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                     accumulate);
-}
-
-int grouped_gemm_tc_configs() {
-    return (grouped_gemm_wgmma_available() ? grouped_gemm_wgmma_configs() : 0) + 5;
-}
-
-std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
-                                   const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                   int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                   const bf16* b, void* c, bool accumulate) {
-    // On Hopper the wgmma kernel's configurations come first (0 is the engine's), then WMMA's.
-    if (grouped_gemm_wgmma_available()) {
-        if (config < grouped_gemm_wgmma_configs())
-            return grouped_gemm_wgmma_config(ctx, config, kind, offsets, experts, max_rows,
-                                             row_capacity, n, k, a, b, c, accumulate);
-        config -= grouped_gemm_wgmma_configs();
-    }
-    switch (config) {
-        case 0:
-            run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k, accumulate);
-            return "WMMA 4 warps 64x64, k32, 3 stages (the engine's elsewhere)";
-        case 1:
-            run<Cfg<2, 2, 32, 4>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  accumulate);
-            return "4 warps 64x64, k32, 4 stages";
-        case 2:
-            run<Cfg<2, 2, 64, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  accumulate);
-            return "4 warps 64x64, k64, 3 stages";
-        case 3:
-            run<Cfg<2, 4, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  accumulate);
-            return "8 warps 64x32, k32, 3 stages";
-        default:
-            run<Cfg<4, 2, 32, 3>>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, n * k,
-                                  accumulate);
-            return "8 warps 32x64, k32, 3 stages";
-    }
+void grouped_gemm_wmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                       int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                       const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
+    run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride, accumulate);
 }
 
 }  // namespace sparsetron::cuda

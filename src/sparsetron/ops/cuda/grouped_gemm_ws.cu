@@ -10,15 +10,14 @@
 // their slice's mbarrier, and the producer refills a stage as soon as both consumers release it,
 // including the next tile's first stages while the consumers store this tile.
 //
-// The engine runs the TMA feed with B multicast to clusters of two, bulk tensor stores of the
-// bf16 outputs and bulk tensor reduce-adds (or, for a step's first weight gradient, stores) of the
-// weight gradient's fp32 tiles (configuration 8: WsWideTmaPairReduce; the others are kept for the
-// perf harness and SPARSETRON_GROUPED_GEMM, docs/perf/2026-12-01-grouped-gemm-tma.md).
+// Operands arrive by TMA bulk tensor copies, B multicast to clusters of two; the bf16 outputs
+// leave by bulk tensor stores and the weight gradient's fp32 tiles by bulk tensor reduce-adds
+// (or, for a step's first weight gradient, stores).
 //
 // A weight gradient that is written, not added to (accumulate false), also needs zeros for the
 // experts with no rows, which the tile walk skips: zero_empty_experts_kernel, before the GEMM.
 //
-// TMA feed, per stage s (fill number f = it, round f / Stages):
+// Per stage s (fill number f = it, round f / Stages):
 //   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],
 //     arrive on full[s] expecting the stage's bytes, issue the bulk tensor copies (a 2-d or 3-d
 //     box per operand, 64-wide atoms for the MN-major ones) that complete on full[s] as bytes.
@@ -33,13 +32,6 @@
 // Clusters of two: the pair takes vertically adjacent tiles (the same B columns, the next 128
 // rows); each block loads its own A and half of B, multicast to both blocks' stages, so a block
 // reads 32 of the stage's 48 KiB from L2.
-//
-// The cp.async feed (the engine's before TMA, kept to measure against): 128 producer threads copy
-// 16-byte pieces; copies past an expert's rows / a matrix edge zero-fill (cp.async with a 0-byte
-// source). Each thread waits for its own copies `Lag` fills later, fences the async proxy and
-// arrives on full[s']. Removed after measurement (docs/perf/2026-12-01-grouped-gemm-tma.md): a
-// 128 x 128 tile with 6 stages, a feed whose stages the copies' own arrivals published, and the
-// blocked two-blocks-per-SM kernels of grouped_gemm_wgmma.cu.
 #include <string>
 
 #include "sparsetron/ops/cuda/device_util.cuh"
@@ -58,48 +50,22 @@ constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 constexpr int kProducerThreads = 128, kConsumerThreads = 256;
 static_assert(kProducerThreads + kConsumerThreads == kThreads, "one producer, two consumers");
 
-// How the producer fills a stage and publishes it:
-//   ProducerWaits: 128 threads cp.async; each waits for its own copies `Lag` fills later, fences
-//     and arrives, so a stage is published only when the producer gets back to it.
-//   Tma: bulk tensor copies issued by one thread (see the top of this file).
-enum class Feed { ProducerWaits, Tma };
-
-// Tile width BN (128 or 256), pipeline stages, feed, and blocks per cluster: with 2, the pair
-// takes vertically adjacent tiles (the same columns of B) and each block loads half of the B tile,
-// multicast to both (the TMA feed only), so each block reads a third fewer bytes from L2.
-// TmaStore_: bf16 outputs (not added to) leave through shared memory by bulk tensor stores, a
-// consumer warpgroup's 64 x 128 half-tile at a time (16 KiB each), where the warpgroup's rows are
-// all the expert's; the st.global epilogue writes 16-byte half-sectors, 8 rows per instruction.
-// TmaReduce_ (with TmaStore_): the weight gradient's fp32 adds leave the same way, as bulk tensor
-// reduce-adds of 64 x 64 fp32 quarters, instead of the consumers' red.global.add pairs.
-template <int BN_, int Stages_, Feed Feed_ = Feed::ProducerWaits, int Cluster_ = 1,
-          bool TmaStore_ = false, bool TmaReduce_ = false>
-struct WsCfg {
-    static constexpr int BN = BN_, Stages = Stages_, Cluster = Cluster_;
-    static constexpr Feed kFeed = Feed_;
-    static constexpr bool TmaStore = TmaStore_, TmaReduce = TmaReduce_;
-    static_assert(!TmaReduce || TmaStore, "the reductions use the stores' staging");
-    static_assert(Cluster == 1 || (Cluster == 2 && Feed_ == Feed::Tma), "multicast is by TMA");
-    static_assert(!TmaStore || (Feed_ == Feed::Tma && BN_ == 256), "TMA store: the wide tile");
-    // Fills a producer thread keeps in flight before publishing the oldest: at most Stages - 2,
-    // or the producer would wait for a stage the consumers release only after that fill.
-    static constexpr int Lag = Stages - 2;
-    static constexpr int ABytes = BM * BK * 2, BBytes = BN * BK * 2;
-    static constexpr int StageBytes = ABytes + BBytes;
-    static constexpr int StagingBytes = TmaStore ? 2 * 16384 : 0;  // per consumer warpgroup
-    // Stages, the store staging, alignment slack for the 1024-byte swizzle period, the full and
-    // empty mbarriers.
-    static constexpr size_t SmemBytes =
-        size_t(Stages) * StageBytes + StagingBytes + 1024 + 2 * Stages * 8;
-    static_assert(kFeed != Feed::ProducerWaits || Lag >= 1,
-                  "a producer that waits needs three stages or more");
-    static_assert(SmemBytes <= 227 * 1024, "shared memory per block");
-};
-using WsWide = WsCfg<256, 4>;                                  // 128 x 256 tiles, 4 x 48 KiB stages
-using WsWideTma = WsCfg<256, 4, Feed::Tma>;                    // WsWide, bulk tensor copies
-using WsWideTmaPair = WsCfg<256, 4, Feed::Tma, 2>;             // WsWideTma, B multicast to a pair
-using WsWideTmaPairStore = WsCfg<256, 4, Feed::Tma, 2, true>;  // ... and bulk tensor stores
-using WsWideTmaPairReduce = WsCfg<256, 4, Feed::Tma, 2, true, true>;  // ... and reduce-adds
+// 128 x 256 output tiles (kBN), four 48 KiB stages, clusters of two blocks: the pair takes
+// vertically adjacent tiles (the same columns of B) and each block loads half of the B tile,
+// multicast to both, so each block reads a third fewer bytes from L2. bf16 outputs (not added to)
+// leave through shared memory by bulk tensor stores, a consumer warpgroup's 64 x 128 half-tile at
+// a time (16 KiB each), where the warpgroup's rows are all the expert's (otherwise the st.global
+// epilogue, 16-byte half-sectors, 8 rows per instruction); the weight gradient's fp32 tiles leave
+// the same way as bulk tensor reduce-adds (or stores) of 64 x 64 quarters.
+constexpr int kBN = 256, kStages = 4, kCluster = 2;
+constexpr int kABytes = BM * BK * 2, kBBytes = kBN * BK * 2;
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kStagingBytes = 2 * 16384;  // per consumer warpgroup
+// Stages, the store staging, alignment slack for the 1024-byte swizzle period, the full and empty
+// mbarriers.
+constexpr size_t kSmemBytes =
+    size_t(kStages) * kStageBytes + kStagingBytes + 1024 + 2 * kStages * 8;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 // Output tiles of expert e in (row tile, column tile) order, experts in order: consecutive tiles
 // (the ones the blocks hold at the same time) share A's rows and the expert's weights in L2.
@@ -117,7 +83,7 @@ struct TileSpace {
 // K-major tile, atoms of an MN-major one) for every block of the cluster; where the blocks' tiles
 // are of different experts (`shared` false: x W^T and dy W, see the walk), each block loads
 // every part of its own B instead, into its own tile only.
-template <GroupedGemm kKind, int BN, int kCluster>
+template <GroupedGemm kKind>
 __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtensorMap* ma,
                                           const CUtensorMap* mb, int64_t r0, int64_t e, int64_t i0,
                                           int64_t j0, int64_t k0, uint32_t bar, uint32_t rank,
@@ -125,10 +91,10 @@ __device__ __forceinline__ void tma_stage(uint32_t ta, uint32_t tb, const CUtens
     using namespace wgmma;
     const int32_t ex = int32_t(e), kk = int32_t(k0);
     constexpr uint16_t kAll = uint16_t((1u << kCluster) - 1u);
-    // One box of B into this block's tile (kCluster 1, or a tile of its own) or every block's
-    // (multicast).
+    constexpr int BN = kBN;
+    // One box of B into this block's tile (a tile of its own) or every block's (multicast).
     auto load_b = [&](uint32_t dst, int32_t c0, int32_t c1, auto... c2) {
-        if (kCluster == 1 || !shared)
+        if (!shared)
             tma_load(dst, mb, c0, c1, c2..., bar);
         else
             tma_load_multicast(dst, mb, c0, c1, c2..., bar, kAll);
@@ -285,7 +251,7 @@ __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUte
 }
 #endif
 
-template <class C, GroupedGemm kKind>
+template <GroupedGemm kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_ws_kernel(const int32_t* offsets, int64_t experts, TileSpace space, int64_t n,
                            int64_t k, int64_t wstride, bool accumulate, const bf* a, const bf* b,
@@ -294,17 +260,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                            const __grid_constant__ CUtensorMap map_c) {
 #ifdef ST_WGMMA
     using namespace wgmma;
-    constexpr int BN = C::BN, kStages = C::Stages, kLag = C::Lag;
-    constexpr bool kTma = C::kFeed == Feed::Tma;
-    constexpr int kCluster = C::Cluster, kUnitRows = kCluster * BM;  // a cluster's tile rows
-    constexpr bool kAK = a_k_major<kKind>, kBK = b_k_major<kKind>;
+    constexpr int BN = kBN, kUnitRows = kCluster * BM;  // a cluster's tile rows
     extern __shared__ unsigned char smem_raw[];
     const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
     const uint32_t base = (raw + 1023u) & ~1023u;  // the swizzle pattern repeats every 1024 B
-    auto tile_a = [&](int s) { return base + uint32_t(s * C::StageBytes); };
-    auto tile_b = [&](int s) { return base + uint32_t(s * C::StageBytes + C::ABytes); };
-    const uint32_t staging = base + uint32_t(kStages * C::StageBytes);  // TmaStore only
-    const uint32_t bars = staging + uint32_t(C::StagingBytes);
+    auto tile_a = [&](int s) { return base + uint32_t(s * kStageBytes); };
+    auto tile_b = [&](int s) { return base + uint32_t(s * kStageBytes + kABytes); };
+    const uint32_t staging = base + uint32_t(kStages * kStageBytes);
+    const uint32_t bars = staging + uint32_t(kStagingBytes);
     auto full = [&](uint32_t s) { return bars + 8u * s; };
     auto empty = [&](uint32_t s) { return bars + 8u * (kStages + s); };
     // A stage is released by each consumer warp of every block in the cluster (its B part went
@@ -312,19 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr uint32_t kReleases = kCluster * kConsumerThreads / 32;
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full(s), kTma ? 1 : kProducerThreads);
+            mbar_init(full(s), 1);
             mbar_init(empty(s), kReleases);
         }
-        if constexpr (kCluster > 1)  // visible to the other blocks' arrivals and multicasts
-            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        // Visible to the other block's arrivals and multicasts.
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    uint32_t rank = 0;
-    if constexpr (kCluster > 1) {
-        rank = cluster_rank();
-        cluster_sync();
-    } else {
-        __syncthreads();
-    }
+    const uint32_t rank = cluster_rank();
+    cluster_sync();
     // Clusters walk the tiles in units of kCluster vertically adjacent tiles.
     const int64_t unit0 = blockIdx.x / kCluster, units = gridDim.x / kCluster;
 
@@ -333,13 +291,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // counts differ by at most one however the routing is skewed. The walk only moves forward:
     // `w_e` is the current expert and `w_first` the linear index of its first tile (unit).
     //
-    // x W^T and dy W in clusters of two (kPairsAcross): a unit is two consecutive 128-row tiles
+    // x W^T and dy W (kPairsAcross): a unit is two consecutive 128-row tiles
     // of the experts' row tiles in order, of one expert or of two, so an expert whose rows end in
     // the first half of a 256-row unit leaves no empty tile (training's routing: 10-15% of the
     // time went to them). Both tiles of one expert share B (multicast); tiles of two experts
     // each load their own (`shared` false). An odd last tile pairs with an empty one past its
     // expert's rows (nothing stored). `w_first` then counts row tiles, not units.
-    constexpr bool kPairsAcross = kCluster == 2 && kKind != GroupedGemm::WeightGrad;
+    constexpr bool kPairsAcross = kKind != GroupedGemm::WeightGrad;
     int64_t w_e = 0, w_first = 0;
     auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p,
                          bool& shared) {
@@ -405,7 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return it;
     };
 
-    if (kTma && threadIdx.x < kProducerThreads) {
+    if (threadIdx.x < kProducerThreads) {
         // One warp feeds the ring; the other producer warps only meet the cluster at the end.
         if (threadIdx.x < 32) {
             const int lane = threadIdx.x;
@@ -413,42 +371,20 @@ __global__ void __launch_bounds__(kThreads, 1)
             fill_ring([&](uint32_t s, uint32_t, const Problem& p, int64_t e, int64_t i0, int64_t j0,
                           int64_t k0, bool shared) {
                 if (lane == 0) {
-                    mbar_arrive_expect_tx(full(s), uint32_t(C::StageBytes));
-                    tma_stage<kKind, BN, kCluster>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b,
-                                                   p.r0, e, i0, j0, k0, full(s), rank, shared);
+                    mbar_arrive_expect_tx(full(s), uint32_t(kStageBytes));
+                    tma_stage<kKind>(tile_a(int(s)), tile_b(int(s)), &map_a, &map_b, p.r0, e, i0,
+                                     j0, k0, full(s), rank, shared);
                 }
                 __syncwarp();
             });
         }
-    } else if (threadIdx.x < kProducerThreads) {
-        const int tid = threadIdx.x;
-        const uint32_t it = fill_ring([&](uint32_t s, uint32_t f, const Problem& p, int64_t,
-                                          int64_t i0, int64_t j0, int64_t k0, bool) {
-            load_tile_walk<kAK, BM, kProducerThreads>(tile_a(int(s)), p.A, p.lda, i0, p.M, k0, p.K,
-                                                      tid);
-            load_tile_walk<kBK, BN, kProducerThreads>(tile_b(int(s)), p.B, p.ldb, j0, p.N, k0, p.K,
-                                                      tid);
-            asm volatile("cp.async.commit_group;\n" ::);
-            if (f >= uint32_t(kLag)) {
-                asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag));
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                mbar_arrive(full((f - kLag) % kStages));
-            }
-        });
-        asm volatile("cp.async.wait_group 0;\n" ::);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        for (uint32_t f = it >= uint32_t(kLag) ? it - kLag : 0; f < it; ++f)
-            mbar_arrive(full(f % kStages));
     } else {
         const int wg = (threadIdx.x - kProducerThreads) >> 7;  // this warpgroup's 64 rows
         // Stage s read by this warp (after its wgmma wait): one arrival per warp on the stage's
         // empty barrier in every block of the cluster.
         auto release = [&](uint32_t s) {
             if ((threadIdx.x & 31) != 0) return;
-            if constexpr (kCluster == 1)
-                mbar_arrive(empty(s));
-            else
-                for (uint32_t r = 0; r < uint32_t(kCluster); ++r) mbar_arrive_cluster(empty(s), r);
+            for (uint32_t r = 0; r < uint32_t(kCluster); ++r) mbar_arrive_cluster(empty(s), r);
         };
         uint32_t it = 0;  // slices consumed so far, across tiles
         int64_t e, i0, j0;
@@ -462,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int64_t sl = 0; sl < slices; ++sl, ++it) {
                 const uint32_t s = it % kStages;
                 mbar_wait(full(s), (it / kStages) & 1u);
-                if constexpr (kTma && kKind == GroupedGemm::WeightGrad) {
+                if constexpr (kKind == GroupedGemm::WeightGrad) {
                     // An expert's last, partial slice of rows: the boxes read on past them.
                     const int64_t valid = p.K - sl * BK;
                     if (valid < BK) zero_tail_rows<BN>(tile_a(int(s)), tile_b(int(s)), int(valid));
@@ -476,27 +412,24 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release((it - 1) % kStages);
-            constexpr bool kBf16Out = kKind != GroupedGemm::WeightGrad;
-            if constexpr (C::TmaReduce && !kBf16Out && BN == 256) {
+            if constexpr (kKind == GroupedGemm::WeightGrad) {
                 reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0, e,
                                accumulate);
-            } else if (C::TmaStore && kBf16Out && !accumulate && i0 + wg * 64 + 64 <= p.M) {
-                if constexpr (C::TmaStore && BN == 256)
-                    store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
-                                  p.r0 + i0 + wg * 64, j0);
+            } else if (!accumulate && i0 + wg * 64 + 64 <= p.M) {
+                store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, p.r0 + i0 + wg * 64,
+                              j0);
             } else {
                 store_acc<kKind>(d, p, e, wstride, i0 + wg * 64, j0, accumulate, c);
             }
         }
         // The last stores have read their staging before the block's shared memory goes.
-        if (C::TmaStore && (threadIdx.x & 127) == 0)
-            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        if ((threadIdx.x & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
     // A block's arrivals on the others' barriers (and their multicasts into it) are over only
     // when every block of the cluster is here.
-    if constexpr (kCluster > 1) cluster_sync();
+    cluster_sync();
 #else
-    __trap();  // dispatched only on sm_90 (grouped_gemm_wgmma_available)
+    __trap();  // dispatched only on sm_90 (has_sm90a)
 #endif
 }
 
@@ -516,13 +449,13 @@ __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t elems,
 // The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
 // buffers' capacity; weights [E][n][k] with `wstride` elements between experts; a K-major B tile
 // in kCluster parts).
-template <GroupedGemm kKind, int BN, int kCluster>
+template <GroupedGemm kKind>
 void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows, int64_t n,
                  int64_t k, int64_t wstride, const bf16* a, const bf16* b) {
     const int64_t e2 = 2;  // bytes per element
     if constexpr (kKind == GroupedGemm::RowsTimesWeightT) {
         ma = bf16_tensor_map(a, {k, rows}, {k * e2}, {BK, BM});
-        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {BK, BN / kCluster, 1});
+        mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {BK, kBN / kCluster, 1});
     } else if constexpr (kKind == GroupedGemm::RowsTimesWeight) {
         ma = bf16_tensor_map(a, {n, rows}, {n * e2}, {BK, BM});
         mb = bf16_tensor_map(b, {k, n, experts}, {k * e2, wstride * e2}, {64, BK, 1});
@@ -532,129 +465,83 @@ void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows
     }
 }
 
-// Blocks a persistent launch may keep resident: one per SM, or for clusters of two the resident
-// clusters' blocks (the GPCs' SM counts may leave some SMs out); `config` is the launch's, with
-// its cluster attribute.
-template <class C, GroupedGemm kKind>
+// Blocks a persistent launch may keep resident: the resident clusters' blocks (the GPCs' SM
+// counts may leave some SMs out); `config` is the launch's, with its cluster attribute.
+template <GroupedGemm kKind>
 int resident_blocks(cudaLaunchConfig_t config) {
-    if constexpr (C::Cluster == 1) {
-        return sm_count();
-    } else {
-        static const int blocks = [&] {
-            config.gridDim = dim3(unsigned(C::Cluster * sm_count()));
-            int clusters = 0;
-            ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
-                &clusters, grouped_gemm_ws_kernel<C, kKind>, &config));
-            ST_CHECK(clusters > 0, "grouped GEMM: no cluster of ", C::Cluster,
-                     " blocks fits on this GPU");
-            return clusters * C::Cluster;
-        }();
-        return blocks;
-    }
+    static const int blocks = [&] {
+        config.gridDim = dim3(unsigned(kCluster * sm_count()));
+        int clusters = 0;
+        ST_CUDA_CHECK(
+            cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_ws_kernel<kKind>, &config));
+        ST_CHECK(clusters > 0, "grouped GEMM: no cluster of ", kCluster,
+                 " blocks fits on this GPU");
+        return clusters * kCluster;
+    }();
+    return blocks;
 }
 
-template <class C, GroupedGemm kKind>
+template <GroupedGemm kKind>
 int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
            int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
            const bf16* a, const bf16* b, void* c) {
-    auto* kernel = grouped_gemm_ws_kernel<C, kKind>;
-    allow_dynamic_smem<grouped_gemm_ws_kernel<C, kKind>>(C::SmemBytes);
+    auto* kernel = grouped_gemm_ws_kernel<kKind>;
+    allow_dynamic_smem<grouped_gemm_ws_kernel<kKind>>(kSmemBytes);
     if (kKind == GroupedGemm::WeightGrad && !accumulate && experts > 0 && n * k > 0) {
         zero_empty_experts_kernel<<<dim3(128, unsigned(experts)), 256, 0, stream_of(ctx)>>>(
             offsets, n * k, wstride, static_cast<float*>(c));
         ST_CUDA_LAUNCH_CHECK();
     }
-    const int64_t units = experts * blocks_for(space.m_tiles, C::Cluster) * space.n_tiles;
+    const int64_t units = experts * blocks_for(space.m_tiles, kCluster) * space.n_tiles;
     if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply (zeros written above)
     cudaLaunchConfig_t config{};
     config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = C::SmemBytes;
+    config.dynamicSmemBytes = kSmemBytes;
     config.stream = stream_of(ctx);
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = C::Cluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    if (C::Cluster > 1) config.attrs = &attr, config.numAttrs = 1;
-    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<C, kKind>(config);
-    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / C::Cluster) * C::Cluster));
+    attr.val.clusterDim.x = kCluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
+    config.attrs = &attr, config.numAttrs = 1;
+    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<kKind>(config);
+    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / kCluster) * kCluster));
     CUtensorMap ma{}, mb{}, mc{};
-    if constexpr (C::kFeed == Feed::Tma)
-        tensor_maps<kKind, C::BN, C::Cluster>(ma, mb, experts, rows, n, k, wstride, a, b);
-    if constexpr (C::TmaStore && kKind != GroupedGemm::WeightGrad) {
+    tensor_maps<kKind>(ma, mb, experts, rows, n, k, wstride, a, b);
+    if constexpr (kKind != GroupedGemm::WeightGrad) {
         // C [rows, N] bf16, boxes of 64 x 64 (store_acc_tma).
         const int64_t N = kKind == GroupedGemm::RowsTimesWeightT ? n : k;
         mc = bf16_tensor_map(c, {N, rows}, {N * 2}, {64, 64});
-    }
-    if constexpr (C::TmaReduce && kKind == GroupedGemm::WeightGrad)  // dW [E][n][k] fp32
+    } else {  // dW [E][n][k] fp32
         mc = f32_tensor_map(c, {k, n, experts}, {k * 4, wstride * 4}, {32, 64, 1});
+    }
     ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
                                      accumulate, dev(a), dev(b), c, ma, mb, mc));
     return int(config.gridDim.x);
 }
 
-template <class C>
-int run(const ExecContext& ctx, int max_blocks, GroupedGemm kind, const int32_t* offsets,
-        int64_t experts, int64_t max_rows, int64_t rows, int64_t n, int64_t k, const bf16* a,
-        const bf16* b, void* c, int64_t wstride, bool accumulate) {
-    // Tile space: the worst case per expert (max_rows) sizes the grid.
-    switch (kind) {
-        case GroupedGemm::RowsTimesWeightT:
-            return launch<C, GroupedGemm::RowsTimesWeightT>(
-                ctx, max_blocks, offsets, experts, rows,
-                {blocks_for(max_rows, BM), blocks_for(n, C::BN)}, n, k, wstride, accumulate, a, b,
-                c);
-        case GroupedGemm::RowsTimesWeight:
-            return launch<C, GroupedGemm::RowsTimesWeight>(
-                ctx, max_blocks, offsets, experts, rows,
-                {blocks_for(max_rows, BM), blocks_for(k, C::BN)}, n, k, wstride, accumulate, a, b,
-                c);
-        default:
-            return launch<C, GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
-                                                      {blocks_for(n, BM), blocks_for(k, C::BN)}, n,
-                                                      k, wstride, accumulate, a, b, c);
-    }
-}
-
 }  // namespace
 
-int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                    int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                    const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    // Odd configurations run the one before them on 3 blocks (two clusters of two): every block
-    // walks many tiles, so the stage ring wraps across tiles (what the correctness tests need to
-    // see; not configurations to run).
-    const int blocks = config % 2 == 0 ? 0 : config < 4 ? 3 : 4;
-    auto go = [&](auto cfg) {
-        return run<decltype(cfg)>(ctx, blocks, kind, offsets, experts, max_rows, row_capacity, n, k,
-                                  a, b, c, weight_stride, accumulate);
-    };
-    switch (config / 2) {
-        case 0:
-            return go(WsWide{});
-        case 1:
-            return go(WsWideTma{});
-        case 2:
-            return go(WsWideTmaPair{});
-        case 3:
-            return go(WsWideTmaPairStore{});
+int grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                       int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
+                       int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                       bool accumulate, int max_blocks) {
+    // Tile space: the worst case per expert (max_rows) sizes the grid.
+    const int64_t rows = row_capacity;
+    switch (kind) {
+        case GroupedGemm::RowsTimesWeightT:
+            return launch<GroupedGemm::RowsTimesWeightT>(
+                ctx, max_blocks, offsets, experts, rows,
+                {blocks_for(max_rows, BM), blocks_for(n, kBN)}, n, k, weight_stride, accumulate, a,
+                b, c);
+        case GroupedGemm::RowsTimesWeight:
+            return launch<GroupedGemm::RowsTimesWeight>(
+                ctx, max_blocks, offsets, experts, rows,
+                {blocks_for(max_rows, BM), blocks_for(k, kBN)}, n, k, weight_stride, accumulate, a,
+                b, c);
         default:
-            return go(WsWideTmaPairReduce{});
+            return launch<GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
+                                                   {blocks_for(n, BM), blocks_for(k, kBN)}, n, k,
+                                                   weight_stride, accumulate, a, b, c);
     }
-}
-
-const char* grouped_gemm_ws_name(int config) {
-    static const char* const names[kGroupedGemmWsConfigs] = {
-        "wgmma warp-specialized persistent 128x256, 4 stages, cp.async",
-        "wgmma warp-specialized 128x256, cp.async, on 3 blocks (test)",
-        "wgmma warp-specialized persistent 128x256, 4 stages, TMA",
-        "wgmma warp-specialized 128x256, TMA, on 3 blocks (test)",
-        "wgmma warp-specialized persistent 128x256, 4 stages, TMA, B multicast to pairs",
-        "wgmma warp-specialized 128x256, TMA, B multicast, 2 pairs (test)",
-        "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores",
-        "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores, 2 pairs (test)",
-        "wgmma warp-specialized persistent 128x256, TMA, B multicast, TMA stores and reduce-adds",
-        "wgmma warp-specialized 128x256, TMA, B multicast, TMA stores and reduce-adds, 2 pairs "
-        "(test)"};
-    return names[config];
 }
 
 }  // namespace sparsetron::cuda

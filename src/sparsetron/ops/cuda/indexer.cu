@@ -71,13 +71,6 @@ int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
     return std::max<int64_t>(1, std::min(tokens, elems / (heads * dots_ld(tokens))));
 }
 
-// SPARSETRON_INDEXER=gemm keeps the cuBLASLt / simple forms on sm_90 (measuring them against
-// the fused kernel in one process).
-bool indexer_forced_gemm() {
-    static const bool forced = env_is("SPARSETRON_INDEXER", "gemm");
-    return forced;
-}
-
 }  // namespace
 
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
@@ -114,7 +107,7 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
     if (!key_row) keys = tokens;
     // The fused wgmma kernel where the shape and device allow it (the workspace then goes unused;
     // docs/perf/2026-11-30-indexer-scores-wgmma.md).
-    if (indexer_scores_wgmma_supported(heads, dim) && !indexer_forced_gemm()) {
+    if (indexer_scores_wgmma_supported(heads, dim)) {
         indexer_scores_wgmma(ctx, q, k, w, row_begin, tokens, heads, dim, scores, key_row, keys);
         return;
     }

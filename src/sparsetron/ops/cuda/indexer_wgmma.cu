@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
 #else
-    __trap();  // dispatched only on sm_90 (grouped_gemm_wgmma_available)
+    __trap();  // dispatched only on sm_90 (has_sm90a)
 #endif
 }
 
@@ -228,8 +228,7 @@ void launch_heads(const ExecContext& ctx, int64_t heads, const bf16* q, const bf
 }  // namespace
 
 bool indexer_scores_wgmma_supported(int64_t heads, int64_t dim) {
-    return grouped_gemm_wgmma_available() && (heads == 16 || heads == 32 || heads == 64) &&
-           (dim == 64 || dim == 128);
+    return has_sm90a() && (heads == 16 || heads == 32 || heads == 64) && (dim == 64 || dim == 128);
 }
 
 void indexer_scores_wgmma(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,

@@ -3,19 +3,10 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "sparsetron/ops/cuda/ops.h"
 
 namespace sparsetron::cuda {
-
-// True when environment variable `name` is exactly `value`: the A/B switches the harness and the
-// bench scripts set (callers keep the answer in a function-local static).
-inline bool env_is(const char* name, const char* value) {
-    const char* e = std::getenv(name);
-    return e && std::strcmp(e, value) == 0;
-}
 
 // Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
 bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
@@ -44,7 +35,7 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
 // masked_dscores_wgmma.cu: the expanded masked backward's dS = scale P (dO V^T - D) from saved
 // probabilities with dP in registers, for one chunk (query tokens t0 .. t0 + n - 1 against keys
 // 0 .. t1 - 1; P and dS [n * heads, lds] in the chunk's layout; dsum[t * heads + h] = D of token
-// t, head h). Supported on sm_90 with v 256 (SPARSETRON_MASKED_DSCORES=unfused turns it off).
+// t, head h). Supported on sm_90a with v 256.
 bool masked_dscores_wgmma_supported(int64_t dv, const HeadKV& kv);
 void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV& kv, const bf16* p,
                           bf16* ds, int64_t lds, const float* dsum, int64_t t0, int64_t n,
@@ -53,8 +44,8 @@ void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV
 // masked_probs_wgmma.cu: the expanded masked forward's P (bf16, the chunk's layout [n * heads,
 // lds]) and lse of one chunk with the scores in registers, from each token's selected keys as
 // bits (build_token_key_masks: mask[t * mwords + w] bit b = key 32 w + b; mwords =
-// token_key_mask_words(tokens)). Supported on sm_90 with qk 256 (SPARSETRON_MASKED_SCORES=unfused
-// turns it off); no head-summed probabilities (the indexer loss's layers keep the unfused form).
+// token_key_mask_words(tokens)). Supported on sm_90a with qk 256; no head-summed probabilities
+// (the indexer loss's layers keep the unfused form).
 bool masked_probs_wgmma_supported(int64_t dqk, const HeadKV& kv);
 int64_t token_key_mask_words(int64_t tokens);
 void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int32_t* len,
@@ -69,33 +60,18 @@ void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const 
                    const int32_t* len, int64_t kslots, int64_t tokens, int64_t heads, int64_t dl,
                    float scale, const float* lse, float* prob_sum);
 
-// The pipelined tensor-core grouped GEMM (grouped_gemm_tc.cu), used by grouped_gemm when rows
-// are 16-byte aligned.
-bool grouped_gemm_tc_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
-                               const void* b, const void* c);
-void grouped_gemm_tc(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                     int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                     const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
-// The wgmma grouped GEMM (grouped_gemm_wgmma.cu), what grouped_gemm_tc runs on sm_90 devices.
-bool grouped_gemm_wgmma_available();
-void grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                        int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
-                        int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
-                        bool accumulate);
-// The warp-specialized persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `config`
-// picks its feed, clusters and epilogue (grouped_gemm_ws_name says which; 6 is the engine's).
-// Returns the blocks it launched.
-int grouped_gemm_ws(const ExecContext& ctx, int config, GroupedGemm kind, const int32_t* offsets,
-                    int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k,
-                    const bf16* a, const bf16* b, void* c, int64_t weight_stride, bool accumulate);
-constexpr int kGroupedGemmWsConfigs = 10;
-const char* grouped_gemm_ws_name(int config);
-// The harness's wgmma configurations (0 the engine's choice, then 1 + each of grouped_gemm_ws's;
-// packed weights).
-int grouped_gemm_wgmma_configs();
-std::string grouped_gemm_wgmma_config(const ExecContext& ctx, int config, GroupedGemm kind,
-                                      const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                      int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                      const bf16* b, void* c, bool accumulate);
+// The grouped GEMM's forms (grouped_gemm picks one): the pipelined WMMA kernel
+// (grouped_gemm_tc.cu) where rows are 16-byte aligned, and on sm_90a the warp-specialized
+// persistent wgmma kernel (grouped_gemm_ws.cu), same contract; `max_blocks` > 0 caps its grid
+// (tests: every block walks many tiles). Returns the blocks it launched.
+bool grouped_gemm_wmma_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
+                                 const void* b, const void* c);
+void grouped_gemm_wmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                       int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
+                       const bf16* b, void* c, int64_t weight_stride, bool accumulate);
+int grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
+                       int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
+                       int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
+                       bool accumulate, int max_blocks = 0);
 
 }  // namespace sparsetron::cuda

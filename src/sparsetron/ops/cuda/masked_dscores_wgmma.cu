@@ -148,9 +148,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 bool masked_dscores_wgmma_supported(int64_t dv, const HeadKV& kv) {
-    static const bool off = env_is("SPARSETRON_MASKED_DSCORES", "unfused");  // for A/B
-    return !off && grouped_gemm_wgmma_available() && dv == kVDim && kv.v_row % 8 == 0 &&
-           kv.v_head % 8 == 0 && reinterpret_cast<uintptr_t>(kv.v) % 16 == 0;
+    return has_sm90a() && dv == kVDim && kv.v_row % 8 == 0 && kv.v_head % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(kv.v) % 16 == 0;
 }
 
 void masked_dscores_wgmma(const ExecContext& ctx, const bf16* dout, const HeadKV& kv, const bf16* p,

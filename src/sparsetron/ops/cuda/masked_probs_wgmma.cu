@@ -99,25 +99,16 @@ __device__ __forceinline__ void mask_half(float (&acc)[32], int half, uint32_t w
 }
 #endif
 
-// 2^x: with kFast one MUFU.EX2 (ex2.approx.ftz; results below 2^-126 flush to 0, far below
-// what a probability or a row sum of them can show), else exp2f (ex2.approx without ftz, which
-// ptxas wraps in a denormal range fix-up).
-template <bool kFast>
+// 2^x as one MUFU.EX2 (ex2.approx.ftz; results below 2^-126 flush to 0, far below what a
+// probability or a row sum of them can show); exp2f would add ptxas's denormal range fix-up.
 __device__ __forceinline__ float exp2_of(float x) {
-    if constexpr (kFast) {
-        float y;
-        asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-        return y;
-    } else {
-        return exp2f(x);
-    }
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 
-// kFast (the engine's; SPARSETRON_MASKED_PROBS_EXP=accurate runs the form before, for A/B): the
-// single-instruction 2^x above, and the first pass's row max and sum over a thread's 16 scores
-// as four independent chains instead of one (with two warps per scheduler, the dependent adds
-// and maxes stalled on their latency: ncu's top stall reason at d08f9dd, "wait", 29% of samples).
-template <bool kFast>
+// The first pass's row max and sum over a thread's 16 scores run as four independent chains:
+// with two warps per scheduler, one dependent chain of adds and maxes stalls on its latency.
 __global__ void __launch_bounds__(kBlockThreads, 2)
     masked_probs_wgmma_kernel(const bf* q, const bf* k, int64_t k_row, int64_t k_head,
                               const uint32_t* mask, int64_t mwords, bf* p, int64_t lds, float* lse,
@@ -175,8 +166,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 // kChains independent max / sum chains over the thread's 16 scores, combined
-                // at the end (one chain: the order of the form before).
-                constexpr int kChains = kFast ? 4 : 1;
+                // at the end.
+                constexpr int kChains = 4;
                 float m[kChains], sums[kChains];
 #pragma unroll
                 for (int c = 0; c < kChains; ++c) m[c] = -INFINITY, sums[c] = 0.f;
@@ -184,8 +175,7 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                 for (int j = 0; j < 8; ++j)
                     m[j % kChains] = fmaxf(m[j % kChains],
                                            fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-                float mx = m[0];
-                if constexpr (kChains == 4) mx = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
+                const float mx = fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3]));
                 if (mx == -INFINITY) continue;
                 const float mm = fmaxf(m_run[half], mx * scale_log2);
 #pragma unroll
@@ -193,11 +183,10 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
                         sums[(2 * j + e) % kChains] +=
-                            exp2_of<kFast>(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
-                float sum = sums[0];
-                if constexpr (kChains == 4) sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+                            exp2_of(fmaf(acc[4 * j + 2 * half + e], scale_log2, -mm));
+                const float sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
                 // exp2(-inf) = 0
-                l_run[half] = l_run[half] * exp2_of<kFast>(m_run[half] - mm) + sum;
+                l_run[half] = l_run[half] * exp2_of(m_run[half] - mm) + sum;
                 m_run[half] = mm;
             }
             if (s + 1 == live) {  // the quad's lanes merged: every row's lse
@@ -209,8 +198,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                         const float l2 = __shfl_xor_sync(0xffffffffu, l_run[half], o);
                         const float mm = fmaxf(m_run[half], m2);
                         if (mm == -INFINITY) continue;
-                        l_run[half] = l_run[half] * exp2_of<kFast>(m_run[half] - mm) +
-                                      l2 * exp2_of<kFast>(m2 - mm);
+                        l_run[half] =
+                            l_run[half] * exp2_of(m_run[half] - mm) + l2 * exp2_of(m2 - mm);
                         m_run[half] = mm;
                     }
                     const bool empty = l_run[half] == 0.f;
@@ -226,8 +215,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
                 for (int j = 0; j < 8; ++j) {
                     // Unselected keys hold -inf: exp2 gives 0.
                     const float2 e2 = make_float2(
-                        exp2_of<kFast>(fmaf(acc[4 * j + 2 * half], scale_log2, -lse2[half])),
-                        exp2_of<kFast>(fmaf(acc[4 * j + 2 * half + 1], scale_log2, -lse2[half])));
+                        exp2_of(fmaf(acc[4 * j + 2 * half], scale_log2, -lse2[half])),
+                        exp2_of(fmaf(acc[4 * j + 2 * half + 1], scale_log2, -lse2[half])));
                     *reinterpret_cast<__nv_bfloat162*>(p_ptr + (r0 + 8 * half) * kPLd +
                                                        (8 * j + 2 * quad) * 2) =
                         __float22bfloat162_rn(e2);
@@ -250,9 +239,8 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
 }  // namespace
 
 bool masked_probs_wgmma_supported(int64_t dqk, const HeadKV& kv) {
-    static const bool off = env_is("SPARSETRON_MASKED_SCORES", "unfused");  // for A/B
-    return !off && grouped_gemm_wgmma_available() && dqk == kQkDim && kv.k_row % 8 == 0 &&
-           kv.k_head % 8 == 0 && reinterpret_cast<uintptr_t>(kv.k) % 16 == 0;
+    return has_sm90a() && dqk == kQkDim && kv.k_row % 8 == 0 && kv.k_head % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(kv.k) % 16 == 0;
 }
 
 int64_t token_key_mask_words(int64_t tokens) {
@@ -270,8 +258,7 @@ void masked_probs_wgmma(const ExecContext& ctx, const bf16* q, const HeadKV& kv,
     ST_CHECK(reinterpret_cast<uintptr_t>(q) % 16 == 0, "masked_probs_wgmma: unaligned queries");
     if (n == 0) return;
     ST_CHECK(heads <= 65535, "masked_probs_wgmma: ", heads, " heads in one launch");
-    static const bool fast = !env_is("SPARSETRON_MASKED_PROBS_EXP", "accurate");  // for A/B
-    auto* kernel = fast ? masked_probs_wgmma_kernel<true> : masked_probs_wgmma_kernel<false>;
+    auto* kernel = masked_probs_wgmma_kernel;
     static const bool carved = [&] {  // the whole unified L1 as shared memory: two blocks per SM
         ST_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(kSmemBytes)));

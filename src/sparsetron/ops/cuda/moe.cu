@@ -509,11 +509,16 @@ void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offse
     // what an expert may hold would read its rows as zeros.
     ST_CHECK(row_capacity >= max_rows, "grouped_gemm: the row buffers hold ", row_capacity,
              " rows, fewer than one expert's bound of ", max_rows);
-    // The pipelined tensor-core kernel (grouped_gemm_tc.cu) whenever rows are 16-byte aligned;
-    // this file's simple kernel covers the rest (odd test shapes).
-    if (grouped_gemm_tc_supported(n, k, weight_stride, a, b, c)) {
-        grouped_gemm_tc(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
-                        weight_stride, accumulate);
+    // Tensor cores whenever rows are 16-byte aligned: the warp-specialized wgmma kernel on sm_90a
+    // (grouped_gemm_ws.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_tc.cu). This file's
+    // simple kernel covers the rest (odd test shapes).
+    if (grouped_gemm_wmma_supported(n, k, weight_stride, a, b, c)) {
+        if (has_sm90a())
+            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
+                               weight_stride, accumulate);
+        else
+            grouped_gemm_wmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
+                              accumulate);
         return;
     }
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.

@@ -2,7 +2,6 @@
 // shared memory so both the parameter rows and the (possibly transposed) stack are read and
 // written along their contiguous dimension; blockIdx.z is the problem.
 #include "sparsetron/ops/cuda/device_util.cuh"
-#include "sparsetron/ops/cuda/internal.h"
 #include "sparsetron/ops/cuda/muon_batch.h"
 #include "sparsetron/optim/newton_schulz.h"
 
@@ -15,7 +14,6 @@ namespace {
 
 constexpr int kTile = 32, kTileRows = 8;
 constexpr int kThreads = 256;
-constexpr int64_t kNormBlock = 16384;  // elements per norm partial
 
 // Nearly every problem is one segment (a whole matrix or one head's rows): its rows map without
 // the 64-bit division and remainder, which cost ~150 instructions per element and held the gather
@@ -133,15 +131,6 @@ __global__ void apply_kernel(const MuonDeviceProblem* problems, int64_t rows, in
     }
 }
 
-__global__ void norm_partials_kernel(const float* x, int64_t n, int64_t blocks, float* partials) {
-    const float* m = x + int64_t(blockIdx.y) * n;
-    const int64_t b0 = int64_t(blockIdx.x) * kNormBlock, b1 = min(n, b0 + kNormBlock);
-    float s = 0;
-    for (int64_t i = b0 + threadIdx.x; i < b1; i += blockDim.x) s += m[i] * m[i];
-    s = block_sum(s);
-    if (threadIdx.x == 0) partials[int64_t(blockIdx.y) * blocks + blockIdx.x] = s;
-}
-
 // One block per matrix: strided double sums, then a fixed-order tree (deterministic). One thread
 // per matrix summed up to 6144 partials serially (a big matrix alone in its batch): 80 us per
 // launch on the proxy.
@@ -248,17 +237,15 @@ constexpr int64_t kSymmetricMin = 512;
 // product is known to be symmetric: X X^T, and in the Gram form products of symmetric matrices
 // that commute. For an even rr >= kSymmetricMin the two diagonal blocks and the lower-left block
 // are three GEMMs of half the rows (3/4 of the FLOPs), the upper-right block a transposed copy.
-// SPARSETRON_NS_FULL_GEMMS=1 keeps one full GEMM (to measure the difference).
 // The Gram form's [rr, rr] products take Z as it is, not transposed: their operands are symmetric
 // only up to rounding, and with Z^T the antisymmetric rounding parts enter with the wrong sign and
 // grow through the R updates (fp32 error vs fp64 5e-5 that way, 2e-6 without; CPU mock).
 void symmetric_product(const ExecContext& ctx, const void* x, const void* z, bool transpose_z,
                        int64_t rr, int64_t k, float alpha, float beta, const void* c_in, void* out,
                        DType elem, int64_t count, int64_t xs, int64_t os, bool tf32) {
-    static const bool full = env_is("SPARSETRON_NS_FULL_GEMMS", "1");
     ST_ASSERT(transpose_z || k == rr, "symmetric_product: X Z needs square operands");
     const GemmBatch g{count, xs, xs, os, tf32};
-    if (full || rr < kSymmetricMin || rr % 2 != 0) {
+    if (rr < kSymmetricMin || rr % 2 != 0) {
         gemm_out(ctx, false, transpose_z, rr, rr, k, alpha, x, k, z, transpose_z ? k : rr, beta,
                  c_in, out, rr, elem, elem, g);
         return;
@@ -281,9 +268,7 @@ void symmetric_product(const ExecContext& ctx, const void* x, const void* z, boo
     ST_CHECK(count <= 65535, "symmetric_product: ", count, " matrices in one launch");
     const dim3 grid(blocks_for(m, kTile), blocks_for(m, kTile), unsigned(count)),
         block(kTile, kTileRows);
-    static const bool scalar_mirror = env_is("SPARSETRON_NS_SCALAR_MIRROR", "1");  // for A/B
-    if (es == 2 && m % 8 == 0 && os % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-        !scalar_mirror)
+    if (es == 2 && m % 8 == 0 && os % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0)
         mirror16_kernel<<<dim3(blocks_for(m, kVecTile), blocks_for(m, kVecTile), unsigned(count)),
                           kVecThreads, 0, stream_of(ctx)>>>(static_cast<uint16_t*>(out), m, os);
     else if (es == 2)
@@ -333,10 +318,6 @@ dim3 tile_grid(int64_t rows, int64_t cols, int64_t count) {
     return dim3(blocks_for(cols, kTile), blocks_for(rows, kTile), unsigned(count));
 }
 
-int64_t norm_blocks(int64_t n) {
-    return (n + kNormBlock - 1) / kNormBlock;
-}
-
 // The gather's 32 x 32 tiles per matrix: one sum of squares each when it writes them.
 int64_t gather_tiles(int64_t rows, int64_t cols) {
     return int64_t(blocks_for(rows, kTile)) * blocks_for(cols, kTile);
@@ -356,10 +337,6 @@ void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems
         gather_kernel<false><<<grid, block, 0, stream_of(ctx)>>>(
             problems, rows, cols, beta, nesterov, scales, x, update_skips, norm_ws);
     ST_CUDA_LAUNCH_CHECK();
-}
-
-int64_t muon_normalize_floats(int64_t count, int64_t n) {
-    return count * norm_blocks(n) + count;
 }
 
 int64_t muon_gathered_norm_floats(int64_t count, int64_t rows, int64_t cols) {
@@ -392,17 +369,6 @@ void scale_by_inverse_norms(const ExecContext& ctx, const float* x, int64_t coun
 }
 }  // namespace
 
-void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
-                          float eps, float* ws, DType w_type, void* w, float scale) {
-    if (count == 0 || n == 0) return;
-    const int64_t blocks = norm_blocks(n);
-    ST_CHECK(count <= 65535, "Muon batch of ", count, " matrices is too large for one launch");
-    norm_partials_kernel<<<dim3(unsigned(blocks), unsigned(count)), kThreads, 0, stream_of(ctx)>>>(
-        x, n, blocks, ws);
-    ST_CUDA_LAUNCH_CHECK();
-    scale_by_inverse_norms(ctx, x, count, n, blocks, eps, ws, w_type, w, scale);
-}
-
 void muon_normalize_gathered(const ExecContext& ctx, const float* x, int64_t count, int64_t rows,
                              int64_t cols, float eps, float* ws, DType w_type, void* w,
                              float scale) {
@@ -423,18 +389,7 @@ void newton_schulz_batch(const ExecContext& ctx, void* w, void* y, void* a, void
     GemmBatch bx{count, n2, n, n, tf32};
     // The iterate alternates between w and y (each GEMM reads one and writes the other, its C
     // term read from the input: out of place, no copies); an odd count ends in y and is copied
-    // back once. (Before: two full copies per iteration, B <- A and Y <- W.)
-    static const bool copies = env_is("SPARSETRON_NS_COPIES", "1");  // the old form, for A/B
-    if (copies) {
-        for (const auto& [ca, cb, cc_] : coefficients) {
-            symmetric_product(ctx, w, w, true, rr, cc, 1.f, 0.f, a, a, elem, count, n, n2, tf32);
-            copy_2d(ctx, b, count * n2 * es, a, count * n2 * es, count * n2 * es, 1);
-            symmetric_product(ctx, a, a, true, rr, rr, cc_, cb, b, b, elem, count, n2, n2, tf32);
-            copy_2d(ctx, y, count * n * es, w, count * n * es, count * n * es, 1);
-            gemm(ctx, false, false, rr, cc, rr, 1.f, b, rr, y, cc, ca, w, cc, elem, elem, bx);
-        }
-        return;
-    }
+    // back once.
     void* cur = w;
     void* next = y;
     for (const auto& [ca, cb, cc_] : coefficients) {

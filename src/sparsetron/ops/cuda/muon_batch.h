@@ -37,13 +37,9 @@ void muon_gather_batch(const ExecContext& ctx, const MuonDeviceProblem* problems
                        const float* scales, float* x, const int32_t* update_skips = nullptr,
                        float* norm_ws = nullptr);
 
-// Floats of workspace muon_normalize_batch needs for `count` matrices of n elements.
-int64_t muon_normalize_floats(int64_t count, int64_t n);
-// w[p] = scale x[p] / (||x[p]||_F + eps) in `w_type` (F32, BF16 or F16); norms summed in fixed
-// order.
-void muon_normalize_batch(const ExecContext& ctx, const float* x, int64_t count, int64_t n,
-                          float eps, float* ws, DType w_type, void* w, float scale = 1.f);
-// The same from the partial sums muon_gather_batch wrote into ws (the gather's rows x cols).
+// w[p] = scale x[p] / (||x[p]||_F + eps) in `w_type` (F32, BF16 or F16) for the stack x that
+// muon_gather_batch wrote (rows x cols as gathered), from the per-tile sums of squares it wrote
+// into ws (muon_gathered_norm_floats of them); the norms summed in a fixed order.
 int64_t muon_gathered_norm_floats(int64_t count, int64_t rows, int64_t cols);
 void muon_normalize_gathered(const ExecContext& ctx, const float* x, int64_t count, int64_t rows,
                              int64_t cols, float eps, float* ws, DType w_type, void* w,

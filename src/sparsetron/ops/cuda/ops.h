@@ -17,6 +17,10 @@
 
 namespace sparsetron::cuda {
 
+// Whether the current device runs the sm_90a kernels (wgmma, TMA multicast): the architecture
+// predicate of the dispatch functions.
+bool has_sm90a();
+
 // ---- GEMM (cuBLASLt) ---------------------------------------------------------------------------
 // C[m,n] = alpha * op(A) @ op(B) + beta * C, row-major with leading dimensions, like cpu::gemm.
 // A and B have `ab` type (BF16 or F32), C has `c_type` (BF16 or F32); fp32 accumulation.
@@ -177,9 +181,8 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
                         float* prob_sum = nullptr, void* workspace = nullptr,
                         int64_t workspace_bytes = 0, int64_t key_rows = 0,
                         bf16* saved_probs = nullptr);
-// The flash-style wgmma forward (sm_90, 64 heads, qk 576, v 512; no saved probabilities):
-// sparse_mqa_forward's choice where it applies and no saved probabilities are asked for
-// (SPARSETRON_SPARSE_MQA=noflash: the gathered / masked forms instead).
+// The flash-style wgmma forward (sm_90a, 64 heads, qk 576, v 512; no saved probabilities):
+// sparse_mqa_forward's choice where it applies and no saved probabilities are asked for.
 void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                               const int32_t* len, int64_t kslots, float scale, bf16* out,
@@ -187,8 +190,7 @@ void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t he
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv);
 // The flash-style wgmma backward (same shapes; sparse_mqa_wgmma_bwd.cu): dq overwritten, dkv
 // [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward's choice
-// in place of the gathered kernels; in place of the masked form only with
-// SPARSETRON_SPARSE_MQA_BWD=flash.
+// in place of the gathered kernels (the masked form, where planned, is faster).
 void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
@@ -235,7 +237,7 @@ void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
 // On sm_90 with a shape indexer_scores_wgmma_supported() takes, the fused wgmma kernel. Otherwise,
 // with `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
 // smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
-// simple kernel computes everything. SPARSETRON_INDEXER=gemm keeps the latter two on sm_90.
+// simple kernel computes everything.
 int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
 // Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
 // k holds `keys` micro-batch rows and scores rows are `keys` long.
@@ -303,15 +305,6 @@ enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
 void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
                   int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
                   const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
-
-// Perf harness only: runs the tensor-core grouped GEMM with tile configuration `config` (0 is the
-// one grouped_gemm uses, up to grouped_gemm_tc_configs() - 1; packed weights) and returns its
-// description. Shapes must satisfy the tensor-core kernel (multiples of 8).
-int grouped_gemm_tc_configs();
-std::string grouped_gemm_tc_config(const ExecContext& ctx, int config, GroupedGemm kind,
-                                   const int32_t* offsets, int64_t experts, int64_t max_rows,
-                                   int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                                   const bf16* b, void* c, bool accumulate = false);
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
@@ -411,14 +404,10 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
 // row_capacity rows), W [experts][n][k] packed with 128x128 scales per expert
 // (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
 // rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
-// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles). `form`:
-// how a consumer overlaps its MMAs with the per-block scaling (grouped_gemm_fp8.cu; Default:
-// SPARSETRON_FP8_GROUPED=serial|overlap, else the kernel's default).
-enum class Fp8GroupedForm { Default, Serial, Overlap };
+// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
 void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
                       int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0,
-                      Fp8GroupedForm form = Fp8GroupedForm::Default);
+                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0);
 // Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
 bool grouped_gemm_fp8_available();
 

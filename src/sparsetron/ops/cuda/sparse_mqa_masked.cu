@@ -237,17 +237,6 @@ __global__ void masked_probs_rows_kernel(const float* s, bf* p, int64_t lds, con
     }
 }
 
-// The probability kernel of a chunk: without head sums the warp-per-row form
-// (SPARSETRON_MASKED_PROBS=block keeps the block-per-row one, to measure against), with them the
-// block-per-token form that keeps the sums in shared memory.
-bool probs_rows_form() {
-    static const bool block = [] {
-        const char* e = std::getenv("SPARSETRON_MASKED_PROBS");
-        return e && std::string(e) == "block";
-    }();
-    return !block;
-}
-
 // D = rowsum(dO o O) of one head row (elements row0 .. row0 + dv - 1), by one warp (every lane
 // gets it): the softmax backward's per-row term. bf16 pairs; dv odd adds the last element.
 __device__ __forceinline__ float head_row_dot(const bf* out, const bf* dout, int64_t row0,
@@ -396,7 +385,9 @@ void launch_probs(const ExecContext& ctx, const float* s, bf* p, int64_t ld, con
                   const int32_t* len, int64_t kslots, int64_t t0, int64_t n, int64_t tokens,
                   int64_t heads, const float* lse_in, float* lse_out, float* prob_sum) {
     const size_t smem = probs_smem(ld, prob_sum != nullptr);
-    if (!prob_sum && probs_rows_form()) {
+    // Without head sums the warp-per-row form; with them the block-per-token form, which keeps
+    // the sums in shared memory.
+    if (!prob_sum) {
         masked_probs_rows_kernel<<<dim3(unsigned(n), unsigned((heads + kWarps - 1) / kWarps)),
                                    kThreads, smem, stream_of(ctx)>>>(
             s, p, ld, idx, len, kslots, t0, tokens, heads, lse_in, lse_out);

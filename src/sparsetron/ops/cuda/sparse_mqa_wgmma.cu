@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv) {
-    return grouped_gemm_wgmma_available() && heads == kH && dqk == kD && dv == kDv;
+    return has_sm90a() && heads == kH && dqk == kD && dv == kDv;
 }
 
 void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,

@@ -139,13 +139,7 @@ class CudaEngine final : public DeviceEngine {
     // what the step did not write.
     void begin_step() override { begin_step(false); }
     void begin_step(bool accumulate_only) {
-        // SPARSETRON_GRADIENTS=zeroed: every gradient zeroed at the step's start and every writer
-        // adding, as before 2026-12-01 (to measure against in one process).
-        static const bool zeroed = [] {
-            const char* e = std::getenv("SPARSETRON_GRADIENTS");
-            return e && std::string(e) == "zeroed";
-        }();
-        model_->gpu_params().begin_gradients(ctx(), accumulate_only || zeroed);
+        model_->gpu_params().begin_gradients(ctx(), accumulate_only);
         model_->reset_moe_stats(ctx());
     }
     // After the last micro-batch's backward: the gradient reductions, then the gradients the

@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "sparsetron/core/device_memory.h"
-#include "sparsetron/ops/cuda/internal.h"
+#include "sparsetron/ops/cuda/muon_batch.h"
 #include "sparsetron/optim/lr_schedule.h"
 #include "sparsetron/optim/owner_assignment.h"
 
@@ -22,8 +22,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
     rank_ = dist_ ? dist_->rank() : 0;
     ranks_ = dist_ ? dist_->size() : 1;
-    fused_momentum_ = muon_ && !dist_ && !cuda::env_is("SPARSETRON_MUON_MOMENTUM", "separate");
-    norms_in_gather_ = !cuda::env_is("SPARSETRON_MUON_NORMS", "separate");
+    fused_momentum_ = muon_ && !dist_;
     // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
     // by size), which then broadcasts the updated weights. Experts sharded over EP are this
     // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).
@@ -158,8 +157,7 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
         stack = std::max(stack, b.elements());
         squares =
             std::max(squares, (gram_[k] ? cuda::kGramSquares : 2) * b.count() * b.rr() * b.rr());
-        norms = std::max({norms, cuda::muon_normalize_floats(b.count(), b.rows * b.cols),
-                          cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols)});
+        norms = std::max(norms, cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols));
         problems += b.count();
     }
     // The gathered fp32 momentum stack; W [buffers, ranks, count, rr, cc] (one slot per rank: a
@@ -304,16 +302,11 @@ void GpuOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r) 
         const DType elem = elem_of(size_t(k));
         cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
                                 float(r.muon_momentum), r.muon_nesterov, scale_, stack_,
-                                fused_momentum_ ? skip_ : nullptr,
-                                norms_in_gather_ ? ns_norms_ : nullptr);
+                                fused_momentum_ ? skip_ : nullptr, ns_norms_);
         const bool gram = gram_[size_t(k)];
         const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
-        if (norms_in_gather_)
-            cuda::muon_normalize_gathered(ctx, stack_, b.count(), b.rows, b.cols, 1e-7f, ns_norms_,
-                                          elem, w, x_scale);
-        else
-            cuda::muon_normalize_batch(ctx, stack_, b.count(), b.rows * b.cols, 1e-7f, ns_norms_,
-                                       elem, w, x_scale);
+        cuda::muon_normalize_gathered(ctx, stack_, b.count(), b.rows, b.cols, 1e-7f, ns_norms_,
+                                      elem, w, x_scale);
         if (gram) {
             cuda::newton_schulz_gram_batch(ctx, w, y, a, b.count(), b.rr(), b.cc(), coefficients,
                                            gram_ns_restarts(), elem, ns_tf32_, x_scale);

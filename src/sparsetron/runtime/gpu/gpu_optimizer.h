@@ -75,12 +75,8 @@ class GpuOptimizer {
     bool muon_ = false, separate_mtp_ = false;
     // Muon's momentum updated inside the batches' gather (one pass over G and M, not two). Not
     // when distributed: there a batch is gathered on one rank, but every rank keeps (and
-    // checkpoints) every momentum. SPARSETRON_MUON_MOMENTUM=separate keeps the separate pass.
+    // checkpoints) every momentum.
     bool fused_momentum_ = false;
-    // The gather writes the normalization's sums of squares (one per 32 x 32 tile), so the stack
-    // is not read back for them (3.2 ms per proxy step). SPARSETRON_MUON_NORMS=separate keeps the
-    // separate pass.
-    bool norms_in_gather_ = true;
     std::vector<bool> uses_muon_;
     std::vector<MemoryPlan::Slot> m_slots_, v_slots_, mom_slots_;
     std::vector<MuonSplit> splits_;

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "harness.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/cuda/cuda_session.h"
 
 namespace sparsetron::test {
 

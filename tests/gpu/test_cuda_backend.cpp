@@ -7,7 +7,7 @@
 #include "../test_util.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/memory_plan.h"
-#include "sparsetron/ops/convert.h"
+#include "sparsetron/ops/copy/copy.h"
 
 using namespace sparsetron;
 

@@ -13,12 +13,16 @@
 
 #include "../fp8_test_data.h"
 #include "harness.h"
-#include "sparsetron/ops/cpu/fp8_blockwise.h"
-#include "sparsetron/ops/fp8_scale_layout.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/fp8/scale_layout.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/moe/moe.h"
 #endif
 
 using namespace sparsetron;

@@ -28,8 +28,9 @@ constexpr double kIndexerTol = 0.15;
 #include "sparsetron/model/glm5_model.h"
 
 #if SPARSETRON_WITH_CUDA
+#include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/model/gpu/gpu_model.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
+#include "sparsetron/ops/copy/copy.h"
 #endif
 
 using namespace sparsetron;

@@ -18,8 +18,8 @@
 #include "sparsetron/optim/muon_batches.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/muon_batch.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/ops/optim/muon_batch.h"
 #endif
 
 using namespace sparsetron;

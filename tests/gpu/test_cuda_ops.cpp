@@ -12,14 +12,23 @@
 
 #include "harness.h"
 #include "head_prob_sums.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/cuda/device_caps.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/indexer/indexer.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/moe/grouped_gemm_forms.h"
+#include "sparsetron/ops/moe/moe.h"
+#include "sparsetron/ops/moe/paged_stash.h"
+#include "sparsetron/ops/norm/norm.h"
+#include "sparsetron/ops/optim/optim.h"
 #include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/internal.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
 #endif
 
 using namespace sparsetron;

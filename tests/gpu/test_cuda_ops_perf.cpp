@@ -15,10 +15,21 @@
 #include "harness.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/muon_batch.h"
-#include "sparsetron/ops/cuda/ops.h"
-#include "sparsetron/ops/fp8_scale_layout.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/attention/attention_forms.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/fp8/scale_layout.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/indexer/indexer.h"
+#include "sparsetron/ops/indexer/indexer_forms.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/moe/moe.h"
+#include "sparsetron/ops/norm/norm.h"
+#include "sparsetron/ops/optim/muon_batch.h"
+#include "sparsetron/ops/optim/optim.h"
 #endif
 
 using namespace sparsetron;
@@ -347,10 +358,6 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     report(
         "top-2048 of up to 4096 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
-    report(
-        "top-2048 of up to 4096 keys, registers kernel",
-        [&] { cuda::topk_rows_registers(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0,
-        4.0 * T * T / 2);
 }
 
 // Issue 7's 32K sparse MQA point: 32768 tokens with top-2048 (the masked form does not apply
@@ -390,10 +397,6 @@ TEST_F(CudaOpsPerf, IndexerAt32K) {
     report(
         "32K top-2048 of up to 32768 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
-    report(
-        "32K top-2048, registers kernel",
-        [&] { cuda::topk_rows_registers(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0,
-        4.0 * causal);
     // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
     report(
         "32K indexer scores + top-2048 (issue 7's pair)",

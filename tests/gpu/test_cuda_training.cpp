@@ -15,9 +15,10 @@
 #include "sparsetron/runtime/trainer.h"
 
 #if SPARSETRON_WITH_CUDA
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/cuda/step_graph.h"
 #include "sparsetron/model/gpu/gpu_model.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/step_graph.h"
+#include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 #endif
 

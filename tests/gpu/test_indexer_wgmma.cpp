@@ -11,8 +11,12 @@
 
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/indexer/indexer.h"
+#include "sparsetron/ops/indexer/indexer_forms.h"
 #endif
 
 using namespace sparsetron;
@@ -122,10 +126,8 @@ TEST_F(IndexerWgmma, ContextParallelKeyRows) {
 }
 
 TEST_F(IndexerWgmma, TopkEveryRowLengthClassMatchesCpuRule) {
-    // topk_rows (the streaming kernel) takes every stride; topk_rows_registers picks its kernel by
-    // the stride, 4 / 8 / 16 / 32 keys per thread up to 32768, and refuses longer rows. Rows of
-    // several lengths per stride (key_row sets a row's last key), half of them drawn from 7 values
-    // so ties straddle the k-th place.
+    // The streaming top-k at strides up to 40000 keys. Rows of several lengths per stride (key_row
+    // sets a row's last key), half of them drawn from 7 values so ties straddle the k-th place.
     const int64_t K = 2048, rows = 6;
     for (int64_t ld :
          {int64_t(4096), int64_t(8192), int64_t(16384), int64_t(32768), int64_t(40000)}) {
@@ -142,30 +144,18 @@ TEST_F(IndexerWgmma, TopkEveryRowLengthClassMatchesCpuRule) {
         for (int64_t t = 0; t < rows; ++t) rbv[t] = t == 4 ? 5 : 0, key_row[t] = int32_t(last[t]);
         DeviceArray<float> ds(s);
         DeviceArray<int32_t> rb(rbv), kr(key_row);
-        // topk_rows, then the registers form on the same rows where it applies.
-        for (bool registers : {false, true}) {
-            DeviceArray<int32_t> idx(rows * K), len(rows);
-            if (registers && ld > 32768) {
-                EXPECT_THROW(cuda::topk_rows_registers(ctx(), ds, ld, rb, rows, K, idx, len, kr),
-                             Error);
-                continue;
-            }
-            if (registers)
-                cuda::topk_rows_registers(ctx(), ds, ld, rb, rows, K, idx, len, kr);
-            else
-                cuda::topk_rows(ctx(), ds, ld, rb, rows, K, idx, len, kr);
-            sync();
-            const auto ig = idx.download(), lg = len.download();
-            const std::string form = registers ? "registers top-k" : "top-k";
-            for (int64_t t = 0; t < rows; ++t) {
-                const int64_t n = key_row[t] - rbv[t] + 1;
-                const auto ref = reference_topk(s.data() + t * ld, rbv[t], n, K);
-                EXPECT_TRUE(std::equal(ref.begin(), ref.end(), ig.begin() + t * K))
-                    << form << ", stride " << ld << ", row " << t << " (" << n << " keys)";
-                EXPECT_EQ(lg[t], std::min<int64_t>(K, n)) << form << ", stride " << ld;
-            }
-            expect_guard(idx, form + " idx");
+        DeviceArray<int32_t> idx(rows * K), len(rows);
+        cuda::topk_rows(ctx(), ds, ld, rb, rows, K, idx, len, kr);
+        sync();
+        const auto ig = idx.download(), lg = len.download();
+        for (int64_t t = 0; t < rows; ++t) {
+            const int64_t n = key_row[t] - rbv[t] + 1;
+            const auto ref = reference_topk(s.data() + t * ld, rbv[t], n, K);
+            EXPECT_TRUE(std::equal(ref.begin(), ref.end(), ig.begin() + t * K))
+                << "stride " << ld << ", row " << t << " (" << n << " keys)";
+            EXPECT_EQ(lg[t], std::min<int64_t>(K, n)) << "stride " << ld;
         }
+        expect_guard(idx, "top-k idx");
     }
 }
 

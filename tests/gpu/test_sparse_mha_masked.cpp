@@ -14,12 +14,11 @@
 #include <numeric>
 
 #include "harness.h"
-#include "sparsetron/ops/cpu/kernels.h"
-
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/copy/copy.h"
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
 #endif
 
 using namespace sparsetron;

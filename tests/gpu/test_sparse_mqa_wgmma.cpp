@@ -11,11 +11,11 @@
 
 #include "harness.h"
 #include "head_prob_sums.h"
-#include "sparsetron/ops/cpu/kernels.h"
-
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/attention/attention_forms.h"
+#include "sparsetron/ops/copy/copy.h"
 #if SPARSETRON_WITH_CUDA
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
 #endif
 
 using namespace sparsetron;

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "../fp8_test_data.h"
-#include "sparsetron/ops/cpu/fp8_blockwise.h"
-#include "sparsetron/ops/cpu/kernels.h"
-#include "sparsetron/ops/fp8_scale_layout.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/fp8/scale_layout.h"
+#include "sparsetron/ops/gemm/gemm.h"
 
 using namespace sparsetron;
 using namespace sparsetron::cpu;

@@ -5,7 +5,11 @@
 #include <functional>
 
 #include "../test_util.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
 
 using namespace sparsetron;
 using test::random_vector;

@@ -4,7 +4,12 @@
 #include <cmath>
 
 #include "../test_util.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
+#include "sparsetron/ops/optim/optim.h"
 
 using namespace sparsetron;
 using test::max_rel_error;

@@ -9,7 +9,7 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/model/moe_stash_bound.h"
-#include "sparsetron/ops/paged_stash.h"
+#include "sparsetron/ops/moe/paged_stash.h"
 
 using namespace sparsetron;
 

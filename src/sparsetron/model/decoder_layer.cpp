@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/norm/norm.h"
 
 namespace sparsetron {
 

@@ -7,7 +7,9 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/model/cp_rows.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/norm/norm.h"
 
 namespace sparsetron {
 

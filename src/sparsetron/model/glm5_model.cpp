@@ -7,7 +7,10 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/model/cp_rows.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
 #include "sparsetron/parallel/cp_shard.h"
 
 namespace sparsetron {

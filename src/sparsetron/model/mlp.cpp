@@ -1,6 +1,7 @@
 #include "sparsetron/model/mlp.h"
 
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
 
 namespace sparsetron {
 

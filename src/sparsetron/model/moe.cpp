@@ -6,7 +6,9 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/moe/moe.h"
 
 namespace sparsetron {
 

@@ -4,7 +4,8 @@
 #include <cstring>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/optim/optim.h"
 
 namespace sparsetron {
 

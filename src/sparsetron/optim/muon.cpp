@@ -5,7 +5,8 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/optim/optim.h"
 
 namespace sparsetron {
 

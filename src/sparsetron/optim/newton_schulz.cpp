@@ -6,7 +6,9 @@
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/ops/cpu/kernels.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/optim/optim.h"
 #include "sparsetron/optim/muon.h"
 
 namespace sparsetron {

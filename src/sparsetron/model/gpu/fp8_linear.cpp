@@ -2,7 +2,8 @@
 
 #include <algorithm>
 
-#include "sparsetron/ops/fp8_scale_layout.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/fp8/scale_layout.h"
 
 namespace sparsetron::gpu {
 

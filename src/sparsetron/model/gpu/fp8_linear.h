@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/ops/fp8/fp8.h"
 
 namespace sparsetron::gpu {
 

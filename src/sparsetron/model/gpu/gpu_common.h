@@ -10,10 +10,11 @@
 #include <utility>
 #include <vector>
 
+#include "sparsetron/core/dtype.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/exec_context.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/param_store.h"
-#include "sparsetron/ops/cuda/ops.h"
 #include "sparsetron/parallel/comm.h"
 
 namespace sparsetron::gpu {

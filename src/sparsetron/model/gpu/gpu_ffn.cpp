@@ -6,7 +6,12 @@
 #include <memory>
 #include <string>
 
-#include "sparsetron/ops/fp8_scale_layout.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/fp8/scale_layout.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/moe/moe.h"
 
 namespace sparsetron::gpu {
 

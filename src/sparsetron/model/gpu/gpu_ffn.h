@@ -6,7 +6,8 @@
 #include "sparsetron/model/gpu/fp8_linear.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 #include "sparsetron/model/gpu/moe_stash.h"
-#include "sparsetron/ops/cuda/expert_exchange.h"
+#include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/parallel/expert_exchange.h"
 
 namespace sparsetron::gpu {
 

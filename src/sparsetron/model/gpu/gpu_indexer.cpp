@@ -1,4 +1,9 @@
 #include "sparsetron/model/gpu/gpu_indexer.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/indexer/indexer.h"
+#include "sparsetron/ops/norm/norm.h"
 
 #include <algorithm>
 #include <cmath>

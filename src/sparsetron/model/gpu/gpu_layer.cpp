@@ -1,4 +1,6 @@
 #include "sparsetron/model/gpu/gpu_layer.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/norm/norm.h"
 
 #include <algorithm>
 #include <string>

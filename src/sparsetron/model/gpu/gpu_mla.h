@@ -5,6 +5,7 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/gpu/fp8_linear.h"
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/ops/attention/attention.h"
 
 namespace sparsetron::gpu {
 

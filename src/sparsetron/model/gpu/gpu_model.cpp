@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <cstring>
 
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
 #include "sparsetron/parallel/cp_shard.h"
 
 namespace sparsetron::gpu {

@@ -1,4 +1,5 @@
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/ops/copy/copy.h"
 
 namespace sparsetron::gpu {
 

@@ -1,4 +1,6 @@
 #include "sparsetron/model/gpu/moe_stash.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/moe/paged_stash.h"
 
 namespace sparsetron::gpu {
 

@@ -24,6 +24,7 @@
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/gpu/gpu_common.h"
 #include "sparsetron/model/moe_stash_bound.h"
+#include "sparsetron/ops/moe/paged_stash.h"
 
 namespace sparsetron::gpu {
 

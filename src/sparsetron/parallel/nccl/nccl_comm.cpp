@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "sparsetron/ops/cuda/cuda_check.h"
+#include "sparsetron/core/cuda_check.h"
 #include "sparsetron/parallel/rendezvous.h"
 
 #define ST_NCCL_CHECK(call)                                                                   \

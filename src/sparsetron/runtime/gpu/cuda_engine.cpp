@@ -8,10 +8,11 @@
 #include <tuple>
 
 #include "sparsetron/core/device_memory.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/cuda/side_stream.h"
+#include "sparsetron/cuda/step_graph.h"
 #include "sparsetron/model/gpu/gpu_model.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/side_stream.h"
-#include "sparsetron/ops/cuda/step_graph.h"
+#include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"

@@ -5,9 +5,9 @@
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/ops/cuda/cuda_session.h"
-#include "sparsetron/ops/cuda/expert_exchange.h"
-#include "sparsetron/ops/cuda/ops.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/parallel/expert_exchange.h"
 
 namespace sparsetron {
 namespace {

@@ -5,7 +5,9 @@
 #include <cmath>
 
 #include "sparsetron/core/device_memory.h"
-#include "sparsetron/ops/cuda/muon_batch.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/optim/muon_batch.h"
+#include "sparsetron/ops/optim/optim.h"
 #include "sparsetron/optim/lr_schedule.h"
 #include "sparsetron/optim/owner_assignment.h"
 

@@ -12,9 +12,9 @@
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/config/run_config.h"
+#include "sparsetron/cuda/side_stream.h"
 #include "sparsetron/model/gpu/gpu_common.h"
-#include "sparsetron/ops/cuda/muon_batch.h"
-#include "sparsetron/ops/cuda/side_stream.h"
+#include "sparsetron/ops/optim/muon_batch.h"
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/optim/muon_batches.h"
 #include "sparsetron/optim/optimizer.h"

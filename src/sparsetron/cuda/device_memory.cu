@@ -1,0 +1,55 @@
+#include "sparsetron/core/cuda_check.h"
+#include "sparsetron/core/device_memory.h"
+
+namespace sparsetron {
+
+bool cuda_available() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+int cuda_device_count() {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+std::string cuda_device_name() {
+    if (!cuda_available()) return "";
+    int dev = 0;
+    ST_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop{};
+    ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    return prop.name;
+}
+
+void* device_alloc(size_t bytes) {
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        throw Error(cat("cudaMalloc of ", bytes, " bytes failed (", cudaGetErrorString(err),
+                        "); device has ", free_b, " of ", total_b, " bytes free"));
+    }
+    return p;
+}
+
+void device_free(void* p) {
+    cudaFree(p);
+}
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+size_t device_memory_used() {
+    size_t free_b = 0, total_b = 0;
+    ST_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return total_b - free_b;
+}
+
+}  // namespace sparsetron

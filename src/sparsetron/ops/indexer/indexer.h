@@ -1,0 +1,69 @@
+// The DSA lightning indexer (SPEC §3, §3.1): scores I[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s])
+// over each row's causal keys in its document, the deterministic top-k, the KL loss against the
+// attention's head-summed probabilities and its backward through the scores. CPU reference:
+// indexer_cpu.cpp; CUDA: indexer.cu (scores, dispatch), indexer_wgmma.cu (the fused scores),
+// topk_stream.cu (top-k), indexer_loss.cu (KL and backward). Tests: tests/ops/test_indexer.cpp,
+// tests/gpu/ops/test_indexer_cuda.cpp, test_indexer_wgmma.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+
+namespace sparsetron::cuda {
+
+// scores[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a
+// row are not written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32. On
+// sm_90a with a shape indexer_scores_wgmma_supported() takes, the fused wgmma kernel. Otherwise,
+// with `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
+// smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
+// simple kernel computes everything.
+int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
+// Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
+// k holds `keys` micro-batch rows and scores rows are `keys` long.
+void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
+                    const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                    float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0,
+                    const int32_t* key_row = nullptr, int64_t keys = 0);
+// Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
+// key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
+// key_row (context parallelism): row t's keys are [begin, key_row[t]].
+void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const int32_t* row_begin,
+               int64_t tokens, int64_t kslots, int32_t* idx, int32_t* len,
+               const int32_t* key_row = nullptr);
+
+// Per row t with support S_t (sparse: idx[t, :len[t]]; dense: row_begin[t]..t):
+//   teacher p = normalize(Σ_h softmax-probabilities of the attention, exp(scale q'_h·k'_s - lse_h))
+//   (sparse: the attention's own lse [H, T]; dense: recomputed over S_t),
+//   student log q = log_softmax(scores[t, S_t]); kl[t] = Σ p (log p - log q);
+//   dscore[t, s] = q_s - p_s on the support (dense layout [T, T] like the scores).
+// qabs [T, H, dl] and kabs [T, dl] are the absorbed query and latent key (bf16).
+// teacher_sum (sparse loss only, may be null): the attention's Σ_h P [T, kslots] from
+// sparse_mqa_forward; when given, qabs/kabs/lse are not read.
+void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
+                const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
+                const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
+                int64_t tokens, float* kl, float* dscore, const float* teacher_sum = nullptr,
+                const int32_t* key_row = nullptr, int64_t keys = 0);
+// Back through the scores: with g = dscore * grad_scale on the support,
+//   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
+//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first).
+void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
+                             const float* w, const float* dscore, float grad_scale,
+                             const int32_t* idx, const int32_t* len, int64_t kslots,
+                             const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
+                             float* dw, bf16* dq, float* dk,
+                             const float* grad_scale_dev = nullptr,  // multiplies grad_scale
+                             const int32_t* key_row = nullptr, int64_t keys = 0,  // dk: [keys]
+                             void* workspace = nullptr, int64_t workspace_bytes = 0);
+// With a workspace (and no key_row) the backward runs as GEMMs over chunks of query tokens: the
+// per-head logits Q K^T (fp32) against every earlier key, one kernel forming their gradient
+// (bf16, 0 off the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic).
+// Otherwise a kernel per query row with atomics. Bytes of workspace per query token of a chunk:
+int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads);
+// Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
+void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
+                    double* out);
+
+}  // namespace sparsetron::cuda

@@ -1,0 +1,59 @@
+// Losses: the output head fused with cross-entropy over row chunks, the loss sums, and the MTP
+// end-to-end TV loss's pieces (SPEC §5). CPU reference: head_loss_cpu.cpp (the TV loss's CPU
+// form is the model's, model/glm5_model.cpp); CUDA: head_loss.cu, mtp_tv.cu. Tests:
+// tests/ops/test_loss.cpp, tests/gpu/ops/test_loss_cuda.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+
+namespace sparsetron::cpu {
+
+// Output head fused with cross-entropy over row chunks: for each chunk, logits = h @ W^T in
+// `logits_ws` [chunk_rows, vocab]; loss_sum += Σ CE over rows with target >= 0. With dh/dw:
+// dlogits = grad_scale * (softmax - onehot) (0 for rows without target); dh = dlogits @ W
+// (overwrite) and dw += dlogits^T @ h.
+template <typename T>
+void head_cross_entropy(const T* h, int64_t rows, int64_t dim, const T* w, int64_t vocab,
+                        const int32_t* targets, int64_t chunk_rows, T* logits_ws, double grad_scale,
+                        T* dh, T* dw, double* loss_sum, int64_t* count);
+
+}  // namespace sparsetron::cpu
+
+namespace sparsetron::cuda {
+
+// Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
+// dlogits = grad_scale * (softmax - onehot) (bf16) -> dh (overwrite, bf16) and dw += (fp32). dh
+// and dw may be null (forward only). dlogits_ws: [rows, vocab] when dw is given (dw is one GEMM
+// over all rows), else [chunk_rows, vocab]. With `grad_scale_dev` (a device scalar: graph-safe)
+// the scale is grad_scale * *grad_scale_dev. dw = dw_beta * dw + the gradient (0: overwrite).
+void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
+                        const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
+                        float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
+                        bf16* dh, float* dw, const float* grad_scale_dev = nullptr,
+                        float dw_beta = 1.f);
+// out[0] = Σ x (fp64 in fixed order), out[1] = count of x's rows with targets >= 0.
+void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,
+              double* out);
+
+// z [rows, V] (fp32) become softmax(z).
+void softmax_rows(const ExecContext& ctx, float* z, int64_t rows, int64_t vocab);
+// Rows of q (draft logits, fp32) become softmax(q) in place; with p the target probabilities,
+// alpha[r] = Σ_v min(p[r, v], q[r, v]) and below[r] = Σ_{v: q<=p} q[r, v] (tv_logit_grad's sum).
+void tv_draft_softmax_overlap(const ExecContext& ctx, const float* p, float* q, int64_t rows,
+                              int64_t vocab, float* alpha, float* below);
+// Per chain row i (valid[i] != 0): loss += (1/D) Σ_j (1 - Π_{k<=j} α_k), accept += Σ_j Π α;
+// dalpha[k, i] = row_weight * ∂L/∂α_k (0 for invalid rows). alpha, dalpha: [D, T].
+// Depth k's values of row i are at [k * stride + i]; sums[0] += loss, sums[1] += accept.
+// With `row_weight_dev` (device scalar), the weight is row_weight * *row_weight_dev.
+void tv_chain(const ExecContext& ctx, const float* alpha, const uint8_t* valid, int64_t depths,
+              int64_t rows, int64_t stride, float row_weight, float* dalpha, double* sums,
+              const float* row_weight_dev = nullptr);
+// dz = -dalpha * q (s - 1 + 1[q > p]) with s = below[r] = Σ_{q<=p} q (from
+// tv_draft_softmax_overlap), stored as bf16 into dz_out [rows, V].
+void tv_logit_grad(const ExecContext& ctx, const float* p, const float* q, const float* dalpha,
+                   const float* below, int64_t rows, int64_t vocab, bf16* dz_out);
+
+}  // namespace sparsetron::cuda

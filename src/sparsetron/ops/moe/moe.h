@@ -1,0 +1,76 @@
+// Mixture of experts: the sigmoid router with its top-k, the expert-major permutation, the
+// gather / combine of rows and their backwards, the grouped expert GEMM over device-side counts,
+// the routing statistics and the aux-loss-free bias update. CPU reference: moe_cpu.cpp; CUDA:
+// moe.cu, grouped GEMM forms in grouped_gemm_forms.h. Tests: tests/ops/test_moe.cpp,
+// tests/gpu/ops/test_moe_cuda.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/fp8/fp8.h"
+
+namespace sparsetron::cuda {
+
+// probs = sigmoid(logits) [T, E]; top-k of probs + bias (ties toward the smaller expert, or the
+// forced round-robin choice); gates = scaling * p / Σ p over the chosen. Padding rows get -1.
+void router_topk(const ExecContext& ctx, const float* logits, const float* bias,
+                 const int32_t* row_begin, int64_t tokens, int64_t experts, int64_t k,
+                 bool force_balance, float scaling, float* probs, int32_t* topk, float* gates);
+// Expert-major permutation, token order within an expert, at most `capacity` rows per expert:
+// counts[E] (routed, before capacity), offsets[E+1] (kept rows), slot_row [T*k] (-1 if dropped
+// or padding), perm_token [T*k] (rows >= offsets[E] are left as they were).
+void moe_permute(const ExecContext& ctx, const int32_t* topk, int64_t tokens, int64_t experts,
+                 int64_t k, int64_t capacity, int32_t* counts, int32_t* offsets, int32_t* slot_row,
+                 int32_t* perm_token);
+// out[r] = x[perm_token[r]] for r < offsets[E].
+// out8: the FP8 copy of the gathered rows (ops/fp8/fp8.h, Fp8RowsOut; rows past offsets[E]
+// unwritten).
+void moe_gather(const ExecContext& ctx, const bf16* x, const int32_t* perm_token,
+                const int32_t* offsets, int64_t experts, int64_t rows, int64_t dim, bf16* out,
+                const Fp8RowsOut& out8 = {});
+// y[t] += Σ_j gates[t, j] * out_perm[slot_row[t, j]].
+void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* slot_row,
+                 const float* gates, int64_t tokens, int64_t k, int64_t dim, bf16* y);
+
+// Grouped GEMM over the permuted layout, expert e owning rows [offsets[e], offsets[e+1]):
+//   RowsTimesWeightT: C[r, :] = A[r, :] @ W_e^T      A [R, K], W [E, N, K], C [R, N] bf16
+//   RowsTimesWeight:  C[r, :] = A[r, :] @ W_e        A [R, N], W [E, N, K], C [R, K] bf16
+//   WeightGrad:       dW_e (+)= A_e^T @ B_e          A [R, N], B [R, K], dW [E, N, K] fp32
+// max_rows bounds any expert's row count (the capacity); counts are read from device memory.
+// row_capacity: the rows the row operands' buffers hold (A, and B for WeightGrad; offsets[E] <=
+// row_capacity): the bound of the kernels' bulk tensor loads, which read whole tiles past an
+// expert's last row (never past the buffer).
+enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
+// `weight_stride`: elements between consecutive experts' weights (0 = n * k, packed). With
+// `accumulate` the outputs are added to; without, they are written, and WeightGrad writes every
+// expert's dW (zeros for an expert with no rows), so a step's first weight gradient needs no
+// memset of the gradient before it and its tiles are not read.
+void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
+                  int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
+                  const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
+
+// Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
+// dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
+// dout8: the FP8 copy of dout_perm's written rows (ops/fp8/fp8.h, Fp8RowsOut).
+void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* out_perm,
+                          const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
+                          int64_t dim, bf16* dout_perm, float* dgates,
+                          const Fp8RowsOut& dout8 = {});
+// Backward of moe_gather: dx[t] (+)= Σ_j dx_perm[slot_row[t, j]] in j order (deterministic).
+void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
+                         int64_t tokens, int64_t k, int64_t dim, bf16* dx, bool accumulate);
+// dlogits [T, E] (fp32) from the gate gradients: gates = scaling * s_c / Σ s_chosen, s =
+// sigmoid(logits). Unrouted rows and unchosen experts get 0.
+void router_backward(const ExecContext& ctx, const float* probs, const int32_t* topk,
+                     const float* dgates, int64_t tokens, int64_t experts, int64_t k, float scaling,
+                     float* dlogits);
+// load[e] += counts[e]; dropped[0] += Σ max(0, counts[e] - capacity).
+void moe_count_load(const ExecContext& ctx, const int32_t* counts, int64_t experts,
+                    int64_t capacity, int64_t* load, int64_t* dropped);
+// Aux-loss-free balancing: bias[e] += rate * sign(mean(load) - load[e]).
+void moe_update_bias(const ExecContext& ctx, const int64_t* load, int64_t experts, float rate,
+                     float* bias);
+
+}  // namespace sparsetron::cuda

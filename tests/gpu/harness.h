@@ -14,6 +14,8 @@
 #include "../test_util.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/dtype.h"
+#include "sparsetron/ops/attention/attention.h"
+#include "sparsetron/ops/indexer/indexer.h"
 
 namespace sparsetron::test {
 
@@ -120,6 +122,25 @@ inline void expect_close(const std::string& what, const std::vector<float>& gpu,
 template <typename T>
 void expect_guard(const DeviceArray<T>& a, const std::string& what) {
     EXPECT_TRUE(a.guard_intact()) << what << ": an op wrote past the end of its output";
+}
+
+// The top-k rule's CPU reference (cpu::topk_row) of row[begin, begin + n), padded with -1 to k.
+inline std::vector<int32_t> reference_topk(const float* row, int32_t begin, int64_t n, int64_t k) {
+    std::vector<int32_t> idx(size_t(k), -1), order;
+    if (n > 0) cpu::topk_row(row, begin, begin + n - 1, k, idx.data(), order);
+    return idx;
+}
+
+// The sparse MQA's head-summed probabilities (cpu::sparse_mqa_prob_sums, fp64 sums).
+inline std::vector<float> head_prob_sums(const std::vector<float>& q, const std::vector<float>& kv,
+                                         const std::vector<int32_t>& idx,
+                                         const std::vector<int32_t>& len,
+                                         const std::vector<float>& lse, int64_t tokens,
+                                         int64_t heads, int64_t dqk, int64_t kslots, double scale) {
+    std::vector<float> sums(size_t(tokens * kslots));
+    cpu::sparse_mqa_prob_sums(tokens, heads, dqk, q.data(), kv.data(), idx.data(), len.data(),
+                              kslots, scale, lse.data(), sums.data());
+    return sums;
 }
 
 }  // namespace sparsetron::test

@@ -29,7 +29,7 @@ constexpr double kIndexerTol = 0.15;
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
-#include "sparsetron/model/gpu/gpu_model.h"
+#include "sparsetron/model/gpu/glm5_model.h"
 #include "sparsetron/ops/copy/copy.h"
 #endif
 
@@ -88,7 +88,7 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuModel gm(cfg, cpu.params(), dplan, T, max_docs, chunk);
+    gpu::GpuGlm5Model gm(cfg, cpu.params(), dplan, T, max_docs, chunk);
     dplan.allocate(Device::CUDA);
     gm.bind(ctx);
     for (size_t i = 0; i < params.size(); ++i)

@@ -11,7 +11,6 @@
 #include <numeric>
 
 #include "harness.h"
-#include "head_prob_sums.h"
 #include "sparsetron/cuda/device_caps.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
@@ -24,7 +23,6 @@
 #include "sparsetron/ops/moe/paged_stash.h"
 #include "sparsetron/ops/norm/norm.h"
 #include "sparsetron/ops/optim/optim.h"
-#include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"

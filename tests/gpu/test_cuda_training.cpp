@@ -17,7 +17,7 @@
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/step_graph.h"
-#include "sparsetron/model/gpu/gpu_model.h"
+#include "sparsetron/model/gpu/glm5_model.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 #endif
@@ -141,7 +141,7 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuModel model(r.model, host.params(), dplan, T, docs, chunk);
+    gpu::GpuGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
     gpu::GpuOptimizer opt(model.gpu_params(), dplan, r.model, r.run);
     dplan.allocate(Device::CUDA);
     model.bind(ctx);
@@ -231,7 +231,7 @@ TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuModel model(r.model, host.params(), dplan, T, docs, chunk);
+    gpu::GpuGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
     dplan.allocate(Device::CUDA);
     model.bind(ctx);
     const auto& hp = host.params().params();

@@ -7,7 +7,6 @@
 #include <algorithm>
 
 #include "harness.h"
-#include "topk_reference.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "cuda_session_test.h"

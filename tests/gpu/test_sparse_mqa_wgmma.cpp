@@ -10,7 +10,6 @@
 #include <numeric>
 
 #include "harness.h"
-#include "head_prob_sums.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
 #include "sparsetron/ops/copy/copy.h"

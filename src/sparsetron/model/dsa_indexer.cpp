@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/indexer/indexer.h"
 #include "sparsetron/ops/norm/norm.h"
 
 namespace sparsetron {
@@ -90,17 +90,7 @@ void DsaIndexer<T>::bind(const Buffers& buf, const std::vector<T*>& params,
 template <typename T>
 void DsaIndexer<T>::scores_row(const Acts& A, int64_t t, int64_t row, int64_t begin, T* out) const {
     // I[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for causal s in the document.
-    for (int64_t s = begin; s <= row; ++s) {
-        double acc = 0;
-        for (int64_t j = 0; j < HI_; ++j) {
-            const T* q = A.q + (t * HI_ + j) * dI_;
-            const T* k = A.kkeys + s * dI_;
-            T d = 0;
-            for (int64_t i = 0; i < dI_; ++i) d += q[i] * k[i];
-            if (d > 0) acc += double(A.w[t * HI_ + j]) * d;
-        }
-        out[s] = static_cast<T>(acc);
-    }
+    cpu::indexer_scores_row(A.q + t * HI_ * dI_, A.w + t * HI_, A.kkeys, HI_, dI_, begin, row, out);
 }
 
 template <typename T>
@@ -129,17 +119,8 @@ void DsaIndexer<T>::forward(const Acts& A, const T* a, const T* cq, const StepIn
                     T* row = scores_ + t * Tk_;
                     const int64_t g = key_row(in, t);
                     scores_row(A, t, g, kbegin, row);
-                    const int64_t n = g - kbegin + 1, k = std::min(K_, n);
-                    order.resize(n);
-                    std::iota(order.begin(), order.end(), static_cast<int32_t>(kbegin));
-                    // Largest scores; ties toward the smaller key index (SPEC §3).
-                    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                                      [&](int32_t x, int32_t y) {
-                                          return row[x] > row[y] || (row[x] == row[y] && x < y);
-                                      });
-                    std::sort(order.begin(), order.begin() + k);
-                    std::copy_n(order.begin(), k, A.topk + t * K_);
-                    A.len[t] = static_cast<int32_t>(k);
+                    A.len[t] = static_cast<int32_t>(
+                        cpu::topk_row(row, kbegin, g, K_, A.topk + t * K_, order));
                 }
             },
             4);
@@ -160,6 +141,7 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     if (rows == 0) return 0;
     const int32_t* kcu = key_cu_seqlens(in);
     // Per row: teacher p and student q over the support; KL and its logit gradient (into target_).
+    const cpu::IndexerTeacher<T> teacher{tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, Tn};
     std::vector<double> kl(Tn, 0.0);
     for (int64_t d = 0; d < in.num_docs; ++d) {
         const int64_t begin = in.cu_seqlens[d], end = in.cu_seqlens[d + 1], kbegin = kcu[d];
@@ -167,7 +149,7 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
             end - begin,
             [&](int64_t rb, int64_t re) {
                 std::vector<int32_t> support;
-                std::vector<double> p, lq;
+                std::vector<double> p;
                 for (int64_t t = begin + rb; t < begin + re; ++t) {
                     support.clear();
                     if (sparse) {
@@ -176,48 +158,9 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
                         for (int64_t s = kbegin; s <= key_row(in, t); ++s)
                             support.push_back(static_cast<int32_t>(s));
                     }
-                    const int64_t n = static_cast<int64_t>(support.size());
-                    p.assign(n, 0.0);
-                    for (int64_t hh = 0; hh < tc.heads; ++hh) {
-                        const T* qh = tc.q + (t * tc.heads + hh) * tc.dim;
-                        std::vector<double> z(n);
-                        double mx = -INFINITY;
-                        for (int64_t j = 0; j < n; ++j) {
-                            const T* ks = tc.k + int64_t(support[j]) * tc.dim;
-                            double dd = 0;
-                            for (int64_t i = 0; i < tc.dim; ++i) dd += double(qh[i]) * ks[i];
-                            z[j] = dd * tc.scale;
-                            mx = std::max(mx, z[j]);
-                        }
-                        // Sparse: the attention's own LSE over the top-k set; dense: recomputed.
-                        double lse = 0;
-                        if (sparse) {
-                            lse = tc.lse[hh * Tn + t];
-                        } else {
-                            double sum = 0;
-                            for (double v : z) sum += std::exp(v - mx);
-                            lse = mx + std::log(sum);
-                        }
-                        for (int64_t j = 0; j < n; ++j) p[j] += std::exp(z[j] - lse);
-                    }
-                    double psum = 0;
-                    for (double v : p) psum += v;
-                    psum = std::max(psum, 1e-10);
-                    for (double& v : p) v /= psum;
-                    const T* row = scores_ + t * Tk_;
-                    double mx = -INFINITY;
-                    for (int32_t s : support) mx = std::max(mx, double(row[s]));
-                    double sum = 0;
-                    for (int32_t s : support) sum += std::exp(double(row[s]) - mx);
-                    const double lse_i = mx + std::log(sum);
-                    double k = 0;
-                    T* tg = target_ + t * Tk_;
-                    for (int64_t j = 0; j < n; ++j) {
-                        double logq = double(row[support[j]]) - lse_i;
-                        if (p[j] > 0) k += p[j] * (std::log(p[j]) - logq);
-                        tg[support[j]] = static_cast<T>(std::exp(logq) - p[j]);  // q - p
-                    }
-                    kl[t] = k;
+                    kl[t] = cpu::indexer_kl_row(teacher, t, sparse, support.data(),
+                                                int64_t(support.size()), scores_ + t * Tk_,
+                                                target_ + t * Tk_, p);
                 }
             },
             2);

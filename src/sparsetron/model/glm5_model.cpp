@@ -355,16 +355,7 @@ void Glm5Model<T>::mtp_tv_loss(const LossScales& sc, LossSums& out) {
     const double row_w = sc.backward ? sc.mtp.at(0) : 0.0;
     for (int64_t k = 0; k < D; ++k)
         if (sc.backward) std::fill_n(dmtp_zk_[k], Tn * h, T(0));
-    auto softmax_rows = [&](T* z, int64_t n) {
-        for (int64_t r = 0; r < n; ++r) {
-            T* row = z + r * V;
-            double mx = -INFINITY, sum = 0;
-            for (int64_t v = 0; v < V; ++v) mx = std::max(mx, double(row[v]));
-            for (int64_t v = 0; v < V; ++v) sum += std::exp(double(row[v]) - mx);
-            for (int64_t v = 0; v < V; ++v)
-                row[v] = static_cast<T>(std::exp(double(row[v]) - mx) / sum);
-        }
-    };
+    std::vector<double> dalpha(D);
     for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
         const int64_t n = std::min(chunk_rows_, Tn - r0);
         for (int64_t k = 0; k < D; ++k) {
@@ -388,50 +379,24 @@ void Glm5Model<T>::mtp_tv_loss(const LossScales& sc, LossSums& out) {
                 gemm<T>(false, true, m, V, h, 1, h_final_ + (r0 + shift) * h, h, param(head_), h, 0,
                         p, V);
             }
-            softmax_rows(p, n);
+            cpu::softmax_rows(p, n, V);
             gemm<T>(false, true, n, V, h, 1, mtp_acts_[k].hz + r0 * h, h, param(head_), h, 0, q, V);
-            softmax_rows(q, n);
-            for (int64_t r = 0; r < n; ++r) {
-                double a = 0;
-                for (int64_t v = 0; v < V; ++v)
-                    a += std::min(double(p[r * V + v]), double(q[r * V + v]));
-                tv_alpha_[k * Tn + r0 + r] = static_cast<T>(a);
-            }
+            cpu::softmax_rows(q, n, V);
+            cpu::tv_overlap(p, q, n, V, tv_alpha_ + k * Tn + r0);
         }
         for (int64_t r = 0; r < n; ++r) {
             const int64_t i = r0 + r;
             if (!valid[i]) continue;
-            double prod = 1, loss = 0, accept = 0;
-            std::vector<double> prefix(D + 1, 1.0);
-            for (int64_t k = 0; k < D; ++k) {
-                prod *= double(tv_alpha_[k * Tn + i]);
-                prefix[k + 1] = prod;
-                loss += 1.0 - prod;
-                accept += prod;
-            }
-            out.mtp_sum[0] += loss / double(D);
-            out.mtp_acceptance_sum += accept;
+            const cpu::TvChainRow chain = cpu::tv_chain_row(tv_alpha_ + i, Tn, D, row_w,
+                                                            sc.backward ? dalpha.data() : nullptr);
+            out.mtp_sum[0] += chain.loss;
+            out.mtp_acceptance_sum += chain.accept;
             ++out.mtp_count[0];
             if (!sc.backward) continue;
-            // ∂L/∂α_d = -(1/D) Π_{i<d} α_i (1 + Σ_{j>d} Π_{d<i<=j} α_i), without dividing by α.
-            for (int64_t d = 0; d < D; ++d) {
-                double tail = 1, run = 1;
-                for (int64_t j = d + 1; j < D; ++j) {
-                    run *= double(tv_alpha_[j * Tn + i]);
-                    tail += run;
-                }
-                const double dalpha = -prefix[d] * tail / double(D) * row_w;
-                // α = 1 - TV; ∂TV/∂z_v = q_v (s - 1 + 1[q_v > p_v]), s = Σ_{q<=p} q.
-                const T* p = tv_p_ + (d * chunk_rows_ + r) * V;
-                T* q = tv_q_ + (d * chunk_rows_ + r) * V;
-                double s = 0;
-                for (int64_t v = 0; v < V; ++v)
-                    if (q[v] <= p[v]) s += q[v];
-                for (int64_t v = 0; v < V; ++v) {
-                    double dtv = double(q[v]) * (s - 1.0 + (q[v] > p[v] ? 1.0 : 0.0));
-                    q[v] = static_cast<T>(-dalpha * dtv);  // dL/dz, reusing q's storage
-                }
-            }
+            // dL/dz of each depth's draft logits, reusing q's storage.
+            for (int64_t d = 0; d < D; ++d)
+                cpu::tv_logit_grad_row(tv_p_ + (d * chunk_rows_ + r) * V,
+                                       tv_q_ + (d * chunk_rows_ + r) * V, V, dalpha[d]);
         }
         if (!sc.backward) continue;
         for (int64_t k = 0; k < D; ++k) {

@@ -193,72 +193,26 @@ void MoeLayer<T>::ep_backward(const Acts& A) const {
 }
 
 template <typename T>
-void MoeLayer<T>::route(Acts& A, const StepInputs& in) {
+void MoeLayer<T>::route(Acts& A, const StepInputs& in, const T* logits) {
     const int64_t real = in.cu_seqlens[in.num_docs];  // padding rows are not routed
-    const T* bias = p_[bias_];
-    // Selection: top-k of (s + b), ties toward the smaller expert index.
-    parallel_for(
-        real,
-        [&](int64_t b, int64_t e) {
-            std::vector<int32_t> order(E_);
-            for (int64_t t = b; t < e; ++t) {
-                const T* s = A.probs + t * E_;
-                int32_t* chosen = A.topk + t * k_;
-                if (c_.moe_router_force_load_balancing) {
-                    for (int64_t j = 0; j < k_; ++j)
-                        chosen[j] = static_cast<int32_t>((t * k_ + j) % E_);
-                } else {
-                    std::iota(order.begin(), order.end(), 0);
-                    std::partial_sort(order.begin(), order.begin() + k_, order.end(),
-                                      [&](int32_t x, int32_t y) {
-                                          T vx = s[x] + bias[x], vy = s[y] + bias[y];
-                                          return vx > vy || (vx == vy && x < y);
-                                      });
-                    std::copy_n(order.begin(), k_, chosen);
-                }
-                double sum = 1e-20;
-                for (int64_t j = 0; j < k_; ++j) sum += double(s[chosen[j]]);
-                for (int64_t j = 0; j < k_; ++j)
-                    A.gates[t * k_ + j] = static_cast<T>(double(s[chosen[j]]) / sum *
-                                                         c_.moe_router_topk_scaling_factor);
-            }
-        },
-        8);
-    // Permutation: expert-major, token order within an expert, capacity-bounded.
-    std::vector<int64_t> count(E_, 0);
-    for (int64_t t = 0; t < real; ++t)
-        for (int64_t j = 0; j < k_; ++j) ++count[A.topk[t * k_ + j]];
+    cpu::router_topk(logits, p_[bias_], T_, real, E_, k_, c_.moe_router_force_load_balancing,
+                     c_.moe_router_topk_scaling_factor, A.probs, A.topk, A.gates);
+    std::vector<int64_t> count(E_);
     A.offsets.assign(E_ + 1, 0);
+    cpu::moe_permute(A.topk, real, T_, E_, k_, capacity_, count.data(), A.offsets.data(),
+                     A.slot_row, A.perm_token);
     for (int64_t e = 0; e < E_; ++e) {
-        A.offsets[e + 1] = A.offsets[e] + std::min(count[e], capacity_);
         stats_.load[e] += count[e];
         stats_.dropped += std::max<int64_t>(0, count[e] - capacity_);
     }
-    std::vector<int64_t> fill(A.offsets.begin(), A.offsets.end() - 1);
-    std::fill_n(A.slot_row, T_ * k_, -1);
-    for (int64_t t = 0; t < real; ++t)
-        for (int64_t j = 0; j < k_; ++j) {
-            int32_t e = A.topk[t * k_ + j];
-            if (fill[e] < A.offsets[e + 1]) {
-                A.slot_row[t * k_ + j] = static_cast<int32_t>(fill[e]);
-                A.perm_token[fill[e]++] = static_cast<int32_t>(t);
-            }
-        }
 }
 
 template <typename T>
 double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, double aux_scale) {
     const int64_t Tn = T_;
-    // Router in the master precision (fp32 on CPU), sigmoid scores.
+    // Router in the master precision (fp32 on CPU), sigmoid scores (in place of the logits).
     gemm<T>(false, true, Tn, E_, h_, 1, m, h_, p_[router_], h_, 0, A.probs, E_);
-    parallel_for(
-        Tn * E_,
-        [&](int64_t b, int64_t e) {
-            for (int64_t i = b; i < e; ++i)
-                A.probs[i] = static_cast<T>(1.0 / (1.0 + std::exp(-double(A.probs[i]))));
-        },
-        4096);
-    route(A, in);
+    route(A, in, A.probs);
     const int64_t R = A.offsets[E_];
     parallel_for(
         R,

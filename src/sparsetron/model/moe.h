@@ -74,8 +74,9 @@ class MoeLayer {
     int64_t capacity() const { return capacity_; }
 
   private:
-    void route(Acts& A, const StepInputs& in);
-    // The aux loss's per-expert routed fraction f_e over the document rows [begin, end).
+    // Router selection and the permutation (ops/moe: cpu::router_topk, cpu::moe_permute) from the
+    // router logits (A.probs may hold them: the probabilities replace them).
+    void route(Acts& A, const StepInputs& in, const T* logits);
     // The sequence aux loss's per-document terms, [num_docs * E] each: f_e over the whole
     // document (under CP its routed counts are summed over the CP group) and this rank's rows'
     // part of P_e (mean normalized score; the parts sum to P_e over the group).

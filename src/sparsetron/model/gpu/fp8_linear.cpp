@@ -96,8 +96,8 @@ void Fp8Weights::quantize(const ExecContext& ctx) const {
         cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kPow2, w.q, w.s,
                                         w.qt, w.st);
     // One launch per layer and kind for the experts, their masters one stride apart
-    // (GpuMoe::check_layout holds the store to that at bind): a launch per expert leaves the SMs
-    // idle between small grids.
+    // (GpuMoeLayer::check_layout holds the store to that at bind): a launch per expert leaves the
+    // SMs idle between small grids.
     for (const Experts& x : experts_) {
         const float* m0 = P_[x.first].master;
         const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;

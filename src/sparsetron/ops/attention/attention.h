@@ -47,6 +47,13 @@ void sparse_mqa_backward(int64_t tokens, int64_t heads, int64_t dqk, int64_t dv,
                          double scale, const T* out, const T* lse, const T* dout, T* dq,
                          T* dkv_heads, T* dkv, int64_t keys = 0);
 
+// The DSA indexer loss's teacher before normalization: sums[t, j] = Σ_h exp(scale q_h ·
+// kv[idx[t, j]] - lse[h, t]) for each selected key j < len[t], 0 past it (fp64 sums; sums [T, K]).
+template <typename T>
+void sparse_mqa_prob_sums(int64_t tokens, int64_t heads, int64_t dqk, const T* q, const T* kv,
+                          const int32_t* idx, const int32_t* len, int64_t kslots, double scale,
+                          const T* lse, T* sums);
+
 }  // namespace sparsetron::cpu
 
 namespace sparsetron::cuda {

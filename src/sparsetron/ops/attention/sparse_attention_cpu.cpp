@@ -88,12 +88,32 @@ void sparse_mqa_backward(int64_t Tn, int64_t H, int64_t dqk, int64_t dv, const T
         8);
 }
 
+template <typename T>
+void sparse_mqa_prob_sums(int64_t tokens, int64_t heads, int64_t dqk, const T* q, const T* kv,
+                          const int32_t* idx, const int32_t* len, int64_t kslots, double scale,
+                          const T* lse, T* sums) {
+    for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t j = 0; j < kslots; ++j) {
+            double sum = 0;
+            for (int64_t h = 0; j < len[t] && h < heads; ++h) {
+                double d = 0;
+                for (int64_t i = 0; i < dqk; ++i)
+                    d += double(q[(t * heads + h) * dqk + i]) * kv[idx[t * kslots + j] * dqk + i];
+                sum += std::exp(d * scale - lse[h * tokens + t]);
+            }
+            sums[t * kslots + j] = static_cast<T>(sum);
+        }
+}
+
 #define INSTANTIATE(T)                                                                            \
     template void sparse_mqa_forward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,   \
                                         const int32_t*, const int32_t*, int64_t, double, T*, T*); \
     template void sparse_mqa_backward<T>(int64_t, int64_t, int64_t, int64_t, const T*, const T*,  \
                                          const int32_t*, const int32_t*, int64_t, double,         \
-                                         const T*, const T*, const T*, T*, T*, T*, int64_t);
+                                         const T*, const T*, const T*, T*, T*, T*, int64_t);      \
+    template void sparse_mqa_prob_sums<T>(int64_t, int64_t, int64_t, const T*, const T*,          \
+                                          const int32_t*, const int32_t*, int64_t, double,        \
+                                          const T*, T*);
 INSTANTIATE(float)
 INSTANTIATE(double)
 #undef INSTANTIATE

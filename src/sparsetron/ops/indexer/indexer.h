@@ -7,9 +7,48 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+
+namespace sparsetron::cpu {
+
+// Scores of one query row against keys s = begin .. last: out[s] = Σ_j w[j] relu(q[j] · k[s])
+// (q [H, dim] the row's heads, w [H], k [keys, dim]); other entries of out are not written.
+template <typename T>
+void indexer_scores_row(const T* q, const T* w, const T* k, int64_t heads, int64_t dim,
+                        int64_t begin, int64_t last, T* out);
+
+// The top-k rule (SPEC §3): the min(k, n) largest of row[begin .. last] (n keys, `row` indexed by
+// key), ties toward the smaller key index, written ascending into idx; returns how many.
+// `order` is scratch.
+template <typename T>
+int64_t topk_row(const T* row, int64_t begin, int64_t last, int64_t k, int32_t* idx,
+                 std::vector<int32_t>& order);
+
+// What the indexer loss needs from the attention: Q' [tokens, heads, dim] of the query rows,
+// K' [key rows, dim], the sparse attention's LSE [heads, tokens] and its scale.
+template <typename T>
+struct IndexerTeacher {
+    const T* q;
+    const T* k;
+    const T* lse;
+    int64_t heads, dim;
+    double scale;
+    int64_t tokens;  // query rows: the LSE's row stride
+};
+
+// The KL loss of query row t over its support (n key rows, ascending): teacher p = normalize(Σ_h
+// exp(scale q'_h · k'_s - lse_h)) with the attention's LSE when `sparse`, recomputed over the
+// support otherwise; student log q = log_softmax(scores[support]). Returns Σ p (log p - log q)
+// and writes target[s] = q_s - p_s on the support (the loss's gradient with respect to the
+// scores). `p` is scratch.
+template <typename T>
+double indexer_kl_row(const IndexerTeacher<T>& tc, int64_t t, bool sparse, const int32_t* support,
+                      int64_t n, const T* scores, T* target, std::vector<double>& p);
+
+}  // namespace sparsetron::cpu
 
 namespace sparsetron::cuda {
 

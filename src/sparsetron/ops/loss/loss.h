@@ -1,6 +1,6 @@
 // Losses: the output head fused with cross-entropy over row chunks, the loss sums, and the MTP
-// end-to-end TV loss's pieces (SPEC §5). CPU reference: head_loss_cpu.cpp (the TV loss's CPU
-// form is the model's, model/glm5_model.cpp); CUDA: head_loss.cu, mtp_tv.cu. Tests:
+// end-to-end TV loss's pieces (SPEC §5). CPU reference: head_loss_cpu.cpp, mtp_tv_cpu.cpp; CUDA:
+// head_loss.cu, mtp_tv.cu. Tests:
 // tests/ops/test_loss.cpp, tests/gpu/ops/test_loss_cuda.cpp.
 #pragma once
 
@@ -19,6 +19,26 @@ template <typename T>
 void head_cross_entropy(const T* h, int64_t rows, int64_t dim, const T* w, int64_t vocab,
                         const int32_t* targets, int64_t chunk_rows, T* logits_ws, double grad_scale,
                         T* dh, T* dw, double* loss_sum, int64_t* count);
+
+// The MTP end-to-end TV loss (SPEC §5) on rows of draft and target distributions.
+// In place: rows of z [rows, vocab] become softmax(z) (fp64 sums).
+template <typename T>
+void softmax_rows(T* z, int64_t rows, int64_t vocab);
+// alpha[r] = Σ_v min(p[r, v], q[r, v]): 1 - TV of target p and draft q.
+template <typename T>
+void tv_overlap(const T* p, const T* q, int64_t rows, int64_t vocab, T* alpha);
+// One chain row from its depths' α (alpha[k * stride], k < depths): loss = (1/D) Σ_j (1 - Π_{k<=j}
+// α_k), accept = Σ_j Π_{k<=j} α_k; with dalpha, dalpha[k] = row_weight * ∂loss/∂α_k.
+struct TvChainRow {
+    double loss = 0, accept = 0;
+};
+template <typename T>
+TvChainRow tv_chain_row(const T* alpha, int64_t stride, int64_t depths, double row_weight,
+                        double* dalpha);
+// In place of a draft row q (with its target row p): dz = -dalpha q (s - 1 + 1[q > p]) with s =
+// Σ_{q<=p} q, the loss's gradient with respect to the draft logits.
+template <typename T>
+void tv_logit_grad_row(const T* p, T* q, int64_t vocab, double dalpha);
 
 }  // namespace sparsetron::cpu
 

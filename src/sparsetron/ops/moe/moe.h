@@ -11,6 +11,25 @@
 #include "sparsetron/core/exec_context.h"
 #include "sparsetron/ops/fp8/fp8.h"
 
+namespace sparsetron::cpu {
+
+// The router (SPEC §4): probs = sigmoid(logits) for every row of [tokens, experts] (probs may be
+// logits); for the first `routed` rows (the micro-batch's real rows), the top-k experts of probs
+// + bias, ties toward the smaller expert (force_balance: row t takes experts (t k + j) mod E
+// instead), and gates = scaling * p / (1e-20 + Σ p over the chosen).
+template <typename T>
+void router_topk(const T* logits, const T* bias, int64_t tokens, int64_t routed, int64_t experts,
+                 int64_t k, bool force_balance, double scaling, T* probs, int32_t* topk, T* gates);
+
+// The expert-major permutation of the first `routed` rows' choices, token order within an
+// expert, at most `capacity` rows per expert: counts[E] (routed, before capacity), offsets[E + 1]
+// (kept rows), slot_row [tokens * k] (-1 if dropped or not routed), perm_token [offsets[E]].
+void moe_permute(const int32_t* topk, int64_t routed, int64_t tokens, int64_t experts, int64_t k,
+                 int64_t capacity, int64_t* counts, int64_t* offsets, int32_t* slot_row,
+                 int32_t* perm_token);
+
+}  // namespace sparsetron::cpu
+
 namespace sparsetron::cuda {
 
 // probs = sigmoid(logits) [T, E]; top-k of probs + bias (ties toward the smaller expert, or the

@@ -11,7 +11,7 @@
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/side_stream.h"
 #include "sparsetron/cuda/step_graph.h"
-#include "sparsetron/model/gpu/gpu_model.h"
+#include "sparsetron/model/gpu/glm5_model.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/device_engine.h"
@@ -66,9 +66,9 @@ class CudaEngine final : public DeviceEngine {
                  "context_parallel_size ", cp,
                  " needs a context-parallel group of that many processes");
         const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
-        model_ = std::make_unique<gpu::GpuModel>(recipe_.model, host_store, plan_, cpp.rows,
-                                                 cpp.max_documents, std::min(chunk_rows, cpp.rows),
-                                                 cpp.key_rows, recipe_.run.fp8_blockwise());
+        model_ = std::make_unique<gpu::GpuGlm5Model>(
+            recipe_.model, host_store, plan_, cpp.rows, cpp.max_documents,
+            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise());
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
             recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel);
@@ -333,9 +333,9 @@ class CudaEngine final : public DeviceEngine {
   private:
     // Data parallelism: gradients and routing statistics summed over the ranks. With
     // overlap_grad_reduce the step's last micro-batch reduces each bucket (the gradient ranges
-    // complete at one backward point, gpu_model.h) on a side stream as soon as its backward
-    // point passes, overlapping the rest of the backward; finish_reduce() reduces what is left
-    // (all of it without overlap, or a forward-only step), then the main stream waits for the
+    // complete at one backward point, model/gpu/glm5_model.h) on a side stream as soon as its
+    // backward point passes, overlapping the rest of the backward; finish_reduce() reduces what is
+    // left (all of it without overlap, or a forward-only step), then the main stream waits for the
     // side stream before clipping reads the gradients.
     void plan_buckets() {
         const auto& params = model_->params().params();
@@ -450,7 +450,7 @@ class CudaEngine final : public DeviceEngine {
     std::unique_ptr<cuda::SideStream> side_;  // overlap_grad_reduce
     cuda::CudaSession session_;
     MemoryPlan plan_;
-    std::unique_ptr<gpu::GpuModel> model_;
+    std::unique_ptr<gpu::GpuGlm5Model> model_;
     std::unique_ptr<gpu::GpuOptimizer> opt_;
     std::unique_ptr<cuda::ExpertExchange> exchange_;  // expert parallelism
     std::unique_ptr<cuda::StepGraph> graph_;          // timed_step's graph (bench)
@@ -477,8 +477,9 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
-    gpu::GpuModel model(m, host_store, plan, cpp.rows, cpp.max_documents,
-                        std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe.run.fp8_blockwise());
+    gpu::GpuGlm5Model model(m, host_store, plan, cpp.rows, cpp.max_documents,
+                            std::min(chunk_rows, cpp.rows), cpp.key_rows,
+                            recipe.run.fp8_blockwise());
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     std::string text = plan.format();
     size_t total = plan.total_bytes();

@@ -13,21 +13,21 @@
 
 #include "sparsetron/data/packer.h"
 #include "sparsetron/model/glm5_model.h"
-#include "sparsetron/model/gpu/gpu_layer.h"
+#include "sparsetron/model/gpu/decoder_layer.h"
 
 namespace sparsetron::gpu {
 
-class GpuModel {
+class GpuGlm5Model {
   public:
     // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
     // key_tokens > 0: context parallelism (the CPU Glm5Model's rule): `tokens` rows of this
     // rank of micro-batches of key_tokens slots; set_context_parallel() gives the CP group.
     // fp8_blockwise: the dense linears (MLA projections but kv_b, dense MLPs, shared experts,
     // eh_proj) as FP8 blockwise linears (model/gpu/fp8_linear.h).
-    GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan, int64_t tokens,
-             int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
-             bool fp8_blockwise = false);
-    ~GpuModel();
+    GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
+                 int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
+                 bool fp8_blockwise = false);
+    ~GpuGlm5Model();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);
 
@@ -90,7 +90,7 @@ class GpuModel {
         int32_t *ids, *targets;
         bf16 *e, *en, *hn, *cat, *hin, *hout, *hz, *dzk;
         float *rstd_e, *rstd_h, *rstd_z;
-        GpuLayer::Acts layer;
+        GpuDecoderLayer::Acts layer;
     };
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
     void mtp_forward(const ExecContext& ctx, const LossScales& sc);
@@ -105,7 +105,7 @@ class GpuModel {
     void mtp_backward(const ExecContext& ctx);
     int64_t tv_rows(const MicroBatch& mb) const;
     LossSums losses_from(const double* sums, int64_t tv_rows, int64_t real_rows) const;
-    std::vector<GpuMoe*> moes() const;
+    std::vector<GpuMoeLayer*> moes() const;
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
@@ -121,11 +121,11 @@ class GpuModel {
     int64_t Tk_;                                         // micro-batch rows (T_ without CP)
     bf16 *h_final_keys_ = nullptr, *tv_rows_ = nullptr;  // CP + e2e_tv: every row's final hidden
     float* h_final_f32_ = nullptr;
-    std::vector<std::unique_ptr<GpuLayer>> layers_;
-    std::vector<std::unique_ptr<GpuLayer::Acts>> acts_;
+    std::vector<std::unique_ptr<GpuDecoderLayer>> layers_;
+    std::vector<std::unique_ptr<GpuDecoderLayer::Acts>> acts_;
     std::vector<bf16*> x_;
     int64_t embed_, final_norm_, head_, enorm_ = -1, hnorm_ = -1, eh_proj_ = -1, mtp_norm_ = -1;
-    std::unique_ptr<GpuLayer> mtp_layer_;
+    std::unique_ptr<GpuDecoderLayer> mtp_layer_;
     std::vector<std::unique_ptr<MtpActs>> mtp_;
     GpuInputs in_;
     bf16 *h_final_, *dx_, *dh_, *dlogits_, *dmtp_h_, *dmtp_cat_, *dmtp_z_, *dmtp_e_;

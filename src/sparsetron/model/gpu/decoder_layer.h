@@ -3,31 +3,32 @@
 
 #include <memory>
 
-#include "sparsetron/model/gpu/gpu_ffn.h"
-#include "sparsetron/model/gpu/gpu_indexer.h"
-#include "sparsetron/model/gpu/gpu_mla.h"
+#include "sparsetron/model/gpu/dsa_indexer.h"
+#include "sparsetron/model/gpu/mla_attention.h"
+#include "sparsetron/model/gpu/mlp.h"
+#include "sparsetron/model/gpu/moe.h"
 
 namespace sparsetron::gpu {
 
-class GpuLayer {
+class GpuDecoderLayer {
   public:
     struct Acts {
         bf16 *a, *x_mid, *m;
         float *rstd_in, *rstd_post;
-        GpuMla::Acts attn;
-        GpuIndexer::Acts idx;
-        GpuMlp::Acts mlp;
-        GpuMoe::Acts moe;
+        GpuMlaAttention::Acts attn;
+        GpuDsaIndexer::Acts idx;
+        GpuSwiGluMlp::Acts mlp;
+        GpuMoeLayer::Acts moe;
         const int32_t* topk = nullptr;  // the top-k this application attends over
         const int32_t* topk_len = nullptr;
         bool skip_indexer = false;       // a kv-sharing MTP depth: depth 1 ran the indexer
         double* indexer_sums = nullptr;  // device [2]: Σ KL and rows of this application
     };
-    GpuLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-             int64_t layer0, int64_t tokens, int64_t key_tokens = 0);
+    GpuDecoderLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                    int64_t layer0, int64_t tokens, int64_t key_tokens = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     bool has_indexer() const { return indexer_ != nullptr; }
-    GpuMoe* moe() const { return moe_.get(); }
+    GpuMoeLayer* moe() const { return moe_.get(); }
 
     void forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out, const GpuInputs& in,
                  float indexer_grad_scale) const;
@@ -41,10 +42,10 @@ class GpuLayer {
     GpuShared& S_;
     int64_t layer_, T_, h_, kslots_ = 0;
     int64_t in_norm_, post_norm_;
-    std::unique_ptr<GpuMla> attn_;
-    std::unique_ptr<GpuIndexer> indexer_;
-    std::unique_ptr<GpuMlp> mlp_;
-    std::unique_ptr<GpuMoe> moe_;
+    std::unique_ptr<GpuMlaAttention> attn_;
+    std::unique_ptr<GpuDsaIndexer> indexer_;
+    std::unique_ptr<GpuSwiGluMlp> mlp_;
+    std::unique_ptr<GpuMoeLayer> moe_;
     bf16 *da_, *dm_;
     float* prob_sum_ = nullptr;  // the attention's Σ_h P for the sparse indexer loss
 };

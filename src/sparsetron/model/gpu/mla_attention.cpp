@@ -1,4 +1,4 @@
-#include "sparsetron/model/gpu/gpu_mla.h"
+#include "sparsetron/model/gpu/mla_attention.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -14,8 +14,9 @@ namespace sparsetron::gpu {
 
 using cuda::gemm;
 
-GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-               const std::string& p, int64_t tokens, bool dsa, int64_t key_tokens, bool expanded_ok)
+GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
+                                 GpuShared& S, const std::string& p, int64_t tokens, bool dsa,
+                                 int64_t key_tokens, bool expanded_ok)
     : c_(c),
       P_(P),
       S_(S),
@@ -90,7 +91,7 @@ GpuMla::GpuMla(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShare
     }
 }
 
-void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+void GpuMlaAttention::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     A = Acts{};
     B.act(A.cq_raw, p + "q_a", {Tn, qr_});
@@ -114,16 +115,16 @@ void GpuMla::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.lse, p + "attn_lse", {H_, Tn});
 }
 
-cuda::HeadKV GpuMla::head_kv(const Acts& A) const {
+cuda::HeadKV GpuMlaAttention::head_kv(const Acts& A) const {
     return cuda::HeadKV{A.k, H_ * dq_, dq_, A.kv + dn_, H_ * (dn_ + dv_), dn_ + dv_};
 }
 
-float GpuMla::scale() const {
+float GpuMlaAttention::scale() const {
     return float(1.0 / std::sqrt(double(dq_)));
 }
 
-void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
-                     const GpuInputs& in) const {
+void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16* a,
+                              const GpuInputs& in) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
     if (fp8_) {
         // q_a and kv_a read the same input: quantized once, both GEMMs before q_b's.
@@ -166,8 +167,9 @@ void GpuMla::project(const ExecContext& ctx, const Acts& A, const bf16* a,
     }
 }
 
-void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
-                    const int32_t* len, int64_t kslots, bf16* x_accum, float* prob_sum) const {
+void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                             const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum,
+                             float* prob_sum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     ST_ASSERT(!dsa_ || idx, "MLA: a DSA layer attends without a top-k");
     if (absorbed_) {
@@ -200,9 +202,9 @@ void GpuMla::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in, 
              x_accum, h_);
 }
 
-void GpuMla::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
-                      const GpuInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
-                      bf16* da, float* kv_grad_accum) const {
+void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
+                               const GpuInputs& in, const int32_t* idx, const int32_t* len,
+                               int64_t kslots, bf16* da, float* kv_grad_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
     const auto F32 = DType::F32, BF = DType::BF16;
     float* gkvb = P_[kv_b_].grad;

@@ -1,4 +1,4 @@
-#include "sparsetron/model/gpu/gpu_layer.h"
+#include "sparsetron/model/gpu/decoder_layer.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/norm/norm.h"
 
@@ -7,8 +7,8 @@
 
 namespace sparsetron::gpu {
 
-GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-                   int64_t layer0, int64_t tokens, int64_t key_tokens)
+GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
+                                 GpuShared& S, int64_t layer0, int64_t tokens, int64_t key_tokens)
     : c_(c), P_(P), S_(S), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 == c.num_layers;
@@ -21,27 +21,27 @@ GpuLayer::GpuLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuS
         c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
     const bool expanded_ok =
         !(teacher && !c.dsa_indexer_use_sparse_loss) && !(is_mtp && c.dsa_mtp_index_kv_share);
-    attn_ = std::make_unique<GpuMla>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(), key_tokens,
-                                     expanded_ok);
+    attn_ = std::make_unique<GpuMlaAttention>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(),
+                                              key_tokens, expanded_ok);
     if (c.uses_dsa()) {
         kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
         if (dsa_layer_is_full(c, layer0)) {
-            indexer_ = std::make_unique<GpuIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens,
-                                                    key_tokens);
+            indexer_ = std::make_unique<GpuDsaIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens,
+                                                       key_tokens);
             if (c.dsa_indexer_loss_coeff > 0 && c.dsa_indexer_use_sparse_loss)
                 B.scratch(prob_sum_, "attn.head_prob_sum", {tokens, kslots_});
         }
     }
     if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
-        moe_ = std::make_unique<GpuMoe>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
+        moe_ = std::make_unique<GpuMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
     else
-        mlp_ =
-            std::make_unique<GpuMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp", S.fp8);
+        mlp_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
+                                              "mlp", S.fp8);
     B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
     B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
 }
 
-void GpuLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+void GpuDecoderLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     A = Acts{};
     B.act(A.a, p + "attn_norm_out", {T_, h_});
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
@@ -54,8 +54,8 @@ void GpuLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     if (moe_) moe_->declare(A.moe, B, p + "moe.");
 }
 
-void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out,
-                       const GpuInputs& in, float indexer_grad_scale) const {
+void GpuDecoderLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out,
+                              const GpuInputs& in, float indexer_grad_scale) const {
     const int64_t Tn = T_, B2 = sizeof(bf16);
     const float eps = float(c_.norm_epsilon);
     cuda::rmsnorm_forward(ctx, x, h_, P_[in_norm_].w, Tn, h_, eps, A.a, h_, A.rstd_in);
@@ -75,13 +75,13 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     if (run_indexer) {
         ST_ASSERT(c_.dsa_indexer_loss_coeff == 0 || prob_sum || attn_->absorbed(), "DSA layer ",
                   layer_, ": the indexer loss's teacher needs the absorbed attention");
-        GpuIndexer::Teacher t{A.attn.qabs,
-                              A.attn.kkeys ? A.attn.kkeys : A.attn.kabs,
-                              A.attn.lse,
-                              c_.num_attention_heads,
-                              attn_->latent_dim(),
-                              attn_->scale(),
-                              prob_sum};
+        GpuDsaIndexer::Teacher t{A.attn.qabs,
+                                 A.attn.kkeys ? A.attn.kkeys : A.attn.kabs,
+                                 A.attn.lse,
+                                 c_.num_attention_heads,
+                                 attn_->latent_dim(),
+                                 attn_->scale(),
+                                 prob_sum};
         indexer_->loss(ctx, A.idx, A.a, A.attn.cq, in, t, indexer_grad_scale, A.indexer_sums);
     }
     cuda::rmsnorm_forward(ctx, A.x_mid, h_, P_[post_norm_].w, Tn, h_, eps, A.m, h_, A.rstd_post);
@@ -90,8 +90,8 @@ void GpuLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out
     if (moe_) moe_->forward(ctx, A.moe, A.m, in, out);
 }
 
-void GpuLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* dx,
-                        const GpuInputs& in, float* kv_grad_accum) const {
+void GpuDecoderLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* dx,
+                               const GpuInputs& in, float* kv_grad_accum) const {
     const int64_t Tn = T_;
     if (mlp_) mlp_->backward(ctx, A.mlp, A.m, dx, dm_, false);
     if (moe_) moe_->backward(ctx, A.moe, A.m, dx, dm_);

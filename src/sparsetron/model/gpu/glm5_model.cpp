@@ -1,4 +1,4 @@
-#include "sparsetron/model/gpu/gpu_model.h"
+#include "sparsetron/model/gpu/glm5_model.h"
 
 #include <algorithm>
 #include <cstring>
@@ -16,9 +16,9 @@ using cuda::gemm;
 constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
-GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
-                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
-                   bool fp8_blockwise)
+GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
+                           int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
+                           bool fp8_blockwise)
     : cfg_(cfg),
       plan_(plan),
       B_(plan),
@@ -36,7 +36,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
     if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
-        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, GpuMoe::stash_row_width(cfg));
+        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, GpuMoeLayer::stash_row_width(cfg));
         S_.moe_stash = stash_.get();
     }
     if (fp8_blockwise) {
@@ -51,8 +51,9 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     x_.assign(cfg.num_layers + 1, nullptr);
     int64_t indexer_apps = 0;
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
-        layers_.push_back(std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
-        acts_.push_back(std::make_unique<GpuLayer::Acts>());
+        layers_.push_back(
+            std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
+        acts_.push_back(std::make_unique<GpuDecoderLayer::Acts>());
         layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
         B_.act(x_[l], cat("layers.", l, ".x_in"), {Tn, h});
         indexer_apps += layers_.back()->has_indexer();
@@ -74,8 +75,8 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
         eh_proj_ = P_->index(p + "eh_proj.weight");
         if (fp8_) feh_ = fp8_->add(eh_proj_);
         mtp_norm_ = P_->index(p + "shared_head.norm.weight");
-        mtp_layer_ =
-            std::make_unique<GpuLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens, key_tokens);
+        mtp_layer_ = std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens,
+                                                       key_tokens);
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             auto m = std::make_unique<MtpActs>();
@@ -132,7 +133,7 @@ GpuModel::GpuModel(const ModelConfig& cfg, const ParamStore& host_store, MemoryP
     P_->plan_bf16(plan, fp8_ ? fp8_->params() : std::vector<int64_t>{});
 }
 
-void GpuModel::carve_inputs() {
+void GpuGlm5Model::carve_inputs() {
     const int64_t Tn = T_;
     int32_t* w = in_block_;
     in_.token_ids = w, in_.targets = w + Tn, in_.positions = w + 2 * Tn, in_.row_begin = w + 3 * Tn;
@@ -144,9 +145,9 @@ void GpuModel::carve_inputs() {
     tv_valid_ = tv_p_ ? reinterpret_cast<uint8_t*>(w) : nullptr;
 }
 
-GpuModel::~GpuModel() = default;
+GpuGlm5Model::~GpuGlm5Model() = default;
 
-void GpuModel::bind(const ExecContext& ctx) {
+void GpuGlm5Model::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
     carve_inputs();
@@ -154,14 +155,14 @@ void GpuModel::bind(const ExecContext& ctx) {
     int64_t slot = 0;
     idx_sums_.clear();
     for (size_t l = 0; l < layers_.size(); ++l) {
-        GpuLayer::Acts& A = *acts_[l];
+        GpuDecoderLayer::Acts& A = *acts_[l];
         if (layers_[l]->has_indexer()) {
             A.topk = A.idx.topk, A.topk_len = A.idx.len;
             A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
             idx_sums_.push_back(A.indexer_sums);
         }
     }
-    auto share = [&](GpuLayer::Acts& A, int64_t layer0) {
+    auto share = [&](GpuDecoderLayer::Acts& A, int64_t layer0) {
         if (!cfg_.uses_dsa() || A.topk) return;
         const int64_t src = dsa_source_layer(cfg_, layer0);
         ST_CHECK(src >= 0 && src < int64_t(acts_.size()) && acts_[src]->topk, "DSA layer ", layer0,
@@ -170,9 +171,9 @@ void GpuModel::bind(const ExecContext& ctx) {
     };
     for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], int64_t(l));
     for (int64_t k = 0; k < D_; ++k) {
-        GpuLayer::Acts& A = mtp_[k]->layer;
+        GpuDecoderLayer::Acts& A = mtp_[k]->layer;
         if (kv_share() && k > 0) {
-            const GpuLayer::Acts& first = mtp_[0]->layer;
+            const GpuDecoderLayer::Acts& first = mtp_[0]->layer;
             A.attn.kabs_shared = first.attn.kkeys ? first.attn.kkeys : first.attn.kabs;
             A.topk = first.topk, A.topk_len = first.topk_len;
             A.skip_indexer = true;
@@ -183,11 +184,11 @@ void GpuModel::bind(const ExecContext& ctx) {
         }
         share(A, cfg_.num_layers);
     }
-    for (GpuMoe* m : moes()) m->check_layout();
+    for (GpuMoeLayer* m : moes()) m->check_layout();
     reset_moe_stats(ctx);
 }
 
-void GpuModel::set_context_parallel(Comm* cp) {
+void GpuGlm5Model::set_context_parallel(Comm* cp) {
     ST_CHECK(cp_ || !cp || cp->size() == 1, "context parallelism over ", cp ? cp->size() : 1,
              " ranks, but the model was planned without it");
     ST_CHECK(!cp || cp->size() == 1 || cp->on_device(),
@@ -196,20 +197,20 @@ void GpuModel::set_context_parallel(Comm* cp) {
     in_.cp = cp_ ? cp : nullptr;
 }
 
-void GpuModel::set_expert_exchange(cuda::ExpertExchange* ep) {
-    for (GpuMoe* m : moes()) m->set_exchange(ep);
+void GpuGlm5Model::set_expert_exchange(cuda::ExpertExchange* ep) {
+    for (GpuMoeLayer* m : moes()) m->set_exchange(ep);
 }
 
-std::vector<GpuMoe*> GpuModel::moes() const {
-    std::vector<GpuMoe*> out;
+std::vector<GpuMoeLayer*> GpuGlm5Model::moes() const {
+    std::vector<GpuMoeLayer*> out;
     for (const auto& l : layers_)
         if (l->moe()) out.push_back(l->moe());
     if (mtp_layer_ && mtp_layer_->moe()) out.push_back(mtp_layer_->moe());
     return out;
 }
 
-void GpuModel::pack_inputs(const MicroBatch& mb, const LossScales& sc,
-                           std::vector<int32_t>& out) const {
+void GpuGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
+                               std::vector<int32_t>& out) const {
     ST_CHECK(mb.capacity == Tk_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
              " slots / ", mb.max_documents, " documents does not match the plan (", Tk_, " / ",
              max_docs_, ")");
@@ -269,12 +270,12 @@ void GpuModel::pack_inputs(const MicroBatch& mb, const LossScales& sc,
     std::memcpy(w + scales_at, scales, size_t(n_scales_) * sizeof(float));
 }
 
-void GpuModel::load_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc) {
+void GpuGlm5Model::load_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc) {
     stage_inputs(ctx, mb, sc, in_block_);
 }
 
-void GpuModel::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc,
-                            int32_t* dst) {
+void GpuGlm5Model::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc,
+                                int32_t* dst) {
     pack_inputs(mb, sc, h_block_);
     cuda::upload(ctx, dst, h_block_.data(), input_words_ * int64_t(sizeof(int32_t)));
     if (dst == in_block_) {
@@ -284,11 +285,11 @@ void GpuModel::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const 
     }
 }
 
-void GpuModel::copy_inputs_from(const ExecContext& ctx, const int32_t* src) {
+void GpuGlm5Model::copy_inputs_from(const ExecContext& ctx, const int32_t* src) {
     cuda::copy_2d(ctx, in_block_, 0, src, 0, input_words_ * int64_t(sizeof(int32_t)), 1);
 }
 
-void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
+void GpuGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
@@ -326,7 +327,7 @@ void GpuModel::enqueue(const ExecContext& ctx, const LossScales& sc) {
     }
 }
 
-int GpuModel::backward_point(const std::string& name) const {
+int GpuGlm5Model::backward_point(const std::string& name) const {
     const int64_t L = cfg_.num_layers;
     if (name == "lm_head.weight") return 0;
     if (name == "model.norm.weight") return 1;
@@ -339,24 +340,24 @@ int GpuModel::backward_point(const std::string& name) const {
     return int(2 + L);  // the embedding, and anything not named above: after the whole backward
 }
 
-LossSums GpuModel::read_losses(const ExecContext& ctx) const {
+LossSums GpuGlm5Model::read_losses(const ExecContext& ctx) const {
     std::vector<double> s(n_sums_);
     cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
     return losses_from(s.data(), last_tv_rows_, last_real_rows_);
 }
 
-LossSums GpuModel::losses_from(const double* sums, const MicroBatch& mb) const {
+LossSums GpuGlm5Model::losses_from(const double* sums, const MicroBatch& mb) const {
     return losses_from(sums, tv_rows(mb), mb.cu_seqlens[mb.num_documents]);
 }
 
-int64_t GpuModel::tv_rows(const MicroBatch& mb) const {
+int64_t GpuGlm5Model::tv_rows(const MicroBatch& mb) const {
     int64_t rows = 0;
     for (int64_t d = 0; d < mb.num_documents; ++d)
         rows += std::max<int64_t>(0, mb.cu_seqlens[d + 1] - mb.cu_seqlens[d] - D_);
     return rows;
 }
 
-LossSums GpuModel::losses_from(const double* s, int64_t tv_rows, int64_t real_rows) const {
+LossSums GpuGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t real_rows) const {
     const auto& c = cfg_;
     LossSums out;
     out.lm_loss_sum = s[0];
@@ -382,7 +383,7 @@ LossSums GpuModel::losses_from(const double* s, int64_t tv_rows, int64_t real_ro
     return out;
 }
 
-void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
+void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
     const float eps = float(c.norm_epsilon);
@@ -418,7 +419,7 @@ void GpuModel::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     }
 }
 
-void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
+void GpuGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     // e2e_tv (SPEC §5): p_k[i] = softmax(z_main[i+k]) (no gradient), q_k[i] = softmax(z^k[i]),
     // α_k = Σ_v min(p, q); heads detached: the gradient reaches h^k only.
     const auto& c = cfg_;
@@ -475,7 +476,7 @@ void GpuModel::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     }
 }
 
-void GpuModel::mtp_backward(const ExecContext& ctx) {
+void GpuGlm5Model::mtp_backward(const ExecContext& ctx) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
     cuda::zero(ctx, dmtp_h_, Tn * h * B2);
@@ -508,12 +509,12 @@ void GpuModel::mtp_backward(const ExecContext& ctx) {
     if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
 }
 
-void GpuModel::reset_moe_stats(const ExecContext& ctx) const {
-    for (GpuMoe* m : moes()) m->reset_stats(ctx);
+void GpuGlm5Model::reset_moe_stats(const ExecContext& ctx) const {
+    for (GpuMoeLayer* m : moes()) m->reset_stats(ctx);
     if (stash_) stash_->reset(ctx, /*new_step=*/true);
 }
 
-std::vector<std::vector<int64_t>> GpuModel::moe_loads(const ExecContext& ctx) const {
+std::vector<std::vector<int64_t>> GpuGlm5Model::moe_loads(const ExecContext& ctx) const {
     std::vector<std::vector<int64_t>> out;
     for (const auto& l : layers_)
         if (l->moe()) {
@@ -524,9 +525,9 @@ std::vector<std::vector<int64_t>> GpuModel::moe_loads(const ExecContext& ctx) co
     return out;
 }
 
-int64_t GpuModel::moe_dropped(const ExecContext& ctx) const {
+int64_t GpuGlm5Model::moe_dropped(const ExecContext& ctx) const {
     int64_t total = 0;
-    for (GpuMoe* m : moes()) {
+    for (GpuMoeLayer* m : moes()) {
         int64_t d = 0;
         cuda::download(ctx, &d, m->dropped(), sizeof(int64_t));
         total += d;
@@ -534,17 +535,17 @@ int64_t GpuModel::moe_dropped(const ExecContext& ctx) const {
     return total;
 }
 
-std::vector<std::pair<int64_t*, int64_t>> GpuModel::moe_stat_buffers() const {
+std::vector<std::pair<int64_t*, int64_t>> GpuGlm5Model::moe_stat_buffers() const {
     std::vector<std::pair<int64_t*, int64_t>> out;
-    for (GpuMoe* m : moes()) {
+    for (GpuMoeLayer* m : moes()) {
         out.emplace_back(m->load(), m->experts());
         out.emplace_back(m->dropped(), 1);
     }
     return out;
 }
 
-void GpuModel::update_router_bias(const ExecContext& ctx, double rate) const {
-    for (GpuMoe* m : moes()) m->update_bias(ctx, rate);
+void GpuGlm5Model::update_router_bias(const ExecContext& ctx, double rate) const {
+    for (GpuMoeLayer* m : moes()) m->update_bias(ctx, rate);
 }
 
 }  // namespace sparsetron::gpu

@@ -1,4 +1,4 @@
-#include "sparsetron/model/gpu/gpu_indexer.h"
+#include "sparsetron/model/gpu/dsa_indexer.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -13,8 +13,8 @@ namespace sparsetron::gpu {
 
 using cuda::gemm;
 
-GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-                       const std::string& p, int64_t tokens, int64_t key_tokens)
+GpuDsaIndexer::GpuDsaIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                             const std::string& p, int64_t tokens, int64_t key_tokens)
     : c_(c),
       P_(P),
       S_(S),
@@ -50,7 +50,7 @@ GpuIndexer::GpuIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, 
     B.scratch(dkraw_, "grad.dsa.k_raw", {Tn, dI_});
 }
 
-void GpuIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+void GpuDsaIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     A = Acts{};
     B.act(A.q, p + "indexer_q", {T_, HI_ * dI_});
     B.act(A.k_raw, p + "indexer_k_raw", {T_, dI_});
@@ -63,8 +63,8 @@ void GpuIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     if (cp_) B.act(A.kkeys, p + "indexer_k_all_rows", {Tk_, dI_});
 }
 
-void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
-                         const GpuInputs& in) const {
+void GpuDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+                            const GpuInputs& in) const {
     const int64_t Tn = T_;
     gemm(ctx, false, true, Tn, HI_ * dI_, qr_, 1.f, cq, qr_, P_[wq_].w, qr_, 0.f, A.q, HI_ * dI_);
     cuda::rope(ctx, A.q, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
@@ -91,9 +91,9 @@ void GpuIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a, c
     cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
 }
 
-void GpuIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
-                      const GpuInputs& in, const Teacher& tc, float grad_scale,
-                      double* sums) const {
+void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
+                         const GpuInputs& in, const Teacher& tc, float grad_scale,
+                         double* sums) const {
     const double coeff = c_.dsa_indexer_loss_coeff;
     if (coeff == 0) return;
     const bool sparse = c_.dsa_indexer_use_sparse_loss;

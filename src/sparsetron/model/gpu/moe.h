@@ -1,41 +1,22 @@
-// Feed-forward blocks on CUDA: the dense SwiGLU MLP (also the shared expert) and the MoE layer
-// (fp32 router, device-side permutation, grouped expert GEMMs) of the CPU model.
+// The MoE layer on CUDA (the CPU model's MoeLayer, model/moe.h): fp32 router, device-side
+// permutation, grouped expert GEMMs (bf16, or FP8 under fp8_recipe: blockwise), the shared expert,
+// expert parallelism through the exchange and the paged stash of the saved rows.
 #pragma once
+
+#include <memory>
+#include <string>
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/gpu/fp8_linear.h"
 #include "sparsetron/model/gpu/gpu_common.h"
+#include "sparsetron/model/gpu/mlp.h"
 #include "sparsetron/model/gpu/moe_stash.h"
 #include "sparsetron/ops/fp8/fp8.h"
 #include "sparsetron/parallel/expert_exchange.h"
 
 namespace sparsetron::gpu {
 
-class GpuMlp {
-  public:
-    struct Acts {
-        bf16 *g, *u, *act;
-    };
-    // fp8: the three projections run as FP8 linears (null: bf16).
-    GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
-           int64_t ffn, int64_t tokens, const std::string& scratch_tag, Fp8Weights* fp8 = nullptr);
-    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
-    // y += down(swiglu(gate(x), up(x))).
-    void forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const;
-    // dx (+)= d x; weight gradients accumulate.
-    void backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy, bf16* dx,
-                  bool accumulate) const;
-
-  private:
-    const GpuParams& P_;
-    int64_t h_, f_, T_;
-    int64_t gate_, up_, down_;
-    bf16 *dact_, *dg_, *du_;
-    const Fp8Weights* fp8_ = nullptr;
-    int fgate_ = -1, fup_ = -1, fdown_ = -1;
-};
-
-class GpuMoe {
+class GpuMoeLayer {
   public:
     struct Acts {
         float *m32, *logits, *probs, *gates;
@@ -47,12 +28,13 @@ class GpuMoe {
         // Expert parallelism: every rank's offsets [W, E + 1] and this rank's owner layout
         // [El + 1]; xperm, g, u, act then hold the rows this rank's experts received.
         int32_t *ep_offsets = nullptr, *recv_offsets = nullptr;
-        GpuMlp::Acts shared;
+        GpuSwiGluMlp::Acts shared;
     };
     // `stash`: the model's paged stash (moe_stash.h), or null to keep every application's
     // expert activations in its own buffers.
-    GpuMoe(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix,
-           int64_t tokens, const MoeStash* stash, Fp8Weights* fp8 = nullptr);
+    GpuMoeLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B,
+                const std::string& hf_prefix, int64_t tokens, const MoeStash* stash,
+                Fp8Weights* fp8 = nullptr);
     // bf16 values per stashed row: gate and up outputs, expert output.
     static int64_t stash_row_width(const ModelConfig& c) {
         return 2 * c.moe_ffn_hidden_size + c.hidden_size;
@@ -105,7 +87,7 @@ class GpuMoe {
     int64_t El_ = 1;              // experts this rank holds (E / W)
     bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;
-    std::unique_ptr<GpuMlp> shared_;
+    std::unique_ptr<GpuSwiGluMlp> shared_;
     // FP8 routed experts (fp8_recipe: blockwise): the weights' handles (gate, up, down) and two
     // slots of quantized GEMM input rows (slot 1: the up projection's input gradient, produced
     // beside the gate's by the SwiGLU backward).

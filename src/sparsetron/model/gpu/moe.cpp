@@ -1,4 +1,4 @@
-#include "sparsetron/model/gpu/gpu_ffn.h"
+#include "sparsetron/model/gpu/moe.h"
 
 #include <algorithm>
 #include <array>
@@ -24,71 +24,9 @@ namespace {
 constexpr bool kPow2 = true;
 }  // namespace
 
-GpuMlp::GpuMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden, int64_t ffn,
-               int64_t tokens, const std::string& tag, Fp8Weights* fp8)
-    : P_(P), h_(hidden), f_(ffn), T_(tokens), fp8_(fp8) {
-    gate_ = P.index(p + "gate_proj.weight");
-    up_ = P.index(p + "up_proj.weight");
-    down_ = P.index(p + "down_proj.weight");
-    if (fp8) {
-        fgate_ = fp8->add(gate_);
-        fup_ = fp8->add(up_);
-        fdown_ = fp8->add(down_);
-    }
-    B.scratch(dact_, "grad." + tag + ".act", {tokens, ffn});
-    B.scratch(dg_, "grad." + tag + ".gate", {tokens, ffn});
-    B.scratch(du_, "grad." + tag + ".up", {tokens, ffn});
-}
-
-void GpuMlp::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
-    B.act(A.g, p + "gate", {T_, f_});
-    B.act(A.u, p + "up", {T_, f_});
-    B.act(A.act, p + "act", {T_, f_});
-}
-
-void GpuMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const {
-    if (fp8_) {
-        fp8_->quantize_input(ctx, x, h_);
-        fp8_->forward_quantized(ctx, fgate_, A.g, f_, false);
-        fp8_->forward_quantized(ctx, fup_, A.u, f_, false);
-        cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
-        fp8_->forward(ctx, fdown_, A.act, y, h_, true);
-        return;
-    }
-    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[gate_].w, h_, 0.f, A.g, f_);
-    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[up_].w, h_, 0.f, A.u, f_);
-    cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
-    gemm(ctx, false, true, T_, h_, f_, 1.f, A.act, f_, P_[down_].w, f_, 1.f, y, h_);
-}
-
-void GpuMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy,
-                      bf16* dx, bool accumulate) const {
-    if (fp8_) {
-        fp8_->dgrad(ctx, fdown_, dy, dact_, false);
-        fp8_->wgrad(ctx, fdown_, dy, A.act);
-        cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
-        fp8_->dgrad(ctx, fgate_, dg_, dx, accumulate);
-        fp8_->dgrad(ctx, fup_, du_, dx, true);
-        fp8_->quantize_input_columns(ctx, x, h_);
-        fp8_->wgrad_quantized(ctx, fgate_, dg_);
-        fp8_->wgrad_quantized(ctx, fup_, du_);
-        return;
-    }
-    gemm(ctx, false, false, T_, f_, h_, 1.f, dy, h_, P_[down_].w, f_, 0.f, dact_, f_);
-    gemm(ctx, true, false, h_, f_, T_, 1.f, dy, h_, A.act, f_, P_.grad_beta(down_), P_[down_].grad,
-         f_, BF, F32);
-    cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
-    gemm(ctx, false, false, T_, h_, f_, 1.f, dg_, f_, P_[gate_].w, h_, accumulate ? 1.f : 0.f, dx,
-         h_);
-    gemm(ctx, false, false, T_, h_, f_, 1.f, du_, f_, P_[up_].w, h_, 1.f, dx, h_);
-    gemm(ctx, true, false, f_, h_, T_, 1.f, dg_, f_, x, h_, P_.grad_beta(gate_), P_[gate_].grad, h_,
-         BF, F32);
-    gemm(ctx, true, false, f_, h_, T_, 1.f, du_, f_, x, h_, P_.grad_beta(up_), P_[up_].grad, h_, BF,
-         F32);
-}
-
-GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const std::string& p,
-               int64_t tokens, const MoeStash* stash, Fp8Weights* fp8)
+GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
+                         const std::string& p, int64_t tokens, const MoeStash* stash,
+                         Fp8Weights* fp8)
     : c_(c),
       P_(P),
       stash_(stash),
@@ -112,8 +50,8 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     down0_ = P.index(cat(p, "experts.", e0, ".down_proj.weight"));
     wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
-        shared_ = std::make_unique<GpuMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
-                                           "moe.shared", fp8);
+        shared_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
+                                                 "moe.shared", fp8);
     const int64_t R = tokens * k_;
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;
@@ -152,7 +90,7 @@ GpuMoe::GpuMoe(const ModelConfig& c, const GpuParams& P, GpuBuffers& B, const st
     B.act(dropped_, p + "stats.dropped", {1});
 }
 
-void GpuMoe::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     const int64_t Tn = T_, R = T_ * k_;
     A = Acts{};
     B.act(A.m32, p + "router_input_f32", {Tn, h_});
@@ -191,7 +129,7 @@ void GpuMoe::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
 }
 
-StashRows GpuMoe::stashed(const Acts& A) const {
+StashRows GpuMoeLayer::stashed(const Acts& A) const {
     StashRows s;
     s.count = 3;
     s.data[0] = A.g, s.width[0] = F_;
@@ -200,8 +138,8 @@ StashRows GpuMoe::stashed(const Acts& A) const {
     return s;
 }
 
-void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
-                     bf16* y) const {
+void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
+                          bf16* y) const {
     const int64_t Tn = T_, R = T_ * k_;
     cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
     gemm(ctx, false, true, Tn, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f, A.logits, E_,
@@ -236,8 +174,8 @@ void GpuMoe::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const
     if (shared_) shared_->forward(ctx, A.shared, m, y);
 }
 
-void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
-                      bf16* dm) const {
+void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
+                           bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
     using K = cuda::GroupedGemm;
     if (stash_) {
@@ -289,9 +227,9 @@ void GpuMoe::backward(const ExecContext& ctx, const Acts& A, const bf16* m, cons
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
 }
 
-void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
-                         const bf16* x, bf16* y, bool accumulate, bool x_quantized,
-                         int slot) const {
+void GpuMoeLayer::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
+                              const bf16* x, bf16* y, bool accumulate, bool x_quantized,
+                              int slot) const {
     const ParamInfo& info = P_.store().params()[size_t(first)];
     const int64_t N = info.shape[0], K = info.shape[1];  // W [N, K]
     const int64_t in = dgrad ? N : K, out = dgrad ? K : N;
@@ -315,12 +253,12 @@ void GpuMoe::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, 
                        ws, accumulate);
 }
 
-cuda::Fp8RowsOut GpuMoe::rows8(int slot) const {
+cuda::Fp8RowsOut GpuMoeLayer::rows8(int slot) const {
     if (!fp8_) return {};
     return {fp8_rows_[slot], fp8_row_scales_[slot], rows_, kPow2};
 }
 
-GpuMoe::Local GpuMoe::local(const Acts& A) const {
+GpuMoeLayer::Local GpuMoeLayer::local(const Acts& A) const {
     if (W_ == 1) return {A.offsets, E_, capacity_, 0};
     ST_ASSERT(ep_->rank() == c_.expert_parallel_rank, "CUDA MoE: EP rank ", ep_->rank(),
               " holds the weights of EP rank ", c_.expert_parallel_rank);
@@ -328,7 +266,7 @@ GpuMoe::Local GpuMoe::local(const Acts& A) const {
             0};
 }
 
-bool GpuMoe::expert_grads_added(const Local& L) const {
+bool GpuMoeLayer::expert_grads_added(const Local& L) const {
     int adds = 0, total = 0;
     for (int64_t e = 0; e < L.experts; ++e)
         for (int64_t first : {gate0_, up0_, down0_}) {
@@ -340,7 +278,7 @@ bool GpuMoe::expert_grads_added(const Local& L) const {
     return adds > 0;
 }
 
-void GpuMoe::check_layout() const {
+void GpuMoeLayer::check_layout() const {
     // Every arena: the bf16 copies (null under FP8, which has none), the gradients, and the fp32
     // masters (the FP8 weight quantizer reads all experts of a kind at one stride).
     auto fixed_stride = [&](int64_t first, auto member) {
@@ -361,12 +299,12 @@ void GpuMoe::check_layout() const {
              "CUDA MoE: gate/up/down expert strides differ");
 }
 
-void GpuMoe::reset_stats(const ExecContext& ctx) const {
+void GpuMoeLayer::reset_stats(const ExecContext& ctx) const {
     cuda::zero(ctx, load_, E_ * sizeof(int64_t));
     cuda::zero(ctx, dropped_, sizeof(int64_t));
 }
 
-void GpuMoe::update_bias(const ExecContext& ctx, double rate) const {
+void GpuMoeLayer::update_bias(const ExecContext& ctx, double rate) const {
     if (rate == 0) return;
     cuda::moe_update_bias(ctx, load_, E_, float(rate), P_[bias_].master);
 }

@@ -9,7 +9,7 @@
 
 namespace sparsetron::gpu {
 
-class GpuMla {
+class GpuMlaAttention {
   public:
     struct Acts {
         bf16 *cq_raw, *cq, *q, *ckv, *ckv_n, *kv, *k, *qabs, *kabs, *oabs, *o;
@@ -26,9 +26,9 @@ class GpuMla {
     // dense form applies and expanded_ok (no shared latent keys, no indexer-loss teacher reading
     // Q' / K'), expanded (per-head keys and values). key_tokens > 0: context parallelism
     // (absorbed only): `tokens` rows of this rank attend over key_tokens micro-batch rows.
-    GpuMla(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-           const std::string& hf_prefix, int64_t tokens, bool dsa, int64_t key_tokens = 0,
-           bool expanded_ok = true);
+    GpuMlaAttention(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                    const std::string& hf_prefix, int64_t tokens, bool dsa, int64_t key_tokens = 0,
+                    bool expanded_ok = true);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
     void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;

@@ -7,7 +7,7 @@
 
 namespace sparsetron::gpu {
 
-class GpuIndexer {
+class GpuDsaIndexer {
   public:
     struct Acts {
         bf16 *q, *k_raw, *k;
@@ -23,8 +23,8 @@ class GpuIndexer {
         float scale;
         const float* prob_sum = nullptr;  // Σ_h P from the attention (sparse loss), or null
     };
-    GpuIndexer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
-               const std::string& hf_prefix, int64_t tokens, int64_t key_tokens = 0);
+    GpuDsaIndexer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
+                  const std::string& hf_prefix, int64_t tokens, int64_t key_tokens = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     int64_t kslots() const { return K_; }
 

@@ -1,0 +1,77 @@
+#include "sparsetron/model/gpu/mlp.h"
+
+#include <string>
+
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+
+namespace sparsetron::gpu {
+
+using cuda::gemm;
+constexpr auto BF = DType::BF16;
+constexpr auto F32 = DType::F32;
+
+GpuSwiGluMlp::GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden,
+                           int64_t ffn, int64_t tokens, const std::string& tag, Fp8Weights* fp8)
+    : P_(P), h_(hidden), f_(ffn), T_(tokens), fp8_(fp8) {
+    gate_ = P.index(p + "gate_proj.weight");
+    up_ = P.index(p + "up_proj.weight");
+    down_ = P.index(p + "down_proj.weight");
+    if (fp8) {
+        fgate_ = fp8->add(gate_);
+        fup_ = fp8->add(up_);
+        fdown_ = fp8->add(down_);
+    }
+    B.scratch(dact_, "grad." + tag + ".act", {tokens, ffn});
+    B.scratch(dg_, "grad." + tag + ".gate", {tokens, ffn});
+    B.scratch(du_, "grad." + tag + ".up", {tokens, ffn});
+}
+
+void GpuSwiGluMlp::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
+    B.act(A.g, p + "gate", {T_, f_});
+    B.act(A.u, p + "up", {T_, f_});
+    B.act(A.act, p + "act", {T_, f_});
+}
+
+void GpuSwiGluMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const {
+    if (fp8_) {
+        fp8_->quantize_input(ctx, x, h_);
+        fp8_->forward_quantized(ctx, fgate_, A.g, f_, false);
+        fp8_->forward_quantized(ctx, fup_, A.u, f_, false);
+        cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
+        fp8_->forward(ctx, fdown_, A.act, y, h_, true);
+        return;
+    }
+    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[gate_].w, h_, 0.f, A.g, f_);
+    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[up_].w, h_, 0.f, A.u, f_);
+    cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
+    gemm(ctx, false, true, T_, h_, f_, 1.f, A.act, f_, P_[down_].w, f_, 1.f, y, h_);
+}
+
+void GpuSwiGluMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy,
+                            bf16* dx, bool accumulate) const {
+    if (fp8_) {
+        fp8_->dgrad(ctx, fdown_, dy, dact_, false);
+        fp8_->wgrad(ctx, fdown_, dy, A.act);
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
+        fp8_->dgrad(ctx, fgate_, dg_, dx, accumulate);
+        fp8_->dgrad(ctx, fup_, du_, dx, true);
+        fp8_->quantize_input_columns(ctx, x, h_);
+        fp8_->wgrad_quantized(ctx, fgate_, dg_);
+        fp8_->wgrad_quantized(ctx, fup_, du_);
+        return;
+    }
+    gemm(ctx, false, false, T_, f_, h_, 1.f, dy, h_, P_[down_].w, f_, 0.f, dact_, f_);
+    gemm(ctx, true, false, h_, f_, T_, 1.f, dy, h_, A.act, f_, P_.grad_beta(down_), P_[down_].grad,
+         f_, BF, F32);
+    cuda::swiglu_backward(ctx, A.g, A.u, dact_, T_ * f_, dg_, du_);
+    gemm(ctx, false, false, T_, h_, f_, 1.f, dg_, f_, P_[gate_].w, h_, accumulate ? 1.f : 0.f, dx,
+         h_);
+    gemm(ctx, false, false, T_, h_, f_, 1.f, du_, f_, P_[up_].w, h_, 1.f, dx, h_);
+    gemm(ctx, true, false, f_, h_, T_, 1.f, dg_, f_, x, h_, P_.grad_beta(gate_), P_[gate_].grad, h_,
+         BF, F32);
+    gemm(ctx, true, false, f_, h_, T_, 1.f, du_, f_, x, h_, P_.grad_beta(up_), P_[up_].grad, h_, BF,
+         F32);
+}
+
+}  // namespace sparsetron::gpu

@@ -1,0 +1,37 @@
+// The dense SwiGLU MLP on CUDA (the CPU model's SwiGluMlp, model/mlp.h): gate and up projections,
+// SwiGLU, down projection, in bf16 or as FP8 linears; also the MoE layer's shared expert.
+#pragma once
+
+#include <string>
+
+#include "sparsetron/model/gpu/fp8_linear.h"
+#include "sparsetron/model/gpu/gpu_common.h"
+
+namespace sparsetron::gpu {
+
+class GpuSwiGluMlp {
+  public:
+    struct Acts {
+        bf16 *g, *u, *act;
+    };
+    // fp8: the three projections run as FP8 linears (null: bf16).
+    GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
+                 int64_t ffn, int64_t tokens, const std::string& scratch_tag,
+                 Fp8Weights* fp8 = nullptr);
+    void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
+    // y += down(swiglu(gate(x), up(x))).
+    void forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const;
+    // dx (+)= d x; weight gradients accumulate.
+    void backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy, bf16* dx,
+                  bool accumulate) const;
+
+  private:
+    const GpuParams& P_;
+    int64_t h_, f_, T_;
+    int64_t gate_, up_, down_;
+    bf16 *dact_, *dg_, *du_;
+    const Fp8Weights* fp8_ = nullptr;
+    int fgate_ = -1, fup_ = -1, fdown_ = -1;
+};
+
+}  // namespace sparsetron::gpu

@@ -379,26 +379,28 @@ TEST(CudaFp8, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
         EXPECT_EQ(bad, 0) << what;
         EXPECT_EQ(touched, 0) << what << ": rows past the last expert were written";
     };
+    auto problem = [&](bf16* y, bool accumulate) {
+        return cuda::Fp8GroupedGemm{doff,           E, 512,       capacity, n, k, {qx, sx, false},
+                                    {qw, sw, true}, y, accumulate};
+    };
     for (const int blocks : {3, 0}) {
         const std::string how = cat(blocks, " blocks");
         DeviceArray<bf16> y(to_bf16_rounding(start));
-        cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
-                               y, false, blocks);
+        cuda::grouped_gemm_fp8(ctx, problem(y, false), blocks);
         session.synchronize();  // downloads do not wait for the session's stream
         const std::vector<float> got = to_float(y.download());
         check(got, ref, "written, " + how);
         // y += the product again: 2x the reference where written.
-        cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false}, {qw, sw, true},
-                               y, true, blocks);
+        cuda::grouped_gemm_fp8(ctx, problem(y, true), blocks);
         session.synchronize();
         std::vector<float> twice(ref.size());
         for (size_t i = 0; i < ref.size(); ++i) twice[i] = got[i] + ref[i];
         check(to_float(y.download()), twice, "accumulated, " + how);
         EXPECT_TRUE(y.guard_intact());
     }
-    EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, doff, E, 512, capacity, n, k, {qx, sx, false},
-                                        {qw, sw, false}, static_cast<bf16*>(nullptr)),
-                 Error);
+    cuda::Fp8GroupedGemm wrong = problem(nullptr, false);
+    wrong.w.blocks_128x128 = false;  // the expert weights must have 128x128 scales
+    EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, wrong), Error);
 }
 
 // The kernels that produce the routed experts' FP8 GEMM inputs (the gather, the SwiGLU forward

@@ -322,7 +322,17 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab) {
     DeviceArray<float> dw(dw0);
     DeviceArray<double> total(2);
     const float gs = 1.f / 133.f;
-    cuda::head_cross_entropy(ctx, h.dev, rows, dim, w.dev, vocab, dtgt, chunk, logits, dlogits, gs,
+    cuda::head_cross_entropy(ctx,
+                             {.h = h.dev,
+                              .rows = rows,
+                              .dim = dim,
+                              .w = w.dev,
+                              .vocab = vocab,
+                              .targets = dtgt,
+                              .chunk_rows = chunk,
+                              .logits_ws = logits,
+                              .dlogits_ws = dlogits,
+                              .grad_scale = gs},
                              row_loss, dh, dw);
     cuda::loss_sum(ctx, row_loss, dtgt, rows, total);
     session.synchronize();
@@ -477,10 +487,9 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     }
     DeviceArray<bf16> probs(std::max<int64_t>(1, saved_elems));
     bf16* pp = saved_probs ? static_cast<bf16*>(probs) : nullptr;
-    cuda::sparse_mqa_forward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                             psum, wsp, ws_bytes, 0, pp);
-    cuda::sparse_mqa_backward(ctx, T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                              dout.dev, dq, dkv, wsp, ws_bytes, 0, pp);
+    const cuda::SparseMqa problem{T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale};
+    cuda::sparse_mqa_forward(ctx, problem, out, lse, psum, {wsp, ws_bytes, pp});
+    cuda::sparse_mqa_backward(ctx, problem, out, lse, dout.dev, dq, dkv, {wsp, ws_bytes, pp});
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
@@ -689,18 +698,17 @@ void grouped_gemm_check(const cuda::CudaSession& session, const std::vector<int3
     Rounded x = nan_padded_rows(R, kNanPad, kk, 112), dy = nan_padded_rows(R, kNanPad, n, 113);
     DeviceArray<bf16> y(R * n), dx(R * kk);
     DeviceArray<float> dw(std::vector<float>(E * n * kk, std::numeric_limits<float>::quiet_NaN()));
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
-                       x.dev, w.dev, y);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeightT, doff, E, max_rows, cap, n, kk,
-                       x.dev, w.dev, y, 0, /*accumulate=*/true);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::RowsTimesWeight, doff, E, max_rows, cap, n, kk,
-                       dy.dev, w.dev, dx);
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, cap, n, kk, dy.dev,
-                       x.dev, dw);
+    using K2 = cuda::GroupedGemm;
+    auto args = [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+        return cuda::GroupedGemmArgs{kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc};
+    };
+    cuda::grouped_gemm(ctx, args(K2::RowsTimesWeightT, x.dev, w.dev, y, false));
+    cuda::grouped_gemm(ctx, args(K2::RowsTimesWeightT, x.dev, w.dev, y, /*acc=*/true));
+    cuda::grouped_gemm(ctx, args(K2::RowsTimesWeight, dy.dev, w.dev, dx, false));
+    cuda::grouped_gemm(ctx, args(K2::WeightGrad, dy.dev, x.dev, dw, false));
     session.synchronize();
     const std::vector<float> dw_written = dw.download();
-    cuda::grouped_gemm(ctx, cuda::GroupedGemm::WeightGrad, doff, E, max_rows, cap, n, kk, dy.dev,
-                       x.dev, dw, 0, /*accumulate=*/true);
+    cuda::grouped_gemm(ctx, args(K2::WeightGrad, dy.dev, x.dev, dw, /*acc=*/true));
     session.synchronize();
     std::vector<float> yr(R * n), dxr(R * kk), dwr(E * n * kk, 0.f);
     for (int64_t e = 0; e < E; ++e) {
@@ -770,16 +778,16 @@ void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector
     std::vector<std::pair<std::string, GemmForm>> forms;
     forms.emplace_back(
         "grouped_gemm", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-            cuda::grouped_gemm(ctx, kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc);
+            cuda::grouped_gemm(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
         });
     if (cuda::has_sm90a())
         forms.emplace_back("wgmma on 4 blocks",
                            [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-                               cuda::grouped_gemm_wgmma(ctx, kind, doff, E, max_rows, cap, n, kk, a,
-                                                        b, c, n * kk, acc, 4);
+                               cuda::grouped_gemm_wgmma(
+                                   ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc}, 4);
                            });
     forms.emplace_back("WMMA", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-        cuda::grouped_gemm_wmma(ctx, kind, doff, E, max_rows, n, kk, a, b, c, n * kk, acc);
+        cuda::grouped_gemm_wmma(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
     });
     for (const auto& [name, run] : forms) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
@@ -938,7 +946,7 @@ TEST_F(CudaOps, GradNormClipAndAdamW) {
     const float max_norm = 1.0f;
     cuda::sum_squares_partials(ctx(), dg, n, parts);
     cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), max_norm, norm, scale, skip);
-    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3, scale, skip,
+    cuda::adamw_update(ctx(), {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3}, dp, dg, dm, dv, n, scale, skip,
                        pb);
     sync();
     const double ref_norm = std::sqrt(cpu::sum_squares(g.data(), n));
@@ -959,7 +967,7 @@ TEST_F(CudaOps, GradNormClipAndAdamW) {
     auto before = dp.download();
     cuda::sum_squares_partials(ctx(), dg, n, parts);
     cuda::clip_scale(ctx(), parts, cuda::sum_squares_blocks(n), max_norm, norm, scale, skip);
-    cuda::adamw_update(ctx(), dp, dg, dm, dv, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 4, scale, skip,
+    cuda::adamw_update(ctx(), {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 4}, dp, dg, dm, dv, n, scale, skip,
                        pb);
     sync();
     EXPECT_EQ(skip.download()[0], 1);
@@ -1071,8 +1079,21 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
     for (bool sparse : {true, false}) {
         cuda::zero(ctx(), dscore, T * T * sizeof(float));
         cuda::zero(ctx(), klsum, 2 * sizeof(double));
-        cuda::indexer_kl(ctx(), sparse, qabs.dev, kabs.dev, dlse, H, L, scale, dsc, didx, dlen, K,
-                         rb, T, kl, dscore);
+        cuda::indexer_kl(ctx(),
+                         {.sparse = sparse,
+                          .qabs = qabs.dev,
+                          .kabs = kabs.dev,
+                          .lse = dlse,
+                          .heads = H,
+                          .dl = L,
+                          .scale = scale,
+                          .scores = dsc,
+                          .idx = didx,
+                          .len = dlen,
+                          .kslots = K,
+                          .row_begin = rb,
+                          .tokens = T},
+                         kl, dscore);
         cuda::indexer_kl_sum(ctx(), kl, dlen, T, klsum);
         sync();
         std::vector<float> klr(T, 0.f), dref(T * T, 0.f);
@@ -1112,9 +1133,23 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
             SCOPED_TRACE(gemm_form ? "GEMM form" : "per-row kernel");
             DeviceArray<float> dwo(T * HI), dk(T * dI);
             DeviceArray<bf16> dq(T * HI * dI);
-            cuda::indexer_scores_backward(
-                ctx(), sparse, q.dev, k.dev, dw_in, dds, g, didx, dlen, K, rb, T, HI, dI, dwo, dq,
-                dk, nullptr, nullptr, 0, gemm_form ? ws.get() : nullptr, per_token * ((T + 2) / 3));
+            cuda::indexer_scores_backward(ctx(),
+                                          {.sparse = sparse,
+                                           .q = q.dev,
+                                           .k = k.dev,
+                                           .w = dw_in,
+                                           .dscore = dds,
+                                           .grad_scale = g,
+                                           .idx = didx,
+                                           .len = dlen,
+                                           .kslots = K,
+                                           .row_begin = rb,
+                                           .tokens = T,
+                                           .heads = HI,
+                                           .dim = dI,
+                                           .workspace = gemm_form ? ws.get() : nullptr,
+                                           .workspace_bytes = per_token * ((T + 2) / 3)},
+                                          dwo, dq, dk);
             sync();
             std::vector<double> dwr(T * HI, 0), dqr(T * HI * dI, 0), dkr(T * dI, 0);
             for (int64_t t = 0; t < T; ++t)
@@ -1385,10 +1420,9 @@ TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
         const int64_t bytes = chunks ? (Tq + chunks - 1) / chunks * (planned / Tq) : 0;
         DeviceArray<float> ws(std::max<int64_t>(1, (bytes + 3) / 4));
         void* w = chunks ? static_cast<void*>(static_cast<float*>(ws)) : nullptr;
-        cuda::sparse_mqa_forward(ctx, Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out, lse,
-                                 psum, w, bytes, Tk);
-        cuda::sparse_mqa_backward(ctx, Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, out,
-                                  lse, dout.dev, dq, dkv, w, bytes, Tk);
+        const cuda::SparseMqa problem{Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, Tk};
+        cuda::sparse_mqa_forward(ctx, problem, out, lse, psum, {w, bytes});
+        cuda::sparse_mqa_backward(ctx, problem, out, lse, dout.dev, dq, dkv, {w, bytes});
         session_->synchronize();
         EXPECT_TRUE(dkv.guard_intact());
         return Result{download_f(out), lse.download(), psum.download(), download_f(dq),

@@ -61,15 +61,15 @@ struct SparseMqaBench {
     double fwd_bytes() const { return 2.0 * (tokens * H * (L + kr) + pairs * L); }
     double bwd_bytes() const { return 2.0 * (2 * tokens * H * (L + kr) + pairs * L); }
     // Gathered without a workspace; masked dense with one (and `saved`: probabilities kept).
+    cuda::SparseMqa problem() const { return {tokens, H, L, kr, *q, *kv, *idx, *len, K, scale}; }
     void forward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
                  bf16* saved = nullptr) const {
-        cuda::sparse_mqa_forward(ctx, tokens, H, L, kr, *q, *kv, *idx, *len, K, scale, *o, *lse,
-                                 *psum, ws, ws_bytes, 0, saved);
+        cuda::sparse_mqa_forward(ctx, problem(), *o, *lse, *psum, {ws, ws_bytes, saved});
     }
     void backward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
                   const bf16* saved = nullptr) const {
-        cuda::sparse_mqa_backward(ctx, tokens, H, L, kr, *q, *kv, *idx, *len, K, scale, *o, *lse,
-                                  *dout, *dq, *dkv, ws, ws_bytes, 0, saved);
+        cuda::sparse_mqa_backward(ctx, problem(), *o, *lse, *dout, *dq, *dkv,
+                                  {ws, ws_bytes, const_cast<bf16*>(saved)});
     }
 };
 
@@ -162,17 +162,12 @@ class CudaOpsPerf : public ::testing::Test {
                 report(
                     prefix + (psum ? "sparse mqa fwd, flash wgmma, with prob sums"
                                    : "sparse mqa fwd, flash wgmma (no prob sums)"),
-                    [&] {
-                        cuda::sparse_mqa_forward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv,
-                                                       *b.idx, *b.len, K, b.scale, *b.o, *b.lse,
-                                                       psum);
-                    },
+                    [&] { cuda::sparse_mqa_forward_wgmma(ctx(), b.problem(), *b.o, *b.lse, psum); },
                     b.fwd_flops(), b.fwd_bytes());
             report(
                 prefix + "sparse mqa bwd, flash wgmma (2.5x fwd count)",
                 [&] {
-                    cuda::sparse_mqa_backward_wgmma(ctx(), b.tokens, H, L, kr, *b.q, *b.kv, *b.idx,
-                                                    *b.len, K, b.scale, *b.o, *b.lse, *b.dout,
+                    cuda::sparse_mqa_backward_wgmma(ctx(), b.problem(), *b.o, *b.lse, *b.dout,
                                                     *b.dq, *b.dkv);
                 },
                 2.5 * b.fwd_flops(), b.bwd_bytes());
@@ -245,7 +240,7 @@ TEST_F(CudaOpsPerf, DenseGemmsAndElementwise) {
     report(
         "adamw 100M parameters",
         [&] {
-            cuda::adamw_update(ctx(), *p, *gr, *m, *v, n, 1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3,
+            cuda::adamw_update(ctx(), {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3}, *p, *gr, *m, *v, n,
                                nullptr, nullptr, nullptr);
         },
         0, 4.0 * 7 * n);
@@ -261,7 +256,8 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
     report(
         "head + CE fwd+bwd, 512 rows x 154880",
         [&] {
-            cuda::head_cross_entropy(ctx(), *hh, rows, h, *w, V, targets, rows, *logits, *dl, 1e-3f,
+            cuda::head_cross_entropy(ctx(),
+                                     {*hh, rows, h, *w, V, targets, rows, *logits, *dl, 1e-3f},
                                      *row_loss, *dh, *dw);
         },
         3 * 2.0 * rows * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * rows * V);
@@ -277,8 +273,9 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
     report(
         "head + CE fwd+bwd, 4096 rows, chunks of 512",
         [&] {
-            cuda::head_cross_entropy(ctx(), *hr, R, h, *w, V, targets_r, chunk, *logits_all, *dlr,
-                                     1e-3f, *loss_r, *dhr, *dw);
+            cuda::head_cross_entropy(ctx(),
+                                     {*hr, R, h, *w, V, targets_r, chunk, *logits_all, *dlr, 1e-3f},
+                                     *loss_r, *dhr, *dw);
         },
         3 * 2.0 * R * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * R * V);
     report(
@@ -428,21 +425,22 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
         report(
             xw_name,
             [&] {
-                cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, offs, E, T, E * rows, F, h, *x, *w,
-                                   *y);
+                cuda::grouped_gemm(ctx(),
+                                   {K2::RowsTimesWeightT, offs, E, T, E * rows, F, h, *x, *w, *y});
             },
             flops, bytes);
         report(
             "grouped gemm dy W" + suffix,
             [&] {
-                cuda::grouped_gemm(ctx(), K2::RowsTimesWeight, offs, E, T, E * rows, F, h, *y, *w,
-                                   *x);
+                cuda::grouped_gemm(ctx(),
+                                   {K2::RowsTimesWeight, offs, E, T, E * rows, F, h, *y, *w, *x});
             },
             flops, bytes);
         report(
             "grouped gemm weight grad" + suffix,
             [&] {
-                cuda::grouped_gemm(ctx(), K2::WeightGrad, offs, E, T, E * rows, F, h, *y, *x, *dw);
+                cuda::grouped_gemm(ctx(),
+                                   {K2::WeightGrad, offs, E, T, E * rows, F, h, *y, *x, *dw});
             },
             flops, wgrad_bytes);
     };
@@ -450,8 +448,8 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     report(
         "grouped gemm weight grad, adding (dW +=)",
         [&] {
-            cuda::grouped_gemm(ctx(), K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw, 0,
-                               true);
+            cuda::grouped_gemm(ctx(),
+                               {K2::WeightGrad, doff, E, T, E * rows, F, h, *y, *x, *dw, 0, true});
         },
         flops, wgrad_add_bytes);
     // Skewed routing: half the experts get 3x the rows of the other half (3072 / 1024; the same
@@ -629,14 +627,14 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
             report(
                 cat("grouped bf16 x W^T ", shape, ", ", name),
                 [&] {
-                    cuda::grouped_gemm(ctx(), K2::RowsTimesWeightT, offs, E, T, R, n, k, *x, *wb,
-                                       *y);
+                    cuda::grouped_gemm(ctx(),
+                                       {K2::RowsTimesWeightT, offs, E, T, R, n, k, *x, *wb, *y});
                 },
                 flops, 2.0 * (R * k + E * n * k + R * n));
             report(
                 cat("grouped fp8 x W^T ", shape, ", ", name),
                 [&] {
-                    cuda::grouped_gemm_fp8(ctx(), offs, E, T, R, n, k, {qx, sx, false}, wq, *y);
+                    cuda::grouped_gemm_fp8(ctx(), {offs, E, T, R, n, k, {qx, sx, false}, wq, *y});
                 },
                 flops, double(R * k + E * n * k) + 2.0 * R * n);
         }

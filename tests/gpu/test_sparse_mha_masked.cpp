@@ -86,11 +86,12 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
     bf16* pp = saved ? static_cast<bf16*>(probs) : nullptr;
     const cuda::HeadKV kv{k, H * dqk, dqk, static_cast<const bf16*>(v) + dn, H * wv, wv};
     const float scale = float(0.9 / std::sqrt(double(dqk)));
-    cuda::sparse_mha_forward_masked(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, scale, out, lse,
-                                    head_sums ? static_cast<float*>(psum) : nullptr, workspace,
-                                    ws_bytes, pp);
-    cuda::sparse_mha_backward_masked(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, scale, out, lse,
-                                     dout, dq, dk, dvv, workspace, ws_bytes, pp);
+    const cuda::SparseMha problem{T, H, dqk, dv, q, kv, didx, dlen, K, scale};
+    cuda::sparse_mha_forward_masked(ctx, problem, out, lse,
+                                    head_sums ? static_cast<float*>(psum) : nullptr,
+                                    {workspace, ws_bytes, pp});
+    cuda::sparse_mha_backward_masked(ctx, problem, out, lse, dout, dq, dk, dvv,
+                                     {workspace, ws_bytes, pp});
     session.synchronize();
     const auto o_gpu = to_float(out.download());
 

@@ -82,7 +82,7 @@ void check_forward(double score_mult, double growth) {
     DeviceArray<bf16> q(to_bf16_rounding(pr.qh)), kv(to_bf16_rounding(pr.kvh)), out(T * H * dv);
     DeviceArray<int32_t> didx(pr.idx), dlen(pr.len);
     DeviceArray<float> lse(H * T), psum(T * K);
-    cuda::sparse_mqa_forward_wgmma(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, pr.scale, out, lse,
+    cuda::sparse_mqa_forward_wgmma(ctx, {T, H, dqk, dv, q, kv, didx, dlen, K, pr.scale}, out, lse,
                                    psum);
     session.synchronize();
     std::vector<float> o(T * H * dv), l(H * T);
@@ -134,8 +134,8 @@ void check_backward(double score_mult, double growth, int64_t extra_key_rows) {
     DeviceArray<bf16> dq(T * H * dqk);
     DeviceArray<int32_t> didx(pr.idx), dlen(pr.len);
     DeviceArray<float> lse(l), dkv(keys * dqk);
-    cuda::sparse_mqa_backward_wgmma(ctx, T, H, dqk, dv, q, kv, didx, dlen, K, pr.scale, out, lse,
-                                    dout, dq, dkv, keys);
+    cuda::sparse_mqa_backward_wgmma(ctx, {T, H, dqk, dv, q, kv, didx, dlen, K, pr.scale, keys}, out,
+                                    lse, dout, dq, dkv);
     session.synchronize();
     std::vector<float> dqr(T * H * dqk), ws(H * T * dqk), dkvr(keys * dqk, 0.f);
     cpu::sparse_mqa_backward<float>(T, H, dqk, dv, pr.qh.data(), pr.kvh.data(), pr.idx.data(),

@@ -99,19 +99,50 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
     const int64_t Tn = T_;
     const int32_t* key_row = cp_ ? in.key_row : nullptr;
-    cuda::indexer_kl(ctx, sparse, tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, scores_, A.topk,
-                     A.len, K_, in.row_begin, Tn, kl_, dscore_, sparse ? tc.prob_sum : nullptr,
-                     key_row, Tk_);
+    cuda::indexer_kl(ctx,
+                     {.sparse = sparse,
+                      .qabs = tc.q,
+                      .kabs = tc.k,
+                      .lse = tc.lse,
+                      .heads = tc.heads,
+                      .dl = tc.dim,
+                      .scale = tc.scale,
+                      .teacher_sum = sparse ? tc.prob_sum : nullptr,
+                      .scores = scores_,
+                      .idx = A.topk,
+                      .len = A.len,
+                      .kslots = K_,
+                      .row_begin = in.row_begin,
+                      .tokens = Tn,
+                      .key_row = key_row,
+                      .keys = Tk_},
+                     kl_, dscore_);
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
     if (grad_scale == 0) return;
     // dI = g (q - p) with g = scale * coeff / rows (rows = the micro-batch's real rows), read from
     // the device (in.loss_scales[1]) so a captured step follows each micro-batch's value.
     // Under CP the key side lands on every micro-batch row's k_I: summed over the CP group, then
     // this rank's rows (dk32_).
-    cuda::indexer_scores_backward(ctx, sparse, A.q, cp_ ? A.kkeys : A.k, A.w, dscore_, 1.f, A.topk,
-                                  A.len, K_, in.row_begin, Tn, HI_, dI_, dw32_, dq_,
-                                  cp_ ? keys_f32_ : dk32_, in.loss_scales + 1, key_row, Tk_, dots_,
-                                  dots_bytes_);
+    cuda::indexer_scores_backward(ctx,
+                                  {.sparse = sparse,
+                                   .q = A.q,
+                                   .k = cp_ ? A.kkeys : A.k,
+                                   .w = A.w,
+                                   .dscore = dscore_,
+                                   .grad_scale = 1.f,
+                                   .grad_scale_dev = in.loss_scales + 1,
+                                   .idx = A.topk,
+                                   .len = A.len,
+                                   .kslots = K_,
+                                   .row_begin = in.row_begin,
+                                   .tokens = Tn,
+                                   .heads = HI_,
+                                   .dim = dI_,
+                                   .key_row = key_row,
+                                   .keys = Tk_,
+                                   .workspace = dots_,
+                                   .workspace_bytes = dots_bytes_},
+                                  dw32_, dq_, cp_ ? keys_f32_ : dk32_);
     if (cp_) {
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::keys_to_rows(ctx, keys_f32_, dI_, in.key_row, Tn, dk32_);

@@ -303,10 +303,10 @@ void GpuGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
         layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
     cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
                           float(c.norm_epsilon), h_final_, h, rstd_final_);
-    cuda::head_cross_entropy(ctx, h_final_, Tn, h, (*P_)[head_].w, c.vocab_size, in_.targets,
-                             chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
-                             sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr,
-                             in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f);
+    cuda::head_cross_entropy(
+        ctx,
+        head_loss(h_final_, in_.targets, in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f),
+        row_loss_, sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr);
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
     if (D_ > 0) mtp_forward(ctx, sc);
     if (sc.backward) {
@@ -383,6 +383,22 @@ LossSums GpuGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t rea
     return out;
 }
 
+cuda::HeadLoss GpuGlm5Model::head_loss(const bf16* h, const int32_t* targets, const float* scale,
+                                       float dw_beta) const {
+    return {.h = h,
+            .rows = T_,
+            .dim = cfg_.hidden_size,
+            .w = (*P_)[head_].w,
+            .vocab = cfg_.vocab_size,
+            .targets = targets,
+            .chunk_rows = chunk_rows_,
+            .logits_ws = logits_,
+            .dlogits_ws = dlogits_,
+            .grad_scale = 1.f,
+            .grad_scale_dev = scale,
+            .dw_beta = dw_beta};
+}
+
 void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
@@ -411,10 +427,10 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     }
     for (int64_t k = 0; k < D_; ++k) {
         float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
-        cuda::head_cross_entropy(ctx, mtp_[k]->hz, Tn, h, (*P_)[head_].w, c.vocab_size,
-                                 mtp_[k]->targets, chunk_rows_, logits_, dlogits_, 1.f, row_loss_,
-                                 sc.backward ? mtp_[k]->dzk : nullptr, dw, in_.loss_scales + 2 + k,
-                                 dw ? P_->grad_beta(head_) : 1.f);
+        cuda::head_cross_entropy(ctx,
+                                 head_loss(mtp_[k]->hz, mtp_[k]->targets, in_.loss_scales + 2 + k,
+                                           dw ? P_->grad_beta(head_) : 1.f),
+                                 row_loss_, sc.backward ? mtp_[k]->dzk : nullptr, dw);
         cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
     }
 }

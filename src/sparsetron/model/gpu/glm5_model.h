@@ -14,6 +14,7 @@
 #include "sparsetron/data/packer.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/model/gpu/decoder_layer.h"
+#include "sparsetron/ops/loss/loss.h"
 
 namespace sparsetron::gpu {
 
@@ -95,6 +96,10 @@ class GpuGlm5Model {
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
     void mtp_forward(const ExecContext& ctx, const LossScales& sc);
     void mtp_tv(const ExecContext& ctx, const LossScales& sc);
+    // The output head with cross-entropy on rows h [T, hidden] against `targets`, its gradient
+    // scaled by the device scalar `scale` and its weight gradient written with `dw_beta`.
+    cuda::HeadLoss head_loss(const bf16* h, const int32_t* targets, const float* scale,
+                             float dw_beta) const;
     // e2e_tv's target-probability rows: one shared block without CP, a block per depth under it.
     int64_t tv_target_rows() const {
         return tv_per_depth_ ? D_ * chunk_rows_ : chunk_rows_ + D_ - 1;

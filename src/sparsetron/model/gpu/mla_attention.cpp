@@ -167,6 +167,35 @@ void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16*
     }
 }
 
+cuda::SparseMqa GpuMlaAttention::absorbed(const Acts& A, const bf16* keys, const int32_t* idx,
+                                          const int32_t* len, int64_t kslots) const {
+    return {.tokens = T_,
+            .heads = H_,
+            .dqk = kr_ + dr_,
+            .dv = kr_,
+            .q = A.qabs,
+            .kv = keys,
+            .idx = idx,
+            .len = len,
+            .kslots = kslots,
+            .scale = scale(),
+            .key_rows = cp_ ? Tk_ : 0};
+}
+
+cuda::SparseMha GpuMlaAttention::expanded(const Acts& A, const int32_t* idx, const int32_t* len,
+                                          int64_t kslots) const {
+    return {.tokens = T_,
+            .heads = H_,
+            .dqk = dq_,
+            .dv = dv_,
+            .q = A.q,
+            .kv = head_kv(A),
+            .idx = idx,
+            .len = len,
+            .kslots = kslots,
+            .scale = scale()};
+}
+
 void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
                              const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum,
                              float* prob_sum) const {
@@ -174,8 +203,8 @@ void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInp
     ST_ASSERT(!dsa_ || idx, "MLA: a DSA layer attends without a top-k");
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
-        cuda::sparse_mqa_forward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(), A.oabs,
-                                 A.lse, prob_sum, mqa_ws_, mqa_ws_bytes_, cp_ ? Tk_ : 0, A.probs);
+        cuda::sparse_mqa_forward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, prob_sum,
+                                 {mqa_ws_, mqa_ws_bytes_, A.probs});
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
@@ -185,9 +214,8 @@ void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInp
              A.kv, H_ * (dn_ + dv_));
         cuda::mla_expanded_keys(ctx, A.kv, A.ckv + kr_, L, Tn, H_, dn_, dr_, dv_, A.k);
         if (sparse_expanded_) {
-            cuda::sparse_mha_forward_masked(ctx, Tn, H_, dq_, dv_, A.q, head_kv(A), idx, len,
-                                            kslots, scale(), A.o, A.lse, prob_sum, mqa_ws_,
-                                            mqa_ws_bytes_, A.probs);
+            cuda::sparse_mha_forward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse,
+                                            prob_sum, {mqa_ws_, mqa_ws_bytes_, A.probs});
         } else {
             cuda::AttnShape s{
                 Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
@@ -231,15 +259,13 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         if (cp_) {
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
-            cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
-                                      A.oabs, A.lse, doabs_, dqabs_, keys_f32_, mqa_ws_,
-                                      mqa_ws_bytes_, Tk_);
+            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, doabs_,
+                                      dqabs_, keys_f32_, {mqa_ws_, mqa_ws_bytes_, nullptr});
             cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
             cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, Tn, dkabs_);
         } else {
-            cuda::sparse_mqa_backward(ctx, Tn, H_, L, kr_, A.qabs, K, idx, len, kslots, scale(),
-                                      A.oabs, A.lse, doabs_, dqabs_, dkabs_, mqa_ws_, mqa_ws_bytes_,
-                                      0, A.probs);
+            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, doabs_,
+                                      dqabs_, dkabs_, {mqa_ws_, mqa_ws_bytes_, A.probs});
         }
         // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
         if (kv_grad_accum) {
@@ -260,9 +286,9 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
     } else {
         ST_ASSERT(!kv_grad_accum, "MLA: the expanded form has no shared latent keys");
         if (sparse_expanded_) {
-            cuda::sparse_mha_backward_masked(ctx, Tn, H_, dq_, dv_, A.q, head_kv(A), idx, len,
-                                             kslots, scale(), A.o, A.lse, do_, dq_b_, dk32_, dv32_,
-                                             mqa_ws_, mqa_ws_bytes_, A.probs);
+            cuda::sparse_mha_backward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse, do_,
+                                             dq_b_, dk32_, dv32_,
+                                             {mqa_ws_, mqa_ws_bytes_, A.probs});
         } else {
             cuda::AttnShape s{
                 Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};

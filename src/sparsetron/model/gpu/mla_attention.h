@@ -47,6 +47,12 @@ class GpuMlaAttention {
 
   private:
     cuda::HeadKV head_kv(const Acts& A) const;
+    // The sparse attention's problem in the absorbed form (Q' against the latent keys `keys`) and
+    // in the expanded form (per-head keys and values).
+    cuda::SparseMqa absorbed(const Acts& A, const bf16* keys, const int32_t* idx,
+                             const int32_t* len, int64_t kslots) const;
+    cuda::SparseMha expanded(const Acts& A, const int32_t* idx, const int32_t* len,
+                             int64_t kslots) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     GpuShared& S_;

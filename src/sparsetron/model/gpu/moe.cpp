@@ -177,7 +177,6 @@ void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, 
 void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                            bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
-    using K = cuda::GroupedGemm;
     if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
         // kernels on the same values: bit-identical to what the forward used).
@@ -201,8 +200,7 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     // fp32 gradients in the proxy, and their old tiles are not read.
     const bool add = expert_grads_added(L);
     expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, h_, F_, dout,
-                       A.act, down.grad, gs, add);
+    cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));
     if (fp8_)
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg_, du_, rows8(0), rows8(1));
     else
@@ -212,10 +210,8 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     // projection's in slot 1.
     expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_ != nullptr, 0);
     expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_ != nullptr, 1);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, dg_,
-                       A.xperm, gate.grad, gs, add);
-    cuda::grouped_gemm(ctx, K::WeightGrad, L.offsets, L.experts, L.max_rows, rows_, F_, h_, du_,
-                       A.xperm, up.grad, gs, add);
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg_, A.xperm, gate.grad, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm_);
     cuda::moe_gather_backward(ctx, dxperm_, A.slot_row, Tn, k_, h_, dm, false);
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
@@ -240,17 +236,50 @@ void GpuMoeLayer::expert_gemm(const ExecContext& ctx, const Local& L, int64_t fi
         if (!x_quantized)
             cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_[slot],
                                      fp8_row_scales_[slot]);
-        cuda::grouped_gemm_fp8(ctx, L.offsets, L.experts, L.max_rows, rows_, out, in,
-                               {fp8_rows_[slot], fp8_row_scales_[slot], false},
-                               dgrad ? W.dgrad(L.first) : W.forward(L.first), y, accumulate);
+        cuda::grouped_gemm_fp8(ctx, {.offsets = L.offsets,
+                                     .experts = L.experts,
+                                     .max_rows = L.max_rows,
+                                     .row_capacity = rows_,
+                                     .n = out,
+                                     .k = in,
+                                     .x = {fp8_rows_[slot], fp8_row_scales_[slot], false},
+                                     .w = dgrad ? W.dgrad(L.first) : W.forward(L.first),
+                                     .y = y,
+                                     .accumulate = accumulate});
         return;
     }
     // The expert weights are consecutive parameters: one stride apart in every arena.
     const int64_t ws = El_ > 1 ? P_[first + wstride_].w - P_[first].w : N * K;
     using Kind = cuda::GroupedGemm;
-    cuda::grouped_gemm(ctx, dgrad ? Kind::RowsTimesWeight : Kind::RowsTimesWeightT, L.offsets,
-                       L.experts, L.max_rows, rows_, N, K, x, P_[first + L.first * wstride_].w, y,
-                       ws, accumulate);
+    cuda::grouped_gemm(ctx, {.kind = dgrad ? Kind::RowsTimesWeight : Kind::RowsTimesWeightT,
+                             .offsets = L.offsets,
+                             .experts = L.experts,
+                             .max_rows = L.max_rows,
+                             .row_capacity = rows_,
+                             .n = N,
+                             .k = K,
+                             .a = x,
+                             .b = P_[first + L.first * wstride_].w,
+                             .c = y,
+                             .weight_stride = ws,
+                             .accumulate = accumulate});
+}
+
+cuda::GroupedGemmArgs GpuMoeLayer::weight_grad(const Local& L, int64_t n, int64_t k, const bf16* dy,
+                                               const bf16* x, float* dw, int64_t stride,
+                                               bool add) const {
+    return {.kind = cuda::GroupedGemm::WeightGrad,
+            .offsets = L.offsets,
+            .experts = L.experts,
+            .max_rows = L.max_rows,
+            .row_capacity = rows_,
+            .n = n,
+            .k = k,
+            .a = dy,
+            .b = x,
+            .c = dw,
+            .weight_stride = stride,
+            .accumulate = add};
 }
 
 cuda::Fp8RowsOut GpuMoeLayer::rows8(int slot) const {

@@ -12,6 +12,7 @@
 #include "sparsetron/model/gpu/mlp.h"
 #include "sparsetron/model/gpu/moe_stash.h"
 #include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/moe/moe.h"
 #include "sparsetron/parallel/expert_exchange.h"
 
 namespace sparsetron::gpu {
@@ -75,6 +76,9 @@ class GpuMoeLayer {
     // the layer's row scratch, then grouped_gemm_fp8 on W or its W^T copy) where the experts run
     // FP8, the bf16 grouped GEMM otherwise. `x_quantized`: row slot `slot` already holds x
     // (written by x's producer, or the previous call's input: gate and up share theirs).
+    // The local experts' weight gradients dW [n, k] (+)= dy_e^T x_e, `stride` floats apart.
+    cuda::GroupedGemmArgs weight_grad(const Local& L, int64_t n, int64_t k, const bf16* dy,
+                                      const bf16* x, float* dw, int64_t stride, bool add) const;
     void expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
                      const bf16* x, bf16* y, bool accumulate = false, bool x_quantized = false,
                      int slot = 0) const;

@@ -234,32 +234,28 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 
 namespace {
 // Saved probabilities belong to the masked form.
-void check_saved_probs(const void* saved_probs, const void* workspace) {
-    ST_CHECK(!saved_probs || workspace,
+void check_saved_probs(const MaskedWorkspace& ws) {
+    ST_CHECK(!ws.saved_probs || ws.ptr,
              "sparse MQA: saved probabilities need the masked form's workspace");
 }
 }  // namespace
 
-void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                        int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum, void* workspace, int64_t workspace_bytes, int64_t key_rows,
-                        bf16* saved_probs) {
+void sparse_mqa_forward(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                        float* prob_sum, const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    check_saved_probs(saved_probs, workspace);
+    check_saved_probs(ws);
     // The flash forward also replaces the masked one, except when the backward wants the
     // probabilities kept: the backward then recomputes P from this lse.
-    if (flash_forward_applies(heads, dqk, dv) && !saved_probs)
-        return sparse_mqa_forward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
-                                        out, lse, prob_sum);
-    if (workspace)
-        return sparse_mqa_forward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                         scale, out, lse, prob_sum, workspace, workspace_bytes,
-                                         key_rows, saved_probs);
+    if (flash_forward_applies(heads, dqk, dv) && !ws.saved_probs)
+        return sparse_mqa_forward_wgmma(ctx, p, out, lse, prob_sum);
+    if (ws.ptr) return sparse_mqa_forward_masked(ctx, p, out, lse, prob_sum, ws);
     if (sparse_mqa_tc_supported(heads, dqk, dv))
-        return sparse_mqa_forward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
-                                     out, lse, prob_sum);
+        return sparse_mqa_forward_tc(ctx, p, out, lse, prob_sum);
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};
     const size_t smem = (dqk + kChunk) * sizeof(float);
     attn_fwd_kernel<<<dim3(tokens, heads), kThreads, smem, stream_of(ctx)>>>(
@@ -269,28 +265,26 @@ void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, i
         head_prob_sum(ctx, q, kv, idx, len, kslots, tokens, heads, dqk, scale, lse, prob_sum);
 }
 
-void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                         const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv, void* workspace,
-                         int64_t workspace_bytes, int64_t key_rows, const bf16* saved_probs) {
+void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
+                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                         const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    const int64_t key_rows = p.key_rows;
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    check_saved_probs(saved_probs, workspace);
-    if (flash_backward_applies(heads, dqk, dv, workspace != nullptr) && !saved_probs)
-        return sparse_mqa_backward_wgmma(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                         scale, out, lse, dout, dq, dkv, key_rows);
-    if (workspace)
-        return sparse_mqa_backward_masked(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots,
-                                          scale, out, lse, dout, dq, dkv, workspace,
-                                          workspace_bytes, key_rows, saved_probs);
+    check_saved_probs(ws);
+    if (flash_backward_applies(heads, dqk, dv, ws.ptr != nullptr) && !ws.saved_probs)
+        return sparse_mqa_backward_wgmma(ctx, p, out, lse, dout, dq, dkv);
+    if (ws.ptr) return sparse_mqa_backward_masked(ctx, p, out, lse, dout, dq, dkv, ws);
     // Context parallelism: more key rows than queries. The gathered kernels zero the first
     // `tokens` rows and accumulate; zero them all here.
     if (key_rows > tokens)
         ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
     if (sparse_mqa_tc_supported(heads, dqk, dv))
-        return sparse_mqa_backward_tc(ctx, tokens, heads, dqk, dv, q, kv, idx, len, kslots, scale,
-                                      out, lse, dout, dq, dkv);
+        return sparse_mqa_backward_tc(ctx, p, out, lse, dout, dq, dkv);
     cudaStream_t st_ = stream_of(ctx);
     ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), st_));
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};

@@ -86,6 +86,26 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // only means smaller chunks of query rows. key_rows: rows of kv (0: tokens, query row t being
 // key row t; context parallelism has more key rows than queries, and every chunk of queries is
 // scored against all of them, the top-k still selecting which count).
+// One sparse MQA problem: q [tokens, heads, dqk], the latent rows kv [key rows, dqk] (the value
+// is their first dv columns), each query row's selected key rows idx [tokens, kslots] (ascending,
+// len[t] of them) and the softmax scale.
+struct SparseMqa {
+    int64_t tokens = 0, heads = 0, dqk = 0, dv = 0;
+    const bf16* q = nullptr;
+    const bf16* kv = nullptr;
+    const int32_t* idx = nullptr;
+    const int32_t* len = nullptr;
+    int64_t kslots = 0;
+    float scale = 1.f;
+    int64_t key_rows = 0;  // rows of kv (0: tokens)
+};
+// The masked dense form's planned workspace (none: the gathered forms) and the probabilities a
+// forward keeps for its backward (null: recomputed).
+struct MaskedWorkspace {
+    void* ptr = nullptr;
+    int64_t bytes = 0;
+    bf16* saved_probs = nullptr;
+};
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
                                    int64_t key_rows = 0);
 // Saved probabilities (masked form, key_rows 0 only): the bf16 elements of every chunk's P for a
@@ -93,20 +113,13 @@ int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots
 // keeps them; given to the backward it skips recomputing the scores and P (one GEMM and one
 // kernel per chunk) at the cost of this buffer per layer.
 int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes);
-void sparse_mqa_forward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                        int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                        const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
-                        float* prob_sum = nullptr, void* workspace = nullptr,
-                        int64_t workspace_bytes = 0, int64_t key_rows = 0,
-                        bf16* saved_probs = nullptr);
-// dq bf16 (overwritten); dkv fp32 [keys, dqk] (zeroed, then accumulated: atomics when gathered,
-// chunk-ordered GEMM accumulation when masked). keys: rows of kv (0: tokens).
-void sparse_mqa_backward(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                         int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                         const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mqa_forward(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                        float* prob_sum = nullptr, const MaskedWorkspace& ws = {});
+// dq bf16 (overwritten); dkv fp32 [key rows, dqk] (zeroed, then accumulated: atomics when gathered,
+// chunk-ordered GEMM accumulation when masked).
+void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         void* workspace = nullptr, int64_t workspace_bytes = 0, int64_t keys = 0,
-                         const bf16* saved_probs = nullptr);
+                         const MaskedWorkspace& ws = {});
 // The same sparse attention in MLA's expanded form (per-head keys and values, the top-k shared by
 // the heads), as masked dense GEMMs batched over the heads: the absorbed form's workspace
 // (sparse_mqa_workspace_bytes without key rows), its saved probabilities and its P / dS kernels;
@@ -121,17 +134,20 @@ struct HeadKV {
     const bf16* v;
     int64_t v_row, v_head;
 };
-void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, bf16* saved_probs = nullptr);
-void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dvv,
-                                void* workspace, int64_t workspace_bytes,
-                                const bf16* saved_probs = nullptr);
+struct SparseMha {
+    int64_t tokens = 0, heads = 0, dqk = 0, dv = 0;
+    const bf16* q = nullptr;
+    HeadKV kv{};
+    const int32_t* idx = nullptr;
+    const int32_t* len = nullptr;
+    int64_t kslots = 0;
+    float scale = 1.f;
+};
+void sparse_mha_forward_masked(const ExecContext& ctx, const SparseMha& p, bf16* out, float* lse,
+                               float* prob_sum, const MaskedWorkspace& ws);
+void sparse_mha_backward_masked(const ExecContext& ctx, const SparseMha& p, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dv,
+                                const MaskedWorkspace& ws);
 
 // MLA helpers. Expanded-attention keys from the kv_b output [T, H, dn + dvh] and the shared RoPE
 // key (row t at pe + t * ld_pe): k[t, h, :dn] = kv[t, h, :dn], k[t, h, dn:] = pe[t, :dr]. One

@@ -11,43 +11,28 @@ namespace sparsetron::cuda {
 
 // The flash-style wgmma forward (sm_90a, 64 heads, qk 576, v 512; no saved probabilities):
 // sparse_mqa_forward's choice where it applies and no saved probabilities are asked for.
-void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                              int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                              const int32_t* len, int64_t kslots, float scale, bf16* out,
-                              float* lse, float* prob_sum = nullptr);
+void sparse_mqa_forward_wgmma(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                              float* prob_sum = nullptr);
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv);
 // The flash-style wgmma backward (same shapes; sparse_mqa_wgmma_bwd.cu): dq overwritten, dkv
 // [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward's choice
 // in place of the gathered kernels (the masked form, where planned, is faster).
-void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                               const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                               int64_t key_rows = 0);
+void sparse_mqa_backward_wgmma(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
+                               const float* lse, const bf16* dout, bf16* dq, float* dkv);
 
 // Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
 bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
-void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                           int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+void sparse_mqa_forward_tc(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                            float* prob_sum);
-void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                            const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mqa_backward_tc(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                             const float* lse, const bf16* dout, bf16* dq, float* dkv);
 
 // Masked dense GEMMs (sparse_mqa_masked.cu), used when a workspace is given.
-void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, int64_t key_rows, bf16* saved_probs);
-void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mqa_forward_masked(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                               float* prob_sum, const MaskedWorkspace& ws);
+void sparse_mqa_backward_masked(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes, int64_t key_rows,
-                                const bf16* saved_probs);
+                                const MaskedWorkspace& ws);
 
 // masked_dscores_wgmma.cu: the expanded masked backward's dS = scale P (dO V^T - D) from saved
 // probabilities with dP in registers, for one chunk (query tokens t0 .. t0 + n - 1 against keys

@@ -461,11 +461,16 @@ int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t work
     return elems;
 }
 
-void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, int64_t key_rows, bf16* saved_probs) {
+void sparse_mqa_forward_masked(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                               float* prob_sum, const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    const int64_t key_rows = p.key_rows;
+    void* workspace = ws.ptr;
+    const int64_t workspace_bytes = ws.bytes;
+    bf16* saved_probs = ws.saved_probs;
     ST_CHECK(!saved_probs || key_rows == 0,
              "sparse MQA (masked): saved probabilities without context parallelism only");
     const Workspace w =
@@ -486,12 +491,17 @@ void sparse_mqa_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
     }
 }
 
-void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mqa_backward_masked(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                                void* workspace, int64_t workspace_bytes, int64_t key_rows,
-                                const bf16* saved_probs) {
+                                const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    const int64_t key_rows = p.key_rows;
+    void* workspace = ws.ptr;
+    const int64_t workspace_bytes = ws.bytes;
+    const bf16* saved_probs = ws.saved_probs;
     ST_CHECK(!saved_probs || key_rows == 0,
              "sparse MQA (masked): saved probabilities without context parallelism only");
     const Workspace w =
@@ -529,11 +539,16 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t 
 // Head h's rows of a chunk's S / dP / P are rows (t - t0) * H + h of [rows, ld]: one batch entry
 // is every H-th row (ld * H apart), so the P / dS kernels see the absorbed form's layout.
 
-void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, bf16* out,
-                               float* lse, float* prob_sum, void* workspace,
-                               int64_t workspace_bytes, bf16* saved_probs) {
+void sparse_mha_forward_masked(const ExecContext& ctx, const SparseMha& p, bf16* out, float* lse,
+                               float* prob_sum, const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16* q = p.q;
+    const HeadKV& kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    void* workspace = ws.ptr;
+    const int64_t workspace_bytes = ws.bytes;
+    bf16* saved_probs = ws.saved_probs;
     const Workspace w = carve(workspace, workspace_bytes, tokens, tokens, heads);
     const int64_t cq = w.chunk, H = heads;
     const auto BF = DType::BF16, F32 = DType::F32;
@@ -563,11 +578,17 @@ void sparse_mha_forward_masked(const ExecContext& ctx, int64_t tokens, int64_t h
     }
 }
 
-void sparse_mha_backward_masked(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                                int64_t dv, const bf16* q, const HeadKV& kv, const int32_t* idx,
-                                const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mha_backward_masked(const ExecContext& ctx, const SparseMha& p, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dk, float* dvv,
-                                void* workspace, int64_t workspace_bytes, const bf16* saved_probs) {
+                                const MaskedWorkspace& ws) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16* q = p.q;
+    const HeadKV& kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    void* workspace = ws.ptr;
+    const int64_t workspace_bytes = ws.bytes;
+    const bf16* saved_probs = ws.saved_probs;
     const Workspace w = carve(workspace, workspace_bytes, tokens, tokens, heads);
     const int64_t cq = w.chunk, H = heads;
     const auto BF = DType::BF16, F32 = DType::F32;

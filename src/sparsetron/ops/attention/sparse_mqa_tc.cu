@@ -286,10 +286,12 @@ bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv) {
            bwd_smem(dqk, dv) <= 227 * 1024 && fwd_smem(dqk, dv) <= 227 * 1024;
 }
 
-void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                           int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                           const int32_t* len, int64_t kslots, float scale, bf16* out, float* lse,
+void sparse_mqa_forward_tc(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                            float* prob_sum) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
     const size_t smem = fwd_smem(dqk, dv);
     if (prob_sum)
         ST_CUDA_CHECK(
@@ -301,10 +303,12 @@ void sparse_mqa_forward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void sparse_mqa_backward_tc(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                            int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                            const int32_t* len, int64_t kslots, float scale, const bf16* out,
+void sparse_mqa_backward_tc(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                             const float* lse, const bf16* dout, bf16* dq, float* dkv) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
     const size_t smem = bwd_smem(dqk, dv);
     ST_CUDA_CHECK(
         cudaFuncSetAttribute(mqa_bwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

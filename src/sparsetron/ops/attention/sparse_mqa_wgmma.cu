@@ -297,10 +297,12 @@ bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv) 
     return has_sm90a() && heads == kH && dqk == kD && dv == kDv;
 }
 
-void sparse_mqa_forward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                              int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                              const int32_t* len, int64_t kslots, float scale, bf16* out,
-                              float* lse, float* prob_sum) {
+void sparse_mqa_forward_wgmma(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
+                              float* prob_sum) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
     ST_CHECK(sparse_mqa_forward_wgmma_supported(heads, dqk, dv),
              "sparse_mqa_forward_wgmma: ", heads, " heads, qk ", dqk, ", v ", dv,
              " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");

@@ -275,11 +275,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void sparse_mqa_backward_wgmma(const ExecContext& ctx, int64_t tokens, int64_t heads, int64_t dqk,
-                               int64_t dv, const bf16* q, const bf16* kv, const int32_t* idx,
-                               const int32_t* len, int64_t kslots, float scale, const bf16* out,
-                               const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                               int64_t key_rows) {
+void sparse_mqa_backward_wgmma(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
+                               const float* lse, const bf16* dout, bf16* dq, float* dkv) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
+    const bf16 *q = p.q, *kv = p.kv;
+    const int32_t *idx = p.idx, *len = p.len;
+    const float scale = p.scale;
+    const int64_t key_rows = p.key_rows;
     ST_CHECK(sparse_mqa_forward_wgmma_supported(heads, dqk, dv),
              "sparse_mqa_backward_wgmma: ", heads, " heads, qk ", dqk, ", v ", dv,
              " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");

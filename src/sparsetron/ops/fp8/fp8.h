@@ -108,9 +108,14 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
 // (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
 // rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
 // copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
-void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
-                      int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate = false, int blocks = 0);
+struct Fp8GroupedGemm {
+    const int32_t* offsets = nullptr;  // [experts + 1], device
+    int64_t experts = 0, max_rows = 0, row_capacity = 0, n = 0, k = 0;
+    Fp8Operand x, w;
+    bf16* y = nullptr;
+    bool accumulate = false;
+};
+void grouped_gemm_fp8(const ExecContext& ctx, const Fp8GroupedGemm& g, int blocks = 0);
 // Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
 bool grouped_gemm_fp8_available();
 

@@ -214,9 +214,13 @@ bool grouped_gemm_fp8_available() {
     return has_sm90a();
 }
 
-void grouped_gemm_fp8(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
-                      int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, Fp8Operand x,
-                      Fp8Operand w, bf16* y, bool accumulate, int blocks) {
+void grouped_gemm_fp8(const ExecContext& ctx, const Fp8GroupedGemm& g, int blocks) {
+    const int32_t* offsets = g.offsets;
+    const int64_t experts = g.experts, max_rows = g.max_rows, row_capacity = g.row_capacity,
+                  n = g.n, k = g.k;
+    const Fp8Operand x = g.x, w = g.w;
+    bf16* y = g.y;
+    const bool accumulate = g.accumulate;
     ST_CHECK(grouped_gemm_fp8_available(),
              "the FP8 grouped expert GEMM needs an sm_90a GPU (Hopper's e4m3 wgmma)");
     ST_CHECK(!x.blocks_128x128 && w.blocks_128x128,

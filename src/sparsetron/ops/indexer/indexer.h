@@ -79,23 +79,50 @@ void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const in
 //   dscore[t, s] = q_s - p_s on the support (dense layout [T, T] like the scores).
 // qabs [T, H, dl] and kabs [T, dl] are the absorbed query and latent key (bf16).
 // teacher_sum (sparse loss only, may be null): the attention's Σ_h P [T, kslots] from
-// sparse_mqa_forward; when given, qabs/kabs/lse are not read.
-void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
-                const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
-                const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore, const float* teacher_sum = nullptr,
-                const int32_t* key_row = nullptr, int64_t keys = 0);
+// sparse_mqa_forward; when given, qabs/kabs/lse are not read. Context parallelism: key_row[t] is
+// query row t's micro-batch row and scores rows are `keys` long.
+struct IndexerKl {
+    bool sparse = true;
+    const bf16* qabs = nullptr;
+    const bf16* kabs = nullptr;
+    const float* lse = nullptr;
+    int64_t heads = 0, dl = 0;
+    float scale = 1.f;
+    const float* teacher_sum = nullptr;
+    const float* scores = nullptr;
+    const int32_t* idx = nullptr;
+    const int32_t* len = nullptr;
+    int64_t kslots = 0;
+    const int32_t* row_begin = nullptr;
+    int64_t tokens = 0;
+    const int32_t* key_row = nullptr;
+    int64_t keys = 0;
+};
+void indexer_kl(const ExecContext& ctx, const IndexerKl& p, float* kl, float* dscore);
 // Back through the scores: with g = dscore * grad_scale on the support,
 //   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
-//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first).
-void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
-                             const float* w, const float* dscore, float grad_scale,
-                             const int32_t* idx, const int32_t* len, int64_t kslots,
-                             const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                             float* dw, bf16* dq, float* dk,
-                             const float* grad_scale_dev = nullptr,  // multiplies grad_scale
-                             const int32_t* key_row = nullptr, int64_t keys = 0,  // dk: [keys]
-                             void* workspace = nullptr, int64_t workspace_bytes = 0);
+//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first; [keys] rows under CP).
+// grad_scale_dev (a device scalar, may be null) multiplies grad_scale.
+struct IndexerScoresBackward {
+    bool sparse = true;
+    const bf16* q = nullptr;
+    const bf16* k = nullptr;
+    const float* w = nullptr;
+    const float* dscore = nullptr;
+    float grad_scale = 1.f;
+    const float* grad_scale_dev = nullptr;
+    const int32_t* idx = nullptr;
+    const int32_t* len = nullptr;
+    int64_t kslots = 0;
+    const int32_t* row_begin = nullptr;
+    int64_t tokens = 0, heads = 0, dim = 0;
+    const int32_t* key_row = nullptr;
+    int64_t keys = 0;
+    void* workspace = nullptr;
+    int64_t workspace_bytes = 0;
+};
+void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward& p, float* dw,
+                             bf16* dq, float* dk);
 // With a workspace (and no key_row) the backward runs as GEMMs over chunks of query tokens: the
 // per-head logits Q K^T (fp32) against every earlier key, one kernel forming their gradient
 // (bf16, 0 off the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic).

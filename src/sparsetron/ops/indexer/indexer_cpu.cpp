@@ -83,12 +83,12 @@ double indexer_kl_row(const IndexerTeacher<T>& tc, int64_t t, bool sparse, const
     return kl;
 }
 
-#define INSTANTIATE(T)                                                                            \
+#define INSTANTIATE(T)                                                                           \
     template void indexer_scores_row<T>(const T*, const T*, const T*, int64_t, int64_t, int64_t, \
-                                        int64_t, T*);                                             \
-    template int64_t topk_row<T>(const T*, int64_t, int64_t, int64_t, int32_t*,                   \
-                                 std::vector<int32_t>&);                                          \
-    template double indexer_kl_row<T>(const IndexerTeacher<T>&, int64_t, bool, const int32_t*,    \
+                                        int64_t, T*);                                            \
+    template int64_t topk_row<T>(const T*, int64_t, int64_t, int64_t, int32_t*,                  \
+                                 std::vector<int32_t>&);                                         \
+    template double indexer_kl_row<T>(const IndexerTeacher<T>&, int64_t, bool, const int32_t*,   \
                                       int64_t, const T*, T*, std::vector<double>&);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -234,11 +234,14 @@ void head_prob_sum(const ExecContext& ctx, const bf16* q, const bf16* kv, const 
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void indexer_kl(const ExecContext& ctx, bool sparse, const bf16* qabs, const bf16* kabs,
-                const float* lse, int64_t heads, int64_t dl, float scale, const float* scores,
-                const int32_t* idx, const int32_t* len, int64_t kslots, const int32_t* row_begin,
-                int64_t tokens, float* kl, float* dscore, const float* teacher_sum,
-                const int32_t* key_row, int64_t keys) {
+void indexer_kl(const ExecContext& ctx, const IndexerKl& p, float* kl, float* dscore) {
+    const bool sparse = p.sparse;
+    const bf16 *qabs = p.qabs, *kabs = p.kabs;
+    const float *lse = p.lse, *scores = p.scores, *teacher_sum = p.teacher_sum;
+    const int64_t heads = p.heads, dl = p.dl, kslots = p.kslots, tokens = p.tokens;
+    const float scale = p.scale;
+    const int32_t *idx = p.idx, *len = p.len, *row_begin = p.row_begin, *key_row = p.key_row;
+    int64_t keys = p.keys;
     if (tokens == 0) return;
     ST_ASSERT(!teacher_sum || sparse, "indexer_kl: a teacher sum is the sparse loss's");
     if (!key_row) keys = tokens;
@@ -263,13 +266,17 @@ int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads) {
     return heads * dlogits_ld(tokens) * int64_t(sizeof(float) + sizeof(bf16));
 }
 
-void indexer_scores_backward(const ExecContext& ctx, bool sparse, const bf16* q, const bf16* k,
-                             const float* w, const float* dscore, float grad_scale,
-                             const int32_t* idx, const int32_t* len, int64_t kslots,
-                             const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                             float* dw, bf16* dq, float* dk, const float* grad_scale_dev,
-                             const int32_t* key_row, int64_t keys, void* workspace,
-                             int64_t workspace_bytes) {
+void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward& p, float* dw,
+                             bf16* dq, float* dk) {
+    const bool sparse = p.sparse;
+    const bf16 *q = p.q, *k = p.k;
+    const float *w = p.w, *dscore = p.dscore, *grad_scale_dev = p.grad_scale_dev;
+    const float grad_scale = p.grad_scale;
+    const int32_t *idx = p.idx, *len = p.len, *row_begin = p.row_begin, *key_row = p.key_row;
+    const int64_t kslots = p.kslots, tokens = p.tokens, heads = p.heads, dim = p.dim;
+    int64_t keys = p.keys;
+    void* workspace = p.workspace;
+    const int64_t workspace_bytes = p.workspace_bytes;
     if (tokens == 0) return;
     if (!key_row) keys = tokens;
     zero(ctx, dk, keys * dim * sizeof(float));

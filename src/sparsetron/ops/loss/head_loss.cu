@@ -105,10 +105,15 @@ __global__ void loss_sum_kernel(const float* row_loss, const int32_t* targets, i
 
 }  // namespace
 
-void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
-                        const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
-                        float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
-                        bf16* dh, float* dw, const float* grad_scale_dev, float dw_beta) {
+void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
+                        float* dw) {
+    const bf16 *h = p.h, *w = p.w;
+    const int64_t rows = p.rows, dim = p.dim, vocab = p.vocab, chunk_rows = p.chunk_rows;
+    const int32_t* targets = p.targets;
+    float* logits_ws = p.logits_ws;
+    bf16* dlogits_ws = p.dlogits_ws;
+    const float grad_scale = p.grad_scale, dw_beta = p.dw_beta;
+    const float* grad_scale_dev = p.grad_scale_dev;
     ST_ASSERT(chunk_rows > 0, "head_cross_entropy: chunk rows");
     const bool backward = dh || dw;
     ST_ASSERT(!backward || dlogits_ws, "head_cross_entropy: backward needs the dlogits workspace");

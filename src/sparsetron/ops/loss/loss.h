@@ -49,11 +49,21 @@ namespace sparsetron::cuda {
 // and dw may be null (forward only). dlogits_ws: [rows, vocab] when dw is given (dw is one GEMM
 // over all rows), else [chunk_rows, vocab]. With `grad_scale_dev` (a device scalar: graph-safe)
 // the scale is grad_scale * *grad_scale_dev. dw = dw_beta * dw + the gradient (0: overwrite).
-void head_cross_entropy(const ExecContext& ctx, const bf16* h, int64_t rows, int64_t dim,
-                        const bf16* w, int64_t vocab, const int32_t* targets, int64_t chunk_rows,
-                        float* logits_ws, bf16* dlogits_ws, float grad_scale, float* row_loss,
-                        bf16* dh, float* dw, const float* grad_scale_dev = nullptr,
-                        float dw_beta = 1.f);
+struct HeadLoss {
+    const bf16* h = nullptr;  // [rows, dim]
+    int64_t rows = 0, dim = 0;
+    const bf16* w = nullptr;  // [vocab, dim]
+    int64_t vocab = 0;
+    const int32_t* targets = nullptr;  // [rows], -1: no target
+    int64_t chunk_rows = 0;
+    float* logits_ws = nullptr;
+    bf16* dlogits_ws = nullptr;
+    float grad_scale = 1.f;
+    const float* grad_scale_dev = nullptr;
+    float dw_beta = 1.f;
+};
+void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
+                        float* dw);
 // out[0] = Σ x (fp64 in fixed order), out[1] = count of x's rows with targets >= 0.
 void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,
               double* out);

@@ -68,10 +68,10 @@ void tv_logit_grad_row(const T* p, T* q, int64_t vocab, double dalpha) {
     }
 }
 
-#define INSTANTIATE(T)                                                                     \
-    template void softmax_rows<T>(T*, int64_t, int64_t);                                   \
-    template void tv_overlap<T>(const T*, const T*, int64_t, int64_t, T*);                 \
-    template TvChainRow tv_chain_row<T>(const T*, int64_t, int64_t, double, double*);      \
+#define INSTANTIATE(T)                                                                \
+    template void softmax_rows<T>(T*, int64_t, int64_t);                              \
+    template void tv_overlap<T>(const T*, const T*, int64_t, int64_t, T*);            \
+    template TvChainRow tv_chain_row<T>(const T*, int64_t, int64_t, double, double*); \
     template void tv_logit_grad_row<T>(const T*, T*, int64_t, double);
 INSTANTIATE(float)
 INSTANTIATE(double)

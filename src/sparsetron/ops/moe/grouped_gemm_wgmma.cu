@@ -521,10 +521,15 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
 
 }  // namespace
 
-int grouped_gemm_wgmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                       int64_t experts, int64_t max_rows, int64_t row_capacity, int64_t n,
-                       int64_t k, const bf16* a, const bf16* b, void* c, int64_t weight_stride,
-                       bool accumulate, int max_blocks) {
+int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max_blocks) {
+    const GroupedGemm kind = g.kind;
+    const int32_t* offsets = g.offsets;
+    const int64_t experts = g.experts, max_rows = g.max_rows, row_capacity = g.row_capacity,
+                  n = g.n, k = g.k;
+    const bf16 *a = g.a, *b = g.b;
+    void* c = g.c;
+    const int64_t weight_stride = g.weight_stride ? g.weight_stride : n * k;
+    const bool accumulate = g.accumulate;
     // Tile space: the worst case per expert (max_rows) sizes the grid.
     const int64_t rows = row_capacity;
     switch (kind) {

@@ -248,17 +248,17 @@ void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64
 
 }  // namespace
 
-bool grouped_gemm_wmma_supported(int64_t n, int64_t k, int64_t weight_stride, const void* a,
-                                 const void* b, const void* c) {
+bool grouped_gemm_wmma_supported(const GroupedGemmArgs& g) {
     const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    return n % 8 == 0 && k % 8 == 0 && weight_stride % 8 == 0 && aligned(a) && aligned(b) &&
-           aligned(c);
+    const int64_t stride = g.weight_stride ? g.weight_stride : g.n * g.k;
+    return g.n % 8 == 0 && g.k % 8 == 0 && stride % 8 == 0 && aligned(g.a) && aligned(g.b) &&
+           aligned(g.c);
 }
 
-void grouped_gemm_wmma(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets,
-                       int64_t experts, int64_t max_rows, int64_t n, int64_t k, const bf16* a,
-                       const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
-    run<Default>(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride, accumulate);
+void grouped_gemm_wmma(const ExecContext& ctx, const GroupedGemmArgs& g) {
+    if (g.experts == 0) return;
+    run<Default>(ctx, g.kind, g.offsets, g.experts, g.max_rows, g.n, g.k, g.a, g.b, g.c,
+                 g.weight_stride ? g.weight_stride : g.n * g.k, g.accumulate);
 }
 
 }  // namespace sparsetron::cuda

@@ -502,11 +502,16 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
-                  int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c, int64_t weight_stride, bool accumulate) {
+void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g) {
+    const GroupedGemm kind = g.kind;
+    const int32_t* offsets = g.offsets;
+    const int64_t experts = g.experts, max_rows = g.max_rows, row_capacity = g.row_capacity,
+                  n = g.n, k = g.k;
+    const bf16 *a = g.a, *b = g.b;
+    void* c = g.c;
+    const int64_t weight_stride = g.weight_stride ? g.weight_stride : n * k;
+    const bool accumulate = g.accumulate;
     if (experts == 0) return;
-    if (weight_stride == 0) weight_stride = n * k;
     // The kernels' bulk tensor loads are bounded by the row buffers' capacity: a capacity below
     // what an expert may hold would read its rows as zeros.
     ST_CHECK(row_capacity >= max_rows, "grouped_gemm: the row buffers hold ", row_capacity,
@@ -514,13 +519,11 @@ void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offse
     // Tensor cores whenever rows are 16-byte aligned: the warp-specialized wgmma kernel on sm_90a
     // (grouped_gemm_ws.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_tc.cu). This file's
     // simple kernel covers the rest (odd test shapes).
-    if (grouped_gemm_wmma_supported(n, k, weight_stride, a, b, c)) {
+    if (grouped_gemm_wmma_supported(g)) {
         if (has_sm90a())
-            grouped_gemm_wgmma(ctx, kind, offsets, experts, max_rows, row_capacity, n, k, a, b, c,
-                               weight_stride, accumulate);
+            grouped_gemm_wgmma(ctx, g);
         else
-            grouped_gemm_wmma(ctx, kind, offsets, experts, max_rows, n, k, a, b, c, weight_stride,
-                              accumulate);
+            grouped_gemm_wmma(ctx, g);
         return;
     }
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.

@@ -66,9 +66,17 @@ enum class GroupedGemm { RowsTimesWeightT, RowsTimesWeight, WeightGrad };
 // `accumulate` the outputs are added to; without, they are written, and WeightGrad writes every
 // expert's dW (zeros for an expert with no rows), so a step's first weight gradient needs no
 // memset of the gradient before it and its tiles are not read.
-void grouped_gemm(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
-                  int64_t max_rows, int64_t row_capacity, int64_t n, int64_t k, const bf16* a,
-                  const bf16* b, void* c, int64_t weight_stride = 0, bool accumulate = false);
+struct GroupedGemmArgs {
+    GroupedGemm kind = GroupedGemm::RowsTimesWeightT;
+    const int32_t* offsets = nullptr;  // [experts + 1], device
+    int64_t experts = 0, max_rows = 0, row_capacity = 0, n = 0, k = 0;
+    const bf16* a = nullptr;
+    const bf16* b = nullptr;
+    void* c = nullptr;
+    int64_t weight_stride = 0;
+    bool accumulate = false;
+};
+void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g);
 
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).

@@ -12,8 +12,7 @@ namespace sparsetron::cpu {
 
 template <typename T>
 void router_topk(const T* logits, const T* bias, int64_t tokens, int64_t routed, int64_t experts,
-                 int64_t k, bool force_balance, double scaling, T* probs, int32_t* topk,
-                 T* gates) {
+                 int64_t k, bool force_balance, double scaling, T* probs, int32_t* topk, T* gates) {
     parallel_for(
         tokens * experts,
         [&](int64_t b, int64_t e) {
@@ -70,7 +69,7 @@ void moe_permute(const int32_t* topk, int64_t routed, int64_t tokens, int64_t ex
         }
 }
 
-#define INSTANTIATE(T)                                                                          \
+#define INSTANTIATE(T)                                                                         \
     template void router_topk<T>(const T*, const T*, int64_t, int64_t, int64_t, int64_t, bool, \
                                  double, T*, int32_t*, T*);
 INSTANTIATE(float)

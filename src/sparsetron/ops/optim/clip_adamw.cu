@@ -103,10 +103,13 @@ void veto_skip(const ExecContext& ctx, int32_t* skip, int64_t n, const int32_t* 
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
-                  int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16,
-                  const float* schedule) {
+void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
+                  float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
+                  bf16* param_bf16) {
+    const float lr = hp.lr, beta1 = hp.beta1, beta2 = hp.beta2, eps = hp.eps,
+                weight_decay = hp.weight_decay;
+    const int64_t step = hp.step;
+    const float* schedule = hp.schedule;
     if (n == 0) return;
     // Host lr and step are baked into the launch; a replayed graph passes `schedule` instead.
     const float bc1 = float(1.0 - std::pow(double(beta1), double(step)));

@@ -40,10 +40,14 @@ void veto_skip(const ExecContext& ctx, int32_t* skip, int64_t n, const int32_t* 
 // param -= lr * (m̂ / (sqrt(v̂) + eps) + wd * param) with grad * (*grad_scale); nothing when *skip.
 // Writes the bf16 copy of the new parameter when param_bf16 is not null. With `schedule` (device
 // [lr, 1 - beta1^t, 1 - beta2^t]: graph-safe), lr and step come from there instead.
-void adamw_update(const ExecContext& ctx, float* param, const float* grad, float* m, float* v,
-                  int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
-                  int64_t step, const float* grad_scale, const int32_t* skip, bf16* param_bf16,
-                  const float* schedule = nullptr);
+struct AdamwHyper {
+    float lr = 0, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0;
+    int64_t step = 1;
+    const float* schedule = nullptr;
+};
+void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
+                  float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
+                  bf16* param_bf16);
 
 // Unless *skip: mom = beta mom + (1 - beta) g (*scale). (The decoupled decay is applied with the
 // update: muon_apply_batch.)

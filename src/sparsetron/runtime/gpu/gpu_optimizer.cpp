@@ -244,10 +244,15 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
                 cuda::muon_momentum(ctx, gp.grad, mom_[i], gp.numel, float(run.muon_momentum),
                                     scale_ + g, skip_ + g);
         } else if (adam_owner_[i] == rank_ || local_[i]) {
-            cuda::adamw_update(ctx, gp.master, gp.grad, m_[i], v_[i], gp.numel, 0.f,
-                               float(run.adam_beta1), float(run.adam_beta2), float(run.adam_eps),
-                               p.weight_decay ? float(run.weight_decay) : 0.f, 1, scale_ + g,
-                               skip_ + g, gp.w, sched_);
+            // lr and the bias corrections come from the staged schedule (graph-safe).
+            const cuda::AdamwHyper hp{
+                .beta1 = float(run.adam_beta1),
+                .beta2 = float(run.adam_beta2),
+                .eps = float(run.adam_eps),
+                .weight_decay = p.weight_decay ? float(run.weight_decay) : 0.f,
+                .schedule = sched_};
+            cuda::adamw_update(ctx, hp, gp.master, gp.grad, m_[i], v_[i], gp.numel, scale_ + g,
+                               skip_ + g, gp.w);
         }
     }
     if (dist_) {

@@ -64,8 +64,10 @@ struct CliRun {
     int code;
     std::string output;
 };
-inline CliRun run_cli(const std::string& args) {
-    const std::string cmd = std::string(SPARSETRON_CLI) + " " + args + " 2>&1";
+// Runs the CLI with `args`; `env` ("NAME=value ...") is set for that process only.
+inline CliRun run_cli(const std::string& args, const std::string& env = "") {
+    const std::string cmd = (env.empty() ? "" : "env " + env + " ") + std::string(SPARSETRON_CLI) +
+                            " " + args + " 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     std::string out;
     char buf[4096];

@@ -6,6 +6,8 @@
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
+#include "sparsetron/core/env.h"
+#include "sparsetron/core/error.h"
 
 namespace {
 using sparsetron::test::CliRun;
@@ -22,6 +24,25 @@ TEST(Cli, HelpListsEverySubcommand) {
     CliRun t = run("train --help");
     for (const char* opt : {"--recipe", "--set", "--out", "--resume", "--device"})
         EXPECT_NE(t.output.find(opt), std::string::npos) << opt;
+}
+
+// `info` lists every environment variable the engine reads (core/env.h) with its value.
+TEST(Cli, InfoListsTheEnvironmentVariablesRead) {
+    CliRun r = run("info");
+    EXPECT_EQ(r.code, 0);
+    for (const sparsetron::EnvVar& v : sparsetron::env_vars())
+        EXPECT_NE(r.output.find(v.name), std::string::npos) << v.name << "\n" << r.output;
+    r = sparsetron::test::run_cli("info", "SPARSETRON_DATA_DIR=/some/corpus");
+    EXPECT_NE(r.output.find("/some/corpus"), std::string::npos) << r.output;
+}
+
+TEST(Env, ReadingAnUnregisteredVariableIsABug) {
+    EXPECT_THROW(sparsetron::env_value("SPARSETRON_SOMETHING_ELSE"), sparsetron::Error);
+    setenv("SPARSETRON_CHARTJS", "", 1);
+    EXPECT_FALSE(sparsetron::env_value("SPARSETRON_CHARTJS").has_value()) << "empty = unset";
+    setenv("SPARSETRON_CHARTJS", "/x/chart.umd.js", 1);
+    EXPECT_EQ(sparsetron::env_value("SPARSETRON_CHARTJS").value_or(""), "/x/chart.umd.js");
+    unsetenv("SPARSETRON_CHARTJS");
 }
 
 TEST(Cli, BadInputsExitNonZeroWithOneClearMessage) {

@@ -1,0 +1,65 @@
+// `sparsetron bench`: CUDA-event step times of a recipe's training step on the GPU, variants
+// interleaved in one allocation, audited TFLOPS, memory in use against the plan.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+
+#include "command.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/runtime/bench.h"
+
+namespace sparsetron::cli {
+
+Run add_bench(CLI::App& app) {
+    struct Options {
+        BenchOptions b;
+        std::string recipe, json, variants = "eager";
+        std::vector<std::string> sets;
+    };
+    auto o = std::make_shared<Options>();
+    auto* c = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
+    c->add_option("--recipe", o->recipe, "Recipe YAML")->required();
+    c->add_option("--set", o->sets, "Override a recipe key (key=value), repeatable");
+    c->add_option("--warmup", o->b.warmup, "Untimed iterations first (default 3)");
+    c->add_option("--iters", o->b.iters, "Timed iterations (default 10)");
+    c->add_flag("--forward-backward", o->b.forward_backward_only,
+                "Time forward+backward only (no optimizer step)");
+    c->add_option("--variants", o->variants,
+                  "Comma-separated: eager, graph (interleaved A B B A; default eager)");
+    c->add_option("--commit", o->b.commit, "Commit recorded in the result");
+    c->add_option("--json", o->json, "Append the result as one JSON line to this file");
+    return [o] {
+            Recipe r = load_recipe(o->recipe, o->sets);
+            o->b.variants = split_list(o->variants);
+            connect_gpus_if_launched(Device::CUDA);
+            o->b.comm = launch_comm();
+            std::vector<BenchResult> res = run_bench(r, o->b);
+            for (BenchResult& x : res) x.overrides = o->sets;
+            if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports
+            std::printf(
+                "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
+                "variant\n%s\n",
+                r.name.c_str(), res.front().gpu.c_str(),
+                res.front().gpus > 1
+                    ? cat(" x ", res.front().gpus, " (data parallel",
+                          r.run.context_parallel_size > 1
+                              ? cat(" x context parallel ", r.run.context_parallel_size)
+                              : std::string(),
+                          r.run.expert_model_parallel_size > 1
+                              ? cat(", expert parallel ", r.run.expert_model_parallel_size)
+                              : std::string(),
+                          ", per GPU)")
+                          .c_str()
+                    : "",
+                res.front().commit.c_str(), static_cast<long long>(o->b.warmup),
+                static_cast<long long>(o->b.iters), bench_table(res).c_str());
+            if (!o->json.empty()) {
+                std::ofstream out(o->json, std::ios::app);
+                ST_CHECK(out.good(), "cannot write '", o->json, "'");
+                for (const auto& x : res) out << x.to_json() << "\n";
+            }
+            return 0;
+    };
+}
+
+}  // namespace sparsetron::cli

@@ -1,0 +1,82 @@
+// `sparsetron plan`: the memory plan of a recipe per memory class, on either backend.
+#include <cstdio>
+#include <memory>
+
+#include "command.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/parallel/layout.h"
+#include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/trainer.h"
+
+namespace sparsetron::cli {
+namespace {
+
+int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
+             const std::string& device) {
+    Recipe recipe = load_recipe(recipe_path, sets);
+    auto tp = make_training_plan(recipe);
+    const auto& params = tp->model->params();
+    if (recipe.run.world_size > 1) {
+        // The layout the recipe asks for; the plans below are of one process of it.
+        const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
+        std::printf(
+            "parallel layout: %s\nnote: the plan below is EP rank 0's (every EP rank holds "
+            "as many experts); expert parallelism adds its worst-case receive rows, and "
+            "use_distributed_optimizer would drop the AdamW moments a rank does not own "
+            "(not shown: they depend on the rank; docs/parallel.md)\n",
+            layout.describe().c_str());
+    }
+    if (parse_device(device) == Device::CUDA) {
+        size_t total = 0;
+        const std::string table =
+            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total);
+        std::printf(
+            "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
+            "masters, gradients and optimizer state)\n",
+            recipe.name.c_str());
+        std::printf(
+            "micro-batch: %lld token slots, at most %lld documents; loss chunk %lld "
+            "rows\n\n%s",
+            static_cast<long long>(recipe.run.tokens_per_microbatch()),
+            static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows),
+            table.c_str());
+        std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
+        print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
+        return 0;
+    }
+    std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
+    std::printf("parameters: %lld tensors, %.3fM elements\n",
+                static_cast<long long>(params.params().size()), params.total_numel() / 1e6);
+    std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n",
+                static_cast<long long>(recipe.run.tokens_per_microbatch()),
+                static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
+    if (tp->model->context_parallel())
+        std::printf(
+            "context parallelism: this rank computes %lld rows of micro-batches of %lld "
+            "key rows\n",
+            static_cast<long long>(tp->model->tokens()),
+            static_cast<long long>(tp->model->key_tokens()));
+    std::printf("\n");
+    std::printf("%s\n", tp->plan.format().c_str());
+    std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
+    print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
+    return 0;
+}
+
+}  // namespace
+
+Run add_plan(CLI::App& app) {
+    struct Options {
+        std::string recipe, device = "cpu";
+        std::vector<std::string> sets;
+    };
+    auto o = std::make_shared<Options>();
+    auto* c = app.add_subcommand("plan", "Print the memory plan of a recipe per memory class");
+    c->add_option("--recipe,-r", o->recipe, "Recipe YAML (default: built-in tiny)")
+        ->check(CLI::ExistingFile);
+    c->add_option("--set,-s", o->sets, "Override a recipe key: --set key=value (repeatable)");
+    c->add_option("--device", o->device, "cpu (default) or cuda: the plan of that backend");
+    return [o] { return plan(o->recipe, o->sets, o->device); };
+}
+
+}  // namespace sparsetron::cli

@@ -1,0 +1,166 @@
+// `sparsetron train`: a training run with progress on screen, metrics.jsonl and checkpoints.
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "progress.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/io/checkpoint.h"
+#include "sparsetron/runtime/trainer.h"
+
+namespace fs = std::filesystem;
+
+namespace sparsetron::cli {
+namespace {
+
+// metrics.jsonl: kept lines up to `keep_through` (a resumed run continues the file).
+void trim_metrics(const fs::path& path, int64_t keep_through) {
+    if (!fs::exists(path)) return;
+    std::ifstream in(path);
+    std::string kept, line;
+    while (std::getline(in, line)) {
+        try {
+            if (nlohmann::json::parse(line).at("step").get<int64_t>() <= keep_through)
+                kept += line + "\n";
+        } catch (const std::exception&) {
+        }
+    }
+    in.close();
+    std::ofstream(path, std::ios::trunc) << kept;
+}
+
+int train(const std::string& recipe_path, const std::vector<std::string>& sets,
+              const std::string& out_arg, const std::string& resume, const std::string& device,
+              bool quiet, bool no_save) {
+    Recipe recipe;
+    if (recipe_path.empty() && !resume.empty()) {
+        // Resuming without --recipe: continue with the recipe stored in the checkpoint.
+        std::string ckpt = resolve_checkpoint(resume);
+        recipe = Recipe{};
+        for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
+            recipe.apply(s);
+        for (const auto& o : sets) recipe.apply(parse_override(o));
+        try {
+            recipe.validate();
+        } catch (const Error& e) {
+            // Most often a checkpoint of another layout resumed on fewer processes.
+            throw Error(cat(e.what(), "\n(the recipe is the checkpoint's, ", ckpt,
+                            "/recipe.yaml: override its layout with --set, e.g. --set world_size=1 "
+                            "--set expert_model_parallel_size=1 --set context_parallel_size=1 "
+                            "to resume on one process)"));
+        }
+        recipe.name = ckpt + "/recipe.yaml";
+    } else {
+        recipe = load_recipe(recipe_path, sets);
+    }
+    std::string out = out_arg;
+    if (out.empty())
+        out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
+                  .string();
+    connect_gpus_if_launched(parse_device(device));
+    TrainOptions opts{out, resume, parse_device(device), !no_save, launch_comm()};
+    Trainer trainer(recipe, opts);
+    // Rank 0 reports and writes the metrics; the other ranks train silently.
+    if (trainer.world_rank() != 0) {
+        trainer.run();
+        return 0;
+    }
+    const auto& r = trainer.recipe().run;
+    const auto& params = trainer.params();
+    const std::string dp =
+        trainer.world_size() > 1 && launch_comm()
+            ? cat(" | ", trainer.world_size(), " ", launch_comm()->name(), " ranks: data parallel ",
+                  trainer.data_parallel_size(),
+                  r.context_parallel_size > 1 ? cat(" x context parallel ", r.context_parallel_size)
+                                              : std::string(),
+                  r.expert_model_parallel_size > 1
+                      ? cat(", expert parallel ", r.expert_model_parallel_size)
+                      : std::string())
+            : std::string();
+    std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
+                recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());
+    std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters\n",
+                static_cast<long long>(recipe.model.num_layers),
+                static_cast<long long>(recipe.model.hidden_size),
+                static_cast<long long>(recipe.model.num_attention_heads),
+                static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
+    std::printf("batch: %lld micro-batches%s x %lld token slots | %s %s | output %s\n",
+                static_cast<long long>(r.microbatches_per_step()),
+                trainer.data_parallel_size() > 1
+                    ? cat(" per data-parallel rank x ", trainer.data_parallel_size()).c_str()
+                    : "",
+                static_cast<long long>(r.tokens_per_microbatch()),
+                opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
+                format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
+    print_newton_schulz(newton_schulz_count(params, trainer.recipe().model, r), r);
+    if (trainer.iteration() > 0)
+        std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
+    std::fflush(stdout);
+
+    fs::path metrics_path = fs::path(out) / "metrics.jsonl";
+    if (trainer.iteration() > 0)
+        trim_metrics(metrics_path, trainer.iteration());
+    else
+        fs::remove(metrics_path);
+    std::ofstream metrics(metrics_path, std::ios::app);
+    ST_CHECK(metrics.good(), "cannot write '", metrics_path.string(), "'");
+    cli::Progress progress(trainer.iteration(), r.train_iters, r.log_interval, quiet);
+    double first_loss = -1, last_loss = -1;
+    StepMetrics first_metrics, last_metrics;
+    int64_t first_step = 0;
+    trainer.run([&](const StepMetrics& m) {
+        metrics << m.to_json() << "\n";
+        metrics.flush();
+        if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step, first_metrics = m;
+        last_loss = m.lm_loss;
+        last_metrics = m;
+        progress.update(m);
+    });
+    progress.finish();
+    if (first_loss >= 0) {
+        std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
+                    static_cast<long long>(first_step), static_cast<long long>(r.train_iters));
+        if (last_metrics.mtp_loss > 0)
+            std::printf("mtp_loss %.4f -> %.4f, indexer_loss %.3e -> %.3e\n",
+                        first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
+                        last_metrics.indexer_loss);
+    }
+    if (!no_save)
+        std::printf("checkpoint: %s\n", resolve_checkpoint(trainer.checkpoint_dir()).c_str());
+    std::printf("metrics: %s\n", metrics_path.c_str());
+    return 0;
+}
+
+}  // namespace
+
+Run add_train(CLI::App& app) {
+    struct Options {
+        std::string recipe, out, resume, device;
+        std::vector<std::string> sets;
+        bool quiet = false, no_save = false;
+    };
+    auto o = std::make_shared<Options>();
+    auto* c = app.add_subcommand("train",
+                                 "Train a model (default: the tiny recipe on the bundled corpus, "
+                                 "on CPU)");
+    c->add_option("--recipe,-r", o->recipe, "Recipe YAML (Megatron keys); default: built-in tiny")
+        ->check(CLI::ExistingFile);
+    c->add_option("--set,-s", o->sets, "Override a recipe key: --set key=value (repeatable)");
+    c->add_option("--out,-o", o->out,
+                  "Output directory for metrics.jsonl and checkpoints (default: runs/<recipe "
+                  "name>)");
+    c->add_option("--resume", o->resume,
+                  "Resume from a checkpoint or a save directory (its latest checkpoint); uses "
+                  "its recipe unless --recipe");
+    c->add_option("--device", o->device, "cpu or cuda (default: cpu)");
+    c->add_flag("--quiet,-q", o->quiet, "No progress output");
+    c->add_flag("--no-save", o->no_save, "Write no checkpoint (metrics only)");
+    return [o] {
+        return train(o->recipe, o->sets, o->out, o->resume, o->device, o->quiet, o->no_save);
+    };
+}
+
+}  // namespace sparsetron::cli

@@ -85,20 +85,37 @@ TEST(BenchStats, JsonLineKeepsOverridesAndNewtonSchulzFlops) {
     EXPECT_FALSE(j.contains("env"));  // none set: no key, as the history's older lines
 }
 
-// The engine's A/B switches are environment variables: the JSON line records the SPARSETRON_*
-// ones that were set (and only those), so the history tells the arms of an A/B apart.
-TEST(BenchStats, JsonLineRecordsTheSparsetronEnvironment) {
-    const char* entries[] = {
-        "PATH=/usr/bin",     "SPARSETRON_FP8_EXPERTS=bf16", "SPARSETRON_OPS_PERF_LINES=a=b",
-        "XSPARSETRON_NOT=1", "SPARSETRON_NO_VALUE",         nullptr};
+// The JSON line records the registered environment variables that are set (core/env.h), and
+// only those.
+TEST(BenchStats, JsonLineRecordsTheRegisteredEnvironment) {
+    setenv("SPARSETRON_NUM_THREADS", "3", 1);
+    setenv("SPARSETRON_NOT_REGISTERED", "1", 1);
     BenchResult r;
     r.step_ms = {10};
     summarize_times(r);
-    r.env = sparsetron_env(entries);
+    r.env = registered_env();
     const auto j = nlohmann::json::parse(r.to_json());
-    EXPECT_EQ(j.at("env"), nlohmann::json({{"SPARSETRON_FP8_EXPERTS", "bf16"},
-                                           {"SPARSETRON_OPS_PERF_LINES", "a=b"}}));
-    EXPECT_TRUE(sparsetron_env(nullptr).empty());
+    EXPECT_EQ(j.at("env").at("SPARSETRON_NUM_THREADS"), "3");
+    EXPECT_FALSE(j.at("env").contains("SPARSETRON_NOT_REGISTERED"));
+    unsetenv("SPARSETRON_NUM_THREADS");
+    unsetenv("SPARSETRON_NOT_REGISTERED");
+}
+
+// `--variant NAME=SPEC`: the overrides as --set words or bare key=value words; an empty spec is
+// the base recipe; malformed ones are refused with the text.
+TEST(BenchStats, RecipeVariantsParseFromTheCommandLine) {
+    const BenchVariant fp8 =
+        parse_bench_variant("fp8=--set fp8_recipe=blockwise --set muon_ns_method=gram");
+    EXPECT_EQ(fp8.name, "fp8");
+    EXPECT_EQ(fp8.overrides,
+              (std::vector<std::string>{"fp8_recipe=blockwise", "muon_ns_method=gram"}));
+    const BenchVariant bare = parse_bench_variant("long=seq_length=8192  global_batch_size=2");
+    EXPECT_EQ(bare.overrides, (std::vector<std::string>{"seq_length=8192", "global_batch_size=2"}));
+    const BenchVariant base = parse_bench_variant("bf16=");
+    EXPECT_EQ(base.name, "bf16");
+    EXPECT_TRUE(base.overrides.empty());
+    for (const char* bad : {"fp8", "=x=1", "fp8=--set fp8_recipe", "a/b=x=1"})
+        EXPECT_THROW(parse_bench_variant(bad), Error) << bad;
 }
 
 }  // namespace

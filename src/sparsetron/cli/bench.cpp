@@ -14,7 +14,8 @@ Run add_bench(CLI::App& app) {
     struct Options {
         BenchOptions b;
         std::string recipe, json, variants = "eager";
-        std::vector<std::string> sets;
+        std::vector<std::string> sets, recipe_variants;
+        int64_t rounds = 2;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
@@ -25,40 +26,51 @@ Run add_bench(CLI::App& app) {
     c->add_flag("--forward-backward", o->b.forward_backward_only,
                 "Time forward+backward only (no optimizer step)");
     c->add_option("--variants", o->variants,
-                  "Comma-separated: eager, graph (interleaved A B B A; default eager)");
+                  "Execution modes, comma-separated: eager, graph (interleaved A B B A in one "
+                  "allocation; default eager)");
+    c->add_option("--variant", o->recipe_variants,
+                  "A recipe variant NAME=\"--set key=value ...\" (repeatable; each its own "
+                  "engine, run in rounds A B B A ...), e.g. --variant bf16= --variant "
+                  "fp8=\"--set fp8_recipe=blockwise\"");
+    c->add_option("--rounds", o->rounds, "Rounds of the recipe variants (default 2: A B B A)");
     c->add_option("--commit", o->b.commit, "Commit recorded in the result");
     c->add_option("--json", o->json, "Append the result as one JSON line to this file");
     return [o] {
-            Recipe r = load_recipe(o->recipe, o->sets);
-            o->b.variants = split_list(o->variants);
-            connect_gpus_if_launched(Device::CUDA);
-            o->b.comm = launch_comm();
-            std::vector<BenchResult> res = run_bench(r, o->b);
-            for (BenchResult& x : res) x.overrides = o->sets;
-            if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports
-            std::printf(
-                "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
-                "variant\n%s\n",
-                r.name.c_str(), res.front().gpu.c_str(),
-                res.front().gpus > 1
-                    ? cat(" x ", res.front().gpus, " (data parallel",
-                          r.run.context_parallel_size > 1
-                              ? cat(" x context parallel ", r.run.context_parallel_size)
-                              : std::string(),
-                          r.run.expert_model_parallel_size > 1
-                              ? cat(", expert parallel ", r.run.expert_model_parallel_size)
-                              : std::string(),
-                          ", per GPU)")
-                          .c_str()
-                    : "",
-                res.front().commit.c_str(), static_cast<long long>(o->b.warmup),
-                static_cast<long long>(o->b.iters), bench_table(res).c_str());
-            if (!o->json.empty()) {
-                std::ofstream out(o->json, std::ios::app);
-                ST_CHECK(out.good(), "cannot write '", o->json, "'");
-                for (const auto& x : res) out << x.to_json() << "\n";
-            }
-            return 0;
+        const Recipe r = load_recipe(o->recipe, o->sets);
+        std::vector<BenchVariant> variants;
+        for (const std::string& v : o->recipe_variants) variants.push_back(parse_bench_variant(v));
+        o->b.variants = split_list(o->variants);
+        connect_gpus_if_launched(Device::CUDA);
+        o->b.comm = launch_comm();
+        const std::vector<BenchResult> res = run_bench_variants(
+            [&](const std::vector<std::string>& sets) { return load_recipe(o->recipe, sets); },
+            o->sets, variants, o->rounds, o->b);
+        if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports
+        std::printf(
+            "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
+            "variant%s\n%s\n",
+            r.name.c_str(), res.front().gpu.c_str(),
+            res.front().gpus > 1
+                ? cat(" x ", res.front().gpus, " (data parallel",
+                      r.run.context_parallel_size > 1
+                          ? cat(" x context parallel ", r.run.context_parallel_size)
+                          : std::string(),
+                      r.run.expert_model_parallel_size > 1
+                          ? cat(", expert parallel ", r.run.expert_model_parallel_size)
+                          : std::string(),
+                      ", per GPU)")
+                      .c_str()
+                : "",
+            res.front().commit.c_str(), static_cast<long long>(o->b.warmup),
+            static_cast<long long>(o->b.iters),
+            variants.empty() ? "" : cat(" and round, ", o->rounds, " rounds").c_str(),
+            bench_table(res).c_str());
+        if (!o->json.empty()) {
+            std::ofstream out(o->json, std::ios::app);
+            ST_CHECK(out.good(), "cannot write '", o->json, "'");
+            for (const auto& x : res) out << x.to_json() << "\n";
+        }
+        return 0;
     };
 }
 

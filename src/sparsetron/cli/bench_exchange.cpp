@@ -27,29 +27,28 @@ Run add_bench_exchange(CLI::App& app) {
     c->add_option("--iters", o->x.iters, "Timed exchanges (default 20)");
     c->add_option("--json", o->json, "Append the result as one JSON line to this file");
     return [o] {
-            connect_gpus_if_launched(Device::CUDA);
-            ST_CHECK(launch_comm() && launch_comm()->size() > 1,
-                     "bench-exchange runs under a launcher with 2 or more processes (one GPU "
-                     "each), e.g. scripts/launch-local.sh 2 sparsetron bench-exchange");
-            const ExchangeBenchResult x = bench_expert_exchange(*launch_comm(), o->x);
-            if (launch_comm()->rank() != 0) return 0;
-            std::printf(
-                "expert exchange | %s x %d | %lld rows x %lld bf16 per rank, %lld experts "
-                "(uniform) | %.1f MB to peers per rank\n"
-                "check: dispatch and combine delivered every row bit for bit (verified)\n"
-                "%-28s %10s %12s\n%-28s %10.3f %12.1f\n%-28s %10.3f %12.1f\n"
-                "exchange vs NCCL all-to-all: %.2fx the time\n",
-                x.gpu.c_str(), x.ranks, static_cast<long long>(x.rows),
-                static_cast<long long>(x.dim), static_cast<long long>(x.experts),
-                x.peer_bytes / 1e6, "", "median ms", "GB/s to peers", "exchange dispatch",
-                x.exchange_ms, x.exchange_gbps, "NCCL send/recv all-to-all", x.nccl_ms, x.nccl_gbps,
-                x.exchange_ms / x.nccl_ms);
-            if (!o->json.empty()) {
-                std::ofstream out(o->json, std::ios::app);
-                ST_CHECK(out.good(), "cannot write '", o->json, "'");
-                out << x.to_json() << "\n";
-            }
-            return 0;
+        connect_gpus_if_launched(Device::CUDA);
+        ST_CHECK(launch_comm() && launch_comm()->size() > 1,
+                 "bench-exchange runs under a launcher with 2 or more processes (one GPU "
+                 "each), e.g. scripts/launch-local.sh 2 sparsetron bench-exchange");
+        const ExchangeBenchResult x = bench_expert_exchange(*launch_comm(), o->x);
+        if (launch_comm()->rank() != 0) return 0;
+        std::printf(
+            "expert exchange | %s x %d | %lld rows x %lld bf16 per rank, %lld experts "
+            "(uniform) | %.1f MB to peers per rank\n"
+            "check: dispatch and combine delivered every row bit for bit (verified)\n"
+            "%-28s %10s %12s\n%-28s %10.3f %12.1f\n%-28s %10.3f %12.1f\n"
+            "exchange vs NCCL all-to-all: %.2fx the time\n",
+            x.gpu.c_str(), x.ranks, static_cast<long long>(x.rows), static_cast<long long>(x.dim),
+            static_cast<long long>(x.experts), x.peer_bytes / 1e6, "", "median ms", "GB/s to peers",
+            "exchange dispatch", x.exchange_ms, x.exchange_gbps, "NCCL send/recv all-to-all",
+            x.nccl_ms, x.nccl_gbps, x.exchange_ms / x.nccl_ms);
+        if (!o->json.empty()) {
+            std::ofstream out(o->json, std::ios::app);
+            ST_CHECK(out.good(), "cannot write '", o->json, "'");
+            out << x.to_json() << "\n";
+        }
+        return 0;
     };
 }
 

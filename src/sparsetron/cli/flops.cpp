@@ -12,7 +12,7 @@ namespace sparsetron::cli {
 namespace {
 
 int flops(const std::string& recipe_path, const std::vector<std::string>& sets,
-              const std::string& lengths, const std::string& convention, bool json) {
+          const std::string& lengths, const std::string& convention, bool json) {
     ST_CHECK(convention == "audited" || convention == "megatron",
              "--convention must be audited or megatron, got '", convention, "'");
     const Recipe r = load_recipe(recipe_path, sets);

@@ -12,7 +12,7 @@ namespace sparsetron::cli {
 namespace {
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
-             const std::string& device) {
+         const std::string& device) {
     Recipe recipe = load_recipe(recipe_path, sets);
     auto tp = make_training_plan(recipe);
     const auto& params = tp->model->params();

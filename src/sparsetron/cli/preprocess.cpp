@@ -10,7 +10,7 @@ namespace sparsetron::cli {
 namespace {
 
 int preprocess(const std::vector<std::string>& inputs, const std::string& output,
-                   const std::string& json_key) {
+               const std::string& json_key) {
     PreprocessStats s = preprocess_text(inputs, output, json_key);
     std::printf("wrote %s.bin / %s.idx: %lld documents, %lld tokens (byte-level, EOD = %d)\n",
                 output.c_str(), output.c_str(), static_cast<long long>(s.documents),
@@ -26,8 +26,8 @@ Run add_preprocess(CLI::App& app) {
         std::string output, json_key = "text";
     };
     auto o = std::make_shared<Options>();
-    auto* c = app.add_subcommand("preprocess",
-                                 "Text or JSONL -> Megatron .bin/.idx (byte-level tokens)");
+    auto* c =
+        app.add_subcommand("preprocess", "Text or JSONL -> Megatron .bin/.idx (byte-level tokens)");
     c->add_option("--input,-i", o->inputs,
                   "Input files: .txt (documents separated by blank lines) or .jsonl")
         ->required();

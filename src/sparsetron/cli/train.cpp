@@ -33,8 +33,8 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
 }
 
 int train(const std::string& recipe_path, const std::vector<std::string>& sets,
-              const std::string& out_arg, const std::string& resume, const std::string& device,
-              bool quiet, bool no_save) {
+          const std::string& out_arg, const std::string& resume, const std::string& device,
+          bool quiet, bool no_save) {
     Recipe recipe;
     if (recipe_path.empty() && !resume.empty()) {
         // Resuming without --recipe: continue with the recipe stored in the checkpoint.

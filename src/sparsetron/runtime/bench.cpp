@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "sparsetron/core/device_memory.h"
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/parallel/layout.h"
@@ -15,8 +16,6 @@
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
-
-extern char** environ;  // POSIX: the process environment
 
 namespace sparsetron {
 namespace {
@@ -126,7 +125,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.recipe = recipe.name;
         r.gpu = cuda_device_name();
         r.commit = o.commit;
-        r.env = sparsetron_env(environ);
+        r.env = registered_env();
         // The eager single-variant run keeps the plain name the history has used.
         r.variant = V == 1 && o.variants[v] == "eager" ? mode : mode + "." + o.variants[v];
         summarize_times(r);
@@ -145,16 +144,65 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     return results;
 }
 
-std::map<std::string, std::string> sparsetron_env(const char* const* entries) {
+std::map<std::string, std::string> registered_env() {
     std::map<std::string, std::string> env;
-    const std::string prefix = "SPARSETRON_";
-    for (const char* const* e = entries; e && *e; ++e) {
-        const std::string entry(*e);
-        const size_t eq = entry.find('=');
-        if (eq == std::string::npos || entry.compare(0, prefix.size(), prefix) != 0) continue;
-        env[entry.substr(0, eq)] = entry.substr(eq + 1);
-    }
+    for (const EnvVar& v : env_vars())
+        if (const auto value = env_value(v.name)) env[v.name] = *value;
     return env;
+}
+
+BenchVariant parse_bench_variant(const std::string& text) {
+    const size_t eq = text.find('=');
+    ST_CHECK(eq != std::string::npos && eq > 0, "--variant '", text,
+             "': expected NAME=SPEC, e.g. fp8=\"--set fp8_recipe=blockwise\"");
+    BenchVariant v{text.substr(0, eq), {}};
+    ST_CHECK(v.name.find('/') == std::string::npos, "--variant '", text,
+             "': a variant's name has no '/'");
+    std::istringstream words(text.substr(eq + 1));
+    std::string w;
+    while (words >> w) {
+        if (w == "--set" || w == "-s") continue;
+        ST_CHECK(w.find('=') != std::string::npos && w.front() != '=', "--variant '", text, "': '",
+                 w, "' is not key=value");
+        v.overrides.push_back(w);
+    }
+    return v;
+}
+
+std::vector<BenchResult> run_bench_variants(const RecipeLoader& load,
+                                            const std::vector<std::string>& base_overrides,
+                                            const std::vector<BenchVariant>& variants,
+                                            int64_t rounds, const BenchOptions& o) {
+    if (variants.empty()) {
+        std::vector<BenchResult> res = run_bench(load(base_overrides), o);
+        for (BenchResult& r : res) r.overrides = base_overrides;
+        return res;
+    }
+    ST_CHECK(rounds > 0, "bench: --rounds must be positive");
+    const int V = int(variants.size()), M = int(o.variants.size());
+    std::vector<BenchResult> pooled(size_t(V * M));
+    for (int v : abba_order(V, rounds)) {
+        std::vector<std::string> sets = base_overrides;
+        sets.insert(sets.end(), variants[size_t(v)].overrides.begin(),
+                    variants[size_t(v)].overrides.end());
+        std::vector<BenchResult> res = run_bench(load(sets), o);
+        for (int m = 0; m < M; ++m) {
+            BenchResult& p = pooled[size_t(v * M + m)];
+            const std::vector<double> times = p.step_ms;
+            p = res[size_t(m)];
+            p.step_ms.insert(p.step_ms.begin(), times.begin(), times.end());
+            p.variant = variants[size_t(v)].name + "/" + res[size_t(m)].variant;
+            p.overrides = sets;
+        }
+    }
+    for (BenchResult& p : pooled) {
+        // Throughput from the pooled median: the copied figures are the last round's.
+        const double last_median = p.median_ms;
+        summarize_times(p);
+        p.tflops_per_gpu *= last_median / p.median_ms;
+        p.tokens_per_s_per_gpu *= last_median / p.median_ms;
+    }
+    return pooled;
 }
 
 std::string BenchResult::to_json() const {

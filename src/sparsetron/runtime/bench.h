@@ -1,9 +1,12 @@
 // The step benchmark (`sparsetron bench`): times whole training steps, or the forward+backward
-// alone, of a recipe on one synthetic document per micro-batch slot, with CUDA events. Variants
-// (eager launches, a replayed CUDA graph) run interleaved A B B A in one process and one device
-// allocation, so drift (clocks, temperature) falls on both alike.
+// alone, of a recipe on one synthetic document per micro-batch slot, with CUDA events. Execution
+// modes (eager launches, a replayed CUDA graph) run interleaved A B B A in one device allocation,
+// so drift (clocks, temperature) falls on both alike. Recipe variants (named override sets, e.g.
+// fp8 = fp8_recipe=blockwise) each need an engine of their own: they run in rounds A B B A ...,
+// an engine built for each, their times pooled per variant.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -18,7 +21,7 @@ struct BenchOptions {
     int64_t warmup = 3, iters = 10;              // per variant
     bool forward_backward_only = false;          // no optimizer step
     std::string commit;                          // recorded as given
-    std::vector<std::string> variants{"eager"};  // "eager", "graph"
+    std::vector<std::string> variants{"eager"};  // execution modes: "eager", "graph"
     // Data parallelism over these ranks (NCCL, one GPU each): every rank times its own
     // micro-batches of the step plus the gradient all-reduce; figures are per GPU.
     Comm* comm = nullptr;
@@ -39,19 +42,38 @@ struct BenchResult {
     // The optimizer's Newton-Schulz FLOPs in the timed step (0 with --forward-backward or without
     // Muon): outside the audited count, recorded so a step's hardware work can be read beside it.
     double newton_schulz_flops = 0;
-    std::vector<std::string> overrides;  // the recipe keys set on the command line, as given
-    // The SPARSETRON_* environment variables set for the run (the engine's A/B switches, e.g.
-    // SPARSETRON_FP8_EXPERTS=bf16): in the JSON line as "env" when any is set.
+    std::vector<std::string> overrides;  // the recipe keys set for this variant, as given
+    // The registered environment variables (core/env.h) set for the run: in the JSON line as
+    // "env" when any is set.
     std::map<std::string, std::string> env;
     std::string to_json() const;
     std::string table() const;
 };
 
-// The SPARSETRON_* variables of `environ`-style entries ("NAME=value", null-terminated list).
-std::map<std::string, std::string> sparsetron_env(const char* const* entries);
+// The environment variables the engine reads (core/env.h) that are set, with their values.
+std::map<std::string, std::string> registered_env();
 
-// One result per variant, in the order given.
+// A recipe variant of a bench: a name and the recipe overrides ("key=value") it adds.
+struct BenchVariant {
+    std::string name;
+    std::vector<std::string> overrides;
+};
+// "NAME=SPEC", SPEC being "key=value" words, each optionally after "--set" (as on the command
+// line): `fp8=--set fp8_recipe=blockwise`. Throws with the text on a malformed one.
+BenchVariant parse_bench_variant(const std::string& text);
+
+// One result per execution mode, in the order given, of one engine built for `recipe`.
 std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& options);
+// Loads the recipe under a list of overrides (the recipe file and the YAML reader stay with the
+// caller: they are outside the engine library).
+using RecipeLoader = std::function<Recipe(const std::vector<std::string>& overrides)>;
+// Recipe variants of a base recipe (its overrides `base_overrides`, each variant's added after
+// them), in `rounds` rounds of A B B A ... order, one engine per run; one result per variant and
+// mode (named "VARIANT/MODE"), the rounds' times pooled. Without variants: run_bench of the base.
+std::vector<BenchResult> run_bench_variants(const RecipeLoader& load,
+                                            const std::vector<std::string>& base_overrides,
+                                            const std::vector<BenchVariant>& variants,
+                                            int64_t rounds, const BenchOptions& options);
 
 // Variant indices of the timed iterations: blocks of the variants forward then backward
 // (A B B A ...), `iters` of each; one variant: A A A.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# README command (2): set up, build (CUDA code included when nvcc is present), run the cpu tests
-# and the MPI data-parallel tests (mpirun -np 2 and -np 4), then build the CPU code again under AddressSanitizer + UndefinedBehaviorSanitizer and run the
-# cpu tests there, and check formatting against .clang-format.
+# README command (2): set up, check formatting against .clang-format, build (CUDA code included
+# when nvcc is present; the .cu host code with the C++ warnings), run the cpu tests and the MPI
+# tests (mpirun -np 2 and -np 4); build every target again with the `cpu` preset (no CUDA: what a
+# machine without nvcc builds) and run its cpu tests; then build the CPU code under
+# AddressSanitizer + UndefinedBehaviorSanitizer and run the cpu tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -24,6 +26,12 @@ stage "tests: cpu (and gpu, which skip without a GPU)"
 ctest --preset default -L 'cpu|gpu'
 stage "tests: mpi (data, expert and context parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
+
+stage "build: cpu preset (no CUDA toolkit: every target, the gpu tests' skipping stubs included)"
+cmake --preset cpu
+cmake --build --preset cpu
+stage "tests: cpu, built without CUDA"
+ctest --preset cpu -L 'cpu|gpu'
 
 stage "build: asan preset (ASan + UBSan, no CUDA, no MPI or gpu test targets)"
 cmake --preset asan

@@ -98,7 +98,6 @@ __device__ __forceinline__ void mask_half(float (&acc)[32], int half, uint32_t w
             if (!(((j < 4 ? w0 : w1) >> ((j & 3) * 8 + 2 * quad + e)) & 1u))
                 acc[4 * j + 2 * half + e] = -INFINITY;
 }
-#endif
 
 // 2^x as one MUFU.EX2 (ex2.approx.ftz; results below 2^-126 flush to 0, far below what a
 // probability or a row sum of them can show); exp2f would add ptxas's denormal range fix-up.
@@ -107,6 +106,7 @@ __device__ __forceinline__ float exp2_of(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
+#endif
 
 // The first pass's row max and sum over a thread's 16 scores run as four independent chains:
 // with two warps per scheduler, one dependent chain of adds and maxes stalls on its latency.

@@ -1,5 +1,6 @@
-// The paged stash's CPU reference (ops/paged_stash.h) and the pool bound (model/moe_stash_bound.h).
-// The CUDA kernels are compared with this reference in tests/gpu/test_cuda_ops.cpp.
+// The MoE family's CPU references (ops/moe): the router and the permutation, the paged stash, and
+// the stash pool's bound (model/moe_stash_bound.h). The CUDA kernels are compared with these in
+// tests/gpu/ops/test_moe_cuda.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/model/moe_stash_bound.h"
+#include "sparsetron/ops/moe/moe.h"
 #include "sparsetron/ops/moe/paged_stash.h"
 
 using namespace sparsetron;
@@ -142,4 +144,57 @@ TEST(PagedStash, PoolBoundFollowsTheRecipe) {
     c.moe_layer_freq = "[0,0,0,0]";
     c.moe_layer_pattern = {0, 0, 0, 0};
     EXPECT_EQ(moe_stash_bound(c, 4096).applications, 0);
+}
+
+// The router: sigmoid probabilities for every row; for the routed rows the top-k of probs + bias
+// (ties toward the smaller expert) and gates scaled to sum to `scaling`; rows past `routed` get
+// probabilities only.
+TEST(MoeRouter, TopkOfBiasedProbabilitiesAndScaledGates) {
+    const int64_t T = 5, routed = 4, E = 6, k = 2;
+    auto logits = test::random_vector<double>(T * E, 71, 2.0);
+    std::vector<double> bias = {0.0, 0.3, 0.0, -0.2, 0.1, 0.0};
+    for (int64_t e = 0; e < E; ++e) logits[e] = -3.0;
+    logits[0 * E + 2] = logits[0 * E + 5] = 3.0;  // row 0: experts 2 and 5 tie at the top
+    std::vector<double> probs(T * E), gates(T * k, -1.0);
+    std::vector<int32_t> topk(T * k, -7);
+    cpu::router_topk(logits.data(), bias.data(), T, routed, E, k, false, 2.5, probs.data(),
+                     topk.data(), gates.data());
+    for (int64_t i = 0; i < T * E; ++i)
+        EXPECT_NEAR(probs[i], 1 / (1 + std::exp(-logits[i])), 1e-15);
+    for (int64_t t = 0; t < routed; ++t) {
+        std::vector<int32_t> order(E);
+        for (int32_t e = 0; e < E; ++e) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+            return probs[t * E + a] + bias[a] > probs[t * E + b] + bias[b];
+        });
+        EXPECT_EQ(topk[t * k], order[0]) << "row " << t;
+        EXPECT_EQ(topk[t * k + 1], order[1]) << "row " << t;
+        EXPECT_NEAR(gates[t * k] + gates[t * k + 1], 2.5, 1e-12);
+        EXPECT_NEAR(gates[t * k] / gates[t * k + 1],
+                    probs[t * E + topk[t * k]] / probs[t * E + topk[t * k + 1]], 1e-12);
+    }
+    EXPECT_EQ(topk[0], 2) << "a tie goes to the smaller expert";
+    EXPECT_EQ(topk[(T - 1) * k], -7) << "rows past `routed` are not routed";
+    // Forced balance: row t takes experts (t k + j) mod E.
+    cpu::router_topk(logits.data(), bias.data(), T, routed, E, k, true, 1.0, probs.data(),
+                     topk.data(), gates.data());
+    for (int64_t t = 0; t < routed; ++t)
+        for (int64_t j = 0; j < k; ++j) EXPECT_EQ(topk[t * k + j], (t * k + j) % E);
+}
+
+// The permutation: expert-major rows, token order within an expert, at most `capacity` rows per
+// expert (the rest dropped: slot -1), counts before the capacity.
+TEST(MoeRouter, PermutationIsExpertMajorAndCapacityBounded) {
+    const int64_t tokens = 5, routed = 4, E = 3, k = 2, capacity = 2;
+    const std::vector<int32_t> topk = {0, 2, 2, 1, 2, 0, 2, 1, 9, 9};  // row 4 is not routed
+    std::vector<int64_t> counts(E), offsets(E + 1);
+    std::vector<int32_t> slot_row(tokens * k, 7), perm(tokens * k, -1);
+    cpu::moe_permute(topk.data(), routed, tokens, E, k, capacity, counts.data(), offsets.data(),
+                     slot_row.data(), perm.data());
+    EXPECT_EQ(counts, (std::vector<int64_t>{2, 2, 4}));
+    EXPECT_EQ(offsets, (std::vector<int64_t>{0, 2, 4, 6}));
+    // Expert 2's choices come from tokens 0, 1, 2, 3 in order: the last two are dropped.
+    EXPECT_EQ(slot_row, (std::vector<int32_t>{0, 4, 5, 2, -1, 1, -1, 3, -1, -1}));
+    EXPECT_EQ(std::vector<int32_t>(perm.begin(), perm.begin() + 6),
+              (std::vector<int32_t>{0, 2, 1, 3, 0, 1}));
 }

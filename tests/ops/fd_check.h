@@ -12,7 +12,8 @@ namespace sparsetron::test {
 
 // Compares analytic d(loss)/d(x[i]) with (loss(x+h) - loss(x-h)) / 2h for every element of x.
 inline void check_gradient(std::vector<double>& x, const std::vector<double>& analytic,
-                    const std::function<double()>& loss, const char* what, double tol = 1e-7) {
+                           const std::function<double()>& loss, const char* what,
+                           double tol = 1e-7) {
     ASSERT_EQ(x.size(), analytic.size());
     const double h = 1e-5;
     for (size_t i = 0; i < x.size(); ++i) {

@@ -10,9 +10,9 @@
 #include "sparsetron/ops/attention/attention.h"
 
 using namespace sparsetron;
+using test::check_gradient;
 using test::max_rel_error;
 using test::random_vector;
-using test::check_gradient;
 using test::weighted_sum;
 
 namespace {

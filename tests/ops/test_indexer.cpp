@@ -141,8 +141,8 @@ TEST(Indexer, KlRowSparseTeacherReadsTheAttentionLse) {
                                     target.data(), p),
                 dense, 1e-13);
     td.lse[0 * td.tokens + t] += 1.0;  // head 0's weights shrink by e: the teacher changes
-    EXPECT_GT(std::fabs(cpu::indexer_kl_row(td.teacher(), t, true, support.data(), 3,
-                                            scores.data(), target.data(), p) -
+    EXPECT_GT(std::fabs(cpu::indexer_kl_row(td.teacher(), t, true, support.data(), 3, scores.data(),
+                                            target.data(), p) -
                         dense),
               1e-6);
 }

@@ -13,7 +13,7 @@
 #include <memory>
 #include <tuple>
 
-#include "harness.h"
+#include "../harness.h"
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/optim/muon_batches.h"
 

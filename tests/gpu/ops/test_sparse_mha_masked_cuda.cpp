@@ -13,11 +13,11 @@
 #include <limits>
 #include <numeric>
 
-#include "harness.h"
+#include "../harness.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #if SPARSETRON_WITH_CUDA
-#include "cuda_session_test.h"
+#include "../cuda_session_test.h"
 #include "sparsetron/cuda/cuda_session.h"
 #endif
 

@@ -1,7 +1,7 @@
 // The harness's perf mode (DESIGN §4): each op at the GLM-5.2 proxy's shapes (one 4096-token
 // micro-batch), timed with CUDA events: median µs, TFLOP/s by the op's FLOP count and GB/s by the
-// bytes it must move at least. Runs only with SPARSETRON_OPS_PERF=1 (label gpu); otherwise every
-// test skips with a message. Inputs are constant-filled or random where values steer the work
+// bytes it must move at least. Its own binary, test_gpu_perf (label perf): the GPU suite does not
+// run it. Inputs are constant-filled or random where values steer the work
 // (the top-k's bins, the flash attention's running maximum): timing, not correctness (the other
 // harness tests check correctness).
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <iomanip>
 #include <utility>
 
-#include "harness.h"
+#include "../harness.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
@@ -76,9 +76,6 @@ struct SparseMqaBench {
 class CudaOpsPerf : public ::testing::Test {
   protected:
     void SetUp() override {
-        const char* e = std::getenv("SPARSETRON_OPS_PERF");
-        if (!e || std::string(e) != "1")
-            GTEST_SKIP() << "perf mode: set SPARSETRON_OPS_PERF=1 to time the ops";
         if (!cuda_available()) GTEST_SKIP() << "no CUDA device visible";
         session_ = std::make_unique<cuda::CudaSession>();
     }
@@ -117,8 +114,8 @@ class CudaOpsPerf : public ::testing::Test {
         cuda::fill(ctx(), *out, n, v);
         return out;
     }
-    // SPARSETRON_OPS_PERF_LINES=TEXT times only the lines whose name contains TEXT (a device
-    // call that needs a few lines of a test skips the rest).
+    // SPARSETRON_OPS_PERF_LINES=TEXT (the test binary's, not the engine's) times only the lines
+    // whose name contains TEXT (a device call that needs a few lines of a test skips the rest).
     void report(const std::string& op, const std::function<void()>& fn, double flops,
                 double bytes) {
         static const char* only = std::getenv("SPARSETRON_OPS_PERF_LINES");

@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "../fp8_test_data.h"
-#include "harness.h"
+#include "../../fp8_test_data.h"
+#include "../harness.h"
 #include "sparsetron/ops/fp8/fp8.h"
 #include "sparsetron/ops/fp8/scale_layout.h"
 

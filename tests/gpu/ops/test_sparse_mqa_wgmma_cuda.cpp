@@ -9,7 +9,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "harness.h"
+#include "../harness.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
 #include "sparsetron/ops/copy/copy.h"

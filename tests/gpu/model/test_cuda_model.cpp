@@ -23,7 +23,7 @@ constexpr double kIndexerTol = 0.15;
 #include <cmath>
 #include <cstdlib>
 
-#include "harness.h"
+#include "../harness.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/model/glm5_model.h"
 

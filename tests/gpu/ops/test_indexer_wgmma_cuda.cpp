@@ -6,10 +6,10 @@
 
 #include <algorithm>
 
-#include "harness.h"
+#include "../harness.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "cuda_session_test.h"
+#include "../cuda_session_test.h"
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"

@@ -1,0 +1,91 @@
+// The element-wise family on CUDA against the CPU reference: embedding, RoPE, SwiGLU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "../harness.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "op_fixtures.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(CudaOps, SkippedElementwise) {
+    GTEST_SKIP() << "built without CUDA: the CUDA op tests run on the GPU machine";
+}
+#else
+
+TEST_F(CudaOps, Embedding) {
+    const int64_t rows = 150, vocab = 300, dim = 72;
+    Rounded table(vocab * dim, 11), dout(rows * dim, 12);
+    std::vector<int32_t> tok(rows);
+    for (int64_t r = 0; r < rows; ++r) tok[r] = int32_t((r * 37 + 5) % 60);  // repeats
+    DeviceArray<int32_t> dtok(tok);
+    DeviceArray<bf16> out(rows * dim);
+    auto dt0 = random_vector<float>(vocab * dim, 13);
+    DeviceArray<float> dtable(dt0);
+    cuda::embedding_forward(ctx(), dtok, rows, table.dev, dim, out);
+    cuda::embedding_backward(ctx(), dtok, rows, dout.dev, dim, dtable);
+    sync();
+    std::vector<float> ref(rows * dim), dref = dt0;
+    cpu::embedding_forward<float>(tok.data(), rows, table.host.data(), vocab, dim, ref.data());
+    cpu::embedding_backward<float>(tok.data(), rows, dout.host.data(), vocab, dim, dref.data());
+    expect_close("embedding forward", download_f(out), ref, 0.0 + 1e-7);
+    expect_close("embedding backward", dtable.download(), dref, kF32Tol);
+    expect_guard(out, "embedding");
+    expect_guard(dtable, "embedding backward");
+}
+
+TEST_F(CudaOps, RopeBothPairingsAndInverse) {
+    const int64_t tokens = 90, heads = 3, dim = 64, ld_h = 80, ld_t = heads * ld_h + 7;
+    std::vector<int32_t> pos(tokens);
+    for (int64_t t = 0; t < tokens; ++t) pos[t] = int32_t((t * 7919) % 131072);  // up to 128K
+    DeviceArray<int32_t> dpos(pos);
+    for (bool inter : {false, true})
+        for (bool inv : {false, true}) {
+            Rounded x(tokens * ld_t, 41 + inter + 2 * inv);
+            cuda::rope(ctx(), x.dev, tokens, heads, dim, ld_t, ld_h, dpos, 1e6, inter, inv);
+            sync();
+            std::vector<float> ref = x.host;
+            cpu::rope<float>(ref.data(), tokens, heads, dim, ld_t, ld_h, pos.data(), 1e6, inter,
+                             inv);
+            expect_close(cat("rope interleaved=", inter, " inverse=", inv), download_f(x.dev), ref,
+                         kBf16Tol);
+            expect_guard(x.dev, "rope");
+        }
+}
+
+// n = 5000 takes the 8-wide vector kernels, 5003 the scalar ones.
+TEST_F(CudaOps, SwiGlu) {
+    for (const int64_t n : {int64_t(5000), int64_t(5003)}) {
+        SCOPED_TRACE(cat("n ", n));
+        Rounded g(n, 51, 4.0), u(n, 52), dout(n, 53);
+        DeviceArray<bf16> out(n), dg(n), du(n);
+        cuda::swiglu_forward(ctx(), g.dev, u.dev, n, out);
+        cuda::swiglu_backward(ctx(), g.dev, u.dev, dout.dev, n, dg, du);
+        sync();
+        std::vector<float> o(n), dgr(n), dur(n);
+        cpu::swiglu_forward<float>(g.host.data(), u.host.data(), n, o.data());
+        cpu::swiglu_backward<float>(g.host.data(), u.host.data(), dout.host.data(), n, dgr.data(),
+                                    dur.data());
+        expect_close("swiglu out", download_f(out), o, kBf16Tol);
+        expect_close("swiglu dg", download_f(dg), dgr, kBf16Tol);
+        expect_close("swiglu du", download_f(du), dur, kBf16Tol);
+        expect_guard(du, "swiglu");
+        expect_guard(dg, "swiglu dg");
+        expect_guard(out, "swiglu out");
+    }
+}
+
+#endif  // SPARSETRON_WITH_CUDA

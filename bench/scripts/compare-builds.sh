@@ -7,7 +7,8 @@
 # build/default/bin/sparsetron` in its checkout: ~4 MB, so both builds travel to the machine).
 # JSON lines into OUT/backbone.jsonl and OUT/step.jsonl; the comparison on stdout
 # (tools/bench/ab_compare.py: medians, means with standard errors, B against A).
-# Usage: bench/scripts/compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]
+# MEASURES (default "backbone step") picks the measures, e.g. one per call when both do not fit
+# one call's time. Usage: bench/scripts/compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]
 set -uo pipefail
 tarball=${1:?usage: compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]}
 a_commit=${2:?} b_commit=${3:?} out=${4:?} iters=${5:-10}
@@ -25,11 +26,17 @@ measure() {  # NAME ARM OPTIONS...
     >>"$out/$name-$arm.log" 2>&1 || echo "$name $arm failed (see $out/$name-$arm.log)"
   grep -h "graph " "$out/$name-$arm.log" | tail -1 | sed "s/^/$name $arm /"
 }
-for arm in A B B A; do
-  measure backbone $arm --set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward
+measures=${MEASURES:-backbone step}
+for name in $measures; do
+  for arm in A B B A; do
+    if [ "$name" = backbone ]; then
+      measure backbone $arm --set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward
+    else
+      measure step $arm
+    fi
+  done
 done
-for arm in A B B A; do measure step $arm; done
-for name in backbone step; do
+for name in $measures; do
   echo "== $name (B against A)"
   python3 tools/bench/ab_compare.py "$out/$name.jsonl" --labels A,B,B,A
 done

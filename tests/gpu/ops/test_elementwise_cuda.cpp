@@ -45,6 +45,24 @@ TEST_F(CudaOps, Embedding) {
     expect_close("embedding backward", dtable.download(), dref, kF32Tol);
     expect_guard(out, "embedding");
     expect_guard(dtable, "embedding backward");
+    // Negative ids (an MTP input past its document's end): zero rows forward, nothing backward.
+    std::vector<int32_t> some = tok;
+    for (int64_t r = 0; r < rows; r += 3) some[r] = -1;
+    DeviceArray<int32_t> dsome(some);
+    DeviceArray<float> dtable2(dt0);
+    cuda::embedding_forward(ctx(), dsome, rows, table.dev, dim, out);
+    cuda::embedding_backward(ctx(), dsome, rows, dout.dev, dim, dtable2);
+    sync();
+    std::vector<float> ref2(rows * dim, 0.f), dref2 = dt0;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (some[r] < 0) continue;
+        for (int64_t i = 0; i < dim; ++i) {
+            ref2[r * dim + i] = table.host[some[r] * dim + i];
+            dref2[some[r] * dim + i] += dout.host[r * dim + i];
+        }
+    }
+    expect_close("embedding forward, negative ids", download_f(out), ref2, 0.0 + 1e-7);
+    expect_close("embedding backward, negative ids", dtable2.download(), dref2, kF32Tol);
 }
 
 TEST_F(CudaOps, RopeBothPairingsAndInverse) {

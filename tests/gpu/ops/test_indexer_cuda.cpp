@@ -12,11 +12,11 @@
 #include <vector>
 
 #include "../harness.h"
-#include "sparsetron/ops/elementwise/elementwise.h"
-#include "sparsetron/ops/indexer/indexer.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/indexer/indexer.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "op_fixtures.h"

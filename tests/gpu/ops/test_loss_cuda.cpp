@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "../harness.h"
-#include "sparsetron/ops/loss/loss.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "op_fixtures.h"

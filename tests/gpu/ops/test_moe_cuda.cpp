@@ -13,11 +13,11 @@
 
 #include "../harness.h"
 #include "sparsetron/cuda/device_caps.h"
-#include "sparsetron/ops/moe/moe.h"
-#include "sparsetron/ops/moe/grouped_gemm_forms.h"
-#include "sparsetron/ops/moe/paged_stash.h"
-#include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/moe/grouped_gemm_forms.h"
+#include "sparsetron/ops/moe/moe.h"
+#include "sparsetron/ops/moe/paged_stash.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "op_fixtures.h"

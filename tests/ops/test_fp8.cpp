@@ -1,4 +1,4 @@
-// FP8 blockwise scaling, the CPU reference (ops/cpu/fp8_blockwise.h): the e4m3 codec, the 1x128
+// FP8 blockwise scaling, the CPU reference (ops/fp8/fp8.h): the e4m3 codec, the 1x128
 // and 128x128 quantizers and the block-scaled GEMM they feed.
 #include <gtest/gtest.h>
 
@@ -196,7 +196,7 @@ TEST(Fp8Blockwise, WeightGradientFormQuantizesAlongTheTokens) {
     EXPECT_GT(err_f, 1e-4);
 }
 
-// The GEMM's scale layouts (ops/fp8_scale_layout.h): every block of an operand gets its own slot
+// The GEMM's scale layouts (ops/fp8/scale_layout.h): every block of an operand gets its own slot
 // inside the buffer, rows contiguous for 1x128 and blocks of k contiguous for 128x128.
 TEST(Fp8ScaleLayout, EveryBlockHasItsOwnSlot) {
     for (int64_t rows : {1, 5, 128, 300})

@@ -9,7 +9,7 @@
 namespace sparsetron {
 
 namespace cuda {
-struct Libraries;  // cuBLASLt handle, its workspace and GEMM plan cache (ops/cuda/cuda_session.h)
+struct Libraries;  // cuBLASLt handle, its workspace and GEMM plan cache (cuda/cuda_session.h)
 }
 
 struct ExecContext {

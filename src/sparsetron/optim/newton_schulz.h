@@ -8,8 +8,7 @@
 // With half-precision products it diverges without restarts on ill-conditioned inputs; one
 // restart keeps it within a small factor of the standard form's error in bf16, and in fp16 it is
 // several times more accurate than the standard form in bf16 (docs/optimizer.md). The restart
-// sits at iteration 3 of 5: as cheap as anywhere, and 1.1-1.6x more accurate than at 2 on the
-// device in fp16 (1.6-2.8x in the CPU emulation).
+// sits at iteration 3 of 5: as cheap as anywhere, and more accurate than at 2 (docs/optimizer.md).
 #pragma once
 
 #include <algorithm>

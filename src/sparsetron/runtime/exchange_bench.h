@@ -1,4 +1,4 @@
-// `sparsetron bench-exchange`: the expert-parallel exchange (ops/cuda/expert_exchange.h) checked
+// `sparsetron bench-exchange`: the expert-parallel exchange (parallel/expert_exchange.h) checked
 // and timed against a plain NCCL all-to-all of the same bytes, on the GPUs of a launched job.
 #pragma once
 

@@ -12,10 +12,11 @@
 // the KL gradient (q - p) is a difference of near-equal numbers. Even so the indexer weights'
 // gradients sit at a few percent (up to ~11% for the MTP layer's, whose inputs carry the whole
 // backbone's bf16 rounding), so they get kIndexerTol here; the indexer loss kernels themselves are
-// checked against fp64 references at 1e-5..1e-4 in test_cuda_ops.cpp (IndexerKlLossAndScores-
-// Backward). The e2e_tv case: the TV gradient has the indicator 1[q > p], which flips wherever the
-// main and draft distributions nearly agree (everywhere at init), so the MTP layer's gradients get
-// a 1e-1 bound; the TV kernels are checked exactly in MtpTvSoftmaxOverlapChainAndGradient.
+// checked against fp64 references at 1e-5..1e-4 in ops/test_indexer_cuda.cpp
+// (IndexerKlLossAndScores- Backward). The e2e_tv case: the TV gradient has the indicator 1[q > p],
+// which flips wherever the main and draft distributions nearly agree (everywhere at init), so the
+// MTP layer's gradients get a 1e-1 bound; the TV kernels are checked exactly in
+// MtpTvSoftmaxOverlapChainAndGradient.
 constexpr double kIndexerTol = 0.15;
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// FP8 blockwise quantization on CUDA against the CPU reference (ops/cpu/fp8_blockwise.h): e4m3
+// FP8 blockwise quantization on CUDA against the CPU reference (ops/fp8/fp8.h): e4m3
 // bytes and fp32 scales must be identical (as Transformer Engine's tests require of its
 // quantizers), on shapes with partial blocks and block magnitudes 2^12 apart.
 #include <gtest/gtest.h>
@@ -43,7 +43,7 @@ int64_t mismatches(const std::vector<A>& a, const std::vector<B>& b) {
     return n;
 }
 
-// GEMM-layout scales (ops/fp8_scale_layout.h) back to the CPU reference's [rows, blocks(k)] and
+// GEMM-layout scales (ops/fp8/scale_layout.h) back to the CPU reference's [rows, blocks(k)] and
 // [blocks(rows), blocks(k)].
 std::vector<float> logical_1x128(const std::vector<float>& g, int64_t rows, int64_t k) {
     std::vector<float> out(size_t(rows * fp8::blocks(k)));

@@ -1,7 +1,7 @@
 // The fused wgmma indexer scores (indexer_wgmma.cu) against the CPU's double-precision sum, and
 // the top-k's register and streaming kernels against the CPU rule (label gpu). The scores are
-// fp32 sums of products of the same bf16 inputs (tolerance 1e-5, as in test_cuda_ops.cpp); every
-// entry outside a row's [begin, row] must keep the value it had (the contract: not written).
+// fp32 sums of products of the same bf16 inputs (tolerance 1e-5, as in test_indexer_cuda.cpp);
+// every entry outside a row's [begin, row] must keep the value it had (the contract: not written).
 #include <gtest/gtest.h>
 
 #include <algorithm>

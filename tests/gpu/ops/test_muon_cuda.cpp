@@ -495,8 +495,8 @@ TEST(CudaMuon, GramNewtonSchulzMatchesCpu) {
         const double gram32 = error(DType::F32, true, gram_ns_restarts());
         const double gram32_no_restart = error(DType::F32, true, {});
         const double gram16 = error(DType::F16, true, gram_ns_restarts());
-        // The earlier restart (the default until fa1c1d5's run measured iteration 3 1.1-1.6x
-        // more accurate here; docs/optimizer.md), same FLOPs.
+        // A restart at iteration 2 (the default restart at 3 is more accurate; docs/optimizer.md),
+        // same FLOPs.
         const double gram16_at2 = error(DType::F16, true, {2});
         const double standard_bf16 = error(DType::BF16, false, {});
         const double standard_fp16 = error(DType::F16, false, {});

@@ -4,8 +4,8 @@
 // over kv'[s] = [V_h[s] ; K_h[s]] with q'[t] = [0 ; Q_h[t]]: the scores are Q_h K_h^T, the
 // values V_h, and the reference's dkv' splits into dV_h (first dv columns: q' is 0 there, so no
 // key gradient lands in them) and dK_h. Keys and values sit in the model's strided layout (K in
-// [T, H, dqk], V at column dn of [T, H, dn + dv]). Tolerances as test_cuda_ops.cpp's sparse MQA
-// checks; dq / dk / dv start as NaN: the backward must overwrite them.
+// [T, H, dqk], V at column dn of [T, H, dn + dv]). Tolerances as test_attention_cuda.cpp's sparse
+// MQA checks; dq / dk / dv start as NaN: the backward must overwrite them.
 #include <gtest/gtest.h>
 
 #include <algorithm>

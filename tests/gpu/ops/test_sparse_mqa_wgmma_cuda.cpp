@@ -1,7 +1,7 @@
 // The flash-style wgmma sparse MQA kernels (sparse_mqa_wgmma.cu forward, sparse_mqa_wgmma_bwd.cu
 // backward) against the CPU reference at the GLM-5 shape (64 heads, qk 576, v 512), label gpu:
 // out, dq and dkv at the bf16 tolerance, lse and the head probability sums at fp32 tolerances (as
-// test_cuda_ops.cpp's sparse MQA checks). Rows select 0 keys (padding), fewer than one 64-key
+// test_attention_cuda.cpp's sparse MQA checks). Rows select 0 keys (padding), fewer than one 64-key
 // chunk, exact multiples of it and partial last chunks.
 #include <gtest/gtest.h>
 

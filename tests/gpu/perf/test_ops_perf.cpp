@@ -463,7 +463,7 @@ TEST_F(CudaOpsPerf, GroupedExpertGemm) {
     DeviceArray<int32_t> dragged(ragged);
     each_kind("grouped gemm x W^T, ragged 2011/2085 rows", ", ragged", dragged);
     // Training's routing: the first MoE layer's loads in the proxy's first step (train
-    // --device cuda, mtp_num_layers=0; bench/results/2026-12-01-h200-reduce-adds-power-cap.json),
+    // --device cuda, mtp_num_layers=0; recorded in bench/results/),
     // 513 to 3343 rows, the same 32768 in all.
     const std::vector<int32_t> loads = {3343, 2027, 1513, 1413, 2180, 3230, 2079, 1717,
                                         2719, 2388, 1520, 2772, 1895, 1064, 2395, 513};

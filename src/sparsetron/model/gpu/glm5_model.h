@@ -137,7 +137,7 @@ class GpuGlm5Model {
     float *rstd_final_, *logits_, *row_loss_, *dmtp_kv_ = nullptr;
     float *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr, *tv_dalpha_ = nullptr;
     float* tv_below_ = nullptr;
-    bool tv_per_depth_ = false;  // a target block per depth (under CP, or for A/B)
+    bool tv_per_depth_ = false;  // a target block per depth (under CP)
     uint8_t* tv_valid_ = nullptr;
     // Loss sums on the device: [lm Σ, lm n, (mtp Σ_k, mtp n_k) per depth, tv Σ, accept Σ,
     // (Σ KL, rows) per indexer application].

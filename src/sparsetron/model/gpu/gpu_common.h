@@ -86,8 +86,8 @@ class GpuParams {
     // parameters without one are skipped.
     void refresh_bf16(const ExecContext& ctx) const;
 
-    // A step's gradients without zeroing them all first (16 GiB of writes, 4.6 ms per step on the
-    // proxy, and every weight-gradient GEMM then read those zeros back): in each step every
+    // A step's gradients without zeroing them all first (every gradient's bytes written, and every
+    // weight-gradient GEMM then reading those zeros back): in each step every
     // gradient is either overwritten by its first writer (grad_beta), zeroed just before its
     // first addition (grad_to_add), zeroed at the step's start because the previous step did not
     // write it, or zeroed at the step's end because this one did not (finish_gradients). The

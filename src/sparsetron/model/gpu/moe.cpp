@@ -196,8 +196,8 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     const GpuParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                    &down = P_[down0_ + L.first * wstride_];
     // The grouped weight gradients write every local expert's gradient (zeros for one with no
-    // rows) on the step's first write, and add after it: no memset of the experts' 4.5 GiB of
-    // fp32 gradients in the proxy, and their old tiles are not read.
+    // rows) on the step's first write, and add after it: no memset of the experts' fp32
+    // gradients, and their old tiles are not read.
     const bool add = expert_grads_added(L);
     expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
     cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));

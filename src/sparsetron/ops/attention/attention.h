@@ -3,7 +3,8 @@
 // sparse attention in MLA's expanded per-head form, and the MLA key/value helpers. CPU references:
 // dense_attention_cpu.cpp, sparse_attention_cpu.cpp; CUDA forms and which runs when:
 // attention.cu, attention_forms.h and docs/cuda.md. Tests: tests/ops/test_attention.cpp,
-// tests/gpu/ops/test_attention_cuda.cpp, test_sparse_mqa_wgmma.cpp, test_sparse_mha_masked.cpp.
+// tests/gpu/ops/test_attention_cuda.cpp, test_sparse_mqa_wgmma_cuda.cpp,
+// test_sparse_mha_masked_cuda.cpp.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,7 @@
 // The masked expanded attention's dS from saved probabilities with dP kept in registers (sm_90,
 // v 256): dS_h = scale P_h (dO_h V_h^T - D) for one chunk of query tokens, every head. The
 // unfused form writes dP = dO V^T in fp32 through memory (a cuBLASLt GEMM) and a second kernel
-// reads it back with P: 4 + 4 bytes per score element of the chunk (~4.8 GB per proxy layer at
-// 4K), ~1.24 ms per layer in masked_dscores_saved_kernel alone (ncu, 0388bdf).
+// reads it back with P: 4 + 4 bytes per score element of the chunk.
 //
 // One block per (64 query rows, head), two warpgroups, looping over the row block's key tiles of
 // 128 (64 keys per warpgroup): the dO rows (64 x 256) stay in shared memory, each tile's V rows
@@ -14,9 +13,8 @@
 // wholly past the row block's last query token are causally empty: P = 0 there, so their dS = 0 is
 // written without loads or products. The sum is the GEMM's (fp32 accumulation over the 256 dims),
 // so only the summation order differs from the unfused form. (One block per 128-key tile without
-// pipelining measured no faster than the unfused pair, 9120e7c; with P read from global memory in
-// the epilogue, 1.76 ms per proxy layer vs the pair's 2.17 under ncu, d0afa8b: each tile waited
-// for its P loads.)
+// pipelining measured no faster than the unfused pair, and reading P from global memory in the
+// epilogue left each tile waiting for its P loads: docs/perf/log/.)
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
 #include "sparsetron/ops/attention/masked_rows.cuh"

@@ -1,9 +1,8 @@
 // The masked expanded attention's probabilities without the fp32 score round trip (sm_90,
 // qk 256): for one chunk of query tokens and every head, P_h = mask(exp(scale Q_h K_h^T - lse))
 // in bf16 (the chunk's layout, what the P V GEMM and the backward read) and the lse, with the
-// scores kept in registers. The unfused form writes S in fp32 through memory (a cuBLASLt GEMM,
-// 0.92 ms per proxy layer at 4K, write-bound) and the probability kernel reads it back (1.67 ms
-// per layer): 4 + 4 bytes per score element.
+// scores kept in registers. The unfused form writes S in fp32 through memory (a write-bound
+// cuBLASLt GEMM) and a probability kernel reads it back: 4 + 4 bytes per score element.
 //
 // One block of one warpgroup per (64 query rows of the chunk, head), 64-key tiles, two passes
 // over the row block's key tiles: the first keeps an online max / sum per row (log2 domain) and
@@ -11,15 +10,13 @@
 // and stored as 16-byte pieces of whole rows. Q's rows stay in shared memory; each step's K rows
 // (64 x 256) and the rows' selected-key bits (64 x 64 bits, from build_token_key_masks) come by
 // cp.async into two buffers, the next step's in flight during this one. Two blocks share an SM
-// (107 KiB of shared memory each), so one block's MMAs run under the other's exponentials: the
-// first form (one block of two warpgroups per SM, 185 KiB) ran both in turn, 587 us for the proxy's
-// widest chunk with the ALU the busiest pipe (ncu, 3a80b23). Q as the MMAs' register operand
-// (three blocks per SM, only K read from shared memory) measured no faster (0fc4a92: 8.53 vs 8.12
-// ms per backbone under ncu, on another machine). Tiles past the row block's last query token
+// (107 KiB of shared memory each), so one block's MMAs run under the other's exponentials (one
+// block of two warpgroups per SM ran both in turn, the ALU its busiest pipe). Q as the MMAs'
+// register operand (three blocks per SM, only K read from shared memory) measured no faster
+// (docs/perf/log/). Tiles past the row block's last query token
 // are causally empty: zeros. 2^x is one MUFU.EX2 and the first pass's row reductions run as four
 // chains (see exp2_of). A row with no selected key gets lse 0 and P 0 (the
-// other kernels' convention). The extra pass costs the scores' FLOPs again (309 GFLOP per proxy
-// layer) and no bytes.
+// other kernels' convention). The extra pass costs the scores' FLOPs again and no bytes.
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
 #include "sparsetron/ops/attention/masked_rows.cuh"

@@ -27,9 +27,8 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// S / dP / P elements per chunk (1.25 GiB of workspace; 512 query tokens at 4K context x 64 heads):
-// fewer, larger GEMMs and more blocks per kernel (measured: 128-token chunks take 1.4x as long as
-// 256-token ones, 16-token chunks 6x).
+// S / dP / P elements per chunk (512 query tokens at 4K context x 64 heads): fewer, larger GEMMs
+// and more blocks per kernel; smaller chunks measured slower (docs/perf/log/).
 constexpr int64_t kChunkElems = int64_t(128) << 20;
 
 int64_t leading_dim(int64_t tokens) {
@@ -61,7 +60,7 @@ constexpr int kWarps = kThreads / 32;
 // The token's selected keys as a bitmask over 0..ld-1 in shared memory (ld / 32 words, rounded
 // up): the kernels below then stream whole S rows with coalesced 16-byte loads and test a bit per
 // key, instead of gathering S at the selected keys (random 4-byte reads) and scattering into a
-// zeroed P (measured 1.4 TB/s effective; docs/perf/2026-11-30-masked-attention-rows.md).
+// zeroed P (docs/perf/log/).
 __device__ void build_key_mask(uint32_t* mask, int64_t words, const int32_t* sel, int64_t n) {
     for (int64_t i = threadIdx.x; i < words; i += blockDim.x) mask[i] = 0u;
     __syncthreads();
@@ -166,8 +165,8 @@ __global__ void masked_probs_kernel(const float* s, bf* p, int64_t lds, const in
 // The same probabilities without the head sums, a warp per head row: block (token, group of kWarps
 // heads), warp w takes head h0 + w, so the row's max / sum reductions are warp shuffles and no
 // block barrier separates one head from the next. Each sweep issues four 16-byte loads per lane
-// before using them. (One block per head row with a block reduction per head ran at ~1.7 TB/s,
-// the 512-key rows of a first chunk at 0.8: docs/perf/2026-12-01-expanded-masked-attention.md.)
+// before using them. (One block per head row with a block reduction per head measured slower,
+// the short rows of a first chunk most: docs/perf/log/.)
 __global__ void masked_probs_rows_kernel(const float* s, bf* p, int64_t lds, const int32_t* idx,
                                          const int32_t* len, int64_t kslots, int64_t t0,
                                          int64_t tokens, int64_t heads, const float* lse_in,
@@ -435,7 +434,7 @@ void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int
 
 bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
     // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
-    // far more than the 4x extra work this allows (docs/perf/). The head-summed probabilities
+    // far more than the 4x extra work this allows (docs/cuda.md). The head-summed probabilities
     // need a float per key of shared memory.
     return keys <= 8 * kslots && probs_smem_bytes(leading_dim(keys), true) <= kMaxProbsSmem;
 }

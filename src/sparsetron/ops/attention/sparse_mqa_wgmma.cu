@@ -5,8 +5,7 @@
 // Scores never leave the SM and the output needs no second pass.
 //
 // Why: the gathered WMMA kernels (sparse_mqa_tc.cu) keep their accumulators in shared memory and
-// run two passes: 11.4 TFLOP/s at 32K context (docs/perf/2026-11-30-indexer-scores-wgmma.md's
-// call 1). The masked-dense form (4K) writes fp32 scores through HBM: 203 TFLOP/s.
+// run two passes; the masked-dense form writes fp32 scores through HBM (docs/cuda.md).
 //
 // Layout (wgmma.cuh's 128-byte swizzle): Q and each key chunk are 9 slices of [64 rows][64]
 // (8 KiB each). A key chunk is the B operand of S = Q K^T (K-major: rows are keys) and, read
@@ -24,10 +23,7 @@
 // empty-row convention (len 0: out 0, lse 0) as sparse_mqa_tc.cu. With prob_sum (the indexer
 // loss's teacher, Σ_h P per selected key) a second pass over the chunks recomputes S against the
 // final lse and sums each key's column over the heads.
-//
-// Measured (one H200, perf harness, constant inputs): the first form 195 / 202 TFLOP/s at 4K /
-// 32K; its gather's per-piece index loads removed (9599f7d) 387 / 407; this form: see
-// docs/perf/2026-12-01-sparse-mqa-flash-forward.md.
+// Its speed at 4K and 32K: docs/perf/README.md.
 #include <cmath>
 
 #include "sparsetron/ops/attention/attention_forms.h"

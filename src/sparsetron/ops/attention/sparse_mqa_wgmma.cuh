@@ -73,8 +73,7 @@ __device__ __forceinline__ void mma_wait() {
 // 64 rows of kSl x 64 bf16 into kSl swizzled slices at `tile`. Thread tid copies rows tid / 8 and
 // tid / 8 + 32 (row[h]; valid[h] false: zeros, row[h] then any readable row), 16-byte piece
 // tid % 8 of each slice: a warp's copy covers 4 whole 128-byte row segments, and the source
-// offsets are constants (ncu at 2ccc43d: a per-piece index load and division were 30% of the
-// forward's stall samples, on the critical path).
+// offsets are constants (a per-piece index load and division sat on the forward's critical path).
 template <int kSl>
 __device__ __forceinline__ void load_rows(uint32_t tile, const bf* const (&row)[2],
                                           const bool (&valid)[2]) {

@@ -20,12 +20,9 @@
 //
 // Shared memory: Q 72 KiB, dO 64 KiB, one key chunk 72 KiB, P and dS 16 KiB: one key buffer (the
 // forward's second buffer does not fit beside dO).
-//
-// Measured (one H200, a268012, random inputs): 4K 9.0 ms = 243 TFLOP/s, 32K 89.4 ms = 253
-// (2.5x the forward's count), against the gathered kernels' 21 at 32K. ncu at 4K: L2 throughput
-// 77% (the dkv reductions: 147 KB per chunk against 22.5 MFLOP), 40% of the stall samples on
-// long-scoreboard waits (the reductions' key index loaded just before use, and spill reloads: 255
-// registers, 24 / 40 bytes spilled).
+// Its speed at 4K and 32K (an order of magnitude over the gathered kernels at 32K) and its profile
+// (L2-bound by the dkv reductions; long-scoreboard waits on the reductions' key index and on
+// spill reloads at 255 registers): docs/perf/README.md and docs/perf/log/.
 #include <cmath>
 
 #include "sparsetron/ops/attention/attention_forms.h"
@@ -72,8 +69,7 @@ __device__ __forceinline__ void dkv_block(float (&acc)[32], uint64_t d_dst, uint
 #endif
 
 // The reductions' dkv rows are loaded from the selection while the chunk's S / dP MMAs run.
-// Reading them from shared memory instead (written at the gather) measured slower: 8860 vs 8765
-// us at 4K, 88.3 vs 86.7 ms at 32K (2026-12-01, docs/perf/2026-12-01-sparse-mqa-flash-forward.md).
+// Reading them from shared memory instead (written at the gather) measured slower.
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mqa_bwd_wgmma_kernel(const bf* q, const bf* kv, const int32_t* idx, const int32_t* len,
                                 int64_t kslots, int64_t tokens, float scale, const bf* out,

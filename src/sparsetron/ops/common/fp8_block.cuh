@@ -1,7 +1,7 @@
 // The device side of FP8 blockwise quantization shared by the quantizers (fp8_quantize.cu) and
 // the kernels that write an FP8 copy of their bf16 output (the MoE producers): Transformer
 // Engine's scale rule with correctly rounded divisions, e4m3 with saturation, and one 1x128 block
-// held by a half-warp. Bit for bit the CPU reference (ops/cpu/fp8_blockwise.h).
+// held by a half-warp. Bit for bit the CPU reference (ops/fp8/fp8.h).
 #pragma once
 
 #include <cuda_fp8.h>

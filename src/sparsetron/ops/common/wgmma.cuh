@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the grouped expert GEMM on warpgroup MMA
-// (grouped_gemm_ws.cu: a producer copies, two consumer warpgroups multiply): 16-byte cp.async and
-// TMA bulk tensor copies into 128-byte-swizzled operand tiles, the wgmma shared-memory matrix
+// (grouped_gemm_wgmma.cu: a producer copies, two consumer warpgroups multiply): 16-byte cp.async
+// and TMA bulk tensor copies into 128-byte-swizzled operand tiles, the wgmma shared-memory matrix
 // descriptor, the m64nNk16 bf16 MMA, mbarriers and cluster arrivals, each kind's operand roles and
 // the accumulator's store. The fused indexer scores and the flash sparse MQA kernels use the
 // descriptors, the MMA, the copies and red_add2 from here.
@@ -13,7 +13,7 @@
 //     k row 128 B; atoms 8 KiB apart (LBO), 8-k groups 1024 B apart (SBO). A k16 step advances
 //     the start address by 2048 B; wgmma's transpose flag reads it.
 //
-// Operand roles per kind (ops.h's GroupedGemm), for expert e with rows [r0, r1):
+// Operand roles per kind (moe.h's GroupedGemm), for expert e with rows [r0, r1):
 //   RowsTimesWeightT  M = rows, N = n, K = k:    A = x [rows, k] K-major,  B = W_e [n, k] K-major
 //   RowsTimesWeight   M = rows, N = k, K = n:    A = dy [rows, n] K-major, B = W_e [n, k] MN-major
 //   WeightGrad        M = n, N = k, K = rows:    A = dy^T (dy [rows, n]),  B = x [rows, k]: both
@@ -363,8 +363,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // 16w + lane / 4 (+ 8); register 4j + {0, 1} (+ {2, 3} for the +8 row) is column
 // 8j + 2 (lane % 4) + {0, 1}. The weight gradient's fp32 adds are reductions
 // (`red.global.add.v2.f32`); as a load-add-store per pair they held the consumers for the
-// loads' latency with the tensor cores idle (docs/perf/2026-11-30-grouped-gemm-warp-specialized.md,
-// docs/perf/2026-12-01-grouped-gemm-weight-gradient.md).
+// loads' latency with the tensor cores idle (docs/perf/log/).
 template <GroupedGemm kKind, int kAcc>
 __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem& p, int64_t e,
                                           int64_t wstride, int64_t row0, int64_t j0,

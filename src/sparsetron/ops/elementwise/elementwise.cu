@@ -27,8 +27,8 @@ __global__ void embedding_bwd_kernel(const int32_t* tokens, const bf* dout, int6
 }
 
 // One block per token: the token's dim / 2 rotation angles (pow and sincos in double, as the CPU
-// reference) once into shared memory, then every (head, pair) of the token reads them. Per element
-// the double sincos was the kernel's cost (0.4 TB/s at 4096 x 64 heads x 64 dims).
+// reference) once into shared memory, then every (head, pair) of the token reads them: a double
+// sincos per element would be the kernel's cost.
 __global__ void rope_kernel(bf* x, int64_t heads, int64_t dim, int64_t ld_t, int64_t ld_h,
                             const int32_t* positions, double theta, bool interleaved, double sign) {
     extern __shared__ double rot[];  // [half] cos, then [half] sin

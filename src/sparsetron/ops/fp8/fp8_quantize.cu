@@ -1,9 +1,9 @@
-// FP8 blockwise quantization on the device (the CPU reference is ops/cpu/fp8_blockwise.h, which
+// FP8 blockwise quantization on the device (the CPU reference is ops/fp8/fp8.h, which
 // these kernels match bit for bit): one fp32 scale per 1x128 block of an activation row and per
 // 128x128 block of a weight, e4m3 with round-to-nearest-even and saturation to +-448
 // (__NV_SATFINITE), scales by Transformer Engine's rule with correctly rounded divisions, so
 // the result does not depend on fast-math flags. The scales are written where cuBLASLt's
-// block-scaled GEMM reads them (ops/fp8_scale_layout.h).
+// block-scaled GEMM reads them (ops/fp8/scale_layout.h).
 #include <cuda_fp8.h>
 
 #include <cstdlib>
@@ -25,8 +25,7 @@ using fp8_dev::to_e4m3;
 
 // One warp per (row, 128-column block), 8 blocks to a CTA: a lane holds 4 consecutive values
 // (one 8-byte load when the row allows it), the block's amax is a warp reduction, the 4 codes
-// leave as one 4-byte store. The first version (a 128-thread CTA per block, a CTA-wide
-// reduction) moved 620 GB/s on the H200; this one is bandwidth-bound (docs/perf).
+// leave as one 4-byte store (a CTA per block with a CTA-wide reduction is latency-bound).
 __global__ void quantize_1x128_kernel(const bf* x, int64_t rows, int64_t cols, int64_t ld,
                                       bool pow2, bool vec, uint8_t* q, float* scale_inv) {
     const int64_t nb = (cols + kBlock - 1) / kBlock;
@@ -62,7 +61,7 @@ __global__ void quantize_1x128_kernel(const bf* x, int64_t rows, int64_t cols, i
 // load issued before the first reduction, units numbered down the block columns (u = b * rows +
 // r) so the lanes writing scales write consecutive floats (the GEMM layout keeps a block
 // column's rows contiguous). The warp-per-block form above keeps one 8-byte load in flight per
-// lane and scatters its scales a column apart: 1.63 TB/s on the H200 (docs/perf).
+// lane and scatters its scales a column apart.
 constexpr int kWideUnits = 2;
 constexpr int kWideThreads = 256;
 __global__ void __launch_bounds__(kWideThreads, 8)
@@ -195,8 +194,7 @@ __global__ void quantize_128x128_both_kernel(const float* w, int64_t rows, int64
 // a warp, the fewest) and read back the same way for the amax and q, q^T with a lane per column
 // and 32 consecutive rows per thread: consecutive lanes read consecutive words (no bank
 // conflicts) and each thread stores one 32-byte sector of w^T's row. The padded form above stores
-// and reads its tile with four-way conflicts (three passes): shared memory, not HBM, bounded it
-// at 2.1 TB/s.
+// and reads its tile with four-way conflicts (three passes): shared memory, not HBM, bounds it.
 constexpr int kTiledThreads = 512;
 constexpr int kTiledQuads = kBlock * kBlock / 4 / kTiledThreads;  // float4s per thread
 constexpr size_t kTiledSmem = size_t(kBlock) * kBlock * sizeof(float);

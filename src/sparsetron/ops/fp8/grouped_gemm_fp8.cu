@@ -1,10 +1,10 @@
 // FP8 blockwise grouped expert GEMM on Hopper (the routed experts under `fp8_recipe: blockwise`):
 // for every expert e, y[rows of e] (+)= x[rows of e] W_e^T with x e4m3 in 1x128 blocks along k
-// and W_e e4m3 in 128x128 blocks, the DeepSeek-V3 recipe (ops.h, grouped_gemm_fp8). cuBLASLt's
+// and W_e e4m3 in 128x128 blocks, the DeepSeek-V3 recipe (fp8.h, grouped_gemm_fp8). cuBLASLt's
 // block-scaled GEMM takes one matrix per call, and a loop over the experts would need their
 // row counts on the host (a sync in the step); this kernel reads them from `offsets` on the GPU.
 //
-// Same skeleton as the bf16 kernel (grouped_gemm_ws.cu): persistent, one block per SM walking
+// Same skeleton as the bf16 kernel (grouped_gemm_wgmma.cu): persistent, one block per SM walking
 // the experts' real output tiles; a producer thread fills a ring of stages by bulk tensor copies
 // (TMA, 128-byte swizzle); two consumer warpgroups multiply 64 rows each. What FP8 changes:
 //   - A slice is 128 deep (128 bytes per row: the same tile bytes and swizzle as bf16's 64), so a

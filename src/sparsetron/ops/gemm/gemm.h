@@ -27,8 +27,7 @@ struct GemmBatch {
     // fp32 inputs: let cuBLASLt use TF32 tensor cores (Muon's Newton-Schulz at
     // muon_fp32_matmul_prec "medium"/"high"; never for the router or the tests' fp32 references).
     // CUBLAS_COMPUTE_32F_FAST_16BF was tried for "medium": on the H200 it gave TF32's error and
-    // time exactly (docs/perf/2026-11-30-muon-optimizer-share.md), so bf16 Newton-Schulz needs
-    // explicit bf16 operands.
+    // time exactly (docs/optimizer.md), so bf16 Newton-Schulz needs explicit bf16 operands.
     bool tf32 = false;
 };
 void gemm(const ExecContext& ctx, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,

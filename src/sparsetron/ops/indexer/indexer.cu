@@ -1,4 +1,4 @@
-// DSA lightning-indexer scores (the top-k: topk_stream.cu, topk_registers.cu).
+// DSA lightning-indexer scores (the top-k: topk_stream.cu).
 //
 // On sm_90 with 16 / 32 / 64 heads of 64 or 128 dims, the fused wgmma kernel
 // (indexer_wgmma.cu). Otherwise two forms. With a workspace: per chunk of query rows, the [rows x
@@ -106,8 +106,7 @@ void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const 
     if (tokens == 0) return;
     ST_CHECK(!key_row || !workspace, "indexer_scores: the GEMM form takes query row = key row");
     if (!key_row) keys = tokens;
-    // The fused wgmma kernel where the shape and device allow it (the workspace then goes unused;
-    // docs/perf/2026-11-30-indexer-scores-wgmma.md).
+    // The fused wgmma kernel where the shape and device allow it (the workspace then goes unused).
     if (indexer_scores_wgmma_supported(heads, dim)) {
         indexer_scores_wgmma(ctx, q, k, w, row_begin, tokens, heads, dim, scores, key_row, keys);
         return;

@@ -3,7 +3,7 @@
 // attention's head-summed probabilities and its backward through the scores. CPU reference:
 // indexer_cpu.cpp; CUDA: indexer.cu (scores, dispatch), indexer_wgmma.cu (the fused scores),
 // topk_stream.cu (top-k), indexer_loss.cu (KL and backward). Tests: tests/ops/test_indexer.cpp,
-// tests/gpu/ops/test_indexer_cuda.cpp, test_indexer_wgmma.cpp.
+// tests/gpu/ops/test_indexer_cuda.cpp, test_indexer_wgmma_cuda.cpp.
 #pragma once
 
 #include <cstdint>

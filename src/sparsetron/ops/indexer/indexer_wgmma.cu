@@ -2,8 +2,8 @@
 // the per-head dot products never leaving the SM (sm_90).
 //
 // Why: the GEMM form (indexer.cu) writes the [rows x heads, keys] fp32 dot products to memory and
-// reads them back for the ReLU and the weighted head sum: 32 heads x 4 bytes per score, so at 32K
-// tokens 68 GB of traffic for 4.4 TFLOP, 84 TFLOP/s (docs/perf/2026-11-30-kernel-rooflines.md).
+// reads them back for the ReLU and the weighted head sum: heads x 4 bytes per score, a
+// memory-bound pass (docs/perf/README.md, kernel rooflines).
 //
 // Roles: the keys are the MMA's M (64 per consumer warpgroup), the block's 256 (token, head)
 // columns its N (256 / heads tokens, their heads contiguous), the head dim its K (64 per slice).

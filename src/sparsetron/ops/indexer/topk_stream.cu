@@ -1,22 +1,16 @@
-// The DSA top-k (topk_rows) with a small register footprint: the same selection as the register
-// form (topk_registers.cu: an exact radix select on order_key images, ties to the smaller key
-// index, ascending output), but the row is read from memory again for each step instead of held
-// in registers, so several rows share an SM.
-//
-// Why (docs/perf/2026-11-30-indexer-scores-wgmma.md): the register form holds a 32K-key row in
-// 1024 threads x 32 registers, one row per SM at half occupancy; ncu found it latency-bound
-// (0.58 instructions issued per scheduler, 2.25 of 8 warps eligible) and spilling, 4.5 ms at 32K
-// against ~1.2 ms for its bytes. Here: 512 threads and about 40 registers, three rows per SM.
+// The DSA top-k (topk_rows) with a small register footprint: an exact radix select on order_key
+// images (topk_row.cuh), ties to the smaller key index, ascending output; the row is read from
+// memory again for each step instead of held in registers, so several rows share an SM. (Holding
+// a 32K-key row in registers leaves one row per SM at half occupancy, latency-bound and spilling:
+// docs/perf/log/.) Here: 512 threads and about 40 registers, three rows per SM.
 //
 // Per row of n > kslots keys: (1) an 11-bit histogram of every key (the one read from HBM; the
 // row stays in L2 for the next reads); (2) the threshold bin's keys copied to shared memory
 // (passes 2 and 3, 11 + 10 bits, read only them; from memory again when the bin holds over 4096);
 // (3) each warp owns a contiguous segment of the row and counts its kept keys (ballots), a scan
 // of the 16 counts gives each warp its first output slot; (4) the warps write their kept keys in
-// order. Ties straddling the k-th place add a count of equal keys per segment first.
-//
-// Measured on one H200 (2026-12-01, docs/perf/2026-11-30-indexer-scores-wgmma.md): 2.79 ms at 32K
-// keys per row and 73 us at 4K, against the register form's (topk_registers.cu) 4.56 ms / 107 us.
+// order. Ties straddling the k-th place add a count of equal keys per segment first. Its speed
+// at 4K and 32K keys: docs/perf/README.md.
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/indexer/indexer.h"
 #include "sparsetron/ops/indexer/topk_row.cuh"

@@ -1,11 +1,11 @@
 // Grouped expert GEMM on wgmma with warp specialization, persistent: one block per SM walks the
 // output tiles of every expert; a producer warpgroup copies operand slices into a ring of
 // shared-memory stages while two consumer warpgroups multiply (64 rows of the 128-row tile each)
-// and store. Same contract as grouped_gemm (ops.h); operand roles and tile layouts: wgmma.cuh.
+// and store. Same contract as grouped_gemm (moe.h); operand roles and tile layouts: wgmma.cuh.
 //
-// Why (docs/perf/2026-11-30-grouped-gemm-warp-specialized.md): ncu put the non-specialized kernel
-// at 54% of the SM's throughput with only 50% of L2 bandwidth in use and 3.6x cuBLASLt's
-// instructions per cycle: every warp issues the copies and the whole block meets at a barrier
+// Why: without warp specialization (docs/perf/log/) the SM ran at half its throughput with half of
+// the L2 bandwidth in use and several times cuBLASLt's instructions per cycle: every warp issues
+// the copies and the whole block meets at a barrier
 // each 64-deep slice, so MMAs wait on copies and on each other. Here the consumers only wait for
 // their slice's mbarrier, and the producer refills a stage as soon as both consumers release it,
 // including the next tile's first stages while the consumers store this tile.
@@ -294,10 +294,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     //
     // x W^T and dy W (kPairsAcross): a unit is two consecutive 128-row tiles
     // of the experts' row tiles in order, of one expert or of two, so an expert whose rows end in
-    // the first half of a 256-row unit leaves no empty tile (training's routing: 10-15% of the
-    // time went to them). Both tiles of one expert share B (multicast); tiles of two experts
-    // each load their own (`shared` false). An odd last tile pairs with an empty one past its
-    // expert's rows (nothing stored). `w_first` then counts row tiles, not units.
+    // the first half of a 256-row unit leaves no empty tile (under training's routing such
+    // tiles took a noticeable share of the time). Both tiles of one expert share B (multicast);
+    // tiles of two experts each load their own (`shared` false). An odd last tile pairs with an
+    // empty one past its expert's rows (nothing stored). `w_first` then counts row tiles, not
+    // units.
     constexpr bool kPairsAcross = kKind != GroupedGemm::WeightGrad;
     int64_t w_e = 0, w_first = 0;
     auto next_tile = [&](int64_t t, int64_t& e, int64_t& i0, int64_t& j0, Problem& p,

@@ -117,8 +117,8 @@ __global__ void combine_kernel(const bf* out_perm, const int32_t* slot_row, cons
 }
 
 // The row kernels above and below with 16-byte accesses of 8 bf16 (dim % 8 == 0, aligned
-// pointers): the permuted rows are 6144 wide on the proxy, and 2-byte accesses held these kernels
-// at ~1.8-2.1 TB/s. Same arithmetic per element, in the same order.
+// pointers): the permuted rows are thousands of elements wide, and 2-byte accesses keep these
+// kernels well below the memory bandwidth. Same arithmetic per element, in the same order.
 // kFp8: the rows' FP8 copy too (dim8 a multiple of 16: a half-warp holds a 1x128 block, and a
 // block's threads stride by 256 chunks, so a half-warp is all in or all out).
 template <bool kFp8>
@@ -517,8 +517,8 @@ void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g) {
     ST_CHECK(row_capacity >= max_rows, "grouped_gemm: the row buffers hold ", row_capacity,
              " rows, fewer than one expert's bound of ", max_rows);
     // Tensor cores whenever rows are 16-byte aligned: the warp-specialized wgmma kernel on sm_90a
-    // (grouped_gemm_ws.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_tc.cu). This file's
-    // simple kernel covers the rest (odd test shapes).
+    // (grouped_gemm_wgmma.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_wmma.cu). This
+    // file's simple kernel covers the rest (odd test shapes).
     if (grouped_gemm_wmma_supported(g)) {
         if (has_sm90a())
             grouped_gemm_wgmma(ctx, g);

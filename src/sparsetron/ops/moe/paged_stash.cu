@@ -1,5 +1,5 @@
-// The paged stash on the device (semantics: ops/paged_stash.h, CPU reference
-// ops/cpu/paged_stash.cpp). A push is two kernels: one block takes the pages (free-list stack,
+// The paged stash on the device (semantics: ops/moe/paged_stash.h, CPU reference
+// ops/moe/paged_stash_cpu.cpp). A push is two kernels: one block takes the pages (free-list stack,
 // statistics, overflow flag), then one block per row copies the row into its page; a pop copies
 // back, then one block returns the pages. Row counts are read from device memory, so nothing
 // here needs the host: it runs inside a captured step.

@@ -1,4 +1,4 @@
-// CPU reference of the paged stash (ops/paged_stash.h): the semantics the CUDA kernels match.
+// CPU reference of the paged stash (ops/moe/paged_stash.h): the semantics the CUDA kernels match.
 #include "sparsetron/ops/moe/paged_stash.h"
 
 #include <algorithm>

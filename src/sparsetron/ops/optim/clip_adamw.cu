@@ -21,8 +21,8 @@ __global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
 }
 
 // One block of kClipThreads: each thread sums a fixed strided subset of the partials in double,
-// then a fixed tree over the threads (deterministic). A single thread summing all of them (the
-// proxy has ~600K partials) took ~12 ms per call.
+// then a fixed tree over the threads (deterministic): a model has hundreds of thousands of
+// partials, too many for one thread.
 constexpr int kClipThreads = 1024;
 __global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm, float* norm,
                                   float* scale, int32_t* skip) {

@@ -18,8 +18,8 @@ constexpr int kTile = 32, kTileRows = 8;
 constexpr int kThreads = 256;
 
 // Nearly every problem is one segment (a whole matrix or one head's rows): its rows map without
-// the 64-bit division and remainder, which cost ~150 instructions per element and held the gather
-// and apply kernels to 1.4-2.1 TB/s on the proxy (ncu, dec6024).
+// the 64-bit division and remainder, which cost ~150 instructions per element and made the gather
+// and apply kernels instruction-bound (docs/perf/log/).
 __device__ __forceinline__ int64_t param_row(const MuonDeviceProblem& p, int64_t r) {
     if (r < p.seg_rows) return p.row0 + r;
     return p.row0 + (r / p.seg_rows) * p.seg_stride + r % p.seg_rows;
@@ -28,8 +28,7 @@ __device__ __forceinline__ int64_t param_row(const MuonDeviceProblem& p, int64_t
 constexpr int kPerThread = kTile / kTileRows;  // rows of a tile per thread
 
 // The tile kernels load every value a thread needs before storing any: the stores may alias the
-// loads as far as the compiler knows, so a load / store loop runs one memory round trip per row
-// (the apply measured 1.5 TB/s that way on the proxy; ncu, bdea0c7).
+// loads as far as the compiler knows, so a load / store loop runs one memory round trip per row.
 
 // With `skips` (the momentum update fused in: each element belongs to one problem), the momentum
 // is updated here first, M = beta M + (1 - beta) G scale, unless skips[group]. With `partials`,
@@ -134,8 +133,7 @@ __global__ void apply_kernel(const MuonDeviceProblem* problems, int64_t rows, in
 }
 
 // One block per matrix: strided double sums, then a fixed-order tree (deterministic). One thread
-// per matrix summed up to 6144 partials serially (a big matrix alone in its batch): 80 us per
-// launch on the proxy.
+// per matrix would sum thousands of partials serially (a big matrix alone in its batch).
 __global__ void inverse_norms_kernel(const float* partials, int64_t blocks, float eps, float scale,
                                      float* inv) {
     __shared__ double part[kThreads];
@@ -152,8 +150,8 @@ __global__ void inverse_norms_kernel(const float* partials, int64_t blocks, floa
 }
 
 // w[p] = x[p] inv[p] for `count` matrices of n elements, 4 per thread with `vec` (n % 4 == 0,
-// aligned rows: 16-byte loads). blockIdx.y strides over the matrices: the matrix of an element was
-// a 64-bit division per element (7.0 ms per proxy step; ncu, fa1c1d5).
+// aligned rows: 16-byte loads). blockIdx.y strides over the matrices, so finding an element's
+// matrix costs no 64-bit division per element.
 template <typename E>
 __global__ void scale_kernel(const float* x, int64_t n, int64_t count, const float* inv, E* w,
                              bool vec) {
@@ -194,8 +192,8 @@ __global__ void mirror_kernel(E* out, int64_t m, int64_t stride) {
 }
 
 // The same for 16-bit elements when m % 8 == 0, in 64 x 64 tiles moved as 16-byte vectors: the
-// scalar kernel's 2-byte accesses (64 bytes per warp request) held it to 14.1 ms per proxy step
-// (560 launches; ncu, 0388bdf). A warp writes 4 rows x 128 bytes (whole sectors). The tile's rows
+// scalar kernel's 2-byte accesses move 64 bytes per warp request. A warp writes 4 rows x 128
+// bytes (whole sectors). The tile's rows
 // are 33 words apart: the transposed reads (8 rows 8 apart per warp request) meet 2-way conflicts.
 constexpr int kVecTile = 64, kVecLd = kVecTile + 2, kVecThreads = 256;
 __global__ void __launch_bounds__(kVecThreads)
@@ -282,8 +280,7 @@ void symmetric_product(const ExecContext& ctx, const void* x, const void* z, boo
 
 // out[p] = scale in[p] + a I for `count` [rr, rr] matrices (the Gram form's first polynomial,
 // Q = a I + Z from t Z). blockIdx.y strides over the matrices, so the diagonal test is a 32-bit
-// remainder within one matrix (a 64-bit division and remainder per element held this kernel to
-// 7.8 ms per proxy step; ncu, 0388bdf).
+// remainder within one matrix (a 64-bit division and remainder per element would bound it).
 template <typename E>
 __global__ void add_identity_kernel(const E* in, float scale, float a, uint32_t rr, uint32_t n2,
                                     int64_t count, E* out) {

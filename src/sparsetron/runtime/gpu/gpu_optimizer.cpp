@@ -112,8 +112,8 @@ void GpuOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_n
     shared_batches_ = int64_t(batches_.size());
     for (MuonBatch& b : plan_muon_batches(own, shapes, limit)) batches_.push_back(std::move(b));
     // Rounds: the batches by Newton-Schulz FLOPs, largest first, W to a round (one per rank), so
-    // the ranks of a round wait little for each other (on the proxy the round maxima sum to 1.03x
-    // the ideal half; pairing each rank's j-th batch of a greedy split gave 1.15x).
+    // the ranks of a round wait little for each other (closer to the ideal split than pairing
+    // each rank's j-th batch of a greedy split; docs/parallel.md).
     // muon_ns_method: gram runs the Gram form on the batches where it costs fewer FLOPs.
     gram_.clear();
     for (const MuonBatch& b : batches_)

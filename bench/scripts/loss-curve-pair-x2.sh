@@ -3,7 +3,7 @@
 # on GPU 1, each with its own extra `--set` options, the same steps (so the same learning-rate
 # schedule: train_iters sets it), data and seed. For calibrating a loss-curve bound: e.g. bf16
 # against bf16 with TF32 Newton-Schulz (a tiny numerical difference) shows how far two runs drift
-# on this noisy curve, the reference the FP8-vs-bf16 gap needs (docs/perf/2026-11-30-fp8-training.md).
+# on this noisy curve, the reference the FP8-vs-bf16 gap needs (docs/perf/log/2026-11-30-fp8-training.md).
 # Usage: bench/scripts/loss-curve-pair-x2.sh OUT_DIR STEPS "A_SETS" "B_SETS"
 #   e.g. ... OUT 200 "" "--set muon_fp32_matmul_prec=high"
 # Then: python3 tools/bench/compare_loss_curves.py OUT/a.metrics.jsonl OUT/b.metrics.jsonl

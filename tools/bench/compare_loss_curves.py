@@ -10,7 +10,7 @@ The first stated tolerance (fixed before the first 200-step run, 2026-11-30): af
 (relative) of the baseline's at every step. Prints the summary and exits 1 when the bound fails.
 With --drift (a second run of the base's precision, e.g. another bf16 build) the summary adds
 the worst gap per window (--windows) of the candidate and of the drift run against the base, and
-the bound proposed after the first runs (docs/perf/2026-11-30-fp8-training.md): after step
+the bound proposed after the first runs (docs/perf/log/2026-11-30-fp8-training.md): after step
 --late-from the moving average within --late-bound, the mean over --mean-window within
 --mean-bound, and in --early-window at most --early-factor times the drift run's worst gap; the
 exit status then follows that bound.

@@ -12,7 +12,7 @@ const std::vector<EnvVar>& env_vars() {
         {"SPARSETRON_DATA_DIR", "folder of the bundled corpus the built-in recipe trains on"},
         {"SPARSETRON_CHARTJS", "chart.umd.js for `sparsetron report` (default: tools/report)"},
         {"MASTER_ADDR", "rank 0's host for the multi-GPU rendezvous (default 127.0.0.1)"},
-        {"MASTER_PORT", "rank 0's port for the multi-GPU rendezvous"},
+        {"MASTER_PORT", "rank 0's port for the multi-GPU rendezvous (default 29500)"},
         {"OMPI_COMM_WORLD_RANK", "rank under mpirun (with _SIZE and _LOCAL_RANK)"},
         {"OMPI_COMM_WORLD_SIZE", "world size under mpirun"},
         {"OMPI_COMM_WORLD_LOCAL_RANK", "rank on this node under mpirun (picks the GPU)"},

@@ -1,6 +1,6 @@
 // GEMM through OpenBLAS (cblas), row-major. OpenBLAS runs single-threaded and the engine's own
 // pool splits the output rows: OpenBLAS's threads spin in sched_yield between the many small GEMMs
-// of a step (measured: a third of the tiny recipe's time), and fixed row blocks keep results
+// of a step on the tiny recipe, and fixed row blocks keep results
 // independent of OpenBLAS's threading.
 #include <cblas.h>
 

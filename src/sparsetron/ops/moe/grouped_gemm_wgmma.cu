@@ -523,31 +523,25 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
 }  // namespace
 
 int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max_blocks) {
-    const GroupedGemm kind = g.kind;
-    const int32_t* offsets = g.offsets;
-    const int64_t experts = g.experts, max_rows = g.max_rows, row_capacity = g.row_capacity,
-                  n = g.n, k = g.k;
-    const bf16 *a = g.a, *b = g.b;
-    void* c = g.c;
-    const int64_t weight_stride = g.weight_stride ? g.weight_stride : n * k;
-    const bool accumulate = g.accumulate;
-    // Tile space: the worst case per expert (max_rows) sizes the grid.
-    const int64_t rows = row_capacity;
-    switch (kind) {
+    const int64_t wstride = g.weight_stride ? g.weight_stride : g.n * g.k;
+    // Tile space: the worst case per expert (max_rows) sizes the grid; the tensor maps span the
+    // row buffers' capacity.
+    const int64_t rows = g.row_capacity;
+    switch (g.kind) {
         case GroupedGemm::RowsTimesWeightT:
             return launch<GroupedGemm::RowsTimesWeightT>(
-                ctx, max_blocks, offsets, experts, rows,
-                {blocks_for(max_rows, BM), blocks_for(n, kBN)}, n, k, weight_stride, accumulate, a,
-                b, c);
+                ctx, max_blocks, g.offsets, g.experts, rows,
+                {blocks_for(g.max_rows, BM), blocks_for(g.n, kBN)}, g.n, g.k, wstride, g.accumulate,
+                g.a, g.b, g.c);
         case GroupedGemm::RowsTimesWeight:
             return launch<GroupedGemm::RowsTimesWeight>(
-                ctx, max_blocks, offsets, experts, rows,
-                {blocks_for(max_rows, BM), blocks_for(k, kBN)}, n, k, weight_stride, accumulate, a,
-                b, c);
+                ctx, max_blocks, g.offsets, g.experts, rows,
+                {blocks_for(g.max_rows, BM), blocks_for(g.k, kBN)}, g.n, g.k, wstride, g.accumulate,
+                g.a, g.b, g.c);
         default:
-            return launch<GroupedGemm::WeightGrad>(ctx, max_blocks, offsets, experts, rows,
-                                                   {blocks_for(n, BM), blocks_for(k, kBN)}, n, k,
-                                                   weight_stride, accumulate, a, b, c);
+            return launch<GroupedGemm::WeightGrad>(ctx, max_blocks, g.offsets, g.experts, rows,
+                                                   {blocks_for(g.n, BM), blocks_for(g.k, kBN)}, g.n,
+                                                   g.k, wstride, g.accumulate, g.a, g.b, g.c);
     }
 }
 

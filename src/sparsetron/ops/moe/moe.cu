@@ -503,19 +503,11 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 }
 
 void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g) {
-    const GroupedGemm kind = g.kind;
-    const int32_t* offsets = g.offsets;
-    const int64_t experts = g.experts, max_rows = g.max_rows, row_capacity = g.row_capacity,
-                  n = g.n, k = g.k;
-    const bf16 *a = g.a, *b = g.b;
-    void* c = g.c;
-    const int64_t weight_stride = g.weight_stride ? g.weight_stride : n * k;
-    const bool accumulate = g.accumulate;
-    if (experts == 0) return;
+    if (g.experts == 0) return;
     // The kernels' bulk tensor loads are bounded by the row buffers' capacity: a capacity below
     // what an expert may hold would read its rows as zeros.
-    ST_CHECK(row_capacity >= max_rows, "grouped_gemm: the row buffers hold ", row_capacity,
-             " rows, fewer than one expert's bound of ", max_rows);
+    ST_CHECK(g.row_capacity >= g.max_rows, "grouped_gemm: the row buffers hold ", g.row_capacity,
+             " rows, fewer than one expert's bound of ", g.max_rows);
     // Tensor cores whenever rows are 16-byte aligned: the warp-specialized wgmma kernel on sm_90a
     // (grouped_gemm_wgmma.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_wmma.cu). This
     // file's simple kernel covers the rest (odd test shapes).
@@ -528,21 +520,22 @@ void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g) {
     }
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
     int64_t M, N;
-    switch (kind) {
+    switch (g.kind) {
         case GroupedGemm::RowsTimesWeightT:
-            M = max_rows, N = n;
+            M = g.max_rows, N = g.n;
             break;
         case GroupedGemm::RowsTimesWeight:
-            M = max_rows, N = k;
+            M = g.max_rows, N = g.k;
             break;
         default:
-            M = n, N = k;
+            M = g.n, N = g.k;
             break;
     }
     if (M == 0 || N == 0) return;
-    dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(experts));
-    grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(
-        GroupedArgs{kind, offsets, n, k, weight_stride, accumulate, dev(a), dev(b), c});
+    const int64_t weight_stride = g.weight_stride ? g.weight_stride : g.n * g.k;
+    dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(g.experts));
+    grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(GroupedArgs{
+        g.kind, g.offsets, g.n, g.k, weight_stride, g.accumulate, dev(g.a), dev(g.b), g.c});
     ST_CUDA_LAUNCH_CHECK();
 }
 

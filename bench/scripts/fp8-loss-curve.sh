@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On nvidia-h200: one precision's proxy training run for the FP8-vs-bf16 loss-curve comparison
-# (issue 7, target 3): the proxy recipe, STEPS steps, replayed graphs, no checkpoint (the 64 GiB
+# (docs/perf/README.md): the proxy recipe, STEPS steps, replayed graphs, no checkpoint (the 64 GiB
 # disk). Run once per precision (each fits one call), then on the development machine:
 #   python3 tools/bench/compare_loss_curves.py BF16/metrics.jsonl FP8/metrics.jsonl --json ...
 # Usage: bench/scripts/fp8-loss-curve.sh OUT_DIR bf16|fp8 [STEPS]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On nvidia-h200-x2: the FP8-vs-bf16 loss-curve pair of issue 7 (target 3) in one call, bf16 on
+# On nvidia-h200-x2: the FP8-vs-bf16 loss-curve pair (docs/perf/README.md) in one call, bf16 on
 # GPU 0 and fp8_recipe: blockwise on GPU 1 at the same time (loss-curve-pair-x2.sh; each run is
 # one-GPU training). Leaves bf16.* and fp8.* (metrics.jsonl, log tail) in OUT_DIR; then on the
 # development machine:

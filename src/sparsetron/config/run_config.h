@@ -37,10 +37,10 @@ struct RunConfig {
     double adam_eps = 1e-8;
     double clip_grad = 1.0;
     int64_t lr_warmup_iters = 20;
-    std::string lr_decay_style = "cosine";  // "cosine" | "constant" (| "WSD", issue 4)
+    std::string lr_decay_style = "cosine";  // "cosine" | "constant" | "linear" | "WSD"
     int64_t lr_decay_iters = 0;             // 0 = train_iters
     double lr_wsd_decay_fraction = 0.1;
-    // Muon (parsed now so the seed's recipes validate; the optimizer itself is issue 4).
+    // Muon (SPEC §7): per-head Newton-Schulz orthogonalized momentum for the matrices.
     double muon_momentum = 0.95;
     bool muon_nesterov = false;
     bool muon_split_qkv = false;

@@ -259,8 +259,8 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
         },
         3 * 2.0 * rows * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * rows * V);
     // The engine's form at the proxy's 4096 rows (chunks of 512 rows, the weight gradient one
-    // GEMM over every row's dlogits) against its three GEMMs alone at the same shapes (issue 7:
-    // the fused head + loss at >= 80% of the plain GEMMs' rate).
+    // GEMM over every row's dlogits) against its three GEMMs alone at the same shapes (the
+    // fused head + loss is meant to run at >= 80% of the plain GEMMs' rate).
     const int64_t R = T, chunk = 512;
     auto hr = bf(R * h), dhr = bf(R * h), dlr = bf(R * V);
     auto logits_all = f32(R * V), loss_r = f32(R);
@@ -393,7 +393,7 @@ TEST_F(CudaOpsPerf, IndexerAt32K) {
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
     // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
     report(
-        "32K indexer scores + top-2048 (issue 7's pair)",
+        "32K indexer scores + top-2048 (a layer's selection)",
         [&] {
             cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
                                  dots_bytes);

@@ -130,3 +130,27 @@ TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
     EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;
 #endif
 }
+
+TEST(Plan, LengthsShowEachClassAtEveryLength) {
+    const std::string recipe = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/tiny.yaml";
+    auto r = sparsetron::test::run_cli("plan --recipe " + recipe + " --lengths 256,1024,4096");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("host memory plan"), std::string::npos) << r.output;
+    const size_t header = r.output.find("tokens per micro-batch");
+    ASSERT_NE(header, std::string::npos) << r.output;
+    const std::string row = r.output.substr(header, r.output.find('\n', header) - header);
+    for (const char* n : {"256", "1024", "4096"}) EXPECT_NE(row.find(n), std::string::npos) << row;
+    for (const char* cls : {"parameters", "activations", "workspace", "total"})
+        EXPECT_NE(r.output.find(cls), std::string::npos) << cls;
+    // Either verdict is printed: the buffers that outgrow the tokens, or that none does.
+    EXPECT_TRUE(r.output.find("grow faster than the tokens") != std::string::npos ||
+                r.output.find("every buffer grows at most linearly") != std::string::npos)
+        << r.output;
+    auto bad = sparsetron::test::run_cli("plan --recipe " + recipe + " --lengths 1024,x");
+    EXPECT_EQ(bad.code, 1) << bad.output;
+    EXPECT_NE(bad.output.find("--lengths: 'x' is not a positive token count"), std::string::npos)
+        << bad.output;
+    auto down = sparsetron::test::run_cli("plan --recipe " + recipe + " --lengths 1024,256");
+    EXPECT_EQ(down.code, 1) << down.output;
+    EXPECT_NE(down.output.find("strictly ascending"), std::string::npos) << down.output;
+}

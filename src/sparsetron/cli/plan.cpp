@@ -1,9 +1,11 @@
 // `sparsetron plan`: the memory plan of a recipe per memory class, on either backend.
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 #include "command.h"
 #include "sparsetron/core/memory_plan.h"
+#include "sparsetron/core/plan_growth.h"
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
@@ -63,11 +65,51 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
     return 0;
 }
 
+// The plans at several micro-batch lengths (seq_length per sample) and how each buffer grows.
+int plan_lengths(const std::string& recipe_path, const std::vector<std::string>& sets,
+                 const std::string& device, const std::string& lengths_text, int top) {
+    std::vector<int64_t> lengths;
+    for (const std::string& item : split_list(lengths_text)) {
+        char* end = nullptr;
+        const long long v = std::strtoll(item.c_str(), &end, 10);
+        ST_CHECK(end && *end == '\0' && v > 0, "--lengths: '", item,
+                 "' is not a positive token count");
+        lengths.push_back(v);
+    }
+    const bool cuda = parse_device(device) == Device::CUDA;
+    std::vector<std::unique_ptr<TrainingPlan>> training;
+    std::vector<MemoryPlan> device_plans;
+    std::vector<const MemoryPlan*> plans;
+    std::vector<int64_t> tokens;
+    std::string name;
+    int64_t vocab = 0;
+    for (int64_t length : lengths) {
+        std::vector<std::string> at = sets;
+        at.push_back(cat("seq_length=", length));
+        const Recipe recipe = load_recipe(recipe_path, at);
+        name = recipe.name;
+        vocab = recipe.model.vocab_size;
+        training.push_back(make_training_plan(recipe));
+        tokens.push_back(recipe.run.tokens_per_microbatch());
+        const TrainingPlan& tp = *training.back();
+        if (cuda)
+            device_plans.push_back(
+                cuda_memory_plan(recipe, tp.model->params(), tp.max_documents, tp.chunk_rows));
+    }
+    for (size_t i = 0; i < lengths.size(); ++i)
+        plans.push_back(cuda ? &device_plans[i] : &training[i]->plan);
+    std::printf("%s memory plan of %s at each micro-batch length (seq_length per sample)\n\n%s",
+                cuda ? "device" : "host", name.c_str(),
+                plan_growth(tokens, plans, vocab).format(top).c_str());
+    return 0;
+}
+
 }  // namespace
 
 Run add_plan(CLI::App& app) {
     struct Options {
-        std::string recipe, device = "cpu";
+        std::string recipe, device = "cpu", lengths;
+        int top = 12;
         std::vector<std::string> sets;
     };
     auto o = std::make_shared<Options>();
@@ -76,7 +118,14 @@ Run add_plan(CLI::App& app) {
         ->check(CLI::ExistingFile);
     c->add_option("--set,-s", o->sets, "Override a recipe key: --set key=value (repeatable)");
     c->add_option("--device", o->device, "cpu (default) or cuda: the plan of that backend");
-    return [o] { return plan(o->recipe, o->sets, o->device); };
+    c->add_option("--lengths", o->lengths,
+                  "Comma-separated seq_length values, ascending: the plan's class totals at each "
+                  "and the buffers that grow faster than the tokens");
+    c->add_option("--top", o->top, "With --lengths: how many buffers each list shows (default 12)");
+    return [o] {
+        return o->lengths.empty() ? plan(o->recipe, o->sets, o->device)
+                                  : plan_lengths(o->recipe, o->sets, o->device, o->lengths, o->top);
+    };
 }
 
 }  // namespace sparsetron::cli

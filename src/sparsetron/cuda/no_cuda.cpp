@@ -41,6 +41,9 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
 }
 }  // namespace cuda
 
+MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t) {
+    no_cuda("plan --device cuda");
+}
 std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*) {
     no_cuda("plan --device cuda");
 }

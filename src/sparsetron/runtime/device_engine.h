@@ -92,8 +92,12 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(
     Comm* context_parallel = nullptr, Comm* expert_data_parallel = nullptr);
 
 // The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
-// GPU): the per-class table of MemoryPlan::format(). Throws "built without CUDA" in a CPU-only
-// build.
+// GPU), unallocated. Throws "built without CUDA" in a CPU-only build.
+MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
+                            int64_t max_documents, int64_t chunk_rows);
+
+// The same plan as the per-class table of MemoryPlan::format(), with expert parallelism's
+// exchange region added to the total. Throws "built without CUDA" in a CPU-only build.
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes);
 

@@ -470,8 +470,8 @@ class CudaEngine final : public DeviceEngine {
 
 }  // namespace
 
-std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
-                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes) {
+MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
+                            int64_t max_documents, int64_t chunk_rows) {
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
@@ -481,9 +481,16 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                             std::min(chunk_rows, cpp.rows), cpp.key_rows,
                             recipe.run.fp8_blockwise());
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
+    return plan;
+}
+
+std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes) {
+    const MemoryPlan plan = cuda_memory_plan(recipe, host_store, max_documents, chunk_rows);
+    const ModelConfig& m = recipe.model;
     std::string text = plan.format();
     size_t total = plan.total_bytes();
-    if (m.expert_parallel_ranks > 1) {
+    if (recipe.run.expert_model_parallel_size > 1) {
         // Expert parallelism: the exchange's shared region, a separate allocation (CUDA IPC).
         const int64_t region = cuda::ExpertExchange::region_bytes_for(
             m.num_experts, exchange_rows(m, recipe.run.tokens_per_microbatch()), m.hidden_size);

@@ -186,6 +186,24 @@ TEST(DynamicCp, PackingInvariantsOnRandomSamples) {
     }
 }
 
+// Two one-rank samples on 4 ranks open ranks 0 and 1; each one's neighbour block is the other,
+// so neither doubles and ranks 2-3 stay idle (the trainer runs empty micro-batches there when
+// expert parallelism needs every rank in every exchange).
+TEST(DynamicCp, GroupsThatCannotDoubleLeaveRanksIdle) {
+    const auto mbs = schedule_dynamic_cp({50, 40}, 4, 64);
+    ASSERT_EQ(mbs.size(), 1u);
+    ASSERT_EQ(mbs[0].groups.size(), 2u);
+    EXPECT_EQ(mbs[0].groups[0].first_rank, 0);
+    EXPECT_EQ(mbs[0].groups[1].first_rank, 1);
+    EXPECT_EQ(mbs[0].groups[0].size, 1);
+    EXPECT_EQ(mbs[0].groups[1].size, 1);
+    EXPECT_EQ(mbs[0].idle_ranks, 2);
+    // One sample alone doubles into every rank.
+    const auto one = schedule_dynamic_cp({50}, 4, 64);
+    EXPECT_EQ(one[0].groups[0].size, 4);
+    EXPECT_EQ(one[0].idle_ranks, 0);
+}
+
 TEST(DynamicCp, ShortSamplesShareRanksAndOversizeOnesAreNamed) {
     // 16 samples of 1000 tokens on 4 ranks of 4096: four per rank, one micro-batch.
     const auto mbs = schedule_dynamic_cp(std::vector<int64_t>(16, 1000), 4, 4096);

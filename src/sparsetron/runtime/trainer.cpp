@@ -48,7 +48,10 @@ std::string StepMetrics::to_json() const {
     j["targets"] = targets;
     j["step_ms"] = step_ms;
     j["skipped"] = skipped;
-    if (!dynamic_cp_groups.empty()) j["dynamic_cp_groups"] = dynamic_cp_groups;
+    if (!dynamic_cp_groups.empty()) {
+        j["dynamic_cp_groups"] = dynamic_cp_groups;
+        j["dynamic_cp_idle_ranks"] = dynamic_cp_idle_ranks;
+    }
     if (graph) j["graph"] = true;
     return j.dump();
 }
@@ -432,15 +435,29 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
                                                            StepMetrics& m) {
     // Every rank computes the same schedule; a rank runs the groups that hold it, with CP = the
     // group's size over the aligned sub-communicator of that size (made once; none for a group
-    // of one rank).
+    // of one rank). With expert parallelism every micro-batch's MoE layers exchange rows over
+    // the EP group, whose ranks may sit in different CP groups: a rank the schedule leaves idle
+    // in a micro-batch runs an empty one (no documents: nothing routed, no loss) so that it
+    // joins the same exchanges in the same order as its EP peers.
+    const bool join_exchanges = recipe_.run.expert_model_parallel_size > 1;
     const std::vector<StepSample> samples = step_samples(batches_);
     std::vector<int64_t> lengths;
     for (const StepSample& s : samples) lengths.push_back(s.length);
     const int me = world_rank();
     std::vector<const MicroBatch*> out;
     cps.clear();
+    const auto next_batch = [&]() -> MicroBatch& {
+        if (out.size() == group_batches_.size())
+            group_batches_.push_back(
+                std::make_unique<MicroBatch>(tp_->group_slots, tp_->group_max_documents));
+        MicroBatch& mb = *group_batches_[out.size()];
+        mb.clear();
+        return mb;
+    };
     for (const auto& smb :
          schedule_dynamic_cp(lengths, world_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
+        m.dynamic_cp_idle_ranks += smb.idle_ranks;
+        const size_t before = out.size();
         for (const DynamicCpGroup& g : smb.groups) {
             int bucket = 0;
             while ((1 << bucket) < g.size) ++bucket;
@@ -448,11 +465,7 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
             ++m.dynamic_cp_groups[size_t(bucket)];
             if (me < g.first_rank || me >= g.first_rank + g.size) continue;
             ST_ASSERT(g.first_rank % g.size == 0, "dynamic CP group not aligned");
-            if (out.size() == group_batches_.size())
-                group_batches_.push_back(
-                    std::make_unique<MicroBatch>(tp_->group_slots, tp_->group_max_documents));
-            MicroBatch& mb = *group_batches_[out.size()];
-            mb.clear();
+            MicroBatch& mb = next_batch();
             for (int s : g.samples) {
                 const StepSample& x = samples[size_t(s)];
                 std::vector<int32_t> doc(x.mb->tokens.begin() + x.begin,
@@ -462,6 +475,10 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
             }
             cps.push_back(g.size > 1 ? &groups_->dynamic(g.size) : nullptr);
             out.push_back(&mb);
+        }
+        if (join_exchanges && out.size() == before) {
+            out.push_back(&next_batch());
+            cps.push_back(nullptr);
         }
     }
     return out;

@@ -42,8 +42,10 @@ struct StepMetrics {
     double step_ms = 0;
     bool skipped = false;
     bool graph = false;  // the step ran as a CUDA graph replay (cuda_graph_impl full_iteration)
-    // Dynamic CP: groups the step ran, by CP size (entry i: size 2^i).
+    // Dynamic CP: groups the step ran, by CP size (entry i: size 2^i), and the ranks left
+    // without a group, summed over the step's scheduled micro-batches.
     std::vector<int64_t> dynamic_cp_groups;
+    int64_t dynamic_cp_idle_ranks = 0;
     std::string to_json() const;
 };
 

@@ -4,6 +4,7 @@
 // weights, and ranks with different recipes all stop with a message.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -451,9 +452,12 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
 // (checked through the step's idle-rank count). On 2 ranks no schedule leaves a rank idle.
 TEST(Mpi, DynamicContextParallelWithExpertParallelismMatchesOneProcess) {
     const int W = g_comm->size();
+    // Every rank holds at least one expert (8 and 16 ranks: as many experts as ranks).
     const std::vector<std::string> base = {"dsa_indexer_topk=16", "dsa_indexer_loss_coeff=0",
-                                           "global_batch_size=2"};
-    auto one = run(small_recipe(1, base), nullptr, "dcp-ep-one");
+                                           "global_batch_size=2",
+                                           cat("num_experts=", std::max(4, W))};
+    Weights w_one;
+    auto one = run(small_recipe(1, base), nullptr, "dcp-ep-one", &w_one);
     std::vector<std::string> extra = {
         cat("context_parallel_size=", W), "dynamic_context_parallel=true",
         "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=64",
@@ -481,6 +485,12 @@ TEST(Mpi, DynamicContextParallelWithExpertParallelismMatchesOneProcess) {
             << "no scheduled micro-batch left a rank idle: the case is not exercised";
     }
     expect_replicas_identical(w, W, "dynamic CP x EP");
+    // The weights after the steps are the one-process run's: the dense ones on every rank, the
+    // routed experts summed over the ranks that hold them.
+    double experts = w.expert_total();
+    g_comm->allreduce_sum(&experts, 1);
+    EXPECT_NEAR(w.dense, w_one.dense, 1e-5 * w_one.dense);
+    EXPECT_NEAR(experts, w_one.expert_total(), 1e-5 * w_one.expert_total());
 }
 
 // A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a

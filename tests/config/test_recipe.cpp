@@ -62,6 +62,29 @@ TEST(Recipe, SeedRecipesParseAndValidate) {
     EXPECT_EQ(r256.run.pipeline_model_parallel_size, 4);
 }
 
+// A recipe and its overlays: "base,overlay" applies each file's keys over the ones before, then
+// --set; the Hopper overlay turns the seed's mxfp8 into blockwise FP8 and touches nothing else.
+TEST(Recipe, OverlaysReplaceTheBaseKeys) {
+    const Recipe seed = load_recipe(repo("recipes/glm5.2-16gpu.yaml"));
+    const Recipe hopper =
+        load_recipe(repo("recipes/glm5.2-16gpu.yaml") + "," + repo("recipes/overlays/h200.yaml"));
+    EXPECT_EQ(hopper.run.fp8_recipe, "blockwise");
+    EXPECT_EQ(hopper.run.fp8_format, "e4m3");
+    Recipe back = hopper;
+    back.run.fp8_recipe = seed.run.fp8_recipe;
+    EXPECT_EQ(back.to_yaml(), seed.to_yaml());
+    // --set still comes last; a missing overlay is named.
+    const Recipe set =
+        load_recipe(repo("recipes/glm5.2-16gpu.yaml") + "," + repo("recipes/overlays/h200.yaml"),
+                    {"fp8_recipe="});
+    EXPECT_EQ(set.run.fp8_recipe, "");
+    const std::string msg = error_of(
+        [] { load_recipe(repo("recipes/tiny.yaml") + "," + repo("recipes/overlays/none.yaml")); });
+    EXPECT_NE(msg.find("cannot read recipe file '" + repo("recipes/overlays/none.yaml") + "'"),
+              std::string::npos)
+        << msg;
+}
+
 TEST(Recipe, TinyYamlEqualsTheBuiltinRecipe) {
     Recipe file = load_recipe(repo("recipes/tiny.yaml"));
     EXPECT_EQ(file.to_yaml(), builtin_tiny_recipe().to_yaml());

@@ -154,3 +154,13 @@ TEST(Plan, LengthsShowEachClassAtEveryLength) {
     EXPECT_EQ(down.code, 1) << down.output;
     EXPECT_NE(down.output.find("strictly ascending"), std::string::npos) << down.output;
 }
+
+// The bench never times an FP8 recipe in bf16: the seed's mxfp8 stops before any GPU work with
+// the overlay to use, which then gets past the FP8 check (to the GPU's absence here, or a run).
+TEST(Bench, Mxfp8RecipeStopsNamingTheOverlay) {
+    const std::string seed = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-16gpu.yaml";
+    auto r = sparsetron::test::run_cli("bench --recipe " + seed + " --iters 1");
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("fp8_recipe: mxfp8 is not implemented"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("recipes/overlays/h200.yaml"), std::string::npos) << r.output;
+}

@@ -19,7 +19,9 @@ Run add_bench(CLI::App& app) {
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
-    c->add_option("--recipe", o->recipe, "Recipe YAML")->required();
+    c->add_option("--recipe", o->recipe,
+                  "Recipe YAML, or a recipe and its overlays: base.yaml,overlay.yaml")
+        ->required();
     c->add_option("--set", o->sets, "Override a recipe key (key=value), repeatable");
     c->add_option("--warmup", o->b.warmup, "Untimed iterations first (default 3)");
     c->add_option("--iters", o->b.iters, "Timed iterations (default 10)");

@@ -62,7 +62,9 @@ Run add_flops(CLI::App& app) {
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("flops", "Audited model FLOPs per step of a recipe (SPEC 8)");
-    c->add_option("--recipe", o->recipe, "Recipe YAML")->required();
+    c->add_option("--recipe", o->recipe,
+                  "Recipe YAML, or a recipe and its overlays: base.yaml,overlay.yaml")
+        ->required();
     c->add_option("--set", o->sets, "Override a recipe key (key=value), repeatable");
     c->add_option("--doc-lengths", o->doc_lengths,
                   "Comma-separated document lengths of one step (default: global_batch_size "

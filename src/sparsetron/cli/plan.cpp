@@ -114,8 +114,9 @@ Run add_plan(CLI::App& app) {
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("plan", "Print the memory plan of a recipe per memory class");
-    c->add_option("--recipe,-r", o->recipe, "Recipe YAML (default: built-in tiny)")
-        ->check(CLI::ExistingFile);
+    c->add_option("--recipe,-r", o->recipe,
+                  "Recipe YAML, or a recipe and its overlays: base.yaml,overlay.yaml (default: "
+                  "built-in tiny)");
     c->add_option("--set,-s", o->sets, "Override a recipe key: --set key=value (repeatable)");
     c->add_option("--device", o->device, "cpu (default) or cuda: the plan of that backend");
     c->add_option("--lengths", o->lengths,

@@ -58,8 +58,11 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     }
     std::string out = out_arg;
     if (out.empty())
-        out = (fs::path("runs") / (recipe_path.empty() ? "tiny" : fs::path(recipe_path).stem()))
-                  .string();
+        out =
+            (fs::path("runs") /
+             (recipe_path.empty() ? "tiny"
+                                  : fs::path(recipe_path.substr(0, recipe_path.find(','))).stem()))
+                .string();
     connect_gpus_if_launched(parse_device(device));
     TrainOptions opts{out, resume, parse_device(device), !no_save, launch_comm()};
     Trainer trainer(recipe, opts);
@@ -146,8 +149,9 @@ Run add_train(CLI::App& app) {
     auto* c = app.add_subcommand("train",
                                  "Train a model (default: the tiny recipe on the bundled corpus, "
                                  "on CPU)");
-    c->add_option("--recipe,-r", o->recipe, "Recipe YAML (Megatron keys); default: built-in tiny")
-        ->check(CLI::ExistingFile);
+    c->add_option("--recipe,-r", o->recipe,
+                  "Recipe YAML (Megatron keys), or a recipe and its overlays: "
+                  "base.yaml,overlay.yaml; default: built-in tiny");
     c->add_option("--set,-s", o->sets, "Override a recipe key: --set key=value (repeatable)");
     c->add_option("--out,-o", o->out,
                   "Output directory for metrics.jsonl and checkpoints (default: runs/<recipe "

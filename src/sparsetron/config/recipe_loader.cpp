@@ -54,12 +54,20 @@ std::vector<RawSetting> parse_recipe_yaml(const std::string& text, const std::st
 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
     Recipe recipe;
-    if (!path.empty()) {
-        std::ifstream in(path);
-        ST_CHECK(in.good(), "cannot read recipe file '", path, "'");
+    // "base.yaml,overlay.yaml,...": each file's keys over the ones before (validation runs once,
+    // on the result, so an overlay may complete what its base leaves inconsistent).
+    size_t begin = 0;
+    while (begin < path.size()) {
+        size_t end = path.find(',', begin);
+        if (end == std::string::npos) end = path.size();
+        const std::string file = path.substr(begin, end - begin);
+        begin = end + 1;
+        if (file.empty()) continue;
+        std::ifstream in(file);
+        ST_CHECK(in.good(), "cannot read recipe file '", file, "'");
         std::stringstream ss;
         ss << in.rdbuf();
-        for (const auto& s : parse_recipe_yaml(ss.str(), path)) recipe.apply(s);
+        for (const auto& s : parse_recipe_yaml(ss.str(), file)) recipe.apply(s);
         recipe.name = path;
     }
     for (const auto& o : overrides) recipe.apply(parse_override(o));

@@ -59,6 +59,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     ST_CHECK(!o.variants.empty(), "bench: no variants");
     for (const auto& v : o.variants)
         ST_CHECK(v == "eager" || v == "graph", "bench: unknown variant '", v, "' (eager, graph)");
+    check_fp8_recipe(recipe.run, Device::CUDA);
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(recipe.run.world_size == ranks, "bench: world_size ", recipe.run.world_size, " but ",
              ranks, " processes were started");

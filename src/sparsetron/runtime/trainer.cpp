@@ -74,22 +74,31 @@ std::string stash_overflow_message(const ModelConfig& mc, const DeviceEngine::St
                need, " (or moe_paged_stash: false) and resume from the last checkpoint");
 }
 
-void check_supported(const Recipe& r, const TrainOptions& o) {
+}  // namespace
+
+void check_fp8_recipe(const RunConfig& r, Device device) {
     // Never run bf16 silently under an FP8 recipe.
-    if (r.run.fp8_recipe == "mxfp8")
+    if (r.fp8_recipe == "mxfp8")
         throw Error(
             "fp8_recipe: mxfp8 is not implemented: its block scaling (32-element UE8M0 scales) "
-            "needs Blackwell, and Hopper's cuBLASLt has no MXFP8 GEMM. On Hopper use "
-            "fp8_recipe: blockwise (1x128 activation / 128x128 weight scales)");
-    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_blockwise(), "fp8_recipe: ", r.run.fp8_recipe,
+            "needs Blackwell, and Hopper's cuBLASLt has no MXFP8 GEMM. On Hopper add the overlay "
+            "recipes/overlays/h200.yaml (fp8_recipe: blockwise, 1x128 activation / 128x128 "
+            "weight scales): --recipe <recipe>,recipes/overlays/h200.yaml; or --set "
+            "fp8_recipe= to train in bf16");
+    ST_CHECK(r.fp8_recipe.empty() || r.fp8_blockwise(), "fp8_recipe: ", r.fp8_recipe,
              " is not implemented (blockwise is; drop the key to train in bf16)");
-    ST_CHECK(r.run.fp8_recipe.empty() || o.device == Device::CUDA,
+    ST_CHECK(r.fp8_recipe.empty() || device == Device::CUDA,
              "fp8_recipe: blockwise trains on CUDA only (the CPU reference model is bf16/fp32; "
              "its FP8 quantizers and GEMM are the references the CUDA ones are tested against): "
              "use --device cuda or drop fp8_recipe");
-    ST_CHECK(r.run.fp8_recipe.empty() || r.run.fp8_format == "e4m3",
-             "fp8_format: ", r.run.fp8_format,
+    ST_CHECK(r.fp8_recipe.empty() || r.fp8_format == "e4m3", "fp8_format: ", r.fp8_format,
              " is not implemented (blockwise uses e4m3 for every operand)");
+}
+
+namespace {
+
+void check_supported(const Recipe& r, const TrainOptions& o) {
+    check_fp8_recipe(r.run, o.device);
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(r.run.world_size == ranks, "world_size ", r.run.world_size, " but ", ranks,
              ranks == 1 ? " process was started (launch N processes with mpirun -np N, or set "

@@ -74,6 +74,11 @@ struct TrainingPlan {
 };
 std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe);
 
+// Stops, naming what to change, when the recipe's FP8 settings cannot run as written on
+// `device` (an unimplemented recipe or format, FP8 on CPU): no run trains bf16 silently under
+// an FP8 recipe. The trainer and the bench call it.
+void check_fp8_recipe(const RunConfig& run, Device device);
+
 class Trainer {
   public:
     Trainer(Recipe recipe, TrainOptions options);

@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "ep_exchange_check.h"
@@ -491,6 +493,56 @@ TEST(Mpi, DynamicContextParallelWithExpertParallelismMatchesOneProcess) {
     g_comm->allreduce_sum(&experts, 1);
     EXPECT_NEAR(w.dense, w_one.dense, 1e-5 * w_one.dense);
     EXPECT_NEAR(experts, w_one.expert_total(), 1e-5 * w_one.expert_total());
+}
+
+// The seed's 16-GPU recipe as written (EP16 x dynamic CP16 over 21 layers of 64 experts, MTP x7
+// e2e TV, Muon) at tiny width (recipes/overlays/cpu-tiny-width.yaml) on 16 ranks, against the
+// one-process run of the same documents, which ctest runs first (mpi_seed_16gpu_reference) into
+// test-tmp/seed16-one. The indexer loss coefficient is 0 in both: the loss is a mean per
+// micro-batch, so with it the indexer's gradient depends on the grouping. Step 1 is equal to
+// fp64 summation noise and routes every token alike; later steps are equal to fp32 summation
+// noise, which flips the odd near-tie among 64 experts (a few of 32768 assignments per layer).
+TEST(Mpi, Seed16GpuRecipeAtTinyWidthMatchesOneProcess) {
+    const int W = g_comm->size();
+    if (W != 16)
+        GTEST_SKIP() << "the seed's 16-GPU layout needs 16 ranks (ctest mpi_seed_16gpu_np16)";
+    const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
+    const Recipe r = load_recipe(dir + "glm5.2-16gpu.yaml," + dir + "overlays/cpu-tiny-width.yaml",
+                                 {"dsa_indexer_loss_coeff=0"});
+    ASSERT_EQ(r.run.expert_model_parallel_size, 16);
+    ASSERT_TRUE(r.run.dynamic_context_parallel);
+    const std::string reference = std::string(SPARSETRON_TEST_TMP) + "/seed16-one/metrics.jsonl";
+    std::ifstream in(reference);
+    ASSERT_TRUE(in.good()) << reference << " is missing: ctest runs mpi_seed_16gpu_reference first";
+    std::vector<nlohmann::json> one;
+    for (std::string line; std::getline(in, line);) one.push_back(nlohmann::json::parse(line));
+    auto got = run(r, g_comm, "seed16");
+    ASSERT_EQ(got.size(), one.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+        const double lm = one[i]["lm_loss"], mtp = one[i]["mtp_loss"], gn = one[i]["grad_norm"];
+        const auto loads = one[i]["moe_load"].get<std::vector<std::vector<int64_t>>>();
+        if (g_comm->rank() == 0)
+            std::cout << "[seed 16-GPU recipe, tiny width, 16 ranks] step " << i + 1 << ": lm "
+                      << got[i].lm_loss << " vs " << lm << ", mtp " << got[i].mtp_loss << " vs "
+                      << mtp << ", grad_norm " << got[i].grad_norm << " vs " << gn
+                      << ", idle ranks " << got[i].dynamic_cp_idle_ranks << "\n";
+        const double tol = i == 0 ? 1e-9 : 1e-6;
+        EXPECT_NEAR(got[i].lm_loss, lm, tol * lm) << "step " << i + 1;
+        EXPECT_NEAR(got[i].mtp_loss, mtp, 10 * tol * mtp) << "step " << i + 1;
+        EXPECT_NEAR(got[i].grad_norm, gn, 10 * tol * gn) << "step " << i + 1;
+        EXPECT_EQ(got[i].targets, one[i]["targets"].get<int64_t>());
+        ASSERT_EQ(got[i].moe_load.size(), loads.size());
+        for (size_t l = 0; l < loads.size(); ++l) {
+            int64_t moved = 0, total = 0, want = 0;
+            for (size_t e = 0; e < loads[l].size(); ++e) {
+                moved += std::abs(got[i].moe_load[l][e] - loads[l][e]);
+                total += got[i].moe_load[l][e];
+                want += loads[l][e];
+            }
+            EXPECT_EQ(total, want) << "layer " << l << " step " << i + 1;
+            EXPECT_LE(moved, i == 0 ? 0 : 32) << "layer " << l << " step " << i + 1;
+        }
+    }
 }
 
 // A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a

@@ -138,3 +138,54 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
               std::string::npos)
         << wide.output;
 }
+
+namespace {
+// A small model (the tiny recipe's architecture at the test width) for the CLI runs below.
+const std::string kSmall =
+    " --set hidden_size=48 --set num_attention_heads=2 --set q_lora_rank=32 --set kv_lora_rank=24"
+    " --set qk_head_dim=16 --set qk_pos_emb_head_dim=8 --set v_head_dim=16"
+    " --set ffn_hidden_size=96 --set seq_length=64 --set global_batch_size=2 -q";
+
+int metric_lines(const std::string& path) {
+    std::ifstream in(path);
+    int n = 0;
+    for (std::string line; std::getline(in, line);) n += !line.empty();
+    return n;
+}
+}  // namespace
+
+// Resuming without --out continues in the directory resumed from (it wrote into ./runs/tiny,
+// splicing two runs' metrics there and leaving the resumed directory behind).
+TEST(Cli, ResumeWithoutOutContinuesWhereItResumedFrom) {
+    namespace fs = std::filesystem;
+    const std::string out = sparsetron::test::temp_dir("resume-here");
+    CliRun first = run("train --set train_iters=2 --out " + out + kSmall);
+    ASSERT_EQ(first.code, 0) << first.output;
+    const std::string cwd = sparsetron::test::temp_dir("cwd");
+    CliRun again = sparsetron::test::run_cli(
+        "train --resume " + out + "/checkpoints --set train_iters=4" + kSmall, "--chdir=" + cwd);
+    ASSERT_EQ(again.code, 0) << again.output;
+    EXPECT_EQ(metric_lines(out + "/metrics.jsonl"), 4) << again.output;
+    EXPECT_TRUE(fs::exists(out + "/checkpoints/iter_0000004/model.safetensors"));
+    EXPECT_FALSE(fs::exists(cwd + "/runs")) << "the resumed run wrote into the working directory";
+}
+
+// A metrics write that fails stops the run with a message (it exited 0 with the file cut
+// short). The resumed run's file-size limit lets it rewrite the first two steps' lines and
+// refuses the third (EFBIG, SIGXFSZ ignored as a full disk's ENOSPC would be met).
+TEST(Cli, AFailedMetricsWriteStopsTheRun) {
+    const std::string out = sparsetron::test::temp_dir("metrics-write");
+    CliRun first = run("train --set train_iters=2 --out " + out + kSmall);
+    ASSERT_EQ(first.code, 0) << first.output;
+    ASSERT_GT(metric_lines(out + "/metrics.jsonl"), 0);
+    const std::string cmd = "bash -c \"trap '' XFSZ; ulimit -f 1; exec " +
+                            std::string(SPARSETRON_CLI) + " train --no-save --resume " + out +
+                            "/checkpoints --set train_iters=6 --out " + out + kSmall + "\" 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string output;
+    char buf[4096];
+    for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) output.append(buf, n);
+    const int status = pclose(p);
+    EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 1) << output;
+    EXPECT_NE(output.find("metrics.jsonl' failed at step"), std::string::npos) << output;
+}

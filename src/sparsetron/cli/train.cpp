@@ -29,7 +29,25 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
         }
     }
     in.close();
-    std::ofstream(path, std::ios::trunc) << kept;
+    std::ofstream out(path, std::ios::trunc);
+    out << kept;
+    out.flush();
+    ST_CHECK(out.good(), "rewriting '", path.string(), "' failed (disk full?)");
+}
+
+// Where a run writes when --out is not given: a resumed run continues in the directory it
+// resumed from (the parent of its `checkpoints/`, or the save directory itself), a fresh one in
+// runs/<recipe name>.
+std::string default_out(const std::string& recipe_path, const std::string& resume, Recipe& recipe) {
+    if (!resume.empty()) {
+        const fs::path save_dir = fs::path(resolve_checkpoint(resume)).parent_path();
+        if (save_dir.filename() == "checkpoints") return save_dir.parent_path().string();
+        // Checkpoints outside <out>/checkpoints: keep saving next to the resumed one.
+        if (recipe.run.save.empty()) recipe.run.save = save_dir.string();
+        return save_dir.string();
+    }
+    const std::string first = recipe_path.substr(0, recipe_path.find(','));
+    return (fs::path("runs") / (first.empty() ? "tiny" : fs::path(first).stem())).string();
 }
 
 int train(const std::string& recipe_path, const std::vector<std::string>& sets,
@@ -56,13 +74,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     } else {
         recipe = load_recipe(recipe_path, sets);
     }
-    std::string out = out_arg;
-    if (out.empty())
-        out =
-            (fs::path("runs") /
-             (recipe_path.empty() ? "tiny"
-                                  : fs::path(recipe_path.substr(0, recipe_path.find(','))).stem()))
-                .string();
+    const std::string out = out_arg.empty() ? default_out(recipe_path, resume, recipe) : out_arg;
     connect_gpus_if_launched(parse_device(device));
     TrainOptions opts{out, resume, parse_device(device), !no_save, launch_comm()};
     Trainer trainer(recipe, opts);
@@ -117,6 +129,8 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     trainer.run([&](const StepMetrics& m) {
         metrics << m.to_json() << "\n";
         metrics.flush();
+        ST_CHECK(metrics.good(), "writing '", metrics_path.string(), "' failed at step ", m.step,
+                 " (disk full?); the run stops (resume from its last checkpoint)");
         if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step, first_metrics = m;
         last_loss = m.lm_loss;
         last_metrics = m;

@@ -14,6 +14,7 @@
 
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/io/durable.h"
 #include "sparsetron/io/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -33,7 +34,7 @@ void write_text_atomic(const fs::path& path, const std::string& text) {
         out.flush();
         ST_CHECK(out.good(), "writing '", tmp.string(), "' failed (disk full?)");
     }
-    fs::rename(tmp, path);
+    rename_durably(tmp.string(), path.string());
 }
 
 std::string read_text(const fs::path& path) {
@@ -204,12 +205,26 @@ void write_index(const fs::path& dir, const std::string& base, int shards) {
     write_text_atomic(dir / (base + ".safetensors.index.json"), js.dump(1) + "\n");
 }
 
+// This run's checkpoints beyond the newest `keep_last` are deleted; nothing else is (what the
+// run resumed from, another run's checkpoints). `latest` names the one just saved.
+void prune(const fs::path& root, const Retention& retention, int64_t saved) {
+    if (!retention.written) return;
+    std::vector<int64_t>& written = *retention.written;
+    written.erase(std::remove(written.begin(), written.end(), saved), written.end());
+    written.push_back(saved);
+    while (retention.keep_last > 0 && int64_t(written.size()) > retention.keep_last) {
+        fs::remove_all(root / iter_name(written.front()));
+        written.erase(written.begin());
+    }
+}
+
 }  // namespace
 
-std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
-                            const std::string& recipe_yaml, const ParamStore& store,
-                            const MemoryPlan& plan, const Optimizer* optimizer,
-                            const TrainerState& state, const CheckpointShards* shards) {
+std::string save_checkpoint(const std::string& save_dir, const Retention& retention,
+                            const ModelConfig& m, const std::string& recipe_yaml,
+                            const ParamStore& store, const MemoryPlan& plan,
+                            const Optimizer* optimizer, const TrainerState& state,
+                            const CheckpointShards* shards) {
     Comm* world = shards ? shards->world : nullptr;
     // The shards of one checkpoint go to one directory: every rank must name the same one.
     if (world && world->size() > 1) {
@@ -276,20 +291,14 @@ std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, cons
             write_text_atomic(tmp / "trainer_state.json", js.dump(2) + "\n");
             if (fs::exists(final_dir)) {  // re-saving an iteration: move the old one aside first
                 fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
-                fs::rename(final_dir, old);
-                fs::rename(tmp, final_dir);
+                rename_durably(final_dir.string(), old.string());
+                rename_durably(tmp.string(), final_dir.string());
                 fs::remove_all(old);
             } else {
-                fs::rename(tmp, final_dir);
+                rename_durably(tmp.string(), final_dir.string());
             }
             write_text_atomic(root / kLatest, std::to_string(state.iteration) + "\n");
-            // Keep the newest `keep_last` iter_* directories.
-            std::vector<fs::path> iters;
-            for (const auto& e : fs::directory_iterator(root))
-                if (e.is_directory() && e.path().filename().string().rfind("iter_", 0) == 0)
-                    iters.push_back(e.path());
-            std::sort(iters.begin(), iters.end());
-            for (size_t i = 0; i + keep_last < iters.size(); ++i) fs::remove_all(iters[i]);
+            prune(root, retention, state.iteration);
         });
     if (!error.empty()) discard();
     // No rank goes on (to read the checkpoint, or to save the next) before it is complete.

@@ -6,13 +6,14 @@
 // or, with experts sharded over EP ranks, shards of both with index files (CheckpointShards),
 //   trainer_state.json   iteration, consumed tokens, data position, RNG seed
 //   recipe.yaml          the effective recipe
-// written under a temporary name and renamed, so a crash never leaves a half-written checkpoint;
-// `latest_checkpointed_iteration.txt` (Megatron's name) is then replaced atomically and only the
-// newest `keep_last` checkpoints are kept.
+// written under a temporary name, synced to disk and renamed, so a crash never leaves a
+// half-written checkpoint; `latest_checkpointed_iteration.txt` (Megatron's name) is then replaced
+// the same way, and the run's own older checkpoints beyond its `keep_last` are deleted (Retention).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
@@ -45,10 +46,19 @@ struct CheckpointShards {
     int shards = 1;
 };
 
-std::string save_checkpoint(const std::string& save_dir, int64_t keep_last, const ModelConfig& m,
-                            const std::string& recipe_yaml, const ParamStore& store,
-                            const MemoryPlan& plan, const Optimizer* optimizer,
-                            const TrainerState& state, const CheckpointShards* shards = nullptr);
+// Which checkpoints a save may delete: only those this run wrote (`written`, oldest first; the
+// save appends its iteration), beyond the newest `keep_last` of them. A checkpoint the run resumed
+// from, or one another run wrote into the same directory, is never deleted. No `written`: none.
+struct Retention {
+    int64_t keep_last = 0;
+    std::vector<int64_t>* written = nullptr;
+};
+
+std::string save_checkpoint(const std::string& save_dir, const Retention& retention,
+                            const ModelConfig& m, const std::string& recipe_yaml,
+                            const ParamStore& store, const MemoryPlan& plan,
+                            const Optimizer* optimizer, const TrainerState& state,
+                            const CheckpointShards* shards = nullptr);
 
 // `dir` is a checkpoint directory or a save directory with latest_checkpointed_iteration.txt.
 std::string resolve_checkpoint(const std::string& dir);

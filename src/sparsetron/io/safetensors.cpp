@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
+#include "sparsetron/io/durable.h"
 
 namespace sparsetron {
 
@@ -42,7 +43,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
         std::remove(tmp.c_str());
         throw Error(cat("writing '", tmp, "' failed (disk full?)"));
     }
-    std::filesystem::rename(tmp, path);
+    rename_durably(tmp, path);
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {

@@ -13,6 +13,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
 #include "sparsetron/data/byte_tokenizer.h"
+#include "sparsetron/io/durable.h"
 #include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/parallel/dynamic_cp.h"
@@ -180,6 +181,12 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     if (world_size() > 1) check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
+    // One run per output directory (rank 0 holds the lock for the launch); saves that a killed
+    // run left half-done are removed, the complete checkpoints are not touched.
+    if (world_rank() == 0) {
+        lock_ = std::make_unique<DirectoryLock>(options_.out_dir);
+        remove_stale_temporaries(checkpoint_dir());
+    }
     const RunConfig& r = recipe_.run;
     // Data first: a bad dataset fails before any memory is planned. Rank 0 prepares the bundled
     // corpus (a file write) before the other ranks read it.
@@ -553,12 +560,12 @@ std::string Trainer::save() {
         const ParallelLayout& l = groups_->layout;
         const CheckpointShards shards{
             options_.comm, l.edp_rank(world_rank()) == 0 ? l.ep_rank(world_rank()) : -1, l.ep};
-        return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
-                               recipe_.to_yaml(), tp_->model->params(), tp_->plan,
+        return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, &saved_},
+                               recipe_.model, recipe_.to_yaml(), tp_->model->params(), tp_->plan,
                                tp_->optimizer.get(), state_, &shards);
     }
     if (world_rank() != 0) return checkpoint_dir();
-    return save_checkpoint(checkpoint_dir(), recipe_.run.save_keep_last, recipe_.model,
+    return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, &saved_}, recipe_.model,
                            recipe_.to_yaml(), tp_->model->params(), tp_->plan, tp_->optimizer.get(),
                            state_);
 }

@@ -13,6 +13,7 @@
 #include "sparsetron/data/document_stream.h"
 #include "sparsetron/data/packer.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/io/run_lock.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/optim/optimizer.h"
 #include "sparsetron/parallel/comm.h"
@@ -127,6 +128,8 @@ class Trainer {
 
     Recipe recipe_;
     TrainOptions options_;
+    std::unique_ptr<DirectoryLock> lock_;  // rank 0: the output directory is this run's
+    std::vector<int64_t> saved_;           // iterations this run saved (what retention may delete)
     std::unique_ptr<TrainingPlan> tp_;
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;

@@ -6,14 +6,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/crc32c.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/run_lock.h"
+#include "sparsetron/io/safetensors.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -168,4 +172,162 @@ TEST(Durable, FailuresNameThePath) {
     rename_durably(dir + "/a", dir + "/b");
     EXPECT_TRUE(fs::exists(dir + "/b"));
     EXPECT_FALSE(fs::exists(dir + "/a"));
+}
+
+namespace {
+
+// A saved tiny checkpoint (2 steps) and its model file's bytes.
+std::string saved_checkpoint(const std::string& out) {
+    Trainer t(small_recipe({"train_iters=2"}), {out, "", Device::CPU});
+    t.run();
+    return resolve_checkpoint(t.checkpoint_dir());
+}
+
+std::string read_bytes(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+std::string load_error(const std::string& ckpt) {
+    auto tp = make_training_plan(small_recipe());
+    tp->plan.allocate(Device::CPU);
+    return test::error_of([&] { load_model_weights(ckpt, tp->model->params(), tp->plan); });
+}
+
+}  // namespace
+
+TEST(Crc32c, KnownAnswerAndContinuation) {
+    const std::string s = "123456789";
+    EXPECT_EQ(crc32c(s.data(), s.size()), 0xE3069283u);  // the CRC-32C check value
+    EXPECT_EQ(crc32c(s.data() + 4, 5, crc32c(s.data(), 4)), 0xE3069283u);
+    std::string big(1000, '\0');
+    for (size_t i = 0; i < big.size(); ++i) big[i] = char(i * 131 + 7);
+    EXPECT_EQ(crc32c(big.data(), big.size()),
+              crc32c(big.data() + 333, 667, crc32c(big.data(), 333)));
+}
+
+// A flipped bit in a tensor's bytes is found at load, naming the file and the tensor (it loaded
+// unnoticed and trained on).
+TEST(CheckpointIntegrity, CorruptTensorBytesAreRefused) {
+    const std::string ckpt = saved_checkpoint(test::temp_dir("corrupt"));
+    EXPECT_EQ(load_error(ckpt), "");
+    const std::string file = ckpt + "/model.safetensors";
+    std::string bytes = read_bytes(file);
+    bytes[bytes.size() - 5] ^= 0x10;  // inside the last tensor's data
+    write_bytes(file, bytes);
+    const std::string msg = load_error(ckpt);
+    EXPECT_NE(msg.find(file + ": tensor '"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("is corrupt: its CRC-32C is"), std::string::npos) << msg;
+}
+
+// Overlapping data_offsets are refused when the file is opened; an integer tensor where a weight
+// belongs names the file and the tensor.
+TEST(CheckpointIntegrity, OverlapsAndWrongDtypesAreNamed) {
+    const std::string dir = test::temp_dir("overlap");
+    const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                               R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+    std::string bytes(8, '\0');
+    const uint64_t len = header.size();
+    std::memcpy(bytes.data(), &len, 8);
+    bytes += header + std::string(12, '\1');
+    write_bytes(dir + "/x.safetensors", bytes);
+    const std::string msg = test::error_of([&] { SafetensorsFile f(dir + "/x.safetensors"); });
+    EXPECT_NE(msg.find("tensor 'b' overlaps tensor 'a'"), std::string::npos) << msg;
+
+    const std::string ckpt = saved_checkpoint(test::temp_dir("dtype"));
+    const std::string file = ckpt + "/model.safetensors";
+    std::string model = read_bytes(file);
+    const std::string from = R"("model.norm.weight":{"dtype":"F32")";
+    const size_t at = model.find(from);
+    ASSERT_NE(at, std::string::npos);
+    model.replace(at + from.size() - 4, 3, "I32");  // same length: the header stays valid
+    write_bytes(file, model);
+    const std::string bad = load_error(ckpt);
+    EXPECT_NE(bad.find(file + ": tensor 'model.norm.weight': unsupported weight dtype"),
+              std::string::npos)
+        << bad;
+}
+
+// A NaN weight, or a NaN or negative second-moment estimate, is refused at load with the tensor
+// named (the run skipped every step and saved the NaN again; exp_avg_sq < 0 put NaN into weights).
+TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
+    Recipe r = small_recipe();
+    for (const char* what : {"weight", "exp_avg_sq nan", "exp_avg_sq negative"}) {
+        const std::string out = test::temp_dir(what);
+        auto tp = make_training_plan(r);
+        tp->plan.allocate(Device::CPU);
+        tp->model->bind();
+        tp->model->params().initialize(tp->plan, 1, r.model.init_method_std, r.model.num_layers);
+        std::string name;
+        if (std::string(what) == "weight") {
+            const ParamInfo& p = tp->model->params().params().front();
+            name = p.name;
+            tp->plan.view(p.param_slot).ptr<float>()[3] = std::nanf("");
+        } else {
+            for (const auto& [n, slot] : tp->optimizer->state_tensors())
+                if (n.size() > 11 && n.rfind(".exp_avg_sq") == n.size() - 11) {
+                    name = n;
+                    tp->plan.view(slot).ptr<float>()[3] =
+                        std::string(what) == "exp_avg_sq nan" ? std::nanf("") : -1.0f;
+                    break;
+                }
+        }
+        ASSERT_FALSE(name.empty()) << what;
+        TrainerState st;
+        st.iteration = 1;
+        st.data_position = "{}";
+        const std::string ckpt = save_checkpoint(out, {}, r.model, r.to_yaml(), tp->model->params(),
+                                                 tp->plan, tp->optimizer.get(), st);
+        auto fresh = make_training_plan(r);
+        fresh->plan.allocate(Device::CPU);
+        const std::string msg = test::error_of([&] {
+            load_model_weights(ckpt, fresh->model->params(), fresh->plan);
+            load_optimizer_state(ckpt, fresh->model->params(), *fresh->optimizer, fresh->plan);
+        });
+        EXPECT_NE(msg.find("tensor '" + name + "' holds"), std::string::npos)
+            << what << ": " << msg;
+        EXPECT_NE(msg.find("at element 3"), std::string::npos) << msg;
+    }
+}
+
+// trainer_state.json must describe its checkpoint: an iteration other than the directory's, a
+// negative one, or another seed than the recipe's stop the resume (they resumed at 2 on
+// iteration-4 weights, or ran steps -4..5 with NaN losses).
+TEST(CheckpointIntegrity, TrainerStateIsValidated) {
+    const std::string out = test::temp_dir("state");
+    {
+        Trainer t(small_recipe(), {out, "", Device::CPU});
+        t.run();
+    }
+    const std::string ckpt = out + "/checkpoints/iter_0000004";
+    const std::string state = ckpt + "/trainer_state.json";
+    const std::string original = read_bytes(state);
+    const auto with = [&](const std::string& from, const std::string& to) {
+        std::string text = original;
+        const size_t at = text.find(from);
+        EXPECT_NE(at, std::string::npos) << from;
+        if (at != std::string::npos) text.replace(at, from.size(), to);
+        write_bytes(state, text);
+    };
+    const auto resume_error = [&](std::vector<std::string> extra = {}) {
+        return test::error_of([&] {
+            Trainer t(small_recipe(extra), {test::temp_dir("resumed"), ckpt, Device::CPU});
+        });
+    };
+    with("\"iteration\": 4", "\"iteration\": 2");
+    std::string msg = resume_error();
+    EXPECT_NE(msg.find("iteration 2 but the checkpoint directory is iter_0000004"),
+              std::string::npos)
+        << msg;
+    with("\"iteration\": 4", "\"iteration\": -5");
+    msg = resume_error();
+    EXPECT_NE(msg.find("must be >= 0"), std::string::npos) << msg;
+    write_bytes(state, original);
+    EXPECT_EQ(resume_error(), "");
+    msg = resume_error({"seed=99"});
+    EXPECT_NE(msg.find("but the recipe's seed is 99"), std::string::npos) << msg;
 }

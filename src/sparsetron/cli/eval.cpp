@@ -12,6 +12,8 @@ namespace {
 
 int eval(const std::string& model, const std::string& tokens, bool json) {
     EvalResult r = evaluate(model, read_token_documents(tokens));
+    ST_CHECK(std::isfinite(r.lm_loss), "eval: the loss of '", model, "' is not finite (", r.lm_loss,
+             "): the model's outputs overflow");
     if (json) {
         nlohmann::ordered_json j;
         j["lm_loss"] = r.lm_loss;

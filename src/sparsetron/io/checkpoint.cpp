@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -63,7 +64,8 @@ void convert_into(const SafetensorsFile::Info& src, const Tensor& dst) {
             case DType::BF16:
                 return bf16_to_float(reinterpret_cast<const bf16*>(src.data)[i]);
             default:
-                throw Error(cat("unsupported weight dtype ", dtype_name(src.dtype)));
+                throw Error(
+                    cat("unsupported weight dtype ", dtype_name(src.dtype), " (F32, F64 or BF16)"));
         }
     };
     if (dst.dtype == DType::F32 && src.dtype == DType::F32) {
@@ -81,6 +83,31 @@ std::string shape_str(const std::vector<int64_t>& s) {
     return out + "]";
 }
 
+// Index of the first element of `t` that is not finite (or negative, for a second-moment
+// estimate, which the update takes the square root of), or -1.
+template <typename F>
+int64_t first_bad(const F* x, int64_t n, bool non_negative) {
+    for (int64_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i]) || (non_negative && x[i] < F(0))) return i;
+    return -1;
+}
+
+// Loaded state must be usable: a NaN weight skips every step (and is saved again), a NaN or
+// negative exp_avg_sq writes NaN into the weights at the next update.
+void check_values(const SafetensorsFile& file, const std::string& name, const Tensor& t) {
+    const bool second_moment = name.size() > 11 && name.rfind(".exp_avg_sq") == name.size() - 11;
+    const int64_t n = t.numel();
+    const int64_t bad = t.dtype == DType::F32   ? first_bad(t.ptr<float>(), n, second_moment)
+                        : t.dtype == DType::F64 ? first_bad(t.ptr<double>(), n, second_moment)
+                                                : -1;
+    if (bad < 0) return;
+    const double v = t.dtype == DType::F32 ? double(t.ptr<float>()[bad]) : t.ptr<double>()[bad];
+    throw Error(cat(file.path(), ": tensor '", name, "' holds ", v, " at element ", bad,
+                    second_moment ? " (a second-moment estimate must be finite and >= 0)"
+                                  : " (weights and optimizer state must be finite)",
+                    ": the checkpoint cannot be trained from; resume from an earlier one"));
+}
+
 void load_tensors(const SafetensorsFile& file, const std::string& what,
                   const std::vector<std::pair<std::string, Tensor>>& targets) {
     for (const auto& [name, dst] : targets) {
@@ -89,7 +116,13 @@ void load_tensors(const SafetensorsFile& file, const std::string& what,
         std::vector<int64_t> want(dst.shape.begin(), dst.shape.begin() + dst.ndim);
         ST_CHECK(info.shape == want, file.path(), ": tensor '", name, "' has shape ",
                  shape_str(info.shape), " but the model config expects ", shape_str(want));
-        convert_into(info, dst);
+        file.verify(name);
+        try {
+            convert_into(info, dst);
+        } catch (const Error& e) {
+            throw Error(cat(file.path(), ": tensor '", name, "': ", e.what()));
+        }
+        check_values(file, name, dst);
     }
 }
 
@@ -364,6 +397,24 @@ TrainerState load_trainer_state(const std::string& ckpt_dir) {
         throw;
     } catch (const std::exception& e) {
         throw Error(cat(path.string(), ": malformed trainer state (", e.what(), ")"));
+    }
+    // The state must describe the checkpoint it sits in: a resume would otherwise pair one
+    // iteration's weights with another's schedule and data position.
+    ST_CHECK(s.iteration >= 0 && s.consumed_tokens >= 0 && s.skipped_steps >= 0 &&
+                 s.skipped_steps <= s.iteration,
+             path.string(), ": iteration ", s.iteration, ", consumed_tokens ", s.consumed_tokens,
+             " and skipped_steps ", s.skipped_steps,
+             " must be >= 0 (and skipped_steps <= iteration)");
+    const std::string dir = fs::path(ckpt_dir).lexically_normal().filename().string();
+    if (dir.rfind("iter_", 0) == 0) {
+        int64_t named = -1;
+        try {
+            named = std::stoll(dir.substr(5));
+        } catch (const std::exception&) {
+        }
+        ST_CHECK(named == s.iteration, path.string(), ": iteration ", s.iteration,
+                 " but the checkpoint directory is ", dir,
+                 ": the state belongs to another checkpoint");
     }
     return s;
 }

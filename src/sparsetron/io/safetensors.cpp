@@ -1,19 +1,46 @@
 #include "sparsetron/io/safetensors.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "sparsetron/core/crc32c.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
 #include "sparsetron/io/durable.h"
 
 namespace sparsetron {
+namespace {
+
+const std::string kChecksumKey = "sparsetron.crc32c.";
+
+std::string hex32(uint32_t v) {
+    char text[9];
+    std::snprintf(text, sizeof text, "%08x", v);
+    return text;
+}
+
+}  // namespace
 
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::map<std::string, std::string>& metadata) {
+    // Every tensor's CRC-32C in the metadata (readers that do not know the key ignore it).
+    std::vector<uint32_t> sums(entries.size());
+    parallel_for(int64_t(entries.size()), [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+            size_t n = 1;
+            for (int64_t d : entries[size_t(i)].shape) n *= static_cast<size_t>(d);
+            sums[size_t(i)] =
+                crc32c(entries[size_t(i)].data, n * dtype_size(entries[size_t(i)].dtype));
+        }
+    });
+    std::map<std::string, std::string> meta = metadata;
+    for (size_t i = 0; i < entries.size(); ++i)
+        meta[kChecksumKey + entries[i].name] = hex32(sums[i]);
     nlohmann::ordered_json header;
-    if (!metadata.empty()) header["__metadata__"] = metadata;
+    header["__metadata__"] = meta;
     size_t offset = 0;
     for (const auto& e : entries) {
         size_t n = 1;
@@ -89,6 +116,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                      "disagree");
             info.data = data + off[0];
             info.bytes = off[1] - off[0];
+            info.offset = off[0];
             tensors_[it.key()] = info;
         } catch (const Error& e) {
             throw Error(cat(path, ": tensor '", it.key(), "': ", e.what()));
@@ -96,6 +124,30 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
             throw Error(cat(path, ": tensor '", it.key(), "': malformed entry (", e.what(), ")"));
         }
     }
+    check_layout();
+}
+
+void SafetensorsFile::check_layout() const {
+    // Tensors lie one after another in the data section: overlapping ranges would let one
+    // tensor's bytes be read as another's.
+    std::vector<std::pair<size_t, const std::string*>> by_offset;
+    for (const auto& [name, info] : tensors_) by_offset.emplace_back(info.offset, &name);
+    std::sort(by_offset.begin(), by_offset.end());
+    for (size_t i = 1; i < by_offset.size(); ++i) {
+        const Info& prev = tensors_.at(*by_offset[i - 1].second);
+        ST_CHECK(by_offset[i].first >= prev.offset + prev.bytes, path_, ": tensor '",
+                 *by_offset[i].second, "' overlaps tensor '", *by_offset[i - 1].second,
+                 "' (data_offsets)");
+    }
+}
+
+void SafetensorsFile::verify(const std::string& name) const {
+    const auto sum = metadata_.find(kChecksumKey + name);
+    if (sum == metadata_.end()) return;  // written elsewhere (HF): nothing to check against
+    const Info& info = at(name);
+    const std::string got = hex32(crc32c(info.data, info.bytes));
+    ST_CHECK(got == sum->second, path_, ": tensor '", name, "' is corrupt: its CRC-32C is ", got,
+             " but the file recorded ", sum->second);
 }
 
 const SafetensorsFile::Info& SafetensorsFile::at(const std::string& name) const {

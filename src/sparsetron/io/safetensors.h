@@ -20,7 +20,8 @@ struct SafetensorsEntry {
     const void* data;  // host memory, numel * dtype_size bytes
 };
 
-// Writes to `path`.tmp and renames, so `path` is never half-written.
+// Writes to `path`.tmp, syncs and renames, so `path` is never half-written. The metadata gains
+// each tensor's CRC-32C ("sparsetron.crc32c.<name>"), which SafetensorsFile::verify checks.
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::map<std::string, std::string>& metadata = {});
 
@@ -32,14 +33,19 @@ class SafetensorsFile {
         std::vector<int64_t> shape;
         const uint8_t* data;
         size_t bytes;
+        size_t offset;  // within the data section
     };
     bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
     const Info& at(const std::string& name) const;
+    // Throws, naming the file and the tensor, when the tensor's bytes do not match the CRC-32C
+    // the file recorded for it (files without one, such as HF's, are not checked).
+    void verify(const std::string& name) const;
     const std::map<std::string, Info>& tensors() const { return tensors_; }
     const std::map<std::string, std::string>& metadata() const { return metadata_; }
     const std::string& path() const { return path_; }
 
   private:
+    void check_layout() const;  // data_offsets in order, none overlapping
     std::string path_;
     std::unique_ptr<MappedFile> file_;
     std::map<std::string, Info> tensors_;

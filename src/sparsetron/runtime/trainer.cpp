@@ -247,6 +247,9 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         load_model_weights(ckpt, tp_->model->params(), tp_->plan);
         load_optimizer_state(ckpt, tp_->model->params(), *tp_->optimizer, tp_->plan);
         state_ = load_trainer_state(ckpt);
+        ST_CHECK(state_.seed == uint64_t(r.seed), ckpt, "/trainer_state.json: seed ", state_.seed,
+                 " but the recipe's seed is ", r.seed,
+                 ": resume with the checkpoint's (--set seed=", state_.seed, ")");
         stream_->set_position(StreamPosition::from_json(state_.data_position));
     } else {
         tp_->model->params().initialize(tp_->plan, state_.seed, recipe_.model.init_method_std,

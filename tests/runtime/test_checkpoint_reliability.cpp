@@ -291,6 +291,13 @@ TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
         EXPECT_NE(msg.find("tensor '" + name + "' holds"), std::string::npos)
             << what << ": " << msg;
         EXPECT_NE(msg.find("at element 3"), std::string::npos) << msg;
+        if (std::string(what) != "weight") continue;
+        // eval on the NaN weights exits non-zero (it printed {"lm_loss":null} with exit 0).
+        std::ofstream(out + "/tokens.txt") << "84 104 101 32 113\n";
+        const test::CliRun ev =
+            test::run_cli("eval --model " + ckpt + " --tokens " + out + "/tokens.txt --json");
+        EXPECT_EQ(ev.code, 1) << ev.output;
+        EXPECT_NE(ev.output.find("holds nan"), std::string::npos) << ev.output;
     }
 }
 

@@ -203,3 +203,16 @@ TEST(IndexShare, Glm52ReleaseAndSeedPatterns) {
     EXPECT_FALSE(dsa_layer_is_full(m, 1));
     EXPECT_EQ(dsa_source_layer(m, 2), 0);
 }
+
+// One value per key and file: a second one (it silently won) is refused with both lines, in the
+// ARGS block and across it; overlays and --set remain the way to replace values.
+TEST(Recipe, DuplicateKeysAreRefused) {
+    std::string msg =
+        error_of([] { parse_recipe_yaml("lr: 1e-3\nseed: 3\nlr: 2e-3\n", "r.yaml"); });
+    EXPECT_NE(msg.find("r.yaml:3: recipe key 'lr' is already set at r.yaml:1"), std::string::npos)
+        << msg;
+    msg = error_of([] { parse_recipe_yaml("ARGS:\n  lr: 1e-3\nlr: 2e-3\n", "s.yaml"); });
+    EXPECT_NE(msg.find("s.yaml:3: recipe key 'lr' is already set at s.yaml:2"), std::string::npos)
+        << msg;
+    EXPECT_EQ(parse_recipe_yaml("ARGS:\n  lr: 1e-3\nseed: 3\n", "ok.yaml").size(), 2u);
+}

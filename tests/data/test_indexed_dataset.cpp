@@ -174,10 +174,12 @@ TEST(DocumentStream, BlendFollowsTheWeights) {
     for (int i = 0; i < 400; ++i) s.next_piece(1000);
     EXPECT_EQ(s.position().taken[0], 100);
     EXPECT_EQ(s.position().taken[1], 300);
-    try {
-        DocumentStream bad({"x", p1, "1", p2}, 1);
-        FAIL();
-    } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("not a positive weight"), std::string::npos);
+    // Not a number, zero, infinite or NaN: refused, naming the item (inf was accepted and
+    // turned every weight into NaN).
+    for (const char* w : {"x", "0", "inf", "nan", "1e999"}) {
+        const std::string msg = test::error_of([&] { DocumentStream bad({w, p1, "1", p2}, 1); });
+        EXPECT_NE(msg.find(std::string("\"") + w + "\" is not a positive finite weight"),
+                  std::string::npos)
+            << msg;
     }
 }

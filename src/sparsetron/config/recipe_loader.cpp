@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "sparsetron/core/error.h"
@@ -19,7 +20,7 @@ std::vector<RawSetting> parse_recipe_yaml(const std::string& text, const std::st
     if (root.IsNull()) return {};
     ST_CHECK(root.IsMap(), origin, ": a recipe must be a mapping of key: value");
     // The seed's recipes keep their Megatron arguments under `ARGS:`; its keys apply like top-level
-    // ones (top-level keys after the block may add to or override them).
+    // ones (top-level keys after the block add to them).
     std::vector<std::pair<YAML::Node, YAML::Node>> items;
     for (const auto& kv : root) {
         if (kv.first.as<std::string>() == "ARGS" && kv.second.IsMap()) {
@@ -29,10 +30,16 @@ std::vector<RawSetting> parse_recipe_yaml(const std::string& text, const std::st
         }
     }
     std::vector<RawSetting> out;
+    std::map<std::string, std::string> seen;  // key -> where it was set in this file
     for (const auto& kv : items) {
         RawSetting s;
         s.key = kv.first.as<std::string>();
         s.origin = cat(origin, ":", kv.first.Mark().line + 1);
+        // One value per key and file (YAML's own rule; a second one silently won before). An
+        // overlay file or --set is the way to replace a value.
+        const auto [at, added] = seen.emplace(s.key, s.origin);
+        ST_CHECK(added, s.origin, ": recipe key '", s.key, "' is already set at ", at->second,
+                 " (one value per key in a file; override it with an overlay or --set)");
         const YAML::Node& v = kv.second;
         if (v.IsSequence()) {
             s.is_list = true;

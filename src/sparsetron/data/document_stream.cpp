@@ -1,5 +1,6 @@
 #include "sparsetron/data/document_stream.h"
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <numeric>
 
@@ -49,8 +50,9 @@ DocumentStream::DocumentStream(const std::vector<std::string>& data_path, uint64
         for (size_t i = 0; i < data_path.size(); i += 2) {
             char* end = nullptr;
             double w = std::strtod(data_path[i].c_str(), &end);
-            ST_CHECK(end && *end == '\0' && w > 0, "data_path: \"", data_path[i],
-                     "\" is not a positive weight (expected w1 prefix1 w2 prefix2 ...)");
+            ST_CHECK(end && *end == '\0' && w > 0 && std::isfinite(w), "data_path: \"",
+                     data_path[i],
+                     "\" is not a positive finite weight (expected w1 prefix1 w2 prefix2 ...)");
             weights_.push_back(w);
             prefixes.push_back(data_path[i + 1]);
         }

@@ -189,3 +189,18 @@ TEST(Cli, AFailedMetricsWriteStopsTheRun) {
     EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 1) << output;
     EXPECT_NE(output.find("metrics.jsonl' failed at step"), std::string::npos) << output;
 }
+
+// A diverged run (every step after the first skipped for non-finite gradients) stops with an
+// error after skipped_iters_limit steps in a row, saving nothing (it ran to the end, exit 0).
+TEST(Cli, ADivergedRunStops) {
+    const std::string out = sparsetron::test::temp_dir("diverged");
+    CliRun r =
+        run("train --set lr=1e30 --set min_lr=1e29 --set lr_warmup_iters=0"
+            " --set train_iters=20 --set skipped_iters_limit=3 --out " +
+            out + kSmall);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("3 consecutive steps (2..4) were skipped"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(metric_lines(out + "/metrics.jsonl"), 4);
+    EXPECT_FALSE(std::filesystem::exists(out + "/checkpoints/iter_0000004"));
+}

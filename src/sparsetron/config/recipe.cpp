@@ -92,6 +92,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(save, String),
         RUN_KEY(save_interval, Int),
         RUN_KEY(save_keep_last, Int),
+        RUN_KEY(skipped_iters_limit, Int),
         RUN_KEY(load, String),
         RUN_KEY(optimizer, String),
         RUN_KEY(lr, Float),

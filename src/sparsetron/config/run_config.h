@@ -25,6 +25,9 @@ struct RunConfig {
     std::string save;
     int64_t save_interval = 0;   // 0 = only at the end
     int64_t save_keep_last = 2;  // engine key: checkpoints kept in `save`
+    // Engine key: consecutive steps skipped for non-finite gradients after which the run stops
+    // with an error (a diverged run must not "finish"); 0 = never.
+    int64_t skipped_iters_limit = 10;
     std::string load;
 
     // Optimizer and schedule (SPEC §7).

@@ -107,6 +107,8 @@ void Recipe::validate() {
     positive(r.log_interval, "log_interval");
     ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
     positive(r.save_keep_last, "save_keep_last");
+    ST_CHECK(r.skipped_iters_limit >= 0,
+             "recipe key 'skipped_iters_limit' must be >= 0 (0: no limit)");
     ST_CHECK(r.max_documents_per_microbatch >= 0, "max_documents_per_microbatch must be >= 0");
     ST_CHECK(r.max_seqlen_per_dp_cp_rank >= 0, "max_seqlen_per_dp_cp_rank must be >= 0");
     ST_CHECK(r.loss_chunk_rows >= 0, "recipe key 'loss_chunk_rows' must be >= 0");

@@ -575,9 +575,19 @@ std::string Trainer::save() {
 
 void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
     const RunConfig& r = recipe_.run;
+    int64_t skipped_in_a_row = 0;
     while (state_.iteration < r.train_iters) {
         StepMetrics m = train_step();
         if (on_step) on_step(m);
+        skipped_in_a_row = m.skipped ? skipped_in_a_row + 1 : 0;
+        // A diverged run skips every step: stop, without saving its state, rather than finish.
+        ST_CHECK(r.skipped_iters_limit == 0 || skipped_in_a_row < r.skipped_iters_limit,
+                 skipped_in_a_row, " consecutive steps (", m.step - skipped_in_a_row + 1, "..",
+                 m.step,
+                 ") were skipped for non-finite gradients: the run diverged and stops "
+                 "(skipped_iters_limit ",
+                 r.skipped_iters_limit,
+                 "); resume from an earlier checkpoint with a lower lr, or check the data");
         bool last = state_.iteration == r.train_iters;
         if (options_.save_checkpoints &&
             ((r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last))

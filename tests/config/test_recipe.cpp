@@ -100,6 +100,15 @@ TEST(Recipe, UnknownKeySuggestsTheClosest) {
     msg = error_of([&] { r.apply(settings[1]); });
     EXPECT_NE(msg.find("x.yaml:2"), std::string::npos) << msg;
     EXPECT_NE(msg.find("num_attention_heads"), std::string::npos) << msg;
+    // Common HF / PyTorch names get Megatron's (learning_rate suggested rotary_base); a key far
+    // from every known one gets no guess.
+    msg = error_of([] { load_recipe("", {"learning_rate=1e-4"}); });
+    EXPECT_NE(msg.find("Megatron's name for it is 'lr'"), std::string::npos) << msg;
+    msg = error_of([] { load_recipe("", {"num_hidden_layers=4"}); });
+    EXPECT_NE(msg.find("'num_layers'"), std::string::npos) << msg;
+    msg = error_of([] { load_recipe("", {"completely_unrelated_setting=1"}); });
+    EXPECT_NE(msg.find("no key is close; `sparsetron keys` lists every key"), std::string::npos)
+        << msg;
 }
 
 TEST(Recipe, BadValuesNameTheKey) {

@@ -62,6 +62,18 @@ TEST(Cli, BadInputsExitNonZeroWithOneClearMessage) {
     r = run("plan --set num_attention_heads=0");
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("'num_attention_heads' must be > 0"), std::string::npos) << r.output;
+    // The key named, not a later symptom ("checkpoint directory does not exist", "no loss
+    // targets": the data blamed).
+    r = run("train --set train_iters=0 --no-save -q");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("'train_iters' is 0: a run trains at least one step"),
+              std::string::npos)
+        << r.output;
+    r = run("train --set seq_length=1 --no-save -q");
+    EXPECT_EQ(r.code, 1);
+    EXPECT_NE(r.output.find("'seq_length' is 1: a sample needs at least 2 tokens"),
+              std::string::npos)
+        << r.output;
 }
 
 TEST(Cli, PreprocessTrainEvalAndPlan) {

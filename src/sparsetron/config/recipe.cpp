@@ -4,6 +4,7 @@
 #include <cmath>
 #include <iomanip>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -226,14 +227,43 @@ std::vector<std::string> known_recipe_keys() {
     return keys;
 }
 
-std::string closest_key(const std::string& key) {
+// What to tell a user about an unknown key: the Megatron name of a common HuggingFace or
+// PyTorch name, else the nearest key when it is near (a few edits for the key's length), else
+// where the keys are listed.
+std::string unknown_key_hint(const std::string& key) {
+    static const std::map<std::string, std::string> synonyms = {
+        {"learning_rate", "lr"},
+        {"warmup_steps", "lr_warmup_iters"},
+        {"lr_warmup_steps", "lr_warmup_iters"},
+        {"max_steps", "train_iters"},
+        {"num_train_steps", "train_iters"},
+        {"train_steps", "train_iters"},
+        {"batch_size", "global_batch_size"},
+        {"seq_len", "seq_length"},
+        {"max_seq_len", "seq_length"},
+        {"max_seq_length", "seq_length"},
+        {"num_hidden_layers", "num_layers"},
+        {"n_routed_experts", "num_experts"},
+        {"num_experts_per_tok", "moe_router_topk"},
+        {"intermediate_size", "ffn_hidden_size"},
+        {"moe_intermediate_size", "moe_ffn_hidden_size"},
+        {"num_heads", "num_attention_heads"},
+        {"max_grad_norm", "clip_grad"},
+        {"rope_theta", "rotary_base"},
+        {"rms_norm_eps", "norm_epsilon"},
+        {"num_nextn_predict_layers", "mtp_num_layers"},
+        {"index_topk", "dsa_indexer_topk"},
+    };
+    const auto syn = synonyms.find(key);
+    if (syn != synonyms.end()) return cat("Megatron's name for it is '", syn->second, "'");
     std::string best;
     size_t best_d = std::numeric_limits<size_t>::max();
     for (const auto& k : key_table()) {
         size_t d = edit_distance(key, k.name);
         if (d < best_d) best_d = d, best = k.name;
     }
-    return best;
+    if (best_d <= std::max<size_t>(2, key.size() / 4)) return cat("did you mean '", best, "'?");
+    return "no key is close; `sparsetron keys` lists every key";
 }
 
 void Recipe::apply(const RawSetting& s) {
@@ -241,7 +271,7 @@ void Recipe::apply(const RawSetting& s) {
                            [&](const KeyDef& k) { return s.key == k.name; });
     if (it == key_table().end())
         throw Error(cat(s.origin.empty() ? "" : s.origin + ": ", "unknown recipe key '", s.key,
-                        "' (did you mean '", closest_key(s.key), "'?)"));
+                        "' (", unknown_key_hint(s.key), ")"));
     void* field = it->field(*this);
     if (s.is_list && it->kind == Kind::String) {  // e.g. moe_layer_freq: [0, 1, 1]
         std::string joined = "[";

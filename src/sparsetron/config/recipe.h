@@ -36,7 +36,9 @@ struct Recipe {
 
 // All known keys, for help text and suggestions.
 std::vector<std::string> known_recipe_keys();
-std::string closest_key(const std::string& key);
+// The hint an unknown key's error gives: Megatron's name for a common HF/PyTorch name, the
+// nearest key when it is a few edits away, or where the keys are listed.
+std::string unknown_key_hint(const std::string& key);
 
 // Parses "key=value" (value may be a comma-free scalar or "[a, b]").
 RawSetting parse_override(const std::string& kv);

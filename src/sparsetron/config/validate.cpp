@@ -101,9 +101,13 @@ void Recipe::validate() {
                  "dsa_dense_warmup trains the DSA indexer alone: it needs "
                  "experimental_attention_variant: dsa and dsa_indexer_loss_coeff > 0");
     positive(r.seq_length, "seq_length");
+    ST_CHECK(r.seq_length >= 2, "recipe key 'seq_length' is ", r.seq_length,
+             ": a sample needs at least 2 tokens (the loss predicts each token from the ones "
+             "before it)");
     positive(r.micro_batch_size, "micro_batch_size");
     positive(r.global_batch_size, "global_batch_size");
-    ST_CHECK(r.train_iters >= 0, "recipe key 'train_iters' must be >= 0");
+    ST_CHECK(r.train_iters >= 1, "recipe key 'train_iters' is ", r.train_iters,
+             ": a run trains at least one step (resuming a finished run: raise train_iters)");
     positive(r.log_interval, "log_interval");
     ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
     positive(r.save_keep_last, "save_keep_last");

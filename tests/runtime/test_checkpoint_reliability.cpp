@@ -18,6 +18,7 @@
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/run_lock.h"
 #include "sparsetron/io/safetensors.h"
+#include "sparsetron/runtime/host_memory_check.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -337,4 +338,35 @@ TEST(CheckpointIntegrity, TrainerStateIsValidated) {
     EXPECT_EQ(resume_error(), "");
     msg = resume_error({"seed=99"});
     EXPECT_NE(msg.find("but the recipe's seed is 99"), std::string::npos) << msg;
+}
+
+// The early host-memory check's bound never exceeds the planned parameter count (so it never
+// refuses a model that fits), and covers most of an MoE model.
+TEST(HostMemoryCheck, LowerBoundIsBelowThePlannedCount) {
+    const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
+    for (const std::string& recipe :
+         {std::string(), dir + "tiny.yaml",
+          dir + "glm5.2-16gpu.yaml," + dir + "overlays/cpu-tiny-width.yaml"}) {
+        Recipe r = load_recipe(
+            recipe, recipe.empty()
+                        ? std::vector<std::string>{"num_experts=64"}
+                        : std::vector<std::string>{"world_size=1", "expert_model_parallel_size=1",
+                                                   "context_parallel_size=1",
+                                                   "dynamic_context_parallel=false"});
+        auto tp = make_training_plan(r);
+        const int64_t planned = tp->model->params().total_numel(false);
+        const int64_t bound = parameter_count_lower_bound(r.model);
+        EXPECT_LE(bound, planned) << recipe;
+        EXPECT_GT(bound, planned / 4) << recipe;
+    }
+}
+
+// A model far beyond host memory stops before planning, with the sizes (it planned for over a
+// minute, then failed allocating).
+TEST(HostMemoryCheck, HugeModelsStopBeforePlanning) {
+    const test::CliRun r = test::run_cli("train --set num_experts=1000000 -q --no-save --out " +
+                                         test::temp_dir("huge"));
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("the model has at least"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("of host memory, and this machine has"), std::string::npos) << r.output;
 }

@@ -19,6 +19,7 @@ int64_t ParamStore::push(ParamInfo p) {
     p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
     if (p.trainable)
         p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad", dtype_, p.shape);
+    index_.emplace(p.name, int64_t(params_.size()));
     params_.push_back(std::move(p));
     return static_cast<int64_t>(params_.size()) - 1;
 }
@@ -72,9 +73,8 @@ const ParamInfo& ParamStore::at(const std::string& name) const {
 }
 
 int64_t ParamStore::index_of(const std::string& name) const {
-    for (size_t i = 0; i < params_.size(); ++i)
-        if (params_[i].name == name) return static_cast<int64_t>(i);
-    return -1;
+    const auto it = index_.find(name);
+    return it == index_.end() ? -1 : it->second;
 }
 
 int64_t ParamStore::total_numel(bool trainable_only) const {

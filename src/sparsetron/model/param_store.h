@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "sparsetron/core/memory_plan.h"
@@ -59,6 +60,7 @@ class ParamStore {
   private:
     int64_t push(ParamInfo p);
     std::vector<ParamInfo> params_;
+    std::unordered_map<std::string, int64_t> index_;  // name -> position in params_
     MemoryPlan& plan_;
     DType dtype_;
 };

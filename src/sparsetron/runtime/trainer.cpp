@@ -20,6 +20,7 @@
 #include "sparsetron/parallel/layout.h"
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/grad_ranges.h"
+#include "sparsetron/runtime/host_memory_check.h"
 
 namespace fs = std::filesystem;
 
@@ -203,6 +204,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     // Expert parallelism shards the routed experts: this rank's model holds its EP rank's.
     if (r.expert_model_parallel_size > 1)
         recipe_.model.expert_parallel_rank = make_layout(r, world_size()).ep_rank(world_rank());
+    // On CPU every planned byte is host memory: a model that cannot fit stops before planning.
+    if (options_.device == Device::CPU) check_host_memory_for_training(recipe_);
     tp_ = make_training_plan(recipe_);
     // Expert and context parallelism: the layout's communicators, made once; the MoE layers
     // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the

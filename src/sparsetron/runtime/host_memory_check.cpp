@@ -1,0 +1,51 @@
+#include "sparsetron/runtime/host_memory_check.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/memory_plan.h"
+
+namespace sparsetron {
+
+int64_t parameter_count_lower_bound(const ModelConfig& m) {
+    // Per MoE application: gate, up and down of every local expert. The MTP layer repeats the
+    // last main layer's kind.
+    int64_t moe_layers = m.num_moe_layers();
+    if (m.mtp_num_layers > 0 && m.is_moe_layer(m.num_layers - 1)) ++moe_layers;
+    const int64_t experts = m.num_experts / std::max<int64_t>(1, m.expert_parallel_ranks);
+    return 2 * m.vocab_size * m.hidden_size +
+           moe_layers * experts * 3 * m.hidden_size * m.moe_ffn_hidden_size;
+}
+
+uint64_t available_host_memory() {
+    std::ifstream in("/proc/meminfo");
+    for (std::string line; std::getline(in, line);) {
+        if (line.rfind("MemAvailable:", 0) != 0) continue;
+        std::istringstream fields(line.substr(13));
+        uint64_t kib = 0;
+        fields >> kib;
+        return kib * 1024;
+    }
+    const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
+}
+
+void check_host_memory_for_training(const Recipe& recipe) {
+    const uint64_t available = available_host_memory();
+    if (available == 0) return;
+    const int64_t params = parameter_count_lower_bound(recipe.model);
+    const double need = double(params) * 4.0 * 3.0;  // fp32 weights, gradients, one moment
+    ST_CHECK(need <= double(available), "the model has at least ", params,
+             " parameters: their fp32 weights, gradients and optimizer state need at least ",
+             format_bytes(need), " of host memory, and this machine has ",
+             format_bytes(double(available)),
+             " available (check num_experts, hidden_size and the FFN sizes, or train on GPUs "
+             "with expert parallelism)");
+}
+
+}  // namespace sparsetron

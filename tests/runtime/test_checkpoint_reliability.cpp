@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/crc32c.h"
+#include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/run_lock.h"
@@ -369,4 +371,35 @@ TEST(HostMemoryCheck, HugeModelsStopBeforePlanning) {
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("the model has at least"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("of host memory, and this machine has"), std::string::npos) << r.output;
+}
+
+// Stopping early saves where it stops: a stop request (what SIGINT/SIGTERM set) after the step
+// in progress, exit_interval after a multiple of it; the run then resumes from there.
+TEST(StopRequest, StopsAfterTheStepWithACheckpoint) {
+    const std::string out = test::temp_dir("stop");
+    {
+        Trainer t(small_recipe({"train_iters=6", "save_interval=0"}), {out, "", Device::CPU});
+        set_stop_request(SIGTERM);
+        const Trainer::End end = t.run();
+        set_stop_request(0);
+        EXPECT_EQ(end.kind, Trainer::End::Signal);
+        EXPECT_EQ(end.signal, SIGTERM);
+        EXPECT_EQ(t.iteration(), 1);
+        EXPECT_EQ(resolve_checkpoint(t.checkpoint_dir()), t.checkpoint_dir() + "/iter_0000001");
+    }
+    {
+        Trainer t(small_recipe({"train_iters=6", "save_interval=0", "exit_signal_handler=false"}),
+                  {out, out + "/checkpoints", Device::CPU});
+        set_stop_request(SIGINT);  // ignored without the handler key
+        Trainer::End end = t.run([](const StepMetrics&) {});
+        set_stop_request(0);
+        EXPECT_EQ(end.kind, Trainer::End::Finished);
+        EXPECT_EQ(t.iteration(), 6);
+    }
+    Trainer t(small_recipe({"train_iters=6", "save_interval=0", "exit_interval=4"}),
+              {test::temp_dir("interval"), "", Device::CPU});
+    const Trainer::End end = t.run();
+    EXPECT_EQ(end.kind, Trainer::End::ExitInterval);
+    EXPECT_EQ(t.iteration(), 4);
+    EXPECT_EQ(resolve_checkpoint(t.checkpoint_dir()), t.checkpoint_dir() + "/iter_0000004");
 }

@@ -1,7 +1,11 @@
 // The `sparsetron` executable: exit codes and messages a user sees.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -215,4 +219,61 @@ TEST(Cli, ADivergedRunStops) {
         << r.output;
     EXPECT_EQ(metric_lines(out + "/metrics.jsonl"), 4);
     EXPECT_FALSE(std::filesystem::exists(out + "/checkpoints/iter_0000004"));
+}
+
+namespace {
+std::string read_file(const std::string& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+// Starts `sparsetron ARGS` (output to OUT/log), waits until OUT/metrics.jsonl has `lines` lines,
+// sends each signal (after the first, once the run has said it will stop: standard signals that
+// arrive together are delivered once), and returns the exit status.
+int signalled_run(const std::string& args, const std::string& out, int lines,
+                  const std::vector<int>& signals) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        const std::string cmd = std::string(SPARSETRON_CLI) + " " + args + " >" + out + "/log 2>&1";
+        ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+        ::_exit(127);
+    }
+    for (int waited = 0; waited < 6000 && metric_lines(out + "/metrics.jsonl") < lines; ++waited)
+        ::usleep(10000);
+    for (size_t i = 0; i < signals.size(); ++i) {
+        for (int waited = 0; i > 0 && waited < 6000 &&
+                             read_file(out + "/log").find("stop requested") == std::string::npos;
+             ++waited)
+            ::usleep(1000);
+        ::kill(pid, signals[i]);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+}  // namespace
+
+// SIGTERM finishes the step in progress, saves it and exits with 143 (the run died with no
+// save); a second SIGINT after the first exits at once with 130, saving nothing (the tiny
+// recipe's steps take long enough for it to arrive mid-step).
+TEST(Cli, SignalsSaveAndExit) {
+    namespace fs = std::filesystem;
+    const std::string out = sparsetron::test::temp_dir("sigterm");
+    const int code =
+        signalled_run("train --set train_iters=1000 --out " + out + kSmall, out, 2, {SIGTERM});
+    const std::string text = read_file(out + "/log");
+    EXPECT_EQ(code, 143) << text;
+    const int steps = metric_lines(out + "/metrics.jsonl");
+    EXPECT_GE(steps, 2);
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", steps);
+    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name;
+    EXPECT_NE(text.find("stopped after step"), std::string::npos) << text;
+
+    const std::string twice = sparsetron::test::temp_dir("sigint-twice");
+    const int code2 =
+        signalled_run("train --set train_iters=1000 -q --out " + twice, twice, 1, {SIGINT, SIGINT});
+    EXPECT_EQ(code2, 130) << read_file(twice + "/log");
+    EXPECT_FALSE(fs::exists(twice + "/checkpoints/latest_checkpointed_iteration.txt"))
+        << read_file(twice + "/log");
 }

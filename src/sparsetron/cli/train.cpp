@@ -1,4 +1,5 @@
 // `sparsetron train`: a training run with progress on screen, metrics.jsonl and checkpoints.
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +9,7 @@
 #include "command.h"
 #include "progress.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -78,10 +80,11 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     connect_gpus_if_launched(parse_device(device));
     TrainOptions opts{out, resume, parse_device(device), !no_save, launch_comm()};
     Trainer trainer(recipe, opts);
+    if (trainer.recipe().run.exit_signal_handler) install_stop_request_handlers();
     // Rank 0 reports and writes the metrics; the other ranks train silently.
     if (trainer.world_rank() != 0) {
-        trainer.run();
-        return 0;
+        const Trainer::End end = trainer.run();
+        return end.kind == Trainer::End::Signal ? 128 + end.signal : 0;
     }
     const auto& r = trainer.recipe().run;
     const auto& params = trainer.params();
@@ -126,7 +129,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     double first_loss = -1, last_loss = -1;
     StepMetrics first_metrics, last_metrics;
     int64_t first_step = 0;
-    trainer.run([&](const StepMetrics& m) {
+    const Trainer::End end = trainer.run([&](const StepMetrics& m) {
         metrics << m.to_json() << "\n";
         metrics.flush();
         ST_CHECK(metrics.good(), "writing '", metrics_path.string(), "' failed at step ", m.step,
@@ -137,9 +140,18 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         progress.update(m);
     });
     progress.finish();
+    if (end.kind != Trainer::End::Finished)
+        std::printf("stopped after step %lld (%s)%s\n", static_cast<long long>(trainer.iteration()),
+                    end.kind == Trainer::End::Signal         ? (end.signal == SIGINT    ? "SIGINT"
+                                                                : end.signal == SIGTERM ? "SIGTERM"
+                                                                                        : "a signal")
+                    : end.kind == Trainer::End::ExitInterval ? "exit_interval"
+                                                             : "exit_duration_in_mins",
+                    no_save ? "" : "; resume with --resume");
     if (first_loss >= 0) {
         std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
-                    static_cast<long long>(first_step), static_cast<long long>(r.train_iters));
+                    static_cast<long long>(first_step),
+                    static_cast<long long>(trainer.iteration()));
         if (last_metrics.mtp_loss > 0)
             std::printf("mtp_loss %.4f -> %.4f, indexer_loss %.3e -> %.3e\n",
                         first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
@@ -148,7 +160,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     if (!no_save)
         std::printf("checkpoint: %s\n", resolve_checkpoint(trainer.checkpoint_dir()).c_str());
     std::printf("metrics: %s\n", metrics_path.c_str());
-    return 0;
+    return end.kind == Trainer::End::Signal ? 128 + end.signal : 0;
 }
 
 }  // namespace

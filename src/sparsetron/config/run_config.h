@@ -28,6 +28,12 @@ struct RunConfig {
     // Engine key: consecutive steps skipped for non-finite gradients after which the run stops
     // with an error (a diverged run must not "finish"); 0 = never.
     int64_t skipped_iters_limit = 10;
+    // Stopping early with a checkpoint (Megatron's keys): on SIGINT/SIGTERM (default on here),
+    // after an iteration that is a multiple of exit_interval, or once exit_duration_in_mins
+    // have passed (0 = never).
+    bool exit_signal_handler = true;
+    int64_t exit_interval = 0;
+    double exit_duration_in_mins = 0;
     std::string load;
 
     // Optimizer and schedule (SPEC §7).

@@ -111,6 +111,8 @@ void Recipe::validate() {
     positive(r.log_interval, "log_interval");
     ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
     positive(r.save_keep_last, "save_keep_last");
+    ST_CHECK(r.exit_interval >= 0 && r.exit_duration_in_mins >= 0,
+             "recipe keys 'exit_interval' and 'exit_duration_in_mins' must be >= 0 (0: never)");
     ST_CHECK(r.skipped_iters_limit >= 0,
              "recipe key 'skipped_iters_limit' must be >= 0 (0: no limit)");
     ST_CHECK(r.max_documents_per_microbatch >= 0, "max_documents_per_microbatch must be >= 0");

@@ -12,6 +12,7 @@
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
+#include "sparsetron/core/stop_request.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/optim/owner_assignment.h"
@@ -576,8 +577,9 @@ std::string Trainer::save() {
                            state_);
 }
 
-void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
+Trainer::End Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
     const RunConfig& r = recipe_.run;
+    const auto start = std::chrono::steady_clock::now();
     int64_t skipped_in_a_row = 0;
     while (state_.iteration < r.train_iters) {
         StepMetrics m = train_step();
@@ -591,11 +593,46 @@ void Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
                  "(skipped_iters_limit ",
                  r.skipped_iters_limit,
                  "); resume from an earlier checkpoint with a lower lr, or check the data");
-        bool last = state_.iteration == r.train_iters;
-        if (options_.save_checkpoints &&
-            ((r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last))
-            save();
+        const bool last = state_.iteration == r.train_iters;
+        const bool scheduled =
+            (r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last;
+        End end = stop_after_this_step(start);
+        if (options_.save_checkpoints && (scheduled || end.kind != End::Finished)) save();
+        if (end.kind != End::Finished) return end;
     }
+    return {};
+}
+
+Trainer::End Trainer::stop_after_this_step(std::chrono::steady_clock::time_point start) const {
+    const RunConfig& r = recipe_.run;
+    // Every rank stops after the same step: one rank's signal (or clock) counts for all.
+    double votes[3] = {
+        r.exit_signal_handler ? double(stop_request()) : 0.0,
+        r.exit_interval > 0 && state_.iteration % r.exit_interval == 0 ? 1.0 : 0.0,
+        r.exit_duration_in_mins > 0 &&
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >=
+                    60.0 * r.exit_duration_in_mins
+            ? 1.0
+            : 0.0};
+    if (world_size() > 1) {
+        for (double& v : votes) v = v > 0 ? 1.0 + v : 0.0;  // keep the signal number in a sum
+        std::vector<uint64_t> all = options_.comm->allgather(
+            uint64_t(votes[0]) | uint64_t(votes[1]) << 8 | uint64_t(votes[2]) << 16);
+        votes[0] = votes[1] = votes[2] = 0;
+        for (uint64_t a : all) {
+            votes[0] = std::max(votes[0], double(a & 0xFF) - 1);
+            votes[1] = std::max(votes[1], double((a >> 8) & 0xFF));
+            votes[2] = std::max(votes[2], double((a >> 16) & 0xFF));
+        }
+    }
+    End end;
+    if (votes[0] > 0)
+        end.kind = End::Signal, end.signal = int(votes[0]);
+    else if (votes[1] > 0)
+        end.kind = End::ExitInterval;
+    else if (votes[2] > 0)
+        end.kind = End::ExitDuration;
+    return end;
 }
 
 }  // namespace sparsetron

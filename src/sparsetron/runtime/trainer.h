@@ -2,6 +2,7 @@
 // steps the optimizer, logs metrics, and saves/resumes checkpoints.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -86,7 +87,13 @@ class Trainer {
     ~Trainer();
 
     // Runs until train_iters, calling `on_step` after every step.
-    void run(const std::function<void(const StepMetrics&)>& on_step = {});
+    // Why run() returned: train_iters reached, or a stop (a signal, exit_interval,
+    // exit_duration_in_mins) after which the run saved a checkpoint (unless saving is off).
+    struct End {
+        enum Kind { Finished, Signal, ExitInterval, ExitDuration } kind = Finished;
+        int signal = 0;  // Signal: its number (the process exits with 128 + it)
+    };
+    End run(const std::function<void(const StepMetrics&)>& on_step = {});
     StepMetrics train_step();
     std::string save();  // returns the checkpoint directory
 
@@ -117,6 +124,8 @@ class Trainer {
     const std::vector<int>& parameter_owners() const { return owner_; }
 
   private:
+    // Whether the run stops after the step just taken (agreed over every rank).
+    End stop_after_this_step(std::chrono::steady_clock::time_point start) const;
     void next_step_batches(std::vector<MicroBatch>& out);
     // Dynamic CP: this rank's groups of the step's schedule (the documents of `batches_`), each
     // packed into a micro-batch, with its CP communicator in `cps` (null: a group of one rank);

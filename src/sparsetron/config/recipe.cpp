@@ -95,6 +95,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(save_keep_last, Int),
         RUN_KEY(skipped_iters_limit, Int),
         RUN_KEY(exit_signal_handler, Bool),
+        RUN_KEY(distributed_timeout_minutes, Float),
         RUN_KEY(exit_interval, Int),
         RUN_KEY(exit_duration_in_mins, Float),
         RUN_KEY(load, String),

@@ -32,6 +32,9 @@ struct RunConfig {
     // after an iteration that is a multiple of exit_interval, or once exit_duration_in_mins
     // have passed (0 = never).
     bool exit_signal_handler = true;
+    // Megatron's deadline on one collective; past it the job stops naming the rank that stopped
+    // answering (0 = none).
+    double distributed_timeout_minutes = 10;
     int64_t exit_interval = 0;
     double exit_duration_in_mins = 0;
     std::string load;

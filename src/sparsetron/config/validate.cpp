@@ -111,6 +111,8 @@ void Recipe::validate() {
     positive(r.log_interval, "log_interval");
     ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
     positive(r.save_keep_last, "save_keep_last");
+    ST_CHECK(r.distributed_timeout_minutes >= 0,
+             "recipe key 'distributed_timeout_minutes' must be >= 0 (0: no deadline)");
     ST_CHECK(r.exit_interval >= 0 && r.exit_duration_in_mins >= 0,
              "recipe keys 'exit_interval' and 'exit_duration_in_mins' must be >= 0 (0: never)");
     ST_CHECK(r.skipped_iters_limit >= 0,

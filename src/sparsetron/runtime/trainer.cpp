@@ -16,6 +16,7 @@
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/optim/owner_assignment.h"
+#include "sparsetron/parallel/collective_watchdog.h"
 #include "sparsetron/parallel/cp_shard.h"
 #include "sparsetron/parallel/dynamic_cp.h"
 #include "sparsetron/parallel/layout.h"
@@ -180,7 +181,14 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
 Trainer::Trainer(Recipe recipe, TrainOptions options)
     : recipe_(std::move(recipe)), options_(std::move(options)) {
     check_supported(recipe_, options_);
-    if (world_size() > 1) check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
+    if (world_size() > 1) {
+        check_same_on_all_ranks(*options_.comm, recipe_.to_yaml(), "recipe");
+        // Heartbeats in the output directory name a rank that stops answering when the ranks
+        // share it (one --out for the launch).
+        CollectiveWatchdog::instance().configure(60.0 * recipe_.run.distributed_timeout_minutes,
+                                                 options_.out_dir, options_.comm->rank(),
+                                                 options_.comm->size());
+    }
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
     // One run per output directory (rank 0 holds the lock for the launch); saves that a killed
@@ -354,6 +362,9 @@ StepMetrics Trainer::train_step() {
     if (engine_) {
         // The device runs the whole step (the optimizer included; a graph replay with
         // cuda_graph_impl full_iteration).
+        // Its NCCL collectives run on the device: the host's wait for the step is what the
+        // collective deadline watches.
+        CollectiveWatchdog::Scope watched("the device step");
         DeviceEngine::StepOutcome o =
             engine_->run_step(mine, sc, recipe_.run, m.step, dynamic ? &cps : nullptr);
         sums = std::move(o.losses);

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "sparsetron/core/error.h"
+#include "sparsetron/parallel/collective_watchdog.h"
 
 namespace sparsetron {
 namespace {
@@ -56,6 +57,7 @@ void MpiComm::alltoallv(const void* send, const std::vector<int64_t>& send_bytes
                         const std::vector<int64_t>& recv_bytes) {
     ST_CHECK(int(send_bytes.size()) == size_ && int(recv_bytes.size()) == size_,
              "alltoallv: one count per rank");
+    CollectiveWatchdog::Scope watched("alltoallv");
     const size_t n = static_cast<size_t>(size_);
     std::vector<int> sc(n), sd(n), rc(n), rd(n);
     int64_t so = 0, ro = 0;
@@ -73,12 +75,14 @@ void MpiComm::alltoallv(const void* send, const std::vector<int64_t>& send_bytes
 }
 
 std::unique_ptr<Comm> MpiComm::split(int color, int key) {
+    CollectiveWatchdog::Scope watched("split");
     void* slot = nullptr;
     check(MPI_Comm_split(handle(comm_), color, key, &handle(slot)), "MPI_Comm_split");
     return std::unique_ptr<Comm>(new MpiComm(SubComm{}, slot));
 }
 
 void MpiComm::allreduce_sum(float* x, int64_t n) {
+    CollectiveWatchdog::Scope watched("allreduce");
     for (int64_t at = 0; at < n; at += kChunk)
         check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_FLOAT, MPI_SUM,
                             handle(comm_)),
@@ -86,6 +90,7 @@ void MpiComm::allreduce_sum(float* x, int64_t n) {
 }
 
 void MpiComm::allreduce_sum(double* x, int64_t n) {
+    CollectiveWatchdog::Scope watched("allreduce");
     for (int64_t at = 0; at < n; at += kChunk)
         check(MPI_Allreduce(MPI_IN_PLACE, x + at, int(std::min(kChunk, n - at)), MPI_DOUBLE,
                             MPI_SUM, handle(comm_)),
@@ -93,6 +98,7 @@ void MpiComm::allreduce_sum(double* x, int64_t n) {
 }
 
 void MpiComm::broadcast(void* data, int64_t bytes, int root) {
+    CollectiveWatchdog::Scope watched("broadcast");
     char* p = static_cast<char*>(data);
     for (int64_t at = 0; at < bytes; at += kChunk)
         check(MPI_Bcast(p + at, int(std::min(kChunk, bytes - at)), MPI_BYTE, root, handle(comm_)),
@@ -100,6 +106,7 @@ void MpiComm::broadcast(void* data, int64_t bytes, int root) {
 }
 
 std::vector<uint64_t> MpiComm::allgather(uint64_t value) {
+    CollectiveWatchdog::Scope watched("allgather");
     std::vector<uint64_t> all(size_t(size_), 0);
     check(MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, handle(comm_)),
           "MPI_Allgather");

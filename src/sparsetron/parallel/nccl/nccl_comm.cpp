@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "sparsetron/core/cuda_check.h"
+#include "sparsetron/parallel/collective_watchdog.h"
 #include "sparsetron/parallel/rendezvous.h"
 
 #define ST_NCCL_CHECK(call)                                                                   \
@@ -74,6 +75,7 @@ NcclComm::~NcclComm() {
 }
 
 void NcclComm::allreduce_host(void* x, int64_t n, int dtype, int64_t elem_bytes) {
+    CollectiveWatchdog::Scope watched("allreduce");
     char* p = static_cast<char*>(x);
     const int64_t chunk = staging_bytes_ / elem_bytes;
     for (int64_t i = 0; i < n; i += chunk) {
@@ -98,6 +100,7 @@ void NcclComm::allreduce_sum(double* x, int64_t n) {
 }
 
 void NcclComm::broadcast(void* data, int64_t bytes, int root) {
+    CollectiveWatchdog::Scope watched("broadcast");
     char* p = static_cast<char*>(data);
     for (int64_t i = 0; i < bytes; i += staging_bytes_) {
         const int64_t m = std::min(staging_bytes_, bytes - i);
@@ -113,6 +116,7 @@ void NcclComm::broadcast(void* data, int64_t bytes, int root) {
 }
 
 std::vector<uint64_t> NcclComm::allgather(uint64_t value) {
+    CollectiveWatchdog::Scope watched("allgather");
     std::vector<uint64_t> out(size_t(size_), 0);
     uint64_t* d = static_cast<uint64_t*>(staging_);
     ST_CUDA_CHECK(
@@ -128,6 +132,7 @@ void NcclComm::alltoallv(const void* send, const std::vector<int64_t>& send_byte
                          const std::vector<int64_t>& recv_bytes) {
     ST_CHECK(int(send_bytes.size()) == size_ && int(recv_bytes.size()) == size_,
              "alltoallv: one count per rank expected");
+    CollectiveWatchdog::Scope watched("alltoallv");
     int64_t total_send = 0, total_recv = 0;
     for (int r = 0; r < size_; ++r) total_send += send_bytes[r], total_recv += recv_bytes[r];
     // Host data: device buffers for this call (not in a training step's hot path).
@@ -156,6 +161,7 @@ void NcclComm::alltoallv(const void* send, const std::vector<int64_t>& send_byte
 }
 
 std::unique_ptr<Comm> NcclComm::split(int color, int key) {
+    CollectiveWatchdog::Scope watched("split");
     ncclComm_t c = nullptr;
     ST_NCCL_CHECK(ncclCommSplit(nc(comm_), color, key, &c, nullptr));
     ST_CHECK(c, "ncclCommSplit gave no communicator for color ", color);

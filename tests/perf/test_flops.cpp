@@ -6,6 +6,8 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/perf/flops.h"
+#include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
 
@@ -111,20 +113,23 @@ TEST(Plan, CudaPlanIsPrintedWithoutAGpu) {
         << rows.output;
     // dsa_saved_probs_max_mib: one bf16 [4 heads x 256 tokens, 256 keys] probability buffer per
     // masked attention application (2 layers + 2 MTP depths, one chunk each); none by default
-    // or when a layer's exceed the bound (512 KiB > 0 MiB).
+    // or when a layer's exceed the bound (512 KiB > 0 MiB). The masked form runs where the keys
+    // are at most twice the top-k: top-k 128 for the tiny recipe's 256 tokens.
     const auto activation_buffers = [](const std::string& out) {
         const size_t at = out.find("\nactivations");
         const size_t open = out.find('(', at);
         return at == std::string::npos ? -1 : std::stol(out.substr(open + 1));
     };
-    auto kept = sparsetron::test::run_cli("plan --recipe " + recipe +
-                                          " --device cuda --set dsa_saved_probs_max_mib=1");
+    const std::string masked = " --device cuda --set dsa_indexer_topk=128";
+    auto none = sparsetron::test::run_cli("plan --recipe " + recipe + masked);
+    auto kept = sparsetron::test::run_cli("plan --recipe " + recipe + masked +
+                                          " --set dsa_saved_probs_max_mib=1");
     EXPECT_EQ(kept.code, 0) << kept.output;
-    EXPECT_EQ(activation_buffers(kept.output), activation_buffers(r.output) + 4) << kept.output;
+    EXPECT_EQ(activation_buffers(kept.output), activation_buffers(none.output) + 4) << kept.output;
     for (const char* name : {"layers.0.attn_probs", "layers.1.attn_probs", "mtp.depth1.attn_probs",
                              "mtp.depth2.attn_probs"})
         EXPECT_NE(kept.output.find(name), std::string::npos) << name;
-    EXPECT_EQ(r.output.find("attn_probs"), std::string::npos) << r.output;
+    EXPECT_EQ(none.output.find("attn_probs"), std::string::npos) << none.output;
 #else
     EXPECT_EQ(r.code, 1);
     EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;
@@ -153,6 +158,33 @@ TEST(Plan, LengthsShowEachClassAtEveryLength) {
     auto down = sparsetron::test::run_cli("plan --recipe " + recipe + " --lengths 1024,256");
     EXPECT_EQ(down.code, 1) << down.output;
     EXPECT_NE(down.output.find("strictly ascending"), std::string::npos) << down.output;
+}
+
+// The sparse attention's form follows the length (planned from the recipe; no GPU needed): the
+// masked dense GEMMs in the expanded form while the keys are at most twice the top-k (the
+// proxy's 4096 tokens with top-2048), the flash kernels over the selected keys in the absorbed
+// form past that (8192 and 16384 tokens, where the masked form did 2x and 4x the dense work).
+TEST(Plan, SparseAttentionFormFollowsTheLength) {
+#if SPARSETRON_WITH_CUDA
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
+    for (int64_t tokens : {4096, 8192, 16384}) {
+        const Recipe r = load_recipe(recipe, {"mtp_num_layers=0", cat("seq_length=", tokens)});
+        auto tp = make_training_plan(r);
+        const MemoryPlan plan =
+            cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
+        const auto has = [&](const std::string& name) {
+            for (const PlanEntry& e : plan.entries())
+                if (e.name == name) return true;
+            return false;
+        };
+        const bool masked = tokens <= 2 * 2048;
+        EXPECT_EQ(has("attn.sparse_mqa_masked"), masked) << tokens;
+        EXPECT_EQ(has("layers.0.q_absorbed"), !masked) << tokens;
+    }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
 }
 
 // The bench never times an FP8 recipe in bf16: the seed's mxfp8 stops before any GPU work with

@@ -140,8 +140,8 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     DeviceArray<float> lse(H * T), dkv(T * dqk), psum(T * K);
     const float scale = float(0.9 / std::sqrt(double(dqk)));
     const bool masked = masked_chunks > 0;
-    const int64_t planned = cuda::sparse_mqa_workspace_bytes(T, H, K);
-    ASSERT_GT(planned, 0) << "the masked form applies when T <= 8 k";
+    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(T, H);
+    ASSERT_GT(planned, 0) << "the masked form runs at this shape";
     // Bytes per query token: S, dP (fp32) and P (bf16) rows of 16-rounded length, per head.
     const int64_t per_token = H * ((T + 15) / 16 * 16) * 10;
     ASSERT_EQ(planned, T * per_token) << "a short context fits one chunk";
@@ -243,7 +243,7 @@ TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
     auto run = [&](int chunks) {
         DeviceArray<bf16> out(Tq * H * dv), dq(Tq * H * dqk);
         DeviceArray<float> lse(H * Tq), dkv(Tk * dqk), psum(Tq * K);
-        const int64_t planned = cuda::sparse_mqa_workspace_bytes(Tq, H, K, Tk);
+        const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(Tq, H, Tk);
         EXPECT_EQ(planned, Tq * H * ((Tk + 15) / 16 * 16) * 10) << "one chunk, rows of all keys";
         const int64_t bytes = chunks ? (Tq + chunks - 1) / chunks * (planned / Tq) : 0;
         DeviceArray<float> ws(std::max<int64_t>(1, (bytes + 3) / 4));

@@ -290,7 +290,7 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
 TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     const SparseMqaBench b = sparse_mqa_bench(T);
     report_gathered_sparse_mqa(b, "");
-    // The same function as masked dense GEMMs (the model's choice at T <= 8 k); FLOPs are still
+    // The same function as masked dense GEMMs (the model's choice at T <= 2 k); FLOPs are still
     // counted on the selected pairs, so the TFLOP/s compare directly with the lines above.
     const int64_t ws_bytes = cuda::sparse_mqa_workspace_bytes(T, H, K);
     ASSERT_GT(ws_bytes, 0);
@@ -354,8 +354,8 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         [&] { cuda::topk_rows(ctx(), *scores, T, row_begin, T, K, tk, tl); }, 0, 4.0 * T * T / 2);
 }
 
-// Issue 7's 32K sparse MQA point: 32768 tokens with top-2048 (the masked form does not apply
-// past 8 x top-k keys, so the gathered kernels run). Row t selects its last min(t + 1, 2048)
+// The 32K sparse MQA point: 32768 tokens with top-2048 (the masked form is not chosen past
+// 2 x top-k keys, so the gathered kernels run). Row t selects its last min(t + 1, 2048)
 // keys, as at 4K. FLOPs as in the 4K test.
 TEST_F(CudaOpsPerf, SparseMqaAt32K) {
     const int64_t T32 = 32768;

@@ -82,9 +82,10 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 // DSA indexer loss's teacher before normalization, so the loss needs no second pass over Q'K'.
 // Two implementations: gathered keys (sparse_mqa_tc.cu, or the per-head reference kernels), and
 // masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given:
-// sparse_mqa_workspace_bytes() is the size the model plans, 0 where the gathered form is the
-// faster one (the top-k a small share of the context: keys > 8 * kslots); a smaller workspace
-// only means smaller chunks of query rows. key_rows: rows of kv (0: tokens, query row t being
+// sparse_mqa_workspace_bytes() is the size the model plans, 0 where the gathered (flash) form is
+// the faster one (the top-k a small share of the context: keys > 2 * kslots, where the dense
+// GEMMs' causal half of the keys outgrows the selected ones); a smaller workspace only means
+// smaller chunks of query rows. key_rows: rows of kv (0: tokens, query row t being
 // key row t; context parallelism has more key rows than queries, and every chunk of queries is
 // scored against all of them, the top-k still selecting which count).
 // One sparse MQA problem: q [tokens, heads, dqk], the latent rows kv [key rows, dqk] (the value
@@ -109,6 +110,13 @@ struct MaskedWorkspace {
 };
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
                                    int64_t key_rows = 0);
+// The choice inside sparse_mqa_workspace_bytes: the masked form for this many key rows and
+// selected keys per query.
+bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots);
+// The masked form's workspace for one chunk holding every query row, whether or not it is the
+// preferred form (0 where a key row exceeds its shared-memory bound): for tests and benchmarks
+// that run the masked form at any shape.
+int64_t sparse_mqa_masked_workspace_bytes(int64_t tokens, int64_t heads, int64_t key_rows = 0);
 // Saved probabilities (masked form, key_rows 0 only): the bf16 elements of every chunk's P for a
 // masked forward with this workspace (0 without one). Given to the forward as `saved_probs` it
 // keeps them; given to the backward it skips recomputing the scores and P (one GEMM and one

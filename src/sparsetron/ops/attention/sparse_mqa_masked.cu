@@ -432,20 +432,31 @@ void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int
     ST_CUDA_LAUNCH_CHECK();
 }
 
+static bool masked_fits(int64_t keys) {
+    // The head-summed probabilities need a float per key of shared memory.
+    return probs_smem_bytes(leading_dim(keys), true) <= kMaxProbsSmem;
+}
+
 bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
-    // Dense work per row ~ t / 2 keys against <= kslots gathered ones; tensor-core GEMMs win by
-    // far more than the 4x extra work this allows (docs/cuda.md). The head-summed probabilities
-    // need a float per key of shared memory.
-    return keys <= 8 * kslots && probs_smem_bytes(leading_dim(keys), true) <= kMaxProbsSmem;
+    // Dense work per query row ~ keys / 2 against <= kslots gathered ones, at 0.47x the FLOPs
+    // per pair in the expanded form: the masked GEMMs win while the keys are at most twice the
+    // top-k; past that the flash kernels over the selected keys do (docs/cuda.md).
+    return keys <= 2 * kslots && masked_fits(keys);
+}
+
+int64_t sparse_mqa_masked_workspace_bytes(int64_t tokens, int64_t heads, int64_t key_rows) {
+    const int64_t keys = key_rows > 0 ? key_rows : tokens;
+    if (tokens == 0 || !masked_fits(keys)) return 0;
+    const int64_t row = heads * leading_dim(keys);  // elements per query token
+    const int64_t cq = std::max<int64_t>(1, std::min(tokens, kChunkElems / row));
+    return cq * row * kBytesPerElem;
 }
 
 int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
                                    int64_t key_rows) {
     const int64_t keys = key_rows > 0 ? key_rows : tokens;
-    if (tokens == 0 || !sparse_mqa_masked_preferred(keys, kslots)) return 0;
-    const int64_t row = heads * leading_dim(keys);  // elements per query token
-    const int64_t cq = std::max<int64_t>(1, std::min(tokens, kChunkElems / row));
-    return cq * row * kBytesPerElem;
+    if (!sparse_mqa_masked_preferred(keys, kslots)) return 0;
+    return sparse_mqa_masked_workspace_bytes(tokens, heads, key_rows);
 }
 
 int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes) {

@@ -45,11 +45,12 @@ TEST(CudaModel, Skipped) {
 
 namespace {
 
-MicroBatch make_batch(int64_t T, int64_t max_docs, int64_t vocab, uint64_t seed) {
+MicroBatch make_batch(int64_t T, int64_t max_docs, int64_t vocab, uint64_t seed,
+                      const std::vector<int64_t>& docs) {
     MicroBatch mb(T, max_docs);
     CounterRng rng(seed, 3);
     uint64_t draw = 0;
-    for (int64_t len : {50, 70}) {
+    for (int64_t len : docs) {
         std::vector<int32_t> doc(len);
         for (auto& t : doc) t = int32_t(rng.bits(draw++) % uint64_t(vocab));
         EXPECT_TRUE(mb.add_document(doc));
@@ -62,9 +63,11 @@ struct Compared {
     std::string worst_name;
 };
 
-void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) {
+// T rows holding documents of `docs` tokens (two short ones by default).
+void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2, int64_t T = 128,
+                const std::vector<int64_t>& docs = {50, 70}) {
     const float indexer_scale = 8.f;
-    const int64_t T = 128, max_docs = 4, chunk = 48;
+    const int64_t max_docs = 4, chunk = 48;
     // CPU model with bf16-exact weights.
     MemoryPlan hplan;
     Glm5Model<float> cpu(cfg, hplan, T, max_docs, chunk);
@@ -98,7 +101,7 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
     cuda::zero(ctx, dplan.class_base(MemClass::Gradients), dplan.class_bytes(MemClass::Gradients));
     gm.refresh_bf16(ctx);
 
-    MicroBatch mb = make_batch(T, max_docs, cfg.vocab_size, 9);
+    MicroBatch mb = make_batch(T, max_docs, cfg.vocab_size, 9, docs);
     LossScales sc;
     sc.backward = true;
     sc.lm = 1.0 / double(mb.num_targets());
@@ -205,6 +208,19 @@ TEST(CudaModel, ExpandedAttentionWithoutDsaMatchesCpu) {
     cfg.dsa_indexer_loss_coeff = 0;
     cfg.moe_router_force_load_balancing = true;
     run_parity(cfg, "dense attention");
+}
+
+// A micro-batch longer than the indexer's query block (4096 rows) with its loss off: the scores
+// and top-k are computed per block of query rows against the keys before it (the form that
+// keeps them linear in the length), the head's dlogits in groups of four 48-row chunks. One
+// document of 4400 tokens (~70x the top-k of 64) and two short ones; CPU and CUDA select the
+// same keys except where bf16 moves a score across a near-tie.
+TEST(CudaModel, LongDocumentWithStreamedIndexerMatchesCpu) {
+    REQUIRE_GPU();
+    ModelConfig cfg = builtin_tiny_recipe().model;
+    cfg.moe_router_force_load_balancing = true;
+    cfg.dsa_indexer_loss_coeff = 0;
+    run_parity(cfg, "long document", 3e-2, 4608, {4400, 17, 150});
 }
 
 #endif  // SPARSETRON_WITH_CUDA

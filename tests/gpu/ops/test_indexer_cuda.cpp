@@ -89,6 +89,46 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
     expect_guard(idx, "topk idx");
 }
 
+// The model's form for long micro-batches without the indexer loss: scores and top-k per block
+// of query rows against the keys before the block's end (the key-row form, rows = the row's own
+// index), equal to the whole micro-batch's: the same top-k and lengths, scores within rounding.
+// At the GLM-5 indexer shape (32 heads x 128: the fused wgmma kernel on sm_90a) and a small one.
+TEST_F(CudaOps, IndexerScoresAndTopkInQueryBlocks) {
+    for (const auto [H, d] : {std::pair<int64_t, int64_t>{32, 128}, {4, 32}}) {
+        SCOPED_TRACE(cat(H, " heads x ", d));
+        const int64_t T = 700, K = 64, block = 256;
+        Rounded q(T * H * d, 191), k(T * d, 192);
+        DeviceArray<float> dw(random_vector<float>(T * H, 193)), scores(T * T), part(block * T);
+        // Documents [0, 500) and [500, 690), then padding rows.
+        std::vector<int32_t> rbv(T, -1), rowsv(T, -1);
+        for (int64_t t = 0; t < 690; ++t) rbv[t] = t < 500 ? 0 : 500, rowsv[t] = int32_t(t);
+        DeviceArray<int32_t> rb(rbv), rows(rowsv), idx(T * K), len(T), bidx(T * K), blen(T);
+        cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores);
+        cuda::topk_rows(ctx(), scores, T, rb, T, K, idx, len);
+        sync();
+        const auto whole = scores.download();
+        for (int64_t t0 = 0; t0 < T; t0 += block) {
+            const int64_t n = std::min(block, T - t0), keys = t0 + n;
+            cuda::fill(ctx(), part, block * T, -7.f);
+            cuda::indexer_scores(ctx(), q.dev + t0 * H * d, k.dev, dw + t0 * H, rb + t0, n, H, d,
+                                 part, nullptr, 0, rows + t0, keys);
+            cuda::topk_rows(ctx(), part, keys, rb + t0, n, K, bidx + t0 * K, blen + t0, rows + t0);
+            sync();
+            const auto got = part.download();
+            double worst = 0;
+            for (int64_t t = t0; t < t0 + n; ++t)
+                for (int64_t s = rbv[t]; rbv[t] >= 0 && s <= t; ++s)
+                    worst = std::max(
+                        worst, std::fabs(double(got[(t - t0) * keys + s]) - whole[t * T + s]) /
+                                   std::max(1.0, std::fabs(double(whole[t * T + s]))));
+            EXPECT_LE(worst, 1e-6) << "block at " << t0;
+        }
+        EXPECT_EQ(bidx.download(), idx.download());
+        EXPECT_EQ(blen.download(), len.download());
+        expect_guard(bidx, "block topk idx");
+    }
+}
+
 TEST_F(CudaOps, TopkTiesGoToTheSmallerIndex) {
     // Scores from a handful of values: many exact ties straddle the k-th place.
     const int64_t T = 2100, K = 64;

@@ -30,17 +30,23 @@ TEST(CudaOps, SkippedLoss) {
 #else
 
 namespace {
-void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab);
+void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
+                              int64_t dlogits_rows);
 }  // namespace
 
-// A vocabulary that is a multiple of 4 (16-byte sweeps over the logits) and one that is not.
+// A vocabulary that is a multiple of 4 (16-byte sweeps over the logits) and one that is not;
+// dlogits for all 150 rows (one weight-gradient GEMM) and for two chunks of 64 (two GEMMs, the
+// second over the last 22 rows, accumulating onto the first's).
 TEST_F(CudaOps, HeadCrossEntropyChunked) {
-    head_cross_entropy_check(*session_, 1000);
-    head_cross_entropy_check(*session_, 998);
+    head_cross_entropy_check(*session_, 1000, 150);
+    head_cross_entropy_check(*session_, 998, 150);
+    head_cross_entropy_check(*session_, 1000, 128);
 }
 
 namespace {
-void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab) {
+void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
+                              int64_t dlogits_rows) {
+    SCOPED_TRACE(cat("vocab ", vocab, ", dlogits rows ", dlogits_rows));
     const ExecContext& ctx = session.ctx();
     const int64_t rows = 150, dim = 64, chunk = 64;
     Rounded h(rows * dim, 61), w(vocab * dim, 62, 0.5);
@@ -48,7 +54,7 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab) {
     for (int64_t r = 0; r < rows; ++r) tgt[r] = r % 9 == 4 ? -1 : int32_t((r * 131) % vocab);
     DeviceArray<int32_t> dtgt(tgt);
     DeviceArray<float> logits(chunk * vocab), row_loss(rows);
-    DeviceArray<bf16> dlogits(rows * vocab), dh(rows * dim);  // all rows: dw is one GEMM
+    DeviceArray<bf16> dlogits(dlogits_rows * vocab), dh(rows * dim);
     auto dw0 = random_vector<float>(vocab * dim, 63, 0.01);
     DeviceArray<float> dw(dw0);
     DeviceArray<double> total(2);
@@ -63,6 +69,7 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab) {
                               .chunk_rows = chunk,
                               .logits_ws = logits,
                               .dlogits_ws = dlogits,
+                              .dlogits_rows = dlogits_rows,
                               .grad_scale = gs},
                              row_loss, dh, dw);
     cuda::loss_sum(ctx, row_loss, dtgt, rows, total);
@@ -82,6 +89,7 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab) {
     std::vector<float> dw_delta = dw.download(), dwr_delta = dwr;
     for (int64_t i = 0; i < vocab * dim; ++i) dw_delta[i] -= dw0[i], dwr_delta[i] -= dw0[i];
     expect_close("head dw (increment)", dw_delta, dwr_delta, kBf16Tol);
+    expect_guard(dlogits, "head dlogits");
     expect_guard(dh, "head dh");
     expect_guard(dw, "head dw");
 }

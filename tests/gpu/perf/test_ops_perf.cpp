@@ -253,9 +253,9 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
     report(
         "head + CE fwd+bwd, 512 rows x 154880",
         [&] {
-            cuda::head_cross_entropy(ctx(),
-                                     {*hh, rows, h, *w, V, targets, rows, *logits, *dl, 1e-3f},
-                                     *row_loss, *dh, *dw);
+            cuda::head_cross_entropy(
+                ctx(), {*hh, rows, h, *w, V, targets, rows, *logits, *dl, rows, 1e-3f}, *row_loss,
+                *dh, *dw);
         },
         3 * 2.0 * rows * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * rows * V);
     // The engine's form at the proxy's 4096 rows (chunks of 512 rows, the weight gradient one
@@ -271,7 +271,8 @@ TEST_F(CudaOpsPerf, HeadCrossEntropyChunk) {
         "head + CE fwd+bwd, 4096 rows, chunks of 512",
         [&] {
             cuda::head_cross_entropy(ctx(),
-                                     {*hr, R, h, *w, V, targets_r, chunk, *logits_all, *dlr, 1e-3f},
+                                     {*hr, R, h, *w, V, targets_r, chunk, *logits_all, *dlr,
+                                      cuda::head_dlogits_rows(R, chunk, h), 1e-3f},
                                      *loss_r, *dhr, *dw);
         },
         3 * 2.0 * R * h * V, 2.0 * V * h + 4.0 * V * h + 6.0 * R * V);

@@ -34,13 +34,19 @@ GpuDsaIndexer::GpuDsaIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffer
     knb_ = P.index(p + "k_norm.bias");
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
-    B.scratch(scores_, "dsa.scores", {Tn, Tk_});
-    // The GEMM form of the scores pairs query row t with key row t: not under CP.
-    dots_bytes_ = cp_ ? 0 : cuda::indexer_scores_workspace_bytes(Tn, HI_);
+    // The loss reads every row's scores after the attention (and writes their gradient), so
+    // with a loss they stay whole; without one each block's scores are used for its top-k and
+    // dropped. Blocks take the CP form of the kernels (query row t against key rows up to
+    // in.rows[t]), which the fused wgmma scores serve like the whole.
+    const bool loss = c.dsa_indexer_loss_coeff != 0;
+    block_ = loss || cp_ ? Tn : std::min(Tn, kQueryBlock);
+    B.scratch(scores_, "dsa.scores", {block_, Tk_});
+    // The GEMM form of the scores pairs query row t with key row t: not under CP or in blocks.
+    dots_bytes_ = cp_ || block_ < Tn ? 0 : cuda::indexer_scores_workspace_bytes(Tn, HI_);
     dots_ = nullptr;
-    if (!cp_) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
+    if (dots_bytes_ > 0) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
     if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
-    B.scratch(dscore_, "dsa.loss_grad", {Tn, Tk_});
+    if (loss) B.scratch(dscore_, "dsa.loss_grad", {Tn, Tk_});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
     B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
     B.scratch(dwb_, "grad.dsa.weights_bf16", {Tn, HI_});
@@ -86,9 +92,20 @@ void GpuDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a
         cuda::topk_rows(ctx, scores_, Tk_, in.row_begin, Tn, K_, A.topk, A.len, in.key_row);
         return;
     }
-    cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
-                         dots_bytes_);
-    cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
+    if (block_ == Tn) {
+        cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
+                             dots_bytes_);
+        cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
+        return;
+    }
+    // Block [t0, t0 + n) scores keys 0 .. t0 + n - 1 (causal), rows that long.
+    for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
+        const int64_t n = std::min(block_, Tn - t0), keys = t0 + n;
+        cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0, n,
+                             HI_, dI_, scores_, nullptr, 0, in.rows + t0, keys);
+        cuda::topk_rows(ctx, scores_, keys, in.row_begin + t0, n, K_, A.topk + t0 * K_, A.len + t0,
+                        in.rows + t0);
+    }
 }
 
 void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,

@@ -46,7 +46,11 @@ class GpuDsaIndexer {
     float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
-    float *scores_, *dscore_, *kl_, *dw32_, *dk32_;
+    // Query rows scored at once: all rows, or (no indexer loss, no CP, long micro-batches)
+    // blocks of kQueryBlock rows, so the fp32 scores are [block, key rows], not [rows, rows].
+    static constexpr int64_t kQueryBlock = 4096;
+    int64_t block_;
+    float *scores_, *dscore_ = nullptr, *kl_, *dw32_, *dk32_;
     float* dots_;  // indexer_scores' GEMM workspace
     int64_t dots_bytes_;
     bf16 *dq_, *dk_, *dkraw_, *dwb_;

@@ -64,8 +64,10 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     B_.scratch(dx_, "grad.residual", {Tn, h});
     B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
     B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
-    // All rows' dlogits: the head's weight gradient is one GEMM over them (head_cross_entropy).
-    B_.scratch(dlogits_, "head.dlogits", {T_, V});
+    // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
+    // (head_cross_entropy), so the buffer is bounded by the hidden size, not the micro-batch.
+    B_.scratch(dlogits_, "head.dlogits",
+               {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
     B_.scratch(row_loss_, "head.row_loss", {Tn});
     D_ = cfg.mtp_num_layers;
     if (D_ > 0) {
@@ -126,7 +128,7 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     // Every per-micro-batch input in one block (layout in carve_inputs()): one upload per
     // micro-batch, one device copy per micro-batch inside a captured step.
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
-    input_words_ = (4 + 2 * D_ + (cp_ ? 1 : 0)) * Tn + n_scales_ + (Tn + 3) / 4;
+    input_words_ = (5 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
     if (fp8_) fp8_->declare();
     // The weights read only through FP8 have no bf16 copies.
@@ -138,7 +140,7 @@ void GpuGlm5Model::carve_inputs() {
     int32_t* w = in_block_;
     in_.token_ids = w, in_.targets = w + Tn, in_.positions = w + 2 * Tn, in_.row_begin = w + 3 * Tn;
     w += 4 * Tn;
-    if (cp_) in_.key_row = w, w += Tn;
+    (cp_ ? in_.key_row : in_.rows) = w, w += Tn;
     for (auto& m : mtp_) m->ids = w, m->targets = w + Tn, w += 2 * Tn;
     in_.loss_scales = reinterpret_cast<const float*>(w);
     w += n_scales_;
@@ -221,13 +223,13 @@ void GpuGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
     out.assign(size_t(input_words_), 0);
     int32_t* w = out.data();
     int32_t *tok = w, *tgt = w + Tn, *pos = w + 2 * Tn, *row_begin = w + 3 * Tn;
-    int32_t* key_row = cp_ ? w + 4 * Tn : nullptr;
-    int32_t* mtp = w + (cp_ ? 5 : 4) * Tn;  // per depth: input ids [Tn], targets [Tn]
+    int32_t* key_row = w + 4 * Tn;  // GpuInputs::key_row under CP, else GpuInputs::rows
+    int32_t* mtp = w + 5 * Tn;      // per depth: input ids [Tn], targets [Tn]
     std::fill_n(tgt, Tn, -1);
     std::fill_n(row_begin, Tn, -1);
-    if (key_row) std::fill_n(key_row, Tn, -1);
+    std::fill_n(key_row, Tn, -1);
     std::fill_n(mtp, 2 * D_ * Tn, -1);
-    const int64_t scales_at = (cp_ ? 5 : 4) * Tn + 2 * D_ * Tn;
+    const int64_t scales_at = 5 * Tn + 2 * D_ * Tn;
     uint8_t* valid = tv_p_ ? reinterpret_cast<uint8_t*>(w + scales_at + n_scales_) : nullptr;
     // This rank's rows: every row of the micro-batch, or under CP its two chunks of every
     // document. Row n is micro-batch row g of the document [b, e).
@@ -244,7 +246,7 @@ void GpuGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
                 const int64_t g = b + i;
                 tok[n] = mb.tokens[g], tgt[n] = mb.targets[g], pos[n] = mb.positions[g];
                 row_begin[n] = int32_t(b);
-                if (key_row) key_row[n] = int32_t(g);
+                key_row[n] = int32_t(g);
                 // MTP: depth k reads the token at row g+k and predicts row g+k+1, inside the
                 // document only (under CP those rows may be another rank's).
                 for (int64_t k = 1; k <= D_; ++k) {
@@ -394,6 +396,7 @@ cuda::HeadLoss GpuGlm5Model::head_loss(const bf16* h, const int32_t* targets, co
             .chunk_rows = chunk_rows_,
             .logits_ws = logits_,
             .dlogits_ws = dlogits_,
+            .dlogits_rows = cuda::head_dlogits_rows(T_, chunk_rows_, cfg_.hidden_size),
             .grad_scale = 1.f,
             .grad_scale_dev = scale,
             .dw_beta = dw_beta};

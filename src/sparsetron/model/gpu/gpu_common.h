@@ -132,6 +132,9 @@ struct GpuInputs {
     int64_t key_tokens = 0;
     int32_t* key_row = nullptr;
     Comm* cp = nullptr;
+    // Without CP: row t's own index (-1 for padding), so kernels that take query rows against
+    // key rows run on blocks of query rows (the indexer streams its scores that way).
+    int32_t* rows = nullptr;
 };
 
 // Sum over the CP group on the step's stream (nothing without one).

@@ -117,24 +117,36 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
     ST_ASSERT(chunk_rows > 0, "head_cross_entropy: chunk rows");
     const bool backward = dh || dw;
     ST_ASSERT(!backward || dlogits_ws, "head_cross_entropy: backward needs the dlogits workspace");
-    for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
-        const int64_t n = std::min(chunk_rows, rows - r0);
-        // With dw, every chunk's dlogits stay for the one weight-gradient GEMM below.
-        bf16* dl = dw ? dlogits_ws + r0 * vocab : dlogits_ws;
-        gemm(ctx, false, true, n, vocab, dim, 1.f, h + r0 * dim, dim, w, dim, 0.f, logits_ws, vocab,
-             DType::BF16, DType::F32);
-        cross_entropy_rows<<<n, kThreads, 0, stream_of(ctx)>>>(
-            logits_ws, vocab, targets + r0, grad_scale, grad_scale_dev, row_loss + r0,
-            backward ? dev(dl) : nullptr);
-        ST_CUDA_LAUNCH_CHECK();
-        if (dh)
-            gemm(ctx, false, false, n, dim, vocab, 1.f, dl, vocab, w, dim, 0.f, dh + r0 * dim, dim);
+    // Rows whose dlogits the workspace holds at once: a whole number of chunks.
+    const int64_t group = dw ? std::min(rows, p.dlogits_rows) : chunk_rows;
+    ST_ASSERT(!dw || (group > 0 && (group == rows || group % chunk_rows == 0)),
+              "head_cross_entropy: dlogits rows must be all rows or a multiple of chunk rows");
+    for (int64_t g0 = 0; g0 < rows; g0 += group) {
+        const int64_t g1 = std::min(rows, g0 + group);
+        for (int64_t r0 = g0; r0 < g1; r0 += chunk_rows) {
+            const int64_t n = std::min(chunk_rows, g1 - r0);
+            // With dw, the group's chunks' dlogits stay for its weight-gradient GEMM below.
+            bf16* dl = dw ? dlogits_ws + (r0 - g0) * vocab : dlogits_ws;
+            gemm(ctx, false, true, n, vocab, dim, 1.f, h + r0 * dim, dim, w, dim, 0.f, logits_ws,
+                 vocab, DType::BF16, DType::F32);
+            cross_entropy_rows<<<n, kThreads, 0, stream_of(ctx)>>>(
+                logits_ws, vocab, targets + r0, grad_scale, grad_scale_dev, row_loss + r0,
+                backward ? dev(dl) : nullptr);
+            ST_CUDA_LAUNCH_CHECK();
+            if (dh)
+                gemm(ctx, false, false, n, dim, vocab, 1.f, dl, vocab, w, dim, 0.f, dh + r0 * dim,
+                     dim);
+        }
+        // One pass over the fp32 [vocab, dim] gradient (3.8 GB at GLM-5's shape) per group of
+        // chunks, not per chunk: the accumulation's memory traffic, not its FLOPs, is the cost.
+        if (dw)
+            gemm(ctx, true, false, vocab, dim, g1 - g0, 1.f, dlogits_ws, vocab, h + g0 * dim, dim,
+                 g0 == 0 ? dw_beta : 1.f, dw, dim, DType::BF16, DType::F32);
     }
-    // One pass over the fp32 [vocab, dim] gradient (3.8 GB at GLM-5's shape) instead of one per
-    // chunk: the accumulation's memory traffic, not its FLOPs, was the cost.
-    if (dw)
-        gemm(ctx, true, false, vocab, dim, rows, 1.f, dlogits_ws, vocab, h, dim, dw_beta, dw, dim,
-             DType::BF16, DType::F32);
+}
+
+int64_t head_dlogits_rows(int64_t rows, int64_t chunk_rows, int64_t dim) {
+    return std::min(rows, (dim + chunk_rows - 1) / chunk_rows * chunk_rows);
 }
 
 void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,

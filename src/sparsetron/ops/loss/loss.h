@@ -46,9 +46,12 @@ namespace sparsetron::cuda {
 
 // Per chunk of rows: logits (fp32, logits_ws [chunk, vocab]) -> row_loss[r] (0 without target) and
 // dlogits = grad_scale * (softmax - onehot) (bf16) -> dh (overwrite, bf16) and dw += (fp32). dh
-// and dw may be null (forward only). dlogits_ws: [rows, vocab] when dw is given (dw is one GEMM
-// over all rows), else [chunk_rows, vocab]. With `grad_scale_dev` (a device scalar: graph-safe)
-// the scale is grad_scale * *grad_scale_dev. dw = dw_beta * dw + the gradient (0: overwrite).
+// and dw may be null (forward only). dlogits_ws: [dlogits_rows, vocab], a multiple of chunk_rows
+// (or all rows): with dw, the chunks' dlogits fill it and dw takes one GEMM per fill, so a
+// longer workspace means fewer passes over the fp32 [vocab, dim] gradient and a bounded one
+// keeps the memory linear in the chunk, not in the rows. With `grad_scale_dev` (a device scalar:
+// graph-safe) the scale is grad_scale * *grad_scale_dev. dw = dw_beta * dw + the gradient (0:
+// overwrite).
 struct HeadLoss {
     const bf16* h = nullptr;  // [rows, dim]
     int64_t rows = 0, dim = 0;
@@ -58,12 +61,17 @@ struct HeadLoss {
     int64_t chunk_rows = 0;
     float* logits_ws = nullptr;
     bf16* dlogits_ws = nullptr;
+    int64_t dlogits_rows = 0;
     float grad_scale = 1.f;
     const float* grad_scale_dev = nullptr;
     float dw_beta = 1.f;
 };
 void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
                         float* dw);
+// Rows of the head's dlogits workspace the model plans: the hidden size rounded up to whole
+// chunks (bf16 [dim, vocab] is half the fp32 [vocab, dim] gradient a pass reads and writes, so
+// the passes past the first cost little next to the GEMMs), all rows when fewer.
+int64_t head_dlogits_rows(int64_t rows, int64_t chunk_rows, int64_t dim);
 // out[0] = Σ x (fp64 in fixed order), out[1] = count of x's rows with targets >= 0.
 void loss_sum(const ExecContext& ctx, const float* row_loss, const int32_t* targets, int64_t rows,
               double* out);

@@ -349,6 +349,9 @@ TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
 TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
     REQUIRE_GPU();
     Recipe r = builtin_tiny_recipe();
+    // The masked attention (keys <= 2 x top-k): the gathered backward's key-gradient atomics
+    // move the gradient norm between runs by more than the 1e-5 compared here.
+    r.model.dsa_indexer_topk = 128;
     r.run.cuda_graph_impl = "full_iteration";
     Recipe re = r;
     re.run.cuda_graph_impl = "none";

@@ -47,6 +47,15 @@ std::vector<StepMetrics> train(Recipe r, Device d, const std::string& out) {
 // weights differ by ~1e-5 relative (test_cuda_model) and the updates by the bf16 rounding of each
 // gradient (~1e-2 relative per tensor); over 5 warm-up steps (lr <= 7.5e-4) the loss curves stay
 // within 2e-3 relative. Routing and top-k choices may flip for a few tokens: the bound holds them.
+// The tiny recipe with the sparse attention in its masked form (top-k 128 of 256 keys: keys <=
+// 2 x top-k), whose backward is deterministic, for the tests that compare two GPU runs at 1e-5:
+// the gathered form's key-gradient atomics move gradient norms between runs by about that much.
+static Recipe run_to_run_tiny_recipe() {
+    Recipe r = builtin_tiny_recipe();
+    r.model.dsa_indexer_topk = 128;
+    return r;
+}
+
 TEST(CudaTraining, TinyRecipeMatchesCpuForFiveSteps) {
     REQUIRE_GPU();
     Recipe r = builtin_tiny_recipe();
@@ -222,10 +231,7 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
 // values, one added twice by an error of ~1.
 TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
     REQUIRE_GPU();
-    Recipe r = builtin_tiny_recipe();
-    // The masked attention (keys <= 2 x top-k), whose backward adds no atomics: the gathered
-    // one's key-gradient atomics differ between runs by more than this test's 1e-5.
-    r.model.dsa_indexer_topk = 128;
+    Recipe r = run_to_run_tiny_recipe();
     const int64_t T = r.run.tokens_per_microbatch(), docs = 8, chunk = 128;
     MemoryPlan hplan;
     Glm5Model<float> host(r.model, hplan, T, docs, chunk);
@@ -348,10 +354,7 @@ TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
 // in another order.
 TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
     REQUIRE_GPU();
-    Recipe r = builtin_tiny_recipe();
-    // The masked attention (keys <= 2 x top-k): the gathered backward's key-gradient atomics
-    // move the gradient norm between runs by more than the 1e-5 compared here.
-    r.model.dsa_indexer_topk = 128;
+    Recipe r = run_to_run_tiny_recipe();
     r.run.cuda_graph_impl = "full_iteration";
     Recipe re = r;
     re.run.cuda_graph_impl = "none";
@@ -530,7 +533,7 @@ LossScales scales_for(const Recipe& r, const std::vector<const MicroBatch*>& mbs
 // rows) pages until its backward.
 TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
     REQUIRE_GPU();
-    Recipe plain = builtin_tiny_recipe();
+    Recipe plain = run_to_run_tiny_recipe();
     Recipe stash = plain;
     stash.model.moe_paged_stash = true;
     Recipe graph = stash;
@@ -602,7 +605,7 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
 // bits), matches it.
 TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
     REQUIRE_GPU();
-    Recipe bf = builtin_tiny_recipe();
+    Recipe bf = run_to_run_tiny_recipe();
     bf.run.optimizer = "muon";
     bf.run.lr = 1e-2;
     Recipe fp8 = bf;

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +11,7 @@
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/data/document_stream.h"
 #include "sparsetron/data/indexed_dataset.h"
+#include "sparsetron/data/split.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;
@@ -182,4 +185,46 @@ TEST(DocumentStream, BlendFollowsTheWeights) {
                   std::string::npos)
             << msg;
     }
+}
+
+// Megatron's split index: rounded cumulative shares, the rounding taken off the later
+// boundaries so the last is the document count.
+TEST(Split, IndexFollowsMegatronsRule) {
+    EXPECT_EQ(split_index(parse_split("969,30,1"), 1000),
+              (std::array<int64_t, 4>{0, 969, 999, 1000}));
+    EXPECT_EQ(split_index(parse_split("969, 30, 1"), 23), (std::array<int64_t, 4>{0, 22, 23, 23}));
+    EXPECT_EQ(split_index(parse_split("98,2"), 23), (std::array<int64_t, 4>{0, 23, 23, 23}));
+    EXPECT_EQ(split_index(parse_split("80,20"), 23), (std::array<int64_t, 4>{0, 18, 23, 23}));
+    EXPECT_EQ(split_index(parse_split("1"), 5), (std::array<int64_t, 4>{0, 5, 5, 5}));
+    EXPECT_EQ(split_index(parse_split("1,1,1"), 10), (std::array<int64_t, 4>{0, 4, 7, 10}));
+    for (const char* bad : {"", "a,1", "1,-2", "1,2,3,4", "0,0,0", "1,,2", "inf"})
+        EXPECT_NE(test::error_of([&] { parse_split(bad); }).find("recipe key 'split'"),
+                  std::string::npos)
+            << bad;
+    EXPECT_EQ(parse_data_part("validation"), DataPart::Valid);
+    EXPECT_NE(test::error_of([&] { parse_data_part("dev"); }).find("train, valid or test"),
+              std::string::npos);
+}
+
+// Each part draws only its own documents (disjoint ranges in document order, shuffled within),
+// every one of them per epoch; an empty part is an error naming it.
+TEST(DocumentStream, SplitPartsAreDisjointAndCovered) {
+    const std::string prefix = write_dataset(test::temp_dir("split"));
+    const auto docs = sample_docs();  // 23 documents
+    const auto split = parse_split("70,20,10");
+    const auto index = split_index(split, int64_t(docs.size()));
+    for (DataPart part : {DataPart::Train, DataPart::Valid, DataPart::Test}) {
+        DocumentStream s({prefix}, 4, part, split);
+        const int64_t lo = index[int(part)], hi = index[int(part) + 1];
+        ASSERT_EQ(s.part_documents(0), hi - lo) << data_part_name(part);
+        std::vector<std::vector<int32_t>> drawn, expected(docs.begin() + lo, docs.begin() + hi);
+        for (int64_t i = 0; i < hi - lo; ++i) drawn.push_back(s.next_piece(1000));
+        EXPECT_EQ(s.part_documents_in_order(), expected) << data_part_name(part);
+        std::sort(drawn.begin(), drawn.end());
+        std::sort(expected.begin(), expected.end());
+        EXPECT_EQ(drawn, expected) << data_part_name(part);
+    }
+    const std::string msg =
+        test::error_of([&] { DocumentStream s({prefix}, 4, DataPart::Test, parse_split("98,2")); });
+    EXPECT_NE(msg.find("the test part holds no document"), std::string::npos) << msg;
 }

@@ -406,6 +406,36 @@ TEST(Mpi, ContextParallelTrainingMatchesOneProcess) {
     }
 }
 
+// Validation on W ranks (data parallel; with 4 ranks also CP 2 x EP 2): each rank scores its
+// share of the valid micro-batches, the sums meet over every rank: the one-process run's
+// validation loss (LM and MTP) over the same targets.
+TEST(Mpi, ValidationMatchesOneProcess) {
+    const int W = g_comm->size();
+    const std::vector<std::string> base = {"split=80,20,0", "eval_interval=3", "eval_iters=2",
+                                           "dsa_indexer_topk=16"};
+    auto one = run(small_recipe(1, base), nullptr, "valid-one");
+    ASSERT_EQ(one.size(), 3u);
+    ASSERT_TRUE(one[2].valid);
+    std::vector<std::vector<std::string>> layouts = {{}};
+    if (W == 4) layouts.push_back({"context_parallel_size=2", "expert_model_parallel_size=2"});
+    for (auto extra : layouts) {
+        const std::string name = extra.empty() ? std::string("dp") : "cp2+ep2";
+        extra.insert(extra.end(), base.begin(), base.end());
+        auto got = run(small_recipe(W, extra), g_comm, cat("valid.", name));
+        ASSERT_EQ(got.size(), 3u);
+        ASSERT_TRUE(got[2].valid) << name;
+        EXPECT_FALSE(got[0].valid || got[1].valid) << name;
+        const auto &v = *got[2].valid, &v1 = *one[2].valid;
+        if (g_comm->rank() == 0)
+            std::cout << "[valid " << name << "] lm " << v.lm_loss << " vs " << v1.lm_loss
+                      << ", mtp " << v.mtp_loss << " vs " << v1.mtp_loss << "\n";
+        EXPECT_EQ(v.targets, v1.targets) << name;
+        EXPECT_NEAR(v.lm_loss, v1.lm_loss, 1e-5 * v1.lm_loss) << name;
+        EXPECT_NEAR(v.mtp_loss, v1.mtp_loss, 1e-5 * v1.mtp_loss + 1e-9) << name;
+        EXPECT_GT(v1.mtp_loss, 0);
+    }
+}
+
 // Dynamic CP over every rank: the step's documents (pieces of up to 64 tokens) are scheduled at 40
 // tokens per rank, so longer pieces need groups of 2 ranks and shorter ones 1 (a group grows into
 // an idle neighbour block: with 4 ranks some run over all 4). The documents are the one-process

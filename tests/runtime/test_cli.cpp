@@ -186,6 +186,46 @@ TEST(Cli, ResumeWithoutOutContinuesWhereItResumedFrom) {
     EXPECT_FALSE(fs::exists(cwd + "/runs")) << "the resumed run wrote into the working directory";
 }
 
+// Validation from the command line: split + eval_interval + eval_iters print a validation
+// line and put valid_lm_loss into metrics.jsonl at steps 2 and 4; `eval --data` scores the held-out
+// part of the run's split (read from the checkpoint's recipe), and an empty part is refused.
+TEST(Cli, ValidationDuringTrainingAndEvalOnTheHeldOutPart) {
+    const std::string out = sparsetron::test::temp_dir("validation");
+    CliRun r =
+        run("train --set train_iters=4 --set split=80,20,0 --set eval_interval=2 --set eval_iters=1"
+            " --out " +
+            out + kSmall);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(out + "/metrics.jsonl");
+    std::vector<bool> valid;
+    for (std::string line; std::getline(in, line);)
+        valid.push_back(line.find("\"valid_lm_loss\"") != std::string::npos);
+    EXPECT_EQ(valid, (std::vector<bool>{false, true, false, true}));
+    EXPECT_EQ(r.output.find("validation after step"), std::string::npos) << "-q prints none";
+    CliRun loud =
+        run("train --set train_iters=2 --set split=80,20,0 --set eval_interval=2"
+            " --set eval_iters=1 --set hidden_size=48 --set num_attention_heads=2"
+            " --set q_lora_rank=32 --set kv_lora_rank=24 --set qk_head_dim=16"
+            " --set qk_pos_emb_head_dim=8 --set v_head_dim=16 --set ffn_hidden_size=96"
+            " --set seq_length=64 --set global_batch_size=2 --no-save --out " +
+            sparsetron::test::temp_dir("validation-loud"));
+    ASSERT_EQ(loud.code, 0) << loud.output;
+    EXPECT_NE(loud.output.find("validation after step 2 | lm_loss "), std::string::npos)
+        << loud.output;
+    CliRun e = run("eval --model " + out + "/checkpoints --data " + out + "/data/corpus");
+    ASSERT_EQ(e.code, 0) << e.output;
+    EXPECT_NE(e.output.find("(the valid part of split 80,20,0)"), std::string::npos) << e.output;
+    CliRun none =
+        run("eval --model " + out + "/checkpoints --data " + out + "/data/corpus --part test");
+    EXPECT_EQ(none.code, 1) << none.output;
+    EXPECT_NE(none.output.find("the test part holds no document"), std::string::npos)
+        << none.output;
+    CliRun neither = run("eval --model " + out + "/checkpoints");
+    EXPECT_EQ(neither.code, 1) << neither.output;
+    EXPECT_NE(neither.output.find("give --tokens FILE or --data PREFIX"), std::string::npos)
+        << neither.output;
+}
+
 // A metrics write that fails stops the run with a message (it exited 0 with the file cut
 // short). The resumed run's file-size limit lets it rewrite the first two steps' lines and
 // refuses the third (EFBIG, SIGXFSZ ignored as a full disk's ENOSPC would be met).

@@ -2,11 +2,13 @@
 // checkpoint reproduces the trainer's loss, and bad inputs stop with clear messages.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/data/split.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -121,6 +123,60 @@ TEST(Trainer, EvalOnACheckpointReproducesTheTrainersLoss) {
         }
     }
     EXPECT_EQ(read_token_documents(path), docs);
+}
+
+// Validation (split, eval_interval, eval_iters): the held-out part's loss after steps 2 and 4,
+// forward only. Training is unchanged by it (bit-identical losses and gradient norms with and
+// without), it reads the same documents every time, and its loss equals `eval` of the checkpoint
+// on the valid part's documents as the trainer packed them.
+TEST(Trainer, ValidationRunsOnTheHeldOutPartWithoutChangingTraining) {
+    const std::vector<std::string> split = {"split=80,20,0", "eval_iters=1", "train_iters=4"};
+    auto with = split, without = split;
+    with.push_back("eval_interval=2");
+    without.push_back("eval_interval=0");
+    const std::string out = test::temp_dir("valid"), out0 = test::temp_dir("no-valid");
+    Trainer t(small_recipe(with), {out, "", Device::CPU});
+    std::vector<StepMetrics> steps, plain;
+    t.run([&](const StepMetrics& m) { steps.push_back(m); });
+    Trainer(small_recipe(without), {out0, "", Device::CPU}).run([&](const StepMetrics& m) {
+        plain.push_back(m);
+    });
+    ASSERT_EQ(steps.size(), 4u);
+    ASSERT_EQ(plain.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+        EXPECT_EQ(steps[i].lm_loss, plain[i].lm_loss) << "step " << i + 1;
+        EXPECT_EQ(steps[i].grad_norm, plain[i].grad_norm) << "step " << i + 1;
+        EXPECT_EQ(steps[i].valid.has_value(), i == 1 || i == 3) << "step " << i + 1;
+        EXPECT_FALSE(plain[i].valid.has_value());
+    }
+    ASSERT_TRUE(steps[3].valid);
+    const StepMetrics::Valid v = *steps[3].valid;
+    EXPECT_GT(v.targets, 0);
+    EXPECT_EQ(v.micro_batches, 3);
+    EXPECT_TRUE(std::isfinite(v.lm_loss));
+    EXPECT_NE(v.lm_loss, steps[1].valid->lm_loss) << "the weights changed between steps 2 and 4";
+    auto again = t.validate();
+    ASSERT_TRUE(again);
+    EXPECT_EQ(again->lm_loss, v.lm_loss) << "validation must read the same documents each time";
+    // The valid part's micro-batches as the trainer packs them, evaluated from the checkpoint.
+    const Recipe& r = t.recipe();
+    DocumentStream valid(resolve_data_path(r.run, out), uint64_t(r.run.seed), DataPart::Valid,
+                         parse_split(r.run.split));
+    const int64_t slots = r.run.tokens_per_microbatch();
+    Packer packer(valid, slots, default_max_documents(slots));
+    std::vector<std::vector<int32_t>> docs;
+    for (int i = 0; i < 3; ++i) {
+        MicroBatch mb(slots, default_max_documents(slots));
+        packer.next(mb);
+        for (int64_t d = 0; d < mb.num_documents; ++d)
+            docs.emplace_back(mb.tokens.begin() + mb.cu_seqlens[d],
+                              mb.tokens.begin() + mb.cu_seqlens[d + 1]);
+    }
+    const EvalResult e = evaluate(t.checkpoint_dir(), docs);
+    EXPECT_EQ(e.targets, v.targets);
+    EXPECT_NEAR(e.lm_loss, v.lm_loss, 1e-5 * v.lm_loss);
+    // The training part never holds a valid document: different documents, different loss.
+    EXPECT_NE(e.lm_loss, steps[3].lm_loss);
 }
 
 TEST(Trainer, KeepsTheNewestCheckpoints) {

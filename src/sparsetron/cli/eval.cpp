@@ -1,17 +1,67 @@
 // `sparsetron eval`: the mean next-token loss of a model on token documents.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/data/document_stream.h"
+#include "sparsetron/data/split.h"
+#include "sparsetron/io/checkpoint.h"
 #include "sparsetron/runtime/evaluate.h"
 
 namespace sparsetron::cli {
 namespace {
 
-int eval(const std::string& model, const std::string& tokens, bool json) {
-    EvalResult r = evaluate(model, read_token_documents(tokens));
+namespace fs = std::filesystem;
+
+// The split a held-out evaluation uses: --split, else the run's (the engine checkpoint's
+// recipe.yaml), else every document in the train part.
+std::string split_for(const std::string& model, const std::string& split_arg) {
+    if (!split_arg.empty()) return split_arg;
+    if (!is_model_dir(model) || fs::exists(fs::path(model) / "recipe.yaml")) {
+        const std::string ckpt = is_model_dir(model) ? model : resolve_checkpoint(model);
+        Recipe r;
+        for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
+            if (s.key == "split") r.apply(s);
+        return r.run.split;
+    }
+    return "100,0,0";
+}
+
+int eval(const std::string& model, const std::string& tokens, const std::vector<std::string>& data,
+         const std::string& split_arg, const std::string& part_arg, bool json) {
+    ST_CHECK(tokens.empty() != data.empty(), "eval: give --tokens FILE or --data PREFIX (one)");
+    std::vector<std::vector<int32_t>> docs;
+    std::string what;
+    if (!tokens.empty()) {
+        docs = read_token_documents(tokens);
+    } else {
+        // Every document of the part, in order (one or more prefixes; blend weights are not
+        // needed: each document counts once).
+        const std::string split = split_for(model, split_arg);
+        const DataPart part = parse_data_part(part_arg);
+        // Bare prefixes get weight 1 each (weights only steer a blend's order; here every
+        // document counts once); a weighted list passes as it is.
+        std::vector<std::string> data_path = data;
+        bool weighted = false;
+        for (const std::string& d : data) {
+            char* end = nullptr;
+            std::strtod(d.c_str(), &end);
+            weighted = weighted || (!d.empty() && end && *end == '\0');
+        }
+        if (!weighted && data.size() > 1) {
+            data_path.clear();
+            for (const std::string& d : data) data_path.insert(data_path.end(), {"1", d});
+        }
+        DocumentStream stream(data_path, 0, part, parse_split(split));
+        docs = stream.part_documents_in_order();
+        what = cat(" (the ", data_part_name(part), " part of split ", split, ")");
+    }
+    EvalResult r = evaluate(model, docs);
     ST_CHECK(std::isfinite(r.lm_loss), "eval: the loss of '", model, "' is not finite (", r.lm_loss,
              "): the model's outputs overflow");
     if (json) {
@@ -20,9 +70,9 @@ int eval(const std::string& model, const std::string& tokens, bool json) {
         j["targets"] = r.targets;
         std::printf("%s\n", j.dump().c_str());
     } else {
-        std::printf("lm_loss %.6f over %lld targets in %lld documents (perplexity %.3f)\n",
+        std::printf("lm_loss %.6f over %lld targets in %lld documents%s (perplexity %.3f)\n",
                     r.lm_loss, static_cast<long long>(r.targets),
-                    static_cast<long long>(r.documents), std::exp(r.lm_loss));
+                    static_cast<long long>(r.documents), what.c_str(), std::exp(r.lm_loss));
     }
     return 0;
 }
@@ -31,17 +81,24 @@ int eval(const std::string& model, const std::string& tokens, bool json) {
 
 Run add_eval(CLI::App& app) {
     struct Options {
-        std::string model, tokens;
+        std::string model, tokens, split, part = "valid";
+        std::vector<std::string> data;
         bool json = false;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("eval", "Mean next-token loss of a model on token documents");
     c->add_option("--model,-m", o->model, "Checkpoint, save directory, or HF directory")
         ->required();
-    c->add_option("--tokens,-t", o->tokens, "File with one document per line as token ids")
-        ->required();
+    c->add_option("--tokens,-t", o->tokens, "File with one document per line as token ids");
+    c->add_option("--data,-d", o->data,
+                  "Dataset prefix(es) (.bin/.idx, as data_path): every document of --part")
+        ->delimiter(',');
+    c->add_option("--split", o->split,
+                  "train,valid,test weights over each dataset's documents (default: the "
+                  "checkpoint's recipe's split)");
+    c->add_option("--part", o->part, "With --data: train, valid (default) or test");
     c->add_flag("--json", o->json, "Print {\"lm_loss\": ..., \"targets\": ...}");
-    return [o] { return eval(o->model, o->tokens, o->json); };
+    return [o] { return eval(o->model, o->tokens, o->data, o->split, o->part, o->json); };
 }
 
 }  // namespace sparsetron::cli

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -69,6 +70,17 @@ void Progress::update(const StepMetrics& m) {
             m.skipped ? " | SKIPPED (non-finite gradient)" : "");
         std::fflush(stdout);
     }
+}
+
+void Progress::validation(const StepMetrics& m) {
+    if (quiet_ || !m.valid) return;
+    const StepMetrics::Valid& v = *m.valid;
+    std::printf("%svalidation after step %lld | lm_loss %.4f (perplexity %.2f)%s | %lld targets\n",
+                drew_ ? "\n" : "", static_cast<long long>(m.step), v.lm_loss, std::exp(v.lm_loss),
+                v.mtp_loss > 0 ? cat(" | mtp_loss ", v.mtp_loss).c_str() : "",
+                static_cast<long long>(v.targets));
+    std::fflush(stdout);
+    drew_ = false;
 }
 
 void Progress::finish() {

@@ -13,6 +13,8 @@ class Progress {
   public:
     Progress(int64_t first_step, int64_t last_step, int64_t log_interval, bool quiet);
     void update(const StepMetrics& m);
+    // The step's validation line, when it ran one.
+    void validation(const StepMetrics& m);
     void finish();
 
   private:

@@ -138,6 +138,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         last_loss = m.lm_loss;
         last_metrics = m;
         progress.update(m);
+        progress.validation(m);
     });
     progress.finish();
     if (end.kind != Trainer::End::Finished)

@@ -17,6 +17,14 @@ struct RunConfig {
     int64_t max_seqlen_per_dp_cp_rank = 0;     // 0 = seq_length
     int64_t max_documents_per_microbatch = 0;  // engine key; 0 = derived (see data/packer.h)
     bool use_varlen_dataset = true;
+    // Megatron's train/valid/test weights over each dataset's documents (data/split.h). The
+    // default keeps every document for training (Megatron's is "969, 30, 1"): runs and data
+    // positions from before the key read the same documents.
+    std::string split = "100,0,0";
+    // Validation every eval_interval iterations (and after the last) over eval_iters steps' worth
+    // of micro-batches of the valid part, forward only; none when the valid part is empty.
+    int64_t eval_interval = 1000;
+    int64_t eval_iters = 100;
 
     // Loop.
     int64_t train_iters = 300;

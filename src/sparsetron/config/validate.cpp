@@ -3,6 +3,7 @@
 
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/data/split.h"
 
 namespace sparsetron {
 namespace {
@@ -111,6 +112,11 @@ void Recipe::validate() {
     positive(r.log_interval, "log_interval");
     ST_CHECK(r.save_interval >= 0, "recipe key 'save_interval' must be >= 0");
     positive(r.save_keep_last, "save_keep_last");
+    const std::array<double, 3> split = parse_split(r.split);  // names the key on a bad value
+    ST_CHECK(split[0] > 0, "recipe key 'split': '", r.split,
+             "' leaves no documents for training (the first weight is train)");
+    ST_CHECK(r.eval_interval >= 0 && r.eval_iters >= 0,
+             "recipe keys 'eval_interval' and 'eval_iters' must be >= 0 (0: no validation)");
     ST_CHECK(r.distributed_timeout_minutes >= 0,
              "recipe key 'distributed_timeout_minutes' must be >= 0 (0: no deadline)");
     ST_CHECK(r.exit_interval >= 0 && r.exit_duration_in_mins >= 0,

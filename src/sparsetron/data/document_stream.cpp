@@ -36,7 +36,8 @@ StreamPosition StreamPosition::from_json(const std::string& text) {
     return p;
 }
 
-DocumentStream::DocumentStream(const std::vector<std::string>& data_path, uint64_t seed)
+DocumentStream::DocumentStream(const std::vector<std::string>& data_path, uint64_t seed,
+                               DataPart part, std::array<double, 3> split)
     : seed_(seed) {
     ST_CHECK(!data_path.empty(), "data_path is empty: give a dataset prefix (without .bin/.idx)");
     std::vector<std::string> prefixes;
@@ -57,16 +58,24 @@ DocumentStream::DocumentStream(const std::vector<std::string>& data_path, uint64
             prefixes.push_back(data_path[i + 1]);
         }
     }
-    double total = std::accumulate(weights_.begin(), weights_.end(), 0.0);
-    for (double& w : weights_) w /= total;
-    for (const auto& p : prefixes) {
+    for (size_t d = 0; d < prefixes.size(); ++d) {
+        const std::string& p = prefixes[d];
         datasets_.push_back(std::make_unique<IndexedDataset>(p));
         ST_CHECK(datasets_.back()->num_sequences() > 0, p, ".idx: the dataset has no sequences");
-        // Scanning every token once bounds the ids for the vocab check.
         const auto& ds = *datasets_.back();
-        for (int64_t i = 0; i < ds.num_sequences(); ++i)
+        const auto index = split_index(split, ds.num_sequences());
+        begin_.push_back(index[int(part)]);
+        end_.push_back(index[int(part) + 1]);
+        if (begin_.back() == end_.back()) weights_[d] = 0;  // this part of it is empty
+        // Scanning the part's tokens once bounds the ids for the vocab check.
+        for (int64_t i = begin_.back(); i < end_.back(); ++i)
             for (int32_t t : ds.sequence(i)) max_token_id_ = std::max<int64_t>(max_token_id_, t);
     }
+    double total = std::accumulate(weights_.begin(), weights_.end(), 0.0);
+    ST_CHECK(total > 0, "split: the ", data_part_name(part), " part holds no document of ",
+             data_path.size() == 1 ? data_path[0] : cat(prefixes.size(), " datasets"),
+             " (raise its weight in 'split' or add documents)");
+    for (double& w : weights_) w /= total;
     size_t n = datasets_.size();
     pos_.epoch.assign(n, 0);
     pos_.cursor.assign(n, 0);
@@ -80,9 +89,10 @@ void DocumentStream::set_position(const StreamPosition& p) {
     ST_CHECK(p.epoch.size() == n && p.cursor.size() == n && p.taken.size() == n,
              "data position was saved for ", p.epoch.size(), " datasets; data_path now has ", n);
     for (size_t d = 0; d < n; ++d)
-        ST_CHECK(p.cursor[d] >= 0 && p.cursor[d] <= datasets_[d]->num_sequences(),
+        ST_CHECK(p.cursor[d] >= 0 && p.cursor[d] <= part_documents(int64_t(d)),
                  "data position: cursor ", p.cursor[d], " is outside dataset ",
-                 datasets_[d]->prefix(), " (", datasets_[d]->num_sequences(), " sequences)");
+                 datasets_[d]->prefix(), " (", part_documents(int64_t(d)),
+                 " documents in this split part)");
     if (p.pending_dataset >= 0) {
         ST_CHECK(p.pending_dataset < static_cast<int64_t>(n) && p.pending_sequence >= 0 &&
                      p.pending_sequence < datasets_[p.pending_dataset]->num_sequences() &&
@@ -108,7 +118,7 @@ int64_t DocumentStream::choose_dataset() const {
 
 int64_t DocumentStream::shuffled(int64_t d, int64_t epoch, int64_t index) {
     if (perm_epoch_[d] != epoch) {
-        int64_t n = datasets_[d]->num_sequences();
+        const int64_t n = part_documents(d);
         auto& perm = perm_[d];
         perm.resize(n);
         std::iota(perm.begin(), perm.end(), 0);
@@ -120,14 +130,21 @@ int64_t DocumentStream::shuffled(int64_t d, int64_t epoch, int64_t index) {
         }
         perm_epoch_[d] = epoch;
     }
-    return perm_[d][index];
+    return begin_[d] + perm_[d][index];
+}
+
+std::vector<std::vector<int32_t>> DocumentStream::part_documents_in_order() const {
+    std::vector<std::vector<int32_t>> out;
+    for (size_t d = 0; d < datasets_.size(); ++d)
+        for (int64_t i = begin_[d]; i < end_[d]; ++i) out.push_back(datasets_[d]->sequence(i));
+    return out;
 }
 
 std::vector<int32_t> DocumentStream::next_piece(int64_t max_tokens) {
     ST_ASSERT(max_tokens > 0, "piece size");
     if (pos_.pending_dataset < 0) {
         int64_t d = choose_dataset();
-        if (pos_.cursor[d] >= datasets_[d]->num_sequences()) {
+        if (pos_.cursor[d] >= part_documents(d)) {
             pos_.cursor[d] = 0;
             ++pos_.epoch[d];
         }

@@ -2,12 +2,14 @@
 // each shuffled per epoch by a counter-based RNG. Its exact position is checkpointable.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "sparsetron/data/indexed_dataset.h"
+#include "sparsetron/data/split.h"
 
 namespace sparsetron {
 
@@ -28,7 +30,15 @@ struct StreamPosition {
 class DocumentStream {
   public:
     // `data_path`: {prefix} or {w1, prefix1, w2, prefix2, ...} (Megatron's weighted list).
-    DocumentStream(const std::vector<std::string>& data_path, uint64_t seed);
+    // `part` of each dataset's documents by `split` weights (data/split.h; every document by
+    // default); a dataset whose part is empty leaves the blend, and no document at all is an
+    // error naming the part.
+    DocumentStream(const std::vector<std::string>& data_path, uint64_t seed,
+                   DataPart part = DataPart::Train, std::array<double, 3> split = {1, 0, 0});
+    // Documents of `part` in each dataset (0 where its share rounds to none).
+    int64_t part_documents(int64_t dataset) const { return end_[dataset] - begin_[dataset]; }
+    // The part's documents of every dataset, in dataset then document order (no shuffling).
+    std::vector<std::vector<int32_t>> part_documents_in_order() const;
 
     // The next piece of at most `max_tokens` tokens of the current document (a whole document
     // when it fits; otherwise its head, and the rest comes next call).
@@ -45,6 +55,7 @@ class DocumentStream {
     int64_t shuffled(int64_t dataset, int64_t epoch, int64_t index);
 
     std::vector<std::unique_ptr<IndexedDataset>> datasets_;
+    std::vector<int64_t> begin_, end_;  // per dataset: the part's documents [begin, end)
     std::vector<double> weights_;
     uint64_t seed_;
     StreamPosition pos_;

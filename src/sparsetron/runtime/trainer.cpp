@@ -57,6 +57,11 @@ std::string StepMetrics::to_json() const {
         j["dynamic_cp_idle_ranks"] = dynamic_cp_idle_ranks;
     }
     if (graph) j["graph"] = true;
+    if (valid) {
+        j["valid_lm_loss"] = valid->lm_loss;
+        if (valid->mtp_loss > 0) j["valid_mtp_loss"] = valid->mtp_loss;
+        j["valid_targets"] = valid->targets;
+    }
     return j.dump();
 }
 
@@ -207,9 +212,22 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         options_.comm->broadcast(&ready, 1, 0);
         if (world_rank() != 0) data_paths = resolve_data_path(r, options_.out_dir);
     }
-    stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed));
+    const std::array<double, 3> split = parse_split(r.split);
+    stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed),
+                                               DataPart::Train, split);
     ST_CHECK(stream_->max_token_id() < recipe_.model.vocab_size, "the dataset holds token id ",
              stream_->max_token_id(), " but vocab_size is ", recipe_.model.vocab_size);
+    if (split[1] > 0 && r.eval_iters > 0 && r.eval_interval > 0) {
+        ST_CHECK(!r.dynamic_context_parallel,
+                 "validation (split with a valid part, eval_interval > 0) does not run under "
+                 "dynamic_context_parallel yet: set eval_interval: 0, or validate the checkpoints "
+                 "with `sparsetron eval --data`");
+        valid_stream_ = std::make_unique<DocumentStream>(data_paths, static_cast<uint64_t>(r.seed),
+                                                         DataPart::Valid, split);
+        ST_CHECK(valid_stream_->max_token_id() < recipe_.model.vocab_size,
+                 "the validation documents hold token id ", valid_stream_->max_token_id(),
+                 " but vocab_size is ", recipe_.model.vocab_size);
+    }
     // Expert parallelism shards the routed experts: this rank's model holds its EP rank's.
     if (r.expert_model_parallel_size > 1)
         recipe_.model.expert_parallel_rank = make_layout(r, world_size()).ep_rank(world_rank());
@@ -247,6 +265,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
     const int64_t slots = r.tokens_per_microbatch();
     packer_ = std::make_unique<Packer>(*stream_, slots, tp_->max_documents);
+    if (valid_stream_)
+        valid_packer_ = std::make_unique<Packer>(*valid_stream_, slots, tp_->max_documents);
     // microbatches_per_step() is per data-parallel rank: every rank packs the whole step's
     // micro-batches (the same sequence) and runs its share (with CP, a CP group shares each).
     for (int64_t i = 0; i < r.microbatches_per_step() * data_parallel_size(); ++i)
@@ -588,12 +608,73 @@ std::string Trainer::save() {
                            state_);
 }
 
+std::optional<StepMetrics::Valid> Trainer::validate() {
+    if (!valid_stream_) return std::nullopt;
+    const RunConfig& r = recipe_.run;
+    const ModelConfig& mc = recipe_.model;
+    const int64_t D = mc.mtp_num_layers;
+    const bool tv = mc.mtp_loss_type == "e2e_tv";
+    valid_stream_->set_position(
+        StreamPosition{std::vector<int64_t>(size_t(valid_stream_->num_datasets()), 0),
+                       std::vector<int64_t>(size_t(valid_stream_->num_datasets()), 0),
+                       std::vector<int64_t>(size_t(valid_stream_->num_datasets()), 0)});
+    LossScales sc;
+    sc.backward = false;
+    sc.lm = 1.0;
+    sc.mtp.assign(size_t(tv ? std::min<int64_t>(D, 1) : D), 1.0);
+    std::vector<MicroBatch> batches = batches_;
+    // Raw sums over every micro-batch of every rank: [lm, mtp per depth...].
+    std::vector<double> sums(1 + sc.mtp.size(), 0.0);
+    int64_t targets = 0;
+    std::vector<int64_t> mtp_rows(sc.mtp.size(), 0);
+    StepMetrics::Valid v;
+    for (int64_t it = 0; it < r.eval_iters; ++it) {
+        for (auto& mb : batches) valid_packer_->next(mb);
+        for (size_t i = 0; i < batches.size(); ++i) {
+            const MicroBatch& mb = batches[i];
+            targets += mb.num_targets();
+            for (int64_t d = 0; d < mb.num_documents; ++d) {
+                const int64_t len = mb.cu_seqlens[d + 1] - mb.cu_seqlens[d];
+                if (tv && D > 0) mtp_rows[0] += std::max<int64_t>(0, len - D);
+                for (int64_t k = 1; !tv && k <= D; ++k)
+                    mtp_rows[k - 1] += std::max<int64_t>(0, len - k - 1);
+            }
+            // The same share as a training step: data-parallel rank i % DP (its CP group's
+            // ranks each their rows; EP ranks exchange inside the forward).
+            if (int(i) % data_parallel_size() != data_parallel_rank()) continue;
+            LossSums s;
+            if (engine_) {
+                s = engine_->micro_batch(mb, sc);
+            } else {
+                tp_->model->load_inputs(mb);
+                s = tp_->model->forward_backward(sc);
+            }
+            sums[0] += s.lm_loss_sum;
+            for (size_t k = 0; k < s.mtp_sum.size() && k < sc.mtp.size(); ++k)
+                sums[1 + k] += s.mtp_sum[k];
+        }
+        v.micro_batches += int64_t(batches.size());
+    }
+    if (world_size() > 1) options_.comm->allreduce_sum(sums.data(), int64_t(sums.size()));
+    ST_CHECK(targets > 0, "validation: its documents give no loss targets");
+    v.targets = targets;
+    v.lm_loss = sums[0] / double(targets);
+    const double lambda = mc.mtp_loss_scaling_factor;
+    for (size_t k = 0; k < sc.mtp.size(); ++k)
+        if (mtp_rows[k] > 0)
+            v.mtp_loss += sums[1 + k] * (tv ? lambda : lambda / double(D)) / double(mtp_rows[k]);
+    return v;
+}
+
 Trainer::End Trainer::run(const std::function<void(const StepMetrics&)>& on_step) {
     const RunConfig& r = recipe_.run;
     const auto start = std::chrono::steady_clock::now();
     int64_t skipped_in_a_row = 0;
     while (state_.iteration < r.train_iters) {
         StepMetrics m = train_step();
+        if (valid_stream_ &&
+            (state_.iteration % r.eval_interval == 0 || state_.iteration == r.train_iters))
+            m.valid = validate();
         if (on_step) on_step(m);
         skipped_in_a_row = m.skipped ? skipped_in_a_row + 1 : 0;
         // A diverged run skips every step: stop, without saving its state, rather than finish.

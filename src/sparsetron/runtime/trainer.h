@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,14 @@ struct StepMetrics {
     // without a group, summed over the step's scheduled micro-batches.
     std::vector<int64_t> dynamic_cp_groups;
     int64_t dynamic_cp_idle_ranks = 0;
+    // Validation after this step (eval_interval): set when it ran.
+    struct Valid {
+        double lm_loss = 0;
+        double mtp_loss = 0;  // λ-scaled like mtp_loss (0 without MTP)
+        int64_t targets = 0;  // LM target rows it averaged over
+        int64_t micro_batches = 0;
+    };
+    std::optional<Valid> valid;
     std::string to_json() const;
 };
 
@@ -95,6 +104,10 @@ class Trainer {
     };
     End run(const std::function<void(const StepMetrics&)>& on_step = {});
     StepMetrics train_step();
+    // The validation loss over eval_iters steps' worth of micro-batches of the valid part,
+    // forward only, the same documents every time (the valid stream restarts); nullopt when the
+    // split gives the valid part no documents or eval_iters is 0.
+    std::optional<StepMetrics::Valid> validate();
     std::string save();  // returns the checkpoint directory
 
     int64_t iteration() const { return state_.iteration; }
@@ -142,6 +155,8 @@ class Trainer {
     std::unique_ptr<TrainingPlan> tp_;
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;
+    std::unique_ptr<DocumentStream> valid_stream_;  // the split's valid part (null: none)
+    std::unique_ptr<Packer> valid_packer_;
     std::vector<MicroBatch> batches_;
     std::vector<std::unique_ptr<MicroBatch>> group_batches_;  // dynamic CP: this rank's groups
     std::vector<bool> indexer_only_;                          // parameters dense warm-up updates

@@ -225,3 +225,38 @@ TEST(Recipe, DuplicateKeysAreRefused) {
         << msg;
     EXPECT_EQ(parse_recipe_yaml("ARGS:\n  lr: 1e-3\nseed: 3\n", "ok.yaml").size(), 2u);
 }
+
+// Keys that would change nothing are refused with what to use instead (they were parsed and
+// ignored): distinct MTP layers, fixed-length samples, an unknown DSA backend; the values that
+// mean something here pass (Megatron's three DSA backends all run the engine's kernels).
+TEST(Recipe, KeysWithoutAnEffectAreRefused) {
+    std::string msg = error_of([] {
+        load_recipe("", {"mtp_num_layers=2", "mtp_use_repeated_layer=false"});
+    });
+    EXPECT_NE(msg.find("mtp_use_repeated_layer: false (a distinct MTP layer per depth"),
+              std::string::npos)
+        << msg;
+    EXPECT_NO_THROW(load_recipe("", {"mtp_num_layers=1", "mtp_use_repeated_layer=false"}));
+    msg = error_of([] { load_recipe("", {"use_varlen_dataset=false"}); });
+    EXPECT_NE(msg.find("use_varlen_dataset: false (fixed-length samples) is not implemented"),
+              std::string::npos)
+        << msg;
+    msg = error_of([] { load_recipe("", {"dsa_kernel_backend=flash"}); });
+    EXPECT_NE(msg.find("'dsa_kernel_backend' is \"flash\"; expected one of: auto, cudnn, none, "
+                       "tilelang"),
+              std::string::npos)
+        << msg;
+    for (const char* b : {"auto", "none", "tilelang", "cudnn"})
+        EXPECT_NO_THROW(load_recipe("", {std::string("dsa_kernel_backend=") + b})) << b;
+}
+
+// Validation keys: split names the key on a bad value and must leave documents to train on.
+TEST(Recipe, SplitAndEvalKeys) {
+    EXPECT_EQ(load_recipe("", {"split=969,30,1"}).run.split, "969,30,1");
+    std::string msg = error_of([] { load_recipe("", {"split=0,1,0"}); });
+    EXPECT_NE(msg.find("leaves no documents for training"), std::string::npos) << msg;
+    msg = error_of([] { load_recipe("", {"split=a,b"}); });
+    EXPECT_NE(msg.find("recipe key 'split'"), std::string::npos) << msg;
+    msg = error_of([] { load_recipe("", {"eval_iters=-1"}); });
+    EXPECT_NE(msg.find("'eval_interval' and 'eval_iters' must be >= 0"), std::string::npos) << msg;
+}

@@ -11,6 +11,8 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/io/tensorboard.h"
+#include "sparsetron/runtime/step_log.h"
 #include "sparsetron/runtime/trainer.h"
 
 namespace fs = std::filesystem;
@@ -125,6 +127,11 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         fs::remove(metrics_path);
     std::ofstream metrics(metrics_path, std::ios::app);
     ST_CHECK(metrics.good(), "cannot write '", metrics_path.string(), "'");
+    // TensorBoard on the first rank only (the metrics are every rank's sums).
+    std::unique_ptr<TensorBoardWriter> tb;
+    if (!r.tensorboard_dir.empty() && trainer.world_rank() == 0)
+        tb = std::make_unique<TensorBoardWriter>(r.tensorboard_dir);
+    bool tb_failed = false;
     cli::Progress progress(trainer.iteration(), r.train_iters, r.log_interval, quiet);
     double first_loss = -1, last_loss = -1;
     StepMetrics first_metrics, last_metrics;
@@ -139,6 +146,16 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         last_metrics = m;
         progress.update(m);
         progress.validation(m);
+        if (tb && !tb_failed) {
+            write_step_scalars(*tb, m, trainer.memory_gib());
+            if (!tb->flush()) {
+                tb_failed = true;  // the run goes on: metrics.jsonl holds the same figures
+                std::fprintf(stderr,
+                             "warning: writing '%s' failed at step %lld; TensorBoard "
+                             "logging stops\n",
+                             tb->path().c_str(), static_cast<long long>(m.step));
+            }
+        }
     });
     progress.finish();
     if (end.kind != Trainer::End::Finished)

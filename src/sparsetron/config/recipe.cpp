@@ -84,6 +84,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(split, String),
         RUN_KEY(eval_interval, Int),
         RUN_KEY(eval_iters, Int),
+        RUN_KEY(tensorboard_dir, String),
         RUN_KEY(seq_length, Int),
         RUN_KEY(micro_batch_size, Int),
         RUN_KEY(global_batch_size, Int),

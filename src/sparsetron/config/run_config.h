@@ -21,6 +21,8 @@ struct RunConfig {
     // default keeps every document for training (Megatron's is "969, 30, 1"): runs and data
     // positions from before the key read the same documents.
     std::string split = "100,0,0";
+    // TensorBoard event files of every step's scalars in this directory ("" = none).
+    std::string tensorboard_dir;
     // Validation every eval_interval iterations (and after the last) over eval_iters steps' worth
     // of micro-batches of the valid part, forward only; none when the valid part is empty.
     int64_t eval_interval = 1000;

@@ -63,6 +63,13 @@ void Recipe::validate() {
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
+    // Megatron's DSA backends (none, tilelang, cudnn) each name a kernel library; the engine
+    // runs its own kernels for any of them (docs/cuda.md), so each is accepted and nothing else.
+    one_of(m.dsa_kernel_backend, "dsa_kernel_backend", {"auto", "none", "tilelang", "cudnn"});
+    ST_CHECK(m.mtp_use_repeated_layer || m.mtp_num_layers <= 1,
+             "mtp_use_repeated_layer: false (a distinct MTP layer per depth, DeepSeek-V3 style) "
+             "is not implemented: the engine trains one MTP layer applied at each of the ",
+             m.mtp_num_layers, " depths; set mtp_use_repeated_layer: true");
     ST_CHECK(m.dsa_saved_probs_max_mib >= 0,
              "recipe key 'dsa_saved_probs_max_mib' must be >= 0, got ", m.dsa_saved_probs_max_mib);
     if (m.uses_dsa()) {
@@ -177,6 +184,9 @@ void Recipe::validate() {
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
+    ST_CHECK(r.use_varlen_dataset,
+             "use_varlen_dataset: false (fixed-length samples) is not implemented: the engine "
+             "always packs whole documents into THD micro-batches; set it true");
     one_of(r.fp8_format, "fp8_format", {"e4m3", "hybrid"});
     one_of(r.cuda_graph_impl, "cuda_graph_impl", {"none", "full_iteration"});
 }

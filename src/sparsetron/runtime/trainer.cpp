@@ -298,6 +298,11 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     }
 }
 
+double Trainer::memory_gib() const {
+    if (engine_) return engine_->memory_in_use_mib() / 1024.0;
+    return double(tp_->plan.total_bytes()) / double(1ull << 30);
+}
+
 std::string Trainer::device_description() const {
     if (engine_) return "cuda: " + engine_->describe();
     return cat("cpu (", num_threads(), " threads)");

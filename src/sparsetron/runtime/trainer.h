@@ -116,6 +116,8 @@ class Trainer {
     // The model's parameter table (on CUDA runs the CPU model only plans the host mirror).
     const ParamStore& params() const { return tp_->model->params(); }
     Glm5Model<float>& model() { return *tp_->model; }
+    // Device memory in use on CUDA, the planned host memory on CPU.
+    double memory_gib() const;
     // "cpu (N threads)" or the CUDA device and its planned memory.
     std::string device_description() const;
     std::string checkpoint_dir() const;

@@ -127,3 +127,35 @@ TEST(Report, MalformedHistoryNamesTheFileAndLine) {
     EXPECT_EQ(none.code, 1);
     EXPECT_NE(none.output.find("cannot read history file"), std::string::npos) << none.output;
 }
+
+// `report --run DIR`: a training run's curves (train and validation loss, MTP, indexer, grad
+// norm, lr, throughput) and the expert-load heat map render in headless Chromium without a
+// script error; a malformed metrics line is named.
+TEST(Report, RunPageRendersEveryCurveAndTheExpertHeatMap) {
+    const std::string dir = test::temp_dir("run");
+    auto train = test::run_cli(
+        "train -q --no-save --set train_iters=4 --set split=80,20,0 --set eval_interval=2"
+        " --set eval_iters=1 --set hidden_size=48 --set num_attention_heads=2"
+        " --set q_lora_rank=32 --set kv_lora_rank=24 --set qk_head_dim=16"
+        " --set qk_pos_emb_head_dim=8 --set v_head_dim=16 --set ffn_hidden_size=96"
+        " --set seq_length=64 --set global_batch_size=2 --out " +
+        dir + "/a");
+    ASSERT_EQ(train.code, 0) << train.output;
+    auto run = test::run_cli("report --run " + dir + "/a --out " + dir + "/run.html");
+    ASSERT_EQ(run.code, 0) << run.output;
+    EXPECT_NE(run.output.find("4 steps"), std::string::npos) << run.output;
+    Rendered r = render(dir + "/run.html", dir);
+    EXPECT_EQ(r.charts, 7) << r.dom.substr(0, 2000);
+    EXPECT_EQ(r.rendered, 7);
+    EXPECT_EQ(r.errors, "");
+    EXPECT_NE(r.dom.find("a: 4 steps"), std::string::npos);
+    std::ofstream(dir + "/a/metrics.jsonl", std::ios::app) << "{\"step\": 5}\n";
+    auto bad = test::run_cli("report --run " + dir + "/a --out " + dir + "/bad.html");
+    EXPECT_EQ(bad.code, 1);
+    EXPECT_NE(bad.output.find("metrics.jsonl:5: not a metrics line"), std::string::npos)
+        << bad.output;
+    auto neither = test::run_cli("report --out " + dir + "/x.html");
+    EXPECT_EQ(neither.code, 1);
+    EXPECT_NE(neither.output.find("--history FILE or --run DIR"), std::string::npos)
+        << neither.output;
+}

@@ -1,7 +1,7 @@
 // TensorBoard event files (tensorboard_dir): read back by a reader written here from the format's
 // description (TFRecord framing checked with a bitwise CRC-32C of its own, the Event / Summary
 // protobuf fields decoded by hand), not by the writer's code. TensorBoard's own reader checks the
-// same files on the GPU machine, where it is installed (bench/scripts/tensorboard-check.sh).
+// same files on the GPU machine, where it is installed (tools/check_tensorboard.py).
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -8,6 +8,7 @@
 
 #include "command.h"
 #include "progress.h"
+#include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
@@ -54,9 +55,15 @@ std::string default_out(const std::string& recipe_path, const std::string& resum
     return (fs::path("runs") / (first.empty() ? "tiny" : fs::path(first).stem())).string();
 }
 
-int train(const std::string& recipe_path, const std::vector<std::string>& sets,
+int train(const std::string& recipe_path, const std::vector<std::string>& sets_arg,
           const std::string& out_arg, const std::string& resume, const std::string& device,
-          bool quiet, bool no_save) {
+          const std::string& load, bool quiet, bool no_save) {
+    ST_CHECK(resume.empty() || !is_model_dir(resume) ||
+                 fs::exists(fs::path(resume) / "trainer_state.json"),
+             "--resume continues a training run, and '", resume,
+             "' holds a model without training state: start from its weights with --load");
+    std::vector<std::string> sets = sets_arg;
+    if (!load.empty()) sets.push_back("load=" + load);
     Recipe recipe;
     if (recipe_path.empty() && !resume.empty()) {
         // Resuming without --recipe: continue with the recipe stored in the checkpoint.
@@ -77,6 +84,15 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         recipe.name = ckpt + "/recipe.yaml";
     } else {
         recipe = load_recipe(recipe_path, sets);
+        // Pretrained weights without a recipe: the model is the one config.json describes.
+        const std::string weights = pretrained_weights_dir(recipe.run, "");
+        if (recipe_path.empty() && !weights.empty() &&
+            fs::exists(fs::path(weights) / "config.json")) {
+            recipe.model = load_hf_config((fs::path(weights) / "config.json").string());
+            for (const auto& o : sets) recipe.apply(parse_override(o));
+            recipe.validate();
+            recipe.name = weights + "/config.json";
+        }
     }
     const std::string out = out_arg.empty() ? default_out(recipe_path, resume, recipe) : out_arg;
     connect_gpus_if_launched(parse_device(device));
@@ -118,6 +134,16 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
     print_newton_schulz(newton_schulz_count(params, trainer.recipe().model, r), r);
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
+    if (!trainer.pretrained_from().empty()) {
+        std::printf("weights from %s (iteration 0, fresh optimizer state)\n",
+                    trainer.pretrained_from().c_str());
+        const auto& init = trainer.initialized_parameters();
+        if (!init.empty())
+            std::printf(
+                "%zu parameters are not in it and start from their initialization: the "
+                "MTP layer (%s, ...)\n",
+                init.size(), init.front().c_str());
+    }
     std::fflush(stdout);
 
     fs::path metrics_path = fs::path(out) / "metrics.jsonl";
@@ -185,7 +211,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
 
 Run add_train(CLI::App& app) {
     struct Options {
-        std::string recipe, out, resume, device;
+        std::string recipe, out, resume, device, load;
         std::vector<std::string> sets;
         bool quiet = false, no_save = false;
     };
@@ -203,11 +229,17 @@ Run add_train(CLI::App& app) {
     c->add_option("--resume", o->resume,
                   "Resume from a checkpoint or a save directory (its latest checkpoint); uses "
                   "its recipe unless --recipe");
+    c->add_option("--load", o->load,
+                  "Megatron's load: an HF directory (config.json + safetensors, fp32/bf16/FP8) "
+                  "starts a fresh run from its weights, model dimensions from its config.json "
+                  "unless --recipe; an engine checkpoint resumes (with --set finetune=true: "
+                  "weights only)");
     c->add_option("--device", o->device, "cpu or cuda (default: cpu)");
     c->add_flag("--quiet,-q", o->quiet, "No progress output");
     c->add_flag("--no-save", o->no_save, "Write no checkpoint (metrics only)");
     return [o] {
-        return train(o->recipe, o->sets, o->out, o->resume, o->device, o->quiet, o->no_save);
+        return train(o->recipe, o->sets, o->out, o->resume, o->device, o->load, o->quiet,
+                     o->no_save);
     };
 }
 

@@ -103,6 +103,8 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(exit_interval, Int),
         RUN_KEY(exit_duration_in_mins, Float),
         RUN_KEY(load, String),
+        RUN_KEY(pretrained_checkpoint, String),
+        RUN_KEY(finetune, Bool),
         RUN_KEY(optimizer, String),
         RUN_KEY(lr, Float),
         RUN_KEY(min_lr, Float),

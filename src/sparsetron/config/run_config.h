@@ -48,6 +48,12 @@ struct RunConfig {
     int64_t exit_interval = 0;
     double exit_duration_in_mins = 0;
     std::string load;
+    // Megatron's fresh-start-from-weights keys: `pretrained_checkpoint` (an HF directory or an
+    // engine checkpoint) loads weights only; `finetune: true` makes `load` do the same. The run
+    // then starts at iteration 0 with fresh optimizer state and data position. A `load` that is
+    // an HF directory (config.json, no trainer_state.json) is read that way too.
+    std::string pretrained_checkpoint;
+    bool finetune = false;
 
     // Optimizer and schedule (SPEC §7).
     std::string optimizer = "adam";  // "adam" (AdamW) | "muon"

@@ -20,6 +20,8 @@ size_t dtype_size(DType t) {
             return 1;
         case DType::F16:
             return 2;
+        case DType::F8E4M3:
+            return 1;
     }
     ST_ASSERT(false, "unknown dtype");
     return 0;
@@ -41,6 +43,8 @@ const char* dtype_name(DType t) {
             return "uint8";
         case DType::F16:
             return "fp16";
+        case DType::F8E4M3:
+            return "fp8e4m3";
     }
     return "?";
 }
@@ -61,16 +65,19 @@ const char* dtype_safetensors_name(DType t) {
             return "U8";
         case DType::F16:
             return "F16";
+        case DType::F8E4M3:
+            return "F8_E4M3";
     }
     return "?";
 }
 
 DType dtype_from_safetensors(const std::string& name) {
-    for (DType t : {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8}) {
+    for (DType t :
+         {DType::F32, DType::F64, DType::BF16, DType::I32, DType::I64, DType::U8, DType::F8E4M3}) {
         if (name == dtype_safetensors_name(t)) return t;
     }
     throw Error(cat("unsupported safetensors dtype '", name,
-                    "' (expected one of F32, F64, BF16, I32, I64, U8)"));
+                    "' (expected one of F32, F64, BF16, I32, I64, U8, F8_E4M3)"));
 }
 
 }  // namespace sparsetron

@@ -8,8 +8,9 @@
 namespace sparsetron {
 
 // F16 (IEEE half) is a device compute type only (the Gram form of Muon's Newton-Schulz runs its
-// products in it); tensors and checkpoints never hold it.
-enum class DType : uint8_t { F32, F64, BF16, I32, I64, U8, F16 };
+// products in it); tensors and checkpoints never hold it. F8E4M3 is read from released FP8
+// checkpoints (dequantized on load), never planned.
+enum class DType : uint8_t { F32, F64, BF16, I32, I64, U8, F16, F8E4M3 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

@@ -11,12 +11,14 @@
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/safetensors.h"
+#include "sparsetron/ops/fp8/fp8.h"
 
 namespace fs = std::filesystem;
 
@@ -50,6 +52,36 @@ std::string iter_name(int64_t it) {
     std::ostringstream os;
     os << "iter_" << std::setw(7) << std::setfill('0') << it;
     return os.str();
+}
+
+// FP8 e4m3 [rows, cols] times its per-128x128-block scale_inv (F32 or BF16) into `dst`.
+void dequantize_into(const SafetensorsFile& file, const std::string& name,
+                     const SafetensorsFile::Info& src, const Tensor& dst) {
+    const std::string scale_name = name + "_scale_inv";
+    ST_CHECK(src.shape.size() == 2, "an FP8 tensor must be 2-D, got ", src.shape.size(), "-D");
+    ST_CHECK(file.contains(scale_name), "FP8 (F8_E4M3) without its '", scale_name,
+             "' block scales in the same file");
+    const auto& s = file.at(scale_name);
+    const int64_t rows = src.shape[0], cols = src.shape[1], br = (rows + 127) / 128,
+                  bc = (cols + 127) / 128;
+    ST_CHECK(s.shape == std::vector<int64_t>({br, bc}) &&
+                 (s.dtype == DType::F32 || s.dtype == DType::BF16),
+             "'", scale_name, "' must be F32 or BF16 [", br, ", ", bc,
+             "] (one scale per 128x128 block)");
+    file.verify(scale_name);
+    auto scale = [&](int64_t i) {
+        return s.dtype == DType::F32 ? reinterpret_cast<const float*>(s.data)[i]
+                                     : bf16_to_float(reinterpret_cast<const bf16*>(s.data)[i]);
+    };
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+            const double v = double(cpu::e4m3_to_float(src.data[r * cols + c])) *
+                             double(scale((r / 128) * bc + c / 128));
+            if (dst.dtype == DType::F32)
+                dst.ptr<float>()[r * cols + c] = float(v);
+            else
+                dst.ptr<double>()[r * cols + c] = v;
+        }
 }
 
 // Copies `src` (F32/F64/BF16) into `dst` (F32/F64) element by element.
@@ -118,7 +150,10 @@ void load_tensors(const SafetensorsFile& file, const std::string& what,
                  shape_str(info.shape), " but the model config expects ", shape_str(want));
         file.verify(name);
         try {
-            convert_into(info, dst);
+            if (info.dtype == DType::F8E4M3)
+                dequantize_into(file, name, info, dst);
+            else
+                convert_into(info, dst);
         } catch (const Error& e) {
             throw Error(cat(file.path(), ": tensor '", name, "': ", e.what()));
         }
@@ -372,6 +407,39 @@ void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
 
 bool is_model_dir(const std::string& dir) {
     return fs::exists(fs::path(dir) / "config.json") && has_weights(fs::path(dir));
+}
+
+std::vector<std::string> load_pretrained_weights(const std::string& dir, const ParamStore& store,
+                                                 const MemoryPlan& plan) {
+    const fs::path p(dir);
+    std::set<std::string> held;
+    if (fs::exists(p / "model.safetensors")) {
+        const SafetensorsFile file((p / "model.safetensors").string());
+        for (const auto& [name, info] : file.tensors()) held.insert(name);
+    } else {
+        const fs::path index = p / "model.safetensors.index.json";
+        ST_CHECK(fs::exists(index), dir, ": no model.safetensors or model.safetensors.index.json");
+        try {
+            const nlohmann::json map = nlohmann::json::parse(read_text(index)).at("weight_map");
+            for (const auto& [name, file] : map.items()) held.insert(name);
+        } catch (const std::exception& e) {
+            throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
+        }
+    }
+    std::vector<std::pair<std::string, Tensor>> targets;
+    std::vector<std::string> initialized;
+    for (const auto& prm : store.params()) {
+        if (held.count(prm.name)) {
+            targets.emplace_back(prm.name, plan.view(prm.param_slot));
+            continue;
+        }
+        ST_CHECK(prm.mtp, dir, ": the pretrained weights have no tensor '", prm.name,
+                 "' (only the MTP layer may be missing; check that config.json matches the "
+                 "recipe)");
+        initialized.push_back(prm.name);
+    }
+    load_from(p, "model", "pretrained", targets);
+    return initialized;
 }
 
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,

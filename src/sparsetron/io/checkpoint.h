@@ -64,6 +64,14 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
 std::string resolve_checkpoint(const std::string& dir);
 // A directory with config.json and weights (single model.safetensors or a sharded index).
 bool is_model_dir(const std::string& dir);
+// Weights of a pretrained model (an HF directory or an engine checkpoint) for a run that starts
+// at iteration 0 with fresh optimizer state: every parameter the files hold is loaded (FP8 e4m3
+// weights with 128x128 `<name>_scale_inv` blocks, the DeepSeek-V3 / GLM release format, are
+// dequantized); the MTP layer's parameters keep their initialization when the files have none
+// (HF's glm_moe_dsa has no MTP module). Any other missing parameter is an error naming it.
+// Returns the parameters left at their initialization.
+std::vector<std::string> load_pretrained_weights(const std::string& dir, const ParamStore& store,
+                                                 const MemoryPlan& plan);
 // Copies weights into the planned parameters; every parameter must be present with its shape.
 // Reads model.safetensors, or the shards listed in model.safetensors.index.json; tensors the
 // store does not hold (another EP rank's experts) are not read.

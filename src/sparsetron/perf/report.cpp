@@ -13,22 +13,6 @@ namespace sparsetron {
 namespace fs = std::filesystem;
 namespace {
 
-std::string read_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    ST_CHECK(in.good(), "cannot read '", path, "'");
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
-// Text placed inside <script>: a literal "</script" would end the element early (in JS source
-// and JSON it only occurs inside strings, where "<\/" means the same).
-std::string script_safe(std::string s) {
-    for (size_t at = 0; (at = s.find("</script", at)) != std::string::npos; at += 9)
-        s.replace(at, 2, "<\\/");
-    return s;
-}
-
 const char* kPage = R"HTML(<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Sparsetron performance report</title>
 <style>
@@ -120,6 +104,21 @@ document.body.dataset.charts = String(made);
 
 }  // namespace
 
+std::string read_whole_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    ST_CHECK(in.good(), "cannot read '", path, "'");
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+// In JS source and JSON "</script" only occurs inside strings, where "<\/" means the same.
+std::string script_safe(std::string s) {
+    for (size_t at = 0; (at = s.find("</script", at)) != std::string::npos; at += 9)
+        s.replace(at, 2, "<\\/");
+    return s;
+}
+
 std::string find_chartjs() {
     std::vector<std::string> tried;
     if (const auto env = env_value("SPARSETRON_CHARTJS")) tried.push_back(*env);
@@ -187,7 +186,7 @@ int write_report(const ReportInput& in, const std::string& out_html) {
     data["records"] = recs;
     data["flops"] = flops;
     const std::string chartjs =
-        read_file(in.chartjs_path.empty() ? find_chartjs() : in.chartjs_path);
+        read_whole_file(in.chartjs_path.empty() ? find_chartjs() : in.chartjs_path);
     std::string page = kPage;
     auto put = [&](const std::string& mark, const std::string& text) {
         const size_t at = page.find(mark);

@@ -23,5 +23,9 @@ int write_report(const ReportInput& in, const std::string& out_html);
 
 // Where the Chart.js UMD bundle is, or an error saying how to install it.
 std::string find_chartjs();
+// A file's bytes (an error names it when it cannot be read).
+std::string read_whole_file(const std::string& path);
+// Text for a <script> element: a literal "</script" would end the element early.
+std::string script_safe(std::string s);
 
 }  // namespace sparsetron

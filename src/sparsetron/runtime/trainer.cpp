@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
@@ -140,6 +141,45 @@ fs::path find_bundled_corpus() {
 }
 
 }  // namespace
+
+std::string pretrained_weights_dir(const RunConfig& run, const std::string& resume_dir) {
+    auto weights_dir = [](const std::string& d) {
+        return is_model_dir(d) ? d : resolve_checkpoint(d);
+    };
+    const std::string load = resume_dir.empty() ? run.load : resume_dir;
+    if (!run.pretrained_checkpoint.empty() && load.empty())
+        return weights_dir(run.pretrained_checkpoint);
+    if (load.empty()) return "";
+    if (run.finetune) return weights_dir(load);
+    // An HF directory has no training state: its weights start a fresh run.
+    if (is_model_dir(load) && !fs::exists(fs::path(load) / "trainer_state.json")) return load;
+    return "";
+}
+
+void check_pretrained_config(const std::string& dir, const ModelConfig& model) {
+    const fs::path config = fs::path(dir) / "config.json";
+    if (!fs::exists(config)) return;  // an engine checkpoint's tensors are checked by shape
+    const ModelConfig hf = load_hf_config(config.string());
+    const std::pair<const char*, std::pair<int64_t, int64_t>> dims[] = {
+        {"num_layers", {model.num_layers, hf.num_layers}},
+        {"hidden_size", {model.hidden_size, hf.hidden_size}},
+        {"num_attention_heads", {model.num_attention_heads, hf.num_attention_heads}},
+        {"vocab_size", {model.vocab_size, hf.vocab_size}},
+        {"q_lora_rank", {model.q_lora_rank, hf.q_lora_rank}},
+        {"kv_lora_rank", {model.kv_lora_rank, hf.kv_lora_rank}},
+        {"qk_head_dim", {model.qk_head_dim, hf.qk_head_dim}},
+        {"qk_pos_emb_head_dim", {model.qk_pos_emb_head_dim, hf.qk_pos_emb_head_dim}},
+        {"v_head_dim", {model.v_head_dim, hf.v_head_dim}},
+        {"ffn_hidden_size", {model.ffn_hidden_size, hf.ffn_hidden_size}},
+        {"num_experts", {model.num_experts, hf.num_experts}},
+        {"moe_ffn_hidden_size", {model.moe_ffn_hidden_size, hf.moe_ffn_hidden_size}},
+    };
+    for (const auto& [key, v] : dims)
+        ST_CHECK(v.first == v.second, config.string(), " has ", key, " ", v.second,
+                 " but the recipe has ", v.first,
+                 ": train from it with the recipe's value set to the checkpoint's (or without "
+                 "--recipe: the model dimensions then come from config.json)");
+}
 
 std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir) {
     if (!run.data_path.empty()) return run.data_path;
@@ -274,6 +314,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     state_.seed = static_cast<uint64_t>(r.seed);
 
     std::string resume = options_.resume_dir.empty() ? r.load : options_.resume_dir;
+    pretrained_from_ = pretrained_weights_dir(r, options_.resume_dir);
+    if (!pretrained_from_.empty()) resume.clear();
     if (!resume.empty()) {
         std::string ckpt = resolve_checkpoint(resume);
         load_model_weights(ckpt, tp_->model->params(), tp_->plan);
@@ -286,6 +328,11 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     } else {
         tp_->model->params().initialize(tp_->plan, state_.seed, recipe_.model.init_method_std,
                                         recipe_.model.num_layers);
+        if (!pretrained_from_.empty()) {
+            check_pretrained_config(pretrained_from_, recipe_.model);
+            initialized_ =
+                load_pretrained_weights(pretrained_from_, tp_->model->params(), tp_->plan);
+        }
     }
     if (engine_) engine_->upload_state();
     // With one rank the distributed optimizer is the plain one.

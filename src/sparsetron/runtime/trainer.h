@@ -116,6 +116,10 @@ class Trainer {
     // The model's parameter table (on CUDA runs the CPU model only plans the host mirror).
     const ParamStore& params() const { return tp_->model->params(); }
     Glm5Model<float>& model() { return *tp_->model; }
+    // A run started from pretrained weights: where they came from and the parameters left at
+    // their initialization (the MTP layer, when the checkpoint has none); empty otherwise.
+    const std::string& pretrained_from() const { return pretrained_from_; }
+    const std::vector<std::string>& initialized_parameters() const { return initialized_; }
     // Device memory in use on CUDA, the planned host memory on CPU.
     double memory_gib() const;
     // "cpu (N threads)" or the CUDA device and its planned memory.
@@ -168,7 +172,17 @@ class Trainer {
     std::vector<int> owner_;                 // distributed optimizer: owning rank per parameter
     std::vector<bool> owned_;                // ... and whether this rank owns it
     std::vector<GradRange> grad_ranges_;     // CPU data parallelism: what each reduction covers
+    std::string pretrained_from_;
+    std::vector<std::string> initialized_;
 };
+
+// Where a run's weights come from when it does not resume: an HF directory or an engine
+// checkpoint given by pretrained_checkpoint, by `load` with finetune, or by a `load` that is an
+// HF directory; "" for a fresh initialization or a full resume.
+std::string pretrained_weights_dir(const RunConfig& run, const std::string& resume_dir);
+// Stops, naming the field and both values, when `dir`/config.json describes another model than
+// `model` (the dimensions that shape the weights).
+void check_pretrained_config(const std::string& dir, const ModelConfig& model);
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.
 std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir);

@@ -94,7 +94,7 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
 // index), equal to the whole micro-batch's: the same top-k and lengths, scores within rounding.
 // At the GLM-5 indexer shape (32 heads x 128: the fused wgmma kernel on sm_90a) and a small one.
 TEST_F(CudaOps, IndexerScoresAndTopkInQueryBlocks) {
-    for (const auto [H, d] : {std::pair<int64_t, int64_t>{32, 128}, {4, 32}}) {
+    for (const auto& [H, d] : {std::pair<int64_t, int64_t>{32, 128}, {4, 32}}) {
         SCOPED_TRACE(cat(H, " heads x ", d));
         const int64_t T = 700, K = 64, block = 256;
         Rounded q(T * H * d, 191), k(T * d, 192);

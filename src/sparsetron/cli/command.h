@@ -27,6 +27,7 @@ Run add_keys(CLI::App& app);
 Run add_info(CLI::App& app);
 Run add_flops(CLI::App& app);
 Run add_report(CLI::App& app);
+Run add_convert(CLI::App& app);
 Run add_bench(CLI::App& app);
 Run add_bench_exchange(CLI::App& app);
 

@@ -54,36 +54,6 @@ std::string iter_name(int64_t it) {
     return os.str();
 }
 
-// FP8 e4m3 [rows, cols] times its per-128x128-block scale_inv (F32 or BF16) into `dst`.
-void dequantize_into(const SafetensorsFile& file, const std::string& name,
-                     const SafetensorsFile::Info& src, const Tensor& dst) {
-    const std::string scale_name = name + "_scale_inv";
-    ST_CHECK(src.shape.size() == 2, "an FP8 tensor must be 2-D, got ", src.shape.size(), "-D");
-    ST_CHECK(file.contains(scale_name), "FP8 (F8_E4M3) without its '", scale_name,
-             "' block scales in the same file");
-    const auto& s = file.at(scale_name);
-    const int64_t rows = src.shape[0], cols = src.shape[1], br = (rows + 127) / 128,
-                  bc = (cols + 127) / 128;
-    ST_CHECK(s.shape == std::vector<int64_t>({br, bc}) &&
-                 (s.dtype == DType::F32 || s.dtype == DType::BF16),
-             "'", scale_name, "' must be F32 or BF16 [", br, ", ", bc,
-             "] (one scale per 128x128 block)");
-    file.verify(scale_name);
-    auto scale = [&](int64_t i) {
-        return s.dtype == DType::F32 ? reinterpret_cast<const float*>(s.data)[i]
-                                     : bf16_to_float(reinterpret_cast<const bf16*>(s.data)[i]);
-    };
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-            const double v = double(cpu::e4m3_to_float(src.data[r * cols + c])) *
-                             double(scale((r / 128) * bc + c / 128));
-            if (dst.dtype == DType::F32)
-                dst.ptr<float>()[r * cols + c] = float(v);
-            else
-                dst.ptr<double>()[r * cols + c] = v;
-        }
-}
-
 // Copies `src` (F32/F64/BF16) into `dst` (F32/F64) element by element.
 void convert_into(const SafetensorsFile::Info& src, const Tensor& dst) {
     int64_t n = dst.numel();
@@ -150,10 +120,16 @@ void load_tensors(const SafetensorsFile& file, const std::string& what,
                  shape_str(info.shape), " but the model config expects ", shape_str(want));
         file.verify(name);
         try {
-            if (info.dtype == DType::F8E4M3)
-                dequantize_into(file, name, info, dst);
-            else
+            if (info.dtype == DType::F8E4M3) {
+                const std::vector<float> v = read_tensor_f32(file, name);
+                for (size_t i = 0; i < v.size(); ++i)
+                    if (dst.dtype == DType::F32)
+                        dst.ptr<float>()[i] = v[i];
+                    else
+                        dst.ptr<double>()[i] = v[i];
+            } else {
                 convert_into(info, dst);
+            }
         } catch (const Error& e) {
             throw Error(cat(file.path(), ": tensor '", name, "': ", e.what()));
         }
@@ -407,6 +383,53 @@ void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
 
 bool is_model_dir(const std::string& dir) {
     return fs::exists(fs::path(dir) / "config.json") && has_weights(fs::path(dir));
+}
+
+std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::string& name) {
+    const auto& src = file.at(name);
+    size_t n = 1;
+    for (int64_t d : src.shape) n *= size_t(d);
+    std::vector<float> v(n);
+    switch (src.dtype) {
+        case DType::F32:
+            std::memcpy(v.data(), src.data, n * 4);
+            return v;
+        case DType::F64:
+            for (size_t i = 0; i < n; ++i)
+                v[i] = float(reinterpret_cast<const double*>(src.data)[i]);
+            return v;
+        case DType::BF16:
+            for (size_t i = 0; i < n; ++i)
+                v[i] = bf16_to_float(reinterpret_cast<const bf16*>(src.data)[i]);
+            return v;
+        case DType::F8E4M3:
+            break;
+        default:
+            throw Error(cat(file.path(), ": tensor '", name, "': unsupported weight dtype ",
+                            dtype_name(src.dtype), " (F32, F64, BF16 or F8_E4M3)"));
+    }
+    // FP8: each 128x128 block times its scale (scale_inv: what multiplies the e4m3 values back).
+    const std::string scale_name = name + "_scale_inv";
+    ST_CHECK(src.shape.size() == 2, file.path(), ": FP8 tensor '", name, "' must be 2-D");
+    ST_CHECK(file.contains(scale_name), file.path(), ": FP8 (F8_E4M3) tensor '", name,
+             "' without its '", scale_name, "' block scales in the same file");
+    const auto& s = file.at(scale_name);
+    const int64_t rows = src.shape[0], cols = src.shape[1], br = (rows + 127) / 128,
+                  bc = (cols + 127) / 128;
+    ST_CHECK(s.shape == std::vector<int64_t>({br, bc}) &&
+                 (s.dtype == DType::F32 || s.dtype == DType::BF16),
+             file.path(), ": '", scale_name, "' must be F32 or BF16 [", br, ", ", bc,
+             "] (one scale per 128x128 block)");
+    file.verify(scale_name);
+    auto scale = [&](int64_t i) {
+        return s.dtype == DType::F32 ? reinterpret_cast<const float*>(s.data)[i]
+                                     : bf16_to_float(reinterpret_cast<const bf16*>(s.data)[i]);
+    };
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+            v[size_t(r * cols + c)] =
+                cpu::e4m3_to_float(src.data[r * cols + c]) * scale((r / 128) * bc + c / 128);
+    return v;
 }
 
 std::vector<std::string> load_pretrained_weights(const std::string& dir, const ParamStore& store,

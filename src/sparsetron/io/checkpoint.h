@@ -17,6 +17,7 @@
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
+#include "sparsetron/io/safetensors.h"
 #include "sparsetron/model/param_store.h"
 #include "sparsetron/optim/optimizer.h"
 #include "sparsetron/parallel/comm.h"
@@ -64,6 +65,9 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
 std::string resolve_checkpoint(const std::string& dir);
 // A directory with config.json and weights (single model.safetensors or a sharded index).
 bool is_model_dir(const std::string& dir);
+// One tensor of a weights file as fp32: F32, F64, BF16, or F8_E4M3 times its `<name>_scale_inv`
+// 128x128 block scales (F32 or BF16, in the same file).
+std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::string& name);
 // Weights of a pretrained model (an HF directory or an engine checkpoint) for a run that starts
 // at iteration 0 with fresh optimizer state: every parameter the files hold is loaded (FP8 e4m3
 // weights with 128x128 `<name>_scale_inv` blocks, the DeepSeek-V3 / GLM release format, are

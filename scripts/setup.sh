@@ -7,6 +7,7 @@ set -euo pipefail
 # OpenMPI: the MPI-backed Comm and the data-parallel tests under mpirun (label mpi).
 PACKAGES=(cmake ninja-build g++ clang-format
           libopenblas-pthread-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libgtest-dev
+          libpcre2-dev
           chromium libopenmpi-dev openmpi-bin)
 command -v npm >/dev/null 2>&1 || PACKAGES+=(nodejs npm)
 

@@ -45,6 +45,13 @@ void write_file(const std::string& p, const std::vector<char>& b) {
     std::ofstream(p, std::ios::binary | std::ios::trunc).write(b.data(), b.size());
 }
 
+PreprocessOptions options(std::vector<std::string> inputs, const std::string& prefix) {
+    PreprocessOptions o;
+    o.inputs = std::move(inputs);
+    o.output_prefix = prefix;
+    return o;
+}
+
 std::string open_error(const std::string& prefix) {
     try {
         IndexedDataset ds(prefix);
@@ -125,7 +132,7 @@ TEST(Preprocess, TextAndJsonl) {
     std::string dir = test::temp_dir("p");
     std::ofstream(dir + "/a.txt") << "first paragraph\nstill first\n\n\nsecond one\n";
     std::ofstream(dir + "/b.jsonl") << "{\"text\": \"hi \\u00e9\"}\n\n{\"text\": \"x\"}\n";
-    auto stats = preprocess_text({dir + "/a.txt", dir + "/b.jsonl"}, dir + "/out", "text");
+    auto stats = preprocess(options({dir + "/a.txt", dir + "/b.jsonl"}, dir + "/out"));
     EXPECT_EQ(stats.documents, 4);
     IndexedDataset ds(dir + "/out");
     EXPECT_EQ(ByteTokenizer::decode(ds.sequence(0)), "first paragraph\nstill first<|eod|>");
@@ -133,7 +140,7 @@ TEST(Preprocess, TextAndJsonl) {
     EXPECT_EQ(ds.sequence(2).size(), 3u + 2u + 1u);  // "hi " + two UTF-8 bytes + EOD
     std::ofstream(dir + "/bad.jsonl") << "{\"text\": 1}\n";
     try {
-        preprocess_text({dir + "/bad.jsonl"}, dir + "/out2", "text");
+        preprocess(options({dir + "/bad.jsonl"}, dir + "/out2"));
         FAIL() << "expected an error";
     } catch (const Error& e) {
         EXPECT_NE(std::string(e.what()).find("bad.jsonl:1"), std::string::npos) << e.what();

@@ -165,9 +165,10 @@ TEST(TensorBoard, TrainingWritesEventsTheReaderDecodes) {
         EXPECT_EQ(by_tag["lm loss"][step], float(j.at("lm_loss").get<double>())) << step;
         EXPECT_EQ(by_tag["learning-rate"][step], float(j.at("lr").get<double>())) << step;
         EXPECT_EQ(by_tag["grad-norm"][step], float(j.at("grad_norm").get<double>())) << step;
-        if (j.contains("valid_lm_loss"))
+        if (j.contains("valid_lm_loss")) {
             EXPECT_EQ(by_tag["lm loss validation"][step],
                       float(j.at("valid_lm_loss").get<double>()));
+        }
     }
     EXPECT_EQ(lines, 3);
     EXPECT_EQ(by_tag["lm loss validation"].size(), 1u);

@@ -1,40 +1,68 @@
-// `sparsetron preprocess`: text or JSONL to a Megatron indexed dataset (.bin/.idx).
+// `sparsetron preprocess`: text, JSONL or token ids to a Megatron indexed dataset (.bin/.idx),
+// with the byte-level tokenizer or a HuggingFace tokenizer.json (byte-level BPE).
 #include <cstdio>
 #include <memory>
 
 #include "command.h"
+#include "sparsetron/core/parallel.h"
+#include "sparsetron/data/bpe_tokenizer.h"
 #include "sparsetron/data/byte_tokenizer.h"
-#include "sparsetron/runtime/trainer.h"
 
 namespace sparsetron::cli {
-namespace {
-
-int preprocess(const std::vector<std::string>& inputs, const std::string& output,
-               const std::string& json_key) {
-    PreprocessStats s = preprocess_text(inputs, output, json_key);
-    std::printf("wrote %s.bin / %s.idx: %lld documents, %lld tokens (byte-level, EOD = %d)\n",
-                output.c_str(), output.c_str(), static_cast<long long>(s.documents),
-                static_cast<long long>(s.tokens), ByteTokenizer::kEod);
-    return 0;
-}
-
-}  // namespace
 
 Run add_preprocess(CLI::App& app) {
     struct Options {
         std::vector<std::string> inputs;
-        std::string output, json_key = "text";
+        std::string output, json_key = "text", tokenizer, format = "auto", eod;
+        int workers = 0;
     };
     auto o = std::make_shared<Options>();
-    auto* c =
-        app.add_subcommand("preprocess", "Text or JSONL -> Megatron .bin/.idx (byte-level tokens)");
+    auto* c = app.add_subcommand("preprocess",
+                                 "Text, JSONL or token ids -> Megatron .bin/.idx (byte-level, or "
+                                 "a tokenizer.json's BPE)");
     c->add_option("--input,-i", o->inputs,
-                  "Input files: .txt (documents separated by blank lines) or .jsonl")
+                  "Input files: .txt (documents separated by blank lines), .jsonl, or ids")
         ->required();
     c->add_option("--output-prefix,-o", o->output, "Output prefix (writes PREFIX.bin, PREFIX.idx)")
         ->required();
     c->add_option("--json-key", o->json_key, "JSONL field holding the text (default: text)");
-    return [o] { return preprocess(o->inputs, o->output, o->json_key); };
+    c->add_option("--tokenizer", o->tokenizer,
+                  "A HuggingFace tokenizer.json (byte-level BPE, GLM / GPT-2 style); default: "
+                  "byte-level tokens with EOD 256");
+    c->add_option("--input-format", o->format,
+                  "auto (by extension), text, jsonl, or ids (a document per line of token ids)");
+    c->add_option("--append-eod", o->eod,
+                  "With --tokenizer: append this token (e.g. <|endoftext|>) to every document");
+    c->add_option("--workers", o->workers, "Encoding threads (default: every core)");
+    return [o] {
+        if (o->workers > 0) set_num_threads(o->workers);
+        PreprocessOptions p{o->inputs, o->output, o->json_key,
+                            o->format, {},        ByteTokenizer::kMinVocab};
+        std::shared_ptr<BpeTokenizer> tok;
+        std::string how = cat("byte-level, EOD = ", ByteTokenizer::kEod);
+        if (!o->tokenizer.empty()) {
+            tok = std::make_shared<BpeTokenizer>(o->tokenizer);
+            int32_t eod = -1;
+            if (!o->eod.empty()) {
+                eod = tok->token_id(o->eod);
+                ST_CHECK(eod >= 0, "--append-eod: '", o->eod, "' is not a token of ", o->tokenizer);
+            }
+            p.encode = [tok, eod](const std::string& text) {
+                std::vector<int32_t> ids = tok->encode(text);
+                if (eod >= 0) ids.push_back(eod);
+                return ids;
+            };
+            p.vocab_size = tok->vocab_size();
+            how = cat(o->tokenizer, ", vocabulary ", tok->vocab_size());
+        } else {
+            ST_CHECK(o->eod.empty(), "--append-eod needs --tokenizer (byte-level appends EOD)");
+        }
+        const PreprocessStats s = preprocess(p);
+        std::printf("wrote %s.bin / %s.idx: %lld documents, %lld tokens (%s; %d threads)\n",
+                    o->output.c_str(), o->output.c_str(), static_cast<long long>(s.documents),
+                    static_cast<long long>(s.tokens), how.c_str(), num_threads());
+        return 0;
+    };
 }
 
 }  // namespace sparsetron::cli

@@ -2,8 +2,10 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "sparsetron/core/error.h"
+#include "sparsetron/core/parallel.h"
 #include "sparsetron/data/indexed_dataset.h"
 
 namespace sparsetron {
@@ -32,27 +34,51 @@ bool blank(const std::string& line) {
 }
 }  // namespace
 
-PreprocessStats preprocess_text(const std::vector<std::string>& inputs,
-                                const std::string& output_prefix, const std::string& json_key) {
-    ST_CHECK(!inputs.empty(), "preprocess: no input files");
-    IndexedDatasetWriter writer(output_prefix, TokenCode::U16);
-    PreprocessStats stats;
-    auto emit = [&](const std::string& doc) {
-        if (doc.empty()) return;
-        auto tokens = ByteTokenizer::encode_document(doc);
-        writer.add_document(tokens);
-        ++stats.documents;
-        stats.tokens += static_cast<int64_t>(tokens.size());
+PreprocessStats preprocess(const PreprocessOptions& o) {
+    ST_CHECK(!o.inputs.empty(), "preprocess: no input files");
+    ST_CHECK(o.format == "auto" || o.format == "text" || o.format == "jsonl" || o.format == "ids",
+             "preprocess: --input-format is auto, text, jsonl or ids, got '", o.format, "'");
+    const DocumentEncoder encode = o.encode ? o.encode : [](const std::string& t) {
+        return ByteTokenizer::encode_document(t);
     };
-    for (const auto& path : inputs) {
+    IndexedDatasetWriter writer(o.output_prefix,
+                                o.vocab_size <= 65536 ? TokenCode::U16 : TokenCode::I32);
+    PreprocessStats stats;
+    // Documents in batches: each batch encoded in parallel, then written in order.
+    std::vector<std::string> texts;
+    std::vector<std::vector<int32_t>> ids;
+    auto flush = [&] {
+        std::vector<std::vector<int32_t>> encoded(texts.size());
+        parallel_for(int64_t(texts.size()), [&](int64_t b, int64_t e) {
+            for (int64_t i = b; i < e; ++i) encoded[size_t(i)] = encode(texts[size_t(i)]);
+        });
+        for (auto* batch : {&encoded, &ids})
+            for (const auto& doc : *batch) {
+                if (doc.empty()) continue;
+                writer.add_document(doc);
+                ++stats.documents;
+                stats.tokens += int64_t(doc.size());
+            }
+        texts.clear();
+        ids.clear();
+    };
+    auto add_text = [&](std::string doc) {
+        if (doc.empty()) return;
+        texts.push_back(std::move(doc));
+        if (texts.size() >= 4096) flush();
+    };
+    for (const auto& path : o.inputs) {
         std::ifstream in(path);
         ST_CHECK(in.good(), "preprocess: cannot read input '", path, "'");
+        const std::string format = o.format != "auto" ? o.format
+                                   : (ends_with(path, ".jsonl") || ends_with(path, ".json"))
+                                       ? "jsonl"
+                                       : "text";
         std::string line, doc;
         int64_t line_no = 0;
-        bool jsonl = ends_with(path, ".jsonl") || ends_with(path, ".json");
         while (std::getline(in, line)) {
             ++line_no;
-            if (jsonl) {
+            if (format == "jsonl") {
                 if (blank(line)) continue;
                 nlohmann::json j;
                 try {
@@ -60,18 +86,40 @@ PreprocessStats preprocess_text(const std::vector<std::string>& inputs,
                 } catch (const std::exception& e) {
                     throw Error(cat(path, ":", line_no, ": invalid JSON: ", e.what()));
                 }
-                ST_CHECK(j.is_object() && j.contains(json_key) && j[json_key].is_string(), path,
-                         ":", line_no, ": expected an object with a string field '", json_key, "'");
-                emit(j[json_key].get<std::string>());
+                ST_CHECK(j.is_object() && j.contains(o.json_key) && j[o.json_key].is_string(), path,
+                         ":", line_no, ": expected an object with a string field '", o.json_key,
+                         "'");
+                add_text(j[o.json_key].get<std::string>());
+            } else if (format == "ids") {
+                std::istringstream is(line);
+                std::vector<int32_t> d;
+                for (std::string w; is >> w;) {
+                    size_t used = 0;
+                    long long v = -1;
+                    try {
+                        v = std::stoll(w, &used);
+                    } catch (const std::exception&) {
+                        used = 0;
+                    }
+                    ST_CHECK(used == w.size() && v >= 0 && v < o.vocab_size, path, ":", line_no,
+                             ": \"", w, "\" is not a token id below the vocabulary size ",
+                             o.vocab_size);
+                    d.push_back(int32_t(v));
+                }
+                if (!d.empty()) {
+                    flush();  // keep the input order
+                    ids.push_back(std::move(d));
+                }
             } else if (blank(line)) {
-                emit(doc);
+                add_text(doc);
                 doc.clear();
             } else {
                 doc += (doc.empty() ? "" : "\n") + line;
             }
         }
-        emit(doc);
+        add_text(doc);
     }
+    flush();
     ST_CHECK(stats.documents > 0, "preprocess: the inputs hold no documents");
     writer.finish();
     return stats;

@@ -192,8 +192,12 @@ std::vector<std::string> resolve_data_path(const RunConfig& run, const std::stri
     fs::path dir = fs::path(out_dir) / "data";
     ensure_writable_dir(dir.string());
     std::string prefix = (dir / "corpus").string();
-    if (!fs::exists(prefix + ".idx") || !fs::exists(prefix + ".bin"))
-        preprocess_text(inputs, prefix, "text");
+    if (!fs::exists(prefix + ".idx") || !fs::exists(prefix + ".bin")) {
+        PreprocessOptions o;
+        o.inputs = inputs;
+        o.output_prefix = prefix;
+        preprocess(o);
+    }
     return {prefix};
 }
 

@@ -215,6 +215,8 @@ TEST(Cli, ValidationDuringTrainingAndEvalOnTheHeldOutPart) {
     CliRun e = run("eval --model " + out + "/checkpoints --data " + out + "/data/corpus");
     ASSERT_EQ(e.code, 0) << e.output;
     EXPECT_NE(e.output.find("(the valid part of split 80,20,0)"), std::string::npos) << e.output;
+    EXPECT_NE(e.output.find("| mtp_loss "), std::string::npos)
+        << "the run's MTP depths: " << e.output;
     CliRun none =
         run("eval --model " + out + "/checkpoints --data " + out + "/data/corpus --part test");
     EXPECT_EQ(none.code, 1) << none.output;

@@ -172,9 +172,11 @@ TEST(Trainer, ValidationRunsOnTheHeldOutPartWithoutChangingTraining) {
             docs.emplace_back(mb.tokens.begin() + mb.cu_seqlens[d],
                               mb.tokens.begin() + mb.cu_seqlens[d + 1]);
     }
-    const EvalResult e = evaluate(t.checkpoint_dir(), docs);
+    const EvalResult e = evaluate(t.checkpoint_dir(), docs, &r.model);
     EXPECT_EQ(e.targets, v.targets);
     EXPECT_NEAR(e.lm_loss, v.lm_loss, 1e-5 * v.lm_loss);
+    EXPECT_GT(v.mtp_loss, 0);
+    EXPECT_NEAR(e.mtp_loss, v.mtp_loss, 1e-5 * v.mtp_loss);
     // The training part never holds a valid document: different documents, different loss.
     EXPECT_NE(e.lm_loss, steps[3].lm_loss);
 }

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "command.h"
 #include "sparsetron/config/recipe_loader.h"
@@ -18,18 +19,20 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The split a held-out evaluation uses: --split, else the run's (the engine checkpoint's
-// recipe.yaml), else every document in the train part.
-std::string split_for(const std::string& model, const std::string& split_arg) {
-    if (!split_arg.empty()) return split_arg;
-    if (!is_model_dir(model) || fs::exists(fs::path(model) / "recipe.yaml")) {
-        const std::string ckpt = is_model_dir(model) ? model : resolve_checkpoint(model);
-        Recipe r;
-        for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
-            if (s.key == "split") r.apply(s);
-        return r.run.split;
-    }
-    return "100,0,0";
+// The recipe the run trained with, when the model is an engine checkpoint (its recipe.yaml).
+std::optional<Recipe> run_recipe(const std::string& model) {
+    if (is_model_dir(model) && !fs::exists(fs::path(model) / "recipe.yaml")) return std::nullopt;
+    const std::string ckpt = is_model_dir(model) ? model : resolve_checkpoint(model);
+    if (!fs::exists(fs::path(ckpt) / "recipe.yaml")) return std::nullopt;
+    Recipe r;
+    for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
+        r.apply(s);
+    // Eval is one process: the run's layout does not apply.
+    r.run.world_size = r.run.expert_model_parallel_size = r.run.context_parallel_size = 1;
+    r.run.dynamic_context_parallel = false;
+    r.run.global_batch_size = r.run.micro_batch_size;
+    r.validate();  // derives the layer patterns the model reads
+    return r;
 }
 
 int eval(const std::string& model, const std::string& tokens, const std::vector<std::string>& data,
@@ -37,12 +40,17 @@ int eval(const std::string& model, const std::string& tokens, const std::vector<
     ST_CHECK(tokens.empty() != data.empty(), "eval: give --tokens FILE or --data PREFIX (one)");
     std::vector<std::vector<int32_t>> docs;
     std::string what;
-    if (!tokens.empty()) {
-        docs = read_token_documents(tokens);
-    } else {
+    // Token documents are read first (a bad file is named before the model is looked at); an
+    // engine checkpoint's recipe gives the split and the MTP depths (for the MTP loss).
+    if (!tokens.empty()) docs = read_token_documents(tokens);
+    const std::optional<Recipe> run = run_recipe(model);
+    if (tokens.empty()) {
         // Every document of the part, in order (one or more prefixes; blend weights are not
         // needed: each document counts once).
-        const std::string split = split_for(model, split_arg);
+        // The split: --split, else the run's, else every document in the train part.
+        const std::string split = !split_arg.empty() ? split_arg
+                                  : run              ? run->run.split
+                                                     : std::string("100,0,0");
         const DataPart part = parse_data_part(part_arg);
         // Bare prefixes get weight 1 each (weights only steer a blend's order; here every
         // document counts once); a weighted list passes as it is.
@@ -61,18 +69,20 @@ int eval(const std::string& model, const std::string& tokens, const std::vector<
         docs = stream.part_documents_in_order();
         what = cat(" (the ", data_part_name(part), " part of split ", split, ")");
     }
-    EvalResult r = evaluate(model, docs);
+    EvalResult r = evaluate(model, docs, run ? &run->model : nullptr);
     ST_CHECK(std::isfinite(r.lm_loss), "eval: the loss of '", model, "' is not finite (", r.lm_loss,
              "): the model's outputs overflow");
     if (json) {
         nlohmann::ordered_json j;
         j["lm_loss"] = r.lm_loss;
         j["targets"] = r.targets;
+        if (r.mtp_loss > 0) j["mtp_loss"] = r.mtp_loss;
         std::printf("%s\n", j.dump().c_str());
     } else {
-        std::printf("lm_loss %.6f over %lld targets in %lld documents%s (perplexity %.3f)\n",
+        std::printf("lm_loss %.6f over %lld targets in %lld documents%s (perplexity %.3f)%s\n",
                     r.lm_loss, static_cast<long long>(r.targets),
-                    static_cast<long long>(r.documents), what.c_str(), std::exp(r.lm_loss));
+                    static_cast<long long>(r.documents), what.c_str(), std::exp(r.lm_loss),
+                    r.mtp_loss > 0 ? cat(" | mtp_loss ", r.mtp_loss).c_str() : "");
     }
     return 0;
 }

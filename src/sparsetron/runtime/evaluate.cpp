@@ -42,10 +42,14 @@ std::vector<std::vector<int32_t>> read_token_documents(const std::string& path) 
     return docs;
 }
 
-EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<int32_t>>& docs) {
+EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<int32_t>>& docs,
+                    const ModelConfig* model_cfg) {
     std::string dir = is_model_dir(model_dir) ? model_dir : resolve_checkpoint(model_dir);
-    ModelConfig cfg = load_hf_config((fs::path(dir) / "config.json").string());
-    cfg.mtp_num_layers = 0;  // eval reports the next-token loss only
+    ModelConfig cfg =
+        model_cfg ? *model_cfg : load_hf_config((fs::path(dir) / "config.json").string());
+    if (!model_cfg) cfg.mtp_num_layers = 0;  // the depth count is the recipe's: LM loss only
+    const int64_t D = cfg.mtp_num_layers;
+    const bool tv = cfg.mtp_loss_type == "e2e_tv";
     int64_t longest = 0;
     for (const auto& d : docs) longest = std::max<int64_t>(longest, static_cast<int64_t>(d.size()));
     const int64_t capacity = std::max<int64_t>(256, (longest + 63) / 64 * 64);
@@ -62,13 +66,20 @@ EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<
 
     EvalResult result;
     double loss_sum = 0;
+    LossScales sc;
+    sc.backward = false;
+    sc.mtp.assign(size_t(tv ? std::min<int64_t>(D, 1) : D), 1.0);
+    std::vector<double> mtp_sum(sc.mtp.size(), 0.0);
+    std::vector<int64_t> mtp_rows(sc.mtp.size(), 0);
     MicroBatch mb(capacity, max_docs);
     auto flush = [&] {
         if (mb.num_documents == 0) return;
         model.load_inputs(mb);
-        LossSums s = model.forward_backward(0.0, false);
+        LossSums s = model.forward_backward(sc);
         loss_sum += s.lm_loss_sum;
         result.targets += s.lm_targets;
+        for (size_t k = 0; k < mtp_sum.size() && k < s.mtp_sum.size(); ++k)
+            mtp_sum[k] += s.mtp_sum[k], mtp_rows[k] += s.mtp_count[k];
         mb.clear();
     };
     for (const auto& d : docs) {
@@ -81,6 +92,13 @@ EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<
     flush();
     ST_CHECK(result.targets > 0, "no next-token targets: every document has a single token");
     result.lm_loss = loss_sum / double(result.targets);
+    // As the trainer reports it: λ/D per depth's mean for CE, λ times the chain's mean for TV.
+    for (size_t k = 0; k < mtp_sum.size(); ++k)
+        if (mtp_rows[k] > 0)
+            result.mtp_loss +=
+                mtp_sum[k] *
+                (tv ? cfg.mtp_loss_scaling_factor : cfg.mtp_loss_scaling_factor / double(D)) /
+                double(mtp_rows[k]);
     return result;
 }
 

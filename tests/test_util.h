@@ -59,6 +59,19 @@ double max_rel_error(const std::vector<A>& a, const std::vector<B>& b) {
     return err / std::max(1.0, ref);
 }
 
+// The small model the runtime tests train (seconds per run on CPU, also under the sanitizers):
+// its recipe overrides, and the same as CLI options.
+inline std::vector<std::string> small_model_sets() {
+    return {"hidden_size=48",  "num_attention_heads=2", "q_lora_rank=32",
+            "kv_lora_rank=24", "qk_head_dim=16",        "qk_pos_emb_head_dim=8",
+            "v_head_dim=16",   "ffn_hidden_size=96",    "seq_length=64"};
+}
+inline std::string small_model_cli() {
+    std::string s;
+    for (const std::string& set : small_model_sets()) s += " --set " + set;
+    return s;
+}
+
 // Runs the `sparsetron` CLI built with the tests; stdout and stderr together.
 struct CliRun {
     int code;

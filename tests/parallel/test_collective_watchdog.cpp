@@ -74,11 +74,8 @@ TEST(CollectiveWatchdog, AStoppedRankEndsTheJobNamingIt) {
         std::string(SPARSETRON_MPIEXEC) +
         " -np 3 --oversubscribe --allow-run-as-root " SPARSETRON_CLI_MPI
         " train -q --no-save --set world_size=3 --set global_batch_size=3 --set train_iters=100000"
-        " --set hidden_size=48 --set num_attention_heads=2 --set q_lora_rank=32"
-        " --set kv_lora_rank=24 --set qk_head_dim=16 --set qk_pos_emb_head_dim=8"
-        " --set v_head_dim=16 --set ffn_hidden_size=96 --set seq_length=64"
-        " --set distributed_timeout_minutes=0.05 --out " +
-        out + " >" + log + " 2>&1";
+        " --set distributed_timeout_minutes=0.05" +
+        sparsetron::test::small_model_cli() + " --out " + out + " >" + log + " 2>&1";
     const pid_t launcher = ::fork();
     if (launcher == 0) {
         ::setpgid(0, 0);  // its own process group: the test can end the whole job

@@ -135,11 +135,8 @@ TEST(Report, RunPageRendersEveryCurveAndTheExpertHeatMap) {
     const std::string dir = test::temp_dir("run");
     auto train = test::run_cli(
         "train -q --no-save --set train_iters=4 --set split=80,20,0 --set eval_interval=2"
-        " --set eval_iters=1 --set hidden_size=48 --set num_attention_heads=2"
-        " --set q_lora_rank=32 --set kv_lora_rank=24 --set qk_head_dim=16"
-        " --set qk_pos_emb_head_dim=8 --set v_head_dim=16 --set ffn_hidden_size=96"
-        " --set seq_length=64 --set global_batch_size=2 --out " +
-        dir + "/a");
+        " --set eval_iters=1 --set global_batch_size=2" +
+        test::small_model_cli() + " --out " + dir + "/a");
     ASSERT_EQ(train.code, 0) << train.output;
     auto run = test::run_cli("report --run " + dir + "/a --out " + dir + "/run.html");
     ASSERT_EQ(run.code, 0) << run.output;

@@ -157,10 +157,7 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
 
 namespace {
 // A small model (the tiny recipe's architecture at the test width) for the CLI runs below.
-const std::string kSmall =
-    " --set hidden_size=48 --set num_attention_heads=2 --set q_lora_rank=32 --set kv_lora_rank=24"
-    " --set qk_head_dim=16 --set qk_pos_emb_head_dim=8 --set v_head_dim=16"
-    " --set ffn_hidden_size=96 --set seq_length=64 --set global_batch_size=2 -q";
+const std::string kSmall = sparsetron::test::small_model_cli() + " --set global_batch_size=2 -q";
 
 int metric_lines(const std::string& path) {
     std::ifstream in(path);
@@ -204,10 +201,8 @@ TEST(Cli, ValidationDuringTrainingAndEvalOnTheHeldOutPart) {
     EXPECT_EQ(r.output.find("validation after step"), std::string::npos) << "-q prints none";
     CliRun loud =
         run("train --set train_iters=2 --set split=80,20,0 --set eval_interval=2"
-            " --set eval_iters=1 --set hidden_size=48 --set num_attention_heads=2"
-            " --set q_lora_rank=32 --set kv_lora_rank=24 --set qk_head_dim=16"
-            " --set qk_pos_emb_head_dim=8 --set v_head_dim=16 --set ffn_hidden_size=96"
-            " --set seq_length=64 --set global_batch_size=2 --no-save --out " +
+            " --set eval_iters=1 --set global_batch_size=2 --no-save" +
+            sparsetron::test::small_model_cli() + " --out " +
             sparsetron::test::temp_dir("validation-loud"));
     ASSERT_EQ(loud.code, 0) << loud.output;
     EXPECT_NE(loud.output.find("validation after step 2 | lm_loss "), std::string::npos)

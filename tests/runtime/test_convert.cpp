@@ -16,10 +16,7 @@ using namespace sparsetron;
 namespace fs = std::filesystem;
 
 namespace {
-const std::string kSmall =
-    " --set hidden_size=48 --set num_attention_heads=2 --set q_lora_rank=32 --set kv_lora_rank=24"
-    " --set qk_head_dim=16 --set qk_pos_emb_head_dim=8 --set v_head_dim=16"
-    " --set ffn_hidden_size=96 --set seq_length=64 --set global_batch_size=2 -q";
+const std::string kSmall = test::small_model_cli() + " --set global_batch_size=2 -q";
 
 double eval_loss(const std::string& model, const std::string& tokens) {
     auto r = test::run_cli("eval --json --model " + model + " --tokens " + tokens);

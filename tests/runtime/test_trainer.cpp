@@ -19,10 +19,8 @@ namespace {
 
 // A smaller model than the demo so the suite stays fast under the sanitizers.
 Recipe small_recipe(std::vector<std::string> extra = {}) {
-    std::vector<std::string> sets = {
-        "hidden_size=48", "num_attention_heads=2", "q_lora_rank=32", "kv_lora_rank=24",
-        "qk_head_dim=16", "qk_pos_emb_head_dim=8", "v_head_dim=16",  "ffn_hidden_size=96",
-        "seq_length=64",  "global_batch_size=3",   "train_iters=6",  "lr_warmup_iters=2"};
+    std::vector<std::string> sets = test::small_model_sets();
+    sets.insert(sets.end(), {"global_batch_size=3", "train_iters=6", "lr_warmup_iters=2"});
     sets.insert(sets.end(), extra.begin(), extra.end());
     return load_recipe("", sets);
 }

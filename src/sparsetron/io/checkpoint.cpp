@@ -11,7 +11,6 @@
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "sparsetron/config/hf_config.h"
@@ -26,27 +25,6 @@ namespace sparsetron {
 namespace {
 
 constexpr const char* kLatest = "latest_checkpointed_iteration.txt";
-
-void write_text_atomic(const fs::path& path, const std::string& text) {
-    fs::path tmp = path;
-    tmp += ".tmp";
-    {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        ST_CHECK(out.good(), "cannot write '", tmp.string(), "'");
-        out << text;
-        out.flush();
-        ST_CHECK(out.good(), "writing '", tmp.string(), "' failed (disk full?)");
-    }
-    rename_durably(tmp.string(), path.string());
-}
-
-std::string read_text(const fs::path& path) {
-    std::ifstream in(path, std::ios::binary);
-    ST_CHECK(in.good(), "cannot read '", path.string(), "'");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
 
 std::string iter_name(int64_t it) {
     std::ostringstream os;
@@ -150,22 +128,15 @@ void load_from(const fs::path& dir, const std::string& base, const std::string& 
         load_tensors(SafetensorsFile((dir / (base + ".safetensors")).string()), what, targets);
         return;
     }
-    const fs::path index = dir / (base + ".safetensors.index.json");
-    ST_CHECK(fs::exists(index), dir.string(), ": no ", base, ".safetensors or ", base,
-             ".safetensors.index.json");
-    nlohmann::json map;
-    try {
-        map = nlohmann::json::parse(read_text(index)).at("weight_map");
-    } catch (const std::exception& e) {
-        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
-    }
+    const std::map<std::string, std::string> files = tensor_files(dir.string(), base);
     std::map<std::string, std::vector<std::pair<std::string, Tensor>>> by_shard;
     for (const auto& [name, dst] : targets) {
-        ST_CHECK(map.contains(name), index.string(), ": weight_map has no entry for '", name, "'");
-        by_shard[map[name].get<std::string>()].emplace_back(name, dst);
+        const auto it = files.find(name);
+        ST_CHECK(it != files.end(), (dir / (base + ".safetensors.index.json")).string(),
+                 ": weight_map has no entry for '", name, "'");
+        by_shard[it->second].emplace_back(name, dst);
     }
-    for (const auto& [shard, list] : by_shard)
-        load_tensors(SafetensorsFile((dir / shard).string()), what, list);
+    for (const auto& [shard, list] : by_shard) load_tensors(SafetensorsFile(shard), what, list);
 }
 
 }  // namespace
@@ -246,7 +217,7 @@ void write_index(const fs::path& dir, const std::string& base, int shards) {
     nlohmann::json js;
     js["metadata"] = {{"total_size", total}};
     js["weight_map"] = map;
-    write_text_atomic(dir / (base + ".safetensors.index.json"), js.dump(1) + "\n");
+    write_text_durably(dir / (base + ".safetensors.index.json"), js.dump(1) + "\n");
 }
 
 // This run's checkpoints beyond the newest `keep_last` are deleted; nothing else is (what the
@@ -324,15 +295,15 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
                 write_index(tmp, "model", shards->shards);
                 if (optimizer) write_index(tmp, "optimizer", shards->shards);
             }
-            write_text_atomic(tmp / "config.json", hf_config_json(m));
-            write_text_atomic(tmp / "recipe.yaml", recipe_yaml);
+            write_text_durably(tmp / "config.json", hf_config_json(m));
+            write_text_durably(tmp / "recipe.yaml", recipe_yaml);
             nlohmann::json js;
             js["iteration"] = state.iteration;
             js["consumed_tokens"] = state.consumed_tokens;
             js["skipped_steps"] = state.skipped_steps;
             js["rng"] = {{"kind", "philox4x32-10 counter-based"}, {"seed", state.seed}};
             js["data_position"] = nlohmann::json::parse(state.data_position);
-            write_text_atomic(tmp / "trainer_state.json", js.dump(2) + "\n");
+            write_text_durably(tmp / "trainer_state.json", js.dump(2) + "\n");
             if (fs::exists(final_dir)) {  // re-saving an iteration: move the old one aside first
                 fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
                 rename_durably(final_dir.string(), old.string());
@@ -341,7 +312,7 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
             } else {
                 rename_durably(tmp.string(), final_dir.string());
             }
-            write_text_atomic(root / kLatest, std::to_string(state.iteration) + "\n");
+            write_text_durably(root / kLatest, std::to_string(state.iteration) + "\n");
             prune(root, retention, state.iteration);
         });
     if (!error.empty()) discard();
@@ -379,6 +350,27 @@ void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
     std::vector<std::pair<std::string, Tensor>> targets;
     for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
     load_from(fs::path(ckpt_dir), "model", "model", targets);
+}
+
+std::map<std::string, std::string> tensor_files(const std::string& dir, const std::string& base) {
+    const fs::path d(dir), single = d / (base + ".safetensors");
+    std::map<std::string, std::string> files;
+    if (fs::exists(single)) {
+        const SafetensorsFile file(single.string());
+        for (const auto& [name, info] : file.tensors()) files[name] = single.string();
+        return files;
+    }
+    const fs::path index = d / (base + ".safetensors.index.json");
+    ST_CHECK(fs::exists(index), dir, ": no ", base, ".safetensors or ", base,
+             ".safetensors.index.json");
+    try {
+        const nlohmann::json map = nlohmann::json::parse(read_text(index)).at("weight_map");
+        for (const auto& [name, file] : map.items())
+            files[name] = (d / file.get<std::string>()).string();
+    } catch (const std::exception& e) {
+        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
+    }
+    return files;
 }
 
 bool is_model_dir(const std::string& dir) {
@@ -435,20 +427,7 @@ std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::strin
 std::vector<std::string> load_pretrained_weights(const std::string& dir, const ParamStore& store,
                                                  const MemoryPlan& plan) {
     const fs::path p(dir);
-    std::set<std::string> held;
-    if (fs::exists(p / "model.safetensors")) {
-        const SafetensorsFile file((p / "model.safetensors").string());
-        for (const auto& [name, info] : file.tensors()) held.insert(name);
-    } else {
-        const fs::path index = p / "model.safetensors.index.json";
-        ST_CHECK(fs::exists(index), dir, ": no model.safetensors or model.safetensors.index.json");
-        try {
-            const nlohmann::json map = nlohmann::json::parse(read_text(index)).at("weight_map");
-            for (const auto& [name, file] : map.items()) held.insert(name);
-        } catch (const std::exception& e) {
-            throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
-        }
-    }
+    const std::map<std::string, std::string> held = tensor_files(dir, "model");
     std::vector<std::pair<std::string, Tensor>> targets;
     std::vector<std::string> initialized;
     for (const auto& prm : store.params()) {

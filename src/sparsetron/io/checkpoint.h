@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,10 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
 std::string resolve_checkpoint(const std::string& dir);
 // A directory with config.json and weights (single model.safetensors or a sharded index).
 bool is_model_dir(const std::string& dir);
+// Where each tensor of a weights directory lives (name -> file path): every tensor of
+// <base>.safetensors, or the shards <base>.safetensors.index.json names.
+std::map<std::string, std::string> tensor_files(const std::string& dir,
+                                                const std::string& base = "model");
 // One tensor of a weights file as fp32: F32, F64, BF16, or F8_E4M3 times its `<name>_scale_inv`
 // 128x128 block scales (F32 or BF16, in the same file).
 std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::string& name);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/io/checkpoint.h"
@@ -16,35 +17,6 @@ namespace fs = std::filesystem;
 
 namespace sparsetron {
 namespace {
-
-std::string read_text(const fs::path& p) {
-    std::ifstream in(p);
-    ST_CHECK(in.good(), "cannot read '", p.string(), "'");
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-void write_text(const fs::path& p, const std::string& text) {
-    std::ofstream out(p, std::ios::trunc);
-    out << text;
-    ST_CHECK(out.good(), "cannot write '", p.string(), "'");
-}
-
-// The weight files of a directory: model.safetensors, or the shards its index names.
-std::vector<std::string> weight_files(const fs::path& dir) {
-    if (fs::exists(dir / "model.safetensors")) return {(dir / "model.safetensors").string()};
-    const fs::path index = dir / "model.safetensors.index.json";
-    std::vector<std::string> files;
-    try {
-        const nlohmann::json map = nlohmann::json::parse(read_text(index)).at("weight_map");
-        for (const auto& [name, file] : map.items()) {
-            const std::string path = (dir / file.get<std::string>()).string();
-            if (std::find(files.begin(), files.end(), path) == files.end()) files.push_back(path);
-        }
-    } catch (const std::exception& e) {
-        throw Error(cat(index.string(), ": malformed index (", e.what(), ")"));
-    }
-    return files;
-}
 
 // generation_config.json from config.json's token ids (those it has).
 std::string generation_config(const std::string& config_text) {
@@ -77,7 +49,9 @@ ConvertResult convert_checkpoint(const ConvertOptions& o) {
         std::vector<uint8_t> bytes;
     };
     std::vector<Converted> tensors;
-    for (const std::string& path : weight_files(in)) {
+    std::set<std::string> files;
+    for (const auto& [name, path] : tensor_files(in.string())) files.insert(path);
+    for (const std::string& path : files) {
         const SafetensorsFile file(path);
         for (const auto& [name, info] : file.tensors()) {
             if (name.size() > 10 && name.compare(name.size() - 10, 10, "_scale_inv") == 0 &&
@@ -111,7 +85,7 @@ ConvertResult convert_checkpoint(const ConvertOptions& o) {
     }
     r.tensors = int64_t(tensors.size());
     r.shards = int64_t(shards.size());
-    const std::string config = read_text(in / "config.json");
+    const std::string config = read_text((in / "config.json").string());
     nlohmann::ordered_json weight_map;
     for (size_t s = 0; s < shards.size(); ++s) {
         char name[64];
@@ -128,10 +102,11 @@ ConvertResult convert_checkpoint(const ConvertOptions& o) {
         nlohmann::ordered_json index;
         index["metadata"] = {{"total_size", r.bytes}};
         index["weight_map"] = weight_map;
-        write_text(out / "model.safetensors.index.json", index.dump(2) + "\n");
+        write_text_durably((out / "model.safetensors.index.json").string(), index.dump(2) + "\n");
     }
-    write_text(out / "config.json", config);
-    if (o.to_hf) write_text(out / "generation_config.json", generation_config(config));
+    write_text_durably((out / "config.json").string(), config);
+    if (o.to_hf)
+        write_text_durably((out / "generation_config.json").string(), generation_config(config));
     return r;
 }
 

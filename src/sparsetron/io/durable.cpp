@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "sparsetron/core/error.h"
 
@@ -22,6 +24,26 @@ void sync_path(const std::string& path) {
     ::close(fd);
     // Some file systems cannot sync a directory (EINVAL): their renames are durable anyway.
     ST_CHECK(rc == 0 || err == EINVAL, "syncing '", path, "' to disk failed: ", std::strerror(err));
+}
+
+void write_text_durably(const std::string& path, const std::string& text) {
+    const std::string tmp = path + ".tmp";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        ST_CHECK(out.good(), "cannot write '", tmp, "'");
+        out << text;
+        out.flush();
+        ST_CHECK(out.good(), "writing '", tmp, "' failed (disk full?)");
+    }
+    rename_durably(tmp, path);
+}
+
+std::string read_text(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    ST_CHECK(in.good(), "cannot read '", path, "'");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
 }
 
 void rename_durably(const std::string& from, const std::string& to) {

@@ -43,6 +43,17 @@ struct LossSums {
     double mtp_aux_loss = 0;         // the part of aux_loss from the MTP layer's depths
 };
 
+// MTP losses are per-token means over every micro-batch of a step (SPEC §6). Their slots: one
+// per depth (cross entropy), or one chain (e2e_tv); none without MTP.
+int64_t mtp_loss_slots(const ModelConfig& c);
+// Adds `mb`'s rows to each slot: depth k counts the rows with a target k + 1 tokens ahead in
+// their document, the e2e_tv chain the rows with all D ahead.
+void add_mtp_rows(const ModelConfig& c, const MicroBatch& mb, std::vector<int64_t>& rows);
+// The MTP loss as training reports it from raw per-slot sums over those rows: λ/D times each
+// depth's mean, or λ times the chain's mean.
+double reported_mtp_loss(const ModelConfig& c, const std::vector<double>& sums,
+                         const std::vector<int64_t>& rows);
+
 template <typename T>
 class Glm5Model {
   public:

@@ -8,6 +8,7 @@
 
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/io/durable.h"
 
 namespace sparsetron {
 namespace fs = std::filesystem;
@@ -36,18 +37,7 @@ table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 3
 <div class="chart"><canvas id="flops"></canvas></div>
 <h2>Records</h2>
 <table id="records"></table>
-<script>
-// Installed before the chart library so its errors are caught too.
-const errors = [];
-function fail(m) {
-  errors.push(String(m));
-  document.getElementById('errors').textContent = errors.join('\n');
-}
-window.addEventListener('error', e => fail(e.message));
-const consoleError = console.error;
-console.error = (...a) => { fail(a.join(' ')); consoleError(...a); };
-</script>
-<script>/*CHARTJS*/</script>
+/*LIBRARY*/
 <script>
 const DATA = /*DATA*/;
 let made = 0;
@@ -102,21 +92,41 @@ document.body.dataset.charts = String(made);
 </body></html>
 )HTML";
 
-}  // namespace
-
-std::string read_whole_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    ST_CHECK(in.good(), "cannot read '", path, "'");
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
-// In JS source and JSON "</script" only occurs inside strings, where "<\/" means the same.
+// Text placed inside <script>: a literal "</script" would end the element early (in JS source
+// and JSON it only occurs inside strings, where "<\/" means the same).
 std::string script_safe(std::string s) {
     for (size_t at = 0; (at = s.find("</script", at)) != std::string::npos; at += 9)
         s.replace(at, 2, "<\\/");
     return s;
+}
+
+}  // namespace
+
+void write_report_page(std::string page, const std::string& chartjs_path,
+                       const std::string& data_json, const std::string& out_html) {
+    auto put = [&](const std::string& mark, const std::string& text) {
+        const size_t at = page.find(mark);
+        ST_ASSERT(at != std::string::npos, "report template lost ", mark);
+        page.replace(at, mark.size(), text);
+    };
+    // The error capture first, so the chart library's own errors are caught too.
+    put("/*LIBRARY*/", R"HTML(<script>
+const errors = [];
+function fail(m) {
+  errors.push(String(m));
+  document.getElementById('errors').textContent = errors.join('\n');
+}
+window.addEventListener('error', e => fail(e.message));
+const consoleError = console.error;
+console.error = (...a) => { fail(a.join(' ')); consoleError(...a); };
+</script>
+<script>/*CHARTJS*/</script>)HTML");
+    put("/*CHARTJS*/",
+        script_safe(read_text(chartjs_path.empty() ? find_chartjs() : chartjs_path)));
+    put("/*DATA*/", script_safe(data_json));
+    std::ofstream out(out_html, std::ios::binary | std::ios::trunc);
+    ST_CHECK(out.good(), "cannot write '", out_html, "'");
+    out << page;
 }
 
 std::string find_chartjs() {
@@ -185,19 +195,7 @@ int write_report(const ReportInput& in, const std::string& out_html) {
     nlohmann::json data;
     data["records"] = recs;
     data["flops"] = flops;
-    const std::string chartjs =
-        read_whole_file(in.chartjs_path.empty() ? find_chartjs() : in.chartjs_path);
-    std::string page = kPage;
-    auto put = [&](const std::string& mark, const std::string& text) {
-        const size_t at = page.find(mark);
-        ST_ASSERT(at != std::string::npos, "report template lost ", mark);
-        page.replace(at, mark.size(), text);
-    };
-    put("/*CHARTJS*/", script_safe(chartjs));
-    put("/*DATA*/", script_safe(data.dump()));
-    std::ofstream out(out_html, std::ios::binary | std::ios::trunc);
-    ST_CHECK(out.good(), "cannot write '", out_html, "'");
-    out << page;
+    write_report_page(kPage, in.chartjs_path, data.dump(), out_html);
     return int(recs.size());
 }
 

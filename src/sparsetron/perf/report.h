@@ -23,9 +23,9 @@ int write_report(const ReportInput& in, const std::string& out_html);
 
 // Where the Chart.js UMD bundle is, or an error saying how to install it.
 std::string find_chartjs();
-// A file's bytes (an error names it when it cannot be read).
-std::string read_whole_file(const std::string& path);
-// Text for a <script> element: a literal "</script" would end the element early.
-std::string script_safe(std::string s);
+// Writes an HTML report page: `page` holds /*LIBRARY*/ where the error capture and Chart.js
+// go (its errors then land in the page's #errors element) and /*DATA*/ where the JSON goes.
+void write_report_page(std::string page, const std::string& chartjs_path,
+                       const std::string& data_json, const std::string& out_html);
 
 }  // namespace sparsetron

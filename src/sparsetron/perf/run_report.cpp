@@ -37,17 +37,7 @@ h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
 <div class="chart"><canvas id="throughput"></canvas></div>
 <h2 id="heat-title">Routed expert load per step (share of the layer's rows, last MoE layer)</h2>
 <canvas id="heat" width="900" height="240"></canvas>
-<script>
-const errors = [];
-function fail(m) {
-  errors.push(String(m));
-  document.getElementById('errors').textContent = errors.join('\n');
-}
-window.addEventListener('error', e => fail(e.message));
-const consoleError = console.error;
-console.error = (...a) => { fail(a.join(' ')); consoleError(...a); };
-</script>
-<script>/*CHARTJS*/</script>
+/*LIBRARY*/
 <script>
 const DATA = /*DATA*/;
 let made = 0;
@@ -149,18 +139,7 @@ int write_run_report(const std::vector<std::string>& run_dirs, const std::string
     }
     nlohmann::json data;
     data["runs"] = runs;
-    std::string page = kPage;
-    auto put = [&](const std::string& mark, const std::string& text) {
-        const size_t at = page.find(mark);
-        ST_ASSERT(at != std::string::npos, "run report template lost ", mark);
-        page.replace(at, mark.size(), text);
-    };
-    put("/*CHARTJS*/",
-        script_safe(read_whole_file(chartjs_path.empty() ? find_chartjs() : chartjs_path)));
-    put("/*DATA*/", script_safe(data.dump()));
-    std::ofstream out(out_html, std::ios::binary | std::ios::trunc);
-    ST_CHECK(out.good(), "cannot write '", out_html, "'");
-    out << page;
+    write_report_page(kPage, chartjs_path, data.dump(), out_html);
     return total;
 }
 

@@ -48,8 +48,6 @@ EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<
     ModelConfig cfg =
         model_cfg ? *model_cfg : load_hf_config((fs::path(dir) / "config.json").string());
     if (!model_cfg) cfg.mtp_num_layers = 0;  // the depth count is the recipe's: LM loss only
-    const int64_t D = cfg.mtp_num_layers;
-    const bool tv = cfg.mtp_loss_type == "e2e_tv";
     int64_t longest = 0;
     for (const auto& d : docs) longest = std::max<int64_t>(longest, static_cast<int64_t>(d.size()));
     const int64_t capacity = std::max<int64_t>(256, (longest + 63) / 64 * 64);
@@ -68,7 +66,7 @@ EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<
     double loss_sum = 0;
     LossScales sc;
     sc.backward = false;
-    sc.mtp.assign(size_t(tv ? std::min<int64_t>(D, 1) : D), 1.0);
+    sc.mtp.assign(size_t(mtp_loss_slots(cfg)), 1.0);
     std::vector<double> mtp_sum(sc.mtp.size(), 0.0);
     std::vector<int64_t> mtp_rows(sc.mtp.size(), 0);
     MicroBatch mb(capacity, max_docs);
@@ -92,13 +90,7 @@ EvalResult evaluate(const std::string& model_dir, const std::vector<std::vector<
     flush();
     ST_CHECK(result.targets > 0, "no next-token targets: every document has a single token");
     result.lm_loss = loss_sum / double(result.targets);
-    // As the trainer reports it: λ/D per depth's mean for CE, λ times the chain's mean for TV.
-    for (size_t k = 0; k < mtp_sum.size(); ++k)
-        if (mtp_rows[k] > 0)
-            result.mtp_loss +=
-                mtp_sum[k] *
-                (tv ? cfg.mtp_loss_scaling_factor : cfg.mtp_loss_scaling_factor / double(D)) /
-                double(mtp_rows[k]);
+    result.mtp_loss = reported_mtp_loss(cfg, mtp_sum, mtp_rows);
     return result;
 }
 

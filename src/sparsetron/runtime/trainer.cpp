@@ -396,14 +396,8 @@ StepMetrics Trainer::train_step() {
     const int64_t D = mc.mtp_num_layers, n_mb = static_cast<int64_t>(batches_.size());
     const bool tv = mc.mtp_loss_type == "e2e_tv";
     // Per-token normalization across micro-batches (SPEC §6): count every loss's rows first.
-    std::vector<int64_t> mtp_rows(tv ? 1 : D, 0);
-    for (const auto& mb : batches_)
-        for (int64_t d = 0; d < mb.num_documents; ++d) {
-            int64_t len = mb.cu_seqlens[d + 1] - mb.cu_seqlens[d];
-            if (tv && D > 0) mtp_rows[0] += std::max<int64_t>(0, len - D);
-            for (int64_t k = 1; !tv && k <= D; ++k)
-                mtp_rows[k - 1] += std::max<int64_t>(0, len - k - 1);
-        }
+    std::vector<int64_t> mtp_rows(size_t(mtp_loss_slots(mc)), 0);
+    for (const auto& mb : batches_) add_mtp_rows(mc, mb, mtp_rows);
     const bool warmup = recipe_.run.dsa_dense_warmup;
     LossScales sc;
     sc.backward = !warmup;  // dense warm-up: forward only; the indexer's gradient comes from it
@@ -668,8 +662,6 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
     if (!valid_stream_) return std::nullopt;
     const RunConfig& r = recipe_.run;
     const ModelConfig& mc = recipe_.model;
-    const int64_t D = mc.mtp_num_layers;
-    const bool tv = mc.mtp_loss_type == "e2e_tv";
     valid_stream_->set_position(
         StreamPosition{std::vector<int64_t>(size_t(valid_stream_->num_datasets()), 0),
                        std::vector<int64_t>(size_t(valid_stream_->num_datasets()), 0),
@@ -677,9 +669,9 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
     LossScales sc;
     sc.backward = false;
     sc.lm = 1.0;
-    sc.mtp.assign(size_t(tv ? std::min<int64_t>(D, 1) : D), 1.0);
+    sc.mtp.assign(size_t(mtp_loss_slots(mc)), 1.0);
     std::vector<MicroBatch> batches = batches_;
-    // Raw sums over every micro-batch of every rank: [lm, mtp per depth...].
+    // Raw sums over every micro-batch of every rank: [lm, mtp per slot...].
     std::vector<double> sums(1 + sc.mtp.size(), 0.0);
     int64_t targets = 0;
     std::vector<int64_t> mtp_rows(sc.mtp.size(), 0);
@@ -689,12 +681,7 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
         for (size_t i = 0; i < batches.size(); ++i) {
             const MicroBatch& mb = batches[i];
             targets += mb.num_targets();
-            for (int64_t d = 0; d < mb.num_documents; ++d) {
-                const int64_t len = mb.cu_seqlens[d + 1] - mb.cu_seqlens[d];
-                if (tv && D > 0) mtp_rows[0] += std::max<int64_t>(0, len - D);
-                for (int64_t k = 1; !tv && k <= D; ++k)
-                    mtp_rows[k - 1] += std::max<int64_t>(0, len - k - 1);
-            }
+            add_mtp_rows(mc, mb, mtp_rows);
             // The same share as a training step: data-parallel rank i % DP (its CP group's
             // ranks each their rows; EP ranks exchange inside the forward).
             if (int(i) % data_parallel_size() != data_parallel_rank()) continue;
@@ -715,10 +702,7 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
     ST_CHECK(targets > 0, "validation: its documents give no loss targets");
     v.targets = targets;
     v.lm_loss = sums[0] / double(targets);
-    const double lambda = mc.mtp_loss_scaling_factor;
-    for (size_t k = 0; k < sc.mtp.size(); ++k)
-        if (mtp_rows[k] > 0)
-            v.mtp_loss += sums[1 + k] * (tv ? lambda : lambda / double(D)) / double(mtp_rows[k]);
+    v.mtp_loss = reported_mtp_loss(mc, std::vector<double>(sums.begin() + 1, sums.end()), mtp_rows);
     return v;
 }
 

@@ -134,6 +134,26 @@ TEST(BpeTokenizer, GlmLayoutSplitsWithLookaheadAndAddsTheTemplate) {
     EXPECT_EQ(whole.encode("xyz", false), (Ids{268}));
 }
 
+TEST(BpeTokenizer, LongPiecesMergeLikeShortOnesAndEachTokenizerKeepsItsOwnCache) {
+    const std::string dir = test::temp_dir("cache");
+    BpeTokenizer t(write(tokenizer(false), dir, "tokenizer.json"));
+    // One 150-byte piece (letters only): "hello" x 30 merges to 30 x "hello" (260), the same as
+    // a short piece; the long piece bypasses the per-thread cache.
+    std::string text;
+    for (int i = 0; i < 30; ++i) text += "hello";
+    EXPECT_EQ(t.encode(text), Ids(30, 260));
+    EXPECT_EQ(t.encode("hello"), (Ids{260}));
+    EXPECT_EQ(t.encode("hello"), (Ids{260}));  // now from this thread's cache
+    // "hellhello": the pairs "l l" (rank 2) merge before "he ll" (3), leftmost first.
+    EXPECT_EQ(t.encode("hellhello"), (Ids{259, 260}));
+    // A tokenizer without merges, on the same thread: its own ids, not the cached ones.
+    auto bare = tokenizer(false);
+    bare["model"]["merges"] = nlohmann::json::array();
+    BpeTokenizer b(write(bare, dir, "bare.json"));
+    EXPECT_EQ(b.encode("hello"), (Ids{'h', 'e', 'l', 'l', 'o'}));
+    EXPECT_EQ(t.encode("hello"), (Ids{260}));
+}
+
 TEST(BpeTokenizer, UnsupportedConfigurationsAreNamed) {
     const std::string dir = test::temp_dir("bad");
     auto j = tokenizer(false);
@@ -153,6 +173,12 @@ TEST(BpeTokenizer, UnsupportedConfigurationsAreNamed) {
     EXPECT_NE(test::error_of([&] {
                   BpeTokenizer(write(j, dir, "c.json"));
               }).find("model type 'WordPiece' is not supported"),
+              std::string::npos);
+    j = tokenizer(false);
+    j["model"]["merges"].push_back("x q");  // "xq" is not in the vocabulary
+    EXPECT_NE(test::error_of([&] {
+                  BpeTokenizer(write(j, dir, "d.json"));
+              }).find("merge token 'xq' is not in the vocabulary"),
               std::string::npos);
 }
 

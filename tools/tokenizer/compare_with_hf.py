@@ -78,6 +78,16 @@ def main():
         engine = read_dataset(prefix)
         # preprocess skips empty documents; the corpus has none.
         mismatched = sum(a != b for a, b in zip(hf, engine)) + abs(len(hf) - len(engine))
+        first = next((i for i, (a, b) in enumerate(zip(hf, engine)) if a != b), None)
+        if first is not None:
+            a, b = hf[first], engine[first]
+            at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            print(json.dumps({"tokenizer": kind, "first_mismatch_document": first,
+                              "at_token": at, "hf": a[max(0, at - 3):at + 5],
+                              "engine": b[max(0, at - 3):at + 5],
+                              "hf_text": tok.decode(a[max(0, at - 3):at + 5]),
+                              "engine_text": tok.decode(b[max(0, at - 3):at + 5])},
+                             ensure_ascii=False))
         print(json.dumps({"tokenizer": kind, "documents": len(texts), "corpus_mb": round(mb, 1),
                           "vocab": tok.get_vocab_size(), "mismatched_documents": mismatched,
                           "hf_encode_batch_mb_per_s": round(mb / hf_s, 2),

@@ -4,10 +4,11 @@
 #include <pcre2.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
+#include <queue>
 
 #include "sparsetron/core/error.h"
 
@@ -75,10 +76,6 @@ std::string utf8(uint32_t cp) {
     return s;
 }
 
-size_t utf8_len(uint8_t lead) {
-    return lead < 0x80 ? 1 : (lead >> 5) == 0x6 ? 2 : (lead >> 4) == 0xE ? 3 : 4;
-}
-
 const nlohmann::json& need(const nlohmann::json& j, const char* key, const std::string& where) {
     ST_CHECK(j.contains(key), where, ": no '", key, "'");
     return j.at(key);
@@ -87,6 +84,8 @@ const nlohmann::json& need(const nlohmann::json& j, const char* key, const std::
 }  // namespace
 
 BpeTokenizer::BpeTokenizer(const std::string& path) {
+    static std::atomic<uint64_t> instances{0};
+    instance_ = ++instances;
     std::ifstream in(path);
     ST_CHECK(in.good(), "tokenizer: cannot read '", path, "'");
     nlohmann::json j;
@@ -115,16 +114,31 @@ BpeTokenizer::BpeTokenizer(const std::string& path) {
         vocab_[tok] = id.get<int32_t>();
         vocab_size_ = std::max<int64_t>(vocab_size_, id.get<int64_t>() + 1);
     }
+    // Merges as id pairs (HF's BPE refuses a merge whose parts or result are not in the
+    // vocabulary).
+    auto vocab_id = [&](const std::string& t) {
+        const auto it = vocab_.find(t);
+        ST_CHECK(it != vocab_.end(), path, ": merge token '", t, "' is not in the vocabulary");
+        return it->second;
+    };
     int32_t rank = 0;
     for (const auto& m : need(model, "merges", path)) {
-        std::string key;
+        std::string a, b;
         if (m.is_string()) {
-            key = m.get<std::string>();
+            const std::string key = m.get<std::string>();
+            const size_t space = key.find(' ');
+            ST_CHECK(space != std::string::npos && key.find(' ', space + 1) == std::string::npos,
+                     path, ": merge \"", key, "\" is not \"a b\"");
+            a = key.substr(0, space), b = key.substr(space + 1);
         } else {
             ST_CHECK(m.is_array() && m.size() == 2, path, ": a merge is \"a b\" or [a, b]");
-            key = m[0].get<std::string>() + " " + m[1].get<std::string>();
+            a = m[0].get<std::string>(), b = m[1].get<std::string>();
         }
-        ranks_.emplace(key, rank++);
+        merges_.emplace(pair_key(vocab_id(a), vocab_id(b)), Merge{rank++, vocab_id(a + b)});
+    }
+    for (int b = 0; b < 256; ++b) {
+        const auto it = vocab_.find(byte_chars_[b]);
+        byte_ids_[b] = it == vocab_.end() ? -1 : it->second;
     }
     if (model.contains("unk_token") && model["unk_token"].is_string())
         unk_ = token_id(model["unk_token"].get<std::string>());
@@ -206,40 +220,85 @@ int32_t BpeTokenizer::token_id(const std::string& token) const {
 }
 
 void BpeTokenizer::encode_piece(const std::string& piece, std::vector<int32_t>& out) const {
-    std::string mapped;
-    for (unsigned char b : piece) mapped += byte_chars_[b];
+    // Pieces repeat (words): each thread remembers the ids of those it has encoded.
+    struct Cache {
+        uint64_t instance = 0;
+        std::unordered_map<std::string, std::vector<int32_t>> ids;
+    };
+    thread_local Cache cache;
+    constexpr size_t kCachedPieceBytes = 64, kCacheEntries = 1 << 18;
+    if (cache.instance != instance_ || cache.ids.size() >= kCacheEntries) {
+        cache.ids.clear();
+        cache.instance = instance_;
+    }
+    if (piece.size() <= kCachedPieceBytes) {
+        const auto hit = cache.ids.find(piece);
+        if (hit != cache.ids.end()) {
+            out.insert(out.end(), hit->second.begin(), hit->second.end());
+            return;
+        }
+    }
+    const size_t first = out.size();
+    merge_piece(piece, out);
+    if (piece.size() <= kCachedPieceBytes)
+        cache.ids.emplace(piece,
+                          std::vector<int32_t>(out.begin() + std::ptrdiff_t(first), out.end()));
+}
+
+void BpeTokenizer::merge_piece(const std::string& piece, std::vector<int32_t>& out) const {
     if (ignore_merges_) {
+        std::string mapped;
+        for (unsigned char b : piece) mapped += byte_chars_[b];
         const auto it = vocab_.find(mapped);
         if (it != vocab_.end()) {
             out.push_back(it->second);
             return;
         }
     }
-    // Symbols: the mapped characters; merge the lowest-ranked adjacent pair (leftmost first)
-    // until no pair has a rank.
-    std::vector<std::string> sym;
-    for (size_t i = 0; i < mapped.size();) {
-        const size_t n = utf8_len(uint8_t(mapped[i]));
-        sym.push_back(mapped.substr(i, n));
-        i += n;
-    }
-    while (sym.size() > 1) {
-        int32_t best = std::numeric_limits<int32_t>::max();
-        size_t at = 0;
-        for (size_t i = 0; i + 1 < sym.size(); ++i) {
-            const auto it = ranks_.find(sym[i] + " " + sym[i + 1]);
-            if (it != ranks_.end() && it->second < best) best = it->second, at = i;
-        }
-        if (best == std::numeric_limits<int32_t>::max()) break;
-        sym[at] += sym[at + 1];
-        sym.erase(sym.begin() + std::ptrdiff_t(at) + 1);
-    }
-    for (const std::string& s : sym) {
-        const auto it = vocab_.find(s);
-        ST_CHECK(it != vocab_.end() || unk_ >= 0, "tokenizer: '", s,
+    // Symbols: one per byte (each byte's stand-in character), linked left to right. Merge the
+    // lowest-ranked adjacent pair, leftmost first, until no pair has a merge: a heap of candidate
+    // pairs ordered by (rank, position of the left symbol); a candidate whose symbols have since
+    // changed is stale and skipped.
+    struct Symbol {
+        int32_t id, prev, next;
+    };
+    std::vector<Symbol> sym(piece.size());
+    for (size_t i = 0; i < piece.size(); ++i) {
+        const int32_t id = byte_ids_[uint8_t(piece[i])];
+        ST_CHECK(id >= 0 || unk_ >= 0, "tokenizer: '", byte_chars_[uint8_t(piece[i])],
                  "' is not in the vocabulary and there is no unk_token");
-        out.push_back(it != vocab_.end() ? it->second : unk_);
+        sym[i] = {id >= 0 ? id : unk_, int32_t(i) - 1, i + 1 < piece.size() ? int32_t(i + 1) : -1};
     }
+    struct Candidate {
+        int32_t rank, pos, left, right, merged;
+        bool operator>(const Candidate& o) const {
+            return rank != o.rank ? rank > o.rank : pos > o.pos;
+        }
+    };
+    std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+    auto consider = [&](int32_t pos) {
+        if (pos < 0 || sym[size_t(pos)].next < 0) return;
+        const Symbol& l = sym[size_t(pos)];
+        const auto it = merges_.find(pair_key(l.id, sym[size_t(l.next)].id));
+        if (it != merges_.end())
+            heap.push({it->second.rank, pos, l.id, sym[size_t(l.next)].id, it->second.id});
+    };
+    for (int32_t i = 0; i < int32_t(sym.size()); ++i) consider(i);
+    while (!heap.empty()) {
+        const Candidate c = heap.top();
+        heap.pop();
+        Symbol& l = sym[size_t(c.pos)];
+        if (l.id != c.left || l.next < 0 || sym[size_t(l.next)].id != c.right) continue;
+        const int32_t gone = l.next;
+        l.id = c.merged;
+        l.next = sym[size_t(gone)].next;
+        if (l.next >= 0) sym[size_t(l.next)].prev = c.pos;
+        sym[size_t(gone)].id = -1;  // no candidate names a removed symbol's position again
+        consider(l.prev);
+        consider(c.pos);
+    }
+    for (int32_t i = sym.empty() ? -1 : 0; i >= 0; i = sym[size_t(i)].next)
+        out.push_back(sym[size_t(i)].id);
 }
 
 void BpeTokenizer::encode_plain(const std::string& text, std::vector<int32_t>& out) const {

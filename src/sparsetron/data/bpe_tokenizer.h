@@ -6,7 +6,8 @@
 // (`ignore_merges`: a piece that is a whole vocabulary entry is taken as it is), then the
 // post-processor's fixed tokens around the sequence (TemplateProcessing). A configuration outside
 // this (a normalizer, other models or pre-tokenizers, subword prefixes) is refused by name.
-// Thread-safe: encode() may run on many threads at once.
+// Thread-safe: encode() may run on many threads at once; each thread keeps a cache of the pieces
+// it has encoded, as words repeat.
 #pragma once
 
 #include <cstdint>
@@ -38,10 +39,20 @@ class BpeTokenizer {
         bool lstrip, rstrip;
     };
     void encode_piece(const std::string& piece, std::vector<int32_t>& out) const;
+    void merge_piece(const std::string& piece, std::vector<int32_t>& out) const;
     void encode_plain(const std::string& text, std::vector<int32_t>& out) const;
 
+    struct Merge {
+        int32_t rank, id;  // the merge's rank and the id of the merged token
+    };
+    static uint64_t pair_key(int32_t left, int32_t right) {
+        return uint64_t(uint32_t(left)) << 32 | uint32_t(right);
+    }
+
     std::unordered_map<std::string, int32_t> vocab_;
-    std::unordered_map<std::string, int32_t> ranks_;  // "left right" -> merge rank
+    std::unordered_map<uint64_t, Merge> merges_;  // pair_key(left id, right id) -> merge
+    int32_t byte_ids_[256];                       // the id of each byte's stand-in, or -1
+    uint64_t instance_;  // tells one tokenizer's per-thread piece cache from another's
     std::vector<Added> added_;
     std::vector<int32_t> prefix_, suffix_;  // the post-processor's tokens around the sequence
     std::string byte_chars_[256];           // GPT-2's printable stand-in of each byte (UTF-8)

@@ -1,5 +1,6 @@
 #include "sparsetron/data/byte_tokenizer.h"
 
+#include <atomic>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -49,8 +50,11 @@ PreprocessStats preprocess(const PreprocessOptions& o) {
     std::vector<std::vector<int32_t>> ids;
     auto flush = [&] {
         std::vector<std::vector<int32_t>> encoded(texts.size());
-        parallel_for(int64_t(texts.size()), [&](int64_t b, int64_t e) {
-            for (int64_t i = b; i < e; ++i) encoded[size_t(i)] = encode(texts[size_t(i)]);
+        // Documents differ in length and script by orders of magnitude: each worker takes the
+        // next unencoded one, so no worker waits on another's share.
+        std::atomic<size_t> next{0};
+        parallel_for(num_threads(), [&](int64_t, int64_t) {
+            for (size_t i; (i = next++) < texts.size();) encoded[i] = encode(texts[i]);
         });
         for (auto* batch : {&encoded, &ids})
             for (const auto& doc : *batch) {

@@ -178,6 +178,16 @@ TEST(HfConfig, RoundTripsTheModelConfig) {
     EXPECT_EQ(back.dsa_indexer_skip_topk_offset, 2);
     EXPECT_DOUBLE_EQ(back.rotary_base, 8e6);
     EXPECT_TRUE(back.rotary_interleaved);
+    // The repeated MTP layer is one next-n layer; distinct layers are one each, and come back so.
+    EXPECT_EQ(r.model.mtp_num_layers, 7);
+    EXPECT_EQ(back.mtp_num_layers, 1);
+    ModelConfig distinct = r.model;
+    distinct.mtp_num_layers = 3;
+    distinct.mtp_use_repeated_layer = false;
+    back = parse_hf_config(hf_config_json(distinct), "mem");
+    EXPECT_EQ(back.mtp_num_layers, 3);
+    EXPECT_FALSE(back.mtp_use_repeated_layer);
+    EXPECT_FALSE(back.dsa_mtp_index_kv_share);
     EXPECT_NE(error_of([] {
                   parse_hf_config("{\"model_type\": \"llama\"}", "c.json");
               }).find("expected glm_moe_dsa"),
@@ -227,16 +237,23 @@ TEST(Recipe, DuplicateKeysAreRefused) {
 }
 
 // Keys that would change nothing are refused with what to use instead (they were parsed and
-// ignored): distinct MTP layers, fixed-length samples, an unknown DSA backend; the values that
-// mean something here pass (Megatron's three DSA backends all run the engine's kernels).
+// ignored): MTP kv sharing between distinct layers, fixed-length samples, an unknown DSA backend;
+// the values that mean something here pass (Megatron's three DSA backends all run the engine's
+// kernels; distinct MTP layers without kv sharing).
 TEST(Recipe, KeysWithoutAnEffectAreRefused) {
     std::string msg = error_of([] {
-        load_recipe("", {"mtp_num_layers=2", "mtp_use_repeated_layer=false"});
+        load_recipe("", {"mtp_num_layers=2", "mtp_use_repeated_layer=false",
+                         "dsa_mtp_index_kv_share=true"});
     });
-    EXPECT_NE(msg.find("mtp_use_repeated_layer: false (a distinct MTP layer per depth"),
+    EXPECT_NE(msg.find("with mtp_use_repeated_layer: false each depth's own layer computes its "
+                       "keys: set dsa_mtp_index_kv_share: false"),
               std::string::npos)
         << msg;
-    EXPECT_NO_THROW(load_recipe("", {"mtp_num_layers=1", "mtp_use_repeated_layer=false"}));
+    EXPECT_EQ(load_recipe("", {"mtp_num_layers=3", "mtp_use_repeated_layer=false",
+                               "dsa_mtp_index_kv_share=false"})
+                  .model.mtp_physical_layers(),
+              3);
+    EXPECT_EQ(load_recipe("", {"mtp_num_layers=3"}).model.mtp_physical_layers(), 1);
     msg = error_of([] { load_recipe("", {"use_varlen_dataset=false"}); });
     EXPECT_NE(msg.find("use_varlen_dataset: false (fixed-length samples) is not implemented"),
               std::string::npos)

@@ -142,6 +142,103 @@ TEST(FullModel, GradientsWithMtpLatentKvAndTopkSharing) {
     check_full_model(cfg);
 }
 
+TEST(FullModel, GradientsWithDistinctMtpLayers) {
+    ModelConfig cfg = full_config("cross_entropy", false, true);
+    cfg.mtp_use_repeated_layer = false;  // model.layers.2 for depth 1, model.layers.3 for depth 2
+    cfg.dsa_mtp_index_kv_share = false;
+    check_full_model(cfg);
+    cfg = full_config("e2e_tv", true, false);
+    cfg.mtp_use_repeated_layer = false;
+    cfg.dsa_mtp_index_kv_share = false;
+    check_full_model(cfg);
+}
+
+// Distinct MTP layers holding the repeated layer's weights compute what the repeated layer does:
+// the same losses, and per-layer gradients that sum to the repeated layer's.
+TEST(FullModel, DistinctMtpLayersWithEqualWeightsMatchTheRepeatedLayer) {
+    for (const char* loss : {"cross_entropy", "e2e_tv"}) {
+        ModelConfig rc = full_config(loss, std::string(loss) == "e2e_tv", true);
+        rc.mtp_num_layers = 3;
+        rc.dsa_mtp_index_kv_share = false;
+        ModelConfig dc = rc;
+        dc.mtp_use_repeated_layer = false;
+        MemoryPlan rplan, dplan;
+        Glm5Model<double> rep(rc, rplan, 16, 3, 5), dis(dc, dplan, 16, 3, 5);
+        rplan.allocate(Device::CPU);
+        dplan.allocate(Device::CPU);
+        rep.bind();
+        dis.bind();
+        rep.params().initialize(rplan, 5, 0.6, rc.num_layers);
+        const auto& rp = rep.params().params();
+        const auto& dp = dis.params().params();
+        ASSERT_GT(dp.size(), rp.size());
+        // model.layers.{2,3,4}.X of the distinct model <- model.layers.2.X of the repeated one.
+        auto repeated_name = [&](std::string name) {
+            for (int j = 1; j < 3; ++j) {
+                const std::string from = "model.layers." + std::to_string(2 + j) + ".";
+                if (name.rfind(from, 0) == 0) return "model.layers.2." + name.substr(from.size());
+            }
+            return name;
+        };
+        auto index_of = [&](const std::string& name) {
+            for (size_t i = 0; i < rp.size(); ++i)
+                if (rp[i].name == name) return i;
+            ADD_FAILURE() << "no " << name;
+            return size_t(0);
+        };
+        std::vector<size_t> src(dp.size());
+        for (size_t i = 0; i < dp.size(); ++i) {
+            src[i] = index_of(repeated_name(dp[i].name));
+            std::copy_n(rep.param(src[i]), dp[i].numel(), dis.param(i));
+        }
+        EXPECT_EQ(dp.back().name, "model.layers.4.shared_head.norm.weight");
+        MicroBatch mb(16, 3);
+        mb.add_document({1, 5, 2, 9, 3, 7, 8, 2});
+        mb.add_document({4, 4, 7, 10, 0, 6});
+        rep.load_inputs(mb);
+        dis.load_inputs(mb);
+        LossScales sc;
+        sc.backward = true;
+        sc.lm = 0.37;
+        sc.mtp = std::string(loss) == "e2e_tv" ? std::vector<double>{0.8}
+                                               : std::vector<double>{0.8, 0.6, 0.4};
+        sc.indexer = 1.0;
+        sc.aux = 1.0;
+        for (size_t i = 0; i < rp.size(); ++i)
+            if (rp[i].trainable) std::fill_n(rep.grad(i), rp[i].numel(), 0.0);
+        for (size_t i = 0; i < dp.size(); ++i)
+            if (dp[i].trainable) std::fill_n(dis.grad(i), dp[i].numel(), 0.0);
+        const LossSums r = rep.forward_backward(sc), d = dis.forward_backward(sc);
+        EXPECT_DOUBLE_EQ(d.lm_loss_sum, r.lm_loss_sum);
+        ASSERT_EQ(d.mtp_sum.size(), r.mtp_sum.size());
+        for (size_t k = 0; k < r.mtp_sum.size(); ++k) {
+            EXPECT_GT(r.mtp_sum[k], 0.0);
+            EXPECT_NEAR(d.mtp_sum[k], r.mtp_sum[k], 1e-12 * r.mtp_sum[k]) << loss << " depth " << k;
+        }
+        EXPECT_NEAR(d.indexer_loss, r.indexer_loss, 1e-12 * r.indexer_loss);
+        EXPECT_NEAR(d.aux_loss, r.aux_loss, 1e-12 * r.aux_loss);
+        // Σ over the distinct layers of each gradient element = the repeated layer's.
+        std::vector<std::vector<double>> summed(rp.size());
+        for (size_t i = 0; i < rp.size(); ++i) summed[i].assign(size_t(rp[i].numel()), 0.0);
+        for (size_t i = 0; i < dp.size(); ++i)
+            if (dp[i].trainable)
+                for (int64_t j = 0; j < dp[i].numel(); ++j)
+                    summed[src[i]][size_t(j)] += dis.grad(i)[j];
+        int nonzero_distinct = 0;
+        for (size_t i = 0; i < dp.size(); ++i)
+            if (dp[i].trainable && dp[i].mtp && dp[i].name.rfind("model.layers.4.", 0) == 0)
+                for (int64_t j = 0; j < dp[i].numel(); ++j) nonzero_distinct += dis.grad(i)[j] != 0;
+        EXPECT_GT(nonzero_distinct, 50);  // the last depth's own layer is trained
+        for (size_t i = 0; i < rp.size(); ++i) {
+            if (!rp[i].trainable) continue;
+            for (int64_t j = 0; j < rp[i].numel(); ++j)
+                ASSERT_NEAR(summed[i][size_t(j)], rep.grad(i)[j],
+                            1e-10 * std::max(1.0, std::fabs(rep.grad(i)[j])))
+                    << loss << " " << rp[i].name << "[" << j << "]";
+        }
+    }
+}
+
 TEST(FullModel, SparseAttentionEqualsDenseWhenTopkCoversEveryKey) {
     // Absorbed sparse MLA over all causal keys must equal the expanded dense form (SPEC §2).
     ModelConfig dense = full_config("cross_entropy", false, true);

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
@@ -184,4 +185,58 @@ TEST(Pretrained, CliLoadTakesTheModelFromConfigJson) {
     EXPECT_EQ(bad.code, 1) << bad.output;
     EXPECT_NE(bad.output.find("start from its weights with --load"), std::string::npos)
         << bad.output;
+}
+
+// Distinct MTP layers (mtp_use_repeated_layer: false) are HF's next-n layers: the export names
+// them model.layers.{L, L+1, L+2} with num_nextn_predict_layers 3, and a run started from it
+// takes all three; a recipe with fewer distinct layers is refused (the rest would be dropped), one
+// with more initializes only the extra layer.
+TEST(Pretrained, DistinctMtpLayersTravelThroughHfAndBack) {
+    const std::string dir = test::temp_dir("distinct");
+    const std::vector<std::string> distinct = {"mtp_num_layers=3", "mtp_use_repeated_layer=false",
+                                               "dsa_mtp_index_kv_share=false"};
+    std::string ckpt;
+    int64_t L = 0;
+    {
+        Trainer t(small_recipe(distinct), {dir + "/run", "", Device::CPU});
+        t.run();
+        ckpt = t.checkpoint_dir() + "/iter_0000002";
+        L = t.recipe().model.num_layers;
+    }
+    auto conv = test::run_cli("convert --dtype fp32 --input " + ckpt + " --output " + dir + "/hf");
+    ASSERT_EQ(conv.code, 0) << conv.output;
+    std::ifstream cfg(dir + "/hf/config.json");
+    EXPECT_EQ(nlohmann::json::parse(cfg).at("num_nextn_predict_layers"), 3);
+    SafetensorsFile hf(dir + "/hf/model.safetensors");  // one shard at this size
+    for (int64_t j = 0; j < 3; ++j)
+        EXPECT_TRUE(hf.contains("model.layers." + std::to_string(L + j) + ".eh_proj.weight")) << j;
+
+    auto with = [&](std::vector<std::string> sets) {
+        sets.push_back("load=" + dir + "/hf");
+        return small_recipe(sets);
+    };
+    Trainer t(with(distinct), {dir + "/a", "", Device::CPU});
+    EXPECT_TRUE(t.initialized_parameters().empty());
+    SafetensorsFile original(ckpt + "/model.safetensors");
+    int64_t mtp = 0;
+    for (const auto& p : t.params().params()) {
+        const float* want = reinterpret_cast<const float*>(original.at(p.name).data);
+        const auto got = values(t, p);
+        ASSERT_EQ(got, std::vector<float>(want, want + got.size())) << p.name;
+        mtp += p.mtp;
+    }
+    EXPECT_GT(mtp, 30);
+    const std::string msg = test::error_of([&] {
+        Trainer(with({}), {dir + "/b", "", Device::CPU});
+    });
+    EXPECT_NE(msg.find("has 3 distinct MTP layers (num_nextn_predict_layers) but the recipe trains "
+                       "1: set mtp_use_repeated_layer: false and mtp_num_layers: 3"),
+              std::string::npos)
+        << msg;
+    Trainer more(
+        with({"mtp_num_layers=4", "mtp_use_repeated_layer=false", "dsa_mtp_index_kv_share=false"}),
+        {dir + "/c", "", Device::CPU});
+    ASSERT_FALSE(more.initialized_parameters().empty());
+    for (const std::string& name : more.initialized_parameters())
+        EXPECT_EQ(name.rfind("model.layers." + std::to_string(L + 3) + ".", 0), 0u) << name;
 }

@@ -141,7 +141,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
         if (!init.empty())
             std::printf(
                 "%zu parameters are not in it and start from their initialization: the "
-                "MTP layer (%s, ...)\n",
+                "MTP layers (%s, ...)\n",
                 init.size(), init.front().c_str());
     }
     std::fflush(stdout);

@@ -60,7 +60,7 @@ std::string hf_config_json(const ModelConfig& m) {
         j["indexer_rope_interleave"] = m.dsa_indexer_rope_interleaved;
         if (!m.indexer_types.empty()) j["indexer_types"] = m.indexer_types;
     }
-    j["num_nextn_predict_layers"] = m.mtp_num_layers > 0 ? 1 : 0;
+    j["num_nextn_predict_layers"] = m.mtp_physical_layers();
     return j.dump(2) + "\n";
 }
 
@@ -151,7 +151,10 @@ ModelConfig parse_hf_config(const std::string& text, const std::string& path) {
         if (j.contains("indexer_types") && j["indexer_types"].is_array())
             m.indexer_types = get<std::vector<std::string>>(j, "indexer_types", path);
     }
+    // Several next-n layers are distinct MTP layers, one per depth (DeepSeek-V3's layout).
     m.mtp_num_layers = get_or<int64_t>(j, "num_nextn_predict_layers", 0, path);
+    m.mtp_use_repeated_layer = m.mtp_num_layers <= 1;
+    if (!m.mtp_use_repeated_layer) m.dsa_mtp_index_kv_share = false;
     return m;
 }
 

@@ -49,6 +49,7 @@ void require_dsa_for_context_parallel(const ModelConfig& c) {
 }
 
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
+    layer0 = std::min(layer0, c.num_layers);
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
         return c.indexer_types[layer0] == "full";
     const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
@@ -56,6 +57,7 @@ bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
 }
 
 int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
+    layer0 = std::min(layer0, c.num_layers);
     if (dsa_layer_is_full(c, layer0)) return layer0;
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
         for (int64_t s = layer0 - 1; s >= 0; --s)

@@ -100,10 +100,16 @@ struct ModelConfig {
     // plan's receive buffers (W x tokens x k would be the bound without these rules).
     int64_t moe_ep_received_rows(int64_t tokens) const;
     bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
+    // MTP layers with weights: one applied at every depth (mtp_use_repeated_layer), or one per
+    // depth (DeepSeek-V3 style), at layer indices num_layers, num_layers + 1, ...
+    int64_t mtp_physical_layers() const {
+        return mtp_num_layers == 0 ? 0 : mtp_use_repeated_layer ? 1 : mtp_num_layers;
+    }
 };
 
-// IndexShare (SPEC §3.3): whether layer `layer0` (0-indexed; the MTP layer is num_layers) computes
-// its own top-k, and which layer's top-k a shared layer reuses. An explicit indexer_types wins.
+// IndexShare (SPEC §3.3): whether layer `layer0` (0-indexed; the MTP layer is num_layers; distinct
+// MTP layers after it are all of its kind) computes its own top-k, and which layer's top-k a shared
+// layer reuses. An explicit indexer_types wins.
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0);
 int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
 // Context parallelism shards the attention through DSA's one-head latent keys: throws for a model

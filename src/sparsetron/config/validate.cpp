@@ -66,10 +66,6 @@ void Recipe::validate() {
     // Megatron's DSA backends (none, tilelang, cudnn) each name a kernel library; the engine
     // runs its own kernels for any of them (docs/cuda.md), so each is accepted and nothing else.
     one_of(m.dsa_kernel_backend, "dsa_kernel_backend", {"auto", "none", "tilelang", "cudnn"});
-    ST_CHECK(m.mtp_use_repeated_layer || m.mtp_num_layers <= 1,
-             "mtp_use_repeated_layer: false (a distinct MTP layer per depth, DeepSeek-V3 style) "
-             "is not implemented: the engine trains one MTP layer applied at each of the ",
-             m.mtp_num_layers, " depths; set mtp_use_repeated_layer: true");
     ST_CHECK(m.dsa_saved_probs_max_mib >= 0,
              "recipe key 'dsa_saved_probs_max_mib' must be >= 0, got ", m.dsa_saved_probs_max_mib);
     if (m.uses_dsa()) {
@@ -90,6 +86,11 @@ void Recipe::validate() {
                      " layers; num_layers is ", m.num_layers);
     }
     ST_CHECK(m.mtp_num_layers >= 0, "recipe key 'mtp_num_layers' must be >= 0");
+    if (m.uses_dsa() && m.mtp_num_layers > 1 && m.dsa_mtp_index_kv_share)
+        ST_CHECK(m.mtp_use_repeated_layer,
+                 "dsa_mtp_index_kv_share: true hands depth 1's latent keys and top-k to the later "
+                 "depths of the one repeated MTP layer; with mtp_use_repeated_layer: false each "
+                 "depth's own layer computes its keys: set dsa_mtp_index_kv_share: false");
     if (m.uses_dsa() && m.mtp_num_layers > 0 && m.dsa_mtp_index_kv_share)
         ST_CHECK(dsa_layer_is_full(m, m.num_layers),
                  "dsa_mtp_index_kv_share needs the MTP layer (layer ", m.num_layers + 1,

@@ -12,7 +12,7 @@ DecoderLayer<T>::DecoderLayer(const ModelConfig& c, ParamStore& store, Buffers& 
                               int64_t tokens, int64_t key_tokens)
     : c_(c), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
-    const bool is_mtp = layer0 == c.num_layers;
+    const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
     in_norm_ = store.add(p + "input_layernorm.weight", {h_}, InitRule::Ones, false);
     attn_ = std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa(),
                                               key_tokens);

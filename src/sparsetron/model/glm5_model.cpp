@@ -63,12 +63,18 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
     D_ = cfg.mtp_num_layers;
     if (D_ > 0) {
         const int64_t L = cfg.num_layers, first = static_cast<int64_t>(store_->params().size());
-        const std::string p = cat("model.layers.", L, ".");
-        enorm_ = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
-        hnorm_ = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
-        eh_proj_ = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
-        mtp_layer_ = std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L, tokens, key_tokens);
-        mtp_norm_ = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
+        // Distinct layers take the indices after the backbone's (HF's model.layers.{L + j}).
+        for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
+            const std::string p = cat("model.layers.", L + j, ".");
+            MtpLayer m;
+            m.enorm = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
+            m.hnorm = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
+            m.eh_proj = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
+            m.layer =
+                std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L + j, tokens, key_tokens);
+            m.norm = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
+            mtp_layers_.push_back(std::move(m));
+        }
         store_->set_mtp_from(first);
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
@@ -84,7 +90,7 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
             s.hout = buf_.act(a + "layer_out", {Tn, h});
             s.hz = buf_.act(a + "head_norm_out", {Tn, h});
             s.rstd_z = buf_.act(a + "head_norm_rstd", {Tn});
-            s.layer = mtp_layer_->declare_acts(buf_, a);
+            s.layer = mtp_at(k - 1).layer->declare_acts(buf_, a);
             mtp_slots_.push_back(s);
             s_mtp_targets_.push_back(buf_.act_i32(a + "targets", {Tn}));
             s_dmtp_zk_.push_back(buf_.scratch(cat("grad.mtp.head_norm_out.", k), {Tn, h}));
@@ -148,7 +154,7 @@ void Glm5Model<T>::bind() {
     h_final_ = buf_.ptr<T>(s_h_final_), rstd_final_ = buf_.ptr<T>(s_rstd_final_);
     dx_ = buf_.ptr<T>(s_dx_), dh_ = buf_.ptr<T>(s_dh_), logits_ = buf_.ptr<T>(s_logits_);
     if (D_ > 0) {
-        mtp_layer_->bind(buf_, param_ptr_, grad_ptr_);
+        for (auto& m : mtp_layers_) m.layer->bind(buf_, param_ptr_, grad_ptr_);
         mtp_acts_.clear(), mtp_targets_.clear(), dmtp_zk_.clear();
         for (int64_t k = 0; k < D_; ++k) {
             const MtpSlots& s = mtp_slots_[k];
@@ -164,7 +170,7 @@ void Glm5Model<T>::bind() {
                       P(s.hout),
                       P(s.hz),
                       P(s.rstd_z),
-                      mtp_layer_->resolve(buf_, s.layer)};
+                      mtp_at(k).layer->resolve(buf_, s.layer)};
             if (kv_share() && k > 0) {
                 // Depths 2..D reuse depth 1's latent K' and top-k (dsa_mtp_index_kv_share).
                 const auto& first = mtp_acts_[0].layer;
@@ -306,18 +312,19 @@ void Glm5Model<T>::mtp_forward(const LossScales& sc, LossSums& out) {
                 }
             },
             16);
-        cpu::rmsnorm_forward(A.e, h, param(enorm_), Tn, h, c.norm_epsilon, A.en, h, A.rstd_e);
-        cpu::rmsnorm_forward(prev, h, param(hnorm_), Tn, h, c.norm_epsilon, A.hn, h, A.rstd_h);
+        const MtpLayer& M = mtp_at(k);
+        cpu::rmsnorm_forward(A.e, h, param(M.enorm), Tn, h, c.norm_epsilon, A.en, h, A.rstd_e);
+        cpu::rmsnorm_forward(prev, h, param(M.hnorm), Tn, h, c.norm_epsilon, A.hn, h, A.rstd_h);
         for (int64_t i = 0; i < Tn; ++i) {
             std::copy_n(A.en + i * h, h, A.cat + i * 2 * h);  // embedding half first
             std::copy_n(A.hn + i * h, h, A.cat + i * 2 * h + h);
         }
-        gemm<T>(false, true, Tn, h, 2 * h, 1, A.cat, 2 * h, param(eh_proj_), 2 * h, 0, A.hin, h);
-        LayerLosses ll = mtp_layer_->forward(A.layer, A.hin, A.hout, in_, idx_gs, sc.aux);
+        gemm<T>(false, true, Tn, h, 2 * h, 1, A.cat, 2 * h, param(M.eh_proj), 2 * h, 0, A.hin, h);
+        LayerLosses ll = M.layer->forward(A.layer, A.hin, A.hout, in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
         out.aux_loss += ll.aux;
         out.mtp_aux_loss += ll.aux;
-        cpu::rmsnorm_forward(A.hout, h, param(mtp_norm_), Tn, h, c.norm_epsilon, A.hz, h, A.rstd_z);
+        cpu::rmsnorm_forward(A.hout, h, param(M.norm), Tn, h, c.norm_epsilon, A.hz, h, A.rstd_z);
         prev = A.hout;
     }
     if (c.mtp_loss_type == "e2e_tv") {
@@ -418,17 +425,18 @@ void Glm5Model<T>::mtp_backward(const LossScales& sc) {
     if (dmtp_kv_) std::fill_n(dmtp_kv_, Tn * (c.kv_lora_rank + c.qk_pos_emb_head_dim), T(0));
     for (int64_t k = D_ - 1; k >= 0; --k) {
         MtpActs& A = mtp_acts_[k];
+        const MtpLayer& M = mtp_at(k);
         // dz: from this depth's loss (through the shared-head norm) plus from depth k+2.
         std::copy_n(dmtp_h_, Tn * h, dmtp_z_);
-        cpu::rmsnorm_backward(dmtp_zk_[k], h, A.hout, h, param(mtp_norm_), A.rstd_z, Tn, h, dmtp_z_,
-                              h, true, grad(mtp_norm_));
-        mtp_layer_->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux, dmtp_kv_);  // dmtp_z_ = d h'
-        gemm<T>(false, false, Tn, 2 * h, h, 1, dmtp_z_, h, param(eh_proj_), 2 * h, 0, dmtp_cat_,
+        cpu::rmsnorm_backward(dmtp_zk_[k], h, A.hout, h, param(M.norm), A.rstd_z, Tn, h, dmtp_z_, h,
+                              true, grad(M.norm));
+        M.layer->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux, dmtp_kv_);  // dmtp_z_ = d h'
+        gemm<T>(false, false, Tn, 2 * h, h, 1, dmtp_z_, h, param(M.eh_proj), 2 * h, 0, dmtp_cat_,
                 2 * h);
-        gemm<T>(true, false, h, 2 * h, Tn, 1, dmtp_z_, h, A.cat, 2 * h, 1, grad(eh_proj_), 2 * h);
+        gemm<T>(true, false, h, 2 * h, Tn, 1, dmtp_z_, h, A.cat, 2 * h, 1, grad(M.eh_proj), 2 * h);
         // Embedding half.
-        cpu::rmsnorm_backward(dmtp_cat_, 2 * h, A.e, h, param(enorm_), A.rstd_e, Tn, h, dmtp_e_, h,
-                              false, grad(enorm_));
+        cpu::rmsnorm_backward(dmtp_cat_, 2 * h, A.e, h, param(M.enorm), A.rstd_e, Tn, h, dmtp_e_, h,
+                              false, grad(M.enorm));
         if (!c.mtp_detach_heads) {
             T* dE = grad(embed_);
             for (int64_t i = 0; i < Tn; ++i) {
@@ -439,8 +447,8 @@ void Glm5Model<T>::mtp_backward(const LossScales& sc) {
         }
         // Hidden half: into h^{k-1} (the previous depth's layer output, or the final norm output).
         const T* prev = k > 0 ? mtp_acts_[k - 1].hout : h_final_;
-        cpu::rmsnorm_backward(dmtp_cat_ + h, 2 * h, prev, h, param(hnorm_), A.rstd_h, Tn, h,
-                              dmtp_h_, h, false, grad(hnorm_));
+        cpu::rmsnorm_backward(dmtp_cat_ + h, 2 * h, prev, h, param(M.hnorm), A.rstd_h, Tn, h,
+                              dmtp_h_, h, false, grad(M.hnorm));
     }
     if (!c.mtp_detach_heads) cpu::add_inplace(dh_, dmtp_h_, Tn * h);
 }
@@ -459,11 +467,11 @@ void Glm5Model<T>::reset_moe_stats() {
             std::fill(l->moe()->stats().load.begin(), l->moe()->stats().load.end(), 0);
             l->moe()->stats().dropped = 0;
         }
-    if (mtp_layer_ && mtp_layer_->moe()) {
-        std::fill(mtp_layer_->moe()->stats().load.begin(), mtp_layer_->moe()->stats().load.end(),
-                  0);
-        mtp_layer_->moe()->stats().dropped = 0;
-    }
+    for (auto& m : mtp_layers_)
+        if (m.layer->moe()) {
+            std::fill(m.layer->moe()->stats().load.begin(), m.layer->moe()->stats().load.end(), 0);
+            m.layer->moe()->stats().dropped = 0;
+        }
 }
 
 template <typename T>
@@ -479,7 +487,8 @@ int64_t Glm5Model<T>::moe_dropped() const {
     int64_t n = 0;
     for (const auto& l : layers_)
         if (l->moe()) n += l->moe()->stats().dropped;
-    if (mtp_layer_ && mtp_layer_->moe()) n += mtp_layer_->moe()->stats().dropped;
+    for (const auto& m : mtp_layers_)
+        if (m.layer->moe()) n += m.layer->moe()->stats().dropped;
     return n;
 }
 
@@ -493,7 +502,7 @@ std::vector<int64_t> Glm5Model<T>::moe_stats_flat() const {
         flat.push_back(st.dropped);
     };
     for (const auto& l : layers_) add(l.get());
-    add(mtp_layer_.get());
+    for (const auto& m : mtp_layers_) add(m.layer.get());
     return flat;
 }
 
@@ -509,7 +518,7 @@ void Glm5Model<T>::set_moe_stats_flat(const std::vector<int64_t>& flat) {
         st.dropped = flat[at++];
     };
     for (auto& l : layers_) take(l.get());
-    take(mtp_layer_.get());
+    for (auto& m : mtp_layers_) take(m.layer.get());
     ST_ASSERT(at == flat.size(), "moe stats size");
 }
 
@@ -517,7 +526,8 @@ template <typename T>
 void Glm5Model<T>::set_expert_parallel(Comm* ep) {
     for (auto& l : layers_)
         if (l->moe()) l->moe()->set_expert_parallel(ep);
-    if (mtp_layer_ && mtp_layer_->moe()) mtp_layer_->moe()->set_expert_parallel(ep);
+    for (auto& m : mtp_layers_)
+        if (m.layer->moe()) m.layer->moe()->set_expert_parallel(ep);
 }
 
 template <typename T>
@@ -531,7 +541,8 @@ template <typename T>
 void Glm5Model<T>::update_router_bias(double rate) {
     for (auto& l : layers_)
         if (l->moe()) l->moe()->update_bias(rate);
-    if (mtp_layer_ && mtp_layer_->moe()) mtp_layer_->moe()->update_bias(rate);
+    for (auto& m : mtp_layers_)
+        if (m.layer->moe()) m.layer->moe()->update_bias(rate);
 }
 
 int64_t mtp_loss_slots(const ModelConfig& c) {

@@ -138,9 +138,15 @@ class Glm5Model {
     int64_t embed_ = 0, final_norm_ = 0, head_ = 0;
     std::vector<T*> param_ptr_, grad_ptr_;
 
-    // MTP.
-    std::unique_ptr<DecoderLayer<T>> mtp_layer_;
-    int64_t enorm_ = -1, hnorm_ = -1, eh_proj_ = -1, mtp_norm_ = -1;
+    // MTP: one layer applied at every depth (mtp_use_repeated_layer), or one per depth.
+    struct MtpLayer {
+        int64_t enorm, hnorm, eh_proj, norm;  // parameter indices
+        std::unique_ptr<DecoderLayer<T>> layer;
+    };
+    std::vector<MtpLayer> mtp_layers_;
+    const MtpLayer& mtp_at(int64_t k) const {  // the layer of depth k + 1
+        return mtp_layers_[cfg_.mtp_use_repeated_layer ? 0 : size_t(k)];
+    }
     std::vector<MtpSlots> mtp_slots_;
     std::vector<MtpActs> mtp_acts_;
     std::vector<MemoryPlan::Slot> s_mtp_targets_;

@@ -13,10 +13,10 @@
 namespace sparsetron {
 
 int64_t parameter_count_lower_bound(const ModelConfig& m) {
-    // Per MoE application: gate, up and down of every local expert. The MTP layer repeats the
-    // last main layer's kind.
+    // Per MoE layer: gate, up and down of every local expert. MTP layers take the last main
+    // layer's kind.
     int64_t moe_layers = m.num_moe_layers();
-    if (m.mtp_num_layers > 0 && m.is_moe_layer(m.num_layers - 1)) ++moe_layers;
+    if (m.is_moe_layer(m.num_layers - 1)) moe_layers += m.mtp_physical_layers();
     const int64_t experts = m.num_experts / std::max<int64_t>(1, m.expert_parallel_ranks);
     return 2 * m.vocab_size * m.hidden_size +
            moe_layers * experts * 3 * m.hidden_size * m.moe_ffn_hidden_size;

@@ -179,6 +179,14 @@ void check_pretrained_config(const std::string& dir, const ModelConfig& model) {
                  " but the recipe has ", v.first,
                  ": train from it with the recipe's value set to the checkpoint's (or without "
                  "--recipe: the model dimensions then come from config.json)");
+    // More trained MTP layers than the recipe has would be dropped without a word.
+    ST_CHECK(model.mtp_physical_layers() >= hf.mtp_physical_layers(), config.string(), " has ",
+             hf.mtp_physical_layers(),
+             " distinct MTP layers (num_nextn_predict_layers) but the "
+             "recipe trains ",
+             model.mtp_physical_layers(),
+             ": set mtp_use_repeated_layer: false and mtp_num_layers: ", hf.mtp_num_layers,
+             " (or more) to keep them");
 }
 
 std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir) {

@@ -239,6 +239,17 @@ TEST(CudaModel, E2eTvDetachedDenseIndexerLossMatchesCpu) {
     run_parity(cfg, "e2e_tv", 1e-1);
 }
 
+TEST(CudaModel, DistinctMtpLayersMatchCpu) {
+    REQUIRE_GPU();
+    ModelConfig cfg = builtin_tiny_recipe().model;
+    cfg.mtp_num_layers = 3;
+    cfg.mtp_use_repeated_layer = false;  // a layer per depth: model.layers.{L, L+1, L+2}
+    cfg.dsa_mtp_index_kv_share = false;
+    cfg.moe_router_force_load_balancing = true;
+    cfg.dsa_saved_probs_max_mib = 2048;
+    run_parity(cfg, "distinct MTP layers");
+}
+
 TEST(CudaModel, ExpandedAttentionWithoutDsaMatchesCpu) {
     REQUIRE_GPU();
     ModelConfig cfg = builtin_tiny_recipe().model;

@@ -11,7 +11,7 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
                                  GpuShared& S, int64_t layer0, int64_t tokens, int64_t key_tokens)
     : c_(c), P_(P), S_(S), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
-    const bool is_mtp = layer0 == c.num_layers;
+    const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
     in_norm_ = P.index(p + "input_layernorm.weight");
     post_norm_ = P.index(p + "post_attention_layernorm.weight");
     // The expanded DSA form keeps neither the latent keys that MTP's kv sharing hands on nor the

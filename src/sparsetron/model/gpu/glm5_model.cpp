@@ -71,14 +71,18 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     B_.scratch(row_loss_, "head.row_loss", {Tn});
     D_ = cfg.mtp_num_layers;
     if (D_ > 0) {
-        const std::string p = cat("model.layers.", cfg.num_layers, ".");
-        enorm_ = P_->index(p + "enorm.weight");
-        hnorm_ = P_->index(p + "hnorm.weight");
-        eh_proj_ = P_->index(p + "eh_proj.weight");
-        if (fp8_) feh_ = fp8_->add(eh_proj_);
-        mtp_norm_ = P_->index(p + "shared_head.norm.weight");
-        mtp_layer_ = std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, cfg.num_layers, tokens,
-                                                       key_tokens);
+        for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
+            const int64_t l = cfg.num_layers + j;
+            const std::string p = cat("model.layers.", l, ".");
+            MtpLayer m;
+            m.enorm = P_->index(p + "enorm.weight");
+            m.hnorm = P_->index(p + "hnorm.weight");
+            m.eh_proj = P_->index(p + "eh_proj.weight");
+            if (fp8_) m.feh = fp8_->add(m.eh_proj);
+            m.norm = P_->index(p + "shared_head.norm.weight");
+            m.layer = std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens);
+            mtp_layers_.push_back(std::move(m));
+        }
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             auto m = std::make_unique<MtpActs>();
@@ -93,8 +97,9 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             B_.act(m->hz, a + "head_norm_out", {Tn, h});
             B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
             B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
-            mtp_layer_->declare(m->layer, B_, a);
-            if (mtp_layer_->has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
+            const GpuDecoderLayer& layer = *mtp_at(k - 1).layer;
+            layer.declare(m->layer, B_, a);
+            if (layer.has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
             mtp_.push_back(std::move(m));
         }
         if (kv_share())
@@ -179,7 +184,7 @@ void GpuGlm5Model::bind(const ExecContext& ctx) {
             A.attn.kabs_shared = first.attn.kkeys ? first.attn.kkeys : first.attn.kabs;
             A.topk = first.topk, A.topk_len = first.topk_len;
             A.skip_indexer = true;
-        } else if (mtp_layer_->has_indexer()) {
+        } else if (mtp_at(k).layer->has_indexer()) {
             A.topk = A.idx.topk, A.topk_len = A.idx.len;
             A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
             idx_sums_.push_back(A.indexer_sums);
@@ -207,7 +212,8 @@ std::vector<GpuMoeLayer*> GpuGlm5Model::moes() const {
     std::vector<GpuMoeLayer*> out;
     for (const auto& l : layers_)
         if (l->moe()) out.push_back(l->moe());
-    if (mtp_layer_ && mtp_layer_->moe()) out.push_back(mtp_layer_->moe());
+    for (const auto& m : mtp_layers_)
+        if (m.layer->moe()) out.push_back(m.layer->moe());
     return out;
 }
 
@@ -410,18 +416,19 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t k = 0; k < D_; ++k) {
         MtpActs& A = *mtp_[k];
+        const MtpLayer& M = mtp_at(k);
         cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
-        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[enorm_].w, Tn, h, eps, A.en, h, A.rstd_e);
-        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[hnorm_].w, Tn, h, eps, A.hn, h, A.rstd_h);
+        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.en, h, A.rstd_e);
+        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.hn, h, A.rstd_h);
         cuda::copy_2d(ctx, A.cat, 2 * h * B2, A.en, h * B2, h * B2, Tn);  // embedding half first
         cuda::copy_2d(ctx, A.cat + h, 2 * h * B2, A.hn, h * B2, h * B2, Tn);
         if (fp8_)
-            fp8_->forward(ctx, feh_, A.cat, A.hin, h, false);
+            fp8_->forward(ctx, M.feh, A.cat, A.hin, h, false);
         else
-            gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+            gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
                  A.hin, h);
-        mtp_layer_->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
-        cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[mtp_norm_].w, Tn, h, eps, A.hz, h, A.rstd_z);
+        M.layer->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
+        cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[M.norm].w, Tn, h, eps, A.hz, h, A.rstd_z);
         prev = A.hout;
     }
     if (c.mtp_loss_type == "e2e_tv") {
@@ -504,26 +511,27 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx) {
                    Tn * (c.kv_lora_rank + c.qk_pos_emb_head_dim) * int64_t(sizeof(float)));
     for (int64_t k = D_ - 1; k >= 0; --k) {
         MtpActs& A = *mtp_[k];
+        const MtpLayer& M = mtp_at(k);
         cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
-        cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[mtp_norm_].w, A.rstd_z, Tn, h,
-                               dmtp_z_, h, true, P_->grad_to_add(ctx, mtp_norm_), S_.norm_ws);
-        mtp_layer_->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
+        cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[M.norm].w, A.rstd_z, Tn, h, dmtp_z_,
+                               h, true, P_->grad_to_add(ctx, M.norm), S_.norm_ws);
+        M.layer->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
         if (fp8_) {
-            fp8_->dgrad(ctx, feh_, dmtp_z_, dmtp_cat_, false);
-            fp8_->wgrad(ctx, feh_, dmtp_z_, A.cat);
+            fp8_->dgrad(ctx, M.feh, dmtp_z_, dmtp_cat_, false);
+            fp8_->wgrad(ctx, M.feh, dmtp_z_, A.cat);
         } else {
-            gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[eh_proj_].w, 2 * h, 0.f,
+            gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
                  dmtp_cat_, 2 * h);
             gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
-                 P_->grad_beta(eh_proj_), (*P_)[eh_proj_].grad, 2 * h, BF, F32);
+                 P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad, 2 * h, BF, F32);
         }
-        cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[enorm_].w, A.rstd_e, Tn, h,
-                               dmtp_e_, h, false, P_->grad_to_add(ctx, enorm_), S_.norm_ws);
+        cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[M.enorm].w, A.rstd_e, Tn, h,
+                               dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);
         if (!c.mtp_detach_heads)
             cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, P_->grad_to_add(ctx, embed_));
         const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
-        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, prev, h, (*P_)[hnorm_].w, A.rstd_h, Tn, h,
-                               dmtp_h_, h, false, P_->grad_to_add(ctx, hnorm_), S_.norm_ws);
+        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, prev, h, (*P_)[M.hnorm].w, A.rstd_h, Tn,
+                               h, dmtp_h_, h, false, P_->grad_to_add(ctx, M.hnorm), S_.norm_ws);
     }
     if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
 }

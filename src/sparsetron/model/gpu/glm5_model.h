@@ -120,7 +120,6 @@ class GpuGlm5Model {
     GpuShared S_;
     std::unique_ptr<MoeStash> stash_;
     std::unique_ptr<Fp8Weights> fp8_;
-    int feh_ = -1;  // eh_proj's FP8 handle
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     bool cp_ = false;                                    // planned for context parallelism
     int64_t Tk_;                                         // micro-batch rows (T_ without CP)
@@ -129,8 +128,17 @@ class GpuGlm5Model {
     std::vector<std::unique_ptr<GpuDecoderLayer>> layers_;
     std::vector<std::unique_ptr<GpuDecoderLayer::Acts>> acts_;
     std::vector<bf16*> x_;
-    int64_t embed_, final_norm_, head_, enorm_ = -1, hnorm_ = -1, eh_proj_ = -1, mtp_norm_ = -1;
-    std::unique_ptr<GpuDecoderLayer> mtp_layer_;
+    int64_t embed_, final_norm_, head_;
+    // MTP: one layer applied at every depth (mtp_use_repeated_layer), or one per depth.
+    struct MtpLayer {
+        int64_t enorm, hnorm, eh_proj, norm;  // parameter indices
+        int feh = -1;                         // eh_proj's FP8 handle
+        std::unique_ptr<GpuDecoderLayer> layer;
+    };
+    std::vector<MtpLayer> mtp_layers_;
+    const MtpLayer& mtp_at(int64_t k) const {  // the layer of depth k + 1
+        return mtp_layers_[cfg_.mtp_use_repeated_layer ? 0 : size_t(k)];
+    }
     std::vector<std::unique_ptr<MtpActs>> mtp_;
     GpuInputs in_;
     bf16 *h_final_, *dx_, *dh_, *dlogits_, *dmtp_h_, *dmtp_cat_, *dmtp_z_, *dmtp_e_;

@@ -210,6 +210,23 @@ TEST(Mpi, ExpertParallelMatchesOneProcess) {
         EXPECT_NEAR(got_f[i].lm_loss, one_f[i].lm_loss, 1e-5 * one_f[i].lm_loss);
         EXPECT_EQ(got_f[i].moe_load, one_f[i].moe_load);
     }
+    // Distinct MTP layers, each with its own experts sharded over the ranks.
+    const std::vector<std::string> distinct = {"mtp_num_layers=3", "mtp_use_repeated_layer=false",
+                                               "dsa_mtp_index_kv_share=false"};
+    Weights wd1, wd;
+    auto one_d = run(small_recipe(1, distinct), nullptr, "ep-one-distinct", &wd1);
+    std::vector<std::string> ep_distinct = distinct;
+    ep_distinct.push_back(cat("expert_model_parallel_size=", W));
+    auto got_d = run(small_recipe(W, ep_distinct), g_comm, "ep-distinct", &wd);
+    ASSERT_EQ(got_d.size(), one_d.size());
+    for (size_t i = 0; i < got_d.size(); ++i) {
+        EXPECT_NEAR(got_d[i].lm_loss, one_d[i].lm_loss, 1e-5 * one_d[i].lm_loss);
+        EXPECT_NEAR(got_d[i].mtp_loss, one_d[i].mtp_loss, 1e-5 * one_d[i].mtp_loss);
+        EXPECT_NEAR(got_d[i].grad_norm, one_d[i].grad_norm, 1e-4 * one_d[i].grad_norm);
+    }
+    ASSERT_EQ(wd.experts.size() * size_t(W), wd1.experts.size());
+    for (const auto& [name, v] : wd.experts)
+        EXPECT_NEAR(v, wd1.experts.at(name), 1e-6 * wd1.experts.at(name)) << name;
 }
 
 // The distributed optimizer (each rank updates the parameters it owns, then broadcasts them) gives

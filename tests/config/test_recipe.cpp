@@ -166,6 +166,30 @@ TEST(Recipe, InvalidYamlNamesTheFileAndLine) {
               std::string::npos);
 }
 
+// Megatron's selective recompute keys: the modules the CUDA backend recomputes pass, whole-layer
+// recompute and other modules are refused naming what exists.
+TEST(Recipe, RecomputeKeysNameWhatExists) {
+    const Recipe r = load_recipe(
+        "", {"recompute_granularity=selective", "recompute_modules=core_attn mla_up_proj"});
+    EXPECT_TRUE(r.model.recomputes("core_attn"));
+    EXPECT_TRUE(r.model.recomputes("mla_up_proj"));
+    EXPECT_FALSE(r.model.recomputes("layernorm"));
+    EXPECT_FALSE(load_recipe("", {"recompute_modules=core_attn"}).model.recomputes("core_attn"))
+        << "modules without recompute_granularity: selective recompute nothing";
+    std::string msg = error_of([] { load_recipe("", {"recompute_granularity=full"}); });
+    EXPECT_NE(msg.find("recompute_granularity: full (whole-layer recompute) is not implemented"),
+              std::string::npos)
+        << msg;
+    msg = error_of([] {
+        load_recipe("",
+                    {"recompute_granularity=selective", "recompute_modules=moe shared_experts"});
+    });
+    EXPECT_NE(msg.find("'recompute_modules' is \"moe\"; expected one of: core_attn, layernorm, "
+                       "mla_up_proj, moe_act"),
+              std::string::npos)
+        << msg;
+}
+
 TEST(HfConfig, RoundTripsTheModelConfig) {
     Recipe r = load_recipe(repo("recipes/glm5.2-16gpu.yaml"));
     ModelConfig back = parse_hf_config(hf_config_json(r.model), "mem");

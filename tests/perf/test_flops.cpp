@@ -187,6 +187,50 @@ TEST(Plan, SparseAttentionFormFollowsTheLength) {
 #endif
 }
 
+// Selective recompute keeps one shared buffer per recomputed output instead of one per layer: the
+// proxy's 4 layers at 32K tokens (the absorbed attention's Q' and o' are 2.25 and 2 GiB per layer)
+// fit the 125 GiB the long-context work set for one H200 with all four modules, not without.
+TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
+#if SPARSETRON_WITH_CUDA
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
+    auto plan_of = [&](std::vector<std::string> sets) {
+        sets.insert(sets.end(),
+                    {"mtp_num_layers=0", "dsa_indexer_loss_coeff=0", "seq_length=32768"});
+        const Recipe r = load_recipe(recipe, sets);
+        auto tp = make_training_plan(r);
+        return cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
+    };
+    const MemoryPlan keep = plan_of({});
+    const MemoryPlan rec = plan_of({"recompute_granularity=selective",
+                                    "recompute_modules=core_attn mla_up_proj layernorm moe_act"});
+    const auto has = [](const MemoryPlan& p, const std::string& name) {
+        for (const PlanEntry& e : p.entries())
+            if (e.name == name) return true;
+        return false;
+    };
+    for (const char* name :
+         {"layers.0.o_latent", "layers.3.attn_out", "layers.1.q_absorbed", "layers.2.q",
+          "layers.0.attn_norm_out", "layers.3.mlp_norm_out", "layers.2.moe.expert_act"}) {
+        EXPECT_TRUE(has(keep, name)) << name;
+        EXPECT_FALSE(has(rec, name)) << name;
+    }
+    for (const char* name : {"attn.recomputed.o_latent", "attn.recomputed.q_absorbed",
+                             "layer.recomputed.attn_norm_out", "moe.recomputed.expert_act"})
+        EXPECT_TRUE(has(rec, name)) << name;
+    const double GiB = double(1 << 30);
+    EXPECT_GT(double(keep.total_bytes()) / GiB, 125.0);
+    EXPECT_LE(double(rec.total_bytes()) / GiB, 125.0);
+    // Only core_attn (Megatron's default module): the attention outputs go, the rest stay.
+    const MemoryPlan core = plan_of({"recompute_granularity=selective"});
+    EXPECT_FALSE(has(core, "layers.0.o_latent"));
+    EXPECT_TRUE(has(core, "layers.0.q_absorbed"));
+    EXPECT_LT(core.total_bytes(), keep.total_bytes());
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // The bench never times an FP8 recipe in bf16: the seed's mxfp8 stops before any GPU work with
 // the overlay to use, which then gets past the FP8 check (to the GPU's absence here, or a run).
 TEST(Bench, Mxfp8RecipeStopsNamingTheOverlay) {

@@ -14,7 +14,7 @@ namespace sparsetron::cli {
 namespace {
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
-         const std::string& device) {
+         const std::string& device, int top) {
     Recipe recipe = load_recipe(recipe_path, sets);
     auto tp = make_training_plan(recipe);
     const auto& params = tp->model->params();
@@ -31,7 +31,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
     if (parse_device(device) == Device::CUDA) {
         size_t total = 0;
         const std::string table =
-            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total);
+            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total, top);
         std::printf(
             "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
             "masters, gradients and optimizer state)\n",
@@ -59,7 +59,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
             static_cast<long long>(tp->model->tokens()),
             static_cast<long long>(tp->model->key_tokens()));
     std::printf("\n");
-    std::printf("%s\n", tp->plan.format().c_str());
+    std::printf("%s\n", tp->plan.format(top).c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
     return 0;
@@ -109,7 +109,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
 Run add_plan(CLI::App& app) {
     struct Options {
         std::string recipe, device = "cpu", lengths;
-        int top = 12;
+        int top = -1;
         std::vector<std::string> sets;
     };
     auto o = std::make_shared<Options>();
@@ -122,10 +122,12 @@ Run add_plan(CLI::App& app) {
     c->add_option("--lengths", o->lengths,
                   "Comma-separated seq_length values, ascending: the plan's class totals at each "
                   "and the buffers that grow faster than the tokens");
-    c->add_option("--top", o->top, "With --lengths: how many buffers each list shows (default 12)");
+    c->add_option("--top", o->top,
+                  "How many buffers each list shows (default 6 per class; 12 with --lengths)");
     return [o] {
-        return o->lengths.empty() ? plan(o->recipe, o->sets, o->device)
-                                  : plan_lengths(o->recipe, o->sets, o->device, o->lengths, o->top);
+        return o->lengths.empty() ? plan(o->recipe, o->sets, o->device, o->top < 0 ? 6 : o->top)
+                                  : plan_lengths(o->recipe, o->sets, o->device, o->lengths,
+                                                 o->top < 0 ? 12 : o->top);
     };
 }
 

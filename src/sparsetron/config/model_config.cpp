@@ -48,6 +48,12 @@ void require_dsa_for_context_parallel(const ModelConfig& c) {
         "dsa); this model attends densely");
 }
 
+bool ModelConfig::recomputes(const std::string& module) const {
+    return recompute_granularity == "selective" &&
+           std::find(recompute_modules.begin(), recompute_modules.end(), module) !=
+               recompute_modules.end();
+}
+
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
     layer0 = std::min(layer0, c.num_layers);
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))

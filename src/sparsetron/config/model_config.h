@@ -48,6 +48,15 @@ struct ModelConfig {
     // per layer (1.12 GiB at the proxy's 4096 tokens x 64 heads, for every layer and MTP depth);
     // 0 (default) = always recompute. A memory-for-speed trade the recipe opts into.
     int64_t dsa_saved_probs_max_mib = 0;
+    // CUDA: selective recompute (Megatron's keys). With recompute_granularity "selective", the
+    // outputs of the named modules are not kept per layer for the backward: one shared buffer
+    // holds them and the backward recomputes them (the same kernels on the same inputs: the same
+    // values). core_attn: the attention core's outputs (o', o); mla_up_proj: the query (and
+    // expanded keys / values) up-projections and Q'; layernorm: the layer's two RMSNorm outputs;
+    // moe_act: the routed experts' SwiGLU output. The CPU backend keeps every activation.
+    std::string recompute_granularity;  // "" (none) | "selective"
+    std::vector<std::string> recompute_modules = {"core_attn"};
+    bool recomputes(const std::string& module) const;
     // CUDA: the MoE's saved activations in a shared page pool (model/gpu/moe_stash.h).
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page

@@ -60,6 +60,8 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(moe_capacity_factor, Float),
         MODEL_KEY(dsa_saved_probs_max_mib, Int),
         MODEL_KEY(moe_paged_stash, Bool),
+        MODEL_KEY(recompute_granularity, String),
+        MODEL_KEY(recompute_modules, StringList),
         MODEL_KEY(moe_paged_stash_page_size, Int),
         MODEL_KEY(moe_paged_stash_buffer_size_factor, Float),
         MODEL_KEY(experimental_attention_variant, String),

@@ -63,6 +63,13 @@ void Recipe::validate() {
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
+    ST_CHECK(m.recompute_granularity != "full",
+             "recompute_granularity: full (whole-layer recompute) is not implemented; use "
+             "recompute_granularity: selective with recompute_modules from core_attn, "
+             "mla_up_proj, layernorm, moe_act");
+    one_of(m.recompute_granularity, "recompute_granularity", {"", "null", "none", "selective"});
+    for (const auto& mod : m.recompute_modules)
+        one_of(mod, "recompute_modules", {"core_attn", "mla_up_proj", "layernorm", "moe_act"});
     // Megatron's DSA backends (none, tilelang, cudnn) each name a kernel library; the engine
     // runs its own kernels for any of them (docs/cuda.md), so each is accepted and nothing else.
     one_of(m.dsa_kernel_backend, "dsa_kernel_backend", {"auto", "none", "tilelang", "cudnn"});

@@ -44,7 +44,7 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
 MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t) {
     no_cuda("plan --device cuda");
 }
-std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*) {
+std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int) {
     no_cuda("plan --device cuda");
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,

@@ -96,9 +96,11 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
                             int64_t max_documents, int64_t chunk_rows);
 
-// The same plan as the per-class table of MemoryPlan::format(), with expert parallelism's
-// exchange region added to the total. Throws "built without CUDA" in a CPU-only build.
+// The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
+// expert parallelism's exchange region added to the total. Throws "built without CUDA" in a
+// CPU-only build.
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
-                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes);
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
+                             int top = 6);
 
 }  // namespace sparsetron

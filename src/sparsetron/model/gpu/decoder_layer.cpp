@@ -9,7 +9,13 @@ namespace sparsetron::gpu {
 
 GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
                                  GpuShared& S, int64_t layer0, int64_t tokens, int64_t key_tokens)
-    : c_(c), P_(P), S_(S), layer_(layer0), T_(tokens), h_(c.hidden_size) {
+    : c_(c),
+      P_(P),
+      S_(S),
+      layer_(layer0),
+      T_(tokens),
+      h_(c.hidden_size),
+      recompute_norms_(c.recomputes("layernorm")) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
     in_norm_ = P.index(p + "input_layernorm.weight");
@@ -43,10 +49,17 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
 
 void GpuDecoderLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     A = Acts{};
-    B.act(A.a, p + "attn_norm_out", {T_, h_});
+    // Selective recompute of layernorm: the two norm outputs in one buffer each, rewritten from
+    // the kept inputs and rstd before the backward reads them.
+    if (recompute_norms_) {
+        B.scratch(A.a, "layer.recomputed.attn_norm_out", {T_, h_});
+        B.scratch(A.m, "layer.recomputed.mlp_norm_out", {T_, h_});
+    } else {
+        B.act(A.a, p + "attn_norm_out", {T_, h_});
+        B.act(A.m, p + "mlp_norm_out", {T_, h_});
+    }
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
     B.act(A.x_mid, p + "x_mid", {T_, h_});
-    B.act(A.m, p + "mlp_norm_out", {T_, h_});
     B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});
     attn_->declare(A.attn, B, p);
     if (indexer_) indexer_->declare(A.idx, B, p);
@@ -93,10 +106,16 @@ void GpuDecoderLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf
 void GpuDecoderLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* dx,
                                const GpuInputs& in, float* kv_grad_accum) const {
     const int64_t Tn = T_;
+    const float eps = float(c_.norm_epsilon);
+    if (recompute_norms_)
+        cuda::rmsnorm_forward(ctx, A.x_mid, h_, P_[post_norm_].w, Tn, h_, eps, A.m, h_,
+                              A.rstd_post);
     if (mlp_) mlp_->backward(ctx, A.mlp, A.m, dx, dm_, false);
     if (moe_) moe_->backward(ctx, A.moe, A.m, dx, dm_);
     cuda::rmsnorm_backward(ctx, dm_, h_, A.x_mid, h_, P_[post_norm_].w, A.rstd_post, Tn, h_, dx, h_,
                            true, P_.grad_to_add(ctx, post_norm_), S_.norm_ws);
+    if (recompute_norms_)
+        cuda::rmsnorm_forward(ctx, x, h_, P_[in_norm_].w, Tn, h_, eps, A.a, h_, A.rstd_in);
     attn_->backward(ctx, A.attn, A.a, dx, in, A.topk, A.topk_len, kslots_, da_, kv_grad_accum);
     cuda::rmsnorm_backward(ctx, da_, h_, x, h_, P_[in_norm_].w, A.rstd_in, Tn, h_, dx, h_, true,
                            P_.grad_to_add(ctx, in_norm_), S_.norm_ws);

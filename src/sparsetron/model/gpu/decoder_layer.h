@@ -41,6 +41,7 @@ class GpuDecoderLayer {
     const GpuParams& P_;
     GpuShared& S_;
     int64_t layer_, T_, h_, kslots_ = 0;
+    bool recompute_norms_;  // selective recompute of layernorm
     int64_t in_norm_, post_norm_;
     std::unique_ptr<GpuMlaAttention> attn_;
     std::unique_ptr<GpuDsaIndexer> indexer_;

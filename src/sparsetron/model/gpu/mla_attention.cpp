@@ -31,7 +31,9 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
       kr_(c.kv_lora_rank),
       dsa_(dsa),
       cp_(key_tokens > 0),
-      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+      Tk_(key_tokens > 0 ? key_tokens : tokens),
+      recompute_up_(c.recomputes("mla_up_proj")),
+      recompute_core_(c.recomputes("core_attn")) {
     ST_CHECK(!cp_ || dsa, "context parallelism needs the absorbed (DSA) attention");
     q_a_ = P.index(p + "q_a_proj.weight");
     q_a_norm_ = P.index(p + "q_a_layernorm.weight");
@@ -97,21 +99,30 @@ void GpuMlaAttention::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     B.act(A.cq_raw, p + "q_a", {Tn, qr_});
     B.act(A.cq, p + "q_a_norm_out", {Tn, qr_});
     B.act(A.rstd_q, p + "q_a_norm_rstd", {Tn});
-    B.act(A.q, p + "q", {Tn, H_ * dq_});
     B.act(A.ckv, p + "kv_a", {Tn, L});
     B.act(A.ckv_n, p + "kv_a_norm_out", {Tn, kr_});
     B.act(A.rstd_kv, p + "kv_a_norm_rstd", {Tn});
+    // A recomputed output: one buffer every layer writes in its forward and rewrites before its
+    // backward; a kept one: a buffer per layer.
+    auto keep = [&](bool recomputed, bf16*& ptr, const std::string& name,
+                    std::vector<int64_t> shape) {
+        if (recomputed)
+            B.scratch(ptr, "attn.recomputed." + name, std::move(shape));
+        else
+            B.act(ptr, p + name, std::move(shape));
+    };
+    keep(recompute_up_, A.q, "q", {Tn, H_ * dq_});
     if (absorbed_) {
-        B.act(A.qabs, p + "q_absorbed", {Tn, H_ * L});
+        keep(recompute_up_, A.qabs, "q_absorbed", {Tn, H_ * L});
         B.act(A.kabs, p + "k_latent", {Tn, L});
-        B.act(A.oabs, p + "o_latent", {Tn, H_ * kr_});
+        keep(recompute_core_, A.oabs, "o_latent", {Tn, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
     } else {
-        B.act(A.kv, p + "kv", {Tn, H_ * (dn_ + dv_)});
-        B.act(A.k, p + "k", {Tn, H_ * dq_});
+        keep(recompute_up_, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
+        keep(recompute_up_, A.k, "k", {Tn, H_ * dq_});
     }
     if (saved_probs_elems_ > 0) B.act(A.probs, p + "attn_probs", {saved_probs_elems_});
-    B.act(A.o, p + "attn_out", {Tn, H_ * dv_});
+    keep(recompute_core_, A.o, "attn_out", {Tn, H_ * dv_});
     B.act(A.lse, p + "attn_lse", {H_, Tn});
 }
 
@@ -135,13 +146,6 @@ void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16*
         gemm(ctx, false, true, Tn, qr_, h_, 1.f, a, h_, P_[q_a_].w, h_, 0.f, A.cq_raw, qr_);
     cuda::rmsnorm_forward(ctx, A.cq_raw, qr_, P_[q_a_norm_].w, Tn, qr_,
                           float(c_.latent_norm_epsilon), A.cq, qr_, A.rstd_q);
-    if (fp8_)
-        fp8_->forward(ctx, fqb_, A.cq, A.q, H_ * dq_, false);
-    else
-        gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q,
-             H_ * dq_);
-    cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
-               c_.rotary_interleaved, false);
     if (!A.kabs_shared) {
         if (!fp8_) gemm(ctx, false, true, Tn, L, h_, 1.f, a, h_, P_[kv_a_].w, h_, 0.f, A.ckv, L);
         cuda::rmsnorm_forward(ctx, A.ckv, L, P_[kv_a_norm_].w, Tn, kr_,
@@ -149,13 +153,7 @@ void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16*
         cuda::rope(ctx, A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
                    c_.rotary_interleaved, false);
     }
-    if (!absorbed_) return;
-    // Q'_h = [q_nope_h W_UK^h ; q_pe_h] (one batched GEMM over heads), K' = [c_kv ; k_pe].
-    const bf16* wkvb = P_[kv_b_].w;
-    gemm(ctx, false, false, Tn, kr_, dn_, 1.f, A.q, H_ * dq_, wkvb, kr_, 0.f, A.qabs, H_ * L,
-         DType::BF16, DType::BF16, {H_, dq_, (dn_ + dv_) * kr_, L});
-    cuda::copy_2d(ctx, A.qabs + kr_, L * B2, A.q + dn_, dq_ * B2, dr_ * B2, Tn * H_);
-    if (!A.kabs_shared) {
+    if (absorbed_ && !A.kabs_shared) {
         cuda::copy_2d(ctx, A.kabs, L * B2, A.ckv_n, kr_ * B2, kr_ * B2, Tn);
         cuda::copy_2d(ctx, A.kabs + kr_, L * B2, A.ckv + kr_, L * B2, dr_ * B2, Tn);
         if (cp_) {
@@ -164,6 +162,29 @@ void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16*
             cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
             cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * L);
         }
+    }
+    up_project(ctx, A, in);
+}
+
+void GpuMlaAttention::up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in) const {
+    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+    if (fp8_)
+        fp8_->forward(ctx, fqb_, A.cq, A.q, H_ * dq_, false);
+    else
+        gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q,
+             H_ * dq_);
+    cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
+               c_.rotary_interleaved, false);
+    if (absorbed_) {
+        // Q'_h = [q_nope_h W_UK^h ; q_pe_h] (one batched GEMM over heads).
+        gemm(ctx, false, false, Tn, kr_, dn_, 1.f, A.q, H_ * dq_, P_[kv_b_].w, kr_, 0.f, A.qabs,
+             H_ * L, DType::BF16, DType::BF16, {H_, dq_, (dn_ + dv_) * kr_, L});
+        cuda::copy_2d(ctx, A.qabs + kr_, L * B2, A.q + dn_, dq_ * B2, dr_ * B2, Tn * H_);
+    } else {
+        ST_ASSERT(!A.kabs_shared, "MLA: the expanded form does not attend over shared keys");
+        gemm(ctx, false, true, Tn, H_ * (dn_ + dv_), kr_, 1.f, A.ckv_n, kr_, P_[kv_b_].w, kr_, 0.f,
+             A.kv, H_ * (dn_ + dv_));
+        cuda::mla_expanded_keys(ctx, A.kv, A.ckv + kr_, L, Tn, H_, dn_, dr_, dv_, A.k);
     }
 }
 
@@ -199,7 +220,19 @@ cuda::SparseMha GpuMlaAttention::expanded(const Acts& A, const int32_t* idx, con
 void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
                              const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum,
                              float* prob_sum) const {
-    const int64_t Tn = T_, L = kr_ + dr_;
+    const int64_t Tn = T_;
+    core(ctx, A, in, idx, len, kslots, prob_sum);
+    if (fp8_)
+        fp8_->forward(ctx, fo_, A.o, x_accum, h_, true);
+    else
+        gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f,
+             x_accum, h_);
+}
+
+void GpuMlaAttention::core(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                           const int32_t* idx, const int32_t* len, int64_t kslots,
+                           float* prob_sum) const {
+    const int64_t Tn = T_;
     ST_ASSERT(!dsa_ || idx, "MLA: a DSA layer attends without a top-k");
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
@@ -209,10 +242,6 @@ void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInp
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
     } else {
-        ST_ASSERT(!A.kabs_shared, "MLA: the expanded form does not attend over shared keys");
-        gemm(ctx, false, true, Tn, H_ * (dn_ + dv_), kr_, 1.f, A.ckv_n, kr_, P_[kv_b_].w, kr_, 0.f,
-             A.kv, H_ * (dn_ + dv_));
-        cuda::mla_expanded_keys(ctx, A.kv, A.ckv + kr_, L, Tn, H_, dn_, dr_, dv_, A.k);
         if (sparse_expanded_) {
             cuda::sparse_mha_forward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse,
                                             prob_sum, {mqa_ws_, mqa_ws_bytes_, A.probs});
@@ -223,11 +252,6 @@ void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInp
                                     A.lse);
         }
     }
-    if (fp8_)
-        fp8_->forward(ctx, fo_, A.o, x_accum, h_, true);
-    else
-        gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f,
-             x_accum, h_);
 }
 
 void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
@@ -237,6 +261,9 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
     const auto F32 = DType::F32, BF = DType::BF16;
     float* gkvb = P_[kv_b_].grad;
     const bf16* wkvb = P_[kv_b_].w;
+    // Selective recompute: the forward's values again (the same kernels on the same inputs).
+    if (recompute_up_) up_project(ctx, A, in);
+    if (recompute_core_) core(ctx, A, in, idx, len, kslots, nullptr);
     if (fp8_) {
         fp8_->dgrad(ctx, fo_, dy, do_, false);
         fp8_->wgrad(ctx, fo_, dy, A.o);

@@ -31,6 +31,7 @@ class GpuMlaAttention {
                     bool expanded_ok = true);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
+    // The down-projections, their norms and RoPE, then up_project().
     void project(const ExecContext& ctx, const Acts& A, const bf16* a, const GpuInputs& in) const;
     // prob_sum (DSA, masked or absorbed forms, may be null): Σ_h attention probabilities per
     // selected key.
@@ -46,6 +47,13 @@ class GpuMlaAttention {
     bool gives_prob_sum() const { return dsa_ && mqa_ws_bytes_ > 0 && !cp_; }
 
   private:
+    // The query up-projection with its RoPE and Q' (absorbed), or the per-head keys and values
+    // (expanded): what recompute_modules' mla_up_proj recomputes before the backward.
+    void up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in) const;
+    // The attention core: o' and o = o' W_UV (absorbed) or o (expanded), with the LSE; what
+    // core_attn recomputes.
+    void core(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
+              const int32_t* len, int64_t kslots, float* prob_sum) const;
     cuda::HeadKV head_kv(const Acts& A) const;
     // The sparse attention's problem in the absorbed form (Q' against the latent keys `keys`) and
     // in the expanded form (per-head keys and values).
@@ -76,6 +84,7 @@ class GpuMlaAttention {
     int64_t mqa_ws_bytes_ = 0;
     // bf16 elements of one layer's saved probabilities (0: the backward recomputes them).
     int64_t saved_probs_elems_ = 0;
+    bool recompute_up_, recompute_core_;  // selective recompute of mla_up_proj / core_attn
 };
 
 }  // namespace sparsetron::gpu

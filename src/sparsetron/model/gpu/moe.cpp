@@ -35,7 +35,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
       E_(c.num_experts),
       k_(c.moe_router_topk),
       F_(c.moe_ffn_hidden_size),
-      Fs_(c.moe_shared_expert_intermediate_size) {
+      Fs_(c.moe_shared_expert_intermediate_size),
+      recompute_act_(c.recomputes("moe_act")) {
     ST_CHECK(c.moe_aux_loss_coeff == 0,
              "moe_aux_loss_coeff > 0 is not implemented on CUDA yet (use 0: aux-loss-free "
              "balancing through the router bias)");
@@ -110,7 +111,10 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.act(A.xperm, p + "x_received", {rows_, h_});
         B.act(A.g, p + "expert_gate", {rows_, F_});
         B.act(A.u, p + "expert_up", {rows_, F_});
-        B.act(A.act, p + "expert_act", {rows_, F_});
+        if (recompute_act_)
+            B.scratch(A.act, "moe.recomputed.expert_act_received", {rows_, F_});
+        else
+            B.act(A.act, p + "expert_act", {rows_, F_});
         B.act(A.out_perm, p + "expert_out", {R, h_});
     } else if (stash_) {
         B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
@@ -123,7 +127,10 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.act(A.xperm, p + "x_permuted", {R, h_});
         B.act(A.g, p + "expert_gate", {R, F_});
         B.act(A.u, p + "expert_up", {R, F_});
-        B.act(A.act, p + "expert_act", {R, F_});
+        if (recompute_act_)
+            B.scratch(A.act, "moe.recomputed.expert_act", {R, F_});
+        else
+            B.act(A.act, p + "expert_act", {R, F_});
         B.act(A.out_perm, p + "expert_out", {R, h_});
     }
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
@@ -183,6 +190,8 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
         stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
         cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
+    } else if (recompute_act_) {
+        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
     }
     // Expert parallelism: the output gradients, written straight into the exchange's region,
     // to the experts' ranks; the input gradients come back the same way.

@@ -485,10 +485,11 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
 }
 
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
-                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes) {
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
+                             int top) {
     const MemoryPlan plan = cuda_memory_plan(recipe, host_store, max_documents, chunk_rows);
     const ModelConfig& m = recipe.model;
-    std::string text = plan.format();
+    std::string text = plan.format(top);
     size_t total = plan.total_bytes();
     if (recipe.run.expert_model_parallel_size > 1) {
         // Expert parallelism: the exchange's shared region, a separate allocation (CUDA IPC).

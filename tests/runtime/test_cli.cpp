@@ -92,8 +92,14 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(pre.output.find("60 documents"), std::string::npos) << pre.output;
     CliRun train = run("train --out " + dir + "/run --set data_path=" + dir +
                        "/ds --set train_iters=2 "
-                       "--set seq_length=64 --set global_batch_size=2");
+                       "--set seq_length=64 --set global_batch_size=2"
+                       " --set recompute_granularity=selective");
     ASSERT_EQ(train.code, 0) << train.output;
+    // A CUDA memory setting on the CPU backend is said to be one, not silently dropped.
+    EXPECT_NE(train.output.find("selective recompute: core_attn (applies on --device cuda; the CPU "
+                                "backend keeps every activation)"),
+              std::string::npos)
+        << train.output;
     EXPECT_NE(train.output.find("checkpoint: " + dir + "/run/checkpoints/iter_0000002"),
               std::string::npos)
         << train.output;

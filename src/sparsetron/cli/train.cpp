@@ -132,6 +132,15 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
                 opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
                 format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
     print_newton_schulz(newton_schulz_count(params, trainer.recipe().model, r), r);
+    if (recipe.model.recompute_granularity == "selective") {
+        std::string mods;
+        for (const std::string& m : recipe.model.recompute_modules)
+            mods += (mods.empty() ? "" : ", ") + m;
+        std::printf("selective recompute: %s%s\n", mods.c_str(),
+                    opts.device == Device::CUDA ? ""
+                                                : " (applies on --device cuda; the CPU backend "
+                                                  "keeps every activation)");
+    }
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
     if (!trainer.pretrained_from().empty()) {

@@ -336,6 +336,40 @@ TEST(CudaModel, ExpandedAttentionWithoutDsaMatchesCpu) {
 // does through the model; the head's dlogits go in groups of one 48-row chunk here. One document
 // of 4400 tokens (~70x the top-k of 64) and two short ones. Against the CPU model only the losses
 // are compared: at this length bf16 moves many scores across near-ties of the top-k.
+// THD packing at length: a 32K-token document (512x the top-k of 64), a 17-token one and a
+// 3000-token one in one micro-batch of the tiny recipe (IndexShare layers, two MTP depths sharing
+// depth 1's latent keys, the sparse indexer loss), CUDA against the CPU reference: the losses of
+// every part agree (the top-k flips bf16 causes at near-ties move them little; the gradients are
+// compared at short lengths above); the CPU reference's isolation of packed documents is checked
+// in Model.PackedDocumentsDoNotSeeEachOther.
+TEST(CudaModel, VeryUnequalPackedDocumentsAtLengthMatchCpu) {
+    REQUIRE_GPU();
+    const int64_t T = 35840, max_docs = 4, chunk = 512;
+    ModelConfig cfg = builtin_tiny_recipe().model;
+    cfg.moe_router_force_load_balancing = true;
+    auto cm = make_cpu_model(cfg, T, max_docs, chunk);
+    Glm5Model<float>& cpu = *cm->model;
+    const MicroBatch mb = make_batch(T, max_docs, cfg.vocab_size, 5, {32768, 17, 3000});
+    const LossScales sc = parity_scales(cfg, mb);
+    const GpuResult gr = run_gpu(cfg, cpu, T, max_docs, chunk, mb, sc);
+    cpu.load_inputs(mb);
+    const LossSums ref = cpu.forward_backward(sc);
+    std::cout << "[model 32K+17+3000] lm " << gr.sums.lm_loss_sum << " vs " << ref.lm_loss_sum
+              << ", indexer " << gr.sums.indexer_loss << " vs " << ref.indexer_loss << "\n";
+    EXPECT_EQ(gr.sums.lm_targets, ref.lm_targets);
+    EXPECT_EQ(ref.lm_targets, 32767 + 16 + 2999);
+    EXPECT_NEAR(gr.sums.lm_loss_sum, ref.lm_loss_sum, 2e-3 * ref.lm_loss_sum);
+    ASSERT_EQ(gr.sums.mtp_sum.size(), ref.mtp_sum.size());
+    for (size_t k = 0; k < ref.mtp_sum.size(); ++k) {
+        EXPECT_EQ(gr.sums.mtp_count[k], ref.mtp_count[k]);
+        EXPECT_NEAR(gr.sums.mtp_sum[k], ref.mtp_sum[k], 2e-3 * ref.mtp_sum[k]) << k;
+    }
+    EXPECT_GT(ref.indexer_loss, 0);
+    EXPECT_NEAR(gr.sums.indexer_loss, ref.indexer_loss, 5e-2 * ref.indexer_loss);
+    for (size_t i = 0; i < gr.grads.size(); ++i)
+        for (float g : gr.grads[i]) ASSERT_TRUE(std::isfinite(g)) << cpu.params().params()[i].name;
+}
+
 TEST(CudaModel, LongDocumentIndexerInQueryBlocksMatchesTheWholeForm) {
     REQUIRE_GPU();
     const int64_t T = 4608, max_docs = 4, chunk = 48;

@@ -1,10 +1,13 @@
 // Audited FLOPs (SPEC §8) against the seed's published figure.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
+#include "sparsetron/core/plan_growth.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
@@ -182,6 +185,48 @@ TEST(Plan, SparseAttentionFormFollowsTheLength) {
         EXPECT_EQ(has("attn.sparse_mqa_masked"), masked) << tokens;
         EXPECT_EQ(has("layers.0.q_absorbed"), !masked) << tokens;
     }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
+// Past the attention's form switch (32K and up), the proxy's device plan grows linearly in tokens:
+// the backbone (indexer loss off) has no buffer that grows faster and none of tokens x vocabulary;
+// the full step's only faster ones are the indexer loss's [tokens, tokens] scores and gradient,
+// which are not streamed yet (its scores for the top-k alone are, in query blocks).
+TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
+#if SPARSETRON_WITH_CUDA
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
+    auto growth = [&](std::vector<std::string> sets) {
+        std::vector<int64_t> lengths = {32768, 65536, 131072};
+        std::vector<std::unique_ptr<TrainingPlan>> tps;
+        std::vector<MemoryPlan> plans;
+        std::vector<const MemoryPlan*> ptrs;
+        int64_t vocab = 0;
+        for (int64_t n : lengths) {
+            std::vector<std::string> at = sets;
+            at.push_back(cat("seq_length=", n));
+            const Recipe r = load_recipe(recipe, at);
+            vocab = r.model.vocab_size;
+            tps.push_back(make_training_plan(r));
+            plans.push_back(cuda_memory_plan(r, tps.back()->model->params(),
+                                             tps.back()->max_documents, tps.back()->chunk_rows));
+        }
+        for (const MemoryPlan& p : plans) ptrs.push_back(&p);
+        PlanGrowth g = plan_growth(lengths, ptrs, vocab);
+        std::vector<std::string> faster, by_vocab;
+        for (const BufferGrowth* b : g.faster_than_linear()) faster.push_back(b->name);
+        for (const BufferGrowth* b : g.tokens_by_vocab()) by_vocab.push_back(b->name);
+        std::sort(faster.begin(), faster.end());
+        return std::make_pair(faster, by_vocab);
+    };
+    const auto backbone = growth({"mtp_num_layers=0", "dsa_indexer_loss_coeff=0"});
+    EXPECT_TRUE(backbone.first.empty()) << backbone.first.front();
+    EXPECT_TRUE(backbone.second.empty()) << backbone.second.front();
+    const auto step = growth({});
+    EXPECT_EQ(step.first, (std::vector<std::string>{"dsa.loss_grad", "dsa.scores"}));
+    EXPECT_TRUE(step.second.empty()) << step.second.front();
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

@@ -232,6 +232,44 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 #endif
 }
 
+// A device plan larger than the GPU's free memory stops before cudaMalloc with what would fit: the
+// proxy backbone at 32K (146.14 GiB) fits 130 GiB with every recompute module (124.14 GiB), not
+// 100 GiB; a recipe that already recomputes everything is pointed at the length and CP instead.
+TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
+#if SPARSETRON_WITH_CUDA
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
+    const Recipe r =
+        load_recipe(recipe, {"mtp_num_layers=0", "dsa_indexer_loss_coeff=0", "seq_length=32768"});
+    auto tp = make_training_plan(r);
+    const auto& store = tp->model->params();
+    const size_t planned =
+        cuda_memory_plan(r, store, tp->max_documents, tp->chunk_rows).total_bytes();
+    const size_t GiB = size_t(1) << 30;
+    EXPECT_EQ(cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, planned),
+              "");
+    std::string msg =
+        cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 130 * GiB);
+    EXPECT_NE(msg.find("the device memory plan needs 146.14 GiB but the GPU has 130.00 GiB free"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("layernorm, moe_act] it plans 124.14 GiB and fits"), std::string::npos)
+        << msg;
+    msg = cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
+    EXPECT_NE(msg.find("it plans 124.14 GiB, still too much"), std::string::npos) << msg;
+    Recipe all = r;
+    all.model.recompute_granularity = "selective";
+    all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
+    msg = cuda_plan_shortfall(all, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
+    EXPECT_EQ(msg.find("recompute_modules"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("shorter micro-batches (seq_length) or more context-parallel ranks"),
+              std::string::npos)
+        << msg;
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // Selective recompute keeps one shared buffer per recomputed output instead of one per layer: the
 // proxy's 4 layers at 32K tokens (the absorbed attention's Q' and o' are 2.25 and 2 GiB per layer)
 // fit the 125 GiB the long-context work set for one H200 with all four modules, not without.

@@ -16,5 +16,7 @@ void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 // Bytes of device memory in use by every process on the current device (total - free).
 size_t device_memory_used();
+// Bytes of device memory free on the current device.
+size_t device_memory_free();
 
 }  // namespace sparsetron

@@ -46,6 +46,12 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
     ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 
+size_t device_memory_free() {
+    size_t free_b = 0, total_b = 0;
+    ST_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return free_b;
+}
+
 size_t device_memory_used() {
     size_t free_b = 0, total_b = 0;
     ST_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

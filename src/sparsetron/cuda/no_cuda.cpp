@@ -34,6 +34,9 @@ void copy_to_host(void*, const void*, size_t) {
 size_t device_memory_used() {
     no_cuda("device_memory_used");
 }
+size_t device_memory_free() {
+    no_cuda("device_memory_free");
+}
 
 namespace cuda {
 void convert(const ExecContext&, const Tensor&, const Tensor&) {
@@ -43,6 +46,10 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
 
 MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t) {
     no_cuda("plan --device cuda");
+}
+std::string cuda_plan_shortfall(const Recipe&, const ParamStore&, int64_t, int64_t, size_t,
+                                size_t) {
+    no_cuda("cuda_plan_shortfall");
 }
 std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int) {
     no_cuda("plan --device cuda");

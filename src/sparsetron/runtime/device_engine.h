@@ -96,6 +96,14 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
                             int64_t max_documents, int64_t chunk_rows);
 
+// Why a device plan of `planned` bytes cannot be allocated in `free_bytes`, and what would make it
+// fit: the plan with every selective recompute module when the recipe does not use them all
+// (its size, and whether it fits), else shorter micro-batches or more context-parallel ranks.
+// Empty when it fits. Throws "built without CUDA" in a CPU-only build.
+std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
+                                int64_t max_documents, int64_t chunk_rows, size_t planned,
+                                size_t free_bytes);
+
 // The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
 // expert parallelism's exchange region added to the total. Throws "built without CUDA" in a
 // CPU-only build.

@@ -80,6 +80,11 @@ class CudaEngine final : public DeviceEngine {
             s_sums_ = plan_.add(MemClass::Activations, "graph.loss_sums", DType::F64,
                                 {slots_, model_->n_sums()});
         }
+        // Say what would fit before cudaMalloc fails on a number.
+        const std::string shortfall =
+            cuda_plan_shortfall(recipe, host_store, max_documents, chunk_rows, plan_.total_bytes(),
+                                device_memory_free());
+        ST_CHECK(shortfall.empty(), shortfall);
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
@@ -482,6 +487,31 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
                             recipe.run.fp8_blockwise());
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     return plan;
+}
+
+std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
+                                int64_t max_documents, int64_t chunk_rows, size_t planned,
+                                size_t free_bytes) {
+    if (planned <= free_bytes) return "";
+    const auto gib = [](size_t b) { return format_bytes(double(b)); };
+    std::string msg =
+        cat("the device memory plan needs ", gib(planned), " but the GPU has ", gib(free_bytes),
+            " free (`sparsetron plan --device cuda` lists the ", "largest buffers); ");
+    const std::vector<std::string> all = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
+    bool every = true;
+    for (const std::string& m : all) every = every && recipe.model.recomputes(m);
+    if (!every) {
+        Recipe r = recipe;
+        r.model.recompute_granularity = "selective";
+        r.model.recompute_modules = all;
+        const size_t with =
+            cuda_memory_plan(r, host_store, max_documents, chunk_rows).total_bytes();
+        msg +=
+            cat("with recompute_granularity: selective and recompute_modules: [core_attn, "
+                "mla_up_proj, layernorm, moe_act] it plans ",
+                gib(with), with <= free_bytes ? " and fits" : ", still too much", "; ");
+    }
+    return msg + "shorter micro-batches (seq_length) or more context-parallel ranks need less";
 }
 
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,

@@ -163,24 +163,32 @@ TEST(Plan, LengthsShowEachClassAtEveryLength) {
     EXPECT_NE(down.output.find("strictly ascending"), std::string::npos) << down.output;
 }
 
+#if SPARSETRON_WITH_CUDA
+namespace {
+// The device plan of the H200 proxy recipe with `sets` (built from the recipe alone: no GPU).
+MemoryPlan proxy_device_plan(const std::vector<std::string>& sets) {
+    const Recipe r =
+        load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", sets);
+    auto tp = make_training_plan(r);
+    return cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
+}
+bool plan_has(const MemoryPlan& plan, const std::string& name) {
+    for (const PlanEntry& e : plan.entries())
+        if (e.name == name) return true;
+    return false;
+}
+}  // namespace
+#endif
+
 // The sparse attention's form follows the length (planned from the recipe; no GPU needed): the
 // masked dense GEMMs in the expanded form while the keys are at most twice the top-k (the
 // proxy's 4096 tokens with top-2048), the flash kernels over the selected keys in the absorbed
 // form past that (8192 and 16384 tokens, where the masked form did 2x and 4x the dense work).
 TEST(Plan, SparseAttentionFormFollowsTheLength) {
 #if SPARSETRON_WITH_CUDA
-    const std::string recipe =
-        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
     for (int64_t tokens : {4096, 8192, 16384}) {
-        const Recipe r = load_recipe(recipe, {"mtp_num_layers=0", cat("seq_length=", tokens)});
-        auto tp = make_training_plan(r);
-        const MemoryPlan plan =
-            cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
-        const auto has = [&](const std::string& name) {
-            for (const PlanEntry& e : plan.entries())
-                if (e.name == name) return true;
-            return false;
-        };
+        const MemoryPlan plan = proxy_device_plan({"mtp_num_layers=0", cat("seq_length=", tokens)});
+        const auto has = [&](const std::string& name) { return plan_has(plan, name); };
         const bool masked = tokens <= 2 * 2048;
         EXPECT_EQ(has("attn.sparse_mqa_masked"), masked) << tokens;
         EXPECT_EQ(has("layers.0.q_absorbed"), !masked) << tokens;
@@ -198,23 +206,17 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 #if SPARSETRON_WITH_CUDA
     const std::string recipe =
         std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
-    auto growth = [&](std::vector<std::string> sets) {
-        std::vector<int64_t> lengths = {32768, 65536, 131072};
-        std::vector<std::unique_ptr<TrainingPlan>> tps;
+    auto growth = [&](const std::vector<std::string>& sets) {
+        const std::vector<int64_t> lengths = {32768, 65536, 131072};
         std::vector<MemoryPlan> plans;
         std::vector<const MemoryPlan*> ptrs;
-        int64_t vocab = 0;
         for (int64_t n : lengths) {
             std::vector<std::string> at = sets;
             at.push_back(cat("seq_length=", n));
-            const Recipe r = load_recipe(recipe, at);
-            vocab = r.model.vocab_size;
-            tps.push_back(make_training_plan(r));
-            plans.push_back(cuda_memory_plan(r, tps.back()->model->params(),
-                                             tps.back()->max_documents, tps.back()->chunk_rows));
+            plans.push_back(proxy_device_plan(at));
         }
         for (const MemoryPlan& p : plans) ptrs.push_back(&p);
-        PlanGrowth g = plan_growth(lengths, ptrs, vocab);
+        PlanGrowth g = plan_growth(lengths, ptrs, load_recipe(recipe, {}).model.vocab_size);
         std::vector<std::string> faster, by_vocab;
         for (const BufferGrowth* b : g.faster_than_linear()) faster.push_back(b->name);
         for (const BufferGrowth* b : g.tokens_by_vocab()) by_vocab.push_back(b->name);
@@ -275,23 +277,15 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
 // fit the 125 GiB the long-context work set for one H200 with all four modules, not without.
 TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
 #if SPARSETRON_WITH_CUDA
-    const std::string recipe =
-        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
     auto plan_of = [&](std::vector<std::string> sets) {
         sets.insert(sets.end(),
                     {"mtp_num_layers=0", "dsa_indexer_loss_coeff=0", "seq_length=32768"});
-        const Recipe r = load_recipe(recipe, sets);
-        auto tp = make_training_plan(r);
-        return cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
+        return proxy_device_plan(sets);
     };
     const MemoryPlan keep = plan_of({});
     const MemoryPlan rec = plan_of({"recompute_granularity=selective",
                                     "recompute_modules=core_attn mla_up_proj layernorm moe_act"});
-    const auto has = [](const MemoryPlan& p, const std::string& name) {
-        for (const PlanEntry& e : p.entries())
-            if (e.name == name) return true;
-        return false;
-    };
+    const auto& has = plan_has;
     for (const char* name :
          {"layers.0.o_latent", "layers.3.attn_out", "layers.1.q_absorbed", "layers.2.q",
           "layers.0.attn_norm_out", "layers.3.mlp_norm_out", "layers.2.moe.expert_act"}) {

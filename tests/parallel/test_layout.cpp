@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ep_exchange_check.h"
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/parallel/cp_shard.h"
@@ -54,6 +55,78 @@ TEST(ParallelLayout, GroupsPartitionTheRanks) {
         }
     EXPECT_EQ(l.dynamic_cp_group(5, 4), (std::vector<int>{4, 5, 6, 7}));
     EXPECT_EQ(l.dynamic_cp_sizes(2), (std::vector<int>{2, 4, 8, 16}));
+}
+
+// Pipeline stages are the slowest dimension: each stage's ranks are contiguous and every group
+// but the pipeline and embedding groups stays inside one stage, laid out there as without stages.
+TEST(ParallelLayout, PipelineStagesAreTheSlowestDimension) {
+    RunConfig r = sizes(2, 2);
+    r.pipeline_model_parallel_size = 2;
+    const ParallelLayout l = make_layout(r, 8);
+    EXPECT_EQ(l.stage_size(), 4);
+    EXPECT_EQ(l.dp, 2);
+    EXPECT_EQ(l.edp(), 2);
+    EXPECT_EQ(l.pp_rank(5), 1);
+    EXPECT_EQ(l.stage_rank(5), 1);
+    EXPECT_EQ(l.cp_group(5), (std::vector<int>{4, 5}));
+    EXPECT_EQ(l.dp_group(5), (std::vector<int>{5, 7}));
+    EXPECT_EQ(l.ep_group(6), (std::vector<int>{6, 7}));
+    EXPECT_EQ(l.edp_group(6), (std::vector<int>{4, 6}));
+    EXPECT_EQ(l.stage_group(5), (std::vector<int>{4, 5, 6, 7}));
+    EXPECT_EQ(l.pp_group(5), (std::vector<int>{1, 5}));
+    EXPECT_EQ(l.dynamic_cp_group(5, 4), (std::vector<int>{4, 5, 6, 7}));
+    EXPECT_EQ(l.dynamic_cp_sizes(1), (std::vector<int>{1, 2, 4}));
+    using Fn = std::vector<int> (ParallelLayout::*)(int) const;
+    using Color = int (ParallelLayout::*)(int) const;
+    const std::pair<Fn, Color> kinds[] = {
+        {&ParallelLayout::cp_group, &ParallelLayout::cp_color},
+        {&ParallelLayout::dp_group, &ParallelLayout::dp_color},
+        {&ParallelLayout::ep_group, &ParallelLayout::ep_color},
+        {&ParallelLayout::edp_group, &ParallelLayout::edp_color},
+        {&ParallelLayout::stage_group, &ParallelLayout::stage_color},
+        {&ParallelLayout::pp_group, &ParallelLayout::pp_color}};
+    for (const auto& [group, color] : kinds)
+        for (int a = 0; a < 8; ++a) {
+            const auto g = (l.*group)(a);
+            EXPECT_TRUE(std::find(g.begin(), g.end(), a) != g.end());
+            for (int b = 0; b < 8; ++b)
+                EXPECT_EQ((l.*color)(a) == (l.*color)(b), (l.*group)(a) == (l.*group)(b))
+                    << "ranks " << a << " and " << b;
+            if (group != &ParallelLayout::pp_group) {
+                for (int m : g) EXPECT_EQ(l.pp_rank(m), l.pp_rank(a)) << "a group crosses stages";
+            }
+        }
+    // The embedding pairs: the first and last stages' ranks of equal stage rank; middle stages
+    // alone.
+    r.pipeline_model_parallel_size = 4;
+    r.context_parallel_size = 1, r.expert_model_parallel_size = 1;
+    const ParallelLayout l4 = make_layout(r, 8);
+    EXPECT_EQ(l4.embedding_color(1), l4.embedding_color(7));
+    EXPECT_NE(l4.embedding_color(0), l4.embedding_color(7));
+    for (int m = 0; m < 8; ++m)
+        if (m != 3) {
+            EXPECT_NE(l4.embedding_color(3), l4.embedding_color(m));
+        }
+}
+
+// Megatron's layer split: the first/last stages' counts as given, the rest even.
+TEST(PipelineSplit, LayersPerStage) {
+    EXPECT_EQ(pipeline_layer_counts(78, 4, 18, 0), (std::vector<int64_t>{18, 20, 20, 20}));
+    EXPECT_EQ(pipeline_layer_counts(4, 4, 0, 0), (std::vector<int64_t>{1, 1, 1, 1}));
+    EXPECT_EQ(pipeline_layer_counts(4, 2, 0, 3), (std::vector<int64_t>{1, 3}));
+    EXPECT_EQ(pipeline_layer_counts(10, 4, 2, 2), (std::vector<int64_t>{2, 3, 3, 2}));
+    EXPECT_EQ(pipeline_layer_counts(7, 1, 0, 0), (std::vector<int64_t>{7}));
+    try {
+        pipeline_layer_counts(5, 2, 0, 0);
+        FAIL();
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("decoder_first_pipeline_num_layers"),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(pipeline_layer_counts(78, 4, 17, 0), Error);  // 61 over 3 stages
+    EXPECT_THROW(pipeline_layer_counts(3, 4, 0, 0), Error);    // a stage without layers
+    EXPECT_THROW(pipeline_layer_counts(4, 2, 2, 3), Error);    // more than num_layers
 }
 
 TEST(ParallelLayout, SizesThatDoNotDivideAreNamed) {

@@ -108,8 +108,11 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
     const auto& params = trainer.params();
     const std::string dp =
         trainer.world_size() > 1 && launch_comm()
-            ? cat(" | ", trainer.world_size(), " ", launch_comm()->name(), " ranks: data parallel ",
-                  trainer.data_parallel_size(),
+            ? cat(" | ", trainer.world_size(), " ", launch_comm()->name(), " ranks: ",
+                  r.pipeline_model_parallel_size > 1
+                      ? cat("pipeline ", r.pipeline_model_parallel_size, " stages x ")
+                      : std::string(),
+                  "data parallel ", trainer.data_parallel_size(),
                   r.context_parallel_size > 1 ? cat(" x context parallel ", r.context_parallel_size)
                                               : std::string(),
                   r.expert_model_parallel_size > 1
@@ -118,11 +121,17 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
             : std::string();
     std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
                 recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());
-    std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters\n",
+    // Under pipeline parallelism this rank holds its stage (its EP rank's experts too).
+    const PipelineStage& stage = trainer.model().stage();
+    const std::string held = stage.whole() ? std::string("")
+                                           : cat(" on stage 1 of ", stage.count, " (layers ",
+                                                 stage.first_layer, "-", stage.end_layer - 1, ")");
+    std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters%s\n",
                 static_cast<long long>(recipe.model.num_layers),
                 static_cast<long long>(recipe.model.hidden_size),
                 static_cast<long long>(recipe.model.num_attention_heads),
-                static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6);
+                static_cast<long long>(recipe.model.vocab_size), params.total_numel() / 1e6,
+                held.c_str());
     std::printf("batch: %lld micro-batches%s x %lld token slots | %s %s | output %s\n",
                 static_cast<long long>(r.microbatches_per_step()),
                 trainer.data_parallel_size() > 1

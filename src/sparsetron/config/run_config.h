@@ -83,7 +83,9 @@ struct RunConfig {
     // Parallel layout (SPEC §10).
     int64_t tensor_model_parallel_size = 1;
     int64_t pipeline_model_parallel_size = 1;
+    // Layers of the first and last pipeline stages (0: an even share; config/pipeline_split.h).
     int64_t decoder_first_pipeline_num_layers = 0;
+    int64_t decoder_last_pipeline_num_layers = 0;
     int64_t expert_model_parallel_size = 1;
     int64_t context_parallel_size = 1;
     bool dynamic_context_parallel = false;

@@ -1,6 +1,7 @@
 // Recipe::validate: every combination check, each naming the key(s) and what was expected.
 #include <set>
 
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/data/split.h"
@@ -182,13 +183,8 @@ void Recipe::validate() {
     int64_t per_step = r.micro_batch_size * r.data_parallel_size();
     ST_CHECK(r.global_batch_size % per_step == 0, "global_batch_size (", r.global_batch_size,
              ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
-    if (r.pipeline_model_parallel_size > 1 && r.decoder_first_pipeline_num_layers > 0)
-        ST_CHECK(r.decoder_first_pipeline_num_layers < m.num_layers &&
-                     (m.num_layers - r.decoder_first_pipeline_num_layers) %
-                             (r.pipeline_model_parallel_size - 1) ==
-                         0,
-                 "decoder_first_pipeline_num_layers (", r.decoder_first_pipeline_num_layers,
-                 ") must leave num_layers - it divisible by the remaining pipeline stages");
+    pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
+                          r.decoder_first_pipeline_num_layers, r.decoder_last_pipeline_num_layers);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});

@@ -182,20 +182,24 @@ std::string capture_error(F&& f) {
     return {};
 }
 
-// The weights and optimizer state this rank writes: everything, or (sharded) shard 0 the dense
-// tensors and its experts, the other shards their experts.
-void collect(const ParamStore& store, const MemoryPlan& plan, const Optimizer* optimizer, int shard,
-             std::vector<SafetensorsEntry>& weights, std::vector<SafetensorsEntry>& optim) {
+// The weights and optimizer state this rank writes: its routed experts, and with `dense` the
+// other tensors it holds but pipeline copies (another stage writes the original).
+void collect(const ParamStore& store, const MemoryPlan& plan, const Optimizer* optimizer,
+             bool dense, std::vector<SafetensorsEntry>& weights,
+             std::vector<SafetensorsEntry>& optim) {
     std::map<std::string, bool> expert;
     for (const auto& p : store.params()) {
+        if (p.pipeline_copy) continue;
         expert[p.name] = p.routed_expert;
-        if (shard > 0 && !p.routed_expert) continue;
+        if (!dense && !p.routed_expert) continue;
         Tensor t = plan.view(p.param_slot);
         weights.push_back({p.name, t.dtype, p.shape, t.data});
     }
     if (!optimizer) return;
     for (const auto& [name, slot] : optimizer->state_tensors()) {
-        if (shard > 0 && !expert[name.substr(0, name.rfind('.'))]) continue;
+        const auto it = expert.find(name.substr(0, name.rfind('.')));
+        if (it == expert.end()) continue;  // a pipeline copy's state
+        if (!dense && !it->second) continue;
         Tensor t = plan.view(slot);
         optim.push_back({name, t.dtype, plan.entries()[slot].shape, t.data});
     }
@@ -271,7 +275,7 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
     error = capture_error([&] {
         if (shard < 0) return;
         std::vector<SafetensorsEntry> weights, optim;
-        collect(store, plan, optimizer, shards ? shard : 0, weights, optim);
+        collect(store, plan, optimizer, !shards || shards->dense, weights, optim);
         const int n = shards ? shards->shards : 1;
         write_safetensors(
             (tmp / (shards ? shard_file("model", shard, n) : "model.safetensors")).string(),

@@ -36,16 +36,18 @@ struct TrainerState {
 // Fails early, naming `dir`, if it cannot be created or written.
 void ensure_writable_dir(const std::string& dir);
 
-// A checkpoint written by several ranks (expert parallelism: each EP rank holds other experts).
-// Every rank of `world` calls save_checkpoint; the ranks with shard >= 0 (one per EP rank) write
-// model-<s>-of-<n>.safetensors and optimizer-<s>-of-<n>.safetensors (shard 0 also holds every
-// dense tensor, the others their routed experts), rank 0 the index files
+// A checkpoint written by several ranks (expert parallelism: each EP rank holds other experts;
+// pipeline parallelism: each stage other layers). Every rank of `world` calls save_checkpoint;
+// the ranks with shard >= 0 (one per EP rank of each stage) write model-<s>-of-<n>.safetensors
+// and optimizer-<s>-of-<n>.safetensors (with `dense` also the dense tensors they hold, pipeline
+// copies excepted; the others their routed experts only), rank 0 the index files
 // (model.safetensors.index.json, HF's sharded format; optimizer.safetensors.index.json) and
 // the rest. The ranks must share the file system (one host, or a shared save directory).
 struct CheckpointShards {
     Comm* world = nullptr;
     int shard = -1;  // -1: this rank writes no shard (another rank holds the same tensors)
     int shards = 1;
+    bool dense = true;
 };
 
 // Which checkpoints a save may delete: only those this run wrote (`written`, oldest first; the

@@ -19,9 +19,12 @@ using cpu::gemm;
 
 template <typename T>
 Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
-                        int64_t chunk_rows, int64_t key_tokens)
+                        int64_t chunk_rows, int64_t key_tokens, const PipelineStage& stage)
     : cfg_(cfg),
       plan_(plan),
+      stage_(stage),
+      L0_(stage.first_layer),
+      L1_(stage.end_layer < 0 ? cfg.num_layers : stage.end_layer),
       buf_(plan, dtype_of<T>()),
       T_(tokens),
       max_docs_(max_docs),
@@ -44,23 +47,41 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
         s_key_cu_ = buf_.act_i32("inputs.cp_key_cu_seqlens", {max_docs + 1});
     }
 
-    embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
-    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    ST_CHECK(0 <= L0_ && L0_ < L1_ && L1_ <= cfg.num_layers, "pipeline stage ", stage.index,
+             ": layers [", L0_, ", ", L1_, ") of ", cfg.num_layers);
+    ST_CHECK(
+        stage.whole() || (stage.first() == (L0_ == 0) && stage.last() == (L1_ == cfg.num_layers)),
+        "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0_, ", ", L1_,
+        ")");
+    const bool last = stage.last();
+    // The MTP layer (on the last stage) reads the embedding table.
+    if (stage.first() || (last && cfg.mtp_num_layers > 0)) {
+        embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
+        if (!stage.first()) store_->mark_pipeline_copy(embed_);
+    }
+    if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
+    if (!stage.first() && cfg.uses_dsa()) {
+        s_topk_in_ = buf_.act_i32("pipeline.topk_in", {Tn, carried_slots_});
+        s_topk_len_in_ = buf_.act_i32("pipeline.topk_length_in", {Tn});
+    }
+    for (int64_t l = L0_; l < L1_; ++l) {
         layers_.push_back(
             std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, l, tokens, key_tokens));
         s_x_.push_back(buf_.act(cat("layers.", l, ".x_in"), {Tn, h}));
         layer_slots_.push_back(layers_.back()->declare_acts(buf_, cat("layers.", l, ".")));
     }
-    s_x_.push_back(buf_.act("final.x", {Tn, h}));
-    final_norm_ = store_->add("model.norm.weight", {h}, InitRule::Ones, false);
-    head_ = store_->add_embedding_like("lm_head.weight", {cfg.vocab_size, h});
-    s_h_final_ = buf_.act("final.norm_out", {Tn, h});
-    s_rstd_final_ = buf_.act("final.norm_rstd", {Tn});
+    s_x_.push_back(buf_.act(last ? std::string("final.x") : cat("layers.", L1_, ".x_in"), {Tn, h}));
     s_dx_ = buf_.scratch("grad.residual", {Tn, h});
-    s_dh_ = buf_.scratch("grad.final_norm_out", {Tn, h});
-    s_logits_ = buf_.scratch("head.logits_chunk", {chunk_rows_, cfg.vocab_size});
+    if (last) {
+        final_norm_ = store_->add("model.norm.weight", {h}, InitRule::Ones, false);
+        head_ = store_->add_embedding_like("lm_head.weight", {cfg.vocab_size, h});
+        s_h_final_ = buf_.act("final.norm_out", {Tn, h});
+        s_rstd_final_ = buf_.act("final.norm_rstd", {Tn});
+        s_dh_ = buf_.scratch("grad.final_norm_out", {Tn, h});
+        s_logits_ = buf_.scratch("head.logits_chunk", {chunk_rows_, cfg.vocab_size});
+    }
 
-    D_ = cfg.mtp_num_layers;
+    D_ = last ? cfg.mtp_num_layers : 0;
     if (D_ > 0) {
         const int64_t L = cfg.num_layers, first = static_cast<int64_t>(store_->params().size());
         // Distinct layers take the indices after the backbone's (HF's model.layers.{L + j}).
@@ -134,6 +155,8 @@ void Glm5Model<T>::bind() {
         in_.key_cu_seqlens = buf_.ptr<int32_t>(s_key_cu_);
     }
     targets_ = buf_.ptr<int32_t>(s_targets_);
+    if (s_topk_in_ >= 0)
+        topk_in_ = buf_.ptr<int32_t>(s_topk_in_), topk_len_in_ = buf_.ptr<int32_t>(s_topk_len_in_);
     x_.clear();
     for (auto s : s_x_) x_.push_back(buf_.ptr<T>(s));
     layer_acts_.clear();
@@ -141,18 +164,27 @@ void Glm5Model<T>::bind() {
         layers_[l]->bind(buf_, param_ptr_, grad_ptr_);
         layer_acts_.push_back(layers_[l]->resolve(buf_, layer_slots_[l]));
     }
-    // IndexShare: a shared layer attends over its source layer's top-k.
+    // IndexShare: a shared layer attends over its source layer's top-k (an earlier stage's
+    // arrives with the rows: the last full layer before this stage is every such source).
     auto share = [&](typename DecoderLayer<T>::Acts& A, int64_t layer0) {
         if (!cfg_.uses_dsa() || A.topk) return;
-        int64_t src = dsa_source_layer(cfg_, layer0);
-        ST_CHECK(
-            src >= 0 && src < static_cast<int64_t>(layer_acts_.size()) && layer_acts_[src].topk,
-            "DSA layer ", layer0, " shares the top-k of layer ", src, ", which has none");
-        A.topk = layer_acts_[src].topk, A.topk_len = layer_acts_[src].topk_len;
+        const int64_t src = dsa_source_layer(cfg_, layer0);
+        if (src < L0_ && topk_in_) {
+            A.topk = topk_in_, A.topk_len = topk_len_in_;
+            return;
+        }
+        ST_CHECK(src >= L0_ && src < L1_ && layer_acts_[size_t(src - L0_)].topk, "DSA layer ",
+                 layer0, " shares the top-k of layer ", src, ", which has none");
+        A.topk = layer_acts_[size_t(src - L0_)].topk;
+        A.topk_len = layer_acts_[size_t(src - L0_)].topk_len;
     };
-    for (size_t l = 0; l < layers_.size(); ++l) share(layer_acts_[l], static_cast<int64_t>(l));
-    h_final_ = buf_.ptr<T>(s_h_final_), rstd_final_ = buf_.ptr<T>(s_rstd_final_);
-    dx_ = buf_.ptr<T>(s_dx_), dh_ = buf_.ptr<T>(s_dh_), logits_ = buf_.ptr<T>(s_logits_);
+    for (size_t l = 0; l < layers_.size(); ++l)
+        share(layer_acts_[l], L0_ + static_cast<int64_t>(l));
+    dx_ = buf_.ptr<T>(s_dx_);
+    if (stage_.last()) {
+        h_final_ = buf_.ptr<T>(s_h_final_), rstd_final_ = buf_.ptr<T>(s_rstd_final_);
+        dh_ = buf_.ptr<T>(s_dh_), logits_ = buf_.ptr<T>(s_logits_);
+    }
     if (D_ > 0) {
         for (auto& m : mtp_layers_) m.layer->bind(buf_, param_ptr_, grad_ptr_);
         mtp_acts_.clear(), mtp_targets_.clear(), dmtp_zk_.clear();
@@ -265,31 +297,81 @@ LossSums Glm5Model<T>::forward_backward(double lm_scale, bool backward) {
 
 template <typename T>
 LossSums Glm5Model<T>::forward_backward(const LossScales& sc) {
+    LossSums out = forward(sc);
+    if (sc.backward) backward(sc);
+    return out;
+}
+
+template <typename T>
+LossSums Glm5Model<T>::forward(const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     LossSums out;
-    cpu::embedding_forward(in_.token_ids, Tn, param(embed_), c.vocab_size, h, x_[0]);
+    if (stage_.first())
+        cpu::embedding_forward(in_.token_ids, Tn, param(embed_), c.vocab_size, h, x_[0]);
     const double idx_gs = sc.backward || sc.indexer_grads ? sc.indexer : 0.0;
-    for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
         LayerLosses ll = layers_[l]->forward(layer_acts_[l], x_[l], x_[l + 1], in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
         out.aux_loss += ll.aux;
     }
-    cpu::rmsnorm_forward(x_[c.num_layers], h, param(final_norm_), Tn, h, c.norm_epsilon, h_final_,
-                         h, rstd_final_);
+    if (!stage_.last()) return out;
+    cpu::rmsnorm_forward(x_.back(), h, param(final_norm_), Tn, h, c.norm_epsilon, h_final_, h,
+                         rstd_final_);
     cpu::head_cross_entropy(h_final_, Tn, h, param(head_), c.vocab_size, targets_, chunk_rows_,
                             logits_, sc.lm, sc.backward ? dh_ : (T*)nullptr,
                             sc.backward ? grad(head_) : (T*)nullptr, &out.lm_loss_sum,
                             &out.lm_targets);
     if (D_ > 0) mtp_forward(sc, out);
-    if (!sc.backward) return out;
-    if (D_ > 0) mtp_backward(sc);  // adds into dh_ unless the heads are detached
-    cpu::rmsnorm_backward(dh_, h, x_[c.num_layers], h, param(final_norm_), rstd_final_, Tn, h, dx_,
-                          h, false, grad(final_norm_));
-    for (int64_t l = c.num_layers - 1; l >= 0; --l)
-        layers_[l]->backward(layer_acts_[l], x_[l], dx_, in_, sc.aux);
-    cpu::embedding_backward(in_.token_ids, Tn, dx_, c.vocab_size, h, grad(embed_));
     return out;
+}
+
+template <typename T>
+void Glm5Model<T>::backward(const LossScales& sc) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    if (stage_.last()) {
+        if (D_ > 0) mtp_backward(sc);  // adds into dh_ unless the heads are detached
+        cpu::rmsnorm_backward(dh_, h, x_.back(), h, param(final_norm_), rstd_final_, Tn, h, dx_, h,
+                              false, grad(final_norm_));
+    }
+    for (size_t l = layers_.size(); l-- > 0;)
+        layers_[l]->backward(layer_acts_[l], x_[l], dx_, in_, sc.aux);
+    if (stage_.first())
+        cpu::embedding_backward(in_.token_ids, Tn, dx_, c.vocab_size, h, grad(embed_));
+}
+
+template <typename T>
+const int32_t* Glm5Model<T>::carried_topk_out() const {
+    for (size_t l = layers_.size(); l-- > 0;)
+        if (layers_[l]->has_indexer()) return layer_acts_[l].idx.topk;
+    return topk_in_;
+}
+
+template <typename T>
+const int32_t* Glm5Model<T>::carried_topk_len_out() const {
+    for (size_t l = layers_.size(); l-- > 0;)
+        if (layers_[l]->has_indexer()) return layer_acts_[l].idx.len;
+    return topk_len_in_;
+}
+
+template <typename T>
+void Glm5Model<T>::save_activations(ActivationSnapshot& into) const {
+    const size_t n = activation_bytes();
+    into.bytes.resize(n);
+    std::memcpy(into.bytes.data(), plan_.class_base(MemClass::Activations), n);
+    into.layers = layer_acts_;
+    into.mtp = mtp_acts_;
+    into.in = in_;
+}
+
+template <typename T>
+void Glm5Model<T>::restore_activations(const ActivationSnapshot& from) {
+    ST_ASSERT(from.bytes.size() == activation_bytes(), "activation snapshot of another plan");
+    std::memcpy(plan_.class_base(MemClass::Activations), from.bytes.data(), from.bytes.size());
+    layer_acts_ = from.layers;
+    mtp_acts_ = from.mtp;
+    in_ = from.in;
 }
 
 template <typename T>

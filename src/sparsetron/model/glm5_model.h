@@ -17,6 +17,7 @@
 #include "sparsetron/model/buffers.h"
 #include "sparsetron/model/decoder_layer.h"
 #include "sparsetron/model/param_store.h"
+#include "sparsetron/model/pipeline_stage.h"
 
 namespace sparsetron {
 
@@ -56,12 +57,26 @@ double reported_mtp_loss(const ModelConfig& c, const std::vector<double>& sums,
 
 template <typename T>
 class Glm5Model {
+  private:
+    struct MtpSlots {
+        MemoryPlan::Slot ids, e, en, rstd_e, hn, rstd_h, cat, hin, hout, hz, rstd_z;
+        typename DecoderLayer<T>::Slots layer;
+    };
+    struct MtpActs {
+        int32_t* ids;
+        T *e, *en, *rstd_e, *hn, *rstd_h, *cat, *hin, *hout, *hz, *rstd_z;
+        typename DecoderLayer<T>::Acts layer;
+    };
+
   public:
     // key_tokens > 0: context parallelism. The model computes `tokens` rows (this CP rank's
     // share, parallel/cp_shard.h: cp_local_tokens) of micro-batches of key_tokens slots; its
     // attention and indexer read keys of every row (set_context_parallel gives the CP group).
+    // `stage`: pipeline parallelism, the part of the model this rank holds (its parameters and
+    // buffers only); the last stage also holds the embedding when the MTP layer reads it (a copy
+    // marked pipeline_copy, its gradient summed with the first stage's).
     Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
-              int64_t chunk_rows, int64_t key_tokens = 0);
+              int64_t chunk_rows, int64_t key_tokens = 0, const PipelineStage& stage = {});
     ~Glm5Model();
     void bind();
 
@@ -74,6 +89,11 @@ class Glm5Model {
     // of `tokens` slots otherwise.
     void load_inputs(const MicroBatch& mb);
     LossSums forward_backward(const LossScales& scales);
+    // The two halves, for a pipeline schedule: forward returns the micro-batch's losses (the
+    // head's gradient is computed with it when scales.backward); backward follows the forward
+    // of the same micro-batch (its activations restored when other forwards ran in between).
+    LossSums forward(const LossScales& scales);
+    void backward(const LossScales& scales);
     // Forward only, LM loss only (eval) — or with backward at a uniform per-target scale.
     LossSums forward_backward(double lm_scale, bool backward);
 
@@ -101,23 +121,44 @@ class Glm5Model {
     // The activations of decoder-layer application `a`: backbone layer a < num_layers, MTP depth
     // a - num_layers + 1 after them (tests read the top-k there); the inputs of the loaded rows.
     const typename DecoderLayer<T>::Acts& application(int64_t a) const {
-        return a < cfg_.num_layers ? layer_acts_.at(a) : mtp_acts_.at(a - cfg_.num_layers).layer;
+        return a < cfg_.num_layers ? layer_acts_.at(a - L0_)
+                                   : mtp_acts_.at(a - cfg_.num_layers).layer;
     }
     const StepInputs& inputs() const { return in_; }
 
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }
 
+    // Pipeline parallelism. The stage's input rows (received before a forward; the embedding's
+    // output on the first stage), its output rows (sent after it), and the residual gradient
+    // (received before a backward: d output; after it: d input, sent back).
+    const PipelineStage& stage() const { return stage_; }
+    T* stage_input() const { return x_.front(); }
+    const T* stage_output() const { return x_.back(); }
+    T* stage_grad() const { return dx_; }
+    // IndexShare across stages: the top-k of the last full DSA layer so far travels with the
+    // rows (its [tokens, slots] indices and [tokens] lengths; 0 slots without DSA). In: what
+    // this stage's shared layers read before its own first full layer (the first stage has no
+    // input); out: what it passes on.
+    int64_t carried_topk_slots() const { return carried_slots_; }
+    int32_t* carried_topk_in() const { return topk_in_; }
+    int32_t* carried_topk_len_in() const { return topk_len_in_; }
+    const int32_t* carried_topk_out() const;
+    const int32_t* carried_topk_len_out() const;
+    // The activations of one micro-batch (the Activations arena and what the layers keep on the
+    // host), saved after its forward and restored before its backward while other micro-batches'
+    // forwards run in between (1F1B keeps up to one per later stage).
+    struct ActivationSnapshot {
+        std::vector<char> bytes;
+        std::vector<typename DecoderLayer<T>::Acts> layers;
+        std::vector<MtpActs> mtp;
+        StepInputs in;
+    };
+    size_t activation_bytes() const { return plan_.class_bytes(MemClass::Activations); }
+    void save_activations(ActivationSnapshot& into) const;
+    void restore_activations(const ActivationSnapshot& from);
+
   private:
-    struct MtpSlots {
-        MemoryPlan::Slot ids, e, en, rstd_e, hn, rstd_h, cat, hin, hout, hz, rstd_z;
-        typename DecoderLayer<T>::Slots layer;
-    };
-    struct MtpActs {
-        int32_t* ids;
-        T *e, *en, *rstd_e, *hn, *rstd_h, *cat, *hin, *hout, *hz, *rstd_z;
-        typename DecoderLayer<T>::Acts layer;
-    };
     void mtp_forward(const LossScales& sc, LossSums& out);
     void mtp_backward(const LossScales& sc);
     void mtp_tv_loss(const LossScales& sc, LossSums& out);
@@ -125,6 +166,8 @@ class Glm5Model {
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
+    PipelineStage stage_;
+    int64_t L0_ = 0, L1_ = 0;  // this stage's decoder layers [L0_, L1_)
     Buffers buf_;
     std::unique_ptr<ParamStore> store_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
@@ -135,7 +178,11 @@ class Glm5Model {
     std::vector<typename DecoderLayer<T>::Acts> layer_acts_;
     std::vector<MemoryPlan::Slot> s_x_;  // residual stream: x_0 .. x_L
     std::vector<T*> x_;
-    int64_t embed_ = 0, final_norm_ = 0, head_ = 0;
+    int64_t embed_ = -1, final_norm_ = -1, head_ = -1;  // -1: another stage holds it
+    // Pipeline: the top-k received with the rows (not on the first stage, nor without DSA).
+    int64_t carried_slots_ = 0;
+    MemoryPlan::Slot s_topk_in_ = -1, s_topk_len_in_ = -1;
+    int32_t *topk_in_ = nullptr, *topk_len_in_ = nullptr;
     std::vector<T*> param_ptr_, grad_ptr_;
 
     // MTP: one layer applied at every depth (mtp_use_repeated_layer), or one per depth.

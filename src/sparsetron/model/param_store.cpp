@@ -61,6 +61,11 @@ void ParamStore::set_mtp_from(int64_t first) {
     for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i) params_[i].mtp = true;
 }
 
+void ParamStore::mark_pipeline_copy(int64_t index) {
+    ST_ASSERT(index >= 0 && index < size(), "parameter index ", index);
+    params_[size_t(index)].pipeline_copy = true;
+}
+
 void ParamStore::set_routed_expert_from(int64_t first) {
     for (size_t i = static_cast<size_t>(first); i < params_.size(); ++i)
         params_[i].routed_expert = true;

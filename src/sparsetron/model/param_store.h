@@ -26,6 +26,10 @@ struct ParamInfo {
     // A routed expert's weight: sharded over the expert-parallel group (each rank holds its own
     // experts), its gradient summed over the expert-data-parallel group only.
     bool routed_expert = false;
+    // Pipeline parallelism: a copy of a parameter another stage also holds (the last stage's
+    // embedding, which the MTP layer reads). Its gradient is summed with the original's and both
+    // take the same update; it counts once in the gradient norm and is saved once.
+    bool pipeline_copy = false;
     InitRule init = InitRule::Normal;
     MemoryPlan::Slot param_slot = -1;
     MemoryPlan::Slot grad_slot = -1;  // -1 for buffers
@@ -43,6 +47,7 @@ class ParamStore {
     int64_t add_buffer(std::string name, std::vector<int64_t> shape, InitRule init);
     void set_mtp_from(int64_t first_index);            // marks parameters [first_index, end) as MTP
     void set_routed_expert_from(int64_t first_index);  // ... as routed experts' weights
+    void mark_pipeline_copy(int64_t index);
     int64_t size() const { return int64_t(params_.size()); }
     // A copy of another store's entry (same name, shape, group, flags) planned in this store's
     // plan: how a second backend's model gets the identical parameter table.

@@ -38,10 +38,12 @@ StepStats Optimizer::step(const MemoryPlan& plan, const RunConfig& run, int64_t 
     // (sharded over EP) summed over the EP group.
     std::vector<int> bucket(n, -1);
     for (size_t i = 0; i < n; ++i)
-        if (main[i] || mtp[i]) bucket[i] = (store_.params()[i].routed_expert ? 2 : 0) + int(mtp[i]);
+        if ((main[i] || mtp[i]) && !store_.params()[i].pipeline_copy)
+            bucket[i] = (store_.params()[i].routed_expert ? 2 : 0) + int(mtp[i]);
     double ss[4] = {0, 0, 0, 0};
     grad_sum_squares(store_, plan, bucket, ss);
     if (ep_) ep_->allreduce_sum(ss + 2, 2);
+    if (pp_) pp_->allreduce_sum(ss, 4);
     st.grad_norm = std::sqrt(ss[0] + ss[2]);
     if (separate_mtp_) st.grad_norm_mtp = std::sqrt(ss[1] + ss[3]);
     if (!std::isfinite(st.grad_norm) || !std::isfinite(st.grad_norm_mtp)) {

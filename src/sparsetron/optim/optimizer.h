@@ -33,6 +33,9 @@ class Optimizer {
     // Expert parallelism with sharded experts: a rank holds only its experts' gradients, so
     // their squared norms are summed over `ep` (the expert-parallel group) into the global norm.
     void set_expert_parallel(Comm* ep) { ep_ = ep && ep->size() > 1 ? ep : nullptr; }
+    // Pipeline parallelism: a stage holds its layers' gradients, so the squared norms are summed
+    // over `pp` (one rank per stage); a pipeline copy counts on the stage of the original only.
+    void set_pipeline_parallel(Comm* pp) { pp_ = pp && pp->size() > 1 ? pp : nullptr; }
 
     // Every state tensor by checkpoint name ("<param>.exp_avg", "<param>.momentum_buffer", ...).
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
@@ -46,6 +49,7 @@ class Optimizer {
     std::vector<bool> uses_muon_, mtp_group_;
     bool separate_mtp_ = false;
     Comm* ep_ = nullptr;
+    Comm* pp_ = nullptr;
 };
 
 }  // namespace sparsetron

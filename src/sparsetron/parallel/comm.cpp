@@ -19,6 +19,11 @@ void SingleProcessComm::abort(int code) {
     std::exit(code);
 }
 
+void Comm::sendrecv(const void*, int64_t, int dst, void*, int64_t, int src) {
+    if (dst < 0 && src < 0) return;
+    throw Error(cat("the ", name(), " communicator has no point-to-point transfers (MPI has)"));
+}
+
 void Comm::device_allreduce_sum(float*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }

@@ -30,6 +30,12 @@ class Comm {
     // A communicator per color over this one's ranks (ordered by key, then rank): every rank
     // calls it (collective). Process groups are made once this way (DP, CP, EP, dynamic CP).
     virtual std::unique_ptr<Comm> split(int color, int key) = 0;
+    // Point to point (pipeline parallelism): `send_bytes` from `send` to rank `dst` and
+    // `recv_bytes` from rank `src` into `recv`, both at once so that two stages exchanging in
+    // opposite directions cannot wait on each other; dst or src -1: that half is skipped.
+    // Blocking. The single-process communicator has no peer to talk to and throws.
+    virtual void sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
+                          int64_t recv_bytes, int src);
     // Takes the whole job down (no rank is left waiting in a collective).
     [[noreturn]] virtual void abort(int code) = 0;
     virtual std::string name() const = 0;

@@ -15,6 +15,11 @@ ProcessGroups ProcessGroups::create(Comm& world, const ParallelLayout& layout, i
     g.dp = world.split(layout.dp_color(me), me);
     g.ep = world.split(layout.ep_color(me), me);
     g.edp = world.split(layout.edp_color(me), me);
+    if (layout.pp > 1) {
+        g.stage = world.split(layout.stage_color(me), me);
+        g.pp = world.split(layout.pp_color(me), me);
+        g.embedding = world.split(layout.embedding_color(me), me);
+    }
     for (int size : layout.dynamic_cp_sizes(min_dynamic_cp))
         g.dynamic_cp[size] = world.split(layout.dynamic_cp_color(me, size), me);
     return g;

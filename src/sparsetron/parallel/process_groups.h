@@ -14,8 +14,11 @@ namespace sparsetron {
 struct ProcessGroups {
     ParallelLayout layout;
     std::unique_ptr<Comm> cp, dp, ep, edp;
-    // Dynamic CP: one communicator per power-of-two size (min_dynamic_cp .. world), this rank's
-    // aligned block of that size.
+    // Pipeline parallelism (null without it): this stage's ranks, this rank's pipeline (one
+    // rank per stage) and its embedding pair (the first and last stages' ranks).
+    std::unique_ptr<Comm> stage, pp, embedding;
+    // Dynamic CP: one communicator per power-of-two size (min_dynamic_cp .. the stage's ranks),
+    // this rank's aligned block of that size.
     std::map<int, std::unique_ptr<Comm>> dynamic_cp;
 
     // Collective over `world` (every rank calls it with the same layout).

@@ -10,6 +10,7 @@
 #include <numeric>
 
 #include "sparsetron/config/hf_config.h"
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/parallel.h"
@@ -24,6 +25,7 @@
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/grad_ranges.h"
 #include "sparsetron/runtime/host_memory_check.h"
+#include "sparsetron/runtime/pipeline_schedule.h"
 
 namespace fs = std::filesystem;
 
@@ -119,8 +121,11 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "multi-process training on CUDA needs ",
              "the NCCL communicator (run `sparsetron`, not sparsetron-mpi, under the launcher); ",
              "this one is ", o.comm->name());
-    ST_CHECK(r.run.tensor_model_parallel_size == 1 && r.run.pipeline_model_parallel_size == 1,
-             "tensor and pipeline parallelism are not implemented (their sizes must be 1)");
+    ST_CHECK(r.run.tensor_model_parallel_size == 1,
+             "tensor parallelism is not implemented (tensor_model_parallel_size must be 1)");
+    ST_CHECK(r.run.pipeline_model_parallel_size == 1 || o.device == Device::CPU,
+             "pipeline parallelism runs on the CPU backend (sparsetron-mpi under mpirun); the "
+             "CUDA engine has no pipeline schedule yet: set pipeline_model_parallel_size: 1");
     if (r.run.dynamic_context_parallel) {
         ST_CHECK(r.run.max_seqlen_per_dp_cp_rank > 0,
                  "dynamic_context_parallel needs max_seqlen_per_dp_cp_rank (tokens per rank)");
@@ -209,7 +214,8 @@ std::vector<std::string> resolve_data_path(const RunConfig& run, const std::stri
     return {prefix};
 }
 
-std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in,
+                                                 const PipelineStage& stage) {
     auto tp = std::make_unique<TrainingPlan>();
     Recipe recipe = recipe_in;
     const RunConfig& r = recipe.run;
@@ -228,8 +234,8 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe_in) {
     if (r.dynamic_context_parallel)
         tp->group_slots = cpp.slots, tp->group_max_documents = cpp.max_documents;
     tp->chunk_rows = std::min(tp->chunk_rows, cpp.rows);
-    tp->model = std::make_unique<Glm5Model<float>>(recipe.model, tp->plan, cpp.rows,
-                                                   cpp.max_documents, tp->chunk_rows, cpp.key_rows);
+    tp->model = std::make_unique<Glm5Model<float>>(
+        recipe.model, tp->plan, cpp.rows, cpp.max_documents, tp->chunk_rows, cpp.key_rows, stage);
     tp->optimizer =
         std::make_unique<Optimizer>(tp->model->params(), tp->plan, recipe.model, recipe.run);
     return tp;
@@ -281,18 +287,22 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
                  " but vocab_size is ", recipe_.model.vocab_size);
     }
     // Expert parallelism shards the routed experts: this rank's model holds its EP rank's.
+    // Pipeline parallelism: it holds its stage's layers.
+    const ParallelLayout layout = make_layout(r, world_size());
     if (r.expert_model_parallel_size > 1)
-        recipe_.model.expert_parallel_rank = make_layout(r, world_size()).ep_rank(world_rank());
+        recipe_.model.expert_parallel_rank = layout.ep_rank(world_rank());
+    PipelineStage stage;
+    if (r.pipeline_model_parallel_size > 1)
+        stage = pipeline_stage(recipe_.model, r, layout.pp_rank(world_rank()));
     // On CPU every planned byte is host memory: a model that cannot fit stops before planning.
     if (options_.device == Device::CPU) check_host_memory_for_training(recipe_);
-    tp_ = make_training_plan(recipe_);
-    // Expert and context parallelism: the layout's communicators, made once; the MoE layers
-    // exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA), the
-    // attention gathers keys over the CP group.
+    tp_ = make_training_plan(recipe_, stage);
+    // Expert, context and pipeline parallelism: the layout's communicators, made once; the MoE
+    // layers exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA),
+    // the attention gathers keys over the CP group, stages pass activations over the pipeline.
     if (r.expert_model_parallel_size > 1 || r.context_parallel_size > 1 ||
-        (r.dynamic_context_parallel && world_size() > 1))
-        groups_ = std::make_unique<ProcessGroups>(
-            ProcessGroups::create(*options_.comm, make_layout(r, world_size())));
+        r.pipeline_model_parallel_size > 1 || (r.dynamic_context_parallel && world_size() > 1))
+        groups_ = std::make_unique<ProcessGroups>(ProcessGroups::create(*options_.comm, layout));
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
@@ -312,6 +322,10 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         }
         if (groups_ && r.context_parallel_size > 1 && !r.dynamic_context_parallel)
             tp_->model->set_context_parallel(groups_->cp.get());
+        if (groups_ && groups_->pp) {
+            tp_->optimizer->set_pipeline_parallel(groups_->pp.get());
+            pipeline_ = std::make_unique<PipelineSchedule>(*tp_->model, *groups_->pp);
+        }
     }
     for (const auto& p : tp_->model->params().params())
         indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
@@ -454,10 +468,14 @@ StepMetrics Trainer::train_step() {
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();
-        for (size_t i = 0; i < mine.size(); ++i) {
-            if (dynamic) tp_->model->set_context_parallel(cps[i]);
-            tp_->model->load_inputs(*mine[i]);
-            sums.push_back(tp_->model->forward_backward(sc));
+        if (pipeline_) {
+            sums = pipeline_->run(mine, dynamic ? &cps : nullptr, sc);
+        } else {
+            for (size_t i = 0; i < mine.size(); ++i) {
+                if (dynamic) tp_->model->set_context_parallel(cps[i]);
+                tp_->model->load_inputs(*mine[i]);
+                sums.push_back(tp_->model->forward_backward(sc));
+            }
         }
     }
     double loss_sum = 0, mtp = 0, accept = 0;
@@ -470,8 +488,8 @@ StepMetrics Trainer::train_step() {
     }
     if (world_size() > 1) {
         // Sum loss sums, gradients and routing statistics over every rank: data-parallel ranks
-        // ran other micro-batches, CP ranks other rows of the same ones (the CUDA engine summed
-        // gradients and statistics on the device inside its step).
+        // ran other micro-batches, CP ranks other rows of the same ones, pipeline stages other
+        // layers (the CUDA engine summed gradients and statistics on the device inside its step).
         Comm& comm = *options_.comm;
         double sums[5] = {loss_sum, mtp, accept, m.indexer_loss, m.aux_loss};
         comm.allreduce_sum(sums, 5);
@@ -479,20 +497,18 @@ StepMetrics Trainer::train_step() {
         m.aux_loss = sums[4];
     }
     if (world_size() > 1 && !engine_) {
-        Comm& comm = *options_.comm;
-        // Dense gradients over every rank; the sharded experts' over the ranks holding the same
-        // experts (none to reduce when every rank holds other experts).
+        // Dense gradients over the stage's ranks (every rank without pipeline parallelism); the
+        // sharded experts' over the ranks holding the same experts (none to reduce when every
+        // rank holds other experts).
+        Comm* stage = stage_comm();
         Comm* edp =
-            groups_ && recipe_.run.expert_model_parallel_size > 1 ? groups_->edp.get() : &comm;
+            groups_ && recipe_.run.expert_model_parallel_size > 1 ? groups_->edp.get() : stage;
         for (const GradRange& g : grad_ranges_) {
-            Comm* over = g.routed_expert ? edp : &comm;
+            Comm* over = g.routed_expert ? edp : stage;
             if (over->size() > 1) over->allreduce_sum(g.begin, g.count);
         }
-        std::vector<int64_t> stats = tp_->model->moe_stats_flat();
-        std::vector<double> st(stats.begin(), stats.end());
-        comm.allreduce_sum(st.data(), int64_t(st.size()));
-        for (size_t k = 0; k < st.size(); ++k) stats[k] = int64_t(st[k]);
-        tp_->model->set_moe_stats_flat(stats);
+        reduce_shared_embedding();
+        reduce_moe_stats(m);
     }
     m.lm_loss = loss_sum / double(m.targets);
     m.mtp_loss = mtp;
@@ -503,8 +519,10 @@ StepMetrics Trainer::train_step() {
         m.moe_dropped = engine_->moe_dropped();
         if (!st.skipped) engine_->update_router_bias(mc.moe_router_bias_update_rate);
     } else {
-        m.moe_load = tp_->model->moe_loads();
-        m.moe_dropped = tp_->model->moe_dropped();
+        if (!pipeline_) {
+            m.moe_load = tp_->model->moe_loads();
+            m.moe_dropped = tp_->model->moe_dropped();
+        }
         const bool shard = !owner_.empty();
         st = tp_->optimizer->step(tp_->plan, recipe_.run, m.step, warmup ? &indexer_only_ : nullptr,
                                   shard ? &owned_ : nullptr);
@@ -555,7 +573,7 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
     const std::vector<StepSample> samples = step_samples(batches_);
     std::vector<int64_t> lengths;
     for (const StepSample& s : samples) lengths.push_back(s.length);
-    const int me = world_rank();
+    const int me = stage_rank();
     std::vector<const MicroBatch*> out;
     cps.clear();
     const auto next_batch = [&]() -> MicroBatch& {
@@ -567,7 +585,7 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
         return mb;
     };
     for (const auto& smb :
-         schedule_dynamic_cp(lengths, world_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
+         schedule_dynamic_cp(lengths, stage_size(), recipe_.run.max_seqlen_per_dp_cp_rank)) {
         m.dynamic_cp_idle_ranks += smb.idle_ranks;
         const size_t before = out.size();
         for (const DynamicCpGroup& g : smb.groups) {
@@ -596,6 +614,55 @@ std::vector<const MicroBatch*> Trainer::dynamic_cp_batches(std::vector<Comm*>& c
     return out;
 }
 
+void Trainer::reduce_moe_stats(StepMetrics& m) {
+    std::vector<int64_t> mine = tp_->model->moe_stats_flat();
+    if (!pipeline_) {
+        std::vector<double> st(mine.begin(), mine.end());
+        options_.comm->allreduce_sum(st.data(), int64_t(st.size()));
+        for (size_t k = 0; k < st.size(); ++k) mine[k] = int64_t(st[k]);
+        tp_->model->set_moe_stats_flat(mine);
+        return;
+    }
+    // Stages hold other MoE layers: the whole model's statistics are the stages' flat vectors
+    // one after another (stage order is layer order; the MTP layer's come last). One sum over
+    // every rank adds each stage's data-parallel replicas and fills in the other stages.
+    const std::vector<uint64_t> sizes = groups_->pp->allgather(uint64_t(mine.size()));
+    size_t offset = 0, total = 0;
+    for (size_t s = 0; s < sizes.size(); ++s) {
+        if (int(s) < pipeline_->stage()) offset += size_t(sizes[s]);
+        total += size_t(sizes[s]);
+    }
+    std::vector<double> all(total, 0.0);
+    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(offset));
+    options_.comm->allreduce_sum(all.data(), int64_t(all.size()));
+    for (size_t k = 0; k < mine.size(); ++k) mine[k] = int64_t(all[offset + k]);
+    tp_->model->set_moe_stats_flat(mine);
+    // The metrics: the backbone's MoE layers' loads (E each, then the dropped count), and the
+    // dropped rows of every MoE application, MTP included.
+    const ModelConfig& mc = recipe_.model;
+    const int64_t E = mc.num_experts;
+    int64_t backbone = 0;
+    for (int64_t l = 0; l < mc.num_layers; ++l) backbone += mc.moe_layer_pattern[size_t(l)] ? 1 : 0;
+    m.moe_load.clear();
+    m.moe_dropped = 0;
+    for (size_t at = 0, layer = 0; at < total; at += size_t(E) + 1, ++layer) {
+        if (int64_t(layer) < backbone)
+            m.moe_load.emplace_back(all.begin() + std::ptrdiff_t(at),
+                                    all.begin() + std::ptrdiff_t(at + size_t(E)));
+        m.moe_dropped += int64_t(all[at + size_t(E)]);
+    }
+}
+
+void Trainer::reduce_shared_embedding() {
+    if (!groups_ || !groups_->embedding || groups_->embedding->size() < 2) return;
+    if (recipe_.model.mtp_num_layers == 0) return;  // the last stage holds no copy
+    const ParamStore& store = tp_->model->params();
+    const int64_t i = store.index_of("model.embed_tokens.weight");
+    ST_ASSERT(i >= 0, "pipeline: the embedding is not on this stage");
+    const ParamInfo& p = store.params()[size_t(i)];
+    groups_->embedding->allreduce_sum(tp_->plan.view(p.grad_slot).ptr<float>(), p.numel());
+}
+
 void Trainer::assign_owners() {
     // Muon's Newton-Schulz costs ~ numel x min(rows, cols), AdamW ~ numel.
     const auto& params = tp_->model->params().params();
@@ -612,16 +679,17 @@ void Trainer::assign_owners() {
     const bool sharded = recipe_.run.expert_model_parallel_size > 1;
     for (size_t i = 0; i < params.size(); ++i)
         if (sharded && params[i].routed_expert) cost[i] = -1.0;
-    owner_ = assign_owners_greedy(cost, world_size());
+    // Owners are ranks of this stage (the ranks holding the same parameters).
+    owner_ = assign_owners_greedy(cost, stage_size());
     owned_.assign(params.size(), false);
     for (size_t i = 0; i < params.size(); ++i) {
         if (sharded && params[i].routed_expert && params[i].trainable) owner_[i] = kLocalOwner;
-        owned_[i] = owner_[i] == world_rank() || owner_[i] == kLocalOwner;
+        owned_[i] = owner_[i] == stage_rank() || owner_[i] == kLocalOwner;
     }
 }
 
 void Trainer::broadcast_from_owners(bool state) {
-    Comm& comm = *options_.comm;
+    Comm& comm = *stage_comm();
     const auto& params = tp_->model->params().params();
     if (!state) {
         for (size_t i = 0; i < params.size(); ++i)
@@ -650,12 +718,14 @@ std::string Trainer::save() {
     if (engine_) engine_->download_state();
     if (!owner_.empty()) broadcast_from_owners(/*state=*/true);
     state_.data_position = stream_->position().to_json();
-    if (groups_ && recipe_.run.expert_model_parallel_size > 1) {
-        // Sharded experts: the first EP group's ranks write a shard each (rank 0's with every
-        // dense tensor), the EDP replicas of the same experts nothing.
+    if (groups_ && (recipe_.run.expert_model_parallel_size > 1 || groups_->pp)) {
+        // Sharded experts or stages: the first EP group's ranks of each stage write a shard each
+        // (its first rank's with the stage's dense tensors), the replicas nothing.
         const ParallelLayout& l = groups_->layout;
-        const CheckpointShards shards{
-            options_.comm, l.edp_rank(world_rank()) == 0 ? l.ep_rank(world_rank()) : -1, l.ep};
+        const int me = world_rank();
+        CheckpointShards shards{options_.comm,
+                                l.edp_rank(me) == 0 ? l.pp_rank(me) * l.ep + l.ep_rank(me) : -1,
+                                l.pp * l.ep, l.ep_rank(me) == 0};
         return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, &saved_},
                                recipe_.model, recipe_.to_yaml(), tp_->model->params(), tp_->plan,
                                tp_->optimizer.get(), state_, &shards);
@@ -686,20 +756,29 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
     StepMetrics::Valid v;
     for (int64_t it = 0; it < r.eval_iters; ++it) {
         for (auto& mb : batches) valid_packer_->next(mb);
+        std::vector<const MicroBatch*> mine;
         for (size_t i = 0; i < batches.size(); ++i) {
             const MicroBatch& mb = batches[i];
             targets += mb.num_targets();
             add_mtp_rows(mc, mb, mtp_rows);
             // The same share as a training step: data-parallel rank i % DP (its CP group's
             // ranks each their rows; EP ranks exchange inside the forward).
-            if (int(i) % data_parallel_size() != data_parallel_rank()) continue;
-            LossSums s;
-            if (engine_) {
-                s = engine_->micro_batch(mb, sc);
-            } else {
-                tp_->model->load_inputs(mb);
-                s = tp_->model->forward_backward(sc);
+            if (int(i) % data_parallel_size() == data_parallel_rank()) mine.push_back(&mb);
+        }
+        std::vector<LossSums> got;
+        if (pipeline_) {
+            got = pipeline_->run(mine, nullptr, sc);
+        } else {
+            for (const MicroBatch* mb : mine) {
+                if (engine_) {
+                    got.push_back(engine_->micro_batch(*mb, sc));
+                } else {
+                    tp_->model->load_inputs(*mb);
+                    got.push_back(tp_->model->forward_backward(sc));
+                }
             }
+        }
+        for (const LossSums& s : got) {
             sums[0] += s.lm_loss_sum;
             for (size_t k = 0; k < s.mtp_sum.size() && k < sc.mtp.size(); ++k)
                 sums[1 + k] += s.mtp_sum[k];

@@ -22,6 +22,7 @@
 #include "sparsetron/parallel/process_groups.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/grad_ranges.h"
+#include "sparsetron/runtime/pipeline_schedule.h"
 
 namespace sparsetron {
 
@@ -83,7 +84,9 @@ struct TrainingPlan {
     // group_max_documents documents (0 without dynamic CP).
     int64_t group_slots = 0, group_max_documents = 0;
 };
-std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe);
+// `stage`: the part of the model a pipeline stage holds (the whole model by default).
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe,
+                                                 const PipelineStage& stage = {});
 
 // Stops, naming what to change, when the recipe's FP8 settings cannot run as written on
 // `device` (an unimplemented recipe or format, FP8 on CPU): no run trains bf16 silently under
@@ -128,13 +131,19 @@ class Trainer {
     // The micro-batches the next step will consume (does not advance the stream).
     std::vector<MicroBatch> peek_next_step_batches();
 
-    // Every process of the job (data x context parallel ranks).
+    // Every process of the job (pipeline stages x data x context parallel ranks).
     int world_rank() const { return options_.comm ? options_.comm->rank() : 0; }
     int world_size() const { return options_.comm ? options_.comm->size() : 1; }
+    // The ranks holding the same layers (every rank without pipeline parallelism).
+    Comm* stage_comm() const {
+        return groups_ && groups_->stage ? groups_->stage.get() : options_.comm;
+    }
+    int stage_rank() const { return stage_comm() ? stage_comm()->rank() : 0; }
+    int stage_size() const { return stage_comm() ? stage_comm()->size() : 1; }
     // The data-parallel rank and size proper: the ranks of one CP group (context_parallel_size
-    // consecutive ranks) share their micro-batches.
-    int data_parallel_rank() const { return world_rank() / cp_size(); }
-    int data_parallel_size() const { return world_size() / cp_size(); }
+    // consecutive ranks of a stage) share their micro-batches.
+    int data_parallel_rank() const { return stage_rank() / cp_size(); }
+    int data_parallel_size() const { return stage_size() / cp_size(); }
     int cp_size() const { return static_cast<int>(recipe_.run.context_parallel_size); }
     // Distributed optimizer: the rank that updates each parameter (-1: not trained;
     // kLocalOwner: a routed expert sharded over EP, which every rank updates itself); empty
@@ -151,6 +160,12 @@ class Trainer {
     // counts every rank's groups by size into `m`.
     std::vector<const MicroBatch*> dynamic_cp_batches(std::vector<Comm*>& cps, StepMetrics& m);
     void assign_owners();
+    // The routing statistics summed over the ranks holding each MoE layer; under pipeline
+    // parallelism every stage's layers in the metrics (m.moe_load, m.moe_dropped).
+    void reduce_moe_stats(StepMetrics& m);
+    // Pipeline parallelism with MTP: the first stage's embedding gradient and the last stage's
+    // copy's, summed (both then take the same update).
+    void reduce_shared_embedding();
     // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
     void broadcast_from_owners(bool state);
 
@@ -167,11 +182,12 @@ class Trainer {
     std::vector<std::unique_ptr<MicroBatch>> group_batches_;  // dynamic CP: this rank's groups
     std::vector<bool> indexer_only_;                          // parameters dense warm-up updates
     TrainerState state_;
-    std::unique_ptr<DeviceEngine> engine_;   // set for --device cuda
-    std::unique_ptr<ProcessGroups> groups_;  // expert and context parallelism
-    std::vector<int> owner_;                 // distributed optimizer: owning rank per parameter
-    std::vector<bool> owned_;                // ... and whether this rank owns it
-    std::vector<GradRange> grad_ranges_;     // CPU data parallelism: what each reduction covers
+    std::unique_ptr<DeviceEngine> engine_;        // set for --device cuda
+    std::unique_ptr<ProcessGroups> groups_;       // expert, context and pipeline parallelism
+    std::unique_ptr<PipelineSchedule> pipeline_;  // pipeline parallelism (CPU)
+    std::vector<int> owner_;              // distributed optimizer: owning rank per parameter
+    std::vector<bool> owned_;             // ... and whether this rank owns it
+    std::vector<GradRange> grad_ranges_;  // CPU data parallelism: what each reduction covers
     std::string pretrained_from_;
     std::vector<std::string> initialized_;
 };

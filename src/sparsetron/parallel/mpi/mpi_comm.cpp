@@ -113,6 +113,29 @@ std::vector<uint64_t> MpiComm::allgather(uint64_t value) {
     return all;
 }
 
+void MpiComm::sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
+                       int64_t recv_bytes, int src) {
+    CollectiveWatchdog::Scope watched("pipeline send/recv");
+    const char* s = static_cast<const char*>(send);
+    char* r = static_cast<char*>(recv);
+    if (dst < 0) send_bytes = 0;
+    if (src < 0) recv_bytes = 0;
+    // In chunks of at most kChunk bytes each way (MPI counts are int); both sides cut alike.
+    for (int64_t at = 0; at < std::max(send_bytes, recv_bytes); at += kChunk) {
+        const int ns = int(std::clamp<int64_t>(send_bytes - at, 0, kChunk));
+        const int nr = int(std::clamp<int64_t>(recv_bytes - at, 0, kChunk));
+        if (ns > 0 && nr > 0)
+            check(MPI_Sendrecv(s + at, ns, MPI_BYTE, dst, 0, r + at, nr, MPI_BYTE, src, 0,
+                               handle(comm_), MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv");
+        else if (ns > 0)
+            check(MPI_Send(s + at, ns, MPI_BYTE, dst, 0, handle(comm_)), "MPI_Send");
+        else if (nr > 0)
+            check(MPI_Recv(r + at, nr, MPI_BYTE, src, 0, handle(comm_), MPI_STATUS_IGNORE),
+                  "MPI_Recv");
+    }
+}
+
 void MpiComm::abort(int code) {
     MPI_Abort(MPI_COMM_WORLD, code);  // the whole job, whichever communicator failed
     std::exit(code);

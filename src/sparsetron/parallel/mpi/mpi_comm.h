@@ -19,6 +19,8 @@ class MpiComm final : public Comm {
     void alltoallv(const void* send, const std::vector<int64_t>& send_bytes, void* recv,
                    const std::vector<int64_t>& recv_bytes) override;
     std::unique_ptr<Comm> split(int color, int key) override;
+    void sendrecv(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                  int src) override;
     [[noreturn]] void abort(int code) override;
     std::string name() const override { return "MPI"; }
 

@@ -1,0 +1,51 @@
+#include "sparsetron/config/pipeline_split.h"
+
+#include "sparsetron/core/error.h"
+
+namespace sparsetron {
+
+std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, int64_t first,
+                                           int64_t last) {
+    ST_CHECK(stages >= 1, "pipeline_model_parallel_size must be >= 1");
+    if (stages == 1) return {num_layers};
+    ST_CHECK(first >= 0 && last >= 0,
+             "decoder_first/last_pipeline_num_layers must be >= 0 (0: an even share)");
+    const int64_t fixed = int64_t(first > 0) + int64_t(last > 0);
+    const int64_t middle_stages = stages - fixed;
+    const int64_t rest = num_layers - first - last;
+    ST_CHECK(rest >= 0, "decoder_first_pipeline_num_layers (", first,
+             ") + decoder_last_pipeline_num_layers (", last, ") exceed num_layers (", num_layers,
+             ")");
+    const bool splits =
+        middle_stages > 0 ? rest % middle_stages == 0 && rest / middle_stages > 0 : rest == 0;
+    ST_CHECK(splits || fixed > 0, "num_layers ", num_layers, " does not divide evenly over ", stages,
+             " pipeline stages (pipeline_model_parallel_size); set "
+             "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers to split it "
+             "unevenly");
+    ST_CHECK(splits, "num_layers ", num_layers, " does not split over ", stages,
+             " pipeline stages: with decoder_first_pipeline_num_layers ", first,
+             " and decoder_last_pipeline_num_layers ", last, " the remaining ", rest,
+             " layers must divide evenly (at least one each) over the remaining ", middle_stages,
+             " stages");
+    std::vector<int64_t> counts(size_t(stages), middle_stages > 0 ? rest / middle_stages : 0);
+    if (first > 0) counts.front() = first;
+    if (last > 0) counts.back() = last;
+    return counts;
+}
+
+PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index) {
+    const std::vector<int64_t> counts =
+        pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
+                              r.decoder_first_pipeline_num_layers,
+                              r.decoder_last_pipeline_num_layers);
+    ST_CHECK(index >= 0 && index < int(counts.size()), "pipeline stage ", index, " of ",
+             counts.size());
+    PipelineStage s;
+    s.index = index;
+    s.count = int(counts.size());
+    for (int i = 0; i < index; ++i) s.first_layer += counts[size_t(i)];
+    s.end_layer = s.first_layer + counts[size_t(index)];
+    return s;
+}
+
+}  // namespace sparsetron

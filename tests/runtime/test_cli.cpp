@@ -121,6 +121,27 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     auto j = nlohmann::json::parse(ev.output);
     EXPECT_EQ(j["targets"].get<int>(), 4 + 3);
     EXPECT_GT(j["lm_loss"].get<double>(), 0.0);
+    {
+        // A checkpoint of a pipeline-parallel run (its recipe's layout: 2 stages over 2 ranks)
+        // evaluates on one process, to the same loss: the weights are the same tensors.
+        const std::string ckpt = dir + "/run/checkpoints/iter_0000002";
+        std::ifstream in(ckpt + "/recipe.yaml");
+        std::string yaml((std::istreambuf_iterator<char>(in)), {});
+        for (const auto& [from, to] :
+             {std::pair<std::string, std::string>{"\npipeline_model_parallel_size: 1\n",
+                                                  "\npipeline_model_parallel_size: 2\n"},
+              {"\nworld_size: 1\n", "\nworld_size: 2\n"}}) {
+            const size_t at = yaml.find(from);
+            ASSERT_NE(at, std::string::npos) << from;
+            yaml.replace(at, from.size(), to);
+        }
+        std::filesystem::copy(ckpt, dir + "/pp-ckpt", std::filesystem::copy_options::recursive);
+        std::ofstream(dir + "/pp-ckpt/recipe.yaml") << yaml;
+        CliRun pp = run("eval --model " + dir + "/pp-ckpt --tokens " + dir + "/tokens.txt --json");
+        ASSERT_EQ(pp.code, 0) << pp.output;
+        EXPECT_EQ(nlohmann::json::parse(pp.output)["lm_loss"].get<double>(),
+                  j["lm_loss"].get<double>());
+    }
     // Resuming to a later iteration continues the metrics file.
     CliRun more =
         run("train --resume " + dir + "/run/checkpoints --out " + dir + "/run --set train_iters=3");

@@ -29,6 +29,7 @@ std::optional<Recipe> run_recipe(const std::string& model) {
         r.apply(s);
     // Eval is one process: the run's layout does not apply.
     r.run.world_size = r.run.expert_model_parallel_size = r.run.context_parallel_size = 1;
+    r.run.pipeline_model_parallel_size = 1;
     r.run.dynamic_context_parallel = false;
     r.run.global_batch_size = r.run.micro_batch_size;
     r.validate();  // derives the layer patterns the model reads

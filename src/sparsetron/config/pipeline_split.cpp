@@ -18,7 +18,8 @@ std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, i
              ")");
     const bool splits =
         middle_stages > 0 ? rest % middle_stages == 0 && rest / middle_stages > 0 : rest == 0;
-    ST_CHECK(splits || fixed > 0, "num_layers ", num_layers, " does not divide evenly over ", stages,
+    ST_CHECK(splits || fixed > 0, "num_layers ", num_layers, " does not divide evenly over ",
+             stages,
              " pipeline stages (pipeline_model_parallel_size); set "
              "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers to split it "
              "unevenly");
@@ -34,10 +35,9 @@ std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, i
 }
 
 PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index) {
-    const std::vector<int64_t> counts =
-        pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
-                              r.decoder_first_pipeline_num_layers,
-                              r.decoder_last_pipeline_num_layers);
+    const std::vector<int64_t> counts = pipeline_layer_counts(
+        m.num_layers, r.pipeline_model_parallel_size, r.decoder_first_pipeline_num_layers,
+        r.decoder_last_pipeline_num_layers);
     ST_CHECK(index >= 0 && index < int(counts.size()), "pipeline stage ", index, " of ",
              counts.size());
     PipelineStage s;

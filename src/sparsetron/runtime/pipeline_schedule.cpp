@@ -10,8 +10,8 @@ namespace sparsetron {
 PipelineSchedule::PipelineSchedule(Glm5Model<float>& model, Comm& pp)
     : model_(model), pp_(pp), stage_(pp.rank()), stages_(pp.size()) {
     ST_CHECK(model.stage().index == stage_ && model.stage().count == stages_,
-             "pipeline: the model holds stage ", model.stage().index, " of ",
-             model.stage().count, " but this rank is stage ", stage_, " of ", stages_);
+             "pipeline: the model holds stage ", model.stage().index, " of ", model.stage().count,
+             " but this rank is stage ", stage_, " of ", stages_);
     const int64_t T = model.tokens(), h = model.config().hidden_size;
     const int64_t K = model.carried_topk_slots();
     row_bytes_ = T * h * int64_t(sizeof(float));
@@ -62,8 +62,7 @@ void PipelineSchedule::exchange(bool send_fwd, bool recv_bwd, bool send_bwd, boo
 }
 
 std::vector<LossSums> PipelineSchedule::run(const std::vector<const MicroBatch*>& mbs,
-                                            const std::vector<Comm*>* cps,
-                                            const LossScales& sc) {
+                                            const std::vector<Comm*>* cps, const LossScales& sc) {
     const int64_t n = int64_t(mbs.size());
     std::vector<LossSums> out(static_cast<size_t>(n));
     const bool first = stage_ == 0;

@@ -190,6 +190,50 @@ TEST(Recipe, RecomputeKeysNameWhatExists) {
         << msg;
 }
 
+// Megatron's fine-grained activation offload keys: the modules pass (fused_group_mlp names the
+// routed experts' expert_fc1, moe_act and output rows); an empty list, an unknown module, a module
+// also recomputed or one the paged stash already holds are refused naming the keys.
+TEST(Recipe, OffloadKeysNameWhatExists) {
+    const Recipe r = load_recipe("", {"fine_grained_activation_offloading=true",
+                                      "offload_modules=core_attn fused_group_mlp"});
+    EXPECT_TRUE(r.model.offloads("core_attn"));
+    EXPECT_TRUE(r.model.offloads("expert_fc1"));
+    EXPECT_TRUE(r.model.offloads("moe_act"));
+    EXPECT_TRUE(r.model.offloads("expert_out"));
+    EXPECT_FALSE(r.model.offloads("attn_proj"));
+    EXPECT_FALSE(load_recipe("", {"offload_modules=core_attn"}).model.offloads("core_attn"))
+        << "modules without fine_grained_activation_offloading offload nothing";
+    EXPECT_FALSE(
+        load_recipe("", {"fine_grained_activation_offloading=true", "offload_modules=expert_fc1"})
+            .model.offloads("expert_out"));
+    std::string msg =
+        error_of([] { load_recipe("", {"fine_grained_activation_offloading=true"}); });
+    EXPECT_NE(msg.find("fine_grained_activation_offloading: true needs offload_modules"),
+              std::string::npos)
+        << msg;
+    msg = error_of([] {
+        load_recipe("", {"fine_grained_activation_offloading=true", "offload_modules=mlp"});
+    });
+    EXPECT_NE(msg.find("'offload_modules' is \"mlp\"; expected one of: attn_norm, attn_proj, "
+                       "core_attn, expert_fc1, fused_group_mlp, mlp_norm, moe_act, qkv_linear"),
+              std::string::npos)
+        << msg;
+    msg = error_of([] {
+        load_recipe("", {"fine_grained_activation_offloading=true", "offload_modules=attn_proj",
+                         "recompute_granularity=selective", "recompute_modules=core_attn"});
+    });
+    EXPECT_NE(msg.find("offload_modules names attn_proj and recompute_modules names core_attn"),
+              std::string::npos)
+        << msg;
+    msg = error_of([] {
+        load_recipe("", {"fine_grained_activation_offloading=true", "offload_modules=moe_act",
+                         "moe_paged_stash=true"});
+    });
+    EXPECT_NE(msg.find("offload_modules names moe_act, whose activations moe_paged_stash"),
+              std::string::npos)
+        << msg;
+}
+
 TEST(HfConfig, RoundTripsTheModelConfig) {
     Recipe r = load_recipe(repo("recipes/glm5.2-16gpu.yaml"));
     ModelConfig back = parse_hf_config(hf_config_json(r.model), "mem");

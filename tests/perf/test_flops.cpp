@@ -308,6 +308,75 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
 #endif
 }
 
+// Activation offload plans two device regions, each as large as the largest layer application's
+// offloaded buffers, and a pinned host block for every application but the last two: on the
+// proxy's full step (4 layers + 7 MTP depths = 11 applications) at 8192 tokens, the offloaded
+// buffers leave the device plan, each application's host block is its buffers packed as the
+// keep plan lists them, and the device plan shrinks by all applications' buffers less the two
+// regions (to the plan's 256-byte alignment per buffer).
+TEST(Plan, ActivationOffloadKeepsTwoApplicationsOnTheDevice) {
+#if SPARSETRON_WITH_CUDA
+    const std::vector<std::string> base = {"seq_length=8192"};
+    std::vector<std::string> sets = base;
+    sets.insert(sets.end(), {"fine_grained_activation_offloading=true",
+                             "offload_modules=attn_norm mlp_norm qkv_linear core_attn attn_proj "
+                             "fused_group_mlp"});
+    const MemoryPlan keep = proxy_device_plan(base), off = proxy_device_plan(sets);
+    const std::vector<std::string> offloaded = {
+        "attn_norm_out",  "mlp_norm_out",    "q",
+        "q_absorbed",     "o_latent",        "attn_out",
+        "moe.x_permuted", "moe.expert_gate", "moe.expert_up",
+        "moe.expert_act", "moe.expert_out"};
+    std::vector<std::string> apps;
+    for (int l = 0; l < 4; ++l) apps.push_back(cat("layers.", l));
+    for (int k = 1; k <= 7; ++k) apps.push_back(cat("mtp.depth", k));
+    const size_t A = MemoryPlan::kAlignment;
+    size_t region = 0, all = 0, removed = 0;
+    std::vector<size_t> packed;
+    for (const std::string& app : apps) {
+        size_t bytes = 0;
+        for (const PlanEntry& e : keep.entries())
+            for (const std::string& n : offloaded)
+                if (e.name == app + "." + n) {
+                    bytes = (bytes + A - 1) / A * A + e.bytes;
+                    EXPECT_FALSE(plan_has(off, e.name)) << e.name;
+                    ++removed;
+                }
+        EXPECT_GT(bytes, 0u) << app;
+        packed.push_back(bytes);
+        region = std::max(region, bytes);
+        all += bytes;
+    }
+    EXPECT_EQ(removed, 4 * 6 + 2 * 5 + 7 * 11u) << "attention in every application, dense or "
+                                                   "routed MLP rows in each";
+    size_t host = 0;
+    for (size_t g = 0; g < apps.size(); ++g) {
+        const bool on_host = g + 2 < apps.size();
+        EXPECT_EQ(plan_has(off, "offload." + apps[g]), on_host) << apps[g];
+        for (const PlanEntry& e : off.entries())
+            if (e.name == "offload." + apps[g]) {
+                EXPECT_EQ(e.cls, MemClass::HostOffload);
+                EXPECT_EQ(e.bytes, packed[g]) << apps[g];
+            }
+        if (on_host) host += packed[g];
+    }
+    EXPECT_EQ(off.host_offload_bytes(), host);
+    EXPECT_EQ(keep.host_offload_bytes(), 0u);
+    for (const char* r : {"offload.device_region.0", "offload.device_region.1"})
+        for (const PlanEntry& e : off.entries())
+            if (e.name == r) EXPECT_EQ(e.bytes, region) << r;
+    const double saved = double(keep.total_bytes()) - double(off.total_bytes());
+    const double expected = double(all) - 2.0 * double(region);
+    EXPECT_NEAR(saved, expected, double(A) * double(removed + 2)) << "saved " << saved;
+    const double GiB = double(1 << 30);
+    std::cout << "[plan] full proxy step at 8192 tokens: device " << keep.total_bytes() / GiB
+              << " -> " << off.total_bytes() / GiB << " GiB with offload, host " << host / GiB
+              << " GiB\n";
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // The bench never times an FP8 recipe in bf16: the seed's mxfp8 stops before any GPU work with
 // the overlay to use, which then gets past the FP8 check (to the GPU's absence here, or a run).
 TEST(Bench, Mxfp8RecipeStopsNamingTheOverlay) {

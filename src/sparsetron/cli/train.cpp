@@ -141,15 +141,18 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
                 opts.device == Device::CUDA ? "host mirror (planned, all classes)" : "memory plan",
                 format_bytes(double(trainer.plan().total_bytes())).c_str(), out.c_str());
     print_newton_schulz(newton_schulz_count(params, trainer.recipe().model, r), r);
-    if (recipe.model.recompute_granularity == "selective") {
+    const auto modules_line = [&](const char* what, const std::vector<std::string>& modules) {
         std::string mods;
-        for (const std::string& m : recipe.model.recompute_modules)
-            mods += (mods.empty() ? "" : ", ") + m;
-        std::printf("selective recompute: %s%s\n", mods.c_str(),
+        for (const std::string& m : modules) mods += (mods.empty() ? "" : ", ") + m;
+        std::printf("%s: %s%s\n", what, mods.c_str(),
                     opts.device == Device::CUDA ? ""
                                                 : " (applies on --device cuda; the CPU backend "
                                                   "keeps every activation)");
-    }
+    };
+    if (recipe.model.recompute_granularity == "selective")
+        modules_line("selective recompute", recipe.model.recompute_modules);
+    if (recipe.model.fine_grained_activation_offloading)
+        modules_line("activation offload to pinned host memory", recipe.model.offload_modules);
     if (trainer.iteration() > 0)
         std::printf("resumed at iteration %lld\n", static_cast<long long>(trainer.iteration()));
     if (!trainer.pretrained_from().empty()) {

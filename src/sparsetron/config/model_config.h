@@ -57,6 +57,18 @@ struct ModelConfig {
     std::string recompute_granularity;  // "" (none) | "selective"
     std::vector<std::string> recompute_modules = {"core_attn"};
     bool recomputes(const std::string& module) const;
+    // CUDA: activation offload (Megatron's keys). With fine_grained_activation_offloading, the
+    // named modules' saved activations of every layer application but the last two (backbone
+    // layers, then MTP depths) wait for their backward in pinned host memory: copied out on a side
+    // stream after the application's forward, back in while the next application's backward
+    // runs (model/gpu/activation_offload.h). attn_norm / mlp_norm: the RMSNorm outputs;
+    // qkv_linear: the query up-projection and Q' (expanded: per-head keys and values); core_attn:
+    // o' and the kept probabilities; attn_proj: o, the output projection's input; expert_fc1: the
+    // routed experts' input rows and gate / up outputs; moe_act: their SwiGLU output;
+    // fused_group_mlp: all of the routed experts' (expert_fc1, moe_act and their output rows).
+    bool fine_grained_activation_offloading = false;
+    std::vector<std::string> offload_modules;
+    bool offloads(const std::string& module) const;
     // CUDA: the MoE's saved activations in a shared page pool (model/gpu/moe_stash.h).
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page

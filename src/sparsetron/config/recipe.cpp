@@ -62,6 +62,8 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(moe_paged_stash, Bool),
         MODEL_KEY(recompute_granularity, String),
         MODEL_KEY(recompute_modules, StringList),
+        MODEL_KEY(fine_grained_activation_offloading, Bool),
+        MODEL_KEY(offload_modules, StringList),
         MODEL_KEY(moe_paged_stash_page_size, Int),
         MODEL_KEY(moe_paged_stash_buffer_size_factor, Float),
         MODEL_KEY(experimental_attention_variant, String),

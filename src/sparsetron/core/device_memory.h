@@ -12,6 +12,9 @@ int cuda_device_count();         // visible devices (0 without CUDA)
 std::string cuda_device_name();  // "" when none
 void* device_alloc(size_t bytes);
 void device_free(void* p);
+// Page-locked host memory (cudaHostAlloc): what asynchronous device <-> host copies need.
+void* pinned_host_alloc(size_t bytes);
+void pinned_host_free(void* p);
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 // Bytes of device memory in use by every process on the current device (total - free).

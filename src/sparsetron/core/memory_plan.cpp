@@ -23,13 +23,18 @@ const char* mem_class_name(MemClass c) {
             return "activations";
         case MemClass::Workspace:
             return "workspace";
+        case MemClass::HostOffload:
+            return "offloaded (host)";
     }
     return "?";
 }
 
-Arena::Arena(Device device, size_t bytes) : bytes_(bytes), device_(device) {
+Arena::Arena(Device device, size_t bytes, bool pinned_host)
+    : bytes_(bytes), device_(pinned_host ? Device::CPU : device), pinned_(pinned_host) {
     if (bytes == 0) return;
-    if (device == Device::CPU) {
+    if (pinned_) {
+        data_ = static_cast<char*>(pinned_host_alloc(bytes));
+    } else if (device == Device::CPU) {
         size_t rounded =
             (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
         data_ = static_cast<char*>(std::aligned_alloc(MemoryPlan::kAlignment, rounded));
@@ -44,7 +49,8 @@ Arena::~Arena() {
     release();
 }
 
-Arena::Arena(Arena&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.device_) {
+Arena::Arena(Arena&& o) noexcept
+    : data_(o.data_), bytes_(o.bytes_), device_(o.device_), pinned_(o.pinned_) {
     o.data_ = nullptr;
     o.bytes_ = 0;
 }
@@ -52,7 +58,7 @@ Arena::Arena(Arena&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.d
 Arena& Arena::operator=(Arena&& o) noexcept {
     if (this != &o) {
         release();
-        data_ = o.data_, bytes_ = o.bytes_, device_ = o.device_;
+        data_ = o.data_, bytes_ = o.bytes_, device_ = o.device_, pinned_ = o.pinned_;
         o.data_ = nullptr, o.bytes_ = 0;
     }
     return *this;
@@ -60,7 +66,9 @@ Arena& Arena::operator=(Arena&& o) noexcept {
 
 void Arena::release() {
     if (!data_) return;
-    if (device_ == Device::CPU) {
+    if (pinned_) {
+        pinned_host_free(data_);
+    } else if (device_ == Device::CPU) {
         std::free(data_);
     } else {
         device_free(data_);
@@ -88,13 +96,16 @@ MemoryPlan::Slot MemoryPlan::add(MemClass cls, std::string name, DType dtype,
 
 size_t MemoryPlan::total_bytes() const {
     size_t t = 0;
-    for (size_t b : class_bytes_) t += b;
+    for (int c = 0; c < kNumMemClasses; ++c)
+        if (MemClass(c) != MemClass::HostOffload) t += class_bytes_[c];
     return t;
 }
 
 void MemoryPlan::allocate(Device device) {
     ST_ASSERT(!allocated_, "plan allocated twice");
-    for (int c = 0; c < kNumMemClasses; ++c) arenas_[c] = Arena(device, class_bytes_[c]);
+    for (int c = 0; c < kNumMemClasses; ++c)
+        arenas_[c] = Arena(device, class_bytes_[c],
+                           MemClass(c) == MemClass::HostOffload && device == Device::CUDA);
     device_ = device;
     allocated_ = true;
 }
@@ -122,7 +133,7 @@ Tensor MemoryPlan::view(Slot slot) const {
     Tensor t;
     t.data = class_base(e.cls) + e.offset;
     t.dtype = e.dtype;
-    t.device = device_;
+    t.device = e.cls == MemClass::HostOffload ? Device::CPU : device_;
     t.ndim = static_cast<int>(e.shape.size());
     int64_t st = 1;
     for (int d = t.ndim - 1; d >= 0; --d) {
@@ -167,6 +178,9 @@ std::string MemoryPlan::format(int top) const {
     }
     os << std::left << std::setw(18) << "total" << std::right << std::setw(14)
        << format_bytes(static_cast<double>(total_bytes())) << "\n";
+    if (host_offload_bytes() > 0)
+        os << std::left << std::setw(18) << "host (offload)" << std::right << std::setw(14)
+           << format_bytes(static_cast<double>(host_offload_bytes())) << "\n";
     return os.str();
 }
 

@@ -15,8 +15,17 @@
 
 namespace sparsetron {
 
-enum class MemClass : uint8_t { Parameters, Gradients, OptimizerState, Activations, Workspace };
-constexpr int kNumMemClasses = 5;
+// HostOffload: activations waiting for their backward in host memory (pinned when the plan is
+// allocated for CUDA: activation offload's copies run on a side stream); not device memory.
+enum class MemClass : uint8_t {
+    Parameters,
+    Gradients,
+    OptimizerState,
+    Activations,
+    Workspace,
+    HostOffload
+};
+constexpr int kNumMemClasses = 6;
 const char* mem_class_name(MemClass c);
 
 struct PlanEntry {
@@ -32,7 +41,7 @@ struct PlanEntry {
 class Arena {
   public:
     Arena() = default;
-    Arena(Device device, size_t bytes);
+    Arena(Device device, size_t bytes, bool pinned_host = false);
     ~Arena();
     Arena(const Arena&) = delete;
     Arena& operator=(const Arena&) = delete;
@@ -48,6 +57,7 @@ class Arena {
     char* data_ = nullptr;
     size_t bytes_ = 0;
     Device device_ = Device::CPU;
+    bool pinned_ = false;  // CUDA pinned host memory (device_ is CPU)
 };
 
 class MemoryPlan {
@@ -60,10 +70,13 @@ class MemoryPlan {
     Slot add(MemClass cls, std::string name, DType dtype, std::vector<int64_t> shape);
 
     size_t class_bytes(MemClass cls) const { return class_bytes_[static_cast<int>(cls)]; }
+    // The plan's bytes on its device (every class but HostOffload): the peak-memory prediction.
     size_t total_bytes() const;
+    size_t host_offload_bytes() const { return class_bytes(MemClass::HostOffload); }
     const std::vector<PlanEntry>& entries() const { return entries_; }
 
-    // One allocation per class on `device`; the CPU arenas are zero-filled.
+    // One allocation per class on `device` (HostOffload in host memory, pinned for CUDA); the CPU
+    // arenas are zero-filled.
     void allocate(Device device);
     // Only the listed classes (a host mirror of what a device run checkpoints: parameters and
     // optimizer state); views of the other classes' entries throw.

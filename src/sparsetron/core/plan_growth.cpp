@@ -85,14 +85,18 @@ std::string PlanGrowth::format(int top) const {
     os << "\n";
     std::vector<size_t> totals(lengths.size(), 0);
     for (int c = 0; c < kNumMemClasses; ++c) {
+        const bool host = MemClass(c) == MemClass::HostOffload;
+        if (host && std::all_of(class_bytes.begin(), class_bytes.end(),
+                                [&](const auto& b) { return b[c] == 0; }))
+            continue;  // no activation offload
         os << column(mem_class_name(MemClass(c)), 24);
         for (size_t i = 0; i < lengths.size(); ++i) {
             os << column(format_bytes(double(class_bytes[i][c])), 14);
-            totals[i] += class_bytes[i][c];
+            if (!host) totals[i] += class_bytes[i][c];
         }
         os << "\n";
     }
-    os << column("total", 24);
+    os << column("total (device)", 24);
     for (size_t t : totals) os << column(format_bytes(double(t)), 14);
     os << "\n\n";
     const auto list = [&](const std::vector<const BufferGrowth*>& found, bool excess) {

@@ -38,6 +38,19 @@ void device_free(void* p) {
     cudaFree(p);
 }
 
+void* pinned_host_alloc(size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+    if (err != cudaSuccess)
+        throw Error(cat("cudaHostAlloc of ", bytes, " bytes of pinned host memory failed (",
+                        cudaGetErrorString(err), ")"));
+    return p;
+}
+
+void pinned_host_free(void* p) {
+    cudaFreeHost(p);
+}
+
 void copy_to_device(void* dst, const void* src, size_t bytes) {
     ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
 }

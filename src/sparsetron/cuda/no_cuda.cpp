@@ -25,6 +25,10 @@ void* device_alloc(size_t) {
     no_cuda("device_alloc");
 }
 void device_free(void*) {}
+void* pinned_host_alloc(size_t) {
+    no_cuda("pinned_host_alloc");
+}
+void pinned_host_free(void*) {}
 void copy_to_device(void*, const void*, size_t) {
     no_cuda("copy_to_device");
 }

@@ -114,9 +114,10 @@ struct GpuResult {
     LossSums sums;
     std::vector<std::vector<float>> grads;
 };
+// `runs` > 1: that many forward+backward passes of `mb` on the same model, the last one's.
 GpuResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int64_t max_docs,
                   int64_t chunk, const MicroBatch& mb, const LossScales& sc,
-                  bool fp8_blockwise = false) {
+                  bool fp8_blockwise = false, int runs = 1) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
@@ -127,11 +128,14 @@ GpuResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int6
     for (size_t i = 0; i < params.size(); ++i)
         copy_to_device(gm.gpu_params()[int64_t(i)].master, cpu.param(int64_t(i)),
                        params[i].numel() * sizeof(float));
-    cuda::zero(ctx, dplan.class_base(MemClass::Gradients), dplan.class_bytes(MemClass::Gradients));
     gm.refresh_bf16(ctx);
     gm.load_inputs(ctx, mb, sc);
     GpuResult out;
-    out.sums = gm.forward_backward(ctx, sc);
+    for (int i = 0; i < runs; ++i) {
+        cuda::zero(ctx, dplan.class_base(MemClass::Gradients),
+                   dplan.class_bytes(MemClass::Gradients));
+        out.sums = gm.forward_backward(ctx, sc);
+    }
     session.synchronize();
     for (size_t i = 0; i < params.size(); ++i) {
         out.grads.emplace_back();
@@ -251,6 +255,41 @@ TEST(CudaModel, DistinctMtpLayersMatchCpu) {
     run_parity(cfg, "distinct MTP layers");
 }
 
+// `r` against `a`, with `a2` a second run of `a`'s: where the step is deterministic (`a2` agrees
+// with `a` bit for bit), bit for bit; otherwise the losses within 1e-6 and every gradient within
+// twice the run-to-run spread (normalized per tensor).
+void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& params,
+                      const GpuResult& a, const GpuResult& a2, const GpuResult& r) {
+    auto spread = [&](const GpuResult& x, std::string* worst) {
+        double w = 0;
+        for (size_t i = 0; i < params.size(); ++i) {
+            double num = 0, den = 0;
+            for (size_t j = 0; j < x.grads[i].size(); ++j) {
+                const double d = double(x.grads[i][j]) - a.grads[i][j];
+                num += d * d;
+                den += double(a.grads[i][j]) * a.grads[i][j];
+            }
+            const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+            if (e > w) w = e, *worst = params[i].name;
+        }
+        return w;
+    };
+    std::string w1, w2;
+    const double noise = spread(a2, &w1), diff = spread(r, &w2);
+    std::cout << "[" << tag << "] lm " << r.sums.lm_loss_sum << " vs " << a.sums.lm_loss_sum
+              << ", run-to-run " << noise << ", difference " << diff << " (" << w2 << ")\n";
+    EXPECT_GT(a.sums.lm_loss_sum, 0);
+    if (noise == 0 && a2.sums.lm_loss_sum == a.sums.lm_loss_sum) {
+        EXPECT_EQ(r.sums.lm_loss_sum, a.sums.lm_loss_sum) << tag;
+        EXPECT_EQ(r.sums.mtp_sum, a.sums.mtp_sum) << tag;
+        EXPECT_EQ(r.sums.indexer_loss, a.sums.indexer_loss) << tag;
+        EXPECT_EQ(diff, 0) << tag << ": " << w2;
+    } else {
+        EXPECT_NEAR(r.sums.lm_loss_sum, a.sums.lm_loss_sum, 1e-6 * a.sums.lm_loss_sum) << tag;
+        EXPECT_LE(diff, 2 * noise + 1e-6) << tag << ": " << w2;
+    }
+}
+
 // Selective recompute (core_attn, mla_up_proj, layernorm, moe_act) reruns the forward's kernels
 // on the same inputs before the backward: the same losses and gradients as keeping the outputs.
 // Where the step is deterministic (two runs without recompute agree bit for bit) the recomputing
@@ -286,36 +325,59 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
         const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        // Per tensor: the normalized difference from `a`.
-        auto spread = [&](const GpuResult& x, std::string* worst) {
-            double w = 0;
-            for (size_t i = 0; i < params.size(); ++i) {
-                double num = 0, den = 0;
-                for (size_t j = 0; j < x.grads[i].size(); ++j) {
-                    const double d = double(x.grads[i][j]) - a.grads[i][j];
-                    num += d * d;
-                    den += double(a.grads[i][j]) * a.grads[i][j];
-                }
-                const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-                if (e > w) w = e, *worst = params[i].name;
-            }
-            return w;
-        };
-        std::string w1, w2;
-        const double noise = spread(a2, &w1), diff = spread(r, &w2);
-        std::cout << "[recompute " << k.tag << "] lm " << r.sums.lm_loss_sum << " vs "
-                  << a.sums.lm_loss_sum << ", run-to-run " << noise << ", recompute " << diff
-                  << " (" << w2 << ")\n";
-        EXPECT_GT(a.sums.lm_loss_sum, 0);
-        if (noise == 0 && a2.sums.lm_loss_sum == a.sums.lm_loss_sum) {
-            EXPECT_EQ(r.sums.lm_loss_sum, a.sums.lm_loss_sum) << k.tag;
-            EXPECT_EQ(r.sums.mtp_sum, a.sums.mtp_sum) << k.tag;
-            EXPECT_EQ(r.sums.indexer_loss, a.sums.indexer_loss) << k.tag;
-            EXPECT_EQ(diff, 0) << k.tag << ": " << w2;
-        } else {
-            EXPECT_NEAR(r.sums.lm_loss_sum, a.sums.lm_loss_sum, 1e-6 * a.sums.lm_loss_sum);
-            EXPECT_LE(diff, 2 * noise + 1e-6) << k.tag << ": " << w2;
+        expect_same_step("recompute " + std::string(k.tag), params, a, a2, r);
+    }
+}
+
+// Activation offload moves the named modules' saved activations of every layer application but
+// the last two to pinned host memory and back (model/gpu/activation_offload.h): the backward reads
+// the same bytes, so the same losses and gradients as keeping them (bit for bit where the step is
+// deterministic). Four layers and three MTP depths: seven applications sharing two device
+// regions, five of them offloaded, run twice on the same model (the second run starts from the
+// regions the first left). Forms as for recompute, plus offload beside recompute of the other
+// modules.
+TEST(CudaModel, ActivationOffloadGivesTheSameLossesAndGradients) {
+    REQUIRE_GPU();
+    struct Case {
+        const char* tag;
+        ModelConfig cfg;
+        bool fp8;
+    };
+    Recipe r = builtin_tiny_recipe();
+    r.model.num_layers = 4;
+    r.model.moe_layer_freq = "[0,1,1,1]";
+    r.model.mtp_num_layers = 3;
+    r.model.dsa_saved_probs_max_mib = 2048;  // the masked form's probabilities offloaded too
+    r.validate();
+    const ModelConfig deep = r.model;
+    std::vector<Case> cases = {{"masked + absorbed MTP", deep, false},
+                               {"gathered absorbed", deep, false},
+                               {"dense attention", deep, false},
+                               {"fp8 blockwise", deep, true},
+                               {"beside recompute", deep, false}};
+    cases[1].cfg.dsa_indexer_topk = 16;
+    cases[2].cfg.experimental_attention_variant = "none";
+    cases[2].cfg.dsa_indexer_loss_coeff = 0;
+    for (Case& k : cases) {
+        const int64_t T = 128, max_docs = 4, chunk = 48;
+        k.cfg.moe_router_force_load_balancing = true;
+        auto cm = make_cpu_model(k.cfg, T, max_docs, chunk);
+        const auto& params = cm->model->params().params();
+        const MicroBatch mb = make_batch(T, max_docs, k.cfg.vocab_size, 9, {50, 70});
+        const LossScales sc = parity_scales(k.cfg, mb);
+        ModelConfig oc = k.cfg;
+        oc.fine_grained_activation_offloading = true;
+        oc.offload_modules = {"attn_norm", "mlp_norm",   "qkv_linear", "core_attn",
+                              "attn_proj", "expert_fc1", "moe_act",    "fused_group_mlp"};
+        if (std::string(k.tag) == "beside recompute") {
+            k.cfg.recompute_granularity = oc.recompute_granularity = "selective";
+            k.cfg.recompute_modules = oc.recompute_modules = {"core_attn", "layernorm"};
+            oc.offload_modules = {"qkv_linear", "expert_fc1", "moe_act"};
         }
+        const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const GpuResult o = run_gpu(oc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8, 2);
+        expect_same_step("offload " + std::string(k.tag), params, a, a2, o);
     }
 }
 

@@ -593,6 +593,67 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
                        1e-5);
 }
 
+// Activation offload inside the training step: eager and replayed as a full-iteration graph (the
+// copies and their event edges captured), two micro-batches per step, against the engine that
+// keeps every activation, each step from that engine's state (as for the paged stash above: a
+// step compared on its own). Tiny recipe with 4 layers and 2 MTP depths: six applications, four
+// offloaded; the MoE layers 1-3 and the MTP layer offload their routed experts' rows.
+TEST(CudaTraining, ActivationOffloadMatchesKeepingEagerAndGraph) {
+    REQUIRE_GPU();
+    Recipe plain = run_to_run_tiny_recipe();
+    plain.model.num_layers = 4;
+    plain.model.moe_layer_freq = "[0,1,1,1]";
+    plain.validate();
+    Recipe off = plain;
+    off.model.fine_grained_activation_offloading = true;
+    off.model.offload_modules = {"attn_norm", "mlp_norm",   "qkv_linear", "core_attn",
+                                 "attn_proj", "expert_fc1", "moe_act",    "fused_group_mlp"};
+    off.validate();
+    Recipe graph = off;
+    graph.run.cuda_graph_impl = "full_iteration";
+    EngineSet set({plain, off, graph});
+    const int64_t lengths[3][2] = {{256, 180}, {97, 256}, {200, 31}};
+    for (int s = 0; s < 3; ++s) {
+        std::vector<std::unique_ptr<MicroBatch>> own;
+        std::vector<const MicroBatch*> mbs;
+        for (int i = 0; i < 2; ++i) {
+            own.push_back(
+                random_batch(plain, set.tp->max_documents, lengths[s][i], 60 + 2 * s + i));
+            mbs.push_back(own.back().get());
+        }
+        const LossScales sc = scales_for(plain, mbs);
+        set.engines[0]->download_state();
+        set.engines[1]->upload_state();
+        set.engines[2]->upload_state();
+        auto p = set.engines[0]->run_step(mbs, sc, plain.run, s + 1);
+        auto e = set.engines[1]->run_step(mbs, sc, off.run, s + 1);
+        auto g = set.engines[2]->run_step(mbs, sc, graph.run, s + 1);
+        std::cout << "[offload] step " << s + 1 << ": lm " << e.losses[1].lm_loss_sum << " / "
+                  << g.losses[1].lm_loss_sum << " vs " << p.losses[1].lm_loss_sum << ", grad_norm "
+                  << e.stats.grad_norm << " / " << g.stats.grad_norm << " vs " << p.stats.grad_norm
+                  << (g.replayed ? ", graph replay" : "") << "\n";
+        for (const auto* o : {&e, &g}) {
+            EXPECT_FALSE(o->stats.skipped);
+            EXPECT_NEAR(o->stats.grad_norm, p.stats.grad_norm, 1e-5 * p.stats.grad_norm);
+            for (size_t i = 0; i < p.losses.size(); ++i) {
+                EXPECT_NEAR(o->losses[i].lm_loss_sum, p.losses[i].lm_loss_sum,
+                            1e-5 * p.losses[i].lm_loss_sum);
+                EXPECT_NEAR(o->losses[i].indexer_loss, p.losses[i].indexer_loss,
+                            1e-5 * p.losses[i].indexer_loss + 1e-9);
+                for (size_t k = 0; k < p.losses[i].mtp_sum.size(); ++k)
+                    EXPECT_NEAR(o->losses[i].mtp_sum[k], p.losses[i].mtp_sum[k],
+                                1e-5 * std::fabs(p.losses[i].mtp_sum[k]) + 1e-9);
+            }
+        }
+        EXPECT_EQ(g.replayed, s > 0);
+    }
+    const auto w0 = set.weights(*set.engines[0]);
+    test::expect_close("weights, offload (eager) vs keeping", set.weights(*set.engines[1]), w0,
+                       1e-5);
+    test::expect_close("weights, offload (graph) vs keeping", set.weights(*set.engines[2]), w0,
+                       1e-5);
+}
+
 // fp8_recipe: blockwise against bf16 from the same weights, each trajectory on its own for 8 steps
 // on the same two micro-batches (Muon, lr 1e-2: the loss falls as they are memorized): the dense
 // linears' GEMMs in e4m3 with 1x128 / 128x128 scales perturb every product by ~2^-4 relative per

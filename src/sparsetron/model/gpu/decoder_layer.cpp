@@ -51,13 +51,10 @@ void GpuDecoderLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     A = Acts{};
     // Selective recompute of layernorm: the two norm outputs in one buffer each, rewritten from
     // the kept inputs and rstd before the backward reads them.
-    if (recompute_norms_) {
-        B.scratch(A.a, "layer.recomputed.attn_norm_out", {T_, h_});
-        B.scratch(A.m, "layer.recomputed.mlp_norm_out", {T_, h_});
-    } else {
-        B.act(A.a, p + "attn_norm_out", {T_, h_});
-        B.act(A.m, p + "mlp_norm_out", {T_, h_});
-    }
+    B.saved(saving(c_, "layernorm", "attn_norm"), A.a, p + "attn_norm_out",
+            "layer.recomputed.attn_norm_out", {T_, h_});
+    B.saved(saving(c_, "layernorm", "mlp_norm"), A.m, p + "mlp_norm_out",
+            "layer.recomputed.mlp_norm_out", {T_, h_});
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
     B.act(A.x_mid, p + "x_mid", {T_, h_});
     B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});

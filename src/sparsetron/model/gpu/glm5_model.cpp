@@ -49,12 +49,22 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     final_norm_ = P_->index("model.norm.weight");
     head_ = P_->index("lm_head.weight");
     x_.assign(cfg.num_layers + 1, nullptr);
+    if (cfg.fine_grained_activation_offloading) {
+        // The layer applications in forward order: backbone layers, then MTP depths.
+        std::vector<std::string> apps;
+        for (int64_t l = 0; l < cfg.num_layers; ++l) apps.push_back(cat("layers.", l));
+        for (int64_t k = 1; k <= cfg.mtp_num_layers; ++k) apps.push_back(cat("mtp.depth", k));
+        offload_ = std::make_unique<ActivationOffload>(plan, std::move(apps));
+        B_.set_offload(offload_.get());
+    }
     int64_t indexer_apps = 0;
     for (int64_t l = 0; l < cfg.num_layers; ++l) {
         layers_.push_back(
             std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
         acts_.push_back(std::make_unique<GpuDecoderLayer::Acts>());
+        B_.set_application(l);
         layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
+        B_.set_application(-1);
         B_.act(x_[l], cat("layers.", l, ".x_in"), {Tn, h});
         indexer_apps += layers_.back()->has_indexer();
     }
@@ -98,7 +108,9 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
             B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
             const GpuDecoderLayer& layer = *mtp_at(k - 1).layer;
+            B_.set_application(cfg.num_layers + k - 1);
             layer.declare(m->layer, B_, a);
+            B_.set_application(-1);
             if (layer.has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
             mtp_.push_back(std::move(m));
         }
@@ -135,6 +147,7 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
     input_words_ = (5 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
+    if (offload_) offload_->plan();
     if (fp8_) fp8_->declare();
     // The weights read only through FP8 have no bf16 copies.
     P_->plan_bf16(plan, fp8_ ? fp8_->params() : std::vector<int64_t>{});
@@ -157,6 +170,7 @@ GpuGlm5Model::~GpuGlm5Model() = default;
 void GpuGlm5Model::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
+    if (offload_) offload_->bind(ctx);
     carve_inputs();
     // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
     int64_t slot = 0;
@@ -307,8 +321,13 @@ void GpuGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
     if (fp8_) fp8_->quantize(ctx);
     cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
-    for (int64_t l = 0; l < c.num_layers; ++l)
+    // Activation offload's schedule around each layer application (steps with a backward).
+    ActivationOffload* off = sc.backward ? offload_.get() : nullptr;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+        if (off) off->before_forward(l);
         layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
+        if (off) off->after_forward(l);
+    }
     cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
                           float(c.norm_epsilon), h_final_, h, rstd_final_);
     cuda::head_cross_entropy(
@@ -316,18 +335,20 @@ void GpuGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
         head_loss(h_final_, in_.targets, in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f),
         row_loss_, sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr);
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
-    if (D_ > 0) mtp_forward(ctx, sc);
+    if (D_ > 0) mtp_forward(ctx, sc, off);
     if (sc.backward) {
         auto point = [&](int p) {
             if (hook_) hook_(p);
         };
-        if (D_ > 0) mtp_backward(ctx);
+        if (D_ > 0) mtp_backward(ctx, off);
         point(0);
         cuda::rmsnorm_backward(ctx, dh_, h, x_[c.num_layers], h, (*P_)[final_norm_].w, rstd_final_,
                                Tn, h, dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
         point(1);
         for (int64_t l = c.num_layers - 1; l >= 0; --l) {
+            if (off) off->before_backward(l);
             layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
+            if (off) off->after_backward(l);
             point(int(2 + c.num_layers - 1 - l));
         }
         cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
@@ -408,7 +429,8 @@ cuda::HeadLoss GpuGlm5Model::head_loss(const bf16* h, const int32_t* targets, co
             .dw_beta = dw_beta};
 }
 
-void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
+void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
+                               ActivationOffload* off) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
     const float eps = float(c.norm_epsilon);
@@ -427,7 +449,9 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc) {
         else
             gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
                  A.hin, h);
+        if (off) off->before_forward(c.num_layers + k);
         M.layer->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
+        if (off) off->after_forward(c.num_layers + k);
         cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[M.norm].w, Tn, h, eps, A.hz, h, A.rstd_z);
         prev = A.hout;
     }
@@ -502,7 +526,7 @@ void GpuGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     }
 }
 
-void GpuGlm5Model::mtp_backward(const ExecContext& ctx) {
+void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
     cuda::zero(ctx, dmtp_h_, Tn * h * B2);
@@ -515,7 +539,9 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx) {
         cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
         cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[M.norm].w, A.rstd_z, Tn, h, dmtp_z_,
                                h, true, P_->grad_to_add(ctx, M.norm), S_.norm_ws);
+        if (off) off->before_backward(c.num_layers + k);
         M.layer->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
+        if (off) off->after_backward(c.num_layers + k);
         if (fp8_) {
             fp8_->dgrad(ctx, M.feh, dmtp_z_, dmtp_cat_, false);
             fp8_->wgrad(ctx, M.feh, dmtp_z_, A.cat);

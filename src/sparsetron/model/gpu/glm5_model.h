@@ -94,7 +94,7 @@ class GpuGlm5Model {
         GpuDecoderLayer::Acts layer;
     };
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
-    void mtp_forward(const ExecContext& ctx, const LossScales& sc);
+    void mtp_forward(const ExecContext& ctx, const LossScales& sc, ActivationOffload* off);
     void mtp_tv(const ExecContext& ctx, const LossScales& sc);
     // The output head with cross-entropy on rows h [T, hidden] against `targets`, its gradient
     // scaled by the device scalar `scale` and its weight gradient written with `dw_beta`.
@@ -107,7 +107,7 @@ class GpuGlm5Model {
     float* tv_target(int64_t k) const {
         return tv_p_ + (tv_per_depth_ ? k * chunk_rows_ : k) * cfg_.vocab_size;
     }
-    void mtp_backward(const ExecContext& ctx);
+    void mtp_backward(const ExecContext& ctx, ActivationOffload* off);
     int64_t tv_rows(const MicroBatch& mb) const;
     LossSums losses_from(const double* sums, int64_t tv_rows, int64_t real_rows) const;
     std::vector<GpuMoeLayer*> moes() const;
@@ -119,6 +119,7 @@ class GpuGlm5Model {
     GpuBuffers B_;
     GpuShared S_;
     std::unique_ptr<MoeStash> stash_;
+    std::unique_ptr<ActivationOffload> offload_;  // fine_grained_activation_offloading
     std::unique_ptr<Fp8Weights> fp8_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     bool cp_ = false;                                    // planned for context parallelism

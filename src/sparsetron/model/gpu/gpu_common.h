@@ -10,10 +10,12 @@
 #include <utility>
 #include <vector>
 
+#include "sparsetron/config/model_config.h"
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/exec_context.h"
 #include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/gpu/activation_offload.h"
 #include "sparsetron/model/param_store.h"
 #include "sparsetron/parallel/comm.h"
 
@@ -50,6 +52,31 @@ class GpuBuffers {
         }
         refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
     }
+    // A saved activation of the layer application being declared (set_application()) that waits
+    // for its backward in host memory (model/gpu/activation_offload.h); the pointer is set when
+    // the offload binds.
+    template <typename T>
+    void offloaded(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        ST_ASSERT(offload_ && application_ >= 0, "offloaded buffer '", name,
+                  "' outside a layer application with activation offload");
+        offload_->add(application_, name, dtype_of<T>(), shape, reinterpret_cast<void**>(&ptr));
+    }
+    // One layer application's saved activation: its own buffer (kept), the buffer `shared` that
+    // every application writes in its forward and rewrites before its backward (recomputed), or
+    // offloaded.
+    enum class Saving { Kept, Recomputed, Offloaded };
+    template <typename T>
+    void saved(Saving how, T*& ptr, const std::string& name, const std::string& shared,
+               std::vector<int64_t> shape) {
+        if (how == Saving::Recomputed)
+            scratch(ptr, shared, std::move(shape));
+        else if (how == Saving::Offloaded)
+            offloaded(ptr, name, std::move(shape));
+        else
+            act(ptr, name, std::move(shape));
+    }
+    void set_offload(ActivationOffload* offload) { offload_ = offload; }
+    void set_application(int64_t g) { application_ = g; }
     void resolve() {
         for (auto& [slot, ptr] : refs_) *ptr = plan_.view(slot).data;
     }
@@ -59,7 +86,18 @@ class GpuBuffers {
     MemoryPlan& plan_;
     std::vector<std::pair<MemoryPlan::Slot, void**>> refs_;
     std::map<std::string, MemoryPlan::Slot> scratch_;
+    ActivationOffload* offload_ = nullptr;
+    int64_t application_ = -1;
 };
+
+// How a module's saved activation lives until its backward: recomputed (recompute_modules)
+// before offloaded (offload_modules; validation refuses both), else kept.
+inline GpuBuffers::Saving saving(const ModelConfig& c, const char* recompute_module,
+                                 const char* offload_module) {
+    if (recompute_module && c.recomputes(recompute_module)) return GpuBuffers::Saving::Recomputed;
+    if (offload_module && c.offloads(offload_module)) return GpuBuffers::Saving::Offloaded;
+    return GpuBuffers::Saving::Kept;
+}
 
 struct GpuParam {
     float* master = nullptr;  // fp32 value (the optimizer's)

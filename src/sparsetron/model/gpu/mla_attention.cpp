@@ -102,27 +102,26 @@ void GpuMlaAttention::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     B.act(A.ckv, p + "kv_a", {Tn, L});
     B.act(A.ckv_n, p + "kv_a_norm_out", {Tn, kr_});
     B.act(A.rstd_kv, p + "kv_a_norm_rstd", {Tn});
-    // A recomputed output: one buffer every layer writes in its forward and rewrites before its
-    // backward; a kept one: a buffer per layer.
-    auto keep = [&](bool recomputed, bf16*& ptr, const std::string& name,
-                    std::vector<int64_t> shape) {
-        if (recomputed)
-            B.scratch(ptr, "attn.recomputed." + name, std::move(shape));
-        else
-            B.act(ptr, p + name, std::move(shape));
+    // Recomputed outputs share one buffer ("attn.recomputed.<name>"), kept ones have a buffer per
+    // layer, offloaded ones a place in activation offload's region.
+    using S = GpuBuffers::Saving;
+    auto keep = [&](S how, bf16*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        B.saved(how, ptr, p + name, "attn.recomputed." + name, std::move(shape));
     };
-    keep(recompute_up_, A.q, "q", {Tn, H_ * dq_});
+    const S up = saving(c_, "mla_up_proj", "qkv_linear");
+    keep(up, A.q, "q", {Tn, H_ * dq_});
     if (absorbed_) {
-        keep(recompute_up_, A.qabs, "q_absorbed", {Tn, H_ * L});
+        keep(up, A.qabs, "q_absorbed", {Tn, H_ * L});
         B.act(A.kabs, p + "k_latent", {Tn, L});
-        keep(recompute_core_, A.oabs, "o_latent", {Tn, H_ * kr_});
+        keep(saving(c_, "core_attn", "core_attn"), A.oabs, "o_latent", {Tn, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
     } else {
-        keep(recompute_up_, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
-        keep(recompute_up_, A.k, "k", {Tn, H_ * dq_});
+        keep(up, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
+        keep(up, A.k, "k", {Tn, H_ * dq_});
     }
-    if (saved_probs_elems_ > 0) B.act(A.probs, p + "attn_probs", {saved_probs_elems_});
-    keep(recompute_core_, A.o, "attn_out", {Tn, H_ * dv_});
+    if (saved_probs_elems_ > 0)
+        keep(saving(c_, nullptr, "core_attn"), A.probs, "attn_probs", {saved_probs_elems_});
+    keep(saving(c_, "core_attn", "attn_proj"), A.o, "attn_out", {Tn, H_ * dv_});
     B.act(A.lse, p + "attn_lse", {H_, Tn});
 }
 

@@ -103,19 +103,21 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.offsets, p + "expert_offsets", {E_ + 1});
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
+    // The routed experts' rows (expert_fc1: their input and gate / up outputs; moe_act: the SwiGLU
+    // output; their output rows with fused_group_mlp), kept, recomputed or offloaded.
+    using S = GpuBuffers::Saving;
+    const S fc1 = saving(c_, nullptr, "expert_fc1"), act = saving(c_, "moe_act", "moe_act"),
+            out = saving(c_, nullptr, "expert_out");
     if (W_ > 1) {
         // The expert side holds received rows (owner layout); out_perm the results returned to
         // this rank's layout.
         B.act(A.ep_offsets, p + "ep_offsets", {W_, E_ + 1});
         B.act(A.recv_offsets, p + "ep_recv_offsets", {E_ / W_ + 1});
-        B.act(A.xperm, p + "x_received", {rows_, h_});
-        B.act(A.g, p + "expert_gate", {rows_, F_});
-        B.act(A.u, p + "expert_up", {rows_, F_});
-        if (recompute_act_)
-            B.scratch(A.act, "moe.recomputed.expert_act_received", {rows_, F_});
-        else
-            B.act(A.act, p + "expert_act", {rows_, F_});
-        B.act(A.out_perm, p + "expert_out", {R, h_});
+        B.saved(fc1, A.xperm, p + "x_received", "", {rows_, h_});
+        B.saved(fc1, A.g, p + "expert_gate", "", {rows_, F_});
+        B.saved(fc1, A.u, p + "expert_up", "", {rows_, F_});
+        B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act_received", {rows_, F_});
+        B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
     } else if (stash_) {
         B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
         B.scratch(A.g, "moe.work.expert_gate", {R, F_});
@@ -124,14 +126,11 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.scratch(A.out_perm, "moe.work.expert_out", {R, h_});
         stash_->declare_table(A.stash_table, B, p);
     } else {
-        B.act(A.xperm, p + "x_permuted", {R, h_});
-        B.act(A.g, p + "expert_gate", {R, F_});
-        B.act(A.u, p + "expert_up", {R, F_});
-        if (recompute_act_)
-            B.scratch(A.act, "moe.recomputed.expert_act", {R, F_});
-        else
-            B.act(A.act, p + "expert_act", {R, F_});
-        B.act(A.out_perm, p + "expert_out", {R, h_});
+        B.saved(fc1, A.xperm, p + "x_permuted", "", {R, h_});
+        B.saved(fc1, A.g, p + "expert_gate", "", {R, F_});
+        B.saved(fc1, A.u, p + "expert_up", "", {R, F_});
+        B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act", {R, F_});
+        B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
     }
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
 }

@@ -16,6 +16,7 @@
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
+#include "sparsetron/runtime/host_memory_check.h"
 
 namespace sparsetron {
 namespace {
@@ -85,6 +86,11 @@ class CudaEngine final : public DeviceEngine {
             cuda_plan_shortfall(recipe, host_store, max_documents, chunk_rows, plan_.total_bytes(),
                                 device_memory_free());
         ST_CHECK(shortfall.empty(), shortfall);
+        const uint64_t host_free = available_host_memory();
+        ST_CHECK(host_free == 0 || plan_.host_offload_bytes() <= host_free,
+                 "activation offload needs ", format_bytes(double(plan_.host_offload_bytes())),
+                 " of pinned host memory but the host has ", format_bytes(double(host_free)),
+                 " available; offload fewer offload_modules or recompute some (recompute_modules)");
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
         if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
@@ -528,6 +534,19 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
         total += size_t(region);
         text += cat("expert exchange region (CUDA IPC) ", format_bytes(double(region)),
                     "\ntotal with it          ", format_bytes(double(total)), "\n");
+    }
+    if (m.fine_grained_activation_offloading) {
+        // What offload saves: the same plan with every offloaded activation kept on the device.
+        Recipe kept = recipe;
+        kept.model.fine_grained_activation_offloading = false;
+        const size_t without =
+            cuda_memory_plan(kept, host_store, max_documents, chunk_rows).total_bytes();
+        std::string mods;
+        for (const std::string& o : m.offload_modules) mods += (mods.empty() ? "" : ", ") + o;
+        text += cat("activation offload (", mods, "): saves ",
+                    format_bytes(double(without) - double(plan.total_bytes())),
+                    " of device memory (", format_bytes(double(without)), " without it) for ",
+                    format_bytes(double(plan.host_offload_bytes())), " of pinned host memory\n");
     }
     if (total_bytes) *total_bytes = total;
     return text;

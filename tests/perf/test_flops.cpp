@@ -199,9 +199,9 @@ TEST(Plan, SparseAttentionFormFollowsTheLength) {
 }
 
 // Past the attention's form switch (32K and up), the proxy's device plan grows linearly in tokens:
-// the backbone (indexer loss off) has no buffer that grows faster and none of tokens x vocabulary;
-// the full step's only faster ones are the indexer loss's [tokens, tokens] scores and gradient,
-// which are not streamed yet (its scores for the top-k alone are, in query blocks).
+// neither the backbone (indexer loss off) nor the full step (MTP x7 with e2e TV, the indexer loss)
+// has a buffer that grows faster or one of tokens x vocabulary (the indexer's scores, top-k and
+// loss go in blocks of query rows).
 TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 #if SPARSETRON_WITH_CUDA
     const std::string recipe =
@@ -227,7 +227,7 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
     EXPECT_TRUE(backbone.first.empty()) << backbone.first.front();
     EXPECT_TRUE(backbone.second.empty()) << backbone.second.front();
     const auto step = growth({});
-    EXPECT_EQ(step.first, (std::vector<std::string>{"dsa.loss_grad", "dsa.scores"}));
+    EXPECT_TRUE(step.first.empty()) << step.first.front();
     EXPECT_TRUE(step.second.empty()) << step.second.front();
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
@@ -235,7 +235,7 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 }
 
 // A device plan larger than the GPU's free memory stops before cudaMalloc with what would fit: the
-// proxy backbone at 32K (146.14 GiB) fits 130 GiB with every recompute module (124.14 GiB), not
+// proxy backbone at 32K (138.39 GiB) fits 130 GiB with every recompute module (116.39 GiB), not
 // 100 GiB; a recipe that already recomputes everything is pointed at the length and CP instead.
 TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
 #if SPARSETRON_WITH_CUDA
@@ -252,13 +252,13 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
               "");
     std::string msg =
         cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 130 * GiB);
-    EXPECT_NE(msg.find("the device memory plan needs 146.14 GiB but the GPU has 130.00 GiB free"),
+    EXPECT_NE(msg.find("the device memory plan needs 138.39 GiB but the GPU has 130.00 GiB free"),
               std::string::npos)
         << msg;
-    EXPECT_NE(msg.find("layernorm, moe_act] it plans 124.14 GiB and fits"), std::string::npos)
+    EXPECT_NE(msg.find("layernorm, moe_act] it plans 116.39 GiB and fits"), std::string::npos)
         << msg;
     msg = cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
-    EXPECT_NE(msg.find("it plans 124.14 GiB, still too much"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("it plans 116.39 GiB, still too much"), std::string::npos) << msg;
     Recipe all = r;
     all.model.recompute_granularity = "selective";
     all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
@@ -308,6 +308,28 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
 #endif
 }
 
+// What the backward rebuilds exactly from what it keeps is planned once, not per application: the
+// routed experts' gathered input rows and the router's fp32 input (from the layer's input), the MTP
+// depths' embedding rows (from the token ids); the MTP norms write straight into the concatenated
+// eh_proj input. The MoE backward's output and input row gradients share one buffer, as do the
+// activation's and the gate's gradients.
+TEST(Plan, RowsTheBackwardRebuildsArePlannedOnce) {
+#if SPARSETRON_WITH_CUDA
+    const MemoryPlan p = proxy_device_plan({"seq_length=8192"});
+    for (const char* per_application :
+         {"layers.2.moe.x_permuted", "layers.3.moe.router_input_f32", "mtp.depth1.embedding",
+          "mtp.depth7.moe.x_permuted", "mtp.depth1.enorm_out", "mtp.depth2.hnorm_out",
+          "grad.moe.x_permuted", "grad.moe.gate"})
+        EXPECT_FALSE(plan_has(p, per_application)) << per_application;
+    for (const char* shared :
+         {"moe.work.x_permuted", "moe.router_input_f32", "mtp.embedding", "mtp.depth1.concat",
+          "grad.moe.out_then_x_permuted", "grad.moe.act_then_gate"})
+        EXPECT_TRUE(plan_has(p, shared)) << shared;
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // Activation offload plans two device regions, each as large as the largest layer application's
 // offloaded buffers, and a pinned host block for every application but the last two: on the
 // proxy's full step (4 layers + 7 MTP depths = 11 applications) at 8192 tokens, the offloaded
@@ -323,10 +345,10 @@ TEST(Plan, ActivationOffloadKeepsTwoApplicationsOnTheDevice) {
                              "fused_group_mlp"});
     const MemoryPlan keep = proxy_device_plan(base), off = proxy_device_plan(sets);
     const std::vector<std::string> offloaded = {
-        "attn_norm_out",  "mlp_norm_out",    "q",
-        "q_absorbed",     "o_latent",        "attn_out",
-        "moe.x_permuted", "moe.expert_gate", "moe.expert_up",
-        "moe.expert_act", "moe.expert_out"};
+        "attn_norm_out",   "mlp_norm_out",  "q",
+        "q_absorbed",      "o_latent",      "attn_out",
+        "moe.expert_gate", "moe.expert_up", "moe.expert_act",
+        "moe.expert_out"};
     std::vector<std::string> apps;
     for (int l = 0; l < 4; ++l) apps.push_back(cat("layers.", l));
     for (int k = 1; k <= 7; ++k) apps.push_back(cat("mtp.depth", k));
@@ -347,7 +369,7 @@ TEST(Plan, ActivationOffloadKeepsTwoApplicationsOnTheDevice) {
         region = std::max(region, bytes);
         all += bytes;
     }
-    EXPECT_EQ(removed, 4 * 6 + 2 * 5 + 7 * 11u) << "attention in every application, dense or "
+    EXPECT_EQ(removed, 4 * 6 + 2 * 4 + 7 * 10u) << "attention in every application, dense or "
                                                    "routed MLP rows in each";
     size_t host = 0;
     for (size_t g = 0; g < apps.size(); ++g) {
@@ -364,7 +386,9 @@ TEST(Plan, ActivationOffloadKeepsTwoApplicationsOnTheDevice) {
     EXPECT_EQ(keep.host_offload_bytes(), 0u);
     for (const char* r : {"offload.device_region.0", "offload.device_region.1"})
         for (const PlanEntry& e : off.entries())
-            if (e.name == r) EXPECT_EQ(e.bytes, region) << r;
+            if (e.name == r) {
+                EXPECT_EQ(e.bytes, region) << r;
+            }
     const double saved = double(keep.total_bytes()) - double(off.total_bytes());
     const double expected = double(all) - 2.0 * double(region);
     EXPECT_NEAR(saved, expected, double(A) * double(removed + 2)) << "saved " << saved;

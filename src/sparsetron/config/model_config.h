@@ -48,6 +48,12 @@ struct ModelConfig {
     // per layer (1.12 GiB at the proxy's 4096 tokens x 64 heads, for every layer and MTP depth);
     // 0 (default) = always recompute. A memory-for-speed trade the recipe opts into.
     int64_t dsa_saved_probs_max_mib = 0;
+    // CUDA, no context parallelism: query rows the DSA indexer scores at once. A longer
+    // micro-batch is scored, selected and (with the indexer loss) given its loss in blocks of
+    // this many rows, so the indexer's fp32 scores and loss gradient are [block, tokens]; the
+    // loss scores each block again after the attention. A micro-batch of at most this many rows
+    // keeps its scores from the forward for the loss.
+    int64_t dsa_indexer_query_block = 4096;
     // CUDA: selective recompute (Megatron's keys). With recompute_granularity "selective", the
     // outputs of the named modules are not kept per layer for the backward: one shared buffer
     // holds them and the backward recomputes them (the same kernels on the same inputs: the same

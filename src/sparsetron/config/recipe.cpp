@@ -59,6 +59,7 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(moe_router_force_load_balancing, Bool),
         MODEL_KEY(moe_capacity_factor, Float),
         MODEL_KEY(dsa_saved_probs_max_mib, Int),
+        MODEL_KEY(dsa_indexer_query_block, Int),
         MODEL_KEY(moe_paged_stash, Bool),
         MODEL_KEY(recompute_granularity, String),
         MODEL_KEY(recompute_modules, StringList),

@@ -102,6 +102,7 @@ void Recipe::validate() {
              "recipe key 'dsa_saved_probs_max_mib' must be >= 0, got ", m.dsa_saved_probs_max_mib);
     if (m.uses_dsa()) {
         positive(m.dsa_indexer_n_heads, "dsa_indexer_n_heads");
+        positive(m.dsa_indexer_query_block, "dsa_indexer_query_block");
         positive(m.dsa_indexer_head_dim, "dsa_indexer_head_dim");
         ST_CHECK(m.dsa_indexer_topk > 0, "recipe key 'dsa_indexer_topk' must be > 0, got ",
                  m.dsa_indexer_topk);

@@ -281,36 +281,91 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
         EXPECT_NEAR(ks[0], total, 1e-4 * total);
         EXPECT_EQ(int64_t(ks[1]), 180);
         // Back through the scores: dw, dq, dk against fp64 loops on the CPU's dscore, by the
-        // per-row kernel (no workspace) and by the GEMM form in three chunks of query tokens.
+        // per-row kernel (no workspace) and by the GEMM form in three chunks of query tokens per
+        // call, over all rows at once and in blocks of rows (one call per block).
         // dscore off the support is poisoned: neither form may read it there.
         std::vector<float> dpois = dref;
         for (int64_t i = 0; i < T * T; ++i)
             if (!on_support[i]) dpois[i] = std::numeric_limits<float>::quiet_NaN();
-        DeviceArray<float> dds(dpois);
         const float g = 0.37f;
+        // Blocks of query rows (the model streams the loss that way at length): each block's
+        // KL and dscore from the block's own [rows, first_row + rows] scores, then its backward
+        // adding into one dk.
+        const int64_t block = 70;
+        {
+            DeviceArray<float> bkl(T);
+            std::vector<float> bdscore(T * T, 0.f);
+            for (int64_t t0 = 0; t0 < T; t0 += block) {
+                const int64_t n = std::min(block, T - t0), keys = t0 + n;
+                std::vector<float> part(n * keys);
+                for (int64_t t = 0; t < n; ++t)
+                    std::copy_n(scores.begin() + (t0 + t) * T, keys, part.begin() + t * keys);
+                DeviceArray<float> dpart(part), dout(n * keys);
+                cuda::indexer_kl(ctx(),
+                                 {.sparse = sparse,
+                                  .qabs = qabs.dev + t0 * H * L,
+                                  .kabs = kabs.dev,
+                                  .lse = dlse + t0,
+                                  .heads = H,
+                                  .dl = L,
+                                  .scale = scale,
+                                  .scores = dpart,
+                                  .idx = didx + t0 * K,
+                                  .len = dlen + t0,
+                                  .kslots = K,
+                                  .row_begin = rb + t0,
+                                  .tokens = n,
+                                  .first_row = t0,
+                                  .lse_ld = T},
+                                 bkl + t0, dout);
+                sync();
+                const auto got = dout.download();
+                for (int64_t t = 0; t < n; ++t)
+                    std::copy_n(got.begin() + t * keys, keys, bdscore.begin() + (t0 + t) * T);
+            }
+            expect_close("indexer kl in blocks " + tag, bkl.download(), klr, 1e-4, real);
+            expect_close("indexer dscore in blocks " + tag, bdscore, dref, 1e-4, on_support);
+        }
         const int64_t per_token = cuda::indexer_scores_backward_bytes_per_token(T, HI);
         DeviceArray<uint8_t> ws(per_token * ((T + 2) / 3));
-        for (const bool gemm_form : {false, true}) {
-            SCOPED_TRACE(gemm_form ? "GEMM form" : "per-row kernel");
+        for (const auto& [gemm_form, blocks] : {std::pair{false, false}, std::pair{true, false},
+                                                std::pair{false, true}, std::pair{true, true}}) {
+            SCOPED_TRACE(
+                cat(gemm_form ? "GEMM form" : "per-row kernel", blocks ? " in blocks" : ""));
             DeviceArray<float> dwo(T * HI), dk(T * dI);
             DeviceArray<bf16> dq(T * HI * dI);
-            cuda::indexer_scores_backward(ctx(),
-                                          {.sparse = sparse,
-                                           .q = q.dev,
-                                           .k = k.dev,
-                                           .w = dw_in,
-                                           .dscore = dds,
-                                           .grad_scale = g,
-                                           .idx = didx,
-                                           .len = dlen,
-                                           .kslots = K,
-                                           .row_begin = rb,
-                                           .tokens = T,
-                                           .heads = HI,
-                                           .dim = dI,
-                                           .workspace = gemm_form ? ws.get() : nullptr,
-                                           .workspace_bytes = per_token * ((T + 2) / 3)},
-                                          dwo, dq, dk);
+            const int64_t step = blocks ? block : T;
+            if (blocks) cuda::fill(ctx(), dk, T * dI, 0.f);  // the blocks add into it
+            for (int64_t t0 = 0; t0 < T; t0 += step) {
+                const int64_t n = std::min(step, T - t0), keys = t0 + n;
+                std::vector<float> part(n * keys);
+                for (int64_t t = 0; t < n; ++t)
+                    std::copy_n(dpois.begin() + (t0 + t) * T, keys, part.begin() + t * keys);
+                DeviceArray<float> dpart(part);
+                // Three chunks of query rows per call in the GEMM form.
+                const int64_t ws_bytes =
+                    cuda::indexer_scores_backward_bytes_per_token(keys, HI) * ((n + 2) / 3);
+                ASSERT_LE(ws_bytes, per_token * ((T + 2) / 3));
+                cuda::indexer_scores_backward(ctx(),
+                                              {.sparse = sparse,
+                                               .q = q.dev + t0 * HI * dI,
+                                               .k = k.dev,
+                                               .w = dw_in + t0 * HI,
+                                               .dscore = dpart,
+                                               .grad_scale = g,
+                                               .idx = didx + t0 * K,
+                                               .len = dlen + t0,
+                                               .kslots = K,
+                                               .row_begin = rb + t0,
+                                               .tokens = n,
+                                               .heads = HI,
+                                               .dim = dI,
+                                               .first_row = t0,
+                                               .add_dk = blocks,
+                                               .workspace = gemm_form ? ws.get() : nullptr,
+                                               .workspace_bytes = ws_bytes},
+                                              dwo + t0 * HI, dq + t0 * HI * dI, dk);
+            }
             sync();
             std::vector<double> dwr(T * HI, 0), dqr(T * HI * dI, 0), dkr(T * dI, 0);
             for (int64_t t = 0; t < T; ++t)

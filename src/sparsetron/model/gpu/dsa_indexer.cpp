@@ -34,19 +34,23 @@ GpuDsaIndexer::GpuDsaIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffer
     knb_ = P.index(p + "k_norm.bias");
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
-    // The loss reads every row's scores after the attention (and writes their gradient), so
-    // with a loss they stay whole; without one each block's scores are used for its top-k and
-    // dropped. Blocks take the CP form of the kernels (query row t against key rows up to
-    // in.rows[t]), which the fused wgmma scores serve like the whole.
+    // Blocks take the CP form of the kernels (query row t against key rows up to in.rows[t]),
+    // which the fused wgmma scores serve like the whole. The forward keeps only each block's
+    // top-k; the loss (after the attention) scores each block again, so neither the scores nor
+    // their gradient is ever [rows, rows].
     const bool loss = c.dsa_indexer_loss_coeff != 0;
-    block_ = loss || cp_ ? Tn : std::min(Tn, kQueryBlock);
+    block_ = cp_ ? Tn : std::min(Tn, c.dsa_indexer_query_block);
     B.scratch(scores_, "dsa.scores", {block_, Tk_});
-    // The GEMM form of the scores pairs query row t with key row t: not under CP or in blocks.
-    dots_bytes_ = cp_ || block_ < Tn ? 0 : cuda::indexer_scores_workspace_bytes(Tn, HI_);
+    // The GEMM forms of the scores and of the loss backward pair query row t with key row t: not
+    // under CP. In blocks only the loss backward takes one, in chunks of kLossChunkRows rows.
+    dots_bytes_ = cp_            ? 0
+                  : block_ == Tn ? cuda::indexer_scores_workspace_bytes(Tn, HI_)
+                  : loss ? kLossChunkRows * cuda::indexer_scores_backward_bytes_per_token(Tn, HI_)
+                         : 0;
     dots_ = nullptr;
     if (dots_bytes_ > 0) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
     if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
-    if (loss) B.scratch(dscore_, "dsa.loss_grad", {Tn, Tk_});
+    if (loss) B.scratch(dscore_, "dsa.loss_grad", {block_, Tk_});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
     B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
     B.scratch(dwb_, "grad.dsa.weights_bf16", {Tn, HI_});
@@ -113,53 +117,22 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
                          double* sums) const {
     const double coeff = c_.dsa_indexer_loss_coeff;
     if (coeff == 0) return;
-    const bool sparse = c_.dsa_indexer_use_sparse_loss;
     const int64_t Tn = T_;
-    const int32_t* key_row = cp_ ? in.key_row : nullptr;
-    cuda::indexer_kl(ctx,
-                     {.sparse = sparse,
-                      .qabs = tc.q,
-                      .kabs = tc.k,
-                      .lse = tc.lse,
-                      .heads = tc.heads,
-                      .dl = tc.dim,
-                      .scale = tc.scale,
-                      .teacher_sum = sparse ? tc.prob_sum : nullptr,
-                      .scores = scores_,
-                      .idx = A.topk,
-                      .len = A.len,
-                      .kslots = K_,
-                      .row_begin = in.row_begin,
-                      .tokens = Tn,
-                      .key_row = key_row,
-                      .keys = Tk_},
-                     kl_, dscore_);
+    const bool backward = grad_scale != 0;
+    if (block_ == Tn) {
+        block_loss(ctx, A, in, tc, 0, Tn, backward);  // the forward's scores are still in scores_
+    } else {
+        // Every block adds its key gradients (each reaches the keys before its end).
+        if (backward) cuda::zero(ctx, dk32_, Tn * dI_ * int64_t(sizeof(float)));
+        for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
+            const int64_t n = std::min(block_, Tn - t0);
+            cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0,
+                                 n, HI_, dI_, scores_, nullptr, 0, in.rows + t0, t0 + n);
+            block_loss(ctx, A, in, tc, t0, n, backward);
+        }
+    }
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
-    if (grad_scale == 0) return;
-    // dI = g (q - p) with g = scale * coeff / rows (rows = the micro-batch's real rows), read from
-    // the device (in.loss_scales[1]) so a captured step follows each micro-batch's value.
-    // Under CP the key side lands on every micro-batch row's k_I: summed over the CP group, then
-    // this rank's rows (dk32_).
-    cuda::indexer_scores_backward(ctx,
-                                  {.sparse = sparse,
-                                   .q = A.q,
-                                   .k = cp_ ? A.kkeys : A.k,
-                                   .w = A.w,
-                                   .dscore = dscore_,
-                                   .grad_scale = 1.f,
-                                   .grad_scale_dev = in.loss_scales + 1,
-                                   .idx = A.topk,
-                                   .len = A.len,
-                                   .kslots = K_,
-                                   .row_begin = in.row_begin,
-                                   .tokens = Tn,
-                                   .heads = HI_,
-                                   .dim = dI_,
-                                   .key_row = key_row,
-                                   .keys = Tk_,
-                                   .workspace = dots_,
-                                   .workspace_bytes = dots_bytes_},
-                                  dw32_, dq_, cp_ ? keys_f32_ : dk32_);
+    if (!backward) return;
     if (cp_) {
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::keys_to_rows(ctx, keys_f32_, dI_, in.key_row, Tn, dk32_);
@@ -179,6 +152,59 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
                              P_.grad_to_add(ctx, knw_), P_.grad_to_add(ctx, knb_), S_.norm_ws);
     gemm(ctx, true, false, dI_, h_, Tn, 1.f, dkraw_, dI_, a, h_, P_.grad_beta(wk_), P_[wk_].grad,
          h_, BF, F32);
+}
+
+void GpuDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                               const Teacher& tc, int64_t t0, int64_t n, bool backward) const {
+    const bool sparse = c_.dsa_indexer_use_sparse_loss;
+    const int32_t* key_row = cp_ ? in.key_row : nullptr;
+    cuda::indexer_kl(ctx,
+                     {.sparse = sparse,
+                      .qabs = tc.q ? tc.q + t0 * tc.heads * tc.dim : nullptr,
+                      .kabs = tc.k,
+                      .lse = tc.lse ? tc.lse + t0 : nullptr,
+                      .heads = tc.heads,
+                      .dl = tc.dim,
+                      .scale = tc.scale,
+                      .teacher_sum = sparse && tc.prob_sum ? tc.prob_sum + t0 * K_ : nullptr,
+                      .scores = scores_,
+                      .idx = A.topk + t0 * K_,
+                      .len = A.len + t0,
+                      .kslots = K_,
+                      .row_begin = in.row_begin + t0,
+                      .tokens = n,
+                      .key_row = key_row,
+                      .keys = Tk_,
+                      .first_row = t0,
+                      .lse_ld = T_},
+                     kl_ + t0, dscore_);
+    if (!backward) return;
+    // dI = g (q - p) with g = scale * coeff / rows (rows = the micro-batch's real rows), read from
+    // the device (in.loss_scales[1]) so a captured step follows each micro-batch's value.
+    // Under CP the key side lands on every micro-batch row's k_I (keys_f32_); the blocks add
+    // theirs into dk32_.
+    cuda::indexer_scores_backward(ctx,
+                                  {.sparse = sparse,
+                                   .q = A.q + t0 * HI_ * dI_,
+                                   .k = cp_ ? A.kkeys : A.k,
+                                   .w = A.w + t0 * HI_,
+                                   .dscore = dscore_,
+                                   .grad_scale = 1.f,
+                                   .grad_scale_dev = in.loss_scales + 1,
+                                   .idx = A.topk + t0 * K_,
+                                   .len = A.len + t0,
+                                   .kslots = K_,
+                                   .row_begin = in.row_begin + t0,
+                                   .tokens = n,
+                                   .heads = HI_,
+                                   .dim = dI_,
+                                   .key_row = key_row,
+                                   .keys = Tk_,
+                                   .first_row = t0,
+                                   .add_dk = block_ < T_,
+                                   .workspace = dots_,
+                                   .workspace_bytes = dots_bytes_},
+                                  dw32_ + t0 * HI_, dq_ + t0 * HI_ * dI_, cp_ ? keys_f32_ : dk32_);
 }
 
 }  // namespace sparsetron::gpu

@@ -46,10 +46,16 @@ class GpuDsaIndexer {
     float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
-    // Query rows scored at once: all rows, or (no indexer loss, no CP, long micro-batches)
-    // blocks of kQueryBlock rows, so the fp32 scores are [block, key rows], not [rows, rows].
-    static constexpr int64_t kQueryBlock = 4096;
+    // Query rows scored at once: all rows, or (no CP, long micro-batches) blocks of
+    // dsa_indexer_query_block rows, so the fp32 scores (and the loss's gradient) are
+    // [block, key rows], not [rows, rows].
+    // Query rows per chunk of the blocks' loss backward (its GEMM form's workspace holds the
+    // per-head logits of this many rows against every key row: linear in the length).
+    static constexpr int64_t kLossChunkRows = 64;
     int64_t block_;
+    // The loss and its gradient over query rows [t0, t0 + n), whose scores are in scores_.
+    void block_loss(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const Teacher& t,
+                    int64_t t0, int64_t n, bool backward) const;
     float *scores_, *dscore_ = nullptr, *kl_, *dw32_, *dk32_;
     float* dots_;  // indexer_scores' GEMM workspace
     int64_t dots_bytes_;

@@ -96,10 +96,8 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             auto m = std::make_unique<MtpActs>();
-            B_.act(m->e, a + "embedding", {Tn, h});
-            B_.act(m->en, a + "enorm_out", {Tn, h});
+            B_.scratch(m->e, "mtp.embedding", {Tn, h});
             B_.act(m->rstd_e, a + "enorm_rstd", {Tn});
-            B_.act(m->hn, a + "hnorm_out", {Tn, h});
             B_.act(m->rstd_h, a + "hnorm_rstd", {Tn});
             B_.act(m->cat, a + "concat", {Tn, 2 * h});
             B_.act(m->hin, a + "layer_in", {Tn, h});
@@ -432,7 +430,7 @@ cuda::HeadLoss GpuGlm5Model::head_loss(const bf16* h, const int32_t* targets, co
 void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
                                ActivationOffload* off) {
     const auto& c = cfg_;
-    const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
+    const int64_t h = c.hidden_size, Tn = T_;
     const float eps = float(c.norm_epsilon);
     const bf16* prev = h_final_;
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
@@ -440,10 +438,10 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
         MtpActs& A = *mtp_[k];
         const MtpLayer& M = mtp_at(k);
         cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
-        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.en, h, A.rstd_e);
-        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.hn, h, A.rstd_h);
-        cuda::copy_2d(ctx, A.cat, 2 * h * B2, A.en, h * B2, h * B2, Tn);  // embedding half first
-        cuda::copy_2d(ctx, A.cat + h, 2 * h * B2, A.hn, h * B2, h * B2, Tn);
+        // The embedding half first.
+        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.cat, 2 * h, A.rstd_e);
+        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h,
+                              A.rstd_h);
         if (fp8_)
             fp8_->forward(ctx, M.feh, A.cat, A.hin, h, false);
         else
@@ -551,6 +549,7 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) 
             gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
                  P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad, 2 * h, BF, F32);
         }
+        cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);
         cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[M.enorm].w, A.rstd_e, Tn, h,
                                dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);
         if (!c.mtp_detach_heads)

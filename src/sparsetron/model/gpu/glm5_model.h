@@ -89,7 +89,9 @@ class GpuGlm5Model {
   private:
     struct MtpActs {
         int32_t *ids, *targets;
-        bf16 *e, *en, *hn, *cat, *hin, *hout, *hz, *dzk;
+        // e: the embedding rows, one buffer every depth shares (the backward gathers them
+        // again); cat: the two normalized halves [enorm(e), hnorm(prev)], written by the norms.
+        bf16 *e, *cat, *hin, *hout, *hz, *dzk;
         float *rstd_e, *rstd_h, *rstd_z;
         GpuDecoderLayer::Acts layer;
     };

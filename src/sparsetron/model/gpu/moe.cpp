@@ -61,10 +61,12 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
              "moe_paged_stash with expert parallelism is not implemented on "
              "CUDA yet: set moe_paged_stash: false");
     rows_ = W_ == 1 ? R : c.moe_ep_received_rows(tokens);
-    B.scratch(dxperm_, "grad.moe.x_permuted", {R, h_});
-    B.scratch(doutperm_, "grad.moe.out_permuted", {R, h_});
-    B.scratch(dact_, "grad.moe.act", {rows_, F_});
-    B.scratch(dg_, "grad.moe.gate", {rows_, F_});
+    // The backward's row buffers share storage where one is dead before the other is written
+    // (backward() names the second use): the output gradients are read last by the down
+    // projection's weight gradient, before the input gradients are written; the SwiGLU backward
+    // reads each element of the activation's gradient before writing the gate's in its place.
+    B.scratch(doutperm_, "grad.moe.out_then_x_permuted", {R, h_});
+    B.scratch(dact_, "grad.moe.act_then_gate", {rows_, F_});
     B.scratch(du_, "grad.moe.up", {rows_, F_});
     if (W_ > 1) {
         B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
@@ -94,7 +96,9 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
 void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     const int64_t Tn = T_, R = T_ * k_;
     A = Acts{};
-    B.act(A.m32, p + "router_input_f32", {Tn, h_});
+    // The router's fp32 input is the exact widening of the bf16 one: the backward makes it
+    // again, so every application shares one buffer.
+    B.scratch(A.m32, "moe.router_input_f32", {Tn, h_});
     B.act(A.logits, p + "router_logits", {Tn, E_});
     B.act(A.probs, p + "router_probs", {Tn, E_});
     B.act(A.gates, p + "router_gates", {Tn, k_});
@@ -103,8 +107,10 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.offsets, p + "expert_offsets", {E_ + 1});
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
-    // The routed experts' rows (expert_fc1: their input and gate / up outputs; moe_act: the SwiGLU
-    // output; their output rows with fused_group_mlp), kept, recomputed or offloaded.
+    // The routed experts' rows (expert_fc1: their gate / up outputs; moe_act: the SwiGLU output;
+    // their output rows with fused_group_mlp), kept, recomputed or offloaded. Without expert
+    // parallelism the gathered input rows are not kept: the backward gathers them again from the
+    // layer's input (the same copy), so every application shares one buffer.
     using S = GpuBuffers::Saving;
     const S fc1 = saving(c_, nullptr, "expert_fc1"), act = saving(c_, "moe_act", "moe_act"),
             out = saving(c_, nullptr, "expert_out");
@@ -126,7 +132,7 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.scratch(A.out_perm, "moe.work.expert_out", {R, h_});
         stash_->declare_table(A.stash_table, B, p);
     } else {
-        B.saved(fc1, A.xperm, p + "x_permuted", "", {R, h_});
+        B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
         B.saved(fc1, A.g, p + "expert_gate", "", {R, F_});
         B.saved(fc1, A.u, p + "expert_up", "", {R, F_});
         B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act", {R, F_});
@@ -183,14 +189,17 @@ void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, 
 void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                            bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
+    bf16 *const dxperm = doutperm_, *const dg = dact_;  // shared storage (the constructor)
     if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
         // kernels on the same values: bit-identical to what the forward used).
         stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
         cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
-    } else if (recompute_act_) {
-        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
+    } else {
+        if (W_ == 1) cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+        if (recompute_act_)
+            cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
     }
     // Expert parallelism: the output gradients, written straight into the exchange's region,
     // to the experts' ranks; the input gradients come back the same way.
@@ -210,21 +219,22 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
     cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));
     if (fp8_)
-        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg_, du_, rows8(0), rows8(1));
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg, du_, rows8(0), rows8(1));
     else
-        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg_, du_);
-    bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm_;
+        cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_ * F_, dg, du_);
+    bf16* dx = W_ > 1 ? ep_->begin_send(ctx) : dxperm;
     // The SwiGLU backward wrote both FP8 copies: the gate's input gradient in slot 0, the up
     // projection's in slot 1.
-    expert_gemm(ctx, L, gate0_, true, dg_, dx, false, fp8_ != nullptr, 0);
+    expert_gemm(ctx, L, gate0_, true, dg, dx, false, fp8_ != nullptr, 0);
     expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_ != nullptr, 1);
-    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg_, A.xperm, gate.grad, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate.grad, gs, add));
     cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
-    if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm_);
-    cuda::moe_gather_backward(ctx, dxperm_, A.slot_row, Tn, k_, h_, dm, false);
+    if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm);
+    cuda::moe_gather_backward(ctx, dxperm, A.slot_row, Tn, k_, h_, dm, false);
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
                           float(c_.moe_router_topk_scaling_factor), dlogits_);
+    cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
     gemm(ctx, true, false, E_, h_, Tn, 1.f, dlogits_, E_, A.m32, h_, P_.grad_beta(router_),
          P_[router_].grad, h_, F32, F32);
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);

@@ -102,7 +102,7 @@ class GpuMoeLayer {
     float* fp8_row_scales_[2] = {nullptr, nullptr};
     // Slot `slot`'s rows as a producer's FP8 output (none when the experts run bf16).
     cuda::Fp8RowsOut rows8(int slot) const;
-    bf16 *dxperm_, *doutperm_, *dact_, *dg_, *du_, *dlogits_bf_;
+    bf16 *doutperm_, *dact_, *du_, *dlogits_bf_;
     float *dgates_, *dlogits_;
     int64_t *load_, *dropped_;
 };

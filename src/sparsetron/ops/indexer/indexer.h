@@ -80,7 +80,10 @@ void topk_rows(const ExecContext& ctx, const float* scores, int64_t ld, const in
 // qabs [T, H, dl] and kabs [T, dl] are the absorbed query and latent key (bf16).
 // teacher_sum (sparse loss only, may be null): the attention's Σ_h P [T, kslots] from
 // sparse_mqa_forward; when given, qabs/kabs/lse are not read. Context parallelism: key_row[t] is
-// query row t's micro-batch row and scores rows are `keys` long.
+// query row t's micro-batch row and scores rows are `keys` long. A block of query rows (no CP):
+// the rows are micro-batch rows first_row .. first_row + tokens - 1 (qabs, teacher_sum, scores,
+// idx, len, row_begin, kl and dscore given from the block's first row, lse from its column
+// first_row with rows lse_ld apart), their scores and dscore rows first_row + tokens long.
 struct IndexerKl {
     bool sparse = true;
     const bf16* qabs = nullptr;
@@ -97,12 +100,18 @@ struct IndexerKl {
     int64_t tokens = 0;
     const int32_t* key_row = nullptr;
     int64_t keys = 0;
+    int64_t first_row = 0;
+    int64_t lse_ld = 0;  // the LSE's row stride: `tokens` when 0
 };
 void indexer_kl(const ExecContext& ctx, const IndexerKl& p, float* kl, float* dscore);
 // Back through the scores: with g = dscore * grad_scale on the support,
 //   dw[t, j] = Σ_s g relu'(.) (q_tj·k_s), dq[t, j] = Σ_s g w[t, j] 1[q·k > 0] k_s (bf16),
-//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first; [keys] rows under CP).
-// grad_scale_dev (a device scalar, may be null) multiplies grad_scale.
+//   dk[s] += Σ_t g w[t, j] 1[q·k > 0] q_tj (fp32, zeroed first unless add_dk; [keys] rows under
+//   CP, first_row + tokens rows for a block).
+// grad_scale_dev (a device scalar, may be null) multiplies grad_scale. A block of query rows (no
+// CP) as in IndexerKl: q, w, dscore, idx, len, row_begin, dw and dq from the block's first row,
+// k and dk whole; the blocks of a micro-batch add their key gradients into one dk, zeroed
+// before the first, with add_dk.
 struct IndexerScoresBackward {
     bool sparse = true;
     const bf16* q = nullptr;
@@ -118,6 +127,8 @@ struct IndexerScoresBackward {
     int64_t tokens = 0, heads = 0, dim = 0;
     const int32_t* key_row = nullptr;
     int64_t keys = 0;
+    int64_t first_row = 0;
+    bool add_dk = false;
     void* workspace = nullptr;
     int64_t workspace_bytes = 0;
 };
@@ -126,8 +137,9 @@ void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward
 // With a workspace (and no key_row) the backward runs as GEMMs over chunks of query tokens: the
 // per-head logits Q K^T (fp32) against every earlier key, one kernel forming their gradient
 // (bf16, 0 off the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic).
-// Otherwise a kernel per query row with atomics. Bytes of workspace per query token of a chunk:
-int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads);
+// Otherwise a kernel per query row with atomics. Bytes of workspace per query token of a chunk
+// whose rows score `keys` key rows (the micro-batch's rows, or a block's first_row + tokens):
+int64_t indexer_scores_backward_bytes_per_token(int64_t keys, int64_t heads);
 // Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);

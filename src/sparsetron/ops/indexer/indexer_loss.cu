@@ -18,9 +18,10 @@ struct Support {
     int64_t kslots;
     const int32_t* key_row;  // context parallelism: query row t is key row key_row[t]
     int64_t keys;            // key rows (the scores' row length)
+    int64_t row0;            // a block of query rows (no CP): row t is micro-batch row row0 + t
     __device__ int64_t count(int64_t t) const {
         if (sparse) return len[t];
-        return row_begin[t] < 0 ? 0 : (key_row ? int64_t(key_row[t]) : t) - row_begin[t] + 1;
+        return row_begin[t] < 0 ? 0 : (key_row ? int64_t(key_row[t]) : row0 + t) - row_begin[t] + 1;
     }
     __device__ int64_t key(int64_t t, int64_t j) const {
         return sparse ? idx[t * kslots + j] : row_begin[t] + j;
@@ -29,7 +30,7 @@ struct Support {
 
 __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, const float* lse,
                                   int64_t heads, int64_t dl, float scale, const float* scores,
-                                  int64_t tokens, float* kl, float* dscore,
+                                  int64_t lse_ld, float* kl, float* dscore,
                                   const float* teacher_sum) {
     extern __shared__ float smem[];
     const int64_t t = blockIdx.x, n = sup.count(t);
@@ -58,7 +59,7 @@ __global__ void indexer_kl_kernel(Support sup, const bf* qabs, const bf* kabs, c
         __syncthreads();
         float l;
         if (sup.sparse) {
-            l = lse[h * tokens + t];
+            l = lse[h * lse_ld + t];
         } else {
             float mx = -INFINITY;
             for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, z[j]);
@@ -244,15 +245,17 @@ void indexer_kl(const ExecContext& ctx, const IndexerKl& p, float* kl, float* ds
     int64_t keys = p.keys;
     if (tokens == 0) return;
     ST_ASSERT(!teacher_sum || sparse, "indexer_kl: a teacher sum is the sparse loss's");
-    if (!key_row) keys = tokens;
+    ST_ASSERT(!key_row || p.first_row == 0, "indexer_kl: a block of query rows is not under CP");
+    if (!key_row) keys = p.first_row + tokens;
+    const int64_t lse_ld = p.lse_ld > 0 ? p.lse_ld : tokens;
     const int64_t nmax = sparse ? kslots : keys;
     const size_t smem = (dl + 2 * nmax) * sizeof(float);
     ST_CHECK(smem <= 200 * 1024, "indexer_kl: a support of ", nmax, " keys does not fit");
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_kl_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_kl_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
-        Support{sparse, idx, len, row_begin, kslots, key_row, keys}, dev(qabs), dev(kabs), lse,
-        heads, dl, scale, scores, tokens, kl, dscore, teacher_sum);
+        Support{sparse, idx, len, row_begin, kslots, key_row, keys, p.first_row}, dev(qabs),
+        dev(kabs), lse, heads, dl, scale, scores, lse_ld, kl, dscore, teacher_sum);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -262,8 +265,8 @@ int64_t dlogits_ld(int64_t keys) {
 }
 }  // namespace
 
-int64_t indexer_scores_backward_bytes_per_token(int64_t tokens, int64_t heads) {
-    return heads * dlogits_ld(tokens) * int64_t(sizeof(float) + sizeof(bf16));
+int64_t indexer_scores_backward_bytes_per_token(int64_t keys, int64_t heads) {
+    return heads * dlogits_ld(keys) * int64_t(sizeof(float) + sizeof(bf16));
 }
 
 void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward& p, float* dw,
@@ -278,31 +281,34 @@ void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward
     void* workspace = p.workspace;
     const int64_t workspace_bytes = p.workspace_bytes;
     if (tokens == 0) return;
-    if (!key_row) keys = tokens;
-    zero(ctx, dk, keys * dim * sizeof(float));
-    const int64_t per_token = indexer_scores_backward_bytes_per_token(tokens, heads);
+    const int64_t row0 = p.first_row;
+    ST_ASSERT(!key_row || row0 == 0,
+              "indexer_scores_backward: a block of query rows is not under CP");
+    if (!key_row) keys = row0 + tokens;
+    if (!p.add_dk) zero(ctx, dk, keys * dim * sizeof(float));
+    const int64_t per_token = indexer_scores_backward_bytes_per_token(keys, heads);
     if (workspace && !key_row && workspace_bytes >= per_token) {
-        // Chunks of cq query tokens against keys 0 .. t1-1 (every support key precedes its
-        // query): D = Q_c K^T (fp32), dD (bf16) and dw, dq_c = dD K, dk += dD^T Q_c.
+        // Chunks of cq query tokens against keys 0 .. row0 + t1 - 1 (every support key precedes
+        // its query): D = Q_c K^T (fp32), dD (bf16) and dw, dq_c = dD K, dk += dD^T Q_c.
         const int64_t cq = std::min(tokens, workspace_bytes / per_token);
         const auto BF = DType::BF16, F32 = DType::F32;
-        const Support sup{sparse, idx, len, row_begin, kslots, nullptr, keys};
+        const Support sup{sparse, idx, len, row_begin, kslots, nullptr, keys, row0};
         for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
             const int64_t t1 = std::min(tokens, t0 + cq), rows = (t1 - t0) * heads;
-            const int64_t ld = dlogits_ld(t1);
+            const int64_t kc = row0 + t1, ld = dlogits_ld(kc);
             float* dots = static_cast<float*>(workspace);
             bf* dd = reinterpret_cast<bf*>(dots + rows * ld);
             const bf16* qc = q + t0 * heads * dim;
-            gemm(ctx, false, true, rows, t1, dim, 1.f, qc, dim, k, dim, 0.f, dots, ld, BF, F32);
+            gemm(ctx, false, true, rows, kc, dim, 1.f, qc, dim, k, dim, 0.f, dots, ld, BF, F32);
             const size_t smem = size_t((ld + 31) / 32) * sizeof(uint32_t);
             indexer_dlogits_kernel<<<dim3(unsigned(t1 - t0),
                                           unsigned((heads + kWarps - 1) / kWarps)),
                                      kThreads, smem, stream_of(ctx)>>>(
                 sup, dots, dd, ld, dscore, grad_scale, grad_scale_dev, w, t0, heads, dw);
             ST_CUDA_LAUNCH_CHECK();
-            gemm(ctx, false, false, rows, dim, t1, 1.f, dd, ld, k, dim, 0.f, dq + t0 * heads * dim,
+            gemm(ctx, false, false, rows, dim, kc, 1.f, dd, ld, k, dim, 0.f, dq + t0 * heads * dim,
                  dim, BF, BF);
-            gemm(ctx, true, false, t1, dim, rows, 1.f, dd, ld, qc, dim, 1.f, dk, dim, BF, F32);
+            gemm(ctx, true, false, kc, dim, rows, 1.f, dd, ld, qc, dim, 1.f, dk, dim, BF, F32);
         }
         return;
     }
@@ -311,8 +317,8 @@ void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward
     ST_CUDA_CHECK(cudaFuncSetAttribute(indexer_scores_bwd_kernel,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
     indexer_scores_bwd_kernel<<<tokens, kThreads, smem, stream_of(ctx)>>>(
-        Support{sparse, idx, len, row_begin, kslots, key_row, keys}, dev(q), dev(k), w, dscore,
-        grad_scale, grad_scale_dev, tokens, heads, dim, dw, dev(dq), dk);
+        Support{sparse, idx, len, row_begin, kslots, key_row, keys, row0}, dev(q), dev(k), w,
+        dscore, grad_scale, grad_scale_dev, tokens, heads, dim, dw, dev(dq), dk);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# One device call: the GPU tests, then the long-context benches of this change.
+# On nvidia-h200, one call: test_gpu, then the proxy's backbone at 4K and 32K (recompute
+# mla_up_proj, layernorm, moe_act) and the full step at 4K and 16K (recompute core_attn +
+# mla_up_proj, offload expert_fc1 + fused_group_mlp; the indexer loss in 4096-row blocks against one
+# block) as graph replays. Logs and bench.jsonl into $OUT. Usage: OUT=dir long-context-streamed-loss.sh COMMIT
 set -uo pipefail
 out=${OUT:?} c=${1:?commit}
 R=recipes/glm5.2-proxy-h200.yaml

@@ -310,21 +310,27 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
 
 // What the backward rebuilds exactly from what it keeps is planned once, not per application: the
 // routed experts' gathered input rows and the router's fp32 input (from the layer's input), the MTP
-// depths' embedding rows (from the token ids); the MTP norms write straight into the concatenated
-// eh_proj input. The MoE backward's output and input row gradients share one buffer, as do the
-// activation's and the gate's gradients.
+// depths' embedding rows and eh_proj input (from the token ids and the previous depth's output; the
+// norms write straight into it), the MTP head-norm output (made per depth, or per chunk of rows for
+// e2e_tv, where the loss reads it). The MoE backward's output and input row gradients share one
+// buffer, as do the activation's and the gate's gradients.
 TEST(Plan, RowsTheBackwardRebuildsArePlannedOnce) {
 #if SPARSETRON_WITH_CUDA
     const MemoryPlan p = proxy_device_plan({"seq_length=8192"});
     for (const char* per_application :
          {"layers.2.moe.x_permuted", "layers.3.moe.router_input_f32", "mtp.depth1.embedding",
           "mtp.depth7.moe.x_permuted", "mtp.depth1.enorm_out", "mtp.depth2.hnorm_out",
-          "grad.moe.x_permuted", "grad.moe.gate"})
+          "mtp.depth1.concat", "mtp.depth3.head_norm_out", "grad.moe.x_permuted", "grad.moe.gate"})
         EXPECT_FALSE(plan_has(p, per_application)) << per_application;
     for (const char* shared :
-         {"moe.work.x_permuted", "moe.router_input_f32", "mtp.embedding", "mtp.depth1.concat",
-          "grad.moe.out_then_x_permuted", "grad.moe.act_then_gate"})
+         {"moe.work.x_permuted", "moe.router_input_f32", "mtp.embedding", "mtp.concat",
+          "mtp.head_norm_out", "grad.moe.out_then_x_permuted", "grad.moe.act_then_gate"})
         EXPECT_TRUE(plan_has(p, shared)) << shared;
+    // e2e_tv reads the head-norm output one chunk of rows (the recipe's loss_chunk_rows) at a time.
+    for (const PlanEntry& e : p.entries())
+        if (e.name == "mtp.head_norm_out") {
+            EXPECT_EQ(e.shape, (std::vector<int64_t>{512, 6144}));
+        }
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

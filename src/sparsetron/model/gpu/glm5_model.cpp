@@ -99,10 +99,9 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             B_.scratch(m->e, "mtp.embedding", {Tn, h});
             B_.act(m->rstd_e, a + "enorm_rstd", {Tn});
             B_.act(m->rstd_h, a + "hnorm_rstd", {Tn});
-            B_.act(m->cat, a + "concat", {Tn, 2 * h});
+            B_.scratch(m->cat, "mtp.concat", {Tn, 2 * h});
             B_.act(m->hin, a + "layer_in", {Tn, h});
             B_.act(m->hout, a + "layer_out", {Tn, h});
-            B_.act(m->hz, a + "head_norm_out", {Tn, h});
             B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
             B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
             const GpuDecoderLayer& layer = *mtp_at(k - 1).layer;
@@ -119,6 +118,8 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
         B_.scratch(dmtp_cat_, "grad.mtp.concat", {Tn, 2 * h});
         B_.scratch(dmtp_z_, "grad.mtp.layer_out", {Tn, h});
         B_.scratch(dmtp_e_, "grad.mtp.embedding", {Tn, h});
+        B_.scratch(mtp_hz_, "mtp.head_norm_out",
+                   {cfg.mtp_loss_type == "e2e_tv" ? std::min(Tn, chunk_rows_) : Tn, h});
         if (cfg.mtp_loss_type == "e2e_tv") {
             // Depth k's targets are the main head's rows shifted by k + 1: without CP one block
             // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
@@ -431,17 +432,11 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
                                ActivationOffload* off) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
-    const float eps = float(c.norm_epsilon);
-    const bf16* prev = h_final_;
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     for (int64_t k = 0; k < D_; ++k) {
         MtpActs& A = *mtp_[k];
         const MtpLayer& M = mtp_at(k);
-        cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
-        // The embedding half first.
-        cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.cat, 2 * h, A.rstd_e);
-        cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h,
-                              A.rstd_h);
+        mtp_concat(ctx, k);
         if (fp8_)
             fp8_->forward(ctx, M.feh, A.cat, A.hin, h, false);
         else
@@ -450,8 +445,6 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
         if (off) off->before_forward(c.num_layers + k);
         M.layer->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
         if (off) off->after_forward(c.num_layers + k);
-        cuda::rmsnorm_forward(ctx, A.hout, h, (*P_)[M.norm].w, Tn, h, eps, A.hz, h, A.rstd_z);
-        prev = A.hout;
     }
     if (c.mtp_loss_type == "e2e_tv") {
         mtp_tv(ctx, sc);
@@ -459,12 +452,32 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
     }
     for (int64_t k = 0; k < D_; ++k) {
         float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
+        mtp_head_norm(ctx, k, 0, Tn);
         cuda::head_cross_entropy(ctx,
-                                 head_loss(mtp_[k]->hz, mtp_[k]->targets, in_.loss_scales + 2 + k,
+                                 head_loss(mtp_hz_, mtp_[k]->targets, in_.loss_scales + 2 + k,
                                            dw ? P_->grad_beta(head_) : 1.f),
                                  row_loss_, sc.backward ? mtp_[k]->dzk : nullptr, dw);
         cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
     }
+}
+
+void GpuGlm5Model::mtp_concat(const ExecContext& ctx, int64_t k) const {
+    const int64_t h = cfg_.hidden_size, Tn = T_;
+    const float eps = float(cfg_.norm_epsilon);
+    const MtpActs& A = *mtp_[k];
+    const MtpLayer& M = mtp_at(k);
+    const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
+    cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
+    // The embedding half first.
+    cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.cat, 2 * h, A.rstd_e);
+    cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h, A.rstd_h);
+}
+
+void GpuGlm5Model::mtp_head_norm(const ExecContext& ctx, int64_t k, int64_t r0, int64_t n) const {
+    const int64_t h = cfg_.hidden_size;
+    const MtpActs& A = *mtp_[k];
+    cuda::rmsnorm_forward(ctx, A.hout + r0 * h, h, (*P_)[mtp_at(k).norm].w, n, h,
+                          float(cfg_.norm_epsilon), mtp_hz_, h, A.rstd_z + r0);
 }
 
 void GpuGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
@@ -507,8 +520,8 @@ void GpuGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
             } else if (tv_per_depth_) {
                 targets(p, r0 + k + 1, n);
             }
-            gemm(ctx, false, true, n, V, h, 1.f, mtp_[k]->hz + r0 * h, h, head, h, 0.f, q, V, BF,
-                 F32);
+            mtp_head_norm(ctx, k, r0, n);
+            gemm(ctx, false, true, n, V, h, 1.f, mtp_hz_, h, head, h, 0.f, q, V, BF, F32);
             cuda::tv_draft_softmax_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0,
                                            tv_below_ + k * Tn + r0);
         }
@@ -540,6 +553,7 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) 
         if (off) off->before_backward(c.num_layers + k);
         M.layer->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
         if (off) off->after_backward(c.num_layers + k);
+        mtp_concat(ctx, k);
         if (fp8_) {
             fp8_->dgrad(ctx, M.feh, dmtp_z_, dmtp_cat_, false);
             fp8_->wgrad(ctx, M.feh, dmtp_z_, A.cat);
@@ -549,7 +563,6 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) 
             gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
                  P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad, 2 * h, BF, F32);
         }
-        cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);
         cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[M.enorm].w, A.rstd_e, Tn, h,
                                dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);
         if (!c.mtp_detach_heads)

@@ -89,14 +89,19 @@ class GpuGlm5Model {
   private:
     struct MtpActs {
         int32_t *ids, *targets;
-        // e: the embedding rows, one buffer every depth shares (the backward gathers them
-        // again); cat: the two normalized halves [enorm(e), hnorm(prev)], written by the norms.
-        bf16 *e, *cat, *hin, *hout, *hz, *dzk;
+        // e, cat: the embedding rows and the eh_proj input [enorm(e), hnorm(prev)] (the norms
+        // write its halves), one buffer each that every depth shares: the backward makes both
+        // again from the token ids, the previous depth's output and the kept rstd.
+        bf16 *e, *cat, *hin, *hout, *dzk;
         float *rstd_e, *rstd_h, *rstd_z;
         GpuDecoderLayer::Acts layer;
     };
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
     void mtp_forward(const ExecContext& ctx, const LossScales& sc, ActivationOffload* off);
+    // Depth k's eh_proj input into A.cat (its rstd too): the forward's kernels on the same rows.
+    void mtp_concat(const ExecContext& ctx, int64_t k) const;
+    // Depth k's head-norm output of rows [r0, r0 + n) into mtp_hz_ (and their rstd).
+    void mtp_head_norm(const ExecContext& ctx, int64_t k, int64_t r0, int64_t n) const;
     void mtp_tv(const ExecContext& ctx, const LossScales& sc);
     // The output head with cross-entropy on rows h [T, hidden] against `targets`, its gradient
     // scaled by the device scalar `scale` and its weight gradient written with `dw_beta`.
@@ -145,6 +150,9 @@ class GpuGlm5Model {
     std::vector<std::unique_ptr<MtpActs>> mtp_;
     GpuInputs in_;
     bf16 *h_final_, *dx_, *dh_, *dlogits_, *dmtp_h_, *dmtp_cat_, *dmtp_z_, *dmtp_e_;
+    // The MTP head-norm output of the rows the loss is at: every row of one depth (cross
+    // entropy), one chunk of rows (e2e_tv); its gradient is kept per depth (dzk).
+    bf16* mtp_hz_ = nullptr;
     float *rstd_final_, *logits_, *row_loss_, *dmtp_kv_ = nullptr;
     float *tv_p_ = nullptr, *tv_q_ = nullptr, *tv_alpha_ = nullptr, *tv_dalpha_ = nullptr;
     float* tv_below_ = nullptr;

@@ -255,11 +255,35 @@ TEST(CudaModel, DistinctMtpLayersMatchCpu) {
     run_parity(cfg, "distinct MTP layers");
 }
 
-// `r` against `a`, with `a2` a second run of `a`'s: where the step is deterministic (`a2` agrees
-// with `a` bit for bit), bit for bit; otherwise the losses within 1e-6 and every gradient within
-// twice the run-to-run spread (normalized per tensor).
+// The forms the memory-saving modes are checked on, each run on one configuration:
+// the masked expanded attention with the absorbed, kv-sharing MTP layer (the base recipe), the
+// gathered absorbed form everywhere (top-k 16 of 128 keys), dense attention without DSA, and FP8
+// blockwise linears. `deterministic`: two runs agree bit for bit (no backward accumulates with
+// atomics; the gathered sparse attention and the dense attention do).
+struct SameStepCase {
+    const char* tag;
+    ModelConfig cfg;
+    bool fp8, deterministic;
+};
+std::vector<SameStepCase> same_step_cases(const ModelConfig& base) {
+    std::vector<SameStepCase> cases = {{"masked + absorbed MTP", base, false, true},
+                                       {"gathered absorbed", base, false, false},
+                                       {"dense attention", base, false, false},
+                                       {"fp8 blockwise", base, true, true}};
+    cases[1].cfg.dsa_indexer_topk = 16;
+    cases[2].cfg.experimental_attention_variant = "none";
+    cases[2].cfg.dsa_indexer_loss_coeff = 0;
+    for (SameStepCase& k : cases) k.cfg.moe_router_force_load_balancing = true;
+    return cases;
+}
+
+// `r` against `a`, with `a2` a second run of `a`'s. A deterministic form: `a2` equals `a` and `r`
+// equals `a`, bit for bit. Otherwise the losses within 1e-6 and every gradient within twice the
+// run-to-run spread plus 1e-5 (normalized per tensor): two runs of fp32 atomics may happen to agree
+// while a third differs in the last bits.
 void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& params,
-                      const GpuResult& a, const GpuResult& a2, const GpuResult& r) {
+                      const SameStepCase& k, const GpuResult& a, const GpuResult& a2,
+                      const GpuResult& r) {
     auto spread = [&](const GpuResult& x, std::string* worst) {
         double w = 0;
         for (size_t i = 0; i < params.size(); ++i) {
@@ -279,42 +303,26 @@ void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& para
     std::cout << "[" << tag << "] lm " << r.sums.lm_loss_sum << " vs " << a.sums.lm_loss_sum
               << ", run-to-run " << noise << ", difference " << diff << " (" << w2 << ")\n";
     EXPECT_GT(a.sums.lm_loss_sum, 0);
-    if (noise == 0 && a2.sums.lm_loss_sum == a.sums.lm_loss_sum) {
+    if (k.deterministic) {
+        EXPECT_EQ(noise, 0) << tag << ": two runs differ in " << w1;
+        EXPECT_EQ(a2.sums.lm_loss_sum, a.sums.lm_loss_sum) << tag;
         EXPECT_EQ(r.sums.lm_loss_sum, a.sums.lm_loss_sum) << tag;
         EXPECT_EQ(r.sums.mtp_sum, a.sums.mtp_sum) << tag;
         EXPECT_EQ(r.sums.indexer_loss, a.sums.indexer_loss) << tag;
         EXPECT_EQ(diff, 0) << tag << ": " << w2;
     } else {
         EXPECT_NEAR(r.sums.lm_loss_sum, a.sums.lm_loss_sum, 1e-6 * a.sums.lm_loss_sum) << tag;
-        EXPECT_LE(diff, 2 * noise + 1e-6) << tag << ": " << w2;
+        EXPECT_LE(diff, 2 * noise + 1e-5) << tag << ": " << w2;
     }
 }
 
 // Selective recompute (core_attn, mla_up_proj, layernorm, moe_act) reruns the forward's kernels
-// on the same inputs before the backward: the same losses and gradients as keeping the outputs.
-// Where the step is deterministic (two runs without recompute agree bit for bit) the recomputing
-// run must agree bit for bit too; where a backward kernel accumulates with atomics (the gathered
-// sparse attention), within twice the run-to-run spread. Forms: the masked expanded attention with
-// the absorbed, kv-sharing MTP layer (tiny recipe), the gathered absorbed form everywhere (top-k
-// 16 of 128 keys), dense attention without DSA, and FP8 blockwise linears.
+// on the same inputs before the backward: the same losses and gradients as keeping the outputs
+// (same_step_cases' forms on the tiny recipe).
 TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
     REQUIRE_GPU();
-    struct Case {
-        const char* tag;
-        ModelConfig cfg;
-        bool fp8;
-    };
-    const ModelConfig tiny = builtin_tiny_recipe().model;
-    std::vector<Case> cases = {{"masked + absorbed MTP", tiny, false},
-                               {"gathered absorbed", tiny, false},
-                               {"dense attention", tiny, false},
-                               {"fp8 blockwise", tiny, true}};
-    cases[1].cfg.dsa_indexer_topk = 16;
-    cases[2].cfg.experimental_attention_variant = "none";
-    cases[2].cfg.dsa_indexer_loss_coeff = 0;
-    for (Case& k : cases) {
+    for (const SameStepCase& k : same_step_cases(builtin_tiny_recipe().model)) {
         const int64_t T = 128, max_docs = 4, chunk = 48;
-        k.cfg.moe_router_force_load_balancing = true;
         auto cm = make_cpu_model(k.cfg, T, max_docs, chunk);
         const auto& params = cm->model->params().params();
         const MicroBatch mb = make_batch(T, max_docs, k.cfg.vocab_size, 9, {50, 70});
@@ -325,7 +333,7 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
         const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        expect_same_step("recompute " + std::string(k.tag), params, a, a2, r);
+        expect_same_step("recompute " + std::string(k.tag), params, k, a, a2, r);
     }
 }
 
@@ -338,29 +346,16 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
 // modules.
 TEST(CudaModel, ActivationOffloadGivesTheSameLossesAndGradients) {
     REQUIRE_GPU();
-    struct Case {
-        const char* tag;
-        ModelConfig cfg;
-        bool fp8;
-    };
     Recipe r = builtin_tiny_recipe();
     r.model.num_layers = 4;
     r.model.moe_layer_freq = "[0,1,1,1]";
     r.model.mtp_num_layers = 3;
     r.model.dsa_saved_probs_max_mib = 2048;  // the masked form's probabilities offloaded too
     r.validate();
-    const ModelConfig deep = r.model;
-    std::vector<Case> cases = {{"masked + absorbed MTP", deep, false},
-                               {"gathered absorbed", deep, false},
-                               {"dense attention", deep, false},
-                               {"fp8 blockwise", deep, true},
-                               {"beside recompute", deep, false}};
-    cases[1].cfg.dsa_indexer_topk = 16;
-    cases[2].cfg.experimental_attention_variant = "none";
-    cases[2].cfg.dsa_indexer_loss_coeff = 0;
-    for (Case& k : cases) {
+    std::vector<SameStepCase> cases = same_step_cases(r.model);
+    cases.push_back({"beside recompute", cases[0].cfg, false, true});
+    for (SameStepCase& k : cases) {
         const int64_t T = 128, max_docs = 4, chunk = 48;
-        k.cfg.moe_router_force_load_balancing = true;
         auto cm = make_cpu_model(k.cfg, T, max_docs, chunk);
         const auto& params = cm->model->params().params();
         const MicroBatch mb = make_batch(T, max_docs, k.cfg.vocab_size, 9, {50, 70});
@@ -377,7 +372,7 @@ TEST(CudaModel, ActivationOffloadGivesTheSameLossesAndGradients) {
         const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult o = run_gpu(oc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8, 2);
-        expect_same_step("offload " + std::string(k.tag), params, a, a2, o);
+        expect_same_step("offload " + std::string(k.tag), params, k, a, a2, o);
     }
 }
 

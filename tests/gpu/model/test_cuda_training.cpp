@@ -520,6 +520,40 @@ LossScales scales_for(const Recipe& r, const std::vector<const MicroBatch*>& mbs
     return sc;
 }
 
+// One step of `mbs` on every engine of `set`, each from engines[0]'s state (the host mirror the
+// engines share): a step compared on its own, so trajectories cannot drift apart through atomics.
+std::vector<DeviceEngine::StepOutcome> step_from_first(EngineSet& set,
+                                                       const std::vector<Recipe>& recipes,
+                                                       const std::vector<const MicroBatch*>& mbs,
+                                                       const LossScales& sc, int64_t step) {
+    set.engines[0]->download_state();
+    for (size_t i = 1; i < set.engines.size(); ++i) set.engines[i]->upload_state();
+    std::vector<DeviceEngine::StepOutcome> out;
+    for (size_t i = 0; i < set.engines.size(); ++i)
+        out.push_back(set.engines[i]->run_step(mbs, sc, recipes[i].run, step));
+    return out;
+}
+
+// Every outcome after the first against the first: the step taken, the gradient norm and every
+// micro-batch's losses (lm, indexer, MTP depths) within 1e-5.
+void expect_outcomes_match_first(const std::vector<DeviceEngine::StepOutcome>& o) {
+    const auto& p = o[0];
+    for (size_t j = 1; j < o.size(); ++j) {
+        SCOPED_TRACE(cat("engine ", j));
+        EXPECT_FALSE(o[j].stats.skipped);
+        EXPECT_NEAR(o[j].stats.grad_norm, p.stats.grad_norm, 1e-5 * p.stats.grad_norm);
+        for (size_t i = 0; i < p.losses.size(); ++i) {
+            EXPECT_NEAR(o[j].losses[i].lm_loss_sum, p.losses[i].lm_loss_sum,
+                        1e-5 * p.losses[i].lm_loss_sum);
+            EXPECT_NEAR(o[j].losses[i].indexer_loss, p.losses[i].indexer_loss,
+                        1e-5 * p.losses[i].indexer_loss + 1e-9);
+            for (size_t k = 0; k < p.losses[i].mtp_sum.size(); ++k)
+                EXPECT_NEAR(o[j].losses[i].mtp_sum[k], p.losses[i].mtp_sum[k],
+                            1e-5 * std::fabs(p.losses[i].mtp_sum[k]) + 1e-9);
+        }
+    }
+}
+
 }  // namespace
 
 // moe_paged_stash: engines (eager without the stash, eager with it, graph with it) run the same
@@ -553,12 +587,8 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
             most = std::max(most, lengths[s][i]);
         }
         const LossScales sc = scales_for(plain, mbs);
-        set.engines[0]->download_state();  // into the host mirror the engines share
-        set.engines[1]->upload_state();
-        set.engines[2]->upload_state();
-        auto p = set.engines[0]->run_step(mbs, sc, plain.run, s + 1);
-        auto e = set.engines[1]->run_step(mbs, sc, stash.run, s + 1);
-        auto g = set.engines[2]->run_step(mbs, sc, graph.run, s + 1);
+        const auto o = step_from_first(set, {plain, stash, graph}, mbs, sc, s + 1);
+        const auto &p = o[0], &e = o[1], &g = o[2];
         const int64_t need =
             bound.applications *
             ((most * stash.model.moe_router_topk + bound.page_rows - 1) / bound.page_rows);
@@ -569,21 +599,13 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
                   << " pages (expected " << need << ")" << (g.replayed ? ", graph replay" : "")
                   << "\n";
         EXPECT_EQ(p.stash.pool_pages, 0);
-        for (const auto* o : {&e, &g}) {
-            EXPECT_EQ(o->stash.pool_pages, bound.pool_pages);
-            EXPECT_EQ(o->stash.peak_pages, need) << "step " << s + 1;
-            EXPECT_EQ(o->stash.demand_pages, need);
-            EXPECT_FALSE(o->stash.overflow);
-            EXPECT_FALSE(o->stats.skipped);
-            EXPECT_NEAR(o->stats.grad_norm, p.stats.grad_norm, 1e-5 * p.stats.grad_norm);
-            for (size_t i = 0; i < p.losses.size(); ++i) {
-                EXPECT_NEAR(o->losses[i].lm_loss_sum, p.losses[i].lm_loss_sum,
-                            1e-5 * p.losses[i].lm_loss_sum);
-                for (size_t k = 0; k < p.losses[i].mtp_sum.size(); ++k)
-                    EXPECT_NEAR(o->losses[i].mtp_sum[k], p.losses[i].mtp_sum[k],
-                                1e-5 * std::fabs(p.losses[i].mtp_sum[k]) + 1e-9);
-            }
+        for (const auto* x : {&e, &g}) {
+            EXPECT_EQ(x->stash.pool_pages, bound.pool_pages);
+            EXPECT_EQ(x->stash.peak_pages, need) << "step " << s + 1;
+            EXPECT_EQ(x->stash.demand_pages, need);
+            EXPECT_FALSE(x->stash.overflow);
         }
+        expect_outcomes_match_first(o);
         EXPECT_EQ(g.replayed, s > 0);
     }
     const auto w0 = set.weights(*set.engines[0]);
@@ -622,29 +644,13 @@ TEST(CudaTraining, ActivationOffloadMatchesKeepingEagerAndGraph) {
             mbs.push_back(own.back().get());
         }
         const LossScales sc = scales_for(plain, mbs);
-        set.engines[0]->download_state();
-        set.engines[1]->upload_state();
-        set.engines[2]->upload_state();
-        auto p = set.engines[0]->run_step(mbs, sc, plain.run, s + 1);
-        auto e = set.engines[1]->run_step(mbs, sc, off.run, s + 1);
-        auto g = set.engines[2]->run_step(mbs, sc, graph.run, s + 1);
+        const auto o = step_from_first(set, {plain, off, graph}, mbs, sc, s + 1);
+        const auto &p = o[0], &e = o[1], &g = o[2];
         std::cout << "[offload] step " << s + 1 << ": lm " << e.losses[1].lm_loss_sum << " / "
                   << g.losses[1].lm_loss_sum << " vs " << p.losses[1].lm_loss_sum << ", grad_norm "
                   << e.stats.grad_norm << " / " << g.stats.grad_norm << " vs " << p.stats.grad_norm
                   << (g.replayed ? ", graph replay" : "") << "\n";
-        for (const auto* o : {&e, &g}) {
-            EXPECT_FALSE(o->stats.skipped);
-            EXPECT_NEAR(o->stats.grad_norm, p.stats.grad_norm, 1e-5 * p.stats.grad_norm);
-            for (size_t i = 0; i < p.losses.size(); ++i) {
-                EXPECT_NEAR(o->losses[i].lm_loss_sum, p.losses[i].lm_loss_sum,
-                            1e-5 * p.losses[i].lm_loss_sum);
-                EXPECT_NEAR(o->losses[i].indexer_loss, p.losses[i].indexer_loss,
-                            1e-5 * p.losses[i].indexer_loss + 1e-9);
-                for (size_t k = 0; k < p.losses[i].mtp_sum.size(); ++k)
-                    EXPECT_NEAR(o->losses[i].mtp_sum[k], p.losses[i].mtp_sum[k],
-                                1e-5 * std::fabs(p.losses[i].mtp_sum[k]) + 1e-9);
-            }
-        }
+        expect_outcomes_match_first(o);
         EXPECT_EQ(g.replayed, s > 0);
     }
     const auto w0 = set.weights(*set.engines[0]);

@@ -278,14 +278,17 @@ std::vector<SameStepCase> same_step_cases(const ModelConfig& base) {
 }
 
 // `r` against `a`, with `a2` a second run of `a`'s. A deterministic form: `a2` equals `a` and `r`
-// equals `a`, bit for bit. Otherwise the losses within 1e-6 and every gradient within twice the
-// run-to-run spread plus 1e-5 (normalized per tensor): two runs of fp32 atomics may happen to agree
-// while a third differs in the last bits.
+// equals `a`, bit for bit. Otherwise fp32 atomics reorder from run to run, by amounts that vary
+// by orders of magnitude between runs (a norm weight's gradient, a sum that cancels, moves most):
+// the losses within 1e-6, all gradients together (their global norm of differences) within twice
+// the run-to-run spread plus 1e-5, and each tensor within twice its spread plus 1e-2, which a
+// wrong buffer (an O(1) change of some tensor's gradient) still exceeds.
 void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& params,
                       const SameStepCase& k, const GpuResult& a, const GpuResult& a2,
                       const GpuResult& r) {
-    auto spread = [&](const GpuResult& x, std::string* worst) {
-        double w = 0;
+    // The worst per-tensor relative difference to `a` (and its tensor), and the global one.
+    auto spread = [&](const GpuResult& x, std::string* worst, double* global) {
+        double w = 0, all_num = 0, all_den = 0;
         for (size_t i = 0; i < params.size(); ++i) {
             double num = 0, den = 0;
             for (size_t j = 0; j < x.grads[i].size(); ++j) {
@@ -293,15 +296,19 @@ void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& para
                 num += d * d;
                 den += double(a.grads[i][j]) * a.grads[i][j];
             }
+            all_num += num, all_den += den;
             const double e = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
             if (e > w) w = e, *worst = params[i].name;
         }
+        *global = all_den > 0 ? std::sqrt(all_num / all_den) : std::sqrt(all_num);
         return w;
     };
     std::string w1, w2;
-    const double noise = spread(a2, &w1), diff = spread(r, &w2);
+    double noise_all = 0, diff_all = 0;
+    const double noise = spread(a2, &w1, &noise_all), diff = spread(r, &w2, &diff_all);
     std::cout << "[" << tag << "] lm " << r.sums.lm_loss_sum << " vs " << a.sums.lm_loss_sum
-              << ", run-to-run " << noise << ", difference " << diff << " (" << w2 << ")\n";
+              << ", run-to-run " << noise << " (all " << noise_all << "), difference " << diff
+              << " (all " << diff_all << "; worst " << w2 << ")\n";
     EXPECT_GT(a.sums.lm_loss_sum, 0);
     if (k.deterministic) {
         EXPECT_EQ(noise, 0) << tag << ": two runs differ in " << w1;
@@ -312,7 +319,8 @@ void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& para
         EXPECT_EQ(diff, 0) << tag << ": " << w2;
     } else {
         EXPECT_NEAR(r.sums.lm_loss_sum, a.sums.lm_loss_sum, 1e-6 * a.sums.lm_loss_sum) << tag;
-        EXPECT_LE(diff, 2 * noise + 1e-5) << tag << ": " << w2;
+        EXPECT_LE(diff_all, 2 * noise_all + 1e-5) << tag;
+        EXPECT_LE(diff, 2 * noise + 1e-2) << tag << ": " << w2;
     }
 }
 

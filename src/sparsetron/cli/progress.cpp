@@ -25,8 +25,9 @@ std::string loss_breakdown(const StepMetrics& m) {
                       static_cast<long long>(m.moe_dropped)),
             s += buf;
     if (m.moe_stash_pages > 0)
-        std::snprintf(buf, sizeof buf, " | moe stash %.0f%%",
-                      100.0 * double(m.moe_stash_peak_pages) / double(m.moe_stash_pages)),
+        std::snprintf(buf, sizeof buf, " | moe stash %.0f%%%s",
+                      100.0 * double(m.moe_stash_peak_pages) / double(m.moe_stash_pages),
+                      m.moe_stash_redo ? " (overflow: redone eagerly)" : ""),
             s += buf;
     return s;
 }

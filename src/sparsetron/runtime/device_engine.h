@@ -36,7 +36,8 @@ class DeviceEngine {
     // on stderr. Each step's data, loss scales and learning rate are copied into device buffers
     // before the replay, so the graph never runs on stale values.
     // The MoE paged stash's use in a step (moe_paged_stash; pool_pages 0 when off). On
-    // overflow the step's optimizer update was skipped on the device.
+    // overflow the step's update was skipped on the device and the step ran again eagerly with
+    // the stash bypassed (StepOutcome::redone); these are the overflowed attempt's figures.
     struct StashUse {
         int64_t pool_pages = 0, page_rows = 0, peak_pages = 0, demand_pages = 0;
         int64_t worst_case_pages = 0;  // every application at its bound (the factor's base)
@@ -47,6 +48,7 @@ class DeviceEngine {
         StepStats stats;
         bool replayed = false;  // the step ran as a graph replay
         StashUse stash;
+        bool redone = false;  // the stash overflowed: the outcome is the eager redo's
     };
     // cp_groups (dynamic context parallelism only): each micro-batch's CP communicator (null: a
     // group of this rank alone).

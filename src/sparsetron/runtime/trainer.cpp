@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -47,6 +48,8 @@ std::string StepMetrics::to_json() const {
     if (moe_stash_pages > 0) {
         j["moe_stash_pages"] = moe_stash_pages;
         j["moe_stash_peak_pages"] = moe_stash_peak_pages;
+        j["moe_stash_redos"] = moe_stash_redos;
+        if (moe_stash_redo) j["moe_stash_redo"] = true;
     }
     j["lr"] = lr;
     j["grad_norm"] = grad_norm;
@@ -70,8 +73,8 @@ std::string StepMetrics::to_json() const {
 
 namespace {
 
-// The step's MoE applications routed more rows than the paged stash holds: its optimizer
-// update was skipped on the device; say which bound to raise.
+// The step's MoE applications routed more rows than the paged stash holds: the engine ran it
+// again eagerly without the stash; say which bound would keep such steps in the graph.
 std::string stash_overflow_message(const ModelConfig& mc, const DeviceEngine::StashUse& u,
                                    int64_t step) {
     const double f = mc.moe_paged_stash_buffer_size_factor;
@@ -81,9 +84,9 @@ std::string stash_overflow_message(const ModelConfig& mc, const DeviceEngine::St
     return cat("MoE paged stash overflow at step ", step, ": the step's MoE layers needed ",
                u.demand_pages, " pages of ", u.page_rows, " rows at once, the pool holds ",
                u.pool_pages, " (moe_paged_stash_buffer_size_factor ", f,
-               "). The step's optimizer update was skipped and the run stops: set "
-               "moe_paged_stash_buffer_size_factor to at least ",
-               need, " (or moe_paged_stash: false) and resume from the last checkpoint");
+               "); the step ran again eagerly without the stash (moe_stash_redos in the "
+               "metrics counts such steps). moe_paged_stash_buffer_size_factor ",
+               need, " or more would have held it");
 }
 
 }  // namespace
@@ -464,7 +467,13 @@ StepMetrics Trainer::train_step() {
         m.graph = o.replayed;
         m.moe_stash_pages = o.stash.pool_pages;
         m.moe_stash_peak_pages = o.stash.peak_pages;
-        if (o.stash.overflow) throw Error(stash_overflow_message(mc, o.stash, m.step));
+        if (o.redone) {
+            m.moe_stash_redo = true;
+            // The first redo of the run says why; later ones are counted in the metrics.
+            if (stash_redos_++ == 0 && world_rank() == 0)
+                std::cerr << "warning: " << stash_overflow_message(mc, o.stash, m.step) << "\n";
+        }
+        m.moe_stash_redos = stash_redos_;
     } else {
         zero_grads(tp_->plan);
         tp_->model->reset_moe_stats();

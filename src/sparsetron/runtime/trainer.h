@@ -38,6 +38,10 @@ struct StepMetrics {
     int64_t moe_dropped = 0;                     // routed rows over capacity in the step
     int64_t moe_stash_pages = 0;       // MoE paged stash: pool pages (0 without the stash)
     int64_t moe_stash_peak_pages = 0;  // most pages in use at once in the step
+    // The stash overflowed and the step ran again eagerly without it; moe_stash_redos counts
+    // such steps since the run (or its resume) began.
+    bool moe_stash_redo = false;
+    int64_t moe_stash_redos = 0;
     double lr = 0;
     double grad_norm = 0;
     double grad_norm_mtp = 0;  // the MTP clipping group's norm (detached heads), else 0
@@ -190,6 +194,7 @@ class Trainer {
     std::vector<GradRange> grad_ranges_;  // CPU data parallelism: what each reduction covers
     std::string pretrained_from_;
     std::vector<std::string> initialized_;
+    int64_t stash_redos_ = 0;  // steps the MoE paged stash overflowed and ran again eagerly
 };
 
 // Where a run's weights come from when it does not resume: an HF directory or an engine

@@ -78,6 +78,10 @@ class GpuGlm5Model {
     // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
     // reset_moe_stats(), and the device flag a push sets on overflow.
     const MoeStash* moe_stash() const { return stash_.get(); }
+    // An eager redo of an overflowed step bypasses the stash (MoeStash::set_bypass).
+    void set_moe_stash_bypass(bool on) {
+        if (stash_) stash_->set_bypass(on);
+    }
 
     // Expert parallelism (cfg.expert_parallel_ranks > 1): every MoE layer exchanges rows
     // through `ep` (set once, before the first step).

@@ -173,16 +173,11 @@ void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, 
     }
     const Local L = local(A);
     bf16* out = W_ > 1 ? ep_->begin_send(ctx) : A.out_perm;  // the results go back from there
-    // FP8 copies from the producers: the gathered rows (not under expert parallelism: they are
-    // received), the SwiGLU output.
-    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_ && W_ == 1);
-    expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
-    cuda::swiglu_forward(ctx, A.g, A.u, rows_, F_, A.act, rows8(0));
-    expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_ != nullptr);
+    experts_forward(ctx, L, A, out);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
-    if (stash_) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
+    if (stash_ && !stash_->bypassed()) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
     if (shared_) shared_->forward(ctx, A.shared, m, y);
 }
 
@@ -190,7 +185,11 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
                            bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
     bf16 *const dxperm = doutperm_, *const dg = dact_;  // shared storage (the constructor)
-    if (stash_) {
+    if (stash_ && stash_->bypassed()) {
+        // An eager redo without pages: the forward's expert rows again, from the layer input.
+        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
+        experts_forward(ctx, local(A), A, A.out_perm);
+    } else if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
         // kernels on the same values: bit-identical to what the forward used).
         stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
@@ -239,6 +238,16 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
          P_[router_].grad, h_, F32, F32);
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
+}
+
+void GpuMoeLayer::experts_forward(const ExecContext& ctx, const Local& L, const Acts& A,
+                                  bf16* out) const {
+    // FP8 copies from the producers: the gathered rows (not under expert parallelism: they are
+    // received), the SwiGLU output.
+    expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_ && W_ == 1);
+    expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
+    cuda::swiglu_forward(ctx, A.g, A.u, rows_, F_, A.act, rows8(0));
+    expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_ != nullptr);
 }
 
 void GpuMoeLayer::expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,

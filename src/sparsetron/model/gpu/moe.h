@@ -79,6 +79,9 @@ class GpuMoeLayer {
     // The local experts' weight gradients dW [n, k] (+)= dy_e^T x_e, `stride` floats apart.
     cuda::GroupedGemmArgs weight_grad(const Local& L, int64_t n, int64_t k, const bf16* dy,
                                       const bf16* x, float* dw, int64_t stride, bool add) const;
+    // The expert rows of the gathered input A.xperm (FP8 copy in row slot 0 where the experts
+    // run FP8): gate and up outputs, their SwiGLU and the expert outputs into `out`.
+    void experts_forward(const ExecContext& ctx, const Local& L, const Acts& A, bf16* out) const;
     void expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
                      const bf16* x, bf16* y, bool accumulate = false, bool x_quantized = false,
                      int slot = 0) const;

@@ -16,7 +16,10 @@
 // factor of 1 never overflows; a smaller one trades memory for the risk that a step routes more
 // rows than the pool holds (padding rows are not routed, dropped rows are not kept). A push that
 // finds too few free pages keeps nothing and raises a device flag: the optimizer step is skipped
-// on the device and the engine stops the run after the step with the bound to raise.
+// on the device, and the engine runs the step again eagerly with the stash bypassed (as the seed
+// falls back to an eager step): every application's backward then recomputes its expert rows
+// from the layer's saved MoE input (the forward's gather, grouped GEMMs and SwiGLU again), so the
+// redo needs no pages and no memory beyond the plan.
 #pragma once
 
 #include <string>
@@ -54,12 +57,17 @@ class MoeStash {
     // Device int32: nonzero once a push of this step overflowed (the optimizer's veto).
     const int32_t* overflow_flag() const { return state_ + 2; }
     Use read(const ExecContext& ctx) const;  // synchronizes
+    // Bypassed (host-side, for an eager redo of an overflowed step): the MoE layers push and pop
+    // nothing and their backward recomputes the expert rows. Never inside a captured graph.
+    void set_bypass(bool on) { bypass_ = on; }
+    bool bypassed() const { return bypass_; }
 
   private:
     MoeStashBound bound_;
     int64_t page_rows_, max_rows_, pages_, row_width_;
     int32_t *state_ = nullptr, *free_ = nullptr;
     bf16* pool_ = nullptr;
+    bool bypass_ = false;
 };
 
 }  // namespace sparsetron::gpu

@@ -169,10 +169,31 @@ class CudaEngine final : public DeviceEngine {
     StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                          const RunConfig& run, int64_t step,
                          const std::vector<Comm*>* cp_groups) override {
-        if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups);
+        StepOutcome out = run_step_once(mbs, sc, run, step, cp_groups, false);
+        if (!out.stash.overflow) return out;
+        // The paged stash overflowed: the backward ran on missing rows and the optimizer skipped
+        // the step on the device. As the seed falls back to an eager step: the same step again,
+        // eagerly, with the stash bypassed (the MoE backward recomputes its expert rows).
+        struct Bypass {
+            gpu::GpuGlm5Model& m;
+            ~Bypass() { m.set_moe_stash_bypass(false); }
+        } bypass{*model_};
+        model_->set_moe_stash_bypass(true);
+        StepOutcome redo = run_step_once(mbs, sc, run, step, cp_groups, true);
+        ST_ASSERT(!redo.stash.overflow, "the eager redo of step ", step, " pushed to the stash");
+        redo.stash = out.stash;
+        redo.redone = true;
+        return redo;
+    }
+
+    // One attempt at a step; `eager` runs it eagerly even where graphs are on.
+    StepOutcome run_step_once(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                              const RunConfig& run, int64_t step,
+                              const std::vector<Comm*>* cp_groups, bool eager) {
+        if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
         ST_CHECK(!cp_groups, "CP groups per micro-batch are dynamic CP's");
         StepOutcome out;
-        if (slots_ == 0) {  // eager
+        if (slots_ == 0 || eager) {
             begin_step();
             for (size_t i = 0; i < mbs.size(); ++i) {
                 if (i + 1 == mbs.size()) begin_reduce();
@@ -243,10 +264,10 @@ class CudaEngine final : public DeviceEngine {
     // the gradients reduced and the optimizer run eagerly around them.
     StepOutcome run_dynamic_cp_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                                     const RunConfig& run, int64_t step,
-                                    const std::vector<Comm*>* cp_groups) {
+                                    const std::vector<Comm*>* cp_groups, bool eager) {
         ST_CHECK(cp_groups && cp_groups->size() == mbs.size(),
                  "dynamic CP: every micro-batch needs its CP group");
-        const bool graphs = run.cuda_graph_impl == "full_iteration";
+        const bool graphs = run.cuda_graph_impl == "full_iteration" && !eager;
         StepOutcome out;
         begin_step(true);  // a graph of one micro-batch is replayed at any place in the step
         for (size_t i = 0; i < mbs.size(); ++i) {

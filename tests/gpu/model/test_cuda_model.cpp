@@ -278,11 +278,13 @@ std::vector<SameStepCase> same_step_cases(const ModelConfig& base) {
 }
 
 // `r` against `a`, with `a2` a second run of `a`'s. A deterministic form: `a2` equals `a` and `r`
-// equals `a`, bit for bit. Otherwise fp32 atomics reorder from run to run, by amounts that vary
-// by orders of magnitude between runs (a norm weight's gradient, a sum that cancels, moves most):
-// the losses within 1e-6, all gradients together (their global norm of differences) within twice
-// the run-to-run spread plus 1e-5, and each tensor within twice its spread plus 1e-2, which a
-// wrong buffer (an O(1) change of some tensor's gradient) still exceeds.
+// equals `a`, bit for bit (the strict check of recompute and offload). The other forms' backward
+// lands run to run in one of two results that differ by up to ~5e-3 relative in layer 0's norm
+// weights (1.5e-3 over all gradients), identical configurations included (two runs without
+// recompute differed so once); the CPU parity of these forms holds to ~1e-2 per tensor. So: the
+// losses within 1e-6, all gradients together (their global norm of differences) within twice the
+// run-to-run spread plus 5e-3, each tensor within twice its spread plus 1e-2: a wrong buffer
+// (an O(1) change of some gradient) still fails.
 void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& params,
                       const SameStepCase& k, const GpuResult& a, const GpuResult& a2,
                       const GpuResult& r) {
@@ -319,7 +321,7 @@ void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& para
         EXPECT_EQ(diff, 0) << tag << ": " << w2;
     } else {
         EXPECT_NEAR(r.sums.lm_loss_sum, a.sums.lm_loss_sum, 1e-6 * a.sums.lm_loss_sum) << tag;
-        EXPECT_LE(diff_all, 2 * noise_all + 1e-5) << tag;
+        EXPECT_LE(diff_all, 2 * noise_all + 5e-3) << tag;
         EXPECT_LE(diff, 2 * noise + 1e-2) << tag << ": " << w2;
     }
 }

@@ -288,6 +288,14 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
         for (int64_t i = 0; i < T * T; ++i)
             if (!on_support[i]) dpois[i] = std::numeric_limits<float>::quiet_NaN();
         const float g = 0.37f;
+        // Rows [t0, t0 + n) of a [T, T] matrix, each cut to its first `keys` columns: a block's
+        // [n, first_row + n] layout.
+        auto block_rows = [&](const std::vector<float>& m, int64_t t0, int64_t n, int64_t keys) {
+            std::vector<float> part(n * keys);
+            for (int64_t t = 0; t < n; ++t)
+                std::copy_n(m.begin() + (t0 + t) * T, keys, part.begin() + t * keys);
+            return part;
+        };
         // Blocks of query rows (the model streams the loss that way at length): each block's
         // KL and dscore from the block's own [rows, first_row + rows] scores, then its backward
         // adding into one dk.
@@ -297,10 +305,7 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
             std::vector<float> bdscore(T * T, 0.f);
             for (int64_t t0 = 0; t0 < T; t0 += block) {
                 const int64_t n = std::min(block, T - t0), keys = t0 + n;
-                std::vector<float> part(n * keys);
-                for (int64_t t = 0; t < n; ++t)
-                    std::copy_n(scores.begin() + (t0 + t) * T, keys, part.begin() + t * keys);
-                DeviceArray<float> dpart(part), dout(n * keys);
+                DeviceArray<float> dpart(block_rows(scores, t0, n, keys)), dout(n * keys);
                 cuda::indexer_kl(ctx(),
                                  {.sparse = sparse,
                                   .qabs = qabs.dev + t0 * H * L,
@@ -338,10 +343,7 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
             if (blocks) cuda::fill(ctx(), dk, T * dI, 0.f);  // the blocks add into it
             for (int64_t t0 = 0; t0 < T; t0 += step) {
                 const int64_t n = std::min(step, T - t0), keys = t0 + n;
-                std::vector<float> part(n * keys);
-                for (int64_t t = 0; t < n; ++t)
-                    std::copy_n(dpois.begin() + (t0 + t) * T, keys, part.begin() + t * keys);
-                DeviceArray<float> dpart(part);
+                DeviceArray<float> dpart(block_rows(dpois, t0, n, keys));
                 // Three chunks of query rows per call in the GEMM form.
                 const int64_t ws_bytes =
                     cuda::indexer_scores_backward_bytes_per_token(keys, HI) * ((n + 2) / 3);

@@ -102,14 +102,18 @@ void GpuDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a
         cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
         return;
     }
-    // Block [t0, t0 + n) scores keys 0 .. t0 + n - 1 (causal), rows that long.
     for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
-        const int64_t n = std::min(block_, Tn - t0), keys = t0 + n;
-        cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0, n,
-                             HI_, dI_, scores_, nullptr, 0, in.rows + t0, keys);
-        cuda::topk_rows(ctx, scores_, keys, in.row_begin + t0, n, K_, A.topk + t0 * K_, A.len + t0,
-                        in.rows + t0);
+        const int64_t n = std::min(block_, Tn - t0);
+        score_block(ctx, A, in, t0, n);
+        cuda::topk_rows(ctx, scores_, t0 + n, in.row_begin + t0, n, K_, A.topk + t0 * K_,
+                        A.len + t0, in.rows + t0);
     }
+}
+
+void GpuDsaIndexer::score_block(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                                int64_t t0, int64_t n) const {
+    cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0, n, HI_,
+                         dI_, scores_, nullptr, 0, in.rows + t0, t0 + n);
 }
 
 void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
@@ -126,8 +130,7 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
         if (backward) cuda::zero(ctx, dk32_, Tn * dI_ * int64_t(sizeof(float)));
         for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
             const int64_t n = std::min(block_, Tn - t0);
-            cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0,
-                                 n, HI_, dI_, scores_, nullptr, 0, in.rows + t0, t0 + n);
+            score_block(ctx, A, in, t0, n);
             block_loss(ctx, A, in, tc, t0, n, backward);
         }
     }

@@ -46,13 +46,17 @@ class GpuDsaIndexer {
     float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
-    // Query rows scored at once: all rows, or (no CP, long micro-batches) blocks of
-    // dsa_indexer_query_block rows, so the fp32 scores (and the loss's gradient) are
-    // [block, key rows], not [rows, rows].
     // Query rows per chunk of the blocks' loss backward (its GEMM form's workspace holds the
     // per-head logits of this many rows against every key row: linear in the length).
     static constexpr int64_t kLossChunkRows = 64;
+    // Query rows scored at once: all rows, or (no CP, long micro-batches) blocks of
+    // dsa_indexer_query_block rows, so the fp32 scores (and the loss's gradient) are
+    // [block, key rows], not [rows, rows].
     int64_t block_;
+    // The scores of query rows [t0, t0 + n) against keys 0 .. t0 + n - 1 into scores_ (rows that
+    // long): the block form, the forward's and the loss's alike.
+    void score_block(const ExecContext& ctx, const Acts& A, const GpuInputs& in, int64_t t0,
+                     int64_t n) const;
     // The loss and its gradient over query rows [t0, t0 + n), whose scores are in scores_.
     void block_loss(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const Teacher& t,
                     int64_t t0, int64_t n, bool backward) const;

@@ -466,11 +466,11 @@ void GpuGlm5Model::mtp_concat(const ExecContext& ctx, int64_t k) const {
     const float eps = float(cfg_.norm_epsilon);
     const MtpActs& A = *mtp_[k];
     const MtpLayer& M = mtp_at(k);
-    const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
     cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
     // The embedding half first.
     cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.cat, 2 * h, A.rstd_e);
-    cuda::rmsnorm_forward(ctx, prev, h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h, A.rstd_h);
+    cuda::rmsnorm_forward(ctx, mtp_prev(k), h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h,
+                          A.rstd_h);
 }
 
 void GpuGlm5Model::mtp_head_norm(const ExecContext& ctx, int64_t k, int64_t r0, int64_t n) const {
@@ -567,9 +567,9 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) 
                                dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);
         if (!c.mtp_detach_heads)
             cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, P_->grad_to_add(ctx, embed_));
-        const bf16* prev = k > 0 ? mtp_[k - 1]->hout : h_final_;
-        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, prev, h, (*P_)[M.hnorm].w, A.rstd_h, Tn,
-                               h, dmtp_h_, h, false, P_->grad_to_add(ctx, M.hnorm), S_.norm_ws);
+        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, mtp_prev(k), h, (*P_)[M.hnorm].w,
+                               A.rstd_h, Tn, h, dmtp_h_, h, false, P_->grad_to_add(ctx, M.hnorm),
+                               S_.norm_ws);
     }
     if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
 }

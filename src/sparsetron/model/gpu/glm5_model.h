@@ -102,6 +102,8 @@ class GpuGlm5Model {
     };
     bool kv_share() const { return D_ > 0 && cfg_.uses_dsa() && cfg_.dsa_mtp_index_kv_share; }
     void mtp_forward(const ExecContext& ctx, const LossScales& sc, ActivationOffload* off);
+    // What depth k's hnorm reads: the previous depth's layer output, the final hidden for k = 0.
+    const bf16* mtp_prev(int64_t k) const { return k > 0 ? mtp_[k - 1]->hout : h_final_; }
     // Depth k's eh_proj input into A.cat (its rstd too): the forward's kernels on the same rows.
     void mtp_concat(const ExecContext& ctx, int64_t k) const;
     // Depth k's head-norm output of rows [r0, r0 + n) into mtp_hz_ (and their rstd).

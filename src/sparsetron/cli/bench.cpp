@@ -54,8 +54,10 @@ Run add_bench(CLI::App& app) {
             r.name.c_str(), res.front().gpu.c_str(),
             res.front().gpus > 1
                 ? cat(" x ", res.front().gpus, " (data parallel",
-                      r.run.context_parallel_size > 1
-                          ? cat(" x context parallel ", r.run.context_parallel_size)
+                      res.front().cp_ranks > 1
+                          ? cat(r.run.dynamic_context_parallel ? " x dynamic context parallel "
+                                                               : " x context parallel ",
+                                res.front().cp_ranks)
                           : std::string(),
                       r.run.expert_model_parallel_size > 1
                           ? cat(", expert parallel ", r.run.expert_model_parallel_size)

@@ -71,11 +71,25 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
     tp->model->params().initialize(tp->plan, uint64_t(recipe.run.seed),
                                    recipe.model.init_method_std, recipe.model.num_layers);
+    const bool dynamic_cp = recipe.run.dynamic_context_parallel;
     std::unique_ptr<ProcessGroups> groups;
-    if (recipe.run.expert_model_parallel_size > 1 || recipe.run.context_parallel_size > 1) {
+    if (recipe.run.expert_model_parallel_size > 1 || recipe.run.context_parallel_size > 1 ||
+        (dynamic_cp && ranks > 1)) {
         ST_CHECK(o.comm, "bench: expert or context parallelism needs a launcher's processes");
         groups = std::make_unique<ProcessGroups>(
             ProcessGroups::create(*o.comm, make_layout(recipe.run, ranks)));
+    }
+    // Dynamic CP times its largest group: every rank (the largest power of two dividing them)
+    // sharing one document of that many times max_seqlen_per_dp_cp_rank tokens, the seed's long
+    // sample over its whole CP group; a group of one rank runs without CP.
+    int cp_ranks = int(recipe.run.context_parallel_size);
+    Comm* cp_group = nullptr;
+    if (dynamic_cp) {
+        ST_CHECK(recipe.run.max_seqlen_per_dp_cp_rank > 0,
+                 "bench: dynamic_context_parallel needs max_seqlen_per_dp_cp_rank (tokens per "
+                 "rank)");
+        cp_ranks = make_layout(recipe.run, ranks).dynamic_cp_sizes(1).back();
+        if (cp_ranks > 1) cp_group = &groups->dynamic(cp_ranks);
     }
     auto engine =
         make_cuda_engine(recipe, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents,
@@ -83,8 +97,10 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
                          groups ? groups->cp.get() : nullptr, groups ? groups->edp.get() : nullptr);
     engine->upload_state();
     // One synthetic document filling every slot of the micro-batch (the seed's THD benchmark).
-    const int64_t slots = recipe.run.tokens_per_microbatch();
-    MicroBatch mb(slots, tp->max_documents);
+    const int64_t slots = dynamic_cp ? cp_ranks * recipe.run.max_seqlen_per_dp_cp_rank
+                                     : recipe.run.tokens_per_microbatch();
+    MicroBatch mb(dynamic_cp ? tp->group_slots : slots,
+                  dynamic_cp ? tp->group_max_documents : tp->max_documents);
     CounterRng rng(uint64_t(recipe.run.seed), 11);
     std::vector<int32_t> doc(slots);
     for (int64_t i = 0; i < slots; ++i)
@@ -100,7 +116,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         sc.mtp.push_back(m.mtp_loss_scaling_factor / double(tv ? 1 : D) /
                          double(std::max<int64_t>(1, (slots - k - 2) * n_mb)));
     sc.indexer = sc.aux = 1.0 / double(n_mb);
-    engine->stage_inputs(mb, sc);
+    engine->stage_inputs(mb, sc, cp_group);
     const bool optimizer = !o.forward_backward_only;
     const std::string mode = o.forward_backward_only ? "forward_backward" : "step";
     const int V = int(o.variants.size());
@@ -134,12 +150,13 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.flops_terms = f.terms;
         r.tokens = f.tokens;
         // Under CP the ranks of a group share each micro-batch: a GPU does 1/cp of its work.
-        const double cp = double(recipe.run.context_parallel_size);
+        const double cp = double(cp_ranks);
         r.tflops_per_gpu = f.total / cp / (r.median_ms * 1e-3) / 1e12;
         r.tokens_per_s_per_gpu = double(f.tokens) / cp / (r.median_ms * 1e-3);
         r.peak_mem_mib = mem[v];
         r.planned_mem_mib = engine->planned_memory_mib();
         r.gpus = ranks;
+        r.cp_ranks = cp_ranks;
         r.newton_schulz_flops = ns_flops;
     }
     return results;
@@ -231,6 +248,7 @@ std::string BenchResult::to_json() const {
     j["peak_mem_mib"] = peak_mem_mib;
     j["planned_mem_mib"] = planned_mem_mib;
     j["gpus"] = gpus;
+    if (cp_ranks > 1) j["cp_ranks"] = cp_ranks;
     j["newton_schulz_flops_per_step"] = newton_schulz_flops;
     j["overrides"] = overrides;
     if (!env.empty()) j["env"] = env;

@@ -38,7 +38,8 @@ struct BenchResult {
     std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
     double peak_mem_mib = 0, planned_mem_mib = 0;
-    int gpus = 1;  // data-parallel ranks of the run
+    int gpus = 1;      // data-parallel ranks of the run
+    int cp_ranks = 1;  // ranks sharing each micro-batch (context parallelism, fixed or dynamic)
     // The optimizer's Newton-Schulz FLOPs in the timed step (0 with --forward-backward or without
     // Muon): outside the audited count, recorded so a step's hardware work can be read beside it.
     double newton_schulz_flops = 0;

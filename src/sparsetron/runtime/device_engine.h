@@ -72,7 +72,10 @@ class DeviceEngine {
     // `micro_batches` change) and replayed; the graph bakes the optimizer's host scalars of the
     // step it was captured at (learning rate, bias corrections), which leaves the work timed
     // unchanged. Losses are not read back.
-    virtual void stage_inputs(const MicroBatch& mb, const LossScales& scales) = 0;
+    // `cp_group` (dynamic context parallelism only): the micro-batch's CP communicator, as in
+    // run_step (null: a group of this rank alone).
+    virtual void stage_inputs(const MicroBatch& mb, const LossScales& scales,
+                              Comm* cp_group = nullptr) = 0;
     virtual double timed_step(bool graph, bool optimizer, const LossScales& scales,
                               int64_t micro_batches, const RunConfig& run, int64_t step) = 0;
     // Device memory in use (cudaMemGetInfo) and the static plan's total, MiB.

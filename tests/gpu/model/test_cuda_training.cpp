@@ -11,6 +11,7 @@
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/moe_stash_bound.h"
+#include "sparsetron/runtime/bench.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -801,6 +802,38 @@ TEST(CudaTraining, PagedStashOverflowIsRedoneAndCountedByTheTrainer) {
         EXPECT_NE(m.to_json().find("\"moe_stash_redos\""), std::string::npos);
     }
     EXPECT_EQ(redos, 3) << "every step routes more rows than 0.3 of the worst case";
+}
+
+// `sparsetron bench` under dynamic CP on one GPU: the group of one rank times a document of
+// max_seqlen_per_dp_cp_rank tokens (the dynamic plan's micro-batch), not seq_length's, and counts
+// the work of a fixed-CP bench at that length; graph replay and eager both run.
+TEST(CudaTraining, BenchUnderDynamicCpTimesTheGroupsDocument) {
+    REQUIRE_GPU();
+    Recipe fixed = builtin_tiny_recipe();
+    fixed.run.seq_length = 128;
+    Recipe dyn = builtin_tiny_recipe();
+    dyn.run.seq_length = 256;
+    dyn.run.dynamic_context_parallel = true;
+    dyn.run.sequence_packing_scheduler = "default_dynamic_cp";
+    dyn.run.max_seqlen_per_dp_cp_rank = 128;
+    BenchOptions o;
+    o.warmup = 1;
+    o.iters = 2;
+    o.variants = {"eager", "graph"};
+    const std::vector<BenchResult> a = run_bench(fixed, o), b = run_bench(dyn, o);
+    ASSERT_EQ(a.size(), 2u);
+    ASSERT_EQ(b.size(), 2u);
+    const int64_t n_mb = dyn.run.microbatches_per_step();
+    for (const BenchResult& r : b) {
+        std::cout << "[bench] dynamic CP " << r.variant << ": " << r.median_ms << " ms, "
+                  << r.tokens << " tokens, " << r.flops << " FLOPs (fixed CP at 128: " << a[0].flops
+                  << ")\n";
+        EXPECT_EQ(r.tokens, n_mb * 128);
+        EXPECT_EQ(r.cp_ranks, 1);
+        EXPECT_DOUBLE_EQ(r.flops, a[0].flops);
+        EXPECT_GT(r.median_ms, 0.0);
+        EXPECT_TRUE(std::isfinite(r.tokens_per_s_per_gpu));
+    }
 }
 
 #endif  // SPARSETRON_WITH_CUDA

@@ -322,7 +322,9 @@ class CudaEngine final : public DeviceEngine {
                    format_bytes(double(plan_.total_bytes())));
     }
 
-    void stage_inputs(const MicroBatch& mb, const LossScales& scales) override {
+    void stage_inputs(const MicroBatch& mb, const LossScales& scales, Comm* cp_group) override {
+        ST_CHECK(!cp_group || dynamic_cp_, "a micro-batch's own CP group is dynamic CP's");
+        if (dynamic_cp_) model_->set_context_parallel(cp_group);
         model_->load_inputs(ctx(), mb, scales);
     }
 

@@ -417,6 +417,34 @@ TEST_F(CudaOps, MoeBackwardPieces) {
                      written);
         expect_close("moe combine backward dgates", dgates.download(), dg_ref, 1e-5);
         expect_close("moe gather backward (accumulate)", download_f(dm0.dev), dm_ref, kBf16Tol);
+        // The gate gradients without the output rows: du [R, F] (the down projection's input
+        // gradient of unscaled rows) against the SwiGLU output, then du and the rows scaled.
+        // F = dim + 8 (vector path at dim 40, scalar at 36; the rows' width differs from F).
+        const int64_t F = dim + 8;
+        Rounded du(R * F, 157), act(R * F, 158), rows(R * dim, 159);
+        DeviceArray<float> dgates2(T * k);
+        cuda::moe_gate_backward_rows(ctx(), du.dev, act.dev, dslot, dgates_in, T, k, F, dim,
+                                     rows.dev, dgates2);
+        sync();
+        std::vector<float> du_ref = du.host, rows_ref = rows.host, dg2_ref(T * k, 0.f);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                const int32_t r = slot[t * k + j];
+                if (r < 0) continue;
+                const float g = gates[t * k + j];
+                double s = 0;
+                for (int64_t c = 0; c < F; ++c) {
+                    s += double(du.host[r * F + c]) * act.host[r * F + c];
+                    du_ref[r * F + c] = g * du.host[r * F + c];
+                }
+                for (int64_t c = 0; c < dim; ++c)
+                    rows_ref[r * dim + c] = g * rows.host[r * dim + c];
+                dg2_ref[t * k + j] = float(s);
+            }
+        expect_close("moe gate backward rows: dgates", dgates2.download(), dg2_ref, 1e-5);
+        expect_close("moe gate backward rows: du scaled", download_f(du.dev), du_ref, kBf16Tol);
+        expect_close("moe gate backward rows: rows scaled", download_f(rows.dev), rows_ref,
+                     kBf16Tol);
         // Router: gates = 2.5 s_c / Σ s_chosen through the sigmoid, by central differences.
         cuda::router_backward(ctx(), dprobs, dtopk, dgates, T, E, k, 2.5f, dlogits);
         sync();

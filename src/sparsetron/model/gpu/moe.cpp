@@ -108,9 +108,12 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
     // The routed experts' rows (expert_fc1: their gate / up outputs; moe_act: the SwiGLU output;
-    // their output rows with fused_group_mlp), kept, recomputed or offloaded. Without expert
-    // parallelism the gathered input rows are not kept: the backward gathers them again from the
-    // layer's input (the same copy), so every application shares one buffer.
+    // under expert parallelism their output rows too, with fused_group_mlp), kept, recomputed or
+    // offloaded. Without expert parallelism the gathered input rows are not kept (the backward
+    // gathers them again from the layer's input: the same copy) and neither are the output rows
+    // (the backward takes the gate gradients from the down projection's input gradient and the
+    // SwiGLU output instead): the output rows live in the backward's row-gradient buffer, dead
+    // in the forward.
     using S = GpuBuffers::Saving;
     const S fc1 = saving(c_, nullptr, "expert_fc1"), act = saving(c_, "moe_act", "moe_act"),
             out = saving(c_, nullptr, "expert_out");
@@ -129,24 +132,23 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.scratch(A.g, "moe.work.expert_gate", {R, F_});
         B.scratch(A.u, "moe.work.expert_up", {R, F_});
         B.scratch(A.act, "moe.work.expert_act", {R, F_});
-        B.scratch(A.out_perm, "moe.work.expert_out", {R, h_});
+        B.scratch(A.out_perm, "grad.moe.out_then_x_permuted", {R, h_});
         stash_->declare_table(A.stash_table, B, p);
     } else {
         B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
         B.saved(fc1, A.g, p + "expert_gate", "", {R, F_});
         B.saved(fc1, A.u, p + "expert_up", "", {R, F_});
         B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act", {R, F_});
-        B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
+        B.scratch(A.out_perm, "grad.moe.out_then_x_permuted", {R, h_});
     }
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
 }
 
 StashRows GpuMoeLayer::stashed(const Acts& A) const {
     StashRows s;
-    s.count = 3;
+    s.count = 2;
     s.data[0] = A.g, s.width[0] = F_;
     s.data[1] = A.u, s.width[1] = F_;
-    s.data[2] = A.out_perm, s.width[2] = h_;
     return s;
 }
 
@@ -188,7 +190,7 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     if (stash_ && stash_->bypassed()) {
         // An eager redo without pages: the forward's expert rows again, from the layer input.
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
-        experts_forward(ctx, local(A), A, A.out_perm);
+        experts_swiglu(ctx, local(A), A);
     } else if (stash_) {
         // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
         // kernels on the same values: bit-identical to what the forward used).
@@ -200,12 +202,18 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
         if (recompute_act_)
             cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
     }
-    // Expert parallelism: the output gradients, written straight into the exchange's region,
-    // to the experts' ranks; the input gradients come back the same way.
-    bf16* dout_src = W_ > 1 ? ep_->begin_send(ctx) : doutperm_;
-    cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, dout_src,
-                               dgates_, W_ == 1 ? rows8(0) : cuda::Fp8RowsOut{});
-    if (W_ > 1) ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
+    if (W_ > 1) {
+        // Expert parallelism: the output gradients scaled by their gates, written straight into
+        // the exchange's region, to the experts' ranks (the input gradients come back the same
+        // way); the gate gradients from the output rows that came back in the forward.
+        cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_,
+                                   ep_->begin_send(ctx), dgates_);
+        ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
+    } else {
+        // The output gradients unscaled (and their FP8 copy): the gates scale them after the
+        // down projection (moe_gate_backward_rows).
+        cuda::moe_gather(ctx, dy, A.perm_token, A.offsets, E_, R, h_, doutperm_, rows8(0));
+    }
     const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
     const Local L = local(A);
     const int64_t gs = El_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
@@ -216,6 +224,9 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     // gradients, and their old tiles are not read.
     const bool add = expert_grads_added(L);
     expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
+    if (W_ == 1)
+        cuda::moe_gate_backward_rows(ctx, dact_, A.act, A.slot_row, A.gates, Tn, k_, F_, h_,
+                                     doutperm_, dgates_);
     cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));
     if (fp8_)
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg, du_, rows8(0), rows8(1));
@@ -240,13 +251,17 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
 }
 
-void GpuMoeLayer::experts_forward(const ExecContext& ctx, const Local& L, const Acts& A,
-                                  bf16* out) const {
+void GpuMoeLayer::experts_swiglu(const ExecContext& ctx, const Local& L, const Acts& A) const {
     // FP8 copies from the producers: the gathered rows (not under expert parallelism: they are
     // received), the SwiGLU output.
     expert_gemm(ctx, L, gate0_, false, A.xperm, A.g, false, fp8_ && W_ == 1);
     expert_gemm(ctx, L, up0_, false, A.xperm, A.u, false, true);
     cuda::swiglu_forward(ctx, A.g, A.u, rows_, F_, A.act, rows8(0));
+}
+
+void GpuMoeLayer::experts_forward(const ExecContext& ctx, const Local& L, const Acts& A,
+                                  bf16* out) const {
+    experts_swiglu(ctx, L, A);
     expert_gemm(ctx, L, down0_, false, A.act, out, false, fp8_ != nullptr);
 }
 

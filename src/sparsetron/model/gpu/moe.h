@@ -36,10 +36,9 @@ class GpuMoeLayer {
     GpuMoeLayer(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B,
                 const std::string& hf_prefix, int64_t tokens, const MoeStash* stash,
                 Fp8Weights* fp8 = nullptr);
-    // bf16 values per stashed row: gate and up outputs, expert output.
-    static int64_t stash_row_width(const ModelConfig& c) {
-        return 2 * c.moe_ffn_hidden_size + c.hidden_size;
-    }
+    // bf16 values per stashed row: gate and up outputs (the backward recomputes the SwiGLU and
+    // does not read the output rows).
+    static int64_t stash_row_width(const ModelConfig& c) { return 2 * c.moe_ffn_hidden_size; }
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     // Expert parallelism (cfg.expert_parallel_ranks = W > 1): the exchange with the other
     // ranks' experts, set before the first step; this rank computes experts
@@ -80,7 +79,9 @@ class GpuMoeLayer {
     cuda::GroupedGemmArgs weight_grad(const Local& L, int64_t n, int64_t k, const bf16* dy,
                                       const bf16* x, float* dw, int64_t stride, bool add) const;
     // The expert rows of the gathered input A.xperm (FP8 copy in row slot 0 where the experts
-    // run FP8): gate and up outputs, their SwiGLU and the expert outputs into `out`.
+    // run FP8): gate and up outputs and their SwiGLU; experts_forward also the expert outputs
+    // into `out`.
+    void experts_swiglu(const ExecContext& ctx, const Local& L, const Acts& A) const;
     void experts_forward(const ExecContext& ctx, const Local& L, const Acts& A, bf16* out) const;
     void expert_gemm(const ExecContext& ctx, const Local& L, int64_t first, bool dgrad,
                      const bf16* x, bf16* y, bool accumulate = false, bool x_quantized = false,

@@ -2,13 +2,14 @@
 //
 // Without it every MoE application (each MoE layer, and the MTP layer once per depth) keeps its
 // own worst-case-sized copies of what its backward reads: the permuted input, the expert gate /
-// up outputs, their SwiGLU and the expert outputs, tokens x top-k rows each. With it the expert
-// computation runs in one set of working buffers shared by all applications; after an
-// application's forward, the rows it actually routed of the three tensors its backward cannot
-// recompute cheaply (gate and up outputs, expert outputs) are copied into pages of one shared
-// pool, taken from a device-side free list; its backward copies them back, re-gathers the
-// permuted input from the layer's saved MoE input and recomputes the SwiGLU (bit-identical), then
-// returns the pages. The pool is sized from a bound (moe_stash_bound.h):
+// up outputs and their SwiGLU, tokens x top-k rows each. With it the expert computation runs in
+// one set of working buffers shared by all applications; after an application's forward, the
+// rows it actually routed of the two tensors its backward cannot recompute cheaply (gate and up
+// outputs) are copied into pages of one shared pool, taken from a device-side free list; its
+// backward copies them back, re-gathers the permuted input from the layer's saved MoE input and
+// recomputes the SwiGLU (bit-identical), then returns the pages. (The expert outputs are not
+// saved with or without the stash: the backward does not read them, model/gpu/moe.h.) The pool is
+// sized from a bound (moe_stash_bound.h):
 //
 //   pages = ceil(moe_paged_stash_buffer_size_factor x applications x ceil(R / page rows))
 //
@@ -41,7 +42,7 @@ class MoeStash {
         bool overflow = false;
     };
 
-    // `row_width`: bf16 values per stashed row (gate + up + expert output).
+    // `row_width`: bf16 values per stashed row (gate + up outputs).
     MoeStash(const ModelConfig& c, GpuBuffers& B, int64_t tokens, int64_t row_width);
     // A page table for one application (its pages between its forward and backward).
     void declare_table(int32_t*& table, GpuBuffers& B, const std::string& prefix) const;

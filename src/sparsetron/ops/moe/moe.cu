@@ -319,6 +319,56 @@ __global__ void combine_bwd_vec_kernel(const uint4* dy, const uint4* out_perm,
     if (threadIdx.x == 0) dgates[t * k + j] = s;
 }
 
+// One block per (token, choice); kVec: rows of 8-value vectors (inner, dim multiples of 8).
+template <bool kVec>
+__global__ void gate_bwd_rows_kernel(bf* du, const bf* act, const int32_t* slot_row,
+                                     const float* gates, int64_t k, int64_t inner, int64_t dim,
+                                     bf* dout_perm, float* dgates) {
+    const int64_t t = blockIdx.x, j = blockIdx.y;
+    const int32_t r = slot_row[t * k + j];
+    if (r < 0) {
+        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
+        return;
+    }
+    const float gate = gates[t * k + j];
+    float s = 0;
+    bf* dur = du + int64_t(r) * inner;
+    const bf* ar = act + int64_t(r) * inner;
+    bf* dor = dout_perm + int64_t(r) * dim;
+    if constexpr (kVec) {
+        uint4* du8 = reinterpret_cast<uint4*>(dur);
+        const uint4* a8 = reinterpret_cast<const uint4*>(ar);
+        for (int64_t i = threadIdx.x; i < inner / 8; i += blockDim.x) {
+            float d[8], a[8];
+            unpack8(du8[i], d);
+            unpack8(a8[i], a);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                s += d[e] * a[e];
+                d[e] *= gate;
+            }
+            du8[i] = pack8(d);
+        }
+        uint4* do8 = reinterpret_cast<uint4*>(dor);
+        for (int64_t i = threadIdx.x; i < dim / 8; i += blockDim.x) {
+            float d[8];
+            unpack8(do8[i], d);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d[e] *= gate;
+            do8[i] = pack8(d);
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < inner; i += blockDim.x) {
+            const float d = ld(dur + i);
+            s += d * ld(ar + i);
+            st(dur + i, gate * d);
+        }
+        for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) st(dor + i, gate * ld(dor + i));
+    }
+    s = block_sum(s);
+    if (threadIdx.x == 0) dgates[t * k + j] = s;
+}
+
 __global__ void gather_bwd_vec_kernel(const uint4* dx_perm, const int32_t* slot_row, int64_t k,
                                       int64_t dim8, uint4* dx, bool accumulate) {
     const int64_t t = blockIdx.x;
@@ -406,6 +456,20 @@ void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* ou
     if (dout8.q)
         quantize_fp8_1x128(ctx, dout_perm, dout8.rows, dim, dim, dout8.pow2, dout8.q,
                            dout8.scale_inv);
+}
+
+void moe_gate_backward_rows(const ExecContext& ctx, bf16* du, const bf16* act,
+                            const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
+                            int64_t inner, int64_t dim, bf16* dout_perm, float* dgates) {
+    if (tokens == 0) return;
+    const dim3 grid{unsigned(tokens), unsigned(k)};
+    if (inner % 8 == 0 && dim % 8 == 0 && aligned16(du, act, dout_perm))
+        gate_bwd_rows_kernel<true><<<grid, 256, 0, stream_of(ctx)>>>(
+            dev(du), dev(act), slot_row, gates, k, inner, dim, dev(dout_perm), dgates);
+    else
+        gate_bwd_rows_kernel<false><<<grid, 256, 0, stream_of(ctx)>>>(
+            dev(du), dev(act), slot_row, gates, k, inner, dim, dev(dout_perm), dgates);
+    ST_CUDA_LAUNCH_CHECK();
 }
 
 void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,

@@ -85,6 +85,15 @@ void moe_combine_backward(const ExecContext& ctx, const bf16* dy, const bf16* ou
                           const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
                           int64_t dim, bf16* dout_perm, float* dgates,
                           const Fp8RowsOut& dout8 = {});
+// The combine's backward without the experts' output rows, for rows whose output gradients went
+// through the down projection unscaled (dout_perm[r] = dy[t], du = dout_perm @ W_down): since
+// out = act @ W_downᵀ, dgates[t, j] = dy[t] · out[r] = du[r] · act[r] (r = slot_row[t, j]; 0 when
+// not routed); then du[r] and dout_perm[r] are scaled by the gate in place (the SwiGLU's input
+// gradient and the down projection's weight-gradient operand). `inner`: du / act width,
+// `dim`: dout_perm width.
+void moe_gate_backward_rows(const ExecContext& ctx, bf16* du, const bf16* act,
+                            const int32_t* slot_row, const float* gates, int64_t tokens, int64_t k,
+                            int64_t inner, int64_t dim, bf16* dout_perm, float* dgates);
 // Backward of moe_gather: dx[t] (+)= Σ_j dx_perm[slot_row[t, j]] in j order (deterministic).
 void moe_gather_backward(const ExecContext& ctx, const bf16* dx_perm, const int32_t* slot_row,
                          int64_t tokens, int64_t k, int64_t dim, bf16* dx, bool accumulate);

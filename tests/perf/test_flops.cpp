@@ -235,7 +235,7 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 }
 
 // A device plan larger than the GPU's free memory stops before cudaMalloc with what would fit: the
-// proxy backbone at 32K (132.39 GiB) fits 130 GiB with every recompute module (110.39 GiB), not
+// proxy backbone at 32K (129.45 GiB) fits 120 GiB with every recompute module (104.83 GiB), not
 // 100 GiB; a recipe that already recomputes everything is pointed at the length and CP instead.
 TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
 #if SPARSETRON_WITH_CUDA
@@ -251,17 +251,19 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
     EXPECT_EQ(cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, planned),
               "");
     std::string msg =
-        cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 130 * GiB);
-    EXPECT_NE(msg.find("the device memory plan needs 132.39 GiB but the GPU has 130.00 GiB free"),
+        cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 120 * GiB);
+    EXPECT_NE(msg.find("the device memory plan needs 129.45 GiB but the GPU has 120.00 GiB free"),
               std::string::npos)
         << msg;
-    EXPECT_NE(msg.find("layernorm, moe_act] it plans 110.39 GiB and fits"), std::string::npos)
+    EXPECT_NE(msg.find("moe_act, mlp, shared_experts] it plans 104.83 GiB and fits"),
+              std::string::npos)
         << msg;
     msg = cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
-    EXPECT_NE(msg.find("it plans 110.39 GiB, still too much"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("it plans 104.83 GiB, still too much"), std::string::npos) << msg;
     Recipe all = r;
     all.model.recompute_granularity = "selective";
-    all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
+    all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
+                                   "moe_act",   "mlp",         "shared_experts"};
     msg = cuda_plan_shortfall(all, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
     EXPECT_EQ(msg.find("recompute_modules"), std::string::npos) << msg;
     EXPECT_NE(msg.find("shorter micro-batches (seq_length) or more context-parallel ranks"),
@@ -274,7 +276,8 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
 
 // Selective recompute keeps one shared buffer per recomputed output instead of one per layer: the
 // proxy's 4 layers at 32K tokens (the absorbed attention's Q' and o' are 2.25 and 2 GiB per layer)
-// fit the 125 GiB the long-context work set for one H200 with all four modules, not without.
+// fit the 125 GiB the long-context work set for one H200 with all four modules, not without. The
+// dense MLP's (mlp) and the shared expert's (shared_experts) rows likewise.
 TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
 #if SPARSETRON_WITH_CUDA
     auto plan_of = [&](std::vector<std::string> sets) {
@@ -303,6 +306,22 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
     EXPECT_FALSE(has(core, "layers.0.o_latent"));
     EXPECT_TRUE(has(core, "layers.0.q_absorbed"));
     EXPECT_LT(core.total_bytes(), keep.total_bytes());
+    const MemoryPlan mlp =
+        plan_of({"recompute_granularity=selective", "recompute_modules=mlp shared_experts"});
+    for (const char* name : {"layers.0.mlp_gate", "layers.1.mlp_up", "layers.1.mlp_act",
+                             "layers.2.moe.shared_gate", "layers.3.moe.shared_act"}) {
+        EXPECT_TRUE(has(keep, name)) << name;
+        EXPECT_FALSE(has(mlp, name)) << name;
+    }
+    for (const char* name : {"mlp.recomputed.gate", "mlp.recomputed.up", "mlp.recomputed.act",
+                             "moe.shared.recomputed.gate", "moe.shared.recomputed.act"})
+        EXPECT_TRUE(has(mlp, name)) << name;
+    EXPECT_TRUE(has(mlp, "layers.0.q_absorbed"));
+    // Two dense layers' three [tokens, 12288] rows each, less one shared set; two MoE layers'
+    // three [tokens, 2048] shared-expert rows, less one set.
+    const double saved = double(keep.total_bytes()) - double(mlp.total_bytes());
+    const double rows = 32768.0 * 2 * 3;
+    EXPECT_NEAR(saved, rows * (12288 + 2048), 1e6) << saved / GiB;
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

@@ -59,7 +59,8 @@ struct ModelConfig {
     // holds them and the backward recomputes them (the same kernels on the same inputs: the same
     // values). core_attn: the attention core's outputs (o', o); mla_up_proj: the query (and
     // expanded keys / values) up-projections and Q'; layernorm: the layer's two RMSNorm outputs;
-    // moe_act: the routed experts' SwiGLU output. The CPU backend keeps every activation.
+    // moe_act: the routed experts' SwiGLU output; mlp / shared_experts: the dense MLP's / the
+    // shared expert's gate and up outputs and SwiGLU. The CPU backend keeps every activation.
     std::string recompute_granularity;  // "" (none) | "selective"
     std::vector<std::string> recompute_modules = {"core_attn"};
     bool recomputes(const std::string& module) const;

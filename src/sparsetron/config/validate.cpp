@@ -67,10 +67,11 @@ void Recipe::validate() {
     ST_CHECK(m.recompute_granularity != "full",
              "recompute_granularity: full (whole-layer recompute) is not implemented; use "
              "recompute_granularity: selective with recompute_modules from core_attn, "
-             "mla_up_proj, layernorm, moe_act");
+             "mla_up_proj, layernorm, moe_act, mlp, shared_experts");
     one_of(m.recompute_granularity, "recompute_granularity", {"", "null", "none", "selective"});
     for (const auto& mod : m.recompute_modules)
-        one_of(mod, "recompute_modules", {"core_attn", "mla_up_proj", "layernorm", "moe_act"});
+        one_of(mod, "recompute_modules",
+               {"core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "shared_experts"});
     if (m.fine_grained_activation_offloading) {
         ST_CHECK(!m.offload_modules.empty(),
                  "fine_grained_activation_offloading: true needs offload_modules (from attn_norm, "

@@ -324,9 +324,10 @@ void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& para
     }
 }
 
-// Selective recompute (core_attn, mla_up_proj, layernorm, moe_act) reruns the forward's kernels
-// on the same inputs before the backward: the same losses and gradients as keeping the outputs
-// (same_step_cases' forms on the tiny recipe).
+// Selective recompute (core_attn, mla_up_proj, layernorm, moe_act, mlp, shared_experts) reruns the
+// forward's kernels on the same inputs before the backward: the same losses and gradients as
+// keeping the outputs (same_step_cases' forms on the tiny recipe: a dense layer, MoE layers with a
+// shared expert).
 TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
     REQUIRE_GPU();
     for (const SameStepCase& k : same_step_cases(builtin_tiny_recipe().model)) {
@@ -337,7 +338,8 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
         const LossScales sc = parity_scales(k.cfg, mb);
         ModelConfig rc = k.cfg;
         rc.recompute_granularity = "selective";
-        rc.recompute_modules = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
+        rc.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
+                                "moe_act",   "mlp",         "shared_experts"};
         const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const GpuResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
@@ -374,7 +376,8 @@ TEST(CudaModel, ActivationOffloadGivesTheSameLossesAndGradients) {
                               "attn_proj", "expert_fc1", "moe_act",    "fused_group_mlp"};
         if (std::string(k.tag) == "beside recompute") {
             k.cfg.recompute_granularity = oc.recompute_granularity = "selective";
-            k.cfg.recompute_modules = oc.recompute_modules = {"core_attn", "layernorm"};
+            k.cfg.recompute_modules =
+                oc.recompute_modules = {"core_attn", "layernorm", "mlp", "shared_experts"};
             oc.offload_modules = {"qkv_linear", "expert_fc1", "moe_act"};
         }
         const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);

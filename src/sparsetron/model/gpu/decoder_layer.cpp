@@ -42,7 +42,7 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
         moe_ = std::make_unique<GpuMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
     else
         mlp_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
-                                              "mlp", S.fp8);
+                                              "mlp", c.recomputes("mlp"), S.fp8);
     B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
     B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
 }

@@ -73,11 +73,13 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     B_.act(rstd_final_, "final.norm_rstd", {Tn});
     B_.scratch(dx_, "grad.residual", {Tn, h});
     B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
-    B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
+    // The losses' rows are live only inside the head's and MTP's losses, between the forward and
+    // the backward: each shares a region with one of the attention backward's gradients.
+    B_.in_region(logits_, "grad.attn.o | head.logits_chunk", {chunk_rows_, V});
     // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
     // (head_cross_entropy), so the buffer is bounded by the hidden size, not the micro-batch.
-    B_.scratch(dlogits_, "head.dlogits",
-               {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
+    B_.in_region(dlogits_, "grad.attn.q_absorbed | head.dlogits",
+                 {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
     B_.scratch(row_loss_, "head.row_loss", {Tn});
     D_ = cfg.mtp_num_layers;
     if (D_ > 0) {
@@ -125,8 +127,8 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
             // under CP a depth's target rows are gathered from the group, a block per depth.
             tv_per_depth_ = cp_;
-            B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
-            B_.scratch(tv_q_, "mtp.tv.draft_probs", {D_, chunk_rows_, V});
+            B_.in_region(tv_p_, "grad.attn.q | mtp.tv.target_probs", {tv_target_rows(), V});
+            B_.in_region(tv_q_, "grad.attn.o_latent | mtp.tv.draft_probs", {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
             B_.scratch(tv_below_, "mtp.tv.draft_below_target_sum", {D_, Tn});
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
@@ -146,6 +148,7 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
     input_words_ = (5 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
+    B_.plan_regions();
     if (offload_) offload_->plan();
     if (fp8_) fp8_->declare();
     // The weights read only through FP8 have no bf16 copies.

@@ -5,6 +5,7 @@
 // weights, fp32 statistics, gradients and optimizer state; it is tested against it on the GPU.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <utility>
@@ -52,6 +53,26 @@ class GpuBuffers {
         }
         refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
     }
+    // Workspace in a region shared with buffers of other phases of the step that are never live
+    // at the same time as this one (the losses' rows, live only inside the head's loss between
+    // the forward and the backward, and a layer backward's gradients): the region is one buffer
+    // as large as its largest user, planned by plan_regions() once every module has declared.
+    // Name a region after its users; every user of a region must belong to a different phase.
+    template <typename T>
+    void in_region(T*& ptr, const std::string& region, const std::vector<int64_t>& shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        Region& r = regions_[region];
+        r.bytes = std::max(r.bytes, n * int64_t(dtype_size(dtype_of<T>())));
+        r.users.push_back(reinterpret_cast<void**>(&ptr));
+    }
+    void plan_regions() {
+        for (auto& [name, r] : regions_) {
+            const MemoryPlan::Slot s = plan_.add(MemClass::Workspace, name, DType::U8, {r.bytes});
+            for (void** p : r.users) refs_.emplace_back(s, p);
+        }
+        regions_.clear();
+    }
     // A saved activation of the layer application being declared (set_application()) that waits
     // for its backward in host memory (model/gpu/activation_offload.h); the pointer is set when
     // the offload binds.
@@ -86,6 +107,11 @@ class GpuBuffers {
     MemoryPlan& plan_;
     std::vector<std::pair<MemoryPlan::Slot, void**>> refs_;
     std::map<std::string, MemoryPlan::Slot> scratch_;
+    struct Region {
+        int64_t bytes = 0;
+        std::vector<void**> users;
+    };
+    std::map<std::string, Region> regions_;
     ActivationOffload* offload_ = nullptr;
     int64_t application_ = -1;
 };

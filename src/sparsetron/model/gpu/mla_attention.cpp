@@ -50,8 +50,10 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
         fo_ = S.fp8->add(o_);
     }
     const int64_t Tn = tokens, L = kr_ + dr_;
-    B.scratch(do_, "grad.attn.o", {Tn, H_ * dv_});
-    B.scratch(dq_b_, "grad.attn.q", {Tn, H_ * dq_});
+    // The backward's widest gradients share regions with the losses' rows (GpuBuffers::
+    // in_region): the head's and MTP's losses run between the forward and the backward.
+    B.in_region(do_, "grad.attn.o | head.logits_chunk", {Tn, H_ * dv_});
+    B.in_region(dq_b_, "grad.attn.q | mtp.tv.target_probs", {Tn, H_ * dq_});
     B.scratch(dcq_, "grad.attn.q_a_norm_out", {Tn, qr_});
     B.scratch(dcq_raw_, "grad.attn.q_a", {Tn, qr_});
     B.scratch(dckv_, "grad.attn.kv_a", {Tn, L});
@@ -72,8 +74,8 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
     absorbed_ = dsa && !sparse_expanded_;
     if (dsa) {
         if (absorbed_) {
-            B.scratch(dqabs_, "grad.attn.q_absorbed", {Tn, H_ * L});
-            B.scratch(doabs_, "grad.attn.o_latent", {Tn, H_ * kr_});
+            B.in_region(dqabs_, "grad.attn.q_absorbed | head.dlogits", {Tn, H_ * L});
+            B.in_region(doabs_, "grad.attn.o_latent | mtp.tv.draft_probs", {Tn, H_ * kr_});
             B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
         }
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});

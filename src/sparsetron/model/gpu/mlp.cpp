@@ -12,8 +12,9 @@ constexpr auto BF = DType::BF16;
 constexpr auto F32 = DType::F32;
 
 GpuSwiGluMlp::GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden,
-                           int64_t ffn, int64_t tokens, const std::string& tag, Fp8Weights* fp8)
-    : P_(P), h_(hidden), f_(ffn), T_(tokens), fp8_(fp8) {
+                           int64_t ffn, int64_t tokens, const std::string& tag, bool recompute,
+                           Fp8Weights* fp8)
+    : P_(P), h_(hidden), f_(ffn), T_(tokens), tag_(tag), recompute_(recompute), fp8_(fp8) {
     gate_ = P.index(p + "gate_proj.weight");
     up_ = P.index(p + "up_proj.weight");
     down_ = P.index(p + "down_proj.weight");
@@ -22,34 +23,44 @@ GpuSwiGluMlp::GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string&
         fup_ = fp8->add(up_);
         fdown_ = fp8->add(down_);
     }
-    B.scratch(dact_, "grad." + tag + ".act", {tokens, ffn});
-    B.scratch(dg_, "grad." + tag + ".gate", {tokens, ffn});
+    // The SwiGLU backward reads each element of the activation's gradient before writing the
+    // gate's in its place.
+    B.scratch(dact_, "grad." + tag + ".act_then_gate", {tokens, ffn});
+    B.scratch(dg_, "grad." + tag + ".act_then_gate", {tokens, ffn});
     B.scratch(du_, "grad." + tag + ".up", {tokens, ffn});
 }
 
 void GpuSwiGluMlp::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
-    B.act(A.g, p + "gate", {T_, f_});
-    B.act(A.u, p + "up", {T_, f_});
-    B.act(A.act, p + "act", {T_, f_});
+    using S = GpuBuffers::Saving;
+    const S how = recompute_ ? S::Recomputed : S::Kept;
+    B.saved(how, A.g, p + "gate", tag_ + ".recomputed.gate", {T_, f_});
+    B.saved(how, A.u, p + "up", tag_ + ".recomputed.up", {T_, f_});
+    B.saved(how, A.act, p + "act", tag_ + ".recomputed.act", {T_, f_});
 }
 
-void GpuSwiGluMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const {
+void GpuSwiGluMlp::project_up(const ExecContext& ctx, const Acts& A, const bf16* x) const {
     if (fp8_) {
         fp8_->quantize_input(ctx, x, h_);
         fp8_->forward_quantized(ctx, fgate_, A.g, f_, false);
         fp8_->forward_quantized(ctx, fup_, A.u, f_, false);
-        cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
-        fp8_->forward(ctx, fdown_, A.act, y, h_, true);
-        return;
+    } else {
+        gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[gate_].w, h_, 0.f, A.g, f_);
+        gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[up_].w, h_, 0.f, A.u, f_);
     }
-    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[gate_].w, h_, 0.f, A.g, f_);
-    gemm(ctx, false, true, T_, f_, h_, 1.f, x, h_, P_[up_].w, h_, 0.f, A.u, f_);
     cuda::swiglu_forward(ctx, A.g, A.u, T_ * f_, A.act);
-    gemm(ctx, false, true, T_, h_, f_, 1.f, A.act, f_, P_[down_].w, f_, 1.f, y, h_);
+}
+
+void GpuSwiGluMlp::forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const {
+    project_up(ctx, A, x);
+    if (fp8_)
+        fp8_->forward(ctx, fdown_, A.act, y, h_, true);
+    else
+        gemm(ctx, false, true, T_, h_, f_, 1.f, A.act, f_, P_[down_].w, f_, 1.f, y, h_);
 }
 
 void GpuSwiGluMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* x, const bf16* dy,
                             bf16* dx, bool accumulate) const {
+    if (recompute_) project_up(ctx, A, x);  // the forward's kernels on its input: its values
     if (fp8_) {
         fp8_->dgrad(ctx, fdown_, dy, dact_, false);
         fp8_->wgrad(ctx, fdown_, dy, A.act);

@@ -14,9 +14,12 @@ class GpuSwiGluMlp {
     struct Acts {
         bf16 *g, *u, *act;
     };
-    // fp8: the three projections run as FP8 linears (null: bf16).
+    // fp8: the three projections run as FP8 linears (null: bf16). recompute (selective recompute
+    // of Megatron's `mlp` module for the dense MLP, `shared_experts` for the shared expert): the
+    // gate / up outputs and their SwiGLU are not kept per application; one shared buffer each
+    // (`<scratch_tag>.recomputed.*`) and the backward projects them again from its input.
     GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
-                 int64_t ffn, int64_t tokens, const std::string& scratch_tag,
+                 int64_t ffn, int64_t tokens, const std::string& scratch_tag, bool recompute,
                  Fp8Weights* fp8 = nullptr);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     // y += down(swiglu(gate(x), up(x))).
@@ -26,10 +29,14 @@ class GpuSwiGluMlp {
                   bool accumulate) const;
 
   private:
+    // gate(x), up(x) and their SwiGLU into A (the forward's first half).
+    void project_up(const ExecContext& ctx, const Acts& A, const bf16* x) const;
     const GpuParams& P_;
     int64_t h_, f_, T_;
+    std::string tag_;
+    bool recompute_;
     int64_t gate_, up_, down_;
-    bf16 *dact_, *dg_, *du_;
+    bf16 *dact_, *dg_, *du_;  // dact_ and dg_ share storage (the constructor)
     const Fp8Weights* fp8_ = nullptr;
     int fgate_ = -1, fup_ = -1, fdown_ = -1;
 };

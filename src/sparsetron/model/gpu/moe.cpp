@@ -52,7 +52,7 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
     wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
         shared_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
-                                                 "moe.shared", fp8);
+                                                 "moe.shared", c.recomputes("shared_experts"), fp8);
     const int64_t R = tokens * k_;
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;

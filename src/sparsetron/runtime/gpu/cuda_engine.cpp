@@ -526,7 +526,8 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
     std::string msg =
         cat("the device memory plan needs ", gib(planned), " but the GPU has ", gib(free_bytes),
             " free (`sparsetron plan --device cuda` lists the ", "largest buffers); ");
-    const std::vector<std::string> all = {"core_attn", "mla_up_proj", "layernorm", "moe_act"};
+    const std::vector<std::string> all = {"core_attn", "mla_up_proj", "layernorm",
+                                          "moe_act",   "mlp",         "shared_experts"};
     bool every = true;
     for (const std::string& m : all) every = every && recipe.model.recomputes(m);
     if (!every) {
@@ -537,7 +538,7 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
             cuda_memory_plan(r, host_store, max_documents, chunk_rows).total_bytes();
         msg +=
             cat("with recompute_granularity: selective and recompute_modules: [core_attn, "
-                "mla_up_proj, layernorm, moe_act] it plans ",
+                "mla_up_proj, layernorm, moe_act, mlp, shared_experts] it plans ",
                 gib(with), with <= free_bytes ? " and fits" : ", still too much", "; ");
     }
     return msg + "shorter micro-batches (seq_length) or more context-parallel ranks need less";

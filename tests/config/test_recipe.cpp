@@ -185,7 +185,7 @@ TEST(Recipe, RecomputeKeysNameWhatExists) {
                     {"recompute_granularity=selective", "recompute_modules=moe shared_experts"});
     });
     EXPECT_NE(msg.find("'recompute_modules' is \"moe\"; expected one of: core_attn, layernorm, "
-                       "mla_up_proj, moe_act"),
+                       "mla_up_proj, mlp, moe_act, shared_experts"),
               std::string::npos)
         << msg;
 }

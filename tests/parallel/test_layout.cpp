@@ -6,7 +6,9 @@
 #include <set>
 
 #include "ep_exchange_check.h"
+#include "sparsetron/config/pipeline_layout.h"
 #include "sparsetron/config/pipeline_split.h"
+#include "sparsetron/config/recipe.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/parallel/cp_shard.h"
@@ -297,6 +299,73 @@ TEST(EpDispatch, OneProcessExchangeMatchesTheLocalComputation) {
     test::check_ep_exchange(comm);
     std::vector<int32_t> topk = {0, 9};
     EXPECT_THROW(plan_ep_dispatch(comm, topk.data(), 1, 2, 8), Error);  // expert 9 of 8
+}
+
+
+// Megatron's layout string: `|` ends a stage, `X*N` and `(...)*N` repeat (a group may hold `|`),
+// commas and spaces are cosmetic, empty stages parse.
+TEST(PipelineLayout, GrammarExpandsToStages) {
+    using V = std::vector<std::string>;
+    EXPECT_EQ(parse_pipeline_layout("Et*3|(tt|)*2,m|L"), (V{"Ettt", "tt", "tt", "m", "L"}));
+    EXPECT_EQ(parse_pipeline_layout("E||t|L"), (V{"E", "", "t", "L"}));
+    EXPECT_EQ(parse_pipeline_layout(" E t , t | t t m L "), (V{"Ett", "ttmL"}));
+    EXPECT_EQ(parse_pipeline_layout("E(t(t)*2|)*2L"), (V{"Ettt", "ttt", "L"}));
+    EXPECT_EQ(parse_pipeline_layout("Et*12|t*0L"), (V{"Etttttttttttt", "L"}));
+    for (const char* bad : {"Et*|L", "*3Et|L", "Ex|tL", "E(t|L", "Et)|L", "E t * | L"}) {
+        try {
+            parse_pipeline_layout(bad);
+            ADD_FAILURE() << bad << " parsed";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find("pipeline_model_parallel_layout"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+}
+
+// A layout's decoder layers per stage, and what the engine refuses with its reason: the seed's
+// 256-GPU split written as a layout equals decoder_first_pipeline_num_layers 18.
+TEST(PipelineLayout, CountsPerStageAgainstTheModel) {
+    EXPECT_EQ(pipeline_layout_counts("Et*18|t*20|t*20|t*20,m*7,L", 78, 7, 4),
+              pipeline_layer_counts(78, 4, 18, 0));
+    EXPECT_EQ(pipeline_layout_counts("Et|tttmL", 4, 1, 2), (std::vector<int64_t>{1, 3}));
+    EXPECT_EQ(pipeline_layout_counts("EtttL", 3, 0, 1), (std::vector<int64_t>{3}));
+    const auto refused = [](const char* layout, int64_t layers, int64_t mtp, int64_t pp,
+                            const char* why) {
+        try {
+            pipeline_layout_counts(layout, layers, mtp, pp);
+            ADD_FAILURE() << layout << " accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+        }
+    };
+    refused("Et*3|(tt|)*29,m|L", 61, 1, 16, "interleaved virtual stages (2 per rank)");
+    refused("Et|t|tL", 3, 0, 2, "3 stages, but pipeline_model_parallel_size is 2");
+    refused("tE|tL", 2, 0, 2, "the embedding (E) must appear once, first in the first stage");
+    refused("Et|Lt", 2, 0, 2, "the loss (L) must appear once, last in the last stage");
+    refused("Et|ttL", 4, 0, 2, "3 decoder layers (t), num_layers is 4");
+    refused("Et|tmL", 2, 2, 2, "1 MTP layers (m), mtp_num_layers is 2");
+    refused("Etm|tL", 2, 1, 2, "the MTP layers (m) must be in the last stage");
+    refused("Et||tL", 2, 0, 3, "stage 1 holds no decoder layer");
+    refused("Et|tmtL", 3, 1, 2, "a decoder layer (t) after an MTP layer (m)");
+}
+
+// The layout and the first/last keys both split the layers: a recipe sets one.
+TEST(PipelineLayout, RecipeKeyIsExclusiveWithTheFirstLastKeys) {
+    Recipe r = builtin_tiny_recipe();
+    r.run.pipeline_model_parallel_size = 2;
+    r.run.world_size = 2;
+    r.run.pipeline_model_parallel_layout =
+        "Et|t" + std::string(size_t(r.model.mtp_num_layers), 'm') + "L";
+    EXPECT_EQ(pipeline_stage_layers(r.model, r.run), (std::vector<int64_t>{1, 1}));
+    EXPECT_EQ(pipeline_stage(r.model, r.run, 1).first_layer, 1);
+    r.run.decoder_first_pipeline_num_layers = 1;
+    try {
+        pipeline_stage_layers(r.model, r.run);
+        ADD_FAILURE() << "both keys accepted";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("set one"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace

@@ -696,7 +696,8 @@ void expect_pipeline_matches_one_process(const std::vector<std::string>& model,
 // x DP 2, and PP 4 with fewer micro-batches than stages; the MTP layer (kv sharing, its
 // embedding a copy on the last stage whose gradient joins the first stage's) and the indexer
 // loss included. With 8 ranks: PP 2 x EP 2 x DP 2 (each stage's experts sharded over its EP
-// group); the seed's e2e TV with detached heads and Muon on 2 ranks.
+// group); the seed's e2e TV with detached heads and Muon on 2 ranks; a split from Megatron's
+// layout string (3 + 1 layers) on 2 ranks.
 TEST(Mpi, PipelineParallelMatchesOneProcess) {
     const int W = g_comm->size();
     if (W == 2) {
@@ -707,6 +708,11 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             pipeline_model({"mtp_loss_type=e2e_tv", "mtp_detach_heads=true", "optimizer=muon",
                             "mtp_num_layers=3"}),
             {"pipeline_model_parallel_size=2"}, "pp2-tv-muon");
+        // Megatron's layout string: three layers on the first stage, one beside the MTP layers.
+        expect_pipeline_matches_one_process(
+            pipeline_model({"mtp_num_layers=2"}),
+            {"pipeline_model_parallel_size=2", "pipeline_model_parallel_layout=E(t)*3|t,m*2,L"},
+            "pp2-layout");
     }
     if (W == 4) {
         expect_pipeline_matches_one_process(pipeline_model(), {"pipeline_model_parallel_size=4"},

@@ -1,5 +1,6 @@
 #include "sparsetron/config/pipeline_split.h"
 
+#include "sparsetron/config/pipeline_layout.h"
 #include "sparsetron/core/error.h"
 
 namespace sparsetron {
@@ -34,10 +35,20 @@ std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, i
     return counts;
 }
 
+std::vector<int64_t> pipeline_stage_layers(const ModelConfig& m, const RunConfig& r) {
+    if (r.pipeline_model_parallel_layout.empty())
+        return pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
+                                     r.decoder_first_pipeline_num_layers,
+                                     r.decoder_last_pipeline_num_layers);
+    ST_CHECK(r.decoder_first_pipeline_num_layers == 0 && r.decoder_last_pipeline_num_layers == 0,
+             "pipeline_model_parallel_layout and decoder_first/last_pipeline_num_layers both "
+             "split the layers: set one");
+    return pipeline_layout_counts(r.pipeline_model_parallel_layout, m.num_layers, m.mtp_num_layers,
+                                  r.pipeline_model_parallel_size);
+}
+
 PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index) {
-    const std::vector<int64_t> counts = pipeline_layer_counts(
-        m.num_layers, r.pipeline_model_parallel_size, r.decoder_first_pipeline_num_layers,
-        r.decoder_last_pipeline_num_layers);
+    const std::vector<int64_t> counts = pipeline_stage_layers(m, r);
     ST_CHECK(index >= 0 && index < int(counts.size()), "pipeline stage ", index, " of ",
              counts.size());
     PipelineStage s;

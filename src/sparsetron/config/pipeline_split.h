@@ -16,6 +16,9 @@ namespace sparsetron {
 // Layers per stage, first stage first; throws naming the keys when they do not split.
 std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, int64_t first,
                                            int64_t last);
+// The recipe's layers per stage: from pipeline_model_parallel_layout when set (with neither
+// decoder_first/last key: they would say the same thing twice), else from the two keys.
+std::vector<int64_t> pipeline_stage_layers(const ModelConfig& m, const RunConfig& r);
 // Stage `index` of the recipe's split.
 PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index);
 

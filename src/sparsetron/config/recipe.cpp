@@ -136,6 +136,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(pipeline_model_parallel_size, Int),
         RUN_KEY(decoder_first_pipeline_num_layers, Int),
         RUN_KEY(decoder_last_pipeline_num_layers, Int),
+        RUN_KEY(pipeline_model_parallel_layout, String),
         RUN_KEY(expert_model_parallel_size, Int),
         RUN_KEY(context_parallel_size, Int),
         RUN_KEY(dynamic_context_parallel, Bool),

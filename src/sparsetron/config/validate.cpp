@@ -209,8 +209,7 @@ void Recipe::validate() {
     int64_t per_step = r.micro_batch_size * r.data_parallel_size();
     ST_CHECK(r.global_batch_size % per_step == 0, "global_batch_size (", r.global_batch_size,
              ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
-    pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
-                          r.decoder_first_pipeline_num_layers, r.decoder_last_pipeline_num_layers);
+    pipeline_stage_layers(m, r);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});

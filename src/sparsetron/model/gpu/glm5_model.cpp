@@ -73,12 +73,12 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     B_.act(rstd_final_, "final.norm_rstd", {Tn});
     B_.scratch(dx_, "grad.residual", {Tn, h});
     B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
-    // The losses' rows are live only inside the head's and MTP's losses, between the forward and
-    // the backward: each shares a region with one of the attention backward's gradients.
-    B_.in_region(logits_, "grad.attn.o | head.logits_chunk", {chunk_rows_, V});
+    B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
     // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
     // (head_cross_entropy), so the buffer is bounded by the hidden size, not the micro-batch.
-    B_.in_region(dlogits_, "grad.attn.q_absorbed | head.dlogits",
+    // Live only inside the head's and MTP's losses, between the forward and the backward: it
+    // shares a region with attention backward gradients (GpuMlaAttention), as the draft rows do.
+    B_.in_region(dlogits_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits",
                  {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
     B_.scratch(row_loss_, "head.row_loss", {Tn});
     D_ = cfg.mtp_num_layers;
@@ -127,8 +127,9 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
             // under CP a depth's target rows are gathered from the group, a block per depth.
             tv_per_depth_ = cp_;
-            B_.in_region(tv_p_, "grad.attn.q | mtp.tv.target_probs", {tv_target_rows(), V});
-            B_.in_region(tv_q_, "grad.attn.o_latent | mtp.tv.draft_probs", {D_, chunk_rows_, V});
+            B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
+            B_.in_region(tv_q_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs",
+                         {D_, chunk_rows_, V});
             B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
             B_.scratch(tv_below_, "mtp.tv.draft_below_target_sum", {D_, Tn});
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});

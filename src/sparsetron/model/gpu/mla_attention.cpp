@@ -50,10 +50,6 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
         fo_ = S.fp8->add(o_);
     }
     const int64_t Tn = tokens, L = kr_ + dr_;
-    // The backward's widest gradients share regions with the losses' rows (GpuBuffers::
-    // in_region): the head's and MTP's losses run between the forward and the backward.
-    B.in_region(do_, "grad.attn.o | head.logits_chunk", {Tn, H_ * dv_});
-    B.in_region(dq_b_, "grad.attn.q | mtp.tv.target_probs", {Tn, H_ * dq_});
     B.scratch(dcq_, "grad.attn.q_a_norm_out", {Tn, qr_});
     B.scratch(dcq_raw_, "grad.attn.q_a", {Tn, qr_});
     B.scratch(dckv_, "grad.attn.kv_a", {Tn, L});
@@ -72,10 +68,23 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
         sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0;
     }
     absorbed_ = dsa && !sparse_expanded_;
+    if (absorbed_) {
+        // The absorbed backward's gradients die in turn: o's (read by the two GEMMs that make
+        // o''s) before the attention core's backward writes Q''s, o''s (read by that backward)
+        // before q's is written; each pair shares a region, and with it a loss's rows, live only
+        // between the forward and the backward (GpuBuffers::in_region).
+        B.in_region(do_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Tn, H_ * dv_});
+        B.in_region(dqabs_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Tn, H_ * L});
+        B.in_region(doabs_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs",
+                    {Tn, H_ * kr_});
+        B.in_region(dq_b_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs", {Tn, H_ * dq_});
+    } else {
+        // The expanded and dense backwards read o's gradient while writing q's.
+        B.scratch(do_, "grad.attn.o", {Tn, H_ * dv_});
+        B.scratch(dq_b_, "grad.attn.q", {Tn, H_ * dq_});
+    }
     if (dsa) {
         if (absorbed_) {
-            B.in_region(dqabs_, "grad.attn.q_absorbed | head.dlogits", {Tn, H_ * L});
-            B.in_region(doabs_, "grad.attn.o_latent | mtp.tv.draft_probs", {Tn, H_ * kr_});
             B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
         }
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});

@@ -61,11 +61,15 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
              "moe_paged_stash with expert parallelism is not implemented on "
              "CUDA yet: set moe_paged_stash: false");
     rows_ = W_ == 1 ? R : c.moe_ep_received_rows(tokens);
-    // The backward's row buffers share storage where one is dead before the other is written
-    // (backward() names the second use): the output gradients are read last by the down
-    // projection's weight gradient, before the input gradients are written; the SwiGLU backward
-    // reads each element of the activation's gradient before writing the gate's in its place.
-    B.scratch(doutperm_, "grad.moe.out_then_x_permuted", {R, h_});
+    // Row buffers share storage where one is dead before the other is written. `moe.rows`
+    // (tokens x top-k rows of the hidden size) holds in turn, without expert parallelism: in the
+    // forward the gathered input rows (dead after the gate and up GEMMs) and then the expert
+    // outputs (dead after the combine); in the backward the output gradients (read last by the
+    // down projection's weight gradient), the input gradients (read last by the gather's
+    // backward) and the gathered input rows again (for the gate and up weight gradients). The
+    // SwiGLU backward reads each element of the activation's gradient before writing the gate's
+    // in its place.
+    B.scratch(doutperm_, "moe.rows", {R, h_});
     B.scratch(dact_, "grad.moe.act_then_gate", {rows_, F_});
     B.scratch(du_, "grad.moe.up", {rows_, F_});
     if (W_ > 1) {
@@ -112,8 +116,7 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     // offloaded. Without expert parallelism the gathered input rows are not kept (the backward
     // gathers them again from the layer's input: the same copy) and neither are the output rows
     // (the backward takes the gate gradients from the down projection's input gradient and the
-    // SwiGLU output instead): the output rows live in the backward's row-gradient buffer, dead
-    // in the forward.
+    // SwiGLU output instead): both live in `moe.rows` (the constructor).
     using S = GpuBuffers::Saving;
     const S fc1 = saving(c_, nullptr, "expert_fc1"), act = saving(c_, "moe_act", "moe_act"),
             out = saving(c_, nullptr, "expert_out");
@@ -128,18 +131,18 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
         B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act_received", {rows_, F_});
         B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
     } else if (stash_) {
-        B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
+        B.scratch(A.xperm, "moe.rows", {R, h_});
         B.scratch(A.g, "moe.work.expert_gate", {R, F_});
         B.scratch(A.u, "moe.work.expert_up", {R, F_});
         B.scratch(A.act, "moe.work.expert_act", {R, F_});
-        B.scratch(A.out_perm, "grad.moe.out_then_x_permuted", {R, h_});
+        B.scratch(A.out_perm, "moe.rows", {R, h_});
         stash_->declare_table(A.stash_table, B, p);
     } else {
-        B.scratch(A.xperm, "moe.work.x_permuted", {R, h_});
+        B.scratch(A.xperm, "moe.rows", {R, h_});
         B.saved(fc1, A.g, p + "expert_gate", "", {R, F_});
         B.saved(fc1, A.u, p + "expert_up", "", {R, F_});
         B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act", {R, F_});
-        B.scratch(A.out_perm, "grad.moe.out_then_x_permuted", {R, h_});
+        B.scratch(A.out_perm, "moe.rows", {R, h_});
     }
     if (shared_) shared_->declare(A.shared, B, p + "shared_");
 }
@@ -192,15 +195,12 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
         cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
         experts_swiglu(ctx, local(A), A);
     } else if (stash_) {
-        // Back from the pages; the permuted input and the SwiGLU are recomputed (the same
-        // kernels on the same values: bit-identical to what the forward used).
+        // Back from the pages; the SwiGLU recomputed (the same kernel on the same values:
+        // bit-identical to what the forward used), the permuted input below.
         stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
-        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
         cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
-    } else {
-        if (W_ == 1) cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
-        if (recompute_act_)
-            cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
+    } else if (recompute_act_) {
+        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
     }
     if (W_ > 1) {
         // Expert parallelism: the output gradients scaled by their gates, written straight into
@@ -237,10 +237,13 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     // projection's in slot 1.
     expert_gemm(ctx, L, gate0_, true, dg, dx, false, fp8_ != nullptr, 0);
     expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_ != nullptr, 1);
-    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate.grad, gs, add));
-    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm);
     cuda::moe_gather_backward(ctx, dxperm, A.slot_row, Tn, k_, h_, dm, false);
+    // Without expert parallelism the gathered input rows again (the forward's copy), into the
+    // rows the input gradients just left; under it they were received and kept.
+    if (W_ == 1) cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate.grad, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
                           float(c_.moe_router_topk_scaling_factor), dlogits_);

@@ -301,7 +301,6 @@ TEST(EpDispatch, OneProcessExchangeMatchesTheLocalComputation) {
     EXPECT_THROW(plan_ep_dispatch(comm, topk.data(), 1, 2, 8), Error);  // expert 9 of 8
 }
 
-
 // Megatron's layout string: `|` ends a stage, `X*N` and `(...)*N` repeat (a group may hold `|`),
 // commas and spaces are cosmetic, empty stages parse.
 TEST(PipelineLayout, GrammarExpandsToStages) {

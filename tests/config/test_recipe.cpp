@@ -345,3 +345,18 @@ TEST(Recipe, SplitAndEvalKeys) {
     msg = error_of([] { load_recipe("", {"eval_iters=-1"}); });
     EXPECT_NE(msg.find("'eval_interval' and 'eval_iters' must be >= 0"), std::string::npos) << msg;
 }
+
+// Megatron's pipeline layout string survives the recipe's YAML (the copy a checkpoint keeps): its
+// `|`, `*`, parentheses and commas come back as written, from a file and from --set.
+TEST(Recipe, PipelineLayoutRoundTripsThroughYaml) {
+    const std::string layout = "Et*18|(t*20|)*2,t*20,m*7,L";
+    const Recipe r = load_recipe(
+        repo("recipes/glm5.2-256gpu.yaml"),
+        {"pipeline_model_parallel_layout=" + layout, "decoder_first_pipeline_num_layers=0"});
+    EXPECT_EQ(r.run.pipeline_model_parallel_layout, layout);
+    const std::string path = test::temp_dir("recipe-layout") + "/r.yaml";
+    std::ofstream(path) << r.to_yaml();
+    const Recipe back = load_recipe(path);
+    EXPECT_EQ(back.run.pipeline_model_parallel_layout, layout);
+    EXPECT_EQ(back.to_yaml(), r.to_yaml());
+}

@@ -5,18 +5,11 @@
 # block) as graph replays. Logs and bench.jsonl into $OUT. Usage: OUT=dir long-context-streamed-loss.sh COMMIT
 set -uo pipefail
 out=${OUT:?} c=${1:?commit}
-R=recipes/glm5.2-proxy-h200.yaml
-B="--set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward"
-run() { local name=$1; shift
-  timeout 280 scripts/gpu-run.sh build/default/bin/sparsetron bench --recipe $R --commit "$c" \
-    --variants graph --warmup 2 --iters 4 --json "$out/bench.jsonl" "$@" >"$out/$name.log" 2>&1 \
-    || echo "$name failed"
-  grep -E "median|tok/s|ms" "$out/$name.log" | tail -6; }
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-timeout 240 scripts/gpu-run.sh build/default/bin/test_gpu >"$out/test_gpu.log" 2>&1
-echo "test_gpu rc=$?"; grep -E "^\[  (PASSED|FAILED) |tests ran|FAILED  \]" "$out/test_gpu.log" | head -20
+. "$(dirname "$0")/long-context-lib.sh"
+BENCH_TIMEOUT=280
+run_test_gpu
 grep -E "\[model long document" "$out/test_gpu.log"
-run bb4k --set seq_length=4096 $B
-run bb32k --set seq_length=32768 $B --set recompute_granularity=selective --set 'recompute_modules=[mla_up_proj,layernorm,moe_act]'
-run step4k --set seq_length=4096
-run step16k --set seq_length=16384 --set recompute_granularity=selective --set 'recompute_modules=[core_attn,mla_up_proj]' --set fine_grained_activation_offloading=true --set 'offload_modules=[expert_fc1,fused_group_mlp]' --variant blocks= --variant whole="--set dsa_indexer_query_block=16384" --rounds 1
+bench_run bb4k 4 --set seq_length=4096 $BACKBONE
+bench_run bb32k 4 --set seq_length=32768 $BACKBONE --set recompute_granularity=selective --set 'recompute_modules=[mla_up_proj,layernorm,moe_act]'
+bench_run step4k 4 --set seq_length=4096
+bench_run step16k 4 --set seq_length=16384 --set recompute_granularity=selective --set 'recompute_modules=[core_attn,mla_up_proj]' --set fine_grained_activation_offloading=true --set 'offload_modules=[expert_fc1,fused_group_mlp]' --variant blocks= --variant whole="--set dsa_indexer_query_block=16384" --rounds 1

@@ -86,8 +86,8 @@ struct RunConfig {
     // Layers of the first and last pipeline stages (0: an even share; config/pipeline_split.h).
     int64_t decoder_first_pipeline_num_layers = 0;
     int64_t decoder_last_pipeline_num_layers = 0;
-    // Megatron's layout string, e.g. "Et*18|t*20|t*20|t*20mL" (config/pipeline_layout.h); in place
-    // of the two keys above.
+    // Megatron's layout string, e.g. "Et*18|t*20|t*20|t*20,m*7,L" (config/pipeline_layout.h); in
+    // place of the two keys above.
     std::string pipeline_model_parallel_layout;
     int64_t expert_model_parallel_size = 1;
     int64_t context_parallel_size = 1;

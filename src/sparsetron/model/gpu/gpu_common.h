@@ -53,11 +53,11 @@ class GpuBuffers {
         }
         refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
     }
-    // Workspace in a region shared with buffers of other phases of the step that are never live
-    // at the same time as this one (the losses' rows, live only inside the head's loss between
-    // the forward and the backward, and a layer backward's gradients): the region is one buffer
-    // as large as its largest user, planned by plan_regions() once every module has declared.
-    // Name a region after its users; every user of a region must belong to a different phase.
+    // Workspace in a region shared with buffers that are never live at the same time as this
+    // one (the losses' rows, live only inside the losses between the forward and the backward,
+    // and gradients of a layer backward that die in turn): the region is one buffer as large as
+    // its largest user, planned by plan_regions() once every module has declared. Name a region
+    // after its users; no two of them may be live at once.
     template <typename T>
     void in_region(T*& ptr, const std::string& region, const std::vector<int64_t>& shape) {
         int64_t n = 1;

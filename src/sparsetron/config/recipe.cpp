@@ -142,6 +142,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(dynamic_context_parallel, Bool),
         RUN_KEY(use_distributed_optimizer, Bool),
         RUN_KEY(overlap_grad_reduce, Bool),
+        RUN_KEY(moe_expert_exchange, String),
         RUN_KEY(sequence_packing_scheduler, String),
         RUN_KEY(world_size, Int),
         RUN_KEY(bf16, Bool),

@@ -98,6 +98,9 @@ struct RunConfig {
     // Data parallelism on GPUs: reduce gradient buckets on a side stream during the last
     // micro-batch's backward (Megatron's --overlap-grad-reduce; on by default here).
     bool overlap_grad_reduce = true;
+    // Engine key: the expert-parallel exchange's transport on GPUs (parallel/exchange_transport.h):
+    // "auto" (NVLink within a node, NCCL across nodes) | "nvlink" | "nccl".
+    std::string moe_expert_exchange = "auto";
     std::string sequence_packing_scheduler = "default";
     int64_t world_size = 1;  // engine key: GPUs the recipe is laid out for (derives DP)
 

@@ -1,5 +1,6 @@
-// `sparsetron bench-exchange`: the expert-parallel exchange (parallel/expert_exchange.h) checked
-// and timed against a plain NCCL all-to-all of the same bytes, on the GPUs of a launched job.
+// `sparsetron bench-exchange`: the expert-parallel exchange (parallel/expert_exchange.h) in both
+// transports checked and timed against a plain NCCL all-to-all of the same bytes, on the GPUs of
+// a launched job.
 #pragma once
 
 #include <cstdint>
@@ -19,16 +20,19 @@ struct ExchangeBenchOptions {
 struct ExchangeBenchResult {
     int ranks = 0;
     int64_t rows = 0, dim = 0, experts = 0;
-    double peer_bytes = 0;                // bytes each rank sends to other ranks per exchange
-    double exchange_ms = 0, nccl_ms = 0;  // medians
-    double exchange_gbps = 0, nccl_gbps = 0;
+    double peer_bytes = 0;  // bytes each rank sends to other ranks per exchange
+    // Medians of a dispatch: the NVLink exchange (0 when the ranks span hosts), the NCCL
+    // exchange, and a bare NCCL all-to-all of the blocks uniform routing sends.
+    double exchange_ms = 0, nccl_exchange_ms = 0, nccl_ms = 0;
+    double exchange_gbps = 0, nccl_exchange_gbps = 0, nccl_gbps = 0;
     std::string gpu;
     std::string to_json() const;
 };
 
-// Collective over `comm` (NCCL, one GPU per rank): a dispatch then a combine of known rows,
-// compared bit for bit with what they must deliver (throws on a mismatch), then `iters` timed
-// dispatches and `iters` timed ncclSend/ncclRecv all-to-alls moving the same blocks.
+// Collective over `comm` (NCCL, one GPU per rank): for each transport (NVLink where every rank
+// shares a host, NCCL), a dispatch then a combine of known rows, compared bit for bit with what
+// they must deliver (throws on a mismatch), then `iters` timed dispatches; then `iters` timed
+// ncclSend/ncclRecv all-to-alls moving the same blocks.
 ExchangeBenchResult bench_expert_exchange(Comm& comm, const ExchangeBenchOptions& o);
 
 }  // namespace sparsetron

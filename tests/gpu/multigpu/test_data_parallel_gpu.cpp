@@ -194,6 +194,19 @@ TEST(DataParallelGpu, ExpertParallelTwoGpusMatchOneGpuEagerAndGraph) {
     compare_with_one_gpu("ep2-force", "--set moe_router_force_load_balancing=true", ep);
 }
 
+// The NCCL transport of the expert exchange (what runs when the group spans nodes), forced on
+// one node: fixed-size blocks per pair of ranks through grouped send/recv, packed and unpacked
+// on the device. The same one-GPU losses, eager and captured, dropless and force-balanced.
+TEST(DataParallelGpu, ExpertParallelOverNcclMatchesOneGpuEagerAndGraph) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string ep = "--set expert_model_parallel_size=2 --set moe_expert_exchange=nccl";
+    compare_with_one_gpu("ep2-nccl-eager", "", ep);
+    compare_with_one_gpu("ep2-nccl-graph", "--set cuda_graph_impl=full_iteration", ep);
+    compare_with_one_gpu("ep2-nccl-force", "--set moe_router_force_load_balancing=true", ep);
+}
+
 // Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)
 // checkpoints at step 2 as two shards and an index; one GPU resuming from it (reading both
 // shards: every expert's weights and Muon momentum) reproduces steps 3 and 4.
@@ -268,9 +281,10 @@ TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
     EXPECT_GT(sizes[1], 0) << "no group of 2 GPUs ran";
 }
 
-// The exchange alone (sparsetron bench-exchange, two processes): a dispatch and a combine of
-// known rows checked bit for bit inside (a wrong row exits non-zero naming it), uneven sizes
-// against the 16-byte copies (dim 136 = 17 x 8), then timed against NCCL's all-to-all.
+// The exchange alone (sparsetron bench-exchange, two processes), both transports: a dispatch and
+// a combine of known rows checked bit for bit inside (a wrong row exits non-zero naming it and
+// the transport), uneven sizes against the 16-byte copies (dim 136 = 17 x 8), then timed against
+// NCCL's all-to-all.
 TEST(DataParallelGpu, ExpertExchangeDeliversEveryRowAndIsTimed) {
     REQUIRE_GPU();
     if (cuda_device_count() < 2)
@@ -288,6 +302,10 @@ TEST(DataParallelGpu, ExpertExchangeDeliversEveryRowAndIsTimed) {
         << tail_of(out + "/rank0.log") << tail_of(out + "/rank1.log");
     const std::string log = tail_of(out + "/rank0.log");
     std::cout << log;
-    EXPECT_NE(log.find("delivered every row bit for bit (verified)"), std::string::npos) << log;
+    EXPECT_NE(log.find("delivered every row bit for bit (verified, both transports)"),
+              std::string::npos)
+        << log;
+    EXPECT_NE(log.find("exchange, NVLink (CUDA IPC)"), std::string::npos) << log;
+    EXPECT_NE(log.find("exchange, NCCL blocks"), std::string::npos) << log;
     EXPECT_NE(log.find("NCCL send/recv all-to-all"), std::string::npos) << log;
 }

@@ -21,10 +21,15 @@
 namespace sparsetron {
 namespace {
 
-// The expert exchange's rows per rank: a rank publishes its routed rows (dispatch) or the
-// results of the rows its experts received (combine).
-int64_t exchange_rows(const ModelConfig& m, int64_t slots) {
-    return std::max(slots * m.moe_router_topk, m.moe_ep_received_rows(slots));
+// What the expert exchange carries per rank: a rank publishes its routed rows (dispatch) or the
+// results of the rows its experts received (combine); one source sends one owner at most a W-th
+// of what the owner may receive.
+cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t slots) {
+    const int64_t received = m.moe_ep_received_rows(slots);
+    return {.experts = m.num_experts,
+            .max_rows = std::max(slots * m.moe_router_topk, received),
+            .pair_rows = received / m.expert_parallel_ranks,
+            .dim = m.hidden_size};
 }
 
 class CudaEngine final : public DeviceEngine {
@@ -97,20 +102,23 @@ class CudaEngine final : public DeviceEngine {
         opt_->bind(plan_);
         opt_->prepare(ctx());
         if (expert_parallel && expert_parallel->size() > 1) {
-            // The most rows a rank publishes: its routed rows (dispatch) or what its experts
-            // received (the results going back).
-            const auto& m = recipe_.model;
-            exchange_ = std::make_unique<cuda::ExpertExchange>(
-                *expert_parallel, m.num_experts, exchange_rows(m, slots), m.hidden_size);
+            // NVLink when the group shares a node (or as the recipe says), NCCL across nodes.
+            const ExchangeTransport t = choose_exchange_transport(
+                recipe_.run.moe_expert_exchange, expert_parallel->allgather(this_host_id()));
+            exchange_ = cuda::make_expert_exchange(t, *expert_parallel,
+                                                   exchange_shape(recipe_.model, slots));
             model_->set_expert_exchange(exchange_.get());
         }
         if (dp_) {
             plan_buckets();
-            // Not with CP: the backward's key-gradient all-reduces (CP communicator) would run
+            // Not with CP or the NCCL expert exchange: the backward's key-gradient all-reduces
+            // (CP communicator) or the exchange's all-to-alls (EP communicator) would run
             // concurrently with the buckets' (world communicator) on the same GPUs, and NCCL
             // kernels of two communicators may then wait on each other in different orders on
-            // the two GPUs (a deadlock); the buckets are reduced after the backward instead.
-            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_)
+            // two GPUs (a deadlock); the buckets are reduced after the backward instead.
+            const bool nccl_exchange =
+                exchange_ && exchange_->transport() == ExchangeTransport::Nccl;
+            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_ && !nccl_exchange)
                 side_ = std::make_unique<cuda::SideStream>(ctx());
         }
         // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
@@ -360,7 +368,7 @@ class CudaEngine final : public DeviceEngine {
         return double(device_memory_used()) / (1024.0 * 1024.0);
     }
     double planned_memory_mib() const override {
-        const double region = exchange_ ? double(exchange_->region_bytes()) : 0.0;
+        const double region = exchange_ ? double(exchange_->device_bytes()) : 0.0;
         return (double(plan_.total_bytes()) + region) / (1024.0 * 1024.0);
     }
 
@@ -552,12 +560,21 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
     std::string text = plan.format(top);
     size_t total = plan.total_bytes();
     if (recipe.run.expert_model_parallel_size > 1) {
-        // Expert parallelism: the exchange's shared region, a separate allocation (CUDA IPC).
-        const int64_t region = cuda::ExpertExchange::region_bytes_for(
-            m.num_experts, exchange_rows(m, recipe.run.tokens_per_microbatch()), m.hidden_size);
-        total += size_t(region);
-        text += cat("expert exchange region (CUDA IPC) ", format_bytes(double(region)),
-                    "\ntotal with it          ", format_bytes(double(total)), "\n");
+        // Expert parallelism: the exchange's buffers, separate allocations. `auto` picks NVLink
+        // on one node and NCCL across nodes: the plan counts the larger.
+        Recipe ep = recipe;
+        ep.model.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
+        const cuda::ExchangeShape shape =
+            exchange_shape(ep.model, recipe.run.tokens_per_microbatch());
+        const int ranks = int(recipe.run.expert_model_parallel_size);
+        const std::string& key = recipe.run.moe_expert_exchange;
+        const ExchangeTransport t =
+            key == "nvlink" ? ExchangeTransport::Nvlink : ExchangeTransport::Nccl;
+        const int64_t bytes = cuda::expert_exchange_bytes(t, shape, ranks);
+        total += size_t(bytes);
+        text += cat("expert exchange buffers (", key == "auto" ? "auto: NCCL's, the larger" : key,
+                    ") ", format_bytes(double(bytes)), "\ntotal with them        ",
+                    format_bytes(double(total)), "\n");
     }
     if (m.fine_grained_activation_offloading) {
         // What offload saves: the same plan with every offloaded activation kept on the device.

@@ -55,12 +55,21 @@ class ThreadComm final : public Comm {
     bool on_device() const override { return true; }
     void device_allgather(void* data, int64_t bytes, void*) override {
         // Every rank's block r of its own buffer is rank r's contribution.
-        exchange(data, [&](int r) { return std::pair{r * bytes, r * bytes}; }, data, bytes);
+        exchange(
+            data,
+            [&](int r) {
+                return std::pair{r * bytes, r * bytes};
+            },
+            data, bytes);
     }
     void device_alltoall(const void* send, void* recv, int64_t bytes, void*) override {
         // Block me of rank r's send lands in block r of this rank's receive.
-        exchange(send, [&](int r) { return std::pair{int64_t(rank_) * bytes, r * bytes}; }, recv,
-                 bytes);
+        exchange(
+            send,
+            [&](int r) {
+                return std::pair{int64_t(rank_) * bytes, r * bytes};
+            },
+            recv, bytes);
     }
     // Host collectives are not part of the NCCL exchange.
     void allreduce_sum(float*, int64_t) override { unused(); }
@@ -109,7 +118,8 @@ struct Routing {
     int64_t el() const { return E / W; }
     std::vector<int32_t> offsets(int p) const {
         std::vector<int32_t> o(size_t(E + 1), 0);
-        for (int64_t e = 0; e < E; ++e) o[size_t(e + 1)] = o[size_t(e)] + counts[size_t(p)][size_t(e)];
+        for (int64_t e = 0; e < E; ++e)
+            o[size_t(e + 1)] = o[size_t(e)] + counts[size_t(p)][size_t(e)];
         return o;
     }
     // Owner layout of rank q: (source p, source row i) per owner row.
@@ -145,10 +155,8 @@ std::vector<RankResult> run_threads(const Routing& rt) {
                 cuda::CudaSession s;
                 const ExecContext& ctx = s.ctx();
                 ThreadComm comm(job, me, s);
-                const cuda::ExchangeShape shape{.experts = E,
-                                                .max_rows = rt.max_rows,
-                                                .pair_rows = rt.pair_rows,
-                                                .dim = dim};
+                const cuda::ExchangeShape shape{
+                    .experts = E, .max_rows = rt.max_rows, .pair_rows = rt.pair_rows, .dim = dim};
                 auto ex = cuda::make_expert_exchange(ExchangeTransport::Nccl, comm, shape);
                 const std::vector<int32_t> off = rt.offsets(me);
                 const int64_t sent = off.back(), recvd = int64_t(rt.owner_rows(me).size());
@@ -204,7 +212,8 @@ void check_routing(const Routing& rt) {
             for (int64_t d = 0; d < dim; ++d) {
                 const auto [p, i] = owner[o];
                 ASSERT_EQ(r.y[o * size_t(dim) + size_t(d)].bits, row_value(1, p, i, d).bits)
-                    << "rank " << q << " owner row " << o << " (rank " << p << "'s row " << i << ")";
+                    << "rank " << q << " owner row " << o << " (rank " << p << "'s row " << i
+                    << ")";
                 ASSERT_EQ(r.y_again[o * size_t(dim) + size_t(d)].bits, row_value(3, p, i, d).bits);
             }
         for (size_t v = owner.size() * size_t(dim); v < r.y.size(); ++v)
@@ -255,7 +264,8 @@ TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
         if (p == 0)
             c[4] = 20, c[5] = 3;
         else
-            for (int i = 0; i < 23; ++i) ++c[size_t(std::uniform_int_distribution<int64_t>(0, rt.E - 1)(rng))];
+            for (int i = 0; i < 23; ++i)
+                ++c[size_t(std::uniform_int_distribution<int64_t>(0, rt.E - 1)(rng))];
         rt.counts.push_back(c);
     }
     check_routing(rt);

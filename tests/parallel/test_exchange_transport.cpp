@@ -26,8 +26,9 @@ TEST(ExchangeTransport, AForcedTransportIsTakenOrRefusedWithTheRanks) {
               ExchangeTransport::Nccl);
     EXPECT_EQ(choose_exchange_transport("nvlink", std::vector<uint64_t>(4, 1)),
               ExchangeTransport::Nvlink);
-    const std::string msg =
-        test::error_of([] { choose_exchange_transport("nvlink", {3, 3, 5, 3}); });
+    const std::string msg = test::error_of([] {
+        choose_exchange_transport("nvlink", {3, 3, 5, 3});
+    });
     EXPECT_NE(msg.find("ranks 0 and 2 of the expert-parallel group are on different hosts"),
               std::string::npos)
         << msg;
@@ -38,7 +39,6 @@ TEST(ExchangeTransport, AForcedTransportIsTakenOrRefusedWithTheRanks) {
 TEST(ExchangeTransport, TheRecipeKeyIsReadAndChecked) {
     EXPECT_EQ(load_recipe("", {"moe_expert_exchange=nccl"}).run.moe_expert_exchange, "nccl");
     EXPECT_EQ(load_recipe("").run.moe_expert_exchange, "auto");
-    const std::string msg =
-        test::error_of([] { load_recipe("", {"moe_expert_exchange=mpi"}); });
+    const std::string msg = test::error_of([] { load_recipe("", {"moe_expert_exchange=mpi"}); });
     EXPECT_NE(msg.find("moe_expert_exchange"), std::string::npos) << msg;
 }

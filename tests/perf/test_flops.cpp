@@ -8,6 +8,7 @@
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/plan_growth.h"
+#include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
@@ -446,4 +447,42 @@ TEST(Bench, Mxfp8RecipeStopsNamingTheOverlay) {
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("fp8_recipe: mxfp8 is not implemented"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("recipes/overlays/h200.yaml"), std::string::npos) << r.output;
+}
+
+// The paged stash under expert parallelism (the proxy at EP2, 4096 tokens, planned for rank 0):
+// the received input, gate and up rows are working buffers every application shares instead of
+// per-application buffers at the receive bound, the pool's rows hold all three (gate + up + the
+// hidden-size input) and are sized from the receive bound, and the plan shrinks.
+TEST(Plan, PagedStashUnderExpertParallelismKeepsTheReceivedRows) {
+#if SPARSETRON_WITH_CUDA
+    const std::vector<std::string> ep = {"world_size=2", "global_batch_size=2",
+                                         "expert_model_parallel_size=2"};
+    std::vector<std::string> stash = ep;
+    stash.push_back("moe_paged_stash=true");
+    const MemoryPlan kept = proxy_device_plan(ep), paged = proxy_device_plan(stash);
+    for (const char* per_application :
+         {"layers.2.moe.x_received", "layers.3.moe.expert_gate", "mtp.depth7.moe.expert_up"}) {
+        EXPECT_TRUE(plan_has(kept, per_application)) << per_application;
+        EXPECT_FALSE(plan_has(paged, per_application)) << per_application;
+    }
+    EXPECT_TRUE(plan_has(paged, "moe.work.x_received"));
+    EXPECT_TRUE(plan_has(paged, "mtp.depth7.moe.stash_pages"));
+    Recipe r =
+        load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", stash);
+    r.model.expert_parallel_ranks = 2;
+    const MoeStashBound b = moe_stash_bound(r.model, 4096);
+    EXPECT_EQ(b.max_rows, r.model.moe_ep_received_rows(4096));
+    EXPECT_GT(b.max_rows, 4096 * 8);  // more than a rank routes: what its experts may receive
+    const int64_t width = 2 * 2048 + 6144;
+    bool pool = false;
+    for (const PlanEntry& e : paged.entries())
+        if (e.name == "moe.paged_stash.pool") {
+            pool = true;
+            EXPECT_EQ(e.shape, (std::vector<int64_t>{b.pool_pages * b.page_rows, width}));
+        }
+    EXPECT_TRUE(pool);
+    EXPECT_LT(paged.total_bytes(), kept.total_bytes());
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
 }

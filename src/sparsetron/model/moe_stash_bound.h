@@ -13,7 +13,8 @@ struct MoeStashBound {
     // is an MoE layer (it repeats the last backbone layer's kind).
     int64_t applications = 0;
     // The most rows one application routes and keeps: tokens x top-k, or capacity x experts
-    // when moe_capacity_factor bounds it lower.
+    // when moe_capacity_factor bounds it lower; under expert parallelism the most its experts
+    // receive (ModelConfig::moe_ep_received_rows).
     int64_t max_rows = 0;
     int64_t page_rows = 0;
     int64_t pages_per_application = 0;  // ceil(max_rows / page_rows): one page table's bound

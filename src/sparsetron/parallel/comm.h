@@ -46,6 +46,8 @@ class Comm {
     virtual bool on_device() const { return false; }
     virtual void device_allreduce_sum(float* x, int64_t n, void* stream);
     virtual void device_allreduce_sum(int64_t* x, int64_t n, void* stream);
+    // In place, the maximum over ranks (flags every rank must agree on).
+    virtual void device_allreduce_max(int32_t* x, int64_t n, void* stream);
     // `bytes` at `data` from rank `root` to every rank (in place).
     virtual void device_broadcast(void* data, int64_t bytes, int root, void* stream);
     // In place: rank r's `bytes_per_rank` bytes at data + r * bytes_per_rank go to every rank.

@@ -48,7 +48,7 @@ __device__ inline void owner_offsets(const int32_t* all_offsets, int ranks, int 
 // The owner-layout row of source-layout row i of rank p (off_p: its offsets), which one of
 // rank q's experts received (off_p[q El] <= i < off_p[(q + 1) El]).
 __device__ inline int64_t owner_row(const int32_t* off_p, int64_t el, int q, const int32_t* base,
-                                     int64_t i) {
+                                    int64_t i) {
     int64_t lo = 0, hi = el - 1;  // the local expert of row i: the last j with off <= i
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;

@@ -20,9 +20,10 @@ constexpr int kThreads = 256;
 __device__ void check_pair(int64_t rows, int64_t pair_rows, int source, int owner) {
     if (rows <= pair_rows) return;
     if (threadIdx.x == 0 && blockIdx.x == 0)
-        printf("sparsetron: expert exchange (NCCL): rank %d sends %lld rows to rank %d, more than "
-               "the %lld rows planned per pair\n",
-               source, static_cast<long long>(rows), owner, static_cast<long long>(pair_rows));
+        printf(
+            "sparsetron: expert exchange (NCCL): rank %d sends %lld rows to rank %d, more than "
+            "the %lld rows planned per pair\n",
+            source, static_cast<long long>(rows), owner, static_cast<long long>(pair_rows));
     asm volatile("trap;");
 }
 
@@ -149,7 +150,7 @@ void NcclExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets
                                   stream_of(ctx)));
     ep_.device_allgather(all_offsets, stride * int64_t(sizeof(int32_t)), ctx.stream);
     owner_offsets_kernel<<<1, 32, 0, stream_of(ctx)>>>(all_offsets, size_, rank_, shape_.experts,
-                                                        recv_offsets);
+                                                       recv_offsets);
     ST_CUDA_LAUNCH_CHECK();
     move<true>(ctx, all_offsets, y);
 }

@@ -207,6 +207,25 @@ TEST(DataParallelGpu, ExpertParallelOverNcclMatchesOneGpuEagerAndGraph) {
     compare_with_one_gpu("ep2-nccl-force", "--set moe_router_force_load_balancing=true", ep);
 }
 
+// The paged MoE stash under expert parallelism: each GPU keeps the rows its experts received
+// (input, gate and up) in pages; with a pool too small for the step every rank's optimizer step
+// is vetoed together and both redo it eagerly (the redo exchanges rows again), so the losses stay
+// the one-GPU run's and the redo is counted.
+TEST(DataParallelGpu, ExpertParallelPagedStashMatchesOneGpuAndRedoesTogether) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string ep = "--set expert_model_parallel_size=2";
+    compare_with_one_gpu("ep2-stash", "--set moe_paged_stash=true", ep);
+    compare_with_one_gpu("ep2-stash-graph",
+                         "--set moe_paged_stash=true --set cuda_graph_impl=full_iteration", ep);
+    const auto two = compare_with_one_gpu(
+        "ep2-stash-overflow",
+        "--set moe_paged_stash=true --set moe_paged_stash_buffer_size_factor=0.2", ep);
+    ASSERT_FALSE(two.empty());
+    EXPECT_GT(two.back().value("moe_stash_redos", 0), 0) << two.back().dump();
+}
+
 // Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)
 // checkpoints at step 2 as two shards and an index; one GPU resuming from it (reading both
 // shards: every expert's weights and Muon momentum) reproduces steps 3 and 4.

@@ -57,9 +57,6 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;
     ST_CHECK(E_ % W_ == 0, "CUDA MoE: ", E_, " experts over ", W_, " expert-parallel ranks");
-    ST_CHECK(W_ == 1 || !stash,
-             "moe_paged_stash with expert parallelism is not implemented on "
-             "CUDA yet: set moe_paged_stash: false");
     rows_ = W_ == 1 ? R : c.moe_ep_received_rows(tokens);
     // Row buffers share storage where one is dead before the other is written. `moe.rows`
     // (tokens x top-k rows of the hidden size) holds in turn, without expert parallelism: in the
@@ -122,15 +119,27 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
             out = saving(c_, nullptr, "expert_out");
     if (W_ > 1) {
         // The expert side holds received rows (owner layout); out_perm the results returned to
-        // this rank's layout.
+        // this rank's layout. With the paged stash the received input and the gate / up outputs
+        // are working rows every application shares, their received rows kept in pages.
         B.act(A.ep_offsets, p + "ep_offsets", {W_, E_ + 1});
         B.act(A.recv_offsets, p + "ep_recv_offsets", {E_ / W_ + 1});
+        if (stash_) {
+            B.scratch(A.xperm, "moe.work.x_received", {rows_, h_});
+            B.scratch(A.g, "moe.work.expert_gate", {rows_, F_});
+            B.scratch(A.u, "moe.work.expert_up", {rows_, F_});
+            B.scratch(A.act, "moe.work.expert_act", {rows_, F_});
+            B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
+            stash_->declare_table(A.stash_table, B, p);
+            if (shared_) shared_->declare(A.shared, B, p + "shared_");
+            return;
+        }
         B.saved(fc1, A.xperm, p + "x_received", "", {rows_, h_});
         B.saved(fc1, A.g, p + "expert_gate", "", {rows_, F_});
         B.saved(fc1, A.u, p + "expert_up", "", {rows_, F_});
         B.saved(act, A.act, p + "expert_act", "moe.recomputed.expert_act_received", {rows_, F_});
         B.saved(out, A.out_perm, p + "expert_out", "", {R, h_});
     } else if (stash_) {
+        // Every application shares the working rows; the kept ones go to the stash's pages.
         B.scratch(A.xperm, "moe.rows", {R, h_});
         B.scratch(A.g, "moe.work.expert_gate", {R, F_});
         B.scratch(A.u, "moe.work.expert_up", {R, F_});
@@ -152,7 +161,17 @@ StashRows GpuMoeLayer::stashed(const Acts& A) const {
     s.count = 2;
     s.data[0] = A.g, s.width[0] = F_;
     s.data[1] = A.u, s.width[1] = F_;
+    if (W_ > 1) {
+        // The received input rows too: the backward cannot gather them again without an
+        // exchange.
+        s.count = 3;
+        s.data[2] = A.xperm, s.width[2] = h_;
+    }
     return s;
+}
+
+const int32_t* GpuMoeLayer::stashed_rows(const Acts& A) const {
+    return W_ > 1 ? A.recv_offsets + El_ : A.offsets + E_;
 }
 
 void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
@@ -182,7 +201,8 @@ void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, 
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, A.out_perm);
     cuda::moe_combine(ctx, A.out_perm, A.slot_row, A.gates, Tn, k_, h_, y);
     // The kept rows (offsets[E] of them) into pages: the next application reuses the buffers.
-    if (stash_ && !stash_->bypassed()) stash_->push(ctx, A.stash_table, A.offsets + E_, stashed(A));
+    if (stash_ && !stash_->bypassed())
+        stash_->push(ctx, A.stash_table, stashed_rows(A), stashed(A));
     if (shared_) shared_->forward(ctx, A.shared, m, y);
 }
 
@@ -191,14 +211,21 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     const int64_t Tn = T_, R = T_ * k_;
     bf16 *const dxperm = doutperm_, *const dg = dact_;  // shared storage (the constructor)
     if (stash_ && stash_->bypassed()) {
-        // An eager redo without pages: the forward's expert rows again, from the layer input.
-        cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
+        // An eager redo without pages: the forward's expert rows again, from the layer input
+        // (under expert parallelism sent to the experts' ranks again: every rank redoes).
+        if (W_ > 1) {
+            cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, ep_->begin_send(ctx));
+            ep_->dispatch_again(ctx, A.ep_offsets, A.xperm);
+        } else {
+            cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
+        }
         experts_swiglu(ctx, local(A), A);
     } else if (stash_) {
         // Back from the pages; the SwiGLU recomputed (the same kernel on the same values:
-        // bit-identical to what the forward used), the permuted input below.
-        stash_->pop(ctx, A.stash_table, A.offsets + E_, stashed(A));
-        cuda::swiglu_forward(ctx, A.g, A.u, R * F_, A.act);
+        // bit-identical to what the forward used), the permuted input below (or from the pages
+        // under expert parallelism).
+        stash_->pop(ctx, A.stash_table, stashed_rows(A), stashed(A));
+        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
     } else if (recompute_act_) {
         cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
     }

@@ -37,8 +37,10 @@ class GpuMoeLayer {
                 const std::string& hf_prefix, int64_t tokens, const MoeStash* stash,
                 Fp8Weights* fp8 = nullptr);
     // bf16 values per stashed row: gate and up outputs (the backward recomputes the SwiGLU and
-    // does not read the output rows).
-    static int64_t stash_row_width(const ModelConfig& c) { return 2 * c.moe_ffn_hidden_size; }
+    // does not read the output rows); under expert parallelism the received input row too.
+    static int64_t stash_row_width(const ModelConfig& c) {
+        return 2 * c.moe_ffn_hidden_size + (c.expert_parallel_ranks > 1 ? c.hidden_size : 0);
+    }
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     // Expert parallelism (cfg.expert_parallel_ranks = W > 1): the exchange with the other
     // ranks' experts, set before the first step; this rank computes experts
@@ -59,6 +61,9 @@ class GpuMoeLayer {
 
   private:
     StashRows stashed(const Acts& A) const;
+    // Device count of the rows an application keeps in the stash: its routed rows, or under
+    // expert parallelism the rows its experts received.
+    const int32_t* stashed_rows(const Acts& A) const;
     // Grouped GEMM inputs for this rank's experts: offsets, expert count, rows per expert bound,
     // first expert among the weights this rank holds.
     struct Local {

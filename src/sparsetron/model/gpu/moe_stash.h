@@ -7,13 +7,16 @@
 // rows it actually routed of the two tensors its backward cannot recompute cheaply (gate and up
 // outputs) are copied into pages of one shared pool, taken from a device-side free list; its
 // backward copies them back, re-gathers the permuted input from the layer's saved MoE input and
-// recomputes the SwiGLU (bit-identical), then returns the pages. (The expert outputs are not
+// recomputes the SwiGLU (bit-identical), then returns the pages. Under expert parallelism the
+// kept rows are those the rank's experts received, with their input rows in the pages too (the
+// backward could only gather them again through another exchange). (The expert outputs are not
 // saved with or without the stash: the backward does not read them, model/gpu/moe.h.) The pool is
 // sized from a bound (moe_stash_bound.h):
 //
 //   pages = ceil(moe_paged_stash_buffer_size_factor x applications x ceil(R / page rows))
 //
-// with R = min(tokens x top-k, capacity x experts) the most rows one application can route. A
+// with R = min(tokens x top-k, capacity x experts) the most rows one application can route (under
+// expert parallelism the most its experts can receive). A
 // factor of 1 never overflows; a smaller one trades memory for the risk that a step routes more
 // rows than the pool holds (padding rows are not routed, dropped rows are not kept). A push that
 // finds too few free pages keeps nothing and raises a device flag: the optimizer step is skipped
@@ -55,8 +58,10 @@ class MoeStash {
               const StashRows& src) const;
     void pop(const ExecContext& ctx, const int32_t* table, const int32_t* rows,
              const StashRows& dst) const;
-    // Device int32: nonzero once a push of this step overflowed (the optimizer's veto).
-    const int32_t* overflow_flag() const { return state_ + 2; }
+    // Device int32: nonzero once a push of this step overflowed (the optimizer's veto). With
+    // several processes the engine takes its maximum over all of them before the optimizer, so
+    // every rank skips and redoes the step together (the redo's collectives need all of them).
+    int32_t* overflow_flag() const { return state_ + 2; }
     Use read(const ExecContext& ctx) const;  // synchronizes
     // Bypassed (host-side, for an eager redo of an overflowed step): the MoE layers push and pop
     // nothing and their backward recomputes the expert rows. Never inside a captured graph.

@@ -186,6 +186,11 @@ void NcclComm::device_allreduce_sum(int64_t* x, int64_t n, void* stream) {
     ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt64, ncclSum, nc(comm_), cs(stream)));
 }
 
+void NcclComm::device_allreduce_max(int32_t* x, int64_t n, void* stream) {
+    if (n == 0) return;
+    ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt32, ncclMax, nc(comm_), cs(stream)));
+}
+
 void NcclComm::device_broadcast(void* data, int64_t bytes, int root, void* stream) {
     if (bytes == 0) return;
     ST_NCCL_CHECK(ncclBroadcast(data, data, size_t(bytes), ncclUint8, root, nc(comm_), cs(stream)));

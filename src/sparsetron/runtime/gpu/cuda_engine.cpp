@@ -167,6 +167,11 @@ class CudaEngine final : public DeviceEngine {
     void end_backward() {
         finish_reduce();
         model_->gpu_params().finish_gradients(ctx());
+        // One rank's stash overflow vetoes every rank's optimizer step and sends all of them
+        // into the eager redo (which exchanges rows and reduces gradients with the others).
+        if (dp_)
+            if (const gpu::MoeStash* st = model_->moe_stash())
+                dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) override {

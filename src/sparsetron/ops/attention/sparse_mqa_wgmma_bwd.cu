@@ -15,8 +15,9 @@
 // blocks, which read only Q, dO, P and dS: per block of 64 dims, M = the chunk's 64 keys, N = 64
 // dims, K = 64 heads, A = dS^T (and P^T) and B = Q's (and dO's) slice, all MN-major reads of the
 // tiles; warpgroup 0 takes latent blocks 0, 2, 4, 6 and warpgroup 1 blocks 1, 3, 5, 7, and each
-// the rope block (no dV) over half the heads. Each block's accumulator goes to dkv as vector
-// reductions (pairs of dims).
+// the rope block (no dV) over half the heads. Each block's accumulator goes to dkv as 16-byte
+// vector reductions (four dims: neighbouring lanes swap pairs first), half the reduction
+// requests of pairs, which the L2 is bound by.
 //
 // Shared memory: Q 72 KiB, dO 64 KiB, one key chunk 72 KiB, P and dS 16 KiB: one key buffer (the
 // forward's second buffer does not fit beside dO).
@@ -209,13 +210,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         // branch that depends on the warpgroup is serialized by ptxas (C7520).
         // acc[4 i + 2 half + e] is key r0 + 8 half, dim 64 b + 8 i + 2 quad + e.
         auto reduce_block = [&](const float(&acc)[32], int b) {
+            // Lanes quad and quad ^ 1 hold neighbouring dim pairs of the same key: the even
+            // lane of the two takes the four dims of even i, the odd lane those of odd i,
+            // swapping the other pair (all lanes shuffle: invalid keys skip only the adds).
+            const bool odd = quad & 1;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                if (red_key[half] < 0) continue;
-                float* dst = dkv + int64_t(red_key[half]) * kD + b * 64 + 2 * quad;
+                float g[4][4];
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    red_add2(dst + 8 * i, acc[4 * i + 2 * half], acc[4 * i + 2 * half + 1]);
+                for (int m = 0; m < 4; ++m) {
+                    const int lo = 4 * (2 * m) + 2 * half, hi = 4 * (2 * m + 1) + 2 * half;
+                    const float s0 = odd ? acc[lo] : acc[hi];
+                    const float s1 = odd ? acc[lo + 1] : acc[hi + 1];
+                    const float r0v = __shfl_xor_sync(0xffffffffu, s0, 1);
+                    const float r1v = __shfl_xor_sync(0xffffffffu, s1, 1);
+                    g[m][0] = odd ? r0v : acc[lo];
+                    g[m][1] = odd ? r1v : acc[lo + 1];
+                    g[m][2] = odd ? acc[hi] : r0v;
+                    g[m][3] = odd ? acc[hi + 1] : r1v;
+                }
+                if (red_key[half] < 0) continue;
+                float* dst = dkv + int64_t(red_key[half]) * kD + b * 64 + 4 * (quad >> 1);
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+                    red_add4(dst + 8 * (2 * m + odd), g[m][0], g[m][1], g[m][2], g[m][3]);
             }
         };
         const uint64_t d_dst = mn_major(ds_tile), d_pt = mn_major(p_tile);

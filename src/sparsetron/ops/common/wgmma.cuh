@@ -3,7 +3,7 @@
 // and TMA bulk tensor copies into 128-byte-swizzled operand tiles, the wgmma shared-memory matrix
 // descriptor, the m64nNk16 bf16 MMA, mbarriers and cluster arrivals, each kind's operand roles and
 // the accumulator's store. The fused indexer scores and the flash sparse MQA kernels use the
-// descriptors, the MMA, the copies and red_add2 from here.
+// descriptors, the MMA, the copies and the vector reductions from here.
 //
 // Shared memory operand tiles use the 128-byte swizzle wgmma reads (PTX "matrix descriptor";
 // CuTe's Swizzle<3,4,3>): a 128-byte row's 16-byte chunk c is stored at chunk c ^ (row % 8).
@@ -109,6 +109,12 @@ __device__ __forceinline__ void load_tile_walk(uint32_t tile, const bf* src, int
 // values (the weight gradient's store here, the flash backward's dK'/dV' rows).
 __device__ __forceinline__ void red_add2(float* p, float a, float b) {
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+// Four consecutive fp32 values (p 16-byte aligned) in one reduction.
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c),
+                 "f"(d)
+                 : "memory");
 }
 
 // The 64-bit shared memory matrix descriptor: start, leading and stride byte offsets (all in

@@ -14,10 +14,11 @@
 // the end). Then the key tile is free: the next chunk's gather starts, and overlaps the dK'/dV'
 // blocks, which read only Q, dO, P and dS: per block of 64 dims, M = the chunk's 64 keys, N = 64
 // dims, K = 64 heads, A = dS^T (and P^T) and B = Q's (and dO's) slice, all MN-major reads of the
-// tiles; warpgroup 0 takes latent blocks 0, 2, 4, 6 and warpgroup 1 blocks 1, 3, 5, 7, and each
-// the rope block (no dV) over half the heads. Each block's accumulator goes to dkv as 16-byte
-// vector reductions (four dims: neighbouring lanes swap pairs first), half the reduction
-// requests of pairs, which the L2 is bound by.
+// tiles; warpgroup 0 takes latent blocks 0, 2, 4, 6 and warpgroup 1 blocks 1, 3, 5, 7; both
+// compute the rope block (no dV) over all heads and each adds half of its dims (twice the rope
+// block's MMAs, half its reductions, which the L2 is bound by). Each block's accumulator goes to
+// dkv as 16-byte vector reductions (four dims: neighbouring lanes swap pairs first), half the
+// reduction requests of pairs, which the L2 is bound by.
 //
 // Shared memory: Q 72 KiB, dO 64 KiB, one key chunk 72 KiB, P and dS 16 KiB: one key buffer (the
 // forward's second buffer does not fit beside dO).
@@ -205,11 +206,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         cp_async_commit();  // possibly empty
         // dK'/dV' blocks of 64 dims: warpgroup w takes latent blocks w, 2 + w, 4 + w, 6 + w
-        // (dS^T Q + P^T dO) and the rope block over heads 32 w .. 32 w + 31 (dS^T Q; the two
-        // halves meet in dkv's reductions). The same code path in both warpgroups: wgmma in a
-        // branch that depends on the warpgroup is serialized by ptxas (C7520).
+        // (dS^T Q + P^T dO) and, of the rope block (dS^T Q over all heads, computed by both),
+        // dims 32 w .. 32 w + 31. The same code path in both warpgroups: wgmma in a branch that
+        // depends on the warpgroup is serialized by ptxas (C7520).
         // acc[4 i + 2 half + e] is key r0 + 8 half, dim 64 b + 8 i + 2 quad + e.
-        auto reduce_block = [&](const float(&acc)[32], int b) {
+        // Adds dims 16 m0 .. 16 m1 - 1 of block b (the whole block: m0 = 0, m1 = 4).
+        auto reduce_block = [&](const float(&acc)[32], int b, int m0, int m1) {
             // Lanes quad and quad ^ 1 hold neighbouring dim pairs of the same key: the even
             // lane of the two takes the four dims of even i, the odd lane those of odd i,
             // swapping the other pair (all lanes shuffle: invalid keys skip only the adds).
@@ -233,7 +235,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 float* dst = dkv + int64_t(red_key[half]) * kD + b * 64 + 4 * (quad >> 1);
 #pragma unroll
                 for (int m = 0; m < 4; ++m)
-                    red_add4(dst + 8 * (2 * m + odd), g[m][0], g[m][1], g[m][2], g[m][3]);
+                    if (m >= m0 && m < m1)
+                        red_add4(dst + 8 * (2 * m + odd), g[m][0], g[m][1], g[m][2], g[m][3]);
             }
         };
         const uint64_t d_dst = mn_major(ds_tile), d_pt = mn_major(p_tile);
@@ -243,10 +246,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int b = 2 * j + wg;
             dkv_block<4, true>(acc, d_dst, d_pt, q_tile + b * kSliceBytes,
                                do_tile + b * kSliceBytes, 0);
-            reduce_block(acc, b);
+            reduce_block(acc, b, 0, 4);
         }
-        dkv_block<2, false>(acc, d_dst, d_pt, q_tile + 8 * kSliceBytes, 0, 2 * wg);
-        reduce_block(acc, 8);
+        // The rope block over all heads in both warpgroups, each reducing half of its dims.
+        dkv_block<4, false>(acc, d_dst, d_pt, q_tile + 8 * kSliceBytes, 0, 0);
+        reduce_block(acc, 8, 2 * wg, 2 * wg + 2);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     // dQ out: the latent dims from each warpgroup; the rope dims as warpgroup 1's partial (through

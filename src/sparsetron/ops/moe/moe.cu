@@ -250,25 +250,34 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
     }
 }
 
+// The gate-gradient kernels run one block per (token, choice) (blockIdx.x, blockIdx.y): the
+// choice's permuted row, or -1 for an unrouted choice, whose gate gradient is 0 (written here).
+__device__ __forceinline__ int32_t choice_row(const int32_t* slot_row, int64_t k, float* dgates) {
+    const int64_t c = int64_t(blockIdx.x) * k + blockIdx.y;
+    const int32_t r = slot_row[c];
+    if (r < 0 && threadIdx.x == 0) dgates[c] = 0.f;
+    return r;
+}
+// The block's sum of the choice's gate-gradient terms into dgates.
+__device__ __forceinline__ void store_gate_grad(float s, int64_t k, float* dgates) {
+    s = block_sum(s);
+    if (threadIdx.x == 0) dgates[int64_t(blockIdx.x) * k + blockIdx.y] = s;
+}
+
 __global__ void combine_bwd_kernel(const bf* dy, const bf* out_perm, const int32_t* slot_row,
                                    const float* gates, int64_t k, int64_t dim, bf* dout_perm,
                                    float* dgates) {
-    // One block per (token, choice).
-    const int64_t t = blockIdx.x, j = blockIdx.y;
-    const int32_t r = slot_row[t * k + j];
-    if (r < 0) {
-        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
-        return;
-    }
-    const float gate = gates[t * k + j];
+    const int32_t r = choice_row(slot_row, k, dgates);
+    if (r < 0) return;
+    const int64_t t = blockIdx.x;
+    const float gate = gates[t * k + blockIdx.y];
     float s = 0;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
         const float d = ld(dy + t * dim + i);
         s += d * ld(out_perm + int64_t(r) * dim + i);
         st(dout_perm + int64_t(r) * dim + i, gate * d);
     }
-    s = block_sum(s);
-    if (threadIdx.x == 0) dgates[t * k + j] = s;
+    store_gate_grad(s, k, dgates);
 }
 
 __global__ void gather_bwd_kernel(const bf* dx_perm, const int32_t* slot_row, int64_t k,
@@ -290,13 +299,10 @@ __global__ void combine_bwd_vec_kernel(const uint4* dy, const uint4* out_perm,
                                        const int32_t* slot_row, const float* gates, int64_t k,
                                        int64_t dim8, uint4* dout_perm, float* dgates,
                                        Fp8RowsOut dout8) {
-    const int64_t t = blockIdx.x, j = blockIdx.y;
-    const int32_t r = slot_row[t * k + j];
-    if (r < 0) {
-        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
-        return;
-    }
-    const float gate = gates[t * k + j];
+    const int32_t r = choice_row(slot_row, k, dgates);
+    if (r < 0) return;
+    const int64_t t = blockIdx.x;
+    const float gate = gates[t * k + blockIdx.y];
     float s = 0;
     for (int64_t i = threadIdx.x; i < dim8; i += blockDim.x) {
         float d[8], o[8];
@@ -315,22 +321,18 @@ __global__ void combine_bwd_vec_kernel(const uint4* dy, const uint4* out_perm,
                                          dout8.scale_inv);
         }
     }
-    s = block_sum(s);
-    if (threadIdx.x == 0) dgates[t * k + j] = s;
+    store_gate_grad(s, k, dgates);
 }
 
-// One block per (token, choice); kVec: rows of 8-value vectors (inner, dim multiples of 8).
+// kVec: rows of 8-value vectors (inner, dim multiples of 8).
 template <bool kVec>
 __global__ void gate_bwd_rows_kernel(bf* du, const bf* act, const int32_t* slot_row,
                                      const float* gates, int64_t k, int64_t inner, int64_t dim,
                                      bf* dout_perm, float* dgates) {
-    const int64_t t = blockIdx.x, j = blockIdx.y;
-    const int32_t r = slot_row[t * k + j];
-    if (r < 0) {
-        if (threadIdx.x == 0) dgates[t * k + j] = 0.f;
-        return;
-    }
-    const float gate = gates[t * k + j];
+    const int32_t r = choice_row(slot_row, k, dgates);
+    if (r < 0) return;
+    const int64_t t = blockIdx.x;
+    const float gate = gates[t * k + blockIdx.y];
     float s = 0;
     bf* dur = du + int64_t(r) * inner;
     const bf* ar = act + int64_t(r) * inner;
@@ -365,8 +367,7 @@ __global__ void gate_bwd_rows_kernel(bf* du, const bf* act, const int32_t* slot_
         }
         for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) st(dor + i, gate * ld(dor + i));
     }
-    s = block_sum(s);
-    if (threadIdx.x == 0) dgates[t * k + j] = s;
+    store_gate_grad(s, k, dgates);
 }
 
 __global__ void gather_bwd_vec_kernel(const uint4* dx_perm, const int32_t* slot_row, int64_t k,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On nvidia-h200, one call: test_gpu, then the backbone length targets of issue 36 against the
 # same call's 4K figure (graph, 2 warm-up + 3 timed): 4K, 32K and 16K keeping every activation,
-# 64K recomputing every module; with HF=1 HuggingFace's backbone at 16K; with STEP=1 the full step (MTP x7 e2e TV, indexer loss,
-# Muon) at 4K and at 32K (every module recomputed, expert_fc1 offloaded). Logs and bench.jsonl
-# into $OUT. Usage: OUT=dir [HF=1] [STEP=1] long-context-lengths.sh COMMIT
+# 64K recomputing every module; with HF=1 HuggingFace's backbone at 16K; with STEP=1 the full
+# step (MTP x7 e2e TV, indexer loss, Muon) at 4K and at 32K (every module recomputed, expert_fc1
+# offloaded). Logs and bench.jsonl into $OUT. Usage: OUT=dir [HF=1] [STEP=1] long-context-lengths.sh COMMIT
 set -uo pipefail
 out=${OUT:?} c=${1:?commit}
 . "$(dirname "$0")/long-context-lib.sh"

@@ -48,11 +48,12 @@ void convert(const ExecContext&, const Tensor&, const Tensor&) {
 }
 }  // namespace cuda
 
-MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t) {
+MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
+                            const PipelineStage&) {
     no_cuda("plan --device cuda");
 }
-std::string cuda_plan_shortfall(const Recipe&, const ParamStore&, int64_t, int64_t, size_t,
-                                size_t) {
+std::string cuda_plan_shortfall(const Recipe&, const ParamStore&, int64_t, int64_t, size_t, size_t,
+                                const PipelineStage&) {
     no_cuda("cuda_plan_shortfall");
 }
 std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int) {
@@ -60,7 +61,7 @@ std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,
                                                const Optimizer&, int64_t, int64_t, Comm*, Comm*,
-                                               Comm*, Comm*) {
+                                               Comm*, Comm*, Comm*, Comm*) {
     no_cuda("--device cuda");
 }
 

@@ -44,6 +44,10 @@ void Comm::device_alltoall(const void*, void*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }
 
+void Comm::device_sendrecv(const void*, int64_t, int, void*, int64_t, int, void*) {
+    throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
+}
+
 void Comm::device_allgather(void*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }

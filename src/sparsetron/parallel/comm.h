@@ -56,6 +56,11 @@ class Comm {
     // `recv` is what rank s sent to this rank.
     virtual void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
                                  void* stream);
+    // Point to point on device memory (pipeline parallelism), sendrecv's rule: both halves in
+    // one group, so two stages exchanging in opposite directions cannot wait on each other;
+    // dst or src -1 skips that half.
+    virtual void device_sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
+                                 int64_t recv_bytes, int src, void* stream);
 };
 
 class SingleProcessComm final : public Comm {

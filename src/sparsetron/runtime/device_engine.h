@@ -11,6 +11,7 @@
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/data/packer.h"
 #include "sparsetron/model/glm5_model.h"
+#include "sparsetron/model/pipeline_stage.h"
 #include "sparsetron/optim/optimizer.h"
 #include "sparsetron/parallel/comm.h"
 
@@ -57,6 +58,16 @@ class DeviceEngine {
                                  const std::vector<Comm*>* cp_groups = nullptr) = 0;
     // How many times run_step captured a graph (0 without graphs).
     virtual int64_t graph_captures() const = 0;
+    // Forward passes of `micro_batches` (scales.backward false: evaluation), their losses as this
+    // rank computes them (under pipeline parallelism its stage's share).
+    virtual std::vector<LossSums> forward_only(const std::vector<const MicroBatch*>& micro_batches,
+                                               const LossScales& scales) {
+        std::vector<LossSums> out;
+        for (const MicroBatch* mb : micro_batches) out.push_back(micro_batch(*mb, scales));
+        return out;
+    }
+    // Pipeline parallelism: the stage forwards the last step ran again before their backward.
+    virtual int64_t pipeline_recomputed() const { return 0; }
     virtual std::vector<std::vector<int64_t>> moe_loads() = 0;
     virtual int64_t moe_dropped() = 0;
     virtual StepStats optimizer_step(const RunConfig& run, int64_t step) = 0;
@@ -89,17 +100,24 @@ class DeviceEngine {
 // statistics over its ranks on the device, after the micro-batches and before the optimizer
 // (inside the captured graph with full_iteration). With `context_parallel` (the CP group, for
 // context_parallel_size > 1) a rank computes its chunks of every document of its micro-batches.
+// With `pipeline` (pipeline_model_parallel_size > 1: one rank per stage, device transfers) the
+// engine holds this rank's stage (`host_store` is that stage's) and a step runs 1F1B over its
+// micro-batches; `data_parallel` is then the stage's ranks and `embedding` the first and last
+// stages' pair, which sums the embedding's gradient when MTP reads it on the last stage.
 // Throws "built without CUDA" in a CPU-only build.
 std::unique_ptr<DeviceEngine> make_cuda_engine(
     const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
     const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
     Comm* data_parallel = nullptr, Comm* expert_parallel = nullptr,
-    Comm* context_parallel = nullptr, Comm* expert_data_parallel = nullptr);
+    Comm* context_parallel = nullptr, Comm* expert_data_parallel = nullptr,
+    Comm* pipeline = nullptr, Comm* embedding = nullptr);
 
 // The device memory plan the CUDA engine would allocate for `recipe` (built without touching a
 // GPU), unallocated. Throws "built without CUDA" in a CPU-only build.
+// `stage`: pipeline parallelism, the stage `host_store` holds.
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
-                            int64_t max_documents, int64_t chunk_rows);
+                            int64_t max_documents, int64_t chunk_rows,
+                            const PipelineStage& stage = {});
 
 // Why a device plan of `planned` bytes cannot be allocated in `free_bytes`, and what would make it
 // fit: the plan with every selective recompute module when the recipe does not use them all
@@ -107,7 +125,7 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
 // Empty when it fits. Throws "built without CUDA" in a CPU-only build.
 std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
                                 int64_t max_documents, int64_t chunk_rows, size_t planned,
-                                size_t free_bytes);
+                                size_t free_bytes, const PipelineStage& stage = {});
 
 // The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
 // expert parallelism's exchange buffers added to the total. Throws "built without CUDA" in a

@@ -126,9 +126,6 @@ void check_supported(const Recipe& r, const TrainOptions& o) {
              "this one is ", o.comm->name());
     ST_CHECK(r.run.tensor_model_parallel_size == 1,
              "tensor parallelism is not implemented (tensor_model_parallel_size must be 1)");
-    ST_CHECK(r.run.pipeline_model_parallel_size == 1 || o.device == Device::CPU,
-             "pipeline parallelism runs on the CPU backend (sparsetron-mpi under mpirun); the "
-             "CUDA engine has no pipeline schedule yet: set pipeline_model_parallel_size: 1");
     if (r.run.dynamic_context_parallel) {
         ST_CHECK(r.run.max_seqlen_per_dp_cp_rank > 0,
                  "dynamic_context_parallel needs max_seqlen_per_dp_cp_rank (tokens per rank)");
@@ -309,12 +306,15 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     if (options_.device == Device::CUDA) {
         // The host keeps what checkpoints hold; the step's memory is the engine's device plan.
         tp_->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-        // With data parallelism over NCCL the engine sums gradients on the device.
+        // With data parallelism over NCCL the engine sums gradients on the device (over the
+        // stage's ranks with pipeline parallelism, whose transfers it makes itself).
+        const bool pp = groups_ && groups_->pp;
         engine_ = make_cuda_engine(
             recipe_, tp_->model->params(), tp_->plan, *tp_->optimizer, tp_->max_documents,
-            tp_->chunk_rows, world_size() > 1 ? options_.comm : nullptr,
+            tp_->chunk_rows, world_size() > 1 ? stage_comm() : nullptr,
             groups_ ? groups_->ep.get() : nullptr, groups_ ? groups_->cp.get() : nullptr,
-            groups_ ? groups_->edp.get() : nullptr);
+            groups_ ? groups_->edp.get() : nullptr, pp ? groups_->pp.get() : nullptr,
+            pp ? groups_->embedding.get() : nullptr);
     } else {
         tp_->plan.allocate(Device::CPU);
         tp_->model->bind();
@@ -526,6 +526,7 @@ StepMetrics Trainer::train_step() {
     if (engine_) {
         m.moe_load = engine_->moe_loads();
         m.moe_dropped = engine_->moe_dropped();
+        if (groups_ && groups_->pp) gather_stage_moe_metrics(m);
         if (!st.skipped) engine_->update_router_bias(mc.moe_router_bias_update_rate);
     } else {
         if (!pipeline_) {
@@ -662,6 +663,30 @@ void Trainer::reduce_moe_stats(StepMetrics& m) {
     }
 }
 
+void Trainer::gather_stage_moe_metrics(StepMetrics& m) {
+    // The engine summed each stage's statistics over the stage's ranks: the pipeline group (one
+    // rank per stage) puts the stages' MoE layers one after another, in layer order.
+    Comm& pp = *groups_->pp;
+    std::vector<double> mine;
+    for (const auto& layer : m.moe_load) mine.insert(mine.end(), layer.begin(), layer.end());
+    const std::vector<uint64_t> sizes = pp.allgather(uint64_t(mine.size()));
+    size_t offset = 0, total = 0;
+    for (size_t s = 0; s < sizes.size(); ++s) {
+        if (int(s) < pp.rank()) offset += size_t(sizes[s]);
+        total += size_t(sizes[s]);
+    }
+    std::vector<double> all(total + 1, 0.0);
+    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(offset));
+    all[total] = double(m.moe_dropped);
+    pp.allreduce_sum(all.data(), int64_t(all.size()));
+    const size_t E = size_t(recipe_.model.num_experts);
+    m.moe_load.clear();
+    for (size_t at = 0; E > 0 && at + E <= total; at += E)
+        m.moe_load.emplace_back(all.begin() + std::ptrdiff_t(at),
+                                all.begin() + std::ptrdiff_t(at + E));
+    m.moe_dropped = int64_t(all[total]);
+}
+
 void Trainer::reduce_shared_embedding() {
     if (!groups_ || !groups_->embedding || groups_->embedding->size() < 2) return;
     if (recipe_.model.mtp_num_layers == 0) return;  // the last stage holds no copy
@@ -778,10 +803,10 @@ std::optional<StepMetrics::Valid> Trainer::validate() {
         if (pipeline_) {
             got = pipeline_->run(mine, nullptr, sc);
         } else {
-            for (const MicroBatch* mb : mine) {
-                if (engine_) {
-                    got.push_back(engine_->micro_batch(*mb, sc));
-                } else {
+            if (engine_) {
+                got = engine_->forward_only(mine, sc);
+            } else {
+                for (const MicroBatch* mb : mine) {
                     tp_->model->load_inputs(*mb);
                     got.push_back(tp_->model->forward_backward(sc));
                 }

@@ -170,6 +170,8 @@ class Trainer {
     // Pipeline parallelism with MTP: the first stage's embedding gradient and the last stage's
     // copy's, summed (both then take the same update).
     void reduce_shared_embedding();
+    // Pipeline parallelism on CUDA: the step's MoE metrics (loads, dropped rows) of every stage.
+    void gather_stage_moe_metrics(StepMetrics& m);
     // Parameters (state: the optimizer state tensors instead) from their owners to every rank.
     void broadcast_from_owners(bool state);
 

@@ -82,7 +82,7 @@ void GpuDecoderLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf
     // recomputes it there.
     float* prob_sum = run_indexer && prob_sum_ && attn_->gives_prob_sum() ? prob_sum_ : nullptr;
     attn_->attend(ctx, A.attn, in, A.topk, A.topk_len, kslots_, A.x_mid, prob_sum);
-    if (run_indexer) {
+    if (run_indexer && !in.recompute) {
         ST_ASSERT(c_.dsa_indexer_loss_coeff == 0 || prob_sum || attn_->absorbed(), "DSA layer ",
                   layer_, ": the indexer loss's teacher needs the absorbed attention");
         GpuDsaIndexer::Teacher t{A.attn.qabs,

@@ -18,9 +18,12 @@ constexpr auto F32 = DType::F32;
 
 GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                            int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
-                           bool fp8_blockwise)
+                           bool fp8_blockwise, const PipelineStage& stage)
     : cfg_(cfg),
       plan_(plan),
+      stage_(stage),
+      L0_(stage.first_layer),
+      L1_(stage.end_layer < 0 ? cfg.num_layers : stage.end_layer),
       B_(plan),
       T_(tokens),
       max_docs_(max_docs),
@@ -45,43 +48,64 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
     }
     in_.tokens = Tn;
     in_.key_tokens = Tk_;
-    embed_ = P_->index("model.embed_tokens.weight");
-    final_norm_ = P_->index("model.norm.weight");
-    head_ = P_->index("lm_head.weight");
-    x_.assign(cfg.num_layers + 1, nullptr);
+    ST_CHECK(0 <= L0_ && L0_ < L1_ && L1_ <= cfg.num_layers &&
+                 (stage.whole() ||
+                  (stage.first() == (L0_ == 0) && stage.last() == (L1_ == cfg.num_layers))),
+             "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0_, ", ", L1_,
+             ") of ", cfg.num_layers);
+    const bool last = stage.last();
+    // The embedding on the first stage (and its copy on the last when MTP reads it); the final
+    // norm and the head on the last.
+    embed_ = host_store.index_of("model.embed_tokens.weight");
+    ST_CHECK(!stage.first() || embed_ >= 0, "the first stage has no embedding");
+    if (last) {
+        final_norm_ = P_->index("model.norm.weight");
+        head_ = P_->index("lm_head.weight");
+    }
+    D_ = last ? cfg.mtp_num_layers : 0;
+    x_.assign(size_t(stage_layers() + 1), nullptr);
     if (cfg.fine_grained_activation_offloading) {
-        // The layer applications in forward order: backbone layers, then MTP depths.
+        // The layer applications in forward order: this stage's layers, then MTP depths.
         std::vector<std::string> apps;
-        for (int64_t l = 0; l < cfg.num_layers; ++l) apps.push_back(cat("layers.", l));
-        for (int64_t k = 1; k <= cfg.mtp_num_layers; ++k) apps.push_back(cat("mtp.depth", k));
+        for (int64_t l = L0_; l < L1_; ++l) apps.push_back(cat("layers.", l));
+        for (int64_t k = 1; k <= D_; ++k) apps.push_back(cat("mtp.depth", k));
         offload_ = std::make_unique<ActivationOffload>(plan, std::move(apps));
         B_.set_offload(offload_.get());
     }
+    // IndexShare across stages: the top-k of the last full DSA layer before this stage arrives
+    // with the rows.
+    if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
+    if (!stage.first() && cfg.uses_dsa()) {
+        B_.act(topk_in_, "pipeline.topk_in", {Tn, carried_slots_});
+        B_.act(topk_len_in_, "pipeline.topk_length_in", {Tn});
+    }
     int64_t indexer_apps = 0;
-    for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    for (int64_t l = L0_; l < L1_; ++l) {
         layers_.push_back(
             std::make_unique<GpuDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
         acts_.push_back(std::make_unique<GpuDecoderLayer::Acts>());
-        B_.set_application(l);
+        B_.set_application(l - L0_);
         layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
         B_.set_application(-1);
-        B_.act(x_[l], cat("layers.", l, ".x_in"), {Tn, h});
+        B_.act(x_[size_t(l - L0_)], cat("layers.", l, ".x_in"), {Tn, h});
         indexer_apps += layers_.back()->has_indexer();
     }
-    B_.act(x_[cfg.num_layers], "final.x", {Tn, h});
-    B_.act(h_final_, "final.norm_out", {Tn, h});
-    B_.act(rstd_final_, "final.norm_rstd", {Tn});
+    B_.act(x_.back(), last ? std::string("final.x") : cat("layers.", L1_, ".x_in"), {Tn, h});
     B_.scratch(dx_, "grad.residual", {Tn, h});
-    B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
-    B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
-    // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
-    // (head_cross_entropy), so the buffer is bounded by the hidden size, not the micro-batch.
-    // Live only inside the head's and MTP's losses, between the forward and the backward: it
-    // shares a region with attention backward gradients (GpuMlaAttention), as the draft rows do.
-    B_.in_region(dlogits_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits",
-                 {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
-    B_.scratch(row_loss_, "head.row_loss", {Tn});
-    D_ = cfg.mtp_num_layers;
+    if (last) {
+        B_.act(h_final_, "final.norm_out", {Tn, h});
+        B_.act(rstd_final_, "final.norm_rstd", {Tn});
+        B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
+        B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
+        // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
+        // (head_cross_entropy), so the buffer is bounded by the hidden size, not the
+        // micro-batch. Live only inside the head's and MTP's losses, between the forward and the
+        // backward: it shares a region with attention backward gradients (GpuMlaAttention), as
+        // the draft rows do.
+        B_.in_region(dlogits_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits",
+                     {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
+        B_.scratch(row_loss_, "head.row_loss", {Tn});
+    }
     if (D_ > 0) {
         for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
             const int64_t l = cfg.num_layers + j;
@@ -107,7 +131,7 @@ GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store,
             B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
             B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
             const GpuDecoderLayer& layer = *mtp_at(k - 1).layer;
-            B_.set_application(cfg.num_layers + k - 1);
+            B_.set_application(stage_layers() + k - 1);
             layer.declare(m->layer, B_, a);
             B_.set_application(-1);
             if (layer.has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
@@ -186,14 +210,20 @@ void GpuGlm5Model::bind(const ExecContext& ctx) {
             idx_sums_.push_back(A.indexer_sums);
         }
     }
+    // A source layer before this stage: the top-k that arrived with the rows.
     auto share = [&](GpuDecoderLayer::Acts& A, int64_t layer0) {
         if (!cfg_.uses_dsa() || A.topk) return;
         const int64_t src = dsa_source_layer(cfg_, layer0);
-        ST_CHECK(src >= 0 && src < int64_t(acts_.size()) && acts_[src]->topk, "DSA layer ", layer0,
-                 " shares the top-k of layer ", src, ", which has none");
-        A.topk = acts_[src]->topk, A.topk_len = acts_[src]->topk_len;
+        if (src < L0_ && topk_in_) {
+            A.topk = topk_in_, A.topk_len = topk_len_in_;
+            return;
+        }
+        const int64_t i = src - L0_;
+        ST_CHECK(i >= 0 && i < int64_t(acts_.size()) && acts_[size_t(i)]->topk, "DSA layer ",
+                 layer0, " shares the top-k of layer ", src, ", which has none");
+        A.topk = acts_[size_t(i)]->topk, A.topk_len = acts_[size_t(i)]->topk_len;
     };
-    for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], int64_t(l));
+    for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], L0_ + int64_t(l));
     for (int64_t k = 0; k < D_; ++k) {
         GpuDecoderLayer::Acts& A = mtp_[k]->layer;
         if (kv_share() && k > 0) {
@@ -315,61 +345,92 @@ void GpuGlm5Model::copy_inputs_from(const ExecContext& ctx, const int32_t* src) 
 }
 
 void GpuGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
+    enqueue_forward(ctx, sc);
+    if (sc.backward) enqueue_backward(ctx, sc);
+}
+
+void GpuGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc, bool recompute) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
-    cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
+    ST_ASSERT(!recompute || !(stash_ || offload_),
+              "a recomputed stage forward with the MoE stash "
+              "or activation offload");
+    in_.recompute = recompute;
+    if (!recompute) cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
     if (stash_) stash_->reset(ctx, /*new_step=*/false);
     // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
     // the masters change only between steps).
     if (fp8_) fp8_->quantize(ctx);
-    cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
+    if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     // Activation offload's schedule around each layer application (steps with a backward).
     ActivationOffload* off = sc.backward ? offload_.get() : nullptr;
-    for (int64_t l = 0; l < c.num_layers; ++l) {
-        if (off) off->before_forward(l);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        if (off) off->before_forward(int64_t(l));
         layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
-        if (off) off->after_forward(l);
+        if (off) off->after_forward(int64_t(l));
     }
-    cuda::rmsnorm_forward(ctx, x_[c.num_layers], h, (*P_)[final_norm_].w, Tn, h,
-                          float(c.norm_epsilon), h_final_, h, rstd_final_);
+    in_.recompute = false;
+    if (!stage_.last()) return;
+    cuda::rmsnorm_forward(ctx, x_.back(), h, (*P_)[final_norm_].w, Tn, h, float(c.norm_epsilon),
+                          h_final_, h, rstd_final_);
     cuda::head_cross_entropy(
         ctx,
         head_loss(h_final_, in_.targets, in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f),
         row_loss_, sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr);
     cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
     if (D_ > 0) mtp_forward(ctx, sc, off);
-    if (sc.backward) {
-        auto point = [&](int p) {
-            if (hook_) hook_(p);
-        };
+}
+
+void GpuGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    ActivationOffload* off = offload_.get();
+    auto point = [&](int p) {
+        if (hook_) hook_(p);
+    };
+    if (stage_.last()) {
         if (D_ > 0) mtp_backward(ctx, off);
         point(0);
-        cuda::rmsnorm_backward(ctx, dh_, h, x_[c.num_layers], h, (*P_)[final_norm_].w, rstd_final_,
-                               Tn, h, dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
-        point(1);
-        for (int64_t l = c.num_layers - 1; l >= 0; --l) {
-            if (off) off->before_backward(l);
-            layers_[l]->backward(ctx, *acts_[l], x_[l], dx_, in_, nullptr);
-            if (off) off->after_backward(l);
-            point(int(2 + c.num_layers - 1 - l));
-        }
-        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
-        point(int(2 + c.num_layers));
+        cuda::rmsnorm_backward(ctx, dh_, h, x_.back(), h, (*P_)[final_norm_].w, rstd_final_, Tn, h,
+                               dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
     }
+    point(1);
+    const int64_t n = stage_layers();
+    for (int64_t l = n - 1; l >= 0; --l) {
+        if (off) off->before_backward(l);
+        layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(l)], dx_, in_, nullptr);
+        if (off) off->after_backward(l);
+        point(int(2 + n - 1 - l));
+    }
+    if (stage_.first())
+        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
+    point(int(2 + n));
+}
+
+const int32_t* GpuGlm5Model::carried_topk_out() const {
+    for (size_t l = layers_.size(); l-- > 0;)
+        if (layers_[l]->has_indexer()) return acts_[l]->idx.topk;
+    return topk_in_;
+}
+
+const int32_t* GpuGlm5Model::carried_topk_len_out() const {
+    for (size_t l = layers_.size(); l-- > 0;)
+        if (layers_[l]->has_indexer()) return acts_[l]->idx.len;
+    return topk_len_in_;
 }
 
 int GpuGlm5Model::backward_point(const std::string& name) const {
-    const int64_t L = cfg_.num_layers;
+    const int64_t L = cfg_.num_layers, n = stage_layers();
     if (name == "lm_head.weight") return 0;
     if (name == "model.norm.weight") return 1;
     const std::string layers = "model.layers.";
     if (name.rfind(layers, 0) == 0) {
         const int64_t l = std::stoll(name.substr(layers.size()));
         if (l == L) return 0;  // the MTP layer (and its enorm, hnorm, eh_proj, head norm)
-        if (l >= 0 && l < L) return int(2 + L - 1 - l);
+        if (l >= L0_ && l < L1_) return int(2 + L1_ - 1 - l);
     }
-    return int(2 + L);  // the embedding, and anything not named above: after the whole backward
+    return int(2 + n);  // the embedding, and anything not named above: after the whole backward
 }
 
 LossSums GpuGlm5Model::read_losses(const ExecContext& ctx) const {
@@ -446,9 +507,9 @@ void GpuGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
         else
             gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
                  A.hin, h);
-        if (off) off->before_forward(c.num_layers + k);
+        if (off) off->before_forward(stage_layers() + k);
         M.layer->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
-        if (off) off->after_forward(c.num_layers + k);
+        if (off) off->after_forward(stage_layers() + k);
     }
     if (c.mtp_loss_type == "e2e_tv") {
         mtp_tv(ctx, sc);
@@ -554,9 +615,9 @@ void GpuGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) 
         cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
         cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[M.norm].w, A.rstd_z, Tn, h, dmtp_z_,
                                h, true, P_->grad_to_add(ctx, M.norm), S_.norm_ws);
-        if (off) off->before_backward(c.num_layers + k);
+        if (off) off->before_backward(stage_layers() + k);
         M.layer->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
-        if (off) off->after_backward(c.num_layers + k);
+        if (off) off->after_backward(stage_layers() + k);
         mtp_concat(ctx, k);
         if (fp8_) {
             fp8_->dgrad(ctx, M.feh, dmtp_z_, dmtp_cat_, false);

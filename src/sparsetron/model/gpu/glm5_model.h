@@ -25,14 +25,17 @@ class GpuGlm5Model {
     // rank of micro-batches of key_tokens slots; set_context_parallel() gives the CP group.
     // fp8_blockwise: the dense linears (MLA projections but kv_b, dense MLPs, shared experts,
     // eh_proj) as FP8 blockwise linears (model/gpu/fp8_linear.h).
+    // `stage`: pipeline parallelism, the part of the model this rank holds (the CPU model's
+    // rule: `host_store` holds that part's parameters).
     GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                  int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
-                 bool fp8_blockwise = false);
+                 bool fp8_blockwise = false, const PipelineStage& stage = {});
     ~GpuGlm5Model();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);
 
     const ParamStore& params() const { return *store_; }
+    const ModelConfig& config() const { return cfg_; }
     const GpuParams& gpu_params() const { return *P_; }
     void refresh_bf16(const ExecContext& ctx) const { P_->refresh_bf16(ctx); }
 
@@ -53,6 +56,13 @@ class GpuGlm5Model {
     // synchronization, allocation or host read, so it can be captured in a CUDA graph.
     // read_losses(): downloads the loss sums of the last enqueue (synchronizes).
     void enqueue(const ExecContext& ctx, const LossScales& scales);
+    // The two halves, for a pipeline schedule: the forward (on the last stage with the head's
+    // and MTP's losses, whose gradients it computes when scales.backward), and the backward of
+    // the micro-batch whose forward ran last. `recompute`: the forward of a micro-batch again,
+    // for its backward after other micro-batches' forwards (the losses, the indexer loss's
+    // gradient and the routing statistics were taken the first time and are left alone).
+    void enqueue_forward(const ExecContext& ctx, const LossScales& scales, bool recompute = false);
+    void enqueue_backward(const ExecContext& ctx, const LossScales& scales);
     LossSums read_losses(const ExecContext& ctx) const;
     LossSums forward_backward(const ExecContext& ctx, const LossScales& scales) {
         enqueue(ctx, scales);
@@ -72,7 +82,7 @@ class GpuGlm5Model {
     // lm_head, whose gradient the main head adds in the forward), 1 after the final norm, 2 + i
     // after backbone layer L-1-i, 2 + L after the embedding (and anything else). enqueue() calls
     // the hook (when set) at each point, in order, with the stream at that point.
-    int backward_points() const { return int(cfg_.num_layers) + 3; }
+    int backward_points() const { return int(stage_layers()) + 3; }
     int backward_point(const std::string& param_name) const;
     void set_backward_hook(std::function<void(int)> hook) { hook_ = std::move(hook); }
     // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
@@ -82,6 +92,27 @@ class GpuGlm5Model {
     void set_moe_stash_bypass(bool on) {
         if (stash_) stash_->set_bypass(on);
     }
+
+    // Pipeline parallelism (model/pipeline_stage.h). The stage's input rows (written before a
+    // forward on every stage but the first), its output rows (sent on after it) and the residual
+    // gradient (written before a backward on every stage but the last: d output; after it:
+    // d input, sent back). IndexShare across stages: the top-k of the last full DSA layer so far
+    // travels with the rows ([tokens, carried_topk_slots()] indices and [tokens] lengths; 0
+    // slots without DSA): in, what this stage's shared layers read before its own first full
+    // layer (null on the first stage); out, what it passes on.
+    const PipelineStage& stage() const { return stage_; }
+    int64_t stage_layers() const { return L1_ - L0_; }
+    int64_t tokens() const { return T_; }
+    bf16* stage_input() const { return x_.front(); }
+    const bf16* stage_output() const { return x_.back(); }
+    bf16* stage_grad() const { return dx_; }
+    int64_t carried_topk_slots() const { return carried_slots_; }
+    int32_t* carried_topk_in() const { return topk_in_; }
+    int32_t* carried_topk_len_in() const { return topk_len_in_; }
+    const int32_t* carried_topk_out() const;
+    const int32_t* carried_topk_len_out() const;
+    // The embedding's parameter index (-1 where the stage holds none).
+    int64_t embedding_param() const { return embed_; }
 
     // Expert parallelism (cfg.expert_parallel_ranks > 1): every MoE layer exchanges rows
     // through `ep` (set once, before the first step).
@@ -127,6 +158,10 @@ class GpuGlm5Model {
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
+    PipelineStage stage_;
+    int64_t L0_ = 0, L1_ = 0;  // this stage's decoder layers [L0_, L1_)
+    int64_t carried_slots_ = 0;
+    int32_t *topk_in_ = nullptr, *topk_len_in_ = nullptr;
     std::unique_ptr<ParamStore> store_;
     std::unique_ptr<GpuParams> P_;
     GpuBuffers B_;
@@ -142,7 +177,7 @@ class GpuGlm5Model {
     std::vector<std::unique_ptr<GpuDecoderLayer>> layers_;
     std::vector<std::unique_ptr<GpuDecoderLayer::Acts>> acts_;
     std::vector<bf16*> x_;
-    int64_t embed_, final_norm_, head_;
+    int64_t embed_ = -1, final_norm_ = -1, head_ = -1;  // -1: another stage holds it
     // MTP: one layer applied at every depth (mtp_use_repeated_layer), or one per depth.
     struct MtpLayer {
         int64_t enorm, hnorm, eh_proj, norm;  // parameter indices

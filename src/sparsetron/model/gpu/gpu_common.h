@@ -199,6 +199,9 @@ struct GpuInputs {
     // Without CP: row t's own index (-1 for padding), so kernels that take query rows against
     // key rows run on blocks of query rows (the indexer streams its scores that way).
     int32_t* rows = nullptr;
+    // A pipeline stage's forward run again before its backward (GpuGlm5Model::enqueue_forward):
+    // the indexer loss and the routing statistics were taken the first time.
+    bool recompute = false;
 };
 
 // Sum over the CP group on the step's stream (nothing without one).

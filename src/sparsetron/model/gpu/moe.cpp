@@ -185,7 +185,7 @@ void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, 
                       A.probs, A.topk, A.gates);
     cuda::moe_permute(ctx, A.topk, Tn, E_, k_, capacity_, A.counts, A.offsets, A.slot_row,
                       A.perm_token);
-    cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
+    if (!in.recompute) cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
     if (W_ > 1) {
         // The permuted rows, gathered straight into the exchange's shared region, to their
         // experts' ranks.

@@ -48,6 +48,10 @@ void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
     ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
 }
 
+void synchronize(const ExecContext& ctx) {
+    ST_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)));
+}
+
 void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes) {
     if (bytes == 0) return;
     ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(ctx)));

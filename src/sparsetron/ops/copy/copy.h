@@ -27,6 +27,8 @@ void zero(const ExecContext& ctx, void* dst, int64_t bytes);
 // host followed by a stream synchronization.
 void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
 void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
+// Waits until the stream's work is done.
+void synchronize(const ExecContext& ctx);
 // dst[r, c] (+)= src[r, c] for a rows x cols block with leading dimensions, fp32 -> bf16.
 void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf16* dst,
                     int64_t ld_dst, int64_t rows, int64_t cols, bool accumulate);

@@ -24,8 +24,8 @@ __global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
 // then a fixed tree over the threads (deterministic): a model has hundreds of thousands of
 // partials, too many for one thread.
 constexpr int kClipThreads = 1024;
-__global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm, float* norm,
-                                  float* scale, int32_t* skip) {
+// Σ partials on thread 0 of a kClipThreads block (the others return garbage).
+__device__ double sum_block(const float* partials, int64_t count) {
     __shared__ double part[kClipThreads];
     double s = 0;
     for (int64_t i = threadIdx.x; i < count; i += kClipThreads) s += partials[i];
@@ -35,8 +35,18 @@ __global__ void clip_scale_kernel(const float* partials, int64_t count, float ma
         if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
         __syncthreads();
     }
+    return part[0];
+}
+
+__global__ void sum_partials_kernel(const float* partials, int64_t count, float* out) {
+    const double s = sum_block(partials, count);
+    if (threadIdx.x == 0) *out = float(s);
+}
+
+__global__ void clip_scale_kernel(const float* partials, int64_t count, float max_norm, float* norm,
+                                  float* scale, int32_t* skip) {
+    const double s = sum_block(partials, count);
     if (threadIdx.x != 0) return;
-    s = part[0];
     const double nrm = sqrt(s);
     const bool finite = isfinite(nrm);
     *norm = float(nrm);
@@ -90,6 +100,11 @@ void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, fl
                 float* norm, float* scale, int32_t* skip) {
     clip_scale_kernel<<<1, kClipThreads, 0, stream_of(ctx)>>>(partials, count, max_norm, norm,
                                                               scale, skip);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void sum_partials(const ExecContext& ctx, const float* partials, int64_t count, float* out) {
+    sum_partials_kernel<<<1, kClipThreads, 0, stream_of(ctx)>>>(partials, count, out);
     ST_CUDA_LAUNCH_CHECK();
 }
 

@@ -33,6 +33,9 @@ void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, flo
 // skipped).
 void clip_scale(const ExecContext& ctx, const float* partials, int64_t count, float max_norm,
                 float* norm, float* scale, int32_t* skip);
+// *out = Σ partials (the same fixed order as clip_scale): a stage's share of a norm that
+// pipeline stages sum before clip_scale.
+void sum_partials(const ExecContext& ctx, const float* partials, int64_t count, float* out);
 // skip[0..n) = OR of them all (one non-finite clipping group skips the whole step).
 void merge_skip(const ExecContext& ctx, int32_t* skip, int64_t n);
 // skip[0..n) |= (*flag != 0): an outside reason to skip the step (the MoE stash overflowed).

@@ -217,6 +217,18 @@ void NcclComm::device_alltoall(const void* send, void* recv, int64_t bytes_per_r
     ST_NCCL_CHECK(ncclGroupEnd());
 }
 
+void NcclComm::device_sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
+                               int64_t recv_bytes, int src, void* stream) {
+    const bool out = dst >= 0 && send_bytes > 0, in = src >= 0 && recv_bytes > 0;
+    if (!out && !in) return;
+    ST_NCCL_CHECK(ncclGroupStart());
+    if (out)
+        ST_NCCL_CHECK(ncclSend(send, size_t(send_bytes), ncclUint8, dst, nc(comm_), cs(stream)));
+    if (in)
+        ST_NCCL_CHECK(ncclRecv(recv, size_t(recv_bytes), ncclUint8, src, nc(comm_), cs(stream)));
+    ST_NCCL_CHECK(ncclGroupEnd());
+}
+
 std::unique_ptr<Comm> make_nccl_comm(const LaunchEnv& env) {
     return std::make_unique<NcclComm>(env);
 }

@@ -35,6 +35,8 @@ class NcclComm final : public Comm {
     void device_allgather(void* data, int64_t bytes_per_rank, void* stream) override;
     void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
                          void* stream) override;
+    void device_sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
+                         int64_t recv_bytes, int src, void* stream) override;
     int device() const { return device_; }
 
   private:

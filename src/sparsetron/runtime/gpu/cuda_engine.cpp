@@ -7,6 +7,7 @@
 #include <string>
 #include <tuple>
 
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/side_stream.h"
@@ -15,6 +16,7 @@
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/runtime/cp_row_plan.h"
 #include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/gpu/cuda_pipeline.h"
 #include "sparsetron/runtime/gpu/gpu_optimizer.h"
 #include "sparsetron/runtime/host_memory_check.h"
 
@@ -37,7 +39,7 @@ class CudaEngine final : public DeviceEngine {
     CudaEngine(const Recipe& recipe, const ParamStore& host_store, const MemoryPlan& host_plan,
                const Optimizer& host_optimizer, int64_t max_documents, int64_t chunk_rows,
                Comm* data_parallel, Comm* expert_parallel, Comm* context_parallel,
-               Comm* expert_data_parallel)
+               Comm* expert_data_parallel, Comm* pipeline, Comm* embedding)
         : recipe_(recipe),
           host_store_(host_store),
           host_plan_(host_plan),
@@ -72,13 +74,40 @@ class CudaEngine final : public DeviceEngine {
                  "context_parallel_size ", cp,
                  " needs a context-parallel group of that many processes");
         const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
+        // Pipeline parallelism: this rank's stage of the model, 1F1B over the step's
+        // micro-batches (runtime/gpu/cuda_pipeline.h).
+        Comm* pp = pipeline && pipeline->size() > 1 ? pipeline : nullptr;
+        PipelineStage stage;
+        if (pp) {
+            ST_CHECK(recipe.run.pipeline_model_parallel_size == pp->size(),
+                     "pipeline_model_parallel_size ", recipe.run.pipeline_model_parallel_size,
+                     " but the pipeline group has ", pp->size(), " ranks");
+            ST_CHECK(!dynamic_cp_,
+                     "dynamic_context_parallel with pipeline parallelism runs on "
+                     "the CPU backend only; use context_parallel_size on CUDA");
+            ST_CHECK(
+                !recipe.model.moe_paged_stash && !recipe.model.fine_grained_activation_offloading,
+                "moe_paged_stash and fine_grained_activation_offloading are not combined "
+                "with pipeline parallelism on CUDA (its stages recompute their forward "
+                "before the backward instead): drop them");
+            stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
+        }
         model_ = std::make_unique<gpu::GpuGlm5Model>(
             recipe_.model, host_store, plan_, cpp.rows, cpp.max_documents,
-            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise());
+            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage);
         opt_ = std::make_unique<gpu::GpuOptimizer>(
             model_->gpu_params(), plan_, recipe_.model, recipe_.run,
-            recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel);
-        if (recipe_.run.cuda_graph_impl == "full_iteration") {
+            recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel, pp);
+        if (pp) {
+            pipeline_ = std::make_unique<CudaPipeline>(*model_, *pp, plan_,
+                                                       recipe_.run.microbatches_per_step());
+            // The last stage's copy of the embedding (MTP reads it) and the first stage's: one
+            // gradient, summed over the pair.
+            if (embedding && embedding->size() > 1 && model_->embedding_param() >= 0)
+                embedding_ = embedding;
+        }
+        if (recipe_.run.cuda_graph_impl == "full_iteration" || pipeline_) {
+            graphs_ = recipe_.run.cuda_graph_impl == "full_iteration";
             // Staging for a whole step: every micro-batch's input block and loss sums.
             slots_ = recipe_.run.microbatches_per_step();
             s_slots_ = plan_.add(MemClass::Activations, "graph.input_slots", DType::I32,
@@ -89,7 +118,7 @@ class CudaEngine final : public DeviceEngine {
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
             cuda_plan_shortfall(recipe, host_store, max_documents, chunk_rows, plan_.total_bytes(),
-                                device_memory_free());
+                                device_memory_free(), stage);
         ST_CHECK(shortfall.empty(), shortfall);
         const uint64_t host_free = available_host_memory();
         ST_CHECK(host_free == 0 || plan_.host_offload_bytes() <= host_free,
@@ -98,6 +127,7 @@ class CudaEngine final : public DeviceEngine {
                  " available; offload fewer offload_modules or recompute some (recompute_modules)");
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
+        if (pipeline_) pipeline_->bind(plan_);
         if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
         opt_->bind(plan_);
         opt_->prepare(ctx());
@@ -118,7 +148,10 @@ class CudaEngine final : public DeviceEngine {
             // two GPUs (a deadlock); the buckets are reduced after the backward instead.
             const bool nccl_exchange =
                 exchange_ && exchange_->transport() == ExchangeTransport::Nccl;
-            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_ && !nccl_exchange)
+            // Nor with pipeline parallelism: the stages' transfers (pipeline communicator) run
+            // on the main stream during the last backward.
+            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_ && !nccl_exchange &&
+                !pipeline_)
                 side_ = std::make_unique<cuda::SideStream>(ctx());
         }
         // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
@@ -167,6 +200,10 @@ class CudaEngine final : public DeviceEngine {
     void end_backward() {
         finish_reduce();
         model_->gpu_params().finish_gradients(ctx());
+        if (embedding_) {
+            const gpu::GpuParam& e = model_->gpu_params()[model_->embedding_param()];
+            embedding_->device_allreduce_sum(e.grad, e.numel, ctx().stream);
+        }
         // One rank's stash overflow vetoes every rank's optimizer step and sends all of them
         // into the eager redo (which exchanges rows and reduces gradients with the others).
         if (dp_)
@@ -175,6 +212,9 @@ class CudaEngine final : public DeviceEngine {
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) override {
+        ST_CHECK(!pipeline_,
+                 "one micro-batch alone does not pass through a pipeline: use "
+                 "run_step or forward_only");
         model_->load_inputs(ctx(), mb, scales);
         return model_->forward_backward(ctx(), scales);
     }
@@ -206,7 +246,7 @@ class CudaEngine final : public DeviceEngine {
         if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
         ST_CHECK(!cp_groups, "CP groups per micro-batch are dynamic CP's");
         StepOutcome out;
-        if (slots_ == 0 || eager) {
+        if (!pipeline_ && (slots_ == 0 || eager)) {
             begin_step();
             for (size_t i = 0; i < mbs.size(); ++i) {
                 if (i + 1 == mbs.size()) begin_reduce();
@@ -228,6 +268,12 @@ class CudaEngine final : public DeviceEngine {
         opt_->stage_schedule(ctx(), run, step);
         auto body = [&] {
             begin_step();
+            if (pipeline_) {
+                pipeline_->enqueue(ctx(), sc, n, slots, sums, [&] { begin_reduce(); });
+                end_backward();
+                opt_->enqueue_step(ctx(), run);
+                return;
+            }
             for (int64_t i = 0; i < n; ++i) {
                 model_->copy_inputs_from(ctx(), slots + i * words);
                 if (i + 1 == n) begin_reduce();
@@ -240,7 +286,9 @@ class CudaEngine final : public DeviceEngine {
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
                                  int64_t(sc.mtp.size())};
-        if (!warmed_up_) {
+        if (!graphs_ || eager) {
+            body();  // eagerly (pipeline parallelism without graphs, or its redo)
+        } else if (!warmed_up_) {
             body();  // the warm-up step: the same work, eagerly
             warmed_up_ = true;
         } else {
@@ -335,7 +383,32 @@ class CudaEngine final : public DeviceEngine {
                    format_bytes(double(plan_.total_bytes())));
     }
 
+    std::vector<LossSums> forward_only(const std::vector<const MicroBatch*>& mbs,
+                                       const LossScales& sc) override {
+        ST_CHECK(!sc.backward, "forward_only runs no backward");
+        if (!pipeline_) return DeviceEngine::forward_only(mbs, sc);
+        const int64_t n = int64_t(mbs.size()), words = model_->input_words();
+        ST_CHECK(n <= slots_, "a pipeline pass of ", n, " micro-batches, but its staging holds ",
+                 slots_, " (microbatches_per_step)");
+        int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
+        double* sums = plan_.view(s_sums_).ptr<double>();
+        for (int64_t i = 0; i < n; ++i)
+            model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        pipeline_->enqueue(ctx(), sc, n, slots, sums);
+        std::vector<double> host(size_t(n * model_->n_sums()));
+        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
+        std::vector<LossSums> out;
+        for (int64_t i = 0; i < n; ++i)
+            out.push_back(model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
+        return out;
+    }
+
+    int64_t pipeline_recomputed() const override { return pipeline_ ? pipeline_->recomputed() : 0; }
+
     void stage_inputs(const MicroBatch& mb, const LossScales& scales, Comm* cp_group) override {
+        ST_CHECK(!pipeline_,
+                 "sparsetron bench times one GPU's whole model: run it with "
+                 "pipeline_model_parallel_size: 1");
         ST_CHECK(!cp_group || dynamic_cp_, "a micro-batch's own CP group is dynamic CP's");
         if (dynamic_cp_) model_->set_context_parallel(cp_group);
         model_->load_inputs(ctx(), mb, scales);
@@ -500,7 +573,10 @@ class CudaEngine final : public DeviceEngine {
     std::unique_ptr<gpu::GpuGlm5Model> model_;
     std::unique_ptr<gpu::GpuOptimizer> opt_;
     std::unique_ptr<cuda::ExpertExchange> exchange_;  // expert parallelism
-    std::unique_ptr<cuda::StepGraph> graph_;          // timed_step's graph (bench)
+    std::unique_ptr<CudaPipeline> pipeline_;          // pipeline parallelism
+    Comm* embedding_ = nullptr;               // the first and last stages' embedding pair (MTP)
+    bool graphs_ = false;                     // cuda_graph_impl full_iteration
+    std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
     // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
     int64_t slots_ = 0, captures_ = 0;
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
@@ -518,7 +594,7 @@ class CudaEngine final : public DeviceEngine {
 }  // namespace
 
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
-                            int64_t max_documents, int64_t chunk_rows) {
+                            int64_t max_documents, int64_t chunk_rows, const PipelineStage& stage) {
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
@@ -526,14 +602,14 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
     gpu::GpuGlm5Model model(m, host_store, plan, cpp.rows, cpp.max_documents,
                             std::min(chunk_rows, cpp.rows), cpp.key_rows,
-                            recipe.run.fp8_blockwise());
+                            recipe.run.fp8_blockwise(), stage);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
     return plan;
 }
 
 std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
                                 int64_t max_documents, int64_t chunk_rows, size_t planned,
-                                size_t free_bytes) {
+                                size_t free_bytes, const PipelineStage& stage) {
     if (planned <= free_bytes) return "";
     const auto gib = [](size_t b) { return format_bytes(double(b)); };
     std::string msg =
@@ -548,7 +624,7 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
         r.model.recompute_granularity = "selective";
         r.model.recompute_modules = all;
         const size_t with =
-            cuda_memory_plan(r, host_store, max_documents, chunk_rows).total_bytes();
+            cuda_memory_plan(r, host_store, max_documents, chunk_rows, stage).total_bytes();
         msg +=
             cat("with recompute_granularity: selective and recompute_modules: [core_attn, "
                 "mla_up_proj, layernorm, moe_act, mlp, shared_experts] it plans ",
@@ -603,13 +679,14 @@ std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe& recipe, const Param
                                                const Optimizer& host_optimizer,
                                                int64_t max_documents, int64_t chunk_rows,
                                                Comm* data_parallel, Comm* expert_parallel,
-                                               Comm* context_parallel, Comm* expert_data_parallel) {
+                                               Comm* context_parallel, Comm* expert_data_parallel,
+                                               Comm* pipeline, Comm* embedding) {
     // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
     ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
              "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
-    return std::make_unique<CudaEngine>(recipe, host_store, host_plan, host_optimizer,
-                                        max_documents, chunk_rows, data_parallel, expert_parallel,
-                                        context_parallel, expert_data_parallel);
+    return std::make_unique<CudaEngine>(
+        recipe, host_store, host_plan, host_optimizer, max_documents, chunk_rows, data_parallel,
+        expert_parallel, context_parallel, expert_data_parallel, pipeline, embedding);
 }
 
 }  // namespace sparsetron

@@ -14,11 +14,13 @@
 namespace sparsetron::gpu {
 
 GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m,
-                           const RunConfig& r, Comm* distributed, Comm* expert_parallel)
+                           const RunConfig& r, Comm* distributed, Comm* expert_parallel,
+                           Comm* pipeline)
     : P_(P),
       cfg_(m),
       dist_(distributed && distributed->size() > 1 ? distributed : nullptr),
-      ep_(expert_parallel && expert_parallel->size() > 1 ? expert_parallel : nullptr) {
+      ep_(expert_parallel && expert_parallel->size() > 1 ? expert_parallel : nullptr),
+      pp_(pipeline && pipeline->size() > 1 ? pipeline : nullptr) {
     const auto& params = P.store().params();
     muon_ = r.optimizer == "muon";
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
@@ -64,7 +66,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
             for (size_t i = 0; i < params.size(); ++i) {
                 const auto& p = params[i];
                 const int group = separate_mtp_ && p.mtp ? 1 : 0;
-                if (!p.trainable || group != g || local_[i] != bool(expert)) continue;
+                if (!normed(p) || group != g || local_[i] != bool(expert)) continue;
                 part_off_[i] = off;
                 off += cuda::sum_squares_blocks(p.numel());
             }
@@ -75,6 +77,7 @@ GpuOptimizer::GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConf
     s_parts_ = plan.add(MemClass::Workspace, "optim.grad_norm_partials", DType::F32,
                         {std::max<int64_t>(parts_total_, 1)});
     s_norm_ = plan.add(MemClass::Workspace, "optim.grad_norms", DType::F32, {2});
+    if (pp_) s_stage_sums_ = plan.add(MemClass::Workspace, "optim.stage_sums", DType::F32, {2});
     s_scale_ = plan.add(MemClass::Workspace, "optim.clip_scales", DType::F32, {2});
     s_skip_ = plan.add(MemClass::Workspace, "optim.skip", DType::I32, {2});
     if (muon_) plan_muon(plan, r, max_numel);
@@ -90,6 +93,7 @@ void GpuOptimizer::bind(const MemoryPlan& plan) {
         mom_.push_back(F(mom_slots_[i]));
     }
     parts_ = F(s_parts_), norm_ = F(s_norm_), scale_ = F(s_scale_);
+    stage_sums_ = F(s_stage_sums_);
     sched_ = F(s_sched_);
     skip_ = plan.view(s_skip_).ptr<int32_t>();
     if (muon_) bind_muon(plan);
@@ -215,7 +219,7 @@ void GpuOptimizer::stage_schedule(const ExecContext& ctx, const RunConfig& run, 
 void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
     const auto& params = P_.store().params();
     for (size_t i = 0; i < params.size(); ++i)
-        if (params[i].trainable)
+        if (normed(params[i]))
             cuda::sum_squares_partials(ctx, P_[int64_t(i)].grad, P_[int64_t(i)].numel,
                                        parts_ + part_off_[i]);
     // Sharded experts: the partials of every rank's experts (the same layout on every EP rank)
@@ -224,10 +228,18 @@ void GpuOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         for (const auto& [begin, count] : expert_parts_)
             if (count > 0) ep_->device_allreduce_sum(parts_ + begin, count, ctx.stream);
     const float clip = float(run.clip_grad);
-    cuda::clip_scale(ctx, parts_, parts_main_, clip, norm_, scale_, skip_);
+    if (pp_) {
+        // Pipeline stages hold other parameters: each group's sum of squares over the stages.
+        cuda::sum_partials(ctx, parts_, parts_main_, stage_sums_);
+        cuda::sum_partials(ctx, parts_ + parts_main_, parts_total_ - parts_main_, stage_sums_ + 1);
+        pp_->device_allreduce_sum(stage_sums_, 2, ctx.stream);
+    }
+    const float* main = pp_ ? stage_sums_ : parts_;
+    const float* mtp = pp_ ? stage_sums_ + 1 : parts_ + parts_main_;
+    const int64_t n_main = pp_ ? 1 : parts_main_, n_mtp = pp_ ? 1 : parts_total_ - parts_main_;
+    cuda::clip_scale(ctx, main, n_main, clip, norm_, scale_, skip_);
     if (separate_mtp_) {
-        cuda::clip_scale(ctx, parts_ + parts_main_, parts_total_ - parts_main_, clip, norm_ + 1,
-                         scale_ + 1, skip_ + 1);
+        cuda::clip_scale(ctx, mtp, n_mtp, clip, norm_ + 1, scale_ + 1, skip_ + 1);
         cuda::merge_skip(ctx, skip_, 2);
     }
     if (veto_) cuda::veto_skip(ctx, skip_, separate_mtp_ ? 2 : 1, veto_);

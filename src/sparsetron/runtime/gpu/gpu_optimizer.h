@@ -32,8 +32,12 @@ class GpuOptimizer {
     // With `expert_parallel` (more than one rank: the routed experts are sharded), each rank
     // updates its own experts (state kept here, never broadcast, Newton-Schulz outside the
     // distributed split) and their squared gradient norms are summed over the group.
+    // With `pipeline` (one rank per stage, more than one stage): the clipping norms are summed
+    // over the stages; a pipeline copy (the last stage's embedding) counts on the first stage
+    // only, and is updated on both from the same summed gradient.
     GpuOptimizer(const GpuParams& P, MemoryPlan& plan, const ModelConfig& m, const RunConfig& r,
-                 Comm* distributed = nullptr, Comm* expert_parallel = nullptr);
+                 Comm* distributed = nullptr, Comm* expert_parallel = nullptr,
+                 Comm* pipeline = nullptr);
     void bind(const MemoryPlan& plan);
     // Distributed: creates the side stream its collectives overlap on (once, outside a step).
     void prepare(const ExecContext& ctx);
@@ -65,11 +69,16 @@ class GpuOptimizer {
     // Newton-Schulz and the update of every Muon matrix, batch by batch (the momentum updated in
     // the gather, or before it when not fused_momentum_).
     void run_muon_batches(const ExecContext& ctx, const RunConfig& run);
+    // A parameter whose gradient the clipping norm counts.
+    static bool normed(const ParamInfo& p) { return p.trainable && !p.pipeline_copy; }
     const GpuParams& P_;
     const ModelConfig& cfg_;
     Comm* dist_ = nullptr;
     Comm* ep_ = nullptr;
-    std::vector<bool> local_;  // a sharded routed expert's weight: this rank's alone
+    Comm* pp_ = nullptr;
+    MemoryPlan::Slot s_stage_sums_ = -1;
+    float* stage_sums_ = nullptr;  // pipeline: [main, MTP] sums of squares, over the stages
+    std::vector<bool> local_;      // a sharded routed expert's weight: this rank's alone
     int rank_ = 0, ranks_ = 1;
     std::vector<int> adam_owner_;  // AdamW parameters' owning rank, -1 for the others
     bool muon_ = false, separate_mtp_ = false;

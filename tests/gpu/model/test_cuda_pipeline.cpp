@@ -8,12 +8,10 @@
 // (parallel/nccl/nccl_comm.cpp).
 #include <gtest/gtest.h>
 
-#include <barrier>
-#include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,12 +19,13 @@
 #include "../harness.h"
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe.h"
+#include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/runtime/device_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "sparsetron/ops/copy/copy.h"
+#include "../thread_comm.h"
 #endif
 
 using namespace sparsetron;
@@ -39,91 +38,6 @@ TEST(CudaPipeline, Skipped) {
 #else
 
 namespace {
-
-// What the threads of one communicator share: a mailbox per (source, destination) pair for
-// point-to-point transfers, and the host copies an all-reduce sums.
-struct ThreadJob {
-    explicit ThreadJob(int w) : ranks(w), bar(w), mail(size_t(w * w)), parts(size_t(w)) {}
-    struct Mail {
-        const char* data = nullptr;
-        int64_t bytes = 0;
-        bool taken = false;
-    };
-    int ranks;
-    std::barrier<> bar;
-    std::mutex mu;
-    std::condition_variable cv;
-    std::vector<Mail> mail;  // [src * ranks + dst]
-    std::vector<std::vector<float>> parts;
-};
-
-class ThreadComm final : public Comm {
-  public:
-    ThreadComm(ThreadJob& job, int rank) : job_(job), rank_(rank) {}
-    int rank() const override { return rank_; }
-    int size() const override { return job_.ranks; }
-    bool on_device() const override { return true; }
-    // Blocking like NCCL's grouped send/recv on a stream: the message is posted, the receive
-    // waits for the peer's post and copies it, the send waits until the peer took it.
-    void device_sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,
-                         int64_t recv_bytes, int src, void* stream) override {
-        const ExecContext ctx{Device::CUDA, stream, nullptr};
-        cuda::synchronize(ctx);  // the message is written
-        const bool out = dst >= 0 && send_bytes > 0, in = src >= 0 && recv_bytes > 0;
-        std::unique_lock<std::mutex> lock(job_.mu);
-        ThreadJob::Mail* posted = nullptr;
-        if (out) {
-            posted = &job_.mail[size_t(rank_ * job_.ranks + dst)];
-            ASSERT_EQ(posted->data, nullptr) << "a second message before the first was taken";
-            *posted = {static_cast<const char*>(send), send_bytes, false};
-            job_.cv.notify_all();
-        }
-        if (in) {
-            ThreadJob::Mail& m = job_.mail[size_t(src * job_.ranks + rank_)];
-            job_.cv.wait(lock, [&] { return m.data != nullptr && !m.taken; });
-            ASSERT_EQ(m.bytes, recv_bytes) << "stage " << rank_ << " from " << src;
-            lock.unlock();
-            cuda::copy_2d(ctx, recv, 0, m.data, 0, recv_bytes, 1);
-            cuda::synchronize(ctx);
-            lock.lock();
-            m.taken = true;
-            job_.cv.notify_all();
-        }
-        if (out) {
-            job_.cv.wait(lock, [&] { return posted->taken; });
-            *posted = {};
-        }
-    }
-    void device_allreduce_sum(float* x, int64_t n, void* stream) override {
-        const ExecContext ctx{Device::CUDA, stream, nullptr};
-        std::vector<float>& mine = job_.parts[size_t(rank_)];
-        mine.resize(size_t(n));
-        cuda::download(ctx, mine.data(), x, n * int64_t(sizeof(float)));
-        job_.bar.arrive_and_wait();
-        std::vector<float> sum(size_t(n), 0.f);
-        for (const auto& p : job_.parts)  // rank order: every rank gets the same bits
-            for (int64_t i = 0; i < n; ++i) sum[size_t(i)] += p[size_t(i)];
-        job_.bar.arrive_and_wait();  // nobody overwrites a part another rank still reads
-        cuda::upload(ctx, x, sum.data(), n * int64_t(sizeof(float)));
-        cuda::synchronize(ctx);
-    }
-    void allreduce_sum(float*, int64_t) override { unused(); }
-    void allreduce_sum(double*, int64_t) override { unused(); }
-    void broadcast(void*, int64_t, int) override { unused(); }
-    std::vector<uint64_t> allgather(uint64_t) override { unused(); }
-    void alltoallv(const void*, const std::vector<int64_t>&, void*,
-                   const std::vector<int64_t>&) override {
-        unused();
-    }
-    std::unique_ptr<Comm> split(int, int) override { unused(); }
-    [[noreturn]] void abort(int) override { unused(); }
-    std::string name() const override { return "threads"; }
-
-  private:
-    [[noreturn]] static void unused() { throw Error("ThreadComm: a host collective was called"); }
-    ThreadJob& job_;
-    int rank_;
-};
 
 // The tiny recipe's top-k below its micro-batch (the sparse path) and eager steps.
 Recipe pipeline_recipe() {
@@ -200,14 +114,15 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
     sc.indexer = sc.aux = 1.0 / double(n);
 
     const EngineRun ref = run_engine(whole, {}, steps, sc);
-    ThreadJob pp_job(2), embedding_job(2);
+    auto pp_group = std::make_shared<ThreadGroup>(2);
+    auto embedding_group = std::make_shared<ThreadGroup>(2);
     std::vector<EngineRun> stage(2);
     std::vector<std::string> errors(2);
     std::vector<std::thread> threads;
     for (int s = 0; s < 2; ++s)
         threads.emplace_back([&, s] {
             try {
-                ThreadComm pp(pp_job, s), embedding(embedding_job, s);
+                ThreadComm pp(pp_group, s), embedding(embedding_group, s);
                 stage[size_t(s)] =
                     run_engine(r, pipeline_stage(r.model, r.run, s), steps, sc, &pp, &embedding);
             } catch (const std::exception& e) {
@@ -267,6 +182,105 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
     expect_close("weights after two steps, two stages vs one GPU", got, want, 1e-4);
     EXPECT_EQ(stage[0].weights.at("model.embed_tokens.weight"),
               stage[1].weights.at("model.embed_tokens.weight"));
+}
+
+namespace {
+
+// The tiny recipe for `world` ranks, eager, with a validation split.
+Recipe trainer_recipe(int world, std::vector<std::string> extra) {
+    std::vector<std::string> sets = {"dsa_indexer_topk=128",
+                                     "cuda_graph_impl=none",
+                                     "train_iters=4",
+                                     "split=80,20,0",
+                                     "eval_interval=2",
+                                     "eval_iters=1",
+                                     "world_size=" + std::to_string(world)};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    return load_recipe("", sets);
+}
+
+std::vector<StepMetrics> train(const Recipe& r, const TrainOptions& o) {
+    Trainer t(r, o);
+    std::vector<StepMetrics> out;
+    t.run([&](const StepMetrics& m) { out.push_back(m); });
+    return out;
+}
+
+}  // namespace
+
+// The trainer's pipeline path on CUDA, two stages as two threads of one process on one GPU
+// (each rank's trainer, engine and stream; every collective and transfer through the host):
+// the stages' losses, routing statistics and gradient norm joined into one step's metrics, the
+// validation's forward through the stages, and the checkpoint the stages write (a shard each)
+// resumed by one GPU. Equal to one GPU running the whole model.
+TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
+    REQUIRE_GPU();
+    const std::string one_dir = temp_dir("one"), ckpt_dir = temp_dir("checkpoints");
+    const auto one = train(trainer_recipe(1, {}), {one_dir, "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(one.size(), 4u);
+
+    auto world = std::make_shared<ThreadGroup>(2);
+    std::vector<std::vector<StepMetrics>> got(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank)
+        threads.emplace_back([&, rank] {
+            try {
+                ThreadComm comm(world, rank);
+                got[size_t(rank)] =
+                    train(trainer_recipe(2, {"pipeline_model_parallel_size=2", "save_interval=2",
+                                             "save=" + ckpt_dir}),
+                          {temp_dir("rank" + std::to_string(rank)), "", Device::CUDA, true, &comm});
+            } catch (const std::exception& e) {
+                errors[size_t(rank)] = e.what();
+            }
+        });
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(errors[0], "") << "rank 0";
+    ASSERT_EQ(errors[1], "") << "rank 1";
+    for (const auto& pp : got) {
+        ASSERT_EQ(pp.size(), one.size());
+        for (size_t i = 0; i < one.size(); ++i) {
+            const StepMetrics &a = pp[i], &w = one[i];
+            // Step 1 starts from the same weights; later steps carry Adam's amplification of
+            // last-bit differences in the gradient sums.
+            const double tol = i == 0 ? 1e-5 : 1e-4;
+            std::cout << "[pipeline trainer] step " << i + 1 << ": lm " << a.lm_loss << " vs "
+                      << w.lm_loss << ", mtp " << a.mtp_loss << " vs " << w.mtp_loss << ", indexer "
+                      << a.indexer_loss << " vs " << w.indexer_loss << ", grad_norm " << a.grad_norm
+                      << " vs " << w.grad_norm << "\n";
+            EXPECT_EQ(a.targets, w.targets);
+            EXPECT_NEAR(a.lm_loss, w.lm_loss, tol * w.lm_loss);
+            EXPECT_NEAR(a.mtp_loss, w.mtp_loss, tol * w.mtp_loss);
+            EXPECT_GT(a.indexer_loss, 0);
+            EXPECT_NEAR(a.indexer_loss, w.indexer_loss, 10 * tol * w.indexer_loss);
+            EXPECT_NEAR(a.grad_norm, w.grad_norm, 10 * tol * w.grad_norm);
+            if (i == 0) {
+                EXPECT_EQ(a.moe_load, w.moe_load) << "every stage's layers, in order";
+            }
+            ASSERT_EQ(a.valid.has_value(), w.valid.has_value()) << "step " << i + 1;
+            if (w.valid) {
+                EXPECT_EQ(a.valid->targets, w.valid->targets);
+                EXPECT_NEAR(a.valid->lm_loss, w.valid->lm_loss, tol * w.valid->lm_loss);
+                EXPECT_NEAR(a.valid->mtp_loss, w.valid->mtp_loss, tol * w.valid->mtp_loss);
+            }
+        }
+    }
+    ASSERT_TRUE(one[1].valid.has_value()) << "validation ran at step 2";
+
+    // The stages' checkpoint at step 2 (a shard per stage) on one GPU: steps 3 and 4 again.
+    const std::string ckpt = ckpt_dir + "/iter_0000002";
+    ASSERT_TRUE(std::filesystem::exists(ckpt + "/model.safetensors.index.json"));
+    const auto resumed = train(trainer_recipe(1, {"pipeline_model_parallel_size=1"}),
+                               {temp_dir("resumed"), ckpt, Device::CUDA, false, nullptr});
+    ASSERT_EQ(resumed.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+        std::cout << "[pipeline checkpoint -> 1 GPU] step " << i + 3 << ": lm "
+                  << resumed[i].lm_loss << " vs " << one[i + 2].lm_loss << "\n";
+        EXPECT_EQ(resumed[i].step, one[i + 2].step);
+        EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss, 1e-4 * one[i + 2].lm_loss);
+        EXPECT_NEAR(resumed[i].grad_norm, one[i + 2].grad_norm, 1e-2 * one[i + 2].grad_norm);
+    }
 }
 
 #endif

@@ -5,13 +5,19 @@ experts top-8, hidden 6144, 64 heads, MLA 2048/512, qk 192+64, v 256, DSA 32 x 1
 IndexShare freq 4 / offset 2, vocab 154880) in bf16 with sdpa attention and grouped_mm experts,
 one 4096-token document, no MTP (HF has none), loss = LM cross-entropy; the indexer takes no
 gradient (HF trains no indexer loss). Times forward + loss + backward with CUDA events after
-warm-up and prints one JSON line (median/p95 ms, tokens/s, peak memory).
+warm-up and prints one JSON line (median/p95 ms, tokens/s, peak memory). PyTorch's allocator
+runs with expandable segments (its advice when reserved memory fragments: at 16K tokens the
+indexer's 32 GiB score tensor otherwise fails with half the reserved memory unused), and a step's
+outputs are freed before the next step starts.
 
 Usage (GPU machine): python3 hf_glm_moe_dsa.py [--warmup 3] [--iters 10] [--tokens 4096]
 """
 import argparse
 import json
+import os
 import statistics
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 from transformers.models.glm_moe_dsa import configuration_glm_moe_dsa as cfgmod
@@ -53,6 +59,8 @@ def main():
         out.loss.backward()
         end.record()
         torch.cuda.synchronize()
+        loss = float(out.loss)
+        del out
         model.zero_grad(set_to_none=True)
         if it >= a.warmup:
             times.append(start.elapsed_time(end))
@@ -63,7 +71,8 @@ def main():
         "variant": "hf_glm_moe_dsa_forward_backward", "median_ms": med, "p95_ms": p95,
         "step_ms": times, "tokens_per_s_per_gpu": a.tokens / (med * 1e-3),
         "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20, "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "implementation": used, "loss": float(out.loss)}))
+        "torch": torch.__version__, "implementation": used,
+        "alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "loss": loss}))
 
 
 if __name__ == "__main__":

@@ -206,6 +206,78 @@ std::vector<StepMetrics> train(const Recipe& r, const TrainOptions& o) {
     return out;
 }
 
+// `world` trainers of `r` as threads of this process on one GPU (rank r writes to its own
+// directory under `tag`); every rank's metrics, or the test fails naming a rank's error.
+std::vector<std::vector<StepMetrics>> train_threads(int world, const Recipe& r,
+                                                    const std::string& tag, bool save = false) {
+    auto group = std::make_shared<ThreadGroup>(world);
+    std::vector<std::vector<StepMetrics>> got(static_cast<size_t>(world));
+    std::vector<std::string> errors(static_cast<size_t>(world));
+    std::vector<std::string> dirs;
+    for (int rank = 0; rank < world; ++rank)
+        dirs.push_back(temp_dir(tag + "-rank" + std::to_string(rank)));
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < world; ++rank)
+        threads.emplace_back([&, rank] {
+            try {
+                ThreadComm comm(group, rank);
+                got[size_t(rank)] = train(r, {dirs[size_t(rank)], "", Device::CUDA, save, &comm});
+            } catch (const std::exception& e) {
+                errors[size_t(rank)] = e.what();
+            }
+        });
+    for (auto& t : threads) t.join();
+    for (int rank = 0; rank < world; ++rank)
+        EXPECT_EQ(errors[size_t(rank)], "") << tag << " rank " << rank;
+    return got;
+}
+
+// Every rank's metrics against the one-GPU run's: step 1 starts from the same weights (losses
+// `step1_tol`, gradient norm 10x); later steps carry Adam's amplification of last-bit
+// differences in the gradient sums. `loads_equal`: step 1's expert loads equal, else only
+// their totals (CP's GEMMs over half the rows may round a router score across a tie).
+void expect_metrics_match(const std::string& tag, const std::vector<StepMetrics>& one,
+                          const std::vector<std::vector<StepMetrics>>& ranks, double step1_tol,
+                          bool loads_equal) {
+    for (size_t rank = 0; rank < ranks.size(); ++rank) {
+        const auto& got = ranks[rank];
+        ASSERT_EQ(got.size(), one.size()) << tag << " rank " << rank;
+        for (size_t i = 0; i < one.size(); ++i) {
+            const StepMetrics &a = got[i], &w = one[i];
+            const double tol = i == 0 ? step1_tol : 2e-4;
+            if (rank == 0)
+                std::cout << "[" << tag << "] step " << i + 1 << ": lm " << a.lm_loss << " vs "
+                          << w.lm_loss << ", mtp " << a.mtp_loss << " vs " << w.mtp_loss
+                          << ", indexer " << a.indexer_loss << " vs " << w.indexer_loss
+                          << ", grad_norm " << a.grad_norm << " vs " << w.grad_norm << "\n";
+            EXPECT_EQ(a.targets, w.targets) << tag;
+            EXPECT_NEAR(a.lm_loss, w.lm_loss, tol * w.lm_loss) << tag << " step " << i + 1;
+            EXPECT_NEAR(a.mtp_loss, w.mtp_loss, tol * w.mtp_loss) << tag << " step " << i + 1;
+            EXPECT_GT(a.indexer_loss, 0) << tag;
+            EXPECT_NEAR(a.indexer_loss, w.indexer_loss, 10 * tol * w.indexer_loss)
+                << tag << " step " << i + 1;
+            EXPECT_NEAR(a.grad_norm, w.grad_norm, 10 * tol * w.grad_norm)
+                << tag << " step " << i + 1;
+            ASSERT_EQ(a.moe_load.size(), w.moe_load.size()) << tag << ": every stage's layers";
+            if (i == 0 && loads_equal) {
+                EXPECT_EQ(a.moe_load, w.moe_load) << tag;
+            }
+            for (size_t l = 0; l < w.moe_load.size(); ++l) {
+                int64_t ta = 0, tw = 0;
+                for (int64_t x : a.moe_load[l]) ta += x;
+                for (int64_t x : w.moe_load[l]) tw += x;
+                EXPECT_EQ(ta, tw) << tag << ": every row routed, layer " << l;
+            }
+            ASSERT_EQ(a.valid.has_value(), w.valid.has_value()) << tag << " step " << i + 1;
+            if (w.valid) {
+                EXPECT_EQ(a.valid->targets, w.valid->targets) << tag;
+                EXPECT_NEAR(a.valid->lm_loss, w.valid->lm_loss, tol * w.valid->lm_loss) << tag;
+                EXPECT_NEAR(a.valid->mtp_loss, w.valid->mtp_loss, tol * w.valid->mtp_loss) << tag;
+            }
+        }
+    }
+}
+
 }  // namespace
 
 // The trainer's pipeline path on CUDA, two stages as two threads of one process on one GPU
@@ -219,53 +291,11 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
     const auto one = train(trainer_recipe(1, {}), {one_dir, "", Device::CUDA, false, nullptr});
     ASSERT_EQ(one.size(), 4u);
 
-    auto world = std::make_shared<ThreadGroup>(2);
-    std::vector<std::vector<StepMetrics>> got(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank)
-        threads.emplace_back([&, rank] {
-            try {
-                ThreadComm comm(world, rank);
-                got[size_t(rank)] =
-                    train(trainer_recipe(2, {"pipeline_model_parallel_size=2", "save_interval=2",
-                                             "save=" + ckpt_dir}),
-                          {temp_dir("rank" + std::to_string(rank)), "", Device::CUDA, true, &comm});
-            } catch (const std::exception& e) {
-                errors[size_t(rank)] = e.what();
-            }
-        });
-    for (auto& t : threads) t.join();
-    ASSERT_EQ(errors[0], "") << "rank 0";
-    ASSERT_EQ(errors[1], "") << "rank 1";
-    for (const auto& pp : got) {
-        ASSERT_EQ(pp.size(), one.size());
-        for (size_t i = 0; i < one.size(); ++i) {
-            const StepMetrics &a = pp[i], &w = one[i];
-            // Step 1 starts from the same weights; later steps carry Adam's amplification of
-            // last-bit differences in the gradient sums.
-            const double tol = i == 0 ? 1e-5 : 1e-4;
-            std::cout << "[pipeline trainer] step " << i + 1 << ": lm " << a.lm_loss << " vs "
-                      << w.lm_loss << ", mtp " << a.mtp_loss << " vs " << w.mtp_loss << ", indexer "
-                      << a.indexer_loss << " vs " << w.indexer_loss << ", grad_norm " << a.grad_norm
-                      << " vs " << w.grad_norm << "\n";
-            EXPECT_EQ(a.targets, w.targets);
-            EXPECT_NEAR(a.lm_loss, w.lm_loss, tol * w.lm_loss);
-            EXPECT_NEAR(a.mtp_loss, w.mtp_loss, tol * w.mtp_loss);
-            EXPECT_GT(a.indexer_loss, 0);
-            EXPECT_NEAR(a.indexer_loss, w.indexer_loss, 10 * tol * w.indexer_loss);
-            EXPECT_NEAR(a.grad_norm, w.grad_norm, 10 * tol * w.grad_norm);
-            if (i == 0) {
-                EXPECT_EQ(a.moe_load, w.moe_load) << "every stage's layers, in order";
-            }
-            ASSERT_EQ(a.valid.has_value(), w.valid.has_value()) << "step " << i + 1;
-            if (w.valid) {
-                EXPECT_EQ(a.valid->targets, w.valid->targets);
-                EXPECT_NEAR(a.valid->lm_loss, w.valid->lm_loss, tol * w.valid->lm_loss);
-                EXPECT_NEAR(a.valid->mtp_loss, w.valid->mtp_loss, tol * w.valid->mtp_loss);
-            }
-        }
-    }
+    const auto got = train_threads(2,
+                                   trainer_recipe(2, {"pipeline_model_parallel_size=2",
+                                                      "save_interval=2", "save=" + ckpt_dir}),
+                                   "pp2", true);
+    expect_metrics_match("pipeline trainer", one, got, 1e-5, true);
     ASSERT_TRUE(one[1].valid.has_value()) << "validation ran at step 2";
 
     // The stages' checkpoint at step 2 (a shard per stage) on one GPU: steps 3 and 4 again.
@@ -280,6 +310,43 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
         EXPECT_EQ(resumed[i].step, one[i + 2].step);
         EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss, 1e-4 * one[i + 2].lm_loss);
         EXPECT_NEAR(resumed[i].grad_norm, one[i + 2].grad_norm, 1e-2 * one[i + 2].grad_norm);
+    }
+}
+
+// Pipeline stages combined with the other layouts on CUDA, four trainers as threads on one GPU,
+// each equal to one GPU running the whole model: PP 2 x DP 2 (a 1 + 3 layer split whose IndexShare
+// layer reads stage 0's top-k, Muon under the distributed optimizer, each stage's two ranks
+// taking half of the micro-batches); PP 2 x EP 2 (each stage's experts over its two ranks, the
+// exchange in its NCCL form: all-to-all of fixed blocks); PP 2 x CP 2 (each stage's documents
+// split over its two ranks, keys gathered).
+TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
+    REQUIRE_GPU();
+    struct Case {
+        std::string tag;
+        std::vector<std::string> model, layout;
+        bool loads_equal;
+    };
+    const std::vector<Case> cases = {
+        {"pp2xdp2",
+         {"num_layers=4", "moe_layer_freq=[0,1,1,1]", "optimizer=muon",
+          "use_distributed_optimizer=true"},
+         {"pipeline_model_parallel_size=2", "decoder_first_pipeline_num_layers=1"},
+         true},
+        {"pp2xep2",
+         {},
+         {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
+          "moe_expert_exchange=nccl"},
+         true},
+        {"pp2xcp2", {}, {"pipeline_model_parallel_size=2", "context_parallel_size=2"}, false},
+    };
+    for (const Case& c : cases) {
+        const auto one = train(trainer_recipe(1, c.model),
+                               {temp_dir(c.tag + "-one"), "", Device::CUDA, false, nullptr});
+        ASSERT_EQ(one.size(), 4u);
+        std::vector<std::string> sets = c.model;
+        sets.insert(sets.end(), c.layout.begin(), c.layout.end());
+        expect_metrics_match(c.tag, one, train_threads(4, trainer_recipe(4, sets), c.tag), 1e-5,
+                             c.loads_equal);
     }
 }
 

@@ -173,13 +173,34 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
               std::string::npos)
         << wide.output;
     // Experts sharded: EP rank 0 of 4 holds expert 0 of the 4 (each layer), not expert 1.
-    EXPECT_NE(wide.output.find("the plan below is EP rank 0's"), std::string::npos);
+    EXPECT_NE(wide.output.find("each plan below is EP rank 0's"), std::string::npos);
     EXPECT_NE(wide.output.find("mlp.experts.0.gate_proj.weight"), std::string::npos);
     EXPECT_EQ(wide.output.find("mlp.experts.1.gate_proj.weight"), std::string::npos);
     // CP 2: a rank plans its rows (< 256 / 2 + 2 x 4 documents) of 256-row micro-batches.
     EXPECT_NE(wide.output.find("this rank computes 136 rows of micro-batches of 256 key rows"),
               std::string::npos)
         << wide.output;
+    // Pipeline stages: one plan each, holding its layers; the embedding on the first, the head
+    // on the last.
+    CliRun staged =
+        run("plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
+            "--set pipeline_model_parallel_size=2 --set decoder_first_pipeline_num_layers=1");
+    ASSERT_EQ(staged.code, 0) << staged.output;
+    const size_t s0 = staged.output.find(
+                     "== pipeline stage 0 of 2: decoder layers 0-0, the "
+                     "embedding =="),
+                 s1 = staged.output.find(
+                     "== pipeline stage 1 of 2: decoder layers 1-3, the "
+                     "final norm, head, losses and MTP ==");
+    ASSERT_NE(s0, std::string::npos) << staged.output;
+    ASSERT_NE(s1, std::string::npos) << staged.output;
+    const std::string first = staged.output.substr(s0, s1 - s0), last = staged.output.substr(s1);
+    EXPECT_NE(first.find("model.layers.0.self_attn.q_b_proj.weight"), std::string::npos);
+    EXPECT_EQ(first.find("model.layers.1."), std::string::npos) << first;
+    EXPECT_EQ(first.find("lm_head.weight"), std::string::npos) << first;
+    EXPECT_NE(last.find("model.layers.3.self_attn.q_b_proj.weight"), std::string::npos);
+    EXPECT_EQ(last.find("model.layers.0."), std::string::npos) << last;
+    EXPECT_NE(last.find("lm_head.weight"), std::string::npos) << last;
 }
 
 namespace {

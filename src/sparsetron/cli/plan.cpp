@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "command.h"
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/core/plan_growth.h"
 #include "sparsetron/parallel/layout.h"
@@ -13,25 +14,15 @@
 namespace sparsetron::cli {
 namespace {
 
-int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
-         const std::string& device, int top) {
-    Recipe recipe = load_recipe(recipe_path, sets);
-    auto tp = make_training_plan(recipe);
+// One process's plan of `stage` (the whole model by default).
+void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::string& device,
+                int top) {
+    auto tp = make_training_plan(recipe, stage);
     const auto& params = tp->model->params();
-    if (recipe.run.world_size > 1) {
-        // The layout the recipe asks for; the plans below are of one process of it.
-        const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
-        std::printf(
-            "parallel layout: %s\nnote: the plan below is EP rank 0's (every EP rank holds "
-            "as many experts); expert parallelism adds its worst-case receive rows, and "
-            "use_distributed_optimizer would drop the AdamW moments a rank does not own "
-            "(not shown: they depend on the rank; docs/parallel.md)\n",
-            layout.describe().c_str());
-    }
     if (parse_device(device) == Device::CUDA) {
         size_t total = 0;
         const std::string table =
-            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total, top);
+            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage);
         std::printf(
             "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
             "masters, gradients and optimizer state)\n",
@@ -44,7 +35,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
             table.c_str());
         std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
         print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
-        return 0;
+        return;
     }
     std::printf("memory plan for %s (per process; fp32 CPU training)\n", recipe.name.c_str());
     std::printf("parameters: %lld tensors, %.3fM elements\n",
@@ -62,6 +53,37 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
     std::printf("%s\n", tp->plan.format(top).c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
+}
+
+int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
+         const std::string& device, int top) {
+    Recipe recipe = load_recipe(recipe_path, sets);
+    if (recipe.run.world_size > 1) {
+        // The layout the recipe asks for; the plans below are of one process of it.
+        const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
+        std::printf(
+            "parallel layout: %s\nnote: each plan below is EP rank 0's (every EP rank holds "
+            "as many experts); expert parallelism adds its worst-case receive rows, and "
+            "use_distributed_optimizer would drop the AdamW moments a rank does not own "
+            "(not shown: they depend on the rank; docs/parallel.md)\n",
+            layout.describe().c_str());
+    }
+    const int stages = int(recipe.run.pipeline_model_parallel_size);
+    if (stages == 1) {
+        print_plan(recipe, {}, device, top);
+        return 0;
+    }
+    // Pipeline parallelism: each stage holds its layers (and the embedding, or the head, the
+    // losses and the MTP layer): one plan per stage.
+    for (int s = 0; s < stages; ++s) {
+        const PipelineStage stage = pipeline_stage(recipe.model, recipe.run, s);
+        const int64_t end = stage.end_layer < 0 ? recipe.model.num_layers : stage.end_layer;
+        std::printf("\n== pipeline stage %d of %d: decoder layers %lld-%lld%s%s ==\n", s, stages,
+                    static_cast<long long>(stage.first_layer), static_cast<long long>(end - 1),
+                    stage.first() ? ", the embedding" : "",
+                    stage.last() ? ", the final norm, head, losses and MTP" : "");
+        print_plan(recipe, stage, device, top);
+    }
     return 0;
 }
 
@@ -77,6 +99,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         lengths.push_back(v);
     }
     const bool cuda = parse_device(device) == Device::CUDA;
+    std::string pp_note;  // the growth of the whole model's buffers; stages hold parts of them
     std::vector<std::unique_ptr<TrainingPlan>> training;
     std::vector<MemoryPlan> device_plans;
     std::vector<const MemoryPlan*> plans;
@@ -89,6 +112,8 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         const Recipe recipe = load_recipe(recipe_path, at);
         name = recipe.name;
         vocab = recipe.model.vocab_size;
+        if (recipe.run.pipeline_model_parallel_size > 1)
+            pp_note = "; the whole model's: `plan` without --lengths shows each pipeline stage";
         training.push_back(make_training_plan(recipe));
         tokens.push_back(recipe.run.tokens_per_microbatch());
         const TrainingPlan& tp = *training.back();
@@ -98,8 +123,8 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
     }
     for (size_t i = 0; i < lengths.size(); ++i)
         plans.push_back(cuda ? &device_plans[i] : &training[i]->plan);
-    std::printf("%s memory plan of %s at each micro-batch length (seq_length per sample)\n\n%s",
-                cuda ? "device" : "host", name.c_str(),
+    std::printf("%s memory plan of %s at each micro-batch length (seq_length per sample%s)\n\n%s",
+                cuda ? "device" : "host", name.c_str(), pp_note.c_str(),
                 plan_growth(tokens, plans, vocab).format(top).c_str());
     return 0;
 }

@@ -56,7 +56,8 @@ std::string cuda_plan_shortfall(const Recipe&, const ParamStore&, int64_t, int64
                                 const PipelineStage&) {
     no_cuda("cuda_plan_shortfall");
 }
-std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int) {
+std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int,
+                             const PipelineStage&) {
     no_cuda("plan --device cuda");
 }
 std::unique_ptr<DeviceEngine> make_cuda_engine(const Recipe&, const ParamStore&, const MemoryPlan&,

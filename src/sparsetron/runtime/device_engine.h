@@ -128,10 +128,10 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
                                 size_t free_bytes, const PipelineStage& stage = {});
 
 // The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
-// expert parallelism's exchange buffers added to the total. Throws "built without CUDA" in a
-// CPU-only build.
+// expert parallelism's exchange buffers added to the total; `stage`: one pipeline stage's
+// (`host_store` that stage's parameters). Throws "built without CUDA" in a CPU-only build.
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
-                             int top = 6);
+                             int top = 6, const PipelineStage& stage = {});
 
 }  // namespace sparsetron

@@ -604,6 +604,7 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
                             std::min(chunk_rows, cpp.rows), cpp.key_rows,
                             recipe.run.fp8_blockwise(), stage);
     gpu::GpuOptimizer opt(model.gpu_params(), plan, recipe.model, recipe.run);
+    if (!stage.whole()) plan_pipeline_buffers(model, plan, recipe.run.microbatches_per_step());
     return plan;
 }
 
@@ -635,8 +636,8 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
 
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
-                             int top) {
-    const MemoryPlan plan = cuda_memory_plan(recipe, host_store, max_documents, chunk_rows);
+                             int top, const PipelineStage& stage) {
+    const MemoryPlan plan = cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage);
     const ModelConfig& m = recipe.model;
     std::string text = plan.format(top);
     size_t total = plan.total_bytes();
@@ -662,7 +663,7 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
         Recipe kept = recipe;
         kept.model.fine_grained_activation_offloading = false;
         const size_t without =
-            cuda_memory_plan(kept, host_store, max_documents, chunk_rows).total_bytes();
+            cuda_memory_plan(kept, host_store, max_documents, chunk_rows, stage).total_bytes();
         std::string mods;
         for (const std::string& o : m.offload_modules) mods += (mods.empty() ? "" : ", ") + o;
         text += cat("activation offload (", mods, "): saves ",

@@ -7,6 +7,31 @@
 
 namespace sparsetron {
 
+PipelineBuffers plan_pipeline_buffers(const gpu::GpuGlm5Model& model, MemoryPlan& plan,
+                                      int64_t max_microbatches) {
+    const PipelineStage& st = model.stage();
+    PipelineBuffers b;
+    const int64_t T = model.tokens(), K = model.carried_topk_slots();
+    b.row_bytes = T * model.config().hidden_size * int64_t(sizeof(bf16));
+    b.topk_bytes = T * K * int64_t(sizeof(int32_t));
+    b.len_bytes = K > 0 ? T * int64_t(sizeof(int32_t)) : 0;
+    b.message_bytes = b.row_bytes + b.topk_bytes + b.len_bytes;
+    // Micro-batches in flight on stage s: its warm-up forwards and the one before the first
+    // backward (their messages are kept until their backward).
+    if (!st.first()) {
+        b.ring_slots =
+            std::max<int64_t>(1, std::min<int64_t>(st.count - st.index, max_microbatches));
+        b.ring = plan.add(MemClass::Activations, "pipeline.messages_in", DType::U8,
+                          {b.ring_slots * b.message_bytes});
+    }
+    if (!st.last()) {
+        b.send =
+            plan.add(MemClass::Activations, "pipeline.message_out", DType::U8, {b.message_bytes});
+        b.grad = plan.add(MemClass::Activations, "pipeline.grad_in", DType::U8, {b.row_bytes});
+    }
+    return b;
+}
+
 CudaPipeline::CudaPipeline(gpu::GpuGlm5Model& model, Comm& pp, MemoryPlan& plan,
                            int64_t max_microbatches)
     : model_(model),
@@ -20,30 +45,16 @@ CudaPipeline::CudaPipeline(gpu::GpuGlm5Model& model, Comm& pp, MemoryPlan& plan,
              " but this rank is stage ", stage_, " of ", stages_);
     ST_CHECK(pp.on_device(), "CUDA pipeline parallelism needs device transfers (NCCL); the ",
              pp.name(), " communicator has none");
-    const int64_t T = model.tokens(), K = model.carried_topk_slots();
-    row_bytes_ = T * model.config().hidden_size * int64_t(sizeof(bf16));
-    topk_bytes_ = T * K * int64_t(sizeof(int32_t));
-    len_bytes_ = K > 0 ? T * int64_t(sizeof(int32_t)) : 0;
-    message_bytes_ = row_bytes_ + topk_bytes_ + len_bytes_;
-    // Micro-batches in flight on stage s: its warm-up forwards and the one before the first
-    // backward (their messages are kept until their backward).
-    if (!first_) {
-        ring_slots_ = std::max<int64_t>(1, std::min<int64_t>(stages_ - stage_, max_microbatches));
-        s_ring_ = plan.add(MemClass::Activations, "pipeline.messages_in", DType::U8,
-                           {ring_slots_ * message_bytes_});
-    }
-    if (!last_) {
-        s_send_ =
-            plan.add(MemClass::Activations, "pipeline.message_out", DType::U8, {message_bytes_});
-        s_grad_ = plan.add(MemClass::Activations, "pipeline.grad_in", DType::U8, {row_bytes_});
-    }
+    buf_ = plan_pipeline_buffers(model, plan, max_microbatches);
+    row_bytes_ = buf_.row_bytes, topk_bytes_ = buf_.topk_bytes, len_bytes_ = buf_.len_bytes;
+    message_bytes_ = buf_.message_bytes, ring_slots_ = buf_.ring_slots;
 }
 
 void CudaPipeline::bind(const MemoryPlan& plan) {
     auto at = [&](MemoryPlan::Slot s) {
         return s < 0 ? nullptr : static_cast<char*>(plan.view(s).data);
     };
-    ring_ = at(s_ring_), send_ = at(s_send_), grad_in_ = at(s_grad_);
+    ring_ = at(buf_.ring), send_ = at(buf_.send), grad_in_ = at(buf_.grad);
 }
 
 void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs) {

@@ -20,6 +20,16 @@
 
 namespace sparsetron {
 
+// A stage's transfer buffers in `plan` (Activations): the ring of forward messages received
+// (not on the first stage), the message sent and the output gradient received (not on the
+// last). The engine's pipeline and `sparsetron plan` plan them alike.
+struct PipelineBuffers {
+    int64_t row_bytes = 0, topk_bytes = 0, len_bytes = 0, message_bytes = 0, ring_slots = 0;
+    MemoryPlan::Slot ring = -1, send = -1, grad = -1;
+};
+PipelineBuffers plan_pipeline_buffers(const gpu::GpuGlm5Model& model, MemoryPlan& plan,
+                                      int64_t max_microbatches);
+
 class CudaPipeline {
   public:
     // `pp`: one rank per stage, in stage order (device transfers). Plans the stage's message
@@ -55,8 +65,8 @@ class CudaPipeline {
     Comm& pp_;
     int stage_, stages_;
     bool first_, last_;
-    int64_t row_bytes_, topk_bytes_, len_bytes_, message_bytes_, ring_slots_ = 0;
-    MemoryPlan::Slot s_ring_ = -1, s_send_ = -1, s_grad_ = -1;
+    PipelineBuffers buf_;
+    int64_t row_bytes_, topk_bytes_, len_bytes_, message_bytes_, ring_slots_;
     char *ring_ = nullptr, *send_ = nullptr;  // forward messages in (one per slot) and out
     char* grad_in_ = nullptr;                 // d output, from the next stage
     int64_t resident_ = -1;                   // whose activations the model holds (-1: none)

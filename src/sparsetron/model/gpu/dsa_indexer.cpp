@@ -34,12 +34,12 @@ GpuDsaIndexer::GpuDsaIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffer
     knb_ = P.index(p + "k_norm.bias");
     ww_ = P.index(p + "weights_proj.weight");
     const int64_t Tn = tokens;
-    // Blocks take the CP form of the kernels (query row t against key rows up to in.rows[t]),
-    // which the fused wgmma scores serve like the whole. The forward keeps only each block's
-    // top-k; the loss (after the attention) scores each block again, so neither the scores nor
-    // their gradient is ever [rows, rows].
+    // Blocks take the CP form of the kernels (query row t against key rows up to in.rows[t],
+    // or under CP in.key_row[t]), which the fused wgmma scores serve like the whole. The
+    // forward keeps only each block's top-k; the loss (after the attention) scores each block
+    // again, so neither the scores nor their gradient is ever [rows, key rows].
     const bool loss = c.dsa_indexer_loss_coeff != 0;
-    block_ = cp_ ? Tn : std::min(Tn, c.dsa_indexer_query_block);
+    block_ = std::min(Tn, c.dsa_indexer_query_block);
     B.scratch(scores_, "dsa.scores", {block_, Tk_});
     // The GEMM forms of the scores and of the loss backward pair query row t with key row t: not
     // under CP. In blocks only the loss backward takes one, in chunks of kLossChunkRows rows.
@@ -91,12 +91,7 @@ void GpuDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a
         cuda::rows_to_keys(ctx, A.k, Tn, dI_, in.key_row, keys_f32_, Tk_);
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * dI_);
-        cuda::indexer_scores(ctx, A.q, A.kkeys, A.w, in.row_begin, Tn, HI_, dI_, scores_, nullptr,
-                             0, in.key_row, Tk_);
-        cuda::topk_rows(ctx, scores_, Tk_, in.row_begin, Tn, K_, A.topk, A.len, in.key_row);
-        return;
-    }
-    if (block_ == Tn) {
+    } else if (block_ == Tn) {
         cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
                              dots_bytes_);
         cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
@@ -105,15 +100,18 @@ void GpuDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* a
     for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
         const int64_t n = std::min(block_, Tn - t0);
         score_block(ctx, A, in, t0, n);
-        cuda::topk_rows(ctx, scores_, t0 + n, in.row_begin + t0, n, K_, A.topk + t0 * K_,
-                        A.len + t0, in.rows + t0);
+        cuda::topk_rows(ctx, scores_, cp_ ? Tk_ : t0 + n, in.row_begin + t0, n, K_,
+                        A.topk + t0 * K_, A.len + t0, (cp_ ? in.key_row : in.rows) + t0);
     }
 }
 
 void GpuDsaIndexer::score_block(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
                                 int64_t t0, int64_t n) const {
-    cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, A.k, A.w + t0 * HI_, in.row_begin + t0, n, HI_,
-                         dI_, scores_, nullptr, 0, in.rows + t0, t0 + n);
+    // Row t of the block scores key rows up to in.rows[t0 + t] of the block's first t0 + n rows,
+    // or under CP up to in.key_row[t0 + t] of the micro-batch's gathered keys.
+    cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, cp_ ? A.kkeys : A.k, A.w + t0 * HI_,
+                         in.row_begin + t0, n, HI_, dI_, scores_, nullptr, 0,
+                         (cp_ ? in.key_row : in.rows) + t0, cp_ ? Tk_ : t0 + n);
 }
 
 void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* cq,
@@ -126,8 +124,11 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
     if (block_ == Tn) {
         block_loss(ctx, A, in, tc, 0, Tn, backward);  // the forward's scores are still in scores_
     } else {
-        // Every block adds its key gradients (each reaches the keys before its end).
-        if (backward) cuda::zero(ctx, dk32_, Tn * dI_ * int64_t(sizeof(float)));
+        // Every block adds its key gradients (each reaches the keys before its end; under CP
+        // every gathered key row, summed over the CP ranks after).
+        if (backward)
+            cuda::zero(ctx, cp_ ? keys_f32_ : dk32_,
+                       (cp_ ? Tk_ : Tn) * dI_ * int64_t(sizeof(float)));
         for (int64_t t0 = 0; t0 < Tn; t0 += block_) {
             const int64_t n = std::min(block_, Tn - t0);
             score_block(ctx, A, in, t0, n);
@@ -160,7 +161,10 @@ void GpuDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, c
 void GpuDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
                                const Teacher& tc, int64_t t0, int64_t n, bool backward) const {
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
-    const int32_t* key_row = cp_ ? in.key_row : nullptr;
+    // Under CP a block is its rows' slice (key_row from t0, scores rows Tk_ long); without, the
+    // kernels' block form (rows first_row .. first_row + n - 1 against the keys before them).
+    const int32_t* key_row = cp_ ? in.key_row + t0 : nullptr;
+    const int64_t first_row = cp_ ? 0 : t0;
     cuda::indexer_kl(ctx,
                      {.sparse = sparse,
                       .qabs = tc.q ? tc.q + t0 * tc.heads * tc.dim : nullptr,
@@ -178,7 +182,7 @@ void GpuDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const GpuI
                       .tokens = n,
                       .key_row = key_row,
                       .keys = Tk_,
-                      .first_row = t0,
+                      .first_row = first_row,
                       .lse_ld = T_},
                      kl_ + t0, dscore_);
     if (!backward) return;
@@ -203,7 +207,7 @@ void GpuDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const GpuI
                                    .dim = dI_,
                                    .key_row = key_row,
                                    .keys = Tk_,
-                                   .first_row = t0,
+                                   .first_row = first_row,
                                    .add_dk = block_ < T_,
                                    .workspace = dots_,
                                    .workspace_bytes = dots_bytes_},

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "sparsetron/core/memory_plan.h"
 
 using namespace sparsetron;
@@ -30,6 +32,36 @@ TEST(MemoryPlan, RejectsZeroDimensionsAndLateAdds) {
     plan.add(MemClass::Workspace, "ok", DType::F32, {4});
     plan.allocate(Device::CPU);
     EXPECT_THROW(plan.add(MemClass::Workspace, "late", DType::F32, {4}), Error);
+}
+
+// Buffers alike but for layer or expert numbers are one kind, summed: three layers' received rows
+// (12 KiB) outweigh the single largest buffer (8 KiB), which a per-buffer list would put first.
+TEST(MemoryPlan, KindsSumBuffersAlikeButForTheirNumbers) {
+    MemoryPlan plan;
+    for (int l = 2; l < 5; ++l)
+        plan.add(MemClass::Activations, "layers." + std::to_string(l) + ".moe.x_received",
+                 DType::BF16, {2048});
+    plan.add(MemClass::Workspace, "dsa.scores", DType::F32, {2048});
+    for (int e = 0; e < 2; ++e)
+        plan.add(MemClass::Parameters,
+                 "model.layers.10.mlp.experts." + std::to_string(e) + ".up_proj.weight", DType::F32,
+                 {64});
+    plan.add(MemClass::Parameters, "model.layers.11.mlp.experts.0.up_proj.weight.bf16", DType::BF16,
+             {64});
+    const auto k = plan.kinds();
+    ASSERT_EQ(k.size(), 4u);
+    EXPECT_EQ(k[0].pattern, "layers.*.moe.x_received");
+    EXPECT_EQ(k[0].cls, MemClass::Activations);
+    EXPECT_EQ(k[0].count, 3);
+    EXPECT_EQ(k[0].bytes, 3u * 4096u);
+    EXPECT_EQ(k[1].pattern, "dsa.scores");
+    EXPECT_EQ(k[2].pattern, "model.layers.*.mlp.experts.*.up_proj.weight");
+    EXPECT_EQ(k[2].count, 2);
+    EXPECT_EQ(k[3].pattern, "model.layers.*.mlp.experts.*.up_proj.weight.bf16");
+    const std::string text = plan.format_kinds(2);
+    EXPECT_NE(text.find("layers.*.moe.x_received"), std::string::npos) << text;
+    EXPECT_NE(text.find("3 x 4.00 KiB"), std::string::npos) << text;
+    EXPECT_EQ(text.find("up_proj"), std::string::npos) << "only the two largest: " << text;
 }
 
 TEST(Tensor, ViewsKeepStrides) {

@@ -163,6 +163,9 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(plan.output.find("buffer"), std::string::npos);  // the expert bias
     EXPECT_NE(plan.output.find("activations"), std::string::npos);
     EXPECT_NE(plan.output.find("total"), std::string::npos);
+    // The per-layer kinds summed: the tiny recipe's two layers' inputs are one kind.
+    EXPECT_NE(plan.output.find("largest kinds of buffer"), std::string::npos) << plan.output;
+    EXPECT_NE(plan.output.find("layers.*."), std::string::npos) << plan.output;
     EXPECT_EQ(plan.output.find("parallel layout"), std::string::npos);
     // A multi-GPU recipe's layout is printed, and the plan is one rank's.
     CliRun wide =

@@ -50,7 +50,9 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
             static_cast<long long>(tp->model->tokens()),
             static_cast<long long>(tp->model->key_tokens()));
     std::printf("\n");
-    std::printf("%s\n", tp->plan.format(top).c_str());
+    std::printf("%s", tp->plan.format(top).c_str());
+    std::printf("largest kinds of buffer (alike but for layer or expert numbers, summed):\n%s\n",
+                tp->plan.format_kinds(top).c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
 }

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <new>
 #include <sstream>
 
@@ -181,6 +182,56 @@ std::string MemoryPlan::format(int top) const {
     if (host_offload_bytes() > 0)
         os << std::left << std::setw(18) << "host (offload)" << std::right << std::setw(14)
            << format_bytes(static_cast<double>(host_offload_bytes())) << "\n";
+    return os.str();
+}
+
+namespace {
+
+// "model.layers.12.mlp.experts.3.up_proj.weight" -> "model.layers.*.mlp.experts.*.up_proj.weight"
+std::string kind_pattern(const std::string& name) {
+    std::string out;
+    size_t begin = 0;
+    while (begin <= name.size()) {
+        size_t end = name.find('.', begin);
+        if (end == std::string::npos) end = name.size();
+        const std::string part = name.substr(begin, end - begin);
+        const bool digits =
+            !part.empty() && part.find_first_not_of("0123456789") == std::string::npos;
+        out += digits ? "*" : part;
+        if (end < name.size()) out += '.';
+        begin = end + 1;
+    }
+    return out;
+}
+
+}  // namespace
+
+std::vector<MemoryPlan::Kind> MemoryPlan::kinds() const {
+    std::map<std::pair<int, std::string>, Kind> by;
+    for (const auto& e : entries_) {
+        Kind& k = by[{static_cast<int>(e.cls), kind_pattern(e.name)}];
+        if (k.count == 0) k.pattern = kind_pattern(e.name), k.cls = e.cls;
+        ++k.count;
+        k.bytes += e.bytes;
+    }
+    std::vector<Kind> out;
+    for (auto& [key, k] : by) out.push_back(std::move(k));
+    std::stable_sort(out.begin(), out.end(),
+                     [](const Kind& a, const Kind& b) { return a.bytes > b.bytes; });
+    return out;
+}
+
+std::string MemoryPlan::format_kinds(int top) const {
+    std::ostringstream os;
+    const auto ks = kinds();
+    for (int i = 0; i < static_cast<int>(ks.size()) && i < top; ++i) {
+        const Kind& k = ks[size_t(i)];
+        std::ostringstream each;
+        each << k.count << " x " << format_bytes(double(k.bytes) / double(k.count));
+        os << "    " << std::left << std::setw(52) << k.pattern << std::setw(18)
+           << mem_class_name(k.cls) << std::setw(20) << each.str() << std::right << std::setw(12)
+           << format_bytes(static_cast<double>(k.bytes)) << "\n";
+    }
     return os.str();
 }
 

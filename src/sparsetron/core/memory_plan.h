@@ -89,6 +89,17 @@ class MemoryPlan {
 
     // Human-readable plan: per class, its largest entries and totals.
     std::string format(int top_entries_per_class = 6) const;
+    // The buffers alike but for their layer or expert numbers, summed: at scale the plan is
+    // dominated by a per-layer buffer no single copy of which stands out.
+    struct Kind {
+        std::string pattern;  // the name with every all-digit dotted component made '*'
+        MemClass cls;
+        int64_t count = 0;
+        size_t bytes = 0;
+    };
+    std::vector<Kind> kinds() const;  // largest first
+    // The `top` largest kinds, one line each ("layers.*.moe.x_received  activations  75 x ...").
+    std::string format_kinds(int top = 8) const;
 
   private:
     std::vector<PlanEntry> entries_;

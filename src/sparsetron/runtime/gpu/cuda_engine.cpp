@@ -613,9 +613,15 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
                                 size_t free_bytes, const PipelineStage& stage) {
     if (planned <= free_bytes) return "";
     const auto gib = [](size_t b) { return format_bytes(double(b)); };
-    std::string msg =
-        cat("the device memory plan needs ", gib(planned), " but the GPU has ", gib(free_bytes),
-            " free (`sparsetron plan --device cuda` lists the ", "largest buffers); ");
+    std::string largest;
+    const auto kinds =
+        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage).kinds();
+    for (size_t i = 0; i < kinds.size() && i < 3; ++i)
+        largest += cat(i ? ", " : "", kinds[i].pattern, " (", kinds[i].count, " x ",
+                       gib(kinds[i].bytes / size_t(kinds[i].count)), ")");
+    std::string msg = cat("the device memory plan needs ", gib(planned), " but the GPU has ",
+                          gib(free_bytes), " free; the largest kinds of buffer: ", largest,
+                          " (`sparsetron plan --device cuda` lists the plan); ");
     const std::vector<std::string> all = {"core_attn", "mla_up_proj", "layernorm",
                                           "moe_act",   "mlp",         "shared_experts"};
     bool every = true;
@@ -671,6 +677,8 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                     " of device memory (", format_bytes(double(without)), " without it) for ",
                     format_bytes(double(plan.host_offload_bytes())), " of pinned host memory\n");
     }
+    text += "largest kinds of buffer (alike but for layer or expert numbers, summed):\n" +
+            plan.format_kinds(top);
     if (total_bytes) *total_bytes = total;
     return text;
 }

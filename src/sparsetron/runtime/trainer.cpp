@@ -112,6 +112,25 @@ void check_fp8_recipe(const RunConfig& r, Device device) {
 
 namespace {
 
+// Each pipeline stage's vector, one after another in stage order (the layer order), on every
+// rank: this rank's `mine` at its stage's offset (returned in `offset`), the rest zero, summed
+// over `sum` (a group spanning the stages: the pipeline group, or every rank, which also adds
+// a stage's replicas).
+std::vector<double> stages_concatenated(Comm& pp, Comm& sum, const std::vector<double>& mine,
+                                        size_t* offset = nullptr) {
+    const std::vector<uint64_t> sizes = pp.allgather(uint64_t(mine.size()));
+    size_t at = 0, total = 0;
+    for (size_t s = 0; s < sizes.size(); ++s) {
+        if (int(s) < pp.rank()) at += size_t(sizes[s]);
+        total += size_t(sizes[s]);
+    }
+    std::vector<double> all(total, 0.0);
+    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(at));
+    sum.allreduce_sum(all.data(), int64_t(all.size()));
+    if (offset) *offset = at;
+    return all;
+}
+
 void check_supported(const Recipe& r, const TrainOptions& o) {
     check_fp8_recipe(r.run, o.device);
     const int ranks = o.comm ? o.comm->size() : 1;
@@ -634,17 +653,12 @@ void Trainer::reduce_moe_stats(StepMetrics& m) {
         return;
     }
     // Stages hold other MoE layers: the whole model's statistics are the stages' flat vectors
-    // one after another (stage order is layer order; the MTP layer's come last). One sum over
-    // every rank adds each stage's data-parallel replicas and fills in the other stages.
-    const std::vector<uint64_t> sizes = groups_->pp->allgather(uint64_t(mine.size()));
-    size_t offset = 0, total = 0;
-    for (size_t s = 0; s < sizes.size(); ++s) {
-        if (int(s) < pipeline_->stage()) offset += size_t(sizes[s]);
-        total += size_t(sizes[s]);
-    }
-    std::vector<double> all(total, 0.0);
-    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(offset));
-    options_.comm->allreduce_sum(all.data(), int64_t(all.size()));
+    // one after another (the MTP layer's come last). One sum over every rank adds each stage's
+    // data-parallel replicas and fills in the other stages.
+    size_t offset = 0;
+    const std::vector<double> all = stages_concatenated(
+        *groups_->pp, *options_.comm, std::vector<double>(mine.begin(), mine.end()), &offset);
+    const size_t total = all.size();
     for (size_t k = 0; k < mine.size(); ++k) mine[k] = int64_t(all[offset + k]);
     tp_->model->set_moe_stats_flat(mine);
     // The metrics: the backbone's MoE layers' loads (E each, then the dropped count), and the
@@ -669,22 +683,15 @@ void Trainer::gather_stage_moe_metrics(StepMetrics& m) {
     Comm& pp = *groups_->pp;
     std::vector<double> mine;
     for (const auto& layer : m.moe_load) mine.insert(mine.end(), layer.begin(), layer.end());
-    const std::vector<uint64_t> sizes = pp.allgather(uint64_t(mine.size()));
-    size_t offset = 0, total = 0;
-    for (size_t s = 0; s < sizes.size(); ++s) {
-        if (int(s) < pp.rank()) offset += size_t(sizes[s]);
-        total += size_t(sizes[s]);
-    }
-    std::vector<double> all(total + 1, 0.0);
-    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(offset));
-    all[total] = double(m.moe_dropped);
-    pp.allreduce_sum(all.data(), int64_t(all.size()));
+    const std::vector<double> all = stages_concatenated(pp, pp, mine);
     const size_t E = size_t(recipe_.model.num_experts);
     m.moe_load.clear();
-    for (size_t at = 0; E > 0 && at + E <= total; at += E)
+    for (size_t at = 0; E > 0 && at + E <= all.size(); at += E)
         m.moe_load.emplace_back(all.begin() + std::ptrdiff_t(at),
                                 all.begin() + std::ptrdiff_t(at + E));
-    m.moe_dropped = int64_t(all[total]);
+    double dropped = double(m.moe_dropped);
+    pp.allreduce_sum(&dropped, 1);
+    m.moe_dropped = int64_t(dropped);
 }
 
 void Trainer::reduce_shared_embedding() {

@@ -408,16 +408,10 @@ void GpuGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) {
     point(int(2 + n));
 }
 
-const int32_t* GpuGlm5Model::carried_topk_out() const {
+std::pair<const int32_t*, const int32_t*> GpuGlm5Model::carried_out() const {
     for (size_t l = layers_.size(); l-- > 0;)
-        if (layers_[l]->has_indexer()) return acts_[l]->idx.topk;
-    return topk_in_;
-}
-
-const int32_t* GpuGlm5Model::carried_topk_len_out() const {
-    for (size_t l = layers_.size(); l-- > 0;)
-        if (layers_[l]->has_indexer()) return acts_[l]->idx.len;
-    return topk_len_in_;
+        if (layers_[l]->has_indexer()) return {acts_[l]->idx.topk, acts_[l]->idx.len};
+    return {topk_in_, topk_len_in_};
 }
 
 int GpuGlm5Model::backward_point(const std::string& name) const {

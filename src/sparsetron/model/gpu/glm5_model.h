@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsetron/data/packer.h"
@@ -109,8 +110,8 @@ class GpuGlm5Model {
     int64_t carried_topk_slots() const { return carried_slots_; }
     int32_t* carried_topk_in() const { return topk_in_; }
     int32_t* carried_topk_len_in() const { return topk_len_in_; }
-    const int32_t* carried_topk_out() const;
-    const int32_t* carried_topk_len_out() const;
+    const int32_t* carried_topk_out() const { return carried_out().first; }
+    const int32_t* carried_topk_len_out() const { return carried_out().second; }
     // The embedding's parameter index (-1 where the stage holds none).
     int64_t embedding_param() const { return embed_; }
 
@@ -122,6 +123,8 @@ class GpuGlm5Model {
     void set_context_parallel(Comm* cp);
 
   private:
+    // The top-k and lengths of this stage's last full DSA layer, else what arrived.
+    std::pair<const int32_t*, const int32_t*> carried_out() const;
     struct MtpActs {
         int32_t *ids, *targets;
         // e, cat: the embedding rows and the eh_proj input [enorm(e), hnorm(prev)] (the norms

@@ -46,8 +46,6 @@ CudaPipeline::CudaPipeline(gpu::GpuGlm5Model& model, Comm& pp, MemoryPlan& plan,
     ST_CHECK(pp.on_device(), "CUDA pipeline parallelism needs device transfers (NCCL); the ",
              pp.name(), " communicator has none");
     buf_ = plan_pipeline_buffers(model, plan, max_microbatches);
-    row_bytes_ = buf_.row_bytes, topk_bytes_ = buf_.topk_bytes, len_bytes_ = buf_.len_bytes;
-    message_bytes_ = buf_.message_bytes, ring_slots_ = buf_.ring_slots;
 }
 
 void CudaPipeline::bind(const MemoryPlan& plan) {
@@ -61,11 +59,11 @@ void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs
     model_.copy_inputs_from(ctx, inputs + i * model_.input_words());
     if (first_) return;
     const char* m = ring(i);
-    cuda::copy_2d(ctx, model_.stage_input(), 0, m, 0, row_bytes_, 1);
-    if (topk_bytes_ == 0) return;
-    cuda::copy_2d(ctx, model_.carried_topk_in(), 0, m + row_bytes_, 0, topk_bytes_, 1);
-    cuda::copy_2d(ctx, model_.carried_topk_len_in(), 0, m + row_bytes_ + topk_bytes_, 0, len_bytes_,
-                  1);
+    cuda::copy_2d(ctx, model_.stage_input(), 0, m, 0, buf_.row_bytes, 1);
+    if (buf_.topk_bytes == 0) return;
+    cuda::copy_2d(ctx, model_.carried_topk_in(), 0, m + buf_.row_bytes, 0, buf_.topk_bytes, 1);
+    cuda::copy_2d(ctx, model_.carried_topk_len_in(), 0, m + buf_.row_bytes + buf_.topk_bytes, 0,
+                  buf_.len_bytes, 1);
 }
 
 void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t i,
@@ -76,12 +74,12 @@ void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t
     cuda::copy_2d(ctx, sums + i * ns, 0, model_.sums(), 0, ns * int64_t(sizeof(double)), 1);
     resident_ = i;
     if (last_) return;
-    cuda::copy_2d(ctx, send_, 0, model_.stage_output(), 0, row_bytes_, 1);
-    if (topk_bytes_ == 0) return;
+    cuda::copy_2d(ctx, send_, 0, model_.stage_output(), 0, buf_.row_bytes, 1);
+    if (buf_.topk_bytes == 0) return;
     const int32_t *topk = model_.carried_topk_out(), *len = model_.carried_topk_len_out();
     ST_ASSERT(topk && len, "pipeline stage ", stage_, " has no top-k to pass on");
-    cuda::copy_2d(ctx, send_ + row_bytes_, 0, topk, 0, topk_bytes_, 1);
-    cuda::copy_2d(ctx, send_ + row_bytes_ + topk_bytes_, 0, len, 0, len_bytes_, 1);
+    cuda::copy_2d(ctx, send_ + buf_.row_bytes, 0, topk, 0, buf_.topk_bytes, 1);
+    cuda::copy_2d(ctx, send_ + buf_.row_bytes + buf_.topk_bytes, 0, len, 0, buf_.len_bytes, 1);
 }
 
 void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc, int64_t i,
@@ -91,7 +89,7 @@ void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc, int64_
         model_.enqueue_forward(ctx, sc, /*recompute=*/true);
         ++recomputed_;
     }
-    if (!last_) cuda::copy_2d(ctx, model_.stage_grad(), 0, grad_in_, 0, row_bytes_, 1);
+    if (!last_) cuda::copy_2d(ctx, model_.stage_grad(), 0, grad_in_, 0, buf_.row_bytes, 1);
     model_.enqueue_backward(ctx, sc);
     resident_ = -1;
 }
@@ -101,14 +99,15 @@ void CudaPipeline::exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd
     const int next = last_ ? -1 : stage_ + 1, prev = first_ ? -1 : stage_ - 1;
     // With the next stage: the forward message out, the gradient of it back.
     if ((send_fwd || recv_bwd) && next >= 0)
-        pp_.device_sendrecv(send_, send_fwd ? message_bytes_ : 0, send_fwd ? next : -1, grad_in_,
-                            recv_bwd ? row_bytes_ : 0, recv_bwd ? next : -1, ctx.stream);
+        pp_.device_sendrecv(send_, send_fwd ? buf_.message_bytes : 0, send_fwd ? next : -1,
+                            grad_in_, recv_bwd ? buf_.row_bytes : 0, recv_bwd ? next : -1,
+                            ctx.stream);
     // With the previous stage: the input's gradient back, the next forward message in (into
     // the ring slot of the micro-batch it belongs to: they arrive in order).
     if ((send_bwd || recv_fwd) && prev >= 0) {
-        pp_.device_sendrecv(model_.stage_grad(), send_bwd ? row_bytes_ : 0, send_bwd ? prev : -1,
-                            ring(received_), recv_fwd ? message_bytes_ : 0, recv_fwd ? prev : -1,
-                            ctx.stream);
+        pp_.device_sendrecv(model_.stage_grad(), send_bwd ? buf_.row_bytes : 0,
+                            send_bwd ? prev : -1, ring(received_),
+                            recv_fwd ? buf_.message_bytes : 0, recv_fwd ? prev : -1, ctx.stream);
         if (recv_fwd) ++received_;
     }
 }

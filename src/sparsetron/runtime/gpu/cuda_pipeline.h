@@ -59,14 +59,13 @@ class CudaPipeline {
     // One transfer with the next and/or the previous stage (absent neighbours are skipped).
     void exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd, bool send_bwd,
                   bool recv_fwd);
-    char* ring(int64_t i) const { return ring_ + (i % ring_slots_) * message_bytes_; }
+    char* ring(int64_t i) const { return ring_ + (i % buf_.ring_slots) * buf_.message_bytes; }
 
     gpu::GpuGlm5Model& model_;
     Comm& pp_;
     int stage_, stages_;
     bool first_, last_;
     PipelineBuffers buf_;
-    int64_t row_bytes_, topk_bytes_, len_bytes_, message_bytes_, ring_slots_;
     char *ring_ = nullptr, *send_ = nullptr;  // forward messages in (one per slot) and out
     char* grad_in_ = nullptr;                 // d output, from the next stage
     int64_t resident_ = -1;                   // whose activations the model holds (-1: none)

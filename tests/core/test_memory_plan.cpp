@@ -34,6 +34,43 @@ TEST(MemoryPlan, RejectsZeroDimensionsAndLateAdds) {
     EXPECT_THROW(plan.add(MemClass::Workspace, "late", DType::F32, {4}), Error);
 }
 
+// Phases share one area after the class's other buffers: each phase's buffers lie side by side
+// from the area's start, so the class holds its plain buffers plus its largest phase, and a
+// buffer of one phase overlaps those of another (never its own phase's).
+TEST(MemoryPlan, PhasesOverlapEachOtherAfterThePlainBuffers) {
+    MemoryPlan plan;
+    auto plain = plan.add(MemClass::Workspace, "grad.residual", DType::F32, {100});  // 400 B
+    auto a1 = plan.add_in_phase(MemClass::Workspace, "attention", "q", DType::F32, {300});
+    auto m1 = plan.add_in_phase(MemClass::Workspace, "moe", "rows", DType::F32, {64});
+    auto a2 = plan.add_in_phase(MemClass::Workspace, "attention", "o", DType::BF16, {10});
+    auto m2 = plan.add_in_phase(MemClass::Workspace, "moe", "act", DType::F32, {1000});
+    auto late = plan.add(MemClass::Workspace, "head.row_loss", DType::F32, {10});  // 40 B
+    plan.add(MemClass::Activations, "x", DType::F32, {4});
+    // Plain: 400 -> 512 + 40 = 552, the area from 768. attention: 1200 -> 1280 + 20 = 1300;
+    // moe: 256 + 4000 = 4256, the larger.
+    EXPECT_EQ(plan.phase_bytes(MemClass::Workspace).at("attention"), 1300u);
+    EXPECT_EQ(plan.phase_bytes(MemClass::Workspace).at("moe"), 4256u);
+    EXPECT_TRUE(plan.phase_bytes(MemClass::Activations).empty());
+    EXPECT_EQ(plan.class_bytes(MemClass::Workspace), 768u + 4256u);
+    EXPECT_EQ(plan.total_bytes(), 768u + 4256u + 16u);
+    plan.allocate(Device::CPU);
+    auto at = [&](MemoryPlan::Slot s) {
+        return static_cast<char*>(plan.view(s).data) - plan.class_base(MemClass::Workspace);
+    };
+    EXPECT_EQ(at(plain), 0);
+    EXPECT_EQ(at(late), 512);
+    EXPECT_EQ(at(a1), 768);
+    EXPECT_EQ(at(m1), 768);  // the same bytes as attention's first buffer
+    EXPECT_EQ(at(a2), 768 + 1280);
+    EXPECT_EQ(at(m2), 768 + 256);
+    for (auto s : {plain, late, a1, m1, a2, m2})
+        EXPECT_EQ(reinterpret_cast<uintptr_t>(plan.view(s).data) % 256, 0u);
+    const std::string text = plan.format(10);
+    EXPECT_NE(text.find("attention 1.27 KiB; moe 4.16 KiB;"), std::string::npos) << text;
+    EXPECT_NE(text.find("(moe)"), std::string::npos) << text;
+    EXPECT_THROW(plan.add_in_phase(MemClass::Workspace, "", "x", DType::F32, {1}), Error);
+}
+
 // Buffers alike but for layer or expert numbers are one kind, summed: three layers' received rows
 // (12 KiB) outweigh the single largest buffer (8 KiB), which a per-buffer list would put first.
 TEST(MemoryPlan, KindsSumBuffersAlikeButForTheirNumbers) {

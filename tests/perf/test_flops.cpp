@@ -236,8 +236,9 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 }
 
 // A device plan larger than the GPU's free memory stops before cudaMalloc with what would fit: the
-// proxy backbone at 32K (124.75 GiB) fits 120 GiB with every recompute module (100.12 GiB), not
-// 100 GiB; a recipe that already recomputes everything is pointed at the length and CP instead.
+// proxy backbone at 32K fits a GPU between its all-recompute plan and its keep plan with every
+// recompute module, not one below the all-recompute plan; a recipe that already recomputes
+// everything is pointed at the length and CP instead.
 TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
 #if SPARSETRON_WITH_CUDA
     const std::string recipe =
@@ -248,24 +249,32 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
     const auto& store = tp->model->params();
     const size_t planned =
         cuda_memory_plan(r, store, tp->max_documents, tp->chunk_rows).total_bytes();
-    const size_t GiB = size_t(1) << 30;
-    EXPECT_EQ(cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, planned),
-              "");
-    std::string msg =
-        cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 120 * GiB);
-    EXPECT_NE(msg.find("the device memory plan needs 124.75 GiB but the GPU has 120.00 GiB free"),
-              std::string::npos)
-        << msg;
-    EXPECT_NE(msg.find("moe_act, mlp, shared_experts] it plans 100.12 GiB and fits"),
-              std::string::npos)
-        << msg;
-    msg = cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
-    EXPECT_NE(msg.find("it plans 100.12 GiB, still too much"), std::string::npos) << msg;
     Recipe all = r;
     all.model.recompute_granularity = "selective";
     all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
                                    "moe_act",   "mlp",         "shared_experts"};
-    msg = cuda_plan_shortfall(all, store, tp->max_documents, tp->chunk_rows, planned, 100 * GiB);
+    const size_t recomputing =
+        cuda_memory_plan(all, store, tp->max_documents, tp->chunk_rows).total_bytes();
+    const size_t GiB = size_t(1) << 30;
+    ASSERT_LT(recomputing + 2 * GiB, planned);
+    EXPECT_EQ(cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, planned),
+              "");
+    const size_t between = (planned + recomputing) / 2, below = recomputing - GiB;
+    std::string msg =
+        cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, between);
+    EXPECT_NE(msg.find(cat("the device memory plan needs ", format_bytes(double(planned)),
+                           " but the GPU has ", format_bytes(double(between)), " free")),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find(cat("moe_act, mlp, shared_experts] it plans ",
+                           format_bytes(double(recomputing)), " and fits")),
+              std::string::npos)
+        << msg;
+    msg = cuda_plan_shortfall(r, store, tp->max_documents, tp->chunk_rows, planned, below);
+    EXPECT_NE(msg.find(cat("it plans ", format_bytes(double(recomputing)), ", still too much")),
+              std::string::npos)
+        << msg;
+    msg = cuda_plan_shortfall(all, store, tp->max_documents, tp->chunk_rows, planned, below);
     EXPECT_EQ(msg.find("recompute_modules"), std::string::npos) << msg;
     EXPECT_NE(msg.find("shorter micro-batches (seq_length) or more context-parallel ranks"),
               std::string::npos)
@@ -319,11 +328,13 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
                              "moe.shared.recomputed.gate", "moe.shared.recomputed.act"})
         EXPECT_TRUE(has(mlp, name)) << name;
     EXPECT_TRUE(has(mlp, "layers.0.q_absorbed"));
-    // Two dense layers' three [tokens, 12288] rows each, less one shared set; two MoE layers'
-    // three [tokens, 2048] shared-expert rows, less one set.
+    // Two dense layers' three [tokens, 12288] rows each and two MoE layers' three [tokens, 2048]
+    // shared-expert rows go; the one shared set of each lies in its module's workspace phase,
+    // which costs at most its own size (nothing where another phase is larger).
     const double saved = double(keep.total_bytes()) - double(mlp.total_bytes());
     const double rows = 32768.0 * 2 * 3;
-    EXPECT_NEAR(saved, rows * (12288 + 2048), 1e6) << saved / GiB;
+    EXPECT_GE(saved, rows * (12288 + 2048) - 1e6) << saved / GiB;
+    EXPECT_LE(saved, 2 * rows * (12288 + 2048) + 1e6) << saved / GiB;
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

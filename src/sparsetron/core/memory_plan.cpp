@@ -77,35 +77,69 @@ void Arena::release() {
     data_ = nullptr;
 }
 
-MemoryPlan::Slot MemoryPlan::add(MemClass cls, std::string name, DType dtype,
-                                 std::vector<int64_t> shape) {
-    ST_ASSERT(!allocated_, "plan entry '", name, "' added after allocation");
-    ST_ASSERT(!shape.empty() && shape.size() <= kMaxDims, "rank of ", name);
-    size_t n = 1;
-    for (int64_t s : shape) {
-        ST_CHECK(s > 0, "memory plan: buffer '", name, "' has a zero or negative dimension");
+namespace {
+
+size_t aligned(size_t bytes) {
+    return (bytes + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment;
+}
+
+}  // namespace
+
+MemoryPlan::Slot MemoryPlan::push(PlanEntry e, size_t n) {
+    ST_ASSERT(!allocated_, "plan entry '", e.name, "' added after allocation");
+    ST_ASSERT(!e.shape.empty() && e.shape.size() <= kMaxDims, "rank of ", e.name);
+    for (int64_t s : e.shape) {
+        ST_CHECK(s > 0, "memory plan: buffer '", e.name, "' has a zero or negative dimension");
         n *= static_cast<size_t>(s);
     }
-    PlanEntry e{std::move(name), cls, dtype, std::move(shape)};
-    e.bytes = n * dtype_size(dtype);
-    size_t& used = class_bytes_[static_cast<int>(cls)];
-    e.offset = (used + kAlignment - 1) / kAlignment * kAlignment;
+    e.bytes = n * dtype_size(e.dtype);
+    const int c = static_cast<int>(e.cls);
+    size_t& used = e.phase.empty() ? plain_bytes_[c] : phase_bytes_[c][e.phase];
+    e.offset = aligned(used);
     used = e.offset + e.bytes;
     entries_.push_back(std::move(e));
     return static_cast<Slot>(entries_.size() - 1);
 }
 
+MemoryPlan::Slot MemoryPlan::add(MemClass cls, std::string name, DType dtype,
+                                 std::vector<int64_t> shape) {
+    PlanEntry e;
+    e.name = std::move(name), e.cls = cls, e.dtype = dtype, e.shape = std::move(shape);
+    return push(std::move(e), 1);
+}
+
+MemoryPlan::Slot MemoryPlan::add_in_phase(MemClass cls, std::string phase, std::string name,
+                                          DType dtype, std::vector<int64_t> shape) {
+    ST_ASSERT(!phase.empty(), "plan entry '", name, "': an empty phase name");
+    PlanEntry e;
+    e.name = std::move(name), e.cls = cls, e.dtype = dtype, e.shape = std::move(shape);
+    e.phase = std::move(phase);
+    return push(std::move(e), 1);
+}
+
+size_t MemoryPlan::phase_area_offset(MemClass cls) const {
+    return aligned(plain_bytes_[static_cast<int>(cls)]);
+}
+
+size_t MemoryPlan::class_bytes(MemClass cls) const {
+    const auto& phases = phase_bytes_[static_cast<int>(cls)];
+    if (phases.empty()) return plain_bytes_[static_cast<int>(cls)];
+    size_t largest = 0;
+    for (const auto& [name, bytes] : phases) largest = std::max(largest, bytes);
+    return phase_area_offset(cls) + largest;
+}
+
 size_t MemoryPlan::total_bytes() const {
     size_t t = 0;
     for (int c = 0; c < kNumMemClasses; ++c)
-        if (MemClass(c) != MemClass::HostOffload) t += class_bytes_[c];
+        if (MemClass(c) != MemClass::HostOffload) t += class_bytes(MemClass(c));
     return t;
 }
 
 void MemoryPlan::allocate(Device device) {
     ST_ASSERT(!allocated_, "plan allocated twice");
     for (int c = 0; c < kNumMemClasses; ++c)
-        arenas_[c] = Arena(device, class_bytes_[c],
+        arenas_[c] = Arena(device, class_bytes(MemClass(c)),
                            MemClass(c) == MemClass::HostOffload && device == Device::CUDA);
     device_ = device;
     allocated_ = true;
@@ -114,7 +148,7 @@ void MemoryPlan::allocate(Device device) {
 void MemoryPlan::allocate_only(Device device, const std::vector<MemClass>& classes) {
     ST_ASSERT(!allocated_, "plan allocated twice");
     for (MemClass c : classes)
-        arenas_[static_cast<int>(c)] = Arena(device, class_bytes_[static_cast<int>(c)]);
+        arenas_[static_cast<int>(c)] = Arena(device, class_bytes(c));
     device_ = device;
     allocated_ = true;
 }
@@ -122,7 +156,7 @@ void MemoryPlan::allocate_only(Device device, const std::vector<MemClass>& class
 char* MemoryPlan::class_base(MemClass cls) const {
     ST_ASSERT(allocated_, "plan not allocated");
     char* base = arenas_[static_cast<int>(cls)].data();
-    ST_ASSERT(base || class_bytes_[static_cast<int>(cls)] == 0, "memory class ",
+    ST_ASSERT(base || class_bytes(cls) == 0, "memory class ",
               mem_class_name(cls), " was not allocated in this plan");
     return base;
 }
@@ -132,7 +166,7 @@ Tensor MemoryPlan::view(Slot slot) const {
     ST_ASSERT(slot >= 0 && static_cast<size_t>(slot) < entries_.size(), "slot ", slot);
     const PlanEntry& e = entries_[slot];
     Tensor t;
-    t.data = class_base(e.cls) + e.offset;
+    t.data = class_base(e.cls) + e.offset + (e.phase.empty() ? 0 : phase_area_offset(e.cls));
     t.dtype = e.dtype;
     t.device = e.cls == MemClass::HostOffload ? Device::CPU : device_;
     t.ndim = static_cast<int>(e.shape.size());
@@ -164,6 +198,14 @@ std::string MemoryPlan::format(int top) const {
         os << std::left << std::setw(18) << mem_class_name(cls) << std::right << std::setw(14)
            << format_bytes(static_cast<double>(class_bytes(cls))) << "  (" << es.size()
            << " buffers)\n";
+        const auto& phases = phase_bytes(cls);
+        if (!phases.empty()) {
+            os << "    phases, one live at a time in one area of "
+               << format_bytes(double(class_bytes(cls) - phase_area_offset(cls))) << ":";
+            for (const auto& [name, bytes] : phases)
+                os << " " << name << " " << format_bytes(double(bytes)) << ";";
+            os << "\n";
+        }
         std::stable_sort(es.begin(), es.end(), [](const PlanEntry* a, const PlanEntry* b) {
             return a->bytes > b->bytes;
         });
@@ -173,7 +215,8 @@ std::string MemoryPlan::format(int top) const {
                 shape << (d ? "x" : "") << es[i]->shape[d];
             os << "    " << std::left << std::setw(52) << es[i]->name << std::setw(6)
                << dtype_name(es[i]->dtype) << std::setw(20) << shape.str() << std::right
-               << std::setw(12) << format_bytes(static_cast<double>(es[i]->bytes)) << "\n";
+               << std::setw(12) << format_bytes(static_cast<double>(es[i]->bytes))
+               << (es[i]->phase.empty() ? "" : "  (" + es[i]->phase + ")") << "\n";
         }
         if (static_cast<int>(es.size()) > top) os << "    ... " << es.size() - top << " more\n";
     }

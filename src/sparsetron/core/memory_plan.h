@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,11 +31,13 @@ const char* mem_class_name(MemClass c);
 
 struct PlanEntry {
     std::string name;
-    MemClass cls;
-    DType dtype;
+    MemClass cls = MemClass::Workspace;
+    DType dtype = DType::F32;
     std::vector<int64_t> shape;
-    size_t offset = 0;  // within its class's arena
+    size_t offset = 0;  // within its class's arena, or within its phase (below)
     size_t bytes = 0;
+    // Empty, or the phase whose buffers it shares an area with (MemoryPlan::add_in_phase).
+    std::string phase;
 };
 
 // One owning allocation (host memory, or device memory through the CUDA backend).
@@ -68,8 +71,18 @@ class MemoryPlan {
 
     // Declares a buffer; returns its slot. Only before allocate().
     Slot add(MemClass cls, std::string name, DType dtype, std::vector<int64_t> shape);
+    // Declares a buffer of `phase`: the buffers of one phase are live together, those of two
+    // phases never (each module's scratch, written and read only inside that module's forward or
+    // backward). Every phase of a class starts at the same offset of one area after the class's
+    // other buffers, so the area is as large as its largest phase.
+    Slot add_in_phase(MemClass cls, std::string phase, std::string name, DType dtype,
+                      std::vector<int64_t> shape);
 
-    size_t class_bytes(MemClass cls) const { return class_bytes_[static_cast<int>(cls)]; }
+    size_t class_bytes(MemClass cls) const;
+    // The phases of a class with their bytes (empty where it has none).
+    const std::map<std::string, size_t>& phase_bytes(MemClass cls) const {
+        return phase_bytes_[static_cast<int>(cls)];
+    }
     // The plan's bytes on its device (every class but HostOffload): the peak-memory prediction.
     size_t total_bytes() const;
     size_t host_offload_bytes() const { return class_bytes(MemClass::HostOffload); }
@@ -102,8 +115,12 @@ class MemoryPlan {
     std::string format_kinds(int top = 8) const;
 
   private:
+    Slot push(PlanEntry e, size_t elements);
+    // Where a class's phase area starts: after its other buffers.
+    size_t phase_area_offset(MemClass cls) const;
     std::vector<PlanEntry> entries_;
-    size_t class_bytes_[kNumMemClasses] = {};
+    size_t plain_bytes_[kNumMemClasses] = {};  // the buffers outside phases
+    std::map<std::string, size_t> phase_bytes_[kNumMemClasses];
     Arena arenas_[kNumMemClasses];
     bool allocated_ = false;
     Device device_ = Device::CPU;

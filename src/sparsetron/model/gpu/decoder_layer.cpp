@@ -7,6 +7,13 @@
 
 namespace sparsetron::gpu {
 
+namespace {
+// The workspace phases of a layer's modules (GpuBuffers::Phase).
+constexpr const char* kAttentionPhase = "attention";
+constexpr const char* kMoePhase = "moe";
+constexpr const char* kMlpPhase = "mlp";
+}  // namespace
+
 GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
                                  GpuShared& S, int64_t layer0, int64_t tokens, int64_t key_tokens)
     : c_(c),
@@ -27,22 +34,29 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
         c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
     const bool expanded_ok =
         !(teacher && !c.dsa_indexer_use_sparse_loss) && !(is_mtp && c.dsa_mtp_index_kv_share);
-    attn_ = std::make_unique<GpuMlaAttention>(c, P, B, S, p + "self_attn.", tokens, c.uses_dsa(),
-                                              key_tokens, expanded_ok);
-    if (c.uses_dsa()) {
-        kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
-        if (dsa_layer_is_full(c, layer0)) {
+    {
+        // The attention and its indexer: one phase (the indexer runs between the attention's
+        // projections and its core, whose recomputed buffers outlive it).
+        GpuBuffers::Phase phase(B, kAttentionPhase);
+        attn_ = std::make_unique<GpuMlaAttention>(c, P, B, S, p + "self_attn.", tokens,
+                                                  c.uses_dsa(), key_tokens, expanded_ok);
+        if (c.uses_dsa() && dsa_layer_is_full(c, layer0))
             indexer_ = std::make_unique<GpuDsaIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens,
                                                        key_tokens);
-            if (c.dsa_indexer_loss_coeff > 0 && c.dsa_indexer_use_sparse_loss)
-                B.scratch(prob_sum_, "attn.head_prob_sum", {tokens, kslots_});
-        }
     }
-    if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
+    if (c.uses_dsa()) {
+        kslots_ = std::min(c.dsa_indexer_topk, key_tokens > 0 ? key_tokens : tokens);
+        if (indexer_ && c.dsa_indexer_loss_coeff > 0 && c.dsa_indexer_use_sparse_loss)
+            B.scratch(prob_sum_, "attn.head_prob_sum", {tokens, kslots_});
+    }
+    if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0)) {
+        GpuBuffers::Phase phase(B, kMoePhase);
         moe_ = std::make_unique<GpuMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
-    else
+    } else {
+        GpuBuffers::Phase phase(B, kMlpPhase);
         mlp_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
                                               "mlp", c.recomputes("mlp"), S.fp8);
+    }
     B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
     B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
 }
@@ -58,10 +72,19 @@ void GpuDecoderLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
     B.act(A.x_mid, p + "x_mid", {T_, h_});
     B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});
-    attn_->declare(A.attn, B, p);
-    if (indexer_) indexer_->declare(A.idx, B, p);
-    if (mlp_) mlp_->declare(A.mlp, B, p + "mlp_");
-    if (moe_) moe_->declare(A.moe, B, p + "moe.");
+    {
+        GpuBuffers::Phase phase(B, kAttentionPhase);
+        attn_->declare(A.attn, B, p);
+        if (indexer_) indexer_->declare(A.idx, B, p);
+    }
+    if (mlp_) {
+        GpuBuffers::Phase phase(B, kMlpPhase);
+        mlp_->declare(A.mlp, B, p + "mlp_");
+    }
+    if (moe_) {
+        GpuBuffers::Phase phase(B, kMoePhase);
+        moe_->declare(A.moe, B, p + "moe.");
+    }
 }
 
 void GpuDecoderLayer::forward(const ExecContext& ctx, Acts& A, const bf16* x, bf16* out,

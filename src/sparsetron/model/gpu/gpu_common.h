@@ -38,21 +38,45 @@ class GpuBuffers {
         refs_.emplace_back(plan_.add(MemClass::Parameters, name, dtype_of<T>(), std::move(shape)),
                            reinterpret_cast<void**>(&ptr));
     }
-    // Workspace shared by name: every module asking for the same name gets the same buffer.
+    // Workspace shared by name: every module asking for the same name gets the same buffer. In a
+    // phase (below) it lies in that phase's part of the workspace.
     template <typename T>
     void scratch(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
         auto it = scratch_.find(name);
         MemoryPlan::Slot s;
         if (it == scratch_.end()) {
-            s = scratch_[name] = plan_.add(MemClass::Workspace, name, dtype_of<T>(), shape);
+            s = scratch_[name] =
+                phase_.empty()
+                    ? plan_.add(MemClass::Workspace, name, dtype_of<T>(), shape)
+                    : plan_.add_in_phase(MemClass::Workspace, phase_, name, dtype_of<T>(), shape);
         } else {
             s = it->second;
             const PlanEntry& e = plan_.entries()[s];
             ST_ASSERT(e.shape == shape && e.dtype == dtype_of<T>(), "scratch '", name,
                       "' redeclared with another shape");
+            ST_ASSERT(e.phase == phase_, "scratch '", name, "' declared in phase '", e.phase,
+                      "' and in phase '", phase_, "'");
         }
         refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
     }
+    // The scratch declared while a Phase lives belongs to it (MemoryPlan::add_in_phase): the
+    // modules of one layer that never run at once (its attention with its indexer, its MoE, its
+    // dense MLP) each write and read their scratch only inside their own forward or backward, so
+    // their scratch shares one area. Regions (in_region) stay outside phases: their users span
+    // modules.
+    class Phase {
+      public:
+        Phase(GpuBuffers& B, std::string name) : B_(B), outer_(std::move(B.phase_)) {
+            B.phase_ = std::move(name);
+        }
+        ~Phase() { B_.phase_ = std::move(outer_); }
+        Phase(const Phase&) = delete;
+        Phase& operator=(const Phase&) = delete;
+
+      private:
+        GpuBuffers& B_;
+        std::string outer_;
+    };
     // Workspace in a region shared with buffers that are never live at the same time as this
     // one (the losses' rows, live only inside the losses between the forward and the backward,
     // and gradients of a layer backward that die in turn): the region is one buffer as large as
@@ -112,6 +136,7 @@ class GpuBuffers {
         std::vector<void**> users;
     };
     std::map<std::string, Region> regions_;
+    std::string phase_;  // the scratch phase being declared (empty: none)
     ActivationOffload* offload_ = nullptr;
     int64_t application_ = -1;
 };

@@ -147,8 +147,7 @@ void MemoryPlan::allocate(Device device) {
 
 void MemoryPlan::allocate_only(Device device, const std::vector<MemClass>& classes) {
     ST_ASSERT(!allocated_, "plan allocated twice");
-    for (MemClass c : classes)
-        arenas_[static_cast<int>(c)] = Arena(device, class_bytes(c));
+    for (MemClass c : classes) arenas_[static_cast<int>(c)] = Arena(device, class_bytes(c));
     device_ = device;
     allocated_ = true;
 }
@@ -156,8 +155,8 @@ void MemoryPlan::allocate_only(Device device, const std::vector<MemClass>& class
 char* MemoryPlan::class_base(MemClass cls) const {
     ST_ASSERT(allocated_, "plan not allocated");
     char* base = arenas_[static_cast<int>(cls)].data();
-    ST_ASSERT(base || class_bytes(cls) == 0, "memory class ",
-              mem_class_name(cls), " was not allocated in this plan");
+    ST_ASSERT(base || class_bytes(cls) == 0, "memory class ", mem_class_name(cls),
+              " was not allocated in this plan");
     return base;
 }
 

@@ -235,6 +235,27 @@ TEST(Plan, LongContextBuffersGrowLinearlyPastTheFormSwitch) {
 #endif
 }
 
+// The proxy backbone at 131,072 tokens with every recompute module plans within one H200 (139.8
+// GiB, of which the CUDA context and cuBLASLt's workspace take about a GiB): the workspace phases
+// share one area, the recomputed attention, dense MLP, shared expert and router run in blocks, and
+// the MoE's routed rows are the largest phase.
+TEST(Plan, BackboneAt128KFitsOneH200WithEveryRecomputeModule) {
+#if SPARSETRON_WITH_CUDA
+    const MemoryPlan plan = proxy_device_plan(
+        {"mtp_num_layers=0", "dsa_indexer_loss_coeff=0", "seq_length=131072",
+         "recompute_granularity=selective",
+         "recompute_modules=core_attn mla_up_proj layernorm moe_act mlp shared_experts"});
+    const double GiB = double(1 << 30);
+    EXPECT_LE(double(plan.total_bytes()) / GiB, 135.0) << plan.format(12);
+    const auto& phases = plan.phase_bytes(MemClass::Workspace);
+    ASSERT_EQ(phases.size(), 3u);
+    EXPECT_GT(phases.at("moe"), phases.at("attention"));
+    EXPECT_GT(phases.at("moe"), phases.at("mlp"));
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // A device plan larger than the GPU's free memory stops before cudaMalloc with what would fit: the
 // proxy backbone at 32K fits a GPU between its all-recompute plan and its keep plan with every
 // recompute module, not one below the all-recompute plan; a recipe that already recomputes
@@ -306,9 +327,20 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
         EXPECT_TRUE(has(keep, name)) << name;
         EXPECT_FALSE(has(rec, name)) << name;
     }
-    for (const char* name : {"attn.recomputed.o_latent", "attn.recomputed.q_absorbed",
-                             "layer.recomputed.attn_norm_out", "moe.recomputed.expert_act"})
+    // 32K rows run the attention in query blocks of recompute_block_rows (16384): its
+    // recomputed buffers hold one block; with blocks as long as the micro-batch, all of it.
+    for (const char* name : {"attn.query_block.o_latent", "attn.query_block.q_absorbed",
+                             "layer.recomputed.norm_out", "moe.recomputed.expert_act"})
         EXPECT_TRUE(has(rec, name)) << name;
+    for (const PlanEntry& e : rec.entries())
+        if (e.name.rfind("attn.query_block.", 0) == 0 && e.name != "attn.query_block.lse")
+            EXPECT_EQ(e.shape[0], 16384) << e.name;
+    const MemoryPlan whole = plan_of({"recompute_granularity=selective",
+                                      "recompute_modules=core_attn mla_up_proj layernorm moe_act",
+                                      "recompute_block_rows=32768"});
+    EXPECT_TRUE(has(whole, "attn.recomputed.q_absorbed"));
+    EXPECT_FALSE(has(whole, "attn.query_block.q_absorbed"));
+    EXPECT_GT(whole.total_bytes(), rec.total_bytes());
     const double GiB = double(1 << 30);
     EXPECT_LE(double(keep.total_bytes()) / GiB, 125.0);
     EXPECT_LE(double(rec.total_bytes()) / GiB, double(keep.total_bytes()) / GiB - 20.0);

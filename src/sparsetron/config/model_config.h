@@ -63,6 +63,11 @@ struct ModelConfig {
     // shared expert's gate and up outputs and SwiGLU. The CPU backend keeps every activation.
     std::string recompute_granularity;  // "" (none) | "selective"
     std::vector<std::string> recompute_modules = {"core_attn"};
+    // CUDA: token rows per block of a recomputed module that runs its forward and backward a
+    // block at a time, so its recomputed outputs and their gradients hold one block: the absorbed
+    // attention over the gathered sparse kernels with core_attn and mla_up_proj (where no indexer
+    // loss reads its whole Q'), the dense MLP (mlp) and the shared expert (shared_experts).
+    int64_t recompute_block_rows = 16384;
     bool recomputes(const std::string& module) const;
     // CUDA: activation offload (Megatron's keys). With fine_grained_activation_offloading, the
     // named modules' saved activations of every layer application but the last two (backbone

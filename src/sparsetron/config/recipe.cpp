@@ -63,6 +63,7 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(moe_paged_stash, Bool),
         MODEL_KEY(recompute_granularity, String),
         MODEL_KEY(recompute_modules, StringList),
+        MODEL_KEY(recompute_block_rows, Int),
         MODEL_KEY(fine_grained_activation_offloading, Bool),
         MODEL_KEY(offload_modules, StringList),
         MODEL_KEY(moe_paged_stash_page_size, Int),

@@ -69,6 +69,7 @@ void Recipe::validate() {
              "recompute_granularity: selective with recompute_modules from core_attn, "
              "mla_up_proj, layernorm, moe_act, mlp, shared_experts");
     one_of(m.recompute_granularity, "recompute_granularity", {"", "null", "none", "selective"});
+    positive(m.recompute_block_rows, "recompute_block_rows");
     for (const auto& mod : m.recompute_modules)
         one_of(mod, "recompute_modules",
                {"core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "shared_experts"});

@@ -347,6 +347,47 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
     }
 }
 
+// recompute_block_rows: the recomputed absorbed attention (over the gathered kernels), the dense
+// MLP and the shared expert run their forward and backward a block of rows at a time (48, 48 and
+// 32 of 128 rows), each attention block adding its keys' gradient to the others': the same losses
+// and gradients as one block, within the gathered form's run-to-run spread (its key gradients
+// add with atomics). With the indexer loss its full DSA layers keep one block (their teacher
+// reads the whole Q'); without it every layer takes blocks.
+TEST(CudaModel, RecomputeBlocksGiveTheSameLossesAndGradients) {
+    REQUIRE_GPU();
+    const SameStepCase gathered = same_step_cases(builtin_tiny_recipe().model)[1];
+    for (const bool indexer_loss : {true, false}) {
+        SameStepCase k = gathered;
+        if (!indexer_loss) k.cfg.dsa_indexer_loss_coeff = 0;
+        k.cfg.recompute_granularity = "selective";
+        k.cfg.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
+                                   "moe_act",   "mlp",         "shared_experts"};
+        const int64_t T = 128, max_docs = 4, chunk = 48;
+        auto cm = make_cpu_model(k.cfg, T, max_docs, chunk);
+        const auto& params = cm->model->params().params();
+        const MicroBatch mb = make_batch(T, max_docs, k.cfg.vocab_size, 9, {50, 70});
+        const LossScales sc = parity_scales(k.cfg, mb);
+        ModelConfig bc = k.cfg;
+        bc.recompute_block_rows = 48;
+        {
+            // The blocks are planned: one block's rows in the query-block buffers.
+            MemoryPlan plan;
+            gpu::GpuGlm5Model gm(bc, cm->model->params(), plan, T, max_docs, chunk);
+            bool q_block = false, mlp_block = false;
+            for (const PlanEntry& e : plan.entries()) {
+                if (e.name == "attn.query_block.q_absorbed") q_block = e.shape[0] == 48;
+                if (e.name == "mlp.recomputed.act") mlp_block = e.shape[0] == 48;
+            }
+            EXPECT_TRUE(q_block && mlp_block) << plan.format(40);
+        }
+        const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
+        const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
+        const GpuResult b = run_gpu(bc, *cm->model, T, max_docs, chunk, mb, sc);
+        expect_same_step(indexer_loss ? "blocks, indexer loss" : "blocks, no indexer loss", params,
+                         k, a, a2, b);
+    }
+}
+
 // Activation offload moves the named modules' saved activations of every layer application but
 // the last two to pinned host memory and back (model/gpu/activation_offload.h): the backward reads
 // the same bytes, so the same losses and gradients as keeping them (bit for bit where the step is

@@ -39,7 +39,7 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
         // projections and its core, whose recomputed buffers outlive it).
         GpuBuffers::Phase phase(B, kAttentionPhase);
         attn_ = std::make_unique<GpuMlaAttention>(c, P, B, S, p + "self_attn.", tokens,
-                                                  c.uses_dsa(), key_tokens, expanded_ok);
+                                                  c.uses_dsa(), key_tokens, expanded_ok, !teacher);
         if (c.uses_dsa() && dsa_layer_is_full(c, layer0))
             indexer_ = std::make_unique<GpuDsaIndexer>(c, P, B, S, p + "self_attn.indexer.", tokens,
                                                        key_tokens);
@@ -54,21 +54,26 @@ GpuDecoderLayer::GpuDecoderLayer(const ModelConfig& c, const GpuParams& P, GpuBu
         moe_ = std::make_unique<GpuMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
     } else {
         GpuBuffers::Phase phase(B, kMlpPhase);
-        mlp_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
-                                              "mlp", c.recomputes("mlp"), S.fp8);
+        mlp_ =
+            std::make_unique<GpuSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp",
+                                           c.recomputes("mlp"), S.fp8, c.recompute_block_rows);
     }
-    B.scratch(da_, "grad.layer.attn_norm_out", {tokens, h_});
-    B.scratch(dm_, "grad.layer.mlp_norm_out", {tokens, h_});
+    // The two norm outputs' gradients take turns in one buffer: the MLP's (or MoE's) is read by
+    // the post-attention norm's backward before the attention's backward writes its own.
+    B.scratch(da_, "grad.layer.norm_out", {tokens, h_});
+    B.scratch(dm_, "grad.layer.norm_out", {tokens, h_});
 }
 
 void GpuDecoderLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     A = Acts{};
-    // Selective recompute of layernorm: the two norm outputs in one buffer each, rewritten from
-    // the kept inputs and rstd before the backward reads them.
+    // Selective recompute of layernorm: the two norm outputs take turns in one buffer, rewritten
+    // from the kept inputs and rstd before the backward reads them (the forward's attention,
+    // indexer loss included, reads the first before the second is written; the backward's MLP or
+    // MoE reads the second before the first is written again).
     B.saved(saving(c_, "layernorm", "attn_norm"), A.a, p + "attn_norm_out",
-            "layer.recomputed.attn_norm_out", {T_, h_});
+            "layer.recomputed.norm_out", {T_, h_});
     B.saved(saving(c_, "layernorm", "mlp_norm"), A.m, p + "mlp_norm_out",
-            "layer.recomputed.mlp_norm_out", {T_, h_});
+            "layer.recomputed.norm_out", {T_, h_});
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
     B.act(A.x_mid, p + "x_mid", {T_, h_});
     B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});

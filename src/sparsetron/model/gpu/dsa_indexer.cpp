@@ -62,12 +62,14 @@ GpuDsaIndexer::GpuDsaIndexer(const ModelConfig& c, const GpuParams& P, GpuBuffer
 
 void GpuDsaIndexer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     A = Acts{};
-    B.act(A.q, p + "indexer_q", {T_, HI_ * dI_});
-    B.act(A.k_raw, p + "indexer_k_raw", {T_, dI_});
-    B.act(A.k, p + "indexer_k", {T_, dI_});
-    B.act(A.mean, p + "indexer_k_mean", {T_});
-    B.act(A.rstd, p + "indexer_k_rstd", {T_});
-    B.act(A.w, p + "indexer_weights", {T_, HI_});
+    // Read only inside the layer's forward (the loss and its gradient run there): one buffer each
+    // for every indexer, in the workspace.
+    B.scratch(A.q, "dsa.q", {T_, HI_ * dI_});
+    B.scratch(A.k_raw, "dsa.k_raw", {T_, dI_});
+    B.scratch(A.k, "dsa.k", {T_, dI_});
+    B.scratch(A.mean, "dsa.k_mean", {T_});
+    B.scratch(A.rstd, "dsa.k_rstd", {T_});
+    B.scratch(A.w, "dsa.weights", {T_, HI_});
     B.act(A.topk, p + "topk_indices", {T_, K_});
     B.act(A.len, p + "topk_length", {T_});
     if (cp_) B.act(A.kkeys, p + "indexer_k_all_rows", {Tk_, dI_});

@@ -10,9 +10,10 @@ namespace sparsetron::gpu {
 class GpuDsaIndexer {
   public:
     struct Acts {
+        // Workspace shared by every indexer (the forward's loss is their last reader).
         bf16 *q, *k_raw, *k;
         float *mean, *rstd, *w;
-        int32_t *topk, *len;    // top-k: micro-batch key rows
+        int32_t *topk, *len;    // top-k: micro-batch key rows (kept per layer)
         bf16* kkeys = nullptr;  // CP: every micro-batch row's k_I, gathered over the CP group
     };
     struct Teacher {

@@ -16,7 +16,7 @@ using cuda::gemm;
 
 GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBuffers& B,
                                  GpuShared& S, const std::string& p, int64_t tokens, bool dsa,
-                                 int64_t key_tokens, bool expanded_ok)
+                                 int64_t key_tokens, bool expanded_ok, bool query_blocks_ok)
     : c_(c),
       P_(P),
       S_(S),
@@ -68,16 +68,22 @@ GpuMlaAttention::GpuMlaAttention(const ModelConfig& c, const GpuParams& P, GpuBu
         sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0;
     }
     absorbed_ = dsa && !sparse_expanded_;
+    Bq_ = T_;
+    if (absorbed_ && mqa_ws_bytes_ == 0 && recompute_up_ && recompute_core_ && query_blocks_ok &&
+        !cp_ && !S.fp8)
+        Bq_ = std::min(T_, c.recompute_block_rows);
     if (absorbed_) {
         // The absorbed backward's gradients die in turn: o's (read by the two GEMMs that make
         // o''s) before the attention core's backward writes Q''s, o''s (read by that backward)
         // before q's is written; each pair shares a region, and with it a loss's rows, live only
         // between the forward and the backward (GpuBuffers::in_region).
-        B.in_region(do_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Tn, H_ * dv_});
-        B.in_region(dqabs_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Tn, H_ * L});
+        // One query block's rows.
+        B.in_region(do_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Bq_, H_ * dv_});
+        B.in_region(dqabs_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits", {Bq_, H_ * L});
         B.in_region(doabs_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs",
-                    {Tn, H_ * kr_});
-        B.in_region(dq_b_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs", {Tn, H_ * dq_});
+                    {Bq_, H_ * kr_});
+        B.in_region(dq_b_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs",
+                    {Bq_, H_ * dq_});
     } else {
         // The expanded and dense backwards read o's gradient while writing q's.
         B.scratch(do_, "grad.attn.o", {Tn, H_ * dv_});
@@ -113,18 +119,21 @@ void GpuMlaAttention::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     B.act(A.ckv, p + "kv_a", {Tn, L});
     B.act(A.ckv_n, p + "kv_a_norm_out", {Tn, kr_});
     B.act(A.rstd_kv, p + "kv_a_norm_rstd", {Tn});
-    // Recomputed outputs share one buffer ("attn.recomputed.<name>"), kept ones have a buffer per
-    // layer, offloaded ones a place in activation offload's region.
+    // Recomputed outputs share one buffer ("attn.recomputed.<name>", or in query blocks
+    // "attn.query_block.<name>" of one block's rows), kept ones have a buffer per layer,
+    // offloaded ones a place in activation offload's region.
     using S = GpuBuffers::Saving;
+    const bool blocks = Bq_ < Tn;
     auto keep = [&](S how, bf16*& ptr, const std::string& name, std::vector<int64_t> shape) {
-        B.saved(how, ptr, p + name, "attn.recomputed." + name, std::move(shape));
+        B.saved(how, ptr, p + name, (blocks ? "attn.query_block." : "attn.recomputed.") + name,
+                std::move(shape));
     };
     const S up = saving(c_, "mla_up_proj", "qkv_linear");
-    keep(up, A.q, "q", {Tn, H_ * dq_});
+    keep(up, A.q, "q", {Bq_, H_ * dq_});
     if (absorbed_) {
-        keep(up, A.qabs, "q_absorbed", {Tn, H_ * L});
+        keep(up, A.qabs, "q_absorbed", {Bq_, H_ * L});
         B.act(A.kabs, p + "k_latent", {Tn, L});
-        keep(saving(c_, "core_attn", "core_attn"), A.oabs, "o_latent", {Tn, H_ * kr_});
+        keep(saving(c_, "core_attn", "core_attn"), A.oabs, "o_latent", {Bq_, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
     } else {
         keep(up, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
@@ -132,8 +141,11 @@ void GpuMlaAttention::declare(Acts& A, GpuBuffers& B, const std::string& p) cons
     }
     if (saved_probs_elems_ > 0)
         keep(saving(c_, nullptr, "core_attn"), A.probs, "attn_probs", {saved_probs_elems_});
-    keep(saving(c_, "core_attn", "attn_proj"), A.o, "attn_out", {Tn, H_ * dv_});
-    B.act(A.lse, p + "attn_lse", {H_, Tn});
+    keep(saving(c_, "core_attn", "attn_proj"), A.o, "attn_out", {Bq_, H_ * dv_});
+    if (blocks)
+        B.scratch(A.lse, "attn.query_block.lse", {H_, Bq_});
+    else
+        B.act(A.lse, p + "attn_lse", {H_, Tn});
 }
 
 cuda::HeadKV GpuMlaAttention::head_kv(const Acts& A) const {
@@ -173,17 +185,20 @@ void GpuMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16*
             cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * L);
         }
     }
-    up_project(ctx, A, in);
+    if (Bq_ == Tn) up_project(ctx, A, in, 0, Tn);  // in query blocks: attend() per block
 }
 
-void GpuMlaAttention::up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in) const {
-    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+void GpuMlaAttention::up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
+                                 int64_t r0, int64_t Tn) const {
+    const int64_t L = kr_ + dr_, B2 = sizeof(bf16);
+    ST_ASSERT(Tn == T_ || (absorbed_ && !fp8_), "MLA: query rows ", r0, "+", Tn, " of ", T_,
+              " outside the absorbed bf16 form");
     if (fp8_)
         fp8_->forward(ctx, fqb_, A.cq, A.q, H_ * dq_, false);
     else
-        gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq, qr_, P_[q_b_].w, qr_, 0.f, A.q,
-             H_ * dq_);
-    cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
+        gemm(ctx, false, true, Tn, H_ * dq_, qr_, 1.f, A.cq + r0 * qr_, qr_, P_[q_b_].w, qr_, 0.f,
+             A.q, H_ * dq_);
+    cuda::rope(ctx, A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions + r0, c_.rotary_base,
                c_.rotary_interleaved, false);
     if (absorbed_) {
         // Q'_h = [q_nope_h W_UK^h ; q_pe_h] (one batched GEMM over heads).
@@ -199,18 +214,23 @@ void GpuMlaAttention::up_project(const ExecContext& ctx, const Acts& A, const Gp
 }
 
 cuda::SparseMqa GpuMlaAttention::absorbed(const Acts& A, const bf16* keys, const int32_t* idx,
-                                          const int32_t* len, int64_t kslots) const {
-    return {.tokens = T_,
+                                          const int32_t* len, int64_t kslots, int64_t r0,
+                                          int64_t n) const {
+    // A query block attends over every key row, as CP's rows do.
+    return {.tokens = n,
             .heads = H_,
             .dqk = kr_ + dr_,
             .dv = kr_,
             .q = A.qabs,
             .kv = keys,
-            .idx = idx,
-            .len = len,
+            .idx = idx + r0 * kslots,
+            .len = len + r0,
             .kslots = kslots,
             .scale = scale(),
-            .key_rows = cp_ ? Tk_ : 0};
+            .key_rows = cp_      ? Tk_
+                        : n < T_ ? T_
+                                 : 0,
+            .dkv_accumulate = r0 > 0};
 }
 
 cuda::SparseMha GpuMlaAttention::expanded(const Acts& A, const int32_t* idx, const int32_t* len,
@@ -230,24 +250,31 @@ cuda::SparseMha GpuMlaAttention::expanded(const Acts& A, const int32_t* idx, con
 void GpuMlaAttention::attend(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
                              const int32_t* idx, const int32_t* len, int64_t kslots, bf16* x_accum,
                              float* prob_sum) const {
-    const int64_t Tn = T_;
-    core(ctx, A, in, idx, len, kslots, prob_sum);
-    if (fp8_)
+    if (fp8_) {
+        core(ctx, A, in, idx, len, kslots, prob_sum, 0, T_);
         fp8_->forward(ctx, fo_, A.o, x_accum, h_, true);
-    else
-        gemm(ctx, false, true, Tn, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f,
-             x_accum, h_);
+        return;
+    }
+    ST_ASSERT(!prob_sum || Bq_ == T_, "MLA: head probabilities in query blocks");
+    for (int64_t r0 = 0; r0 < T_; r0 += Bq_) {
+        const int64_t n = std::min(Bq_, T_ - r0);
+        if (Bq_ < T_) up_project(ctx, A, in, r0, n);
+        core(ctx, A, in, idx, len, kslots, prob_sum, r0, n);
+        gemm(ctx, false, true, n, h_, H_ * dv_, 1.f, A.o, H_ * dv_, P_[o_].w, H_ * dv_, 1.f,
+             x_accum + r0 * h_, h_);
+    }
 }
 
 void GpuMlaAttention::core(const ExecContext& ctx, const Acts& A, const GpuInputs& in,
-                           const int32_t* idx, const int32_t* len, int64_t kslots,
-                           float* prob_sum) const {
-    const int64_t Tn = T_;
+                           const int32_t* idx, const int32_t* len, int64_t kslots, float* prob_sum,
+                           int64_t r0, int64_t Tn) const {
     ST_ASSERT(!dsa_ || idx, "MLA: a DSA layer attends without a top-k");
+    ST_ASSERT(Tn == T_ || absorbed_, "MLA: query rows ", r0, "+", Tn, " of ", T_,
+              " outside the absorbed form");
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
-        cuda::sparse_mqa_forward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, prob_sum,
-                                 {mqa_ws_, mqa_ws_bytes_, A.probs});
+        cuda::sparse_mqa_forward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
+                                 prob_sum, {mqa_ws_, mqa_ws_bytes_, A.probs});
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
@@ -264,16 +291,17 @@ void GpuMlaAttention::core(const ExecContext& ctx, const Acts& A, const GpuInput
     }
 }
 
-void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
-                               const GpuInputs& in, const int32_t* idx, const int32_t* len,
-                               int64_t kslots, bf16* da, float* kv_grad_accum) const {
-    const int64_t Tn = T_, L = kr_ + dr_, B2 = sizeof(bf16);
+void GpuMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, const bf16* dy,
+                                     const GpuInputs& in, const int32_t* idx, const int32_t* len,
+                                     int64_t kslots, int64_t r0, int64_t Tn) const {
+    const int64_t L = kr_ + dr_, B2 = sizeof(bf16);
     const auto F32 = DType::F32, BF = DType::BF16;
     float* gkvb = P_[kv_b_].grad;
     const bf16* wkvb = P_[kv_b_].w;
+    dy += r0 * h_;
     // Selective recompute: the forward's values again (the same kernels on the same inputs).
-    if (recompute_up_) up_project(ctx, A, in);
-    if (recompute_core_) core(ctx, A, in, idx, len, kslots, nullptr);
+    if (recompute_up_) up_project(ctx, A, in, r0, Tn);
+    if (recompute_core_) core(ctx, A, in, idx, len, kslots, nullptr, r0, Tn);
     if (fp8_) {
         fp8_->dgrad(ctx, fo_, dy, do_, false);
         fp8_->wgrad(ctx, fo_, dy, A.o);
@@ -283,12 +311,11 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
         gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, P_.grad_beta(o_),
              P_[o_].grad, H_ * dv_, BF, F32);
     }
-    const bool kv_path = !A.kabs_shared;
     if (absorbed_) {
         const int64_t wstride = (dn_ + dv_) * kr_;
         // kv_b's gradient in two parts, every head's V rows here and its K rows below: one
-        // decision (overwrite or add) for both, which together cover it.
-        const float kvb_beta = P_.grad_beta(kv_b_);
+        // decision (overwrite or add) for both, which together cover it; later blocks add.
+        const float kvb_beta = r0 == 0 ? P_.grad_beta(kv_b_) : 1.f;
         gemm(ctx, false, false, Tn, kr_, dv_, 1.f, do_, H_ * dv_, wkvb + dn_ * kr_, kr_, 0.f,
              doabs_, H_ * kr_, BF, BF, {H_, dv_, wstride, kr_});
         gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, kvb_beta,
@@ -296,32 +323,21 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         if (cp_) {
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
-            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, doabs_,
-                                      dqabs_, keys_f32_, {mqa_ws_, mqa_ws_bytes_, nullptr});
+            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
+                                      doabs_, dqabs_, keys_f32_, {mqa_ws_, mqa_ws_bytes_, nullptr});
             cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
-            cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, Tn, dkabs_);
+            cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, T_, dkabs_);
         } else {
-            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots), A.oabs, A.lse, doabs_,
-                                      dqabs_, dkabs_, {mqa_ws_, mqa_ws_bytes_, A.probs});
-        }
-        // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
-        if (kv_grad_accum) {
-            if (A.kabs_shared)
-                cuda::add_inplace(ctx, kv_grad_accum, dkabs_, Tn * L);
-            else
-                cuda::add_inplace(ctx, dkabs_, kv_grad_accum, Tn * L);
+            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
+                                      doabs_, dqabs_, dkabs_, {mqa_ws_, mqa_ws_bytes_, A.probs});
         }
         gemm(ctx, false, true, Tn, dn_, kr_, 1.f, dqabs_, H_ * L, wkvb, kr_, 0.f, dq_b_, H_ * dq_,
              BF, BF, {H_, L, wstride, dq_});
         gemm(ctx, true, false, dn_, kr_, Tn, 1.f, A.q, H_ * dq_, dqabs_, H_ * L, kvb_beta, gkvb,
              kr_, BF, F32, {H_, dq_, L, wstride});
         cuda::copy_2d(ctx, dq_b_ + dn_, dq_ * B2, dqabs_ + kr_, L * B2, dr_ * B2, Tn * H_);
-        if (kv_path) {
-            cuda::f32_to_bf16_2d(ctx, dkabs_, L, dckv_n_, kr_, Tn, kr_, false);
-            cuda::f32_to_bf16_2d(ctx, dkabs_ + kr_, L, dckv_ + kr_, L, Tn, dr_, false);
-        }
     } else {
-        ST_ASSERT(!kv_grad_accum, "MLA: the expanded form has no shared latent keys");
+        ST_ASSERT(r0 == 0 && Tn == T_, "MLA: the expanded form runs in one block");
         if (sparse_expanded_) {
             cuda::sparse_mha_backward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse, do_,
                                              dq_b_, dk32_, dv32_,
@@ -338,22 +354,47 @@ void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16
         gemm(ctx, true, false, H_ * (dn_ + dv_), kr_, Tn, 1.f, dkv_, H_ * (dn_ + dv_), A.ckv_n, kr_,
              P_.grad_beta(kv_b_), gkvb, kr_, BF, F32);
     }
-    cuda::rope(ctx, dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
+    cuda::rope(ctx, dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions + r0, c_.rotary_base,
                c_.rotary_interleaved, true);
+    if (fp8_) {
+        fp8_->dgrad(ctx, fqb_, dq_b_, dcq_, false);
+        fp8_->wgrad(ctx, fqb_, dq_b_, A.cq);
+    } else {
+        gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f,
+             dcq_ + r0 * qr_, qr_);
+        gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq + r0 * qr_, qr_,
+             P_.grad_beta(q_b_), P_[q_b_].grad, qr_, BF, F32);
+    }
+}
+
+void GpuMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf16* a, const bf16* dy,
+                               const GpuInputs& in, const int32_t* idx, const int32_t* len,
+                               int64_t kslots, bf16* da, float* kv_grad_accum) const {
+    const int64_t Tn = T_, L = kr_ + dr_;
+    const auto F32 = DType::F32, BF = DType::BF16;
+    for (int64_t r0 = 0; r0 < Tn; r0 += Bq_)
+        query_backward(ctx, A, dy, in, idx, len, kslots, r0, std::min(Bq_, Tn - r0));
+    const bool kv_path = !A.kabs_shared;
+    if (absorbed_) {
+        // Shared K': hand dK' to its owner; the owner adds what the sharers accumulated.
+        if (kv_grad_accum) {
+            if (A.kabs_shared)
+                cuda::add_inplace(ctx, kv_grad_accum, dkabs_, Tn * L);
+            else
+                cuda::add_inplace(ctx, dkabs_, kv_grad_accum, Tn * L);
+        }
+        if (kv_path) {
+            cuda::f32_to_bf16_2d(ctx, dkabs_, L, dckv_n_, kr_, Tn, kr_, false);
+            cuda::f32_to_bf16_2d(ctx, dkabs_ + kr_, L, dckv_ + kr_, L, Tn, dr_, false);
+        }
+    } else {
+        ST_ASSERT(!kv_grad_accum, "MLA: the expanded form has no shared latent keys");
+    }
     if (kv_path) {
         cuda::rope(ctx, dckv_ + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
                    c_.rotary_interleaved, true);
         cuda::rmsnorm_backward(ctx, dckv_n_, kr_, A.ckv, L, P_[kv_a_norm_].w, A.rstd_kv, Tn, kr_,
                                dckv_, L, false, P_.grad_to_add(ctx, kv_a_norm_), S_.norm_ws);
-    }
-    if (fp8_) {
-        fp8_->dgrad(ctx, fqb_, dq_b_, dcq_, false);
-        fp8_->wgrad(ctx, fqb_, dq_b_, A.cq);
-    } else {
-        gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f, dcq_,
-             qr_);
-        gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq, qr_,
-             P_.grad_beta(q_b_), P_[q_b_].grad, qr_, BF, F32);
     }
     cuda::rmsnorm_backward(ctx, dcq_, qr_, A.cq_raw, qr_, P_[q_a_norm_].w, A.rstd_q, Tn, qr_,
                            dcq_raw_, qr_, false, P_.grad_to_add(ctx, q_a_norm_), S_.norm_ws);

@@ -26,9 +26,11 @@ class GpuMlaAttention {
     // dense form applies and expanded_ok (no shared latent keys, no indexer-loss teacher reading
     // Q' / K'), expanded (per-head keys and values). key_tokens > 0: context parallelism
     // (absorbed only): `tokens` rows of this rank attend over key_tokens micro-batch rows.
+    // query_blocks_ok: nothing reads the whole Q' and LSE after the core (no indexer-loss
+    // teacher), so the recomputed absorbed form may run in query blocks (query_block()).
     GpuMlaAttention(const ModelConfig& cfg, const GpuParams& P, GpuBuffers& B, GpuShared& S,
                     const std::string& hf_prefix, int64_t tokens, bool dsa, int64_t key_tokens = 0,
-                    bool expanded_ok = true);
+                    bool expanded_ok = true, bool query_blocks_ok = false);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
 
     // The down-projections, their norms and RoPE, then up_project().
@@ -41,6 +43,12 @@ class GpuMlaAttention {
                   const GpuInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
                   bf16* da, float* kv_grad_accum) const;
     float scale() const;
+    // Query rows per block: all `tokens`, or recompute_block_rows where the absorbed form over the
+    // gathered kernels recomputes its up-projection and core (query_blocks_ok, no CP, bf16). Each
+    // query row attends by index into the whole K', so a block runs its up-projection, core,
+    // output projection and their backwards alone, adding its keys' gradients to the others';
+    // q, Q', o', o, the LSE and their gradients then hold one block.
+    int64_t query_block() const { return Bq_; }
     int64_t latent_dim() const { return kr_ + dr_; }
     bool absorbed() const { return absorbed_; }
     // attend() fills prob_sum from the masked form's probability kernel (no context parallelism).
@@ -49,22 +57,31 @@ class GpuMlaAttention {
   private:
     // The query up-projection with its RoPE and Q' (absorbed), or the per-head keys and values
     // (expanded): what recompute_modules' mla_up_proj recomputes before the backward.
-    void up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in) const;
+    // Query rows [r0, r0 + n) (all of them but in query blocks) into A's row buffers.
+    void up_project(const ExecContext& ctx, const Acts& A, const GpuInputs& in, int64_t r0,
+                    int64_t n) const;
     // The attention core: o' and o = o' W_UV (absorbed) or o (expanded), with the LSE; what
-    // core_attn recomputes.
+    // core_attn recomputes. Query rows [r0, r0 + n) as up_project().
     void core(const ExecContext& ctx, const Acts& A, const GpuInputs& in, const int32_t* idx,
-              const int32_t* len, int64_t kslots, float* prob_sum) const;
+              const int32_t* len, int64_t kslots, float* prob_sum, int64_t r0, int64_t n) const;
+    // The backward of query rows [r0, r0 + n) from the output projection to q_b's input
+    // gradient (dcq_ rows): recompute, o_proj, W_UV, the core (its keys' gradient into dkabs_,
+    // added to the earlier blocks' when r0 > 0), W_UK, RoPE, q_b.
+    void query_backward(const ExecContext& ctx, const Acts& A, const bf16* dy, const GpuInputs& in,
+                        const int32_t* idx, const int32_t* len, int64_t kslots, int64_t r0,
+                        int64_t n) const;
     cuda::HeadKV head_kv(const Acts& A) const;
     // The sparse attention's problem in the absorbed form (Q' against the latent keys `keys`) and
     // in the expanded form (per-head keys and values).
     cuda::SparseMqa absorbed(const Acts& A, const bf16* keys, const int32_t* idx,
-                             const int32_t* len, int64_t kslots) const;
+                             const int32_t* len, int64_t kslots, int64_t r0, int64_t n) const;
     cuda::SparseMha expanded(const Acts& A, const int32_t* idx, const int32_t* len,
                              int64_t kslots) const;
     const ModelConfig& c_;
     const GpuParams& P_;
     GpuShared& S_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
+    int64_t Bq_;  // query rows per block (query_block())
     bool dsa_;
     bool sparse_expanded_ = false;  // DSA in the expanded form (masked dense GEMMs per head)
     bool absorbed_;                 // DSA in the absorbed form

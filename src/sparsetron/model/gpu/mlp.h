@@ -18,9 +18,11 @@ class GpuSwiGluMlp {
     // of Megatron's `mlp` module for the dense MLP, `shared_experts` for the shared expert): the
     // gate / up outputs and their SwiGLU are not kept per application; one shared buffer each
     // (`<scratch_tag>.recomputed.*`) and the backward projects them again from its input.
+    // block_rows (recompute in bf16 only): the forward and the backward run over blocks of this
+    // many rows, so the recomputed rows and their gradients hold one block.
     GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& hf_prefix, int64_t hidden,
                  int64_t ffn, int64_t tokens, const std::string& scratch_tag, bool recompute,
-                 Fp8Weights* fp8 = nullptr);
+                 Fp8Weights* fp8 = nullptr, int64_t block_rows = 0);
     void declare(Acts& A, GpuBuffers& B, const std::string& p) const;
     // y += down(swiglu(gate(x), up(x))).
     void forward(const ExecContext& ctx, const Acts& A, const bf16* x, bf16* y) const;
@@ -29,10 +31,11 @@ class GpuSwiGluMlp {
                   bool accumulate) const;
 
   private:
-    // gate(x), up(x) and their SwiGLU into A (the forward's first half).
-    void project_up(const ExecContext& ctx, const Acts& A, const bf16* x) const;
+    // gate(x), up(x) and their SwiGLU of n rows of x into A (the forward's first half).
+    void project_up(const ExecContext& ctx, const Acts& A, const bf16* x, int64_t n) const;
     const GpuParams& P_;
     int64_t h_, f_, T_;
+    int64_t Bt_;  // rows per block (T_ unless recomputed in blocks)
     std::string tag_;
     bool recompute_;
     int64_t gate_, up_, down_;

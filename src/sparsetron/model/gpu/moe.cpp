@@ -52,7 +52,8 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
     wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
         shared_ = std::make_unique<GpuSwiGluMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
-                                                 "moe.shared", c.recomputes("shared_experts"), fp8);
+                                                 "moe.shared", c.recomputes("shared_experts"), fp8,
+                                                 c.recompute_block_rows);
     const int64_t R = tokens * k_;
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;
@@ -68,7 +69,15 @@ GpuMoeLayer::GpuMoeLayer(const ModelConfig& c, const GpuParams& P, GpuBuffers& B
     // in its place.
     B.scratch(doutperm_, "moe.rows", {R, h_});
     B.scratch(dact_, "grad.moe.act_then_gate", {rows_, F_});
-    B.scratch(du_, "grad.moe.up", {rows_, F_});
+    // With moe_act recomputed (no stash, no expert parallelism) the up projection's gradient
+    // takes the recomputed SwiGLU output's buffer: the down projection's gradients read the
+    // output last, and the SwiGLU backward reads only the gate and up rows.
+    if (W_ == 1 && !stash_ && recompute_act_)
+        B.scratch(du_, "moe.recomputed.expert_act", {R, F_});
+    else
+        B.scratch(du_, "grad.moe.up", {rows_, F_});
+    // The router's fp32 input a block of rows at a time.
+    Br_ = std::min(tokens, c.recompute_block_rows);
     if (W_ > 1) {
         B.scratch(dout_owner_, "grad.moe.ep.out", {rows_, h_});
     }
@@ -98,8 +107,8 @@ void GpuMoeLayer::declare(Acts& A, GpuBuffers& B, const std::string& p) const {
     const int64_t Tn = T_, R = T_ * k_;
     A = Acts{};
     // The router's fp32 input is the exact widening of the bf16 one: the backward makes it
-    // again, so every application shares one buffer.
-    B.scratch(A.m32, "moe.router_input_f32", {Tn, h_});
+    // again, so every application shares one buffer, of one block of rows.
+    B.scratch(A.m32, "moe.router_input_f32", {Br_, h_});
     B.act(A.logits, p + "router_logits", {Tn, E_});
     B.act(A.probs, p + "router_probs", {Tn, E_});
     B.act(A.gates, p + "router_gates", {Tn, k_});
@@ -177,9 +186,12 @@ const int32_t* GpuMoeLayer::stashed_rows(const Acts& A) const {
 void GpuMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m, const GpuInputs& in,
                           bf16* y) const {
     const int64_t Tn = T_, R = T_ * k_;
-    cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
-    gemm(ctx, false, true, Tn, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f, A.logits, E_,
-         F32, F32);
+    for (int64_t r0 = 0; r0 < Tn; r0 += Br_) {
+        const int64_t n = std::min(Br_, Tn - r0);
+        cuda::bf16_to_f32(ctx, m + r0 * h_, A.m32, n * h_);
+        gemm(ctx, false, true, n, E_, h_, 1.f, A.m32, h_, P_[router_].master, h_, 0.f,
+             A.logits + r0 * E_, E_, F32, F32);
+    }
     cuda::router_topk(ctx, A.logits, P_[bias_].master, in.row_begin, Tn, E_, k_,
                       c_.moe_router_force_load_balancing, float(c_.moe_router_topk_scaling_factor),
                       A.probs, A.topk, A.gates);
@@ -274,9 +286,12 @@ void GpuMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m,
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
                           float(c_.moe_router_topk_scaling_factor), dlogits_);
-    cuda::bf16_to_f32(ctx, m, A.m32, Tn * h_);
-    gemm(ctx, true, false, E_, h_, Tn, 1.f, dlogits_, E_, A.m32, h_, P_.grad_beta(router_),
-         P_[router_].grad, h_, F32, F32);
+    for (int64_t r0 = 0; r0 < Tn; r0 += Br_) {
+        const int64_t n = std::min(Br_, Tn - r0);
+        cuda::bf16_to_f32(ctx, m + r0 * h_, A.m32, n * h_);
+        gemm(ctx, true, false, E_, h_, n, 1.f, dlogits_ + r0 * E_, E_, A.m32, h_,
+             P_.grad_beta(router_), P_[router_].grad, h_, F32, F32);
+    }
     cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
     gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
 }

@@ -281,12 +281,13 @@ void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16*
     if (ws.ptr) return sparse_mqa_backward_masked(ctx, p, out, lse, dout, dq, dkv, ws);
     // Context parallelism: more key rows than queries. The gathered kernels zero the first
     // `tokens` rows and accumulate; zero them all here.
-    if (key_rows > tokens)
+    if (key_rows > tokens && !p.dkv_accumulate)
         ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
     if (sparse_mqa_tc_supported(heads, dqk, dv))
         return sparse_mqa_backward_tc(ctx, p, out, lse, dout, dq, dkv);
     cudaStream_t st_ = stream_of(ctx);
-    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), st_));
+    if (!p.dkv_accumulate)
+        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), st_));
     SparseKeys keys{dev(kv), dqk, kslots, idx, len};
     const size_t smem = (dqk + dv + 2 * kChunk) * sizeof(float);
     // The value is the first dv columns of the latent row: dv goes into dkv with dkv's strides.

@@ -100,6 +100,9 @@ struct SparseMqa {
     int64_t kslots = 0;
     float scale = 1.f;
     int64_t key_rows = 0;  // rows of kv (0: tokens)
+    // Add into dkv, which already holds other query rows' sum (the query blocks of one attention),
+    // instead of zeroing it first. Gathered forms only.
+    bool dkv_accumulate = false;
 };
 // The masked dense form's planned workspace (none: the gathered forms) and the probabilities a
 // forward keeps for its backward (null: recomputed).
@@ -124,8 +127,8 @@ int64_t sparse_mqa_masked_workspace_bytes(int64_t tokens, int64_t heads, int64_t
 int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes);
 void sparse_mqa_forward(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                         float* prob_sum = nullptr, const MaskedWorkspace& ws = {});
-// dq bf16 (overwritten); dkv fp32 [key rows, dqk] (zeroed, then accumulated: atomics when gathered,
-// chunk-ordered GEMM accumulation when masked).
+// dq bf16 (overwritten); dkv fp32 [key rows, dqk] (zeroed unless dkv_accumulate, then
+// accumulated: atomics when gathered, chunk-ordered GEMM accumulation when masked).
 void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                          const float* lse, const bf16* dout, bf16* dq, float* dkv,
                          const MaskedWorkspace& ws = {});

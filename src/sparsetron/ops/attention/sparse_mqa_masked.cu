@@ -514,6 +514,7 @@ void sparse_mqa_backward_masked(const ExecContext& ctx, const SparseMqa& p, cons
     const bf16* saved_probs = ws.saved_probs;
     ST_CHECK(!saved_probs || key_rows == 0,
              "sparse MQA (masked): saved probabilities without context parallelism only");
+    ST_CHECK(!p.dkv_accumulate, "sparse MQA (masked): dkv_accumulate is for the gathered forms");
     const Workspace w =
         carve(workspace, workspace_bytes, tokens, key_rows > 0 ? key_rows : tokens, heads);
     const int64_t cq = w.chunk;

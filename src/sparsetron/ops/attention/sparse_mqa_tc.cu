@@ -312,7 +312,8 @@ void sparse_mqa_backward_tc(const ExecContext& ctx, const SparseMqa& p, const bf
     const size_t smem = bwd_smem(dqk, dv);
     ST_CUDA_CHECK(
         cudaFuncSetAttribute(mqa_bwd_tc, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
+    if (!p.dkv_accumulate)
+        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), stream_of(ctx)));
     mqa_bwd_tc<<<dim3(unsigned(tokens), unsigned(heads / kHb)), kThreadsTc, smem, stream_of(ctx)>>>(
         dev(q), dev(kv), idx, len, kslots, tokens, heads, dqk, dv, scale, dev(out), lse, dev(dout),
         dev(dq), dkv);

@@ -305,7 +305,8 @@ void sparse_mqa_backward_wgmma(const ExecContext& ctx, const SparseMqa& p, const
              " (needs sm_90 and the GLM-5 shape 64 / 576 / 512)");
     if (tokens == 0) return;
     const int64_t keys = std::max(tokens, key_rows);
-    ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, keys * dqk * sizeof(float), stream_of(ctx)));
+    if (!p.dkv_accumulate)
+        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, keys * dqk * sizeof(float), stream_of(ctx)));
     allow_dynamic_smem<sparse_mqa_bwd_wgmma_kernel>(kBwdSmemBytes);
     sparse_mqa_bwd_wgmma_kernel<<<unsigned(tokens), kThreads, kBwdSmemBytes, stream_of(ctx)>>>(
         dev(q), dev(kv), idx, len, kslots, tokens, scale, dev(out), lse, dev(dout), dev(dq), dkv);

@@ -17,7 +17,7 @@ bench_run() {
 # The GPU and test_gpu (log in $out/test_gpu.log), its summary printed.
 run_test_gpu() {
   nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
-  timeout 240 scripts/gpu-run.sh build/default/bin/test_gpu >"$out/test_gpu.log" 2>&1
+  timeout "${TEST_GPU_TIMEOUT:-240}" scripts/gpu-run.sh build/default/bin/test_gpu >"$out/test_gpu.log" 2>&1
   echo "test_gpu rc=$?"
   grep -E "^\[  (PASSED|FAILED) |FAILED  \]" "$out/test_gpu.log" | head -20
 }

@@ -38,8 +38,12 @@ TEST(CudaContextParallel, IndexerInQueryBlocksMatchesOneGpu) {
         std::vector<std::string> sets = model;
         sets.push_back("context_parallel_size=2");
         // CP's GEMMs over half the rows may round a router score across a tie: step 1's loads
-        // are compared as totals (test_multigpu's CP tolerances).
-        expect_metrics_match(tag, one, train_threads(2, trainer_recipe(2, sets), tag), 1e-5, false);
+        // are compared as totals (test_multigpu's CP tolerances). With the sparse loss one GPU
+        // runs the masked attention in its expanded form, CP in the absorbed one (CP has no
+        // expanded form): step 1's gradient norms differ by the two forms' bf16 rounding (seen
+        // 1.4e-4; with the dense loss, both absorbed, 5e-5).
+        expect_metrics_match(tag, one, train_threads(2, trainer_recipe(2, sets), tag), 1e-5, false,
+                             loss == "true" ? 3e-4 : 0);
     }
 }
 

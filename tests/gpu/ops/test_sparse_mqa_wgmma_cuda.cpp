@@ -149,6 +149,75 @@ void check_backward(double score_mult, double growth, int64_t extra_key_rows) {
     expect_guard(dkv, what + "dkv");
 }
 
+// Query blocks (the model's recompute_block_rows): rows [0, 128) and [128, T) as two problems
+// over every key row (key_rows T), each with its own q, out and LSE rows, the second adding its
+// keys' gradients into the first's (dkv_accumulate): the CPU's out, LSE, dq and dkv over all rows.
+void check_query_blocks() {
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    Problem pr(1.0, 0.0);
+    const auto qb = to_bf16_rounding(pr.qh), kvb = to_bf16_rounding(pr.kvh);
+    std::vector<float> o(T * H * dv), l(H * T);
+    cpu::sparse_mqa_forward<float>(T, H, dqk, dv, pr.qh.data(), pr.kvh.data(), pr.idx.data(),
+                                   pr.len.data(), K, pr.scale, o.data(), l.data());
+    auto doh = random_vector<float>(T * H * dv, 305);
+    const auto ob = to_bf16_rounding(o), dob = to_bf16_rounding(doh);
+    std::vector<float> dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk, 0.f);
+    cpu::sparse_mqa_backward<float>(T, H, dqk, dv, pr.qh.data(), pr.kvh.data(), pr.idx.data(),
+                                    pr.len.data(), K, pr.scale, o.data(), l.data(), doh.data(),
+                                    dqr.data(), ws.data(), dkvr.data());
+    DeviceArray<bf16> kv(kvb);
+    DeviceArray<int32_t> didx(pr.idx), dlen(pr.len);
+    DeviceArray<float> dkv(T * dqk);
+    std::vector<float> out_all, dq_all, lse_all(H * T);
+    const int64_t split = 128;
+    for (const int64_t r0 : {int64_t(0), split}) {
+        const int64_t n = r0 == 0 ? split : T - split;
+        auto rows = [&](const std::vector<bf16>& v, int64_t width) {
+            return std::vector<bf16>(v.begin() + r0 * width, v.begin() + (r0 + n) * width);
+        };
+        DeviceArray<bf16> q(rows(qb, H * dqk)), out(n * H * dv), dout(rows(dob, H * dv));
+        DeviceArray<bf16> dq(n * H * dqk);
+        DeviceArray<float> lse(H * n);
+        const cuda::SparseMqa p{.tokens = n,
+                                .heads = H,
+                                .dqk = dqk,
+                                .dv = dv,
+                                .q = q,
+                                .kv = kv,
+                                .idx = static_cast<const int32_t*>(didx) + r0 * K,
+                                .len = static_cast<const int32_t*>(dlen) + r0,
+                                .kslots = K,
+                                .scale = pr.scale,
+                                .key_rows = T,
+                                .dkv_accumulate = r0 > 0};
+        cuda::sparse_mqa_forward_wgmma(ctx, p, out, lse);
+        // The backward reads the CPU forward's rows (as check_backward), so dq / dkv compare
+        // against the CPU backward of the same values.
+        DeviceArray<bf16> out_ref(rows(ob, H * dv));
+        DeviceArray<float> lse_ref(H * n);
+        {
+            std::vector<float> lr(H * n);
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t t = 0; t < n; ++t) lr[h * n + t] = l[h * T + r0 + t];
+            lse_ref.upload(lr);
+        }
+        cuda::sparse_mqa_backward_wgmma(ctx, p, out_ref, lse_ref, dout, dq, dkv);
+        session.synchronize();
+        const auto ov = to_float(out.download()), dqv = to_float(dq.download());
+        out_all.insert(out_all.end(), ov.begin(), ov.end());
+        dq_all.insert(dq_all.end(), dqv.begin(), dqv.end());
+        const auto lv = lse.download();
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t t = 0; t < n; ++t) lse_all[h * T + r0 + t] = lv[h * n + t];
+    }
+    expect_close("wgmma sparse mqa in query blocks: out", out_all, o, 1e-2);
+    expect_close("wgmma sparse mqa in query blocks: lse", lse_all, l, 1e-5);
+    expect_close("wgmma sparse mqa in query blocks: dq", dq_all, dqr, 1e-2);
+    expect_close("wgmma sparse mqa in query blocks: dkv", dkv.download(), dkvr, 1e-2);
+    expect_guard(dkv, "wgmma sparse mqa in query blocks: dkv");
+}
+
 }  // namespace
 
 TEST(SparseMqaWgmma, ForwardMatchesCpuAtTheGlm5Shape) {
@@ -168,6 +237,12 @@ TEST(SparseMqaWgmma, BackwardMatchesCpuAtTheGlm5Shape) {
     if (wgmma_unsupported()) GTEST_SKIP() << "the wgmma sparse MQA needs an sm_90 device";
     check_backward(1.0, 0.0, 0);
     check_backward(3.0, 0.05, 37);
+}
+
+TEST(SparseMqaWgmma, QueryBlocksMatchCpuOverEveryRow) {
+    REQUIRE_GPU();
+    if (wgmma_unsupported()) GTEST_SKIP() << "the wgmma sparse MQA needs an sm_90 device";
+    check_query_blocks();
 }
 
 #endif

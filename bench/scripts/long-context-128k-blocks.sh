@@ -3,7 +3,7 @@
 # then the proxy's backbone at 4K and at 128K (every recompute module) with recompute_block_rows
 # 16384 and 32768, and the full step (MTP x7 e2e TV, indexer loss, Muon) at 4K and at 32K (every
 # module recomputed, expert_fc1 offloaded, as call 16); graph, 2 warm-up + 3 timed. Logs and
-# bench.jsonl # into $OUT. Usage: OUT=dir long-context-128k-blocks.sh COMMIT
+# bench.jsonl into $OUT. Usage: OUT=dir long-context-128k-blocks.sh COMMIT
 set -uo pipefail
 out=${OUT:?} c=${1:?commit}
 . "$(dirname "$0")/long-context-lib.sh"

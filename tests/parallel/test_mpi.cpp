@@ -612,9 +612,11 @@ TEST(Mpi, Seed16GpuRecipeAtTinyWidthMatchesOneProcess) {
 // to 4 at 128 tokens per rank) (ctest mpi_seed_256gpu_np16). Against the same layout without
 // stages on 4 ranks (test-tmp/seed256-stage): each stage's ranks compute for its layers what
 // those 4 ranks compute, so the runs agree to fp32 rounding (the gradient norm's sum over stages
-// enters through the clipping factor; on some hosts, whose BLAS kernels round otherwise, step
-// 1's LM loss is already 3.1e-11 apart and its gradient norm 3e-9, elsewhere equal) and route
-// every token alike.
+// enters through the clipping factor) and route step 1's tokens alike. On some hosts, whose BLAS
+// kernels round otherwise, step 1's LM loss is already 3.1e-11 apart and its gradient norm 3e-9
+// (elsewhere equal), which Muon carries to 4e-6 in step 2's loss and to near-tie routing flips
+// (70 of a layer's 32768 rows by step 3): later steps are compared at 1e-4 with 1% of a
+// layer's rows moved.
 TEST(Mpi, Seed256GpuRecipeLayoutOn16RanksMatchesTheUnpipelinedLayout) {
     if (g_comm->size() != 16)
         GTEST_SKIP() << "the cut 256-GPU layout needs 16 ranks (ctest mpi_seed_256gpu_np16)";
@@ -622,7 +624,7 @@ TEST(Mpi, Seed256GpuRecipeLayoutOn16RanksMatchesTheUnpipelinedLayout) {
         "glm5.2-256gpu.yaml", "seed256-stage",
         {"dsa_indexer_loss_coeff=0", "world_size=16", "expert_model_parallel_size=4",
          "context_parallel_size=4", "max_seqlen_per_dp_cp_rank=128"},
-        1e-9, 1e-4, {0, 2});
+        1e-9, 1e-4, {0, 328});
 }
 
 namespace {

@@ -71,6 +71,10 @@ inline std::string small_model_cli() {
     for (const std::string& set : small_model_sets()) s += " --set " + set;
     return s;
 }
+// A quiet CLI run of the small model, two sequences per step.
+inline std::string small_run_cli() {
+    return small_model_cli() + " --set global_batch_size=2 -q";
+}
 
 // Runs the `sparsetron` CLI built with the tests; stdout and stderr together.
 struct CliRun {

@@ -60,6 +60,10 @@ TEST(Recipe, SeedRecipesParseAndValidate) {
     EXPECT_EQ(r256.model.num_layers, 78);
     EXPECT_EQ(r256.model.num_dense_layers(), 3);
     EXPECT_EQ(r256.run.pipeline_model_parallel_size, 4);
+    // The seed's offset 2, its MTP layer shared, with kv sharing across the MTP depths.
+    EXPECT_EQ(r256.model.dsa_indexer_skip_topk_offset, 2);
+    EXPECT_TRUE(r256.model.dsa_mtp_index_kv_share);
+    EXPECT_FALSE(dsa_layer_is_full(r256.model, r256.model.num_layers));
 }
 
 // A recipe and its overlays: "base,overlay" applies each file's keys over the ones before, then
@@ -285,7 +289,8 @@ TEST(IndexShare, Glm52ReleaseAndSeedPatterns) {
     m.dsa_indexer_skip_topk_offset = 2;  // the seed's recipe value: full 0,1,5,9,...
     EXPECT_TRUE(dsa_layer_is_full(m, 5));
     EXPECT_FALSE(dsa_layer_is_full(m, 2));
-    EXPECT_FALSE(dsa_layer_is_full(m, 78));  // MTP layer 79 shared: kv sharing must be refused
+    EXPECT_FALSE(dsa_layer_is_full(m, 78));  // MTP layer 79 shared, over layer 78's top-k
+    EXPECT_EQ(dsa_source_layer(m, 78), 77);
     m.indexer_types = {"full", "shared", "shared"};  // an explicit list wins
     EXPECT_FALSE(dsa_layer_is_full(m, 1));
     EXPECT_EQ(dsa_source_layer(m, 2), 0);

@@ -142,6 +142,51 @@ TEST(FullModel, GradientsWithMtpLatentKvAndTopkSharing) {
     check_full_model(cfg);
 }
 
+// Offset 2 makes both backbone layers full and the MTP layer (3) shared: depth 1 attends over
+// layer 2's top-k and computes the K' that depths 2 and 3 reuse; no depth has an indexer.
+TEST(FullModel, GradientsWithMtpKvSharingOnASharedMtpLayer) {
+    ModelConfig cfg = full_config("e2e_tv", true, true);
+    cfg.mtp_num_layers = 3;
+    cfg.dsa_mtp_index_kv_share = true;
+    cfg.dsa_indexer_skip_topk_offset = 2;
+    ASSERT_TRUE(dsa_layer_is_full(cfg, 1));
+    ASSERT_FALSE(dsa_layer_is_full(cfg, cfg.num_layers));
+    check_full_model(cfg);
+    cfg = full_config("cross_entropy", false, false);  // depth 2 reuses depth 1's K' and top-k
+    cfg.dsa_mtp_index_kv_share = true;
+    cfg.dsa_indexer_skip_topk_offset = 2;
+    check_full_model(cfg);
+}
+
+// On a shared MTP layer depth 1 computes the same thing with or without kv sharing (its own K',
+// its source layer's top-k); only the later depths, which reuse depth 1's K', change.
+TEST(FullModel, KvSharingOnASharedMtpLayerChangesOnlyTheLaterDepths) {
+    ModelConfig cfg = full_config("cross_entropy", false, false);
+    cfg.dsa_indexer_skip_topk_offset = 2;
+    auto depth_sums = [&](bool share) {
+        ModelConfig c = cfg;
+        c.dsa_mtp_index_kv_share = share;
+        MemoryPlan plan;
+        Glm5Model<double> model(c, plan, 16, 3, 5);
+        plan.allocate(Device::CPU);
+        model.bind();
+        model.params().initialize(plan, 11, 0.6, c.num_layers);
+        MicroBatch mb(16, 3);
+        mb.add_document({1, 5, 2, 9, 3, 7, 8});
+        mb.add_document({4, 4, 7, 10, 0, 6});
+        model.load_inputs(mb);
+        LossScales sc;
+        sc.backward = false;
+        sc.mtp = {1.0, 1.0};
+        return model.forward_backward(sc).mtp_sum;
+    };
+    const std::vector<double> shared = depth_sums(true), own = depth_sums(false);
+    ASSERT_EQ(shared.size(), 2u);
+    ASSERT_EQ(own.size(), 2u);
+    EXPECT_EQ(shared[0], own[0]);
+    EXPECT_GT(std::fabs(shared[1] - own[1]), 1e-9 * std::fabs(own[1]));
+}
+
 TEST(FullModel, GradientsWithDistinctMtpLayers) {
     ModelConfig cfg = full_config("cross_entropy", false, true);
     cfg.mtp_use_repeated_layer = false;  // model.layers.2 for depth 1, model.layers.3 for depth 2

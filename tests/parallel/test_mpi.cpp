@@ -612,11 +612,12 @@ TEST(Mpi, Seed16GpuRecipeAtTinyWidthMatchesOneProcess) {
 // to 4 at 128 tokens per rank) (ctest mpi_seed_256gpu_np16). Against the same layout without
 // stages on 4 ranks (test-tmp/seed256-stage): each stage's ranks compute for its layers what
 // those 4 ranks compute, so the runs agree to fp32 rounding (the gradient norm's sum over stages
-// enters through the clipping factor) and route step 1's tokens alike. On some hosts, whose BLAS
-// kernels round otherwise, step 1's LM loss is already 3.1e-11 apart and its gradient norm 3e-9
-// (elsewhere equal), which Muon carries to 4e-6 in step 2's loss and to near-tie routing flips
-// (70 of a layer's 32768 rows by step 3): later steps are compared at 1e-4 with 1% of a
-// layer's rows moved.
+// enters through the clipping factor). The seed's offset 2 starts stages 2-4 on shared layers,
+// whose top-k arrives with the rows, and makes the MTP layer shared. Rounding apart (hosts whose
+// BLAS kernels round otherwise) flips the odd near-tie among 256 experts at width 48 (a few rows
+// of a layer in step 1, from the middle stages on), and Muon carries that into the later steps:
+// step 1 is compared at 1e-7 with up to 8 of a layer's routed rows moved, later steps at 3e-4
+// with 1% of a layer's rows moved.
 TEST(Mpi, Seed256GpuRecipeLayoutOn16RanksMatchesTheUnpipelinedLayout) {
     if (g_comm->size() != 16)
         GTEST_SKIP() << "the cut 256-GPU layout needs 16 ranks (ctest mpi_seed_256gpu_np16)";
@@ -624,7 +625,7 @@ TEST(Mpi, Seed256GpuRecipeLayoutOn16RanksMatchesTheUnpipelinedLayout) {
         "glm5.2-256gpu.yaml", "seed256-stage",
         {"dsa_indexer_loss_coeff=0", "world_size=16", "expert_model_parallel_size=4",
          "context_parallel_size=4", "max_seqlen_per_dp_cp_rank=128"},
-        1e-9, 1e-4, {0, 328});
+        1e-7, 3e-4, {8, 328});
 }
 
 namespace {
@@ -730,6 +731,12 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
         expect_pipeline_matches_one_process(
             pipeline_model(), {"pipeline_model_parallel_size=2", "context_parallel_size=2"},
             "pp2xcp2");
+        // The second stage starts on a shared layer: the top-k it receives indexes CP's keys.
+        expect_pipeline_matches_one_process(
+            pipeline_model(),
+            {"pipeline_model_parallel_size=2", "context_parallel_size=2",
+             "decoder_first_pipeline_num_layers=1"},
+            "pp2xcp2-carried-topk");
     }
     if (W == 8)
         expect_pipeline_matches_one_process(

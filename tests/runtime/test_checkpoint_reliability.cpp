@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Recipe small_recipe(std::vector<std::string> extra = {}) {
+Recipe saving_recipe(std::vector<std::string> extra = {}) {
     std::vector<std::string> sets = test::small_model_sets();
     sets.insert(sets.end(),
                 {"global_batch_size=2", "train_iters=4", "lr_warmup_iters=1", "save_interval=2"});
@@ -58,7 +58,7 @@ void foreign_checkpoint(const fs::path& dir) {
 TEST(CheckpointRetention, AnotherRunsHigherIterationsAreKept) {
     const std::string out = test::temp_dir("retention-foreign");
     foreign_checkpoint(fs::path(out) / "checkpoints" / "iter_0000100");
-    Trainer t(small_recipe({"save_keep_last=1"}), {out, "", Device::CPU});
+    Trainer t(saving_recipe({"save_keep_last=1"}), {out, "", Device::CPU});
     t.run();
     EXPECT_EQ(iterations_in(t.checkpoint_dir()),
               (std::vector<std::string>{"iter_0000004", "iter_0000100"}));
@@ -69,13 +69,13 @@ TEST(CheckpointRetention, AnotherRunsHigherIterationsAreKept) {
 TEST(CheckpointRetention, TheResumedCheckpointIsKept) {
     const std::string out = test::temp_dir("retention-resume");
     {
-        Trainer t(small_recipe({"save_keep_last=3", "train_iters=6"}), {out, "", Device::CPU});
+        Trainer t(saving_recipe({"save_keep_last=3", "train_iters=6"}), {out, "", Device::CPU});
         t.run();
         EXPECT_EQ(iterations_in(t.checkpoint_dir()),
                   (std::vector<std::string>{"iter_0000002", "iter_0000004", "iter_0000006"}));
     }
     const std::string from = out + "/checkpoints/iter_0000002";
-    Trainer t(small_recipe({"save_keep_last=2", "train_iters=10"}), {out, from, Device::CPU});
+    Trainer t(saving_recipe({"save_keep_last=2", "train_iters=10"}), {out, from, Device::CPU});
     EXPECT_EQ(t.iteration(), 2);
     t.run();  // saves 4, 6 (again), 8, 10; keeps its newest two
     EXPECT_EQ(iterations_in(t.checkpoint_dir()),
@@ -87,7 +87,7 @@ TEST(CheckpointRetention, TheResumedCheckpointIsKept) {
 // 7-digit one, which deleted the newest checkpoint.
 TEST(CheckpointRetention, NumericPastTenMillion) {
     const std::string out = test::temp_dir("retention-1e7");
-    Recipe r = small_recipe();
+    Recipe r = saving_recipe();
     auto tp = make_training_plan(r);
     tp->plan.allocate(Device::CPU);
     tp->model->bind();
@@ -108,15 +108,15 @@ TEST(CheckpointRetention, NumericPastTenMillion) {
 TEST(RunLock, SecondRunOnOneDirectoryStops) {
     const std::string out = test::temp_dir("run-lock");
     {
-        Trainer first(small_recipe(), {out, "", Device::CPU});
+        Trainer first(saving_recipe(), {out, "", Device::CPU});
         const std::string msg = test::error_of([&] {
-            Trainer second(small_recipe(), {out, "", Device::CPU});
+            Trainer second(saving_recipe(), {out, "", Device::CPU});
         });
         EXPECT_NE(msg.find("is in use by another run (PID " + std::to_string(::getpid())),
                   std::string::npos)
             << msg;
     }
-    EXPECT_NO_THROW(Trainer again(small_recipe(), {out, "", Device::CPU}));
+    EXPECT_NO_THROW(Trainer again(saving_recipe(), {out, "", Device::CPU}));
     // Another process holding it: a child takes the lock and waits for the parent's signal.
     int ready[2], done[2];
     ASSERT_EQ(::pipe(ready), 0);
@@ -160,7 +160,7 @@ TEST(CheckpointRetention, StaleTemporariesAreRemovedAtStart) {
     EXPECT_TRUE(fs::exists(ck / "iter_0000001" / "marker"));
     // The trainer does it at start.
     foreign_checkpoint(ck / (".tmp-iter_0000006-" + dead));
-    Trainer t(small_recipe(), {out, "", Device::CPU});
+    Trainer t(saving_recipe(), {out, "", Device::CPU});
     EXPECT_FALSE(fs::exists(ck / (".tmp-iter_0000006-" + dead)));
 }
 
@@ -179,7 +179,7 @@ namespace {
 
 // A saved tiny checkpoint (2 steps) and its model file's bytes.
 std::string saved_checkpoint(const std::string& out) {
-    Trainer t(small_recipe({"train_iters=2"}), {out, "", Device::CPU});
+    Trainer t(saving_recipe({"train_iters=2"}), {out, "", Device::CPU});
     t.run();
     return resolve_checkpoint(t.checkpoint_dir());
 }
@@ -194,7 +194,7 @@ void write_bytes(const std::string& path, const std::string& bytes) {
 }
 
 std::string load_error(const std::string& ckpt) {
-    auto tp = make_training_plan(small_recipe());
+    auto tp = make_training_plan(saving_recipe());
     tp->plan.allocate(Device::CPU);
     return test::error_of([&] { load_model_weights(ckpt, tp->model->params(), tp->plan); });
 }
@@ -256,7 +256,7 @@ TEST(CheckpointIntegrity, OverlapsAndWrongDtypesAreNamed) {
 // A NaN weight, or a NaN or negative second-moment estimate, is refused at load with the tensor
 // named (the run skipped every step and saved the NaN again; exp_avg_sq < 0 put NaN into weights).
 TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
-    Recipe r = small_recipe();
+    Recipe r = saving_recipe();
     for (const char* what : {"weight", "exp_avg_sq nan", "exp_avg_sq negative"}) {
         const std::string out = test::temp_dir(what);
         auto tp = make_training_plan(r);
@@ -308,7 +308,7 @@ TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
 TEST(CheckpointIntegrity, TrainerStateIsValidated) {
     const std::string out = test::temp_dir("state");
     {
-        Trainer t(small_recipe(), {out, "", Device::CPU});
+        Trainer t(saving_recipe(), {out, "", Device::CPU});
         t.run();
     }
     const std::string ckpt = out + "/checkpoints/iter_0000004";
@@ -323,7 +323,7 @@ TEST(CheckpointIntegrity, TrainerStateIsValidated) {
     };
     const auto resume_error = [&](std::vector<std::string> extra = {}) {
         return test::error_of([&] {
-            Trainer t(small_recipe(extra), {test::temp_dir("resumed"), ckpt, Device::CPU});
+            Trainer t(saving_recipe(extra), {test::temp_dir("resumed"), ckpt, Device::CPU});
         });
     };
     with("\"iteration\": 4", "\"iteration\": 2");
@@ -376,7 +376,7 @@ TEST(HostMemoryCheck, HugeModelsStopBeforePlanning) {
 TEST(StopRequest, StopsAfterTheStepWithACheckpoint) {
     const std::string out = test::temp_dir("stop");
     {
-        Trainer t(small_recipe({"train_iters=6", "save_interval=0"}), {out, "", Device::CPU});
+        Trainer t(saving_recipe({"train_iters=6", "save_interval=0"}), {out, "", Device::CPU});
         set_stop_request(SIGTERM);
         const Trainer::End end = t.run();
         set_stop_request(0);
@@ -386,7 +386,7 @@ TEST(StopRequest, StopsAfterTheStepWithACheckpoint) {
         EXPECT_EQ(resolve_checkpoint(t.checkpoint_dir()), t.checkpoint_dir() + "/iter_0000001");
     }
     {
-        Trainer t(small_recipe({"train_iters=6", "save_interval=0", "exit_signal_handler=false"}),
+        Trainer t(saving_recipe({"train_iters=6", "save_interval=0", "exit_signal_handler=false"}),
                   {out, out + "/checkpoints", Device::CPU});
         set_stop_request(SIGINT);  // ignored without the handler key
         Trainer::End end = t.run([](const StepMetrics&) {});
@@ -394,7 +394,7 @@ TEST(StopRequest, StopsAfterTheStepWithACheckpoint) {
         EXPECT_EQ(end.kind, Trainer::End::Finished);
         EXPECT_EQ(t.iteration(), 6);
     }
-    Trainer t(small_recipe({"train_iters=6", "save_interval=0", "exit_interval=4"}),
+    Trainer t(saving_recipe({"train_iters=6", "save_interval=0", "exit_interval=4"}),
               {test::temp_dir("interval"), "", Device::CPU});
     const Trainer::End end = t.run();
     EXPECT_EQ(end.kind, Trainer::End::ExitInterval);

@@ -207,8 +207,6 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
 }
 
 namespace {
-// A small model (the tiny recipe's architecture at the test width) for the CLI runs below.
-const std::string kSmall = sparsetron::test::small_model_cli() + " --set global_batch_size=2 -q";
 
 int metric_lines(const std::string& path) {
     std::ifstream in(path);
@@ -223,11 +221,14 @@ int metric_lines(const std::string& path) {
 TEST(Cli, ResumeWithoutOutContinuesWhereItResumedFrom) {
     namespace fs = std::filesystem;
     const std::string out = sparsetron::test::temp_dir("resume-here");
-    CliRun first = run("train --set train_iters=2 --out " + out + kSmall);
+    CliRun first =
+        run("train --set train_iters=2 --out " + out + sparsetron::test::small_run_cli());
     ASSERT_EQ(first.code, 0) << first.output;
     const std::string cwd = sparsetron::test::temp_dir("cwd");
-    CliRun again = sparsetron::test::run_cli(
-        "train --resume " + out + "/checkpoints --set train_iters=4" + kSmall, "--chdir=" + cwd);
+    CliRun again =
+        sparsetron::test::run_cli("train --resume " + out + "/checkpoints --set train_iters=4" +
+                                      sparsetron::test::small_run_cli(),
+                                  "--chdir=" + cwd);
     ASSERT_EQ(again.code, 0) << again.output;
     EXPECT_EQ(metric_lines(out + "/metrics.jsonl"), 4) << again.output;
     EXPECT_TRUE(fs::exists(out + "/checkpoints/iter_0000004/model.safetensors"));
@@ -242,7 +243,7 @@ TEST(Cli, ValidationDuringTrainingAndEvalOnTheHeldOutPart) {
     CliRun r =
         run("train --set train_iters=4 --set split=80,20,0 --set eval_interval=2 --set eval_iters=1"
             " --out " +
-            out + kSmall);
+            out + sparsetron::test::small_run_cli());
     ASSERT_EQ(r.code, 0) << r.output;
     std::ifstream in(out + "/metrics.jsonl");
     std::vector<bool> valid;
@@ -279,12 +280,14 @@ TEST(Cli, ValidationDuringTrainingAndEvalOnTheHeldOutPart) {
 // refuses the third (EFBIG, SIGXFSZ ignored as a full disk's ENOSPC would be met).
 TEST(Cli, AFailedMetricsWriteStopsTheRun) {
     const std::string out = sparsetron::test::temp_dir("metrics-write");
-    CliRun first = run("train --set train_iters=2 --out " + out + kSmall);
+    CliRun first =
+        run("train --set train_iters=2 --out " + out + sparsetron::test::small_run_cli());
     ASSERT_EQ(first.code, 0) << first.output;
     ASSERT_GT(metric_lines(out + "/metrics.jsonl"), 0);
     const std::string cmd = "bash -c \"trap '' XFSZ; ulimit -f 1; exec " +
                             std::string(SPARSETRON_CLI) + " train --no-save --resume " + out +
-                            "/checkpoints --set train_iters=6 --out " + out + kSmall + "\" 2>&1";
+                            "/checkpoints --set train_iters=6 --out " + out +
+                            sparsetron::test::small_run_cli() + "\" 2>&1";
     FILE* p = popen(cmd.c_str(), "r");
     std::string output;
     char buf[4096];
@@ -301,7 +304,7 @@ TEST(Cli, ADivergedRunStops) {
     CliRun r =
         run("train --set lr=1e30 --set min_lr=1e29 --set lr_warmup_iters=0"
             " --set train_iters=20 --set skipped_iters_limit=3 --out " +
-            out + kSmall);
+            out + sparsetron::test::small_run_cli());
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("3 consecutive steps (2..4) were skipped"), std::string::npos)
         << r.output;
@@ -347,8 +350,9 @@ int signalled_run(const std::string& args, const std::string& out, int lines,
 TEST(Cli, SignalsSaveAndExit) {
     namespace fs = std::filesystem;
     const std::string out = sparsetron::test::temp_dir("sigterm");
-    const int code =
-        signalled_run("train --set train_iters=1000 --out " + out + kSmall, out, 2, {SIGTERM});
+    const int code = signalled_run(
+        "train --set train_iters=1000 --out " + out + sparsetron::test::small_run_cli(), out, 2,
+        {SIGTERM});
     const std::string text = read_file(out + "/log");
     EXPECT_EQ(code, 143) << text;
     const int steps = metric_lines(out + "/metrics.jsonl");

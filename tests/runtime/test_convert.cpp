@@ -16,7 +16,6 @@ using namespace sparsetron;
 namespace fs = std::filesystem;
 
 namespace {
-const std::string kSmall = test::small_model_cli() + " --set global_batch_size=2 -q";
 
 double eval_loss(const std::string& model, const std::string& tokens) {
     auto r = test::run_cli("eval --json --model " + model + " --tokens " + tokens);
@@ -27,7 +26,8 @@ double eval_loss(const std::string& model, const std::string& tokens) {
 
 TEST(Convert, EngineToHfShardsAndBack) {
     const std::string dir = test::temp_dir("convert");
-    auto train = test::run_cli("train --set train_iters=2 --out " + dir + "/run" + kSmall);
+    auto train =
+        test::run_cli("train --set train_iters=2 --out " + dir + "/run" + test::small_run_cli());
     ASSERT_EQ(train.code, 0) << train.output;
     const std::string ckpt = dir + "/run/checkpoints";
     // Shards of at most 64 KiB: several files, each tensor in exactly one.

@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Recipe small_recipe(std::vector<std::string> extra = {}) {
+Recipe two_step_recipe(std::vector<std::string> extra = {}) {
     std::vector<std::string> sets = test::small_model_sets();
     sets.insert(sets.end(), {"global_batch_size=2", "train_iters=2", "lr_warmup_iters=1"});
     sets.insert(sets.end(), extra.begin(), extra.end());
@@ -37,7 +37,7 @@ struct Source {
 Source make_source(const std::string& dir, const std::string& drop = "", bool no_scale = false) {
     Source s;
     {
-        Trainer t(small_recipe(), {dir + "/run", "", Device::CPU});
+        Trainer t(two_step_recipe(), {dir + "/run", "", Device::CPU});
         t.run();
         s.ckpt = t.checkpoint_dir() + "/iter_0000002";
     }
@@ -45,7 +45,7 @@ Source make_source(const std::string& dir, const std::string& drop = "", bool no
     fs::create_directories(s.hf);
     fs::copy_file(s.ckpt + "/config.json", s.hf + "/config.json");
     SafetensorsFile src(s.ckpt + "/model.safetensors");
-    Trainer probe(small_recipe(), {dir + "/probe", "", Device::CPU});
+    Trainer probe(two_step_recipe(), {dir + "/probe", "", Device::CPU});
     std::set<std::string> mtp;
     for (const auto& p : probe.params().params())
         if (p.mtp) mtp.insert(p.name);
@@ -84,8 +84,8 @@ std::vector<float> values(const Trainer& t, const ParamInfo& p) {
 TEST(Pretrained, HfDirectoryStartsAFreshRunFromItsWeights) {
     const std::string dir = test::temp_dir("hf");
     const Source s = make_source(dir);
-    Trainer t(small_recipe({"load=" + s.hf}), {dir + "/ft", "", Device::CPU});
-    Trainer fresh(small_recipe(), {dir + "/fresh", "", Device::CPU});
+    Trainer t(two_step_recipe({"load=" + s.hf}), {dir + "/ft", "", Device::CPU});
+    Trainer fresh(two_step_recipe(), {dir + "/fresh", "", Device::CPU});
     EXPECT_EQ(t.iteration(), 0);
     EXPECT_EQ(t.pretrained_from(), s.hf);
     SafetensorsFile ckpt(s.ckpt + "/model.safetensors");
@@ -125,19 +125,19 @@ TEST(Pretrained, MismatchesAndMissingTensorsAreNamed) {
     const std::string dir = test::temp_dir("bad");
     const Source s = make_source(dir, "model.layers.1.post_attention_layernorm.weight");
     std::string msg = test::error_of([&] {
-        Trainer(small_recipe({"load=" + s.hf}), {dir + "/a", "", Device::CPU});
+        Trainer(two_step_recipe({"load=" + s.hf}), {dir + "/a", "", Device::CPU});
     });
     EXPECT_NE(msg.find("no tensor 'model.layers.1.post_attention_layernorm.weight'"),
               std::string::npos)
         << msg;
     msg = test::error_of([&] {
-        Trainer(small_recipe({"load=" + s.hf, "ffn_hidden_size=64"}),
+        Trainer(two_step_recipe({"load=" + s.hf, "ffn_hidden_size=64"}),
                 {dir + "/b", "", Device::CPU});
     });
     EXPECT_NE(msg.find("has ffn_hidden_size 96 but the recipe has 64"), std::string::npos) << msg;
     const Source ns = make_source(test::temp_dir("noscale"), "", /*no_scale=*/true);
     msg = test::error_of([&] {
-        Trainer(small_recipe({"load=" + ns.hf}), {dir + "/c", "", Device::CPU});
+        Trainer(two_step_recipe({"load=" + ns.hf}), {dir + "/c", "", Device::CPU});
     });
     EXPECT_NE(msg.find(std::string(kFp8Name) + "_scale_inv"), std::string::npos) << msg;
 }
@@ -147,7 +147,8 @@ TEST(Pretrained, MismatchesAndMissingTensorsAreNamed) {
 TEST(Pretrained, FinetuneTakesAnEngineCheckpointsWeightsOnly) {
     const std::string dir = test::temp_dir("finetune");
     const Source s = make_source(dir);
-    Trainer ft(small_recipe({"load=" + s.ckpt, "finetune=true"}), {dir + "/ft", "", Device::CPU});
+    Trainer ft(two_step_recipe({"load=" + s.ckpt, "finetune=true"}),
+               {dir + "/ft", "", Device::CPU});
     EXPECT_EQ(ft.iteration(), 0);
     EXPECT_TRUE(ft.initialized_parameters().empty());
     SafetensorsFile ckpt(s.ckpt + "/model.safetensors");
@@ -157,7 +158,7 @@ TEST(Pretrained, FinetuneTakesAnEngineCheckpointsWeightsOnly) {
         const auto got = values(ft, p);
         ASSERT_EQ(got, std::vector<float>(want, want + got.size())) << p.name;
     }
-    Trainer resumed(small_recipe({"load=" + s.ckpt, "train_iters=3"}),
+    Trainer resumed(two_step_recipe({"load=" + s.ckpt, "train_iters=3"}),
                     {dir + "/r", "", Device::CPU});
     EXPECT_EQ(resumed.iteration(), 2);
     EXPECT_TRUE(resumed.pretrained_from().empty());
@@ -198,7 +199,7 @@ TEST(Pretrained, DistinctMtpLayersTravelThroughHfAndBack) {
     std::string ckpt;
     int64_t L = 0;
     {
-        Trainer t(small_recipe(distinct), {dir + "/run", "", Device::CPU});
+        Trainer t(two_step_recipe(distinct), {dir + "/run", "", Device::CPU});
         t.run();
         ckpt = t.checkpoint_dir() + "/iter_0000002";
         L = t.recipe().model.num_layers;
@@ -213,7 +214,7 @@ TEST(Pretrained, DistinctMtpLayersTravelThroughHfAndBack) {
 
     auto with = [&](std::vector<std::string> sets) {
         sets.push_back("load=" + dir + "/hf");
-        return small_recipe(sets);
+        return two_step_recipe(sets);
     };
     Trainer t(with(distinct), {dir + "/a", "", Device::CPU});
     EXPECT_TRUE(t.initialized_parameters().empty());

@@ -126,14 +126,11 @@ void Recipe::validate() {
                  "dsa_mtp_index_kv_share: true hands depth 1's latent keys and top-k to the later "
                  "depths of the one repeated MTP layer; with mtp_use_repeated_layer: false each "
                  "depth's own layer computes its keys: set dsa_mtp_index_kv_share: false");
-    if (m.uses_dsa() && m.mtp_num_layers > 0 && m.dsa_mtp_index_kv_share)
-        ST_CHECK(dsa_layer_is_full(m, m.num_layers),
-                 "dsa_mtp_index_kv_share needs the MTP layer (layer ", m.num_layers + 1,
-                 ", 1-indexed) to compute its own top-k, but dsa_indexer_topk_freq=",
-                 m.dsa_indexer_topk_freq,
-                 " / dsa_indexer_skip_topk_offset=", m.dsa_indexer_skip_topk_offset,
-                 " make it a shared layer; change the offset or "
-                 "frequency, or set dsa_mtp_index_kv_share: false");
+    // dsa_mtp_index_kv_share on an MTP layer that IndexShare makes "shared" (the seed's 256-GPU
+    // recipe: 78 layers, offset 2) is accepted, where Megatron and SPEC §5 refuse it: depth 1
+    // attends over its source layer's top-k like any shared layer and computes the latent K' that
+    // the later depths reuse; no depth runs an indexer (docs/model.md: MTP kv sharing on a
+    // shared MTP layer).
     one_of(m.mtp_loss_type, "mtp_loss_type", {"cross_entropy", "e2e_tv"});
     if (m.mtp_num_layers > 0 && m.mtp_loss_type == "e2e_tv")
         ST_CHECK(m.mtp_detach_heads,

@@ -11,7 +11,7 @@ namespace sparsetron {
 namespace fs = std::filesystem;
 namespace {
 
-const char* kPage = R"HTML(<!doctype html>
+const char* kRunPage = R"HTML(<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Sparsetron training report</title>
 <style>
 body { font: 14px system-ui, sans-serif; margin: 24px; color: #222; }
@@ -139,7 +139,7 @@ int write_run_report(const std::vector<std::string>& run_dirs, const std::string
     }
     nlohmann::json data;
     data["runs"] = runs;
-    write_report_page(kPage, chartjs_path, data.dump(), out_html);
+    write_report_page(kRunPage, chartjs_path, data.dump(), out_html);
     return total;
 }
 

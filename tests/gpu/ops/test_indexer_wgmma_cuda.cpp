@@ -27,9 +27,9 @@ TEST(IndexerWgmma, Skipped) {
 }
 #else
 
-namespace {
-
 class IndexerWgmma : public CudaSessionTest {};
+
+namespace {
 
 // Documents [0, 70), [70, 71), [71, end - 5) and 5 padding rows (row_begin -1).
 std::vector<int32_t> doc_row_begin(int64_t tokens) {

@@ -30,17 +30,17 @@ TEST(SparseMhaMasked, Skipped) {
 }
 #else
 
+class SparseMhaMasked : public CudaSessionTest {};
+
 namespace {
 
-constexpr int64_t T = 200;
-
-class SparseMhaMasked : public CudaSessionTest {};
+constexpr int64_t kRows = 200;
 
 // Documents [0, 120) and [120, 190), then padding rows (no keys); each row selects an ascending
 // random subset of min(K, its causal document keys).
 void random_topk(int64_t K, std::vector<int32_t>& idx, std::vector<int32_t>& len) {
-    idx.assign(T * K, -1);
-    len.assign(T, 0);
+    idx.assign(kRows * K, -1);
+    len.assign(kRows, 0);
     CounterRng rng(91, 1);
     uint64_t draw = 0;
     for (int64_t t = 0; t < 190; ++t) {
@@ -65,28 +65,30 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
     const int64_t wv = dn + dv;  // the kv_b output's per-head width
     // Host copies rounded to bf16 in place by to_bf16_rounding: the reference sees the device's
     // values.
-    auto qh = random_vector<float>(T * H * dqk, 92), kh = random_vector<float>(T * H * dqk, 93);
-    auto vh = random_vector<float>(T * H * wv, 94), doh = random_vector<float>(T * H * dv, 95);
+    auto qh = random_vector<float>(kRows * H * dqk, 92),
+         kh = random_vector<float>(kRows * H * dqk, 93);
+    auto vh = random_vector<float>(kRows * H * wv, 94),
+         doh = random_vector<float>(kRows * H * dv, 95);
     DeviceArray<bf16> q(to_bf16_rounding(qh)), k(to_bf16_rounding(kh)), v(to_bf16_rounding(vh));
-    DeviceArray<bf16> dout(to_bf16_rounding(doh)), out(T * H * dv);
+    DeviceArray<bf16> dout(to_bf16_rounding(doh)), out(kRows * H * dv);
     DeviceArray<int32_t> didx(idx), dlen(len);
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> nans(T * H * dqk, nan);
+    std::vector<float> nans(kRows * H * dqk, nan);
     DeviceArray<bf16> dq(to_bf16_rounding(nans));
-    DeviceArray<float> lse(H * T), psum(T * K);
-    DeviceArray<float> dk(std::vector<float>(T * H * dqk, nan));
-    DeviceArray<float> dvv(std::vector<float>(T * H * dv, nan));
-    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(T, H);
+    DeviceArray<float> lse(H * kRows), psum(kRows * K);
+    DeviceArray<float> dk(std::vector<float>(kRows * H * dqk, nan));
+    DeviceArray<float> dvv(std::vector<float>(kRows * H * dv, nan));
+    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(kRows, H);
     ASSERT_GT(planned, 0) << "the masked form runs at this shape";
-    const int64_t per_token = planned / T;  // one chunk holds the whole context
-    const int64_t ws_bytes = (T + chunks - 1) / chunks * per_token;
+    const int64_t per_token = planned / kRows;  // one chunk holds the whole context
+    const int64_t ws_bytes = (kRows + chunks - 1) / chunks * per_token;
     DeviceArray<float> workspace((ws_bytes + 3) / 4);
-    const int64_t saved_elems = saved ? cuda::sparse_mqa_saved_probs_elems(T, H, ws_bytes) : 0;
+    const int64_t saved_elems = saved ? cuda::sparse_mqa_saved_probs_elems(kRows, H, ws_bytes) : 0;
     DeviceArray<bf16> probs(std::max<int64_t>(1, saved_elems));
     bf16* pp = saved ? static_cast<bf16*>(probs) : nullptr;
     const cuda::HeadKV kv{k, H * dqk, dqk, static_cast<const bf16*>(v) + dn, H * wv, wv};
     const float scale = float(0.9 / std::sqrt(double(dqk)));
-    const cuda::SparseMha problem{T, H, dqk, dv, q, kv, didx, dlen, K, scale};
+    const cuda::SparseMha problem{kRows, H, dqk, dv, q, kv, didx, dlen, K, scale};
     cuda::sparse_mha_forward_masked(ctx, problem, out, lse,
                                     head_sums ? static_cast<float*>(psum) : nullptr,
                                     {workspace, ws_bytes, pp});
@@ -97,12 +99,13 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
 
     // The reference, head by head, as one-head sparse MQA over [V_h ; K_h].
     const int64_t L = dv + dqk;
-    std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), dkr(T * H * dqk), dvr(T * H * dv);
-    std::vector<double> prob_sum(T * K, 0.0);
-    std::vector<float> qp(T * L), kvp(T * L), oh(T * dv), lh(T), goh(T * dv), oh_gpu(T * dv),
-        dqp(T * L), ws(T * L), dkvp(T * L);
+    std::vector<float> o(kRows * H * dv), l(H * kRows), dqr(kRows * H * dqk), dkr(kRows * H * dqk),
+        dvr(kRows * H * dv);
+    std::vector<double> prob_sum(kRows * K, 0.0);
+    std::vector<float> qp(kRows * L), kvp(kRows * L), oh(kRows * dv), lh(kRows), goh(kRows * dv),
+        oh_gpu(kRows * dv), dqp(kRows * L), ws(kRows * L), dkvp(kRows * L);
     for (int64_t h = 0; h < H; ++h) {
-        for (int64_t t = 0; t < T; ++t) {
+        for (int64_t t = 0; t < kRows; ++t) {
             for (int64_t c = 0; c < dv; ++c) {
                 qp[t * L + c] = 0.f;
                 kvp[t * L + c] = vh[(t * H + h) * wv + dn + c];
@@ -114,13 +117,13 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
                 kvp[t * L + dv + c] = kh[(t * H + h) * dqk + c];
             }
         }
-        cpu::sparse_mqa_forward<float>(T, 1, L, dv, qp.data(), kvp.data(), idx.data(), len.data(),
-                                       K, scale, oh.data(), lh.data());
-        cpu::sparse_mqa_backward<float>(T, 1, L, dv, qp.data(), kvp.data(), idx.data(), len.data(),
-                                        K, scale, oh_gpu.data(), lh.data(), goh.data(), dqp.data(),
-                                        ws.data(), dkvp.data());
-        for (int64_t t = 0; t < T; ++t) {
-            l[h * T + t] = lh[t];
+        cpu::sparse_mqa_forward<float>(kRows, 1, L, dv, qp.data(), kvp.data(), idx.data(),
+                                       len.data(), K, scale, oh.data(), lh.data());
+        cpu::sparse_mqa_backward<float>(kRows, 1, L, dv, qp.data(), kvp.data(), idx.data(),
+                                        len.data(), K, scale, oh_gpu.data(), lh.data(), goh.data(),
+                                        dqp.data(), ws.data(), dkvp.data());
+        for (int64_t t = 0; t < kRows; ++t) {
+            l[h * kRows + t] = lh[t];
             for (int64_t c = 0; c < dv; ++c) {
                 o[(t * H + h) * dv + c] = oh[t * dv + c];
                 dvr[(t * H + h) * dv + c] = dkvp[t * L + c];

@@ -73,6 +73,8 @@ struct SparseMqaBench {
     }
 };
 
+}  // namespace
+
 class CudaOpsPerf : public ::testing::Test {
   protected:
     void SetUp() override {
@@ -175,8 +177,6 @@ class CudaOpsPerf : public ::testing::Test {
     }
     std::unique_ptr<cuda::CudaSession> session_;
 };
-
-}  // namespace
 
 // The block-scaled FP8 GEMM (1x128 activations x 128x128 weights, cuBLASLt) against the bf16
 // GEMM of the same shape, plus the activation quantizer's cost (bytes: bf16 in, e4m3 out).

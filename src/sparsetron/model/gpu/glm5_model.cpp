@@ -13,8 +13,6 @@
 namespace sparsetron::gpu {
 
 using cuda::gemm;
-constexpr auto BF = DType::BF16;
-constexpr auto F32 = DType::F32;
 
 GpuGlm5Model::GpuGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                            int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,

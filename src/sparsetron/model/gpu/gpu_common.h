@@ -22,6 +22,10 @@
 
 namespace sparsetron::gpu {
 
+// The CUDA model's two element types, by the short names its GEMM calls use.
+inline constexpr DType BF = DType::BF16;
+inline constexpr DType F32 = DType::F32;
+
 // Registers pointers to device buffers; resolve() fills them once the plan is allocated. The
 // registered pointer variables must not move (modules live behind unique_ptr).
 class GpuBuffers {

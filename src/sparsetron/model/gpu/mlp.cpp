@@ -9,8 +9,6 @@
 namespace sparsetron::gpu {
 
 using cuda::gemm;
-constexpr auto BF = DType::BF16;
-constexpr auto F32 = DType::F32;
 
 GpuSwiGluMlp::GpuSwiGluMlp(const GpuParams& P, GpuBuffers& B, const std::string& p, int64_t hidden,
                            int64_t ffn, int64_t tokens, const std::string& tag, bool recompute,

@@ -16,8 +16,6 @@
 namespace sparsetron::gpu {
 
 using cuda::gemm;
-constexpr auto BF = DType::BF16;
-constexpr auto F32 = DType::F32;
 
 namespace {
 // Power-of-two scales for the expert rows, as Fp8Weights' (Transformer Engine's default).

@@ -4,8 +4,8 @@
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/core/memory_plan.h"
-#include "sparsetron/core/parallel.h"
 #include "sparsetron/core/rng.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/glm5_model.h"
 
 using namespace sparsetron;

@@ -17,13 +17,13 @@
 #include <vector>
 
 #include "harness.h"
-#include "sparsetron/parallel/launch_env.h"
+#include "sparsetron/parallel/comm/launch_env.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/step_graph.h"
 #include "sparsetron/ops/copy/copy.h"
-#include "sparsetron/parallel/expert_exchange.h"
+#include "sparsetron/parallel/expert/expert_exchange.h"
 #endif
 
 using namespace sparsetron;

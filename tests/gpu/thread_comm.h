@@ -19,7 +19,7 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/ops/copy/copy.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron::test {
 

@@ -4,6 +4,7 @@
 #include "../test_util.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/glm5_model.h"
+#include "sparsetron/model/param_table.h"
 
 using namespace sparsetron;
 
@@ -40,6 +41,7 @@ TEST(Components, DsaTopkIsAscendingPaddedAndCausal) {
     MemoryPlan plan;
     Buffers buf(plan, DType::F64);
     ParamStore store(plan, DType::F64);
+    add_decoder_layer_params(m, store, 0);
     DecoderLayer<double> layer(m, store, buf, 0, 12);
     auto slots = layer.declare_acts(buf, "l.");
     plan.allocate(Device::CPU);
@@ -84,6 +86,7 @@ TEST(Components, MoeForceBalanceCapacityAndBiasUpdate) {
         MemoryPlan plan;
         Buffers buf(plan, DType::F64);
         ParamStore store(plan, DType::F64);
+        add_moe_params(m, store, "mlp.");
         MoeLayer<double> moe(m, store, buf, "mlp.", 16);
         auto slots = moe.declare_acts(buf, "moe.");
         plan.allocate(Device::CPU);

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "../fp8_test_data.h"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/fp8/fp8.h"
-#include "sparsetron/ops/fp8/scale_layout.h"
 #include "sparsetron/ops/gemm/gemm.h"
 
 using namespace sparsetron;

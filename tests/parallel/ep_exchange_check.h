@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "sparsetron/core/rng.h"
-#include "sparsetron/parallel/ep_dispatch.h"
+#include "sparsetron/parallel/expert/ep_dispatch.h"
 
 namespace sparsetron::test {
 

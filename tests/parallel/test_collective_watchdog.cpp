@@ -13,7 +13,7 @@
 #include <string>
 
 #include "../test_util.h"
-#include "sparsetron/parallel/collective_watchdog.h"
+#include "sparsetron/parallel/comm/collective_watchdog.h"
 
 namespace fs = std::filesystem;
 using sparsetron::CollectiveWatchdog;

@@ -1,4 +1,4 @@
-// The expert exchange's transport (parallel/exchange_transport.h): auto follows where the
+// The expert exchange's transport (parallel/expert/exchange_transport.h): auto follows where the
 // expert-parallel ranks run, a forced transport is taken or refused with the reason, and the
 // recipe key is validated.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 
 #include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
-#include "sparsetron/parallel/exchange_transport.h"
+#include "sparsetron/parallel/expert/exchange_transport.h"
 
 using namespace sparsetron;
 

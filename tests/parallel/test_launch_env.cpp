@@ -5,8 +5,8 @@
 
 #include "../test_util.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/parallel/comm.h"
-#include "sparsetron/parallel/launch_env.h"
+#include "sparsetron/parallel/comm/comm.h"
+#include "sparsetron/parallel/comm/launch_env.h"
 
 using namespace sparsetron;
 

@@ -11,9 +11,9 @@
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
-#include "sparsetron/parallel/cp_shard.h"
-#include "sparsetron/parallel/dynamic_cp.h"
-#include "sparsetron/parallel/layout.h"
+#include "sparsetron/parallel/context/cp_shard.h"
+#include "sparsetron/parallel/context/dynamic_cp.h"
+#include "sparsetron/parallel/layout/layout.h"
 
 namespace sparsetron {
 namespace {

@@ -21,10 +21,11 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/glm5_model.h"
-#include "sparsetron/parallel/cp_shard.h"
-#include "sparsetron/parallel/layout.h"
-#include "sparsetron/parallel/mpi/mpi_comm.h"
-#include "sparsetron/parallel/process_groups.h"
+#include "sparsetron/optim/owner_assignment.h"
+#include "sparsetron/parallel/comm/mpi/mpi_comm.h"
+#include "sparsetron/parallel/context/cp_shard.h"
+#include "sparsetron/parallel/layout/layout.h"
+#include "sparsetron/parallel/layout/process_groups.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -249,7 +250,7 @@ TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
             EXPECT_NEAR(md[i].grad_norm, m1[i].grad_norm, 1e-4 * m1[i].grad_norm);
         }
         // Ownership: one owner per trainable parameter, every rank owns some.
-        const auto& owners = dist.parameter_owners();
+        const std::vector<int> owners = parameter_owners(dist.params(), rd.run, W);
         const auto& params = dist.params().params();
         ASSERT_EQ(owners.size(), params.size());
         std::vector<int> per_rank(size_t(W), 0);

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/parallel/rendezvous.h"
+#include "sparsetron/parallel/comm/rendezvous.h"
 
 using namespace sparsetron;
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/runtime/bench.h"
+#include "sparsetron/perf/bench.h"
 
 namespace sparsetron {
 namespace {

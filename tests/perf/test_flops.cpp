@@ -10,7 +10,7 @@
 #include "sparsetron/core/plan_growth.h"
 #include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/perf/flops.h"
-#include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/cuda_plan.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -170,8 +170,8 @@ namespace {
 MemoryPlan proxy_device_plan(const std::vector<std::string>& sets) {
     const Recipe r =
         load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", sets);
-    auto tp = make_training_plan(r);
-    return cuda_memory_plan(r, tp->model->params(), tp->max_documents, tp->chunk_rows);
+    auto tp = make_training_plan(r, Device::CUDA);
+    return cuda_memory_plan(r, *tp->params, tp->max_documents, tp->chunk_rows);
 }
 bool plan_has(const MemoryPlan& plan, const std::string& name) {
     for (const PlanEntry& e : plan.entries())
@@ -266,8 +266,8 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
         std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
     const Recipe r =
         load_recipe(recipe, {"mtp_num_layers=0", "dsa_indexer_loss_coeff=0", "seq_length=32768"});
-    auto tp = make_training_plan(r);
-    const auto& store = tp->model->params();
+    auto tp = make_training_plan(r, Device::CUDA);
+    const auto& store = *tp->params;
     const size_t planned =
         cuda_memory_plan(r, store, tp->max_documents, tp->chunk_rows).total_bytes();
     Recipe all = r;

@@ -88,15 +88,15 @@ TEST(CheckpointRetention, TheResumedCheckpointIsKept) {
 TEST(CheckpointRetention, NumericPastTenMillion) {
     const std::string out = test::temp_dir("retention-1e7");
     Recipe r = saving_recipe();
-    auto tp = make_training_plan(r);
+    auto tp = make_training_plan(r, Device::CPU);
     tp->plan.allocate(Device::CPU);
-    tp->model->bind();
+    tp->cpu_model->bind();
     std::vector<int64_t> written;
     for (int64_t it : {9999999, 10000000}) {
         TrainerState st;
         st.iteration = it;
         st.data_position = "{}";
-        save_checkpoint(out, {1, &written}, r.model, r.to_yaml(), tp->model->params(), tp->plan,
+        save_checkpoint(out, {1, &written}, r.model, r.to_yaml(), *tp->params, tp->plan,
                         tp->optimizer.get(), st);
     }
     EXPECT_EQ(iterations_in(out), (std::vector<std::string>{"iter_10000000"}));
@@ -194,9 +194,9 @@ void write_bytes(const std::string& path, const std::string& bytes) {
 }
 
 std::string load_error(const std::string& ckpt) {
-    auto tp = make_training_plan(saving_recipe());
+    auto tp = make_training_plan(saving_recipe(), Device::CPU);
     tp->plan.allocate(Device::CPU);
-    return test::error_of([&] { load_model_weights(ckpt, tp->model->params(), tp->plan); });
+    return test::error_of([&] { load_model_weights(ckpt, *tp->params, tp->plan); });
 }
 
 }  // namespace
@@ -259,13 +259,13 @@ TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
     Recipe r = saving_recipe();
     for (const char* what : {"weight", "exp_avg_sq nan", "exp_avg_sq negative"}) {
         const std::string out = test::temp_dir(what);
-        auto tp = make_training_plan(r);
+        auto tp = make_training_plan(r, Device::CPU);
         tp->plan.allocate(Device::CPU);
-        tp->model->bind();
-        tp->model->params().initialize(tp->plan, 1, r.model.init_method_std, r.model.num_layers);
+        tp->cpu_model->bind();
+        tp->params->initialize(tp->plan, 1, r.model.init_method_std, r.model.num_layers);
         std::string name;
         if (std::string(what) == "weight") {
-            const ParamInfo& p = tp->model->params().params().front();
+            const ParamInfo& p = tp->params->params().front();
             name = p.name;
             tp->plan.view(p.param_slot).ptr<float>()[3] = std::nanf("");
         } else {
@@ -281,13 +281,13 @@ TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
         TrainerState st;
         st.iteration = 1;
         st.data_position = "{}";
-        const std::string ckpt = save_checkpoint(out, {}, r.model, r.to_yaml(), tp->model->params(),
+        const std::string ckpt = save_checkpoint(out, {}, r.model, r.to_yaml(), *tp->params,
                                                  tp->plan, tp->optimizer.get(), st);
-        auto fresh = make_training_plan(r);
+        auto fresh = make_training_plan(r, Device::CPU);
         fresh->plan.allocate(Device::CPU);
         const std::string msg = test::error_of([&] {
-            load_model_weights(ckpt, fresh->model->params(), fresh->plan);
-            load_optimizer_state(ckpt, fresh->model->params(), *fresh->optimizer, fresh->plan);
+            load_model_weights(ckpt, *fresh->params, fresh->plan);
+            load_optimizer_state(ckpt, *fresh->params, *fresh->optimizer, fresh->plan);
         });
         EXPECT_NE(msg.find("tensor '" + name + "' holds"), std::string::npos)
             << what << ": " << msg;
@@ -353,8 +353,8 @@ TEST(HostMemoryCheck, LowerBoundIsBelowThePlannedCount) {
                         : std::vector<std::string>{"world_size=1", "expert_model_parallel_size=1",
                                                    "context_parallel_size=1",
                                                    "dynamic_context_parallel=false"});
-        auto tp = make_training_plan(r);
-        const int64_t planned = tp->model->params().total_numel(false);
+        auto tp = make_training_plan(r, Device::CPU);
+        const int64_t planned = tp->params->total_numel(false);
         const int64_t bound = parameter_count_lower_bound(r.model);
         EXPECT_LE(bound, planned) << recipe;
         EXPECT_GT(bound, planned / 4) << recipe;

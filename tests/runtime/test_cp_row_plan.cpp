@@ -1,5 +1,5 @@
-// The rows a context-parallel rank's model is planned for (runtime/cp_row_plan.h), shared by the
-// CPU plan and the CUDA engine: without CP the micro-batch itself, with fixed CP the rank's
+// The rows a context-parallel rank's model is planned for (parallel/context/cp_row_plan.h), shared
+// by the CPU plan and the CUDA engine: without CP the micro-batch itself, with fixed CP the rank's
 // chunks of every document, with dynamic CP the largest group's micro-batch.
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/parallel/cp_shard.h"
-#include "sparsetron/runtime/cp_row_plan.h"
+#include "sparsetron/parallel/context/cp_row_plan.h"
+#include "sparsetron/parallel/context/cp_shard.h"
 #include "sparsetron/runtime/trainer.h"
 
 using namespace sparsetron;
@@ -57,7 +57,7 @@ TEST(CpRowPlan, DenseAttentionUnderCpIsAClearError) {
                                 "world_size=2", "context_parallel_size=2"});
     std::string msg;
     try {
-        make_training_plan(r);
+        make_training_plan(r, Device::CPU);
     } catch (const Error& e) {
         msg = e.what();
     }
@@ -66,5 +66,5 @@ TEST(CpRowPlan, DenseAttentionUnderCpIsAClearError) {
     // The same recipe without CP plans.
     r.run.context_parallel_size = 1;
     r.run.world_size = 1;
-    EXPECT_NO_THROW(make_training_plan(r));
+    EXPECT_NO_THROW(make_training_plan(r, Device::CPU));
 }

@@ -6,7 +6,8 @@
 
 #include "command.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/runtime/bench.h"
+#include "sparsetron/perf/bench.h"
+#include "sparsetron/runtime/run_setup.h"
 
 namespace sparsetron::cli {
 
@@ -38,14 +39,16 @@ Run add_bench(CLI::App& app) {
     c->add_option("--commit", o->b.commit, "Commit recorded in the result");
     c->add_option("--json", o->json, "Append the result as one JSON line to this file");
     return [o] {
-        const Recipe r = load_recipe(o->recipe, o->sets);
+        const Recipe r = resolve_run({RunRequest::Bench, o->recipe, o->sets}).recipe;
         std::vector<BenchVariant> variants;
         for (const std::string& v : o->recipe_variants) variants.push_back(parse_bench_variant(v));
         o->b.variants = split_list(o->variants);
         connect_gpus_if_launched(Device::CUDA);
         o->b.comm = launch_comm();
         const std::vector<BenchResult> res = run_bench_variants(
-            [&](const std::vector<std::string>& sets) { return load_recipe(o->recipe, sets); },
+            [&](const std::vector<std::string>& sets) {
+                return resolve_run({RunRequest::Bench, o->recipe, sets}).recipe;
+            },
             o->sets, variants, o->rounds, o->b);
         if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports
         std::printf(

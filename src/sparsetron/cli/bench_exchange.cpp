@@ -6,7 +6,7 @@
 
 #include "command.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/runtime/exchange_bench.h"
+#include "sparsetron/perf/exchange_bench.h"
 
 namespace sparsetron::cli {
 

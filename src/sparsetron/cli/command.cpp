@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/parallel/launch_env.h"
+#include "sparsetron/parallel/comm/launch_env.h"
 
 namespace sparsetron::cli {
 

@@ -12,7 +12,7 @@
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/tensor.h"
 #include "sparsetron/optim/muon.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron::cli {
 

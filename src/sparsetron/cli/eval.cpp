@@ -2,39 +2,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
 
 #include "command.h"
-#include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/data/document_stream.h"
 #include "sparsetron/data/split.h"
-#include "sparsetron/io/checkpoint.h"
 #include "sparsetron/runtime/evaluate.h"
+#include "sparsetron/runtime/run_setup.h"
 
 namespace sparsetron::cli {
 namespace {
-
-namespace fs = std::filesystem;
-
-// The recipe the run trained with, when the model is an engine checkpoint (its recipe.yaml).
-std::optional<Recipe> run_recipe(const std::string& model) {
-    if (is_model_dir(model) && !fs::exists(fs::path(model) / "recipe.yaml")) return std::nullopt;
-    const std::string ckpt = is_model_dir(model) ? model : resolve_checkpoint(model);
-    if (!fs::exists(fs::path(ckpt) / "recipe.yaml")) return std::nullopt;
-    Recipe r;
-    for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
-        r.apply(s);
-    // Eval is one process: the run's layout does not apply.
-    r.run.world_size = r.run.expert_model_parallel_size = r.run.context_parallel_size = 1;
-    r.run.pipeline_model_parallel_size = 1;
-    r.run.dynamic_context_parallel = false;
-    r.run.global_batch_size = r.run.micro_batch_size;
-    r.validate();  // derives the layer patterns the model reads
-    return r;
-}
 
 int eval(const std::string& model, const std::string& tokens, const std::vector<std::string>& data,
          const std::string& split_arg, const std::string& part_arg, bool json) {
@@ -44,7 +22,10 @@ int eval(const std::string& model, const std::string& tokens, const std::vector<
     // Token documents are read first (a bad file is named before the model is looked at); an
     // engine checkpoint's recipe gives the split and the MTP depths (for the MTP loss).
     if (!tokens.empty()) docs = read_token_documents(tokens);
-    const std::optional<Recipe> run = run_recipe(model);
+    RunRequest request;
+    request.kind = RunRequest::Eval, request.model = model;
+    const ResolvedRun resolved = resolve_run(request);
+    const Recipe* run = resolved.has_recipe ? &resolved.recipe : nullptr;
     if (tokens.empty()) {
         // Every document of the part, in order (one or more prefixes; blend weights are not
         // needed: each document counts once).

@@ -4,7 +4,7 @@
 #include "command.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/env.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 
 namespace sparsetron::cli {
 

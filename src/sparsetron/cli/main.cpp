@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "command.h"
-#include "sparsetron/parallel/launch_env.h"
+#include "sparsetron/parallel/comm/launch_env.h"
 #if SPARSETRON_MPI
-#include "sparsetron/parallel/mpi/mpi_comm.h"
+#include "sparsetron/parallel/comm/mpi/mpi_comm.h"
 #endif
 
 using namespace sparsetron;

@@ -7,9 +7,10 @@
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/core/plan_growth.h"
-#include "sparsetron/parallel/layout.h"
-#include "sparsetron/runtime/device_engine.h"
-#include "sparsetron/runtime/trainer.h"
+#include "sparsetron/parallel/layout/layout.h"
+#include "sparsetron/runtime/cuda_plan.h"
+#include "sparsetron/runtime/run_setup.h"
+#include "sparsetron/runtime/training_plan.h"
 
 namespace sparsetron::cli {
 namespace {
@@ -17,9 +18,10 @@ namespace {
 // One process's plan of `stage` (the whole model by default).
 void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::string& device,
                 int top) {
-    auto tp = make_training_plan(recipe, stage);
-    const auto& params = tp->model->params();
-    if (parse_device(device) == Device::CUDA) {
+    const Device d = parse_device(device);
+    auto tp = make_training_plan(recipe, d, stage);
+    const auto& params = *tp->params;
+    if (d == Device::CUDA) {
         size_t total = 0;
         const std::string table =
             format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage);
@@ -43,12 +45,11 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
     std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n",
                 static_cast<long long>(recipe.run.tokens_per_microbatch()),
                 static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
-    if (tp->model->context_parallel())
+    if (tp->rows.key_rows > 0)
         std::printf(
             "context parallelism: this rank computes %lld rows of micro-batches of %lld "
             "key rows\n",
-            static_cast<long long>(tp->model->tokens()),
-            static_cast<long long>(tp->model->key_tokens()));
+            static_cast<long long>(tp->rows.rows), static_cast<long long>(tp->rows.key_rows));
     std::printf("\n");
     std::printf("%s", tp->plan.format(top).c_str());
     std::printf("largest kinds of buffer (alike but for layer or expert numbers, summed):\n%s\n",
@@ -59,7 +60,7 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
          const std::string& device, int top) {
-    Recipe recipe = load_recipe(recipe_path, sets);
+    const Recipe recipe = resolve_run({RunRequest::Plan, recipe_path, sets}).recipe;
     if (recipe.run.world_size > 1) {
         // The layout the recipe asks for; the plans below are of one process of it.
         const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
@@ -111,17 +112,17 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
     for (int64_t length : lengths) {
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
-        const Recipe recipe = load_recipe(recipe_path, at);
+        const Recipe recipe = resolve_run({RunRequest::Plan, recipe_path, at}).recipe;
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)
             pp_note = "; the whole model's: `plan` without --lengths shows each pipeline stage";
-        training.push_back(make_training_plan(recipe));
+        training.push_back(make_training_plan(recipe, cuda ? Device::CUDA : Device::CPU));
         tokens.push_back(recipe.run.tokens_per_microbatch());
         const TrainingPlan& tp = *training.back();
         if (cuda)
             device_plans.push_back(
-                cuda_memory_plan(recipe, tp.model->params(), tp.max_documents, tp.chunk_rows));
+                cuda_memory_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows));
     }
     for (size_t i = 0; i < lengths.size(); ++i)
         plans.push_back(cuda ? &device_plans[i] : &training[i]->plan);

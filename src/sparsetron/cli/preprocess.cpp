@@ -4,7 +4,7 @@
 #include <memory>
 
 #include "command.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/data/bpe_tokenizer.h"
 #include "sparsetron/data/byte_tokenizer.h"
 

@@ -8,11 +8,11 @@
 
 #include "command.h"
 #include "progress.h"
-#include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/tensorboard.h"
+#include "sparsetron/runtime/run_setup.h"
 #include "sparsetron/runtime/step_log.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -40,61 +40,15 @@ void trim_metrics(const fs::path& path, int64_t keep_through) {
     ST_CHECK(out.good(), "rewriting '", path.string(), "' failed (disk full?)");
 }
 
-// Where a run writes when --out is not given: a resumed run continues in the directory it
-// resumed from (the parent of its `checkpoints/`, or the save directory itself), a fresh one in
-// runs/<recipe name>.
-std::string default_out(const std::string& recipe_path, const std::string& resume, Recipe& recipe) {
-    if (!resume.empty()) {
-        const fs::path save_dir = fs::path(resolve_checkpoint(resume)).parent_path();
-        if (save_dir.filename() == "checkpoints") return save_dir.parent_path().string();
-        // Checkpoints outside <out>/checkpoints: keep saving next to the resumed one.
-        if (recipe.run.save.empty()) recipe.run.save = save_dir.string();
-        return save_dir.string();
-    }
-    const std::string first = recipe_path.substr(0, recipe_path.find(','));
-    return (fs::path("runs") / (first.empty() ? "tiny" : fs::path(first).stem())).string();
-}
-
-int train(const std::string& recipe_path, const std::vector<std::string>& sets_arg,
+int train(const std::string& recipe_path, const std::vector<std::string>& sets,
           const std::string& out_arg, const std::string& resume, const std::string& device,
           const std::string& load, bool quiet, bool no_save) {
-    ST_CHECK(resume.empty() || !is_model_dir(resume) ||
-                 fs::exists(fs::path(resume) / "trainer_state.json"),
-             "--resume continues a training run, and '", resume,
-             "' holds a model without training state: start from its weights with --load");
-    std::vector<std::string> sets = sets_arg;
-    if (!load.empty()) sets.push_back("load=" + load);
-    Recipe recipe;
-    if (recipe_path.empty() && !resume.empty()) {
-        // Resuming without --recipe: continue with the recipe stored in the checkpoint.
-        std::string ckpt = resolve_checkpoint(resume);
-        recipe = Recipe{};
-        for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
-            recipe.apply(s);
-        for (const auto& o : sets) recipe.apply(parse_override(o));
-        try {
-            recipe.validate();
-        } catch (const Error& e) {
-            // Most often a checkpoint of another layout resumed on fewer processes.
-            throw Error(cat(e.what(), "\n(the recipe is the checkpoint's, ", ckpt,
-                            "/recipe.yaml: override its layout with --set, e.g. --set world_size=1 "
-                            "--set expert_model_parallel_size=1 --set context_parallel_size=1 "
-                            "to resume on one process)"));
-        }
-        recipe.name = ckpt + "/recipe.yaml";
-    } else {
-        recipe = load_recipe(recipe_path, sets);
-        // Pretrained weights without a recipe: the model is the one config.json describes.
-        const std::string weights = pretrained_weights_dir(recipe.run, "");
-        if (recipe_path.empty() && !weights.empty() &&
-            fs::exists(fs::path(weights) / "config.json")) {
-            recipe.model = load_hf_config((fs::path(weights) / "config.json").string());
-            for (const auto& o : sets) recipe.apply(parse_override(o));
-            recipe.validate();
-            recipe.name = weights + "/config.json";
-        }
-    }
-    const std::string out = out_arg.empty() ? default_out(recipe_path, resume, recipe) : out_arg;
+    RunRequest request;
+    request.recipe = recipe_path, request.sets = sets, request.resume = resume;
+    request.load = load, request.out = out_arg;
+    const ResolvedRun run = resolve_run(request);
+    const Recipe& recipe = run.recipe;
+    const std::string& out = run.out_dir;
     connect_gpus_if_launched(parse_device(device));
     TrainOptions opts{out, resume, parse_device(device), !no_save, launch_comm()};
     Trainer trainer(recipe, opts);
@@ -122,7 +76,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets_a
     std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
                 recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());
     // Under pipeline parallelism this rank holds its stage (its EP rank's experts too).
-    const PipelineStage& stage = trainer.model().stage();
+    const PipelineStage& stage = trainer.stage();
     const std::string held = stage.whole() ? std::string("")
                                            : cat(" on stage 1 of ", stage.count, " (layers ",
                                                  stage.first_layer, "-", stage.end_layer - 1, ")");

@@ -73,7 +73,7 @@ struct ModelConfig {
     // named modules' saved activations of every layer application but the last two (backbone
     // layers, then MTP depths) wait for their backward in pinned host memory: copied out on a side
     // stream after the application's forward, back in while the next application's backward
-    // runs (model/gpu/activation_offload.h). attn_norm / mlp_norm: the RMSNorm outputs;
+    // runs (model/cuda/activation_offload.h). attn_norm / mlp_norm: the RMSNorm outputs;
     // qkv_linear: the query up-projection and Q' (expanded: per-head keys and values); core_attn:
     // o' and the kept probabilities; attn_proj: o, the output projection's input; expert_fc1: the
     // routed experts' input rows and gate / up outputs; moe_act: their SwiGLU output;
@@ -81,7 +81,7 @@ struct ModelConfig {
     bool fine_grained_activation_offloading = false;
     std::vector<std::string> offload_modules;
     bool offloads(const std::string& module) const;
-    // CUDA: the MoE's saved activations in a shared page pool (model/gpu/moe_stash.h).
+    // CUDA: the MoE's saved activations in a shared page pool (model/cuda/moe_stash.h).
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page
     double moe_paged_stash_buffer_size_factor = 1.0;  // pool / the worst case of every application

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "sparsetron/config/model_config.h"
+#include "sparsetron/config/pipeline_stage.h"
 #include "sparsetron/config/run_config.h"
-#include "sparsetron/model/pipeline_stage.h"
 
 namespace sparsetron {
 

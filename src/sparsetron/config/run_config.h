@@ -98,8 +98,9 @@ struct RunConfig {
     // Data parallelism on GPUs: reduce gradient buckets on a side stream during the last
     // micro-batch's backward (Megatron's --overlap-grad-reduce; on by default here).
     bool overlap_grad_reduce = true;
-    // Engine key: the expert-parallel exchange's transport on GPUs (parallel/exchange_transport.h):
-    // "auto" (NVLink within a node, NCCL across nodes) | "nvlink" | "nccl".
+    // Engine key: the expert-parallel exchange's transport on GPUs
+    // (parallel/expert/exchange_transport.h): "auto" (NVLink within a node, NCCL across nodes) |
+    // "nvlink" | "nccl".
     std::string moe_expert_exchange = "auto";
     std::string sequence_packing_scheduler = "default";
     int64_t world_size = 1;  // engine key: GPUs the recipe is laid out for (derives DP)
@@ -121,7 +122,7 @@ struct RunConfig {
     int64_t data_parallel_size() const;
     int64_t microbatches_per_step() const;
     int64_t tokens_per_microbatch() const { return micro_batch_size * seq_length; }
-    // The CUDA model's FP8 linears (model/gpu/fp8_linear.h) are on.
+    // The CUDA model's FP8 linears (model/cuda/fp8_linear.h) are on.
     bool fp8_blockwise() const { return fp8_recipe == "blockwise"; }
 };
 

@@ -24,6 +24,12 @@ std::string cat(const Args&... args) {
     return os.str();
 }
 
+// What a CUDA entry point does in a build without CUDA (the `*_no_cuda.cpp` stubs, each beside
+// what it stubs): it names itself and how to get a CUDA build.
+[[noreturn]] inline void built_without_cuda(const char* what) {
+    throw Error(cat(what, ": Sparsetron was built without CUDA (rebuild with nvcc on PATH)"));
+}
+
 }  // namespace sparsetron
 
 #define ST_CHECK(cond, ...)                                                     \

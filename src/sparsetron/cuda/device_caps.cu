@@ -1,6 +1,8 @@
 // What the current device can run (device_caps.h).
+#include <cuda_runtime.h>
 #include "sparsetron/cuda/device_caps.h"
-#include "sparsetron/ops/common/device_util.cuh"
+
+#include "sparsetron/core/cuda_check.h"
 
 namespace sparsetron::cuda {
 

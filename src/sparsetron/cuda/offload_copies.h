@@ -1,4 +1,4 @@
-// The copies of activation offload (model/gpu/activation_offload.h): device -> host on one
+// The copies of activation offload (model/cuda/activation_offload.h): device -> host on one
 // stream, host -> device on another, each after everything enqueued on the session's stream so
 // far, with one event per layer application and direction that the session's stream waits on
 // before it reuses or reads the buffers. Event record / wait pairs are graph edges and copies to

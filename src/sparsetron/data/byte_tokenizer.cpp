@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/data/indexed_dataset.h"
 
 namespace sparsetron {

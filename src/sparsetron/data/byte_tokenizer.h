@@ -21,7 +21,7 @@ struct ByteTokenizer {
 // `json_key`), or ids (one document per line of whitespace-separated token ids, already
 // tokenized); `format` "auto" picks JSONL for .jsonl / .json files and text otherwise. Text is
 // encoded by `encode` (the byte-level tokenizer by default, or a BPE tokenizer's), documents in
-// parallel (core/parallel.h threads), written in input order; ids of `vocab_size` or more are
+// parallel (core/thread_pool.h threads), written in input order; ids of `vocab_size` or more are
 // refused, and the file stores 16-bit tokens when the vocabulary allows, else 32-bit.
 struct PreprocessStats {
     int64_t documents = 0;

@@ -21,7 +21,7 @@
 #include "sparsetron/io/safetensors.h"
 #include "sparsetron/model/param_store.h"
 #include "sparsetron/optim/optimizer.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron {
 

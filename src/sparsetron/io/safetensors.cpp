@@ -8,7 +8,7 @@
 
 #include "sparsetron/core/crc32c.h"
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/io/durable.h"
 
 namespace sparsetron {

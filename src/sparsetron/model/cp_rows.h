@@ -12,7 +12,7 @@
 #include <algorithm>
 
 #include "sparsetron/model/step_inputs.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron {
 

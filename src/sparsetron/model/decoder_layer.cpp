@@ -8,12 +8,12 @@
 namespace sparsetron {
 
 template <typename T>
-DecoderLayer<T>::DecoderLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, int64_t layer0,
-                              int64_t tokens, int64_t key_tokens)
+DecoderLayer<T>::DecoderLayer(const ModelConfig& c, const ParamStore& store, Buffers& buf,
+                              int64_t layer0, int64_t tokens, int64_t key_tokens)
     : c_(c), layer_(layer0), T_(tokens), h_(c.hidden_size) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
-    in_norm_ = store.add(p + "input_layernorm.weight", {h_}, InitRule::Ones, false);
+    in_norm_ = store.index(p + "input_layernorm.weight");
     attn_ = std::make_unique<MlaAttention<T>>(c, store, buf, p + "self_attn.", tokens, c.uses_dsa(),
                                               key_tokens);
     if (c.uses_dsa()) {
@@ -22,7 +22,7 @@ DecoderLayer<T>::DecoderLayer(const ModelConfig& c, ParamStore& store, Buffers& 
             indexer_ = std::make_unique<DsaIndexer<T>>(c, store, buf, p + "self_attn.indexer.",
                                                        tokens, key_tokens);
     }
-    post_norm_ = store.add(p + "post_attention_layernorm.weight", {h_}, InitRule::Ones, false);
+    post_norm_ = store.index(p + "post_attention_layernorm.weight");
     // MTP layers take the kind of the last backbone layer (SPEC §8).
     const bool moe = c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0);
     if (moe) {

@@ -40,7 +40,7 @@ class DecoderLayer {
 
     // layer0: 0-indexed layer number (the MTP layer is num_layers). key_tokens > 0: context
     // parallelism (this rank's `tokens` rows attend over key_tokens micro-batch rows).
-    DecoderLayer(const ModelConfig& cfg, ParamStore& store, Buffers& buf, int64_t layer0,
+    DecoderLayer(const ModelConfig& cfg, const ParamStore& store, Buffers& buf, int64_t layer0,
                  int64_t tokens, int64_t key_tokens = 0);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -26,7 +26,7 @@ double head_dot(const T* q, const T* k, int64_t n) {
 }  // namespace
 
 template <typename T>
-DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
+DsaIndexer<T>::DsaIndexer(const ModelConfig& c, const ParamStore& store, Buffers& buf,
                           const std::string& p, int64_t tokens, int64_t key_tokens)
     : c_(c),
       T_(tokens),
@@ -39,11 +39,11 @@ DsaIndexer<T>::DsaIndexer(const ModelConfig& c, ParamStore& store, Buffers& buf,
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens),
       wscale_(1.0 / std::sqrt(double(c.dsa_indexer_n_heads) * double(c.dsa_indexer_head_dim))) {
-    wq_ = store.add(p + "wq_b.weight", {HI_ * dI_, qr_}, InitRule::Normal);
-    wk_ = store.add(p + "wk.weight", {dI_, h_}, InitRule::Normal);
-    knw_ = store.add(p + "k_norm.weight", {dI_}, InitRule::Ones, false);
-    knb_ = store.add(p + "k_norm.bias", {dI_}, InitRule::Zeros, false);
-    ww_ = store.add(p + "weights_proj.weight", {HI_, h_}, InitRule::Normal);
+    wq_ = store.index(p + "wq_b.weight");
+    wk_ = store.index(p + "wk.weight");
+    knw_ = store.index(p + "k_norm.weight");
+    knb_ = store.index(p + "k_norm.bias");
+    ww_ = store.index(p + "weights_proj.weight");
     s_scores_ = buf.scratch("dsa.scores", {tokens, Tk_});
     s_target_ = buf.scratch("dsa.loss_grad", {tokens, Tk_});
     if (cp_) s_dk_keys_ = buf.scratch("grad.dsa.k_all_rows", {Tk_, dI_});

@@ -37,7 +37,7 @@ class DsaIndexer {
     };
 
     // key_tokens > 0: context parallelism (this rank's `tokens` rows score key_tokens rows).
-    DsaIndexer(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
+    DsaIndexer(const ModelConfig& cfg, const ParamStore& store, Buffers& buf,
                const std::string& hf_prefix, int64_t tokens, int64_t key_tokens = 0);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;

@@ -4,14 +4,16 @@
 #include <cmath>
 #include <cstring>
 
+#include "sparsetron/model/param_table.h"
+
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"
 #include "sparsetron/ops/norm/norm.h"
-#include "sparsetron/parallel/cp_shard.h"
+#include "sparsetron/parallel/context/cp_shard.h"
 
 namespace sparsetron {
 
@@ -20,6 +22,21 @@ using cpu::gemm;
 template <typename T>
 Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
                         int64_t chunk_rows, int64_t key_tokens, const PipelineStage& stage)
+    : Glm5Model(cfg, make_param_table(cfg, plan, dtype_of<T>(), stage), plan, tokens, max_docs,
+                chunk_rows, key_tokens, stage) {}
+
+template <typename T>
+Glm5Model<T>::Glm5Model(const ModelConfig& cfg, std::unique_ptr<ParamStore> owned, MemoryPlan& plan,
+                        int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
+                        const PipelineStage& stage)
+    : Glm5Model(cfg, *owned, plan, tokens, max_docs, chunk_rows, key_tokens, stage) {
+    owned_store_ = std::move(owned);
+}
+
+template <typename T>
+Glm5Model<T>::Glm5Model(const ModelConfig& cfg, const ParamStore& params, MemoryPlan& plan,
+                        int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
+                        const PipelineStage& stage)
     : cfg_(cfg),
       plan_(plan),
       stage_(stage),
@@ -33,10 +50,8 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
     if (cp_) require_dsa_for_context_parallel(cfg);
     ST_CHECK(tokens > 0 && max_docs > 0 && chunk_rows > 0, "model: bad micro-batch shape");
-    ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
-             "model: moe_layer_pattern has ", cfg.moe_layer_pattern.size(), " entries for ",
-             cfg.num_layers, " layers (validate the recipe first)");
-    store_ = std::make_unique<ParamStore>(plan, dtype_of<T>());
+    store_ = &params;
+    ++constructed_;
     const int64_t h = cfg.hidden_size, Tn = tokens;
     s_tokens_ = buf_.act_i32("inputs.tokens", {Tn});
     s_targets_ = buf_.act_i32("inputs.targets", {Tn});
@@ -47,18 +62,10 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
         s_key_cu_ = buf_.act_i32("inputs.cp_key_cu_seqlens", {max_docs + 1});
     }
 
-    ST_CHECK(0 <= L0_ && L0_ < L1_ && L1_ <= cfg.num_layers, "pipeline stage ", stage.index,
-             ": layers [", L0_, ", ", L1_, ") of ", cfg.num_layers);
-    ST_CHECK(
-        stage.whole() || (stage.first() == (L0_ == 0) && stage.last() == (L1_ == cfg.num_layers)),
-        "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0_, ", ", L1_,
-        ")");
     const bool last = stage.last();
     // The MTP layer (on the last stage) reads the embedding table.
-    if (stage.first() || (last && cfg.mtp_num_layers > 0)) {
-        embed_ = store_->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
-        if (!stage.first()) store_->mark_pipeline_copy(embed_);
-    }
+    if (stage.first() || (last && cfg.mtp_num_layers > 0))
+        embed_ = store_->index("model.embed_tokens.weight");
     if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
     if (!stage.first() && cfg.uses_dsa()) {
         s_topk_in_ = buf_.act_i32("pipeline.topk_in", {Tn, carried_slots_});
@@ -73,8 +80,8 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
     s_x_.push_back(buf_.act(last ? std::string("final.x") : cat("layers.", L1_, ".x_in"), {Tn, h}));
     s_dx_ = buf_.scratch("grad.residual", {Tn, h});
     if (last) {
-        final_norm_ = store_->add("model.norm.weight", {h}, InitRule::Ones, false);
-        head_ = store_->add_embedding_like("lm_head.weight", {cfg.vocab_size, h});
+        final_norm_ = store_->index("model.norm.weight");
+        head_ = store_->index("lm_head.weight");
         s_h_final_ = buf_.act("final.norm_out", {Tn, h});
         s_rstd_final_ = buf_.act("final.norm_rstd", {Tn});
         s_dh_ = buf_.scratch("grad.final_norm_out", {Tn, h});
@@ -83,20 +90,19 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
 
     D_ = last ? cfg.mtp_num_layers : 0;
     if (D_ > 0) {
-        const int64_t L = cfg.num_layers, first = static_cast<int64_t>(store_->params().size());
+        const int64_t L = cfg.num_layers;
         // Distinct layers take the indices after the backbone's (HF's model.layers.{L + j}).
         for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
             const std::string p = cat("model.layers.", L + j, ".");
             MtpLayer m;
-            m.enorm = store_->add(p + "enorm.weight", {h}, InitRule::Ones, false);
-            m.hnorm = store_->add(p + "hnorm.weight", {h}, InitRule::Ones, false);
-            m.eh_proj = store_->add(p + "eh_proj.weight", {h, 2 * h}, InitRule::Normal);
+            m.enorm = store_->index(p + "enorm.weight");
+            m.hnorm = store_->index(p + "hnorm.weight");
+            m.eh_proj = store_->index(p + "eh_proj.weight");
             m.layer =
                 std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, L + j, tokens, key_tokens);
-            m.norm = store_->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
+            m.norm = store_->index(p + "shared_head.norm.weight");
             mtp_layers_.push_back(std::move(m));
         }
-        store_->set_mtp_from(first);
         for (int64_t k = 1; k <= D_; ++k) {
             const std::string a = cat("mtp.depth", k, ".");
             MtpSlots s{};
@@ -137,6 +143,9 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens
 
 template <typename T>
 Glm5Model<T>::~Glm5Model() = default;
+
+template <typename T>
+std::atomic<int64_t> Glm5Model<T>::constructed_{0};
 
 template <typename T>
 void Glm5Model<T>::bind() {
@@ -625,31 +634,6 @@ void Glm5Model<T>::update_router_bias(double rate) {
         if (l->moe()) l->moe()->update_bias(rate);
     for (auto& m : mtp_layers_)
         if (m.layer->moe()) m.layer->moe()->update_bias(rate);
-}
-
-int64_t mtp_loss_slots(const ModelConfig& c) {
-    return c.mtp_loss_type == "e2e_tv" ? std::min<int64_t>(c.mtp_num_layers, 1) : c.mtp_num_layers;
-}
-
-void add_mtp_rows(const ModelConfig& c, const MicroBatch& mb, std::vector<int64_t>& rows) {
-    const int64_t D = c.mtp_num_layers;
-    const bool tv = c.mtp_loss_type == "e2e_tv";
-    for (int64_t d = 0; d < mb.num_documents; ++d) {
-        const int64_t len = mb.cu_seqlens[d + 1] - mb.cu_seqlens[d];
-        if (tv && D > 0) rows[0] += std::max<int64_t>(0, len - D);
-        for (int64_t k = 1; !tv && k <= D; ++k) rows[k - 1] += std::max<int64_t>(0, len - k - 1);
-    }
-}
-
-double reported_mtp_loss(const ModelConfig& c, const std::vector<double>& sums,
-                         const std::vector<int64_t>& rows) {
-    const double per_slot = c.mtp_loss_type == "e2e_tv"
-                                ? c.mtp_loss_scaling_factor
-                                : c.mtp_loss_scaling_factor / double(c.mtp_num_layers);
-    double loss = 0;
-    for (size_t k = 0; k < sums.size(); ++k)
-        if (rows[k] > 0) loss += sums[k] * per_slot / double(rows[k]);
-    return loss;
 }
 
 template class Glm5Model<float>;

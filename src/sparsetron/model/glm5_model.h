@@ -8,52 +8,20 @@
 // gradient-checked in fp64.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <vector>
 
 #include "sparsetron/config/model_config.h"
+#include "sparsetron/config/pipeline_stage.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/data/packer.h"
 #include "sparsetron/model/buffers.h"
 #include "sparsetron/model/decoder_layer.h"
+#include "sparsetron/model/losses.h"
 #include "sparsetron/model/param_store.h"
-#include "sparsetron/model/pipeline_stage.h"
 
 namespace sparsetron {
-
-// How each loss of one micro-batch enters the step's objective (SPEC §5-6). Gradients are those
-// of lm * Σ CE + Σ_k mtp[k] * (depth-k CE sum or TV-chain sum) + indexer * Σ_layers L_I + aux *
-// L_aux.
-struct LossScales {
-    bool backward = false;
-    double lm = 0;               // per LM target row: 1 / (targets in the global batch)
-    std::vector<double> mtp;     // per depth (cross_entropy) or one value (e2e_tv): per-row weight
-    double indexer = 0;          // weight of this micro-batch's indexer loss (1 / micro-batches)
-    double aux = 0;              // weight of this micro-batch's MoE aux loss
-    bool indexer_grads = false;  // indexer gradients without a backward (dense warm-up)
-};
-
-struct LossSums {
-    double lm_loss_sum = 0;  // Σ CE over LM target rows
-    int64_t lm_targets = 0;
-    std::vector<double> mtp_sum;     // cross_entropy: Σ CE per depth; e2e_tv: [Σ chain loss]
-    std::vector<int64_t> mtp_count;  // rows counted per depth (or [chain rows])
-    double mtp_acceptance_sum = 0;   // e2e_tv: Σ over rows of Σ_j Π_{k<=j} α_k
-    double indexer_loss = 0;         // Σ over full layers of coeff * mean KL
-    double aux_loss = 0;             // MoE aux loss of all layers (already weighted by `aux`)
-    double mtp_aux_loss = 0;         // the part of aux_loss from the MTP layer's depths
-};
-
-// MTP losses are per-token means over every micro-batch of a step (SPEC §6). Their slots: one
-// per depth (cross entropy), or one chain (e2e_tv); none without MTP.
-int64_t mtp_loss_slots(const ModelConfig& c);
-// Adds `mb`'s rows to each slot: depth k counts the rows with a target k + 1 tokens ahead in
-// their document, the e2e_tv chain the rows with all D ahead.
-void add_mtp_rows(const ModelConfig& c, const MicroBatch& mb, std::vector<int64_t>& rows);
-// The MTP loss as training reports it from raw per-slot sums over those rows: λ/D times each
-// depth's mean, or λ times the chain's mean.
-double reported_mtp_loss(const ModelConfig& c, const std::vector<double>& sums,
-                         const std::vector<int64_t>& rows);
 
 template <typename T>
 class Glm5Model {
@@ -70,11 +38,17 @@ class Glm5Model {
 
   public:
     // key_tokens > 0: context parallelism. The model computes `tokens` rows (this CP rank's
-    // share, parallel/cp_shard.h: cp_local_tokens) of micro-batches of key_tokens slots; its
-    // attention and indexer read keys of every row (set_context_parallel gives the CP group).
+    // share, parallel/context/cp_shard.h: cp_local_tokens) of micro-batches of key_tokens slots;
+    // its attention and indexer read keys of every row (set_context_parallel gives the CP group).
     // `stage`: pipeline parallelism, the part of the model this rank holds (its parameters and
     // buffers only); the last stage also holds the embedding when the MTP layer reads it (a copy
     // marked pipeline_copy, its gradient summed with the first stage's).
+    // The model binds `params`, the parameter table of `stage` (model/param_table.h) planned in
+    // `plan`; its activations and workspace are planned there too.
+    Glm5Model(const ModelConfig& cfg, const ParamStore& params, MemoryPlan& plan, int64_t tokens,
+              int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
+              const PipelineStage& stage = {});
+    // The same with a table of its own, built from `cfg` (tests and tools that need one model).
     Glm5Model(const ModelConfig& cfg, MemoryPlan& plan, int64_t tokens, int64_t max_docs,
               int64_t chunk_rows, int64_t key_tokens = 0, const PipelineStage& stage = {});
     ~Glm5Model();
@@ -158,7 +132,13 @@ class Glm5Model {
     void save_activations(ActivationSnapshot& into) const;
     void restore_activations(const ActivationSnapshot& from);
 
+    // Models of this element type constructed in the process (a CUDA run builds none).
+    static int64_t constructed() { return constructed_; }
+
   private:
+    Glm5Model(const ModelConfig& cfg, std::unique_ptr<ParamStore> owned, MemoryPlan& plan,
+              int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens,
+              const PipelineStage& stage);
     void mtp_forward(const LossScales& sc, LossSums& out);
     void mtp_backward(const LossScales& sc);
     void mtp_tv_loss(const LossScales& sc, LossSums& out);
@@ -169,7 +149,9 @@ class Glm5Model {
     PipelineStage stage_;
     int64_t L0_ = 0, L1_ = 0;  // this stage's decoder layers [L0_, L1_)
     Buffers buf_;
-    std::unique_ptr<ParamStore> store_;
+    const ParamStore* store_ = nullptr;
+    std::unique_ptr<ParamStore> owned_store_;  // the table this model built, if it built one
+    static std::atomic<int64_t> constructed_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     bool cp_ = false;  // planned for context parallelism
     int64_t Tk_;       // micro-batch rows (T_ without CP)

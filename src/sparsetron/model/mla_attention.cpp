@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/cp_rows.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -16,7 +16,7 @@ namespace sparsetron {
 using cpu::gemm;
 
 template <typename T>
-MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& buf,
+MlaAttention<T>::MlaAttention(const ModelConfig& c, const ParamStore& store, Buffers& buf,
                               const std::string& p, int64_t tokens, bool absorbed,
                               int64_t key_tokens)
     : c_(c),
@@ -33,13 +33,13 @@ MlaAttention<T>::MlaAttention(const ModelConfig& c, ParamStore& store, Buffers& 
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
     ST_CHECK(!cp_ || absorbed, "context parallelism needs the absorbed (DSA) attention");
-    q_a_ = store.add(p + "q_a_proj.weight", {qr_, h_}, InitRule::Normal);
-    q_a_norm_ = store.add(p + "q_a_layernorm.weight", {qr_}, InitRule::Ones, false);
-    q_b_ = store.add(p + "q_b_proj.weight", {H_ * dq_, qr_}, InitRule::Normal);
-    kv_a_ = store.add(p + "kv_a_proj_with_mqa.weight", {kr_ + dr_, h_}, InitRule::Normal);
-    kv_a_norm_ = store.add(p + "kv_a_layernorm.weight", {kr_}, InitRule::Ones, false);
-    kv_b_ = store.add(p + "kv_b_proj.weight", {H_ * (dn_ + dv_), kr_}, InitRule::Normal);
-    o_ = store.add(p + "o_proj.weight", {h_, H_ * dv_}, InitRule::ScaledNormal);
+    q_a_ = store.index(p + "q_a_proj.weight");
+    q_a_norm_ = store.index(p + "q_a_layernorm.weight");
+    q_b_ = store.index(p + "q_b_proj.weight");
+    kv_a_ = store.index(p + "kv_a_proj_with_mqa.weight");
+    kv_a_norm_ = store.index(p + "kv_a_layernorm.weight");
+    kv_b_ = store.index(p + "kv_b_proj.weight");
+    o_ = store.index(p + "o_proj.weight");
     const int64_t Tn = tokens, L = kr_ + dr_;
     s_do_ = buf.scratch("grad.attn.o", {Tn, H_ * dv_});
     s_dq_ = buf.scratch("grad.attn.q", {Tn, H_ * dq_});

@@ -37,7 +37,7 @@ class MlaAttention {
 
     // key_tokens > 0: context parallelism, `tokens` of this rank's rows attend over key_tokens
     // micro-batch rows (absorbed mode only).
-    MlaAttention(const ModelConfig& cfg, ParamStore& store, Buffers& buf,
+    MlaAttention(const ModelConfig& cfg, const ParamStore& store, Buffers& buf,
                  const std::string& hf_prefix, int64_t tokens, bool absorbed,
                  int64_t key_tokens = 0);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;

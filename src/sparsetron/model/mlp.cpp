@@ -8,11 +8,11 @@ namespace sparsetron {
 using cpu::gemm;
 
 template <typename T>
-SwiGluMlp<T>::SwiGluMlp(ParamStore& store, const std::string& p, int64_t hidden, int64_t ffn)
+SwiGluMlp<T>::SwiGluMlp(const ParamStore& store, const std::string& p, int64_t hidden, int64_t ffn)
     : h_(hidden), f_(ffn) {
-    gate_ = store.add(p + "gate_proj.weight", {ffn, hidden}, InitRule::Normal);
-    up_ = store.add(p + "up_proj.weight", {ffn, hidden}, InitRule::Normal);
-    down_ = store.add(p + "down_proj.weight", {hidden, ffn}, InitRule::ScaledNormal);
+    gate_ = store.index(p + "gate_proj.weight");
+    up_ = store.index(p + "up_proj.weight");
+    down_ = store.index(p + "down_proj.weight");
 }
 
 template <typename T>

@@ -27,7 +27,7 @@ template <typename T>
 class SwiGluMlp {
   public:
     // Registers `hf_prefix`{gate_proj,up_proj,down_proj}.weight.
-    SwiGluMlp(ParamStore& store, const std::string& hf_prefix, int64_t hidden, int64_t ffn);
+    SwiGluMlp(const ParamStore& store, const std::string& hf_prefix, int64_t hidden, int64_t ffn);
     void bind(const std::vector<T*>& params, const std::vector<T*>& grads);
 
     // y (+)= down(swiglu(gate(x), up(x))) for `rows` rows of x [rows, hidden].

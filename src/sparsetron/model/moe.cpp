@@ -5,7 +5,7 @@
 #include <numeric>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/moe/moe.h"
@@ -15,8 +15,8 @@ namespace sparsetron {
 using cpu::gemm;
 
 template <typename T>
-MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, const std::string& p,
-                      int64_t tokens)
+MoeLayer<T>::MoeLayer(const ModelConfig& c, const ParamStore& store, Buffers& buf,
+                      const std::string& p, int64_t tokens)
     : c_(c),
       T_(tokens),
       h_(c.hidden_size),
@@ -25,8 +25,8 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
       F_(c.moe_ffn_hidden_size),
       Fs_(c.moe_shared_expert_intermediate_size) {
     capacity_ = c.moe_expert_capacity(tokens);
-    router_ = store.add(p + "gate.weight", {E_, h_}, InitRule::Normal, false);
-    bias_ = store.add_buffer(p + "gate.e_score_correction_bias", {E_}, InitRule::Zeros);
+    router_ = store.index(p + "gate.weight");
+    bias_ = store.index(p + "gate.e_score_correction_bias");
     W_ = c.expert_parallel_ranks;
     ST_CHECK(W_ >= 1 && E_ % W_ == 0, "num_experts (", E_,
              ") must be divisible by expert_model_parallel_size (", W_, ")");
@@ -34,10 +34,8 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, ParamStore& store, Buffers& buf, con
     ST_CHECK(c.expert_parallel_rank >= 0 && c.expert_parallel_rank < W_, "expert-parallel rank ",
              c.expert_parallel_rank, " of ", W_);
     // This rank's experts (all of them without expert parallelism), by their global index.
-    const int64_t first_param = store.size();
     for (int64_t e = c.first_local_expert(); e < c.first_local_expert() + c.local_experts(); ++e)
         experts_.emplace_back(store, cat(p, "experts.", e, "."), h_, F_);
-    store.set_routed_expert_from(first_param);
     if (Fs_ > 0) shared_ = std::make_unique<SwiGluMlp<T>>(store, p + "shared_experts.", h_, Fs_);
     const int64_t R = tokens * k_;
     s_dxperm_ = buf.scratch("grad.moe.x_permuted", {R, h_});

@@ -23,7 +23,7 @@
 #include "sparsetron/model/buffers.h"
 #include "sparsetron/model/mlp.h"
 #include "sparsetron/model/step_inputs.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron {
 
@@ -54,8 +54,8 @@ class MoeLayer {
         int64_t dropped = 0;
     };
 
-    MoeLayer(const ModelConfig& cfg, ParamStore& store, Buffers& buf, const std::string& hf_prefix,
-             int64_t tokens);
+    MoeLayer(const ModelConfig& cfg, const ParamStore& store, Buffers& buf,
+             const std::string& hf_prefix, int64_t tokens);
     Slots declare_acts(Buffers& buf, const std::string& prefix) const;
     Acts resolve(const Buffers& buf, const Slots& s) const;
     void bind(const Buffers& buf, const std::vector<T*>& params, const std::vector<T*>& grads);

@@ -1,5 +1,5 @@
 // The size of the MoE paged stash's pool from its bound (moe_paged_stash; the CUDA stash is
-// model/gpu/moe_stash.h). Plain arithmetic, so it is tested on the CPU.
+// model/cuda/moe_stash.h). Plain arithmetic, so it is tested on the CPU.
 #pragma once
 
 #include <cstdint>

@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
 #include "sparsetron/core/rng.h"
+#include "sparsetron/core/thread_pool.h"
 
 namespace sparsetron {
 
@@ -80,6 +80,12 @@ const ParamInfo& ParamStore::at(const std::string& name) const {
 int64_t ParamStore::index_of(const std::string& name) const {
     const auto it = index_.find(name);
     return it == index_.end() ? -1 : it->second;
+}
+
+int64_t ParamStore::index(const std::string& name) const {
+    const int64_t i = index_of(name);
+    ST_ASSERT(i >= 0, "no parameter named '", name, "' in the parameter table");
+    return i;
 }
 
 int64_t ParamStore::total_numel(bool trainable_only) const {

@@ -1,7 +1,8 @@
 // ParamStore: the one table of parameters (DESIGN §3). Every parameter has its HuggingFace name,
 // shape, optimizer group and init rule; checkpoints, optimizer routing and gradient reduction all
-// iterate this table. Modules register their parameters here when they are built; values and
-// gradients live in the plan's Parameters and Gradients arenas, in registration order.
+// iterate this table. make_param_table (param_table.h) builds it from the model config; modules
+// look their parameters up by name. Values and gradients live in the plan's Parameters and
+// Gradients arenas, in registration order.
 // Buffers (like the MoE expert bias) are saved with the weights but are not trained.
 #pragma once
 
@@ -56,6 +57,7 @@ class ParamStore {
     const std::vector<ParamInfo>& params() const { return params_; }
     const ParamInfo& at(const std::string& name) const;
     int64_t index_of(const std::string& name) const;  // -1 if absent
+    int64_t index(const std::string& name) const;     // throws if absent
     int64_t total_numel(bool trainable_only = true) const;
     DType dtype() const { return dtype_; }
 

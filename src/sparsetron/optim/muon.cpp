@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/optim/optim.h"
 

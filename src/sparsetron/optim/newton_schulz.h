@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "sparsetron/ops/optim/muon_batch.h"
+
 namespace sparsetron {
 
 // Rounding applied to every product's output (and to the normalized input), to run the CPU
@@ -23,16 +25,6 @@ namespace sparsetron {
 // nearest even; fp16 with its subnormals, beyond +-65504 infinite).
 enum class NsRounding { None, BF16, FP16 };
 double round_ns(NsRounding r, double x);
-
-// The iterations at which the Gram form restarts (0-based; iteration 0 starts from X anyway).
-inline const std::vector<int64_t>& gram_ns_restarts() {
-    static const std::vector<int64_t> at{3};
-    return at;
-}
-// Whether the Gram form restarts at iteration i (never at 0, which starts from X anyway).
-inline bool gram_ns_restarts_at(const std::vector<int64_t>& restarts, int64_t i) {
-    return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
-}
 
 // Multiply-adds of Newton-Schulz on one wide [r, c] matrix (r <= c) in each form, a product whose
 // result is symmetric counted at 3/4 (the CUDA backend computes two diagonal half-blocks and one

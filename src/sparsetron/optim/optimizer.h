@@ -9,7 +9,7 @@
 
 #include "sparsetron/optim/adamw.h"
 #include "sparsetron/optim/muon.h"
-#include "sparsetron/parallel/comm.h"
+#include "sparsetron/parallel/comm/comm.h"
 
 namespace sparsetron {
 

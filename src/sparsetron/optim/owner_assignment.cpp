@@ -1,6 +1,8 @@
 #include "sparsetron/optim/owner_assignment.h"
 
 #include <algorithm>
+#include <map>
+#include <string>
 #include <utility>
 
 #include "sparsetron/core/error.h"
@@ -22,6 +24,33 @@ std::vector<int> assign_owners_greedy(const std::vector<double>& cost, int ranks
         load[size_t(r)] += c;
     }
     return owner;
+}
+
+std::vector<int> parameter_owners(const ParamStore& store, const RunConfig& run, int ranks) {
+    const auto& params = store.params();
+    const bool muon = run.optimizer == "muon";
+    const bool sharded = run.expert_model_parallel_size > 1;
+    std::vector<double> cost(params.size(), -1.0);
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (!params[i].trainable || (sharded && params[i].routed_expert)) continue;
+        cost[i] = double(params[i].numel());
+        if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
+            cost[i] *= double(std::min(params[i].shape[0], params[i].shape[1]));
+    }
+    return assign_owners_greedy(cost, ranks);
+}
+
+void broadcast_state_from_owners(Comm& comm, const ParamStore& store, const Optimizer& optimizer,
+                                 const MemoryPlan& plan, const std::vector<int>& owner) {
+    const auto& params = store.params();
+    std::map<std::string, int> owner_of;
+    for (size_t i = 0; i < params.size(); ++i) owner_of[params[i].name] = owner[i];
+    for (const auto& [name, slot] : optimizer.state_tensors()) {
+        const auto it = owner_of.find(name.substr(0, name.rfind('.')));
+        ST_ASSERT(it != owner_of.end(), "state tensor ", name, " has no parameter");
+        if (it->second < 0) continue;
+        comm.broadcast(plan.view(slot).data, int64_t(plan.entries()[slot].bytes), it->second);
+    }
 }
 
 }  // namespace sparsetron

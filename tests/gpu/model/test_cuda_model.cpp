@@ -31,7 +31,7 @@ constexpr double kIndexerTol = 0.15;
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
-#include "sparsetron/model/gpu/glm5_model.h"
+#include "sparsetron/model/cuda/glm5_model.h"
 #include "sparsetron/ops/copy/copy.h"
 #endif
 
@@ -110,27 +110,27 @@ LossScales parity_scales(const ModelConfig& cfg, const MicroBatch& mb) {
 
 // The CUDA model of `cfg` with the CPU model's weights, one forward+backward of `mb`: its loss
 // sums and every parameter's gradient (empty for parameters without one).
-struct GpuResult {
+struct CudaResult {
     LossSums sums;
     std::vector<std::vector<float>> grads;
 };
 // `runs` > 1: that many forward+backward passes of `mb` on the same model, the last one's.
-GpuResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int64_t max_docs,
-                  int64_t chunk, const MicroBatch& mb, const LossScales& sc,
-                  bool fp8_blockwise = false, int runs = 1) {
+CudaResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int64_t max_docs,
+                   int64_t chunk, const MicroBatch& mb, const LossScales& sc,
+                   bool fp8_blockwise = false, int runs = 1) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuGlm5Model gm(cfg, cpu.params(), dplan, T, max_docs, chunk, 0, fp8_blockwise);
+    cuda::CudaGlm5Model gm(cfg, cpu.params(), dplan, T, max_docs, chunk, 0, fp8_blockwise);
     dplan.allocate(Device::CUDA);
     gm.bind(ctx);
     const auto& params = cpu.params().params();
     for (size_t i = 0; i < params.size(); ++i)
-        copy_to_device(gm.gpu_params()[int64_t(i)].master, cpu.param(int64_t(i)),
+        copy_to_device(gm.cuda_params()[int64_t(i)].master, cpu.param(int64_t(i)),
                        params[i].numel() * sizeof(float));
     gm.refresh_bf16(ctx);
     gm.load_inputs(ctx, mb, sc);
-    GpuResult out;
+    CudaResult out;
     for (int i = 0; i < runs; ++i) {
         cuda::zero(ctx, dplan.class_base(MemClass::Gradients),
                    dplan.class_bytes(MemClass::Gradients));
@@ -141,7 +141,7 @@ GpuResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int6
         out.grads.emplace_back();
         if (!params[i].trainable) continue;
         out.grads.back().resize(size_t(params[i].numel()));
-        copy_to_host(out.grads.back().data(), gm.gpu_params()[int64_t(i)].grad,
+        copy_to_host(out.grads.back().data(), gm.cuda_params()[int64_t(i)].grad,
                      out.grads.back().size() * sizeof(float));
     }
     return out;
@@ -157,7 +157,7 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
     const bool tv = cfg.mtp_loss_type == "e2e_tv";
     cpu.load_inputs(mb);
     LossSums ref = cpu.forward_backward(sc);
-    const GpuResult gr = run_gpu(cfg, cpu, T, max_docs, chunk, mb, sc);
+    const CudaResult gr = run_gpu(cfg, cpu, T, max_docs, chunk, mb, sc);
     const LossSums& got = gr.sums;
 
     std::cout << "[model " << tag << "] lm " << got.lm_loss_sum << " vs " << ref.lm_loss_sum
@@ -300,10 +300,10 @@ std::vector<SameStepCase> same_step_cases(const ModelConfig& base) {
 // of differences) within twice the spread plus 5e-3, each tensor within twice its spread plus
 // 1e-2. A wrong buffer (an O(1) change of some gradient) still fails.
 void expect_same_step(const std::string& tag, const std::vector<ParamInfo>& params,
-                      const SameStepCase& k, const GpuResult& a, const GpuResult& a2,
-                      const GpuResult& r) {
+                      const SameStepCase& k, const CudaResult& a, const CudaResult& a2,
+                      const CudaResult& r) {
     // The worst per-tensor relative difference to `a` (and its tensor), and the global one.
-    auto spread = [&](const GpuResult& x, std::string* worst, double* global) {
+    auto spread = [&](const CudaResult& x, std::string* worst, double* global) {
         double w = 0, all_num = 0, all_den = 0;
         for (size_t i = 0; i < params.size(); ++i) {
             double num = 0, den = 0;
@@ -354,9 +354,9 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
         rc.recompute_granularity = "selective";
         rc.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
                                 "moe_act",   "mlp",         "shared_experts"};
-        const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        const GpuResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const CudaResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const CudaResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const CudaResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         expect_same_step("recompute " + std::string(k.tag), params, k, a, a2, r);
     }
 }
@@ -386,7 +386,7 @@ TEST(CudaModel, RecomputeBlocksGiveTheSameLossesAndGradients) {
         {
             // The blocks are planned: one block's rows in the query-block buffers.
             MemoryPlan plan;
-            gpu::GpuGlm5Model gm(bc, cm->model->params(), plan, T, max_docs, chunk);
+            cuda::CudaGlm5Model gm(bc, cm->model->params(), plan, T, max_docs, chunk);
             bool q_block = false, mlp_block = false;
             for (const PlanEntry& e : plan.entries()) {
                 if (e.name == "attn.query_block.q_absorbed") q_block = e.shape[0] == 48;
@@ -394,16 +394,16 @@ TEST(CudaModel, RecomputeBlocksGiveTheSameLossesAndGradients) {
             }
             EXPECT_TRUE(q_block && mlp_block) << plan.format(40);
         }
-        const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
-        const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
-        const GpuResult b = run_gpu(bc, *cm->model, T, max_docs, chunk, mb, sc);
+        const CudaResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
+        const CudaResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc);
+        const CudaResult b = run_gpu(bc, *cm->model, T, max_docs, chunk, mb, sc);
         expect_same_step(indexer_loss ? "blocks, indexer loss" : "blocks, no indexer loss", params,
                          k, a, a2, b);
     }
 }
 
 // Activation offload moves the named modules' saved activations of every layer application but
-// the last two to pinned host memory and back (model/gpu/activation_offload.h): the backward reads
+// the last two to pinned host memory and back (model/cuda/activation_offload.h): the backward reads
 // the same bytes, so the same losses and gradients as keeping them (bit for bit where the step is
 // deterministic). Four layers and three MTP depths: seven applications sharing two device
 // regions, five of them offloaded, run twice on the same model (the second run starts from the
@@ -435,9 +435,9 @@ TEST(CudaModel, ActivationOffloadGivesTheSameLossesAndGradients) {
                 oc.recompute_modules = {"core_attn", "layernorm", "mlp", "shared_experts"};
             oc.offload_modules = {"qkv_linear", "expert_fc1", "moe_act"};
         }
-        const GpuResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        const GpuResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
-        const GpuResult o = run_gpu(oc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8, 2);
+        const CudaResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const CudaResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
+        const CudaResult o = run_gpu(oc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8, 2);
         expect_same_step("offload " + std::string(k.tag), params, k, a, a2, o);
     }
 }
@@ -466,7 +466,7 @@ TEST(CudaModel, VeryUnequalPackedDocumentsAtLengthMatchCpu) {
     Glm5Model<float>& cpu = *cm->model;
     const MicroBatch mb = make_batch(T, max_docs, cfg.vocab_size, 5, {32768, 17, 3000});
     const LossScales sc = parity_scales(cfg, mb);
-    const GpuResult gr = run_gpu(cfg, cpu, T, max_docs, chunk, mb, sc);
+    const CudaResult gr = run_gpu(cfg, cpu, T, max_docs, chunk, mb, sc);
     cpu.load_inputs(mb);
     const LossSums ref = cpu.forward_backward(sc);
     std::cout << "[model 32K+17+3000] lm " << gr.sums.lm_loss_sum << " vs " << ref.lm_loss_sum
@@ -510,8 +510,8 @@ TEST(CudaModel, LongDocumentIndexerInQueryBlocksMatchesTheWholeForm) {
         ModelConfig blocks_cfg = cfg, whole_cfg = cfg;
         blocks_cfg.dsa_indexer_query_block = 1024;
         whole_cfg.dsa_indexer_query_block = T;
-        const GpuResult blocks = run_gpu(blocks_cfg, cpu, T, max_docs, chunk, mb, sc);
-        const GpuResult whole = run_gpu(whole_cfg, cpu, T, max_docs, chunk, mb, sc);
+        const CudaResult blocks = run_gpu(blocks_cfg, cpu, T, max_docs, chunk, mb, sc);
+        const CudaResult whole = run_gpu(whole_cfg, cpu, T, max_docs, chunk, mb, sc);
         cpu.load_inputs(mb);
         const LossSums ref = cpu.forward_backward(sc);
         std::cout << "[model long document" << (loss ? ", indexer loss" : "") << "] lm blocks "

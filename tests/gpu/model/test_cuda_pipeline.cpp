@@ -1,4 +1,4 @@
-// Pipeline parallelism on CUDA (runtime/gpu/cuda_pipeline.h) on one GPU: the stages of a
+// Pipeline parallelism on CUDA (runtime/cuda/cuda_pipeline.h) on one GPU: the stages of a
 // pipeline as threads, each with its own engine (its own stream and plan), joined by a
 // communicator whose transfers copy between the threads' device buffers. Two steps of the tiny
 // recipe split over two stages (layer 0 with the indexer and the embedding | layer 1, an
@@ -21,7 +21,7 @@
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/rng.h"
-#include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/runtime/step_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
 #if SPARSETRON_WITH_CUDA
@@ -48,7 +48,7 @@ Recipe pipeline_recipe() {
 }
 
 struct EngineRun {
-    std::vector<DeviceEngine::StepOutcome> steps;
+    std::vector<StepOutcome> steps;
     std::map<std::string, std::vector<float>> weights;  // by name, after the last step
     int64_t recomputed = 0;
 };
@@ -58,20 +58,20 @@ struct EngineRun {
 EngineRun run_engine(const Recipe& r, const PipelineStage& stage,
                      const std::vector<std::vector<const MicroBatch*>>& steps, const LossScales& sc,
                      Comm* pp = nullptr, Comm* embedding = nullptr) {
-    auto tp = make_training_plan(r, stage);
+    auto tp = make_training_plan(r, Device::CUDA, stage);
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-    tp->model->params().initialize(tp->plan, 5, r.model.init_method_std, r.model.num_layers);
-    auto engine =
-        make_cuda_engine(r, tp->model->params(), tp->plan, *tp->optimizer, tp->max_documents,
-                         tp->chunk_rows, nullptr, nullptr, nullptr, nullptr, pp, embedding);
+    tp->params->initialize(tp->plan, 5, r.model.init_method_std, r.model.num_layers);
+    Communicators comms;
+    comms.pipeline = pp, comms.embedding = embedding;
+    auto engine = make_cuda_engine(r, *tp, comms);
     engine->upload_state();
     EngineRun out;
     for (size_t s = 0; s < steps.size(); ++s) {
-        out.steps.push_back(engine->run_step(steps[s], sc, r.run, int64_t(s) + 1));
-        out.recomputed += engine->pipeline_recomputed();
+        out.steps.push_back(engine->run_step({steps[s], {}, sc, int64_t(s) + 1}));
+        out.recomputed += engine->bench()->pipeline_recomputed();
     }
     engine->download_state();
-    for (const auto& p : tp->model->params().params()) {
+    for (const auto& p : tp->params->params()) {
         std::vector<float> w(size_t(p.numel()));
         std::memcpy(w.data(), tp->plan.view(p.param_slot).data, w.size() * sizeof(float));
         out.weights[p.name] = std::move(w);
@@ -90,7 +90,7 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
     // Three micro-batches per step: stage 0 runs a warm-up forward, two steady 1F1B pairs and
     // a drained backward.
     const int64_t slots = r.run.tokens_per_microbatch(), n = 3;
-    auto plan = make_training_plan(whole);
+    auto plan = make_training_plan(whole, Device::CUDA);
     std::vector<std::unique_ptr<MicroBatch>> own;
     std::vector<std::vector<const MicroBatch*>> steps(2);
     CounterRng rng(31, 7);

@@ -11,16 +11,16 @@
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/moe_stash_bound.h"
-#include "sparsetron/runtime/bench.h"
-#include "sparsetron/runtime/device_engine.h"
+#include "sparsetron/perf/bench.h"
+#include "sparsetron/runtime/step_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/step_graph.h"
-#include "sparsetron/model/gpu/glm5_model.h"
+#include "sparsetron/model/cuda/glm5_model.h"
 #include "sparsetron/ops/copy/copy.h"
-#include "sparsetron/runtime/gpu/gpu_optimizer.h"
+#include "sparsetron/optim/cuda/cuda_optimizer.h"
 #endif
 
 using namespace sparsetron;
@@ -151,14 +151,14 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
-    gpu::GpuOptimizer opt(model.gpu_params(), dplan, r.model, r.run);
+    cuda::CudaGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
+    cuda::CudaOptimizer opt(model.cuda_params(), dplan, r.model, r.run);
     dplan.allocate(Device::CUDA);
     model.bind(ctx);
     opt.bind(dplan);
     const auto& hp = host.params().params();
     for (size_t i = 0; i < hp.size(); ++i)
-        copy_to_device(model.gpu_params()[int64_t(i)].master, hplan.view(hp[i].param_slot).data,
+        copy_to_device(model.cuda_params()[int64_t(i)].master, hplan.view(hp[i].param_slot).data,
                        hp[i].numel() * sizeof(float));
     cuda::zero(ctx, dplan.class_base(MemClass::OptimizerState),
                dplan.class_bytes(MemClass::OptimizerState));
@@ -194,8 +194,8 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     step();
     const LossSums eager = model.read_losses(ctx);
     const StepStats eager_st = opt.read_stats(ctx, r.run, 1);
-    std::vector<float> eager_w(model.gpu_params()[3].numel);
-    copy_to_host(eager_w.data(), model.gpu_params()[3].master, eager_w.size() * 4);
+    std::vector<float> eager_w(model.cuda_params()[3].numel);
+    copy_to_host(eager_w.data(), model.cuda_params()[3].master, eager_w.size() * 4);
     restore(MemClass::Parameters, p0);
     restore(MemClass::OptimizerState, s0);
     const size_t plans = session.gemm_plans();
@@ -209,7 +209,7 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     const LossSums replay = model.read_losses(ctx);
     const StepStats replay_st = opt.read_stats(ctx, r.run, 1);
     std::vector<float> replay_w(eager_w.size());
-    copy_to_host(replay_w.data(), model.gpu_params()[3].master, replay_w.size() * 4);
+    copy_to_host(replay_w.data(), model.cuda_params()[3].master, replay_w.size() * 4);
     std::cout << "[capture] " << graph.nodes() << " graph nodes; lm " << replay.lm_loss_sum
               << " vs " << eager.lm_loss_sum << ", grad_norm " << replay_st.grad_norm << " vs "
               << eager_st.grad_norm << "\n";
@@ -218,7 +218,7 @@ TEST(CudaTraining, WholeStepCapturesAsOneGraph) {
     test::expect_close("weights after the replayed step", replay_w, eager_w, 1e-5);
 }
 
-// Gradients without a whole-arena memset (GpuParams::begin_gradients): every gradient buffer
+// Gradients without a whole-arena memset (CudaParams::begin_gradients): every gradient buffer
 // is filled with NaN before a step, and the step must still produce the gradients of a step that
 // started from zeros (the first step, where every gradient is zeroed first): each buffer is
 // overwritten by its first writer, zeroed before its first addition, or zeroed because the step
@@ -241,11 +241,11 @@ TEST(CudaTraining, GradientsNeedNoZeroingBetweenSteps) {
     cuda::CudaSession session;
     const ExecContext& ctx = session.ctx();
     MemoryPlan dplan;
-    gpu::GpuGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
+    cuda::CudaGlm5Model model(r.model, host.params(), dplan, T, docs, chunk);
     dplan.allocate(Device::CUDA);
     model.bind(ctx);
     const auto& hp = host.params().params();
-    const gpu::GpuParams& P = model.gpu_params();
+    const cuda::CudaParams& P = model.cuda_params();
     for (size_t i = 0; i < hp.size(); ++i)
         copy_to_device(P[int64_t(i)].master, hplan.view(hp[i].param_slot).data,
                        hp[i].numel() * sizeof(float));
@@ -359,13 +359,11 @@ TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
     r.run.cuda_graph_impl = "full_iteration";
     Recipe re = r;
     re.run.cuda_graph_impl = "none";
-    auto tp = make_training_plan(r);
+    auto tp = make_training_plan(r, Device::CUDA);
     tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-    tp->model->params().initialize(tp->plan, 5, r.model.init_method_std, r.model.num_layers);
-    auto graph = make_cuda_engine(r, tp->model->params(), tp->plan, *tp->optimizer,
-                                  tp->max_documents, tp->chunk_rows);
-    auto eager = make_cuda_engine(re, tp->model->params(), tp->plan, *tp->optimizer,
-                                  tp->max_documents, tp->chunk_rows);
+    tp->params->initialize(tp->plan, 5, r.model.init_method_std, r.model.num_layers);
+    auto graph = make_cuda_engine(r, *tp, {});
+    auto eager = make_cuda_engine(re, *tp, {});
     graph->upload_state();
     eager->upload_state();
     const int64_t slots = r.run.tokens_per_microbatch();
@@ -402,8 +400,8 @@ TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
         sc.indexer = sc.aux = 1.0 / double(counts[s]);
         graph->download_state();  // into the host mirror both engines share
         eager->upload_state();
-        auto g = graph->run_step(mbs, sc, r.run, s + 1);
-        auto e = eager->run_step(mbs, sc, re.run, s + 1);
+        auto g = graph->run_step({mbs, {}, sc, s + 1});
+        auto e = eager->run_step({mbs, {}, sc, s + 1});
         EXPECT_EQ(g.replayed, replayed[s]) << "step " << s + 1;
         EXPECT_FALSE(e.replayed);
         ASSERT_EQ(g.losses.size(), size_t(counts[s]));
@@ -427,8 +425,8 @@ TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
         EXPECT_EQ(g.stats.skipped, e.stats.skipped);
     }
     const std::string err = testing::internal::GetCapturedStderr();
-    EXPECT_EQ(graph->graph_captures(), 3) << err;
-    EXPECT_EQ(eager->graph_captures(), 0);
+    EXPECT_EQ(graph->bench()->graph_captures(), 3) << err;
+    EXPECT_EQ(eager->bench()->graph_captures(), 0);
     EXPECT_NE(err.find("step signature changed (2 micro-batches -> 1 micro-batches): "
                        "re-capturing"),
               std::string::npos)
@@ -441,6 +439,20 @@ TEST(CudaTraining, FullIterationGraphMatchesEagerAndRecaptures) {
     std::vector<float> ew(gw.size());
     std::memcpy(ew.data(), tp->plan.class_base(MemClass::Parameters), ew.size() * 4);
     test::expect_close("weights, graph vs eager engine", gw, ew, 1e-5);
+}
+
+// A CUDA run's trainer plans the host mirror from the parameter table and builds no CPU model:
+// the CUDA engine owns the only model of the run.
+TEST(CudaTraining, TrainerBuildsNoCpuModel) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 2;
+    r.run.save_interval = 0;
+    const int64_t before = Glm5Model<float>::constructed();
+    const auto steps = train(r, Device::CUDA, test::temp_dir("cuda-no-cpu-model"));
+    ASSERT_EQ(steps.size(), 2u);
+    EXPECT_TRUE(std::isfinite(steps[1].lm_loss));
+    EXPECT_EQ(Glm5Model<float>::constructed(), before) << "the CUDA run built a CPU model";
 }
 
 // Through the trainer: the tiny recipe with cuda_graph_impl full_iteration gives the eager run's
@@ -477,19 +489,18 @@ namespace {
 // Engines for `recipes` from one set of initial weights (the tiny recipe's training plan).
 struct EngineSet {
     std::unique_ptr<TrainingPlan> tp;
-    std::vector<std::unique_ptr<DeviceEngine>> engines;
+    std::vector<std::unique_ptr<StepEngine>> engines;
     explicit EngineSet(const std::vector<Recipe>& recipes) {
-        tp = make_training_plan(recipes[0]);
+        tp = make_training_plan(recipes[0], Device::CUDA);
         tp->plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
-        tp->model->params().initialize(tp->plan, 5, recipes[0].model.init_method_std,
-                                       recipes[0].model.num_layers);
+        tp->params->initialize(tp->plan, 5, recipes[0].model.init_method_std,
+                               recipes[0].model.num_layers);
         for (const Recipe& r : recipes) {
-            engines.push_back(make_cuda_engine(r, tp->model->params(), tp->plan, *tp->optimizer,
-                                               tp->max_documents, tp->chunk_rows));
+            engines.push_back(make_cuda_engine(r, *tp, {}));
             engines.back()->upload_state();
         }
     }
-    std::vector<float> weights(DeviceEngine& e) {
+    std::vector<float> weights(StepEngine& e) {
         e.download_state();
         std::vector<float> w(size_t(tp->plan.class_bytes(MemClass::Parameters) / 4));
         std::memcpy(w.data(), tp->plan.class_base(MemClass::Parameters), w.size() * 4);
@@ -523,21 +534,20 @@ LossScales scales_for(const Recipe& r, const std::vector<const MicroBatch*>& mbs
 
 // One step of `mbs` on every engine of `set`, each from engines[0]'s state (the host mirror the
 // engines share): a step compared on its own, so trajectories cannot drift apart through atomics.
-std::vector<DeviceEngine::StepOutcome> step_from_first(EngineSet& set,
-                                                       const std::vector<Recipe>& recipes,
-                                                       const std::vector<const MicroBatch*>& mbs,
-                                                       const LossScales& sc, int64_t step) {
+std::vector<StepOutcome> step_from_first(EngineSet& set, const std::vector<Recipe>& recipes,
+                                         const std::vector<const MicroBatch*>& mbs,
+                                         const LossScales& sc, int64_t step) {
     set.engines[0]->download_state();
     for (size_t i = 1; i < set.engines.size(); ++i) set.engines[i]->upload_state();
-    std::vector<DeviceEngine::StepOutcome> out;
+    std::vector<StepOutcome> out;
     for (size_t i = 0; i < set.engines.size(); ++i)
-        out.push_back(set.engines[i]->run_step(mbs, sc, recipes[i].run, step));
+        out.push_back(set.engines[i]->run_step({mbs, {}, sc, step}));
     return out;
 }
 
 // Every outcome after the first against the first: the step taken, the gradient norm and every
 // micro-batch's losses (lm, indexer, MTP depths) within 1e-5.
-void expect_outcomes_match_first(const std::vector<DeviceEngine::StepOutcome>& o) {
+void expect_outcomes_match_first(const std::vector<StepOutcome>& o) {
     const auto& p = o[0];
     for (size_t j = 1; j < o.size(); ++j) {
         SCOPED_TRACE(cat("engine ", j));
@@ -693,9 +703,9 @@ TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
         const LossScales sc = scales_for(bf, mbs);
         set.engines[1]->download_state();  // into the host mirror; engine 0 is left alone
         set.engines[2]->upload_state();
-        auto b = set.engines[0]->run_step(mbs, sc, bf.run, s + 1);
-        auto f = set.engines[1]->run_step(mbs, sc, fp8.run, s + 1);
-        auto g = set.engines[2]->run_step(mbs, sc, graph.run, s + 1);
+        auto b = set.engines[0]->run_step({mbs, {}, sc, s + 1});
+        auto f = set.engines[1]->run_step({mbs, {}, sc, s + 1});
+        auto g = set.engines[2]->run_step({mbs, {}, sc, s + 1});
         double lb = 0, lf = 0, lg = 0;
         for (size_t i = 0; i < b.losses.size(); ++i) {
             lb += b.losses[i].lm_loss_sum;

@@ -13,8 +13,8 @@
 
 #include "../../fp8_test_data.h"
 #include "../harness.h"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/fp8/fp8.h"
-#include "sparsetron/ops/fp8/scale_layout.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"

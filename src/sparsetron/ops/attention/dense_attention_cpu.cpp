@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/common/vec.h"
 #include "sparsetron/ops/elementwise/elementwise.h"

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "sparsetron/ops/fp8/scale_layout.h"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 
 namespace sparsetron::cuda::fp8_dev {
 

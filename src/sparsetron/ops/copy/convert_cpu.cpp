@@ -1,6 +1,6 @@
 #include "sparsetron/ops/copy/copy.h"
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 
 namespace sparsetron::ops {
 

@@ -2,7 +2,7 @@
 #include <cmath>
 #include <vector>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 
 namespace sparsetron::cpu {

@@ -2,9 +2,9 @@
 // fp32 scale per 1x128 block of an activation row (along the contraction dimension) and per
 // 128x128 block of a weight, the DeepSeek-V3 recipe that cuBLASLt's block-scaled GEMM runs on
 // Hopper (scale modes VEC128_32F and BLK128x128_32F). CPU reference: fp8_cpu.cpp, which the
-// CUDA quantizers (fp8_quantize.cu) match bit for bit; CUDA GEMMs: gemm_fp8.cu (cuBLASLt),
-// grouped_gemm_fp8.cu (the routed experts). Scale layouts: scale_layout.h. Tests:
-// tests/ops/test_fp8.cpp, tests/gpu/ops/test_fp8_cuda.cpp.
+// CUDA quantizers (fp8_quantize.cu) match bit for bit; CUDA GEMMs: gemm_fp8.cu (cuBLASLt); the
+// routed experts' FP8 grouped GEMM is the moe family's (moe.h). Scale layouts: scale_layout.h.
+// Tests: tests/ops/test_fp8.cpp, tests/gpu/ops/test_fp8_cuda.cpp.
 //
 // Scales follow Transformer Engine's rule: scale = 448 / amax of the block (1 when amax is 0 or
 // not finite), optionally rounded down to a power of two (`pow2`, TE's default for blockwise);
@@ -101,22 +101,5 @@ void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k,
 // The same with an fp32 y (weight gradients accumulated into the fp32 gradient).
 void gemm_fp8_blockwise(const ExecContext& ctx, int64_t m, int64_t n, int64_t k, Fp8Operand x,
                         Fp8Operand w, float* y, int64_t ldy, bool accumulate = false);
-// The routed experts' FP8 GEMM (grouped_gemm_fp8.cu, sm_90a wgmma): grouped_gemm's
-// RowsTimesWeightT for e4m3 operands. For every expert e with rows [offsets[e], offsets[e+1]):
-// y[rows] (+)= x[rows] W_e^T; x [row_capacity, k] with 1x128 scales (the GEMM layout of
-// row_capacity rows), W [experts][n][k] packed with 128x128 scales per expert
-// (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
-// rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
-// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
-struct Fp8GroupedGemm {
-    const int32_t* offsets = nullptr;  // [experts + 1], device
-    int64_t experts = 0, max_rows = 0, row_capacity = 0, n = 0, k = 0;
-    Fp8Operand x, w;
-    bf16* y = nullptr;
-    bool accumulate = false;
-};
-void grouped_gemm_fp8(const ExecContext& ctx, const Fp8GroupedGemm& g, int blocks = 0);
-// Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
-bool grouped_gemm_fp8_available();
 
 }  // namespace sparsetron::cuda

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <limits>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 
 namespace sparsetron::cpu {
 

@@ -11,8 +11,8 @@
 
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/common/fp8_block.cuh"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/fp8/fp8.h"
-#include "sparsetron/ops/fp8/scale_layout.h"
 
 namespace sparsetron::cuda {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <mutex>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/gemm/gemm.h"
 
 namespace sparsetron::cpu {

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "sparsetron/core/error.h"
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"

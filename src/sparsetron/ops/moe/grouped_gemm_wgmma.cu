@@ -36,9 +36,9 @@
 
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/common/tensor_map.h"
-#include "sparsetron/ops/common/wgmma.cuh"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/moe/grouped_gemm_forms.h"
+#include "sparsetron/ops/moe/grouped_gemm_tiles.cuh"
 #include "sparsetron/ops/moe/moe.h"
 
 namespace sparsetron::cuda {

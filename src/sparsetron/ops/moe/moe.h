@@ -78,6 +78,24 @@ struct GroupedGemmArgs {
 };
 void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g);
 
+// The routed experts' FP8 GEMM (grouped_gemm_fp8.cu, sm_90a wgmma; operands and scales as fp8.h):
+// grouped_gemm's RowsTimesWeightT for e4m3 operands. For every expert e with rows [offsets[e],
+// offsets[e+1]): y[rows] (+)= x[rows] W_e^T; x [row_capacity, k] with 1x128 scales (the GEMM layout
+// of row_capacity rows), W [experts][n][k] packed with 128x128 scales per expert
+// (fp8::scales_128x128(n, k) floats apart). Products in fp32, scaled per 128-deep block of k, y
+// rounded to bf16. k a multiple of 16, n of 8. The input gradient is the same call on the W^T
+// copies. `blocks` > 0 caps the persistent grid (tests: every block walks many tiles).
+struct Fp8GroupedGemm {
+    const int32_t* offsets = nullptr;  // [experts + 1], device
+    int64_t experts = 0, max_rows = 0, row_capacity = 0, n = 0, k = 0;
+    Fp8Operand x, w;
+    bf16* y = nullptr;
+    bool accumulate = false;
+};
+void grouped_gemm_fp8(const ExecContext& ctx, const Fp8GroupedGemm& g, int blocks = 0);
+// Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
+bool grouped_gemm_fp8_available();
+
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
 // dout8: the FP8 copy of dout_perm's written rows (ops/fp8/fp8.h, Fp8RowsOut).

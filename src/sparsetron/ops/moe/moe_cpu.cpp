@@ -5,7 +5,7 @@
 #include <numeric>
 #include <vector>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/moe/moe.h"
 
 namespace sparsetron::cpu {

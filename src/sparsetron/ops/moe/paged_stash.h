@@ -1,6 +1,6 @@
 // The paged stash: rows of saved activations moved out of a worst-case-sized working buffer into
 // fixed-size pages of one shared pool, so the memory a step keeps for backward follows the rows
-// actually routed (the CUDA MoE, model/gpu/moe_stash.h). Everything a push or pop needs lives in
+// actually routed (the CUDA MoE, model/cuda/moe_stash.h). Everything a push or pop needs lives in
 // device memory (row count, free list, page table), so it runs inside a captured CUDA graph.
 //
 // Words of `state` (int32):

@@ -1,7 +1,7 @@
 // LayerNorm with bias (the DSA indexer's key norm, SPEC §3).
 #include <cmath>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/norm/norm.h"
 
 namespace sparsetron::cpu {

@@ -5,7 +5,6 @@
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/optim/muon_batch.h"
-#include "sparsetron/optim/newton_schulz.h"
 
 #include <algorithm>
 #include <cmath>

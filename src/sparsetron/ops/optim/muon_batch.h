@@ -4,12 +4,28 @@
 // result applied to each problem's rows of the fp32 master weights.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <vector>
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+
+namespace sparsetron {
+
+// The iterations at which the Gram form of Newton-Schulz (optim/newton_schulz.h) restarts on
+// both backends (0-based; iteration 0 starts from X anyway).
+inline const std::vector<int64_t>& gram_ns_restarts() {
+    static const std::vector<int64_t> at{3};
+    return at;
+}
+// Whether the Gram form restarts at iteration i (never at 0, which starts from X anyway).
+inline bool gram_ns_restarts_at(const std::vector<int64_t>& restarts, int64_t i) {
+    return i > 0 && std::find(restarts.begin(), restarts.end(), i) != restarts.end();
+}
+
+}  // namespace sparsetron
 
 namespace sparsetron::cuda {
 

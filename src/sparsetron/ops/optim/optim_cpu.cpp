@@ -3,7 +3,7 @@
 #include <cmath>
 #include <vector>
 
-#include "sparsetron/core/parallel.h"
+#include "sparsetron/core/thread_pool.h"
 #include "sparsetron/ops/optim/optim.h"
 
 namespace sparsetron::cpu {

@@ -1,0 +1,252 @@
+// Shared pieces of the CUDA model (built only with CUDA): planned device buffers resolved after
+// allocation, parameter handles (fp32 master, fp32 gradient, bf16 copy), the micro-batch inputs.
+//
+// The CUDA model mirrors the CPU model (model/*.h) layer by layer with bf16 activations and
+// weights, fp32 statistics, gradients and optimizer state; it is tested against it on the GPU.
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sparsetron/config/model_config.h"
+#include "sparsetron/core/dtype.h"
+#include "sparsetron/core/error.h"
+#include "sparsetron/core/exec_context.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/cuda/activation_offload.h"
+#include "sparsetron/model/param_store.h"
+#include "sparsetron/parallel/comm/comm.h"
+
+namespace sparsetron::cuda {
+
+// The CUDA model's two element types, by the short names its GEMM calls use.
+inline constexpr DType BF = DType::BF16;
+inline constexpr DType F32 = DType::F32;
+
+// Registers pointers to device buffers; resolve() fills them once the plan is allocated. The
+// registered pointer variables must not move (modules live behind unique_ptr).
+class CudaBuffers {
+  public:
+    explicit CudaBuffers(MemoryPlan& plan) : plan_(plan) {}
+    template <typename T>
+    void act(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        refs_.emplace_back(plan_.add(MemClass::Activations, name, dtype_of<T>(), std::move(shape)),
+                           reinterpret_cast<void**>(&ptr));
+    }
+    // A derived copy of parameters (e.g. their FP8 quantization): planned with the parameters.
+    template <typename T>
+    void param_copy(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        refs_.emplace_back(plan_.add(MemClass::Parameters, name, dtype_of<T>(), std::move(shape)),
+                           reinterpret_cast<void**>(&ptr));
+    }
+    // Workspace shared by name: every module asking for the same name gets the same buffer. In a
+    // phase (below) it lies in that phase's part of the workspace.
+    template <typename T>
+    void scratch(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        auto it = scratch_.find(name);
+        MemoryPlan::Slot s;
+        if (it == scratch_.end()) {
+            s = scratch_[name] =
+                phase_.empty()
+                    ? plan_.add(MemClass::Workspace, name, dtype_of<T>(), shape)
+                    : plan_.add_in_phase(MemClass::Workspace, phase_, name, dtype_of<T>(), shape);
+        } else {
+            s = it->second;
+            const PlanEntry& e = plan_.entries()[s];
+            ST_ASSERT(e.shape == shape && e.dtype == dtype_of<T>(), "scratch '", name,
+                      "' redeclared with another shape");
+            ST_ASSERT(e.phase == phase_, "scratch '", name, "' declared in phase '", e.phase,
+                      "' and in phase '", phase_, "'");
+        }
+        refs_.emplace_back(s, reinterpret_cast<void**>(&ptr));
+    }
+    // The scratch declared while a Phase lives belongs to it (MemoryPlan::add_in_phase): the
+    // modules of one layer that never run at once (its attention with its indexer, its MoE, its
+    // dense MLP) each write and read their scratch only inside their own forward or backward, so
+    // their scratch shares one area. Regions (in_region) stay outside phases: their users span
+    // modules.
+    class Phase {
+      public:
+        Phase(CudaBuffers& B, std::string name) : B_(B), outer_(std::move(B.phase_)) {
+            B.phase_ = std::move(name);
+        }
+        ~Phase() { B_.phase_ = std::move(outer_); }
+        Phase(const Phase&) = delete;
+        Phase& operator=(const Phase&) = delete;
+
+      private:
+        CudaBuffers& B_;
+        std::string outer_;
+    };
+    // Workspace in a region shared with buffers that are never live at the same time as this
+    // one (the losses' rows, live only inside the losses between the forward and the backward,
+    // and gradients of a layer backward that die in turn): the region is one buffer as large as
+    // its largest user, planned by plan_regions() once every module has declared. Name a region
+    // after its users; no two of them may be live at once.
+    template <typename T>
+    void in_region(T*& ptr, const std::string& region, const std::vector<int64_t>& shape) {
+        int64_t n = 1;
+        for (int64_t d : shape) n *= d;
+        Region& r = regions_[region];
+        r.bytes = std::max(r.bytes, n * int64_t(dtype_size(dtype_of<T>())));
+        r.users.push_back(reinterpret_cast<void**>(&ptr));
+    }
+    void plan_regions() {
+        for (auto& [name, r] : regions_) {
+            const MemoryPlan::Slot s = plan_.add(MemClass::Workspace, name, DType::U8, {r.bytes});
+            for (void** p : r.users) refs_.emplace_back(s, p);
+        }
+        regions_.clear();
+    }
+    // A saved activation of the layer application being declared (set_application()) that waits
+    // for its backward in host memory (model/cuda/activation_offload.h); the pointer is set when
+    // the offload binds.
+    template <typename T>
+    void offloaded(T*& ptr, const std::string& name, std::vector<int64_t> shape) {
+        ST_ASSERT(offload_ && application_ >= 0, "offloaded buffer '", name,
+                  "' outside a layer application with activation offload");
+        offload_->add(application_, name, dtype_of<T>(), shape, reinterpret_cast<void**>(&ptr));
+    }
+    // One layer application's saved activation: its own buffer (kept), the buffer `shared` that
+    // every application writes in its forward and rewrites before its backward (recomputed), or
+    // offloaded.
+    enum class Saving { Kept, Recomputed, Offloaded };
+    template <typename T>
+    void saved(Saving how, T*& ptr, const std::string& name, const std::string& shared,
+               std::vector<int64_t> shape) {
+        if (how == Saving::Recomputed)
+            scratch(ptr, shared, std::move(shape));
+        else if (how == Saving::Offloaded)
+            offloaded(ptr, name, std::move(shape));
+        else
+            act(ptr, name, std::move(shape));
+    }
+    void set_offload(ActivationOffload* offload) { offload_ = offload; }
+    void set_application(int64_t g) { application_ = g; }
+    void resolve() {
+        for (auto& [slot, ptr] : refs_) *ptr = plan_.view(slot).data;
+    }
+    MemoryPlan& plan() { return plan_; }
+
+  private:
+    MemoryPlan& plan_;
+    std::vector<std::pair<MemoryPlan::Slot, void**>> refs_;
+    std::map<std::string, MemoryPlan::Slot> scratch_;
+    struct Region {
+        int64_t bytes = 0;
+        std::vector<void**> users;
+    };
+    std::map<std::string, Region> regions_;
+    std::string phase_;  // the scratch phase being declared (empty: none)
+    ActivationOffload* offload_ = nullptr;
+    int64_t application_ = -1;
+};
+
+// How a module's saved activation lives until its backward: recomputed (recompute_modules)
+// before offloaded (offload_modules; validation refuses both), else kept.
+inline CudaBuffers::Saving saving(const ModelConfig& c, const char* recompute_module,
+                                  const char* offload_module) {
+    if (recompute_module && c.recomputes(recompute_module)) return CudaBuffers::Saving::Recomputed;
+    if (offload_module && c.offloads(offload_module)) return CudaBuffers::Saving::Offloaded;
+    return CudaBuffers::Saving::Kept;
+}
+
+struct CudaParam {
+    float* master = nullptr;  // fp32 value (the optimizer's)
+    float* grad = nullptr;    // fp32 gradient (null for buffers)
+    bf16* w = nullptr;        // bf16 copy the kernels read (null when none does: FP8 weights)
+    int64_t numel = 0;
+};
+
+// One handle per ParamStore entry.
+class CudaParams {
+  public:
+    explicit CudaParams(const ParamStore& store) : store_(store) {}
+    // Plans the bf16 copies, but of the parameters in `unread`: weights no kernel reads in bf16
+    // (the FP8 linears' and experts', read through their FP8 copies), whose copy would cost
+    // 2 bytes a parameter of memory and of the optimizer's writes every step. Their `w` stays
+    // null, so a kernel that did read one fails at once instead of reading stale values.
+    void plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread);
+    void bind(const MemoryPlan& plan);
+    const ParamStore& store() const { return store_; }
+    int64_t index(const std::string& name) const;  // throws when absent
+    const CudaParam& operator[](int64_t i) const { return all_[i]; }
+    size_t size() const { return all_.size(); }
+    // bf16 copies from the fp32 masters (after loading or initializing the masters); the
+    // parameters without one are skipped.
+    void refresh_bf16(const ExecContext& ctx) const;
+
+    // A step's gradients without zeroing them all first (every gradient's bytes written, and every
+    // weight-gradient GEMM then reading those zeros back): in each step every
+    // gradient is either overwritten by its first writer (grad_beta), zeroed just before its
+    // first addition (grad_to_add), zeroed at the step's start because the previous step did not
+    // write it, or zeroed at the step's end because this one did not (finish_gradients). The
+    // decisions follow the enqueue order on the host, so a captured step replays them. Const:
+    // enqueue bookkeeping, not the parameters' values.
+    // With `accumulate_only` every gradient is zeroed now and every writer adds: for work
+    // captured once and replayed at any point of a step (dynamic CP's per-micro-batch graphs).
+    void begin_gradients(const ExecContext& ctx, bool accumulate_only = false) const;
+    // For a writer whose output covers the whole gradient (a GEMM's beta): 0 for the step's first
+    // write (overwrite), 1 after it (add).
+    float grad_beta(int64_t i) const;
+    // For a writer that can only add (scatter, reductions, grouped expert GEMMs): the gradient,
+    // zeroed first if this is the step's first write of it.
+    float* grad_to_add(const ExecContext& ctx, int64_t i) const;
+    void finish_gradients(const ExecContext& ctx) const;
+
+  private:
+    const ParamStore& store_;
+    std::vector<MemoryPlan::Slot> bf16_slots_;
+    std::vector<CudaParam> all_;
+    void zero_grad(const ExecContext& ctx, size_t i) const;
+    // Per parameter: written by the step's writers in this step / in the previous step (none
+    // before the first step), zeroed in this step.
+    mutable std::vector<uint8_t> written_, written_before_, zeroed_;
+};
+
+// The current micro-batch on the device, plus what the host knows about it.
+struct CudaInputs {
+    int64_t tokens = 0;
+    int32_t* token_ids = nullptr;
+    int32_t* targets = nullptr;
+    int32_t* positions = nullptr;
+    int32_t* row_begin = nullptr;  // first row of each row's document, -1 for padding
+    int64_t real_rows = 0;         // rows inside documents (host-side count of this micro-batch)
+    // The micro-batch's loss scales on the device (graph-safe: kernels read them there):
+    // [0] LM gradient per target row, [1] the indexer loss's gradient per real row
+    // (scale x coeff / rows), [2 + k] MTP depth k's row weight (one value for e2e_tv).
+    const float* loss_scales = nullptr;
+    // Context parallelism (key_row null: none): these rows are some of a micro-batch of
+    // key_tokens rows, key_row[t] (device) the micro-batch row of row t (-1: padding); keys are
+    // gathered and key gradients summed over `cp` (device collectives).
+    int64_t key_tokens = 0;
+    int32_t* key_row = nullptr;
+    Comm* cp = nullptr;
+    // Without CP: row t's own index (-1 for padding), so kernels that take query rows against
+    // key rows run on blocks of query rows (the indexer streams its scores that way).
+    int32_t* rows = nullptr;
+    // A pipeline stage's forward run again before its backward (CudaGlm5Model::enqueue_forward):
+    // the indexer loss and the routing statistics were taken the first time.
+    bool recompute = false;
+};
+
+// Sum over the CP group on the step's stream (nothing without one).
+inline void cp_allreduce(const ExecContext& ctx, const CudaInputs& in, float* x, int64_t n) {
+    if (in.cp) in.cp->device_allreduce_sum(x, n, ctx.stream);
+}
+
+class MoeStash;
+class Fp8Weights;
+
+// What every module shares: norm weight-gradient partials, the MoE paged stash (null when off),
+// the FP8 linear weights (fp8_recipe: blockwise; null in bf16).
+struct CudaShared {
+    float* norm_ws = nullptr;
+    const MoeStash* moe_stash = nullptr;
+    Fp8Weights* fp8 = nullptr;
+};
+
+}  // namespace sparsetron::cuda

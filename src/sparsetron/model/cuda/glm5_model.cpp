@@ -1,0 +1,674 @@
+#include "sparsetron/model/cuda/glm5_model.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
+#include "sparsetron/parallel/context/cp_shard.h"
+
+namespace sparsetron::cuda {
+
+using cuda::gemm;
+
+CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
+                             int64_t tokens, int64_t max_docs, int64_t chunk_rows,
+                             int64_t key_tokens, bool fp8_blockwise, const PipelineStage& stage)
+    : cfg_(cfg),
+      plan_(plan),
+      stage_(stage),
+      L0_(stage.first_layer),
+      L1_(stage.end_layer < 0 ? cfg.num_layers : stage.end_layer),
+      B_(plan),
+      T_(tokens),
+      max_docs_(max_docs),
+      chunk_rows_(std::min(chunk_rows, tokens)),
+      cp_(key_tokens > 0),
+      Tk_(key_tokens > 0 ? key_tokens : tokens) {
+    if (cp_) require_dsa_for_context_parallel(cfg);
+    store_ = std::make_unique<ParamStore>(plan, DType::F32);
+    for (const auto& p : host_store.params()) store_->add_like(p);
+    P_ = std::make_unique<CudaParams>(*store_);
+    const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
+    const int64_t maxdim =
+        std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
+    B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
+    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
+        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg));
+        S_.moe_stash = stash_.get();
+    }
+    if (fp8_blockwise) {
+        fp8_ = std::make_unique<Fp8Weights>(*P_, B_, tokens);
+        S_.fp8 = fp8_.get();
+    }
+    in_.tokens = Tn;
+    in_.key_tokens = Tk_;
+    ST_CHECK(0 <= L0_ && L0_ < L1_ && L1_ <= cfg.num_layers &&
+                 (stage.whole() ||
+                  (stage.first() == (L0_ == 0) && stage.last() == (L1_ == cfg.num_layers))),
+             "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0_, ", ", L1_,
+             ") of ", cfg.num_layers);
+    const bool last = stage.last();
+    // The embedding on the first stage (and its copy on the last when MTP reads it); the final
+    // norm and the head on the last.
+    embed_ = host_store.index_of("model.embed_tokens.weight");
+    ST_CHECK(!stage.first() || embed_ >= 0, "the first stage has no embedding");
+    if (last) {
+        final_norm_ = P_->index("model.norm.weight");
+        head_ = P_->index("lm_head.weight");
+    }
+    D_ = last ? cfg.mtp_num_layers : 0;
+    x_.assign(size_t(stage_layers() + 1), nullptr);
+    if (cfg.fine_grained_activation_offloading) {
+        // The layer applications in forward order: this stage's layers, then MTP depths.
+        std::vector<std::string> apps;
+        for (int64_t l = L0_; l < L1_; ++l) apps.push_back(cat("layers.", l));
+        for (int64_t k = 1; k <= D_; ++k) apps.push_back(cat("mtp.depth", k));
+        offload_ = std::make_unique<ActivationOffload>(plan, std::move(apps));
+        B_.set_offload(offload_.get());
+    }
+    // IndexShare across stages: the top-k of the last full DSA layer before this stage arrives
+    // with the rows.
+    if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
+    if (!stage.first() && cfg.uses_dsa()) {
+        B_.act(topk_in_, "pipeline.topk_in", {Tn, carried_slots_});
+        B_.act(topk_len_in_, "pipeline.topk_length_in", {Tn});
+    }
+    int64_t indexer_apps = 0;
+    for (int64_t l = L0_; l < L1_; ++l) {
+        layers_.push_back(
+            std::make_unique<CudaDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
+        acts_.push_back(std::make_unique<CudaDecoderLayer::Acts>());
+        B_.set_application(l - L0_);
+        layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
+        B_.set_application(-1);
+        B_.act(x_[size_t(l - L0_)], cat("layers.", l, ".x_in"), {Tn, h});
+        indexer_apps += layers_.back()->has_indexer();
+    }
+    B_.act(x_.back(), last ? std::string("final.x") : cat("layers.", L1_, ".x_in"), {Tn, h});
+    B_.scratch(dx_, "grad.residual", {Tn, h});
+    if (last) {
+        B_.act(h_final_, "final.norm_out", {Tn, h});
+        B_.act(rstd_final_, "final.norm_rstd", {Tn});
+        B_.scratch(dh_, "grad.final_norm_out", {Tn, h});
+        B_.scratch(logits_, "head.logits_chunk", {chunk_rows_, V});
+        // Some chunks' dlogits: the head's weight gradient takes one GEMM per that many rows
+        // (head_cross_entropy), so the buffer is bounded by the hidden size, not the
+        // micro-batch. Live only inside the head's and MTP's losses, between the forward and the
+        // backward: it shares a region with attention backward gradients (CudaMlaAttention), as
+        // the draft rows do.
+        B_.in_region(dlogits_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits",
+                     {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
+        B_.scratch(row_loss_, "head.row_loss", {Tn});
+    }
+    if (D_ > 0) {
+        for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
+            const int64_t l = cfg.num_layers + j;
+            const std::string p = cat("model.layers.", l, ".");
+            MtpLayer m;
+            m.enorm = P_->index(p + "enorm.weight");
+            m.hnorm = P_->index(p + "hnorm.weight");
+            m.eh_proj = P_->index(p + "eh_proj.weight");
+            if (fp8_) m.feh = fp8_->add(m.eh_proj);
+            m.norm = P_->index(p + "shared_head.norm.weight");
+            m.layer = std::make_unique<CudaDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens);
+            mtp_layers_.push_back(std::move(m));
+        }
+        for (int64_t k = 1; k <= D_; ++k) {
+            const std::string a = cat("mtp.depth", k, ".");
+            auto m = std::make_unique<MtpActs>();
+            B_.scratch(m->e, "mtp.embedding", {Tn, h});
+            B_.act(m->rstd_e, a + "enorm_rstd", {Tn});
+            B_.act(m->rstd_h, a + "hnorm_rstd", {Tn});
+            B_.scratch(m->cat, "mtp.concat", {Tn, 2 * h});
+            B_.act(m->hin, a + "layer_in", {Tn, h});
+            B_.act(m->hout, a + "layer_out", {Tn, h});
+            B_.act(m->rstd_z, a + "head_norm_rstd", {Tn});
+            B_.scratch(m->dzk, cat("grad.mtp.head_norm_out.", k), {Tn, h});
+            const CudaDecoderLayer& layer = *mtp_at(k - 1).layer;
+            B_.set_application(stage_layers() + k - 1);
+            layer.declare(m->layer, B_, a);
+            B_.set_application(-1);
+            if (layer.has_indexer() && !(kv_share() && k > 1)) ++indexer_apps;
+            mtp_.push_back(std::move(m));
+        }
+        if (kv_share())
+            B_.scratch(dmtp_kv_, "grad.mtp.k_latent_shared",
+                       {Tn, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim});
+        B_.scratch(dmtp_h_, "grad.mtp.hidden", {Tn, h});
+        B_.scratch(dmtp_cat_, "grad.mtp.concat", {Tn, 2 * h});
+        B_.scratch(dmtp_z_, "grad.mtp.layer_out", {Tn, h});
+        B_.scratch(dmtp_e_, "grad.mtp.embedding", {Tn, h});
+        B_.scratch(mtp_hz_, "mtp.head_norm_out",
+                   {cfg.mtp_loss_type == "e2e_tv" ? std::min(Tn, chunk_rows_) : Tn, h});
+        if (cfg.mtp_loss_type == "e2e_tv") {
+            // Depth k's targets are the main head's rows shifted by k + 1: without CP one block
+            // of chunk + D - 1 rows serves every depth (SPEC §8 counts the target logits once);
+            // under CP a depth's target rows are gathered from the group, a block per depth.
+            tv_per_depth_ = cp_;
+            B_.scratch(tv_p_, "mtp.tv.target_probs", {tv_target_rows(), V});
+            B_.in_region(tv_q_, "grad.attn.o_latent | grad.attn.q | mtp.tv.draft_probs",
+                         {D_, chunk_rows_, V});
+            B_.scratch(tv_alpha_, "mtp.tv.alpha", {D_, Tn});
+            B_.scratch(tv_below_, "mtp.tv.draft_below_target_sum", {D_, Tn});
+            B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
+            if (cp_) {
+                B_.act(h_final_keys_, "mtp.tv.final_norm_out_all_rows", {Tk_, h});
+                B_.scratch(h_final_f32_, "mtp.tv.cp_rows_f32", {Tk_, h});
+                B_.scratch(tv_rows_, "mtp.tv.target_rows", {chunk_rows_, h});
+            }
+        }
+    }
+    tv_at_ = 2 + 2 * std::max<int64_t>(D_, 1);
+    idx_at_ = tv_at_ + 2;
+    n_sums_ = idx_at_ + 2 * std::max<int64_t>(indexer_apps, 1);
+    B_.act(sums_, "loss.sums", {n_sums_});
+    // Every per-micro-batch input in one block (layout in carve_inputs()): one upload per
+    // micro-batch, one device copy per micro-batch inside a captured step.
+    n_scales_ = 2 + std::max<int64_t>(D_, 1);
+    input_words_ = (5 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
+    B_.act(in_block_, "inputs.block", {input_words_});
+    B_.plan_regions();
+    if (offload_) offload_->plan();
+    if (fp8_) fp8_->declare();
+    // The weights read only through FP8 have no bf16 copies.
+    P_->plan_bf16(plan, fp8_ ? fp8_->params() : std::vector<int64_t>{});
+}
+
+void CudaGlm5Model::carve_inputs() {
+    const int64_t Tn = T_;
+    int32_t* w = in_block_;
+    in_.token_ids = w, in_.targets = w + Tn, in_.positions = w + 2 * Tn, in_.row_begin = w + 3 * Tn;
+    w += 4 * Tn;
+    (cp_ ? in_.key_row : in_.rows) = w, w += Tn;
+    for (auto& m : mtp_) m->ids = w, m->targets = w + Tn, w += 2 * Tn;
+    in_.loss_scales = reinterpret_cast<const float*>(w);
+    w += n_scales_;
+    tv_valid_ = tv_p_ ? reinterpret_cast<uint8_t*>(w) : nullptr;
+}
+
+CudaGlm5Model::~CudaGlm5Model() = default;
+
+void CudaGlm5Model::bind(const ExecContext& ctx) {
+    P_->bind(plan_);
+    B_.resolve();
+    if (offload_) offload_->bind(ctx);
+    carve_inputs();
+    // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
+    int64_t slot = 0;
+    idx_sums_.clear();
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        CudaDecoderLayer::Acts& A = *acts_[l];
+        if (layers_[l]->has_indexer()) {
+            A.topk = A.idx.topk, A.topk_len = A.idx.len;
+            A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
+            idx_sums_.push_back(A.indexer_sums);
+        }
+    }
+    // A source layer before this stage: the top-k that arrived with the rows.
+    auto share = [&](CudaDecoderLayer::Acts& A, int64_t layer0) {
+        if (!cfg_.uses_dsa() || A.topk) return;
+        const int64_t src = dsa_source_layer(cfg_, layer0);
+        if (src < L0_ && topk_in_) {
+            A.topk = topk_in_, A.topk_len = topk_len_in_;
+            return;
+        }
+        const int64_t i = src - L0_;
+        ST_CHECK(i >= 0 && i < int64_t(acts_.size()) && acts_[size_t(i)]->topk, "DSA layer ",
+                 layer0, " shares the top-k of layer ", src, ", which has none");
+        A.topk = acts_[size_t(i)]->topk, A.topk_len = acts_[size_t(i)]->topk_len;
+    };
+    for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], L0_ + int64_t(l));
+    for (int64_t k = 0; k < D_; ++k) {
+        CudaDecoderLayer::Acts& A = mtp_[k]->layer;
+        if (kv_share() && k > 0) {
+            const CudaDecoderLayer::Acts& first = mtp_[0]->layer;
+            A.attn.kabs_shared = first.attn.kkeys ? first.attn.kkeys : first.attn.kabs;
+            A.topk = first.topk, A.topk_len = first.topk_len;
+            A.skip_indexer = true;
+        } else if (mtp_at(k).layer->has_indexer()) {
+            A.topk = A.idx.topk, A.topk_len = A.idx.len;
+            A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
+            idx_sums_.push_back(A.indexer_sums);
+        }
+        share(A, cfg_.num_layers);
+    }
+    for (CudaMoeLayer* m : moes()) m->check_layout();
+    reset_moe_stats(ctx);
+}
+
+void CudaGlm5Model::set_context_parallel(Comm* cp) {
+    ST_CHECK(cp_ || !cp || cp->size() == 1, "context parallelism over ", cp ? cp->size() : 1,
+             " ranks, but the model was planned without it");
+    ST_CHECK(!cp || cp->size() == 1 || cp->on_device(),
+             "CUDA context parallelism needs device collectives (NCCL); the ", cp ? cp->name() : "",
+             " communicator has none");
+    in_.cp = cp_ ? cp : nullptr;
+}
+
+void CudaGlm5Model::set_expert_exchange(cuda::ExpertExchange* ep) {
+    for (CudaMoeLayer* m : moes()) m->set_exchange(ep);
+}
+
+std::vector<CudaMoeLayer*> CudaGlm5Model::moes() const {
+    std::vector<CudaMoeLayer*> out;
+    for (const auto& l : layers_)
+        if (l->moe()) out.push_back(l->moe());
+    for (const auto& m : mtp_layers_)
+        if (m.layer->moe()) out.push_back(m.layer->moe());
+    return out;
+}
+
+void CudaGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
+                                std::vector<int32_t>& out) const {
+    ST_CHECK(mb.capacity == Tk_ && mb.max_documents == max_docs_, "micro-batch of ", mb.capacity,
+             " slots / ", mb.max_documents, " documents does not match the plan (", Tk_, " / ",
+             max_docs_, ")");
+    for (int64_t i = 0; i < Tk_; ++i)
+        ST_CHECK(mb.tokens[i] >= 0 && mb.tokens[i] < cfg_.vocab_size, "token id ", mb.tokens[i],
+                 " is outside the vocabulary (vocab_size ", cfg_.vocab_size, ")");
+    const int64_t Tn = T_;
+    out.assign(size_t(input_words_), 0);
+    int32_t* w = out.data();
+    int32_t *tok = w, *tgt = w + Tn, *pos = w + 2 * Tn, *row_begin = w + 3 * Tn;
+    int32_t* key_row = w + 4 * Tn;  // CudaInputs::key_row under CP, else CudaInputs::rows
+    int32_t* mtp = w + 5 * Tn;      // per depth: input ids [Tn], targets [Tn]
+    std::fill_n(tgt, Tn, -1);
+    std::fill_n(row_begin, Tn, -1);
+    std::fill_n(key_row, Tn, -1);
+    std::fill_n(mtp, 2 * D_ * Tn, -1);
+    const int64_t scales_at = 5 * Tn + 2 * D_ * Tn;
+    uint8_t* valid = tv_p_ ? reinterpret_cast<uint8_t*>(w + scales_at + n_scales_) : nullptr;
+    // This rank's rows: every row of the micro-batch, or under CP its two chunks of every
+    // document. Row n is micro-batch row g of the document [b, e).
+    const int cp = cp_ && in_.cp ? in_.cp->size() : 1, rank = cp_ && in_.cp ? in_.cp->rank() : 0;
+    int64_t n = 0;
+    for (int64_t d = 0; d < mb.num_documents; ++d) {
+        const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
+        const std::vector<RowRange> ranges =
+            cp_ ? cp_rows(e - b, cp, rank) : std::vector<RowRange>{RowRange{0, e - b}};
+        for (const RowRange& rr : ranges)
+            for (int64_t i = rr.begin; i < rr.end; ++i, ++n) {
+                ST_CHECK(n < Tn, "CP rank ", rank, " holds more than the ", Tn,
+                         " rows it was planned for");
+                const int64_t g = b + i;
+                tok[n] = mb.tokens[g], tgt[n] = mb.targets[g], pos[n] = mb.positions[g];
+                row_begin[n] = int32_t(b);
+                key_row[n] = int32_t(g);
+                // MTP: depth k reads the token at row g+k and predicts row g+k+1, inside the
+                // document only (under CP those rows may be another rank's).
+                for (int64_t k = 1; k <= D_; ++k) {
+                    int32_t* ids = mtp + 2 * (k - 1) * Tn;
+                    if (g + k < e) ids[n] = mb.tokens[g + k];
+                    if (g + k + 1 < e) ids[Tn + n] = mb.tokens[g + k + 1];
+                }
+                if (valid && g + D_ < e) valid[n] = 1;
+            }
+    }
+    // Loss scales (see CudaInputs::loss_scales); 0 where the step has no backward. The indexer's
+    // mean is over the micro-batch's real rows (every CP rank's).
+    const int64_t real_rows = mb.cu_seqlens[mb.num_documents];
+    float scales[64] = {};
+    ST_ASSERT(n_scales_ <= 64, "loss scales");
+    if (sc.backward) {
+        scales[0] = float(sc.lm);
+        for (size_t k = 0; k < sc.mtp.size() && int64_t(k) + 2 < n_scales_; ++k)
+            scales[2 + k] = float(sc.mtp[k]);
+    }
+    if ((sc.backward || sc.indexer_grads) && real_rows > 0)
+        scales[1] = float(sc.indexer * cfg_.dsa_indexer_loss_coeff / double(real_rows));
+    std::memcpy(w + scales_at, scales, size_t(n_scales_) * sizeof(float));
+}
+
+void CudaGlm5Model::load_inputs(const ExecContext& ctx, const MicroBatch& mb,
+                                const LossScales& sc) {
+    stage_inputs(ctx, mb, sc, in_block_);
+}
+
+void CudaGlm5Model::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& sc,
+                                 int32_t* dst) {
+    pack_inputs(mb, sc, h_block_);
+    cuda::upload(ctx, dst, h_block_.data(), input_words_ * int64_t(sizeof(int32_t)));
+    if (dst == in_block_) {
+        in_.real_rows = mb.cu_seqlens[mb.num_documents];
+        last_tv_rows_ = tv_rows(mb);
+        last_real_rows_ = in_.real_rows;
+    }
+}
+
+void CudaGlm5Model::copy_inputs_from(const ExecContext& ctx, const int32_t* src) {
+    cuda::copy_2d(ctx, in_block_, 0, src, 0, input_words_ * int64_t(sizeof(int32_t)), 1);
+}
+
+void CudaGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
+    enqueue_forward(ctx, sc);
+    if (sc.backward) enqueue_backward(ctx, sc);
+}
+
+void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc, bool recompute) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    ST_ASSERT(!recompute || !(stash_ || offload_),
+              "a recomputed stage forward with the MoE stash "
+              "or activation offload");
+    in_.recompute = recompute;
+    if (!recompute) cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
+    if (stash_) stash_->reset(ctx, /*new_step=*/false);
+    // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
+    // the masters change only between steps).
+    if (fp8_) fp8_->quantize(ctx);
+    if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
+    const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
+    // Activation offload's schedule around each layer application (steps with a backward).
+    ActivationOffload* off = sc.backward ? offload_.get() : nullptr;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        if (off) off->before_forward(int64_t(l));
+        layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
+        if (off) off->after_forward(int64_t(l));
+    }
+    in_.recompute = false;
+    if (!stage_.last()) return;
+    cuda::rmsnorm_forward(ctx, x_.back(), h, (*P_)[final_norm_].w, Tn, h, float(c.norm_epsilon),
+                          h_final_, h, rstd_final_);
+    cuda::head_cross_entropy(
+        ctx,
+        head_loss(h_final_, in_.targets, in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f),
+        row_loss_, sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr);
+    cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
+    if (D_ > 0) mtp_forward(ctx, sc, off);
+}
+
+void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    ActivationOffload* off = offload_.get();
+    auto point = [&](int p) {
+        if (hook_) hook_(p);
+    };
+    if (stage_.last()) {
+        if (D_ > 0) mtp_backward(ctx, off);
+        point(0);
+        cuda::rmsnorm_backward(ctx, dh_, h, x_.back(), h, (*P_)[final_norm_].w, rstd_final_, Tn, h,
+                               dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
+    }
+    point(1);
+    const int64_t n = stage_layers();
+    for (int64_t l = n - 1; l >= 0; --l) {
+        if (off) off->before_backward(l);
+        layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(l)], dx_, in_, nullptr);
+        if (off) off->after_backward(l);
+        point(int(2 + n - 1 - l));
+    }
+    if (stage_.first())
+        cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
+    point(int(2 + n));
+}
+
+std::pair<const int32_t*, const int32_t*> CudaGlm5Model::carried_out() const {
+    for (size_t l = layers_.size(); l-- > 0;)
+        if (layers_[l]->has_indexer()) return {acts_[l]->idx.topk, acts_[l]->idx.len};
+    return {topk_in_, topk_len_in_};
+}
+
+int CudaGlm5Model::backward_point(const std::string& name) const {
+    const int64_t L = cfg_.num_layers, n = stage_layers();
+    if (name == "lm_head.weight") return 0;
+    if (name == "model.norm.weight") return 1;
+    const std::string layers = "model.layers.";
+    if (name.rfind(layers, 0) == 0) {
+        const int64_t l = std::stoll(name.substr(layers.size()));
+        if (l == L) return 0;  // the MTP layer (and its enorm, hnorm, eh_proj, head norm)
+        if (l >= L0_ && l < L1_) return int(2 + L1_ - 1 - l);
+    }
+    return int(2 + n);  // the embedding, and anything not named above: after the whole backward
+}
+
+LossSums CudaGlm5Model::read_losses(const ExecContext& ctx) const {
+    std::vector<double> s(n_sums_);
+    cuda::download(ctx, s.data(), sums_, n_sums_ * int64_t(sizeof(double)));
+    return losses_from(s.data(), last_tv_rows_, last_real_rows_);
+}
+
+LossSums CudaGlm5Model::losses_from(const double* sums, const MicroBatch& mb) const {
+    return losses_from(sums, tv_rows(mb), mb.cu_seqlens[mb.num_documents]);
+}
+
+int64_t CudaGlm5Model::tv_rows(const MicroBatch& mb) const {
+    int64_t rows = 0;
+    for (int64_t d = 0; d < mb.num_documents; ++d)
+        rows += std::max<int64_t>(0, mb.cu_seqlens[d + 1] - mb.cu_seqlens[d] - D_);
+    return rows;
+}
+
+LossSums CudaGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t real_rows) const {
+    const auto& c = cfg_;
+    LossSums out;
+    out.lm_loss_sum = s[0];
+    out.lm_targets = int64_t(s[1]);
+    if (D_ > 0) {
+        if (c.mtp_loss_type == "e2e_tv") {
+            out.mtp_sum = {s[tv_at_]};
+            out.mtp_acceptance_sum = s[tv_at_ + 1];
+            out.mtp_count = {tv_rows};
+        } else {
+            for (int64_t k = 0; k < D_; ++k) {
+                out.mtp_sum.push_back(s[2 + 2 * k]);
+                out.mtp_count.push_back(int64_t(s[3 + 2 * k]));
+            }
+        }
+    }
+    for (double* p : idx_sums_) {
+        // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows).
+        const int64_t i = p - sums_;
+        const double rows = cp_ ? double(real_rows) : s[i + 1];
+        if (rows > 0) out.indexer_loss += c.dsa_indexer_loss_coeff * s[i] / rows;
+    }
+    return out;
+}
+
+cuda::HeadLoss CudaGlm5Model::head_loss(const bf16* h, const int32_t* targets, const float* scale,
+                                        float dw_beta) const {
+    return {.h = h,
+            .rows = T_,
+            .dim = cfg_.hidden_size,
+            .w = (*P_)[head_].w,
+            .vocab = cfg_.vocab_size,
+            .targets = targets,
+            .chunk_rows = chunk_rows_,
+            .logits_ws = logits_,
+            .dlogits_ws = dlogits_,
+            .dlogits_rows = cuda::head_dlogits_rows(T_, chunk_rows_, cfg_.hidden_size),
+            .grad_scale = 1.f,
+            .grad_scale_dev = scale,
+            .dw_beta = dw_beta};
+}
+
+void CudaGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
+                                ActivationOffload* off) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_;
+    const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
+    for (int64_t k = 0; k < D_; ++k) {
+        MtpActs& A = *mtp_[k];
+        const MtpLayer& M = mtp_at(k);
+        mtp_concat(ctx, k);
+        if (fp8_)
+            fp8_->forward(ctx, M.feh, A.cat, A.hin, h, false);
+        else
+            gemm(ctx, false, true, Tn, h, 2 * h, 1.f, A.cat, 2 * h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
+                 A.hin, h);
+        if (off) off->before_forward(stage_layers() + k);
+        M.layer->forward(ctx, A.layer, A.hin, A.hout, in_, idx_gs);
+        if (off) off->after_forward(stage_layers() + k);
+    }
+    if (c.mtp_loss_type == "e2e_tv") {
+        mtp_tv(ctx, sc);
+        return;
+    }
+    for (int64_t k = 0; k < D_; ++k) {
+        float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
+        mtp_head_norm(ctx, k, 0, Tn);
+        cuda::head_cross_entropy(ctx,
+                                 head_loss(mtp_hz_, mtp_[k]->targets, in_.loss_scales + 2 + k,
+                                           dw ? P_->grad_beta(head_) : 1.f),
+                                 row_loss_, sc.backward ? mtp_[k]->dzk : nullptr, dw);
+        cuda::loss_sum(ctx, row_loss_, mtp_[k]->targets, Tn, sums_ + 2 + 2 * k);
+    }
+}
+
+void CudaGlm5Model::mtp_concat(const ExecContext& ctx, int64_t k) const {
+    const int64_t h = cfg_.hidden_size, Tn = T_;
+    const float eps = float(cfg_.norm_epsilon);
+    const MtpActs& A = *mtp_[k];
+    const MtpLayer& M = mtp_at(k);
+    cuda::embedding_forward(ctx, A.ids, Tn, (*P_)[embed_].w, h, A.e);  // -1: zero rows
+    // The embedding half first.
+    cuda::rmsnorm_forward(ctx, A.e, h, (*P_)[M.enorm].w, Tn, h, eps, A.cat, 2 * h, A.rstd_e);
+    cuda::rmsnorm_forward(ctx, mtp_prev(k), h, (*P_)[M.hnorm].w, Tn, h, eps, A.cat + h, 2 * h,
+                          A.rstd_h);
+}
+
+void CudaGlm5Model::mtp_head_norm(const ExecContext& ctx, int64_t k, int64_t r0, int64_t n) const {
+    const int64_t h = cfg_.hidden_size;
+    const MtpActs& A = *mtp_[k];
+    cuda::rmsnorm_forward(ctx, A.hout + r0 * h, h, (*P_)[mtp_at(k).norm].w, n, h,
+                          float(cfg_.norm_epsilon), mtp_hz_, h, A.rstd_z + r0);
+}
+
+void CudaGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
+    // e2e_tv (SPEC §5): p_k[i] = softmax(z_main[i+k]) (no gradient), q_k[i] = softmax(z^k[i]),
+    // α_k = Σ_v min(p, q); heads detached: the gradient reaches h^k only.
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, V = c.vocab_size, Tn = T_, D = D_;
+    // The row weight is read from the device (in_.loss_scales[2]); 0 without a backward.
+    const float row_w = sc.backward ? 1.f : 0.f;
+    const bf16* head = (*P_)[head_].w;
+    if (cp_) {
+        // Every micro-batch row's final hidden from the CP group (exact, as for the keys).
+        cuda::rows_to_keys(ctx, h_final_, Tn, h, in_.key_row, h_final_f32_, Tk_);
+        cp_allreduce(ctx, in_, h_final_f32_, Tk_ * h);
+        cuda::f32_to_bf16(ctx, h_final_f32_, h_final_keys_, Tk_ * h);
+    }
+    // Target probabilities of main rows first.. first + rows - 1 into out; rows past the
+    // micro-batch stay zero (uniform after the softmax; their chain rows are invalid).
+    auto targets = [&](float* out, int64_t first, int64_t rows) {
+        const int64_t m = std::max<int64_t>(0, std::min(rows, Tn - first));
+        if (m < rows) cuda::zero(ctx, out + m * V, (rows - m) * V * int64_t(sizeof(float)));
+        if (m > 0)
+            gemm(ctx, false, true, m, V, h, 1.f, h_final_ + first * h, h, head, h, 0.f, out, V, BF,
+                 F32);
+        cuda::softmax_rows(ctx, out, rows, V);
+    };
+    for (int64_t r0 = 0; r0 < Tn; r0 += chunk_rows_) {
+        const int64_t n = std::min(chunk_rows_, Tn - r0);
+        // One block for every depth: block row j is main row r0 + 1 + j.
+        if (!tv_per_depth_) targets(tv_p_, r0 + 1, n + D - 1);
+        for (int64_t k = 0; k < D; ++k) {
+            float* p = tv_target(k);
+            float* q = tv_q_ + k * chunk_rows_ * V;
+            if (cp_) {
+                // Target rows g + k + 1 of the micro-batch (often another CP rank's).
+                cuda::gather_key_rows(ctx, h_final_keys_, Tk_, h, in_.key_row + r0, k + 1, n,
+                                      tv_rows_);
+                gemm(ctx, false, true, n, V, h, 1.f, tv_rows_, h, head, h, 0.f, p, V, BF, F32);
+                cuda::softmax_rows(ctx, p, n, V);
+            } else if (tv_per_depth_) {
+                targets(p, r0 + k + 1, n);
+            }
+            mtp_head_norm(ctx, k, r0, n);
+            gemm(ctx, false, true, n, V, h, 1.f, mtp_hz_, h, head, h, 0.f, q, V, BF, F32);
+            cuda::tv_draft_softmax_overlap(ctx, p, q, n, V, tv_alpha_ + k * Tn + r0,
+                                           tv_below_ + k * Tn + r0);
+        }
+        cuda::tv_chain(ctx, tv_alpha_ + r0, tv_valid_ + r0, D, n, Tn, row_w, tv_dalpha_ + r0,
+                       sums_ + tv_at_, in_.loss_scales + 2);
+        if (!sc.backward) continue;
+        for (int64_t k = 0; k < D; ++k) {
+            cuda::tv_logit_grad(ctx, tv_target(k), tv_q_ + k * chunk_rows_ * V,
+                                tv_dalpha_ + k * Tn + r0, tv_below_ + k * Tn + r0, n, V, dlogits_);
+            gemm(ctx, false, false, n, h, V, 1.f, dlogits_, V, head, h, 0.f, mtp_[k]->dzk + r0 * h,
+                 h);
+        }
+    }
+}
+
+void CudaGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off) {
+    const auto& c = cfg_;
+    const int64_t h = c.hidden_size, Tn = T_, B2 = sizeof(bf16);
+    cuda::zero(ctx, dmtp_h_, Tn * h * B2);
+    if (dmtp_kv_)
+        cuda::zero(ctx, dmtp_kv_,
+                   Tn * (c.kv_lora_rank + c.qk_pos_emb_head_dim) * int64_t(sizeof(float)));
+    for (int64_t k = D_ - 1; k >= 0; --k) {
+        MtpActs& A = *mtp_[k];
+        const MtpLayer& M = mtp_at(k);
+        cuda::copy_2d(ctx, dmtp_z_, h * B2, dmtp_h_, h * B2, h * B2, Tn);
+        cuda::rmsnorm_backward(ctx, A.dzk, h, A.hout, h, (*P_)[M.norm].w, A.rstd_z, Tn, h, dmtp_z_,
+                               h, true, P_->grad_to_add(ctx, M.norm), S_.norm_ws);
+        if (off) off->before_backward(stage_layers() + k);
+        M.layer->backward(ctx, A.layer, A.hin, dmtp_z_, in_, dmtp_kv_);
+        if (off) off->after_backward(stage_layers() + k);
+        mtp_concat(ctx, k);
+        if (fp8_) {
+            fp8_->dgrad(ctx, M.feh, dmtp_z_, dmtp_cat_, false);
+            fp8_->wgrad(ctx, M.feh, dmtp_z_, A.cat);
+        } else {
+            gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
+                 dmtp_cat_, 2 * h);
+            gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
+                 P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad, 2 * h, BF, F32);
+        }
+        cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[M.enorm].w, A.rstd_e, Tn, h,
+                               dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);
+        if (!c.mtp_detach_heads)
+            cuda::embedding_backward(ctx, A.ids, Tn, dmtp_e_, h, P_->grad_to_add(ctx, embed_));
+        cuda::rmsnorm_backward(ctx, dmtp_cat_ + h, 2 * h, mtp_prev(k), h, (*P_)[M.hnorm].w,
+                               A.rstd_h, Tn, h, dmtp_h_, h, false, P_->grad_to_add(ctx, M.hnorm),
+                               S_.norm_ws);
+    }
+    if (!c.mtp_detach_heads) cuda::add_inplace(ctx, dh_, dmtp_h_, Tn * h);
+}
+
+void CudaGlm5Model::reset_moe_stats(const ExecContext& ctx) const {
+    for (CudaMoeLayer* m : moes()) m->reset_stats(ctx);
+    if (stash_) stash_->reset(ctx, /*new_step=*/true);
+}
+
+std::vector<std::vector<int64_t>> CudaGlm5Model::moe_loads(const ExecContext& ctx) const {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& l : layers_)
+        if (l->moe()) {
+            std::vector<int64_t> v(l->moe()->experts());
+            cuda::download(ctx, v.data(), l->moe()->load(), int64_t(v.size() * sizeof(int64_t)));
+            out.push_back(v);
+        }
+    return out;
+}
+
+int64_t CudaGlm5Model::moe_dropped(const ExecContext& ctx) const {
+    int64_t total = 0;
+    for (CudaMoeLayer* m : moes()) {
+        int64_t d = 0;
+        cuda::download(ctx, &d, m->dropped(), sizeof(int64_t));
+        total += d;
+    }
+    return total;
+}
+
+std::vector<std::pair<int64_t*, int64_t>> CudaGlm5Model::moe_stat_buffers() const {
+    std::vector<std::pair<int64_t*, int64_t>> out;
+    for (CudaMoeLayer* m : moes()) {
+        out.emplace_back(m->load(), m->experts());
+        out.emplace_back(m->dropped(), 1);
+    }
+    return out;
+}
+
+void CudaGlm5Model::update_router_bias(const ExecContext& ctx, double rate) const {
+    for (CudaMoeLayer* m : moes()) m->update_bias(ctx, rate);
+}
+
+}  // namespace sparsetron::cuda

@@ -1,0 +1,88 @@
+// The step benchmark (`sparsetron bench`): times whole training steps, or the forward+backward
+// alone, of a recipe on one synthetic document per micro-batch slot, with CUDA events. Execution
+// modes (eager launches, a replayed CUDA graph) run interleaved A B B A in one device allocation,
+// so drift (clocks, temperature) falls on both alike. Recipe variants (named override sets, e.g.
+// fp8 = fp8_recipe=blockwise) each need an engine of their own: they run in rounds A B B A ...,
+// an engine built for each, their times pooled per variant.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sparsetron/config/recipe.h"
+#include "sparsetron/parallel/comm/comm.h"
+
+namespace sparsetron {
+
+struct BenchOptions {
+    int64_t warmup = 3, iters = 10;              // per variant
+    bool forward_backward_only = false;          // no optimizer step
+    std::string commit;                          // recorded as given
+    std::vector<std::string> variants{"eager"};  // execution modes: "eager", "graph"
+    // Data parallelism over these ranks (NCCL, one GPU each): every rank times its own
+    // micro-batches of the step plus the gradient all-reduce; figures are per GPU.
+    Comm* comm = nullptr;
+};
+
+struct BenchResult {
+    std::string recipe, gpu, commit, variant;
+    std::vector<double> step_ms;
+    double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0, cv = 0;
+    // Mean and its standard error (sample standard deviation / sqrt(n)): what an A/B of two
+    // runs can resolve. Replays drift (power, clocks), so it is a lower bound on the real error.
+    double mean_ms = 0, se_ms = 0;
+    double flops = 0, tflops_per_gpu = 0, tokens_per_s_per_gpu = 0;
+    std::vector<std::pair<std::string, double>> flops_terms;
+    int64_t tokens = 0;
+    double peak_mem_mib = 0, planned_mem_mib = 0;
+    int gpus = 1;      // data-parallel ranks of the run
+    int cp_ranks = 1;  // ranks sharing each micro-batch (context parallelism, fixed or dynamic)
+    // The optimizer's Newton-Schulz FLOPs in the timed step (0 with --forward-backward or without
+    // Muon): outside the audited count, recorded so a step's hardware work can be read beside it.
+    double newton_schulz_flops = 0;
+    std::vector<std::string> overrides;  // the recipe keys set for this variant, as given
+    // The registered environment variables (core/env.h) set for the run: in the JSON line as
+    // "env" when any is set.
+    std::map<std::string, std::string> env;
+    std::string to_json() const;
+    std::string table() const;
+};
+
+// The environment variables the engine reads (core/env.h) that are set, with their values.
+std::map<std::string, std::string> registered_env();
+
+// A recipe variant of a bench: a name and the recipe overrides ("key=value") it adds.
+struct BenchVariant {
+    std::string name;
+    std::vector<std::string> overrides;
+};
+// "NAME=SPEC", SPEC being "key=value" words, each optionally after "--set" (as on the command
+// line): `fp8=--set fp8_recipe=blockwise`. Throws with the text on a malformed one.
+BenchVariant parse_bench_variant(const std::string& text);
+
+// One result per execution mode, in the order given, of one engine built for `recipe`.
+std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& options);
+// Loads the recipe under a list of overrides (the recipe file and the YAML reader stay with the
+// caller: they are outside the engine library).
+using RecipeLoader = std::function<Recipe(const std::vector<std::string>& overrides)>;
+// Recipe variants of a base recipe (its overrides `base_overrides`, each variant's added after
+// them), in `rounds` rounds of A B B A ... order, one engine per run; one result per variant and
+// mode (named "VARIANT/MODE"), the rounds' times pooled. Without variants: run_bench of the base.
+std::vector<BenchResult> run_bench_variants(const RecipeLoader& load,
+                                            const std::vector<std::string>& base_overrides,
+                                            const std::vector<BenchVariant>& variants,
+                                            int64_t rounds, const BenchOptions& options);
+
+// Variant indices of the timed iterations: blocks of the variants forward then backward
+// (A B B A ...), `iters` of each; one variant: A A A.
+std::vector<int> abba_order(int variants, int64_t iters);
+// Median, p95, min, max, coefficient of variation, mean and its standard error of step_ms into
+// `r`.
+void summarize_times(BenchResult& r);
+// The seed-style table: one row per variant, then each later variant's change against the first.
+std::string bench_table(const std::vector<BenchResult>& results);
+
+}  // namespace sparsetron

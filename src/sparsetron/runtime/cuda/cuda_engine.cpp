@@ -1,0 +1,620 @@
+// The CUDA step engine: a CudaSession, the device plan (parameters, gradients, optimizer state,
+// activations, workspace), the CUDA model and optimizer, mirroring the host plan's parameters and
+// optimizer state.
+#include <algorithm>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "sparsetron/config/pipeline_split.h"
+#include "sparsetron/core/device_memory.h"
+#include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/cuda/side_stream.h"
+#include "sparsetron/cuda/step_graph.h"
+#include "sparsetron/model/cuda/glm5_model.h"
+#include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/optim/cuda/cuda_optimizer.h"
+#include "sparsetron/optim/owner_assignment.h"
+#include "sparsetron/parallel/comm/collective_watchdog.h"
+#include "sparsetron/parallel/context/cp_row_plan.h"
+#include "sparsetron/runtime/cuda/cuda_pipeline.h"
+#include "sparsetron/runtime/cuda_plan.h"
+#include "sparsetron/runtime/host_memory_check.h"
+#include "sparsetron/runtime/stage_metrics.h"
+#include "sparsetron/runtime/step_engine.h"
+
+namespace sparsetron {
+namespace {
+
+class CudaEngine final : public StepEngine, public StepBench {
+  public:
+    CudaEngine(const Recipe& recipe, TrainingPlan& tp, const Communicators& comms)
+        : recipe_(recipe),
+          host_store_(*tp.params),
+          host_plan_(tp.plan),
+          host_optimizer_(*tp.optimizer),
+          comms_(comms),
+          dp_(comms.stage && comms.stage->size() > 1 ? comms.stage : nullptr) {
+        Comm* expert_parallel = comms.expert;
+        Comm* context_parallel = comms.context;
+        Comm* expert_data_parallel = comms.expert_data;
+        Comm* pipeline = comms.pipeline;
+        Comm* embedding = comms.embedding;
+        const int64_t max_documents = tp.max_documents, chunk_rows = tp.chunk_rows;
+        // The host keeps what checkpoints hold; the step's memory is the device plan.
+        if (!tp.plan.allocated())
+            tp.plan.allocate_only(Device::CPU, {MemClass::Parameters, MemClass::OptimizerState});
+        ST_CHECK(!dp_ || dp_->on_device(),
+                 "CUDA data parallelism needs device collectives (NCCL); ", "the ",
+                 dp_ ? dp_->name() : "", " communicator has none");
+        // The MoE layers plan for the expert-parallel group's size (make_training_plan's rule);
+        // the trainer set the rank whose experts this process holds.
+        recipe_.model.expert_parallel_ranks = recipe_.run.expert_model_parallel_size;
+        // Sharded experts: their gradients are summed over the ranks holding the same experts.
+        if (expert_parallel && expert_parallel->size() > 1)
+            edp_ = expert_data_parallel && expert_data_parallel->size() > 1 ? expert_data_parallel
+                                                                            : nullptr;
+        else
+            edp_ = dp_;
+        ST_CHECK(
+            recipe_.model.expert_parallel_ranks == 1 ||
+                (expert_parallel && expert_parallel->size() == recipe_.model.expert_parallel_ranks),
+            "expert_model_parallel_size ", recipe_.model.expert_parallel_ranks,
+            " needs an expert-parallel group of that many processes");
+        ST_CHECK(!recipe.run.dsa_dense_warmup,
+                 "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
+                 "cpu or drop the key");
+        const int64_t slots = recipe.run.tokens_per_microbatch();
+        // Context parallelism: this rank's chunks of every document (the CPU model's plan);
+        // dynamic CP: the largest group's micro-batch, a CP group given per micro-batch.
+        const int cp = static_cast<int>(recipe.run.context_parallel_size);
+        dynamic_cp_ = recipe.run.dynamic_context_parallel;
+        ST_CHECK(cp == 1 || dynamic_cp_ || (context_parallel && context_parallel->size() == cp),
+                 "context_parallel_size ", cp,
+                 " needs a context-parallel group of that many processes");
+        const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
+        // Pipeline parallelism: this rank's stage of the model, 1F1B over the step's
+        // micro-batches (runtime/cuda/cuda_pipeline.h).
+        Comm* pp = pipeline && pipeline->size() > 1 ? pipeline : nullptr;
+        PipelineStage stage;
+        if (pp) {
+            ST_CHECK(recipe.run.pipeline_model_parallel_size == pp->size(),
+                     "pipeline_model_parallel_size ", recipe.run.pipeline_model_parallel_size,
+                     " but the pipeline group has ", pp->size(), " ranks");
+            ST_CHECK(!dynamic_cp_,
+                     "dynamic_context_parallel with pipeline parallelism runs on "
+                     "the CPU backend only; use context_parallel_size on CUDA");
+            ST_CHECK(
+                !recipe.model.moe_paged_stash && !recipe.model.fine_grained_activation_offloading,
+                "moe_paged_stash and fine_grained_activation_offloading are not combined "
+                "with pipeline parallelism on CUDA (its stages recompute their forward "
+                "before the backward instead): drop them");
+            stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
+        }
+        model_ = std::make_unique<cuda::CudaGlm5Model>(
+            recipe_.model, host_store_, plan_, cpp.rows, cpp.max_documents,
+            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage);
+        opt_ = std::make_unique<cuda::CudaOptimizer>(
+            model_->cuda_params(), plan_, recipe_.model, recipe_.run,
+            recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel, pp);
+        if (pp) {
+            pipeline_ = std::make_unique<CudaPipeline>(*model_, *pp, plan_,
+                                                       recipe_.run.microbatches_per_step());
+            // The last stage's copy of the embedding (MTP reads it) and the first stage's: one
+            // gradient, summed over the pair.
+            if (embedding && embedding->size() > 1 && model_->embedding_param() >= 0)
+                embedding_ = embedding;
+        }
+        if (recipe_.run.cuda_graph_impl == "full_iteration" || pipeline_) {
+            graphs_ = recipe_.run.cuda_graph_impl == "full_iteration";
+            // Staging for a whole step: every micro-batch's input block and loss sums.
+            slots_ = recipe_.run.microbatches_per_step();
+            s_slots_ = plan_.add(MemClass::Activations, "graph.input_slots", DType::I32,
+                                 {slots_, model_->input_words()});
+            s_sums_ = plan_.add(MemClass::Activations, "graph.loss_sums", DType::F64,
+                                {slots_, model_->n_sums()});
+        }
+        // Say what would fit before cudaMalloc fails on a number.
+        const std::string shortfall =
+            cuda_plan_shortfall(recipe, host_store_, max_documents, chunk_rows, plan_.total_bytes(),
+                                device_memory_free(), stage);
+        ST_CHECK(shortfall.empty(), shortfall);
+        const uint64_t host_free = available_host_memory();
+        ST_CHECK(host_free == 0 || plan_.host_offload_bytes() <= host_free,
+                 "activation offload needs ", format_bytes(double(plan_.host_offload_bytes())),
+                 " of pinned host memory but the host has ", format_bytes(double(host_free)),
+                 " available; offload fewer offload_modules or recompute some (recompute_modules)");
+        plan_.allocate(Device::CUDA);
+        model_->bind(ctx());
+        if (pipeline_) pipeline_->bind(plan_);
+        if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
+        opt_->bind(plan_);
+        opt_->prepare(ctx());
+        if (expert_parallel && expert_parallel->size() > 1) {
+            // NVLink when the group shares a node (or as the recipe says), NCCL across nodes.
+            const ExchangeTransport t = choose_exchange_transport(
+                recipe_.run.moe_expert_exchange, expert_parallel->allgather(this_host_id()));
+            exchange_ = cuda::make_expert_exchange(t, *expert_parallel,
+                                                   exchange_shape(recipe_.model, slots));
+            model_->set_expert_exchange(exchange_.get());
+        }
+        if (dp_) {
+            plan_buckets();
+            // Not with CP or the NCCL expert exchange: the backward's key-gradient all-reduces
+            // (CP communicator) or the exchange's all-to-alls (EP communicator) would run
+            // concurrently with the buckets' (world communicator) on the same GPUs, and NCCL
+            // kernels of two communicators may then wait on each other in different orders on
+            // two GPUs (a deadlock); the buckets are reduced after the backward instead.
+            const bool nccl_exchange =
+                exchange_ && exchange_->transport() == ExchangeTransport::Nccl;
+            // Nor with pipeline parallelism: the stages' transfers (pipeline communicator) run
+            // on the main stream during the last backward.
+            if (recipe_.run.overlap_grad_reduce && cp == 1 && !dynamic_cp_ && !nccl_exchange &&
+                !pipeline_)
+                side_ = std::make_unique<cuda::SideStream>(ctx());
+        }
+        // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
+        if (const cuda::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
+        cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
+                   plan_.class_bytes(MemClass::OptimizerState));
+        // The distributed optimizer: AdamW state sharded by parameter, Muon's work by batch.
+        if (recipe_.run.use_distributed_optimizer && comms.world && comms.world->size() > 1)
+            owner_ = opt_->state_owners();
+    }
+
+    void upload_state() override {
+        const auto& hp = host_store_.params();
+        const auto& gp = model_->cuda_params();
+        for (size_t i = 0; i < hp.size(); ++i)
+            copy_to_device(gp[int64_t(i)].master, host_plan_.view(hp[i].param_slot).data,
+                           hp[i].numel() * sizeof(float));
+        for (auto& [dev_slot, host_slot] : state_pairs())
+            copy_to_device(plan_.view(dev_slot).data, host_plan_.view(host_slot).data,
+                           plan_.entries()[dev_slot].bytes);
+        model_->refresh_bf16(ctx());
+        session_.synchronize();
+    }
+
+    void download_state() override {
+        session_.synchronize();
+        const auto& hp = host_store_.params();
+        const auto& gp = model_->cuda_params();
+        for (size_t i = 0; i < hp.size(); ++i)
+            copy_to_host(host_plan_.view(hp[i].param_slot).data, gp[int64_t(i)].master,
+                         hp[i].numel() * sizeof(float));
+        for (auto& [dev_slot, host_slot] : state_pairs())
+            copy_to_host(host_plan_.view(host_slot).data, plan_.view(dev_slot).data,
+                         plan_.entries()[dev_slot].bytes);
+        if (!owner_.empty())
+            broadcast_state_from_owners(*comms_.stage, host_store_, host_optimizer_, host_plan_,
+                                        owner_);
+    }
+
+    StepOutcome run_step(const StepWork& w) override {
+        // The step's NCCL collectives run on the device: the host's wait for the step is what
+        // the collective deadline watches.
+        CollectiveWatchdog::Scope watched("the device step");
+        const RunConfig& run = recipe_.run;
+        StepOutcome out = run_step(w.micro_batches, w.scales, run, w.step,
+                                   w.cp_groups.empty() ? nullptr : &w.cp_groups);
+        out.moe_load = model_->moe_loads(ctx());
+        out.moe_dropped = model_->moe_dropped(ctx());
+        if (comms_.pipeline)
+            gather_stage_moe_metrics(*comms_.pipeline, recipe_.model.num_experts, out.moe_load,
+                                     out.moe_dropped);
+        if (!out.stats.skipped)
+            model_->update_router_bias(ctx(), recipe_.model.moe_router_bias_update_rate);
+        return out;
+    }
+
+  private:
+    // The gradients are not zeroed here as a whole: each is overwritten by its first writer of
+    // the step or zeroed where needed (CudaParams::begin_gradients), and end_backward() zeroes
+    // what the step did not write.
+    void begin_step(bool accumulate_only = false) {
+        model_->cuda_params().begin_gradients(ctx(), accumulate_only);
+        model_->reset_moe_stats(ctx());
+    }
+    // After the last micro-batch's backward: the gradient reductions, then the gradients the
+    // step did not write zeroed (after the reductions: a side stream may still read them).
+    void end_backward() {
+        finish_reduce();
+        model_->cuda_params().finish_gradients(ctx());
+        if (embedding_) {
+            const cuda::CudaParam& e = model_->cuda_params()[model_->embedding_param()];
+            embedding_->device_allreduce_sum(e.grad, e.numel, ctx().stream);
+        }
+        // One rank's stash overflow vetoes every rank's optimizer step and sends all of them
+        // into the eager redo (which exchanges rows and reduces gradients with the others).
+        if (dp_)
+            if (const cuda::MoeStash* st = model_->moe_stash())
+                dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
+    }
+
+    LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) {
+        model_->load_inputs(ctx(), mb, scales);
+        return model_->forward_backward(ctx(), scales);
+    }
+
+    StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                         const RunConfig& run, int64_t step, const std::vector<Comm*>* cp_groups) {
+        StepOutcome out = run_step_once(mbs, sc, run, step, cp_groups, false);
+        if (!out.stash.overflow) return out;
+        // The paged stash overflowed: the backward ran on missing rows and the optimizer skipped
+        // the step on the device. As the seed falls back to an eager step: the same step again,
+        // eagerly, with the stash bypassed (the MoE backward recomputes its expert rows).
+        struct Bypass {
+            cuda::CudaGlm5Model& m;
+            ~Bypass() { m.set_moe_stash_bypass(false); }
+        } bypass{*model_};
+        model_->set_moe_stash_bypass(true);
+        StepOutcome redo = run_step_once(mbs, sc, run, step, cp_groups, true);
+        ST_ASSERT(!redo.stash.overflow, "the eager redo of step ", step, " pushed to the stash");
+        redo.stash = out.stash;
+        redo.redone = true;
+        return redo;
+    }
+
+    // One attempt at a step; `eager` runs it eagerly even where graphs are on.
+    StepOutcome run_step_once(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                              const RunConfig& run, int64_t step,
+                              const std::vector<Comm*>* cp_groups, bool eager) {
+        if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
+        ST_CHECK(!cp_groups, "CP groups per micro-batch are dynamic CP's");
+        StepOutcome out;
+        if (!pipeline_ && (slots_ == 0 || eager)) {
+            begin_step();
+            for (size_t i = 0; i < mbs.size(); ++i) {
+                if (i + 1 == mbs.size()) begin_reduce();
+                out.losses.push_back(micro_batch(*mbs[i], sc));
+            }
+            end_backward();
+            out.stats = opt_->step(ctx(), run, step);
+            out.stash = stash_use();
+            return out;
+        }
+        const int64_t n = int64_t(mbs.size()), words = model_->input_words();
+        ST_CHECK(n <= slots_, "cuda_graph_impl full_iteration: a step of ", n,
+                 " micro-batches, but the graph's staging holds ", slots_,
+                 " (microbatches_per_step)");
+        int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
+        double* sums = plan_.view(s_sums_).ptr<double>();
+        for (int64_t i = 0; i < n; ++i)
+            model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        opt_->stage_schedule(ctx(), run, step);
+        auto body = [&] {
+            begin_step();
+            if (pipeline_) {
+                pipeline_->enqueue(ctx(), sc, n, slots, sums, [&] { begin_reduce(); });
+                end_backward();
+                opt_->enqueue_step(ctx(), run);
+                return;
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                model_->copy_inputs_from(ctx(), slots + i * words);
+                if (i + 1 == n) begin_reduce();
+                model_->enqueue(ctx(), sc);
+                const int64_t bytes = model_->n_sums() * int64_t(sizeof(double));
+                cuda::copy_2d(ctx(), sums + i * model_->n_sums(), 0, model_->sums(), 0, bytes, 1);
+            }
+            end_backward();
+            opt_->enqueue_step(ctx(), run);
+        };
+        const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
+                                 int64_t(sc.mtp.size())};
+        if (!graphs_ || eager) {
+            body();  // eagerly (pipeline parallelism without graphs, or its redo)
+        } else if (!warmed_up_) {
+            body();  // the warm-up step: the same work, eagerly
+            warmed_up_ = true;
+        } else {
+            if (!step_graph_ || sig != step_sig_) {
+                if (step_graph_)
+                    std::cerr << "[graph] step signature changed (" << step_sig_.describe()
+                              << " -> " << sig.describe() << "): re-capturing\n";
+                step_graph_ = std::make_unique<cuda::StepGraph>(session_);
+                step_graph_->begin_capture();
+                body();
+                step_graph_->end_capture();
+                step_sig_ = sig;
+                ++captures_;
+                std::cerr << "[graph] captured the training step: " << step_graph_->nodes()
+                          << " nodes, " << sig.describe() << "\n";
+            }
+            step_graph_->replay();
+            out.replayed = true;
+        }
+        std::vector<double> host(size_t(n * model_->n_sums()));
+        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
+        for (int64_t i = 0; i < n; ++i)
+            out.losses.push_back(
+                model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
+        out.stats = opt_->read_stats(ctx(), run, step);
+        out.stash = stash_use();
+        return out;
+    }
+
+    // Dynamic CP: each micro-batch is a group's, with its own CP communicator. Eager, or with
+    // full_iteration one graph per CP size (and kind of step) of one micro-batch's forward and
+    // backward, captured after an eager warm-up of that size and replayed for every micro-batch
+    // of that size (the static plan is the graphs' one memory pool); the inputs are uploaded,
+    // the gradients reduced and the optimizer run eagerly around them.
+    StepOutcome run_dynamic_cp_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
+                                    const RunConfig& run, int64_t step,
+                                    const std::vector<Comm*>* cp_groups, bool eager) {
+        ST_CHECK(cp_groups && cp_groups->size() == mbs.size(),
+                 "dynamic CP: every micro-batch needs its CP group");
+        const bool graphs = run.cuda_graph_impl == "full_iteration" && !eager;
+        StepOutcome out;
+        begin_step(true);  // a graph of one micro-batch is replayed at any place in the step
+        for (size_t i = 0; i < mbs.size(); ++i) {
+            Comm* cp = (*cp_groups)[i];
+            model_->set_context_parallel(cp);
+            model_->load_inputs(ctx(), *mbs[i], sc);
+            const DynamicGraphKey key{cp ? cp->size() : 1, sc.backward, sc.indexer_grads,
+                                      sc.indexer != 0, int64_t(sc.mtp.size())};
+            // A key without an entry has not run yet: eagerly first (its entry, still without a
+            // graph, marks it warmed up), captured on its second micro-batch.
+            const auto it = cp_graphs_.find(key);
+            if (!graphs || it == cp_graphs_.end()) {
+                model_->enqueue(ctx(), sc);
+                if (graphs) cp_graphs_.emplace(key, nullptr);
+            } else {
+                auto& g = it->second;
+                if (!g) {
+                    g = std::make_unique<cuda::StepGraph>(session_);
+                    g->begin_capture();
+                    model_->enqueue(ctx(), sc);
+                    g->end_capture();
+                    ++captures_;
+                    std::cerr << "[graph] captured a CP-" << std::get<0>(key)
+                              << " micro-batch: " << g->nodes() << " nodes\n";
+                }
+                g->replay();
+                out.replayed = true;
+            }
+            out.losses.push_back(model_->read_losses(ctx()));
+        }
+        begin_reduce();
+        end_backward();
+        out.stats = opt_->step(ctx(), run, step);
+        out.stash = stash_use();
+        return out;
+    }
+
+  public:
+    std::string describe() const override {
+        return cat("cuda: ", cuda_device_name(), ", planned device memory ",
+                   format_bytes(double(plan_.total_bytes())));
+    }
+    double memory_in_use_gib() const override {
+        return double(device_memory_used()) / double(1ull << 30);
+    }
+    StepBench* bench() override { return this; }
+
+    std::vector<LossSums> forward_only(const std::vector<const MicroBatch*>& mbs,
+                                       const LossScales& sc) override {
+        ST_CHECK(!sc.backward, "forward_only runs no backward");
+        if (!pipeline_) {
+            std::vector<LossSums> out;
+            for (const MicroBatch* mb : mbs) out.push_back(micro_batch(*mb, sc));
+            return out;
+        }
+        const int64_t n = int64_t(mbs.size()), words = model_->input_words();
+        ST_CHECK(n <= slots_, "a pipeline pass of ", n, " micro-batches, but its staging holds ",
+                 slots_, " (microbatches_per_step)");
+        int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
+        double* sums = plan_.view(s_sums_).ptr<double>();
+        for (int64_t i = 0; i < n; ++i)
+            model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        pipeline_->enqueue(ctx(), sc, n, slots, sums);
+        std::vector<double> host(size_t(n * model_->n_sums()));
+        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
+        std::vector<LossSums> out;
+        for (int64_t i = 0; i < n; ++i)
+            out.push_back(model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
+        return out;
+    }
+
+    int64_t graph_captures() const override { return captures_; }
+    int64_t pipeline_recomputed() const override { return pipeline_ ? pipeline_->recomputed() : 0; }
+
+    void stage_inputs(const MicroBatch& mb, const LossScales& scales, Comm* cp_group) override {
+        ST_CHECK(!pipeline_,
+                 "sparsetron bench times one GPU's whole model: run it with "
+                 "pipeline_model_parallel_size: 1");
+        ST_CHECK(!cp_group || dynamic_cp_, "a micro-batch's own CP group is dynamic CP's");
+        if (dynamic_cp_) model_->set_context_parallel(cp_group);
+        model_->load_inputs(ctx(), mb, scales);
+    }
+
+    double timed_step(bool graph, bool optimizer, const LossScales& scales, int64_t micro_batches,
+                      int64_t step) override {
+        const RunConfig& run = recipe_.run;
+        auto enqueue = [&] {
+            begin_step(false);
+            for (int64_t i = 0; i < micro_batches; ++i) {
+                if (i + 1 == micro_batches) begin_reduce();
+                model_->enqueue(ctx(), scales);
+            }
+            end_backward();
+            if (optimizer) opt_->enqueue_step(ctx(), run);
+        };
+        if (optimizer) opt_->stage_schedule(ctx(), run, step);
+        if (!graph) return session_.time_ms(enqueue, 1, 0).front();
+        const std::pair<int64_t, bool> signature{micro_batches, optimizer};
+        if (!graph_ || graph_signature_ != signature) {
+            if (graph_) std::cerr << "[graph] step signature changed: re-capturing\n";
+            graph_ = std::make_unique<cuda::StepGraph>(session_);
+            graph_->begin_capture();
+            enqueue();
+            graph_->end_capture();
+            graph_signature_ = signature;
+            std::cerr << "[graph] captured the step: " << graph_->nodes() << " nodes ("
+                      << micro_batches << " micro-batches" << (optimizer ? " + optimizer" : "")
+                      << ")\n";
+        }
+        return session_.time_ms([&] { graph_->replay(); }, 1, 0).front();
+    }
+
+    double planned_memory_mib() const override {
+        const double region = exchange_ ? double(exchange_->device_bytes()) : 0.0;
+        return (double(plan_.total_bytes()) + region) / (1024.0 * 1024.0);
+    }
+
+  private:
+    // Data parallelism: gradients and routing statistics summed over the ranks. With
+    // overlap_grad_reduce the step's last micro-batch reduces each bucket (the gradient ranges
+    // complete at one backward point, model/cuda/glm5_model.h) on a side stream as soon as its
+    // backward point passes, overlapping the rest of the backward; finish_reduce() reduces what is
+    // left (all of it without overlap, or a forward-only step), then the main stream waits for the
+    // side stream before clipping reads the gradients.
+    void plan_buckets() {
+        const auto& params = model_->params().params();
+        struct Entry {
+            float* grad;
+            int64_t n;
+            int point;
+            Comm* over;  // dense: every rank; sharded experts: their EDP group (none: null)
+        };
+        std::vector<Entry> all;
+        for (size_t i = 0; i < params.size(); ++i) {
+            const cuda::CudaParam& g = model_->cuda_params()[int64_t(i)];
+            Comm* over = params[i].routed_expert ? edp_ : dp_;
+            if (g.grad)
+                all.push_back({g.grad, g.numel, model_->backward_point(params[i].name), over});
+        }
+        std::sort(all.begin(), all.end(),
+                  [](const Entry& a, const Entry& b) { return a.grad < b.grad; });
+        buckets_.assign(size_t(model_->backward_points()), {});
+        // Neighbours in the arena that complete at the same point and reduce over the same
+        // group form one range (the gap between them is alignment padding, zeroed with the
+        // gradients).
+        for (size_t i = 0; i < all.size();) {
+            size_t j = i + 1;
+            while (j < all.size() && all[j].point == all[i].point && all[j].over == all[i].over)
+                ++j;
+            float* end = all[j - 1].grad + all[j - 1].n;
+            if (all[i].over)
+                buckets_[size_t(all[i].point)].push_back(
+                    {all[i].grad, int64_t(end - all[i].grad), all[i].over});
+            i = j;
+        }
+    }
+    void reduce_point(int p) {
+        if (fired_[size_t(p)]) return;
+        fired_[size_t(p)] = true;
+        if (buckets_[size_t(p)].empty()) return;
+        void* stream = ctx().stream;
+        if (side_) side_->fork(), stream = side_->stream();
+        for (const Bucket& b : buckets_[size_t(p)])
+            b.over->device_allreduce_sum(b.grad, b.n, stream);
+    }
+    void begin_reduce() {
+        if (!dp_) return;
+        fired_.assign(buckets_.size(), false);
+        if (side_) model_->set_backward_hook([this](int p) { reduce_point(p); });
+    }
+    void finish_reduce() {
+        if (!dp_) return;
+        model_->set_backward_hook(nullptr);
+        if (fired_.size() != buckets_.size()) fired_.assign(buckets_.size(), false);
+        for (int p = 0; p < int(buckets_.size()); ++p) reduce_point(p);
+        void* stream = ctx().stream;
+        if (side_) side_->fork(), stream = side_->stream();
+        for (auto [stats, n] : model_->moe_stat_buffers())
+            dp_->device_allreduce_sum(stats, n, stream);
+        if (side_) side_->join();
+        fired_.clear();
+    }
+    StashUse stash_use() const {
+        StashUse u;
+        if (const cuda::MoeStash* st = model_->moe_stash()) {
+            const cuda::MoeStash::Use d = st->read(ctx());
+            u.pool_pages = d.pool_pages, u.page_rows = d.page_rows, u.peak_pages = d.peak_pages;
+            u.demand_pages = d.demand_pages, u.overflow = d.overflow;
+            u.worst_case_pages = st->bound().applications * st->bound().pages_per_application;
+        }
+        return u;
+    }
+    // What a captured training step depends on besides buffer contents.
+    struct GraphSignature {
+        int64_t micro_batches = 0;
+        bool backward = false, indexer_grads = false, indexer_loss = false;
+        int64_t mtp_scales = 0;
+        bool operator!=(const GraphSignature& o) const {
+            return micro_batches != o.micro_batches || backward != o.backward ||
+                   indexer_grads != o.indexer_grads || indexer_loss != o.indexer_loss ||
+                   mtp_scales != o.mtp_scales;
+        }
+        std::string describe() const {
+            return cat(micro_batches, " micro-batches", backward ? "" : ", forward only",
+                       indexer_grads ? ", indexer gradients" : "");
+        }
+    };
+    const ExecContext& ctx() const { return session_.ctx(); }
+    // (device slot, host slot) of every optimizer state tensor, matched by checkpoint name.
+    std::vector<std::pair<MemoryPlan::Slot, MemoryPlan::Slot>> state_pairs() const {
+        std::map<std::string, MemoryPlan::Slot> host;
+        for (auto& [name, slot] : host_optimizer_.state_tensors()) host[name] = slot;
+        std::vector<std::pair<MemoryPlan::Slot, MemoryPlan::Slot>> out;
+        for (auto& [name, slot] : opt_->state_tensors()) {
+            auto it = host.find(name);
+            ST_CHECK(it != host.end(), "optimizer state '", name, "' has no host mirror");
+            out.emplace_back(slot, it->second);
+        }
+        return out;
+    }
+
+    Recipe recipe_;
+    const ParamStore& host_store_;
+    const MemoryPlan& host_plan_;
+    const Optimizer& host_optimizer_;
+    Communicators comms_;
+    Comm* dp_ = nullptr;
+    std::vector<int> owner_;  // distributed optimizer: the rank holding each parameter's state
+    Comm* edp_ = nullptr;     // the sharded experts' gradient group (null: nothing to reduce)
+    struct Bucket {
+        float* grad;
+        int64_t n;
+        Comm* over;
+    };
+    std::vector<std::vector<Bucket>> buckets_;  // per backward point
+    std::vector<bool> fired_;
+    std::unique_ptr<cuda::SideStream> side_;  // overlap_grad_reduce
+    cuda::CudaSession session_;
+    MemoryPlan plan_;
+    std::unique_ptr<cuda::CudaGlm5Model> model_;
+    std::unique_ptr<cuda::CudaOptimizer> opt_;
+    std::unique_ptr<cuda::ExpertExchange> exchange_;  // expert parallelism
+    std::unique_ptr<CudaPipeline> pipeline_;          // pipeline parallelism
+    Comm* embedding_ = nullptr;               // the first and last stages' embedding pair (MTP)
+    bool graphs_ = false;                     // cuda_graph_impl full_iteration
+    std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
+    // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
+    int64_t slots_ = 0, captures_ = 0;
+    MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
+    bool warmed_up_ = false;
+    std::unique_ptr<cuda::StepGraph> step_graph_;
+    GraphSignature step_sig_;
+    // Dynamic CP: one micro-batch graph per (CP size, backward, indexer gradients, indexer
+    // loss, MTP scales); a key with a null graph has run eagerly once.
+    bool dynamic_cp_ = false;
+    using DynamicGraphKey = std::tuple<int, bool, bool, bool, int64_t>;
+    std::map<DynamicGraphKey, std::unique_ptr<cuda::StepGraph>> cp_graphs_;
+    std::pair<int64_t, bool> graph_signature_{0, false};
+};
+
+}  // namespace
+
+std::unique_ptr<StepEngine> make_cuda_engine(const Recipe& recipe, TrainingPlan& plan,
+                                             const Communicators& comms) {
+    // Before any CUDA call, so a machine without a GPU gets this message, not a driver error.
+    ST_CHECK(cuda_available(), "--device cuda: no CUDA device is visible (",
+             "nvidia-smi lists none, or the driver is older than CUDA 13); use --device cpu");
+    return std::make_unique<CudaEngine>(recipe, plan, comms);
+}
+
+}  // namespace sparsetron

@@ -1,0 +1,43 @@
+// The CUDA engine's device memory plan, built without touching a GPU: what `sparsetron plan
+// --device cuda` prints, what the engine checks against the free memory before allocating, and
+// what the plan tests assert. Each throws "built without CUDA" in a CPU-only build.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "sparsetron/config/pipeline_stage.h"
+#include "sparsetron/config/recipe.h"
+#include "sparsetron/core/memory_plan.h"
+#include "sparsetron/model/param_store.h"
+#include "sparsetron/parallel/expert/expert_exchange.h"
+
+namespace sparsetron {
+
+// The device plan the CUDA engine allocates for `recipe`, unallocated. `host_store`: the
+// parameter table of `stage` (pipeline parallelism; the whole model by default).
+MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
+                            int64_t max_documents, int64_t chunk_rows,
+                            const PipelineStage& stage = {});
+
+// Why a device plan of `planned` bytes cannot be allocated in `free_bytes`, and what would make it
+// fit: the plan with every selective recompute module when the recipe does not use them all
+// (its size, and whether it fits), else shorter micro-batches or more context-parallel ranks.
+// Empty when it fits.
+std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
+                                int64_t max_documents, int64_t chunk_rows, size_t planned,
+                                size_t free_bytes, const PipelineStage& stage = {});
+
+// The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
+// expert parallelism's exchange buffers added to the total.
+std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
+                             int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
+                             int top = 6, const PipelineStage& stage = {});
+
+// What the expert exchange carries per rank: a rank publishes its routed rows (dispatch) or the
+// results of the rows its experts received (combine); one source sends one owner at most a W-th
+// of what the owner may receive.
+cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t slots);
+
+}  // namespace sparsetron

@@ -1,0 +1,51 @@
+#include "sparsetron/runtime/stage_metrics.h"
+
+#include <algorithm>
+
+namespace sparsetron {
+
+std::vector<double> stages_concatenated(Comm& pp, Comm& sum, const std::vector<double>& mine,
+                                        size_t* offset) {
+    const std::vector<uint64_t> sizes = pp.allgather(uint64_t(mine.size()));
+    size_t at = 0, total = 0;
+    for (size_t s = 0; s < sizes.size(); ++s) {
+        if (int(s) < pp.rank()) at += size_t(sizes[s]);
+        total += size_t(sizes[s]);
+    }
+    std::vector<double> all(total, 0.0);
+    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(at));
+    sum.allreduce_sum(all.data(), int64_t(all.size()));
+    if (offset) *offset = at;
+    return all;
+}
+
+void moe_metrics_from_stages(const ModelConfig& mc, const std::vector<double>& all,
+                             std::vector<std::vector<int64_t>>& load, int64_t& dropped) {
+    const int64_t E = mc.num_experts;
+    int64_t backbone = 0;
+    for (int64_t l = 0; l < mc.num_layers; ++l) backbone += mc.moe_layer_pattern[size_t(l)] ? 1 : 0;
+    load.clear();
+    dropped = 0;
+    for (size_t at = 0, layer = 0; at < all.size(); at += size_t(E) + 1, ++layer) {
+        if (int64_t(layer) < backbone)
+            load.emplace_back(all.begin() + std::ptrdiff_t(at),
+                              all.begin() + std::ptrdiff_t(at + size_t(E)));
+        dropped += int64_t(all[at + size_t(E)]);
+    }
+}
+
+void gather_stage_moe_metrics(Comm& pp, int64_t experts, std::vector<std::vector<int64_t>>& load,
+                              int64_t& dropped) {
+    std::vector<double> mine;
+    for (const auto& layer : load) mine.insert(mine.end(), layer.begin(), layer.end());
+    const std::vector<double> all = stages_concatenated(pp, pp, mine);
+    const size_t E = size_t(experts);
+    load.clear();
+    for (size_t at = 0; E > 0 && at + E <= all.size(); at += E)
+        load.emplace_back(all.begin() + std::ptrdiff_t(at), all.begin() + std::ptrdiff_t(at + E));
+    double d = double(dropped);
+    pp.allreduce_sum(&d, 1);
+    dropped = int64_t(d);
+}
+
+}  // namespace sparsetron

@@ -57,8 +57,7 @@ void add_decoder_layer_params(const ModelConfig& c, ParamStore& s, int64_t layer
     const bool is_mtp = layer0 >= c.num_layers;
     s.add(p + "input_layernorm.weight", {c.hidden_size}, InitRule::Ones, false);
     add_attention(c, s, p + "self_attn.");
-    if (c.uses_dsa() && dsa_layer_is_full(c, layer0))
-        add_indexer(c, s, p + "self_attn.indexer.");
+    if (c.uses_dsa() && dsa_layer_is_full(c, layer0)) add_indexer(c, s, p + "self_attn.indexer.");
     s.add(p + "post_attention_layernorm.weight", {c.hidden_size}, InitRule::Ones, false);
     if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0))
         add_moe_params(c, s, p + "mlp.");
@@ -68,20 +67,22 @@ void add_decoder_layer_params(const ModelConfig& c, ParamStore& s, int64_t layer
 
 std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
                                              const PipelineStage& stage) {
-    const int64_t L0 = stage.first_layer, L1 = stage.end_layer < 0 ? cfg.num_layers : stage.end_layer;
+    const int64_t L0 = stage.first_layer,
+                  L1 = stage.end_layer < 0 ? cfg.num_layers : stage.end_layer;
     ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
              "model: moe_layer_pattern has ", cfg.moe_layer_pattern.size(), " entries for ",
              cfg.num_layers, " layers (validate the recipe first)");
     ST_CHECK(0 <= L0 && L0 < L1 && L1 <= cfg.num_layers, "pipeline stage ", stage.index,
              ": layers [", L0, ", ", L1, ") of ", cfg.num_layers);
-    ST_CHECK(stage.whole() || (stage.first() == (L0 == 0) && stage.last() == (L1 == cfg.num_layers)),
-             "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0, ", ", L1,
-             ")");
+    ST_CHECK(
+        stage.whole() || (stage.first() == (L0 == 0) && stage.last() == (L1 == cfg.num_layers)),
+        "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0, ", ", L1, ")");
     auto store = std::make_unique<ParamStore>(plan, dtype);
     const int64_t h = cfg.hidden_size;
     // The MTP layer (on the last stage) reads the embedding table.
     if (stage.first() || (stage.last() && cfg.mtp_num_layers > 0)) {
-        const int64_t e = store->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
+        const int64_t e =
+            store->add_embedding_like("model.embed_tokens.weight", {cfg.vocab_size, h});
         if (!stage.first()) store->mark_pipeline_copy(e);
     }
     for (int64_t l = L0; l < L1; ++l) add_decoder_layer_params(cfg, *store, l);

@@ -64,8 +64,7 @@ ResolvedRun resolve_training_run(const RunRequest& q) {
         recipe = load_recipe(q.recipe, sets);
         // Pretrained weights without a recipe: the model is the one config.json describes.
         const std::string weights = pretrained_weights_dir(recipe.run, "");
-        if (q.recipe.empty() && !weights.empty() &&
-            fs::exists(fs::path(weights) / "config.json")) {
+        if (q.recipe.empty() && !weights.empty() && fs::exists(fs::path(weights) / "config.json")) {
             recipe.model = load_hf_config((fs::path(weights) / "config.json").string());
             for (const auto& o : sets) recipe.apply(parse_override(o));
             recipe.validate();

@@ -30,8 +30,8 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device de
     tp->params = make_param_table(tp->model, tp->plan, DType::F32, stage);
     if (device == Device::CPU)
         tp->cpu_model = std::make_unique<Glm5Model<float>>(
-            tp->model, *tp->params, tp->plan, tp->rows.rows, tp->rows.max_documents,
-            tp->chunk_rows, tp->rows.key_rows, stage);
+            tp->model, *tp->params, tp->plan, tp->rows.rows, tp->rows.max_documents, tp->chunk_rows,
+            tp->rows.key_rows, stage);
     tp->optimizer = std::make_unique<Optimizer>(*tp->params, tp->plan, tp->model, recipe.run);
     return tp;
 }

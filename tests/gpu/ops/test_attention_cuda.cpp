@@ -1,6 +1,6 @@
-// The attention family on CUDA against the CPU reference: dense attention within documents,
-// sparse MQA in its gathered and masked forms (with saved probabilities, with more key rows than
-// queries), the MLA expanded-form helpers.
+// The attention family on CUDA against the CPU reference: dense attention within documents, the
+// sparse attention's case table walked over every form its plan supports (attention_plan.h), the
+// MLA expanded-form helpers.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +18,8 @@
 
 #if SPARSETRON_WITH_CUDA
 #include "op_fixtures.h"
+#include "sparse_attention_checks.h"
+#include "sparsetron/cuda/device_caps.h"
 #endif
 
 using namespace sparsetron;
@@ -75,103 +77,86 @@ TEST_F(CudaOps, DenseAttentionForwardBackward) {
 }
 
 namespace {
-// masked_chunks > 0: run the masked-dense implementation with a workspace that holds about
-// T / masked_chunks query tokens (several chunks: the chunk offsets are exercised), instead of
-// the gathered one. saved_probs: the forward keeps every chunk's probabilities and the backward
-// reads them instead of recomputing scores and probabilities.
-void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, int masked_chunks = 0,
-                      bool saved_probs = false);
-}  // namespace
 
-TEST_F(CudaOps, SparseMqaForwardBackward) {
-    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa");
+// The sparse attention's case table: shapes (the absorbed form's heads, latent + rope and latent
+// dims, the expanded form's per-head dims), one under context parallelism (a rank's 100 query rows
+// are key rows 2i + 1 of 200), and for each every form that supported_forms() gives it: the masked
+// forms in one chunk and in three (the chunk offsets), with and without the forward's kept
+// probabilities, each against the CPU reference (out, lse, the head-summed probabilities, dq,
+// dkv or dk / dv over every key row).
+struct SparseAttentionCase {
+    int64_t tokens, key_rows, heads, dqk, dv, topk;
+    int64_t head_qk, head_dn, head_v;  // the expanded form's (0: not run)
+};
+const SparseAttentionCase kSparseAttentionCases[] = {
+    {200, 0, 8, 72, 64, 32, 24, 16, 16},       {200, 0, 12, 72, 64, 32, 48, 16, 32},
+    {200, 0, 64, 576, 512, 96, 256, 192, 256}, {200, 0, 32, 576, 512, 96, 256, 192, 256},
+    {100, 200, 12, 72, 64, 32, 0, 0, 0},
+};
+
+cuda::SparseAttentionProblem problem_of(const SparseAttentionCase& c) {
+    return {.tokens = c.tokens,
+            .key_rows = c.key_rows,
+            .heads = c.heads,
+            .dqk = c.dqk,
+            .dv = c.dv,
+            .topk = c.topk,
+            .sm90a = cuda::has_sm90a(),
+            .saved_probs_max = int64_t(1) << 40};
 }
 
-// The GLM-5 shape (64 heads, latent 512 + rope 64): on sm_90 the flash wgmma forward and backward
-// through sparse_mqa_forward / sparse_mqa_backward; with 32 heads the tensor-core kernels.
-TEST_F(CudaOps, SparseMqaGatheredAtTheGlm5Shape) {
-    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (flash wgmma on sm_90)");
-    sparse_mqa_check(*session_, 32, 576, 512, 96, "sparse mqa (tensor cores, 32 heads)");
-}
-
-// The masked-dense implementation (cuBLASLt scores against every earlier key, top-k as a mask).
-TEST_F(CudaOps, SparseMqaMaskedDense) {
-    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked, one chunk)", 1);
-    // 12 heads: the backward's second group of 8 heads is partial.
-    sparse_mqa_check(*session_, 12, 72, 64, 32, "sparse mqa (masked, 3 chunks, 12 heads)", 3);
-}
-
-TEST_F(CudaOps, SparseMqaMaskedDenseAtTheGlm5Shape) {
-    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, GLM-5 shape)", 2);
-}
-
-TEST_F(CudaOps, SparseMqaMaskedDenseWithSavedProbabilities) {
-    sparse_mqa_check(*session_, 8, 72, 64, 32, "sparse mqa (masked, saved P, one chunk)", 1, true);
-    sparse_mqa_check(*session_, 12, 72, 64, 32, "sparse mqa (masked, saved P, 3 chunks)", 3, true);
-    sparse_mqa_check(*session_, 64, 576, 512, 96, "sparse mqa (masked, saved P, GLM-5 shape)", 2,
-                     true);
-}
-
-namespace {
-void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dv,
-                      int64_t K, const std::string& tag, int masked_chunks, bool saved_probs) {
-    const ExecContext& ctx = session.ctx();
-    const Docs docs;
-    const int64_t T = 200;
-    Rounded q(T * H * dqk, 81), kv(T * dqk, 82), dout(T * H * dv, 83);
-    // Each row picks an ascending random subset of its causal document keys; padding rows none.
-    auto rbv = docs.row_begin(T);
-    std::vector<int32_t> idx(T * K, -1), len(T, 0);
+// Each row's selected keys, ascending, min(topk, its causal document keys) of them: the Docs
+// documents without CP; under CP query i is key row 2i + 1 of documents [0, 120) and [120, 200).
+void case_topk(const SparseAttentionCase& c, std::vector<int32_t>& idx, std::vector<int32_t>& len) {
+    const int64_t T = c.tokens, K = c.topk;
+    idx.assign(T * K, -1);
+    len.assign(T, 0);
+    const auto rb = Docs().row_begin(T);
     CounterRng rng(84, 1);
     uint64_t draw = 0;
     for (int64_t t = 0; t < T; ++t) {
-        if (rbv[t] < 0) continue;
-        std::vector<int32_t> cand(t - rbv[t] + 1);
-        std::iota(cand.begin(), cand.end(), rbv[t]);
+        int64_t row = t, begin = rb[t];
+        if (c.key_rows > 0) row = 2 * t + 1, begin = row >= 120 ? 120 : 0;
+        if (begin < 0) continue;
+        std::vector<int32_t> cand(size_t(row - begin + 1));
+        std::iota(cand.begin(), cand.end(), int32_t(begin));
         for (size_t i = cand.size(); i > 1; --i) std::swap(cand[i - 1], cand[rng.bits(draw++) % i]);
         const int64_t n = std::min<int64_t>(K, int64_t(cand.size()));
         std::sort(cand.begin(), cand.begin() + n);
         std::copy_n(cand.begin(), n, idx.begin() + t * K);
-        len[t] = int32_t(n);
+        len[size_t(t)] = int32_t(n);
     }
+}
+
+// The absorbed forms: sparse_mqa_forward / _backward in `plan`'s form against the CPU reference.
+void sparse_mqa_check(const cuda::CudaSession& session, const SparseAttentionCase& c,
+                      const cuda::SparseAttentionPlan& plan, const std::string& tag) {
+    const ExecContext& ctx = session.ctx();
+    const int64_t T = c.tokens, H = c.heads, dqk = c.dqk, dv = c.dv, K = c.topk;
+    const int64_t keys = c.key_rows > 0 ? c.key_rows : T;
+    Rounded q(T * H * dqk, 81), kv(keys * dqk, 82), dout(T * H * dv, 83);
+    std::vector<int32_t> idx, len;
+    case_topk(c, idx, len);
     DeviceArray<int32_t> didx(idx), dlen(len);
     DeviceArray<bf16> out(T * H * dv), dq(T * H * dqk);
-    DeviceArray<float> lse(H * T), dkv(T * dqk), psum(T * K);
+    DeviceArray<float> lse(H * T), dkv(keys * dqk), psum(T * K);
+    DeviceArray<float> workspace(std::max<int64_t>(1, (plan.workspace_bytes + 3) / 4));
+    DeviceArray<bf16> probs(std::max<int64_t>(1, plan.saved_probs_elems));
     const float scale = float(0.9 / std::sqrt(double(dqk)));
-    const bool masked = masked_chunks > 0;
-    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(T, H);
-    ASSERT_GT(planned, 0) << "the masked form runs at this shape";
-    // Bytes per query token: S, dP (fp32) and P (bf16) rows of 16-rounded length, per head.
-    const int64_t per_token = H * ((T + 15) / 16 * 16) * 10;
-    ASSERT_EQ(planned, T * per_token) << "a short context fits one chunk";
-    const int64_t ws_bytes = masked ? (T + masked_chunks - 1) / masked_chunks * per_token : 0;
-    DeviceArray<float> workspace(std::max<int64_t>(1, (ws_bytes + 3) / 4));
-    void* wsp = masked ? static_cast<void*>(static_cast<float*>(workspace)) : nullptr;
-    // Saved probabilities: one [rows, 16-rounded keys] block per chunk of cq tokens.
-    const int64_t saved_elems =
-        saved_probs ? cuda::sparse_mqa_saved_probs_elems(T, H, ws_bytes) : 0;
-    if (saved_probs) {
-        ASSERT_TRUE(masked);
-        const int64_t cq = (T + masked_chunks - 1) / masked_chunks;
-        int64_t expect = 0;
-        for (int64_t t0 = 0; t0 < T; t0 += cq)
-            expect += (std::min(T, t0 + cq) - t0) * H * ((std::min(T, t0 + cq) + 15) / 16 * 16);
-        ASSERT_EQ(saved_elems, expect) << tag;
-    }
-    DeviceArray<bf16> probs(std::max<int64_t>(1, saved_elems));
-    bf16* pp = saved_probs ? static_cast<bf16*>(probs) : nullptr;
-    const cuda::SparseMqa problem{T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale};
-    cuda::sparse_mqa_forward(ctx, problem, out, lse, psum, {wsp, ws_bytes, pp});
-    cuda::sparse_mqa_backward(ctx, problem, out, lse, dout.dev, dq, dkv, {wsp, ws_bytes, pp});
+    const cuda::SparseMqa problem{T, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, c.key_rows};
+    const cuda::SparseAttentionBuffers buffers{plan.workspace_bytes > 0 ? workspace.get() : nullptr,
+                                               plan.saved_probs_elems > 0 ? probs.get() : nullptr};
+    cuda::sparse_mqa_forward(ctx, plan, problem, out, lse, psum, buffers);
+    cuda::sparse_mqa_backward(ctx, plan, problem, out, lse, dout.dev, dq, dkv, buffers);
     session.synchronize();
-    std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * T * dqk), dkvr(T * dqk);
+    std::vector<float> o(T * H * dv), l(H * T), dqr(T * H * dqk), ws(H * keys * dqk),
+        dkvr(keys * dqk);
     cpu::sparse_mqa_forward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
                                    len.data(), K, scale, o.data(), l.data());
     auto o_gpu = download_f(out);
     cpu::sparse_mqa_backward<float>(T, H, dqk, dv, q.host.data(), kv.host.data(), idx.data(),
                                     len.data(), K, scale, o_gpu.data(), l.data(), dout.host.data(),
-                                    dqr.data(), ws.data(), dkvr.data());
+                                    dqr.data(), ws.data(), dkvr.data(), keys);
     expect_close(tag + " out", o_gpu, o, kBf16Tol);
     expect_close(tag + " lse", lse.download(), l, 1e-5);
     // Σ_h P per selected key (the indexer loss's teacher), in fp64 from the CPU lse.
@@ -182,7 +167,59 @@ void sparse_mqa_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, 
     expect_guard(out, tag + " out");
     expect_guard(dkv, tag + " dkv");
 }
+
+// The plans a form is tested in: the masked forms with workspaces of one chunk and of three
+// chunks of query rows, each with and without the kept probabilities where the form keeps them.
+std::vector<cuda::SparseAttentionPlan> variants(const cuda::SparseAttentionProblem& p,
+                                                cuda::SparseAttentionForm form) {
+    const cuda::SparseAttentionPlan base = cuda::plan_sparse_attention(p, form);
+    if (!base.masked_backward()) return {base};
+    std::vector<cuda::SparseAttentionPlan> out;
+    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(p.tokens, p.heads, p.key_rows);
+    for (int chunks : {1, 3}) {
+        cuda::SparseAttentionPlan v = base;
+        v.workspace_bytes = (p.tokens + chunks - 1) / chunks * (planned / p.tokens);
+        v.saved_probs_elems = 0;
+        out.push_back(v);
+        if (base.masked_forward() && p.key_rows == 0) {
+            v.saved_probs_elems =
+                cuda::sparse_mqa_saved_probs_elems(p.tokens, p.heads, v.workspace_bytes);
+            out.push_back(v);
+        }
+    }
+    return out;
+}
+
 }  // namespace
+
+TEST_F(CudaOps, SparseAttentionEveryFormOfTheCaseTableMatchesCpu) {
+    for (const SparseAttentionCase& c : kSparseAttentionCases) {
+        const cuda::SparseAttentionProblem p = problem_of(c);
+        const std::vector<cuda::SparseAttentionForm> forms = cuda::supported_forms(p);
+        // The masked forms run every row here (the keys fit); the flash ones at the GLM-5 shape on
+        // sm_90a; under CP no expanded form.
+        const auto has = [&](cuda::SparseAttentionForm f) {
+            return std::find(forms.begin(), forms.end(), f) != forms.end();
+        };
+        EXPECT_TRUE(has(cuda::SparseAttentionForm::AbsorbedMasked));
+        EXPECT_TRUE(has(cuda::SparseAttentionForm::AbsorbedReference));
+        EXPECT_EQ(has(cuda::SparseAttentionForm::ExpandedMasked), c.key_rows == 0);
+        EXPECT_EQ(has(cuda::SparseAttentionForm::AbsorbedFlash),
+                  cuda::has_sm90a() && c.heads == 64 && c.dqk == 576);
+        for (cuda::SparseAttentionForm form : forms)
+            for (const cuda::SparseAttentionPlan& plan : variants(p, form)) {
+                const std::string tag =
+                    cat("sparse attention ", c.heads, " heads, qk ", c.dqk,
+                        c.key_rows ? cat(", CP ", c.key_rows, " keys") : "", ": ", plan.describe());
+                SCOPED_TRACE(tag);
+                if (form == cuda::SparseAttentionForm::ExpandedMasked)
+                    sparse_mha_check(*session_, c.heads, c.head_qk, c.head_dn, c.head_v, c.topk,
+                                     plan, tag, true);
+                else
+                    sparse_mqa_check(*session_, c, plan, tag);
+            }
+    }
+}
 
 // Both kernels: head dims that are multiples of 4 (the vector kernel) and ones that are not.
 TEST_F(CudaOps, MlaExpandedKvGradient) {
@@ -211,61 +248,6 @@ TEST_F(CudaOps, MlaExpandedKvGradient) {
         expect_close("mla expanded dkv", download_f(dkv), kvr, kBf16Tol);
         expect_close("mla expanded d k_pe (sum over heads)", download_f(dckv), per, kBf16Tol,
                      pe_cols);
-    }
-}
-
-// Context parallelism: a rank's query rows are some of the micro-batch's key rows (here every
-// other row, key_row[i] = 2i + 1), so the masked-dense form scores every chunk against all key
-// rows and the top-k picks which count. It must agree with the gathered form on the same inputs
-// (out, lse, head probability sums, dq, and dkv over every key row), in one chunk and in three.
-TEST_F(CudaOps, SparseMqaMaskedDenseWithMoreKeysThanQueries) {
-    const ExecContext& ctx = session_->ctx();
-    const int64_t H = 12, dqk = 72, dv = 64, K = 32, Tq = 100, Tk = 200;
-    Rounded q(Tq * H * dqk, 91), kv(Tk * dqk, 92), dout(Tq * H * dv, 93);
-    std::vector<int32_t> idx(Tq * K, -1), len(Tq, 0);
-    CounterRng rng(94, 1);
-    uint64_t draw = 0;
-    for (int64_t i = 0; i < Tq; ++i) {
-        const int64_t row = 2 * i + 1, begin = row >= 120 ? 120 : 0;  // two documents
-        std::vector<int32_t> cand(size_t(row - begin + 1));
-        std::iota(cand.begin(), cand.end(), int32_t(begin));
-        for (size_t j = cand.size(); j > 1; --j) std::swap(cand[j - 1], cand[rng.bits(draw++) % j]);
-        const int64_t n = std::min<int64_t>(K, int64_t(cand.size()));
-        std::sort(cand.begin(), cand.begin() + n);
-        std::copy_n(cand.begin(), n, idx.begin() + i * K);
-        len[size_t(i)] = int32_t(n);
-    }
-    DeviceArray<int32_t> didx(idx), dlen(len);
-    const float scale = float(0.9 / std::sqrt(double(dqk)));
-    struct Result {
-        std::vector<float> out, lse, psum, dq, dkv;
-    };
-    auto run = [&](int chunks) {
-        DeviceArray<bf16> out(Tq * H * dv), dq(Tq * H * dqk);
-        DeviceArray<float> lse(H * Tq), dkv(Tk * dqk), psum(Tq * K);
-        const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(Tq, H, Tk);
-        EXPECT_EQ(planned, Tq * H * ((Tk + 15) / 16 * 16) * 10) << "one chunk, rows of all keys";
-        const int64_t bytes = chunks ? (Tq + chunks - 1) / chunks * (planned / Tq) : 0;
-        DeviceArray<float> ws(std::max<int64_t>(1, (bytes + 3) / 4));
-        void* w = chunks ? static_cast<void*>(static_cast<float*>(ws)) : nullptr;
-        const cuda::SparseMqa problem{Tq, H, dqk, dv, q.dev, kv.dev, didx, dlen, K, scale, Tk};
-        cuda::sparse_mqa_forward(ctx, problem, out, lse, psum, {w, bytes});
-        cuda::sparse_mqa_backward(ctx, problem, out, lse, dout.dev, dq, dkv, {w, bytes});
-        session_->synchronize();
-        EXPECT_TRUE(dkv.guard_intact());
-        return Result{download_f(out), lse.download(), psum.download(), download_f(dq),
-                      dkv.download()};
-    };
-    const Result gathered = run(0);
-    for (int chunks : {1, 3}) {
-        const Result masked = run(chunks);
-        const std::string tag =
-            cat("sparse mqa masked, ", Tq, " queries over ", Tk, " keys, ", chunks, " chunk(s)");
-        expect_close(tag + " out", masked.out, gathered.out, kBf16Tol);
-        expect_close(tag + " lse", masked.lse, gathered.lse, 1e-5);
-        expect_close(tag + " head probability sums", masked.psum, gathered.psum, 1e-4);
-        expect_close(tag + " dq", masked.dq, gathered.dq, kBf16Tol);
-        expect_close(tag + " dkv", masked.dkv, gathered.dkv, kBf16Tol);
     }
 }
 

@@ -14,6 +14,7 @@
 #include <numeric>
 
 #include "../harness.h"
+#include "sparse_attention_checks.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #if SPARSETRON_WITH_CUDA
@@ -55,10 +56,11 @@ void random_topk(int64_t K, std::vector<int32_t>& idx, std::vector<int32_t>& len
     }
 }
 
-// head_sums: the forward also sums the probabilities over the heads (the indexer loss's teacher);
-// without them, on sm_90 at qk 256, the forward runs masked_probs_wgmma.
-void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn, int64_t dv,
-           int64_t K, int chunks, bool saved, const std::string& tag, bool head_sums = true) {
+}  // namespace
+
+void test::sparse_mha_check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
+                            int64_t dv, int64_t K, const cuda::SparseAttentionPlan& plan,
+                            const std::string& tag, bool head_sums) {
     const ExecContext& ctx = session.ctx();
     std::vector<int32_t> idx, len;
     random_topk(K, idx, len);
@@ -78,22 +80,16 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
     DeviceArray<float> lse(H * kRows), psum(kRows * K);
     DeviceArray<float> dk(std::vector<float>(kRows * H * dqk, nan));
     DeviceArray<float> dvv(std::vector<float>(kRows * H * dv, nan));
-    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(kRows, H);
-    ASSERT_GT(planned, 0) << "the masked form runs at this shape";
-    const int64_t per_token = planned / kRows;  // one chunk holds the whole context
-    const int64_t ws_bytes = (kRows + chunks - 1) / chunks * per_token;
-    DeviceArray<float> workspace((ws_bytes + 3) / 4);
-    const int64_t saved_elems = saved ? cuda::sparse_mqa_saved_probs_elems(kRows, H, ws_bytes) : 0;
-    DeviceArray<bf16> probs(std::max<int64_t>(1, saved_elems));
-    bf16* pp = saved ? static_cast<bf16*>(probs) : nullptr;
+    ASSERT_EQ(plan.form, cuda::SparseAttentionForm::ExpandedMasked) << tag;
+    DeviceArray<float> workspace((plan.workspace_bytes + 3) / 4);
+    DeviceArray<bf16> probs(std::max<int64_t>(1, plan.saved_probs_elems));
+    const cuda::SparseAttentionBuffers buffers{workspace.get(), probs.get()};
     const cuda::HeadKV kv{k, H * dqk, dqk, static_cast<const bf16*>(v) + dn, H * wv, wv};
     const float scale = float(0.9 / std::sqrt(double(dqk)));
     const cuda::SparseMha problem{kRows, H, dqk, dv, q, kv, didx, dlen, K, scale};
-    cuda::sparse_mha_forward_masked(ctx, problem, out, lse,
-                                    head_sums ? static_cast<float*>(psum) : nullptr,
-                                    {workspace, ws_bytes, pp});
-    cuda::sparse_mha_backward_masked(ctx, problem, out, lse, dout, dq, dk, dvv,
-                                     {workspace, ws_bytes, pp});
+    cuda::sparse_mha_forward(ctx, plan, problem, out, lse,
+                             head_sums ? static_cast<float*>(psum) : nullptr, buffers);
+    cuda::sparse_mha_backward(ctx, plan, problem, out, lse, dout, dq, dk, dvv, buffers);
     session.synchronize();
     const auto o_gpu = to_float(out.download());
 
@@ -150,6 +146,27 @@ void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn,
     expect_close(tag + " dv", dvv.download(), dvr, 1e-2);
     expect_guard(out, tag + " out");
     expect_guard(dk, tag + " dk");
+}
+
+namespace {
+
+// The expanded form's plan for kRows rows of H heads with a workspace of `chunks` chunks, the
+// forward's probabilities kept or not.
+cuda::SparseAttentionPlan expanded_plan(int64_t H, int chunks, bool saved) {
+    const int64_t planned = cuda::sparse_mqa_masked_workspace_bytes(kRows, H);
+    EXPECT_GT(planned, 0) << "the masked form runs at this shape";
+    cuda::SparseAttentionPlan plan;
+    plan.form = cuda::SparseAttentionForm::ExpandedMasked;
+    plan.workspace_bytes = (kRows + chunks - 1) / chunks * (planned / kRows);
+    plan.saved_probs_elems =
+        saved ? cuda::sparse_mqa_saved_probs_elems(kRows, H, plan.workspace_bytes) : 0;
+    plan.query_block_rows = kRows;
+    return plan;
+}
+
+void check(const cuda::CudaSession& session, int64_t H, int64_t dqk, int64_t dn, int64_t dv,
+           int64_t K, int chunks, bool saved, const std::string& tag, bool head_sums = true) {
+    sparse_mha_check(session, H, dqk, dn, dv, K, expanded_plan(H, chunks, saved), tag, head_sums);
 }
 
 }  // namespace

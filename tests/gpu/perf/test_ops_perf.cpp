@@ -16,6 +16,7 @@
 
 #if SPARSETRON_WITH_CUDA
 #include "sparsetron/cuda/cuda_session.h"
+#include "sparsetron/cuda/device_caps.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
 #include "sparsetron/ops/common/fp8_scale_layout.h"
@@ -60,16 +61,34 @@ struct SparseMqaBench {
     double fwd_flops() const { return 2.0 * H * pairs * (L + kr); }
     double fwd_bytes() const { return 2.0 * (tokens * H * (L + kr) + pairs * L); }
     double bwd_bytes() const { return 2.0 * (2 * tokens * H * (L + kr) + pairs * L); }
-    // Gathered without a workspace; masked dense with one (and `saved`: probabilities kept).
     cuda::SparseMqa problem() const { return {tokens, H, L, kr, *q, *kv, *idx, *len, K, scale}; }
-    void forward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
-                 bf16* saved = nullptr) const {
-        cuda::sparse_mqa_forward(ctx, problem(), *o, *lse, *psum, {ws, ws_bytes, saved});
+    // The plan of `form` at this shape; masked forms with `ws_bytes` of workspace and `saved`
+    // probabilities kept (the buffers given to forward / backward).
+    cuda::SparseAttentionPlan plan(cuda::SparseAttentionForm form, int64_t ws_bytes = 0,
+                                   int64_t saved = 0) const {
+        cuda::SparseAttentionPlan p = cuda::plan_sparse_attention({.tokens = tokens,
+                                                                   .heads = H,
+                                                                   .dqk = L,
+                                                                   .dv = kr,
+                                                                   .topk = K,
+                                                                   .sm90a = cuda::has_sm90a()},
+                                                                  form);
+        if (ws_bytes > 0) p.workspace_bytes = ws_bytes;
+        p.saved_probs_elems = saved;
+        return p;
     }
-    void backward(const ExecContext& ctx, void* ws = nullptr, int64_t ws_bytes = 0,
-                  const bf16* saved = nullptr) const {
-        cuda::sparse_mqa_backward(ctx, problem(), *o, *lse, *dout, *dq, *dkv,
-                                  {ws, ws_bytes, const_cast<bf16*>(saved)});
+    // Where the flash kernels run, else the tensor-core ones: the gathered forms.
+    cuda::SparseAttentionForm gathered() const {
+        return cuda::has_sm90a() ? cuda::SparseAttentionForm::AbsorbedFlash
+                                 : cuda::SparseAttentionForm::AbsorbedGathered;
+    }
+    void forward(const ExecContext& ctx, const cuda::SparseAttentionPlan& p, void* ws = nullptr,
+                 bf16* saved = nullptr) const {
+        cuda::sparse_mqa_forward(ctx, p, problem(), *o, *lse, *psum, {ws, saved});
+    }
+    void backward(const ExecContext& ctx, const cuda::SparseAttentionPlan& p, void* ws = nullptr,
+                  bf16* saved = nullptr) const {
+        cuda::sparse_mqa_backward(ctx, p, problem(), *o, *lse, *dout, *dq, *dkv, {ws, saved});
     }
 };
 
@@ -152,8 +171,8 @@ class CudaOpsPerf : public ::testing::Test {
     }
     void report_gathered_sparse_mqa(const SparseMqaBench& b, const std::string& prefix) {
         report(
-            prefix + "sparse mqa fwd (gathered, selected pairs)", [&] { b.forward(ctx()); },
-            b.fwd_flops(), b.fwd_bytes());
+            prefix + "sparse mqa fwd (gathered, selected pairs)",
+            [&] { b.forward(ctx(), b.plan(b.gathered())); }, b.fwd_flops(), b.fwd_bytes());
         if (cuda::sparse_mqa_forward_wgmma_supported(H, L, kr)) {
             // The flash kernels: forward without and with the teacher's prob sums; backward in
             // the measured form and the shared-keys one.
@@ -172,8 +191,8 @@ class CudaOpsPerf : public ::testing::Test {
                 2.5 * b.fwd_flops(), b.bwd_bytes());
         }
         report(
-            prefix + "sparse mqa bwd (gathered, 2.5x fwd count)", [&] { b.backward(ctx()); },
-            2.5 * b.fwd_flops(), b.bwd_bytes());
+            prefix + "sparse mqa bwd (gathered, 2.5x fwd count)",
+            [&] { b.backward(ctx(), b.plan(b.gathered())); }, 2.5 * b.fwd_flops(), b.bwd_bytes());
     }
     std::unique_ptr<cuda::CudaSession> session_;
 };
@@ -293,26 +312,29 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     report_gathered_sparse_mqa(b, "");
     // The same function as masked dense GEMMs (the model's choice at T <= 2 k); FLOPs are still
     // counted on the selected pairs, so the TFLOP/s compare directly with the lines above.
-    const int64_t ws_bytes = cuda::sparse_mqa_workspace_bytes(T, H, K);
+    const cuda::SparseAttentionPlan masked = b.plan(cuda::SparseAttentionForm::AbsorbedMasked);
+    const int64_t ws_bytes = masked.workspace_bytes;
     ASSERT_GT(ws_bytes, 0);
     auto ws = f32((ws_bytes + 3) / 4);
     report(
-        "sparse mqa fwd, masked dense (selected pairs)", [&] { b.forward(ctx(), *ws, ws_bytes); },
+        "sparse mqa fwd, masked dense (selected pairs)", [&] { b.forward(ctx(), masked, *ws); },
         b.fwd_flops(), b.fwd_bytes());
     report(
-        "sparse mqa bwd, masked dense (selected pairs)", [&] { b.backward(ctx(), *ws, ws_bytes); },
+        "sparse mqa bwd, masked dense (selected pairs)", [&] { b.backward(ctx(), masked, *ws); },
         2.5 * b.fwd_flops(), b.bwd_bytes());
     // With the forward's probabilities kept (the model's choice when a layer's fit
     // dsa_saved_probs_max_mib): the forward writes P into the saved buffer, the backward skips
     // the second score GEMM and the probability kernel.
     const int64_t saved_elems = cuda::sparse_mqa_saved_probs_elems(T, H, ws_bytes);
     auto saved = bf(saved_elems);
+    const cuda::SparseAttentionPlan kept =
+        b.plan(cuda::SparseAttentionForm::AbsorbedMasked, ws_bytes, saved_elems);
     report(
-        "sparse mqa fwd, masked, probabilities kept",
-        [&] { b.forward(ctx(), *ws, ws_bytes, *saved); }, b.fwd_flops(), b.fwd_bytes());
+        "sparse mqa fwd, masked, probabilities kept", [&] { b.forward(ctx(), kept, *ws, *saved); },
+        b.fwd_flops(), b.fwd_bytes());
     report(
         "sparse mqa bwd, masked, from kept probabilities",
-        [&] { b.backward(ctx(), *ws, ws_bytes, *saved); }, 2.5 * b.fwd_flops(), b.bwd_bytes());
+        [&] { b.backward(ctx(), kept, *ws, *saved); }, 2.5 * b.fwd_flops(), b.bwd_bytes());
     // Smaller chunks of query tokens: S and P of a chunk stay in L2 between the GEMM that
     // writes them and the kernel that reads them, at the price of more, smaller GEMMs.
     const int64_t per_token = H * T * 10;  // S, dP fp32 + P bf16 per query token (T % 16 == 0)
@@ -320,8 +342,9 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
         report(
             "masked fwd+bwd, chunks of " + std::to_string(cq) + " tokens",
             [&] {
-                b.forward(ctx(), *ws, cq * per_token);
-                b.backward(ctx(), *ws, cq * per_token);
+                const auto p = b.plan(cuda::SparseAttentionForm::AbsorbedMasked, cq * per_token);
+                b.forward(ctx(), p, *ws);
+                b.backward(ctx(), p, *ws);
             },
             3.5 * b.fwd_flops(), 0);
     }
@@ -360,7 +383,9 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
 // keys, as at 4K. FLOPs as in the 4K test.
 TEST_F(CudaOpsPerf, SparseMqaAt32K) {
     const int64_t T32 = 32768;
-    ASSERT_EQ(cuda::sparse_mqa_workspace_bytes(T32, H, K), 0) << "32K takes the gathered form";
+    const cuda::SparseAttentionPlan p = cuda::plan_sparse_attention(
+        {.tokens = T32, .heads = H, .dqk = L, .dv = kr, .topk = K, .sm90a = cuda::has_sm90a()});
+    ASSERT_EQ(p.workspace_bytes, 0) << "32K takes a gathered form: " << p.describe();
     report_gathered_sparse_mqa(sparse_mqa_bench(T32), "32K ");
 }
 

@@ -28,19 +28,19 @@ CudaDecoderLayer::CudaDecoderLayer(const ModelConfig& c, const CudaParams& P, Cu
     const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
     in_norm_ = P.index(p + "input_layernorm.weight");
     post_norm_ = P.index(p + "post_attention_layernorm.weight");
-    // The expanded DSA form keeps neither the latent keys that MTP's kv sharing hands on nor the
-    // absorbed Q' / K' that a recomputing indexer-loss teacher reads. The sparse loss's teacher
-    // (Σ_h P per selected key) comes from the masked attention's probability kernel instead.
-    const bool teacher =
-        c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
-    const bool expanded_ok =
-        !(teacher && !c.dsa_indexer_use_sparse_loss) && !(is_mtp && c.dsa_mtp_index_kv_share);
+    // What the layer's indexer loss reads of the attention, and whether MTP's kv sharing hands
+    // its latent keys on: the attention plan's choices depend on both (attention_plan.h).
+    const bool loss = c.uses_dsa() && dsa_layer_is_full(c, layer0) && c.dsa_indexer_loss_coeff > 0;
+    const IndexerTeacher teacher = !loss                           ? IndexerTeacher::None
+                                   : c.dsa_indexer_use_sparse_loss ? IndexerTeacher::Sparse
+                                                                   : IndexerTeacher::Dense;
+    const bool shared_keys = is_mtp && c.dsa_mtp_index_kv_share;
     {
         // The attention and its indexer: one phase (the indexer runs between the attention's
         // projections and its core, whose recomputed buffers outlive it).
         CudaBuffers::Phase phase(B, kAttentionPhase);
         attn_ = std::make_unique<CudaMlaAttention>(c, P, B, S, p + "self_attn.", tokens,
-                                                   c.uses_dsa(), key_tokens, expanded_ok, !teacher);
+                                                   c.uses_dsa(), key_tokens, teacher, shared_keys);
         if (c.uses_dsa() && dsa_layer_is_full(c, layer0))
             indexer_ = std::make_unique<CudaDsaIndexer>(c, P, B, S, p + "self_attn.indexer.",
                                                         tokens, key_tokens);

@@ -1,4 +1,6 @@
 #include "sparsetron/model/cuda/mla_attention.h"
+#include "sparsetron/core/device_memory.h"
+#include "sparsetron/cuda/device_caps.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -16,7 +18,7 @@ using cuda::gemm;
 
 CudaMlaAttention::CudaMlaAttention(const ModelConfig& c, const CudaParams& P, CudaBuffers& B,
                                    CudaShared& S, const std::string& p, int64_t tokens, bool dsa,
-                                   int64_t key_tokens, bool expanded_ok, bool query_blocks_ok)
+                                   int64_t key_tokens, IndexerTeacher teacher, bool shared_keys)
     : c_(c),
       P_(P),
       S_(S),
@@ -56,22 +58,28 @@ CudaMlaAttention::CudaMlaAttention(const ModelConfig& c, const CudaParams& P, Cu
     B.scratch(dckv_n_, "grad.attn.kv_a_norm_out", {Tn, kr_});
     dqabs_ = doabs_ = dkv_ = nullptr;
     dkabs_ = dk32_ = dv32_ = nullptr;
-    if (dsa) {
-        // Under CP the masked-dense form scores every chunk of this rank's rows against all
-        // Tk_ key rows of the micro-batch.
-        const int64_t keys = cp_ ? Tk_ : Tn;
-        mqa_ws_bytes_ = cuda::sparse_mqa_workspace_bytes(Tn, H_, std::min(c.dsa_indexer_topk, keys),
-                                                         cp_ ? Tk_ : 0);
-        // Masked dense GEMMs score every key of a chunk: per head over qk + v dims (expanded)
-        // costs 0.47x the FLOPs of the latent's L + kr at the GLM-5 shape, so the expanded form
-        // is taken where the masked form is (docs/cuda.md, "Which kernel runs when").
-        sparse_expanded_ = expanded_ok && !cp_ && mqa_ws_bytes_ > 0;
-    }
-    absorbed_ = dsa && !sparse_expanded_;
     Bq_ = T_;
-    if (absorbed_ && mqa_ws_bytes_ == 0 && recompute_up_ && recompute_core_ && query_blocks_ok &&
-        !cp_ && !S.fp8)
-        Bq_ = std::min(T_, c.recompute_block_rows);
+    absorbed_ = false;
+    if (dsa) {
+        // The form, its workspace, kept probabilities and query blocks: decided once, here.
+        const int64_t keys = cp_ ? Tk_ : Tn;
+        plan_ = plan_sparse_attention({.tokens = Tn,
+                                       .key_rows = cp_ ? Tk_ : 0,
+                                       .heads = H_,
+                                       .dqk = kr_ + dr_,
+                                       .dv = kr_,
+                                       .topk = std::min(c.dsa_indexer_topk, keys),
+                                       .sm90a = cuda_available() && has_sm90a(),
+                                       .teacher = teacher,
+                                       .shared_keys = shared_keys,
+                                       .recompute_up = recompute_up_,
+                                       .recompute_core = recompute_core_,
+                                       .fp8 = S.fp8 != nullptr,
+                                       .block_rows = c.recompute_block_rows,
+                                       .saved_probs_max = c.dsa_saved_probs_max_mib << 20});
+        absorbed_ = plan_.absorbed();
+        Bq_ = plan_.query_block_rows;
+    }
     if (absorbed_) {
         // The absorbed backward's gradients die in turn: o's (read by the two GEMMs that make
         // o''s) before the attention core's backward writes Q''s, o''s (read by that backward)
@@ -94,14 +102,8 @@ CudaMlaAttention::CudaMlaAttention(const ModelConfig& c, const CudaParams& P, Cu
             B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
         }
         if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
-        if (mqa_ws_bytes_ > 0)
-            B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(mqa_ws_bytes_ + 3) / 4});
-        // Keep the forward's probabilities when a layer's fit the recipe's bound: the backward
-        // then skips one score GEMM and one probability kernel per chunk (not under CP, whose
-        // chunks score all key rows).
-        const int64_t elems = cp_ ? 0 : cuda::sparse_mqa_saved_probs_elems(Tn, H_, mqa_ws_bytes_);
-        if (elems * int64_t(sizeof(bf16)) <= (c.dsa_saved_probs_max_mib << 20))
-            saved_probs_elems_ = elems;
+        if (plan_.workspace_bytes > 0)
+            B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(plan_.workspace_bytes + 3) / 4});
     }
     if (!absorbed_) {
         B.scratch(dkv_, "grad.attn.kv", {Tn, H_ * (dn_ + dv_)});
@@ -139,8 +141,8 @@ void CudaMlaAttention::declare(Acts& A, CudaBuffers& B, const std::string& p) co
         keep(up, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
         keep(up, A.k, "k", {Tn, H_ * dq_});
     }
-    if (saved_probs_elems_ > 0)
-        keep(saving(c_, nullptr, "core_attn"), A.probs, "attn_probs", {saved_probs_elems_});
+    if (plan_.saved_probs_elems > 0)
+        keep(saving(c_, nullptr, "core_attn"), A.probs, "attn_probs", {plan_.saved_probs_elems});
     keep(saving(c_, "core_attn", "attn_proj"), A.o, "attn_out", {Bq_, H_ * dv_});
     if (blocks)
         B.scratch(A.lse, "attn.query_block.lse", {H_, Bq_});
@@ -273,15 +275,15 @@ void CudaMlaAttention::core(const ExecContext& ctx, const Acts& A, const CudaInp
               " outside the absorbed form");
     if (absorbed_) {
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
-        cuda::sparse_mqa_forward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
-                                 prob_sum, {mqa_ws_, mqa_ws_bytes_, A.probs});
+        cuda::sparse_mqa_forward(ctx, plan_, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs,
+                                 A.lse, prob_sum, {mqa_ws_, A.probs});
         // o_h = o'_h W_UV^h^T, W_UV^h: rows h*(dn+dv)+dn .. +dv of kv_b_proj.
         gemm(ctx, false, true, Tn, dv_, kr_, 1.f, A.oabs, H_ * kr_, P_[kv_b_].w + dn_ * kr_, kr_,
              0.f, A.o, H_ * dv_, DType::BF16, DType::BF16, {H_, kr_, (dn_ + dv_) * kr_, dv_});
     } else {
-        if (sparse_expanded_) {
-            cuda::sparse_mha_forward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse,
-                                            prob_sum, {mqa_ws_, mqa_ws_bytes_, A.probs});
+        if (dsa_) {
+            cuda::sparse_mha_forward(ctx, plan_, expanded(A, idx, len, kslots), A.o, A.lse,
+                                     prob_sum, {mqa_ws_, A.probs});
         } else {
             cuda::AttnShape s{
                 Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};
@@ -323,13 +325,13 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         if (cp_) {
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
-            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
-                                      doabs_, dqabs_, keys_f32_, {mqa_ws_, mqa_ws_bytes_, nullptr});
+            cuda::sparse_mqa_backward(ctx, plan_, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs,
+                                      A.lse, doabs_, dqabs_, keys_f32_, {mqa_ws_, nullptr});
             cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
             cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, T_, dkabs_);
         } else {
-            cuda::sparse_mqa_backward(ctx, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs, A.lse,
-                                      doabs_, dqabs_, dkabs_, {mqa_ws_, mqa_ws_bytes_, A.probs});
+            cuda::sparse_mqa_backward(ctx, plan_, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs,
+                                      A.lse, doabs_, dqabs_, dkabs_, {mqa_ws_, A.probs});
         }
         gemm(ctx, false, true, Tn, dn_, kr_, 1.f, dqabs_, H_ * L, wkvb, kr_, 0.f, dq_b_, H_ * dq_,
              BF, BF, {H_, L, wstride, dq_});
@@ -338,10 +340,9 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         cuda::copy_2d(ctx, dq_b_ + dn_, dq_ * B2, dqabs_ + kr_, L * B2, dr_ * B2, Tn * H_);
     } else {
         ST_ASSERT(r0 == 0 && Tn == T_, "MLA: the expanded form runs in one block");
-        if (sparse_expanded_) {
-            cuda::sparse_mha_backward_masked(ctx, expanded(A, idx, len, kslots), A.o, A.lse, do_,
-                                             dq_b_, dk32_, dv32_,
-                                             {mqa_ws_, mqa_ws_bytes_, A.probs});
+        if (dsa_) {
+            cuda::sparse_mha_backward(ctx, plan_, expanded(A, idx, len, kslots), A.o, A.lse, do_,
+                                      dq_b_, dk32_, dv32_, {mqa_ws_, A.probs});
         } else {
             cuda::AttnShape s{
                 Tn, H_, dq_, dv_, H_ * dq_, dq_, H_ * dq_, dq_, H_ * (dn_ + dv_), dn_ + dv_};

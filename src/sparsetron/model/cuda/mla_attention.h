@@ -19,18 +19,17 @@ class CudaMlaAttention {
         // parallelism every micro-batch row's K' gathered over the CP group.
         bf16* kkeys = nullptr;
         // The masked sparse attention's probabilities from the forward, for the backward
-        // (saved_probs_elems_ > 0 only).
+        // (the plan's saved_probs_elems > 0 only).
         bf16* probs = nullptr;
     };
-    // dsa: sparse attention over a DSA top-k, absorbed (MQA over the latent) or, where the masked
-    // dense form applies and expanded_ok (no shared latent keys, no indexer-loss teacher reading
-    // Q' / K'), expanded (per-head keys and values). key_tokens > 0: context parallelism
-    // (absorbed only): `tokens` rows of this rank attend over key_tokens micro-batch rows.
-    // query_blocks_ok: nothing reads the whole Q' and LSE after the core (no indexer-loss
-    // teacher), so the recomputed absorbed form may run in query blocks (query_block()).
+    // dsa: sparse attention over a DSA top-k in the form its plan gives (attention_plan.h): from
+    // `teacher` (what the layer's indexer loss reads of it) and `shared_keys` (MTP's kv sharing)
+    // besides the shape, the device and the recipe's recompute and FP8. key_tokens > 0: context
+    // parallelism (absorbed only): `tokens` rows of this rank attend over key_tokens micro-batch
+    // rows.
     CudaMlaAttention(const ModelConfig& cfg, const CudaParams& P, CudaBuffers& B, CudaShared& S,
                      const std::string& hf_prefix, int64_t tokens, bool dsa, int64_t key_tokens = 0,
-                     bool expanded_ok = true, bool query_blocks_ok = false);
+                     IndexerTeacher teacher = IndexerTeacher::None, bool shared_keys = false);
     void declare(Acts& A, CudaBuffers& B, const std::string& p) const;
 
     // The down-projections, their norms and RoPE, then up_project().
@@ -43,16 +42,18 @@ class CudaMlaAttention {
                   const CudaInputs& in, const int32_t* idx, const int32_t* len, int64_t kslots,
                   bf16* da, float* kv_grad_accum) const;
     float scale() const;
-    // Query rows per block: all `tokens`, or recompute_block_rows where the absorbed form over the
-    // gathered kernels recomputes its up-projection and core (query_blocks_ok, no CP, bf16). Each
-    // query row attends by index into the whole K', so a block runs its up-projection, core,
-    // output projection and their backwards alone, adding its keys' gradients to the others';
-    // q, Q', o', o, the LSE and their gradients then hold one block.
+    // The sparse attention's plan (DSA layers): its form, workspace and query blocks.
+    const SparseAttentionPlan& plan() const { return plan_; }
+    // Query rows per block: all `tokens`, or the plan's blocks where the absorbed form over the
+    // gathered kernels recomputes its up-projection and core. Each query row attends by index
+    // into the whole K', so a block runs its up-projection, core, output projection and their
+    // backwards alone, adding its keys' gradients to the others'; q, Q', o', o, the LSE and
+    // their gradients then hold one block.
     int64_t query_block() const { return Bq_; }
     int64_t latent_dim() const { return kr_ + dr_; }
     bool absorbed() const { return absorbed_; }
     // attend() fills prob_sum from the masked form's probability kernel (no context parallelism).
-    bool gives_prob_sum() const { return dsa_ && mqa_ws_bytes_ > 0 && !cp_; }
+    bool gives_prob_sum() const { return dsa_ && plan_.workspace_bytes > 0 && !cp_; }
 
   private:
     // The query up-projection with its RoPE and Q' (absorbed), or the per-head keys and values
@@ -81,13 +82,13 @@ class CudaMlaAttention {
     const CudaParams& P_;
     CudaShared& S_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
-    int64_t Bq_;  // query rows per block (query_block())
+    SparseAttentionPlan plan_;  // DSA layers
+    int64_t Bq_;                // query rows per block (query_block())
     bool dsa_;
-    bool sparse_expanded_ = false;  // DSA in the expanded form (masked dense GEMMs per head)
-    bool absorbed_;                 // DSA in the absorbed form
-    bool cp_;                       // planned for context parallelism
-    int64_t Tk_;                    // key rows
-    float* keys_f32_ = nullptr;     // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
+    bool absorbed_;  // DSA in the absorbed form (else the expanded form, or dense attention)
+    bool cp_;        // planned for context parallelism
+    int64_t Tk_;     // key rows
+    float* keys_f32_ = nullptr;  // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
     // fp8_recipe: blockwise: q_a, q_b, kv_a and o_proj as FP8 linears (kv_b stays bf16: the
     // absorbed attention reads it per head, as a strided batch).
@@ -96,11 +97,8 @@ class CudaMlaAttention {
     // Backward scratch (shared by every MLA of the model).
     bf16 *do_, *dq_b_, *dcq_, *dcq_raw_, *dckv_, *dckv_n_, *dqabs_, *doabs_, *dkv_;
     float *dkabs_, *dk32_, *dv32_;
-    // Masked-dense sparse MQA workspace (null where the gathered kernels are used).
+    // The masked forms' workspace (null for the gathered forms).
     float* mqa_ws_ = nullptr;
-    int64_t mqa_ws_bytes_ = 0;
-    // bf16 elements of one layer's saved probabilities (0: the backward recomputes them).
-    int64_t saved_probs_elems_ = 0;
     bool recompute_up_, recompute_core_;  // selective recompute of mla_up_proj / core_attn
 };
 

@@ -11,18 +11,6 @@ namespace sparsetron::cuda {
 
 namespace {
 
-// The sparse MQA forms, as sparse_mqa_forward / sparse_mqa_backward below pick them: the
-// flash-style wgmma kernels where they apply (sm_90a, the GLM-5 shape), except that the masked
-// dense form's backward is the faster one when the model plans its workspace (the top-k a large
-// share of the context, docs/cuda.md); the tensor-core gathered kernels for other shapes they
-// support; the per-(row, head) kernels in this file for the rest.
-bool flash_forward_applies(int64_t heads, int64_t dqk, int64_t dv) {
-    return sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
-}
-bool flash_backward_applies(int64_t heads, int64_t dqk, int64_t dv, bool masked_available) {
-    return !masked_available && sparse_mqa_forward_wgmma_supported(heads, dqk, dv);
-}
-
 constexpr int kThreads = 128;
 constexpr int kChunk = 128;
 constexpr int kMaxPerThread = 8;  // head dims up to kThreads * kMaxPerThread = 1024
@@ -233,68 +221,103 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
 }
 
 namespace {
-// Saved probabilities belong to the masked form.
-void check_saved_probs(const MaskedWorkspace& ws) {
-    ST_CHECK(!ws.saved_probs || ws.ptr,
-             "sparse MQA: saved probabilities need the masked form's workspace");
+
+// The masked kernels' buffers as the plan sizes them; a masked form without its workspace, or
+// kept probabilities without their buffer, is a planning error.
+MaskedWorkspace masked_buffers(const SparseAttentionPlan& plan, const SparseAttentionBuffers& b) {
+    ST_CHECK(b.workspace && plan.workspace_bytes > 0, "sparse attention (", form_name(plan.form),
+             "): the masked form runs without its planned workspace");
+    ST_CHECK(plan.saved_probs_elems == 0 || b.saved_probs, "sparse attention (",
+             form_name(plan.form), "): the plan keeps probabilities but gives no buffer");
+    return {b.workspace, plan.workspace_bytes,
+            plan.saved_probs_elems > 0 ? b.saved_probs : nullptr};
 }
+
 }  // namespace
 
-void sparse_mqa_forward(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
-                        float* prob_sum, const MaskedWorkspace& ws) {
-    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
-    const bf16 *q = p.q, *kv = p.kv;
-    const int32_t *idx = p.idx, *len = p.len;
-    const float scale = p.scale;
-    check_dims(dqk, dv);
-    if (tokens == 0) return;
-    check_saved_probs(ws);
-    // The flash forward also replaces the masked one, except when the backward wants the
-    // probabilities kept: the backward then recomputes P from this lse.
-    if (flash_forward_applies(heads, dqk, dv) && !ws.saved_probs)
-        return sparse_mqa_forward_wgmma(ctx, p, out, lse, prob_sum);
-    if (ws.ptr) return sparse_mqa_forward_masked(ctx, p, out, lse, prob_sum, ws);
-    if (sparse_mqa_tc_supported(heads, dqk, dv))
-        return sparse_mqa_forward_tc(ctx, p, out, lse, prob_sum);
-    SparseKeys keys{dev(kv), dqk, kslots, idx, len};
-    const size_t smem = (dqk + kChunk) * sizeof(float);
-    attn_fwd_kernel<<<dim3(tokens, heads), kThreads, smem, stream_of(ctx)>>>(
-        keys, tokens, heads, dqk, dv, dev(q), heads * dqk, dqk, scale, dev(out), lse);
+void sparse_mqa_forward(const ExecContext& ctx, const SparseAttentionPlan& plan, const SparseMqa& p,
+                        bf16* out, float* lse, float* prob_sum,
+                        const SparseAttentionBuffers& buffers) {
+    check_dims(p.dqk, p.dv);
+    if (p.tokens == 0) return;
+    switch (plan.form) {
+        case SparseAttentionForm::AbsorbedFlash:
+        case SparseAttentionForm::AbsorbedFlashMasked:
+            return sparse_mqa_forward_wgmma(ctx, p, out, lse, prob_sum);
+        case SparseAttentionForm::AbsorbedMasked:
+            return sparse_mqa_forward_masked(ctx, p, out, lse, prob_sum,
+                                             masked_buffers(plan, buffers));
+        case SparseAttentionForm::AbsorbedGathered:
+            return sparse_mqa_forward_tc(ctx, p, out, lse, prob_sum);
+        case SparseAttentionForm::AbsorbedReference:
+            break;
+        case SparseAttentionForm::ExpandedMasked:
+            throw Error("sparse_mqa_forward: the expanded form runs sparse_mha_forward");
+    }
+    SparseKeys keys{dev(p.kv), p.dqk, p.kslots, p.idx, p.len};
+    const size_t smem = (p.dqk + kChunk) * sizeof(float);
+    attn_fwd_kernel<<<dim3(p.tokens, p.heads), kThreads, smem, stream_of(ctx)>>>(
+        keys, p.tokens, p.heads, p.dqk, p.dv, dev(p.q), p.heads * p.dqk, p.dqk, p.scale, dev(out),
+        lse);
     ST_CUDA_LAUNCH_CHECK();
     if (prob_sum)
-        head_prob_sum(ctx, q, kv, idx, len, kslots, tokens, heads, dqk, scale, lse, prob_sum);
+        head_prob_sum(ctx, p.q, p.kv, p.idx, p.len, p.kslots, p.tokens, p.heads, p.dqk, p.scale,
+                      lse, prob_sum);
 }
 
-void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         const MaskedWorkspace& ws) {
-    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv, kslots = p.kslots;
-    const bf16 *q = p.q, *kv = p.kv;
-    const int32_t *idx = p.idx, *len = p.len;
-    const float scale = p.scale;
-    const int64_t key_rows = p.key_rows;
+void sparse_mqa_backward(const ExecContext& ctx, const SparseAttentionPlan& plan,
+                         const SparseMqa& p, const bf16* out, const float* lse, const bf16* dout,
+                         bf16* dq, float* dkv, const SparseAttentionBuffers& buffers) {
+    const int64_t tokens = p.tokens, heads = p.heads, dqk = p.dqk, dv = p.dv;
     check_dims(dqk, dv);
     if (tokens == 0) return;
-    check_saved_probs(ws);
-    if (flash_backward_applies(heads, dqk, dv, ws.ptr != nullptr) && !ws.saved_probs)
-        return sparse_mqa_backward_wgmma(ctx, p, out, lse, dout, dq, dkv);
-    if (ws.ptr) return sparse_mqa_backward_masked(ctx, p, out, lse, dout, dq, dkv, ws);
-    // Context parallelism: more key rows than queries. The gathered kernels zero the first
-    // `tokens` rows and accumulate; zero them all here.
-    if (key_rows > tokens && !p.dkv_accumulate)
-        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, key_rows * dqk * sizeof(float), stream_of(ctx)));
-    if (sparse_mqa_tc_supported(heads, dqk, dv))
-        return sparse_mqa_backward_tc(ctx, p, out, lse, dout, dq, dkv);
     cudaStream_t st_ = stream_of(ctx);
+    switch (plan.form) {
+        case SparseAttentionForm::AbsorbedFlash:
+            return sparse_mqa_backward_wgmma(ctx, p, out, lse, dout, dq, dkv);
+        case SparseAttentionForm::AbsorbedMasked:
+        case SparseAttentionForm::AbsorbedFlashMasked:
+            return sparse_mqa_backward_masked(ctx, p, out, lse, dout, dq, dkv,
+                                              masked_buffers(plan, buffers));
+        case SparseAttentionForm::AbsorbedGathered:
+            // Context parallelism: more key rows than queries. The gathered kernels zero the
+            // first `tokens` rows and accumulate; zero them all here.
+            if (p.key_rows > tokens && !p.dkv_accumulate)
+                ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, p.key_rows * dqk * sizeof(float), st_));
+            return sparse_mqa_backward_tc(ctx, p, out, lse, dout, dq, dkv);
+        case SparseAttentionForm::AbsorbedReference:
+            break;
+        case SparseAttentionForm::ExpandedMasked:
+            throw Error("sparse_mqa_backward: the expanded form runs sparse_mha_backward");
+    }
     if (!p.dkv_accumulate)
-        ST_CUDA_CHECK(cudaMemsetAsync(dkv, 0, tokens * dqk * sizeof(float), st_));
-    SparseKeys keys{dev(kv), dqk, kslots, idx, len};
+        ST_CUDA_CHECK(
+            cudaMemsetAsync(dkv, 0, std::max(tokens, p.key_rows) * dqk * sizeof(float), st_));
+    SparseKeys keys{dev(p.kv), dqk, p.kslots, p.idx, p.len};
     const size_t smem = (dqk + dv + 2 * kChunk) * sizeof(float);
     // The value is the first dv columns of the latent row: dv goes into dkv with dkv's strides.
     attn_bwd_kernel<<<dim3(tokens, heads), kThreads, smem, st_>>>(
-        keys, tokens, heads, dqk, dv, dev(q), heads * dqk, dqk, dev(out), lse, dev(dout), scale,
+        keys, tokens, heads, dqk, dv, dev(p.q), heads * dqk, dqk, dev(out), lse, dev(dout), p.scale,
         dev(dq), dkv, dqk, 0, dkv, dqk, 0);
     ST_CUDA_LAUNCH_CHECK();
+}
+
+void sparse_mha_forward(const ExecContext& ctx, const SparseAttentionPlan& plan, const SparseMha& p,
+                        bf16* out, float* lse, float* prob_sum,
+                        const SparseAttentionBuffers& buffers) {
+    ST_CHECK(plan.form == SparseAttentionForm::ExpandedMasked, "sparse_mha_forward: the ",
+             form_name(plan.form), " form is the absorbed attention's");
+    if (p.tokens == 0) return;
+    sparse_mha_forward_masked(ctx, p, out, lse, prob_sum, masked_buffers(plan, buffers));
+}
+
+void sparse_mha_backward(const ExecContext& ctx, const SparseAttentionPlan& plan,
+                         const SparseMha& p, const bf16* out, const float* lse, const bf16* dout,
+                         bf16* dq, float* dk, float* dv, const SparseAttentionBuffers& buffers) {
+    ST_CHECK(plan.form == SparseAttentionForm::ExpandedMasked, "sparse_mha_backward: the ",
+             form_name(plan.form), " form is the absorbed attention's");
+    if (p.tokens == 0) return;
+    sparse_mha_backward_masked(ctx, p, out, lse, dout, dq, dk, dv, masked_buffers(plan, buffers));
 }
 
 }  // namespace sparsetron::cuda

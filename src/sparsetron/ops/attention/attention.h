@@ -11,6 +11,7 @@
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/attention/attention_plan.h"
 
 namespace sparsetron::cpu {
 
@@ -77,20 +78,11 @@ void attention_backward(const ExecContext& ctx, const AttnShape& s, const bf16* 
                         const bf16* v, const bf16* out, const float* lse, const bf16* dout,
                         const int32_t* row_begin, float scale, bf16* dq, float* dk, float* dv);
 
-// Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward. With prob_sum
-// ([T, kslots] fp32), also writes Σ_h P[h, t, j] for each selected key j (0 past len[t]): the
-// DSA indexer loss's teacher before normalization, so the loss needs no second pass over Q'K'.
-// Two implementations: gathered keys (sparse_mqa_tc.cu, or the per-head reference kernels), and
-// masked dense GEMMs through cuBLASLt (sparse_mqa_masked.cu), used when `workspace` is given:
-// sparse_mqa_workspace_bytes() is the size the model plans, 0 where the gathered (flash) form is
-// the faster one (the top-k a small share of the context: keys > 2 * kslots, where the dense
-// GEMMs' causal half of the keys outgrows the selected ones); a smaller workspace only means
-// smaller chunks of query rows. key_rows: rows of kv (0: tokens, query row t being
-// key row t; context parallelism has more key rows than queries, and every chunk of queries is
-// scored against all of them, the top-k still selecting which count).
 // One sparse MQA problem: q [tokens, heads, dqk], the latent rows kv [key rows, dqk] (the value
 // is their first dv columns), each query row's selected key rows idx [tokens, kslots] (ascending,
-// len[t] of them) and the softmax scale.
+// len[t] of them) and the softmax scale. key_rows: rows of kv (0: tokens, query row t being key
+// row t; context parallelism has more key rows than queries, and the masked forms score every
+// chunk of queries against all of them, the top-k still selecting which count).
 struct SparseMqa {
     int64_t tokens = 0, heads = 0, dqk = 0, dv = 0;
     const bf16* q = nullptr;
@@ -104,37 +96,28 @@ struct SparseMqa {
     // instead of zeroing it first. Gathered forms only.
     bool dkv_accumulate = false;
 };
-// The masked dense form's planned workspace (none: the gathered forms) and the probabilities a
-// forward keeps for its backward (null: recomputed).
-struct MaskedWorkspace {
-    void* ptr = nullptr;
-    int64_t bytes = 0;
+// The buffers a plan's form needs (attention_plan.h): the masked forms' workspace of
+// plan.workspace_bytes, and the plan.saved_probs_elems probabilities a masked forward keeps for
+// its backward.
+struct SparseAttentionBuffers {
+    void* workspace = nullptr;
     bf16* saved_probs = nullptr;
 };
-int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
-                                   int64_t key_rows = 0);
-// The choice inside sparse_mqa_workspace_bytes: the masked form for this many key rows and
-// selected keys per query.
-bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots);
-// The masked form's workspace for one chunk holding every query row, whether or not it is the
-// preferred form (0 where a key row exceeds its shared-memory bound): for tests and benchmarks
-// that run the masked form at any shape.
-int64_t sparse_mqa_masked_workspace_bytes(int64_t tokens, int64_t heads, int64_t key_rows = 0);
-// Saved probabilities (masked form, key_rows 0 only): the bf16 elements of every chunk's P for a
-// masked forward with this workspace (0 without one). Given to the forward as `saved_probs` it
-// keeps them; given to the backward it skips recomputing the scores and P (one GEMM and one
-// kernel per chunk) at the cost of this buffer per layer.
-int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes);
-void sparse_mqa_forward(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
-                        float* prob_sum = nullptr, const MaskedWorkspace& ws = {});
+// Sparse MQA over selected keys (absorbed MLA), like cpu::sparse_mqa_forward, in the plan's form
+// (an absorbed one). With prob_sum ([T, kslots] fp32), also writes Σ_h P[h, t, j] for each
+// selected key j (0 past len[t]): the DSA indexer loss's teacher before normalization, so the
+// loss needs no second pass over Q'K'.
+void sparse_mqa_forward(const ExecContext& ctx, const SparseAttentionPlan& plan, const SparseMqa& p,
+                        bf16* out, float* lse, float* prob_sum = nullptr,
+                        const SparseAttentionBuffers& buffers = {});
 // dq bf16 (overwritten); dkv fp32 [key rows, dqk] (zeroed unless dkv_accumulate, then
 // accumulated: atomics when gathered, chunk-ordered GEMM accumulation when masked).
-void sparse_mqa_backward(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
-                         const float* lse, const bf16* dout, bf16* dq, float* dkv,
-                         const MaskedWorkspace& ws = {});
+void sparse_mqa_backward(const ExecContext& ctx, const SparseAttentionPlan& plan,
+                         const SparseMqa& p, const bf16* out, const float* lse, const bf16* dout,
+                         bf16* dq, float* dkv, const SparseAttentionBuffers& buffers = {});
 // The same sparse attention in MLA's expanded form (per-head keys and values, the top-k shared by
-// the heads), as masked dense GEMMs batched over the heads: the absorbed form's workspace
-// (sparse_mqa_workspace_bytes without key rows), its saved probabilities and its P / dS kernels;
+// the heads; the plan's form ExpandedMasked), as masked dense GEMMs batched over the heads: the
+// absorbed masked form's workspace, its saved probabilities and its P / dS kernels;
 // scores over dqk and values of dv per head instead of the latent's L and kr (at the GLM-5 shape
 // 256 + 256 against 576 + 512: 0.47x the GEMM FLOPs). q [T, H, dqk], out [T, H, dv], dq
 // (overwritten) contiguous; head h's keys at k + t * k_row + h * k_head, values likewise.
@@ -155,11 +138,12 @@ struct SparseMha {
     int64_t kslots = 0;
     float scale = 1.f;
 };
-void sparse_mha_forward_masked(const ExecContext& ctx, const SparseMha& p, bf16* out, float* lse,
-                               float* prob_sum, const MaskedWorkspace& ws);
-void sparse_mha_backward_masked(const ExecContext& ctx, const SparseMha& p, const bf16* out,
-                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dv,
-                                const MaskedWorkspace& ws);
+void sparse_mha_forward(const ExecContext& ctx, const SparseAttentionPlan& plan, const SparseMha& p,
+                        bf16* out, float* lse, float* prob_sum,
+                        const SparseAttentionBuffers& buffers);
+void sparse_mha_backward(const ExecContext& ctx, const SparseAttentionPlan& plan,
+                         const SparseMha& p, const bf16* out, const float* lse, const bf16* dout,
+                         bf16* dq, float* dk, float* dv, const SparseAttentionBuffers& buffers);
 
 // MLA helpers. Expanded-attention keys from the kv_b output [T, H, dn + dvh] and the shared RoPE
 // key (row t at pe + t * ld_pe): k[t, h, :dn] = kv[t, h, :dn], k[t, h, dn:] = pe[t, :dr]. One

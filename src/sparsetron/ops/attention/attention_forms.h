@@ -1,6 +1,5 @@
-// The CUDA forms of the sparse attention (attention.h's contract) that sparse_mqa_forward /
-// sparse_mqa_backward and the expanded masked form choose from, for the dispatch and the tests:
-// which runs when is in attention.cu and docs/cuda.md.
+// The CUDA kernels behind the sparse attention's forms (attention_plan.h), which the dispatch
+// (attention.cu, sparse_mqa_masked.cu) runs by the plan's form and the tests call directly.
 #pragma once
 
 #include <cstdint>
@@ -9,29 +8,41 @@
 
 namespace sparsetron::cuda {
 
-// The flash-style wgmma forward (sm_90a, 64 heads, qk 576, v 512; no saved probabilities):
-// sparse_mqa_forward's choice where it applies and no saved probabilities are asked for.
+// The masked kernels' buffers: the workspace of `bytes` and the probabilities the forward keeps
+// (null: recomputed by the backward).
+struct MaskedWorkspace {
+    void* ptr = nullptr;
+    int64_t bytes = 0;
+    bf16* saved_probs = nullptr;
+};
+
+// The flash-style wgmma forward (sm_90a, flash_shape: 64 heads, qk 576, v 512; no saved
+// probabilities): the AbsorbedFlash and AbsorbedFlashMasked forms' forward.
 void sparse_mqa_forward_wgmma(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                               float* prob_sum = nullptr);
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv);
 // The flash-style wgmma backward (same shapes; sparse_mqa_wgmma_bwd.cu): dq overwritten, dkv
-// [max(tokens, key_rows), dqk] zeroed then accumulated by reductions. sparse_mqa_backward's choice
-// in place of the gathered kernels (the masked form, where planned, is faster).
+// [max(tokens, key_rows), dqk] zeroed then accumulated by reductions: the AbsorbedFlash form's.
 void sparse_mqa_backward_wgmma(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                                const float* lse, const bf16* dout, bf16* dq, float* dkv);
 
-// Tensor-core sparse MQA (sparse_mqa_tc.cu), used when the shape allows it.
-bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv);
+// Tensor-core sparse MQA (sparse_mqa_tc.cu; gathered_shape): the AbsorbedGathered form.
 void sparse_mqa_forward_tc(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                            float* prob_sum);
 void sparse_mqa_backward_tc(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                             const float* lse, const bf16* dout, bf16* dq, float* dkv);
 
-// Masked dense GEMMs (sparse_mqa_masked.cu), used when a workspace is given.
+// Masked dense GEMMs (sparse_mqa_masked.cu): the masked forms' forward and backward, and the
+// expanded form's.
 void sparse_mqa_forward_masked(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                                float* prob_sum, const MaskedWorkspace& ws);
 void sparse_mqa_backward_masked(const ExecContext& ctx, const SparseMqa& p, const bf16* out,
                                 const float* lse, const bf16* dout, bf16* dq, float* dkv,
+                                const MaskedWorkspace& ws);
+void sparse_mha_forward_masked(const ExecContext& ctx, const SparseMha& p, bf16* out, float* lse,
+                               float* prob_sum, const MaskedWorkspace& ws);
+void sparse_mha_backward_masked(const ExecContext& ctx, const SparseMha& p, const bf16* out,
+                                const float* lse, const bf16* dout, bf16* dq, float* dk, float* dv,
                                 const MaskedWorkspace& ws);
 
 // masked_dscores_wgmma.cu: the expanded masked backward's dS = scale P (dO V^T - D) from saved

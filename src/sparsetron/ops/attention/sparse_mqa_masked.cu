@@ -19,6 +19,8 @@
 // dS are one kernel with dP in registers (masked_dscores_wgmma.cu).
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/attention/attention_forms.h"
+#include "sparsetron/ops/attention/attention_plan.h"
+#include "sparsetron/ops/attention/masked_layout.h"
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/gemm/gemm.h"
 
@@ -27,17 +29,13 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// S / dP / P elements per chunk (512 query tokens at 4K context x 64 heads): fewer, larger GEMMs
-// and more blocks per kernel; smaller chunks measured slower (docs/perf/log/).
-constexpr int64_t kChunkElems = int64_t(128) << 20;
+using masked::kMaxProbsSmem;
+using masked::leading_dim;
+using masked::probs_smem_bytes;
 
-int64_t leading_dim(int64_t tokens) {
-    return (tokens + 15) / 16 * 16;  // 16-element rows: aligned vector stores and GEMM operands
-}
-constexpr int64_t kBytesPerElem = 2 * sizeof(float) + sizeof(bf);  // S, dP, P
 // Query tokens per chunk that `bytes` of workspace hold.
 int64_t chunk_tokens(int64_t tokens, int64_t heads, int64_t bytes) {
-    const int64_t cq = bytes / (heads * leading_dim(tokens) * kBytesPerElem);
+    const int64_t cq = masked::chunk_rows(tokens, heads, bytes);
     ST_CHECK(cq >= 1, "sparse MQA (masked): a workspace of ", bytes, " bytes holds no chunk");
     return std::min(cq, tokens);
 }
@@ -361,14 +359,6 @@ __global__ void masked_dscores_saved_kernel(const bf* p, const float* dp, bf* ds
     }
 }
 
-// Dynamic shared memory: the key mask, and with prob_sum a float per key.
-constexpr size_t kMaxProbsSmem = 200 * 1024;
-size_t mask_smem(int64_t lds) {
-    return size_t((lds + 31) / 32 + 3) / 4 * 4 * sizeof(uint32_t);
-}
-size_t probs_smem_bytes(int64_t lds, bool prob_sum) {
-    return mask_smem(lds) + (prob_sum ? size_t(lds) * sizeof(float) : 0);
-}
 size_t probs_smem(int64_t lds, bool prob_sum) {
     const size_t bytes = probs_smem_bytes(lds, prob_sum);
     ST_CHECK(bytes <= kMaxProbsSmem, "sparse MQA (masked): ", lds, " keys exceed shared memory");
@@ -430,45 +420,6 @@ void build_token_key_masks(const ExecContext& ctx, const int32_t* idx, const int
     token_key_masks_kernel<<<unsigned(tokens), kThreads, smem, stream_of(ctx)>>>(idx, len, kslots,
                                                                                  mwords, mask);
     ST_CUDA_LAUNCH_CHECK();
-}
-
-static bool masked_fits(int64_t keys) {
-    // The head-summed probabilities need a float per key of shared memory.
-    return probs_smem_bytes(leading_dim(keys), true) <= kMaxProbsSmem;
-}
-
-bool sparse_mqa_masked_preferred(int64_t keys, int64_t kslots) {
-    // Dense work per query row ~ keys / 2 against <= kslots gathered ones, at 0.47x the FLOPs
-    // per pair in the expanded form: the masked GEMMs win while the keys are at most twice the
-    // top-k; past that the flash kernels over the selected keys do (docs/cuda.md).
-    return keys <= 2 * kslots && masked_fits(keys);
-}
-
-int64_t sparse_mqa_masked_workspace_bytes(int64_t tokens, int64_t heads, int64_t key_rows) {
-    const int64_t keys = key_rows > 0 ? key_rows : tokens;
-    if (tokens == 0 || !masked_fits(keys)) return 0;
-    const int64_t row = heads * leading_dim(keys);  // elements per query token
-    const int64_t cq = std::max<int64_t>(1, std::min(tokens, kChunkElems / row));
-    return cq * row * kBytesPerElem;
-}
-
-int64_t sparse_mqa_workspace_bytes(int64_t tokens, int64_t heads, int64_t kslots,
-                                   int64_t key_rows) {
-    const int64_t keys = key_rows > 0 ? key_rows : tokens;
-    if (!sparse_mqa_masked_preferred(keys, kslots)) return 0;
-    return sparse_mqa_masked_workspace_bytes(tokens, heads, key_rows);
-}
-
-int64_t sparse_mqa_saved_probs_elems(int64_t tokens, int64_t heads, int64_t workspace_bytes) {
-    if (tokens == 0 || workspace_bytes == 0) return 0;
-    // The forward's chunks (carve's chunk size for this workspace), each [rows, ld(t1)].
-    const int64_t cq = carve(nullptr, workspace_bytes, tokens, tokens, heads).chunk;
-    int64_t elems = 0;
-    for (int64_t t0 = 0; t0 < tokens; t0 += cq) {
-        const int64_t t1 = std::min(tokens, t0 + cq);
-        elems += (t1 - t0) * heads * leading_dim(t1);
-    }
-    return elems;
 }
 
 void sparse_mqa_forward_masked(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,

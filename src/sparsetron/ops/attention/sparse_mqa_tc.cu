@@ -12,6 +12,8 @@
 #include <mma.h>
 
 #include "sparsetron/ops/attention/attention_forms.h"
+#include "sparsetron/ops/attention/attention_plan.h"
+#include "sparsetron/ops/attention/sparse_mqa_tc_shape.h"
 #include "sparsetron/ops/common/device_util.cuh"
 
 namespace sparsetron::cuda {
@@ -19,11 +21,11 @@ namespace sparsetron::cuda {
 namespace {
 
 using namespace nvcuda;
-constexpr int kWarps = 8, kThreadsTc = kWarps * 32;
-constexpr int kHb = 32;     // heads per block
-constexpr int kKcF = 64;    // keys per chunk, forward
-constexpr int kKcB = 32;    // keys per chunk, backward
-constexpr int kMaxD = 576;  // qk dim bound (shared memory)
+// The block shape (sparse_mqa_tc_shape.h: what the plan checks a shape against).
+constexpr int kWarps = tc_shape::kWarps, kThreadsTc = kWarps * 32;
+constexpr int kHb = tc_shape::kHeadsPerBlock;
+constexpr int kKcF = tc_shape::kForwardKeys;
+constexpr int kKcB = tc_shape::kBackwardKeys;
 
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major>;
 using FragAc = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major>;
@@ -270,21 +272,13 @@ __global__ void __launch_bounds__(kThreadsTc, 1)
 }
 
 size_t fwd_smem(int64_t dqk, int64_t dv) {
-    return (kHb * dqk + kKcF * dqk) * sizeof(bf) + (kHb * dv + kHb * kKcF) * sizeof(float) +
-           kHb * kKcF * sizeof(bf);
+    return tc_shape::forward_smem(dqk, dv);
 }
 size_t bwd_smem(int64_t dqk, int64_t dv) {
-    return (kHb * dqk + kHb * dv + kKcB * dqk) * sizeof(bf) +
-           (kHb * dqk + 2 * kHb * kKcB) * sizeof(float) + 2 * kHb * kKcB * sizeof(bf) +
-           kWarps * 256 * sizeof(float);
+    return tc_shape::backward_smem(dqk, dv);
 }
 
 }  // namespace
-
-bool sparse_mqa_tc_supported(int64_t heads, int64_t dqk, int64_t dv) {
-    return heads % kHb == 0 && dqk % 16 == 0 && dv % 16 == 0 && dqk <= kMaxD && dv <= dqk &&
-           bwd_smem(dqk, dv) <= 227 * 1024 && fwd_smem(dqk, dv) <= 227 * 1024;
-}
 
 void sparse_mqa_forward_tc(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,
                            float* prob_sum) {

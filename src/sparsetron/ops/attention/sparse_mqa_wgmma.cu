@@ -290,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 bool sparse_mqa_forward_wgmma_supported(int64_t heads, int64_t dqk, int64_t dv) {
-    return has_sm90a() && heads == kH && dqk == kD && dv == kDv;
+    return has_sm90a() && flash_shape(heads, dqk, dv);
 }
 
 void sparse_mqa_forward_wgmma(const ExecContext& ctx, const SparseMqa& p, bf16* out, float* lse,

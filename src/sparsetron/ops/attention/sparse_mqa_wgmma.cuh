@@ -6,15 +6,17 @@
 
 #include <cstdint>
 
+#include "sparsetron/ops/attention/attention_plan.h"
 #include "sparsetron/ops/common/wgmma.cuh"
 
 namespace sparsetron::cuda::flash_mqa {
 
-constexpr int kH = 64, kD = 576, kDv = 512;  // heads (the M), qk dim, v dim
-constexpr int kChunk = 64;                   // keys per chunk
-constexpr int kSlices = kD / 64;             // 9 slices of 64 dims (v: the first 8)
-constexpr int kThreads = 256;                // two warpgroups
-constexpr int kSliceBytes = 64 * 128;        // [64 rows][64] bf16
+// Heads (the M), qk dim, v dim: the plan's flash shape.
+constexpr int kH = int(kFlashHeads), kD = int(kFlashQkDim), kDv = int(kFlashVDim);
+constexpr int kChunk = 64;             // keys per chunk
+constexpr int kSlices = kD / 64;       // 9 slices of 64 dims (v: the first 8)
+constexpr int kThreads = 256;          // two warpgroups
+constexpr int kSliceBytes = 64 * 128;  // [64 rows][64] bf16
 constexpr int kTileBytes = kSlices * kSliceBytes;
 
 #ifdef ST_WGMMA

@@ -53,7 +53,8 @@ class CpuEngine final : public StepEngine {
         zero_grads(tp_.plan);
         model_.reset_moe_stats();
         if (pipeline_) {
-            out.losses = pipeline_->run(w.micro_batches, dynamic ? &w.cp_groups : nullptr, w.scales);
+            out.losses =
+                pipeline_->run(w.micro_batches, dynamic ? &w.cp_groups : nullptr, w.scales);
         } else {
             for (size_t i = 0; i < w.micro_batches.size(); ++i) {
                 if (dynamic) model_.set_context_parallel(w.cp_groups[i]);

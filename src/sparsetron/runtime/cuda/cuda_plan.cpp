@@ -25,8 +25,8 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
     cuda::CudaGlm5Model model(m, host_store, plan, cpp.rows, cpp.max_documents,
-                            std::min(chunk_rows, cpp.rows), cpp.key_rows,
-                            recipe.run.fp8_blockwise(), stage);
+                              std::min(chunk_rows, cpp.rows), cpp.key_rows,
+                              recipe.run.fp8_blockwise(), stage);
     cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run);
     if (!stage.whole()) plan_pipeline_buffers(model, plan, recipe.run.microbatches_per_step());
     return plan;

@@ -1,5 +1,6 @@
 // The sparse attention's checks against the CPU reference that more than one test file walks:
-// the expanded form (test_sparse_mha_masked_cuda.cpp) for the case table of test_attention_cuda.cpp.
+// the expanded form (test_sparse_mha_masked_cuda.cpp) for the case table of
+// test_attention_cuda.cpp.
 #pragma once
 
 #include <string>

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../harness.h"
+#include "sparsetron/cuda/device_caps.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -39,18 +40,27 @@ TEST_F(CudaOps, IndexerScoresAndTopk) {
     DeviceArray<float> dw(w), scores(T * T);
     auto rbv = docs.row_begin(T);
     DeviceArray<int32_t> rb(rbv), idx(T * K), len(T);
-    // The simple kernel, then the GEMM form with the planned workspace (one chunk at this size)
-    // and with one of 64 query rows (4 chunks, the last partial); the last one's scores are
-    // checked, and each form's against the first.
+    // The simple kernel (the Rows form), then the Gemm form with the planned workspace (one chunk
+    // at this size) and with one of 64 query rows (4 chunks, the last partial); the last one's
+    // scores are checked, and each form's against the first. Every form this problem supports
+    // runs (indexer_plan.h).
+    const cuda::IndexerProblem problem{
+        .tokens = T, .heads = H, .dim = d, .sm90a = cuda::has_sm90a()};
+    EXPECT_EQ(cuda::supported_score_forms(problem),
+              (std::vector<cuda::IndexerScoresForm>{cuda::IndexerScoresForm::Gemm,
+                                                    cuda::IndexerScoresForm::Rows}));
+    EXPECT_EQ(cuda::plan_indexer(problem).scores, cuda::IndexerScoresForm::Gemm);
     const int64_t planned = cuda::indexer_scores_workspace_bytes(T, H);
     ASSERT_EQ(planned, T * H * T * 4);
     DeviceArray<float> ws(planned / 4);
-    cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores);
+    cuda::indexer_scores(ctx(), cuda::IndexerScoresForm::Rows, q.dev, k.dev, dw, rb, T, H, d,
+                         scores);
     sync();
     const auto simple = scores.download();
     for (int64_t bytes : {planned, int64_t(64 * H * T * 4)}) {
         cuda::fill(ctx(), scores, T * T, -7.f);
-        cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores, ws, bytes);
+        cuda::indexer_scores(ctx(), cuda::IndexerScoresForm::Gemm, q.dev, k.dev, dw, rb, T, H, d,
+                             scores, ws, bytes);
         sync();
         std::vector<bool> in_rows(T * T, false);
         for (int64_t t = 0; t < T; ++t)
@@ -103,15 +113,19 @@ TEST_F(CudaOps, IndexerScoresAndTopkInQueryBlocks) {
         std::vector<int32_t> rbv(T, -1), rowsv(T, -1);
         for (int64_t t = 0; t < 690; ++t) rbv[t] = t < 500 ? 0 : 500, rowsv[t] = int32_t(t);
         DeviceArray<int32_t> rb(rbv), rows(rowsv), idx(T * K), len(T), bidx(T * K), blen(T);
-        cuda::indexer_scores(ctx(), q.dev, k.dev, dw, rb, T, H, d, scores);
+        // The fused kernel where it runs, else the simple one: the forms of the key-row blocks.
+        const cuda::IndexerScoresForm form = cuda::has_sm90a() && cuda::indexer_wgmma_shape(H, d)
+                                                 ? cuda::IndexerScoresForm::Wgmma
+                                                 : cuda::IndexerScoresForm::Rows;
+        cuda::indexer_scores(ctx(), form, q.dev, k.dev, dw, rb, T, H, d, scores);
         cuda::topk_rows(ctx(), scores, T, rb, T, K, idx, len);
         sync();
         const auto whole = scores.download();
         for (int64_t t0 = 0; t0 < T; t0 += block) {
             const int64_t n = std::min(block, T - t0), keys = t0 + n;
             cuda::fill(ctx(), part, block * T, -7.f);
-            cuda::indexer_scores(ctx(), q.dev + t0 * H * d, k.dev, dw + t0 * H, rb + t0, n, H, d,
-                                 part, nullptr, 0, rows + t0, keys);
+            cuda::indexer_scores(ctx(), form, q.dev + t0 * H * d, k.dev, dw + t0 * H, rb + t0, n, H,
+                                 d, part, nullptr, 0, rows + t0, keys);
             cuda::topk_rows(ctx(), part, keys, rb + t0, n, K, bidx + t0 * K, blen + t0, rows + t0);
             sync();
             const auto got = part.download();
@@ -364,6 +378,8 @@ TEST_F(CudaOps, IndexerKlLossAndScoresBackward) {
                                                .dim = dI,
                                                .first_row = t0,
                                                .add_dk = blocks,
+                                               .form = gemm_form ? cuda::IndexerBackwardForm::Gemm
+                                                                 : cuda::IndexerBackwardForm::Rows,
                                                .workspace = gemm_form ? ws.get() : nullptr,
                                                .workspace_bytes = ws_bytes},
                                               dwo + t0 * HI, dq + t0 * HI * dI, dk);

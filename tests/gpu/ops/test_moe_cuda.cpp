@@ -188,10 +188,10 @@ TEST_F(CudaOps, GroupedGemmManyTiles) {
 }
 
 namespace {
-// Every tensor-core form of the grouped GEMM (the dispatch's choice; on sm_90a the wgmma kernel on
-// four blocks, so every block walks many tiles; the WMMA kernel of other GPUs) against per-expert
-// CPU GEMMs, each kind, partial tiles; the weight gradient written over NaN (an empty expert:
-// zeros), then added to (twice the product).
+// Every form of the grouped GEMM the plan supports for the shape (the dispatch's choice; each of
+// supported_grouped_gemm_forms; on sm_90a also the wgmma kernel on four blocks, so every block
+// walks many tiles) against per-expert CPU GEMMs, each kind, partial tiles; the weight gradient
+// written over NaN (an empty expert: zeros), then added to (twice the product).
 void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector<int32_t>& off,
                              int64_t n, int64_t kk) {
     const ExecContext& ctx = session.ctx();
@@ -218,19 +218,27 @@ void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector
     using K2 = cuda::GroupedGemm;
     using GemmForm = std::function<void(K2, const bf16*, const bf16*, void*, bool)>;
     std::vector<std::pair<std::string, GemmForm>> forms;
+    // Every form the plan supports for this shape (grouped_gemm_plan.h), the planned one first.
+    const cuda::GroupedGemmShape shape{n, kk, 0, true, cuda::has_sm90a()};
+    const cuda::GroupedGemmForm planned = cuda::plan_grouped_gemm(shape);
+    EXPECT_EQ(planned,
+              cuda::has_sm90a() ? cuda::GroupedGemmForm::Wgmma : cuda::GroupedGemmForm::Wmma);
     forms.emplace_back(
-        "grouped_gemm", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+        cat("grouped_gemm (planned: ", cuda::form_name(planned), ")"),
+        [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
             cuda::grouped_gemm(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
         });
+    for (cuda::GroupedGemmForm f : cuda::supported_grouped_gemm_forms(shape))
+        forms.emplace_back(
+            cuda::form_name(f), [&, f](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
+                cuda::grouped_gemm(ctx, f, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
+            });
     if (cuda::has_sm90a())
-        forms.emplace_back("wgmma on 4 blocks",
+        forms.emplace_back("Wgmma on 4 blocks",
                            [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
                                cuda::grouped_gemm_wgmma(
                                    ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc}, 4);
                            });
-    forms.emplace_back("WMMA", [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-        cuda::grouped_gemm_wmma(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
-    });
     for (const auto& [name, run] : forms) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
         DeviceArray<float> dw(

@@ -355,7 +355,12 @@ TEST_F(CudaOpsPerf, SparseMqaAndIndexerAtTopk2048) {
     DeviceArray<int32_t> row_begin(rb), tk(T * K), tl(T);
     report(
         "indexer scores (causal pairs x 32 x 128)",
-        [&] { cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T, HI, dI, *scores); },
+        [&] {
+            cuda::indexer_scores(
+                ctx(),
+                cuda::has_sm90a() ? cuda::IndexerScoresForm::Wgmma : cuda::IndexerScoresForm::Rows,
+                *qi, *ki, *wi, row_begin, T, HI, dI, *scores);
+        },
         2.0 * HI * dI * (double(T) * (T + 1) / 2), 4.0 * T * T / 2);
     const int64_t dots_bytes = cuda::indexer_scores_workspace_bytes(T, HI);
     auto dots = f32(dots_bytes / 4);
@@ -417,11 +422,14 @@ TEST_F(CudaOpsPerf, IndexerAt32K) {
     report(
         "32K top-2048 of up to 32768 keys per row",
         [&] { cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl); }, 0, 4.0 * causal);
-    // The pair as the engine runs it (indexer_scores picks the fused kernel where it applies).
+    // The pair as the engine runs it (the plan picks the fused kernel where it applies).
+    const cuda::IndexerScoresForm form =
+        cuda::plan_indexer({.tokens = T32, .heads = HI, .dim = dI, .sm90a = cuda::has_sm90a()})
+            .scores;
     report(
         "32K indexer scores + top-2048 (a layer's selection)",
         [&] {
-            cuda::indexer_scores(ctx(), *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
+            cuda::indexer_scores(ctx(), form, *qi, *ki, *wi, row_begin, T32, HI, dI, *scores, *dots,
                                  dots_bytes);
             cuda::topk_rows(ctx(), *scores, T32, row_begin, T32, K, tk, tl);
         },

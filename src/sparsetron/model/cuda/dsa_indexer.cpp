@@ -1,4 +1,6 @@
 #include "sparsetron/model/cuda/dsa_indexer.h"
+#include "sparsetron/core/device_memory.h"
+#include "sparsetron/cuda/device_caps.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -40,14 +42,17 @@ CudaDsaIndexer::CudaDsaIndexer(const ModelConfig& c, const CudaParams& P, CudaBu
     // forward keeps only each block's top-k; the loss (after the attention) scores each block
     // again, so neither the scores nor their gradient is ever [rows, key rows].
     const bool loss = c.dsa_indexer_loss_coeff != 0;
-    block_ = std::min(Tn, c.dsa_indexer_query_block);
+    // The forms, query blocks and workspace: decided once, here (indexer_plan.h).
+    plan_ = plan_indexer({.tokens = Tn,
+                          .key_rows = cp_ ? Tk_ : 0,
+                          .heads = HI_,
+                          .dim = dI_,
+                          .query_block = c.dsa_indexer_query_block,
+                          .loss = loss,
+                          .sm90a = cuda_available() && has_sm90a()});
+    block_ = plan_.query_block_rows;
     B.scratch(scores_, "dsa.scores", {block_, Tk_});
-    // The GEMM forms of the scores and of the loss backward pair query row t with key row t: not
-    // under CP. In blocks only the loss backward takes one, in chunks of kLossChunkRows rows.
-    dots_bytes_ = cp_            ? 0
-                  : block_ == Tn ? cuda::indexer_scores_workspace_bytes(Tn, HI_)
-                  : loss ? kLossChunkRows * cuda::indexer_scores_backward_bytes_per_token(Tn, HI_)
-                         : 0;
+    dots_bytes_ = plan_.workspace_bytes;
     dots_ = nullptr;
     if (dots_bytes_ > 0) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
     if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
@@ -95,8 +100,8 @@ void CudaDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* 
         cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
         cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * dI_);
     } else if (block_ == Tn) {
-        cuda::indexer_scores(ctx, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_, dots_,
-                             dots_bytes_);
+        cuda::indexer_scores(ctx, plan_.scores, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_,
+                             dots_, dots_bytes_);
         cuda::topk_rows(ctx, scores_, Tn, in.row_begin, Tn, K_, A.topk, A.len);
         return;
     }
@@ -112,7 +117,10 @@ void CudaDsaIndexer::score_block(const ExecContext& ctx, const Acts& A, const Cu
                                  int64_t t0, int64_t n) const {
     // Row t of the block scores key rows up to in.rows[t0 + t] of the block's first t0 + n rows,
     // or under CP up to in.key_row[t0 + t] of the micro-batch's gathered keys.
-    cuda::indexer_scores(ctx, A.q + t0 * HI_ * dI_, cp_ ? A.kkeys : A.k, A.w + t0 * HI_,
+    // The key-row form: the Gemm scores (query row = key row) are the whole micro-batch's only.
+    const IndexerScoresForm form =
+        plan_.scores == IndexerScoresForm::Gemm ? IndexerScoresForm::Rows : plan_.scores;
+    cuda::indexer_scores(ctx, form, A.q + t0 * HI_ * dI_, cp_ ? A.kkeys : A.k, A.w + t0 * HI_,
                          in.row_begin + t0, n, HI_, dI_, scores_, nullptr, 0,
                          (cp_ ? in.key_row : in.rows) + t0, cp_ ? Tk_ : t0 + n);
 }
@@ -212,6 +220,7 @@ void CudaDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const Cud
                                    .keys = Tk_,
                                    .first_row = first_row,
                                    .add_dk = block_ < T_,
+                                   .form = plan_.backward,
                                    .workspace = dots_,
                                    .workspace_bytes = dots_bytes_},
                                   dw32_ + t0 * HI_, dq_ + t0 * HI_ * dI_, cp_ ? keys_f32_ : dk32_);

@@ -4,6 +4,7 @@
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/model/cuda/cuda_common.h"
+#include "sparsetron/ops/indexer/indexer_plan.h"
 
 namespace sparsetron::cuda {
 
@@ -47,9 +48,7 @@ class CudaDsaIndexer {
     float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
-    // Query rows per chunk of the blocks' loss backward (its GEMM form's workspace holds the
-    // per-head logits of this many rows against every key row: linear in the length).
-    static constexpr int64_t kLossChunkRows = 64;
+    IndexerPlan plan_;  // the scores' and the loss backward's forms, blocks and workspace
     // Query rows scored at once: all rows, or (no CP, long micro-batches) blocks of
     // dsa_indexer_query_block rows, so the fp32 scores (and the loss's gradient) are
     // [block, key rows], not [rows, rows].

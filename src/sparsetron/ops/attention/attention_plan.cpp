@@ -17,8 +17,7 @@ bool flash_shape(int64_t heads, int64_t dqk, int64_t dv) {
 bool gathered_shape(int64_t heads, int64_t dqk, int64_t dv) {
     using namespace tc_shape;
     return heads % kHeadsPerBlock == 0 && dqk % 16 == 0 && dv % 16 == 0 && dqk <= kMaxQkDim &&
-           dv <= dqk && backward_smem(dqk, dv) <= kSmemLimit &&
-           forward_smem(dqk, dv) <= kSmemLimit;
+           dv <= dqk && backward_smem(dqk, dv) <= kSmemLimit && forward_smem(dqk, dv) <= kSmemLimit;
 }
 
 const char* form_name(SparseAttentionForm form) {
@@ -40,8 +39,8 @@ const char* form_name(SparseAttentionForm form) {
 }
 
 std::vector<SparseAttentionForm> all_sparse_attention_forms() {
-    return {F::ExpandedMasked,  F::AbsorbedMasked,   F::AbsorbedFlashMasked,
-            F::AbsorbedFlash,   F::AbsorbedGathered, F::AbsorbedReference};
+    return {F::ExpandedMasked, F::AbsorbedMasked,   F::AbsorbedFlashMasked,
+            F::AbsorbedFlash,  F::AbsorbedGathered, F::AbsorbedReference};
 }
 
 bool SparseAttentionPlan::masked_forward() const {

@@ -55,8 +55,8 @@ struct SparseAttentionProblem {
     bool shared_keys = false;  // MTP's kv sharing hands this layer's latent keys on (or reads them)
     bool recompute_up = false, recompute_core = false;  // selective recompute of mla_up_proj, core
     bool fp8 = false;                                   // FP8 linears on the attention's path
-    int64_t block_rows = 0;        // recompute_block_rows: query rows per block when recomputed
-    int64_t saved_probs_max = 0;   // bytes the forward may keep of P per layer
+    int64_t block_rows = 0;       // recompute_block_rows: query rows per block when recomputed
+    int64_t saved_probs_max = 0;  // bytes the forward may keep of P per layer
 };
 
 struct SparseAttentionPlan {
@@ -79,7 +79,8 @@ std::vector<SparseAttentionForm> supported_forms(const SparseAttentionProblem& p
 // fits, the reference otherwise; with its workspace, kept probabilities and query blocks.
 SparseAttentionPlan plan_sparse_attention(const SparseAttentionProblem& p);
 // The plan of a given supported form (tests, benchmarks); throws for an unsupported one.
-SparseAttentionPlan plan_sparse_attention(const SparseAttentionProblem& p, SparseAttentionForm form);
+SparseAttentionPlan plan_sparse_attention(const SparseAttentionProblem& p,
+                                          SparseAttentionForm form);
 
 // The masked form's workspace for one chunk holding every query row (0 where a key row exceeds
 // its shared-memory bound), and the bf16 elements of every chunk's P kept by a masked forward

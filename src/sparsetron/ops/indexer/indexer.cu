@@ -10,6 +10,7 @@
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/indexer/indexer.h"
 #include "sparsetron/ops/indexer/indexer_forms.h"
+#include "sparsetron/ops/indexer/indexer_layout.h"
 #include "sparsetron/ops/indexer/topk_row.cuh"
 
 namespace sparsetron::cuda {
@@ -64,20 +65,10 @@ __global__ void indexer_weighted_relu_kernel(const float* dots, int64_t ldd, con
     scores[t * tokens + s] = acc;
 }
 
-constexpr int64_t kDotsChunkElems = int64_t(32) << 20;  // 128 MiB of fp32 dot products
-int64_t dots_ld(int64_t tokens) {
-    return (tokens + 3) / 4 * 4;
-}
-int64_t dots_chunk_tokens(int64_t tokens, int64_t heads, int64_t elems) {
-    return std::max<int64_t>(1, std::min(tokens, elems / (heads * dots_ld(tokens))));
-}
+using indexer_layout::dots_chunk_tokens;
+using indexer_layout::dots_ld;
 
 }  // namespace
-
-int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads) {
-    return dots_chunk_tokens(tokens, heads, kDotsChunkElems) * heads * dots_ld(tokens) *
-           int64_t(sizeof(float));
-}
 
 void indexer_scores_gemm(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
                          const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
@@ -99,22 +90,25 @@ void indexer_scores_gemm(const ExecContext& ctx, const bf16* q, const bf16* k, c
     }
 }
 
-void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
-                    const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores, void* workspace, int64_t workspace_bytes, const int32_t* key_row,
-                    int64_t keys) {
+void indexer_scores(const ExecContext& ctx, IndexerScoresForm form, const bf16* q, const bf16* k,
+                    const float* w, const int32_t* row_begin, int64_t tokens, int64_t heads,
+                    int64_t dim, float* scores, void* workspace, int64_t workspace_bytes,
+                    const int32_t* key_row, int64_t keys) {
     if (tokens == 0) return;
-    ST_CHECK(!key_row || !workspace, "indexer_scores: the GEMM form takes query row = key row");
     if (!key_row) keys = tokens;
-    // The fused wgmma kernel where the shape and device allow it (the workspace then goes unused).
-    if (indexer_scores_wgmma_supported(heads, dim)) {
-        indexer_scores_wgmma(ctx, q, k, w, row_begin, tokens, heads, dim, scores, key_row, keys);
-        return;
-    }
-    if (workspace) {
-        indexer_scores_gemm(ctx, q, k, w, row_begin, tokens, heads, dim, scores, workspace,
-                            workspace_bytes);
-        return;
+    switch (form) {
+        case IndexerScoresForm::Wgmma:
+            indexer_scores_wgmma(ctx, q, k, w, row_begin, tokens, heads, dim, scores, key_row,
+                                 keys);
+            return;
+        case IndexerScoresForm::Gemm:
+            ST_CHECK(!key_row && workspace,
+                     "indexer_scores: the Gemm form takes query row = key row and a workspace");
+            indexer_scores_gemm(ctx, q, k, w, row_begin, tokens, heads, dim, scores, workspace,
+                                workspace_bytes);
+            return;
+        case IndexerScoresForm::Rows:
+            break;
     }
     const size_t smem = (heads * dim + heads) * sizeof(float) + kKeyTile * (dim + 2) * sizeof(bf);
     ST_CHECK(smem <= 200 * 1024, "indexer_scores: ", heads, " heads x ", dim,

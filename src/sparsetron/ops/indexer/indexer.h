@@ -11,6 +11,7 @@
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/indexer/indexer_plan.h"
 
 namespace sparsetron::cpu {
 
@@ -53,18 +54,15 @@ double indexer_kl_row(const IndexerTeacher<T>& tc, int64_t t, bool sparse, const
 namespace sparsetron::cuda {
 
 // scores[t, s] = Σ_j w[t, j] relu(q[t, j] · k[s]) for s in [row_begin[t], t]; other columns of a
-// row are not written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32. On
-// sm_90a with a shape indexer_scores_wgmma_supported() takes, the fused wgmma kernel. Otherwise,
-// with `workspace` (indexer_scores_workspace_bytes() is the planned size; a smaller one means
-// smaller chunks), the dot products go through cuBLASLt in chunks of query rows; without, one
-// simple kernel computes everything.
-int64_t indexer_scores_workspace_bytes(int64_t tokens, int64_t heads);
-// Context parallelism (key_row given, no workspace): query row t is micro-batch row key_row[t],
-// k holds `keys` micro-batch rows and scores rows are `keys` long.
-void indexer_scores(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,
-                    const int32_t* row_begin, int64_t tokens, int64_t heads, int64_t dim,
-                    float* scores, void* workspace = nullptr, int64_t workspace_bytes = 0,
-                    const int32_t* key_row = nullptr, int64_t keys = 0);
+// row are not written. q: [T, H, d] bf16, k: [T, d] bf16, w: [T, H] fp32, scores: [T, T] fp32, in
+// the planned form (indexer_plan.h): the Gemm form takes `workspace` (the plan's bytes; a smaller
+// one means smaller chunks). The key-row form (key_row given; not the Gemm form): query row t is
+// micro-batch row key_row[t], k holds `keys` micro-batch rows and scores rows are `keys` long.
+void indexer_scores(const ExecContext& ctx, IndexerScoresForm form, const bf16* q, const bf16* k,
+                    const float* w, const int32_t* row_begin, int64_t tokens, int64_t heads,
+                    int64_t dim, float* scores, void* workspace = nullptr,
+                    int64_t workspace_bytes = 0, const int32_t* key_row = nullptr,
+                    int64_t keys = 0);
 // Per row: the min(kslots, t - begin + 1) largest scores of [begin, t], ties toward the smaller
 // key index (deterministic), written ascending; -1 padding; len[t]. Padding rows: len 0.
 // key_row (context parallelism): row t's keys are [begin, key_row[t]].
@@ -129,17 +127,17 @@ struct IndexerScoresBackward {
     int64_t keys = 0;
     int64_t first_row = 0;
     bool add_dk = false;
-    void* workspace = nullptr;
+    IndexerBackwardForm form = IndexerBackwardForm::Rows;
+    void* workspace = nullptr;  // the Gemm form's
     int64_t workspace_bytes = 0;
 };
 void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward& p, float* dw,
                              bf16* dq, float* dk);
-// With a workspace (and no key_row) the backward runs as GEMMs over chunks of query tokens: the
-// per-head logits Q K^T (fp32) against every earlier key, one kernel forming their gradient
-// (bf16, 0 off the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic).
-// Otherwise a kernel per query row with atomics. Bytes of workspace per query token of a chunk
-// whose rows score `keys` key rows (the micro-batch's rows, or a block's first_row + tokens):
-int64_t indexer_scores_backward_bytes_per_token(int64_t keys, int64_t heads);
+// The Gemm form (no key_row; workspace_bytes of at least indexer_scores_backward_bytes_per_token
+// of the block's first_row + tokens keys) runs GEMMs over chunks of query tokens: the per-head
+// logits Q K^T (fp32) against every earlier key, one kernel forming their gradient (bf16, 0 off
+// the support) and dw, then dq = dD K and dk += dD^T Q by cuBLASLt (deterministic). The Rows form
+// runs a kernel per query row with atomics.
 // Σ kl over rows with len > 0 and the number of those rows: out[0] += Σ, out[1] += count.
 void indexer_kl_sum(const ExecContext& ctx, const float* kl, const int32_t* len, int64_t tokens,
                     double* out);

@@ -6,6 +6,7 @@
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/indexer/indexer.h"
+#include "sparsetron/ops/indexer/indexer_layout.h"
 
 namespace sparsetron::cuda {
 namespace {
@@ -259,15 +260,7 @@ void indexer_kl(const ExecContext& ctx, const IndexerKl& p, float* kl, float* ds
     ST_CUDA_LAUNCH_CHECK();
 }
 
-namespace {
-int64_t dlogits_ld(int64_t keys) {
-    return (keys + 15) / 16 * 16;  // 16 elements: aligned bf16 rows for cuBLASLt and the kernel
-}
-}  // namespace
-
-int64_t indexer_scores_backward_bytes_per_token(int64_t keys, int64_t heads) {
-    return heads * dlogits_ld(keys) * int64_t(sizeof(float) + sizeof(bf16));
-}
+using indexer_layout::dlogits_ld;
 
 void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward& p, float* dw,
                              bf16* dq, float* dk) {
@@ -287,7 +280,10 @@ void indexer_scores_backward(const ExecContext& ctx, const IndexerScoresBackward
     if (!key_row) keys = row0 + tokens;
     if (!p.add_dk) zero(ctx, dk, keys * dim * sizeof(float));
     const int64_t per_token = indexer_scores_backward_bytes_per_token(keys, heads);
-    if (workspace && !key_row && workspace_bytes >= per_token) {
+    if (p.form == IndexerBackwardForm::Gemm) {
+        ST_CHECK(workspace && !key_row && workspace_bytes >= per_token,
+                 "indexer_scores_backward: the Gemm form takes query row = key row and a "
+                 "workspace of a chunk's rows");
         // Chunks of cq query tokens against keys 0 .. row0 + t1 - 1 (every support key precedes
         // its query): D = Q_c K^T (fp32), dD (bf16) and dw, dq_c = dD K, dk += dD^T Q_c.
         const int64_t cq = std::min(tokens, workspace_bytes / per_token);

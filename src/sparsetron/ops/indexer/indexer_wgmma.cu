@@ -227,7 +227,7 @@ void launch_heads(const ExecContext& ctx, int64_t heads, const bf16* q, const bf
 }  // namespace
 
 bool indexer_scores_wgmma_supported(int64_t heads, int64_t dim) {
-    return has_sm90a() && (heads == 16 || heads == 32 || heads == 64) && (dim == 64 || dim == 128);
+    return has_sm90a() && indexer_wgmma_shape(heads, dim);
 }
 
 void indexer_scores_wgmma(const ExecContext& ctx, const bf16* q, const bf16* k, const float* w,

@@ -8,11 +8,10 @@
 
 namespace sparsetron::cuda {
 
-// The grouped GEMM's forms (grouped_gemm picks one): the pipelined WMMA kernel
-// (grouped_gemm_wmma.cu) where rows are 16-byte aligned, and on sm_90a the warp-specialized
-// persistent wgmma kernel (grouped_gemm_wgmma.cu), same contract; `max_blocks` > 0 caps its grid
-// (tests: every block walks many tiles). Returns the blocks it launched.
-bool grouped_gemm_wmma_supported(const GroupedGemmArgs& g);
+// The grouped GEMM's forms (grouped_gemm_plan.h picks one): the pipelined WMMA kernel
+// (grouped_gemm_wmma.cu) and on sm_90a the warp-specialized persistent wgmma kernel
+// (grouped_gemm_wgmma.cu), same contract; `max_blocks` > 0 caps its grid (tests: every block
+// walks many tiles). Returns the blocks it launched.
 void grouped_gemm_wmma(const ExecContext& ctx, const GroupedGemmArgs& g);
 int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max_blocks = 0);
 

@@ -248,13 +248,6 @@ void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64
 
 }  // namespace
 
-bool grouped_gemm_wmma_supported(const GroupedGemmArgs& g) {
-    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    const int64_t stride = g.weight_stride ? g.weight_stride : g.n * g.k;
-    return g.n % 8 == 0 && g.k % 8 == 0 && stride % 8 == 0 && aligned(g.a) && aligned(g.b) &&
-           aligned(g.c);
-}
-
 void grouped_gemm_wmma(const ExecContext& ctx, const GroupedGemmArgs& g) {
     if (g.experts == 0) return;
     run<Default>(ctx, g.kind, g.offsets, g.experts, g.max_rows, g.n, g.k, g.a, g.b, g.c,

@@ -567,21 +567,30 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
     ST_CUDA_LAUNCH_CHECK();
 }
 
+GroupedGemmShape grouped_gemm_shape(const GroupedGemmArgs& g) {
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    return {g.n, g.k, g.weight_stride, aligned(g.a) && aligned(g.b) && aligned(g.c), has_sm90a()};
+}
+
 void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g) {
+    grouped_gemm(ctx, plan_grouped_gemm(grouped_gemm_shape(g)), g);
+}
+
+void grouped_gemm(const ExecContext& ctx, GroupedGemmForm form, const GroupedGemmArgs& g) {
     if (g.experts == 0) return;
     // The kernels' bulk tensor loads are bounded by the row buffers' capacity: a capacity below
     // what an expert may hold would read its rows as zeros.
     ST_CHECK(g.row_capacity >= g.max_rows, "grouped_gemm: the row buffers hold ", g.row_capacity,
              " rows, fewer than one expert's bound of ", g.max_rows);
-    // Tensor cores whenever rows are 16-byte aligned: the warp-specialized wgmma kernel on sm_90a
-    // (grouped_gemm_wgmma.cu), the pipelined WMMA kernel elsewhere (grouped_gemm_wmma.cu). This
-    // file's simple kernel covers the rest (odd test shapes).
-    if (grouped_gemm_wmma_supported(g)) {
-        if (has_sm90a())
+    switch (form) {
+        case GroupedGemmForm::Wgmma:
             grouped_gemm_wgmma(ctx, g);
-        else
+            return;
+        case GroupedGemmForm::Wmma:
             grouped_gemm_wmma(ctx, g);
-        return;
+            return;
+        case GroupedGemmForm::Simple:
+            break;
     }
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
     int64_t M, N;

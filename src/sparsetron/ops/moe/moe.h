@@ -10,6 +10,7 @@
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
 #include "sparsetron/ops/fp8/fp8.h"
+#include "sparsetron/ops/moe/grouped_gemm_plan.h"
 
 namespace sparsetron::cpu {
 
@@ -76,7 +77,12 @@ struct GroupedGemmArgs {
     int64_t weight_stride = 0;
     bool accumulate = false;
 };
+// In the form plan_grouped_gemm (grouped_gemm_plan.h) gives the call's shape, or in a given one
+// (one of supported_grouped_gemm_forms for the shape: the tests walk them).
 void grouped_gemm(const ExecContext& ctx, const GroupedGemmArgs& g);
+void grouped_gemm(const ExecContext& ctx, GroupedGemmForm form, const GroupedGemmArgs& g);
+// The shape a call is planned from: its dimensions, its operands' alignment and the device.
+GroupedGemmShape grouped_gemm_shape(const GroupedGemmArgs& g);
 
 // The routed experts' FP8 GEMM (grouped_gemm_fp8.cu, sm_90a wgmma; operands and scales as fp8.h):
 // grouped_gemm's RowsTimesWeightT for e4m3 operands. For every expert e with rows [offsets[e],

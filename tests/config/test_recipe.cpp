@@ -175,10 +175,12 @@ TEST(Recipe, InvalidYamlNamesTheFileAndLine) {
 TEST(Recipe, RecomputeKeysNameWhatExists) {
     const Recipe r = load_recipe(
         "", {"recompute_granularity=selective", "recompute_modules=core_attn mla_up_proj"});
-    EXPECT_TRUE(r.model.recomputes("core_attn"));
-    EXPECT_TRUE(r.model.recomputes("mla_up_proj"));
-    EXPECT_FALSE(r.model.recomputes("layernorm"));
-    EXPECT_FALSE(load_recipe("", {"recompute_modules=core_attn"}).model.recomputes("core_attn"))
+    EXPECT_TRUE(r.model.activation().recomputes(RecomputeModule::CoreAttn));
+    EXPECT_TRUE(r.model.activation().recomputes(RecomputeModule::MlaUpProj));
+    EXPECT_FALSE(r.model.activation().recomputes(RecomputeModule::Layernorm));
+    EXPECT_FALSE(load_recipe("", {"recompute_modules=core_attn"})
+                     .model.activation()
+                     .recomputes(RecomputeModule::CoreAttn))
         << "modules without recompute_granularity: selective recompute nothing";
     std::string msg = error_of([] { load_recipe("", {"recompute_granularity=full"}); });
     EXPECT_NE(msg.find("recompute_granularity: full (whole-layer recompute) is not implemented"),
@@ -200,16 +202,20 @@ TEST(Recipe, RecomputeKeysNameWhatExists) {
 TEST(Recipe, OffloadKeysNameWhatExists) {
     const Recipe r = load_recipe("", {"fine_grained_activation_offloading=true",
                                       "offload_modules=core_attn fused_group_mlp"});
-    EXPECT_TRUE(r.model.offloads("core_attn"));
-    EXPECT_TRUE(r.model.offloads("expert_fc1"));
-    EXPECT_TRUE(r.model.offloads("moe_act"));
-    EXPECT_TRUE(r.model.offloads("expert_out"));
-    EXPECT_FALSE(r.model.offloads("attn_proj"));
-    EXPECT_FALSE(load_recipe("", {"offload_modules=core_attn"}).model.offloads("core_attn"))
+    const ActivationPolicy a = r.model.activation();
+    EXPECT_TRUE(a.offloads(OffloadModule::CoreAttn));
+    EXPECT_TRUE(a.offloads(OffloadModule::ExpertFc1));
+    EXPECT_TRUE(a.offloads(OffloadModule::MoeAct));
+    EXPECT_TRUE(a.offloads(OffloadModule::ExpertOut));
+    EXPECT_FALSE(a.offloads(OffloadModule::AttnProj));
+    EXPECT_FALSE(load_recipe("", {"offload_modules=core_attn"})
+                     .model.activation()
+                     .offloads(OffloadModule::CoreAttn))
         << "modules without fine_grained_activation_offloading offload nothing";
     EXPECT_FALSE(
         load_recipe("", {"fine_grained_activation_offloading=true", "offload_modules=expert_fc1"})
-            .model.offloads("expert_out"));
+            .model.activation()
+            .offloads(OffloadModule::ExpertOut));
     std::string msg =
         error_of([] { load_recipe("", {"fine_grained_activation_offloading=true"}); });
     EXPECT_NE(msg.find("fine_grained_activation_offloading: true needs offload_modules"),

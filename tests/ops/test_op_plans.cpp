@@ -13,8 +13,8 @@ using namespace sparsetron::cuda;
 TEST(Indexer, PlanRules) {
     // The GLM-5 indexer (32 heads x 128) at 4K on sm_90a: the fused scores, one block, the GEMM
     // backward in the whole micro-batch's workspace.
-    IndexerProblem p{.tokens = 4096, .heads = 32, .dim = 128, .query_block = 4096, .loss = true,
-                     .sm90a = true};
+    IndexerProblem p{
+        .tokens = 4096, .heads = 32, .dim = 128, .query_block = 4096, .loss = true, .sm90a = true};
     IndexerPlan plan = plan_indexer(p);
     EXPECT_EQ(plan.scores, IndexerScoresForm::Wgmma);
     EXPECT_EQ(plan.query_block_rows, 4096);
@@ -34,8 +34,13 @@ TEST(Indexer, PlanRules) {
     p.loss = false;
     EXPECT_EQ(plan_indexer(p).workspace_bytes, 0);
     // Context parallelism: no GEMM form (query row t is not key row t), no workspace.
-    IndexerProblem cp{.tokens = 2048, .key_rows = 8192, .heads = 32, .dim = 128,
-                      .query_block = 4096, .loss = true, .sm90a = true};
+    IndexerProblem cp{.tokens = 2048,
+                      .key_rows = 8192,
+                      .heads = 32,
+                      .dim = 128,
+                      .query_block = 4096,
+                      .loss = true,
+                      .sm90a = true};
     plan = plan_indexer(cp);
     EXPECT_EQ(plan.workspace_bytes, 0);
     EXPECT_EQ(plan.backward, IndexerBackwardForm::Rows);
@@ -59,7 +64,8 @@ TEST(GroupedGemm, PlanRules) {
     EXPECT_EQ(plan_grouped_gemm(s), GroupedGemmForm::Simple);
     s.aligned = true;
     s.n = 36;  // not a multiple of 8: no tensor-core form
-    EXPECT_EQ(supported_grouped_gemm_forms(s), std::vector<GroupedGemmForm>{GroupedGemmForm::Simple});
+    EXPECT_EQ(supported_grouped_gemm_forms(s),
+              std::vector<GroupedGemmForm>{GroupedGemmForm::Simple});
     s.n = 64, s.weight_stride = 64 * 6144 + 4;  // a stride off the 16-byte grid
     EXPECT_EQ(plan_grouped_gemm(s), GroupedGemmForm::Simple);
 }

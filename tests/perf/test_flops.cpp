@@ -272,8 +272,7 @@ TEST(Plan, AShortfallNamesTheRecomputeThatWouldFit) {
         cuda_memory_plan(r, store, tp->max_documents, tp->chunk_rows).total_bytes();
     Recipe all = r;
     all.model.recompute_granularity = "selective";
-    all.model.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
-                                   "moe_act",   "mlp",         "shared_experts"};
+    all.model.recompute_modules = recompute_module_names();
     const size_t recomputing =
         cuda_memory_plan(all, store, tp->max_documents, tp->chunk_rows).total_bytes();
     const size_t GiB = size_t(1) << 30;

@@ -48,22 +48,9 @@ void require_dsa_for_context_parallel(const ModelConfig& c) {
         "dsa); this model attends densely");
 }
 
-bool ModelConfig::offloads(const std::string& module) const {
-    if (!fine_grained_activation_offloading) return false;
-    const auto has = [&](const char* m) {
-        return std::find(offload_modules.begin(), offload_modules.end(), m) !=
-               offload_modules.end();
-    };
-    if (has(module.c_str())) return true;
-    // fused_group_mlp names the whole routed-expert MLP.
-    return (module == "expert_fc1" || module == "moe_act" || module == "expert_out") &&
-           has("fused_group_mlp");
-}
-
-bool ModelConfig::recomputes(const std::string& module) const {
-    return recompute_granularity == "selective" &&
-           std::find(recompute_modules.begin(), recompute_modules.end(), module) !=
-               recompute_modules.end();
+ActivationPolicy ModelConfig::activation() const {
+    return ActivationPolicy::parse(recompute_granularity, recompute_modules,
+                                   fine_grained_activation_offloading, offload_modules);
 }
 
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "sparsetron/config/activation_policy.h"
+
 namespace sparsetron {
 
 // Defaults are the built-in tiny recipe (recipes/tiny.yaml): the whole GLM-5.2 architecture at toy
@@ -68,7 +70,6 @@ struct ModelConfig {
     // attention over the gathered sparse kernels with core_attn and mla_up_proj (where no indexer
     // loss reads its whole Q'), the dense MLP (mlp) and the shared expert (shared_experts).
     int64_t recompute_block_rows = 16384;
-    bool recomputes(const std::string& module) const;
     // CUDA: activation offload (Megatron's keys). With fine_grained_activation_offloading, the
     // named modules' saved activations of every layer application but the last two (backbone
     // layers, then MTP depths) wait for their backward in pinned host memory: copied out on a side
@@ -80,7 +81,9 @@ struct ModelConfig {
     // fused_group_mlp: all of the routed experts' (expert_fc1, moe_act and their output rows).
     bool fine_grained_activation_offloading = false;
     std::vector<std::string> offload_modules;
-    bool offloads(const std::string& module) const;
+    // The four keys above as types (config/activation_policy.h); throws for what validation
+    // refuses.
+    ActivationPolicy activation() const;
     // CUDA: the MoE's saved activations in a shared page pool (model/cuda/moe_stash.h).
     bool moe_paged_stash = false;
     int64_t moe_paged_stash_page_size = 64;           // rows per page

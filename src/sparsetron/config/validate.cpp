@@ -66,37 +66,21 @@ void Recipe::validate() {
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
     ST_CHECK(m.recompute_granularity != "full",
              "recompute_granularity: full (whole-layer recompute) is not implemented; use "
-             "recompute_granularity: selective with recompute_modules from core_attn, "
-             "mla_up_proj, layernorm, moe_act, mlp, shared_experts");
+             "recompute_granularity: selective with recompute_modules from ",
+             [] {
+                 std::string s;
+                 for (const auto& n : recompute_module_names()) s += (s.empty() ? "" : ", ") + n;
+                 return s;
+             }());
     one_of(m.recompute_granularity, "recompute_granularity", {"", "null", "none", "selective"});
     positive(m.recompute_block_rows, "recompute_block_rows");
-    for (const auto& mod : m.recompute_modules)
-        one_of(mod, "recompute_modules",
-               {"core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "shared_experts"});
-    if (m.fine_grained_activation_offloading) {
-        ST_CHECK(!m.offload_modules.empty(),
-                 "fine_grained_activation_offloading: true needs offload_modules (from attn_norm, "
-                 "mlp_norm, qkv_linear, core_attn, attn_proj, expert_fc1, moe_act, "
-                 "fused_group_mlp)");
-        for (const auto& mod : m.offload_modules) {
-            one_of(mod, "offload_modules",
-                   {"attn_norm", "mlp_norm", "qkv_linear", "core_attn", "attn_proj", "expert_fc1",
-                    "moe_act", "fused_group_mlp"});
-            // A recomputed output has no per-layer copy to offload.
-            const char* twin = mod == "attn_norm" || mod == "mlp_norm"        ? "layernorm"
-                               : mod == "qkv_linear"                          ? "mla_up_proj"
-                               : mod == "core_attn" || mod == "attn_proj"     ? "core_attn"
-                               : mod == "moe_act" || mod == "fused_group_mlp" ? "moe_act"
-                                                                              : "";
-            ST_CHECK(!*twin || !m.recomputes(twin), "offload_modules names ", mod,
-                     " and recompute_modules names ", twin,
-                     ": its activations are either recomputed or offloaded; drop one");
-            ST_CHECK(!m.moe_paged_stash ||
-                         (mod != "expert_fc1" && mod != "moe_act" && mod != "fused_group_mlp"),
-                     "offload_modules names ", mod,
-                     ", whose activations moe_paged_stash already keeps in its pages; drop one");
-        }
-    }
+    m.activation();  // throws, naming the key, for unknown or conflicting module names
+    for (const auto& mod :
+         m.fine_grained_activation_offloading ? m.offload_modules : std::vector<std::string>{})
+        ST_CHECK(!m.moe_paged_stash ||
+                     (mod != "expert_fc1" && mod != "moe_act" && mod != "fused_group_mlp"),
+                 "offload_modules names ", mod,
+                 ", whose activations moe_paged_stash already keeps in its pages; drop one");
     // Megatron's DSA backends (none, tilelang, cudnn) each name a kernel library; the engine
     // runs its own kernels for any of them (docs/cuda.md), so each is accepted and nothing else.
     one_of(m.dsa_kernel_backend, "dsa_kernel_backend", {"auto", "none", "tilelang", "cudnn"});

@@ -352,8 +352,7 @@ TEST(CudaModel, SelectiveRecomputeGivesTheSameLossesAndGradients) {
         const LossScales sc = parity_scales(k.cfg, mb);
         ModelConfig rc = k.cfg;
         rc.recompute_granularity = "selective";
-        rc.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
-                                "moe_act",   "mlp",         "shared_experts"};
+        rc.recompute_modules = recompute_module_names();
         const CudaResult a = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const CudaResult a2 = run_gpu(k.cfg, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
         const CudaResult r = run_gpu(rc, *cm->model, T, max_docs, chunk, mb, sc, k.fp8);
@@ -374,8 +373,7 @@ TEST(CudaModel, RecomputeBlocksGiveTheSameLossesAndGradients) {
         SameStepCase k = gathered;
         if (!indexer_loss) k.cfg.dsa_indexer_loss_coeff = 0;
         k.cfg.recompute_granularity = "selective";
-        k.cfg.recompute_modules = {"core_attn", "mla_up_proj", "layernorm",
-                                   "moe_act",   "mlp",         "shared_experts"};
+        k.cfg.recompute_modules = recompute_module_names();
         const int64_t T = 128, max_docs = 4, chunk = 48;
         auto cm = make_cpu_model(k.cfg, T, max_docs, chunk);
         const auto& params = cm->model->params().params();

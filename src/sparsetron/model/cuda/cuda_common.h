@@ -145,12 +145,18 @@ class CudaBuffers {
     int64_t application_ = -1;
 };
 
-// How a module's saved activation lives until its backward: recomputed (recompute_modules)
-// before offloaded (offload_modules; validation refuses both), else kept.
-inline CudaBuffers::Saving saving(const ModelConfig& c, const char* recompute_module,
-                                  const char* offload_module) {
-    if (recompute_module && c.recomputes(recompute_module)) return CudaBuffers::Saving::Recomputed;
-    if (offload_module && c.offloads(offload_module)) return CudaBuffers::Saving::Offloaded;
+// How a module's saved activation lives until its backward (ActivationPolicy::saves: recomputed
+// before offloaded, else kept).
+inline CudaBuffers::Saving saving(const ActivationPolicy& a, std::optional<RecomputeModule> r,
+                                  std::optional<OffloadModule> o) {
+    switch (a.saves(r, o)) {
+        case ActivationPolicy::Saving::Recomputed:
+            return CudaBuffers::Saving::Recomputed;
+        case ActivationPolicy::Saving::Offloaded:
+            return CudaBuffers::Saving::Offloaded;
+        case ActivationPolicy::Saving::Kept:
+            break;
+    }
     return CudaBuffers::Saving::Kept;
 }
 

@@ -23,7 +23,8 @@ CudaDecoderLayer::CudaDecoderLayer(const ModelConfig& c, const CudaParams& P, Cu
       layer_(layer0),
       T_(tokens),
       h_(c.hidden_size),
-      recompute_norms_(c.recomputes("layernorm")) {
+      act_(c.activation()),
+      recompute_norms_(act_.recomputes(RecomputeModule::Layernorm)) {
     const std::string p = cat("model.layers.", layer0, ".");
     const bool is_mtp = layer0 >= c.num_layers;  // MTP layers (distinct ones follow the first)
     in_norm_ = P.index(p + "input_layernorm.weight");
@@ -55,9 +56,9 @@ CudaDecoderLayer::CudaDecoderLayer(const ModelConfig& c, const CudaParams& P, Cu
         moe_ = std::make_unique<CudaMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
     } else {
         CudaBuffers::Phase phase(B, kMlpPhase);
-        mlp_ =
-            std::make_unique<CudaSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens, "mlp",
-                                            c.recomputes("mlp"), S.fp8, c.recompute_block_rows);
+        mlp_ = std::make_unique<CudaSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
+                                               "mlp", act_.recomputes(RecomputeModule::Mlp), S.fp8,
+                                               c.recompute_block_rows);
     }
     // The two norm outputs' gradients take turns in one buffer: the MLP's (or MoE's) is read by
     // the post-attention norm's backward before the attention's backward writes its own.
@@ -71,10 +72,10 @@ void CudaDecoderLayer::declare(Acts& A, CudaBuffers& B, const std::string& p) co
     // from the kept inputs and rstd before the backward reads them (the forward's attention,
     // indexer loss included, reads the first before the second is written; the backward's MLP or
     // MoE reads the second before the first is written again).
-    B.saved(saving(c_, "layernorm", "attn_norm"), A.a, p + "attn_norm_out",
-            "layer.recomputed.norm_out", {T_, h_});
-    B.saved(saving(c_, "layernorm", "mlp_norm"), A.m, p + "mlp_norm_out",
-            "layer.recomputed.norm_out", {T_, h_});
+    B.saved(saving(act_, RecomputeModule::Layernorm, OffloadModule::AttnNorm), A.a,
+            p + "attn_norm_out", "layer.recomputed.norm_out", {T_, h_});
+    B.saved(saving(act_, RecomputeModule::Layernorm, OffloadModule::MlpNorm), A.m,
+            p + "mlp_norm_out", "layer.recomputed.norm_out", {T_, h_});
     B.act(A.rstd_in, p + "attn_norm_rstd", {T_});
     B.act(A.x_mid, p + "x_mid", {T_, h_});
     B.act(A.rstd_post, p + "mlp_norm_rstd", {T_});

@@ -41,6 +41,7 @@ class CudaDecoderLayer {
     const CudaParams& P_;
     CudaShared& S_;
     int64_t layer_, T_, h_, kslots_ = 0;
+    ActivationPolicy act_;
     bool recompute_norms_;  // selective recompute of layernorm
     int64_t in_norm_, post_norm_;
     std::unique_ptr<CudaMlaAttention> attn_;

@@ -7,9 +7,7 @@
 
 namespace sparsetron::cuda {
 
-namespace {
-constexpr bool kPow2 = true;  // Transformer Engine's default for blockwise scaling
-}
+namespace {}
 
 int Fp8Weights::add(int64_t param) {
     for (size_t i = 0; i < w_.size(); ++i)
@@ -93,21 +91,21 @@ void Fp8Weights::declare() {
 
 void Fp8Weights::quantize(const ExecContext& ctx) const {
     for (const Weight& w : w_)
-        cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kPow2, w.q, w.s,
-                                        w.qt, w.st);
+        cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kFp8Pow2Scales,
+                                        w.q, w.s, w.qt, w.st);
     // One launch per layer and kind for the experts, their masters one stride apart
     // (CudaMoeLayer::check_layout holds the store to that at bind): a launch per expert leaves the
     // SMs idle between small grids.
     for (const Experts& x : experts_) {
         const float* m0 = P_[x.first].master;
         const int64_t ms = x.count > 1 ? P_[x.first + x.stride].master - m0 : 0;
-        cuda::quantize_fp8_128x128_both(ctx, m0, x.rows, x.cols, kPow2, x.q, x.s, x.qt, x.st,
-                                        x.count, ms);
+        cuda::quantize_fp8_128x128_both(ctx, m0, x.rows, x.cols, kFp8Pow2Scales, x.q, x.s, x.qt,
+                                        x.st, x.count, ms);
     }
 }
 
 void Fp8Weights::quantize_input(const ExecContext& ctx, const bf16* x, int64_t k) const {
-    cuda::quantize_fp8_1x128(ctx, x, T_, k, k, kPow2, qa_, sa_);
+    cuda::quantize_fp8_1x128(ctx, x, T_, k, k, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = k;
 }
 
@@ -121,7 +119,7 @@ void Fp8Weights::forward_quantized(const ExecContext& ctx, int i, bf16* y, int64
 }
 
 void Fp8Weights::quantize_input_columns(const ExecContext& ctx, const bf16* x, int64_t k) const {
-    cuda::quantize_fp8_1x128_columns(ctx, x, T_, k, k, kPow2, qb_, sb_);
+    cuda::quantize_fp8_1x128_columns(ctx, x, T_, k, k, kFp8Pow2Scales, qb_, sb_);
     b_cols_ = k;
 }
 
@@ -129,7 +127,7 @@ void Fp8Weights::wgrad_quantized(const ExecContext& ctx, int i, const bf16* dy) 
     const Weight& w = w_[size_t(i)];
     ST_ASSERT(b_cols_ == w.cols, "FP8 linear: the quantized input has ", b_cols_,
               " columns, the weight takes ", w.cols);
-    cuda::quantize_fp8_1x128_columns(ctx, dy, T_, w.rows, w.rows, kPow2, qa_, sa_);
+    cuda::quantize_fp8_1x128_columns(ctx, dy, T_, w.rows, w.rows, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = -1;
     cuda::gemm_fp8_blockwise(ctx, w.rows, w.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
                              P_[w.param].grad, w.cols, P_.grad_beta(w.param) != 0.f);
@@ -144,7 +142,7 @@ void Fp8Weights::forward(const ExecContext& ctx, int i, const bf16* x, bf16* y, 
 void Fp8Weights::dgrad(const ExecContext& ctx, int i, const bf16* dy, bf16* dx,
                        bool accumulate) const {
     const Weight& w = w_[size_t(i)];
-    cuda::quantize_fp8_1x128(ctx, dy, T_, w.rows, w.rows, kPow2, qa_, sa_);
+    cuda::quantize_fp8_1x128(ctx, dy, T_, w.rows, w.rows, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = -1;
     cuda::gemm_fp8_blockwise(ctx, T_, w.cols, w.rows, {qa_, sa_, false}, {w.qt, w.st, true}, dx,
                              w.cols, accumulate);

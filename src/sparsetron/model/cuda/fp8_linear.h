@@ -20,6 +20,9 @@
 
 namespace sparsetron::cuda {
 
+// Scales rounded down to powers of two: Transformer Engine's default for blockwise scaling.
+constexpr bool kFp8Pow2Scales = true;
+
 class Fp8Weights {
   public:
     struct Weight {

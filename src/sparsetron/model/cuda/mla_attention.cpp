@@ -34,8 +34,9 @@ CudaMlaAttention::CudaMlaAttention(const ModelConfig& c, const CudaParams& P, Cu
       dsa_(dsa),
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens),
-      recompute_up_(c.recomputes("mla_up_proj")),
-      recompute_core_(c.recomputes("core_attn")) {
+      act_(c.activation()),
+      recompute_up_(act_.recomputes(RecomputeModule::MlaUpProj)),
+      recompute_core_(act_.recomputes(RecomputeModule::CoreAttn)) {
     ST_CHECK(!cp_ || dsa, "context parallelism needs the absorbed (DSA) attention");
     q_a_ = P.index(p + "q_a_proj.weight");
     q_a_norm_ = P.index(p + "q_a_layernorm.weight");
@@ -130,20 +131,23 @@ void CudaMlaAttention::declare(Acts& A, CudaBuffers& B, const std::string& p) co
         B.saved(how, ptr, p + name, (blocks ? "attn.query_block." : "attn.recomputed.") + name,
                 std::move(shape));
     };
-    const S up = saving(c_, "mla_up_proj", "qkv_linear");
+    const S up = saving(act_, RecomputeModule::MlaUpProj, OffloadModule::QkvLinear);
     keep(up, A.q, "q", {Bq_, H_ * dq_});
     if (absorbed_) {
         keep(up, A.qabs, "q_absorbed", {Bq_, H_ * L});
         B.act(A.kabs, p + "k_latent", {Tn, L});
-        keep(saving(c_, "core_attn", "core_attn"), A.oabs, "o_latent", {Bq_, H_ * kr_});
+        keep(saving(act_, RecomputeModule::CoreAttn, OffloadModule::CoreAttn), A.oabs, "o_latent",
+             {Bq_, H_ * kr_});
         if (cp_) B.act(A.kkeys, p + "k_latent_all_rows", {Tk_, L});
     } else {
         keep(up, A.kv, "kv", {Tn, H_ * (dn_ + dv_)});
         keep(up, A.k, "k", {Tn, H_ * dq_});
     }
     if (plan_.saved_probs_elems > 0)
-        keep(saving(c_, nullptr, "core_attn"), A.probs, "attn_probs", {plan_.saved_probs_elems});
-    keep(saving(c_, "core_attn", "attn_proj"), A.o, "attn_out", {Bq_, H_ * dv_});
+        keep(saving(act_, std::nullopt, OffloadModule::CoreAttn), A.probs, "attn_probs",
+             {plan_.saved_probs_elems});
+    keep(saving(act_, RecomputeModule::CoreAttn, OffloadModule::AttnProj), A.o, "attn_out",
+         {Bq_, H_ * dv_});
     if (blocks)
         B.scratch(A.lse, "attn.query_block.lse", {H_, Bq_});
     else

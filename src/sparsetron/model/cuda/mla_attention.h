@@ -99,6 +99,7 @@ class CudaMlaAttention {
     float *dkabs_, *dk32_, *dv32_;
     // The masked forms' workspace (null for the gathered forms).
     float* mqa_ws_ = nullptr;
+    ActivationPolicy act_;
     bool recompute_up_, recompute_core_;  // selective recompute of mla_up_proj / core_attn
 };
 

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "sparsetron/model/cuda/fp8_linear.h"
 #include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -19,7 +20,6 @@ using cuda::gemm;
 
 namespace {
 // Power-of-two scales for the expert rows, as Fp8Weights' (Transformer Engine's default).
-constexpr bool kPow2 = true;
 }  // namespace
 
 CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffers& B,
@@ -34,7 +34,8 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
       k_(c.moe_router_topk),
       F_(c.moe_ffn_hidden_size),
       Fs_(c.moe_shared_expert_intermediate_size),
-      recompute_act_(c.recomputes("moe_act")) {
+      act_(c.activation()),
+      recompute_act_(act_.recomputes(RecomputeModule::MoeAct)) {
     ST_CHECK(c.moe_aux_loss_coeff == 0,
              "moe_aux_loss_coeff > 0 is not implemented on CUDA yet (use 0: aux-loss-free "
              "balancing through the router bias)");
@@ -49,9 +50,9 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
     down0_ = P.index(cat(p, "experts.", e0, ".down_proj.weight"));
     wstride_ = El_ > 1 ? P.index(cat(p, "experts.", e0 + 1, ".gate_proj.weight")) - gate0_ : 0;
     if (Fs_ > 0)
-        shared_ = std::make_unique<CudaSwiGluMlp>(P, B, p + "shared_experts.", h_, Fs_, tokens,
-                                                  "moe.shared", c.recomputes("shared_experts"), fp8,
-                                                  c.recompute_block_rows);
+        shared_ = std::make_unique<CudaSwiGluMlp>(
+            P, B, p + "shared_experts.", h_, Fs_, tokens, "moe.shared",
+            act_.recomputes(RecomputeModule::SharedExperts), fp8, c.recompute_block_rows);
     const int64_t R = tokens * k_;
     // Expert parallelism: this rank's experts may receive every rank's rows (worst case).
     W_ = c.expert_parallel_ranks;
@@ -122,8 +123,9 @@ void CudaMoeLayer::declare(Acts& A, CudaBuffers& B, const std::string& p) const 
     // (the backward takes the gate gradients from the down projection's input gradient and the
     // SwiGLU output instead): both live in `moe.rows` (the constructor).
     using S = CudaBuffers::Saving;
-    const S fc1 = saving(c_, nullptr, "expert_fc1"), act = saving(c_, "moe_act", "moe_act"),
-            out = saving(c_, nullptr, "expert_out");
+    const S fc1 = saving(act_, std::nullopt, OffloadModule::ExpertFc1),
+            act = saving(act_, RecomputeModule::MoeAct, OffloadModule::MoeAct),
+            out = saving(act_, std::nullopt, OffloadModule::ExpertOut);
     if (W_ > 1) {
         // The expert side holds received rows (owner layout); out_perm the results returned to
         // this rank's layout. With the paged stash the received input and the gate / up outputs
@@ -319,7 +321,7 @@ void CudaMoeLayer::expert_gemm(const ExecContext& ctx, const Local& L, int64_t f
         const Fp8Weights::Experts& W = fp8_->experts(h);
         ST_ASSERT(fp8_rows_[slot], "CUDA MoE: FP8 row slot ", slot, " was not planned");
         if (!x_quantized)
-            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kPow2, fp8_rows_[slot],
+            cuda::quantize_fp8_1x128(ctx, x, rows_, in, in, kFp8Pow2Scales, fp8_rows_[slot],
                                      fp8_row_scales_[slot]);
         cuda::grouped_gemm_fp8(ctx, {.offsets = L.offsets,
                                      .experts = L.experts,
@@ -369,7 +371,7 @@ cuda::GroupedGemmArgs CudaMoeLayer::weight_grad(const Local& L, int64_t n, int64
 
 cuda::Fp8RowsOut CudaMoeLayer::rows8(int slot) const {
     if (!fp8_) return {};
-    return {fp8_rows_[slot], fp8_row_scales_[slot], rows_, kPow2};
+    return {fp8_rows_[slot], fp8_row_scales_[slot], rows_, kFp8Pow2Scales};
 }
 
 CudaMoeLayer::Local CudaMoeLayer::local(const Acts& A) const {

@@ -96,7 +96,8 @@ class CudaMoeLayer {
     const MoeStash* stash_;
     cuda::ExpertExchange* ep_ = nullptr;
     int64_t T_, h_, E_, k_, F_, Fs_, capacity_;
-    int64_t Br_ = 0;      // router rows per block (its fp32 input holds one block)
+    int64_t Br_ = 0;  // router rows per block (its fp32 input holds one block)
+    ActivationPolicy act_;
     bool recompute_act_;  // selective recompute of moe_act (the paged stash recomputes it anyway)
     int64_t W_ = 1, rows_ = 0;    // expert-parallel ranks; expert rows (worst case received)
     int64_t El_ = 1;              // experts this rank holds (E / W)

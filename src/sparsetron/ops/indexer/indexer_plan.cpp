@@ -50,20 +50,19 @@ IndexerPlan plan_indexer(const IndexerProblem& p) {
     const bool whole = plan.query_block_rows == p.tokens;
     // The GEMM forms pair query row t with key row t: not under CP. In blocks only the loss
     // backward takes one, in chunks of kIndexerLossChunkRows rows.
-    plan.workspace_bytes = cp      ? 0
-                           : whole ? indexer_scores_workspace_bytes(p.tokens, p.heads)
-                           : p.loss
-                               ? kIndexerLossChunkRows *
-                                     indexer_scores_backward_bytes_per_token(p.tokens, p.heads)
-                               : 0;
+    plan.workspace_bytes = cp       ? 0
+                           : whole  ? indexer_scores_workspace_bytes(p.tokens, p.heads)
+                           : p.loss ? kIndexerLossChunkRows *
+                                          indexer_scores_backward_bytes_per_token(p.tokens, p.heads)
+                                    : 0;
     if (p.sm90a && indexer_wgmma_shape(p.heads, p.dim))
         plan.scores = IndexerScoresForm::Wgmma;
     else if (whole && plan.workspace_bytes > 0)
         plan.scores = IndexerScoresForm::Gemm;
-    plan.backward = !cp && plan.workspace_bytes >=
-                               indexer_scores_backward_bytes_per_token(p.tokens, p.heads)
-                        ? IndexerBackwardForm::Gemm
-                        : IndexerBackwardForm::Rows;
+    plan.backward =
+        !cp && plan.workspace_bytes >= indexer_scores_backward_bytes_per_token(p.tokens, p.heads)
+            ? IndexerBackwardForm::Gemm
+            : IndexerBackwardForm::Rows;
     return plan;
 }
 

@@ -27,8 +27,8 @@ const char* form_name(IndexerBackwardForm form);
 bool indexer_wgmma_shape(int64_t heads, int64_t dim);
 
 struct IndexerProblem {
-    int64_t tokens = 0;       // query rows this rank computes
-    int64_t key_rows = 0;     // the micro-batch's key rows under context parallelism (0: none)
+    int64_t tokens = 0;    // query rows this rank computes
+    int64_t key_rows = 0;  // the micro-batch's key rows under context parallelism (0: none)
     int64_t heads = 0, dim = 0;
     int64_t query_block = 0;  // dsa_indexer_query_block (0: the whole micro-batch)
     bool loss = false;        // the indexer loss runs (its backward through the scores)

@@ -46,20 +46,18 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
     std::string msg = cat("the device memory plan needs ", gib(planned), " but the GPU has ",
                           gib(free_bytes), " free; the largest kinds of buffer: ", largest,
                           " (`sparsetron plan --device cuda` lists the plan); ");
-    const std::vector<std::string> all = {"core_attn", "mla_up_proj", "layernorm",
-                                          "moe_act",   "mlp",         "shared_experts"};
-    bool every = true;
-    for (const std::string& m : all) every = every && recipe.model.recomputes(m);
-    if (!every) {
+    if (!recipe.model.activation().recomputes_everything()) {
         Recipe r = recipe;
         r.model.recompute_granularity = "selective";
-        r.model.recompute_modules = all;
+        r.model.recompute_modules = recompute_module_names();
         const size_t with =
             cuda_memory_plan(r, host_store, max_documents, chunk_rows, stage).total_bytes();
-        msg +=
-            cat("with recompute_granularity: selective and recompute_modules: [core_attn, "
-                "mla_up_proj, layernorm, moe_act, mlp, shared_experts] it plans ",
-                gib(with), with <= free_bytes ? " and fits" : ", still too much", "; ");
+        std::string mods;
+        for (const std::string& m : recompute_module_names())
+            mods += (mods.empty() ? "" : ", ") + m;
+        msg += cat("with recompute_granularity: selective and recompute_modules: [", mods,
+                   "] it plans ", gib(with), with <= free_bytes ? " and fits" : ", still too much",
+                   "; ");
     }
     return msg + "shorter micro-batches (seq_length) or more context-parallel ranks need less";
 }

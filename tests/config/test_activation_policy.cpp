@@ -35,8 +35,8 @@ TEST(ActivationPolicy, EveryOffloadedOutputPairsWithItsRecomputeModule) {
         const auto twin = recompute_twin(OffloadModule(o));
         const std::string name = offload_module_names()[o];
         if (!twin) {
-            EXPECT_NO_THROW(ActivationPolicy::parse("selective", recompute_module_names(), true,
-                                                    {name}))
+            EXPECT_NO_THROW(
+                ActivationPolicy::parse("selective", recompute_module_names(), true, {name}))
                 << name;
             continue;
         }

@@ -7,6 +7,7 @@
 #include "command.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/perf/bench.h"
+#include "sparsetron/perf/bench_plan.h"
 #include "sparsetron/runtime/run_setup.h"
 
 namespace sparsetron::cli {
@@ -14,15 +15,17 @@ namespace sparsetron::cli {
 Run add_bench(CLI::App& app) {
     struct Options {
         BenchOptions b;
-        std::string recipe, json, variants = "eager";
+        std::string recipe, json, variants = "eager", plan;
         std::vector<std::string> sets, recipe_variants;
         int64_t rounds = 2;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("bench", "Time training steps of a recipe on the GPU");
     c->add_option("--recipe", o->recipe,
-                  "Recipe YAML, or a recipe and its overlays: base.yaml,overlay.yaml")
-        ->required();
+                  "Recipe YAML, or a recipe and its overlays: base.yaml,overlay.yaml");
+    c->add_option("--plan", o->plan,
+                  "A bench plan (bench/plans/*.yaml): its rows of overrides, lengths and modes "
+                  "in one run, one JSON record (--json); instead of --recipe");
     c->add_option("--set", o->sets, "Override a recipe key (key=value), repeatable");
     c->add_option("--warmup", o->b.warmup, "Untimed iterations first (default 3)");
     c->add_option("--iters", o->b.iters, "Timed iterations (default 10)");
@@ -39,6 +42,27 @@ Run add_bench(CLI::App& app) {
     c->add_option("--commit", o->b.commit, "Commit recorded in the result");
     c->add_option("--json", o->json, "Append the result as one JSON line to this file");
     return [o] {
+        ST_CHECK(o->plan.empty() != o->recipe.empty(), "bench: give --recipe or --plan (one)");
+        if (!o->plan.empty()) {
+            const BenchPlan plan = load_bench_plan(o->plan);
+            connect_gpus_if_launched(Device::CUDA);
+            o->b.comm = launch_comm();
+            const std::string record = run_bench_plan(
+                plan,
+                [&](const std::vector<std::string>& sets) {
+                    std::vector<std::string> all = o->sets;
+                    all.insert(all.end(), sets.begin(), sets.end());
+                    return resolve_run({RunRequest::Bench, plan.recipe, all}).recipe;
+                },
+                o->b);
+            if (launch_comm() && launch_comm()->rank() != 0) return 0;
+            if (!o->json.empty()) {
+                std::ofstream out(o->json, std::ios::app);
+                ST_CHECK(out.good(), "cannot write '", o->json, "'");
+                out << record << "\n";
+            }
+            return 0;
+        }
         const Recipe r = resolve_run({RunRequest::Bench, o->recipe, o->sets}).recipe;
         std::vector<BenchVariant> variants;
         for (const std::string& v : o->recipe_variants) variants.push_back(parse_bench_variant(v));

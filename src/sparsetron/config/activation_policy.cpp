@@ -23,8 +23,8 @@ const std::vector<std::string>& recompute_module_names() {
 }
 
 const std::vector<std::string>& offload_module_names() {
-    static const std::vector<std::string> names = {"attn_norm", "mlp_norm",   "qkv_linear",
-                                                   "core_attn", "attn_proj",  "expert_fc1",
+    static const std::vector<std::string> names = {"attn_norm", "mlp_norm",       "qkv_linear",
+                                                   "core_attn", "attn_proj",      "expert_fc1",
                                                    "moe_act",   "fused_group_mlp"};
     return names;
 }
@@ -57,8 +57,8 @@ std::optional<RecomputeModule> recompute_twin(OffloadModule m) {
 }
 
 ActivationPolicy ActivationPolicy::parse(const std::string& granularity,
-                                         const std::vector<std::string>& recompute,
-                                         bool offload, const std::vector<std::string>& offloaded) {
+                                         const std::vector<std::string>& recompute, bool offload,
+                                         const std::vector<std::string>& offloaded) {
     ActivationPolicy p;
     const auto& rnames = recompute_module_names();
     for (const std::string& m : recompute) {

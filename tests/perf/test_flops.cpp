@@ -1,6 +1,9 @@
 // Audited FLOPs (SPEC §8) against the seed's published figure.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+
 #include <algorithm>
 
 #include <nlohmann/json.hpp>
@@ -69,6 +72,20 @@ TEST(Flops, CliPrintsTheSeedWorkloadsCountAndBreakdown) {
     // Padding never counts: two documents of 100 tokens in a 4096-slot micro-batch count 200.
     auto [rc3, small] = cli("flops --recipe " + recipe + " --doc-lengths 100,100 --json");
     EXPECT_EQ(nlohmann::json::parse(small).at("tokens").get<int64_t>(), 200);
+    // --json FILE (every subcommand's meaning): the text on stdout, one JSON line appended per run.
+    const std::string file = sparsetron::test::temp_dir("flops-json") + "/flops.jsonl";
+    std::remove(file.c_str());
+    for (int i = 0; i < 2; ++i) {
+        auto [rcf, text] = cli("flops --recipe " + recipe + " --json " + file);
+        EXPECT_EQ(rcf, 0);
+        EXPECT_NE(text.find("FLOPs per step of"), std::string::npos) << text;
+    }
+    std::ifstream lines(file);
+    std::string line;
+    int n = 0;
+    for (; std::getline(lines, line); ++n)
+        EXPECT_EQ(nlohmann::json::parse(line).at("tokens").get<int64_t>(), 64 * 4096);
+    EXPECT_EQ(n, 2);
     auto [rc4, bad] = cli("flops --recipe " + recipe + " --doc-lengths 100,x");
     EXPECT_EQ(rc4, 1);
     EXPECT_NE(bad.find("--doc-lengths: 'x' is not a positive integer"), std::string::npos) << bad;

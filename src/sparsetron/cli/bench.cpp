@@ -15,7 +15,8 @@ namespace sparsetron::cli {
 Run add_bench(CLI::App& app) {
     struct Options {
         BenchOptions b;
-        std::string recipe, json, variants = "eager", plan;
+        std::string recipe, variants = "eager", plan;
+        JsonOutput json;
         std::vector<std::string> sets, recipe_variants;
         int64_t rounds = 2;
     };
@@ -40,7 +41,7 @@ Run add_bench(CLI::App& app) {
                   "fp8=\"--set fp8_recipe=blockwise\"");
     c->add_option("--rounds", o->rounds, "Rounds of the recipe variants (default 2: A B B A)");
     c->add_option("--commit", o->b.commit, "Commit recorded in the result");
-    c->add_option("--json", o->json, "Append the result as one JSON line to this file");
+    add_json_output(c, o->json, "Each result (a plan: one record)");
     return [o] {
         ST_CHECK(o->plan.empty() != o->recipe.empty(), "bench: give --recipe or --plan (one)");
         if (!o->plan.empty()) {
@@ -56,11 +57,7 @@ Run add_bench(CLI::App& app) {
                 },
                 o->b);
             if (launch_comm() && launch_comm()->rank() != 0) return 0;
-            if (!o->json.empty()) {
-                std::ofstream out(o->json, std::ios::app);
-                ST_CHECK(out.good(), "cannot write '", o->json, "'");
-                out << record << "\n";
-            }
+            o->json.write(record);
             return 0;
         }
         const Recipe r = resolve_run({RunRequest::Bench, o->recipe, o->sets}).recipe;
@@ -96,11 +93,7 @@ Run add_bench(CLI::App& app) {
             static_cast<long long>(o->b.iters),
             variants.empty() ? "" : cat(" and round, ", o->rounds, " rounds").c_str(),
             bench_table(res).c_str());
-        if (!o->json.empty()) {
-            std::ofstream out(o->json, std::ios::app);
-            ST_CHECK(out.good(), "cannot write '", o->json, "'");
-            for (const auto& x : res) out << x.to_json() << "\n";
-        }
+        for (const auto& x : res) o->json.write(x.to_json());
         return 0;
     };
 }

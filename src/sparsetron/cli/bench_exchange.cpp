@@ -13,7 +13,7 @@ namespace sparsetron::cli {
 Run add_bench_exchange(CLI::App& app) {
     struct Options {
         ExchangeBenchOptions x;
-        std::string json;
+        JsonOutput json;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand(
@@ -25,7 +25,7 @@ Run add_bench_exchange(CLI::App& app) {
     c->add_option("--experts", o->x.experts, "Experts, uniform routing (default 16)");
     c->add_option("--warmup", o->x.warmup, "Untimed exchanges first (default 3)");
     c->add_option("--iters", o->x.iters, "Timed exchanges (default 20)");
-    c->add_option("--json", o->json, "Append the result as one JSON line to this file");
+    add_json_output(c, o->json, "The result");
     return [o] {
         connect_gpus_if_launched(Device::CUDA);
         ST_CHECK(launch_comm() && launch_comm()->size() > 1,
@@ -49,11 +49,7 @@ Run add_bench_exchange(CLI::App& app) {
         if (x.exchange_ms > 0) line("exchange, NVLink (CUDA IPC)", x.exchange_ms, x.exchange_gbps);
         line("exchange, NCCL blocks", x.nccl_exchange_ms, x.nccl_exchange_gbps);
         line("NCCL send/recv all-to-all", x.nccl_ms, x.nccl_gbps);
-        if (!o->json.empty()) {
-            std::ofstream out(o->json, std::ios::app);
-            ST_CHECK(out.good(), "cannot write '", o->json, "'");
-            out << x.to_json() << "\n";
-        }
+        o->json.write(x.to_json());
         return 0;
     };
 }

@@ -1,6 +1,7 @@
 #include "command.h"
 
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <sstream>
 
@@ -64,6 +65,28 @@ void connect_gpus_if_launched(Device device) {
     if (env.world <= 1) return;
     g_nccl = make_nccl_comm(env);
     g_comm = g_nccl.get();
+}
+
+void add_json_output(CLI::App* command, JsonOutput& out, const std::string& what) {
+    out.option = command
+                     ->add_option("--json", out.file,
+                                  what +
+                                      " as JSON lines: appended to FILE, or on standard "
+                                      "output (instead of the text) without one")
+                     ->expected(0, 1);
+}
+
+void JsonOutput::write(const std::string& line) const {
+    if (!wanted()) return;
+    if (file.empty()) {
+        std::printf("%s\n", line.c_str());
+        std::fflush(stdout);
+        return;
+    }
+    std::ofstream out(file, std::ios::app);
+    out << line << "\n";
+    out.flush();
+    ST_CHECK(out.good(), "cannot write '", file, "'");
 }
 
 void print_newton_schulz(const NewtonSchulzCount& ns, const RunConfig& r) {

@@ -46,6 +46,17 @@ std::vector<std::string> split_list(const std::string& text);
 // Documents of one step: --doc-lengths, else one seq_length document per sample of the global
 // batch (the seed's THD benchmark packing).
 std::vector<int64_t> step_documents(const Recipe& r, const std::string& lengths);
+// --json [FILE], one meaning for every subcommand: the result as JSON lines, appended to FILE, or
+// on standard output (in place of the text report) without one.
+struct JsonOutput {
+    std::string file;
+    CLI::Option* option = nullptr;
+    bool wanted() const { return option && option->count() > 0; }
+    bool to_stdout() const { return wanted() && file.empty(); }
+    void write(const std::string& line) const;  // when wanted
+};
+void add_json_output(CLI::App* command, JsonOutput& out, const std::string& what);
+
 // The optimizer's Newton-Schulz work, which the audited count (sparsetron flops) leaves out.
 void print_newton_schulz(const NewtonSchulzCount& ns, const RunConfig& r);
 

@@ -15,7 +15,7 @@ namespace sparsetron::cli {
 namespace {
 
 int eval(const std::string& model, const std::string& tokens, const std::vector<std::string>& data,
-         const std::string& split_arg, const std::string& part_arg, bool json) {
+         const std::string& split_arg, const std::string& part_arg, const JsonOutput& json) {
     ST_CHECK(tokens.empty() != data.empty(), "eval: give --tokens FILE or --data PREFIX (one)");
     std::vector<std::vector<int32_t>> docs;
     std::string what;
@@ -54,13 +54,14 @@ int eval(const std::string& model, const std::string& tokens, const std::vector<
     EvalResult r = evaluate(model, docs, run ? &run->model : nullptr);
     ST_CHECK(std::isfinite(r.lm_loss), "eval: the loss of '", model, "' is not finite (", r.lm_loss,
              "): the model's outputs overflow");
-    if (json) {
+    if (json.wanted()) {
         nlohmann::ordered_json j;
         j["lm_loss"] = r.lm_loss;
         j["targets"] = r.targets;
         if (r.mtp_loss > 0) j["mtp_loss"] = r.mtp_loss;
-        std::printf("%s\n", j.dump().c_str());
-    } else {
+        json.write(j.dump());
+    }
+    if (!json.to_stdout()) {
         std::printf("lm_loss %.6f over %lld targets in %lld documents%s (perplexity %.3f)%s\n",
                     r.lm_loss, static_cast<long long>(r.targets),
                     static_cast<long long>(r.documents), what.c_str(), std::exp(r.lm_loss),
@@ -75,7 +76,7 @@ Run add_eval(CLI::App& app) {
     struct Options {
         std::string model, tokens, split, part = "valid";
         std::vector<std::string> data;
-        bool json = false;
+        JsonOutput json;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("eval", "Mean next-token loss of a model on token documents");
@@ -89,7 +90,7 @@ Run add_eval(CLI::App& app) {
                   "train,valid,test weights over each dataset's documents (default: the "
                   "checkpoint's recipe's split)");
     c->add_option("--part", o->part, "With --data: train, valid (default) or test");
-    c->add_flag("--json", o->json, "Print {\"lm_loss\": ..., \"targets\": ...}");
+    add_json_output(c, o->json, "The losses ({\"lm_loss\": ..., \"targets\": ...})");
     return [o] { return eval(o->model, o->tokens, o->data, o->split, o->part, o->json); };
 }
 

@@ -12,14 +12,14 @@ namespace sparsetron::cli {
 namespace {
 
 int flops(const std::string& recipe_path, const std::vector<std::string>& sets,
-          const std::string& lengths, const std::string& convention, bool json) {
+          const std::string& lengths, const std::string& convention, const JsonOutput& json) {
     ST_CHECK(convention == "audited" || convention == "megatron",
              "--convention must be audited or megatron, got '", convention, "'");
     const Recipe r = load_recipe(recipe_path, sets);
     const std::vector<int64_t> docs = step_documents(r, lengths);
     const FlopCount f = audited_flops(r.model, docs);
     const FlopCount meg = megatron_flops(r.model, docs);
-    if (json) {
+    if (json.wanted()) {
         nlohmann::json j;
         j["total_flops"] = f.total;
         j["tokens"] = f.tokens;
@@ -30,8 +30,8 @@ int flops(const std::string& recipe_path, const std::vector<std::string>& sets,
             j["megatron"]["total_flops"] = meg.total;
             for (auto& [name, v] : meg.terms) j["megatron"]["terms"][name] = v;
         }
-        std::printf("%s\n", j.dump(1).c_str());
-        return 0;
+        json.write(j.dump());
+        if (json.to_stdout()) return 0;
     }
     std::printf("FLOPs per step of %s: %zu documents, %lld tokens\nconvention: %s\n\n",
                 r.name.c_str(), docs.size(), static_cast<long long>(f.tokens),
@@ -58,7 +58,7 @@ Run add_flops(CLI::App& app) {
     struct Options {
         std::string recipe, doc_lengths, convention = "audited";
         std::vector<std::string> sets;
-        bool json = false;
+        JsonOutput json;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("flops", "Audited model FLOPs per step of a recipe (SPEC 8)");
@@ -71,7 +71,7 @@ Run add_flops(CLI::App& app) {
                   "documents of seq_length)");
     c->add_option("--convention", o->convention,
                   "audited (default) or megatron (also print Megatron's stock formula)");
-    c->add_flag("--json", o->json, "JSON: total_flops, terms, convention, tokens");
+    add_json_output(c, o->json, "The count (total_flops, terms, convention, tokens)");
     return [o] { return flops(o->recipe, o->sets, o->doc_lengths, o->convention, o->json); };
 }
 

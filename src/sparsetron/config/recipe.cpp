@@ -240,12 +240,6 @@ std::string quote(const std::string& s) {
 
 }  // namespace
 
-std::vector<std::string> known_recipe_keys() {
-    std::vector<std::string> keys;
-    for (const auto& k : key_table()) keys.emplace_back(k.name);
-    return keys;
-}
-
 // What to tell a user about an unknown key: the Megatron name of a common HuggingFace or
 // PyTorch name, else the nearest key when it is near (a few edits for the key's length), else
 // where the keys are listed.

@@ -34,8 +34,6 @@ struct Recipe {
     std::string to_yaml() const;
 };
 
-// All known keys, for help text and suggestions.
-std::vector<std::string> known_recipe_keys();
 // The hint an unknown key's error gives: Megatron's name for a common HF/PyTorch name, the
 // nearest key when it is a few edits away, or where the keys are listed.
 std::string unknown_key_hint(const std::string& key);

@@ -32,7 +32,6 @@ struct Tensor {
 
     int64_t size(int dim) const;
     int64_t numel() const;
-    size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
     bool is_contiguous() const;
     bool defined() const { return data != nullptr; }
 

@@ -47,7 +47,6 @@ class DecoderLayer {
     void bind(const Buffers& buf, const std::vector<T*>& params, const std::vector<T*>& grads);
 
     bool has_indexer() const { return indexer_ != nullptr; }
-    bool is_moe() const { return moe_ != nullptr; }
     int64_t kslots() const { return kslots_; }
     MoeLayer<T>* moe() { return moe_.get(); }
 

@@ -57,7 +57,6 @@ class Glm5Model {
     const ParamStore& params() const { return *store_; }
     const ModelConfig& config() const { return cfg_; }
     int64_t tokens() const { return T_; }
-    int64_t mtp_depths() const { return D_; }
 
     // A micro-batch of key_tokens slots under CP (this rank takes its chunks of every document),
     // of `tokens` slots otherwise.
@@ -85,8 +84,6 @@ class Glm5Model {
     // Context parallelism over `cp` (the layout's CP group; the model must be planned with
     // key_tokens). Loss sums are then this rank's rows' shares: they add up over the group.
     void set_context_parallel(Comm* cp);
-    bool context_parallel() const { return cp_; }
-    int64_t key_tokens() const { return Tk_; }  // micro-batch rows (tokens() without CP)
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].

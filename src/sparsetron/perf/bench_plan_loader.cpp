@@ -57,7 +57,8 @@ BenchPlan load_bench_plan(const std::string& path) {
     for (size_t i = 0; i < rows.size(); ++i) {
         const YAML::Node r = rows[i];
         const std::string at = cat(path, ": rows[", i, "]");
-        ST_CHECK(r.IsMap(), at, ": expected a mapping (name, set, forward_backward, lengths, "
+        ST_CHECK(r.IsMap(), at,
+                 ": expected a mapping (name, set, forward_backward, lengths, "
                  "variants)");
         BenchPlanRow row;
         for (const auto& kv : r) {

@@ -44,7 +44,6 @@ class ActivationOffload {
 
     int64_t applications() const { return int64_t(groups_.size()); }
     bool offloaded(int64_t g) const { return g + 2 < applications(); }
-    size_t region_bytes() const { return region_bytes_; }
 
   private:
     struct Buffer {

@@ -8,7 +8,8 @@
 # JSON lines into OUT/backbone.jsonl and OUT/step.jsonl; the comparison on stdout
 # (tools/bench/ab_compare.py: medians, means with standard errors, B against A).
 # MEASURES (default "backbone step") picks the measures, e.g. one per call when both do not fit
-# one call's time. Usage: bench/scripts/compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]
+# one call's time; ARMS (default "A B B A") the order of the runs of each measure.
+# Usage: bench/scripts/compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]
 set -uo pipefail
 tarball=${1:?usage: compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]}
 a_commit=${2:?} b_commit=${3:?} out=${4:?} iters=${5:-10}
@@ -28,7 +29,7 @@ measure() {  # NAME ARM OPTIONS...
 }
 measures=${MEASURES:-backbone step}
 for name in $measures; do
-  for arm in A B B A; do
+  for arm in ${ARMS:-A B B A}; do
     if [ "$name" = backbone ]; then
       measure backbone $arm --set mtp_num_layers=0 --set dsa_indexer_loss_coeff=0 --forward-backward
     else

@@ -2,10 +2,10 @@
 
 #include <fstream>
 
-#include "../test_util.h"
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

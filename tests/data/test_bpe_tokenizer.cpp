@@ -10,10 +10,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/data/bpe_tokenizer.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/data/indexed_dataset.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -6,12 +6,12 @@
 #include <filesystem>
 #include <fstream>
 
-#include "../test_util.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/data/document_stream.h"
 #include "sparsetron/data/indexed_dataset.h"
 #include "sparsetron/data/split.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

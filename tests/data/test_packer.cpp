@@ -2,8 +2,8 @@
 
 #include <map>
 
-#include "../test_util.h"
 #include "sparsetron/data/packer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

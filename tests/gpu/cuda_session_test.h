@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "harness.h"
+#include "gpu/harness.h"
 #include "sparsetron/cuda/cuda_session.h"
 
 namespace sparsetron::test {

@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "../test_util.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/indexer/indexer.h"
+#include "test_util.h"
 
 namespace sparsetron::test {
 

@@ -4,10 +4,10 @@
 #include <cmath>
 #include <limits>
 
-#include "../test_util.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/ops/copy/copy.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "harness.h"
+#include "gpu/harness.h"
 #include "sparsetron/parallel/comm/launch_env.h"
 
 #if SPARSETRON_WITH_CUDA

@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "../test_util.h"
+#include "gpu/thread_comm.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/runtime/trainer.h"
-#include "thread_comm.h"
+#include "test_util.h"
 
 namespace sparsetron::test {
 

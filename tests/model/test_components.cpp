@@ -1,10 +1,10 @@
 // DSA top-k and MoE routing properties that the gradient checks do not pin down.
 #include <gtest/gtest.h>
 
-#include "../test_util.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/model/param_table.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

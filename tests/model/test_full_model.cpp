@@ -6,8 +6,8 @@
 
 #include <cmath>
 
-#include "../test_util.h"
 #include "sparsetron/model/glm5_model.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -8,12 +8,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/safetensors.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/runtime/evaluate.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

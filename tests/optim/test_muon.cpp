@@ -6,10 +6,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/optim/muon.h"
 #include "sparsetron/optim/optimizer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

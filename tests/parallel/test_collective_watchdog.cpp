@@ -12,8 +12,8 @@
 #include <fstream>
 #include <string>
 
-#include "../test_util.h"
 #include "sparsetron/parallel/comm/collective_watchdog.h"
+#include "test_util.h"
 
 namespace fs = std::filesystem;
 using sparsetron::CollectiveWatchdog;

@@ -6,9 +6,9 @@
 #include <string>
 #include <vector>
 
-#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/parallel/expert/exchange_transport.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -3,10 +3,10 @@
 
 #include <cstdlib>
 
-#include "../test_util.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/parallel/comm/comm.h"
 #include "sparsetron/parallel/comm/launch_env.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

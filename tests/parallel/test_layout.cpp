@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <set>
 
-#include "ep_exchange_check.h"
+#include "parallel/ep_exchange_check.h"
 #include "sparsetron/config/pipeline_layout.h"
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe.h"

@@ -15,8 +15,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
-#include "ep_exchange_check.h"
+#include "parallel/ep_exchange_check.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/rng.h"
@@ -27,6 +26,7 @@
 #include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/parallel/layout/process_groups.h"
 #include "sparsetron/runtime/trainer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

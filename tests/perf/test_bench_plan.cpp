@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "../test_util.h"
 #include "sparsetron/perf/bench_plan.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -8,13 +8,13 @@
 
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/plan_growth.h"
 #include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/cuda_plan.h"
 #include "sparsetron/runtime/trainer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
-#include "../test_util.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <fstream>
 
-#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/crc32c.h"
 #include "sparsetron/core/stop_request.h"
@@ -22,6 +21,7 @@
 #include "sparsetron/io/safetensors.h"
 #include "sparsetron/runtime/host_memory_check.h"
 #include "sparsetron/runtime/trainer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -9,9 +9,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
+#include "test_util.h"
 
 namespace {
 using sparsetron::test::CliRun;

@@ -9,8 +9,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/io/safetensors.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -8,11 +8,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/io/safetensors.h"
 #include "sparsetron/ops/fp8/fp8.h"
 #include "sparsetron/runtime/trainer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -10,8 +10,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "../test_util.h"
 #include "sparsetron/io/tensorboard.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -6,12 +6,12 @@
 #include <filesystem>
 #include <fstream>
 
-#include "../test_util.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/data/split.h"
 #include "sparsetron/runtime/evaluate.h"
 #include "sparsetron/runtime/run_setup.h"
 #include "sparsetron/runtime/trainer.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

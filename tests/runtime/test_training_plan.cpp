@@ -4,11 +4,11 @@
 
 #include <map>
 
-#include "../test_util.h"
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/model/param_table.h"
 #include "sparsetron/runtime/training_plan.h"
+#include "test_util.h"
 
 using namespace sparsetron;
 

@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "../harness.h"
+#include "gpu/harness.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "../thread_training.h"
+#include "gpu/thread_training.h"
 #endif
 
 using namespace sparsetron;

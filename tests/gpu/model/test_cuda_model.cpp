@@ -25,7 +25,7 @@ constexpr double kIndexerTol = 0.15;
 #include <cstdlib>
 #include <memory>
 
-#include "../harness.h"
+#include "gpu/harness.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/model/glm5_model.h"
 

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "../harness.h"
+#include "gpu/harness.h"
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/config/recipe_loader.h"
@@ -25,7 +25,7 @@
 #include "sparsetron/runtime/trainer.h"
 
 #if SPARSETRON_WITH_CUDA
-#include "../thread_training.h"
+#include "gpu/thread_training.h"
 #endif
 
 using namespace sparsetron;

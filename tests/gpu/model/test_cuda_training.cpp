@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <memory>
 
-#include "../harness.h"
+#include "gpu/harness.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/moe_stash_bound.h"

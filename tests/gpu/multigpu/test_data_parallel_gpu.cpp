@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../harness.h"
+#include "gpu/harness.h"
 
 using namespace sparsetron;
 namespace fs = std::filesystem;

@@ -1,0 +1,222 @@
+// The op case table (ggml test-backend-ops style): every row is one op at one shape and element
+// type; the harness runs it on CUDA and with the CPU reference on the same bf16-exact random
+// inputs, and checks the normalized error against the row's tolerance, that no output is
+// non-finite (outputs start poisoned with NaN bytes, so an unwritten element fails) and that no
+// byte past an output was written (sentinel guards). A new op or shape is one row here; the
+// family files (test_<family>_cuda.cpp) keep the checks that need more than that (gradients
+// through several ops, routing, forms).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cctype>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gpu/harness.h"
+#include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/gemm/gemm.h"
+#include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/norm/norm.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "ops/op_fixtures.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(OpCases, Skipped) {
+    GTEST_SKIP() << "built without CUDA: the op case table runs on the GPU machine";
+}
+#else
+
+namespace {
+
+// One op at one shape: `run` computes it on the device and on the CPU and checks the outputs
+// (expect_close and expect_guard) at `tol`.
+struct OpCase {
+    std::string name;
+    double tol;
+    std::function<void(const cuda::CudaSession&, const std::string& name, double tol)> run;
+};
+
+// C = op(A) op(B) in bf16 (fp32 accumulation) or fp32, C [m, n].
+OpCase gemm_case(bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType type) {
+    const bool f32 = type == DType::F32;
+    const std::string name = cat("gemm ", ta ? "T" : "N", tb ? "T" : "N", " ", m, "x", n, "x", k,
+                                 f32 ? " f32" : " bf16");
+    return {name, f32 ? 1e-5 : 1e-2,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto a = random_vector<float>(m * k, 11), b = random_vector<float>(k * n, 12);
+                std::vector<float> c(m * n, 0.f), got;
+                if (f32) {
+                    cpu::gemm<float>(ta, tb, m, n, k, 1.f, a.data(), ta ? m : k, b.data(),
+                                     tb ? k : n, 0.f, c.data(), n);
+                    DeviceArray<float> da(a), db(b), dc(m * n);
+                    cuda::gemm(s.ctx(), ta, tb, m, n, k, 1.f, da, ta ? m : k, db, tb ? k : n, 0.f,
+                               dc, n, DType::F32, DType::F32);
+                    s.synchronize();
+                    expect_guard(dc, what);
+                    got = dc.download();
+                } else {
+                    std::vector<float> ar = a, br = b;
+                    DeviceArray<bf16> da(to_bf16_rounding(ar)), db(to_bf16_rounding(br)), dc(m * n);
+                    cpu::gemm<float>(ta, tb, m, n, k, 1.f, ar.data(), ta ? m : k, br.data(),
+                                     tb ? k : n, 0.f, c.data(), n);
+                    cuda::gemm(s.ctx(), ta, tb, m, n, k, 1.f, da, ta ? m : k, db, tb ? k : n, 0.f,
+                               dc, n);
+                    s.synchronize();
+                    expect_guard(dc, what);
+                    got = to_float(dc.download());
+                }
+                expect_close(what, got, c, tol);
+            }};
+}
+
+// y = RMSNorm(x) w, rows x dim.
+OpCase rmsnorm_case(int64_t rows, int64_t dim) {
+    return {cat("rmsnorm ", rows, "x", dim), 1e-2,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto x = random_vector<float>(rows * dim, 21), w = random_vector<float>(dim, 22);
+                DeviceArray<bf16> dx(to_bf16_rounding(x)), dw(to_bf16_rounding(w)), dy(rows * dim);
+                DeviceArray<float> rstd(rows);
+                cuda::rmsnorm_forward(s.ctx(), dx, dim, dw, rows, dim, 1e-6f, dy, dim, rstd);
+                s.synchronize();
+                std::vector<float> y(rows * dim), r(rows);
+                cpu::rmsnorm_forward<float>(x.data(), dim, w.data(), rows, dim, 1e-6, y.data(), dim,
+                                            r.data());
+                expect_close(what, to_float(dy.download()), y, tol);
+                expect_close(what + " rstd", rstd.download(), r, 1e-5);
+                expect_guard(dy, what);
+            }};
+}
+
+// y = LayerNorm(x) w + b, rows x dim.
+OpCase layernorm_case(int64_t rows, int64_t dim) {
+    return {cat("layernorm ", rows, "x", dim), 1e-2,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto x = random_vector<float>(rows * dim, 31), w = random_vector<float>(dim, 32),
+                     b = random_vector<float>(dim, 33);
+                DeviceArray<bf16> dx(to_bf16_rounding(x)), dw(to_bf16_rounding(w)),
+                    db(to_bf16_rounding(b)), dy(rows * dim);
+                DeviceArray<float> mean(rows), rstd(rows);
+                cuda::layernorm_forward(s.ctx(), dx, dw, db, rows, dim, 1e-6f, dy, mean, rstd);
+                s.synchronize();
+                std::vector<float> y(rows * dim), m(rows), r(rows);
+                cpu::layernorm_forward<float>(x.data(), w.data(), b.data(), rows, dim, 1e-6,
+                                              y.data(), m.data(), r.data());
+                expect_close(what, to_float(dy.download()), y, tol);
+                expect_close(what + " mean", mean.download(), m, 1e-5);
+                expect_guard(dy, what);
+            }};
+}
+
+// RoPE in place over [tokens, heads, dim] at positions 3 t + 1.
+OpCase rope_case(int64_t tokens, int64_t heads, int64_t dim, bool interleaved) {
+    return {cat("rope ", tokens, "x", heads, "x", dim, interleaved ? " interleaved" : " halves"),
+            1e-2, [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto x = random_vector<float>(tokens * heads * dim, 41);
+                std::vector<int32_t> pos(tokens);
+                for (int64_t t = 0; t < tokens; ++t) pos[t] = int32_t(3 * t + 1);
+                DeviceArray<bf16> dx(to_bf16_rounding(x));
+                DeviceArray<int32_t> dpos(pos);
+                cuda::rope(s.ctx(), dx, tokens, heads, dim, heads * dim, dim, dpos, 10000.0,
+                           interleaved, false);
+                s.synchronize();
+                cpu::rope<float>(x.data(), tokens, heads, dim, heads * dim, dim, pos.data(),
+                                 10000.0, interleaved, false);
+                expect_close(what, to_float(dx.download()), x, tol);
+                expect_guard(dx, what);
+            }};
+}
+
+// out = silu(g) u over n elements.
+OpCase swiglu_case(int64_t n) {
+    return {cat("swiglu ", n), 1e-2,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto g = random_vector<float>(n, 51, 3.0), u = random_vector<float>(n, 52);
+                DeviceArray<bf16> dg(to_bf16_rounding(g)), du(to_bf16_rounding(u)), dout(n);
+                cuda::swiglu_forward(s.ctx(), dg, du, n, dout);
+                s.synchronize();
+                std::vector<float> out(n);
+                cpu::swiglu_forward<float>(g.data(), u.data(), n, out.data());
+                expect_close(what, to_float(dout.download()), out, tol);
+                expect_guard(dout, what);
+            }};
+}
+
+// Rows of z [rows, vocab] (fp32) become softmax(z).
+OpCase softmax_case(int64_t rows, int64_t vocab) {
+    return {cat("softmax rows ", rows, "x", vocab), 1e-5,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto z = random_vector<float>(rows * vocab, 61, 4.0);
+                DeviceArray<float> dz(z);
+                cuda::softmax_rows(s.ctx(), dz, rows, vocab);
+                s.synchronize();
+                cpu::softmax_rows(z.data(), rows, vocab);
+                expect_close(what, dz.download(), z, tol);
+                expect_guard(dz, what);
+            }};
+}
+
+// out[r] = table[tokens[r]] (ids in the vocabulary: the CPU reference refuses others; the CUDA
+// op's zero rows for negative ids are checked in test_elementwise_cuda.cpp).
+OpCase embedding_case(int64_t rows, int64_t vocab, int64_t dim) {
+    return {cat("embedding ", rows, " of ", vocab, "x", dim), 0.0,
+            [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto table = random_vector<float>(vocab * dim, 71);
+                std::vector<int32_t> ids(rows);
+                for (int64_t r = 0; r < rows; ++r) ids[r] = int32_t(r * 5 % vocab);
+                DeviceArray<bf16> dt(to_bf16_rounding(table)), dout(rows * dim);
+                DeviceArray<int32_t> did(ids);
+                cuda::embedding_forward(s.ctx(), did, rows, dt, dim, dout);
+                s.synchronize();
+                std::vector<float> out(rows * dim);
+                cpu::embedding_forward<float>(ids.data(), rows, table.data(), vocab, dim,
+                                              out.data());
+                expect_close(what, to_float(dout.download()), out, tol);
+                expect_guard(dout, what);
+            }};
+}
+
+std::vector<OpCase> op_cases() {
+    std::vector<OpCase> c;
+    for (DType t : {DType::BF16, DType::F32})
+        for (auto [m, n, k] : {std::array<int64_t, 3>{64, 48, 32}, {129, 77, 200}, {1, 256, 512}})
+            for (bool ta : {false, true})
+                for (bool tb : {false, true}) c.push_back(gemm_case(ta, tb, m, n, k, t));
+    for (auto [rows, dim] : {std::pair<int64_t, int64_t>{7, 64}, {130, 6144}, {33, 100}})
+        c.push_back(rmsnorm_case(rows, dim)), c.push_back(layernorm_case(rows, dim));
+    for (bool il : {false, true})
+        c.push_back(rope_case(9, 4, 64, il)), c.push_back(rope_case(130, 16, 128, il));
+    for (int64_t n : {int64_t(8), int64_t(1001), int64_t(65536)}) c.push_back(swiglu_case(n));
+    for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{3, 1000}, {5, 154880}, {17, 998}})
+        c.push_back(softmax_case(rows, vocab));
+    for (auto [rows, vocab, dim] :
+         {std::array<int64_t, 3>{10, 13, 64}, {300, 1000, 6144}, {21, 50, 100}})
+        c.push_back(embedding_case(rows, vocab, dim));
+    return c;
+}
+
+class OpCases : public CudaSessionTest, public ::testing::WithParamInterface<size_t> {};
+
+TEST_P(OpCases, CudaMatchesTheCpuReference) {
+    const OpCase c = op_cases()[GetParam()];
+    c.run(*session_, c.name, c.tol);
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, OpCases, ::testing::Range<size_t>(0, op_cases().size()),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                             std::string n = op_cases()[info.param].name;
+                             for (char& ch : n)
+                                 if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                             return n;
+                         });
+
+}  // namespace
+
+#endif  // SPARSETRON_WITH_CUDA

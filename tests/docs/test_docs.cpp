@@ -73,8 +73,8 @@ TEST(Docs, TableCellsStayShort) {
             size_t at = 1;
             while (at < l.size()) {
                 const size_t end = l.find('|', at);
-                const std::string cell = l.substr(at, end == std::string::npos ? std::string::npos
-                                                                                : end - at);
+                const std::string cell =
+                    l.substr(at, end == std::string::npos ? std::string::npos : end - at);
                 EXPECT_LE(cell.size(), 302u)
                     << fs::relative(f, kRoot).string() << ":" << i + 1 << ": a cell of "
                     << cell.size() << " characters (at most 300: detail goes below the table)";
@@ -98,16 +98,16 @@ TEST(Docs, RelativeLinksResolve) {
                 const size_t hash = target.find('#');
                 const std::string file = target.substr(0, hash);
                 const fs::path p = file.empty() ? f : f.parent_path() / file;
-                const std::string where = fs::relative(f, kRoot).string() + ":" +
-                                          std::to_string(i + 1) + ": " + target;
+                const std::string where =
+                    fs::relative(f, kRoot).string() + ":" + std::to_string(i + 1) + ": " + target;
                 ++checked;
                 if (!fs::exists(p)) {
                     ADD_FAILURE() << where << ": no such file";
                     continue;
                 }
                 if (hash == std::string::npos || p.extension() != ".md") continue;
-                EXPECT_TRUE(anchors_of(p).count(target.substr(hash + 1))) << where
-                                                                           << ": no such heading";
+                EXPECT_TRUE(anchors_of(p).count(target.substr(hash + 1)))
+                    << where << ": no such heading";
             }
         }
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README command (2): set up, check formatting against .clang-format, build (CUDA code included
-# when nvcc is present; the .cu host code with the C++ warnings), run the cpu tests and the MPI
-# tests (mpirun -np 2 and -np 4); build every target again with the `cpu` preset (no CUDA: what a
+# when nvcc is present; the .cu host code with the C++ warnings), run the cpu tests, the recipe
+# value fuzz and the MPI tests (mpirun -np 2 and -np 4); build every target again with the `cpu` preset (no CUDA: what a
 # machine without nvcc builds) and run its cpu tests; then build the CPU code under
 # AddressSanitizer + UndefinedBehaviorSanitizer and run the cpu tests there.
 set -euo pipefail
@@ -24,6 +24,8 @@ cmake --preset default
 cmake --build --preset default
 stage "tests: cpu (and gpu, which skip without a GPU)"
 ctest --preset default -L 'cpu|gpu'
+stage "tests: recipe value fuzz (every numeric key on plan and a one-step train)"
+ctest --preset default -L fuzz --output-on-failure
 stage "tests: mpi (data, expert and context parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
 

@@ -354,7 +354,7 @@ TEST(Recipe, SplitAndEvalKeys) {
     msg = error_of([] { load_recipe("", {"split=a,b"}); });
     EXPECT_NE(msg.find("recipe key 'split'"), std::string::npos) << msg;
     msg = error_of([] { load_recipe("", {"eval_iters=-1"}); });
-    EXPECT_NE(msg.find("'eval_interval' and 'eval_iters' must be >= 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("recipe key 'eval_iters' must be >= 0, got -1"), std::string::npos) << msg;
 }
 
 // Megatron's pipeline layout string survives the recipe's YAML (the copy a checkpoint keeps): its

@@ -11,6 +11,7 @@
 
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/io/checkpoint_identity.h"
 #include "test_util.h"
 
 namespace {
@@ -137,6 +138,12 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
         }
         std::filesystem::copy(ckpt, dir + "/pp-ckpt", std::filesystem::copy_options::recursive);
         std::ofstream(dir + "/pp-ckpt/recipe.yaml") << yaml;
+        // The edited recipe's digest recorded, as the pipeline run's save would have.
+        const std::string state_path = dir + "/pp-ckpt/trainer_state.json";
+        std::ifstream state_in(state_path);
+        nlohmann::json state = nlohmann::json::parse(state_in);
+        state["files"] = sparsetron::checkpoint_file_digests(dir + "/pp-ckpt");
+        std::ofstream(state_path) << state.dump(2);
         CliRun pp = run("eval --model " + dir + "/pp-ckpt --tokens " + dir + "/tokens.txt --json");
         ASSERT_EQ(pp.code, 0) << pp.output;
         EXPECT_EQ(nlohmann::json::parse(pp.output)["lm_loss"].get<double>(),
@@ -307,6 +314,10 @@ TEST(Cli, ADivergedRunStops) {
             out + sparsetron::test::small_run_cli());
     EXPECT_EQ(r.code, 1) << r.output;
     EXPECT_NE(r.output.find("3 consecutive steps (2..4) were skipped"), std::string::npos)
+        << r.output;
+    // Its advice is true: no checkpoint precedes the divergence (it named earlier ones).
+    EXPECT_NE(r.output.find("no checkpoint of this run precedes it: start again with a lower lr"),
+              std::string::npos)
         << r.output;
     EXPECT_EQ(metric_lines(out + "/metrics.jsonl"), 4);
     EXPECT_FALSE(std::filesystem::exists(out + "/checkpoints/iter_0000004"));

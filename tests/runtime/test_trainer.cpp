@@ -187,7 +187,7 @@ TEST(Trainer, KeepsTheNewestCheckpoints) {
     t.run();
     std::vector<std::string> dirs;
     for (const auto& e : fs::directory_iterator(out + "/checkpoints"))
-        dirs.push_back(e.path().filename());
+        if (e.path().filename().string()[0] != '.') dirs.push_back(e.path().filename());
     std::sort(dirs.begin(), dirs.end());
     EXPECT_EQ(dirs, (std::vector<std::string>{"iter_0000003", "iter_0000004",
                                               "latest_checkpointed_iteration.txt"}));

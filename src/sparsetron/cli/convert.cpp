@@ -1,4 +1,5 @@
 // `sparsetron convert`: model weights between engine checkpoints and HuggingFace directories.
+#include <cmath>
 #include <cstdio>
 #include <memory>
 
@@ -30,7 +31,10 @@ Run add_convert(CLI::App& app) {
         ST_CHECK(o->to == "hf" || o->to == "engine", "convert: --to is hf or engine, got '", o->to,
                  "'");
         ST_CHECK(o->dtype == "bf16" || o->dtype == "fp32", "convert: --dtype is bf16 or fp32");
-        ST_CHECK(o->shard_gib > 0, "convert: --shard-size-gib must be > 0");
+        // An infinite or absurd size converted to bytes overflows (one tensor per shard).
+        ST_CHECK(std::isfinite(o->shard_gib) && o->shard_gib > 0 && o->shard_gib <= 1 << 20,
+                 "convert: --shard-size-gib must be a size in (0, 1048576] GiB, got ",
+                 o->shard_gib);
         ConvertOptions opts;
         opts.input = o->input;
         opts.output = o->output;

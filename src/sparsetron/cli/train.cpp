@@ -11,6 +11,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/io/metrics_log.h"
 #include "sparsetron/io/tensorboard.h"
 #include "sparsetron/runtime/run_setup.h"
 #include "sparsetron/runtime/step_log.h"
@@ -20,25 +21,6 @@ namespace fs = std::filesystem;
 
 namespace sparsetron::cli {
 namespace {
-
-// metrics.jsonl: kept lines up to `keep_through` (a resumed run continues the file).
-void trim_metrics(const fs::path& path, int64_t keep_through) {
-    if (!fs::exists(path)) return;
-    std::ifstream in(path);
-    std::string kept, line;
-    while (std::getline(in, line)) {
-        try {
-            if (nlohmann::json::parse(line).at("step").get<int64_t>() <= keep_through)
-                kept += line + "\n";
-        } catch (const std::exception&) {
-        }
-    }
-    in.close();
-    std::ofstream out(path, std::ios::trunc);
-    out << kept;
-    out.flush();
-    ST_CHECK(out.good(), "rewriting '", path.string(), "' failed (disk full?)");
-}
 
 int train(const std::string& recipe_path, const std::vector<std::string>& sets,
           const std::string& out_arg, const std::string& resume, const std::string& device,
@@ -123,7 +105,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
 
     fs::path metrics_path = fs::path(out) / "metrics.jsonl";
     if (trainer.iteration() > 0)
-        trim_metrics(metrics_path, trainer.iteration());
+        trim_metrics_log(metrics_path.string(), trainer.iteration());
     else
         fs::remove(metrics_path);
     std::ofstream metrics(metrics_path, std::ios::app);

@@ -240,6 +240,12 @@ std::string quote(const std::string& s) {
 
 }  // namespace
 
+std::vector<std::string> recipe_key_names() {
+    std::vector<std::string> names;
+    for (const auto& k : key_table()) names.push_back(k.name);
+    return names;
+}
+
 // What to tell a user about an unknown key: the Megatron name of a common HuggingFace or
 // PyTorch name, else the nearest key when it is near (a few edits for the key's length), else
 // where the keys are listed.
@@ -315,6 +321,26 @@ void Recipe::apply(const RawSetting& s) {
             break;
     }
     settings.push_back(s);
+}
+
+std::vector<NumericKeyValue> Recipe::numeric_values() const {
+    Recipe& self = const_cast<Recipe&>(*this);  // fields are only read below
+    std::vector<NumericKeyValue> out;
+    for (const auto& k : key_table()) {
+        NumericKeyValue v;
+        v.key = k.name;
+        if (k.kind == Kind::Int) {
+            v.is_int = true;
+            v.int_value = *static_cast<int64_t*>(k.field(self));
+            v.value = double(v.int_value);
+        } else if (k.kind == Kind::Float) {
+            v.value = *static_cast<double*>(k.field(self));
+        } else {
+            continue;
+        }
+        out.push_back(v);
+    }
+    return out;
 }
 
 std::string Recipe::to_yaml() const {

@@ -2,6 +2,7 @@
 // validation that names the key and the problem.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -20,6 +21,14 @@ struct RawSetting {
     std::string origin;  // "recipes/tiny.yaml:12" or "--set"
 };
 
+// A numeric key's value (an Int key's exactly in int_value, and as a double in value).
+struct NumericKeyValue {
+    std::string key;
+    bool is_int = false;
+    int64_t int_value = 0;
+    double value = 0;
+};
+
 struct Recipe {
     ModelConfig model;
     RunConfig run;
@@ -32,7 +41,12 @@ struct Recipe {
     void validate();
     // Stable hash of the effective settings (multi-rank runs compare it).
     std::string to_yaml() const;
+    // Every Int and Float key's value, in key order.
+    std::vector<NumericKeyValue> numeric_values() const;
 };
+
+// Every recipe key's name, in the order to_yaml writes them.
+std::vector<std::string> recipe_key_names();
 
 // The hint an unknown key's error gives: Megatron's name for a common HF/PyTorch name, the
 // nearest key when it is a few edits away, or where the keys are listed.

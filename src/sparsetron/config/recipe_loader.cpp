@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -70,11 +71,20 @@ Recipe load_recipe(const std::string& path, const std::vector<std::string>& over
         const std::string file = path.substr(begin, end - begin);
         begin = end + 1;
         if (file.empty()) continue;
+        std::error_code ec;
+        ST_CHECK(!std::filesystem::is_directory(file, ec), "recipe file '", file,
+                 "' is a directory: give a recipe's .yaml file (base.yaml,overlay.yaml for "
+                 "several)");
         std::ifstream in(file);
         ST_CHECK(in.good(), "cannot read recipe file '", file, "'");
         std::stringstream ss;
         ss << in.rdbuf();
-        for (const auto& s : parse_recipe_yaml(ss.str(), file)) recipe.apply(s);
+        ST_CHECK(!in.bad(), "reading recipe file '", file, "' failed");
+        const std::vector<RawSetting> settings = parse_recipe_yaml(ss.str(), file);
+        // An empty file would train the built-in defaults without a word.
+        ST_CHECK(!settings.empty(), "recipe file '", file,
+                 "' sets no key (it is empty or all comments)");
+        for (const auto& s : settings) recipe.apply(s);
         recipe.name = path;
     }
     for (const auto& o : overrides) recipe.apply(parse_override(o));

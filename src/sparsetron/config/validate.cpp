@@ -1,6 +1,8 @@
 // Recipe::validate: every combination check, each naming the key(s) and what was expected.
 #include <set>
 
+#include "sparsetron/config/implied_sizes.h"
+#include "sparsetron/config/key_ranges.h"
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/error.h"
@@ -25,6 +27,8 @@ void one_of(const std::string& v, const char* key, const std::set<std::string>& 
 void Recipe::validate() {
     ModelConfig& m = model;
     RunConfig& r = run;
+    // Ranges first: the checks below divide by sizes and multiply them.
+    check_key_ranges(*this);
     positive(m.num_layers, "num_layers");
     positive(m.hidden_size, "hidden_size");
     positive(m.vocab_size, "vocab_size");
@@ -192,6 +196,7 @@ void Recipe::validate() {
     ST_CHECK(r.global_batch_size % per_step == 0, "global_batch_size (", r.global_batch_size,
              ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
     pipeline_stage_layers(m, r);
+    check_implied_sizes(m, r);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});

@@ -88,17 +88,25 @@ void DocumentStream::set_position(const StreamPosition& p) {
     size_t n = datasets_.size();
     ST_CHECK(p.epoch.size() == n && p.cursor.size() == n && p.taken.size() == n,
              "data position was saved for ", p.epoch.size(), " datasets; data_path now has ", n);
-    for (size_t d = 0; d < n; ++d)
+    for (size_t d = 0; d < n; ++d) {
         ST_CHECK(p.cursor[d] >= 0 && p.cursor[d] <= part_documents(int64_t(d)),
                  "data position: cursor ", p.cursor[d], " is outside dataset ",
                  datasets_[d]->prefix(), " (", part_documents(int64_t(d)),
                  " documents in this split part)");
+        ST_CHECK(p.epoch[d] >= 0 && p.taken[d] >= 0, "data position: epoch ", p.epoch[d],
+                 " and taken ", p.taken[d], " of dataset ", datasets_[d]->prefix(),
+                 " must be >= 0");
+    }
+    ST_CHECK(p.pending_dataset >= -1, "data position: pending_dataset ", p.pending_dataset,
+             " (-1: none, else a dataset's index)");
     if (p.pending_dataset >= 0) {
         ST_CHECK(p.pending_dataset < static_cast<int64_t>(n) && p.pending_sequence >= 0 &&
-                     p.pending_sequence < datasets_[p.pending_dataset]->num_sequences() &&
-                     p.pending_offset <
-                         datasets_[p.pending_dataset]->sequence_length(p.pending_sequence),
-                 "data position: the pending document does not exist in the current data");
+                     p.pending_sequence < datasets_[p.pending_dataset]->num_sequences(),
+                 "data position: the pending document (dataset ", p.pending_dataset, ", sequence ",
+                 p.pending_sequence, ") does not exist in the current data");
+        const int64_t len = datasets_[p.pending_dataset]->sequence_length(p.pending_sequence);
+        ST_CHECK(p.pending_offset >= 0 && p.pending_offset < len, "data position: pending_offset ",
+                 p.pending_offset, " is outside the pending document's ", len, " tokens");
     }
     pos_ = p;
 }

@@ -67,12 +67,46 @@ MappedFile::~MappedFile() {
     if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
+PositionalFile::PositionalFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ST_CHECK(fd_ >= 0, "cannot open '", path, "': ", std::strerror(errno));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+        ::close(fd_);
+        throw Error(cat("cannot stat '", path, "'"));
+    }
+    size_ = static_cast<size_t>(st.st_size);
+}
+
+PositionalFile::~PositionalFile() {
+    if (fd_ >= 0) ::close(fd_);
+}
+
+void PositionalFile::read(size_t offset, size_t bytes, void* out) const {
+    auto* dst = static_cast<uint8_t*>(out);
+    size_t done = 0;
+    while (done < bytes) {
+        const ssize_t n = ::pread(fd_, dst + done, bytes - done, off_t(offset + done));
+        if (n < 0 && errno == EINTR) continue;
+        ST_CHECK(n >= 0, "reading '", path_, "' failed: ", std::strerror(errno));
+        if (n == 0) {
+            struct stat st {};
+            const long long now = ::fstat(fd_, &st) == 0 ? st.st_size : -1;
+            throw Error(cat("'", path_, "' is ", now, " bytes now, but the run reads bytes ",
+                            offset, "..", offset + bytes, " (it was ", size_,
+                            " bytes when opened): the file changed during the run; restore it and "
+                            "resume from the last checkpoint"));
+        }
+        done += size_t(n);
+    }
+}
+
 IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
-    idx_ = std::make_unique<MappedFile>(idx_path);
-    bin_ = std::make_unique<MappedFile>(bin_path);
-    const uint8_t* p = idx_->data();
-    size_t n = idx_->size();
+    const MappedFile idx(idx_path);  // copied into the vectors below, then unmapped
+    bin_ = std::make_unique<PositionalFile>(bin_path);
+    const uint8_t* p = idx.data();
+    size_t n = idx.size();
     ST_CHECK(n >= kHeaderBytes, idx_path, ": truncated header (", n, " bytes, expected at least ",
              kHeaderBytes, ")");
     ST_CHECK(std::memcmp(p, kMagic, 9) == 0, idx_path,
@@ -129,7 +163,10 @@ void IndexedDataset::read(int64_t i, int64_t offset, int64_t count, int32_t* out
         i >= 0 && i < num_sequences() && offset >= 0 && count >= 0 && offset + count <= lengths_[i],
         "read ", i, " ", offset, "+", count);
     size_t item = token_code_size(code_);
-    const uint8_t* base = bin_->data() + pointers_[i] + offset * item;
+    thread_local std::vector<uint8_t> bytes;  // grows to the longest read, then reused
+    bytes.resize(size_t(count) * item);
+    bin_->read(size_t(pointers_[i]) + size_t(offset) * item, bytes.size(), bytes.data());
+    const uint8_t* base = bytes.data();
     for (int64_t t = 0; t < count; ++t) {
         const uint8_t* e = base + t * item;
         int64_t v = 0;

@@ -1,5 +1,6 @@
-// Megatron's indexed dataset (.bin + .idx), SPEC §9. The reader maps both files and checks every
-// field; the writer produces files Megatron itself can read.
+// Megatron's indexed dataset (.bin + .idx), SPEC §9. The reader reads the index whole, checks every
+// field, and reads the tokens it is asked for from the .bin; the writer produces files Megatron
+// itself can read.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,23 @@ class MappedFile {
     size_t size_ = 0;
 };
 
+// A file read by pread: when the file shrinks under the reader (a dataset replaced or cut during a
+// run), a read past its end is an error naming the file, where a mapping would die of SIGBUS.
+class PositionalFile {
+  public:
+    explicit PositionalFile(const std::string& path);
+    ~PositionalFile();
+    PositionalFile(const PositionalFile&) = delete;
+    PositionalFile& operator=(const PositionalFile&) = delete;
+    size_t size() const { return size_; }  // when opened
+    void read(size_t offset, size_t bytes, void* out) const;
+
+  private:
+    std::string path_;
+    int fd_ = -1;
+    size_t size_ = 0;
+};
+
 class IndexedDataset {
   public:
     // Opens `prefix`.idx and `prefix`.bin; throws naming the file and field on any inconsistency.
@@ -55,7 +73,7 @@ class IndexedDataset {
 
   private:
     std::string prefix_;
-    std::unique_ptr<MappedFile> idx_, bin_;
+    std::unique_ptr<PositionalFile> bin_;  // the .idx is read whole at construction
     TokenCode code_ = TokenCode::U16;
     std::vector<int32_t> lengths_;
     std::vector<int64_t> pointers_;

@@ -15,6 +15,7 @@
 
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/io/checkpoint_identity.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/safetensors.h"
 #include "sparsetron/ops/fp8/fp8.h"
@@ -74,18 +75,21 @@ int64_t first_bad(const F* x, int64_t n, bool non_negative) {
 
 // Loaded state must be usable: a NaN weight skips every step (and is saved again), a NaN or
 // negative exp_avg_sq writes NaN into the weights at the next update.
-void check_values(const SafetensorsFile& file, const std::string& name, const Tensor& t) {
+template <typename F>
+void check_values(const SafetensorsFile& file, const std::string& name, const F* x, int64_t n) {
     const bool second_moment = name.size() > 11 && name.rfind(".exp_avg_sq") == name.size() - 11;
-    const int64_t n = t.numel();
-    const int64_t bad = t.dtype == DType::F32   ? first_bad(t.ptr<float>(), n, second_moment)
-                        : t.dtype == DType::F64 ? first_bad(t.ptr<double>(), n, second_moment)
-                                                : -1;
+    const int64_t bad = first_bad(x, n, second_moment);
     if (bad < 0) return;
-    const double v = t.dtype == DType::F32 ? double(t.ptr<float>()[bad]) : t.ptr<double>()[bad];
-    throw Error(cat(file.path(), ": tensor '", name, "' holds ", v, " at element ", bad,
+    throw Error(cat(file.path(), ": tensor '", name, "' holds ", double(x[bad]), " at element ",
+                    bad,
                     second_moment ? " (a second-moment estimate must be finite and >= 0)"
                                   : " (weights and optimizer state must be finite)",
                     ": the checkpoint cannot be trained from; resume from an earlier one"));
+}
+
+void check_values(const SafetensorsFile& file, const std::string& name, const Tensor& t) {
+    if (t.dtype == DType::F32) check_values(file, name, t.ptr<float>(), t.numel());
+    if (t.dtype == DType::F64) check_values(file, name, t.ptr<double>(), t.numel());
 }
 
 void load_tensors(const SafetensorsFile& file, const std::string& what,
@@ -224,17 +228,37 @@ void write_index(const fs::path& dir, const std::string& base, int shards) {
     write_text_durably(dir / (base + ".safetensors.index.json"), js.dump(1) + "\n");
 }
 
-// This run's checkpoints beyond the newest `keep_last` are deleted; nothing else is (what the
-// run resumed from, another run's checkpoints). `latest` names the one just saved.
-void prune(const fs::path& root, const Retention& retention, int64_t saved) {
-    if (!retention.written) return;
-    std::vector<int64_t>& written = *retention.written;
-    written.erase(std::remove(written.begin(), written.end(), saved), written.end());
-    written.push_back(saved);
-    while (retention.keep_last > 0 && int64_t(written.size()) > retention.keep_last) {
-        fs::remove_all(root / iter_name(written.front()));
-        written.erase(written.begin());
+// The run id trainer_state.json in `dir` records ("" without one or when unreadable).
+std::string run_of(const fs::path& dir) {
+    try {
+        const nlohmann::json js = nlohmann::json::parse(read_text(dir / "trainer_state.json"));
+        return js.value("run", std::string());
+    } catch (const std::exception&) {
+        return "";
     }
+}
+
+// The run's checkpoints up to `saved`, beyond the newest `keep_last`, are deleted; nothing else
+// is (Retention).
+void prune(const fs::path& root, const Retention& retention, int64_t saved) {
+    if (retention.keep_last <= 0 || retention.run_id.empty()) return;
+    std::vector<int64_t> mine;
+    for (const auto& e : fs::directory_iterator(root)) {
+        const std::string name = e.path().filename().string();
+        if (!e.is_directory() || name.rfind("iter_", 0) != 0 || name.size() < 12) continue;
+        int64_t it = -1;
+        try {
+            size_t used = 0;
+            it = std::stoll(name.substr(5), &used);
+            if (used != name.size() - 5 || iter_name(it) != name) continue;
+        } catch (const std::exception&) {
+            continue;
+        }
+        if (it <= saved && run_of(e.path()) == retention.run_id) mine.push_back(it);
+    }
+    std::sort(mine.begin(), mine.end());
+    for (size_t i = 0; i + size_t(retention.keep_last) < mine.size(); ++i)
+        fs::remove_all(root / iter_name(mine[i]));
 }
 
 }  // namespace
@@ -277,14 +301,17 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
         std::vector<SafetensorsEntry> weights, optim;
         collect(store, plan, optimizer, !shards || shards->dense, weights, optim);
         const int n = shards ? shards->shards : 1;
-        write_safetensors(
-            (tmp / (shards ? shard_file("model", shard, n) : "model.safetensors")).string(),
-            weights, {{"format", "pt"}});
+        std::map<std::string, std::string> meta =
+            checkpoint_file_metadata(state.run_id, state.iteration);
         if (optimizer)
             write_safetensors(
                 (tmp / (shards ? shard_file("optimizer", shard, n) : "optimizer.safetensors"))
                     .string(),
-                optim);
+                optim, meta);
+        meta["format"] = "pt";
+        write_safetensors(
+            (tmp / (shards ? shard_file("model", shard, n) : "model.safetensors")).string(),
+            weights, meta);
     });
     try {
         agree(world, error, "writing the checkpoint's shards");
@@ -307,6 +334,8 @@ std::string save_checkpoint(const std::string& save_dir, const Retention& retent
             js["skipped_steps"] = state.skipped_steps;
             js["rng"] = {{"kind", "philox4x32-10 counter-based"}, {"seed", state.seed}};
             js["data_position"] = nlohmann::json::parse(state.data_position);
+            js["run"] = state.run_id;
+            js["files"] = checkpoint_file_digests(tmp.string());
             write_text_durably(tmp / "trainer_state.json", js.dump(2) + "\n");
             if (fs::exists(final_dir)) {  // re-saving an iteration: move the old one aside first
                 fs::path old = root / (".old-" + name + "-" + std::to_string(::getpid()));
@@ -351,6 +380,7 @@ std::string resolve_checkpoint(const std::string& dir) {
 
 void load_model_weights(const std::string& ckpt_dir, const ParamStore& store,
                         const MemoryPlan& plan) {
+    verify_checkpoint_files(ckpt_dir);
     std::vector<std::pair<std::string, Tensor>> targets;
     for (const auto& p : store.params()) targets.emplace_back(p.name, plan.view(p.param_slot));
     load_from(fs::path(ckpt_dir), "model", "model", targets);
@@ -428,9 +458,17 @@ std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::strin
     return v;
 }
 
+std::vector<float> read_checked_tensor_f32(const SafetensorsFile& file, const std::string& name) {
+    file.verify(name);
+    std::vector<float> v = read_tensor_f32(file, name);
+    check_values(file, name, v.data(), int64_t(v.size()));
+    return v;
+}
+
 std::vector<std::string> load_pretrained_weights(const std::string& dir, const ParamStore& store,
                                                  const MemoryPlan& plan) {
     const fs::path p(dir);
+    verify_checkpoint_files(dir);
     const std::map<std::string, std::string> held = tensor_files(dir, "model");
     std::vector<std::pair<std::string, Tensor>> targets;
     std::vector<std::string> initialized;
@@ -451,6 +489,7 @@ std::vector<std::string> load_pretrained_weights(const std::string& dir, const P
 void load_optimizer_state(const std::string& ckpt_dir, const ParamStore& store,
                           const Optimizer& optimizer, const MemoryPlan& plan) {
     (void)store;
+    verify_checkpoint_files(ckpt_dir);
     std::vector<std::pair<std::string, Tensor>> targets;
     for (const auto& [name, slot] : optimizer.state_tensors())
         targets.emplace_back(name, plan.view(slot));
@@ -467,6 +506,7 @@ TrainerState load_trainer_state(const std::string& ckpt_dir) {
         s.skipped_steps = j.value("skipped_steps", int64_t{0});
         s.seed = j.at("rng").at("seed").get<uint64_t>();
         s.data_position = j.at("data_position").dump();
+        s.run_id = j.value("run", std::string());
     } catch (const Error&) {
         throw;
     } catch (const std::exception& e) {

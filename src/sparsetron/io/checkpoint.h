@@ -4,11 +4,14 @@
 //   optimizer.safetensors  AdamW state as <name>.exp_avg / <name>.exp_avg_sq (Muon's as
 //                        <name>.momentum_buffer)
 // or, with experts sharded over EP ranks, shards of both with index files (CheckpointShards),
-//   trainer_state.json   iteration, consumed tokens, data position, RNG seed
+//   trainer_state.json   iteration, consumed tokens, data position, RNG seed, the run's id and
+//                        every other file's digest (io/checkpoint_identity.h)
 //   recipe.yaml          the effective recipe
 // written under a temporary name, synced to disk and renamed, so a crash never leaves a
 // half-written checkpoint; `latest_checkpointed_iteration.txt` (Megatron's name) is then replaced
 // the same way, and the run's own older checkpoints beyond its `keep_last` are deleted (Retention).
+// Loading verifies what the save recorded: each tensor's CRC-32C, each file's digest, finite
+// values.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@ struct TrainerState {
     int64_t skipped_steps = 0;
     uint64_t seed = 0;
     std::string data_position;  // StreamPosition JSON
+    std::string run_id;         // the run's id (new_run_id), the same across its resumes
 };
 
 // Fails early, naming `dir`, if it cannot be created or written.
@@ -50,12 +54,14 @@ struct CheckpointShards {
     bool dense = true;
 };
 
-// Which checkpoints a save may delete: only those this run wrote (`written`, oldest first; the
-// save appends its iteration), beyond the newest `keep_last` of them. A checkpoint the run resumed
-// from, or one another run wrote into the same directory, is never deleted. No `written`: none.
+// Which checkpoints a save may delete: those of its run (`run_id`, kept across resumes, so a
+// resumed run bounds what its earlier parts saved too) up to the iteration just saved, beyond the
+// newest `keep_last` of them. Another run's checkpoints in the same directory, those without a
+// run id (saved before ids were recorded) and those of later iterations (a run resumed from an
+// earlier checkpoint) are never deleted. keep_last 0 or no run_id: none.
 struct Retention {
     int64_t keep_last = 0;
-    std::vector<int64_t>* written = nullptr;
+    std::string run_id;
 };
 
 std::string save_checkpoint(const std::string& save_dir, const Retention& retention,
@@ -75,6 +81,9 @@ std::map<std::string, std::string> tensor_files(const std::string& dir,
 // One tensor of a weights file as fp32: F32, F64, BF16, or F8_E4M3 times its `<name>_scale_inv`
 // 128x128 block scales (F32 or BF16, in the same file).
 std::vector<float> read_tensor_f32(const SafetensorsFile& file, const std::string& name);
+// read_tensor_f32 with what a load checks: the tensor's CRC-32C (where the file records one) and
+// finite values (and >= 0 for a second-moment estimate); throws naming the file and the tensor.
+std::vector<float> read_checked_tensor_f32(const SafetensorsFile& file, const std::string& name);
 // Weights of a pretrained model (an HF directory or an engine checkpoint) for a run that starts
 // at iteration 0 with fresh optimizer state: every parameter the files hold is loaded (FP8 e4m3
 // weights with 128x128 `<name>_scale_inv` blocks, the DeepSeek-V3 / GLM release format, are

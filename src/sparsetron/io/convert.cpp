@@ -10,6 +10,7 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/io/checkpoint.h"
+#include "sparsetron/io/checkpoint_identity.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/io/safetensors.h"
 
@@ -36,6 +37,10 @@ ConvertResult convert_checkpoint(const ConvertOptions& o) {
     const fs::path in =
         is_model_dir(o.input) ? fs::path(o.input) : fs::path(resolve_checkpoint(o.input));
     ST_CHECK(fs::exists(in / "config.json"), in.string(), ": no config.json");
+    // What train and eval verify before they read: the files belong together, every tensor
+    // matches its CRC-32C, every value is finite (a corrupt checkpoint is not laundered into a
+    // clean export with fresh checksums).
+    verify_checkpoint_files(in.string());
     const fs::path out(o.output);
     ST_CHECK(
         !fs::exists(out / "model.safetensors") && !fs::exists(out / "model.safetensors.index.json"),
@@ -58,7 +63,7 @@ ConvertResult convert_checkpoint(const ConvertOptions& o) {
                 file.contains(name.substr(0, name.size() - 10)) &&
                 file.at(name.substr(0, name.size() - 10)).dtype == DType::F8E4M3)
                 continue;
-            const std::vector<float> v = read_tensor_f32(file, name);
+            const std::vector<float> v = read_checked_tensor_f32(file, name);
             Converted c{name, info.shape, std::vector<uint8_t>(v.size() * dtype_size(dtype))};
             if (dtype == DType::F32) {
                 std::memcpy(c.bytes.data(), v.data(), c.bytes.size());

@@ -13,7 +13,7 @@
 
 namespace sparsetron {
 
-DirectoryLock::DirectoryLock(const std::string& dir) {
+DirectoryLock::DirectoryLock(const std::string& dir, const std::string& what) {
     const std::string path = (std::filesystem::path(dir) / ".sparsetron.lock").string();
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     ST_CHECK(fd_ >= 0, "cannot open the run lock '", path, "': ", std::strerror(errno));
@@ -23,9 +23,9 @@ DirectoryLock::DirectoryLock(const std::string& dir) {
         const ssize_t n = ::pread(fd_, holder, sizeof holder - 1, 0);
         ::close(fd_);
         fd_ = -1;
-        ST_CHECK(err != EWOULDBLOCK, "output directory '", dir, "' is in use by another run (PID ",
-                 n > 0 ? std::string(holder, size_t(n)) : std::string("unknown"),
-                 "): use another --out, or wait for that run to end");
+        ST_CHECK(err != EWOULDBLOCK, what, " '", dir, "' is in use by another run (PID ",
+                 n > 0 ? std::string(holder, size_t(n)) : std::string("unknown"), "): use another ",
+                 what == "save directory" ? "`save`" : "--out", ", or wait for that run to end");
         throw Error(cat("cannot lock '", path, "': ", std::strerror(err)));
     }
     const std::string pid = std::to_string(::getpid());

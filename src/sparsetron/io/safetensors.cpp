@@ -83,6 +83,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     uint64_t len;
     std::memcpy(&len, p, 8);
     ST_CHECK(len <= n - 8, path, ": header length ", len, " exceeds the file size ", n);
+    header_crc_ = crc32c(p, 8 + len);
     nlohmann::json header;
     try {
         header = nlohmann::json::parse(p + 8, p + 8 + len);

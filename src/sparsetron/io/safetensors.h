@@ -43,6 +43,9 @@ class SafetensorsFile {
     const std::map<std::string, Info>& tensors() const { return tensors_; }
     const std::map<std::string, std::string>& metadata() const { return metadata_; }
     const std::string& path() const { return path_; }
+    // CRC-32C of the header (its length and JSON). The engine's files record every tensor's
+    // CRC-32C there, so for them this one value identifies the whole file.
+    uint32_t header_crc32c() const { return header_crc_; }
 
   private:
     void check_layout() const;  // data_offsets in order, none overlapping
@@ -50,6 +53,7 @@ class SafetensorsFile {
     std::unique_ptr<MappedFile> file_;
     std::map<std::string, Info> tensors_;
     std::map<std::string, std::string> metadata_;
+    uint32_t header_crc_ = 0;
 };
 
 }  // namespace sparsetron

@@ -1,6 +1,7 @@
 // resolve_run (run_setup.h): reads recipe files and checkpoint recipes (YAML), so it is built
 // into the static recipe library with the YAML reader, not into the engine library.
 #include <filesystem>
+#include <set>
 
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/config/recipe_loader.h"
@@ -13,11 +14,24 @@ namespace fs = std::filesystem;
 namespace sparsetron {
 namespace {
 
-// A recipe from a checkpoint's recipe.yaml.
+// A recipe from a checkpoint's recipe.yaml. The save writes every key, so a file missing some
+// was cut or edited: it is refused rather than read as the built-in defaults for what it lacks.
 Recipe checkpoint_recipe(const std::string& ckpt) {
+    const std::string origin = ckpt + "/recipe.yaml";
     Recipe r;
-    for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), ckpt + "/recipe.yaml"))
+    std::set<std::string> set;
+    for (const auto& s : parse_recipe_yaml(load_checkpoint_recipe(ckpt), origin)) {
         r.apply(s);
+        set.insert(s.key);
+    }
+    std::string missing;
+    int64_t count = 0;
+    for (const std::string& key : recipe_key_names())
+        if (!set.count(key) && ++count <= 5) missing += (missing.empty() ? "" : ", ") + key;
+    ST_CHECK(count == 0, origin, " lacks ", count, " of the recipe's keys (", missing,
+             count > 5 ? ", ..." : "",
+             "): a checkpoint's recipe holds every key, so the file was cut or edited; give the "
+             "run's recipe with --recipe");
     return r;
 }
 

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <memory>
+#include <set>
 
 #include "sparsetron/config/hf_config.h"
 #include "sparsetron/core/env.h"
@@ -11,6 +13,7 @@
 #include "sparsetron/data/byte_tokenizer.h"
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/durable.h"
+#include "sparsetron/model/param_table.h"
 
 namespace fs = std::filesystem;
 
@@ -75,6 +78,25 @@ void check_pretrained_config(const std::string& dir, const ModelConfig& model) {
              model.mtp_physical_layers(),
              ": set mtp_use_repeated_layer: false and mtp_num_layers: ", hf.mtp_num_layers,
              " (or more) to keep them");
+}
+
+void check_checkpoint_weights_kept(const std::string& ckpt_dir, const ModelConfig& model) {
+    ModelConfig whole = model;  // every rank's experts, every stage's layers
+    whole.expert_parallel_ranks = 1, whole.expert_parallel_rank = 0;
+    MemoryPlan names_only;
+    const std::unique_ptr<ParamStore> table = make_param_table(whole, names_only, DType::F32);
+    std::set<std::string> held;
+    for (const auto& p : table->params()) held.insert(p.name);
+    std::vector<std::string> dropped;
+    for (const auto& [name, file] : tensor_files(ckpt_dir, "model"))
+        if (!held.count(name)) dropped.push_back(name);
+    if (dropped.empty()) return;
+    throw Error(cat(ckpt_dir, " holds ", dropped.size(),
+                    " trained tensors that this recipe's model ", "has no parameter for (",
+                    dropped.front(), dropped.size() > 1 ? ", ..." : "",
+                    "): resuming would drop them. Keep the checkpoint's model keys (",
+                    "mtp_num_layers, experimental_attention_variant, num_layers), or start a new ",
+                    "run from its weights with --set finetune=true"));
 }
 
 std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir) {

@@ -46,6 +46,10 @@ std::string pretrained_weights_dir(const RunConfig& run, const std::string& resu
 // Stops, naming the field and both values, when `dir`/config.json describes another model than
 // `model` (the dimensions that shape the weights).
 void check_pretrained_config(const std::string& dir, const ModelConfig& model);
+// Stops, naming the tensors, when the checkpoint in `ckpt_dir` holds trained weights that the
+// whole model of `model` has no parameter for (MTP layers with a smaller mtp_num_layers, the
+// indexer with DSA off): a resume would drop them without a word.
+void check_checkpoint_weights_kept(const std::string& ckpt_dir, const ModelConfig& model);
 
 // Resolves an empty data_path to the bundled corpus, preprocessed into `out_dir`/data once.
 std::vector<std::string> resolve_data_path(const RunConfig& run, const std::string& out_dir);

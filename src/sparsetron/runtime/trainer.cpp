@@ -11,6 +11,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/data/split.h"
+#include "sparsetron/io/checkpoint_identity.h"
 #include "sparsetron/io/durable.h"
 #include "sparsetron/parallel/comm/collective_watchdog.h"
 #include "sparsetron/parallel/layout/layout.h"
@@ -74,10 +75,16 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     }
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
-    // One run per output directory (rank 0 holds the lock for the launch); saves that a killed
-    // run left half-done are removed, the complete checkpoints are not touched.
+    // One run per output directory and per save directory (rank 0 holds the locks for the
+    // launch); saves that a killed run left half-done are removed, the complete checkpoints are
+    // not touched.
     if (world_rank() == 0) {
-        lock_ = std::make_unique<DirectoryLock>(options_.out_dir);
+        lock_ = std::make_unique<DirectoryLock>(options_.out_dir, "output directory");
+        if (options_.save_checkpoints) {
+            ensure_writable_dir(checkpoint_dir());
+            if (fs::weakly_canonical(checkpoint_dir()) != fs::weakly_canonical(options_.out_dir))
+                save_lock_ = std::make_unique<DirectoryLock>(checkpoint_dir(), "save directory");
+        }
         remove_stale_temporaries(checkpoint_dir());
     }
     // Data first: a bad dataset fails before any memory is planned.
@@ -114,6 +121,7 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
             std::make_unique<DynamicCpBatches>(r, tp_->group_slots, tp_->group_max_documents,
                                                groups_.get(), stage_rank(), stage_size());
     load_or_initialize();
+    adopt_run_id();
     engine_->upload_state();
 }
 
@@ -172,13 +180,19 @@ void Trainer::load_or_initialize() {
     if (!pretrained_from_.empty()) resume.clear();
     if (!resume.empty()) {
         std::string ckpt = resolve_checkpoint(resume);
+        check_checkpoint_weights_kept(ckpt, recipe_.model);
         load_model_weights(ckpt, *tp_->params, tp_->plan);
         load_optimizer_state(ckpt, *tp_->params, *tp_->optimizer, tp_->plan);
         state_ = load_trainer_state(ckpt);
+        last_saved_ = state_.iteration;
         ST_CHECK(state_.seed == uint64_t(r.seed), ckpt, "/trainer_state.json: seed ", state_.seed,
                  " but the recipe's seed is ", r.seed,
                  ": resume with the checkpoint's (--set seed=", state_.seed, ")");
-        stream_->set_position(StreamPosition::from_json(state_.data_position));
+        try {
+            stream_->set_position(StreamPosition::from_json(state_.data_position));
+        } catch (const Error& e) {
+            throw Error(cat(ckpt, "/trainer_state.json: ", e.what()));
+        }
         return;
     }
     tp_->params->initialize(tp_->plan, state_.seed, recipe_.model.init_method_std,
@@ -186,6 +200,15 @@ void Trainer::load_or_initialize() {
     if (pretrained_from_.empty()) return;
     check_pretrained_config(pretrained_from_, recipe_.model);
     initialized_ = load_pretrained_weights(pretrained_from_, *tp_->params, tp_->plan);
+}
+
+void Trainer::adopt_run_id() {
+    // A resumed run keeps its id (retention then bounds what its earlier parts saved); a fresh
+    // one, or one resumed from a checkpoint without an id, takes rank 0's new one.
+    if (!state_.run_id.empty()) return;
+    std::string id = new_run_id();
+    if (world_size() > 1) options_.comm->broadcast(id.data(), int64_t(id.size()), 0);
+    state_.run_id = id;
 }
 
 std::string Trainer::checkpoint_dir() const {
@@ -301,6 +324,7 @@ StepMetrics Trainer::train_step() {
 }
 
 std::string Trainer::save() {
+    last_saved_ = state_.iteration;
     // Every rank's state to its host plan (gathered from the owners under a distributed
     // optimizer): rank 0 writes, or with sharded experts one rank per EP rank.
     engine_->download_state();
@@ -313,14 +337,14 @@ std::string Trainer::save() {
         CheckpointShards shards{options_.comm,
                                 l.edp_rank(me) == 0 ? l.pp_rank(me) * l.ep + l.ep_rank(me) : -1,
                                 l.pp * l.ep, l.ep_rank(me) == 0};
-        return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, &saved_},
+        return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, state_.run_id},
                                recipe_.model, recipe_.to_yaml(), *tp_->params, tp_->plan,
                                tp_->optimizer.get(), state_, &shards);
     }
     if (world_rank() != 0) return checkpoint_dir();
-    return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, &saved_}, recipe_.model,
-                           recipe_.to_yaml(), *tp_->params, tp_->plan, tp_->optimizer.get(),
-                           state_);
+    return save_checkpoint(checkpoint_dir(), {recipe_.run.save_keep_last, state_.run_id},
+                           recipe_.model, recipe_.to_yaml(), *tp_->params, tp_->plan,
+                           tp_->optimizer.get(), state_);
 }
 
 std::optional<StepMetrics::Valid> Trainer::validate() {
@@ -378,13 +402,22 @@ Trainer::End Trainer::run(const std::function<void(const StepMetrics&)>& on_step
         if (on_step) on_step(m);
         skipped_in_a_row = m.skipped ? skipped_in_a_row + 1 : 0;
         // A diverged run skips every step: stop, without saving its state, rather than finish.
-        ST_CHECK(r.skipped_iters_limit == 0 || skipped_in_a_row < r.skipped_iters_limit,
-                 skipped_in_a_row, " consecutive steps (", m.step - skipped_in_a_row + 1, "..",
-                 m.step,
-                 ") were skipped for non-finite gradients: the run diverged and stops "
-                 "(skipped_iters_limit ",
-                 r.skipped_iters_limit,
-                 "); resume from an earlier checkpoint with a lower lr, or check the data");
+        if (r.skipped_iters_limit > 0 && skipped_in_a_row >= r.skipped_iters_limit) {
+            const int64_t first = m.step - skipped_in_a_row + 1;
+            // The weights that gave step `first` its non-finite gradients come from step
+            // first - 1's update: only a checkpoint before that holds weights from before it.
+            const std::string advice =
+                last_saved_ >= 0 && last_saved_ < first - 1
+                    ? cat("resume from the checkpoint of iteration ", last_saved_, " (in ",
+                          checkpoint_dir(), ") with a lower lr, or check the data")
+                    : std::string(
+                          "no checkpoint of this run precedes it: start again with a "
+                          "lower lr, or check the data");
+            throw Error(cat(skipped_in_a_row, " consecutive steps (", first, "..", m.step,
+                            ") were skipped for non-finite gradients: the run diverged and stops "
+                            "(skipped_iters_limit ",
+                            r.skipped_iters_limit, "); ", advice));
+        }
         const bool last = state_.iteration == r.train_iters;
         const bool scheduled =
             (r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last;

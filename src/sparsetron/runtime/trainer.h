@@ -95,6 +95,7 @@ class Trainer {
     Communicators communicators() const;
     void open_data();
     void load_or_initialize();
+    void adopt_run_id();
     // The step's loss scales (SPEC §6) for the packed batches_ of `m`; `chain_rows`: the e2e_tv
     // chain's rows (0 without it), over which the acceptance length is a mean.
     LossScales step_scales(const StepMetrics& m, int64_t& chain_rows) const;
@@ -104,8 +105,9 @@ class Trainer {
     Recipe recipe_;
     TrainOptions options_;
     PipelineStage stage_;
-    std::unique_ptr<DirectoryLock> lock_;  // rank 0: the output directory is this run's
-    std::vector<int64_t> saved_;           // iterations this run saved (what retention may delete)
+    std::unique_ptr<DirectoryLock> lock_;       // rank 0: the output directory is this run's
+    std::unique_ptr<DirectoryLock> save_lock_;  // rank 0: so is the save directory, when apart
+    int64_t last_saved_ = -1;  // the iteration of the run's newest checkpoint (-1: none yet)
     std::unique_ptr<TrainingPlan> tp_;
     std::unique_ptr<DocumentStream> stream_;
     std::unique_ptr<Packer> packer_;

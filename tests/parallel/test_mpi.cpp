@@ -890,6 +890,27 @@ TEST(Mpi, ExpertParallelCheckpointResumes) {
         // Step 4 after the resumed step 3 uses the restored optimizer state of every expert.
         const StepMetrics m2 = resumed.train_step(), m12 = one.train_step();
         EXPECT_NEAR(m2.lm_loss, m12.lm_loss, 1e-5 * m12.lm_loss);
+
+        // An expert shard copied in from the next iteration's checkpoint: every rank refuses
+        // the mixed checkpoint, naming the file (it used to resume on mismatched experts).
+        namespace fs = std::filesystem;
+        const std::string mixed = shared + "/mixed",
+                          shard = cat("/model-00002-of-0000", ep, ".safetensors");
+        if (g_comm->rank() == 0) {
+            fs::copy(ckpt, mixed, fs::copy_options::recursive);
+            fs::copy_file(shared + "/iter_0000003" + shard, mixed + shard,
+                          fs::copy_options::overwrite_existing);
+        }
+        g_comm->allgather(0);
+        const std::string refused = sparsetron::test::error_of([&] {
+            Trainer t(small_recipe(W, sharded),
+                      {rank_dir(cat("ep-mixed", ep)), mixed, Device::CPU, false, g_comm});
+        });
+        EXPECT_NE(refused.find(mixed + shard + " does not belong to this checkpoint (iteration 2"),
+                  std::string::npos)
+            << refused;
+        EXPECT_NE(refused.find("the file says it is iteration 3"), std::string::npos) << refused;
+        g_comm->allgather(0);
     }
 }
 

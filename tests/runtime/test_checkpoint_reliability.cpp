@@ -406,6 +406,38 @@ TEST(HostMemoryCheck, HugeModelsStopBeforePlanning) {
     EXPECT_NE(r.output.find("of host memory, and this machine has"), std::string::npos) << r.output;
 }
 
+// A step whose packed micro-batches cannot fit in host memory stops before packing, naming the
+// keys (global_batch_size 4194304 planned 34.84 MiB, then failed allocating gigabytes).
+TEST(HostMemoryCheck, AStepBeyondHostMemoryStopsBeforePacking) {
+    const test::CliRun r = test::run_cli(
+        "train --set global_batch_size=16777216 --set seq_length=2048 -q --no-save "
+        "--out " +
+        test::temp_dir("huge-step"));
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("one step packs 16777216 micro-batches of 2048 token slots"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("lower global_batch_size or seq_length"), std::string::npos)
+        << r.output;
+    // `plan` shows those bytes beside the plan.
+    const test::CliRun plan = test::run_cli("plan --set global_batch_size=4194304");
+    EXPECT_EQ(plan.code, 0) << plan.output;
+    EXPECT_NE(plan.output.find("step: 4194304 micro-batches packed in host memory, 24.16 GiB"),
+              std::string::npos)
+        << plan.output;
+}
+
+// A CPU memory plan beyond host memory stops before it is allocated.
+TEST(HostMemoryCheck, ACpuPlanBeyondHostMemoryStopsBeforeAllocating) {
+    const test::CliRun r = test::run_cli("train --set seq_length=1048576 -q --no-save --out " +
+                                         test::temp_dir("huge-plan"));
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("the CPU memory plan (weights, gradients, optimizer state and "
+                            "activations) needs"),
+              std::string::npos)
+        << r.output;
+}
+
 // Stopping early saves where it stops: a stop request (what SIGINT/SIGTERM set) after the step
 // in progress, exit_interval after a multiple of it; the run then resumes from there.
 TEST(StopRequest, StopsAfterTheStepWithACheckpoint) {

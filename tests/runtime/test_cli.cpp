@@ -5,6 +5,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -379,4 +380,87 @@ TEST(Cli, SignalsSaveAndExit) {
     EXPECT_EQ(code2, 130) << read_file(twice + "/log");
     EXPECT_FALSE(fs::exists(twice + "/checkpoints/latest_checkpointed_iteration.txt"))
         << read_file(twice + "/log");
+}
+
+// SIGHUP (the terminal or session closed) stops like SIGTERM: the step finishes, is saved, and
+// the run exits with 129 naming the signal (it used to die at once, saving nothing).
+TEST(Cli, AHangupSavesAndExits) {
+    namespace fs = std::filesystem;
+    const std::string out = sparsetron::test::temp_dir("sighup");
+    const int code = signalled_run(
+        "train --set train_iters=1000 --out " + out + sparsetron::test::small_run_cli(), out, 2,
+        {SIGHUP});
+    const std::string text = read_file(out + "/log");
+    EXPECT_EQ(code, 128 + SIGHUP) << text;
+    const int steps = metric_lines(out + "/metrics.jsonl");
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", steps);
+    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << text;
+    EXPECT_NE(text.find("stopped after step " + std::to_string(steps) + " (SIGHUP)"),
+              std::string::npos)
+        << text;
+}
+
+// `sparsetron stop OUT` asks the run writing OUT to stop like SIGTERM does (the step is saved,
+// exit 143), naming the process it signalled; with no run left it signals nothing.
+TEST(Cli, StopAsksTheRunToSaveAndExit) {
+    namespace fs = std::filesystem;
+    const std::string out = sparsetron::test::temp_dir("stop");
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        const std::string cmd = std::string(SPARSETRON_CLI) +
+                                " train --set train_iters=1000 --out " + out +
+                                sparsetron::test::small_run_cli() + " >" + out + "/log 2>&1";
+        ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
+        ::_exit(127);
+    }
+    for (int waited = 0; waited < 6000 && metric_lines(out + "/metrics.jsonl") < 2; ++waited)
+        ::usleep(10000);
+    const sparsetron::test::CliRun stop = sparsetron::test::run_cli("stop " + out);
+    EXPECT_EQ(stop.code, 0) << stop.output;
+    EXPECT_NE(stop.output.find("sent SIGTERM to rank 0 (PID " + std::to_string(pid) + ")"),
+              std::string::npos)
+        << stop.output;
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    const std::string text = read_file(out + "/log");
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 143) << text;
+    const int steps = metric_lines(out + "/metrics.jsonl");
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", steps);
+    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << text;
+    const sparsetron::test::CliRun again = sparsetron::test::run_cli("stop " + out);
+    EXPECT_EQ(again.code, 1) << again.output;
+    EXPECT_NE(again.output.find("it has ended"), std::string::npos) << again.output;
+    const sparsetron::test::CliRun nowhere = sparsetron::test::run_cli("stop " + out + "/none");
+    EXPECT_EQ(nowhere.code, 1) << nowhere.output;
+    EXPECT_NE(nowhere.output.find("no run has recorded its processes"), std::string::npos)
+        << nowhere.output;
+}
+
+// `train ... | head -5`: when the reader of stdout goes away, the run finishes its step, saves
+// it and says so on stderr, exiting with 141 (it used to die of SIGPIPE with no message and no
+// checkpoint; the shell reports 141 either way, so the test checks the save and the message).
+TEST(Cli, AClosedOutputPipeSavesAndExits) {
+    namespace fs = std::filesystem;
+    const std::string out = sparsetron::test::temp_dir("sigpipe");
+    const std::string train = std::string(SPARSETRON_CLI) +
+                              " train --set train_iters=1000 --set log_interval=1 --out " + out +
+                              sparsetron::test::small_model_cli() + " --set global_batch_size=2";
+    const std::string cmd = "{ " + train + " 2>" + out + "/err; echo $? >" + out +
+                            "/code; } | head -5 >" + out + "/head";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    const std::string err = read_file(out + "/err");
+    EXPECT_EQ(read_file(out + "/code"), "141\n") << err;
+    const int steps = metric_lines(out + "/metrics.jsonl");
+    ASSERT_GE(steps, 1) << err;
+    EXPECT_LT(steps, 1000) << "the run went on after its reader left";
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", steps);
+    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << err;
+    EXPECT_NE(err.find("stop requested (SIGPIPE"), std::string::npos) << err;
+    EXPECT_NE(err.find("stopped after step " + std::to_string(steps) + " (SIGPIPE)"),
+              std::string::npos)
+        << err;
+    EXPECT_NE(err.find("checkpoint: "), std::string::npos) << err;
 }

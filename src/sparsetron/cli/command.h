@@ -30,6 +30,7 @@ Run add_report(CLI::App& app);
 Run add_convert(CLI::App& app);
 Run add_bench(CLI::App& app);
 Run add_bench_exchange(CLI::App& app);
+Run add_stop(CLI::App& app);
 
 // The communicator of a multi-process launch: MPI ranks of sparsetron-mpi (set by main), or NCCL
 // once a CUDA command connects the processes a launcher started; null for one process.

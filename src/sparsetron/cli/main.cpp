@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, cli::Run>> commands;
     for (auto add : {cli::add_train, cli::add_eval, cli::add_plan, cli::add_preprocess,
                      cli::add_keys, cli::add_info, cli::add_flops, cli::add_report,
-                     cli::add_convert, cli::add_bench, cli::add_bench_exchange}) {
+                     cli::add_convert, cli::add_bench, cli::add_bench_exchange, cli::add_stop}) {
         cli::Run run = add(app);
         commands.emplace_back(app.get_subcommands({}).back()->get_name(), std::move(run));
     }

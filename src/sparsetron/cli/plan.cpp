@@ -9,11 +9,22 @@
 #include "sparsetron/core/plan_growth.h"
 #include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/runtime/cuda_plan.h"
+#include "sparsetron/runtime/host_memory_check.h"
 #include "sparsetron/runtime/run_setup.h"
 #include "sparsetron/runtime/training_plan.h"
 
 namespace sparsetron::cli {
 namespace {
+
+// The step's packed micro-batches live in host memory outside the plan (both backends).
+void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
+    const int64_t count = recipe.run.global_batch_size / recipe.run.micro_batch_size;
+    std::printf("step: %lld micro-batches packed in host memory, %s (outside the plan)\n",
+                static_cast<long long>(count),
+                format_bytes(step_batch_host_bytes(count, recipe.run.tokens_per_microbatch(),
+                                                   tp.max_documents))
+                    .c_str());
+}
 
 // One process's plan of `stage` (the whole model by default).
 void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::string& device,
@@ -35,6 +46,7 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
             static_cast<long long>(recipe.run.tokens_per_microbatch()),
             static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows),
             table.c_str());
+        print_step_batches(recipe, *tp);
         std::printf("plus the CUDA context and cuBLASLt's 64 MiB workspace (not planned)\n");
         print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
         return;
@@ -45,6 +57,7 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
     std::printf("micro-batch: %lld token slots, at most %lld documents; loss chunk %lld rows\n",
                 static_cast<long long>(recipe.run.tokens_per_microbatch()),
                 static_cast<long long>(tp->max_documents), static_cast<long long>(tp->chunk_rows));
+    print_step_batches(recipe, *tp);
     if (tp->rows.key_rows > 0)
         std::printf(
             "context parallelism: this rank computes %lld rows of micro-batches of %lld "

@@ -1,6 +1,7 @@
 // `sparsetron train`: a training run with progress on screen, metrics.jsonl and checkpoints.
-#include <csignal>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -21,6 +22,22 @@ namespace fs = std::filesystem;
 
 namespace sparsetron::cli {
 namespace {
+
+// Under OpenMPI's mpirun a SIGTERM or SIGINT to mpirun reaches the ranks as SIGTERM after
+// odls_base_sigkill_timeout seconds (default 1), followed by SIGKILL as long again: a step and
+// a save that take longer are lost. Said once, after the first step, when that is the case.
+void note_mpirun_kill_timing(double step_ms, const std::string& out) {
+    if (!std::getenv("OMPI_COMM_WORLD_SIZE")) return;
+    const char* set = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
+    const double grace_s = set ? std::atof(set) : 1.0;
+    const double step_s = step_ms / 1000.0;
+    if (step_s < 0.5 * grace_s) return;
+    std::fprintf(stderr,
+                 "note: a signal to mpirun reaches these ranks %.0f s before its SIGKILL, and a "
+                 "step takes %.1f s: stop this run with `sparsetron stop %s` (the ranks save and "
+                 "exit), or launch with `mpirun --mca odls_base_sigkill_timeout %.0f`\n",
+                 grace_s, step_s, out.c_str(), std::ceil(4 * step_s + 30));
+}
 
 int train(const std::string& recipe_path, const std::vector<std::string>& sets,
           const std::string& out_arg, const std::string& resume, const std::string& device,
@@ -124,7 +141,10 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         metrics.flush();
         ST_CHECK(metrics.good(), "writing '", metrics_path.string(), "' failed at step ", m.step,
                  " (disk full?); the run stops (resume from its last checkpoint)");
-        if (first_loss < 0) first_loss = m.lm_loss, first_step = m.step, first_metrics = m;
+        if (first_loss < 0) {
+            first_loss = m.lm_loss, first_step = m.step, first_metrics = m;
+            if (r.exit_signal_handler) note_mpirun_kill_timing(m.step_ms, out);
+        }
         last_loss = m.lm_loss;
         last_metrics = m;
         progress.update(m);
@@ -141,14 +161,20 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         }
     });
     progress.finish();
+    // How the run ended and where it saved: on stderr too when stdout is gone (a closed pipe or
+    // terminal), so the one who stopped it still reads it.
+    std::fflush(stdout);
+    const bool stdout_gone = std::ferror(stdout) != 0;
+    const auto say = [&](const std::string& line) {
+        std::fputs(line.c_str(), stdout);
+        if (stdout_gone) std::fputs(line.c_str(), stderr);
+    };
     if (end.kind != Trainer::End::Finished)
-        std::printf("stopped after step %lld (%s)%s\n", static_cast<long long>(trainer.iteration()),
-                    end.kind == Trainer::End::Signal         ? (end.signal == SIGINT    ? "SIGINT"
-                                                                : end.signal == SIGTERM ? "SIGTERM"
-                                                                                        : "a signal")
-                    : end.kind == Trainer::End::ExitInterval ? "exit_interval"
-                                                             : "exit_duration_in_mins",
-                    no_save ? "" : "; resume with --resume");
+        say(cat("stopped after step ", trainer.iteration(), " (",
+                end.kind == Trainer::End::Signal         ? stop_signal_name(end.signal)
+                : end.kind == Trainer::End::ExitInterval ? "exit_interval"
+                                                         : "exit_duration_in_mins",
+                ")", no_save ? "" : "; resume with --resume", "\n"));
     if (first_loss >= 0) {
         std::printf("lm_loss %.4f -> %.4f over steps %lld..%lld\n", first_loss, last_loss,
                     static_cast<long long>(first_step),
@@ -158,8 +184,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
                         first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
                         last_metrics.indexer_loss);
     }
-    if (!no_save)
-        std::printf("checkpoint: %s\n", resolve_checkpoint(trainer.checkpoint_dir()).c_str());
+    if (!no_save) say(cat("checkpoint: ", resolve_checkpoint(trainer.checkpoint_dir()), "\n"));
     std::printf("metrics: %s\n", metrics_path.c_str());
     return end.kind == Trainer::End::Signal ? 128 + end.signal : 0;
 }

@@ -48,4 +48,31 @@ void check_host_memory_for_training(const Recipe& recipe) {
              "with expert parallelism)");
 }
 
+double step_batch_host_bytes(int64_t count, int64_t slots, int64_t max_documents) {
+    // tokens, targets and positions per slot, cu_seqlens per document; the step's and a copy.
+    return 2.0 * double(count) * (3.0 * double(slots) + double(max_documents + 1)) *
+           sizeof(int32_t);
+}
+
+void check_host_memory_for_batches(const Recipe& recipe, int64_t count, int64_t slots,
+                                   int64_t max_documents) {
+    const uint64_t available = available_host_memory();
+    if (available == 0) return;
+    const double need = step_batch_host_bytes(count, slots, max_documents);
+    ST_CHECK(need <= double(available), "one step packs ", count, " micro-batches of ", slots,
+             " token slots (global_batch_size ", recipe.run.global_batch_size, " x seq_length ",
+             recipe.run.seq_length, "): their host buffers need ", format_bytes(need),
+             ", and this machine has ", format_bytes(double(available)),
+             " available; lower global_batch_size or seq_length");
+}
+
+void check_host_memory_for_cpu_plan(uint64_t plan_bytes) {
+    const uint64_t available = available_host_memory();
+    ST_CHECK(available == 0 || plan_bytes <= available, "the CPU memory plan (weights, gradients, ",
+             "optimizer state and activations) needs ", format_bytes(double(plan_bytes)),
+             " of host memory, and this machine has ", format_bytes(double(available)),
+             " available; lower micro_batch_size, seq_length or the model's widths "
+             "(`sparsetron plan` shows where the bytes go)");
+}
+
 }  // namespace sparsetron

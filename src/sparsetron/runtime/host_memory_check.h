@@ -20,4 +20,18 @@ uint64_t available_host_memory();
 // moment for the lower bound above already exceed the available host memory.
 void check_host_memory_for_training(const Recipe& recipe);
 
+// Host bytes of one step's packed micro-batches: `count` of `slots` token slots and
+// `max_documents` documents each (tokens, targets, positions, cu_seqlens), held twice (the
+// step's and a lookahead copy). Both backends pack on the host, outside the memory plan.
+double step_batch_host_bytes(int64_t count, int64_t slots, int64_t max_documents);
+
+// Throws, naming the keys, when the host buffers of one step's packed micro-batches (`count` of
+// `slots` token slots and `max_documents` documents each) exceed the available host memory.
+void check_host_memory_for_batches(const Recipe& recipe, int64_t count, int64_t slots,
+                                   int64_t max_documents);
+
+// Throws when the CPU backend's memory plan (`plan_bytes`, every class) exceeds the available
+// host memory, before it is allocated.
+void check_host_memory_for_cpu_plan(uint64_t plan_bytes);
+
 }  // namespace sparsetron

@@ -13,6 +13,7 @@
 #include "sparsetron/data/split.h"
 #include "sparsetron/io/checkpoint_identity.h"
 #include "sparsetron/io/durable.h"
+#include "sparsetron/io/rank_processes.h"
 #include "sparsetron/parallel/comm/collective_watchdog.h"
 #include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/runtime/host_memory_check.h"
@@ -75,6 +76,7 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     }
     ST_CHECK(!options_.out_dir.empty(), "trainer: no output directory");
     ensure_writable_dir(options_.out_dir);
+    write_rank_process(options_.out_dir, world_rank());  // for `sparsetron stop`
     // One run per output directory and per save directory (rank 0 holds the locks for the
     // launch); saves that a killed run left half-done are removed, the complete checkpoints are
     // not touched.
@@ -114,8 +116,9 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         valid_packer_ = std::make_unique<Packer>(*valid_stream_, slots, tp_->max_documents);
     // microbatches_per_step() is per data-parallel rank: every rank packs the whole step's
     // micro-batches (the same sequence) and runs its share (with CP, a CP group shares each).
-    for (int64_t i = 0; i < r.microbatches_per_step() * data_parallel_size(); ++i)
-        batches_.emplace_back(slots, tp_->max_documents);
+    const int64_t step_batches = r.microbatches_per_step() * data_parallel_size();
+    check_host_memory_for_batches(recipe_, step_batches, slots, tp_->max_documents);
+    for (int64_t i = 0; i < step_batches; ++i) batches_.emplace_back(slots, tp_->max_documents);
     if (r.dynamic_context_parallel)
         dynamic_cp_ =
             std::make_unique<DynamicCpBatches>(r, tp_->group_slots, tp_->group_max_documents,
@@ -423,6 +426,9 @@ Trainer::End Trainer::run(const std::function<void(const StepMetrics&)>& on_step
             (r.save_interval > 0 && state_.iteration % r.save_interval == 0) || last;
         End end = stop_after_this_step(start);
         if (options_.save_checkpoints && (scheduled || end.kind != End::Finished)) save();
+        // A signal ends every rank with a non-zero code, and mpirun ends the other ranks as soon
+        // as one such rank exits: none leaves before the save is complete on every rank.
+        if (end.kind == End::Signal && world_size() > 1) options_.comm->allgather(0);
         if (end.kind != End::Finished) return end;
     }
     return {};

@@ -6,14 +6,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 #include <thread>
-
-#include "sparsetron/core/error.h"
 
 namespace fs = std::filesystem;
 
@@ -23,19 +23,25 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct State {
-    std::mutex mu;  // guards op, dir
+    std::mutex mu;  // guards op, dir, stopping, rank, ranks
+    std::condition_variable wake;
     std::string dir;
     const char* op = nullptr;
+    bool stopping = false;
+    std::thread thread;
+    pid_t owner = 0;  // the process that started the thread (a forked child has no such thread)
     std::atomic<long> seq{0};
     std::atomic<int64_t> since_ns{0};  // when the current collective began; 0: in none
     std::atomic<double> timeout_s{0};
     int rank = 0, ranks = 1;
-    bool started = false;
+    bool started = false;  // guarded by mu
 };
 
+// Never destroyed: a communicator torn down by a static destructor may still open a Scope, and
+// the watchdog thread is joined at exit (stop_at_exit) before anything it reads could go away.
 State& state() {
-    static State s;
-    return s;
+    static State* s = new State;
+    return *s;
 }
 
 int64_t now_ns() {
@@ -49,20 +55,26 @@ std::string heartbeat_path(const std::string& dir, int rank) {
 
 void beat(State& s) {
     std::string dir, op;
+    int rank = 0;
     {
         std::lock_guard<std::mutex> lock(s.mu);
         dir = s.dir;
         op = s.op ? s.op : "";
+        rank = s.rank;
     }
     if (dir.empty()) return;
-    std::ofstream out(heartbeat_path(dir, s.rank), std::ios::trunc);
+    std::ofstream out(heartbeat_path(dir, rank), std::ios::trunc);
     out << ::getpid() << " " << s.seq.load() << " " << (op.empty() ? "-" : op) << "\n";
 }
 
 void watch() {
     State& s = state();
     for (;;) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        {
+            std::unique_lock<std::mutex> lock(s.mu);
+            s.wake.wait_for(lock, std::chrono::milliseconds(500), [&] { return s.stopping; });
+            if (s.stopping) return;
+        }
         beat(s);
         const int64_t since = s.since_ns.load();
         const double timeout = s.timeout_s.load();
@@ -70,19 +82,35 @@ void watch() {
         const double waited = double(now_ns() - since) * 1e-9;
         if (waited < timeout) continue;
         std::string op, dir;
+        int rank = 0, ranks = 1;
         {
             std::lock_guard<std::mutex> lock(s.mu);
             op = s.op ? s.op : "a collective";
             dir = s.dir;
+            rank = s.rank, ranks = s.ranks;
         }
-        const std::string msg = CollectiveWatchdog::timeout_message(s.rank, op, s.seq.load(),
-                                                                    waited, timeout, dir, s.ranks);
+        const std::string msg = CollectiveWatchdog::timeout_message(rank, op, s.seq.load(), waited,
+                                                                    timeout, dir, ranks);
         std::fprintf(stderr, "error: %s\n", msg.c_str());
         std::fflush(stderr);
         // A rank leaving with an error makes mpirun end every rank; no MPI call is safe here
         // while the main thread is inside one.
         ::_exit(1);
     }
+}
+
+// Registered with atexit when the thread starts: the thread stops beating and is joined before
+// the process's static state is destroyed, so no heartbeat is written after main returns.
+void stop_at_exit() {
+    State& s = state();
+    bool ours = false;
+    {
+        std::lock_guard<std::mutex> lock(s.mu);
+        s.stopping = true;
+        ours = s.thread.joinable() && s.owner == ::getpid();
+    }
+    s.wake.notify_all();
+    if (ours) s.thread.join();
 }
 
 }  // namespace
@@ -107,9 +135,12 @@ void CollectiveWatchdog::configure(double timeout_s, const std::string& heartbea
     }
     s.timeout_s.store(timeout_s);
     beat(s);
+    std::lock_guard<std::mutex> lock(s.mu);  // ranks run as threads may configure at once
     if (!s.started && timeout_s > 0) {
         s.started = true;
-        std::thread(watch).detach();
+        s.thread = std::thread(watch);
+        s.owner = ::getpid();
+        std::atexit(stop_at_exit);
     }
 }
 

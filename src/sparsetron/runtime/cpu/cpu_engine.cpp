@@ -9,6 +9,7 @@
 #include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/runtime/cpu/grad_ranges.h"
 #include "sparsetron/runtime/cpu/pipeline_schedule.h"
+#include "sparsetron/runtime/host_memory_check.h"
 #include "sparsetron/runtime/stage_metrics.h"
 #include "sparsetron/runtime/step_engine.h"
 
@@ -20,7 +21,10 @@ class CpuEngine final : public StepEngine {
     CpuEngine(const Recipe& recipe, TrainingPlan& tp, const Communicators& comms)
         : run_(recipe.run), tp_(tp), model_(*tp.cpu_model), comms_(comms) {
         ST_ASSERT(tp.cpu_model, "the CPU engine needs the training plan's CPU model");
-        if (!tp_.plan.allocated()) tp_.plan.allocate(Device::CPU);
+        if (!tp_.plan.allocated()) {
+            check_host_memory_for_cpu_plan(tp_.plan.total_bytes());
+            tp_.plan.allocate(Device::CPU);
+        }
         model_.bind();
         grad_ranges_ = gradient_ranges(*tp_.params, tp_.plan);
         if (run_.expert_model_parallel_size > 1) {

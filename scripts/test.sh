@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # README command (2): set up, check formatting against .clang-format, build (CUDA code included
-# when nvcc is present; the .cu host code with the C++ warnings), run the cpu tests and the MPI
-# tests; build every target again with the `cpu` preset (no CUDA: what a machine without nvcc
-# builds) and run its cpu tests and the recipe value fuzz; then build the CPU code (the MPI targets
+# when nvcc is present; the .cu host code with the C++ warnings), run the cpu tests, the recipe
+# value fuzz and the MPI tests; build every target again with the `cpu` preset (no CUDA: what a
+# machine without nvcc builds) and run its cpu tests; then build the CPU code (the MPI targets
 # included) under AddressSanitizer + UndefinedBehaviorSanitizer and run the cpu and mpi tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,8 @@ cmake --preset default
 cmake --build --preset default
 stage "tests: cpu (and gpu, which skip without a GPU)"
 ctest --preset default -L 'cpu|gpu'
+stage "tests: recipe value fuzz (every numeric key on plan and a one-step train)"
+ctest --preset default -L fuzz --output-on-failure
 stage "tests: mpi (data, expert and context parallelism over 2 and 4 MPI ranks on CPU)"
 ctest --preset default -L mpi --output-on-failure
 
@@ -32,10 +34,6 @@ cmake --preset cpu
 cmake --build --preset cpu
 stage "tests: cpu, built without CUDA"
 ctest --preset cpu -L 'cpu|gpu'
-# The fuzz starts the CLI about two thousand times: in the build without CUDA, whose binary starts
-# in milliseconds (the CUDA build loads cuBLASLt at every start); the validation is the same code.
-stage "tests: recipe value fuzz (every numeric key on plan and a one-step train)"
-ctest --preset cpu -L fuzz --output-on-failure
 
 stage "build: asan preset (ASan + UBSan, no CUDA, no gpu test targets; the MPI targets included)"
 cmake --preset asan

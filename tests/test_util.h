@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,20 @@ inline std::string temp_dir(const std::string& name) {
     fs::remove_all(p);
     fs::create_directories(p);
     return p.string();
+}
+
+// A file's bytes ("" when it does not exist).
+inline std::string read_text(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The number of lines in a file (0 when it does not exist).
+inline int line_count(const std::string& path) {
+    std::ifstream in(path);
+    int n = 0;
+    for (std::string line; std::getline(in, line);) ++n;
+    return n;
 }
 
 // Deterministic non-zero random values in [-scale, scale] (never all zeros).

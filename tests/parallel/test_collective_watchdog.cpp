@@ -17,20 +17,10 @@
 
 namespace fs = std::filesystem;
 using sparsetron::CollectiveWatchdog;
+using sparsetron::test::line_count;
+using sparsetron::test::read_text;
 
 namespace {
-
-std::string read_file(const std::string& path) {
-    std::ifstream in(path);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-int line_count(const std::string& path) {
-    std::ifstream in(path);
-    int n = 0;
-    for (std::string line; std::getline(in, line);) ++n;
-    return n;
-}
 
 void write_heartbeat(const std::string& dir, int rank, const std::string& text,
                      std::chrono::seconds age) {
@@ -85,10 +75,10 @@ TEST(CollectiveWatchdog, AStoppedRankEndsTheJobNamingIt) {
     const std::string beat = out + "/.heartbeat/rank2";
     for (int i = 0; i < 12000 && (line_count(out + "/metrics.jsonl") < 3 || !fs::exists(beat)); ++i)
         ::usleep(10000);
-    ASSERT_GE(line_count(out + "/metrics.jsonl"), 3) << read_file(log);
+    ASSERT_GE(line_count(out + "/metrics.jsonl"), 3) << read_text(log);
     pid_t rank2 = 0;
     std::ifstream(beat) >> rank2;
-    ASSERT_GT(rank2, 0) << read_file(beat);
+    ASSERT_GT(rank2, 0) << read_text(beat);
     ASSERT_EQ(::kill(rank2, SIGSTOP), 0);
 
     const auto start = std::chrono::steady_clock::now();
@@ -105,7 +95,7 @@ TEST(CollectiveWatchdog, AStoppedRankEndsTheJobNamingIt) {
         ::waitpid(launcher, &status, 0);
     }
     ::kill(rank2, SIGCONT);
-    const std::string text = read_file(log);
+    const std::string text = read_text(log);
     ASSERT_NE(done, 0) << "the job still ran 120 s after rank 2 stopped:\n" << text;
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << text;
     EXPECT_LT(took, 60.0) << text;

@@ -18,20 +18,10 @@
 #include "test_util.h"
 
 namespace fs = std::filesystem;
+using sparsetron::test::line_count;
+using sparsetron::test::read_text;
 
 namespace {
-
-std::string read_text(const std::string& path) {
-    std::ifstream in(path);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-int lines_in(const std::string& path) {
-    std::ifstream in(path);
-    int n = 0;
-    for (std::string line; std::getline(in, line);) ++n;
-    return n;
-}
 
 // A two-rank job of the small model with steps long enough to be signalled mid-step.
 struct Job {
@@ -53,7 +43,7 @@ Job start_job(const std::string& out, const std::string& mpirun_options) {
         ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
         ::_exit(127);
     }
-    for (int i = 0; i < 12000 && lines_in(out + "/metrics.jsonl") < 2; ++i) ::usleep(10000);
+    for (int i = 0; i < 12000 && line_count(out + "/metrics.jsonl") < 2; ++i) ::usleep(10000);
     return job;
 }
 
@@ -76,7 +66,7 @@ int wait_job(const Job& job, std::chrono::seconds limit) {
 // The checkpoint of the last step in metrics.jsonl is complete (its model file and the pointer
 // to it), so a resume continues exactly there.
 void expect_checkpoint_of_last_step(const std::string& out, const std::string& log) {
-    const int steps = lines_in(out + "/metrics.jsonl");
+    const int steps = line_count(out + "/metrics.jsonl");
     char name[32];
     std::snprintf(name, sizeof name, "iter_%07d", steps);
     EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << log;
@@ -92,7 +82,7 @@ void expect_checkpoint_of_last_step(const std::string& out, const std::string& l
 // 130, and so does mpirun (which exits 1 when it is signalled itself).
 TEST(MpiSignals, StopSignalsTheRanksWhichSaveAndExit) {
     const Job job = start_job(sparsetron::test::temp_dir("stop"), "");
-    ASSERT_GE(lines_in(job.out + "/metrics.jsonl"), 2) << read_text(job.log);
+    ASSERT_GE(line_count(job.out + "/metrics.jsonl"), 2) << read_text(job.log);
     const sparsetron::test::CliRun stop = sparsetron::test::run_cli("stop --interrupt " + job.out);
     EXPECT_EQ(stop.code, 0) << stop.output;
     EXPECT_NE(stop.output.find("sent SIGINT to rank 0 (PID"), std::string::npos) << stop.output;
@@ -112,7 +102,7 @@ TEST(MpiSignals, StopSignalsTheRanksWhichSaveAndExit) {
 TEST(MpiSignals, ATermToMpirunReachesTheGracefulPath) {
     const Job job =
         start_job(sparsetron::test::temp_dir("mpirun-term"), "--mca odls_base_sigkill_timeout 3");
-    ASSERT_GE(lines_in(job.out + "/metrics.jsonl"), 2) << read_text(job.log);
+    ASSERT_GE(line_count(job.out + "/metrics.jsonl"), 2) << read_text(job.log);
     ASSERT_EQ(::kill(job.launcher, SIGTERM), 0);
     const int code = wait_job(job, std::chrono::seconds(120));
     const std::string log = read_text(job.log);

@@ -38,11 +38,6 @@ std::string saved_run_dir(const std::string& out) {
     return t.checkpoint_dir();
 }
 
-std::string file_bytes(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 void put_bytes(const std::string& path, const std::string& bytes) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
@@ -62,7 +57,7 @@ TEST(CheckpointIdentity, FilesOfAnotherIterationAreRefused) {
     const std::string it2 = save + "/iter_0000002", it4 = save + "/iter_0000004";
     EXPECT_EQ(identity_resume_error(it4), "");
     for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
-        const std::string original = file_bytes(it4 + "/" + file);
+        const std::string original = test::read_text(it4 + "/" + file);
         fs::copy_file(it2 + "/" + file, it4 + "/" + file, fs::copy_options::overwrite_existing);
         const std::string msg = identity_resume_error(it4);
         EXPECT_NE(msg.find(it4 + "/" + file + " does not belong to this checkpoint (iteration 4"),
@@ -86,7 +81,7 @@ TEST(CheckpointIdentity, FilesOfAnotherIterationAreRefused) {
     }
     EXPECT_EQ(identity_resume_error(it4), "");
     // A file changed after the save (the recipe: iterations 2 and 4 share its bytes).
-    const std::string recipe = file_bytes(it4 + "/recipe.yaml");
+    const std::string recipe = test::read_text(it4 + "/recipe.yaml");
     put_bytes(it4 + "/recipe.yaml", recipe + "# edited\n");
     EXPECT_NE(identity_resume_error(it4).find("recipe.yaml does not belong to this checkpoint"),
               std::string::npos);
@@ -101,7 +96,7 @@ TEST(CheckpointIdentity, FilesOfAnotherIterationAreRefused) {
 TEST(CheckpointIdentity, ConvertRefusesWhatTrainRefuses) {
     const std::string save = saved_run_dir(test::temp_dir("convert-corrupt"));
     const std::string ckpt = save + "/iter_0000004", file = ckpt + "/model.safetensors";
-    const std::string original = file_bytes(file);
+    const std::string original = test::read_text(file);
     std::string bytes = original;
     bytes[bytes.size() - 5] ^= 0x10;  // inside the last tensor's data; the header is intact
     put_bytes(file, bytes);
@@ -155,7 +150,7 @@ TEST(CheckpointIdentity, TwoRunsCannotShareASaveDirectory) {
 TEST(CheckpointIdentity, CutOrEmptyRecipesAreRefused) {
     const std::string save = saved_run_dir(test::temp_dir("cut-recipe"));
     const std::string recipe = save + "/iter_0000004/recipe.yaml";
-    const std::string original = file_bytes(recipe);
+    const std::string original = test::read_text(recipe);
     // Empty, or cut at a line's end (cut inside a line, the broken key is named instead).
     for (const std::string& text :
          {std::string(), original.substr(0, original.rfind('\n', original.size() / 2) + 1)}) {
@@ -190,7 +185,7 @@ TEST(CheckpointIdentity, CutOrEmptyRecipesAreRefused) {
 TEST(CheckpointIdentity, ADataPositionOutsideTheDataIsNamed) {
     const std::string save = saved_run_dir(test::temp_dir("pending"));
     const std::string ckpt = save + "/iter_0000004", state = ckpt + "/trainer_state.json";
-    std::string text = file_bytes(state);
+    std::string text = test::read_text(state);
     const size_t ds = text.find("\"pending_dataset\": ");
     const size_t off = text.find("\"pending_offset\": ");
     ASSERT_NE(ds, std::string::npos);
@@ -227,13 +222,13 @@ TEST(MetricsLog, TrimWritesANewFileAndRenames) {
         out << "{\"step\": 11, \"lm_lo";  // a line a crash cut short
     }
     fs::create_hard_link(path, held);  // the old file, whatever happens to the name
-    const std::string before = file_bytes(path);
+    const std::string before = test::read_text(path);
     trim_metrics_log(path, 4);
-    EXPECT_EQ(file_bytes(held), before) << "the old file was rewritten in place";
+    EXPECT_EQ(test::read_text(held), before) << "the old file was rewritten in place";
     std::string kept;
     for (int s = 1; s <= 4; ++s)
         kept += "{\"step\": " + std::to_string(s) + ", \"lm_loss\": 1.0}\n";
-    EXPECT_EQ(file_bytes(path), kept);
+    EXPECT_EQ(test::read_text(path), kept);
     EXPECT_FALSE(fs::exists(path + ".tmp"));
 }
 

@@ -215,11 +215,6 @@ std::string saved_checkpoint(const std::string& out) {
     return resolve_checkpoint(t.checkpoint_dir());
 }
 
-std::string read_bytes(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 void write_bytes(const std::string& path, const std::string& bytes) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
@@ -248,7 +243,7 @@ TEST(CheckpointIntegrity, CorruptTensorBytesAreRefused) {
     const std::string ckpt = saved_checkpoint(test::temp_dir("corrupt"));
     EXPECT_EQ(load_error(ckpt), "");
     const std::string file = ckpt + "/model.safetensors";
-    std::string bytes = read_bytes(file);
+    std::string bytes = test::read_text(file);
     bytes[bytes.size() - 5] ^= 0x10;  // inside the last tensor's data
     write_bytes(file, bytes);
     const std::string msg = load_error(ckpt);
@@ -272,7 +267,7 @@ TEST(CheckpointIntegrity, OverlapsAndWrongDtypesAreNamed) {
 
     const std::string ckpt = saved_checkpoint(test::temp_dir("dtype"));
     const std::string file = ckpt + "/model.safetensors";
-    std::string model = read_bytes(file);
+    std::string model = test::read_text(file);
     const std::string from = R"("model.norm.weight":{"dtype":"F32")";
     const size_t at = model.find(from);
     ASSERT_NE(at, std::string::npos);
@@ -347,7 +342,7 @@ TEST(CheckpointIntegrity, TrainerStateIsValidated) {
     }
     const std::string ckpt = out + "/checkpoints/iter_0000004";
     const std::string state = ckpt + "/trainer_state.json";
-    const std::string original = read_bytes(state);
+    const std::string original = test::read_text(state);
     const auto with = [&](const std::string& from, const std::string& to) {
         std::string text = original;
         const size_t at = text.find(from);

@@ -17,6 +17,7 @@
 
 namespace {
 using sparsetron::test::CliRun;
+using sparsetron::test::read_text;
 CliRun run(const std::string& args) {
     return sparsetron::test::run_cli(args);
 }
@@ -325,16 +326,9 @@ TEST(Cli, ADivergedRunStops) {
 }
 
 namespace {
-std::string read_file(const std::string& path) {
-    std::ifstream in(path);
-    return std::string((std::istreambuf_iterator<char>(in)), {});
-}
-
-// Starts `sparsetron ARGS` (output to OUT/log), waits until OUT/metrics.jsonl has `lines` lines,
-// sends each signal (after the first, once the run has said it will stop: standard signals that
-// arrive together are delivered once), and returns the exit status.
-int signalled_run(const std::string& args, const std::string& out, int lines,
-                  const std::vector<int>& signals) {
+// Starts `sparsetron ARGS` (output to OUT/log) and waits until OUT/metrics.jsonl has `lines`
+// lines; its PID.
+pid_t start_run(const std::string& args, const std::string& out, int lines) {
     const pid_t pid = ::fork();
     if (pid == 0) {
         const std::string cmd = std::string(SPARSETRON_CLI) + " " + args + " >" + out + "/log 2>&1";
@@ -343,16 +337,37 @@ int signalled_run(const std::string& args, const std::string& out, int lines,
     }
     for (int waited = 0; waited < 6000 && metric_lines(out + "/metrics.jsonl") < lines; ++waited)
         ::usleep(10000);
+    return pid;
+}
+
+// The exit status of a started run, or -1 when a signal ended it.
+int exit_code(pid_t pid) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Runs `sparsetron ARGS` until OUT/metrics.jsonl has `lines` lines, sends each signal (after the
+// first, once the run has said it will stop: standard signals that arrive together are delivered
+// once), and returns the exit status.
+int signalled_run(const std::string& args, const std::string& out, int lines,
+                  const std::vector<int>& signals) {
+    const pid_t pid = start_run(args, out, lines);
     for (size_t i = 0; i < signals.size(); ++i) {
         for (int waited = 0; i > 0 && waited < 6000 &&
-                             read_file(out + "/log").find("stop requested") == std::string::npos;
+                             read_text(out + "/log").find("stop requested") == std::string::npos;
              ++waited)
             ::usleep(1000);
         ::kill(pid, signals[i]);
     }
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return exit_code(pid);
+}
+
+// The weights of the checkpoint of the last step OUT/metrics.jsonl records.
+std::string last_step_checkpoint(const std::string& out) {
+    char name[32];
+    std::snprintf(name, sizeof name, "iter_%07d", metric_lines(out + "/metrics.jsonl"));
+    return out + "/checkpoints/" + name + "/model.safetensors";
 }
 }  // namespace
 
@@ -365,21 +380,18 @@ TEST(Cli, SignalsSaveAndExit) {
     const int code = signalled_run(
         "train --set train_iters=1000 --out " + out + sparsetron::test::small_run_cli(), out, 2,
         {SIGTERM});
-    const std::string text = read_file(out + "/log");
+    const std::string text = read_text(out + "/log");
     EXPECT_EQ(code, 143) << text;
-    const int steps = metric_lines(out + "/metrics.jsonl");
-    EXPECT_GE(steps, 2);
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07d", steps);
-    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name;
+    EXPECT_GE(metric_lines(out + "/metrics.jsonl"), 2);
+    EXPECT_TRUE(fs::exists(last_step_checkpoint(out))) << last_step_checkpoint(out);
     EXPECT_NE(text.find("stopped after step"), std::string::npos) << text;
 
     const std::string twice = sparsetron::test::temp_dir("sigint-twice");
     const int code2 =
         signalled_run("train --set train_iters=1000 -q --out " + twice, twice, 1, {SIGINT, SIGINT});
-    EXPECT_EQ(code2, 130) << read_file(twice + "/log");
+    EXPECT_EQ(code2, 130) << read_text(twice + "/log");
     EXPECT_FALSE(fs::exists(twice + "/checkpoints/latest_checkpointed_iteration.txt"))
-        << read_file(twice + "/log");
+        << read_text(twice + "/log");
 }
 
 // SIGHUP (the terminal or session closed) stops like SIGTERM: the step finishes, is saved, and
@@ -390,12 +402,10 @@ TEST(Cli, AHangupSavesAndExits) {
     const int code = signalled_run(
         "train --set train_iters=1000 --out " + out + sparsetron::test::small_run_cli(), out, 2,
         {SIGHUP});
-    const std::string text = read_file(out + "/log");
+    const std::string text = read_text(out + "/log");
     EXPECT_EQ(code, 128 + SIGHUP) << text;
     const int steps = metric_lines(out + "/metrics.jsonl");
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07d", steps);
-    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << text;
+    EXPECT_TRUE(fs::exists(last_step_checkpoint(out))) << text;
     EXPECT_NE(text.find("stopped after step " + std::to_string(steps) + " (SIGHUP)"),
               std::string::npos)
         << text;
@@ -406,29 +416,17 @@ TEST(Cli, AHangupSavesAndExits) {
 TEST(Cli, StopAsksTheRunToSaveAndExit) {
     namespace fs = std::filesystem;
     const std::string out = sparsetron::test::temp_dir("stop");
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-        const std::string cmd = std::string(SPARSETRON_CLI) +
-                                " train --set train_iters=1000 --out " + out +
-                                sparsetron::test::small_run_cli() + " >" + out + "/log 2>&1";
-        ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), static_cast<char*>(nullptr));
-        ::_exit(127);
-    }
-    for (int waited = 0; waited < 6000 && metric_lines(out + "/metrics.jsonl") < 2; ++waited)
-        ::usleep(10000);
+    const pid_t pid = start_run(
+        "train --set train_iters=1000 --out " + out + sparsetron::test::small_run_cli(), out, 2);
     const sparsetron::test::CliRun stop = sparsetron::test::run_cli("stop " + out);
     EXPECT_EQ(stop.code, 0) << stop.output;
     EXPECT_NE(stop.output.find("sent SIGTERM to rank 0 (PID " + std::to_string(pid) + ")"),
               std::string::npos)
         << stop.output;
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    const std::string text = read_file(out + "/log");
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 143) << text;
-    const int steps = metric_lines(out + "/metrics.jsonl");
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07d", steps);
-    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << text;
+    const int code = exit_code(pid);
+    const std::string text = read_text(out + "/log");
+    EXPECT_EQ(code, 143) << text;
+    EXPECT_TRUE(fs::exists(last_step_checkpoint(out))) << text;
     const sparsetron::test::CliRun again = sparsetron::test::run_cli("stop " + out);
     EXPECT_EQ(again.code, 1) << again.output;
     EXPECT_NE(again.output.find("it has ended"), std::string::npos) << again.output;
@@ -450,14 +448,12 @@ TEST(Cli, AClosedOutputPipeSavesAndExits) {
     const std::string cmd = "{ " + train + " 2>" + out + "/err; echo $? >" + out +
                             "/code; } | head -5 >" + out + "/head";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-    const std::string err = read_file(out + "/err");
-    EXPECT_EQ(read_file(out + "/code"), "141\n") << err;
+    const std::string err = read_text(out + "/err");
+    EXPECT_EQ(read_text(out + "/code"), "141\n") << err;
     const int steps = metric_lines(out + "/metrics.jsonl");
     ASSERT_GE(steps, 1) << err;
     EXPECT_LT(steps, 1000) << "the run went on after its reader left";
-    char name[32];
-    std::snprintf(name, sizeof name, "iter_%07d", steps);
-    EXPECT_TRUE(fs::exists(out + "/checkpoints/" + name + "/model.safetensors")) << name << err;
+    EXPECT_TRUE(fs::exists(last_step_checkpoint(out))) << err;
     EXPECT_NE(err.find("stop requested (SIGPIPE"), std::string::npos) << err;
     EXPECT_NE(err.find("stopped after step " + std::to_string(steps) + " (SIGPIPE)"),
               std::string::npos)

@@ -53,14 +53,14 @@ Run add_bench(CLI::App& app) {
                 [&](const std::vector<std::string>& sets) {
                     std::vector<std::string> all = o->sets;
                     all.insert(all.end(), sets.begin(), sets.end());
-                    return resolve_run({RunRequest::Bench, plan.recipe, all}).recipe;
+                    return resolve_run(RunRequest::of(RunRequest::Bench, plan.recipe, all)).recipe;
                 },
                 o->b);
             if (launch_comm() && launch_comm()->rank() != 0) return 0;
             o->json.write(record);
             return 0;
         }
-        const Recipe r = resolve_run({RunRequest::Bench, o->recipe, o->sets}).recipe;
+        const Recipe r = resolve_run(RunRequest::of(RunRequest::Bench, o->recipe, o->sets)).recipe;
         std::vector<BenchVariant> variants;
         for (const std::string& v : o->recipe_variants) variants.push_back(parse_bench_variant(v));
         o->b.variants = split_list(o->variants);
@@ -68,7 +68,7 @@ Run add_bench(CLI::App& app) {
         o->b.comm = launch_comm();
         const std::vector<BenchResult> res = run_bench_variants(
             [&](const std::vector<std::string>& sets) {
-                return resolve_run({RunRequest::Bench, o->recipe, sets}).recipe;
+                return resolve_run(RunRequest::of(RunRequest::Bench, o->recipe, sets)).recipe;
             },
             o->sets, variants, o->rounds, o->b);
         if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports

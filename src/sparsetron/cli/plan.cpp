@@ -73,7 +73,7 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
          const std::string& device, int top) {
-    const Recipe recipe = resolve_run({RunRequest::Plan, recipe_path, sets}).recipe;
+    const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
     if (recipe.run.world_size > 1) {
         // The layout the recipe asks for; the plans below are of one process of it.
         const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
@@ -125,7 +125,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
     for (int64_t length : lengths) {
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
-        const Recipe recipe = resolve_run({RunRequest::Plan, recipe_path, at}).recipe;
+        const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, at)).recipe;
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)

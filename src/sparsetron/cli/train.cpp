@@ -9,6 +9,7 @@
 
 #include "command.h"
 #include "progress.h"
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/stop_request.h"
 #include "sparsetron/io/checkpoint.h"
@@ -27,9 +28,9 @@ namespace {
 // odls_base_sigkill_timeout seconds (default 1), followed by SIGKILL as long again: a step and
 // a save that take longer are lost. Said once, after the first step, when that is the case.
 void note_mpirun_kill_timing(double step_ms, const std::string& out) {
-    if (!std::getenv("OMPI_COMM_WORLD_SIZE")) return;
-    const char* set = std::getenv("OMPI_MCA_odls_base_sigkill_timeout");
-    const double grace_s = set ? std::atof(set) : 1.0;
+    if (!env_value("OMPI_COMM_WORLD_SIZE")) return;
+    const auto set = env_value("OMPI_MCA_odls_base_sigkill_timeout");
+    const double grace_s = set ? std::atof(set->c_str()) : 1.0;
     const double step_s = step_ms / 1000.0;
     if (step_s < 0.5 * grace_s) return;
     std::fprintf(stderr,

@@ -16,6 +16,9 @@ const std::vector<EnvVar>& env_vars() {
         {"OMPI_COMM_WORLD_RANK", "rank under mpirun (with _SIZE and _LOCAL_RANK)"},
         {"OMPI_COMM_WORLD_SIZE", "world size under mpirun"},
         {"OMPI_COMM_WORLD_LOCAL_RANK", "rank on this node under mpirun (picks the GPU)"},
+        {"OMPI_MCA_odls_base_sigkill_timeout",
+         "mpirun's seconds between forwarding a stop signal and SIGKILL (default 1): rank 0 "
+         "warns when a step takes longer"},
         {"RANK", "rank under torchrun"},
         {"WORLD_SIZE", "world size under torchrun"},
         {"LOCAL_RANK", "rank on this node under torchrun (picks the GPU)"},

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sparsetron/config/model_config.h"
@@ -22,6 +23,13 @@ struct RunRequest {
     std::string load;               // train: Megatron's `load` (an HF directory or a checkpoint)
     std::string out;                // train: the output directory ("" = the default)
     std::string model;              // eval: a checkpoint, save directory or HF directory
+
+    // A request that names only a recipe and its overrides (plan, bench).
+    static RunRequest of(Kind kind, std::string recipe, std::vector<std::string> sets) {
+        RunRequest r;
+        r.kind = kind, r.recipe = std::move(recipe), r.sets = std::move(sets);
+        return r;
+    }
 };
 
 struct ResolvedRun {

@@ -3,6 +3,8 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <string>
 
 #include <algorithm>
 
@@ -349,8 +351,9 @@ TEST(Plan, SelectiveRecomputeSharesTheRecomputedBuffers) {
                              "layer.recomputed.norm_out", "moe.recomputed.expert_act"})
         EXPECT_TRUE(has(rec, name)) << name;
     for (const PlanEntry& e : rec.entries())
-        if (e.name.rfind("attn.query_block.", 0) == 0 && e.name != "attn.query_block.lse")
+        if (e.name.rfind("attn.query_block.", 0) == 0 && e.name != "attn.query_block.lse") {
             EXPECT_EQ(e.shape[0], 16384) << e.name;
+        }
     const MemoryPlan whole = plan_of({"recompute_granularity=selective",
                                       "recompute_modules=core_attn mla_up_proj layernorm moe_act",
                                       "recompute_block_rows=32768"});
@@ -541,6 +544,60 @@ TEST(Plan, PagedStashUnderExpertParallelismKeepsTheReceivedRows) {
         }
     EXPECT_TRUE(pool);
     EXPECT_LT(paged.total_bytes(), kept.total_bytes());
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
+// The distributed optimizer shards memory (planned without a GPU): on the proxy at DP4 every
+// fp32 master and optimizer state tensor is planned on exactly one of the four ranks, but for the
+// masters a kernel reads (the routers' fp32 GEMM, the buffers), which every rank keeps; the bf16
+// copies stay on every rank. Each rank plans less than a quarter of the unsharded masters and
+// state beyond what every rank keeps, plus the largest parameter's share.
+TEST(Plan, DistributedOptimizerKeepsEachMasterAndStateOnOneRank) {
+#if SPARSETRON_WITH_CUDA
+    const std::vector<std::string> dp4 = {"world_size=4", "global_batch_size=4"};
+    std::vector<std::string> dist = dp4;
+    dist.push_back("use_distributed_optimizer=true");
+    const Recipe r =
+        load_recipe(std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml", dist);
+    auto tp = make_training_plan(r, Device::CUDA);
+    const MemoryPlan whole = proxy_device_plan(dp4);
+    auto sharded_bytes = [](const MemoryPlan& p) {
+        size_t b = p.class_bytes(MemClass::OptimizerState);
+        for (const PlanEntry& e : p.entries())
+            if (e.cls == MemClass::Parameters && e.dtype == DType::F32) b += e.bytes;
+        return b;
+    };
+    std::map<std::string, int> ranks_with;  // fp32 master or state tensor -> ranks planning it
+    size_t everywhere = 0;                  // fp32 bytes every rank keeps
+    for (int rank = 0; rank < 4; ++rank) {
+        const MemoryPlan p =
+            cuda_memory_plan(r, *tp->params, tp->max_documents, tp->chunk_rows, {}, rank);
+        for (const PlanEntry& e : p.entries())
+            if (e.cls == MemClass::OptimizerState ||
+                (e.cls == MemClass::Parameters && e.dtype == DType::F32))
+                ++ranks_with[e.name];
+        EXPECT_EQ(p.class_bytes(MemClass::Gradients), whole.class_bytes(MemClass::Gradients));
+        EXPECT_LT(p.total_bytes(), whole.total_bytes()) << "rank " << rank;
+        if (rank == 0)
+            for (const PlanEntry& e : p.entries())
+                if (e.cls == MemClass::Parameters && e.dtype == DType::F32 &&
+                    (e.name.find(".mlp.gate.weight") != std::string::npos ||
+                     e.name.find("e_score_correction_bias") != std::string::npos))
+                    everywhere += e.bytes;
+        const size_t quarter = (sharded_bytes(whole) - everywhere) / 4;
+        const size_t largest = size_t(154880) * 6144 * 4 * 3;  // the embedding's master + moments
+        EXPECT_LE(sharded_bytes(p), everywhere + quarter + largest) << "rank " << rank;
+    }
+    ASSERT_GT(everywhere, 0u);
+    for (const auto& [name, count] : ranks_with) {
+        const bool read = name.find(".mlp.gate.weight") != std::string::npos ||
+                          name.find("e_score_correction_bias") != std::string::npos;
+        const bool state = name.find(".exp_avg") != std::string::npos ||
+                           name.find(".momentum_buffer") != std::string::npos;
+        EXPECT_EQ(count, read && !state ? 4 : 1) << name;
+    }
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

@@ -185,9 +185,29 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
               std::string::npos)
         << wide.output;
     // Experts sharded: EP rank 0 of 4 holds expert 0 of the 4 (each layer), not expert 1.
-    EXPECT_NE(wide.output.find("each plan below is EP rank 0's"), std::string::npos);
+    EXPECT_NE(wide.output.find("each plan below is of its stage's first rank"), std::string::npos)
+        << wide.output;
     EXPECT_NE(wide.output.find("mlp.experts.0.gate_proj.weight"), std::string::npos);
     EXPECT_EQ(wide.output.find("mlp.experts.1.gate_proj.weight"), std::string::npos);
+    // --world-rank: that rank's plan (on CUDA its share of the distributed optimizer, named); a
+    // rank beyond world_size is refused.
+    const std::string layout8 =
+        "plan --set world_size=8 --set global_batch_size=8 --set use_distributed_optimizer=true";
+    CliRun rank3 = run(layout8 + " --world-rank 3");
+    ASSERT_EQ(rank3.code, 0) << rank3.output;
+    EXPECT_NE(rank3.output.find("each plan below is rank 3's"), std::string::npos) << rank3.output;
+#if SPARSETRON_WITH_CUDA
+    CliRun cuda3 = run(layout8 + " --world-rank 3 --device cuda");
+    ASSERT_EQ(cuda3.code, 0) << cuda3.output;
+    EXPECT_NE(cuda3.output.find("the distributed optimizer keeps a rank's share of the fp32 "
+                                "masters and optimizer state, over the 8 ranks"),
+              std::string::npos)
+        << cuda3.output;
+#endif
+    CliRun rank8 = run(layout8 + " --world-rank 8");
+    EXPECT_EQ(rank8.code, 1) << rank8.output;
+    EXPECT_NE(rank8.output.find("--world-rank 8: the recipe's world_size is 8"), std::string::npos)
+        << rank8.output;
     // CP 2: a rank plans its rows (< 256 / 2 + 2 x 4 documents) of 256-row micro-batches.
     EXPECT_NE(wide.output.find("this rank computes 136 rows of micro-batches of 256 key rows"),
               std::string::npos)

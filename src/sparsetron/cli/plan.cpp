@@ -26,16 +26,18 @@ void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
                     .c_str());
 }
 
-// One process's plan of `stage` (the whole model by default).
+// One process's plan of `stage` (the whole model by default); `optimizer_rank`: its place among
+// the ranks holding the same parameters (its share of the distributed optimizer's masters and
+// state).
 void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::string& device,
-                int top) {
+                int top, int optimizer_rank) {
     const Device d = parse_device(device);
     auto tp = make_training_plan(recipe, d, stage);
     const auto& params = *tp->params;
     if (d == Device::CUDA) {
         size_t total = 0;
-        const std::string table =
-            format_cuda_plan(recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage);
+        const std::string table = format_cuda_plan(
+            recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage, optimizer_rank);
         std::printf(
             "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
             "masters, gradients and optimizer state)\n",
@@ -72,21 +74,33 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
 }
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
-         const std::string& device, int top) {
+         const std::string& device, int top, int world_rank) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
-    if (recipe.run.world_size > 1) {
-        // The layout the recipe asks for; the plans below are of one process of it.
-        const ParallelLayout layout = make_layout(recipe.run, int(recipe.run.world_size));
+    const int world = int(recipe.run.world_size);
+    ST_CHECK(world_rank < world, "--world-rank ", world_rank, ": the recipe's world_size is ",
+             world, " (ranks 0-", world - 1, ")");
+    const ParallelLayout layout = make_layout(recipe.run, world);
+    // The CUDA engine's distributed optimizer shards memory (the CPU backend's shards the work).
+    const bool sharded = recipe.run.use_distributed_optimizer && layout.stage_size() > 1 &&
+                         parse_device(device) == Device::CUDA;
+    if (world > 1)
         std::printf(
-            "parallel layout: %s\nnote: each plan below is EP rank 0's (every EP rank holds "
-            "as many experts); expert parallelism adds its worst-case receive rows, and "
-            "use_distributed_optimizer would drop the AdamW moments a rank does not own "
-            "(not shown: they depend on the rank; docs/parallel.md)\n",
-            layout.describe().c_str());
-    }
+            "parallel layout: %s\nnote: each plan below is %s (every EP rank holds as many "
+            "experts; expert parallelism adds its worst-case receive rows)%s\n",
+            layout.describe().c_str(),
+            world_rank >= 0 ? cat("rank ", world_rank, "'s").c_str()
+                            : "of its stage's first rank; --world-rank N shows rank N's",
+            sharded ? cat("; the distributed optimizer keeps a rank's share of the fp32 masters "
+                          "and optimizer state, over the ",
+                          layout.stage_size(), " ranks holding the same parameters")
+                          .c_str()
+                    : "");
     const int stages = int(recipe.run.pipeline_model_parallel_size);
-    if (stages == 1) {
-        print_plan(recipe, {}, device, top);
+    if (stages == 1 || world_rank >= 0) {
+        const PipelineStage stage =
+            stages == 1 ? PipelineStage{}
+                        : pipeline_stage(recipe.model, recipe.run, layout.pp_rank(world_rank));
+        print_plan(recipe, stage, device, top, world_rank >= 0 ? layout.stage_rank(world_rank) : 0);
         return 0;
     }
     // Pipeline parallelism: each stage holds its layers (and the embedding, or the head, the
@@ -98,7 +112,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
                     static_cast<long long>(stage.first_layer), static_cast<long long>(end - 1),
                     stage.first() ? ", the embedding" : "",
                     stage.last() ? ", the final norm, head, losses and MTP" : "");
-        print_plan(recipe, stage, device, top);
+        print_plan(recipe, stage, device, top, 0);
     }
     return 0;
 }
@@ -150,7 +164,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
 Run add_plan(CLI::App& app) {
     struct Options {
         std::string recipe, device = "cpu", lengths;
-        int top = -1;
+        int top = -1, world_rank = -1;
         std::vector<std::string> sets;
     };
     auto o = std::make_shared<Options>();
@@ -163,12 +177,17 @@ Run add_plan(CLI::App& app) {
     c->add_option("--lengths", o->lengths,
                   "Comma-separated seq_length values, ascending: the plan's class totals at each "
                   "and the buffers that grow faster than the tokens");
+    c->add_option("--world-rank", o->world_rank,
+                  "The plan of this rank of the recipe's world_size (its pipeline stage and its "
+                  "share of the distributed optimizer; default: each stage's first rank)")
+        ->check(CLI::NonNegativeNumber);
     c->add_option("--top", o->top,
                   "How many buffers each list shows (default 6 per class; 12 with --lengths)");
     return [o] {
-        return o->lengths.empty() ? plan(o->recipe, o->sets, o->device, o->top < 0 ? 6 : o->top)
-                                  : plan_lengths(o->recipe, o->sets, o->device, o->lengths,
-                                                 o->top < 0 ? 12 : o->top);
+        return o->lengths.empty()
+                   ? plan(o->recipe, o->sets, o->device, o->top < 0 ? 6 : o->top, o->world_rank)
+                   : plan_lengths(o->recipe, o->sets, o->device, o->lengths,
+                                  o->top < 0 ? 12 : o->top);
     };
 }
 

@@ -16,7 +16,7 @@ int64_t ParamInfo::numel() const {
 
 int64_t ParamStore::push(ParamInfo p) {
     ST_ASSERT(index_of(p.name) < 0, "parameter '", p.name, "' registered twice");
-    p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
+    if (plan_values_) p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
     if (p.trainable)
         p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad", dtype_, p.shape);
     index_.emplace(p.name, int64_t(params_.size()));
@@ -55,6 +55,12 @@ int64_t ParamStore::add_like(const ParamInfo& other) {
     ParamInfo p = other;
     p.param_slot = p.grad_slot = -1;
     return push(std::move(p));
+}
+
+void ParamStore::plan_value(int64_t i) {
+    ParamInfo& p = params_[size_t(i)];
+    ST_ASSERT(p.param_slot < 0, "parameter '", p.name, "': its value is already planned");
+    p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
 }
 
 void ParamStore::set_mtp_from(int64_t first) {

@@ -39,7 +39,11 @@ struct ParamInfo {
 
 class ParamStore {
   public:
-    ParamStore(MemoryPlan& plan, DType dtype) : plan_(plan), dtype_(dtype) {}
+    // `plan_values`: each parameter's value slot planned as it is added; without it the owner
+    // plans them later (plan_value), only for the parameters it keeps (the CUDA model under the
+    // distributed optimizer, whose fp32 masters of other ranks' parameters are not held).
+    ParamStore(MemoryPlan& plan, DType dtype, bool plan_values = true)
+        : plan_(plan), dtype_(dtype), plan_values_(plan_values) {}
 
     // A trainable parameter; the group follows SPEC §7 (Muon for 2-D weights, AdamW otherwise)
     // unless `group` is given. Returns its index.
@@ -53,6 +57,8 @@ class ParamStore {
     // A copy of another store's entry (same name, shape, group, flags) planned in this store's
     // plan: how a second backend's model gets the identical parameter table.
     int64_t add_like(const ParamInfo& other);
+    // The value slot of parameter i, planned now (a store made without `plan_values`).
+    void plan_value(int64_t i);
 
     const std::vector<ParamInfo>& params() const { return params_; }
     const ParamInfo& at(const std::string& name) const;
@@ -70,6 +76,7 @@ class ParamStore {
     std::unordered_map<std::string, int64_t> index_;  // name -> position in params_
     MemoryPlan& plan_;
     DType dtype_;
+    bool plan_values_ = true;
 };
 
 }  // namespace sparsetron

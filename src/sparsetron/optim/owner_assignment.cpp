@@ -33,11 +33,35 @@ std::vector<int> parameter_owners(const ParamStore& store, const RunConfig& run,
     std::vector<double> cost(params.size(), -1.0);
     for (size_t i = 0; i < params.size(); ++i) {
         if (!params[i].trainable || (sharded && params[i].routed_expert)) continue;
-        cost[i] = double(params[i].numel());
-        if (muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2)
-            cost[i] *= double(std::min(params[i].shape[0], params[i].shape[1]));
+        // What the owner keeps: the fp32 master and Muon's momentum or AdamW's two moments.
+        const bool muon_param =
+            muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2;
+        cost[i] = double(params[i].numel()) * (muon_param ? 2.0 : 3.0);
     }
     return assign_owners_greedy(cost, ranks);
+}
+
+std::vector<bool> OptimizerShard::elsewhere() const {
+    std::vector<bool> out;
+    if (!sharded()) return out;
+    for (size_t i = 0; i < owner.size(); ++i) out.push_back(!mine(i));
+    return out;
+}
+
+OptimizerShard optimizer_shard(const ParamStore& params, const RunConfig& run, int rank,
+                               int ranks) {
+    ST_CHECK(0 <= rank && rank < ranks, "optimizer shard: rank ", rank, " of ", ranks);
+    OptimizerShard s;
+    if (!run.use_distributed_optimizer || ranks == 1) return s;
+    s.rank = rank, s.ranks = ranks;
+    s.owner = parameter_owners(params, run, ranks);
+    return s;
+}
+
+OptimizerShard planned_optimizer_shard(const ParamStore& params, const RunConfig& run, int rank) {
+    const int ranks = int(std::max<int64_t>(
+        1, run.world_size / std::max<int64_t>(1, run.pipeline_model_parallel_size)));
+    return optimizer_shard(params, run, rank, ranks);
 }
 
 void broadcast_state_from_owners(Comm& comm, const ParamStore& store, const Optimizer& optimizer,

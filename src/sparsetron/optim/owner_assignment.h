@@ -16,10 +16,28 @@ namespace sparsetron {
 std::vector<int> assign_owners_greedy(const std::vector<double>& cost, int ranks);
 
 // The distributed optimizer's owner of each parameter among `ranks` ranks holding the same
-// parameters, balanced by cost (Muon's Newton-Schulz ~ numel x min(rows, cols), AdamW ~ numel);
+// parameters, balanced by the memory the owner keeps (the fp32 master and the state: 2 numel
+// for a Muon matrix, 3 for AdamW), which also spreads Newton-Schulz's work by matrix size;
 // -1 for what has no owner: buffers, and routed experts sharded over expert parallelism, which
 // every rank updates itself (its expert-data-parallel group holds the same reduced gradients).
 std::vector<int> parameter_owners(const ParamStore& params, const RunConfig& run, int ranks);
+
+// A rank's part of the distributed optimizer (use_distributed_optimizer over more than one
+// rank holding the same parameters): each parameter's owner (parameter_owners), and this rank.
+// The owner alone keeps the parameter's fp32 master and optimizer state, updates it and
+// broadcasts the new weights; ranks == 1 (no sharding) leaves every owner -1.
+struct OptimizerShard {
+    int rank = 0, ranks = 1;
+    std::vector<int> owner;  // per parameter; -1: every rank keeps and updates it
+    bool sharded() const { return ranks > 1; }
+    bool mine(size_t i) const { return owner.empty() || owner[i] < 0 || owner[i] == rank; }
+    // Per parameter: its master and state live on another rank (empty when not sharded).
+    std::vector<bool> elsewhere() const;
+};
+OptimizerShard optimizer_shard(const ParamStore& params, const RunConfig& run, int rank, int ranks);
+// The shard of the rank at `rank` among the world_size / pipeline_model_parallel_size ranks that
+// hold the same parameters in a run of `run` (what `plan` shows for that rank).
+OptimizerShard planned_optimizer_shard(const ParamStore& params, const RunConfig& run, int rank);
 
 // Each parameter's optimizer state tensors (named "<parameter>.<state>") from the rank owning the
 // parameter (owner[i] of `params`) to every rank of `comm`; negative owners (state every rank

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -161,9 +162,11 @@ inline CudaBuffers::Saving saving(const ActivationPolicy& a, std::optional<Recom
 }
 
 struct CudaParam {
-    float* master = nullptr;  // fp32 value (the optimizer's)
-    float* grad = nullptr;    // fp32 gradient (null for buffers)
-    bf16* w = nullptr;        // bf16 copy the kernels read (null when none does: FP8 weights)
+    // fp32 value (the optimizer's); null where the distributed optimizer keeps it on another
+    // rank (the kernels then read `w`, which that rank's update reaches by broadcast).
+    float* master = nullptr;
+    float* grad = nullptr;  // fp32 gradient (null for buffers)
+    bf16* w = nullptr;      // bf16 copy the kernels read (null when none does: FP8 weights)
     int64_t numel = 0;
 };
 
@@ -176,13 +179,18 @@ class CudaParams {
     // 2 bytes a parameter of memory and of the optimizer's writes every step. Their `w` stays
     // null, so a kernel that did read one fails at once instead of reading stale values.
     void plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread);
+    // A kernel reads parameter i's fp32 master (the router's GEMM, the FP8 quantizers): every
+    // rank keeps that master, also under the distributed optimizer. Declared while the model is
+    // built, before its masters are planned.
+    void read_master(int64_t i) const { reads_master_.insert(i); }
+    bool master_read(int64_t i) const { return reads_master_.count(i) > 0; }
     void bind(const MemoryPlan& plan);
     const ParamStore& store() const { return store_; }
     int64_t index(const std::string& name) const;  // throws when absent
     const CudaParam& operator[](int64_t i) const { return all_[i]; }
     size_t size() const { return all_.size(); }
     // bf16 copies from the fp32 masters (after loading or initializing the masters); the
-    // parameters without one are skipped.
+    // parameters without a copy or without a master here are skipped.
     void refresh_bf16(const ExecContext& ctx) const;
 
     // A step's gradients without zeroing them all first (every gradient's bytes written, and every
@@ -205,6 +213,7 @@ class CudaParams {
 
   private:
     const ParamStore& store_;
+    mutable std::set<int64_t> reads_master_;
     std::vector<MemoryPlan::Slot> bf16_slots_;
     std::vector<CudaParam> all_;
     void zero_grad(const ExecContext& ctx, size_t i) const;

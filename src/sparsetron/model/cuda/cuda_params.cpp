@@ -22,7 +22,7 @@ void CudaParams::bind(const MemoryPlan& plan) {
     for (size_t i = 0; i < store_.params().size(); ++i) {
         const ParamInfo& p = store_.params()[i];
         CudaParam g;
-        g.master = plan.view(p.param_slot).ptr<float>();
+        g.master = p.param_slot < 0 ? nullptr : plan.view(p.param_slot).ptr<float>();
         g.grad = p.grad_slot < 0 ? nullptr : plan.view(p.grad_slot).ptr<float>();
         g.w = bf16_slots_[i] < 0 ? nullptr : plan.view(bf16_slots_[i]).ptr<bf16>();
         g.numel = p.numel();
@@ -41,7 +41,7 @@ int64_t CudaParams::index(const std::string& name) const {
 
 void CudaParams::refresh_bf16(const ExecContext& ctx) const {
     for (const auto& p : all_)
-        if (p.w) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
+        if (p.w && p.master) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
 }
 
 }  // namespace sparsetron::cuda

@@ -16,7 +16,8 @@ using cuda::gemm;
 
 CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                              int64_t tokens, int64_t max_docs, int64_t chunk_rows,
-                             int64_t key_tokens, bool fp8_blockwise, const PipelineStage& stage)
+                             int64_t key_tokens, bool fp8_blockwise, const PipelineStage& stage,
+                             const std::vector<bool>& masters_elsewhere)
     : cfg_(cfg),
       plan_(plan),
       stage_(stage),
@@ -29,7 +30,11 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
     if (cp_) require_dsa_for_context_parallel(cfg);
-    store_ = std::make_unique<ParamStore>(plan, DType::F32);
+    ST_CHECK(masters_elsewhere.empty() || masters_elsewhere.size() == host_store.params().size(),
+             "CUDA model: ", masters_elsewhere.size(), " master placements for ",
+             host_store.params().size(), " parameters");
+    // The masters are planned last, once the modules have said which they read.
+    store_ = std::make_unique<ParamStore>(plan, DType::F32, /*plan_values=*/false);
     for (const auto& p : host_store.params()) store_->add_like(p);
     P_ = std::make_unique<CudaParams>(*store_);
     const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
@@ -174,8 +179,14 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     B_.plan_regions();
     if (offload_) offload_->plan();
     if (fp8_) fp8_->declare();
-    // The weights read only through FP8 have no bf16 copies.
-    P_->plan_bf16(plan, fp8_ ? fp8_->params() : std::vector<int64_t>{});
+    // The weights read only through FP8 have no bf16 copies; the FP8 quantizers read their
+    // masters.
+    const std::vector<int64_t> fp8_params = fp8_ ? fp8_->params() : std::vector<int64_t>{};
+    for (const int64_t i : fp8_params) P_->read_master(i);
+    for (int64_t i = 0; i < store_->size(); ++i)
+        if (masters_elsewhere.empty() || !masters_elsewhere[size_t(i)] || P_->master_read(i))
+            store_->plan_value(i);
+    P_->plan_bf16(plan, fp8_params);
 }
 
 void CudaGlm5Model::carve_inputs() {

@@ -30,9 +30,13 @@ class CudaGlm5Model {
     // eh_proj) as FP8 blockwise linears (model/cuda/fp8_linear.h).
     // `stage`: pipeline parallelism, the part of the model this rank holds (the CPU model's
     // rule: `host_store` holds that part's parameters).
+    // `masters_elsewhere` (per parameter of `host_store`; empty: none): the distributed
+    // optimizer keeps that parameter's fp32 master on another rank, so this plan has none unless
+    // a kernel reads the master (CudaParams::read_master).
     CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
-                  bool fp8_blockwise = false, const PipelineStage& stage = {});
+                  bool fp8_blockwise = false, const PipelineStage& stage = {},
+                  const std::vector<bool>& masters_elsewhere = {});
     ~CudaGlm5Model();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);

@@ -41,6 +41,7 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
              "balancing through the router bias)");
     capacity_ = c.moe_expert_capacity(tokens);
     router_ = P.index(p + "gate.weight");
+    P.read_master(router_);  // the router's GEMM runs in fp32
     bias_ = P.index(p + "gate.e_score_correction_bias");
     // This rank's experts (all of them without expert parallelism: the weights are sharded).
     El_ = c.local_experts();
@@ -396,7 +397,8 @@ bool CudaMoeLayer::expert_grads_added(const Local& L) const {
 
 void CudaMoeLayer::check_layout() const {
     // Every arena: the bf16 copies (null under FP8, which has none), the gradients, and the fp32
-    // masters (the FP8 weight quantizer reads all experts of a kind at one stride).
+    // masters where a kernel reads them (the FP8 weight quantizer reads all experts of a kind at
+    // one stride; elsewhere the distributed optimizer may keep some on other ranks).
     auto fixed_stride = [&](int64_t first, auto member) {
         const auto* p0 = P_[first].*member;
         const int64_t s = El_ > 1 ? P_[first + wstride_].*member - p0 : 0;
@@ -406,7 +408,7 @@ void CudaMoeLayer::check_layout() const {
     };
     for (int64_t first : {gate0_, up0_, down0_})
         ST_CHECK(fixed_stride(first, &CudaParam::w) && fixed_stride(first, &CudaParam::grad) &&
-                     fixed_stride(first, &CudaParam::master),
+                     (!P_.master_read(first) || fixed_stride(first, &CudaParam::master)),
                  "CUDA MoE: the experts of '", P_.store().params()[first].name,
                  "' are not at a fixed stride (the grouped GEMMs need one)");
     ST_CHECK(El_ <= 1 ||

@@ -1,8 +1,8 @@
 // Optimizer kernels on the device: the global gradient norm in fixed-order partial sums, the
 // clipping scale and the skip flags as device scalars (the step never reads a norm on the host),
-// AdamW, and Muon's momentum (the batched Newton-Schulz is muon_batch.h). CPU references:
-// optim_cpu.cpp (sum of squares, AdamW) and optim/ (Muon, Newton-Schulz). CUDA: clip_adamw.cu,
-// muon.cu. Tests: tests/ops/test_optim_kernels.cpp, tests/gpu/ops/test_optim_cuda.cpp.
+// and AdamW (Muon's momentum, batched Newton-Schulz and update are muon_batch.h). CPU references:
+// optim_cpu.cpp (sum of squares, AdamW) and optim/ (Muon, Newton-Schulz). CUDA: clip_adamw.cu.
+// Tests: tests/ops/optim/test_optim.cpp, tests/ops/optim/test_optim_cuda.cpp.
 #pragma once
 
 #include <cstdint>
@@ -51,10 +51,5 @@ struct AdamwHyper {
 void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
                   float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
                   bf16* param_bf16);
-
-// Unless *skip: mom = beta mom + (1 - beta) g (*scale). (The decoupled decay is applied with the
-// update: muon_apply_batch.)
-void muon_momentum(const ExecContext& ctx, const float* g, float* mom, int64_t n, float beta,
-                   const float* scale, const int32_t* skip);
 
 }  // namespace sparsetron::cuda

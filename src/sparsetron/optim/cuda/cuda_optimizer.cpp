@@ -14,35 +14,32 @@
 namespace sparsetron::cuda {
 
 CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelConfig& m,
-                             const RunConfig& r, Comm* distributed, Comm* expert_parallel,
-                             Comm* pipeline)
+                             const RunConfig& r, const OptimizerShard& shard, Comm* distributed,
+                             Comm* expert_parallel, Comm* pipeline)
     : P_(P),
       cfg_(m),
-      dist_(distributed && distributed->size() > 1 ? distributed : nullptr),
+      shard_(shard),
+      dist_(shard.sharded() ? distributed : nullptr),
       ep_(expert_parallel && expert_parallel->size() > 1 ? expert_parallel : nullptr),
       pp_(pipeline && pipeline->size() > 1 ? pipeline : nullptr) {
     const auto& params = P.store().params();
+    ST_CHECK(!shard.sharded() || shard.owner.size() == params.size(),
+             "distributed optimizer: ", shard.owner.size(), " owners for ", params.size(),
+             " parameters");
     muon_ = r.optimizer == "muon";
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
-    rank_ = dist_ ? dist_->rank() : 0;
-    ranks_ = dist_ ? dist_->size() : 1;
-    fused_momentum_ = muon_ && !dist_;
-    // Distributed optimizer: each AdamW parameter's state and update live on one rank (greedy
-    // by size), which then broadcasts the updated weights. Experts sharded over EP are this
-    // rank's own: it keeps their state and updates them itself (owner -1: no broadcast).
-    std::vector<double> adam_cost(params.size(), -1.0);
+    // The distributed optimizer: each parameter's master, state and update on its owner, which
+    // then broadcasts the new weights. Experts sharded over EP are every rank's own (owner -1).
     for (size_t i = 0; i < params.size(); ++i) {
         uses_muon_.push_back(muon_ && is_muon_param(params[i]));
         local_.push_back(ep_ && params[i].routed_expert);
-        if (params[i].trainable && !uses_muon_[i] && !local_[i])
-            adam_cost[i] = double(params[i].numel());
+        mine_.push_back(params[i].trainable && shard.mine(i));
     }
-    adam_owner_ = assign_owners_greedy(adam_cost, ranks_);
     int64_t max_numel = 0;
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
-        const bool muon = uses_muon_[i];
-        const bool adam = p.trainable && !muon && (adam_owner_[i] == rank_ || local_[i]);
+        const bool muon = uses_muon_[i] && mine_[i];
+        const bool adam = p.trainable && !uses_muon_[i] && mine_[i];
         m_slots_.push_back(
             adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
                  : -1);
@@ -52,6 +49,7 @@ CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelC
         mom_slots_.push_back(muon ? plan.add(MemClass::OptimizerState, p.name + ".momentum_buffer",
                                              DType::F32, p.shape)
                                   : -1);
+        // Only this rank's matrices: Newton-Schulz runs where the momentum is.
         splits_.push_back(muon ? muon_split_for(p, m, r) : MuonSplit{});
         if (muon) max_numel = std::max(max_numel, p.numel());
     }
@@ -106,42 +104,12 @@ void CudaOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_
     // the GPU with small per-head slices, a bounded workspace for the large ones.
     constexpr int64_t kBatchElements = int64_t(64) << 20;
     const int64_t limit = std::max(kBatchElements, max_numel);
-    // Distributed: the sharded experts' batches (other matrices on every rank) are not split
-    // over the ranks; each rank runs its own after the shared rounds.
-    std::vector<MuonSplit> shared = splits_, own(splits_.size());
-    if (dist_)
-        for (size_t i = 0; i < splits_.size(); ++i)
-            if (local_[i]) std::swap(shared[i], own[i]);
-    batches_ = plan_muon_batches(shared, shapes, limit);
-    shared_batches_ = int64_t(batches_.size());
-    for (MuonBatch& b : plan_muon_batches(own, shapes, limit)) batches_.push_back(std::move(b));
-    // Rounds: the batches by Newton-Schulz FLOPs, largest first, W to a round (one per rank), so
-    // the ranks of a round wait little for each other (closer to the ideal split than pairing
-    // each rank's j-th batch of a greedy split; docs/parallel.md).
+    // This rank's matrices (splits_ holds no other), batched by shape.
+    batches_ = plan_muon_batches(splits_, shapes, limit);
     // muon_ns_method: gram runs the Gram form on the batches where it costs fewer FLOPs.
     gram_.clear();
     for (const MuonBatch& b : batches_)
         gram_.push_back(uses_gram_ns(r.muon_ns_method, b.rr(), b.cc(), r.muon_num_ns_steps));
-    std::vector<std::pair<double, int>> cost;
-    for (int64_t k = 0; k < shared_batches_; ++k) {
-        const MuonBatch& b = batches_[size_t(k)];
-        cost.emplace_back(
-            double(b.count()) *
-                newton_schulz_cost(b.rr(), b.cc(), r.muon_num_ns_steps, gram_[size_t(k)]),
-            int(k));
-    }
-    std::stable_sort(cost.begin(), cost.end(),
-                     [](const auto& x, const auto& y) { return x.first > y.first; });
-    rounds_.assign((cost.size() + size_t(ranks_) - 1) / size_t(ranks_),
-                   std::vector<int>(size_t(ranks_), -1));
-    for (size_t i = 0; i < cost.size(); ++i)
-        rounds_[i / size_t(ranks_)][i % size_t(ranks_)] = cost[i].second;
-    // A round's slot: its largest batch (every rank sends that many elements).
-    round_elements_.assign(rounds_.size(), 0);
-    for (size_t j = 0; j < rounds_.size(); ++j)
-        for (int k : rounds_[j])
-            if (k >= 0)
-                round_elements_[j] = std::max(round_elements_[j], batches_[size_t(k)].elements());
     batch_first_.clear();
     int64_t first = 0;
     for (const MuonBatch& b : batches_) batch_first_.push_back(first), first += b.count();
@@ -166,15 +134,14 @@ void CudaOptimizer::plan_muon(MemoryPlan& plan, const RunConfig& r, int64_t max_
         norms = std::max(norms, cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols));
         problems += b.count();
     }
-    // The gathered fp32 momentum stack; W [buffers, ranks, count, rr, cc] (one slot per rank: a
-    // round's results are all-gathered; two buffers when distributed, so round j's all-gather
-    // overlaps round j + 1's Newton-Schulz), its copy Y and A, B [count, rr, rr] (the Gram
-    // form: kGramSquares of them) in the iteration's element type (both forms' types have the
-    // same size); norm partials; the problem table.
-    ns_buffers_ = dist_ ? 2 : 1;
+    // The gathered fp32 momentum stack; W [count, rr, cc], its copy Y and A, B [count, rr, rr]
+    // (the Gram form: kGramSquares of them) in the iteration's element type (both forms' types
+    // have the same size); norm partials; the problem table.
+    // (A rank of the distributed optimizer may own no matrix: one-element areas then.)
+    stack = std::max<int64_t>(stack, 1), norms = std::max<int64_t>(norms, 1);
+    problems = std::max<int64_t>(problems, 1);
     s_stack_ = plan.add(MemClass::Workspace, "optim.muon_stack", DType::F32, {stack});
-    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_,
-                     {(ns_buffers_ * ranks_ + 1) * stack + squares});
+    s_ns_ = plan.add(MemClass::Workspace, "optim.newton_schulz", ns_elem_, {2 * stack + squares});
     ns_stack_ = stack;
     s_ns_norms_ = plan.add(MemClass::Workspace, "optim.muon_norms", DType::F32, {norms});
     static_assert(sizeof(cuda::MuonDeviceProblem) % 8 == 0);
@@ -248,42 +215,50 @@ void CudaOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         if (!p.trainable) continue;
         const int g = separate_mtp_ && p.mtp ? 1 : 0;
         const CudaParam& gp = P_[int64_t(i)];
-        if (uses_muon_[i]) {
-            // Momentum here unless the gather does it; the decoupled decay (1 - lr wd from the
-            // staged learning rate), the orthogonalized update and the bf16 copy come from the
-            // batches below.
-            if (!fused_momentum_)
-                cuda::muon_momentum(ctx, gp.grad, mom_[i], gp.numel, float(run.muon_momentum),
-                                    scale_ + g, skip_ + g);
-        } else if (adam_owner_[i] == rank_ || local_[i]) {
-            // lr and the bias corrections come from the staged schedule (graph-safe).
-            const cuda::AdamwHyper hp{
-                .beta1 = float(run.adam_beta1),
-                .beta2 = float(run.adam_beta2),
-                .eps = float(run.adam_eps),
-                .weight_decay = p.weight_decay ? float(run.weight_decay) : 0.f,
-                .schedule = sched_};
-            cuda::adamw_update(ctx, hp, gp.master, gp.grad, m_[i], v_[i], gp.numel, scale_ + g,
-                               skip_ + g, gp.w);
-        }
+        if (!mine_[i] || uses_muon_[i]) continue;  // Muon: the batches below
+        // lr and the bias corrections come from the staged schedule (graph-safe).
+        const cuda::AdamwHyper hp{.beta1 = float(run.adam_beta1),
+                                  .beta2 = float(run.adam_beta2),
+                                  .eps = float(run.adam_eps),
+                                  .weight_decay = p.weight_decay ? float(run.weight_decay) : 0.f,
+                                  .schedule = sched_};
+        cuda::adamw_update(ctx, hp, gp.master, gp.grad, m_[i], v_[i], gp.numel, scale_ + g,
+                           skip_ + g, gp.w);
     }
+    // Distributed: the AdamW parameters from their owners on the side stream, overlapping
+    // Newton-Schulz; the Muon matrices after it. A skipped step broadcasts the unchanged
+    // weights (the skip decision is the same on every rank).
     if (dist_) {
-        // Every AdamW parameter from the rank that updated it (a skipped step broadcasts the
-        // unchanged weights: the skip decision is the same on every rank), on the side stream:
-        // it overlaps Muon's first Newton-Schulz rounds.
         ST_ASSERT(side_, "distributed optimizer: prepare(ctx) was not called");
         side_->fork();
-        for (size_t i = 0; i < params.size(); ++i) {
-            if (adam_owner_[i] < 0) continue;
-            const CudaParam& gp = P_[int64_t(i)];
-            dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), adam_owner_[i],
-                                    side_->stream());
-            if (adam_owner_[i] != rank_ && gp.w)
-                cuda::f32_to_bf16(side_->ctx(), gp.master, gp.w, gp.numel);
+        broadcast_from_owners(side_->ctx(), false);
+    }
+    // Newton-Schulz, the decoupled decay (1 - lr wd from the staged learning rate), the
+    // orthogonalized update and the bf16 copy, batch by batch; the momentum in the gather.
+    if (muon_) run_muon_batches(ctx, run);
+    if (dist_) {
+        broadcast_from_owners(ctx, true);
+        side_->join();
+    }
+}
+
+void CudaOptimizer::broadcast_from_owners(const ExecContext& ctx, bool muon) {
+    const auto& params = P_.store().params();
+    for (size_t i = 0; i < params.size(); ++i) {
+        const int owner = shard_.owner[i];
+        if (owner < 0 || uses_muon_[i] != muon) continue;
+        const CudaParam& gp = P_[int64_t(i)];
+        if (P_.master_read(int64_t(i))) {
+            // A master every rank keeps: it goes, and the others refresh their bf16 copies.
+            dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), owner,
+                                    ctx.stream);
+            if (owner != shard_.rank && gp.w) cuda::f32_to_bf16(ctx, gp.master, gp.w, gp.numel);
+        } else {
+            ST_ASSERT(gp.w, "distributed optimizer: ", params[i].name,
+                      " has neither a master on every rank nor a bf16 copy");
+            dist_->device_broadcast(gp.w, gp.numel * int64_t(sizeof(bf16)), owner, ctx.stream);
         }
     }
-    if (muon_) run_muon_batches(ctx, run);
-    if (dist_) side_->join();
 }
 
 StepStats CudaOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,
@@ -307,21 +282,17 @@ void CudaOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r)
         coefficients.push_back({float(c.a), float(c.b), float(c.c)});
     }
     const int64_t es = int64_t(dtype_size(ns_elem_));
-    char* base = static_cast<char*>(ns_);                    // [buffers, ranks, stack]
-    char* y = base + ns_buffers_ * ranks_ * ns_stack_ * es;  // [stack]
-    char* a = y + ns_stack_ * es;                            // [gram]
-    auto slots_of = [&](size_t j) {
-        return base + int64_t(j % size_t(ns_buffers_)) * ranks_ * ns_stack_ * es;
-    };
-    auto slot_bytes_of = [&](size_t j) { return round_elements_[j] * es; };
+    char* base = static_cast<char*>(ns_);  // W [stack]
+    char* y = base + ns_stack_ * es;       // [stack]
+    char* a = y + ns_stack_ * es;          // [gram]
     // Batch k gathered, normalized and orthogonalized into `w`.
     auto orthogonalize = [&](int k, char* w) {
         const MuonBatch& b = batches_[size_t(k)];
         const cuda::MuonDeviceProblem* table = problems_ + batch_first_[size_t(k)];
         const DType elem = elem_of(size_t(k));
         cuda::muon_gather_batch(ctx, table, b.count(), b.rows, b.cols, b.transposed(),
-                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_,
-                                fused_momentum_ ? skip_ : nullptr, ns_norms_);
+                                float(r.muon_momentum), r.muon_nesterov, scale_, stack_, skip_,
+                                ns_norms_);
         const bool gram = gram_[size_t(k)];
         const float x_scale = gram ? cuda::gram_ns_x_scale(b.rr(), b.cc()) : 1.f;
         cuda::muon_normalize_gathered(ctx, stack_, b.count(), b.rows, b.cols, 1e-7f, ns_norms_,
@@ -344,34 +315,7 @@ void CudaOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r)
                                b.transposed(), w, elem_of(size_t(k)), factor, skip_, sched_,
                                float(r.weight_decay));
     };
-    // Every rank applies every batch of a round: the weights stay identical everywhere.
-    auto apply_round = [&](size_t j) {
-        for (int s = 0; s < ranks_; ++s)
-            if (const int k = rounds_[j][size_t(s)]; k >= 0)
-                apply(k, slots_of(j) + s * slot_bytes_of(j));
-    };
-    for (size_t j = 0; j < rounds_.size(); ++j) {
-        // This rank's batch: gather, normalize, Newton-Schulz into its slot.
-        if (const int k = rounds_[j][size_t(rank_)]; k >= 0)
-            orthogonalize(k, slots_of(j) + rank_ * slot_bytes_of(j));
-        if (!dist_) {
-            apply_round(j);
-            continue;
-        }
-        // Pipelined: round j's all-gather runs on the side stream while this stream applies
-        // round j - 1 (its all-gather waited for first) and computes round j + 1 into the other
-        // buffer.
-        if (j > 0) side_->join();
-        side_->fork();
-        dist_->device_allgather(slots_of(j), slot_bytes_of(j), side_->stream());
-        if (j > 0) apply_round(j - 1);
-    }
-    if (dist_ && !rounds_.empty()) {
-        side_->join();
-        apply_round(rounds_.size() - 1);
-    }
-    // This rank's own batches (sharded experts), after the shared rounds: slot 0 is free.
-    for (int k = int(shared_batches_); k < int(batches_.size()); ++k) {
+    for (int k = 0; k < int(batches_.size()); ++k) {
         orthogonalize(k, base);
         apply(k, base);
     }
@@ -379,10 +323,6 @@ void CudaOptimizer::run_muon_batches(const ExecContext& ctx, const RunConfig& r)
 
 void CudaOptimizer::prepare(const ExecContext& ctx) {
     if (dist_ && !side_) side_ = std::make_unique<cuda::SideStream>(ctx);
-}
-
-std::vector<int> CudaOptimizer::state_owners() const {
-    return dist_ ? adam_owner_ : std::vector<int>{};
 }
 
 std::vector<std::pair<std::string, MemoryPlan::Slot>> CudaOptimizer::state_tensors() const {

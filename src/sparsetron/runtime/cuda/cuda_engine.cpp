@@ -93,12 +93,16 @@ class CudaEngine final : public StepEngine, public StepBench {
                 "before the backward instead): drop them");
             stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
         }
+        // The distributed optimizer: masters and state sharded over the ranks holding the same
+        // parameters.
+        shard_ = dp_ ? optimizer_shard(host_store_, recipe_.run, dp_->rank(), dp_->size())
+                     : OptimizerShard{};
         model_ = std::make_unique<cuda::CudaGlm5Model>(
             recipe_.model, host_store_, plan_, cpp.rows, cpp.max_documents,
-            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage);
-        opt_ = std::make_unique<cuda::CudaOptimizer>(
-            model_->cuda_params(), plan_, recipe_.model, recipe_.run,
-            recipe_.run.use_distributed_optimizer ? dp_ : nullptr, expert_parallel, pp);
+            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage,
+            shard_.elsewhere());
+        opt_ = std::make_unique<cuda::CudaOptimizer>(model_->cuda_params(), plan_, recipe_.model,
+                                                     recipe_.run, shard_, dp_, expert_parallel, pp);
         if (pp) {
             pipeline_ = std::make_unique<CudaPipeline>(*model_, *pp, plan_,
                                                        recipe_.run.microbatches_per_step());
@@ -119,7 +123,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
             cuda_plan_shortfall(recipe, host_store_, max_documents, chunk_rows, plan_.total_bytes(),
-                                device_memory_free(), stage);
+                                device_memory_free(), stage, shard_.rank);
         ST_CHECK(shortfall.empty(), shortfall);
         const uint64_t host_free = available_host_memory();
         ST_CHECK(host_free == 0 || plan_.host_offload_bytes() <= host_free,
@@ -159,17 +163,23 @@ class CudaEngine final : public StepEngine, public StepBench {
         if (const cuda::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
-        // The distributed optimizer: AdamW state sharded by parameter, Muon's work by batch.
-        if (recipe_.run.use_distributed_optimizer && comms.world && comms.world->size() > 1)
-            owner_ = opt_->state_owners();
     }
 
     void upload_state() override {
         const auto& hp = host_store_.params();
         const auto& gp = model_->cuda_params();
-        for (size_t i = 0; i < hp.size(); ++i)
-            copy_to_device(gp[int64_t(i)].master, host_plan_.view(hp[i].param_slot).data,
-                           hp[i].numel() * sizeof(float));
+        std::vector<bf16> copy;
+        for (size_t i = 0; i < hp.size(); ++i) {
+            const float* value = host_plan_.view(hp[i].param_slot).ptr<float>();
+            const cuda::CudaParam& g = gp[int64_t(i)];
+            if (g.master) {
+                copy_to_device(g.master, value, hp[i].numel() * sizeof(float));
+            } else if (g.w) {  // its master is another rank's: the bf16 copy from the host's
+                copy.resize(size_t(hp[i].numel()));
+                for (size_t k = 0; k < copy.size(); ++k) copy[k] = float_to_bf16(value[k]);
+                copy_to_device(g.w, copy.data(), copy.size() * sizeof(bf16));
+            }
+        }
         for (auto& [dev_slot, host_slot] : state_pairs())
             copy_to_device(plan_.view(dev_slot).data, host_plan_.view(host_slot).data,
                            plan_.entries()[dev_slot].bytes);
@@ -182,14 +192,22 @@ class CudaEngine final : public StepEngine, public StepBench {
         const auto& hp = host_store_.params();
         const auto& gp = model_->cuda_params();
         for (size_t i = 0; i < hp.size(); ++i)
-            copy_to_host(host_plan_.view(hp[i].param_slot).data, gp[int64_t(i)].master,
-                         hp[i].numel() * sizeof(float));
+            if (gp[int64_t(i)].master)
+                copy_to_host(host_plan_.view(hp[i].param_slot).data, gp[int64_t(i)].master,
+                             hp[i].numel() * sizeof(float));
         for (auto& [dev_slot, host_slot] : state_pairs())
             copy_to_host(host_plan_.view(host_slot).data, plan_.view(dev_slot).data,
                          plan_.entries()[dev_slot].bytes);
-        if (!owner_.empty())
+        if (shard_.sharded()) {
+            // Every master and state tensor from its owner: each rank's host copy whole.
+            for (size_t i = 0; i < hp.size(); ++i)
+                if (shard_.owner[i] >= 0)
+                    comms_.stage->broadcast(host_plan_.view(hp[i].param_slot).data,
+                                            hp[i].numel() * int64_t(sizeof(float)),
+                                            shard_.owner[i]);
             broadcast_state_from_owners(*comms_.stage, host_store_, host_optimizer_, host_plan_,
-                                        owner_);
+                                        shard_.owner);
+        }
     }
 
     StepOutcome run_step(const StepWork& w) override {
@@ -574,8 +592,8 @@ class CudaEngine final : public StepEngine, public StepBench {
     const Optimizer& host_optimizer_;
     Communicators comms_;
     Comm* dp_ = nullptr;
-    std::vector<int> owner_;  // distributed optimizer: the rank holding each parameter's state
-    Comm* edp_ = nullptr;     // the sharded experts' gradient group (null: nothing to reduce)
+    OptimizerShard shard_;  // the distributed optimizer: each parameter's owner
+    Comm* edp_ = nullptr;   // the sharded experts' gradient group (null: nothing to reduce)
     struct Bucket {
         float* grad;
         int64_t n;

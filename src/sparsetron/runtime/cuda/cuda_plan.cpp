@@ -4,6 +4,7 @@
 
 #include "sparsetron/model/cuda/glm5_model.h"
 #include "sparsetron/optim/cuda/cuda_optimizer.h"
+#include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/parallel/context/cp_row_plan.h"
 #include "sparsetron/runtime/cuda/cuda_pipeline.h"
 
@@ -18,28 +19,31 @@ cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t slots) {
 }
 
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
-                            int64_t max_documents, int64_t chunk_rows, const PipelineStage& stage) {
+                            int64_t max_documents, int64_t chunk_rows, const PipelineStage& stage,
+                            int optimizer_rank) {
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
+    const OptimizerShard shard = planned_optimizer_shard(host_store, recipe.run, optimizer_rank);
     cuda::CudaGlm5Model model(m, host_store, plan, cpp.rows, cpp.max_documents,
                               std::min(chunk_rows, cpp.rows), cpp.key_rows,
-                              recipe.run.fp8_blockwise(), stage);
-    cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run);
+                              recipe.run.fp8_blockwise(), stage, shard.elsewhere());
+    cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run, shard);
     if (!stage.whole()) plan_pipeline_buffers(model, plan, recipe.run.microbatches_per_step());
     return plan;
 }
 
 std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
                                 int64_t max_documents, int64_t chunk_rows, size_t planned,
-                                size_t free_bytes, const PipelineStage& stage) {
+                                size_t free_bytes, const PipelineStage& stage, int optimizer_rank) {
     if (planned <= free_bytes) return "";
     const auto gib = [](size_t b) { return format_bytes(double(b)); };
     std::string largest;
     const auto kinds =
-        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage).kinds();
+        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+            .kinds();
     for (size_t i = 0; i < kinds.size() && i < 3; ++i)
         largest += cat(i ? ", " : "", kinds[i].pattern, " (", kinds[i].count, " x ",
                        gib(kinds[i].bytes / size_t(kinds[i].count)), ")");
@@ -51,7 +55,8 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
         r.model.recompute_granularity = "selective";
         r.model.recompute_modules = recompute_module_names();
         const size_t with =
-            cuda_memory_plan(r, host_store, max_documents, chunk_rows, stage).total_bytes();
+            cuda_memory_plan(r, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+                .total_bytes();
         std::string mods;
         for (const std::string& m : recompute_module_names())
             mods += (mods.empty() ? "" : ", ") + m;
@@ -64,8 +69,9 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
 
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
-                             int top, const PipelineStage& stage) {
-    const MemoryPlan plan = cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage);
+                             int top, const PipelineStage& stage, int optimizer_rank) {
+    const MemoryPlan plan =
+        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage, optimizer_rank);
     const ModelConfig& m = recipe.model;
     std::string text = plan.format(top);
     size_t total = plan.total_bytes();
@@ -91,7 +97,8 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
         Recipe kept = recipe;
         kept.model.fine_grained_activation_offloading = false;
         const size_t without =
-            cuda_memory_plan(kept, host_store, max_documents, chunk_rows, stage).total_bytes();
+            cuda_memory_plan(kept, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+                .total_bytes();
         std::string mods;
         for (const std::string& o : m.offload_modules) mods += (mods.empty() ? "" : ", ") + o;
         text += cat("activation offload (", mods, "): saves ",

@@ -1,0 +1,73 @@
+// The distributed optimizer on CUDA, two data-parallel ranks as threads on one GPU
+// (tests/gpu/thread_training.h): each rank plans the fp32 master and the optimizer state of the
+// parameters it owns only, updates those, and broadcasts the new weights (the bf16 copies, or the
+// fp32 masters every rank keeps: the routers'). Losses, gradient norms and routing match one GPU
+// running the whole batch, with AdamW and with Muon; the sharded run's checkpoint (every master
+// and state tensor gathered from its owner) resumes on one GPU as that run's own steps.
+#include <gtest/gtest.h>
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "gpu/harness.h"
+
+#if SPARSETRON_WITH_CUDA
+#include "gpu/thread_training.h"
+#include "sparsetron/runtime/cuda_plan.h"
+#include "sparsetron/runtime/training_plan.h"
+#endif
+
+using namespace sparsetron;
+using namespace sparsetron::test;
+
+#if !SPARSETRON_WITH_CUDA
+TEST(CudaDistributedOptimizer, Skipped) {
+    GTEST_SKIP() << "built without CUDA: GPU tests run on the GPU machine";
+}
+#else
+
+TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
+    REQUIRE_GPU();
+    for (const std::string opt : {"adamw", "muon"}) {
+        const std::vector<std::string> model = {"optimizer=" + opt};
+        const auto one = train(trainer_recipe(1, model),
+                               {temp_dir(opt + "-one"), "", Device::CUDA, false, nullptr});
+        ASSERT_EQ(one.size(), 4u);
+        const std::string ckpt_dir = temp_dir(opt + "-checkpoints");
+        std::vector<std::string> sets = model;
+        for (const std::string& s : {std::string("use_distributed_optimizer=true"),
+                                     std::string("save_interval=2"), "save=" + ckpt_dir})
+            sets.push_back(s);
+        const Recipe dist = trainer_recipe(2, sets);
+        // Each rank plans a part of the masters and state: less than the whole run's.
+        auto tp = make_training_plan(dist, Device::CUDA);
+        const MemoryPlan whole = cuda_memory_plan(trainer_recipe(2, model), *tp->params,
+                                                  tp->max_documents, tp->chunk_rows);
+        for (int rank = 0; rank < 2; ++rank) {
+            const MemoryPlan p =
+                cuda_memory_plan(dist, *tp->params, tp->max_documents, tp->chunk_rows, {}, rank);
+            EXPECT_LT(p.class_bytes(MemClass::OptimizerState),
+                      whole.class_bytes(MemClass::OptimizerState))
+                << opt << " rank " << rank;
+            EXPECT_LT(p.class_bytes(MemClass::Parameters), whole.class_bytes(MemClass::Parameters))
+                << opt << " rank " << rank;
+        }
+        expect_metrics_match("dist-" + opt, one, train_threads(2, dist, "dist-" + opt, true), 1e-5,
+                             true);
+        // The sharded run's checkpoint at step 2 on one GPU: steps 3 and 4 again.
+        const auto resumed = train(
+            trainer_recipe(1, model),
+            {temp_dir(opt + "-resumed"), ckpt_dir + "/iter_0000002", Device::CUDA, false, nullptr});
+        ASSERT_EQ(resumed.size(), 2u);
+        for (size_t i = 0; i < 2; ++i) {
+            std::cout << "[dist-" << opt << " checkpoint -> 1 GPU] step " << i + 3 << ": lm "
+                      << resumed[i].lm_loss << " vs " << one[i + 2].lm_loss << "\n";
+            EXPECT_EQ(resumed[i].step, one[i + 2].step);
+            EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss, 2e-4 * one[i + 2].lm_loss);
+            EXPECT_NEAR(resumed[i].grad_norm, one[i + 2].grad_norm, 2e-2 * one[i + 2].grad_norm);
+        }
+    }
+}
+
+#endif

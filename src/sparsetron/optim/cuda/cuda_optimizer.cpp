@@ -171,8 +171,9 @@ void CudaOptimizer::bind_muon(const MemoryPlan& plan) {
             covered[size_t(q.param)] += b.rows * b.cols;
         }
     for (size_t i = 0; i < params.size(); ++i)
-        ST_CHECK(!uses_muon_[i] || covered[i] == P_[int64_t(i)].numel, "Muon batches cover ",
-                 covered[i], " of ", params[i].name, "'s ", P_[int64_t(i)].numel, " elements");
+        ST_CHECK(!uses_muon_[i] || !mine_[i] || covered[i] == P_[int64_t(i)].numel,
+                 "Muon batches cover ", covered[i], " of ", params[i].name, "'s ",
+                 P_[int64_t(i)].numel, " elements");
     copy_to_device(problems_, table.data(), table.size() * sizeof(table[0]));
 }
 

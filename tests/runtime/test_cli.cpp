@@ -12,6 +12,7 @@
 
 #include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
+#include "sparsetron/data/indexed_dataset.h"
 #include "sparsetron/io/checkpoint_identity.h"
 #include "test_util.h"
 
@@ -479,4 +480,29 @@ TEST(Cli, AClosedOutputPipeSavesAndExits) {
               std::string::npos)
         << err;
     EXPECT_NE(err.find("checkpoint: "), std::string::npos) << err;
+}
+
+// Token ids of a real vocabulary (GLM's 154880) without a tokenizer: --vocab-size says how many
+// there are; without it the byte-level 257 refuses them, naming the option.
+TEST(Cli, PreprocessIdsTakeTheVocabularySize) {
+    const std::string dir = sparsetron::test::temp_dir("ids");
+    std::ofstream(dir + "/ids.txt") << "1 154000 3\n\n70000 5\n";
+    CliRun ok = run("preprocess --input-format ids --vocab-size 154880 -i " + dir + "/ids.txt -o " +
+                    dir + "/ds");
+    ASSERT_EQ(ok.code, 0) << ok.output;
+    EXPECT_NE(ok.output.find("2 documents, 5 tokens (token ids below 154880"), std::string::npos)
+        << ok.output;
+    sparsetron::IndexedDataset ds(dir + "/ds");
+    ASSERT_EQ(ds.num_sequences(), 2);
+    EXPECT_EQ(ds.sequence(0), (std::vector<int32_t>{1, 154000, 3}));
+    EXPECT_EQ(ds.sequence(1), (std::vector<int32_t>{70000, 5}));
+    CliRun bytes = run("preprocess --input-format ids -i " + dir + "/ids.txt -o " + dir + "/b");
+    EXPECT_EQ(bytes.code, 1) << bytes.output;
+    EXPECT_NE(bytes.output.find("\"154000\" is not a token id below the vocabulary size 257 "
+                                "(preprocess takes it from --vocab-size or --tokenizer)"),
+              std::string::npos)
+        << bytes.output;
+    CliRun small = run("preprocess --input-format ids --vocab-size 100000 -i " + dir +
+                       "/ids.txt -o " + dir + "/c");
+    EXPECT_EQ(small.code, 1) << small.output;
 }

@@ -1,5 +1,6 @@
 // `sparsetron preprocess`: text, JSONL or token ids to a Megatron indexed dataset (.bin/.idx),
 // with the byte-level tokenizer or a HuggingFace tokenizer.json (byte-level BPE).
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 
@@ -15,6 +16,7 @@ Run add_preprocess(CLI::App& app) {
         std::vector<std::string> inputs;
         std::string output, json_key = "text", tokenizer, format = "auto", eod;
         int workers = 0;
+        int64_t vocab_size = 0;
     };
     auto o = std::make_shared<Options>();
     auto* c = app.add_subcommand("preprocess",
@@ -31,6 +33,10 @@ Run add_preprocess(CLI::App& app) {
                   "byte-level tokens with EOD 256");
     c->add_option("--input-format", o->format,
                   "auto (by extension), text, jsonl, or ids (a document per line of token ids)");
+    c->add_option("--vocab-size", o->vocab_size,
+                  "With --input-format ids and no --tokenizer: the vocabulary the ids index "
+                  "(default: the byte-level 257; a tokenizer gives its own)")
+        ->check(CLI::PositiveNumber);
     c->add_option("--append-eod", o->eod,
                   "With --tokenizer: append this token (e.g. <|endoftext|>) to every document");
     c->add_option("--workers", o->workers, "Encoding threads (default: every core)");
@@ -54,8 +60,16 @@ Run add_preprocess(CLI::App& app) {
             };
             p.vocab_size = tok->vocab_size();
             how = cat(o->tokenizer, ", vocabulary ", tok->vocab_size());
+            ST_CHECK(o->vocab_size == 0 || o->vocab_size == tok->vocab_size(), "--vocab-size ",
+                     o->vocab_size, ": ", o->tokenizer, " has ", tok->vocab_size(), " tokens");
         } else {
             ST_CHECK(o->eod.empty(), "--append-eod needs --tokenizer (byte-level appends EOD)");
+            if (o->vocab_size > 0) {
+                ST_CHECK(o->vocab_size <= INT32_MAX, "--vocab-size ", o->vocab_size,
+                         ": token ids are 32-bit");
+                p.vocab_size = o->vocab_size;
+                how = cat("token ids below ", o->vocab_size);
+            }
         }
         const PreprocessStats s = preprocess(p);
         std::printf("wrote %s.bin / %s.idx: %lld documents, %lld tokens (%s; %d threads)\n",

@@ -107,7 +107,8 @@ PreprocessStats preprocess(const PreprocessOptions& o) {
                     }
                     ST_CHECK(used == w.size() && v >= 0 && v < o.vocab_size, path, ":", line_no,
                              ": \"", w, "\" is not a token id below the vocabulary size ",
-                             o.vocab_size);
+                             o.vocab_size,
+                             " (preprocess takes it from --vocab-size or --tokenizer)");
                     d.push_back(int32_t(v));
                 }
                 if (!d.empty()) {

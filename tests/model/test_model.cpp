@@ -119,3 +119,31 @@ TEST(Model, PackedDocumentsDoNotSeeEachOther) {
     };
     EXPECT_NEAR(loss(both), loss(a) + loss(b), 1e-12);
 }
+
+// MTP's inputs and targets in a packed micro-batch stay inside each document, as Megatron rolls
+// them per packed sequence: depth k reads the token k ahead and predicts the one k + 1 ahead,
+// -1 where the document ends first (a one-token document has none), the padding none at all.
+TEST(Model, MtpTargetsStopAtDocumentBoundaries) {
+    ModelConfig cfg = micro_config(true);
+    cfg.mtp_num_layers = 3;
+    Harness<float> h(cfg, 12, 4, 5);
+    MicroBatch mb(12, 4);
+    mb.add_document({1, 2, 3, 4, 5});
+    mb.add_document({6});
+    mb.add_document({7, 8, 9, 10});
+    h.model.load_inputs(mb);  // rows 10 and 11: padding
+    using V = std::vector<int32_t>;
+    const V lm = {2, 3, 4, 5, -1, -1, 8, 9, 10, -1, -1, -1};
+    EXPECT_EQ(mb.targets, lm);
+    const V ids[3] = {{2, 3, 4, 5, -1, -1, 8, 9, 10, -1, -1, -1},
+                      {3, 4, 5, -1, -1, -1, 9, 10, -1, -1, -1, -1},
+                      {4, 5, -1, -1, -1, -1, 10, -1, -1, -1, -1, -1}};
+    const V targets[3] = {{3, 4, 5, -1, -1, -1, 9, 10, -1, -1, -1, -1},
+                          {4, 5, -1, -1, -1, -1, 10, -1, -1, -1, -1, -1},
+                          {5, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1}};
+    for (int64_t k = 1; k <= 3; ++k) {
+        EXPECT_EQ(V(h.model.mtp_ids(k), h.model.mtp_ids(k) + 12), ids[k - 1]) << "depth " << k;
+        EXPECT_EQ(V(h.model.mtp_targets(k), h.model.mtp_targets(k) + 12), targets[k - 1])
+            << "depth " << k;
+    }
+}

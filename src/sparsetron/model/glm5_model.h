@@ -96,6 +96,10 @@ class Glm5Model {
                                    : mtp_acts_.at(a - cfg_.num_layers).layer;
     }
     const StepInputs& inputs() const { return in_; }
+    // MTP depth k (1-based) of the loaded rows: each row's input token (k ahead in its document)
+    // and target (k + 1 ahead), -1 where the document ends first.
+    const int32_t* mtp_ids(int64_t k) const { return mtp_acts_.at(size_t(k - 1)).ids; }
+    const int32_t* mtp_targets(int64_t k) const { return mtp_targets_.at(size_t(k - 1)); }
 
     T* param(int64_t i) const { return param_ptr_[i]; }
     T* grad(int64_t i) const { return grad_ptr_[i]; }

@@ -48,99 +48,58 @@ Fn resolve(const char* name) {
 }  // namespace
 }  // namespace sparsetron::cuda
 
-// Each entry point: the real function, resolved once.
-#define ST_LT_REAL(name) \
-    static const auto real = sparsetron::cuda::resolve<decltype(&::name)>(#name)
+// Each entry point: a definition with cublasLt.h's signature that resolves the real function
+// once and calls it.
+#define ST_LT_FORWARD(ret, name, params, args)                                        \
+    ret name params {                                                                 \
+        static const auto real = sparsetron::cuda::resolve<decltype(&::name)>(#name); \
+        return real args;                                                             \
+    }
 
 extern "C" {
 
-cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
-    ST_LT_REAL(cublasLtCreate);
-    return real(handle);
-}
-
-cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
-    ST_LT_REAL(cublasLtDestroy);
-    return real(handle);
-}
-
-const char* cublasLtGetStatusString(cublasStatus_t status) {
-    ST_LT_REAL(cublasLtGetStatusString);
-    return real(status);
-}
-
-cublasStatus_t cublasLtMatmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha,
-                              const void* a, cublasLtMatrixLayout_t a_desc, const void* b,
-                              cublasLtMatrixLayout_t b_desc, const void* beta, const void* c,
-                              cublasLtMatrixLayout_t c_desc, void* d, cublasLtMatrixLayout_t d_desc,
-                              const cublasLtMatmulAlgo_t* algo, void* workspace,
-                              size_t workspace_bytes, cudaStream_t stream) {
-    ST_LT_REAL(cublasLtMatmul);
-    return real(handle, desc, alpha, a, a_desc, b, b_desc, beta, c, c_desc, d, d_desc, algo,
-                workspace, workspace_bytes, stream);
-}
-
-cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute,
-                                        cudaDataType_t scale) {
-    ST_LT_REAL(cublasLtMatmulDescCreate);
-    return real(desc, compute, scale);
-}
-
-cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
-    ST_LT_REAL(cublasLtMatmulDescDestroy);
-    return real(desc);
-}
-
-cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc,
-                                              cublasLtMatmulDescAttributes_t attr, const void* buf,
-                                              size_t bytes) {
-    ST_LT_REAL(cublasLtMatmulDescSetAttribute);
-    return real(desc, attr, buf, bytes);
-}
-
-cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType type,
-                                          uint64_t rows, uint64_t cols, int64_t ld) {
-    ST_LT_REAL(cublasLtMatrixLayoutCreate);
-    return real(layout, type, rows, cols, ld);
-}
-
-cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
-    ST_LT_REAL(cublasLtMatrixLayoutDestroy);
-    return real(layout);
-}
-
-cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout,
-                                                cublasLtMatrixLayoutAttribute_t attr,
-                                                const void* buf, size_t bytes) {
-    ST_LT_REAL(cublasLtMatrixLayoutSetAttribute);
-    return real(layout, attr, buf, bytes);
-}
-
-cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
-    ST_LT_REAL(cublasLtMatmulPreferenceCreate);
-    return real(pref);
-}
-
-cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
-    ST_LT_REAL(cublasLtMatmulPreferenceDestroy);
-    return real(pref);
-}
-
-cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
-                                                    cublasLtMatmulPreferenceAttributes_t attr,
-                                                    const void* buf, size_t bytes) {
-    ST_LT_REAL(cublasLtMatmulPreferenceSetAttribute);
-    return real(pref, attr, buf, bytes);
-}
-
-cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
-                                              cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                                              cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
-                                              cublasLtMatmulPreference_t pref, int requested,
-                                              cublasLtMatmulHeuristicResult_t results[],
-                                              int* returned) {
-    ST_LT_REAL(cublasLtMatmulAlgoGetHeuristic);
-    return real(handle, desc, a, b, c, d, pref, requested, results, returned);
-}
+ST_LT_FORWARD(cublasStatus_t, cublasLtCreate, (cublasLtHandle_t * handle), (handle))
+ST_LT_FORWARD(cublasStatus_t, cublasLtDestroy, (cublasLtHandle_t handle), (handle))
+ST_LT_FORWARD(const char*, cublasLtGetStatusString, (cublasStatus_t status), (status))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmul,
+              (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, const void* alpha, const void* a,
+               cublasLtMatrixLayout_t a_desc, const void* b, cublasLtMatrixLayout_t b_desc,
+               const void* beta, const void* c, cublasLtMatrixLayout_t c_desc, void* d,
+               cublasLtMatrixLayout_t d_desc, const cublasLtMatmulAlgo_t* algo, void* workspace,
+               size_t workspace_bytes, cudaStream_t stream),
+              (handle, desc, alpha, a, a_desc, b, b_desc, beta, c, c_desc, d, d_desc, algo,
+               workspace, workspace_bytes, stream))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulDescCreate,
+              (cublasLtMatmulDesc_t * desc, cublasComputeType_t compute, cudaDataType_t scale),
+              (desc, compute, scale))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulDescDestroy, (cublasLtMatmulDesc_t desc), (desc))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulDescSetAttribute,
+              (cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const void* buf,
+               size_t bytes),
+              (desc, attr, buf, bytes))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatrixLayoutCreate,
+              (cublasLtMatrixLayout_t * layout, cudaDataType type, uint64_t rows, uint64_t cols,
+               int64_t ld),
+              (layout, type, rows, cols, ld))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatrixLayoutDestroy, (cublasLtMatrixLayout_t layout),
+              (layout))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatrixLayoutSetAttribute,
+              (cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attr, const void* buf,
+               size_t bytes),
+              (layout, attr, buf, bytes))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulPreferenceCreate, (cublasLtMatmulPreference_t * pref),
+              (pref))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulPreferenceDestroy, (cublasLtMatmulPreference_t pref),
+              (pref))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulPreferenceSetAttribute,
+              (cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+               const void* buf, size_t bytes),
+              (pref, attr, buf, bytes))
+ST_LT_FORWARD(cublasStatus_t, cublasLtMatmulAlgoGetHeuristic,
+              (cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+               cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+               cublasLtMatmulPreference_t pref, int requested,
+               cublasLtMatmulHeuristicResult_t results[], int* returned),
+              (handle, desc, a, b, c, d, pref, requested, results, returned))
 
 }  // extern "C"

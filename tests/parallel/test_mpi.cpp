@@ -249,15 +249,23 @@ TEST(Mpi, DistributedOptimizerMatchesOneProcess) {
             EXPECT_NEAR(md[i].lm_loss, m1[i].lm_loss, 1e-5 * m1[i].lm_loss) << opt << " step " << i;
             EXPECT_NEAR(md[i].grad_norm, m1[i].grad_norm, 1e-4 * m1[i].grad_norm);
         }
-        // Ownership: one owner per trainable parameter, every rank owns some.
+        // Ownership: one owner per trainable parameter, every rank owns some; AdamW's matrices
+        // (the embedding, the output layer) split by rows over every rank instead.
         const std::vector<int> owners = parameter_owners(dist.params(), rd.run, W);
         const auto& params = dist.params().params();
         ASSERT_EQ(owners.size(), params.size());
         std::vector<int> per_rank(size_t(W), 0);
+        int split = 0;
         for (size_t i = 0; i < params.size(); ++i) {
-            EXPECT_EQ(owners[i] >= 0, params[i].trainable) << params[i].name;
+            const bool embedding_like =
+                params[i].group == OptimGroup::AdamW && params[i].shape.size() == 2;
+            EXPECT_EQ(owners[i] == kRowSplit, embedding_like) << params[i].name;
+            EXPECT_EQ(owners[i] >= 0 || owners[i] == kRowSplit, params[i].trainable)
+                << params[i].name;
             if (owners[i] >= 0) ++per_rank[size_t(owners[i])];
+            split += owners[i] == kRowSplit;
         }
+        EXPECT_GT(split, 0);
         for (int c : per_rank) EXPECT_GT(c, 0);
         // The state gathered for a checkpoint equals the one-process run's.
         dist.save();

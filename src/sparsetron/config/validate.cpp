@@ -200,6 +200,9 @@ void Recipe::validate() {
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
+    ST_CHECK(!r.fp8_param_gather || r.use_distributed_optimizer,
+             "fp8_param_gather needs use_distributed_optimizer: true (as in Megatron: the FP8 "
+             "weights are gathered from the ranks that own their masters)");
     ST_CHECK(r.use_varlen_dataset,
              "use_varlen_dataset: false (fixed-length samples) is not implemented: the engine "
              "always packs whole documents into THD micro-batches; set it true");

@@ -38,14 +38,27 @@ std::vector<int> parameter_owners(const ParamStore& store, const RunConfig& run,
             muon && params[i].group == OptimGroup::Muon && params[i].shape.size() == 2;
         cost[i] = double(params[i].numel()) * (muon_param ? 2.0 : 3.0);
     }
-    return assign_owners_greedy(cost, ranks);
+    // AdamW's matrices (the embedding-like ones: never read through FP8 or as fp32 masters)
+    // split by rows where the ranks divide them; the rest to owners by cost.
+    std::vector<bool> split(params.size(), false);
+    for (size_t i = 0; i < params.size(); ++i)
+        if (cost[i] >= 0 && params[i].group == OptimGroup::AdamW && params[i].shape.size() == 2 &&
+            params[i].shape[0] % ranks == 0) {
+            split[i] = true;
+            cost[i] = -1;
+        }
+    std::vector<int> owner = assign_owners_greedy(cost, ranks);
+    for (size_t i = 0; i < params.size(); ++i)
+        if (split[i]) owner[i] = kRowSplit;
+    return owner;
 }
 
-std::vector<bool> OptimizerShard::elsewhere() const {
-    std::vector<bool> out;
-    if (!sharded()) return out;
-    for (size_t i = 0; i < owner.size(); ++i) out.push_back(!mine(i));
-    return out;
+void gather_row_shares(Comm& comm, void* data, int64_t bytes) {
+    const int64_t share = bytes / comm.size();
+    ST_ASSERT(share * comm.size() == bytes, "a row-split tensor of ", bytes, " bytes over ",
+              comm.size(), " ranks");
+    for (int r = 0; r < comm.size(); ++r)
+        comm.broadcast(static_cast<char*>(data) + r * share, share, r);
 }
 
 OptimizerShard optimizer_shard(const ParamStore& params, const RunConfig& run, int rank,
@@ -72,8 +85,10 @@ void broadcast_state_from_owners(Comm& comm, const ParamStore& store, const Opti
     for (const auto& [name, slot] : optimizer.state_tensors()) {
         const auto it = owner_of.find(name.substr(0, name.rfind('.')));
         ST_ASSERT(it != owner_of.end(), "state tensor ", name, " has no parameter");
-        if (it->second < 0) continue;
-        comm.broadcast(plan.view(slot).data, int64_t(plan.entries()[slot].bytes), it->second);
+        if (it->second == kRowSplit)
+            gather_row_shares(comm, plan.view(slot).data, int64_t(plan.entries()[slot].bytes));
+        else if (it->second >= 0)
+            comm.broadcast(plan.view(slot).data, int64_t(plan.entries()[slot].bytes), it->second);
     }
 }
 

@@ -1,9 +1,11 @@
 // The distributed optimizer on CUDA, two data-parallel ranks as threads on one GPU
 // (tests/gpu/thread_training.h): each rank plans the fp32 master and the optimizer state of the
 // parameters it owns only, updates those, and broadcasts the new weights (the bf16 copies, or the
-// fp32 masters every rank keeps: the routers'). Losses, gradient norms and routing match one GPU
-// running the whole batch, with AdamW and with Muon; the sharded run's checkpoint (every master
-// and state tensor gathered from its owner) resumes on one GPU as that run's own steps.
+// fp32 masters every rank keeps: the routers'; with fp8_param_gather the FP8 linears' FP8 copies,
+// quantized by their owners). Losses, gradient norms and routing match one GPU running the whole
+// batch, with AdamW, with Muon and with Muon on the blockwise FP8 recipe gathering FP8 weights;
+// the sharded run's checkpoint (every master and state tensor gathered from its owner) resumes on
+// one GPU as that run's own steps.
 #include <gtest/gtest.h>
 
 #include <iostream>
@@ -29,8 +31,10 @@ TEST(CudaDistributedOptimizer, Skipped) {
 
 TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
     REQUIRE_GPU();
-    for (const std::string opt : {"adamw", "muon"}) {
-        const std::vector<std::string> model = {"optimizer=" + opt};
+    for (const std::string opt : {"adamw", "muon", "muon-fp8"}) {
+        const bool fp8 = opt == "muon-fp8";
+        std::vector<std::string> model = {fp8 ? "optimizer=muon" : "optimizer=" + opt};
+        if (fp8) model.push_back("fp8_recipe=blockwise");
         const auto one = train(trainer_recipe(1, model),
                                {temp_dir(opt + "-one"), "", Device::CUDA, false, nullptr});
         ASSERT_EQ(one.size(), 4u);
@@ -39,6 +43,21 @@ TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
         for (const std::string& s : {std::string("use_distributed_optimizer=true"),
                                      std::string("save_interval=2"), "save=" + ckpt_dir})
             sets.push_back(s);
+        if (fp8) {
+            // The FP8 linears' masters on their owners only: less than each rank keeping them.
+            auto tp = make_training_plan(trainer_recipe(2, sets), Device::CUDA);
+            std::vector<std::string> gather = sets;
+            gather.push_back("fp8_param_gather=true");
+            for (int rank = 0; rank < 2; ++rank)
+                EXPECT_LT(cuda_memory_plan(trainer_recipe(2, gather), *tp->params,
+                                           tp->max_documents, tp->chunk_rows, {}, rank)
+                              .class_bytes(MemClass::Parameters),
+                          cuda_memory_plan(trainer_recipe(2, sets), *tp->params, tp->max_documents,
+                                           tp->chunk_rows, {}, rank)
+                              .class_bytes(MemClass::Parameters))
+                    << "rank " << rank;
+            sets.push_back("fp8_param_gather=true");
+        }
         const Recipe dist = trainer_recipe(2, sets);
         // Each rank plans a part of the masters and state: less than the whole run's.
         auto tp = make_training_plan(dist, Device::CUDA);

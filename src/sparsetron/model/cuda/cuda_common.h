@@ -161,12 +161,34 @@ inline CudaBuffers::Saving saving(const ActivationPolicy& a, std::optional<Recom
     return CudaBuffers::Saving::Kept;
 }
 
+// The FP8 blockwise copy of a weight W [rows, cols] that the kernels read (fp8_linear.h): W and
+// W^T in e4m3 with their 128x128 scales, in one block so that one broadcast moves all four.
+struct Fp8Copy {
+    int64_t rows = 0, cols = 0;
+    uint8_t* block = nullptr;
+    // The block's size and its parts' offsets (each part 256-byte aligned: TMA and cuBLASLt
+    // operand alignment).
+    static int64_t bytes(int64_t rows, int64_t cols);
+    int64_t bytes() const { return bytes(rows, cols); }
+    uint8_t* q() const { return block; }
+    float* s() const;
+    uint8_t* qt() const;
+    float* st() const;
+};
+
 struct CudaParam {
     // fp32 value (the optimizer's); null where the distributed optimizer keeps it on another
-    // rank (the kernels then read `w`, which that rank's update reaches by broadcast).
+    // rank (the kernels then read `w` or `fp8`, which that rank's update reaches by broadcast).
+    // It holds elements [first, first + held) of the parameter: all of them, or (split by rows)
+    // this rank's rows.
     float* master = nullptr;
+    int64_t first = 0, held = 0;
     float* grad = nullptr;  // fp32 gradient (null for buffers)
     bf16* w = nullptr;      // bf16 copy the kernels read (null when none does: FP8 weights)
+    // The FP8 copy the distributed optimizer gathers (fp8_param_gather): the owner quantizes its
+    // master into it after each update and broadcasts it. Null otherwise (an FP8 copy quantized
+    // from a master every rank keeps, or none).
+    const Fp8Copy* fp8 = nullptr;
     int64_t numel = 0;
 };
 
@@ -184,7 +206,12 @@ class CudaParams {
     // built, before its masters are planned.
     void read_master(int64_t i) const { reads_master_.insert(i); }
     bool master_read(int64_t i) const { return reads_master_.count(i) > 0; }
+    // Parameter i's master as its rows [row0, row0 + rows) only (the distributed optimizer's
+    // share of a parameter split by rows); instead of the store's value slot.
+    void plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows);
     void bind(const MemoryPlan& plan);
+    // After bind: parameter i is gathered in FP8 through `copy` (CudaParam::fp8).
+    void gather_in_fp8(int64_t i, const Fp8Copy* copy) { all_[size_t(i)].fp8 = copy; }
     const ParamStore& store() const { return store_; }
     int64_t index(const std::string& name) const;  // throws when absent
     const CudaParam& operator[](int64_t i) const { return all_[i]; }
@@ -215,6 +242,7 @@ class CudaParams {
     const ParamStore& store_;
     mutable std::set<int64_t> reads_master_;
     std::vector<MemoryPlan::Slot> bf16_slots_;
+    std::map<int64_t, std::pair<MemoryPlan::Slot, int64_t>> row_masters_;  // i -> (slot, first)
     std::vector<CudaParam> all_;
     void zero_grad(const ExecContext& ctx, size_t i) const;
     // Per parameter: written by the step's writers in this step / in the previous step (none

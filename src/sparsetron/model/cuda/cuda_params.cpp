@@ -16,6 +16,18 @@ void CudaParams::plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread)
     }
 }
 
+void CudaParams::plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows) {
+    const ParamInfo& p = store_.params()[size_t(i)];
+    ST_ASSERT(p.param_slot < 0 && !p.shape.empty() && 0 <= row0 && row0 + rows <= p.shape[0],
+              "CudaParams: rows [", row0, ", ", row0 + rows, ") of '", p.name, "'");
+    std::vector<int64_t> shape = p.shape;
+    shape[0] = rows;
+    const int64_t row = p.numel() / p.shape[0];
+    row_masters_[i] = {plan.add(MemClass::Parameters,
+                                cat(p.name, " rows ", row0, "..", row0 + rows), DType::F32, shape),
+                       row0 * row};
+}
+
 void CudaParams::bind(const MemoryPlan& plan) {
     ST_ASSERT(bf16_slots_.size() == store_.params().size(), "CudaParams: bind before plan_bf16");
     all_.clear();
@@ -26,6 +38,12 @@ void CudaParams::bind(const MemoryPlan& plan) {
         g.grad = p.grad_slot < 0 ? nullptr : plan.view(p.grad_slot).ptr<float>();
         g.w = bf16_slots_[i] < 0 ? nullptr : plan.view(bf16_slots_[i]).ptr<bf16>();
         g.numel = p.numel();
+        g.held = g.master ? g.numel : 0;
+        if (const auto it = row_masters_.find(int64_t(i)); it != row_masters_.end()) {
+            g.master = plan.view(it->second.first).ptr<float>();
+            g.first = it->second.second;
+            g.held = int64_t(plan.entries()[it->second.first].bytes / sizeof(float));
+        }
         all_.push_back(g);
     }
     written_.assign(all_.size(), 0);
@@ -41,7 +59,7 @@ int64_t CudaParams::index(const std::string& name) const {
 
 void CudaParams::refresh_bf16(const ExecContext& ctx) const {
     for (const auto& p : all_)
-        if (p.w && p.master) cuda::f32_to_bf16(ctx, p.master, p.w, p.numel);
+        if (p.w && p.master) cuda::f32_to_bf16(ctx, p.master, p.w + p.first, p.held);
 }
 
 }  // namespace sparsetron::cuda

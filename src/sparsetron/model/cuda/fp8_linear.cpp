@@ -7,7 +7,45 @@
 
 namespace sparsetron::cuda {
 
-namespace {}
+namespace {
+
+constexpr int64_t kAlign = 256;
+
+int64_t aligned(int64_t bytes) {
+    return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+// Offsets of the parts of an Fp8Copy block: W, its scales, W^T, its scales.
+struct CopyLayout {
+    int64_t s, qt, st, end;
+    CopyLayout(int64_t rows, int64_t cols) {
+        const int64_t n = rows * cols;
+        s = aligned(n);
+        qt = s + aligned(fp8::scales_128x128(rows, cols) * int64_t(sizeof(float)));
+        st = qt + aligned(n);
+        end = st + aligned(fp8::scales_128x128(cols, rows) * int64_t(sizeof(float)));
+    }
+};
+
+}  // namespace
+
+int64_t Fp8Copy::bytes(int64_t rows, int64_t cols) {
+    return CopyLayout(rows, cols).end;
+}
+float* Fp8Copy::s() const {
+    return reinterpret_cast<float*>(block + CopyLayout(rows, cols).s);
+}
+uint8_t* Fp8Copy::qt() const {
+    return block + CopyLayout(rows, cols).qt;
+}
+float* Fp8Copy::st() const {
+    return reinterpret_cast<float*>(block + CopyLayout(rows, cols).st);
+}
+
+void quantize_fp8_copy(const ExecContext& ctx, const float* master, const Fp8Copy& c) {
+    cuda::quantize_fp8_128x128_both(ctx, master, c.rows, c.cols, kFp8Pow2Scales, c.q(), c.s(),
+                                    c.qt(), c.st());
+}
 
 int Fp8Weights::add(int64_t param) {
     for (size_t i = 0; i < w_.size(); ++i)
@@ -16,13 +54,14 @@ int Fp8Weights::add(int64_t param) {
     ST_CHECK(info.shape.size() == 2, "FP8 linear '", info.name, "' is not a matrix");
     Weight w;
     w.param = param;
-    w.rows = info.shape[0];
-    w.cols = info.shape[1];
+    w.copy.rows = info.shape[0];
+    w.copy.cols = info.shape[1];
     // cuBLASLt's block-scaled GEMM contracts over multiples of 16: K (forward), N (dgrad).
-    ST_CHECK(w.rows % 16 == 0 && w.cols % 16 == 0, "fp8_recipe: blockwise needs the weight '",
-             info.name, "' [", w.rows, ", ", w.cols, "] to have multiples of 16 on both sides");
+    ST_CHECK(w.copy.rows % 16 == 0 && w.copy.cols % 16 == 0,
+             "fp8_recipe: blockwise needs the weight '", info.name, "' [", w.copy.rows, ", ",
+             w.copy.cols, "] to have multiples of 16 on both sides");
     w_.push_back(w);
-    widest_ = std::max({widest_, w.rows, w.cols});
+    widest_ = std::max({widest_, w.copy.rows, w.copy.cols});
     return int(w_.size() - 1);
 }
 
@@ -50,6 +89,20 @@ std::vector<int64_t> Fp8Weights::params() const {
     return out;
 }
 
+std::vector<int64_t> Fp8Weights::quantized_here() const {
+    std::vector<int64_t> out;
+    for (const Weight& w : w_)
+        if (!w.gathered) out.push_back(w.param);
+    for (const Experts& x : experts_)
+        for (int64_t e = 0; e < x.count; ++e) out.push_back(x.first + e * x.stride);
+    return out;
+}
+
+void Fp8Weights::bind(CudaParams& P) const {
+    for (const Weight& w : w_)
+        if (w.gathered) P.gather_in_fp8(w.param, &w.copy);
+}
+
 cuda::Fp8Operand Fp8Weights::Experts::forward(int64_t e0) const {
     return {q + e0 * rows * cols, s + e0 * fp8::scales_128x128(rows, cols), true};
 }
@@ -63,13 +116,9 @@ void Fp8Weights::declare() {
              "fp8_recipe: blockwise needs micro-batch rows in multiples of 16 (the "
              "weight gradient contracts over them); this run has ",
              T_);
-    for (Weight& w : w_) {
-        const std::string n = P_.store().params()[size_t(w.param)].name;
-        B_.param_copy(w.q, n + ".fp8", {w.rows, w.cols});
-        B_.param_copy(w.s, n + ".fp8_scales", {fp8::scales_128x128(w.rows, w.cols)});
-        B_.param_copy(w.qt, n + ".fp8_transposed", {w.cols, w.rows});
-        B_.param_copy(w.st, n + ".fp8_transposed_scales", {fp8::scales_128x128(w.cols, w.rows)});
-    }
+    for (Weight& w : w_)  // W, its scales, W^T, its scales
+        B_.param_copy(w.copy.block, P_.store().params()[size_t(w.param)].name + ".fp8",
+                      {w.copy.bytes()});
     for (Experts& x : experts_) {
         const std::string n = P_.store().params()[size_t(x.first)].name + ".experts";
         B_.param_copy(x.q, n + ".fp8", {x.count, x.rows, x.cols});
@@ -91,8 +140,7 @@ void Fp8Weights::declare() {
 
 void Fp8Weights::quantize(const ExecContext& ctx) const {
     for (const Weight& w : w_)
-        cuda::quantize_fp8_128x128_both(ctx, P_[w.param].master, w.rows, w.cols, kFp8Pow2Scales,
-                                        w.q, w.s, w.qt, w.st);
+        if (!w.gathered) quantize_fp8_copy(ctx, P_[w.param].master, w.copy);
     // One launch per layer and kind for the experts, their masters one stride apart
     // (CudaMoeLayer::check_layout holds the store to that at bind): a launch per expert leaves the
     // SMs idle between small grids.
@@ -111,11 +159,11 @@ void Fp8Weights::quantize_input(const ExecContext& ctx, const bf16* x, int64_t k
 
 void Fp8Weights::forward_quantized(const ExecContext& ctx, int i, bf16* y, int64_t ldy,
                                    bool accumulate) const {
-    const Weight& w = w_[size_t(i)];
-    ST_ASSERT(a_cols_ == w.cols, "FP8 linear: the quantized input has ", a_cols_,
-              " columns, the weight takes ", w.cols);
-    cuda::gemm_fp8_blockwise(ctx, T_, w.rows, w.cols, {qa_, sa_, false}, {w.q, w.s, true}, y, ldy,
-                             accumulate);
+    const Fp8Copy& c = w_[size_t(i)].copy;
+    ST_ASSERT(a_cols_ == c.cols, "FP8 linear: the quantized input has ", a_cols_,
+              " columns, the weight takes ", c.cols);
+    cuda::gemm_fp8_blockwise(ctx, T_, c.rows, c.cols, {qa_, sa_, false}, {c.q(), c.s(), true}, y,
+                             ldy, accumulate);
 }
 
 void Fp8Weights::quantize_input_columns(const ExecContext& ctx, const bf16* x, int64_t k) const {
@@ -125,31 +173,32 @@ void Fp8Weights::quantize_input_columns(const ExecContext& ctx, const bf16* x, i
 
 void Fp8Weights::wgrad_quantized(const ExecContext& ctx, int i, const bf16* dy) const {
     const Weight& w = w_[size_t(i)];
-    ST_ASSERT(b_cols_ == w.cols, "FP8 linear: the quantized input has ", b_cols_,
-              " columns, the weight takes ", w.cols);
-    cuda::quantize_fp8_1x128_columns(ctx, dy, T_, w.rows, w.rows, kFp8Pow2Scales, qa_, sa_);
+    const Fp8Copy& c = w.copy;
+    ST_ASSERT(b_cols_ == c.cols, "FP8 linear: the quantized input has ", b_cols_,
+              " columns, the weight takes ", c.cols);
+    cuda::quantize_fp8_1x128_columns(ctx, dy, T_, c.rows, c.rows, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = -1;
-    cuda::gemm_fp8_blockwise(ctx, w.rows, w.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
-                             P_[w.param].grad, w.cols, P_.grad_beta(w.param) != 0.f);
+    cuda::gemm_fp8_blockwise(ctx, c.rows, c.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
+                             P_[w.param].grad, c.cols, P_.grad_beta(w.param) != 0.f);
 }
 
 void Fp8Weights::forward(const ExecContext& ctx, int i, const bf16* x, bf16* y, int64_t ldy,
                          bool accumulate) const {
-    quantize_input(ctx, x, w_[size_t(i)].cols);
+    quantize_input(ctx, x, w_[size_t(i)].copy.cols);
     forward_quantized(ctx, i, y, ldy, accumulate);
 }
 
 void Fp8Weights::dgrad(const ExecContext& ctx, int i, const bf16* dy, bf16* dx,
                        bool accumulate) const {
-    const Weight& w = w_[size_t(i)];
-    cuda::quantize_fp8_1x128(ctx, dy, T_, w.rows, w.rows, kFp8Pow2Scales, qa_, sa_);
+    const Fp8Copy& c = w_[size_t(i)].copy;
+    cuda::quantize_fp8_1x128(ctx, dy, T_, c.rows, c.rows, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = -1;
-    cuda::gemm_fp8_blockwise(ctx, T_, w.cols, w.rows, {qa_, sa_, false}, {w.qt, w.st, true}, dx,
-                             w.cols, accumulate);
+    cuda::gemm_fp8_blockwise(ctx, T_, c.cols, c.rows, {qa_, sa_, false}, {c.qt(), c.st(), true}, dx,
+                             c.cols, accumulate);
 }
 
 void Fp8Weights::wgrad(const ExecContext& ctx, int i, const bf16* dy, const bf16* x) const {
-    quantize_input_columns(ctx, x, w_[size_t(i)].cols);
+    quantize_input_columns(ctx, x, w_[size_t(i)].copy.cols);
     wgrad_quantized(ctx, i, dy);
 }
 

@@ -6,7 +6,10 @@
 // All e4m3, scales by Transformer Engine's rule rounded down to powers of two. The weights are
 // quantized from the fp32 masters once per forward (Fp8Weights::quantize, inside the step's
 // graph), W and W^T both, so no bf16 weight is read by these GEMMs; activations and gradients
-// are quantized on the fly into shared scratch. The routed experts' forward and input-gradient
+// are quantized on the fly into shared scratch. Under the distributed optimizer with
+// fp8_param_gather a dense weight's master lives on its owner alone, which quantizes it after
+// each update and broadcasts the FP8 copy (CudaParam::fp8, CudaOptimizer): the forward then
+// reads the copy as it arrived. The routed experts' forward and input-gradient
 // GEMMs run FP8 through the grouped FP8 kernel (add_experts: every expert's W and W^T, packed);
 // their weight gradients stay bf16 (an FP8 form needs the tokens quantized per expert segment).
 // Router, norms, the indexer, the absorbed attention core and the output head stay bf16 (SPEC §6
@@ -23,15 +26,15 @@ namespace sparsetron::cuda {
 // Scales rounded down to powers of two: Transformer Engine's default for blockwise scaling.
 constexpr bool kFp8Pow2Scales = true;
 
+// W and W^T of `copy` from the fp32 master W.
+void quantize_fp8_copy(const ExecContext& ctx, const float* master, const Fp8Copy& copy);
+
 class Fp8Weights {
   public:
     struct Weight {
-        int64_t param = -1;          // CudaParams index
-        int64_t rows = 0, cols = 0;  // W [rows = N, cols = K]
-        uint8_t* q = nullptr;        // W  [N, K]
-        float* s = nullptr;          // its 128x128 scales (GEMM layout)
-        uint8_t* qt = nullptr;       // W^T [K, N]
-        float* st = nullptr;
+        int64_t param = -1;     // CudaParams index
+        Fp8Copy copy;           // W [rows = N, cols = K], W^T [K, N] and their 128x128 scales
+        bool gathered = false;  // from its owner (fp8_param_gather), not quantized here
     };
     // One MoE layer's routed-expert matrices of one kind (gate, up or down): `count` parameters
     // [rows, cols] `stride` parameter indices apart, their FP8 copies packed expert after expert.
@@ -52,11 +55,23 @@ class Fp8Weights {
     // Registers routed-expert matrices (once per first parameter) and returns their handle.
     int add_experts(int64_t first, int64_t stride, int64_t count);
     const Experts& experts(int h) const { return experts_[size_t(h)]; }
+    // The dense linears whose masters the distributed optimizer keeps on one rank of several
+    // (`sharded(param)`) take their FP8 copies from that rank (fp8_param_gather); before
+    // declare(). The experts' copies are quantized where their masters are: under expert
+    // parallelism each rank keeps its own experts' masters.
+    template <typename Sharded>
+    void gather_from_owners(Sharded sharded) {
+        for (Weight& w : w_) w.gathered = sharded(w.param);
+    }
     // Every registered parameter (linears and experts): read only through their FP8 copies.
     std::vector<int64_t> params() const;
+    // Those quantized here from their masters (every one but the gathered linears).
+    std::vector<int64_t> quantized_here() const;
+    // After the plan's buffers are resolved: the gathered linears' copies to CudaParams.
+    void bind(CudaParams& P) const;
     // Plans the copies and the activation scratch; after every add(), before allocation.
     void declare();
-    // W and W^T from the fp32 masters, every registered weight and expert.
+    // W and W^T from the fp32 masters, every registered weight and expert but the gathered.
     void quantize(const ExecContext& ctx) const;
 
     // y [T, N] (row stride ldy) (+)= x [T, K] W^T.

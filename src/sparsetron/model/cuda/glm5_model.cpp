@@ -17,7 +17,7 @@ using cuda::gemm;
 CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                              int64_t tokens, int64_t max_docs, int64_t chunk_rows,
                              int64_t key_tokens, bool fp8_blockwise, const PipelineStage& stage,
-                             const std::vector<bool>& masters_elsewhere)
+                             const MasterPlacement& masters)
     : cfg_(cfg),
       plan_(plan),
       stage_(stage),
@@ -30,8 +30,8 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
       cp_(key_tokens > 0),
       Tk_(key_tokens > 0 ? key_tokens : tokens) {
     if (cp_) require_dsa_for_context_parallel(cfg);
-    ST_CHECK(masters_elsewhere.empty() || masters_elsewhere.size() == host_store.params().size(),
-             "CUDA model: ", masters_elsewhere.size(), " master placements for ",
+    ST_CHECK(masters.owner.empty() || masters.owner.size() == host_store.params().size(),
+             "CUDA model: ", masters.owner.size(), " master placements for ",
              host_store.params().size(), " parameters");
     // The masters are planned last, once the modules have said which they read.
     store_ = std::make_unique<ParamStore>(plan, DType::F32, /*plan_values=*/false);
@@ -178,14 +178,25 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     B_.act(in_block_, "inputs.block", {input_words_});
     B_.plan_regions();
     if (offload_) offload_->plan();
-    if (fp8_) fp8_->declare();
     // The weights read only through FP8 have no bf16 copies; the FP8 quantizers read their
-    // masters.
+    // masters, but for the linears gathered in FP8 from their owners.
+    if (fp8_ && masters.fp8_gather)
+        fp8_->gather_from_owners([&](int64_t i) { return masters.sharded(i); });
+    if (fp8_) fp8_->declare();
     const std::vector<int64_t> fp8_params = fp8_ ? fp8_->params() : std::vector<int64_t>{};
-    for (const int64_t i : fp8_params) P_->read_master(i);
-    for (int64_t i = 0; i < store_->size(); ++i)
-        if (masters_elsewhere.empty() || !masters_elsewhere[size_t(i)] || P_->master_read(i))
+    if (fp8_)
+        for (const int64_t i : fp8_->quantized_here()) P_->read_master(i);
+    for (int64_t i = 0; i < store_->size(); ++i) {
+        if (masters.split(i)) {
+            // This rank's rows of the master (the optimizer's row share, owner_assignment.h).
+            ST_ASSERT(!P_->master_read(i), "the master of '", store_->params()[size_t(i)].name,
+                      "' is read whole but split by rows");
+            const int64_t rows = store_->params()[size_t(i)].shape[0] / masters.ranks;
+            P_->plan_master_rows(plan, i, masters.rank * rows, rows);
+        } else if (masters.here(i) || P_->master_read(i)) {
             store_->plan_value(i);
+        }
+    }
     P_->plan_bf16(plan, fp8_params);
 }
 
@@ -206,6 +217,7 @@ CudaGlm5Model::~CudaGlm5Model() = default;
 void CudaGlm5Model::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
+    if (fp8_) fp8_->bind(*P_);
     if (offload_) offload_->bind(ctx);
     carve_inputs();
     // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
@@ -369,7 +381,8 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     if (!recompute) cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
     if (stash_) stash_->reset(ctx, /*new_step=*/false);
     // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
-    // the masters change only between steps).
+    // the masters change only between steps), but for those the optimizer gathers from their
+    // owners after each update.
     if (fp8_) fp8_->quantize(ctx);
     if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;

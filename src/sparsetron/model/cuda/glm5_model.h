@@ -21,6 +21,21 @@
 
 namespace sparsetron::cuda {
 
+// Where the distributed optimizer keeps each parameter's fp32 master (optim/owner_assignment.h),
+// as the model plans it: `owner` per parameter of the host store (empty, or -1: every rank keeps
+// it; kSplitRows: each of the `ranks` ranks an equal range of its rows), this `rank`, and
+// `fp8_gather` (fp8_param_gather: an FP8 linear's owner broadcasts its FP8 copy, so only the
+// owner keeps its master).
+struct MasterPlacement {
+    static constexpr int kSplitRows = -2;  // owner_assignment.h's kRowSplit
+    std::vector<int> owner;
+    int rank = 0, ranks = 1;
+    bool fp8_gather = false;
+    bool sharded(int64_t i) const { return !owner.empty() && owner[size_t(i)] >= 0; }
+    bool split(int64_t i) const { return !owner.empty() && owner[size_t(i)] == kSplitRows; }
+    bool here(int64_t i) const { return !sharded(i) || owner[size_t(i)] == rank; }
+};
+
 class CudaGlm5Model {
   public:
     // `host_store` gives the parameter table (names, shapes, groups); the device plan gets a copy.
@@ -30,13 +45,12 @@ class CudaGlm5Model {
     // eh_proj) as FP8 blockwise linears (model/cuda/fp8_linear.h).
     // `stage`: pipeline parallelism, the part of the model this rank holds (the CPU model's
     // rule: `host_store` holds that part's parameters).
-    // `masters_elsewhere` (per parameter of `host_store`; empty: none): the distributed
-    // optimizer keeps that parameter's fp32 master on another rank, so this plan has none unless
-    // a kernel reads the master (CudaParams::read_master).
+    // `masters`: the distributed optimizer's placement; a master kept on another rank is not
+    // planned here unless a kernel reads it (CudaParams::read_master).
     CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
                   bool fp8_blockwise = false, const PipelineStage& stage = {},
-                  const std::vector<bool>& masters_elsewhere = {});
+                  const MasterPlacement& masters = {});
     ~CudaGlm5Model();
     // After plan.allocate(Device::CUDA).
     void bind(const ExecContext& ctx);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "sparsetron/core/device_memory.h"
+#include "sparsetron/model/cuda/fp8_linear.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/optim/muon_batch.h"
 #include "sparsetron/ops/optim/optim.h"
@@ -40,11 +41,15 @@ CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelC
         const auto& p = params[i];
         const bool muon = uses_muon_[i] && mine_[i];
         const bool adam = p.trainable && !uses_muon_[i] && mine_[i];
+        // Split by rows: the moments of this rank's rows, beside its rows of the master.
+        ST_CHECK(!shard.split(i) || !uses_muon_[i], "distributed optimizer: '", p.name,
+                 "' is split by rows but takes Muon, which needs whole matrices");
+        std::vector<int64_t> held = p.shape;
+        if (shard.split(i)) held[0] /= shard.ranks;
         m_slots_.push_back(
-            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, p.shape)
-                 : -1);
+            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, held) : -1);
         v_slots_.push_back(
-            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq", DType::F32, p.shape)
+            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq", DType::F32, held)
                  : -1);
         mom_slots_.push_back(muon ? plan.add(MemClass::OptimizerState, p.name + ".momentum_buffer",
                                              DType::F32, p.shape)
@@ -223,8 +228,9 @@ void CudaOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
                                   .eps = float(run.adam_eps),
                                   .weight_decay = p.weight_decay ? float(run.weight_decay) : 0.f,
                                   .schedule = sched_};
-        cuda::adamw_update(ctx, hp, gp.master, gp.grad, m_[i], v_[i], gp.numel, scale_ + g,
-                           skip_ + g, gp.w);
+        // The elements this rank holds: all, or its rows of a split parameter.
+        cuda::adamw_update(ctx, hp, gp.master, gp.grad + gp.first, m_[i], v_[i], gp.held,
+                           scale_ + g, skip_ + g, gp.w ? gp.w + gp.first : nullptr);
     }
     // Distributed: the AdamW parameters from their owners on the side stream, overlapping
     // Newton-Schulz; the Muon matrices after it. A skipped step broadcasts the unchanged
@@ -247,9 +253,18 @@ void CudaOptimizer::broadcast_from_owners(const ExecContext& ctx, bool muon) {
     const auto& params = P_.store().params();
     for (size_t i = 0; i < params.size(); ++i) {
         const int owner = shard_.owner[i];
-        if (owner < 0 || uses_muon_[i] != muon) continue;
         const CudaParam& gp = P_[int64_t(i)];
-        if (P_.master_read(int64_t(i))) {
+        if (shard_.split(i) && !muon) {
+            // Every rank's rows of the bf16 copy from that rank.
+            ST_ASSERT(gp.w, "distributed optimizer: ", params[i].name,
+                      " is split by rows but has no bf16 copy");
+            dist_->device_allgather(gp.w, gp.held * int64_t(sizeof(bf16)), ctx.stream);
+            continue;
+        }
+        if (owner < 0 || uses_muon_[i] != muon) continue;
+        if (gp.fp8) {
+            send_fp8_copy(ctx, i);
+        } else if (P_.master_read(int64_t(i))) {
             // A master every rank keeps: it goes, and the others refresh their bf16 copies.
             dist_->device_broadcast(gp.master, gp.numel * int64_t(sizeof(float)), owner,
                                     ctx.stream);
@@ -260,6 +275,18 @@ void CudaOptimizer::broadcast_from_owners(const ExecContext& ctx, bool muon) {
             dist_->device_broadcast(gp.w, gp.numel * int64_t(sizeof(bf16)), owner, ctx.stream);
         }
     }
+}
+
+void CudaOptimizer::send_fp8_copy(const ExecContext& ctx, size_t i) {
+    const CudaParam& gp = P_[int64_t(i)];
+    const int owner = shard_.owner[i];
+    if (owner == shard_.rank) quantize_fp8_copy(ctx, gp.master, *gp.fp8);
+    dist_->device_broadcast(gp.fp8->block, gp.fp8->bytes(), owner, ctx.stream);
+}
+
+void CudaOptimizer::gather_fp8_copies(const ExecContext& ctx) {
+    for (size_t i = 0; i < P_.size(); ++i)
+        if (P_[int64_t(i)].fp8) send_fp8_copy(ctx, i);
 }
 
 StepStats CudaOptimizer::read_stats(const ExecContext& ctx, const RunConfig& run,

@@ -28,8 +28,9 @@ class CudaOptimizer {
     // With a sharded `shard` (the distributed optimizer over the ranks holding the same
     // parameters, `distributed` their device communicator; null when only planning), each
     // parameter's AdamW moments or Muon momentum, its update and Newton-Schulz live on its owner
-    // alone, which broadcasts the new weights (bf16, or the fp32 master where every rank keeps
-    // one); the model holds no master of another rank's parameter (CudaGlm5Model).
+    // alone, which broadcasts the new weights (bf16, the fp32 master where every rank keeps one,
+    // or the FP8 copy with fp8_param_gather); the model holds no master of another rank's
+    // parameter (CudaGlm5Model).
     // With `expert_parallel` (more than one rank: the routed experts are sharded), each rank
     // updates its own experts (state kept here, never broadcast) and their squared gradient
     // norms are summed over the group.
@@ -58,6 +59,10 @@ class CudaOptimizer {
     // A device int32 that, when nonzero at the step, skips it like a non-finite norm does
     // (the MoE stash's overflow flag).
     void set_veto(const int32_t* flag) { veto_ = flag; }
+    // Distributed with fp8_param_gather: the FP8 copies of the linears gathered in FP8
+    // (CudaParam::fp8) quantized by their owners from the masters just loaded and broadcast
+    // (after an upload; each step's update does the same for what it changed).
+    void gather_fp8_copies(const ExecContext& ctx);
     // Device state tensors by checkpoint name ("<param>.exp_avg", ...); distributed: this rank's.
     std::vector<std::pair<std::string, MemoryPlan::Slot>> state_tensors() const;
 
@@ -70,6 +75,8 @@ class CudaOptimizer {
     // Distributed: this rank's updated parameters (the Muon matrices, or the others) to the
     // other ranks, and theirs to this one, on `ctx`'s stream.
     void broadcast_from_owners(const ExecContext& ctx, bool muon);
+    // Parameter i's FP8 copy quantized by its owner and broadcast to the others.
+    void send_fp8_copy(const ExecContext& ctx, size_t i);
     // A parameter whose gradient the clipping norm counts.
     static bool normed(const ParamInfo& p) { return p.trainable && !p.pipeline_copy; }
     const CudaParams& P_;

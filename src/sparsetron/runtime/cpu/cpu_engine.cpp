@@ -154,8 +154,10 @@ class CpuEngine final : public StepEngine {
         const bool sharded = run_.expert_model_parallel_size > 1;
         const auto& params = tp_.params->params();
         owned_.assign(params.size(), false);
+        // A row-split parameter: every rank updates it whole here (the CPU ranks keep every
+        // master and state tensor; the split shards memory on CUDA).
         for (size_t i = 0; i < params.size(); ++i)
-            owned_[i] = owner_[i] == comms_.stage->rank() ||
+            owned_[i] = owner_[i] == comms_.stage->rank() || owner_[i] == kRowSplit ||
                         (sharded && params[i].routed_expert && params[i].trainable);
     }
 

@@ -20,6 +20,8 @@
 #include "sparsetron/parallel/comm/collective_watchdog.h"
 #include "sparsetron/parallel/context/cp_row_plan.h"
 #include "sparsetron/runtime/cuda/cuda_pipeline.h"
+#include "sparsetron/runtime/cuda/master_placement.h"
+#include "sparsetron/runtime/cuda/step_staging.h"
 #include "sparsetron/runtime/cuda_plan.h"
 #include "sparsetron/runtime/host_memory_check.h"
 #include "sparsetron/runtime/stage_metrics.h"
@@ -100,7 +102,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         model_ = std::make_unique<cuda::CudaGlm5Model>(
             recipe_.model, host_store_, plan_, cpp.rows, cpp.max_documents,
             std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage,
-            shard_.elsewhere());
+            master_placement(shard_, recipe_.run));
         opt_ = std::make_unique<cuda::CudaOptimizer>(model_->cuda_params(), plan_, recipe_.model,
                                                      recipe_.run, shard_, dp_, expert_parallel, pp);
         if (pp) {
@@ -114,11 +116,9 @@ class CudaEngine final : public StepEngine, public StepBench {
         if (recipe_.run.cuda_graph_impl == "full_iteration" || pipeline_) {
             graphs_ = recipe_.run.cuda_graph_impl == "full_iteration";
             // Staging for a whole step: every micro-batch's input block and loss sums.
-            slots_ = recipe_.run.microbatches_per_step();
-            s_slots_ = plan_.add(MemClass::Activations, "graph.input_slots", DType::I32,
-                                 {slots_, model_->input_words()});
-            s_sums_ = plan_.add(MemClass::Activations, "graph.loss_sums", DType::F64,
-                                {slots_, model_->n_sums()});
+            const StepStaging staging =
+                plan_step_staging(*model_, plan_, recipe_.run.microbatches_per_step());
+            slots_ = staging.slots, s_slots_ = staging.inputs, s_sums_ = staging.sums;
         }
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
@@ -172,18 +172,21 @@ class CudaEngine final : public StepEngine, public StepBench {
         for (size_t i = 0; i < hp.size(); ++i) {
             const float* value = host_plan_.view(hp[i].param_slot).ptr<float>();
             const cuda::CudaParam& g = gp[int64_t(i)];
-            if (g.master) {
-                copy_to_device(g.master, value, hp[i].numel() * sizeof(float));
-            } else if (g.w) {  // its master is another rank's: the bf16 copy from the host's
+            if (g.master) copy_to_device(g.master, value + g.first, g.held * sizeof(float));
+            if (g.w && g.held < g.numel) {
+                // Its master is another rank's, or (split by rows) in part: the bf16 copy from
+                // the host's (refresh_bf16 rewrites this rank's rows from the master).
                 copy.resize(size_t(hp[i].numel()));
                 for (size_t k = 0; k < copy.size(); ++k) copy[k] = float_to_bf16(value[k]);
                 copy_to_device(g.w, copy.data(), copy.size() * sizeof(bf16));
             }
         }
-        for (auto& [dev_slot, host_slot] : state_pairs())
-            copy_to_device(plan_.view(dev_slot).data, host_plan_.view(host_slot).data,
-                           plan_.entries()[dev_slot].bytes);
+        for (const StatePair& s : state_pairs())
+            copy_to_device(plan_.view(s.device).data,
+                           static_cast<char*>(host_plan_.view(s.host).data) + s.offset,
+                           plan_.entries()[s.device].bytes);
         model_->refresh_bf16(ctx());
+        if (shard_.sharded()) opt_->gather_fp8_copies(ctx());
         session_.synchronize();
     }
 
@@ -191,20 +194,26 @@ class CudaEngine final : public StepEngine, public StepBench {
         session_.synchronize();
         const auto& hp = host_store_.params();
         const auto& gp = model_->cuda_params();
-        for (size_t i = 0; i < hp.size(); ++i)
-            if (gp[int64_t(i)].master)
-                copy_to_host(host_plan_.view(hp[i].param_slot).data, gp[int64_t(i)].master,
-                             hp[i].numel() * sizeof(float));
-        for (auto& [dev_slot, host_slot] : state_pairs())
-            copy_to_host(host_plan_.view(host_slot).data, plan_.view(dev_slot).data,
-                         plan_.entries()[dev_slot].bytes);
+        for (size_t i = 0; i < hp.size(); ++i) {
+            const cuda::CudaParam& g = gp[int64_t(i)];
+            if (g.master)
+                copy_to_host(host_plan_.view(hp[i].param_slot).ptr<float>() + g.first, g.master,
+                             g.held * sizeof(float));
+        }
+        for (const StatePair& s : state_pairs())
+            copy_to_host(static_cast<char*>(host_plan_.view(s.host).data) + s.offset,
+                         plan_.view(s.device).data, plan_.entries()[s.device].bytes);
         if (shard_.sharded()) {
-            // Every master and state tensor from its owner: each rank's host copy whole.
-            for (size_t i = 0; i < hp.size(); ++i)
-                if (shard_.owner[i] >= 0)
-                    comms_.stage->broadcast(host_plan_.view(hp[i].param_slot).data,
-                                            hp[i].numel() * int64_t(sizeof(float)),
-                                            shard_.owner[i]);
+            // Every master and state tensor from its owner (split by rows: each rank's rows from
+            // it): each rank's host copy whole.
+            for (size_t i = 0; i < hp.size(); ++i) {
+                void* host = host_plan_.view(hp[i].param_slot).data;
+                const int64_t bytes = hp[i].numel() * int64_t(sizeof(float));
+                if (shard_.split(i))
+                    gather_row_shares(*comms_.stage, host, bytes);
+                else if (shard_.owner[i] >= 0)
+                    comms_.stage->broadcast(host, bytes, shard_.owner[i]);
+            }
             broadcast_state_from_owners(*comms_.stage, host_store_, host_optimizer_, host_plan_,
                                         shard_.owner);
         }
@@ -573,15 +582,23 @@ class CudaEngine final : public StepEngine, public StepBench {
         }
     };
     const ExecContext& ctx() const { return session_.ctx(); }
-    // (device slot, host slot) of every optimizer state tensor, matched by checkpoint name.
-    std::vector<std::pair<MemoryPlan::Slot, MemoryPlan::Slot>> state_pairs() const {
+    // Every optimizer state tensor of the device, its host mirror (matched by checkpoint name)
+    // and where in the mirror it lies (a parameter split by rows: this rank's rows).
+    struct StatePair {
+        MemoryPlan::Slot device, host;
+        size_t offset;
+    };
+    std::vector<StatePair> state_pairs() const {
         std::map<std::string, MemoryPlan::Slot> host;
         for (auto& [name, slot] : host_optimizer_.state_tensors()) host[name] = slot;
-        std::vector<std::pair<MemoryPlan::Slot, MemoryPlan::Slot>> out;
+        std::vector<StatePair> out;
         for (auto& [name, slot] : opt_->state_tensors()) {
             auto it = host.find(name);
             ST_CHECK(it != host.end(), "optimizer state '", name, "' has no host mirror");
-            out.emplace_back(slot, it->second);
+            const int64_t param = host_store_.index_of(name.substr(0, name.rfind('.')));
+            ST_ASSERT(param >= 0, "optimizer state '", name, "' has no parameter");
+            const size_t first = size_t(model_->cuda_params()[param].first);
+            out.push_back({slot, it->second, first * sizeof(float)});
         }
         return out;
     }

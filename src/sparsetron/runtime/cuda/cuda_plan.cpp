@@ -7,6 +7,8 @@
 #include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/parallel/context/cp_row_plan.h"
 #include "sparsetron/runtime/cuda/cuda_pipeline.h"
+#include "sparsetron/runtime/cuda/master_placement.h"
+#include "sparsetron/runtime/cuda/step_staging.h"
 
 namespace sparsetron {
 
@@ -27,11 +29,13 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
     const OptimizerShard shard = planned_optimizer_shard(host_store, recipe.run, optimizer_rank);
-    cuda::CudaGlm5Model model(m, host_store, plan, cpp.rows, cpp.max_documents,
-                              std::min(chunk_rows, cpp.rows), cpp.key_rows,
-                              recipe.run.fp8_blockwise(), stage, shard.elsewhere());
+    cuda::CudaGlm5Model model(
+        m, host_store, plan, cpp.rows, cpp.max_documents, std::min(chunk_rows, cpp.rows),
+        cpp.key_rows, recipe.run.fp8_blockwise(), stage, master_placement(shard, recipe.run));
     cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run, shard);
     if (!stage.whole()) plan_pipeline_buffers(model, plan, recipe.run.microbatches_per_step());
+    if (recipe.run.cuda_graph_impl == "full_iteration" || !stage.whole())
+        plan_step_staging(model, plan, recipe.run.microbatches_per_step());
     return plan;
 }
 

@@ -1,0 +1,15 @@
+#include "sparsetron/runtime/cuda/step_staging.h"
+
+namespace sparsetron {
+
+StepStaging plan_step_staging(const cuda::CudaGlm5Model& model, MemoryPlan& plan, int64_t slots) {
+    StepStaging s;
+    s.slots = slots;
+    s.inputs = plan.add(MemClass::Activations, "graph.input_slots", DType::I32,
+                        {slots, model.input_words()});
+    s.sums =
+        plan.add(MemClass::Activations, "graph.loss_sums", DType::F64, {slots, model.n_sums()});
+    return s;
+}
+
+}  // namespace sparsetron

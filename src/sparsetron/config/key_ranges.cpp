@@ -51,7 +51,7 @@ const std::vector<KeyRange>& key_ranges() {
         {"dsa_indexer_query_block", 1, kSize},
         {"recompute_block_rows", 1, kSize},
         {"moe_paged_stash_page_size", 1, kSize},
-        {"moe_paged_stash_buffer_size_factor", 0, 1024, true},
+        {"moe_paged_stash_buffer_size_factor_cuda", 0, 1024, true},
         {"dsa_indexer_n_heads", 1, 4096},
         {"dsa_indexer_head_dim", 1, 65536},
         {"dsa_indexer_topk", 1, kSize},

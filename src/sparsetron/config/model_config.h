@@ -86,8 +86,9 @@ struct ModelConfig {
     ActivationPolicy activation() const;
     // CUDA: the MoE's saved activations in a shared page pool (model/cuda/moe_stash.h).
     bool moe_paged_stash = false;
-    int64_t moe_paged_stash_page_size = 64;           // rows per page
-    double moe_paged_stash_buffer_size_factor = 1.0;  // pool / the worst case of every application
+    int64_t moe_paged_stash_page_size = 64;  // rows per page
+    // The pool over every application's rows on balanced routing (Megatron's default).
+    double moe_paged_stash_buffer_size_factor_cuda = 1.10;
     // Not recipe keys: make_training_plan() copies the run's expert_model_parallel_size here
     // (the bound of the MoE layers' expert-parallel receive buffers) and the trainer this
     // process's rank in its EP group. With more than one EP rank the routed experts are sharded:

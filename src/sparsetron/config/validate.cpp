@@ -62,9 +62,9 @@ void Recipe::validate() {
                  r.expert_model_parallel_size, ")");
         ST_CHECK(m.moe_capacity_factor >= 0, "recipe key 'moe_capacity_factor' must be >= 0");
         positive(m.moe_paged_stash_page_size, "moe_paged_stash_page_size");
-        ST_CHECK(m.moe_paged_stash_buffer_size_factor > 0,
-                 "recipe key 'moe_paged_stash_buffer_size_factor' must be > 0, got ",
-                 m.moe_paged_stash_buffer_size_factor);
+        ST_CHECK(m.moe_paged_stash_buffer_size_factor_cuda > 0,
+                 "recipe key 'moe_paged_stash_buffer_size_factor_cuda' must be > 0, got ",
+                 m.moe_paged_stash_buffer_size_factor_cuda);
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});

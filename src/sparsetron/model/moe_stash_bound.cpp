@@ -13,13 +13,16 @@ MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens) {
     b.max_rows = tokens * c.moe_router_topk;
     if (c.moe_capacity_factor > 0 && c.num_experts > 0)
         b.max_rows = std::min(b.max_rows, c.moe_expert_capacity(tokens) * c.num_experts);
-    // Expert parallelism: an application keeps the rows its experts received.
+    b.balanced_rows = b.max_rows;
+    // Expert parallelism: an application keeps the rows its experts received, at most the
+    // receive bound, on balanced routing what the rank sent.
     if (c.expert_parallel_ranks > 1) b.max_rows = c.moe_ep_received_rows(tokens);
     b.page_rows = c.moe_paged_stash_page_size;
     b.pages_per_application = (b.max_rows + b.page_rows - 1) / b.page_rows;
-    b.pool_pages =
-        std::max<int64_t>(1, int64_t(std::ceil(c.moe_paged_stash_buffer_size_factor *
-                                               double(b.applications * b.pages_per_application))));
+    b.balanced_pages = b.applications * ((b.balanced_rows + b.page_rows - 1) / b.page_rows);
+    b.pool_pages = std::max<int64_t>(
+        1,
+        int64_t(std::ceil(c.moe_paged_stash_buffer_size_factor_cuda * double(b.balanced_pages))));
     return b;
 }
 

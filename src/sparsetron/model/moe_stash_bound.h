@@ -16,9 +16,14 @@ struct MoeStashBound {
     // when moe_capacity_factor bounds it lower; under expert parallelism the most its experts
     // receive (ModelConfig::moe_ep_received_rows).
     int64_t max_rows = 0;
+    // The rows one application keeps when the routing is balanced: max_rows, but tokens x top-k
+    // under expert parallelism (what a rank sends, and on average receives). The pool's base.
+    int64_t balanced_rows = 0;
     int64_t page_rows = 0;
     int64_t pages_per_application = 0;  // ceil(max_rows / page_rows): one page table's bound
-    // ceil(moe_paged_stash_buffer_size_factor x applications x pages_per_application), >= 1.
+    int64_t balanced_pages = 0;         // applications x ceil(balanced_rows / page_rows)
+    // ceil(moe_paged_stash_buffer_size_factor_cuda x balanced_pages), >= 1 (Megatron's sizing:
+    // a factor over what the layers keep on balanced routing).
     int64_t pool_pages = 0;
 };
 

@@ -48,7 +48,7 @@ struct StepWork {
 // (StepOutcome::redone); these are the overflowed attempt's figures.
 struct StashUse {
     int64_t pool_pages = 0, page_rows = 0, peak_pages = 0, demand_pages = 0;
-    int64_t worst_case_pages = 0;  // every application at its bound (the factor's base)
+    int64_t balanced_pages = 0;  // every application's rows on balanced routing (the factor's base)
     bool overflow = false;
 };
 

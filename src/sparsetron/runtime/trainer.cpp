@@ -27,15 +27,14 @@ namespace {
 // The step's MoE applications routed more rows than the paged stash holds: the engine ran it
 // again eagerly without the stash; say which bound would keep such steps in the graph.
 std::string stash_overflow_message(const ModelConfig& mc, const StashUse& u, int64_t step) {
-    const double f = mc.moe_paged_stash_buffer_size_factor;
-    // pool = ceil(factor x worst case) >= demand.
-    const double need =
-        std::ceil(100.0 * double(u.demand_pages) / double(u.worst_case_pages)) / 100;
+    const double f = mc.moe_paged_stash_buffer_size_factor_cuda;
+    // pool = ceil(factor x balanced pages) >= demand.
+    const double need = std::ceil(100.0 * double(u.demand_pages) / double(u.balanced_pages)) / 100;
     return cat("MoE paged stash overflow at step ", step, ": the step's MoE layers needed ",
                u.demand_pages, " pages of ", u.page_rows, " rows at once, the pool holds ",
-               u.pool_pages, " (moe_paged_stash_buffer_size_factor ", f,
+               u.pool_pages, " (moe_paged_stash_buffer_size_factor_cuda ", f,
                "); the step ran again eagerly without the stash (moe_stash_redos in the "
-               "metrics counts such steps). moe_paged_stash_buffer_size_factor ",
+               "metrics counts such steps). moe_paged_stash_buffer_size_factor_cuda ",
                need, " or more would have held it");
 }
 

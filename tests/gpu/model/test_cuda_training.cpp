@@ -749,7 +749,7 @@ TEST(CudaTraining, PagedStashOverflowRedoesTheStepEagerlyWithoutIt) {
     Recipe plain = run_to_run_tiny_recipe();
     Recipe r = plain;
     r.model.moe_paged_stash = true;
-    r.model.moe_paged_stash_buffer_size_factor = 0.625;
+    r.model.moe_paged_stash_buffer_size_factor_cuda = 0.625;
     r.run.cuda_graph_impl = "full_iteration";
     EngineSet set({plain, r});
     const MoeStashBound bound = moe_stash_bound(r.model, r.run.tokens_per_microbatch());
@@ -792,7 +792,7 @@ TEST(CudaTraining, PagedStashOverflowIsRedoneAndCountedByTheTrainer) {
     plain.run.save_interval = 0;
     Recipe r = plain;
     r.model.moe_paged_stash = true;
-    r.model.moe_paged_stash_buffer_size_factor = 0.3;
+    r.model.moe_paged_stash_buffer_size_factor_cuda = 0.3;
     const auto ref = train(plain, Device::CUDA, test::temp_dir("stash-none"));
     const auto steps = train(r, Device::CUDA, test::temp_dir("stash-small"));
     ASSERT_EQ(steps.size(), 3u);

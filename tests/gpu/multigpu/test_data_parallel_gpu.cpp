@@ -221,7 +221,7 @@ TEST(DataParallelGpu, ExpertParallelPagedStashMatchesOneGpuAndRedoesTogether) {
                          "--set moe_paged_stash=true --set cuda_graph_impl=full_iteration", ep);
     const auto two = compare_with_one_gpu(
         "ep2-stash-overflow",
-        "--set moe_paged_stash=true --set moe_paged_stash_buffer_size_factor=0.2", ep);
+        "--set moe_paged_stash=true --set moe_paged_stash_buffer_size_factor_cuda=0.2", ep);
     ASSERT_FALSE(two.empty());
     EXPECT_GT(two.back().value("moe_stash_redos", 0), 0) << two.back().dump();
 }

@@ -132,9 +132,20 @@ TEST(PagedStash, PoolBoundFollowsTheRecipe) {
     EXPECT_EQ(b.applications, 9);
     EXPECT_EQ(b.max_rows, 32768);
     EXPECT_EQ(b.pages_per_application, 512);
-    EXPECT_EQ(b.pool_pages, 9 * 512);
-    c.moe_paged_stash_buffer_size_factor = 0.55;
+    EXPECT_EQ(b.balanced_pages, 9 * 512);
+    EXPECT_EQ(b.pool_pages, 5069);  // Megatron's default factor 1.10: ceil(1.1 x 4608)
+    c.moe_paged_stash_buffer_size_factor_cuda = 0.55;
     EXPECT_EQ(moe_stash_bound(c, 4096).pool_pages, 2535);  // ceil(0.55 x 4608)
+    // Expert parallelism over 4 ranks: a page table holds what the rank's 4 experts can receive
+    // (4 sources x 4 experts x 4096 rows), the pool is sized from what balanced routing keeps
+    // (the 4096 x 8 rows the rank sent).
+    ModelConfig ep = c;
+    ep.expert_parallel_ranks = 4;
+    const MoeStashBound e = moe_stash_bound(ep, 4096);
+    EXPECT_EQ(e.max_rows, 4 * 4 * 4096);
+    EXPECT_EQ(e.balanced_rows, 4096 * 8);
+    EXPECT_EQ(e.balanced_pages, 9 * 512);
+    EXPECT_EQ(e.pool_pages, 2535);
     c.moe_paged_stash_page_size = 100;
     EXPECT_EQ(moe_stash_bound(c, 4096).pages_per_application, 328);
     // A capacity factor below top-k / experts caps the kept rows: 16 experts x 1024.

@@ -13,12 +13,14 @@
 // saved with or without the stash: the backward does not read them, model/cuda/moe.h.) The pool is
 // sized from a bound (moe_stash_bound.h):
 //
-//   pages = ceil(moe_paged_stash_buffer_size_factor x applications x ceil(R / page rows))
+//   pages = ceil(moe_paged_stash_buffer_size_factor_cuda x applications x ceil(R / page rows))
 //
-// with R = min(tokens x top-k, capacity x experts) the most rows one application can route (under
-// expert parallelism the most its experts can receive). A
-// factor of 1 never overflows; a smaller one trades memory for the risk that a step routes more
-// rows than the pool holds (padding rows are not routed, dropped rows are not kept). A push that
+// with R = min(tokens x top-k, capacity x experts) the most rows one application can route: under
+// expert parallelism what its experts receive on balanced routing (a rank receives what it sends;
+// imbalanced routing can send it up to the receive bound). Without expert parallelism a factor of
+// 1 never overflows; a smaller one (or imbalance under expert parallelism) trades memory for the
+// risk that a step keeps more rows than the pool holds (padding rows are not routed, dropped rows
+// are not kept). A push that
 // finds too few free pages keeps nothing and raises a device flag: the optimizer step is skipped
 // on the device, and the engine runs the step again eagerly with the stash bypassed (as the seed
 // falls back to an eager step): every application's backward then recomputes its expert rows

@@ -562,7 +562,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             const cuda::MoeStash::Use d = st->read(ctx());
             u.pool_pages = d.pool_pages, u.page_rows = d.page_rows, u.peak_pages = d.peak_pages;
             u.demand_pages = d.demand_pages, u.overflow = d.overflow;
-            u.worst_case_pages = st->bound().applications * st->bound().pages_per_application;
+            u.balanced_pages = st->bound().balanced_pages;
         }
         return u;
     }

@@ -122,7 +122,9 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(lr_warmup_iters, Int),
         RUN_KEY(lr_decay_style, String),
         RUN_KEY(lr_decay_iters, Int),
-        RUN_KEY(lr_wsd_decay_fraction, Float),
+        RUN_KEY(lr_warmup_init, Float),
+        RUN_KEY(lr_wsd_decay_iters, Int),
+        RUN_KEY(lr_wsd_decay_style, String),
         RUN_KEY(muon_momentum, Float),
         RUN_KEY(muon_nesterov, Bool),
         RUN_KEY(muon_split_qkv, Bool),
@@ -401,6 +403,10 @@ RawSetting parse_override(const std::string& kv) {
 namespace sparsetron {
 Recipe builtin_tiny_recipe() {
     Recipe r;
+    // The tiny demo's schedule (recipes/tiny.yaml); the defaults are Megatron's.
+    r.run.min_lr = 3e-4;
+    r.run.lr_warmup_iters = 20;
+    r.run.lr_decay_style = "cosine";
     r.validate();
     return r;
 }

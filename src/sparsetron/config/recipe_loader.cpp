@@ -61,7 +61,8 @@ std::vector<RawSetting> parse_recipe_yaml(const std::string& text, const std::st
 }
 
 Recipe load_recipe(const std::string& path, const std::vector<std::string>& overrides) {
-    Recipe recipe;
+    // No file: the built-in tiny demo; files start from the defaults (Megatron's for its keys).
+    Recipe recipe = path.empty() ? builtin_tiny_recipe() : Recipe{};
     // "base.yaml,overlay.yaml,...": each file's keys over the ones before (validation runs once,
     // on the result, so an overlay may complete what its base leaves inconsistent).
     size_t begin = 0;

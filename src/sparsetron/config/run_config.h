@@ -58,16 +58,22 @@ struct RunConfig {
     // Optimizer and schedule (SPEC §7).
     std::string optimizer = "adam";  // "adam" (AdamW) | "muon"
     double lr = 3e-3;
-    double min_lr = 3e-4;
+    // The schedule's keys default as Megatron's (the tiny demo, recipes/tiny.yaml, sets its own).
+    double min_lr = 0.0;
     double weight_decay = 0.1;
     double adam_beta1 = 0.9;
     double adam_beta2 = 0.95;
     double adam_eps = 1e-8;
     double clip_grad = 1.0;
-    int64_t lr_warmup_iters = 20;
-    std::string lr_decay_style = "cosine";  // "cosine" | "constant" | "linear" | "WSD"
-    int64_t lr_decay_iters = 0;             // 0 = train_iters
-    double lr_wsd_decay_fraction = 0.1;
+    int64_t lr_warmup_iters = 0;
+    double lr_warmup_init = 0.0;  // the warm-up's first rate
+    // "linear" | "cosine" | "constant" | "WSD" | "inverse-square-root"
+    std::string lr_decay_style = "linear";
+    int64_t lr_decay_iters = 0;  // 0 = train_iters
+    // WSD: the anneal's last iterations and shape ("exponential" | "linear" | "cosine" |
+    // "minus_sqrt").
+    int64_t lr_wsd_decay_iters = 0;
+    std::string lr_wsd_decay_style = "exponential";
     // Muon (SPEC §7): per-head Newton-Schulz orthogonalized momentum for the matrices.
     double muon_momentum = 0.95;
     bool muon_nesterov = false;

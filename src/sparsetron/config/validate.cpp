@@ -164,9 +164,20 @@ void Recipe::validate() {
     ST_CHECK(r.weight_decay >= 0, "weight_decay must be >= 0");
     ST_CHECK(r.clip_grad >= 0, "clip_grad must be >= 0 (0 disables clipping)");
     ST_CHECK(r.lr_warmup_iters >= 0 && r.lr_decay_iters >= 0, "lr iteration counts must be >= 0");
-    one_of(r.lr_decay_style, "lr_decay_style", {"cosine", "constant", "linear", "WSD"});
-    ST_CHECK(r.lr_wsd_decay_fraction > 0 && r.lr_wsd_decay_fraction <= 1,
-             "lr_wsd_decay_fraction must be in (0, 1]");
+    one_of(r.lr_decay_style, "lr_decay_style",
+           {"cosine", "constant", "linear", "WSD", "inverse-square-root"});
+    one_of(r.lr_wsd_decay_style, "lr_wsd_decay_style",
+           {"exponential", "linear", "cosine", "minus_sqrt"});
+    // As Megatron's scheduler asserts (but a warm-up longer than the run, which short runs of
+    // a recipe meet: the rate then only warms up).
+    const int64_t decay_iters = r.lr_decay_iters > 0 ? r.lr_decay_iters : r.train_iters;
+    ST_CHECK(r.lr_warmup_init <= r.lr, "lr_warmup_init (", r.lr_warmup_init, ") <= lr (", r.lr,
+             ")");
+    ST_CHECK(r.lr_decay_style != "WSD" ||
+                 (r.lr_wsd_decay_iters > 0 && r.lr_wsd_decay_iters <= decay_iters),
+             "lr_decay_style: WSD needs lr_wsd_decay_iters, the anneal's iterations at the end "
+             "of lr_decay_iters (",
+             decay_iters, "), in (0, ", decay_iters, "]");
     one_of(r.muon_scale_mode, "muon_scale_mode", {"spectral", "shape_scaling", "unit_rms_norm"});
     one_of(r.muon_coefficient_type, "muon_coefficient_type", {"quintic", "simple"});
     positive(r.muon_num_ns_steps, "muon_num_ns_steps");

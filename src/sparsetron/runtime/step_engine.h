@@ -40,7 +40,10 @@ struct StepWork {
     std::vector<const MicroBatch*> micro_batches;
     std::vector<Comm*> cp_groups;  // dynamic CP only; empty otherwise
     LossScales scales;
-    int64_t step = 0;
+    // The optimizer update this step makes, 1-based: 1 + the updates applied before it (skipped
+    // steps do not count, as in Megatron, whose scheduler and Adam step only on an update). The
+    // learning rate and AdamW's bias corrections follow it.
+    int64_t update = 0;
 };
 
 // The MoE paged stash's use in a step (moe_paged_stash; pool_pages 0 when off). On overflow the

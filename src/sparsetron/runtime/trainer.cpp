@@ -268,7 +268,7 @@ StepMetrics Trainer::train_step() {
     // data-parallel rank run the same ones, each its rows). Dynamic CP: this rank's groups'
     // micro-batches, each with its CP communicator.
     StepWork work;
-    work.step = m.step;
+    work.update = m.step - state_.skipped_steps;
     if (dynamic_cp_) {
         DynamicCpBatches::Step s = dynamic_cp_->schedule(batches_);
         work.micro_batches = std::move(s.micro_batches);

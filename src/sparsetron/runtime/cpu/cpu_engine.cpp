@@ -72,7 +72,7 @@ class CpuEngine final : public StepEngine {
             out.moe_dropped = model_.moe_dropped();
         }
         const bool shard = !owner_.empty();
-        out.stats = tp_.optimizer->step(tp_.plan, run_, w.step, warmup ? &indexer_only_ : nullptr,
+        out.stats = tp_.optimizer->step(tp_.plan, run_, w.update, warmup ? &indexer_only_ : nullptr,
                                         shard ? &owned_ : nullptr);
         // Distributed optimizer: every parameter from the rank that updated it (the skip
         // decision and the clipping factor are the same on every rank: the gradients are).

@@ -224,7 +224,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         // the collective deadline watches.
         CollectiveWatchdog::Scope watched("the device step");
         const RunConfig& run = recipe_.run;
-        StepOutcome out = run_step(w.micro_batches, w.scales, run, w.step,
+        StepOutcome out = run_step(w.micro_batches, w.scales, run, w.update,
                                    w.cp_groups.empty() ? nullptr : &w.cp_groups);
         out.moe_load = model_->moe_loads(ctx());
         out.moe_dropped = model_->moe_dropped(ctx());

@@ -133,10 +133,15 @@ TEST(LrSchedule, MatchesMegatronsSchedulerForEveryStyle) {
     EXPECT_DOUBLE_EQ(learning_rate(lin, 42), 2e-4);
 }
 
-// Megatron's defaults for the schedule's keys (a recipe file that sets none of them), and the
-// tiny demo's own values without a file.
+// Megatron's defaults for the optimizer's and the schedule's keys (a recipe file that sets none
+// of them), and the tiny demo's own values without a file.
 TEST(LrSchedule, DefaultsAreMegatrons) {
     const RunConfig d = RunConfig{};
+    EXPECT_EQ(d.weight_decay, 0.01);
+    EXPECT_EQ(d.adam_beta1, 0.9);
+    EXPECT_EQ(d.adam_beta2, 0.999);
+    EXPECT_EQ(d.adam_eps, 1e-8);
+    EXPECT_EQ(d.clip_grad, 1.0);
     EXPECT_EQ(d.min_lr, 0.0);
     EXPECT_EQ(d.lr_warmup_iters, 0);
     EXPECT_EQ(d.lr_warmup_init, 0.0);
@@ -147,6 +152,8 @@ TEST(LrSchedule, DefaultsAreMegatrons) {
     EXPECT_EQ(tiny.lr_decay_style, "cosine");
     EXPECT_EQ(tiny.lr_warmup_iters, 20);
     EXPECT_EQ(tiny.min_lr, 3e-4);
+    EXPECT_EQ(tiny.weight_decay, 0.1);
+    EXPECT_EQ(tiny.adam_beta2, 0.95);
     // WSD needs its anneal length, as Megatron's scheduler asserts.
     EXPECT_THROW(load_recipe("", {"lr_decay_style=WSD"}), Error);
     EXPECT_THROW(load_recipe("", {"lr_decay_style=WSD", "lr_wsd_decay_iters=500"}), Error);

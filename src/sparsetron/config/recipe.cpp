@@ -403,7 +403,9 @@ RawSetting parse_override(const std::string& kv) {
 namespace sparsetron {
 Recipe builtin_tiny_recipe() {
     Recipe r;
-    // The tiny demo's schedule (recipes/tiny.yaml); the defaults are Megatron's.
+    // The tiny demo's optimizer settings (recipes/tiny.yaml); the defaults are Megatron's.
+    r.run.weight_decay = 0.1;
+    r.run.adam_beta2 = 0.95;
     r.run.min_lr = 3e-4;
     r.run.lr_warmup_iters = 20;
     r.run.lr_decay_style = "cosine";

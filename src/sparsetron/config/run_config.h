@@ -58,11 +58,12 @@ struct RunConfig {
     // Optimizer and schedule (SPEC §7).
     std::string optimizer = "adam";  // "adam" (AdamW) | "muon"
     double lr = 3e-3;
-    // The schedule's keys default as Megatron's (the tiny demo, recipes/tiny.yaml, sets its own).
+    // The optimizer's and the schedule's keys default as Megatron's (the tiny demo,
+    // recipes/tiny.yaml and builtin_tiny_recipe, sets its own).
     double min_lr = 0.0;
-    double weight_decay = 0.1;
+    double weight_decay = 0.01;
     double adam_beta1 = 0.9;
-    double adam_beta2 = 0.95;
+    double adam_beta2 = 0.999;
     double adam_eps = 1e-8;
     double clip_grad = 1.0;
     int64_t lr_warmup_iters = 0;

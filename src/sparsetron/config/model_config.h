@@ -106,8 +106,9 @@ struct ModelConfig {
     int64_t dsa_indexer_topk = 64;
     int64_t dsa_indexer_topk_freq = 2;
     int64_t dsa_indexer_skip_topk_offset = 1;
-    double dsa_indexer_loss_coeff = 1e-2;
-    bool dsa_indexer_use_sparse_loss = true;
+    // Megatron's defaults: the indexer loss off, the dense KL (the seed's recipes set both).
+    double dsa_indexer_loss_coeff = 0.0;
+    bool dsa_indexer_use_sparse_loss = false;
     bool dsa_indexer_rope_interleaved = true;
     std::vector<std::string> indexer_types;  // explicit per-layer "full"/"shared" list wins
 

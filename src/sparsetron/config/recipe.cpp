@@ -407,6 +407,8 @@ Recipe builtin_tiny_recipe() {
     r.run.weight_decay = 0.1;
     r.run.adam_beta2 = 0.95;
     r.run.min_lr = 3e-4;
+    r.model.dsa_indexer_loss_coeff = 1e-2;
+    r.model.dsa_indexer_use_sparse_loss = true;
     r.run.lr_warmup_iters = 20;
     r.run.lr_decay_style = "cosine";
     r.validate();

@@ -289,3 +289,18 @@ TEST(Trainer, DenseWarmupTrainsOnlyTheIndexerAndItsLossFalls) {
     }
     EXPECT_GT(moved, 0);
 }
+
+// The indexer loss is logged on Megatron's scale (its sum over layers divided by num_layers)
+// while the objective adds the sum: total_loss - lm - mtp - aux is num_layers times the logged
+// value (2 layers here), and the logged value is positive.
+TEST(Trainer, IndexerLossIsLoggedOnMegatronsScale) {
+    Recipe r = small_recipe({"train_iters=2", "dsa_indexer_loss_coeff=1"});
+    ASSERT_EQ(r.model.num_layers, 2);
+    Trainer t(r, {test::temp_dir("indexer-scale"), "", Device::CPU});
+    t.run([&](const StepMetrics& m) {
+        EXPECT_GT(m.indexer_loss, 0);
+        EXPECT_NEAR(m.total_loss - m.lm_loss - m.mtp_loss - m.aux_loss, 2 * m.indexer_loss,
+                    1e-9 * m.total_loss)
+            << "step " << m.step;
+    });
+}

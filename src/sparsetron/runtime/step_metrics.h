@@ -12,11 +12,14 @@ namespace sparsetron {
 struct StepMetrics {
     int64_t step = 0;
     double lm_loss = 0;
-    double mtp_loss = 0;      // λ-scaled, as it enters total_loss (0 without MTP)
-    double indexer_loss = 0;  // Σ over DSA layers of coeff * mean KL, averaged over micro-batches
-    double aux_loss = 0;      // MoE sequence aux loss (0 when off)
-    double total_loss = 0;
-    double mtp_acceptance_length = 0;            // e2e_tv: mean Σ_j Π_{k<=j} α_k over chain rows
+    double mtp_loss = 0;  // λ-scaled, as it enters total_loss (0 without MTP)
+    // The DSA indexer loss on Megatron's scale: Σ over the layers computing an indexer of
+    // coeff * mean KL (averaged over micro-batches), divided by num_layers as Megatron's log
+    // divides it. The objective adds the sum: indexer_loss * num_layers.
+    double indexer_loss = 0;
+    double aux_loss = 0;               // MoE sequence aux loss (0 when off)
+    double total_loss = 0;             // lm + mtp + the indexer loss's sum + aux: the objective
+    double mtp_acceptance_length = 0;  // e2e_tv: mean Σ_j Π_{k<=j} α_k over chain rows
     std::vector<std::vector<int64_t>> moe_load;  // per MoE layer: tokens per expert in the step
     int64_t moe_dropped = 0;                     // routed rows over capacity in the step
     int64_t moe_stash_pages = 0;       // MoE paged stash: pool pages (0 without the stash)

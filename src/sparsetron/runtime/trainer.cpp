@@ -297,9 +297,11 @@ StepMetrics Trainer::train_step() {
     m.lm_loss = sums[0] / double(m.targets);
     m.mtp_loss = sums[1];
     if (chain_rows > 0) m.mtp_acceptance_length = sums[2] / double(chain_rows);
-    m.indexer_loss = sums[3];
+    // Megatron logs the indexer loss summed over layers and divided by num_layers; the objective
+    // adds the sum.
+    m.indexer_loss = sums[3] / double(recipe_.model.num_layers);
     m.aux_loss = sums[4];
-    m.total_loss = m.lm_loss + m.mtp_loss + m.indexer_loss + m.aux_loss;
+    m.total_loss = m.lm_loss + m.mtp_loss + sums[3] + m.aux_loss;
     m.moe_load = std::move(o.moe_load);
     m.moe_dropped = o.moe_dropped;
     m.graph = o.replayed;

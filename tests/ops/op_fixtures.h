@@ -33,10 +33,12 @@ struct Rounded {
 struct Docs {
     std::vector<int32_t> cu{0, 70, 71, 180};
     int32_t num_docs = 3;
+    // Each of the first `tokens` rows' document start (-1 past the documents); a shorter
+    // micro-batch (the CP case's 100 query rows) ends inside them.
     std::vector<int32_t> row_begin(int64_t tokens) const {
         std::vector<int32_t> rb(tokens, -1);
         for (int d = 0; d < num_docs; ++d)
-            for (int32_t t = cu[d]; t < cu[d + 1]; ++t) rb[t] = cu[d];
+            for (int32_t t = cu[d]; t < cu[d + 1] && t < tokens; ++t) rb[t] = cu[d];
         return rb;
     }
 };

@@ -72,8 +72,11 @@ TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
             EXPECT_LT(p.class_bytes(MemClass::Parameters), whole.class_bytes(MemClass::Parameters))
                 << opt << " rank " << rank;
         }
+        // FP8: the two runs' masters differ in their last bits after the first update (the
+        // gradients' reduction orders differ), which flips some e4m3 roundings of the weights:
+        // the losses part faster than in bf16 (measured on an H100: 2.5e-4 at step 4, bf16 2e-5).
         expect_metrics_match("dist-" + opt, one, train_threads(2, dist, "dist-" + opt, true), 1e-5,
-                             true);
+                             true, 0, fp8 ? 1e-3 : 2e-4);
         // The sharded run's checkpoint at step 2 on one GPU: steps 3 and 4 again.
         const auto resumed = train(
             trainer_recipe(1, model),
@@ -83,7 +86,8 @@ TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
             std::cout << "[dist-" << opt << " checkpoint -> 1 GPU] step " << i + 3 << ": lm "
                       << resumed[i].lm_loss << " vs " << one[i + 2].lm_loss << "\n";
             EXPECT_EQ(resumed[i].step, one[i + 2].step);
-            EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss, 2e-4 * one[i + 2].lm_loss);
+            EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss,
+                        (fp8 ? 1e-3 : 2e-4) * one[i + 2].lm_loss);
             EXPECT_NEAR(resumed[i].grad_norm, one[i + 2].grad_norm, 2e-2 * one[i + 2].grad_norm);
         }
     }

@@ -205,6 +205,29 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
               std::string::npos)
         << cuda3.output;
 #endif
+    // --every-rank: one line per group of ranks, and the largest, which is that rank's own
+    // plan's total (on CUDA each rank's share of the distributed optimizer differs).
+    CliRun every = run(layout8 + " --every-rank");
+    ASSERT_EQ(every.code, 0) << every.output;
+    EXPECT_NE(every.output.find("host plan of every rank"), std::string::npos) << every.output;
+    EXPECT_NE(every.output.find("ranks 0-7: "), std::string::npos) << every.output;
+#if SPARSETRON_WITH_CUDA
+    CliRun every_cuda = run(layout8 + " --every-rank --device cuda");
+    ASSERT_EQ(every_cuda.code, 0) << every_cuda.output;
+    const size_t at = every_cuda.output.find("largest: rank ");
+    ASSERT_NE(at, std::string::npos) << every_cuda.output;
+    const int largest = std::stoi(every_cuda.output.substr(at + 14));
+    const std::string size = every_cuda.output.substr(
+        every_cuda.output.find(", ", at) + 2,
+        every_cuda.output.find('\n', at) - every_cuda.output.find(", ", at) - 2);
+    CliRun own = run(layout8 + " --device cuda --world-rank " + std::to_string(largest));
+    ASSERT_EQ(own.code, 0) << own.output;
+    const size_t total_at = own.output.find("\ntotal ");
+    ASSERT_NE(total_at, std::string::npos) << own.output;
+    const std::string total =
+        own.output.substr(total_at + 1, own.output.find('\n', total_at + 1) - total_at - 1);
+    EXPECT_EQ(total.substr(total.size() - size.size()), size) << total << "\n" << every_cuda.output;
+#endif
     CliRun rank8 = run(layout8 + " --world-rank 8");
     EXPECT_EQ(rank8.code, 1) << rank8.output;
     EXPECT_NE(rank8.output.find("--world-rank 8: the recipe's world_size is 8"), std::string::npos)

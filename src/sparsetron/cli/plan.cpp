@@ -117,6 +117,53 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
     return 0;
 }
 
+// Every rank's total (device plan with the expert exchange's buffers, or the host plan), ranks
+// of one stage with equal printed totals in one line, and the largest: what a layout needs of
+// its smallest GPU.
+int plan_every_rank(const std::string& recipe_path, const std::vector<std::string>& sets,
+                    const std::string& device) {
+    const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
+    const Device d = parse_device(device);
+    const int world = int(recipe.run.world_size);
+    const ParallelLayout layout = make_layout(recipe.run, world);
+    const int stages = int(recipe.run.pipeline_model_parallel_size);
+    std::vector<std::unique_ptr<TrainingPlan>> by_stage(static_cast<size_t>(stages));
+    std::printf("%s plan of every rank of %s (%s)\n", d == Device::CUDA ? "device" : "host",
+                recipe.name.c_str(), layout.describe().c_str());
+    size_t largest = 0;
+    int largest_rank = 0, run_start = 0;
+    size_t run_total = 0;
+    auto flush = [&](int end) {  // ranks [run_start, end) planned run_total each
+        const int s = stages == 1 ? 0 : layout.pp_rank(run_start);
+        std::printf("  %s %d%s%s: %s\n", end - run_start > 1 ? "ranks" : "rank", run_start,
+                    end - run_start > 1 ? cat("-", end - 1).c_str() : "",
+                    stages > 1 ? cat(" (stage ", s, ")").c_str() : "",
+                    format_bytes(double(run_total)).c_str());
+    };
+    for (int r = 0; r < world; ++r) {
+        const int s = stages == 1 ? 0 : layout.pp_rank(r);
+        const PipelineStage stage =
+            stages == 1 ? PipelineStage{} : pipeline_stage(recipe.model, recipe.run, s);
+        if (!by_stage[size_t(s)]) by_stage[size_t(s)] = make_training_plan(recipe, d, stage);
+        const TrainingPlan& tp = *by_stage[size_t(s)];
+        size_t total = tp.plan.total_bytes();
+        if (d == Device::CUDA)
+            format_cuda_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, stage,
+                             layout.stage_rank(r));
+        // Equal as printed: the distributed optimizer's shares differ by a few MiB.
+        if (r > 0 && (format_bytes(double(total)) != format_bytes(double(run_total)) ||
+                      layout.pp_rank(r) != layout.pp_rank(run_start))) {
+            flush(r);
+            run_start = r;
+        }
+        run_total = total;
+        if (total > largest) largest = total, largest_rank = r;
+    }
+    flush(world);
+    std::printf("largest: rank %d, %s\n", largest_rank, format_bytes(double(largest)).c_str());
+    return 0;
+}
+
 // The plans at several micro-batch lengths (seq_length per sample) and how each buffer grows.
 int plan_lengths(const std::string& recipe_path, const std::vector<std::string>& sets,
                  const std::string& device, const std::string& lengths_text, int top) {
@@ -165,6 +212,7 @@ Run add_plan(CLI::App& app) {
     struct Options {
         std::string recipe, device = "cpu", lengths;
         int top = -1, world_rank = -1;
+        bool every_rank = false;
         std::vector<std::string> sets;
     };
     auto o = std::make_shared<Options>();
@@ -181,9 +229,13 @@ Run add_plan(CLI::App& app) {
                   "The plan of this rank of the recipe's world_size (its pipeline stage and its "
                   "share of the distributed optimizer; default: each stage's first rank)")
         ->check(CLI::NonNegativeNumber);
+    c->add_flag("--every-rank", o->every_rank,
+                "One line per rank of the recipe's world_size (ranks with equal plans together): "
+                "its total, and the largest");
     c->add_option("--top", o->top,
                   "How many buffers each list shows (default 6 per class; 12 with --lengths)");
     return [o] {
+        if (o->every_rank) return plan_every_rank(o->recipe, o->sets, o->device);
         return o->lengths.empty()
                    ? plan(o->recipe, o->sets, o->device, o->top < 0 ? 6 : o->top, o->world_rank)
                    : plan_lengths(o->recipe, o->sets, o->device, o->lengths,

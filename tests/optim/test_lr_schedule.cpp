@@ -118,7 +118,9 @@ TEST(LrSchedule, MatchesMegatronsSchedulerForEveryStyle) {
             m.num_steps += r.global_batch_size;  // the step after a successful update
         }
         // The schedules are not flat where they should not be.
-        if (r.lr_decay_style != "constant") EXPECT_NE(first, last) << c.name;
+        if (r.lr_decay_style != "constant") {
+            EXPECT_NE(first, last) << c.name;
+        }
     }
     // Values by hand (linear, warm-up 5, lr 2e-3 to 2e-4 over 40 iterations): update 1 runs at
     // lr_warmup_init (0), update 3 at 2/5 of the rate, update 6 at the peak, update 23 (17 steps
@@ -182,6 +184,8 @@ TEST(LrSchedule, TheTrainerFollowsTheUpdatesNotTheIterations) {
         }
         EXPECT_DOUBLE_EQ(steps[0].lr, r.run.lr);  // no warm-up: the first update at the peak
         EXPECT_LT(steps[5].lr, steps[0].lr);
-        if (diverge) EXPECT_DOUBLE_EQ(steps[5].lr, learning_rate(r.run, 2));
+        if (diverge) {
+            EXPECT_DOUBLE_EQ(steps[5].lr, learning_rate(r.run, 2));
+        }
     }
 }

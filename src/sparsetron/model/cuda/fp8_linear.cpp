@@ -9,10 +9,10 @@ namespace sparsetron::cuda {
 
 namespace {
 
-constexpr int64_t kAlign = 256;
-
+// Each part on the memory plan's alignment, as a buffer of its own would be.
 int64_t aligned(int64_t bytes) {
-    return (bytes + kAlign - 1) / kAlign * kAlign;
+    constexpr int64_t a = int64_t(MemoryPlan::kAlignment);
+    return (bytes + a - 1) / a * a;
 }
 
 // Offsets of the parts of an Fp8Copy block: W, its scales, W^T, its scales.

@@ -9,6 +9,7 @@
 // (test_multigpu).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
 #include <memory>
 #include <random>
@@ -122,20 +123,32 @@ struct Routing {
             o[size_t(e + 1)] = o[size_t(e)] + counts[size_t(p)][size_t(e)];
         return o;
     }
+    // Source rows of rank p that reach owner q: the first pair_rows of those for q's experts.
+    int32_t pair_end(int p, int q) const {
+        const auto o = offsets(p);
+        return std::min<int32_t>(o[size_t((q + 1) * el())], o[size_t(q * el())] + pair_rows);
+    }
+    bool over_budget(int q) const {
+        for (int p = 0; p < W; ++p)
+            if (offsets(p)[size_t((q + 1) * el())] - offsets(p)[size_t(q * el())] > pair_rows)
+                return true;
+        return false;
+    }
     // Owner layout of rank q: (source p, source row i) per owner row.
     std::vector<std::pair<int, int64_t>> owner_rows(int q) const {
         std::vector<std::pair<int, int64_t>> rows;
         for (int64_t j = 0; j < el(); ++j)
             for (int p = 0; p < W; ++p) {
                 const auto o = offsets(p);
-                for (int32_t i = o[size_t(q * el() + j)]; i < o[size_t(q * el() + j + 1)]; ++i)
-                    rows.emplace_back(p, i);
+                const int32_t end = std::min(o[size_t(q * el() + j + 1)], pair_end(p, q));
+                for (int32_t i = o[size_t(q * el() + j)]; i < end; ++i) rows.emplace_back(p, i);
             }
         return rows;
     }
 };
 
 struct RankResult {
+    int32_t over_budget = -1;
     std::vector<int32_t> all, recv;
     std::vector<bf16> y, back, y_again;
     std::string error;
@@ -169,8 +182,7 @@ std::vector<RankResult> run_threads(const Routing& rt) {
                 };
                 DeviceArray<int32_t> doff(off), all(W * (E + 1)), recv(el + 1);
                 DeviceArray<bf16> x(rows(1, sent)), z(rows(2, recvd)), x3(rows(3, sent));
-                DeviceArray<bf16> y(rt.max_rows * dim), back(rt.max_rows * dim),
-                    y3(rt.max_rows * dim);
+                DeviceArray<bf16> y(rt.max_rows * dim), back(sent * dim), y3(rt.max_rows * dim);
                 const int64_t xb = sent * dim * 2, zb = recvd * dim * 2;
                 cuda::copy_2d(ctx, ex->begin_send(ctx), xb, x, xb, xb, 1);
                 ex->dispatch(ctx, doff, all, recv, y);
@@ -179,6 +191,7 @@ std::vector<RankResult> run_threads(const Routing& rt) {
                 cuda::copy_2d(ctx, ex->begin_send(ctx), xb, x3, xb, xb, 1);
                 ex->dispatch_again(ctx, all, y3);
                 s.synchronize();
+                cuda::download(ctx, &res.over_budget, ex->over_budget(), sizeof(int32_t));
                 res.all = all.download(), res.recv = recv.download();
                 res.y = y.download(), res.back = back.download(), res.y_again = y3.download();
             } catch (const std::exception& e) {
@@ -196,18 +209,24 @@ void check_routing(const Routing& rt) {
     for (int q = 0; q < rt.W; ++q) {
         const RankResult& r = got[size_t(q)];
         ASSERT_TRUE(r.error.empty()) << "rank " << q << ": " << r.error;
+        EXPECT_EQ(r.over_budget, rt.over_budget(q) ? 1 : 0) << "rank " << q;
         // Every rank's offsets, the owner layout's per-expert starts.
         for (int p = 0; p < rt.W; ++p)
             for (int64_t e = 0; e <= rt.E; ++e)
                 ASSERT_EQ(r.all[size_t(p * (rt.E + 1) + e)], rt.offsets(p)[size_t(e)]);
+        const auto owner = rt.owner_rows(q);
         int32_t at = 0;
         for (int64_t j = 0; j < rt.el(); ++j) {
             ASSERT_EQ(r.recv[size_t(j)], at) << "rank " << q << " local expert " << j;
-            for (int p = 0; p < rt.W; ++p) at += rt.counts[size_t(p)][size_t(q * rt.el() + j)];
+            for (int p = 0; p < rt.W; ++p) {
+                const auto o = rt.offsets(p);
+                at += std::max(0, std::min(o[size_t(q * rt.el() + j + 1)], rt.pair_end(p, q)) -
+                                      o[size_t(q * rt.el() + j)]);
+            }
         }
         ASSERT_EQ(r.recv[size_t(rt.el())], at);
+        ASSERT_EQ(size_t(at), owner.size());
         // Owner rows: source p's row i, as tagged by p; nothing written past them.
-        const auto owner = rt.owner_rows(q);
         for (size_t o = 0; o < owner.size(); ++o)
             for (int64_t d = 0; d < dim; ++d) {
                 const auto [p, i] = owner[o];
@@ -219,17 +238,26 @@ void check_routing(const Routing& rt) {
         for (size_t v = owner.size() * size_t(dim); v < r.y.size(); ++v)
             ASSERT_EQ(r.y[v].bits, poison.bits) << "rank " << q << " wrote past its owner rows";
     }
-    // Combine: source p's row i comes back from owner q's row holding it (tagged by q).
+    // Combine: source p's row i comes back from owner q's row holding it (tagged by q); a row
+    // over the pair's budget does not come back (its source's buffer keeps what it held).
+    std::vector<std::vector<bool>> returned(size_t(rt.W));
+    for (int p = 0; p < rt.W; ++p) returned[size_t(p)].assign(size_t(rt.offsets(p).back()), false);
     for (int q = 0; q < rt.W; ++q) {
         const auto owner = rt.owner_rows(q);
         for (size_t o = 0; o < owner.size(); ++o) {
             const auto [p, i] = owner[o];
+            returned[size_t(p)][size_t(i)] = true;
             for (int64_t d = 0; d < dim; ++d)
                 ASSERT_EQ(got[size_t(p)].back[size_t(i * dim + d)].bits,
                           row_value(2, q, int64_t(o), d).bits)
                     << "rank " << p << "'s row " << i << " back from rank " << q;
         }
     }
+    for (int p = 0; p < rt.W; ++p)
+        for (size_t i = 0; i < returned[size_t(p)].size(); ++i)
+            if (!returned[size_t(p)][i])
+                ASSERT_EQ(got[size_t(p)].back[i * size_t(dim)].bits, poison.bits)
+                    << "rank " << p << "'s row " << i << " was over the budget but came back";
 }
 
 }  // namespace
@@ -268,6 +296,28 @@ TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
                 ++c[size_t(std::uniform_int_distribution<int64_t>(0, rt.E - 1)(rng))];
         rt.counts.push_back(c);
     }
+    check_routing(rt);
+}
+
+// A receive budget below the dropless bound: rank 0 sends rank 2's experts 30 rows (of the 32 it
+// publishes) where the pair's budget is 12. The first 12 (in source order, across both of rank 2's
+// experts) move, the rest are dropped, rank 2's over-budget flag is set (the others' are not), and
+// the other pairs are exchanged as before.
+TEST(CudaExpertExchange, NcclBlocksDropRowsOverThePairBudgetAndFlagThem) {
+    REQUIRE_GPU();
+    std::mt19937 rng(11);
+    Routing rt{.W = 3, .E = 6, .dim = 24, .pair_rows = 12, .max_rows = 36, .counts = {}};
+    for (int p = 0; p < rt.W; ++p) {
+        std::vector<int32_t> c(size_t(rt.E), 0);
+        if (p == 0)
+            c[1] = 2, c[4] = 9, c[5] = 21;  // 30 rows for rank 2 (experts 4, 5)
+        else
+            for (int i = 0; i < 12; ++i)
+                ++c[size_t(std::uniform_int_distribution<int64_t>(0, rt.E - 1)(rng))];
+        rt.counts.push_back(c);
+    }
+    ASSERT_TRUE(rt.over_budget(2));
+    ASSERT_FALSE(rt.over_budget(0) || rt.over_budget(1));
     check_routing(rt);
 }
 

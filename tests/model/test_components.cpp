@@ -1,6 +1,8 @@
 // DSA top-k and MoE routing properties that the gradient checks do not pin down.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/glm5_model.h"
 #include "sparsetron/model/param_table.h"
@@ -193,4 +195,42 @@ TEST(Components, ExpertParallelReceiveBoundHoldsAndIsReached) {
     EXPECT_EQ(m.moe_ep_received_rows(4096), 262144);
     m.moe_router_force_load_balancing = true;
     EXPECT_EQ(m.moe_ep_received_rows(4096), 32768);
+}
+
+// The receive budget (moe_expert_rank_capacity_factor): W x a per-pair share of factor x tokens x
+// k, rounded up to 16 rows, never above the dropless bound; and the redo's chunk: the most tokens
+// whose dropless rows (without force balancing's rule: a chunk of a balanced micro-batch need not
+// be balanced) fit the budget.
+TEST(Components, ExpertParallelReceiveBudgetAndRedoChunks) {
+    ModelConfig m = base();
+    m.num_experts = 64, m.expert_parallel_ranks = 16, m.moe_router_topk = 8;
+    const int64_t T = 6144, k = 8, W = 16, El = 4;
+    m.moe_expert_rank_capacity_factor = 0;
+    EXPECT_EQ(m.moe_ep_received_rows(T), m.moe_ep_dropless_rows(T));
+    EXPECT_EQ(m.moe_ep_redo_chunk_tokens(T), T) << "dropless: one chunk";
+    for (double f : {0.5, 1.0, 1.2, 2.0}) {
+        m.moe_expert_rank_capacity_factor = f;
+        const int64_t budget = m.moe_ep_received_rows(T);
+        const int64_t pair = (int64_t(std::ceil(f * double(T * k) / double(W))) + 15) / 16 * 16;
+        EXPECT_EQ(budget, W * pair) << f;
+        EXPECT_LT(budget, m.moe_ep_dropless_rows(T)) << f;
+        const int64_t c = m.moe_ep_redo_chunk_tokens(T);
+        auto dropless = [&](int64_t t) { return W * std::min(t * k, El * t); };
+        EXPECT_LE(dropless(c), budget) << f;
+        EXPECT_GT(dropless(c + 1), budget) << f;
+    }
+    // A factor of 1.2 plans 6.7x fewer rows than the dropless bound on the seed's 16-GPU recipe
+    // (6144 rows per rank); the redo then runs 7 chunks of 924 tokens.
+    m.moe_expert_rank_capacity_factor = 1.2;
+    EXPECT_EQ(m.moe_ep_received_rows(T), 59136);
+    EXPECT_EQ(m.moe_ep_dropless_rows(T), 393216);
+    EXPECT_EQ((T + m.moe_ep_redo_chunk_tokens(T) - 1) / m.moe_ep_redo_chunk_tokens(T), 7);
+    // A budget below what one token sends one owner still holds a token.
+    m.moe_expert_rank_capacity_factor = 1e-6;
+    EXPECT_EQ(m.moe_ep_received_rows(T), W * 16);
+    EXPECT_GE(m.moe_ep_redo_chunk_tokens(T), 1);
+    EXPECT_LE(W * std::min(k, El) * m.moe_ep_redo_chunk_tokens(T), m.moe_ep_received_rows(T));
+    // Without expert parallelism the budget does nothing.
+    m.expert_parallel_ranks = 1;
+    EXPECT_EQ(m.moe_ep_received_rows(T), m.moe_ep_dropless_rows(T));
 }

@@ -29,6 +29,7 @@ std::string loss_breakdown(const StepMetrics& m) {
                       100.0 * double(m.moe_stash_peak_pages) / double(m.moe_stash_pages),
                       m.moe_stash_redo ? " (overflow: redone eagerly)" : ""),
             s += buf;
+    if (m.moe_budget_redo) s += " | moe over the receive budget: redone in chunks";
     return s;
 }
 

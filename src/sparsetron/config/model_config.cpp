@@ -33,12 +33,42 @@ int64_t ModelConfig::moe_rows_per_expert_from_one_source(int64_t tokens) const {
     return rows;
 }
 
-int64_t ModelConfig::moe_ep_received_rows(int64_t tokens) const {
+int64_t ModelConfig::moe_ep_dropless_rows(int64_t tokens) const {
     // A source sends at most tokens x k rows in all, and at most the per-expert bound to each of
     // the rank's experts.
     const int64_t per_source = std::min(
         tokens * moe_router_topk, local_experts() * moe_rows_per_expert_from_one_source(tokens));
     return expert_parallel_ranks * per_source;
+}
+
+int64_t ModelConfig::moe_ep_received_rows(int64_t tokens) const {
+    const int64_t dropless = moe_ep_dropless_rows(tokens);
+    if (moe_expert_rank_capacity_factor <= 0 || expert_parallel_ranks <= 1) return dropless;
+    // The budget per (source, owner) pair, rounded up to 16 rows, and at least what one token
+    // can send one owner (so the redo's chunks hold a token).
+    const double share = moe_expert_rank_capacity_factor * double(tokens) *
+                         double(moe_router_topk) / double(expert_parallel_ranks);
+    const int64_t pair =
+        std::max<int64_t>(int64_t(std::ceil(share)), std::min(moe_router_topk, local_experts()));
+    return std::min(dropless, expert_parallel_ranks * ((pair + 15) / 16 * 16));
+}
+
+int64_t ModelConfig::moe_ep_redo_chunk_tokens(int64_t tokens) const {
+    // Chunks are routed without force balancing's bound (a chunk of a balanced micro-batch
+    // need not be balanced): at most k rows per token, at most one per token to each expert.
+    const int64_t budget = moe_ep_received_rows(tokens);
+    const auto dropless = [&](int64_t t) {
+        return expert_parallel_ranks * std::min(t * moe_router_topk, local_experts() * t);
+    };
+    int64_t lo = 1, hi = tokens;  // dropless(1) fits: the budget holds one token's rows
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (dropless(mid) <= budget)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
 }
 
 void require_dsa_for_context_parallel(const ModelConfig& c) {

@@ -89,6 +89,12 @@ struct ModelConfig {
     int64_t moe_paged_stash_page_size = 64;  // rows per page
     // The pool over every application's rows on balanced routing (Megatron's default).
     double moe_paged_stash_buffer_size_factor_cuda = 1.10;
+    // CUDA expert parallelism: the rows one rank's experts receive in one MoE application are
+    // bounded by this factor x tokens x top-k (Megatron's static receive budget; 0: the dropless
+    // worst case), a 1/W share of it from each source rank. A step whose routing goes over it
+    // on any rank is skipped on the device and run again eagerly, its MoE layers in token chunks
+    // whose worst case fits (moe_ep_redo_chunk_tokens).
+    double moe_expert_rank_capacity_factor = 0.0;
     // Not recipe keys: make_training_plan() copies the run's expert_model_parallel_size here
     // (the bound of the MoE layers' expert-parallel receive buffers) and the trainer this
     // process's rank in its EP group. With more than one EP rank the routed experts are sharded:
@@ -134,9 +140,15 @@ struct ModelConfig {
     // application (a token picks an expert once: at most `tokens`, the capacity when
     // moe_capacity_factor > 0, ceil(tokens k / E) with force-balanced routing) ...
     int64_t moe_rows_per_expert_from_one_source(int64_t tokens) const;
-    // ... and the most rows one EP rank's experts receive in it from all W sources: the static
-    // plan's receive buffers (W x tokens x k would be the bound without these rules).
+    // ... the most rows one EP rank's experts can receive in it from all W sources (W x tokens x
+    // k would be the bound without these rules) ...
+    int64_t moe_ep_dropless_rows(int64_t tokens) const;
+    // ... and the rows the CUDA receive buffers are planned for: the dropless bound, or W x the
+    // per-pair budget ceil(moe_expert_rank_capacity_factor x tokens x k / W) where that is less.
     int64_t moe_ep_received_rows(int64_t tokens) const;
+    // The most tokens of a chunk whose dropless rows fit moe_ep_received_rows(tokens): the
+    // eager redo of a step over the budget runs each MoE application in chunks of these.
+    int64_t moe_ep_redo_chunk_tokens(int64_t tokens) const;
     bool uses_dsa() const { return experimental_attention_variant == "dsa"; }
     // MTP layers with weights: one applied at every depth (mtp_use_repeated_layer), or one per
     // depth (DeepSeek-V3 style), at layer indices num_layers, num_layers + 1, ...

@@ -68,6 +68,7 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(offload_modules, StringList),
         MODEL_KEY(moe_paged_stash_page_size, Int),
         MODEL_KEY(moe_paged_stash_buffer_size_factor_cuda, Float),
+        MODEL_KEY(moe_expert_rank_capacity_factor, Float),
         MODEL_KEY(experimental_attention_variant, String),
         MODEL_KEY(dsa_kernel_backend, String),
         MODEL_KEY(dsa_indexer_n_heads, Int),

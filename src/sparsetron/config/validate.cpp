@@ -65,6 +65,14 @@ void Recipe::validate() {
         ST_CHECK(m.moe_paged_stash_buffer_size_factor_cuda > 0,
                  "recipe key 'moe_paged_stash_buffer_size_factor_cuda' must be > 0, got ",
                  m.moe_paged_stash_buffer_size_factor_cuda);
+        ST_CHECK(m.moe_expert_rank_capacity_factor >= 0,
+                 "recipe key 'moe_expert_rank_capacity_factor' must be >= 0, got ",
+                 m.moe_expert_rank_capacity_factor);
+        // Token dropping keeps the first rows of each expert of the whole micro-batch: the
+        // budget's redo in token chunks would keep others.
+        ST_CHECK(m.moe_expert_rank_capacity_factor == 0 || m.moe_capacity_factor == 0,
+                 "moe_expert_rank_capacity_factor (a receive budget with a dropless redo) and "
+                 "moe_capacity_factor (token dropping) exclude each other; set one to 0");
     }
 
     one_of(m.experimental_attention_variant, "experimental_attention_variant", {"none", "dsa"});
@@ -80,11 +88,18 @@ void Recipe::validate() {
     positive(m.recompute_block_rows, "recompute_block_rows");
     m.activation();  // throws, naming the key, for unknown or conflicting module names
     for (const auto& mod :
-         m.fine_grained_activation_offloading ? m.offload_modules : std::vector<std::string>{})
+         m.fine_grained_activation_offloading ? m.offload_modules : std::vector<std::string>{}) {
         ST_CHECK(!m.moe_paged_stash ||
                      (mod != "expert_fc1" && mod != "moe_act" && mod != "fused_group_mlp"),
                  "offload_modules names ", mod,
                  ", whose activations moe_paged_stash already keeps in its pages; drop one");
+        // As Megatron's paged stash: the budget's redo rewrites the expert rows in chunks.
+        ST_CHECK(m.moe_expert_rank_capacity_factor == 0 ||
+                     (mod != "expert_fc1" && mod != "moe_act" && mod != "fused_group_mlp"),
+                 "offload_modules names ", mod,
+                 ", which moe_expert_rank_capacity_factor does not combine with (its redo "
+                 "recomputes the expert rows in chunks); drop one");
+    }
     // Megatron's DSA backends (none, tilelang, cudnn) each name a kernel library; the engine
     // runs its own kernels for any of them (docs/cuda.md), so each is accepted and nothing else.
     one_of(m.dsa_kernel_backend, "dsa_kernel_backend", {"auto", "none", "tilelang", "cudnn"});

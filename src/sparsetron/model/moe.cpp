@@ -52,8 +52,9 @@ MoeLayer<T>::MoeLayer(const ModelConfig& c, const ParamStore& store, Buffers& bu
     }
     stats_.load.assign(E_, 0);
     if (W_ > 1) {
-        // What can arrive from the W sources (ModelConfig::moe_ep_received_rows).
-        received_rows_ = c.moe_ep_received_rows(tokens);
+        // What can arrive from the W sources: the dropless bound (the CPU exchange has no
+        // receive budget; moe_expert_rank_capacity_factor sizes the CUDA buffers).
+        received_rows_ = c.moe_ep_dropless_rows(tokens);
         const int64_t Rr = received_rows_;
         s_outr_ = buf.scratch("grad.moe.ep_out_received", {Rr, h_});
         s_doutr_ = buf.scratch("grad.moe.ep_dout_received", {Rr, h_});

@@ -65,7 +65,10 @@ struct StepOutcome {
     int64_t moe_dropped = 0;                     // routed rows over capacity, every application
     bool replayed = false;                       // the step ran as a CUDA graph replay
     StashUse stash;
-    bool redone = false;  // the stash overflowed: the outcome is the eager redo's
+    // The routing went over the expert-parallel receive budget (moe_expert_rank_capacity_factor)
+    // on some rank: the update was skipped and the step ran again eagerly in token chunks.
+    bool over_budget = false;
+    bool redone = false;  // the stash or the budget overflowed: the outcome is the eager redo's
 };
 
 class StepBench;

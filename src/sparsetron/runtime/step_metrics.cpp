@@ -23,6 +23,8 @@ std::string StepMetrics::to_json() const {
         j["moe_stash_redos"] = moe_stash_redos;
         if (moe_stash_redo) j["moe_stash_redo"] = true;
     }
+    if (moe_budget_redos > 0) j["moe_budget_redos"] = moe_budget_redos;
+    if (moe_budget_redo) j["moe_budget_redo"] = true;
     j["lr"] = lr;
     j["grad_norm"] = grad_norm;
     if (grad_norm_mtp > 0) j["grad_norm_mtp"] = grad_norm_mtp;

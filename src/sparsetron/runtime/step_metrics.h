@@ -28,6 +28,11 @@ struct StepMetrics {
     // such steps since the run (or its resume) began.
     bool moe_stash_redo = false;
     int64_t moe_stash_redos = 0;
+    // The routing went over the expert-parallel receive budget (moe_expert_rank_capacity_factor)
+    // and the step ran again eagerly in token chunks; moe_budget_redos counts such steps since
+    // the run (or its resume) began.
+    bool moe_budget_redo = false;
+    int64_t moe_budget_redos = 0;
     double lr = 0;
     double grad_norm = 0;
     double grad_norm_mtp = 0;  // the MTP clipping group's norm (detached heads), else 0

@@ -38,6 +38,19 @@ std::string stash_overflow_message(const ModelConfig& mc, const StashUse& u, int
                need, " or more would have held it");
 }
 
+// The step's routing sent some expert-parallel rank more rows than its receive budget: the engine
+// ran it again eagerly in token chunks; say what the factor bounds and what raising it costs.
+std::string budget_overflow_message(const ModelConfig& mc, int64_t step) {
+    return cat("MoE expert-parallel receive budget exceeded at step ", step,
+               ": a rank's routing sent another rank's experts more rows than "
+               "moe_expert_rank_capacity_factor ",
+               mc.moe_expert_rank_capacity_factor,
+               " allows; the step ran again eagerly with the routed experts in token chunks "
+               "(moe_budget_redos in the metrics counts such steps). A larger factor keeps "
+               "such steps in one pass and plans more receive rows "
+               "(`sparsetron plan --device cuda` shows them)");
+}
+
 void check_supported(const Recipe& r, const TrainOptions& o) {
     check_fp8_recipe(r.run, o.device);
     const int ranks = o.comm ? o.comm->size() : 1;
@@ -307,14 +320,20 @@ StepMetrics Trainer::train_step() {
     m.graph = o.replayed;
     m.moe_stash_pages = o.stash.pool_pages;
     m.moe_stash_peak_pages = o.stash.peak_pages;
-    if (o.redone) {
+    // The first redo of the run for each reason says why; later ones are counted in the metrics.
+    if (o.redone && o.stash.overflow) {
         m.moe_stash_redo = true;
-        // The first redo of the run says why; later ones are counted in the metrics.
         if (stash_redos_++ == 0 && world_rank() == 0)
             std::cerr << "warning: " << stash_overflow_message(recipe_.model, o.stash, m.step)
                       << "\n";
     }
+    if (o.redone && o.over_budget) {
+        m.moe_budget_redo = true;
+        if (budget_redos_++ == 0 && world_rank() == 0)
+            std::cerr << "warning: " << budget_overflow_message(recipe_.model, m.step) << "\n";
+    }
     m.moe_stash_redos = stash_redos_;
+    m.moe_budget_redos = budget_redos_;
     m.lr = o.stats.lr;
     m.grad_norm = o.stats.grad_norm;
     m.grad_norm_mtp = o.stats.grad_norm_mtp;

@@ -120,7 +120,8 @@ class Trainer {
     std::unique_ptr<StepEngine> engine_;
     std::string pretrained_from_;
     std::vector<std::string> initialized_;
-    int64_t stash_redos_ = 0;  // steps the MoE paged stash overflowed and ran again eagerly
+    int64_t stash_redos_ = 0;   // steps the MoE paged stash overflowed and ran again eagerly
+    int64_t budget_redos_ = 0;  // steps over the EP receive budget, run again eagerly
 };
 
 }  // namespace sparsetron

@@ -272,6 +272,11 @@ void CudaGlm5Model::set_context_parallel(Comm* cp) {
     in_.cp = cp_ ? cp : nullptr;
 }
 
+void CudaGlm5Model::set_moe_redo(bool on) {
+    if (stash_) stash_->set_bypass(on);
+    for (CudaMoeLayer* m : moes()) m->set_redo(on);
+}
+
 void CudaGlm5Model::set_expert_exchange(cuda::ExpertExchange* ep) {
     for (CudaMoeLayer* m : moes()) m->set_exchange(ep);
 }

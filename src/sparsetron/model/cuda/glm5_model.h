@@ -109,10 +109,10 @@ class CudaGlm5Model {
     // The MoE paged stash (moe_paged_stash), or null: its use in the step since the last
     // reset_moe_stats(), and the device flag a push sets on overflow.
     const MoeStash* moe_stash() const { return stash_.get(); }
-    // An eager redo of an overflowed step bypasses the stash (MoeStash::set_bypass).
-    void set_moe_stash_bypass(bool on) {
-        if (stash_) stash_->set_bypass(on);
-    }
+    // The eager redo of a step that overflowed the stash or the expert-parallel receive budget:
+    // the stash bypassed (MoeStash::set_bypass), the routed experts in token chunks under a
+    // budget (CudaMoeLayer::set_redo).
+    void set_moe_redo(bool on);
 
     // Pipeline parallelism (config/pipeline_stage.h). The stage's input rows (written before a
     // forward on every stage but the first), its output rows (sent on after it) and the residual

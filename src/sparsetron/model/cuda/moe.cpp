@@ -59,6 +59,7 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
     W_ = c.expert_parallel_ranks;
     ST_CHECK(E_ % W_ == 0, "CUDA MoE: ", E_, " experts over ", W_, " expert-parallel ranks");
     rows_ = W_ == 1 ? R : c.moe_ep_received_rows(tokens);
+    chunk_tokens_ = W_ == 1 ? tokens : c.moe_ep_redo_chunk_tokens(tokens);
     // Row buffers share storage where one is dead before the other is written. `moe.rows`
     // (tokens x top-k rows of the hidden size) holds in turn, without expert parallelism: in the
     // forward the gathered input rows (dead after the gate and up GEMMs) and then the expert
@@ -199,6 +200,21 @@ void CudaMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m,
     cuda::moe_permute(ctx, A.topk, Tn, E_, k_, capacity_, A.counts, A.offsets, A.slot_row,
                       A.perm_token);
     if (!in.recompute) cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
+    if (chunked()) {
+        // A redo over the receive budget: each chunk's rows to the experts and back.
+        for (int64_t t0 = 0; t0 < Tn; t0 += chunk_tokens_) {
+            const int64_t n = std::min(chunk_tokens_, Tn - t0);
+            dispatch_chunk(ctx, A, m, t0, n);
+            bf16* out = ep_->begin_send(ctx);
+            experts_forward(ctx, local(A), A, out);
+            bf16* out_perm = A.out_perm + t0 * k_ * h_;
+            ep_->combine(ctx, A.ep_offsets, out_perm);
+            cuda::moe_combine(ctx, out_perm, A.slot_row + t0 * k_, A.gates + t0 * k_, n, k_, h_,
+                              y + t0 * h_);
+        }
+        if (shared_) shared_->forward(ctx, A.shared, m, y);
+        return;
+    }
     if (W_ > 1) {
         // The permuted rows, gathered straight into the exchange's shared region, to their
         // experts' ranks.
@@ -219,35 +235,75 @@ void CudaMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m,
     if (shared_) shared_->forward(ctx, A.shared, m, y);
 }
 
+void CudaMoeLayer::dispatch_chunk(const ExecContext& ctx, const Acts& A, const bf16* m, int64_t t0,
+                                  int64_t n) const {
+    cuda::moe_permute(ctx, A.topk + t0 * k_, n, E_, k_, capacity_, A.counts, A.offsets,
+                      A.slot_row + t0 * k_, A.perm_token);
+    cuda::moe_gather(ctx, m + t0 * h_, A.perm_token, A.offsets, E_, n * k_, h_,
+                     ep_->begin_send(ctx));
+    ep_->dispatch(ctx, A.offsets, A.ep_offsets, A.recv_offsets, A.xperm);
+}
+
 void CudaMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
                             bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
-    bf16 *const dxperm = doutperm_, *const dg = dact_;  // shared storage (the constructor)
-    if (stash_ && stash_->bypassed()) {
-        // An eager redo without pages: the forward's expert rows again, from the layer input
-        // (under expert parallelism sent to the experts' ranks again: every rank redoes).
-        if (W_ > 1) {
-            cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, ep_->begin_send(ctx));
-            ep_->dispatch_again(ctx, A.ep_offsets, A.xperm);
-        } else {
-            cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
+    if (chunked()) {
+        // A redo over the receive budget: each chunk's expert rows again (its rows to the
+        // experts' ranks, their gate / up GEMMs and SwiGLU), then its backward.
+        for (int64_t t0 = 0; t0 < Tn; t0 += chunk_tokens_) {
+            const int64_t n = std::min(chunk_tokens_, Tn - t0);
+            dispatch_chunk(ctx, A, m, t0, n);
+            experts_swiglu(ctx, local(A), A);
+            backward_span(ctx, A, m, dy, dm, t0, n);
         }
-        experts_swiglu(ctx, local(A), A);
-    } else if (stash_) {
-        // Back from the pages; the SwiGLU recomputed (the same kernel on the same values:
-        // bit-identical to what the forward used), the permuted input below (or from the pages
-        // under expert parallelism).
-        stash_->pop(ctx, A.stash_table, stashed_rows(A), stashed(A));
-        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
-    } else if (recompute_act_) {
-        cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective recompute: moe_act
+    } else {
+        if (stash_ && stash_->bypassed()) {
+            // An eager redo without pages: the forward's expert rows again, from the layer input
+            // (under expert parallelism sent to the experts' ranks again: every rank redoes).
+            if (W_ > 1) {
+                cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, ep_->begin_send(ctx));
+                ep_->dispatch_again(ctx, A.ep_offsets, A.xperm);
+            } else {
+                cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm, rows8(0));
+            }
+            experts_swiglu(ctx, local(A), A);
+        } else if (stash_) {
+            // Back from the pages; the SwiGLU recomputed (the same kernel on the same values:
+            // bit-identical to what the forward used), the permuted input below (or from the
+            // pages under expert parallelism).
+            stash_->pop(ctx, A.stash_table, stashed_rows(A), stashed(A));
+            cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);
+        } else if (recompute_act_) {
+            cuda::swiglu_forward(ctx, A.g, A.u, rows_ * F_, A.act);  // selective: moe_act
+        }
+        backward_span(ctx, A, m, dy, dm, 0, Tn);
     }
+    if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
+    cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
+                          float(c_.moe_router_topk_scaling_factor), dlogits_);
+    for (int64_t r0 = 0; r0 < Tn; r0 += Br_) {
+        const int64_t n = std::min(Br_, Tn - r0);
+        cuda::bf16_to_f32(ctx, m + r0 * h_, A.m32, n * h_);
+        gemm(ctx, true, false, E_, h_, n, 1.f, dlogits_ + r0 * E_, E_, A.m32, h_,
+             P_.grad_beta(router_), P_[router_].grad, h_, F32, F32);
+    }
+    cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
+    gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
+}
+
+void CudaMoeLayer::backward_span(const ExecContext& ctx, const Acts& A, const bf16* m,
+                                 const bf16* dy, bf16* dm, int64_t t0, int64_t n) const {
+    const int64_t R = n * k_;
+    const int32_t* slot_row = A.slot_row + t0 * k_;
+    const float* gates = A.gates + t0 * k_;
+    float* dgates = dgates_ + t0 * k_;
+    bf16 *const dxperm = doutperm_, *const dg = dact_;  // shared storage (the constructor)
     if (W_ > 1) {
         // Expert parallelism: the output gradients scaled by their gates, written straight into
         // the exchange's region, to the experts' ranks (the input gradients come back the same
         // way); the gate gradients from the output rows that came back in the forward.
-        cuda::moe_combine_backward(ctx, dy, A.out_perm, A.slot_row, A.gates, Tn, k_, h_,
-                                   ep_->begin_send(ctx), dgates_);
+        cuda::moe_combine_backward(ctx, dy + t0 * h_, A.out_perm + t0 * k_ * h_, slot_row, gates, n,
+                                   k_, h_, ep_->begin_send(ctx), dgates);
         ep_->dispatch_again(ctx, A.ep_offsets, dout_owner_);
     } else {
         // The output gradients unscaled (and their FP8 copy): the gates scale them after the
@@ -260,13 +316,13 @@ void CudaMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m
     const CudaParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                     &down = P_[down0_ + L.first * wstride_];
     // The grouped weight gradients write every local expert's gradient (zeros for one with no
-    // rows) on the step's first write, and add after it: no memset of the experts' fp32
-    // gradients, and their old tiles are not read.
+    // rows) on the step's first write, and add after it (a redo's later chunks too): no memset
+    // of the experts' fp32 gradients, and their old tiles are not read.
     const bool add = expert_grads_added(L);
     expert_gemm(ctx, L, down0_, true, dout, dact_, false, fp8_ && W_ == 1);
     if (W_ == 1)
-        cuda::moe_gate_backward_rows(ctx, dact_, A.act, A.slot_row, A.gates, Tn, k_, F_, h_,
-                                     doutperm_, dgates_);
+        cuda::moe_gate_backward_rows(ctx, dact_, A.act, slot_row, gates, n, k_, F_, h_, doutperm_,
+                                     dgates);
     cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));
     if (fp8_)
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg, du_, rows8(0), rows8(1));
@@ -278,23 +334,12 @@ void CudaMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m
     expert_gemm(ctx, L, gate0_, true, dg, dx, false, fp8_ != nullptr, 0);
     expert_gemm(ctx, L, up0_, true, du_, dx, true, fp8_ != nullptr, 1);
     if (W_ > 1) ep_->combine(ctx, A.ep_offsets, dxperm);
-    cuda::moe_gather_backward(ctx, dxperm, A.slot_row, Tn, k_, h_, dm, false);
+    cuda::moe_gather_backward(ctx, dxperm, slot_row, n, k_, h_, dm + t0 * h_, false);
     // Without expert parallelism the gathered input rows again (the forward's copy), into the
     // rows the input gradients just left; under it they were received and kept.
     if (W_ == 1) cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
     cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate.grad, gs, add));
     cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
-    if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
-    cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
-                          float(c_.moe_router_topk_scaling_factor), dlogits_);
-    for (int64_t r0 = 0; r0 < Tn; r0 += Br_) {
-        const int64_t n = std::min(Br_, Tn - r0);
-        cuda::bf16_to_f32(ctx, m + r0 * h_, A.m32, n * h_);
-        gemm(ctx, true, false, E_, h_, n, 1.f, dlogits_ + r0 * E_, E_, A.m32, h_,
-             P_.grad_beta(router_), P_[router_].grad, h_, F32, F32);
-    }
-    cuda::f32_to_bf16(ctx, dlogits_, dlogits_bf_, Tn * E_);
-    gemm(ctx, false, false, Tn, h_, E_, 1.f, dlogits_bf_, E_, P_[router_].w, h_, 1.f, dm, h_);
 }
 
 void CudaMoeLayer::experts_swiglu(const ExecContext& ctx, const Local& L, const Acts& A) const {

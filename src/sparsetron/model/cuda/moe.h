@@ -46,6 +46,12 @@ class CudaMoeLayer {
     // ranks' experts, set before the first step; this rank computes experts
     // [rank E / W, (rank + 1) E / W) for every rank's rows.
     void set_exchange(cuda::ExpertExchange* ep) { ep_ = ep; }
+    // The eager redo of a step whose routing went over the receive budget
+    // (moe_expert_rank_capacity_factor) or the stash: under expert parallelism with a budget
+    // below the dropless bound, forward and backward run the routed experts in token chunks
+    // whose worst case fits the planned rows (the backward recomputes each chunk's expert rows).
+    // Host-side; never inside a captured graph.
+    void set_redo(bool on) { redo_ = on; }
     void forward(const ExecContext& ctx, const Acts& A, const bf16* m, const CudaInputs& in,
                  bf16* y) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
@@ -60,6 +66,16 @@ class CudaMoeLayer {
     int64_t experts() const { return E_; }
 
   private:
+    bool chunked() const { return redo_ && chunk_tokens_ < T_; }
+    // The chunk of tokens [t0, t0 + n) permuted on its own (A.offsets, A.perm_token and its
+    // routes' slot_row; counts), gathered and dispatched to the experts' ranks.
+    void dispatch_chunk(const ExecContext& ctx, const Acts& A, const bf16* m, int64_t t0,
+                        int64_t n) const;
+    // The backward of the routed experts for tokens [t0, t0 + n) (all of them, or a redo's
+    // chunk), from the output gradients dy to dm and the expert weights' gradients; the expert
+    // rows (A.xperm, A.g, A.u, A.act) hold the span's.
+    void backward_span(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
+                       bf16* dm, int64_t t0, int64_t n) const;
     StashRows stashed(const Acts& A) const;
     // Device count of the rows an application keeps in the stash: its routed rows, or under
     // expert parallelism the rows its experts received.
@@ -99,7 +115,10 @@ class CudaMoeLayer {
     int64_t Br_ = 0;  // router rows per block (its fp32 input holds one block)
     ActivationPolicy act_;
     bool recompute_act_;  // selective recompute of moe_act (the paged stash recomputes it anyway)
-    int64_t W_ = 1, rows_ = 0;    // expert-parallel ranks; expert rows (worst case received)
+    int64_t W_ = 1, rows_ = 0;  // expert-parallel ranks; expert rows (the receive plan)
+    int64_t chunk_tokens_ =
+        0;  // tokens per chunk of a redo (ModelConfig::moe_ep_redo_chunk_tokens)
+    bool redo_ = false;
     int64_t El_ = 1;              // experts this rank holds (E / W)
     bf16* dout_owner_ = nullptr;  // output gradients received by this rank's experts
     int64_t router_, bias_, gate0_, up0_, down0_, wstride_;

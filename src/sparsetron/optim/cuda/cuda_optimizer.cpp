@@ -215,7 +215,7 @@ void CudaOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
         cuda::clip_scale(ctx, mtp, n_mtp, clip, norm_ + 1, scale_ + 1, skip_ + 1);
         cuda::merge_skip(ctx, skip_, 2);
     }
-    if (veto_) cuda::veto_skip(ctx, skip_, separate_mtp_ ? 2 : 1, veto_);
+    for (const int32_t* veto : vetoes_) cuda::veto_skip(ctx, skip_, separate_mtp_ ? 2 : 1, veto);
     for (size_t i = 0; i < params.size(); ++i) {
         const auto& p = params[i];
         if (!p.trainable) continue;

@@ -57,8 +57,8 @@ class CudaOptimizer {
         return read_stats(ctx, run, step);
     }
     // A device int32 that, when nonzero at the step, skips it like a non-finite norm does
-    // (the MoE stash's overflow flag).
-    void set_veto(const int32_t* flag) { veto_ = flag; }
+    // (the MoE stash's overflow flag, the expert exchange's over-budget flag).
+    void add_veto(const int32_t* flag) { vetoes_.push_back(flag); }
     // Distributed with fp8_param_gather: the FP8 copies of the linears gathered in FP8
     // (CudaParam::fp8) quantized by their owners from the masters just loaded and broadcast
     // (after an upload; each step's update does the same for what it changed).
@@ -116,7 +116,7 @@ class CudaOptimizer {
     cuda::MuonDeviceProblem* problems_ = nullptr;
     float* sched_ = nullptr;  // [lr, 1 - beta1^t, 1 - beta2^t] of the staged step
     int32_t* skip_ = nullptr;
-    const int32_t* veto_ = nullptr;
+    std::vector<const int32_t*> vetoes_;
     std::vector<float*> m_, v_, mom_;
 };
 

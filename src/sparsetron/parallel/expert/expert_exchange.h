@@ -27,14 +27,15 @@ namespace sparsetron::cuda {
 
 // What an exchange carries: rows of `dim` bf16 values (a multiple of 8), at most `max_rows` rows
 // published by a rank in one exchange (its routed rows, or the results its experts computed)
-// and at most `pair_rows` from one source to one owner (ModelConfig::moe_ep_received_rows / W).
+// and at most `pair_rows` from one source to one owner (ModelConfig::moe_ep_received_rows / W:
+// the dropless bound, or the receive budget's share; rows over it are dropped and flagged).
 struct ExchangeShape {
     int64_t experts = 0, max_rows = 0, pair_rows = 0, dim = 0;
 };
 
 class ExpertExchange {
   public:
-    virtual ~ExpertExchange() = default;
+    virtual ~ExpertExchange();
     ExpertExchange(const ExpertExchange&) = delete;
     ExpertExchange& operator=(const ExpertExchange&) = delete;
 
@@ -59,10 +60,18 @@ class ExpertExchange {
     // The sent rows are in the owner layout -> back to every source's layout (x).
     virtual void combine(const ExecContext& ctx, const int32_t* all_offsets, bf16* x) = 0;
 
+    // Device int32, set by a dispatch where a source had more rows for this rank than
+    // `pair_rows` (a receive budget below the dropless bound): only the first pair_rows of them
+    // moved, the rest were dropped, and the step must be redone (the engine's veto and redo).
+    // Cleared by clear_over_budget (stream-ordered; capturable).
+    int32_t* over_budget() const { return over_budget_; }
+    void clear_over_budget(const ExecContext& ctx) const;
+
   protected:
     ExpertExchange(const Comm& ep, const ExchangeShape& shape);
     int rank_ = 0, size_ = 1;
     ExchangeShape shape_;
+    int32_t* over_budget_ = nullptr;
 };
 
 // Collective over `ep`: the exchange of that transport (its buffers allocated, peers mapped).

@@ -81,8 +81,9 @@ __global__ void finish_kernel(void* region, const uint32_t* epoch) {
 
 // Every rank's published offsets into all_offsets [W, E + 1]; this rank's owner layout.
 __global__ void gather_offsets_kernel(void* const* peers, int ranks, int rank, int64_t experts,
-                                      const uint32_t* epoch, int32_t* all_offsets,
-                                      int32_t* recv_offsets) {
+                                      int64_t pair_rows, const uint32_t* epoch,
+                                      int32_t* all_offsets, int32_t* recv_offsets,
+                                      int32_t* over_budget) {
     const uint32_t e = *epoch;
     if (threadIdx.x == 0)
         for (int s = 0; s < ranks; ++s) wait_flag(flag_of(peers[s], kPublishAt), e);
@@ -94,7 +95,9 @@ __global__ void gather_offsets_kernel(void* const* peers, int ranks, int rank, i
             all_offsets[s * (experts + 1) + i] = __ldcv(o + i);
     }
     __syncthreads();
-    if (threadIdx.x == 0) exchange::owner_offsets(all_offsets, ranks, rank, experts, recv_offsets);
+    if (threadIdx.x == 0)
+        exchange::owner_offsets(all_offsets, ranks, rank, experts, pair_rows, recv_offsets,
+                                over_budget);
 }
 
 // One block row per peer s (blockIdx.y). Dispatch: this rank q pulls its experts' rows from
@@ -102,8 +105,8 @@ __global__ void gather_offsets_kernel(void* const* peers, int ranks, int rank, i
 // back from owner s's region (owner layout) into x (source layout).
 template <bool Dispatch>
 __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t experts,
-                            int64_t rows_off, int64_t dim_vec, const uint32_t* epoch,
-                            const int32_t* all_offsets, int4* out) {
+                            int64_t pair_rows, int64_t rows_off, int64_t dim_vec,
+                            const uint32_t* epoch, const int32_t* all_offsets, int4* out) {
     extern __shared__ int32_t base[];  // [El]: owner-layout first row of (p, j)
     const int s = blockIdx.y;
     const int p = Dispatch ? s : rank, q = Dispatch ? rank : s;
@@ -112,10 +115,10 @@ __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t exp
     if (threadIdx.x == 0) {
         wait_flag(flag_of(peers[s], kPublishAt), *epoch);
         __threadfence_system();
-        exchange::owner_bases(all_offsets, ranks, experts, p, q, base);
+        exchange::owner_bases(all_offsets, ranks, experts, p, q, pair_rows, base);
     }
     __syncthreads();
-    const int32_t first = off_p[q * el], last = off_p[(q + 1) * el];
+    const int32_t first = off_p[q * el], last = exchange::pair_end(off_p, el, q, pair_rows);
     const int4* peer = reinterpret_cast<const int4*>(static_cast<const char*>(peers[s]) + rows_off);
     const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
     for (int64_t i = first + int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < last;
@@ -190,8 +193,8 @@ template <bool Dispatch>
 void IpcExpertExchange::pull(const ExecContext& ctx, const int32_t* all_offsets, bf16* out) {
     const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
     pull_kernel<Dispatch><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
-        peers_, size_, rank_, shape_.experts, rows_at(shape_.experts), shape_.dim / 8, epoch_,
-        all_offsets, reinterpret_cast<int4*>(out));
+        peers_, size_, rank_, shape_.experts, shape_.pair_rows, rows_at(shape_.experts),
+        shape_.dim / 8, epoch_, all_offsets, reinterpret_cast<int4*>(out));
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -204,7 +207,8 @@ void IpcExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets,
                                  int32_t* all_offsets, int32_t* recv_offsets, bf16* y) {
     publish(ctx, offsets);
     gather_offsets_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(peers_, size_, rank_, shape_.experts,
-                                                              epoch_, all_offsets, recv_offsets);
+                                                              shape_.pair_rows, epoch_, all_offsets,
+                                                              recv_offsets, over_budget_);
     ST_CUDA_LAUNCH_CHECK();
     pull<true>(ctx, all_offsets, y);
     finish(ctx);

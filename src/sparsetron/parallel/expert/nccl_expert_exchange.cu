@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdio>
 
 #include "sparsetron/core/cuda_check.h"
 #include "sparsetron/core/error.h"
@@ -16,17 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// A source's rows for one owner exceed the block the plan sized: the routing broke its bound.
-__device__ void check_pair(int64_t rows, int64_t pair_rows, int source, int owner) {
-    if (rows <= pair_rows) return;
-    if (threadIdx.x == 0 && blockIdx.x == 0)
-        printf(
-            "sparsetron: expert exchange (NCCL): rank %d sends %lld rows to rank %d, more than "
-            "the %lld rows planned per pair\n",
-            source, static_cast<long long>(rows), owner, static_cast<long long>(pair_rows));
-    asm volatile("trap;");
-}
-
 // Block s of `blocks` <-> this rank's source-layout rows of owner s's experts, in order (the
 // dispatch's pack, the combine's unpack). One block row per peer s (blockIdx.y).
 template <bool ToBlocks>
@@ -35,8 +23,7 @@ __global__ void block_rows_kernel(const int32_t* all_offsets, int ranks, int ran
     const int s = blockIdx.y;
     const int64_t el = experts / ranks;
     const int32_t* off = all_offsets + rank * (experts + 1);
-    const int32_t first = off[s * el], last = off[(s + 1) * el];
-    check_pair(last - first, pair_rows, ToBlocks ? rank : s, ToBlocks ? s : rank);
+    const int32_t first = off[s * el], last = exchange::pair_end(off, el, s, pair_rows);
     int4* block = blocks + s * pair_rows * dim_vec;
     const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
     for (int64_t i = first + int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < last;
@@ -58,10 +45,10 @@ __global__ void owner_rows_kernel(const int32_t* all_offsets, int ranks, int ran
     const int p = blockIdx.y;
     const int64_t el = experts / ranks;
     const int32_t* off_p = all_offsets + p * (experts + 1);
-    if (threadIdx.x == 0) exchange::owner_bases(all_offsets, ranks, experts, p, rank, base);
+    if (threadIdx.x == 0)
+        exchange::owner_bases(all_offsets, ranks, experts, p, rank, pair_rows, base);
     __syncthreads();
-    const int32_t first = off_p[rank * el], last = off_p[(rank + 1) * el];
-    check_pair(last - first, pair_rows, ToBlocks ? rank : p, ToBlocks ? p : rank);
+    const int32_t first = off_p[rank * el], last = exchange::pair_end(off_p, el, rank, pair_rows);
     int4* block = blocks + p * pair_rows * dim_vec;
     const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
     for (int64_t i = first + int64_t(blockIdx.x) * warps + threadIdx.x / 32; i < last;
@@ -76,9 +63,11 @@ __global__ void owner_rows_kernel(const int32_t* all_offsets, int ranks, int ran
 }
 
 __global__ void owner_offsets_kernel(const int32_t* all_offsets, int ranks, int rank,
-                                     int64_t experts, int32_t* recv_offsets) {
+                                     int64_t experts, int64_t pair_rows, int32_t* recv_offsets,
+                                     int32_t* over_budget) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
-        exchange::owner_offsets(all_offsets, ranks, rank, experts, recv_offsets);
+        exchange::owner_offsets(all_offsets, ranks, rank, experts, pair_rows, recv_offsets,
+                                over_budget);
 }
 
 int4* vec(bf16* p) {
@@ -149,8 +138,8 @@ void NcclExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets
                                   size_t(stride) * sizeof(int32_t), cudaMemcpyDeviceToDevice,
                                   stream_of(ctx)));
     ep_.device_allgather(all_offsets, stride * int64_t(sizeof(int32_t)), ctx.stream);
-    owner_offsets_kernel<<<1, 32, 0, stream_of(ctx)>>>(all_offsets, size_, rank_, shape_.experts,
-                                                       recv_offsets);
+    owner_offsets_kernel<<<1, 32, 0, stream_of(ctx)>>>(
+        all_offsets, size_, rank_, shape_.experts, shape_.pair_rows, recv_offsets, over_budget_);
     ST_CUDA_LAUNCH_CHECK();
     move<true>(ctx, all_offsets, y);
 }

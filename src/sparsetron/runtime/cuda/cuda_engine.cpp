@@ -93,6 +93,10 @@ class CudaEngine final : public StepEngine, public StepBench {
                 "moe_paged_stash and fine_grained_activation_offloading are not combined "
                 "with pipeline parallelism on CUDA (its stages recompute their forward "
                 "before the backward instead): drop them");
+            ST_CHECK(recipe.model.moe_expert_rank_capacity_factor == 0,
+                     "moe_expert_rank_capacity_factor is not combined with pipeline parallelism "
+                     "on CUDA yet (the redo of a step over the budget would span the stages): "
+                     "use 0 (the dropless bound)");
             stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
         }
         // The distributed optimizer: masters and state sharded over the ranks holding the same
@@ -159,8 +163,10 @@ class CudaEngine final : public StepEngine, public StepBench {
                 !pipeline_)
                 side_ = std::make_unique<cuda::SideStream>(ctx());
         }
-        // A step whose MoE stash overflowed computed its backward on missing rows: skip it.
-        if (const cuda::MoeStash* st = model_->moe_stash()) opt_->set_veto(st->overflow_flag());
+        // A step whose MoE stash or receive budget overflowed computed its backward on missing
+        // rows: skip it.
+        if (const cuda::MoeStash* st = model_->moe_stash()) opt_->add_veto(st->overflow_flag());
+        if (exchange_) opt_->add_veto(exchange_->over_budget());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
     }
@@ -243,6 +249,7 @@ class CudaEngine final : public StepEngine, public StepBench {
     void begin_step(bool accumulate_only = false) {
         model_->cuda_params().begin_gradients(ctx(), accumulate_only);
         model_->reset_moe_stats(ctx());
+        if (exchange_) exchange_->clear_over_budget(ctx());
     }
     // After the last micro-batch's backward: the gradient reductions, then the gradients the
     // step did not write zeroed (after the reductions: a side stream may still read them).
@@ -253,11 +260,14 @@ class CudaEngine final : public StepEngine, public StepBench {
             const cuda::CudaParam& e = model_->cuda_params()[model_->embedding_param()];
             embedding_->device_allreduce_sum(e.grad, e.numel, ctx().stream);
         }
-        // One rank's stash overflow vetoes every rank's optimizer step and sends all of them
-        // into the eager redo (which exchanges rows and reduces gradients with the others).
-        if (dp_)
+        // One rank's stash overflow or receive budget overflow vetoes every rank's optimizer
+        // step and sends all of them into the eager redo (which exchanges rows and reduces
+        // gradients with the others).
+        if (dp_) {
             if (const cuda::MoeStash* st = model_->moe_stash())
                 dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
+            if (exchange_) dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
+        }
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) {
@@ -268,18 +278,22 @@ class CudaEngine final : public StepEngine, public StepBench {
     StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                          const RunConfig& run, int64_t step, const std::vector<Comm*>* cp_groups) {
         StepOutcome out = run_step_once(mbs, sc, run, step, cp_groups, false);
-        if (!out.stash.overflow) return out;
-        // The paged stash overflowed: the backward ran on missing rows and the optimizer skipped
-        // the step on the device. As the seed falls back to an eager step: the same step again,
-        // eagerly, with the stash bypassed (the MoE backward recomputes its expert rows).
-        struct Bypass {
+        if (!out.stash.overflow && !out.over_budget) return out;
+        // The paged stash or the receive budget overflowed: the backward ran on missing rows and
+        // the optimizer skipped the step on the device. As the seed falls back to an eager step:
+        // the same step again, eagerly, with the stash bypassed (the MoE backward recomputes its
+        // expert rows) and under a budget the routed experts in token chunks that fit it.
+        struct Redo {
             cuda::CudaGlm5Model& m;
-            ~Bypass() { m.set_moe_stash_bypass(false); }
-        } bypass{*model_};
-        model_->set_moe_stash_bypass(true);
+            ~Redo() { m.set_moe_redo(false); }
+        } redo_mode{*model_};
+        model_->set_moe_redo(true);
         StepOutcome redo = run_step_once(mbs, sc, run, step, cp_groups, true);
         ST_ASSERT(!redo.stash.overflow, "the eager redo of step ", step, " pushed to the stash");
+        ST_ASSERT(!redo.over_budget, "the eager redo of step ", step,
+                  " went over the expert-parallel receive budget");
         redo.stash = out.stash;
+        redo.over_budget = out.over_budget;
         redo.redone = true;
         return redo;
     }
@@ -299,7 +313,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             }
             end_backward();
             out.stats = opt_->step(ctx(), run, step);
-            out.stash = stash_use();
+            read_moe_use(out);
             return out;
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
@@ -359,7 +373,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             out.losses.push_back(
                 model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
         out.stats = opt_->read_stats(ctx(), run, step);
-        out.stash = stash_use();
+        read_moe_use(out);
         return out;
     }
 
@@ -407,7 +421,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         begin_reduce();
         end_backward();
         out.stats = opt_->step(ctx(), run, step);
-        out.stash = stash_use();
+        read_moe_use(out);
         return out;
     }
 
@@ -425,9 +439,21 @@ class CudaEngine final : public StepEngine, public StepBench {
                                        const LossScales& sc) override {
         ST_CHECK(!sc.backward, "forward_only runs no backward");
         if (!pipeline_) {
-            std::vector<LossSums> out;
-            for (const MicroBatch* mb : mbs) out.push_back(micro_batch(*mb, sc));
-            return out;
+            const auto pass = [&] {
+                std::vector<LossSums> out;
+                if (exchange_) exchange_->clear_over_budget(ctx());
+                for (const MicroBatch* mb : mbs) out.push_back(micro_batch(*mb, sc));
+                return out;
+            };
+            std::vector<LossSums> out = pass();
+            if (!over_budget_anywhere()) return out;
+            // Rows over the receive budget were dropped: the pass again in token chunks.
+            struct Redo {
+                cuda::CudaGlm5Model& m;
+                ~Redo() { m.set_moe_redo(false); }
+            } redo_mode{*model_};
+            model_->set_moe_redo(true);
+            return pass();
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
         ST_CHECK(n <= slots_, "a pipeline pass of ", n, " micro-batches, but its staging holds ",
@@ -555,6 +581,24 @@ class CudaEngine final : public StepEngine, public StepBench {
             dp_->device_allreduce_sum(stats, n, stream);
         if (side_) side_->join();
         fired_.clear();
+    }
+    // Whether any rank's routing went over the receive budget since the flag was cleared (a
+    // collective over the stage's ranks; synchronizes).
+    bool over_budget_anywhere() {
+        if (!exchange_) return false;
+        if (dp_) dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
+        int32_t flag = 0;
+        cuda::download(ctx(), &flag, exchange_->over_budget(), sizeof flag);
+        return flag != 0;
+    }
+    // The stash's use and the receive budget's flag after a step (synchronizes).
+    void read_moe_use(StepOutcome& out) const {
+        out.stash = stash_use();
+        if (exchange_) {
+            int32_t flag = 0;
+            cuda::download(ctx(), &flag, exchange_->over_budget(), sizeof flag);
+            out.over_budget = flag != 0;
+        }
     }
     StashUse stash_use() const {
         StashUse u;

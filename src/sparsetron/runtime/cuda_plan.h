@@ -41,7 +41,7 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
 
 // What the expert exchange carries per rank: a rank publishes its routed rows (dispatch) or the
 // results of the rows its experts received (combine); one source sends one owner at most a W-th
-// of what the owner may receive.
-cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t slots);
+// of what the owner may receive. `tokens`: the rows a rank's MoE layers route (its CP share).
+cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t tokens);
 
 }  // namespace sparsetron

@@ -17,8 +17,8 @@ struct CpRowPlan {
 
 // `slots` / `max_documents`: the packed micro-batches'. Fixed CP: cp_local_tokens rows of those.
 // Dynamic CP: a group of s ranks packs up to s x max_seqlen_per_dp_cp_rank tokens (the largest
-// group is every rank); a rank holds fewer than per_rank + 2 x documents rows of any group's
-// micro-batch (two chunks per document).
+// group is every DP x CP rank of a pipeline stage); a rank holds fewer than per_rank + 2 x
+// documents rows of any group's micro-batch (two chunks per document).
 CpRowPlan cp_row_plan(const RunConfig& run, int64_t slots, int64_t max_documents);
 
 }  // namespace sparsetron

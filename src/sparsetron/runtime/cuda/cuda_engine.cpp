@@ -145,7 +145,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             const ExchangeTransport t = choose_exchange_transport(
                 recipe_.run.moe_expert_exchange, expert_parallel->allgather(this_host_id()));
             exchange_ = cuda::make_expert_exchange(t, *expert_parallel,
-                                                   exchange_shape(recipe_.model, slots));
+                                                   exchange_shape(recipe_.model, cpp.rows));
             model_->set_expert_exchange(exchange_.get());
         }
         if (dp_) {

@@ -12,10 +12,10 @@
 
 namespace sparsetron {
 
-cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t slots) {
-    const int64_t received = m.moe_ep_received_rows(slots);
+cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t tokens) {
+    const int64_t received = m.moe_ep_received_rows(tokens);
     return {.experts = m.num_experts,
-            .max_rows = std::max(slots * m.moe_router_topk, received),
+            .max_rows = std::max(tokens * m.moe_router_topk, received),
             .pair_rows = received / m.expert_parallel_ranks,
             .dim = m.hidden_size};
 }
@@ -84,8 +84,10 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
         // on one node and NCCL across nodes: the plan counts the larger.
         Recipe ep = recipe;
         ep.model.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
-        const cuda::ExchangeShape shape =
-            exchange_shape(ep.model, recipe.run.tokens_per_microbatch());
+        // Sized by the rows this rank's MoE layers route (its CP share), as the engine's.
+        const cuda::ExchangeShape shape = exchange_shape(
+            ep.model,
+            cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents).rows);
         const int ranks = int(recipe.run.expert_model_parallel_size);
         const std::string& key = recipe.run.moe_expert_exchange;
         const ExchangeTransport t =

@@ -10,9 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/plan_growth.h"
 #include "sparsetron/model/moe_stash_bound.h"
+#include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/cuda_plan.h"
 #include "sparsetron/runtime/trainer.h"
@@ -649,6 +651,54 @@ TEST(Plan, SeedProxyPlansAtMost150GiBOnEveryRank) {
         }
         std::cout << "[plan] " << recipe.substr(dir.size()) << ": at most "
                   << format_bytes(double(most)) << " per GPU\n";
+    }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
+// The seed's long-context recipes (EP16 x dynamic CP16; EP64 x dynamic CP64; PP4 x EP64 x dynamic
+// CP64) with overlays/fit-gb200.yaml (the expert-parallel receive budget, 256 documents per
+// micro-batch, attention recompute) plan at most 180 GiB on every rank, every pipeline stage of
+// the 256-GPU recipe included, with the expert exchange's buffers: within a GB200's 186 GB. As
+// written (dropless receive rows, 4096+ documents) each needs several times that.
+TEST(Plan, SeedLongContextRecipesPlanAtMost180GiBOnEveryRankWithTheGb200Overlay) {
+#if SPARSETRON_WITH_CUDA
+    const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
+    for (const std::string name : {"glm5.2-16gpu", "glm5.2-64gpu", "glm5.2-256gpu"}) {
+        for (const bool overlay : {false, true}) {
+            const std::string path =
+                dir + name + ".yaml" + (overlay ? "," + dir + "overlays/fit-gb200.yaml" : "");
+            const Recipe r = load_recipe(path);
+            const int world = int(r.run.world_size),
+                      stages = int(r.run.pipeline_model_parallel_size);
+            const ParallelLayout layout = make_layout(r.run, world);
+            std::vector<std::unique_ptr<TrainingPlan>> by_stage(static_cast<size_t>(stages));
+            size_t most = 0;
+            // Every rank with the overlay; as written, each stage's first rank (the largest).
+            for (int rank = 0; rank < world; ++rank) {
+                const int s = stages == 1 ? 0 : layout.pp_rank(rank);
+                if (!overlay && layout.stage_rank(rank) != 0) continue;
+                const PipelineStage stage =
+                    stages == 1 ? PipelineStage{} : pipeline_stage(r.model, r.run, s);
+                if (!by_stage[size_t(s)])
+                    by_stage[size_t(s)] = make_training_plan(r, Device::CUDA, stage);
+                const TrainingPlan& tp = *by_stage[size_t(s)];
+                size_t total = 0;
+                format_cuda_plan(r, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, stage,
+                                 layout.stage_rank(rank));
+                if (overlay) {
+                    EXPECT_LE(double(total), 180.0 * double(size_t(1) << 30))
+                        << name << " rank " << rank;
+                }
+                most = std::max(most, total);
+            }
+            if (!overlay) {
+                EXPECT_GT(double(most), 360.0 * double(size_t(1) << 30)) << name;
+            }
+            std::cout << "[plan] " << name << (overlay ? " + fit-gb200" : " as written")
+                      << ": at most " << format_bytes(double(most)) << " per GPU\n";
+        }
     }
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";

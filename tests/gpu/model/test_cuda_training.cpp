@@ -534,8 +534,7 @@ LossScales scales_for(const Recipe& r, const std::vector<const MicroBatch*>& mbs
 
 // One step of `mbs` on every engine of `set`, each from engines[0]'s state (the host mirror the
 // engines share): a step compared on its own, so trajectories cannot drift apart through atomics.
-std::vector<StepOutcome> step_from_first(EngineSet& set, const std::vector<Recipe>& recipes,
-                                         const std::vector<const MicroBatch*>& mbs,
+std::vector<StepOutcome> step_from_first(EngineSet& set, const std::vector<const MicroBatch*>& mbs,
                                          const LossScales& sc, int64_t step) {
     set.engines[0]->download_state();
     for (size_t i = 1; i < set.engines.size(); ++i) set.engines[i]->upload_state();
@@ -598,7 +597,7 @@ TEST(CudaTraining, PagedStashMatchesUnstashedEagerAndGraph) {
             most = std::max(most, lengths[s][i]);
         }
         const LossScales sc = scales_for(plain, mbs);
-        const auto o = step_from_first(set, {plain, stash, graph}, mbs, sc, s + 1);
+        const auto o = step_from_first(set, mbs, sc, s + 1);
         const auto &p = o[0], &e = o[1], &g = o[2];
         const int64_t need =
             bound.applications *
@@ -655,7 +654,7 @@ TEST(CudaTraining, ActivationOffloadMatchesKeepingEagerAndGraph) {
             mbs.push_back(own.back().get());
         }
         const LossScales sc = scales_for(plain, mbs);
-        const auto o = step_from_first(set, {plain, off, graph}, mbs, sc, s + 1);
+        const auto o = step_from_first(set, mbs, sc, s + 1);
         const auto &p = o[0], &e = o[1], &g = o[2];
         std::cout << "[offload] step " << s + 1 << ": lm " << e.losses[1].lm_loss_sum << " / "
                   << g.losses[1].lm_loss_sum << " vs " << p.losses[1].lm_loss_sum << ", grad_norm "
@@ -763,7 +762,7 @@ TEST(CudaTraining, PagedStashOverflowRedoesTheStepEagerlyWithoutIt) {
                 random_batch(plain, set.tp->max_documents, lengths[s][i], 70 + 2 * s + i));
             mbs.push_back(own.back().get());
         }
-        const auto o = step_from_first(set, {plain, r}, mbs, scales_for(plain, mbs), s + 1);
+        const auto o = step_from_first(set, mbs, scales_for(plain, mbs), s + 1);
         const auto& st = o[1];
         std::cout << "[paged stash] step " << s + 1 << (st.replayed ? " (replay)" : " (eager)")
                   << ": peak " << st.stash.peak_pages << ", demand " << st.stash.demand_pages

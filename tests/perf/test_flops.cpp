@@ -661,8 +661,10 @@ TEST(Plan, SeedProxyPlansAtMost150GiBOnEveryRank) {
 // CP64) with overlays/fit-gb200.yaml (the expert-parallel receive budget, 256 documents per
 // micro-batch, attention recompute) plan at most 180 GiB on every rank, every pipeline stage of
 // the 256-GPU recipe included, with the expert exchange's buffers: within a GB200's 186 GB. As
-// written (dropless receive rows, 4096+ documents) each needs several times that.
-TEST(Plan, SeedLongContextRecipesPlanAtMost180GiBOnEveryRankWithTheGb200Overlay) {
+// written (dropless receive rows, 4096+ documents) each needs several times that. With the
+// Hopper overlay and overlays/fit-h200.yaml on top (every recompute module, the optimizer's
+// masters and state in host memory) at most 131 GiB: within an H200.
+TEST(Plan, SeedLongContextRecipesPlanWithinAGb200AndAnH200WithTheirOverlays) {
 #if SPARSETRON_WITH_CUDA
     const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
     for (const std::string name : {"glm5.2-16gpu", "glm5.2-64gpu", "glm5.2-256gpu"}) {
@@ -699,7 +701,91 @@ TEST(Plan, SeedLongContextRecipesPlanAtMost180GiBOnEveryRankWithTheGb200Overlay)
             std::cout << "[plan] " << name << (overlay ? " + fit-gb200" : " as written")
                       << ": at most " << format_bytes(double(most)) << " per GPU\n";
         }
+        // On an H200: blockwise FP8, every recompute module, the optimizer offloaded; at most
+        // 131 GiB on every rank (each stage's first and last rank: the distributed optimizer's
+        // shares differ by a few MiB).
+        const Recipe h = load_recipe(dir + name + ".yaml," + dir + "overlays/h200.yaml," + dir +
+                                     "overlays/fit-gb200.yaml," + dir + "overlays/fit-h200.yaml");
+        const int world = int(h.run.world_size), stages = int(h.run.pipeline_model_parallel_size);
+        const ParallelLayout layout = make_layout(h.run, world);
+        size_t most = 0;
+        for (int rank = 0; rank < world; ++rank) {
+            const int per_stage = world / stages, in_stage = rank % per_stage;
+            if (in_stage != 0 && in_stage != per_stage - 1 && in_stage != per_stage / 2) continue;
+            const int s = stages == 1 ? 0 : layout.pp_rank(rank);
+            const PipelineStage stage =
+                stages == 1 ? PipelineStage{} : pipeline_stage(h.model, h.run, s);
+            auto tp = make_training_plan(h, Device::CUDA, stage);
+            size_t total = 0;
+            format_cuda_plan(h, *tp->params, tp->max_documents, tp->chunk_rows, &total, 0, stage,
+                             layout.stage_rank(rank));
+            EXPECT_LE(double(total), 131.0 * double(size_t(1) << 30)) << name << " rank " << rank;
+            most = std::max(most, total);
+        }
+        std::cout << "[plan] " << name << " + h200, fit-gb200, fit-h200: at most "
+                  << format_bytes(double(most)) << " per GPU\n";
     }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
+// Optimizer offload (optimizer_cpu_offload; planned without a GPU): on the proxy (one rank, so
+// every master is this rank's) the masters of the trainable parameters and all optimizer state
+// move to the host class, and the device plan shrinks by exactly what the host class gained; the
+// router biases' masters (not trained) stay. Half the fraction moves about half the masters'
+// bytes, in parameter order.
+TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
+#if SPARSETRON_WITH_CUDA
+    const std::string recipe =
+        std::string(SPARSETRON_SOURCE_DIR) + "/recipes/glm5.2-proxy-h200.yaml";
+    const auto plan_of = [&](const std::vector<std::string>& sets) {
+        const Recipe r = load_recipe(recipe, sets);
+        auto tp = make_training_plan(r, Device::CUDA);
+        return cuda_memory_plan(r, *tp->params, tp->max_documents, tp->chunk_rows);
+    };
+    const MemoryPlan base = plan_of({}), all = plan_of({"optimizer_cpu_offload=true"}),
+                     half =
+                         plan_of({"optimizer_cpu_offload=true", "optimizer_offload_fraction=0.5"});
+    EXPECT_EQ(base.host_offload_bytes(), 0u);
+    EXPECT_EQ(all.class_bytes(MemClass::OptimizerState), 0u);
+    EXPECT_GT(all.host_offload_bytes(), 0u);
+    EXPECT_EQ(base.total_bytes() - all.total_bytes(), all.host_offload_bytes());
+    const auto is_state = [](const std::string& n) {
+        for (const std::string tail : {".exp_avg", ".exp_avg_sq", ".momentum_buffer"})
+            if (n.size() > tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0)
+                return true;
+        return false;
+    };
+    const auto host_masters = [&](const MemoryPlan& p) {
+        size_t bytes = 0;
+        for (const PlanEntry& e : p.entries())
+            if (e.cls == MemClass::HostOffload && !is_state(e.name)) bytes += e.bytes;
+        return bytes;
+    };
+    size_t masters = 0;
+    for (const PlanEntry& e : base.entries())
+        if (e.cls == MemClass::Parameters && e.dtype == DType::F32) masters += e.bytes;
+    // Every fp32 master on the host but the router biases' (not trained: the bias rule updates
+    // them), which stay on the device.
+    size_t kept = 0;
+    for (const PlanEntry& e : all.entries())
+        if (e.cls == MemClass::Parameters && e.dtype == DType::F32) {
+            EXPECT_NE(e.name.find("e_score_correction_bias"), std::string::npos) << e.name;
+            kept += e.bytes;
+        }
+    EXPECT_EQ(host_masters(all) + kept, masters);
+    EXPECT_LE(double(host_masters(half)), 0.5 * double(masters));
+    EXPECT_GT(double(host_masters(half)), 0.4 * double(masters));
+    for (const PlanEntry& e : all.entries()) {
+        if (is_state(e.name)) {
+            EXPECT_EQ(e.cls, MemClass::HostOffload) << e.name;
+        }
+    }
+    std::cout << "[plan] proxy with the optimizer offloaded: "
+              << format_bytes(double(all.total_bytes())) << " on the device (from "
+              << format_bytes(double(base.total_bytes())) << "), "
+              << format_bytes(double(all.host_offload_bytes())) << " in host memory\n";
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

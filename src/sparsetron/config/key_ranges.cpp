@@ -53,6 +53,7 @@ const std::vector<KeyRange>& key_ranges() {
         {"moe_paged_stash_page_size", 1, kSize},
         {"moe_paged_stash_buffer_size_factor_cuda", 0, 1024, true},
         {"moe_expert_rank_capacity_factor", 0, 1024},
+        {"optimizer_offload_fraction", 0, 1},
         {"dsa_indexer_n_heads", 1, 4096},
         {"dsa_indexer_head_dim", 1, 65536},
         {"dsa_indexer_topk", 1, kSize},

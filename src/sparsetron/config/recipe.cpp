@@ -145,6 +145,8 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(context_parallel_size, Int),
         RUN_KEY(dynamic_context_parallel, Bool),
         RUN_KEY(use_distributed_optimizer, Bool),
+        RUN_KEY(optimizer_cpu_offload, Bool),
+        RUN_KEY(optimizer_offload_fraction, Float),
         RUN_KEY(overlap_grad_reduce, Bool),
         RUN_KEY(moe_expert_exchange, String),
         RUN_KEY(sequence_packing_scheduler, String),

@@ -102,6 +102,11 @@ struct RunConfig {
     // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
     // matrices for Muon), then every parameter is broadcast from its owner.
     bool use_distributed_optimizer = false;
+    // CUDA: that fraction (by bytes) of the fp32 masters this rank updates, each with its
+    // optimizer state, in pinned host memory that the optimizer's kernels read and write over
+    // the host link (Megatron's keys; Megatron runs that part's step on the CPU instead).
+    bool optimizer_cpu_offload = false;
+    double optimizer_offload_fraction = 1.0;
     // Data parallelism on GPUs: reduce gradient buckets on a side stream during the last
     // micro-batch's backward (Megatron's --overlap-grad-reduce; on by default here).
     bool overlap_grad_reduce = true;

@@ -51,12 +51,14 @@ void pinned_host_free(void* p) {
     cudaFreeHost(p);
 }
 
+// cudaMemcpyDefault: the side may be pinned host memory the plan gives the device (optimizer
+// offload), which unified addressing tells apart.
 void copy_to_device(void* dst, const void* src, size_t bytes) {
-    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
 }
 
 void copy_to_host(void* dst, const void* src, size_t bytes) {
-    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
 }
 
 size_t device_memory_free() {

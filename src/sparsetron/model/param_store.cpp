@@ -57,10 +57,10 @@ int64_t ParamStore::add_like(const ParamInfo& other) {
     return push(std::move(p));
 }
 
-void ParamStore::plan_value(int64_t i) {
+void ParamStore::plan_value(int64_t i, MemClass where) {
     ParamInfo& p = params_[size_t(i)];
     ST_ASSERT(p.param_slot < 0, "parameter '", p.name, "': its value is already planned");
-    p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
+    p.param_slot = plan_.add(where, p.name, dtype_, p.shape);
 }
 
 void ParamStore::set_mtp_from(int64_t first) {

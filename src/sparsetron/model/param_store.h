@@ -57,8 +57,9 @@ class ParamStore {
     // A copy of another store's entry (same name, shape, group, flags) planned in this store's
     // plan: how a second backend's model gets the identical parameter table.
     int64_t add_like(const ParamInfo& other);
-    // The value slot of parameter i, planned now (a store made without `plan_values`).
-    void plan_value(int64_t i);
+    // The value slot of parameter i, planned now (a store made without `plan_values`), in class
+    // `where` (HostOffload: pinned host memory the device reads and writes).
+    void plan_value(int64_t i, MemClass where = MemClass::Parameters);
 
     const std::vector<ParamInfo>& params() const { return params_; }
     const ParamInfo& at(const std::string& name) const;

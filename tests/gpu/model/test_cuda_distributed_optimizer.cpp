@@ -93,4 +93,51 @@ TEST(CudaDistributedOptimizer, ShardedMastersAndStateMatchOneGpuAndResume) {
     }
 }
 
+// Optimizer offload (optimizer_cpu_offload): the masters and optimizer state in pinned host memory
+// that the optimizer's kernels read and write in place. The same kernels on the same values: one
+// GPU's run equals the device-resident run bit for bit (AdamW, Muon), and its checkpoint at
+// step 2 (masters and state copied from host memory) resumes as that run's steps 3 and 4; with
+// the distributed optimizer, two data-parallel ranks as threads offloading half their masters
+// match one GPU as the sharded run does.
+TEST(CudaDistributedOptimizer, OptimizerOffloadMatchesTheDeviceResidentRun) {
+    REQUIRE_GPU();
+    for (const std::string opt : {"adamw", "muon"}) {
+        const std::vector<std::string> model = {"optimizer=" + opt};
+        const auto one = train(trainer_recipe(1, model),
+                               {temp_dir(opt + "-dev"), "", Device::CUDA, false, nullptr});
+        std::vector<std::string> off = model;
+        const std::string ckpt_dir = temp_dir(opt + "-offload-checkpoints");
+        for (const std::string& s : {std::string("optimizer_cpu_offload=true"),
+                                     std::string("save_interval=2"), "save=" + ckpt_dir})
+            off.push_back(s);
+        const auto got = train(trainer_recipe(1, off),
+                               {temp_dir(opt + "-offload"), "", Device::CUDA, false, nullptr});
+        ASSERT_EQ(got.size(), one.size());
+        for (size_t i = 0; i < one.size(); ++i) {
+            std::cout << "[offload " << opt << "] step " << i + 1 << ": lm " << got[i].lm_loss
+                      << " vs " << one[i].lm_loss << ", grad_norm " << got[i].grad_norm << " vs "
+                      << one[i].grad_norm << "\n";
+            EXPECT_EQ(got[i].lm_loss, one[i].lm_loss) << opt << " step " << i + 1;
+            EXPECT_EQ(got[i].mtp_loss, one[i].mtp_loss) << opt << " step " << i + 1;
+            EXPECT_EQ(got[i].grad_norm, one[i].grad_norm) << opt << " step " << i + 1;
+        }
+        const auto resumed = train(trainer_recipe(1, model),
+                                   {temp_dir(opt + "-offload-resumed"), ckpt_dir + "/iter_0000002",
+                                    Device::CUDA, false, nullptr});
+        ASSERT_EQ(resumed.size(), 2u);
+        for (size_t i = 0; i < 2; ++i)
+            EXPECT_NEAR(resumed[i].lm_loss, one[i + 2].lm_loss, 1e-6 * one[i + 2].lm_loss)
+                << opt << " resumed step " << i + 3;
+        if (opt == "muon") {
+            std::vector<std::string> dist = model;
+            for (const char* s : {"use_distributed_optimizer=true", "optimizer_cpu_offload=true",
+                                  "optimizer_offload_fraction=0.5"})
+                dist.push_back(s);
+            expect_metrics_match("dist-offload", one,
+                                 train_threads(2, trainer_recipe(2, dist), "dist-offload"), 1e-5,
+                                 true);
+        }
+    }
+}
+
 #endif

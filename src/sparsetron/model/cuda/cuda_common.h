@@ -208,7 +208,12 @@ class CudaParams {
     bool master_read(int64_t i) const { return reads_master_.count(i) > 0; }
     // Parameter i's master as its rows [row0, row0 + rows) only (the distributed optimizer's
     // share of a parameter split by rows); instead of the store's value slot.
-    void plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows);
+    void plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows,
+                          MemClass where = MemClass::Parameters);
+    // Optimizer offload: parameter i's master (and the optimizer's state of it) is planned in
+    // pinned host memory, which the kernels read and write in place.
+    void set_master_on_host(int64_t i) { on_host_.insert(i); }
+    bool master_on_host(int64_t i) const { return on_host_.count(i) > 0; }
     void bind(const MemoryPlan& plan);
     // After bind: parameter i is gathered in FP8 through `copy` (CudaParam::fp8).
     void gather_in_fp8(int64_t i, const Fp8Copy* copy) { all_[size_t(i)].fp8 = copy; }
@@ -241,6 +246,7 @@ class CudaParams {
   private:
     const ParamStore& store_;
     mutable std::set<int64_t> reads_master_;
+    std::set<int64_t> on_host_;
     std::vector<MemoryPlan::Slot> bf16_slots_;
     std::map<int64_t, std::pair<MemoryPlan::Slot, int64_t>> row_masters_;  // i -> (slot, first)
     std::vector<CudaParam> all_;

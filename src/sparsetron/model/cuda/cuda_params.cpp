@@ -16,16 +16,17 @@ void CudaParams::plan_bf16(MemoryPlan& plan, const std::vector<int64_t>& unread)
     }
 }
 
-void CudaParams::plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows) {
+void CudaParams::plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows,
+                                  MemClass where) {
     const ParamInfo& p = store_.params()[size_t(i)];
     ST_ASSERT(p.param_slot < 0 && !p.shape.empty() && 0 <= row0 && row0 + rows <= p.shape[0],
               "CudaParams: rows [", row0, ", ", row0 + rows, ") of '", p.name, "'");
     std::vector<int64_t> shape = p.shape;
     shape[0] = rows;
     const int64_t row = p.numel() / p.shape[0];
-    row_masters_[i] = {plan.add(MemClass::Parameters,
-                                cat(p.name, " rows ", row0, "..", row0 + rows), DType::F32, shape),
-                       row0 * row};
+    row_masters_[i] = {
+        plan.add(where, cat(p.name, " rows ", row0, "..", row0 + rows), DType::F32, shape),
+        row0 * row};
 }
 
 void CudaParams::bind(const MemoryPlan& plan) {

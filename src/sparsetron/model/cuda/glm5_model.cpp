@@ -186,15 +186,39 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     const std::vector<int64_t> fp8_params = fp8_ ? fp8_->params() : std::vector<int64_t>{};
     if (fp8_)
         for (const int64_t i : fp8_->quantized_here()) P_->read_master(i);
+    // Optimizer offload: the masters this rank updates, in parameter order, while their bytes
+    // stay within the fraction; not a master every rank keeps under the distributed optimizer
+    // (its owner broadcasts it over NCCL, from device memory).
+    std::vector<bool> eligible(size_t(store_->size()), false);
+    double eligible_bytes = 0;
+    const auto master_bytes = [&](int64_t i) {
+        const double n = double(store_->params()[size_t(i)].numel());
+        return 4.0 * (masters.split(i) ? n / double(masters.ranks) : n);
+    };
     for (int64_t i = 0; i < store_->size(); ++i) {
+        const ParamInfo& p = store_->params()[size_t(i)];
+        eligible[size_t(i)] = masters.host_fraction > 0 && p.trainable && !p.pipeline_copy &&
+                              masters.here(i) && !(masters.sharded(i) && P_->master_read(i));
+        if (eligible[size_t(i)]) eligible_bytes += master_bytes(i);
+    }
+    double on_host = 0;
+    for (int64_t i = 0; i < store_->size(); ++i) {
+        if (!eligible[size_t(i)] ||
+            on_host + master_bytes(i) > masters.host_fraction * eligible_bytes * (1 + 1e-12))
+            continue;
+        on_host += master_bytes(i);
+        P_->set_master_on_host(i);
+    }
+    for (int64_t i = 0; i < store_->size(); ++i) {
+        const MemClass where = P_->master_on_host(i) ? MemClass::HostOffload : MemClass::Parameters;
         if (masters.split(i)) {
             // This rank's rows of the master (the optimizer's row share, owner_assignment.h).
             ST_ASSERT(!P_->master_read(i), "the master of '", store_->params()[size_t(i)].name,
                       "' is read whole but split by rows");
             const int64_t rows = store_->params()[size_t(i)].shape[0] / masters.ranks;
-            P_->plan_master_rows(plan, i, masters.rank * rows, rows);
+            P_->plan_master_rows(plan, i, masters.rank * rows, rows, where);
         } else if (masters.here(i) || P_->master_read(i)) {
-            store_->plan_value(i);
+            store_->plan_value(i, where);
         }
     }
     P_->plan_bf16(plan, fp8_params);

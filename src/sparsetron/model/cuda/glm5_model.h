@@ -31,6 +31,9 @@ struct MasterPlacement {
     std::vector<int> owner;
     int rank = 0, ranks = 1;
     bool fp8_gather = false;
+    // Optimizer offload: this fraction of the bytes of the masters this rank updates in pinned
+    // host memory (the masters other ranks also keep, broadcast over NCCL, stay on the device).
+    double host_fraction = 0;
     bool sharded(int64_t i) const { return !owner.empty() && owner[size_t(i)] >= 0; }
     bool split(int64_t i) const { return !owner.empty() && owner[size_t(i)] == kSplitRows; }
     bool here(int64_t i) const { return !sharded(i) || owner[size_t(i)] == rank; }

@@ -46,14 +46,13 @@ CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelC
                  "' is split by rows but takes Muon, which needs whole matrices");
         std::vector<int64_t> held = p.shape;
         if (shard.split(i)) held[0] /= shard.ranks;
-        m_slots_.push_back(
-            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg", DType::F32, held) : -1);
-        v_slots_.push_back(
-            adam ? plan.add(MemClass::OptimizerState, p.name + ".exp_avg_sq", DType::F32, held)
-                 : -1);
-        mom_slots_.push_back(muon ? plan.add(MemClass::OptimizerState, p.name + ".momentum_buffer",
-                                             DType::F32, p.shape)
-                                  : -1);
+        // Optimizer offload: the state beside its master in pinned host memory.
+        const MemClass where =
+            P.master_on_host(int64_t(i)) ? MemClass::HostOffload : MemClass::OptimizerState;
+        m_slots_.push_back(adam ? plan.add(where, p.name + ".exp_avg", DType::F32, held) : -1);
+        v_slots_.push_back(adam ? plan.add(where, p.name + ".exp_avg_sq", DType::F32, held) : -1);
+        mom_slots_.push_back(
+            muon ? plan.add(where, p.name + ".momentum_buffer", DType::F32, p.shape) : -1);
         // Only this rank's matrices: Newton-Schulz runs where the momentum is.
         splits_.push_back(muon ? muon_split_for(p, m, r) : MuonSplit{});
         if (muon) max_numel = std::max(max_numel, p.numel());

@@ -3,6 +3,7 @@
 // optimizer state.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <string>
@@ -169,6 +170,10 @@ class CudaEngine final : public StepEngine, public StepBench {
         if (exchange_) opt_->add_veto(exchange_->over_budget());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
+        // Optimizer offload: the state planned in pinned host memory.
+        for (const auto& [name, slot] : opt_->state_tensors())
+            if (plan_.entries()[slot].cls == MemClass::HostOffload)
+                std::memset(plan_.view(slot).data, 0, plan_.entries()[slot].bytes);
     }
 
     void upload_state() override {

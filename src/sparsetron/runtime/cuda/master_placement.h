@@ -16,7 +16,8 @@ inline cuda::MasterPlacement master_placement(const OptimizerShard& shard, const
     return {.owner = shard.sharded() ? shard.owner : std::vector<int>{},
             .rank = shard.rank,
             .ranks = shard.ranks,
-            .fp8_gather = run.fp8_param_gather};
+            .fp8_gather = run.fp8_param_gather,
+            .host_fraction = run.optimizer_cpu_offload ? run.optimizer_offload_fraction : 0.0};
 }
 
 }  // namespace sparsetron

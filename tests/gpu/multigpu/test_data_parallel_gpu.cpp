@@ -226,6 +226,45 @@ TEST(DataParallelGpu, ExpertParallelPagedStashMatchesOneGpuAndRedoesTogether) {
     EXPECT_GT(two.back().value("moe_stash_redos", 0), 0) << two.back().dump();
 }
 
+// The expert-parallel receive budget on two GPUs over NCCL: with a factor that every step exceeds
+// (0.5: blocks of half the balanced rows) both ranks veto their update together and redo the step
+// in token chunks, eagerly and from the captured graph; with a factor no step exceeds (1.5) the
+// graph replays. The losses stay the one-GPU run's either way, and the redos are counted.
+TEST(DataParallelGpu, ExpertParallelReceiveBudgetMatchesOneGpuAndRedoesTogether) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string ep = "--set expert_model_parallel_size=2 --set moe_expert_exchange=nccl";
+    const auto redone =
+        compare_with_one_gpu("ep2-budget-0.5", "--set moe_expert_rank_capacity_factor=0.5", ep);
+    ASSERT_FALSE(redone.empty());
+    EXPECT_EQ(redone.back().value("moe_budget_redos", 0), 4) << redone.back().dump();
+    const auto graph = compare_with_one_gpu(
+        "ep2-budget-0.5-graph",
+        "--set moe_expert_rank_capacity_factor=0.5 --set cuda_graph_impl=full_iteration", ep);
+    ASSERT_FALSE(graph.empty());
+    EXPECT_EQ(graph.back().value("moe_budget_redos", 0), 4) << graph.back().dump();
+    const auto held = compare_with_one_gpu(
+        "ep2-budget-1.5-graph",
+        "--set moe_expert_rank_capacity_factor=1.5 --set cuda_graph_impl=full_iteration", ep);
+    ASSERT_FALSE(held.empty());
+    EXPECT_EQ(held.back().value("moe_budget_redos", 0), 0) << held.back().dump();
+    EXPECT_TRUE(held.back().value("graph", false));
+}
+
+// Optimizer offload under the distributed optimizer on two GPUs: each rank's masters and state
+// in its pinned host memory; the losses are the one-GPU run's, eager and in the graph.
+TEST(DataParallelGpu, OptimizerOffloadMatchesOneGpuEagerAndGraph) {
+    REQUIRE_GPU();
+    if (cuda_device_count() < 2)
+        GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
+    const std::string off =
+        "--set optimizer=muon --set use_distributed_optimizer=true "
+        "--set optimizer_cpu_offload=true ";
+    compare_with_one_gpu("offload-eager", off);
+    compare_with_one_gpu("offload-graph", off + "--set cuda_graph_impl=full_iteration");
+}
+
 // Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)
 // checkpoints at step 2 as two shards and an index; one GPU resuming from it (reading both
 // shards: every expert's weights and Muon momentum) reproduces steps 3 and 4.

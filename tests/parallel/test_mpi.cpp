@@ -25,6 +25,7 @@
 #include "sparsetron/parallel/context/cp_shard.h"
 #include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/parallel/layout/process_groups.h"
+#include "sparsetron/perf/rank_ranges.h"
 #include "sparsetron/runtime/trainer.h"
 #include "test_util.h"
 
@@ -138,6 +139,22 @@ class CountingComm final : public Comm {
 };
 
 }  // namespace
+
+// The tracker's cross-rank columns: each rank's figures gathered into their range over the job
+// (rank r reports r + 1 ms and 10 x (W - r) MiB: the ranges are [1, W] and [10, 10 W] on every
+// rank).
+TEST(Mpi, BenchFiguresRangeOverEveryRank) {
+    const int W = g_comm->size(), r = g_comm->rank();
+    const std::vector<RankRange> got =
+        ranges_across_ranks(g_comm, {double(r + 1), 10.0 * double(W - r), 0.5});
+    ASSERT_EQ(got.size(), 3u);
+    EXPECT_EQ(got[0].min, 1.0);
+    EXPECT_EQ(got[0].max, double(W));
+    EXPECT_EQ(got[1].min, 10.0);
+    EXPECT_EQ(got[1].max, 10.0 * W);
+    EXPECT_EQ(got[2].min, 0.5);
+    EXPECT_EQ(got[2].max, 0.5);
+}
 
 TEST(Mpi, DataParallelMatchesOneProcess) {
     const int W = g_comm->size();

@@ -45,6 +45,32 @@ TEST(BenchStats, MedianP95MinMaxAndCv) {
     EXPECT_THROW(summarize_times(empty), Error);
 }
 
+// The cross-rank columns: alone, each figure's range is itself; with several ranks the table
+// prints each range and the JSON line carries them (Mpi.BenchFiguresRangeOverEveryRank gathers
+// them over MPI ranks).
+TEST(BenchStats, RangesAcrossRanksInTheTableAndTheJson) {
+    const auto alone = ranges_across_ranks(nullptr, {3.5, 7.0});
+    ASSERT_EQ(alone.size(), 2u);
+    EXPECT_EQ(alone[0].min, 3.5);
+    EXPECT_EQ(alone[0].max, 3.5);
+    EXPECT_EQ(alone[1].max, 7.0);
+    BenchResult r;
+    r.variant = "step.graph";
+    r.step_ms = {100, 102, 101};
+    summarize_times(r);
+    r.gpus = 16;
+    r.median_range = {100.5, 104.0}, r.p95_range = {101.0, 106.0}, r.cv_range = {0.003, 0.004};
+    r.peak_mem_range = {1000, 1010};
+    const std::string t = bench_table({r});
+    EXPECT_NE(t.find("step.graph across 16 ranks: median 100.5-104.0 ms, p95 101.0-106.0 ms, CV "
+                     "0.30-0.40 %, in use 1000.0-1010.0 MiB"),
+              std::string::npos)
+        << t;
+    const auto j = nlohmann::json::parse(r.to_json());
+    EXPECT_EQ(j["p95_ms_range"], nlohmann::json::array({101.0, 106.0}));
+    EXPECT_EQ(j["cv_range"], nlohmann::json::array({0.003, 0.004}));
+}
+
 TEST(BenchStats, TableHasARowPerVariantAndTheDelta) {
     BenchResult a, b;
     a.variant = "step.eager", b.variant = "step.graph";

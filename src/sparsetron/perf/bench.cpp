@@ -155,6 +155,10 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
         r.tflops_per_gpu = f.total / cp / (r.median_ms * 1e-3) / 1e12;
         r.tokens_per_s_per_gpu = double(f.tokens) / cp / (r.median_ms * 1e-3);
         r.peak_mem_mib = mem[v];
+        const std::vector<RankRange> across =
+            ranges_across_ranks(o.comm, {r.median_ms, r.p95_ms, r.cv, r.peak_mem_mib});
+        r.median_range = across[0], r.p95_range = across[1], r.cv_range = across[2];
+        r.peak_mem_range = across[3];
         r.planned_mem_mib = bench.planned_memory_mib();
         r.gpus = ranks;
         r.cp_ranks = cp_ranks;
@@ -247,6 +251,11 @@ std::string BenchResult::to_json() const {
     for (auto& [name, v] : flops_terms) j["flops_terms"].push_back({name, v});
     j["tokens"] = tokens;
     j["peak_mem_mib"] = peak_mem_mib;
+    const auto range = [](const RankRange& r) { return nlohmann::json::array({r.min, r.max}); };
+    j["median_ms_range"] = range(median_range);
+    j["p95_ms_range"] = range(p95_range);
+    j["cv_range"] = range(cv_range);
+    j["peak_mem_mib_range"] = range(peak_mem_range);
     j["planned_mem_mib"] = planned_mem_mib;
     j["gpus"] = gpus;
     if (cp_ranks > 1) j["cp_ranks"] = cp_ranks;
@@ -274,6 +283,15 @@ std::string bench_table(const std::vector<BenchResult>& rs) {
            << std::setw(8) << std::setprecision(2) << 100.0 * r.cv << std::setprecision(1)
            << std::setw(10) << r.tflops_per_gpu << std::setw(12) << r.tokens_per_s_per_gpu
            << std::setw(13) << r.peak_mem_mib << std::setw(13) << r.planned_mem_mib << "\n";
+    // Several ranks: each figure's range over them (this table is rank 0's).
+    for (const auto& r : rs)
+        if (r.gpus > 1)
+            os << "  " << r.variant << " across " << r.gpus << " ranks: median "
+               << r.median_range.min << "-" << r.median_range.max << " ms, p95 " << r.p95_range.min
+               << "-" << r.p95_range.max << " ms, CV " << std::setprecision(2)
+               << 100.0 * r.cv_range.min << "-" << 100.0 * r.cv_range.max << " %"
+               << std::setprecision(1) << ", in use " << r.peak_mem_range.min << "-"
+               << r.peak_mem_range.max << " MiB\n";
     for (size_t i = 1; i < rs.size(); ++i) {
         const double d = 100.0 * (rs[i].median_ms / rs[0].median_ms - 1.0);
         // The means' difference and its standard error (the two in quadrature): a difference

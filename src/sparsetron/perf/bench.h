@@ -14,6 +14,7 @@
 
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/parallel/comm/comm.h"
+#include "sparsetron/perf/rank_ranges.h"
 
 namespace sparsetron {
 
@@ -38,6 +39,9 @@ struct BenchResult {
     std::vector<std::pair<std::string, double>> flops_terms;
     int64_t tokens = 0;
     double peak_mem_mib = 0, planned_mem_mib = 0;
+    // Each figure's range over the ranks of the run (every rank times its own steps): the
+    // seed's p95 and CV ranges; min = max with one rank.
+    RankRange median_range, p95_range, cv_range, peak_mem_range;
     int gpus = 1;      // data-parallel ranks of the run
     int cp_ranks = 1;  // ranks sharing each micro-batch (context parallelism, fixed or dynamic)
     // The optimizer's Newton-Schulz FLOPs in the timed step (0 with --forward-backward or without

@@ -9,6 +9,7 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/perf/bench.h"
+#include "sparsetron/perf/timed_window.h"
 
 namespace sparsetron {
 namespace {
@@ -69,6 +70,31 @@ TEST(BenchStats, RangesAcrossRanksInTheTableAndTheJson) {
     const auto j = nlohmann::json::parse(r.to_json());
     EXPECT_EQ(j["p95_ms_range"], nlohmann::json::array({101.0, 106.0}));
     EXPECT_EQ(j["cv_range"], nlohmann::json::array({0.003, 0.004}));
+}
+
+// The timed window keeps the steps after its warm-up, as many as it measures: of steps taking
+// 100, 50, 10, 20, 30 and 40 ms with window 2,3 it keeps 10, 20, 30 (median 20, p95 29, CV 0.5);
+// 1e12 FLOPs each over 60 ms on 2 GPUs is 25 TFLOPS a GPU.
+TEST(BenchStats, TimedWindowKeepsTheMeasuredSteps) {
+    TimedWindow w = TimedWindow::parse("2,3");
+    EXPECT_TRUE(w.active());
+    for (double ms : {100.0, 50.0, 10.0, 20.0}) w.add(ms, 1e12);
+    EXPECT_FALSE(w.complete());
+    EXPECT_NE(w.summary(2).find("2 of 3 measured steps"), std::string::npos) << w.summary(2);
+    w.add(30.0, 1e12);
+    w.add(40.0, 1e12);
+    EXPECT_TRUE(w.complete());
+    EXPECT_EQ(w.measured(), 3);
+    EXPECT_DOUBLE_EQ(w.median_ms(), 20.0);
+    EXPECT_NEAR(w.p95_ms(), 29.0, 1e-12);
+    EXPECT_NEAR(w.cv(), 0.5, 1e-12);
+    EXPECT_NEAR(w.tflops_per_gpu(2), 25.0, 1e-9);
+    EXPECT_NE(w.summary(2).find("steps 3-5 of the run"), std::string::npos) << w.summary(2);
+    EXPECT_FALSE(TimedWindow{}.active());
+    EXPECT_THROW(TimedWindow::parse("8"), Error);
+    EXPECT_THROW(TimedWindow::parse("8,0"), Error);
+    EXPECT_THROW(TimedWindow::parse("-1,20"), Error);
+    EXPECT_THROW(TimedWindow::parse("8,20x"), Error);
 }
 
 TEST(BenchStats, TableHasARowPerVariantAndTheDelta) {

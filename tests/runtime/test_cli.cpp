@@ -288,6 +288,30 @@ TEST(Cli, ResumeWithoutOutContinuesWhereItResumedFrom) {
     EXPECT_FALSE(fs::exists(cwd + "/runs")) << "the resumed run wrote into the working directory";
 }
 
+// The seed's timed window on a training run: `--timed-window 1,2` over 4 steps measures steps 2
+// and 3, prints their figures at the end and writes timed_window.json (positive audited TFLOPS:
+// the step's documents counted); a malformed window is refused naming the option.
+TEST(Cli, TrainTimedWindowReportsTheMeasuredSteps) {
+    const std::string out = sparsetron::test::temp_dir("timed-window");
+    CliRun r = run("train --set train_iters=4 --no-save --timed-window 1,2 --out " + out +
+                   sparsetron::test::small_run_cli());
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("timed window (steps 2-3 of the run): median "), std::string::npos)
+        << r.output;
+    const auto j = nlohmann::json::parse(read_text(out + "/timed_window.json"));
+    EXPECT_EQ(j["warmup_steps"], 1);
+    EXPECT_EQ(j["measured_steps"], 2);
+    EXPECT_TRUE(j["complete"].get<bool>());
+    EXPECT_GT(j["median_ms"].get<double>(), 0);
+    EXPECT_GT(j["tflops_per_gpu"].get<double>(), 0);
+    ASSERT_EQ(j["flops_per_step"].size(), 2u);
+    EXPECT_GT(j["flops_per_step"][0].get<double>(), 0);
+    CliRun bad = run("train --set train_iters=1 --no-save --timed-window 8 --out " + out +
+                     sparsetron::test::small_run_cli());
+    EXPECT_NE(bad.code, 0);
+    EXPECT_NE(bad.output.find("--timed-window"), std::string::npos) << bad.output;
+}
+
 // Validation from the command line: split + eval_interval + eval_iters print a validation
 // line and put valid_lm_loss into metrics.jsonl at steps 2 and 4; `eval --data` scores the held-out
 // part of the run's split (read from the checkpoint's recipe), and an empty part is refused.

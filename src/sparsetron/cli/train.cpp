@@ -15,6 +15,8 @@
 #include "sparsetron/io/checkpoint.h"
 #include "sparsetron/io/metrics_log.h"
 #include "sparsetron/io/tensorboard.h"
+#include "sparsetron/perf/flops.h"
+#include "sparsetron/perf/timed_window.h"
 #include "sparsetron/runtime/run_setup.h"
 #include "sparsetron/runtime/step_log.h"
 #include "sparsetron/runtime/trainer.h"
@@ -42,7 +44,8 @@ void note_mpirun_kill_timing(double step_ms, const std::string& out) {
 
 int train(const std::string& recipe_path, const std::vector<std::string>& sets,
           const std::string& out_arg, const std::string& resume, const std::string& device,
-          const std::string& load, bool quiet, bool no_save) {
+          const std::string& load, bool quiet, bool no_save, const std::string& timed_window) {
+    TimedWindow window = timed_window.empty() ? TimedWindow{} : TimedWindow::parse(timed_window);
     RunRequest request;
     request.recipe = recipe_path, request.sets = sets, request.resume = resume;
     request.load = load, request.out = out_arg;
@@ -148,6 +151,8 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
         }
         last_loss = m.lm_loss;
         last_metrics = m;
+        if (window.active() && !window.complete())
+            window.add(m.step_ms, audited_flops(trainer.recipe().model, m.doc_lengths).total);
         progress.update(m);
         progress.validation(m);
         if (tb && !tb_failed) {
@@ -185,6 +190,12 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
                         first_metrics.mtp_loss, last_metrics.mtp_loss, first_metrics.indexer_loss,
                         last_metrics.indexer_loss);
     }
+    if (window.active()) {
+        // The seed's formal figures: also as JSON beside the metrics.
+        const int gpus = trainer.world_size();
+        std::printf("%s\n", window.summary(gpus).c_str());
+        std::ofstream(fs::path(out) / "timed_window.json") << window.to_json(gpus) << "\n";
+    }
     if (!no_save) say(cat("checkpoint: ", resolve_checkpoint(trainer.checkpoint_dir()), "\n"));
     std::printf("metrics: %s\n", metrics_path.c_str());
     return end.kind == Trainer::End::Signal ? 128 + end.signal : 0;
@@ -194,7 +205,7 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
 
 Run add_train(CLI::App& app) {
     struct Options {
-        std::string recipe, out, resume, device, load;
+        std::string recipe, out, resume, device, load, timed_window;
         std::vector<std::string> sets;
         bool quiet = false, no_save = false;
     };
@@ -220,9 +231,13 @@ Run add_train(CLI::App& app) {
     c->add_option("--device", o->device, "cpu or cuda (default: cpu)");
     c->add_flag("--quiet,-q", o->quiet, "No progress output");
     c->add_flag("--no-save", o->no_save, "Write no checkpoint (metrics only)");
+    c->add_option("--timed-window", o->timed_window,
+                  "WARMUP,MEASURED: after WARMUP steps, the next MEASURED steps' median and p95 "
+                  "step time, CV and audited TFLOPS/GPU, printed at the end and written to "
+                  "timed_window.json (the seed's: 8,20)");
     return [o] {
         return train(o->recipe, o->sets, o->out, o->resume, o->device, o->load, o->quiet,
-                     o->no_save);
+                     o->no_save, o->timed_window);
     };
 }
 

@@ -37,7 +37,10 @@ struct StepMetrics {
     double grad_norm = 0;
     double grad_norm_mtp = 0;  // the MTP clipping group's norm (detached heads), else 0
     int64_t tokens = 0;        // real tokens in the step
-    int64_t targets = 0;       // loss rows in the step
+    // The step's documents' lengths (every micro-batch of the global batch): what its audited
+    // FLOPs count (perf/flops.h). Not in the JSON line.
+    std::vector<int64_t> doc_lengths;
+    int64_t targets = 0;  // loss rows in the step
     double step_ms = 0;
     bool skipped = false;
     bool graph = false;  // the step ran as a CUDA graph replay (cuda_graph_impl full_iteration)

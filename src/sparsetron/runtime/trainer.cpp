@@ -275,6 +275,8 @@ StepMetrics Trainer::train_step() {
     for (const auto& mb : batches_) {
         m.targets += mb.num_targets();
         m.tokens += mb.num_tokens;
+        for (int64_t d = 0; d < mb.num_documents; ++d)
+            m.doc_lengths.push_back(mb.cu_seqlens[size_t(d + 1)] - mb.cu_seqlens[size_t(d)]);
     }
     ST_CHECK(m.targets > 0, "step ", m.step, " has no loss targets (documents of one token?)");
     // This rank's micro-batches (all of them without data parallelism; the CP ranks of one

@@ -1,0 +1,95 @@
+#include "sparsetron/perf/timed_window.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "sparsetron/core/error.h"
+#include "sparsetron/perf/flops.h"
+
+namespace sparsetron {
+namespace {
+
+double quantile(std::vector<double> v, double q) {
+    std::sort(v.begin(), v.end());
+    const double pos = q * double(v.size() - 1);
+    const size_t i = size_t(pos);
+    return i + 1 < v.size() ? v[i] + (pos - double(i)) * (v[i + 1] - v[i]) : v[i];
+}
+
+}  // namespace
+
+TimedWindow::TimedWindow(int64_t warmup, int64_t measured) : warmup_(warmup), measured_(measured) {
+    ST_CHECK(warmup >= 0 && measured > 0, "--timed-window: ", warmup, " warm-up and ", measured,
+             " measured steps (warm-up >= 0, measured > 0)");
+}
+
+TimedWindow TimedWindow::parse(const std::string& text) {
+    long long w = -1, m = -1;
+    char tail = 0;
+    ST_CHECK(std::sscanf(text.c_str(), "%lld,%lld%c", &w, &m, &tail) == 2, "--timed-window '", text,
+             "': expected WARMUP,MEASURED steps, e.g. 8,20");
+    return TimedWindow(w, m);
+}
+
+void TimedWindow::add(double step_ms, double flops) {
+    if (!active() || complete()) return;
+    if (seen_++ < warmup_) return;
+    ms_.push_back(step_ms);
+    flops_.push_back(flops);
+}
+
+double TimedWindow::median_ms() const {
+    return ms_.empty() ? 0.0 : quantile(ms_, 0.5);
+}
+
+double TimedWindow::p95_ms() const {
+    return ms_.empty() ? 0.0 : quantile(ms_, 0.95);
+}
+
+double TimedWindow::cv() const {
+    if (ms_.size() < 2) return 0.0;
+    double mean = 0, var = 0;
+    for (double x : ms_) mean += x;
+    mean /= double(ms_.size());
+    for (double x : ms_) var += (x - mean) * (x - mean);
+    return std::sqrt(var / double(ms_.size() - 1)) / mean;
+}
+
+double TimedWindow::tflops_per_gpu(int gpus) const {
+    double f = 0, s = 0;
+    for (size_t i = 0; i < ms_.size(); ++i) f += flops_[i], s += ms_[i] * 1e-3;
+    return s > 0 ? f / s / double(std::max(gpus, 1)) / 1e12 : 0.0;
+}
+
+std::string TimedWindow::summary(int gpus) const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "timed window (steps %lld-%lld of the run): median %.1f ms, p95 %.1f ms, CV "
+                  "%.2f%%, audited %.1f TFLOPS/GPU over %d GPU%s",
+                  static_cast<long long>(warmup_ + 1),
+                  static_cast<long long>(warmup_ + int64_t(ms_.size())), median_ms(), p95_ms(),
+                  100.0 * cv(), tflops_per_gpu(gpus), gpus, gpus == 1 ? "" : "s");
+    return complete() ? std::string(buf)
+                      : cat(buf, " (", ms_.size(), " of ", measured_,
+                            " measured steps: the run ended first)");
+}
+
+std::string TimedWindow::to_json(int gpus) const {
+    nlohmann::ordered_json j;
+    j["warmup_steps"] = warmup_;
+    j["measured_steps"] = int64_t(ms_.size());
+    j["complete"] = complete();
+    j["median_ms"] = median_ms();
+    j["p95_ms"] = p95_ms();
+    j["cv"] = cv();
+    j["tflops_per_gpu"] = tflops_per_gpu(gpus);
+    j["gpus"] = gpus;
+    j["step_ms"] = ms_;
+    j["flops_per_step"] = flops_;
+    j["flops_convention"] = FlopCount::convention();
+    return j.dump();
+}
+
+}  // namespace sparsetron

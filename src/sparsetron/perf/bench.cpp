@@ -124,12 +124,15 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     const int V = int(o.variants.size());
     std::vector<BenchResult> results(V);
     int64_t step = 1;
-    // Device memory in use right after each variant's first run: the graph's own memory (its
-    // executable) shows as the difference, since eager runs first.
+    // Device memory in use after each of a variant's runs, the largest: the engine allocates
+    // nothing inside a step and the libraries (NCCL, cuBLASLt, the graph's executable) keep what
+    // they allocate, so the memory in use only grows and its value after a run is the
+    // high-water mark so far. The graph's own memory shows as the difference, since eager runs
+    // first.
     std::vector<double> mem(V, -1.0);
     auto run_one = [&](int v) {
         const double ms = bench.timed_step(o.variants[v] == "graph", optimizer, sc, n_mb, step++);
-        if (mem[v] < 0) mem[v] = engine->memory_in_use_gib() * 1024.0;
+        mem[v] = std::max(mem[v], engine->memory_in_use_gib() * 1024.0);
         return ms;
     };
     for (int64_t w = 0; w < o.warmup; ++w)

@@ -2,6 +2,8 @@
 // checkpoint reproduces the trainer's loss, and bad inputs stop with clear messages.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -302,5 +304,20 @@ TEST(Trainer, IndexerLossIsLoggedOnMegatronsScale) {
         EXPECT_NEAR(m.total_loss - m.lm_loss - m.mtp_loss - m.aux_loss, 2 * m.indexer_loss,
                     1e-9 * m.total_loss)
             << "step " << m.step;
+        // Per layer: the layers computing an indexer (the tiny model's layer 0, whose top-k
+        // layer 1 shares, and MTP depth 1's layer as layer 2), positive, summing to the logged
+        // loss times num_layers.
+        double sum = 0;
+        std::vector<int64_t> layers;
+        for (const auto& [layer, loss] : m.indexer_loss_layers) {
+            EXPECT_GT(loss, 0) << "layer " << layer;
+            sum += loss;
+            layers.push_back(layer);
+        }
+        EXPECT_EQ(layers, (std::vector<int64_t>{0, 2})) << "step " << m.step;
+        EXPECT_NEAR(sum, 2 * m.indexer_loss, 1e-12 * sum);
+        const auto j = nlohmann::json::parse(m.to_json());
+        EXPECT_EQ(j["indexer_loss_per_layer"].size(), 2u);
+        EXPECT_EQ(j["indexer_loss_per_layer"]["2"].get<double>(), m.indexer_loss_layers[1].second);
     });
 }

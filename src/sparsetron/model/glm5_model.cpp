@@ -322,6 +322,8 @@ LossSums Glm5Model<T>::forward(const LossScales& sc) {
     for (size_t l = 0; l < layers_.size(); ++l) {
         LayerLosses ll = layers_[l]->forward(layer_acts_[l], x_[l], x_[l + 1], in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
+        if (layers_[l]->has_indexer())
+            out.indexer_layers.emplace_back(stage_.first_layer + int64_t(l), ll.indexer);
         out.aux_loss += ll.aux;
     }
     if (!stage_.last()) return out;
@@ -413,6 +415,8 @@ void Glm5Model<T>::mtp_forward(const LossScales& sc, LossSums& out) {
         gemm<T>(false, true, Tn, h, 2 * h, 1, A.cat, 2 * h, param(M.eh_proj), 2 * h, 0, A.hin, h);
         LayerLosses ll = M.layer->forward(A.layer, A.hin, A.hout, in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
+        if (M.layer->has_indexer() && !A.layer.skip_indexer)
+            out.indexer_layers.emplace_back(c.num_layers + k, ll.indexer);
         out.aux_loss += ll.aux;
         out.mtp_aux_loss += ll.aux;
         cpu::rmsnorm_forward(A.hout, h, param(M.norm), Tn, h, c.norm_epsilon, A.hz, h, A.rstd_z);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "sparsetron/config/model_config.h"
@@ -30,8 +31,11 @@ struct LossSums {
     std::vector<int64_t> mtp_count;  // rows counted per depth (or [chain rows])
     double mtp_acceptance_sum = 0;   // e2e_tv: Σ over rows of Σ_j Π_{k<=j} α_k
     double indexer_loss = 0;         // Σ over full layers of coeff * mean KL
-    double aux_loss = 0;             // MoE aux loss of all layers (already weighted by `aux`)
-    double mtp_aux_loss = 0;         // the part of aux_loss from the MTP layer's depths
+    // Each indexer's term of indexer_loss: (layer, coeff * mean KL); MTP depth k (1-based) is
+    // layer num_layers + k - 1. The layers that compute an indexer, in forward order.
+    std::vector<std::pair<int64_t, double>> indexer_layers;
+    double aux_loss = 0;      // MoE aux loss of all layers (already weighted by `aux`)
+    double mtp_aux_loss = 0;  // the part of aux_loss from the MTP layer's depths
 };
 
 // MTP losses are per-token means over every micro-batch of a step (SPEC §6). Their slots: one

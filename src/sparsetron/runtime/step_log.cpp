@@ -10,6 +10,8 @@ void write_step_scalars(TensorBoardWriter& tb, const StepMetrics& m, double memo
     if (m.mtp_loss > 0) tb.scalar("mtp loss", s, m.mtp_loss);
     if (m.mtp_acceptance_length > 0) tb.scalar("mtp acceptance length", s, m.mtp_acceptance_length);
     tb.scalar("indexer loss", s, m.indexer_loss);
+    for (const auto& [layer, loss] : m.indexer_loss_layers)
+        tb.scalar(cat("indexer-loss/layer-", layer), s, loss);
     if (m.aux_loss > 0) tb.scalar("aux loss", s, m.aux_loss);
     tb.scalar("total loss", s, m.total_loss);
     tb.scalar("learning-rate", s, m.lr);

@@ -10,6 +10,12 @@ std::string StepMetrics::to_json() const {
     j["lm_loss"] = lm_loss;
     j["mtp_loss"] = mtp_loss;
     j["indexer_loss"] = indexer_loss;
+    if (!indexer_loss_layers.empty()) {
+        nlohmann::ordered_json per_layer;
+        for (const auto& [layer, loss] : indexer_loss_layers)
+            per_layer[std::to_string(layer)] = loss;
+        j["indexer_loss_per_layer"] = per_layer;
+    }
     j["aux_loss"] = aux_loss;
     j["total_loss"] = total_loss;
     if (mtp_acceptance_length > 0) j["mtp_acceptance_length"] = mtp_acceptance_length;

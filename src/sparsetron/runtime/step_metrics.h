@@ -17,6 +17,10 @@ struct StepMetrics {
     // coeff * mean KL (averaged over micro-batches), divided by num_layers as Megatron's log
     // divides it. The objective adds the sum: indexer_loss * num_layers.
     double indexer_loss = 0;
+    // Each layer's term of the indexer loss's sum (coeff * mean KL, averaged over the step's
+    // micro-batches): (layer, value) for the layers computing an indexer, MTP depth k as layer
+    // num_layers + k - 1; Megatron's tracker shows them per layer.
+    std::vector<std::pair<int64_t, double>> indexer_loss_layers;
     double aux_loss = 0;               // MoE sequence aux loss (0 when off)
     double total_loss = 0;             // lm + mtp + the indexer loss's sum + aux: the objective
     double mtp_acceptance_length = 0;  // e2e_tv: mean Σ_j Π_{k<=j} α_k over chain rows

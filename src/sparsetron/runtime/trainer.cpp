@@ -300,21 +300,36 @@ StepMetrics Trainer::train_step() {
     StepOutcome o = engine_->run_step(work);
     // The losses summed over every rank: data-parallel ranks ran other micro-batches, CP ranks
     // other rows of the same ones, pipeline stages other layers.
-    double sums[5] = {0, 0, 0, 0, 0};  // lm, mtp, acceptance, indexer, aux
+    // lm, mtp, acceptance, indexer, aux, then each layer's indexer term (layers, MTP depths).
+    const ModelConfig& mc = recipe_.model;
+    std::vector<double> sums(size_t(5 + mc.num_layers + mc.mtp_num_layers), 0.0);
+    std::vector<char> has_indexer(size_t(mc.num_layers + mc.mtp_num_layers), 0);
     for (const LossSums& s : o.losses) {
         sums[0] += s.lm_loss_sum;
         for (size_t k = 0; k < s.mtp_sum.size(); ++k) sums[1] += s.mtp_sum[k] * work.scales.mtp[k];
         sums[2] += s.mtp_acceptance_sum;
         sums[3] += s.indexer_loss * work.scales.indexer;
         sums[4] += s.aux_loss;
+        for (const auto& [layer, loss] : s.indexer_layers) {
+            sums[size_t(5 + layer)] += loss * work.scales.indexer;
+            has_indexer[size_t(layer)] = 1;
+        }
     }
-    if (world_size() > 1) options_.comm->allreduce_sum(sums, 5);
+    if (world_size() > 1) {
+        options_.comm->allreduce_sum(sums.data(), int64_t(sums.size()));
+        // Which layers have an indexer: every rank's stage (a pipeline's layers are spread).
+        std::vector<double> seen(has_indexer.begin(), has_indexer.end());
+        options_.comm->allreduce_sum(seen.data(), int64_t(seen.size()));
+        for (size_t l = 0; l < seen.size(); ++l) has_indexer[l] = seen[l] > 0;
+    }
+    for (size_t l = 0; l < has_indexer.size(); ++l)
+        if (has_indexer[l]) m.indexer_loss_layers.emplace_back(int64_t(l), sums[5 + l]);
     m.lm_loss = sums[0] / double(m.targets);
     m.mtp_loss = sums[1];
     if (chain_rows > 0) m.mtp_acceptance_length = sums[2] / double(chain_rows);
     // Megatron logs the indexer loss summed over layers and divided by num_layers; the objective
     // adds the sum.
-    m.indexer_loss = sums[3] / double(recipe_.model.num_layers);
+    m.indexer_loss = sums[3] / double(mc.num_layers);
     m.aux_loss = sums[4];
     m.total_loss = m.lm_loss + m.mtp_loss + sums[3] + m.aux_loss;
     m.moe_load = std::move(o.moe_load);

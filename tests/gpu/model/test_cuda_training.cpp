@@ -74,6 +74,13 @@ TEST(CudaTraining, TinyRecipeMatchesCpuForFiveSteps) {
         EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss);
         EXPECT_NEAR(gpu[i].mtp_loss, cpu[i].mtp_loss, 2e-3 * cpu[i].mtp_loss);
         EXPECT_NEAR(gpu[i].indexer_loss, cpu[i].indexer_loss, 5e-2 * cpu[i].indexer_loss + 1e-7);
+        // Per layer: the same layers compute an indexer, each term as close as the sum.
+        ASSERT_EQ(gpu[i].indexer_loss_layers.size(), cpu[i].indexer_loss_layers.size());
+        for (size_t l = 0; l < cpu[i].indexer_loss_layers.size(); ++l) {
+            const auto &g = gpu[i].indexer_loss_layers[l], &c = cpu[i].indexer_loss_layers[l];
+            EXPECT_EQ(g.first, c.first);
+            EXPECT_NEAR(g.second, c.second, 5e-2 * c.second + 1e-7) << "layer " << c.first;
+        }
         EXPECT_NEAR(gpu[i].grad_norm, cpu[i].grad_norm, 3e-2 * cpu[i].grad_norm);
         EXPECT_EQ(gpu[i].targets, cpu[i].targets);
         EXPECT_FALSE(gpu[i].skipped);

@@ -247,12 +247,14 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
     // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
     int64_t slot = 0;
     idx_sums_.clear();
+    idx_layers_.clear();
     for (size_t l = 0; l < layers_.size(); ++l) {
         CudaDecoderLayer::Acts& A = *acts_[l];
         if (layers_[l]->has_indexer()) {
             A.topk = A.idx.topk, A.topk_len = A.idx.len;
             A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
             idx_sums_.push_back(A.indexer_sums);
+            idx_layers_.push_back(L0_ + int64_t(l));
         }
     }
     // A source layer before this stage: the top-k that arrived with the rows.
@@ -280,6 +282,7 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
             A.topk = A.idx.topk, A.topk_len = A.idx.len;
             A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
             idx_sums_.push_back(A.indexer_sums);
+            idx_layers_.push_back(cfg_.num_layers + k);
         }
         share(A, cfg_.num_layers);
     }
@@ -513,11 +516,13 @@ LossSums CudaGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t re
             }
         }
     }
-    for (double* p : idx_sums_) {
+    for (size_t a = 0; a < idx_sums_.size(); ++a) {
         // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows).
-        const int64_t i = p - sums_;
+        const int64_t i = idx_sums_[a] - sums_;
         const double rows = cp_ ? double(real_rows) : s[i + 1];
-        if (rows > 0) out.indexer_loss += c.dsa_indexer_loss_coeff * s[i] / rows;
+        const double loss = rows > 0 ? c.dsa_indexer_loss_coeff * s[i] / rows : 0.0;
+        out.indexer_loss += loss;
+        out.indexer_layers.emplace_back(idx_layers_[a], loss);
     }
     return out;
 }

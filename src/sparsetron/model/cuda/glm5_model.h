@@ -229,7 +229,8 @@ class CudaGlm5Model {
     // (Σ KL, rows) per indexer application].
     double* sums_ = nullptr;
     int64_t n_sums_ = 0, tv_at_ = 0, idx_at_ = 0;
-    std::vector<double*> idx_sums_;  // one [2] per indexer application, in forward order
+    std::vector<double*> idx_sums_;    // one [2] per indexer application, in forward order
+    std::vector<int64_t> idx_layers_;  // each one's layer (MTP depth k: num_layers + k - 1)
     void pack_inputs(const MicroBatch& mb, const LossScales& sc, std::vector<int32_t>& out) const;
     void carve_inputs();
     int32_t* in_block_ = nullptr;  // see pack_inputs() for the layout

@@ -733,8 +733,8 @@ TEST(Plan, SeedLongContextRecipesPlanWithinAGb200AndAnH200WithTheirOverlays) {
 // Optimizer offload (optimizer_cpu_offload; planned without a GPU): on the proxy (one rank, so
 // every master is this rank's) the masters of the trainable parameters and all optimizer state
 // move to the host class, and the device plan shrinks by exactly what the host class gained; the
-// router biases' masters (not trained) stay. Half the fraction moves about half the masters'
-// bytes, in parameter order.
+// router biases' masters (not trained) and the routers' (a cuBLASLt GEMM reads them) stay. Half the
+// fraction moves about half the masters' bytes, in parameter order.
 TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
 #if SPARSETRON_WITH_CUDA
     const std::string recipe =
@@ -748,7 +748,7 @@ TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
                      half =
                          plan_of({"optimizer_cpu_offload=true", "optimizer_offload_fraction=0.5"});
     EXPECT_EQ(base.host_offload_bytes(), 0u);
-    EXPECT_EQ(all.class_bytes(MemClass::OptimizerState), 0u);
+    EXPECT_LT(all.class_bytes(MemClass::OptimizerState), 2u << 20) << "the routers' state alone";
     EXPECT_GT(all.host_offload_bytes(), 0u);
     EXPECT_EQ(base.total_bytes() - all.total_bytes(), all.host_offload_bytes());
     const auto is_state = [](const std::string& n) {
@@ -767,11 +767,13 @@ TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
     for (const PlanEntry& e : base.entries())
         if (e.cls == MemClass::Parameters && e.dtype == DType::F32) masters += e.bytes;
     // Every fp32 master on the host but the router biases' (not trained: the bias rule updates
-    // them), which stay on the device.
+    // them) and the routers' (their fp32 GEMM reads them), which stay on the device.
     size_t kept = 0;
     for (const PlanEntry& e : all.entries())
         if (e.cls == MemClass::Parameters && e.dtype == DType::F32) {
-            EXPECT_NE(e.name.find("e_score_correction_bias"), std::string::npos) << e.name;
+            EXPECT_TRUE(e.name.find("e_score_correction_bias") != std::string::npos ||
+                        e.name.find("mlp.gate.weight") != std::string::npos)
+                << e.name;
             kept += e.bytes;
         }
     EXPECT_EQ(host_masters(all) + kept, masters);
@@ -779,7 +781,8 @@ TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
     EXPECT_GT(double(host_masters(half)), 0.4 * double(masters));
     for (const PlanEntry& e : all.entries()) {
         if (is_state(e.name)) {
-            EXPECT_EQ(e.cls, MemClass::HostOffload) << e.name;
+            const bool router = e.name.find("mlp.gate.weight") != std::string::npos;
+            EXPECT_EQ(e.cls, router ? MemClass::OptimizerState : MemClass::HostOffload) << e.name;
         }
     }
     std::cout << "[plan] proxy with the optimizer offloaded: "

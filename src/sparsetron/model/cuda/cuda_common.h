@@ -204,8 +204,14 @@ class CudaParams {
     // A kernel reads parameter i's fp32 master (the router's GEMM, the FP8 quantizers): every
     // rank keeps that master, also under the distributed optimizer. Declared while the model is
     // built, before its masters are planned.
-    void read_master(int64_t i) const { reads_master_.insert(i); }
+    // `by_gemm`: a cuBLASLt GEMM reads it (kept in device memory under optimizer offload: the
+    // library's kernels are not promised to read host memory).
+    void read_master(int64_t i, bool by_gemm = false) const {
+        reads_master_.insert(i);
+        if (by_gemm) gemm_reads_master_.insert(i);
+    }
     bool master_read(int64_t i) const { return reads_master_.count(i) > 0; }
+    bool master_read_by_gemm(int64_t i) const { return gemm_reads_master_.count(i) > 0; }
     // Parameter i's master as its rows [row0, row0 + rows) only (the distributed optimizer's
     // share of a parameter split by rows); instead of the store's value slot.
     void plan_master_rows(MemoryPlan& plan, int64_t i, int64_t row0, int64_t rows,
@@ -245,7 +251,7 @@ class CudaParams {
 
   private:
     const ParamStore& store_;
-    mutable std::set<int64_t> reads_master_;
+    mutable std::set<int64_t> reads_master_, gemm_reads_master_;
     std::set<int64_t> on_host_;
     std::vector<MemoryPlan::Slot> bf16_slots_;
     std::map<int64_t, std::pair<MemoryPlan::Slot, int64_t>> row_masters_;  // i -> (slot, first)

@@ -188,7 +188,7 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         for (const int64_t i : fp8_->quantized_here()) P_->read_master(i);
     // Optimizer offload: the masters this rank updates, in parameter order, while their bytes
     // stay within the fraction; not a master every rank keeps under the distributed optimizer
-    // (its owner broadcasts it over NCCL, from device memory).
+    // (its owner broadcasts it over NCCL, from device memory), nor one a GEMM reads (routers).
     std::vector<bool> eligible(size_t(store_->size()), false);
     double eligible_bytes = 0;
     const auto master_bytes = [&](int64_t i) {
@@ -198,7 +198,8 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     for (int64_t i = 0; i < store_->size(); ++i) {
         const ParamInfo& p = store_->params()[size_t(i)];
         eligible[size_t(i)] = masters.host_fraction > 0 && p.trainable && !p.pipeline_copy &&
-                              masters.here(i) && !(masters.sharded(i) && P_->master_read(i));
+                              masters.here(i) && !(masters.sharded(i) && P_->master_read(i)) &&
+                              !P_->master_read_by_gemm(i);
         if (eligible[size_t(i)]) eligible_bytes += master_bytes(i);
     }
     double on_host = 0;

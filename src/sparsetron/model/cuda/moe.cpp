@@ -41,7 +41,7 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
              "balancing through the router bias)");
     capacity_ = c.moe_expert_capacity(tokens);
     router_ = P.index(p + "gate.weight");
-    P.read_master(router_);  // the router's GEMM runs in fp32
+    P.read_master(router_, /*by_gemm=*/true);  // the router's GEMM runs in fp32
     bias_ = P.index(p + "gate.e_score_correction_bias");
     // This rank's experts (all of them without expert parallelism: the weights are sharded).
     El_ = c.local_experts();

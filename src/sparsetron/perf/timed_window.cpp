@@ -1,25 +1,14 @@
 #include "sparsetron/perf/timed_window.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
+#include "sparsetron/perf/bench.h"
 #include "sparsetron/perf/flops.h"
 
 namespace sparsetron {
-namespace {
-
-double quantile(std::vector<double> v, double q) {
-    std::sort(v.begin(), v.end());
-    const double pos = q * double(v.size() - 1);
-    const size_t i = size_t(pos);
-    return i + 1 < v.size() ? v[i] + (pos - double(i)) * (v[i + 1] - v[i]) : v[i];
-}
-
-}  // namespace
-
 TimedWindow::TimedWindow(int64_t warmup, int64_t measured) : warmup_(warmup), measured_(measured) {
     ST_CHECK(warmup >= 0 && measured > 0, "--timed-window: ", warmup, " warm-up and ", measured,
              " measured steps (warm-up >= 0, measured > 0)");
@@ -40,21 +29,24 @@ void TimedWindow::add(double step_ms, double flops) {
     flops_.push_back(flops);
 }
 
+// The bench's statistics of the measured steps (0 before any).
+static BenchResult measured_stats(const std::vector<double>& ms) {
+    BenchResult r;
+    r.step_ms = ms;
+    if (!ms.empty()) summarize_times(r);
+    return r;
+}
+
 double TimedWindow::median_ms() const {
-    return ms_.empty() ? 0.0 : quantile(ms_, 0.5);
+    return measured_stats(ms_).median_ms;
 }
 
 double TimedWindow::p95_ms() const {
-    return ms_.empty() ? 0.0 : quantile(ms_, 0.95);
+    return measured_stats(ms_).p95_ms;
 }
 
 double TimedWindow::cv() const {
-    if (ms_.size() < 2) return 0.0;
-    double mean = 0, var = 0;
-    for (double x : ms_) mean += x;
-    mean /= double(ms_.size());
-    for (double x : ms_) var += (x - mean) * (x - mean);
-    return std::sqrt(var / double(ms_.size() - 1)) / mean;
+    return measured_stats(ms_).cv;
 }
 
 double TimedWindow::tflops_per_gpu(int gpus) const {

@@ -60,10 +60,12 @@ TEST(Recipe, SeedRecipesParseAndValidate) {
     EXPECT_EQ(r256.model.num_layers, 78);
     EXPECT_EQ(r256.model.num_dense_layers(), 3);
     EXPECT_EQ(r256.run.pipeline_model_parallel_size, 4);
-    // The seed's offset 2, its MTP layer shared, with kv sharing across the MTP depths.
-    EXPECT_EQ(r256.model.dsa_indexer_skip_topk_offset, 2);
+    // GLM-5.2's released offset 3: every stage of 18/20/20/20 starts on a full layer; the MTP
+    // layer computes its own indexer, with kv sharing across the MTP depths.
+    EXPECT_EQ(r256.model.dsa_indexer_skip_topk_offset, 3);
     EXPECT_TRUE(r256.model.dsa_mtp_index_kv_share);
-    EXPECT_FALSE(dsa_layer_is_full(r256.model, r256.model.num_layers));
+    EXPECT_TRUE(dsa_layer_is_full(r256.model, r256.model.num_layers));
+    for (int64_t first : {18, 38, 58}) EXPECT_TRUE(dsa_layer_is_full(r256.model, first));
 }
 
 // A recipe and its overlays: "base,overlay" applies each file's keys over the ones before, then
@@ -295,11 +297,45 @@ TEST(IndexShare, Glm52ReleaseAndSeedPatterns) {
     m.dsa_indexer_skip_topk_offset = 2;  // the seed's recipe value: full 0,1,5,9,...
     EXPECT_TRUE(dsa_layer_is_full(m, 5));
     EXPECT_FALSE(dsa_layer_is_full(m, 2));
-    EXPECT_FALSE(dsa_layer_is_full(m, 78));  // MTP layer 79 shared, over layer 78's top-k
-    EXPECT_EQ(dsa_source_layer(m, 78), 77);
+    EXPECT_FALSE(dsa_layer_is_full(m, 76));
+    // The MTP layer is layer 1 of its block (Megatron's numbering), not 79: always full.
+    EXPECT_TRUE(dsa_layer_is_full(m, 78));
+    EXPECT_EQ(dsa_source_layer(m, 78), 78);
+    m.mtp_use_repeated_layer = false;  // distinct MTP layers: each its block's layer 1
+    EXPECT_TRUE(dsa_layer_is_full(m, 79));
+    m.mtp_use_repeated_layer = true;
     m.indexer_types = {"full", "shared", "shared"};  // an explicit list wins
     EXPECT_FALSE(dsa_layer_is_full(m, 1));
     EXPECT_EQ(dsa_source_layer(m, 2), 0);
+}
+
+// Megatron's pipeline rule for IndexShare (its _validate_dsa_index_share_pipeline_split): a stage
+// that starts on a shared layer is refused, since top-k never travels between stages; the seed's
+// 18/20/20/20 split passes at GLM-5.2's offset 3 and is refused at the seed's offset 2.
+TEST(IndexShare, PipelineStagesStartOnFullLayers) {
+    const std::string r256 = repo("recipes/glm5.2-256gpu.yaml");
+    EXPECT_NO_THROW(load_recipe(r256));
+    const std::string msg =
+        error_of([&] { load_recipe(r256, {"dsa_indexer_skip_topk_offset=2"}); });
+    EXPECT_NE(msg.find("pipeline split is invalid: pipeline stage 1 starts on layer 19"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("comes from layer 18"), std::string::npos) << msg;
+    ModelConfig m;
+    m.num_layers = 8;
+    m.dsa_indexer_topk_freq = 2;
+    m.dsa_indexer_skip_topk_offset = 1;  // full 0, 2, 4, 6
+    EXPECT_NO_THROW(check_index_share_pipeline_split(m, {2, 2, 4}));
+    EXPECT_NE(error_of([&] {
+                  check_index_share_pipeline_split(m, {2, 3, 3});
+              }).find("pipeline stage 2 starts on layer 6 (1-based)"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] {
+                  check_index_share_pipeline_split(m, {3, 5});
+              }).find("pipeline stage 1 starts on layer 4 (1-based)"),
+              std::string::npos);
+    m.experimental_attention_variant = "none";  // no DSA: no rule
+    EXPECT_NO_THROW(check_index_share_pipeline_split(m, {3, 5}));
 }
 
 // One value per key and file: a second one (it silently won) is refused with both lines, in the

@@ -142,27 +142,23 @@ TEST(FullModel, GradientsWithMtpLatentKvAndTopkSharing) {
     check_full_model(cfg);
 }
 
-// Offset 2 makes both backbone layers full and the MTP layer (3) shared: depth 1 attends over
-// layer 2's top-k and computes the K' that depths 2 and 3 reuse; no depth has an indexer.
-TEST(FullModel, GradientsWithMtpKvSharingOnASharedMtpLayer) {
+// Offset 2 makes both backbone layers full; the MTP layer, numbered 1 inside its block as
+// Megatron numbers it, is full too: depth 1 runs its indexer (and its loss), depths 2 and 3 reuse
+// its K' and top-k.
+TEST(FullModel, GradientsWithMtpKvSharingAtOffsetTwo) {
     ModelConfig cfg = full_config("e2e_tv", true, true);
     cfg.mtp_num_layers = 3;
     cfg.dsa_mtp_index_kv_share = true;
     cfg.dsa_indexer_skip_topk_offset = 2;
     ASSERT_TRUE(dsa_layer_is_full(cfg, 1));
-    ASSERT_FALSE(dsa_layer_is_full(cfg, cfg.num_layers));
-    check_full_model(cfg);
-    cfg = full_config("cross_entropy", false, false);  // depth 2 reuses depth 1's K' and top-k
-    cfg.dsa_mtp_index_kv_share = true;
-    cfg.dsa_indexer_skip_topk_offset = 2;
+    ASSERT_TRUE(dsa_layer_is_full(cfg, cfg.num_layers));
     check_full_model(cfg);
 }
 
-// On a shared MTP layer depth 1 computes the same thing with or without kv sharing (its own K',
-// its source layer's top-k); only the later depths, which reuse depth 1's K', change.
-TEST(FullModel, KvSharingOnASharedMtpLayerChangesOnlyTheLaterDepths) {
+// Depth 1 computes the same thing with or without kv sharing (its own K' and top-k); only the
+// later depths, which reuse depth 1's K' and top-k, change.
+TEST(FullModel, KvSharingChangesOnlyTheLaterDepths) {
     ModelConfig cfg = full_config("cross_entropy", false, false);
-    cfg.dsa_indexer_skip_topk_offset = 2;
     auto depth_sums = [&](bool share) {
         ModelConfig c = cfg;
         c.dsa_mtp_index_kv_share = share;

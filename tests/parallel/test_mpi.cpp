@@ -638,8 +638,8 @@ TEST(Mpi, Seed16GpuRecipeAtTinyWidthMatchesOneProcess) {
 // to 4 at 128 tokens per rank) (ctest mpi_seed_256gpu_np16). Against the same layout without
 // stages on 4 ranks (test-tmp/seed256-stage): each stage's ranks compute for its layers what
 // those 4 ranks compute, so the runs agree to fp32 rounding (the gradient norm's sum over stages
-// enters through the clipping factor). The seed's offset 2 starts stages 2-4 on shared layers,
-// whose top-k arrives with the rows, and makes the MTP layer shared. Rounding apart (hosts whose
+// enters through the clipping factor). At the recipe's offset 3 every stage starts on a full
+// layer. Rounding apart (hosts whose
 // BLAS kernels round otherwise) flips the odd near-tie among 256 experts at width 48 (a few rows
 // of a layer in step 1, from the middle stages on), and Muon carries that into the later steps:
 // step 1 is compared at 1e-7 with up to 8 of a layer's routed rows moved, later steps at 3e-4
@@ -668,12 +668,13 @@ std::map<std::string, double> param_norms(const Trainer& t) {
     return out;
 }
 
-// Four layers (dense, then MoE), full DSA layers 0 and 2 with IndexShare layers 1 and 3 and a
-// full MTP layer: a stage split puts a shared layer after its source's stage, whose top-k then
-// travels with the rows.
+// Four layers (dense, then MoE), full DSA layers 0, 1 and 3 with the IndexShare layer 2 over
+// layer 1's top-k (offset 2), and a full MTP layer: the splits 1 + 3 and 3 + 1 start every stage
+// on a full layer (Megatron's rule), the first with a shared layer inside its second stage. Four
+// stages of one layer each need every layer full (dsa_indexer_topk_freq=1).
 std::vector<std::string> pipeline_model(std::vector<std::string> extra = {}) {
     std::vector<std::string> out = {"num_layers=4", "moe_layer_freq=[0,1,1,1]",
-                                    "dsa_indexer_topk=16"};
+                                    "dsa_indexer_topk=16", "dsa_indexer_skip_topk_offset=2"};
     out.insert(out.end(), extra.begin(), extra.end());
     return out;
 }
@@ -723,12 +724,12 @@ void expect_pipeline_matches_one_process(const std::vector<std::string>& model,
 }  // namespace
 
 // Pipeline parallelism (1F1B) gives the one-process run: PP 2 (layers 1 + 3, the IndexShare
-// layer 1 reading layer 0's top-k from stage 0) and, with 4 ranks, PP 4 (one layer each), PP 2
-// x DP 2, and PP 4 with fewer micro-batches than stages; the MTP layer (kv sharing, its
-// embedding a copy on the last stage whose gradient joins the first stage's) and the indexer
-// loss included. With 8 ranks: PP 2 x EP 2 x DP 2 (each stage's experts sharded over its EP
-// group); the seed's e2e TV with detached heads and Muon on 2 ranks; a split from Megatron's
-// layout string (3 + 1 layers) on 2 ranks.
+// layer 2 reading layer 1's top-k on the same stage) and, with 4 ranks, PP 4 (one layer each),
+// PP 2 x DP 2, PP 2 x CP 2, and PP 4 with fewer micro-batches than stages; the MTP layer (kv
+// sharing, its embedding a copy on the last stage whose gradient joins the first stage's) and
+// the indexer loss included. With 8 ranks: PP 2 x EP 2 x DP 2 (each stage's experts sharded
+// over its EP group); the seed's e2e TV with detached heads and Muon on 2 ranks; a split from
+// Megatron's layout string (3 + 1 layers) on 2 ranks.
 TEST(Mpi, PipelineParallelMatchesOneProcess) {
     const int W = g_comm->size();
     if (W == 2) {
@@ -738,7 +739,8 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
         expect_pipeline_matches_one_process(
             pipeline_model({"mtp_loss_type=e2e_tv", "mtp_detach_heads=true", "optimizer=muon",
                             "mtp_num_layers=3"}),
-            {"pipeline_model_parallel_size=2"}, "pp2-tv-muon");
+            {"pipeline_model_parallel_size=2", "decoder_first_pipeline_num_layers=3"},
+            "pp2-tv-muon");
         // Megatron's layout string: three layers on the first stage, one beside the MTP layers.
         expect_pipeline_matches_one_process(
             pipeline_model({"mtp_num_layers=2"}),
@@ -746,27 +748,25 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             "pp2-layout");
     }
     if (W == 4) {
-        expect_pipeline_matches_one_process(pipeline_model(), {"pipeline_model_parallel_size=4"},
-                                            "pp4");
-        expect_pipeline_matches_one_process(pipeline_model({"global_batch_size=2"}),
-                                            {"pipeline_model_parallel_size=4"},
-                                            "pp4-two-micro-batches");
+        expect_pipeline_matches_one_process(pipeline_model({"dsa_indexer_topk_freq=1"}),
+                                            {"pipeline_model_parallel_size=4"}, "pp4");
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1", "global_batch_size=2"}),
+            {"pipeline_model_parallel_size=4"}, "pp4-two-micro-batches");
         expect_pipeline_matches_one_process(
             pipeline_model({"use_distributed_optimizer=true"}),
             {"pipeline_model_parallel_size=2", "decoder_last_pipeline_num_layers=3"}, "pp2xdp2");
         expect_pipeline_matches_one_process(
-            pipeline_model(), {"pipeline_model_parallel_size=2", "context_parallel_size=2"},
-            "pp2xcp2");
-        // The second stage starts on a shared layer: the top-k it receives indexes CP's keys.
-        expect_pipeline_matches_one_process(
             pipeline_model(),
             {"pipeline_model_parallel_size=2", "context_parallel_size=2",
              "decoder_first_pipeline_num_layers=1"},
-            "pp2xcp2-carried-topk");
+            "pp2xcp2");
     }
     if (W == 8)
         expect_pipeline_matches_one_process(
-            pipeline_model(), {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2"},
+            pipeline_model(),
+            {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
+             "decoder_first_pipeline_num_layers=1"},
             "pp2xep2xdp2");
 }
 
@@ -780,12 +780,15 @@ TEST(Mpi, PipelineCheckpointResumesOnAnyLayout) {
         std::filesystem::remove_all(shared);
         std::filesystem::create_directories(shared);
     }
-    g_comm->allgather(0);  // every rank waits for the directory
-    const std::vector<std::string> base =
-        pipeline_model({"save_interval=2", "save=" + shared, "optimizer=muon"});
+    g_comm->allgather(0);               // every rank waits for the directory
     const int stages = std::min(W, 4);  // the model has 4 layers
+    // Every stage starts on a full DSA layer: 1 + 3 layers, or one each with every layer full.
+    std::vector<std::string> extra = {"save_interval=2", "save=" + shared, "optimizer=muon"};
+    if (stages == 4) extra.push_back("dsa_indexer_topk_freq=1");
+    const std::vector<std::string> base = pipeline_model(extra);
     std::vector<std::string> pp = base;
     pp.push_back(cat("pipeline_model_parallel_size=", stages));
+    if (stages == 2) pp.push_back("decoder_first_pipeline_num_layers=1");
     std::vector<StepMetrics> full;
     {
         Trainer t(small_recipe(W, pp), {rank_dir("pp-save"), "", Device::CPU, true, g_comm});

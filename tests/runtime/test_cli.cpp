@@ -240,7 +240,8 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     // on the last.
     CliRun staged =
         run("plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
-            "--set pipeline_model_parallel_size=2 --set decoder_first_pipeline_num_layers=1");
+            "--set pipeline_model_parallel_size=2 --set decoder_first_pipeline_num_layers=1 "
+            "--set dsa_indexer_skip_topk_offset=2");
     ASSERT_EQ(staged.code, 0) << staged.output;
     const size_t s0 = staged.output.find(
                      "== pipeline stage 0 of 2: decoder layers 0-0, the "

@@ -41,25 +41,60 @@ TEST(TrainingPlan, CudaRunBuildsNoCpuModel) {
     }
 }
 
+namespace {
+
 // A pipeline stage's table holds its own layers' parameters and, on the last stage with MTP, a
-// copy of the embedding; the stages' tables together are the whole model's.
-TEST(TrainingPlan, StageTablesPartitionTheModel) {
-    Recipe r = load_recipe("", {"num_layers=4", "moe_layer_freq=[0,1,1,1]", "world_size=2",
-                                "pipeline_model_parallel_size=2"});
-    MemoryPlan whole_plan;
-    const auto whole = make_param_table(r.model, whole_plan, DType::F32);
+// copy of the embedding; the stages' tables together are the whole model's. Returns the whole
+// model's table.
+std::unique_ptr<ParamStore> expect_stages_partition_the_model(const Recipe& r,
+                                                              MemoryPlan& whole_plan) {
+    auto whole = make_param_table(r.model, whole_plan, DType::F32);
+    const int stages = int(r.run.pipeline_model_parallel_size);
     std::map<std::string, int> seen;
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < stages; ++s) {
         MemoryPlan plan;
         const PipelineStage stage = pipeline_stage(r.model, r.run, s);
         const auto table = make_param_table(r.model, plan, DType::F32, stage);
         for (const ParamInfo& p : table->params()) {
-            ASSERT_GE(whole->index_of(p.name), 0) << p.name;
+            EXPECT_GE(whole->index_of(p.name), 0) << p.name;
+            if (whole->index_of(p.name) < 0) continue;
             EXPECT_EQ(p.shape, whole->at(p.name).shape);
-            EXPECT_EQ(p.pipeline_copy, s == 1 && p.name == "model.embed_tokens.weight") << p.name;
+            EXPECT_EQ(p.pipeline_copy, s == stages - 1 && p.name == "model.embed_tokens.weight")
+                << p.name;
             if (!p.pipeline_copy) ++seen[p.name];
         }
     }
     for (const ParamInfo& p : whole->params()) EXPECT_EQ(seen[p.name], 1) << p.name;
     EXPECT_EQ(seen.size(), whole->params().size());
+    return whole;
+}
+
+}  // namespace
+
+TEST(TrainingPlan, StageTablesPartitionTheModel) {
+    MemoryPlan plan;
+    expect_stages_partition_the_model(
+        load_recipe("", {"num_layers=4", "moe_layer_freq=[0,1,1,1]", "world_size=2",
+                         "pipeline_model_parallel_size=2"}),
+        plan);
+}
+
+// The 256-GPU recipe's four stages (18/20/20/20 at GLM-5.2's offset 3) hold the whole model's
+// HF names once, the MTP layer with its own indexer (numbered inside its block, as Megatron and
+// the released checkpoint have it) on the last: an HF checkpoint of the full model loads into
+// the layout by name.
+TEST(TrainingPlan, Seed256GpuStagesHoldTheWholeHfModel) {
+    const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
+    const Recipe r =
+        load_recipe(dir + "glm5.2-256gpu.yaml," + dir + "overlays/cpu-tiny-width.yaml");
+    ASSERT_EQ(r.run.pipeline_model_parallel_size, 4);
+    MemoryPlan plan;
+    const auto whole = expect_stages_partition_the_model(r, plan);
+    for (int64_t layer : {0, 1, 2, 6, 74, 78})
+        EXPECT_GE(whole->index_of(cat("model.layers.", layer, ".self_attn.indexer.wq_b.weight")), 0)
+            << layer;
+    for (int64_t layer : {3, 5, 75, 77})
+        EXPECT_LT(whole->index_of(cat("model.layers.", layer, ".self_attn.indexer.wq_b.weight")), 0)
+            << layer;
+    EXPECT_GE(whole->index_of("model.layers.78.eh_proj.weight"), 0);
 }

@@ -84,7 +84,7 @@ ActivationPolicy ModelConfig::activation() const {
 }
 
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
-    layer0 = std::min(layer0, c.num_layers);
+    if (layer0 >= c.num_layers) return true;  // an MTP block's layer 1
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size()))
         return c.indexer_types[layer0] == "full";
     const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
@@ -92,7 +92,6 @@ bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0) {
 }
 
 int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
-    layer0 = std::min(layer0, c.num_layers);
     if (dsa_layer_is_full(c, layer0)) return layer0;
     if (!c.indexer_types.empty() && layer0 < static_cast<int64_t>(c.indexer_types.size())) {
         for (int64_t s = layer0 - 1; s >= 0; --s)
@@ -102,6 +101,28 @@ int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0) {
     }
     const int64_t l = layer0 + 1, o = std::max<int64_t>(c.dsa_indexer_skip_topk_offset, 1);
     return l - ((l - o) % c.dsa_indexer_topk_freq) - 1;
+}
+
+void check_index_share_pipeline_split(const ModelConfig& c,
+                                      const std::vector<int64_t>& stage_layers) {
+    if (!c.uses_dsa() || stage_layers.size() < 2) return;
+    int64_t first = 0;
+    for (size_t s = 0; s < stage_layers.size(); ++s) {
+        if (s > 0 && stage_layers[s] > 0 && first < c.num_layers && !dsa_layer_is_full(c, first)) {
+            const int64_t src = dsa_source_layer(c, first);
+            throw Error(cat(
+                "DSA IndexShare pipeline split is invalid: pipeline stage ", s, " starts on layer ",
+                first + 1, " (1-based), a shared layer whose top-k comes from layer ", src + 1,
+                " on an earlier stage; as in Megatron, top-k is not carried across stages, so "
+                "every stage must start on a layer that computes its own indexer "
+                "(dsa_indexer_topk_freq ",
+                c.dsa_indexer_topk_freq, ", dsa_indexer_skip_topk_offset ",
+                c.dsa_indexer_skip_topk_offset,
+                "): move the stage boundary (decoder_first/last_pipeline_num_layers or "
+                "pipeline_model_parallel_layout) or change the offset"));
+        }
+        first += stage_layers[s];
+    }
 }
 
 namespace {

@@ -157,11 +157,16 @@ struct ModelConfig {
     }
 };
 
-// IndexShare (SPEC §3.3): whether layer `layer0` (0-indexed; the MTP layer is num_layers; distinct
-// MTP layers after it are all of its kind) computes its own top-k, and which layer's top-k a shared
-// layer reuses. An explicit indexer_types wins.
+// IndexShare (SPEC §3.3): whether backbone layer `layer0` (0-indexed) computes its own top-k, and
+// which layer's top-k a shared layer reuses; an explicit indexer_types wins. MTP layers (layer0 >=
+// num_layers) are numbered inside their block from 1, as Megatron numbers them, so they always
+// compute their own.
 bool dsa_layer_is_full(const ModelConfig& c, int64_t layer0);
 int64_t dsa_source_layer(const ModelConfig& c, int64_t layer0);
+// Megatron's pipeline rule for IndexShare (top-k is not carried across stages): throws when a
+// stage of `stage_layers` (layers per stage, first stage first) starts on a shared layer.
+void check_index_share_pipeline_split(const ModelConfig& c,
+                                      const std::vector<int64_t>& stage_layers);
 // Context parallelism shards the attention through DSA's one-head latent keys: throws for a model
 // without DSA (the CPU and CUDA models check it when planned for CP).
 void require_dsa_for_context_parallel(const ModelConfig& c);

@@ -221,7 +221,7 @@ void Recipe::validate() {
     int64_t per_step = r.micro_batch_size * r.data_parallel_size();
     ST_CHECK(r.global_batch_size % per_step == 0, "global_batch_size (", r.global_batch_size,
              ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
-    pipeline_stage_layers(m, r);
+    check_index_share_pipeline_split(m, pipeline_stage_layers(m, r));
     check_implied_sizes(m, r);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});

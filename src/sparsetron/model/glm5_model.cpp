@@ -66,11 +66,6 @@ Glm5Model<T>::Glm5Model(const ModelConfig& cfg, const ParamStore& params, Memory
     // The MTP layer (on the last stage) reads the embedding table.
     if (stage.first() || (last && cfg.mtp_num_layers > 0))
         embed_ = store_->index("model.embed_tokens.weight");
-    if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
-    if (!stage.first() && cfg.uses_dsa()) {
-        s_topk_in_ = buf_.act_i32("pipeline.topk_in", {Tn, carried_slots_});
-        s_topk_len_in_ = buf_.act_i32("pipeline.topk_length_in", {Tn});
-    }
     for (int64_t l = L0_; l < L1_; ++l) {
         layers_.push_back(
             std::make_unique<DecoderLayer<T>>(cfg_, *store_, buf_, l, tokens, key_tokens));
@@ -164,8 +159,6 @@ void Glm5Model<T>::bind() {
         in_.key_cu_seqlens = buf_.ptr<int32_t>(s_key_cu_);
     }
     targets_ = buf_.ptr<int32_t>(s_targets_);
-    if (s_topk_in_ >= 0)
-        topk_in_ = buf_.ptr<int32_t>(s_topk_in_), topk_len_in_ = buf_.ptr<int32_t>(s_topk_len_in_);
     x_.clear();
     for (auto s : s_x_) x_.push_back(buf_.ptr<T>(s));
     layer_acts_.clear();
@@ -173,22 +166,18 @@ void Glm5Model<T>::bind() {
         layers_[l]->bind(buf_, param_ptr_, grad_ptr_);
         layer_acts_.push_back(layers_[l]->resolve(buf_, layer_slots_[l]));
     }
-    // IndexShare: a shared layer attends over its source layer's top-k (an earlier stage's
-    // arrives with the rows: the last full layer before this stage is every such source).
-    auto share = [&](typename DecoderLayer<T>::Acts& A, int64_t layer0) {
-        if (!cfg_.uses_dsa() || A.topk) return;
+    // IndexShare: a shared layer attends over its source layer's top-k, an earlier layer of
+    // this stage (check_index_share_pipeline_split refuses a split that would put it on another).
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        auto& A = layer_acts_[l];
+        const int64_t layer0 = L0_ + static_cast<int64_t>(l);
+        if (!cfg_.uses_dsa() || A.topk) continue;
         const int64_t src = dsa_source_layer(cfg_, layer0);
-        if (src < L0_ && topk_in_) {
-            A.topk = topk_in_, A.topk_len = topk_len_in_;
-            return;
-        }
-        ST_CHECK(src >= L0_ && src < L1_ && layer_acts_[size_t(src - L0_)].topk, "DSA layer ",
-                 layer0, " shares the top-k of layer ", src, ", which has none");
+        ST_CHECK(src >= L0_ && src < layer0 && layer_acts_[size_t(src - L0_)].topk, "DSA layer ",
+                 layer0, " shares the top-k of layer ", src, ", which this stage does not compute");
         A.topk = layer_acts_[size_t(src - L0_)].topk;
         A.topk_len = layer_acts_[size_t(src - L0_)].topk_len;
-    };
-    for (size_t l = 0; l < layers_.size(); ++l)
-        share(layer_acts_[l], L0_ + static_cast<int64_t>(l));
+    }
     dx_ = buf_.ptr<T>(s_dx_);
     if (stage_.last()) {
         h_final_ = buf_.ptr<T>(s_h_final_), rstd_final_ = buf_.ptr<T>(s_rstd_final_);
@@ -219,7 +208,6 @@ void Glm5Model<T>::bind() {
                 a.layer.topk = first.topk, a.layer.topk_len = first.topk_len;
                 a.layer.skip_indexer = true;
             }
-            share(a.layer, cfg_.num_layers);
             mtp_acts_.push_back(a);
             mtp_targets_.push_back(buf_.ptr<int32_t>(s_mtp_targets_[k]));
             dmtp_zk_.push_back(buf_.ptr<T>(s_dmtp_zk_[k]));
@@ -350,20 +338,6 @@ void Glm5Model<T>::backward(const LossScales& sc) {
         layers_[l]->backward(layer_acts_[l], x_[l], dx_, in_, sc.aux);
     if (stage_.first())
         cpu::embedding_backward(in_.token_ids, Tn, dx_, c.vocab_size, h, grad(embed_));
-}
-
-template <typename T>
-const int32_t* Glm5Model<T>::carried_topk_out() const {
-    for (size_t l = layers_.size(); l-- > 0;)
-        if (layers_[l]->has_indexer()) return layer_acts_[l].idx.topk;
-    return topk_in_;
-}
-
-template <typename T>
-const int32_t* Glm5Model<T>::carried_topk_len_out() const {
-    for (size_t l = layers_.size(); l-- > 0;)
-        if (layers_[l]->has_indexer()) return layer_acts_[l].idx.len;
-    return topk_len_in_;
 }
 
 template <typename T>

@@ -111,15 +111,6 @@ class Glm5Model {
     T* stage_input() const { return x_.front(); }
     const T* stage_output() const { return x_.back(); }
     T* stage_grad() const { return dx_; }
-    // IndexShare across stages: the top-k of the last full DSA layer so far travels with the
-    // rows (its [tokens, slots] indices and [tokens] lengths; 0 slots without DSA). In: what
-    // this stage's shared layers read before its own first full layer (the first stage has no
-    // input); out: what it passes on.
-    int64_t carried_topk_slots() const { return carried_slots_; }
-    int32_t* carried_topk_in() const { return topk_in_; }
-    int32_t* carried_topk_len_in() const { return topk_len_in_; }
-    const int32_t* carried_topk_out() const;
-    const int32_t* carried_topk_len_out() const;
     // The activations of one micro-batch (the Activations arena and what the layers keep on the
     // host), saved after its forward and restored before its backward while other micro-batches'
     // forwards run in between (1F1B keeps up to one per later stage).
@@ -163,9 +154,6 @@ class Glm5Model {
     std::vector<T*> x_;
     int64_t embed_ = -1, final_norm_ = -1, head_ = -1;  // -1: another stage holds it
     // Pipeline: the top-k received with the rows (not on the first stage, nor without DSA).
-    int64_t carried_slots_ = 0;
-    MemoryPlan::Slot s_topk_in_ = -1, s_topk_len_in_ = -1;
-    int32_t *topk_in_ = nullptr, *topk_len_in_ = nullptr;
     std::vector<T*> param_ptr_, grad_ptr_;
 
     // MTP: one layer applied at every depth (mtp_use_repeated_layer), or one per depth.

@@ -69,7 +69,7 @@ FlopCount audited_flops(const ModelConfig& m, const std::vector<int64_t>& docs) 
     if (dsa) {
         int64_t n_idx = 0;
         for (int64_t l = 0; l < L; ++l) n_idx += dsa_layer_is_full(m, l);
-        if (D > 0 && dsa_layer_is_full(m, L)) n_idx += kvshare ? 1 : D;
+        if (D > 0) n_idx += kvshare ? 1 : D;  // the MTP layer computes its own (SPEC §3.3)
         const bool loss = m.dsa_indexer_loss_coeff > 0;
         const double HI = double(m.dsa_indexer_n_heads), dI = double(m.dsa_indexer_head_dim);
         add("indexer",

@@ -244,18 +244,18 @@ TEST(CudaModel, E2eTvDetachedDenseIndexerLossMatchesCpu) {
     run_parity(cfg, "e2e_tv", 1e-1);
 }
 
-TEST(CudaModel, KvSharingOnASharedMtpLayerMatchesCpu) {
+TEST(CudaModel, KvSharingAtOffsetTwoMatchesCpu) {
     REQUIRE_GPU();
-    // Offset 2: both backbone layers full, the MTP layer (3) shared over layer 2's top-k; depth 1
-    // computes the latent K' that depths 2 and 3 reuse.
+    // Offset 2: both backbone layers full, and the MTP layer, numbered 1 inside its block, with
+    // its own indexer; depth 1 computes the latent K' and top-k that depths 2 and 3 reuse.
     ModelConfig cfg = builtin_tiny_recipe().model;
     cfg.dsa_indexer_skip_topk_offset = 2;
     cfg.mtp_num_layers = 3;
     cfg.dsa_mtp_index_kv_share = true;
-    ASSERT_FALSE(dsa_layer_is_full(cfg, cfg.num_layers));
+    ASSERT_TRUE(dsa_layer_is_full(cfg, cfg.num_layers));
     cfg.moe_router_force_load_balancing = true;
     cfg.dsa_saved_probs_max_mib = 2048;
-    run_parity(cfg, "kv sharing on a shared MTP layer");
+    run_parity(cfg, "kv sharing at offset 2");
 }
 
 TEST(CudaModel, DistinctMtpLayersMatchCpu) {

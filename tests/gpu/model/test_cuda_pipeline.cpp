@@ -1,9 +1,9 @@
 // Pipeline parallelism on CUDA (runtime/cuda/cuda_pipeline.h) on one GPU: the stages of a
 // pipeline as threads, each with its own engine (its own stream and plan), joined by a
 // communicator whose transfers copy between the threads' device buffers. Two steps of the tiny
-// recipe split over two stages (layer 0 with the indexer and the embedding | layer 1, an
-// IndexShare layer reading the top-k that arrives with the rows, the head and MTP with the
-// embedding's copy) against the whole model on one engine: losses, gradient norms and weights.
+// recipe split over two stages (layer 0 with the embedding | layer 1, both computing their own
+// indexer, the head and MTP with the embedding's copy) against the whole model on one engine:
+// losses, gradient norms and weights.
 // Over NCCL between two GPUs: the same schedule, its transfers grouped send/recv
 // (parallel/nccl/nccl_comm.cpp).
 #include <gtest/gtest.h>
@@ -39,10 +39,12 @@ TEST(CudaPipeline, Skipped) {
 
 namespace {
 
-// The tiny recipe's top-k below its micro-batch (the sparse path) and eager steps.
+// The tiny recipe's top-k below its micro-batch (the sparse path) and eager steps; offset 2
+// makes both layers full, so each of two stages starts on one (Megatron's rule).
 Recipe pipeline_recipe() {
     Recipe r = builtin_tiny_recipe();
     r.model.dsa_indexer_topk = 128;
+    r.model.dsa_indexer_skip_topk_offset = 2;
     r.run.cuda_graph_impl = "none";
     return r;
 }
@@ -192,11 +194,14 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
 TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
     REQUIRE_GPU();
     const std::string one_dir = temp_dir("one"), ckpt_dir = temp_dir("checkpoints");
-    const auto one = train(trainer_recipe(1, {}), {one_dir, "", Device::CUDA, false, nullptr});
+    // Offset 2: both layers full, so the second stage starts on one (Megatron's rule).
+    const std::string full_layers = "dsa_indexer_skip_topk_offset=2";
+    const auto one =
+        train(trainer_recipe(1, {full_layers}), {one_dir, "", Device::CUDA, false, nullptr});
     ASSERT_EQ(one.size(), 4u);
 
     const auto got = train_threads(2,
-                                   trainer_recipe(2, {"pipeline_model_parallel_size=2",
+                                   trainer_recipe(2, {full_layers, "pipeline_model_parallel_size=2",
                                                       "save_interval=2", "save=" + ckpt_dir}),
                                    "pp2", true);
     expect_metrics_match("pipeline trainer", one, got, 1e-5, true);
@@ -205,7 +210,7 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
     // The stages' checkpoint at step 2 (a shard per stage) on one GPU: steps 3 and 4 again.
     const std::string ckpt = ckpt_dir + "/iter_0000002";
     ASSERT_TRUE(std::filesystem::exists(ckpt + "/model.safetensors.index.json"));
-    const auto resumed = train(trainer_recipe(1, {"pipeline_model_parallel_size=1"}),
+    const auto resumed = train(trainer_recipe(1, {full_layers, "pipeline_model_parallel_size=1"}),
                                {temp_dir("resumed"), ckpt, Device::CUDA, false, nullptr});
     ASSERT_EQ(resumed.size(), 2u);
     for (size_t i = 0; i < 2; ++i) {
@@ -218,11 +223,12 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
 }
 
 // Pipeline stages combined with the other layouts on CUDA, four trainers as threads on one GPU,
-// each equal to one GPU running the whole model: PP 2 x DP 2 (a 1 + 3 layer split whose IndexShare
-// layer reads stage 0's top-k, Muon under the distributed optimizer, each stage's two ranks
-// taking half of the micro-batches); PP 2 x EP 2 (each stage's experts over its two ranks, the
-// exchange in its NCCL form: all-to-all of fixed blocks); PP 2 x CP 2 (each stage's documents
-// split over its two ranks, keys gathered; the dense indexer loss).
+// each equal to one GPU running the whole model: PP 2 x DP 2 (a 1 + 3 layer split, the IndexShare
+// layer 2 reading layer 1's top-k on the second stage, Muon under the distributed optimizer, each
+// stage's two ranks taking half of the micro-batches); PP 2 x EP 2 (each stage's experts over its
+// two ranks, the exchange in its NCCL form: all-to-all of fixed blocks); PP 2 x CP 2 (each
+// stage's documents split over its two ranks, keys gathered; the dense indexer loss). Offset 2
+// starts every stage on a full layer (Megatron's rule).
 TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
     REQUIRE_GPU();
     struct Case {
@@ -233,18 +239,18 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
     const std::vector<Case> cases = {
         {"pp2xdp2",
          {"num_layers=4", "moe_layer_freq=[0,1,1,1]", "optimizer=muon",
-          "use_distributed_optimizer=true"},
+          "use_distributed_optimizer=true", "dsa_indexer_skip_topk_offset=2"},
          {"pipeline_model_parallel_size=2", "decoder_first_pipeline_num_layers=1"},
          true},
         {"pp2xep2",
-         {},
+         {"dsa_indexer_skip_topk_offset=2"},
          {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
           "moe_expert_exchange=nccl"},
          true},
         // The dense indexer loss: one GPU then runs the absorbed attention, as CP does (with the
         // sparse loss it would take the expanded form, rounding differently).
         {"pp2xcp2",
-         {"dsa_indexer_use_sparse_loss=false"},
+         {"dsa_indexer_use_sparse_loss=false", "dsa_indexer_skip_topk_offset=2"},
          {"pipeline_model_parallel_size=2", "context_parallel_size=2"},
          false},
     };

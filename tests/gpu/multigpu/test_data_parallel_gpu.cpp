@@ -341,31 +341,34 @@ TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
 
 // Pipeline parallelism on GPUs: stage 0 holds the embedding and the first layers, stage 1 the
 // rest, the head, the losses and the MTP layer (with its copy of the embedding); 1F1B over the
-// step's micro-batches, the stage boundary's rows, top-k and gradients through NCCL send/recv,
-// stage 0 recomputing its forward before each backward. Losses, gradient norms and loads must be
-// the one-GPU run's, eagerly and in the captured full-iteration graph, with an IndexShare layer
-// whose source is on the other stage; a PP 2 checkpoint resumes on one GPU.
+// step's micro-batches, the stage boundary's rows and gradients through NCCL send/recv, stage 0
+// recomputing its forward before each backward. Losses, gradient norms and loads must be the
+// one-GPU run's, eagerly and in the captured full-iteration graph, with an IndexShare layer inside
+// the second stage; a PP 2 checkpoint resumes on one GPU. Offset 2 makes the tiny model's layers
+// full, so each stage starts on one (Megatron's rule).
 TEST(DataParallelGpu, PipelineParallelTwoGpusMatchOneGpuEagerAndGraphAndResumes) {
     REQUIRE_GPU();
     if (cuda_device_count() < 2)
         GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
     const std::string pp = "--set pipeline_model_parallel_size=2";
-    compare_with_one_gpu("pp2-eager", "", pp);
-    compare_with_one_gpu("pp2-graph", "--set cuda_graph_impl=full_iteration", pp);
+    const std::string full_layers = "--set dsa_indexer_skip_topk_offset=2 ";
+    compare_with_one_gpu("pp2-eager", full_layers, pp);
+    compare_with_one_gpu("pp2-graph", full_layers + "--set cuda_graph_impl=full_iteration", pp);
     const std::string four =
         "--set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
-        "--set optimizer=muon ";
+        "--set optimizer=muon " +
+        full_layers;
     compare_with_one_gpu("pp2-indexshare", four, pp + " --set decoder_first_pipeline_num_layers=1");
 
     const std::string full = test::temp_dir("pp2-ckpt-full"), one = test::temp_dir("pp2-ckpt-one");
-    ASSERT_EQ(launch(2, full, "--set train_iters=4 --set save_interval=2 " + pp, true), 0)
+    ASSERT_EQ(
+        launch(2, full, "--set train_iters=4 --set save_interval=2 " + full_layers + pp, true), 0)
         << tail_of(full + "/rank0.log") << tail_of(full + "/rank1.log");
     const std::string ckpt = full + "/checkpoints/iter_0000002";
     ASSERT_TRUE(fs::exists(ckpt + "/model.safetensors.index.json"));
     ASSERT_EQ(launch(1, one,
-                     "--set train_iters=4 --set save_interval=0 "
-                     "--set pipeline_model_parallel_size=1 --resume " +
-                         ckpt),
+                     "--set train_iters=4 --set save_interval=0 " + full_layers +
+                         "--set pipeline_model_parallel_size=1 --resume " + ckpt),
               0)
         << tail_of(one + "/rank0.log");
     expect_resumed_steps("pp2 checkpoint -> 1 GPU", read_metrics(full), read_metrics(one));

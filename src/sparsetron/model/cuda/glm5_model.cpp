@@ -75,13 +75,6 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         offload_ = std::make_unique<ActivationOffload>(plan, std::move(apps));
         B_.set_offload(offload_.get());
     }
-    // IndexShare across stages: the top-k of the last full DSA layer before this stage arrives
-    // with the rows.
-    if (cfg.uses_dsa()) carried_slots_ = std::min(cfg.dsa_indexer_topk, Tk_);
-    if (!stage.first() && cfg.uses_dsa()) {
-        B_.act(topk_in_, "pipeline.topk_in", {Tn, carried_slots_});
-        B_.act(topk_len_in_, "pipeline.topk_length_in", {Tn});
-    }
     int64_t indexer_apps = 0;
     for (int64_t l = L0_; l < L1_; ++l) {
         layers_.push_back(
@@ -258,20 +251,16 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
             idx_layers_.push_back(L0_ + int64_t(l));
         }
     }
-    // A source layer before this stage: the top-k that arrived with the rows.
-    auto share = [&](CudaDecoderLayer::Acts& A, int64_t layer0) {
-        if (!cfg_.uses_dsa() || A.topk) return;
-        const int64_t src = dsa_source_layer(cfg_, layer0);
-        if (src < L0_ && topk_in_) {
-            A.topk = topk_in_, A.topk_len = topk_len_in_;
-            return;
-        }
-        const int64_t i = src - L0_;
-        ST_CHECK(i >= 0 && i < int64_t(acts_.size()) && acts_[size_t(i)]->topk, "DSA layer ",
-                 layer0, " shares the top-k of layer ", src, ", which has none");
+    // The source layer is an earlier layer of this stage (check_index_share_pipeline_split).
+    for (size_t l = 0; l < layers_.size(); ++l) {
+        CudaDecoderLayer::Acts& A = *acts_[l];
+        const int64_t layer0 = L0_ + int64_t(l);
+        if (!cfg_.uses_dsa() || A.topk) continue;
+        const int64_t src = dsa_source_layer(cfg_, layer0), i = src - L0_;
+        ST_CHECK(i >= 0 && src < layer0 && acts_[size_t(i)]->topk, "DSA layer ", layer0,
+                 " shares the top-k of layer ", src, ", which this stage does not compute");
         A.topk = acts_[size_t(i)]->topk, A.topk_len = acts_[size_t(i)]->topk_len;
-    };
-    for (size_t l = 0; l < layers_.size(); ++l) share(*acts_[l], L0_ + int64_t(l));
+    }
     for (int64_t k = 0; k < D_; ++k) {
         CudaDecoderLayer::Acts& A = mtp_[k]->layer;
         if (kv_share() && k > 0) {
@@ -285,7 +274,6 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
             idx_sums_.push_back(A.indexer_sums);
             idx_layers_.push_back(cfg_.num_layers + k);
         }
-        share(A, cfg_.num_layers);
     }
     for (CudaMoeLayer* m : moes()) m->check_layout();
     reset_moe_stats(ctx);
@@ -462,12 +450,6 @@ void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) 
     if (stage_.first())
         cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
     point(int(2 + n));
-}
-
-std::pair<const int32_t*, const int32_t*> CudaGlm5Model::carried_out() const {
-    for (size_t l = layers_.size(); l-- > 0;)
-        if (layers_[l]->has_indexer()) return {acts_[l]->idx.topk, acts_[l]->idx.len};
-    return {topk_in_, topk_len_in_};
 }
 
 int CudaGlm5Model::backward_point(const std::string& name) const {

@@ -120,21 +120,14 @@ class CudaGlm5Model {
     // Pipeline parallelism (config/pipeline_stage.h). The stage's input rows (written before a
     // forward on every stage but the first), its output rows (sent on after it) and the residual
     // gradient (written before a backward on every stage but the last: d output; after it:
-    // d input, sent back). IndexShare across stages: the top-k of the last full DSA layer so far
-    // travels with the rows ([tokens, carried_topk_slots()] indices and [tokens] lengths; 0
-    // slots without DSA): in, what this stage's shared layers read before its own first full
-    // layer (null on the first stage); out, what it passes on.
+    // d input, sent back). No top-k travels: every stage starts on a layer that computes its own
+    // (check_index_share_pipeline_split).
     const PipelineStage& stage() const { return stage_; }
     int64_t stage_layers() const { return L1_ - L0_; }
     int64_t tokens() const { return T_; }
     bf16* stage_input() const { return x_.front(); }
     const bf16* stage_output() const { return x_.back(); }
     bf16* stage_grad() const { return dx_; }
-    int64_t carried_topk_slots() const { return carried_slots_; }
-    int32_t* carried_topk_in() const { return topk_in_; }
-    int32_t* carried_topk_len_in() const { return topk_len_in_; }
-    const int32_t* carried_topk_out() const { return carried_out().first; }
-    const int32_t* carried_topk_len_out() const { return carried_out().second; }
     // The embedding's parameter index (-1 where the stage holds none).
     int64_t embedding_param() const { return embed_; }
 
@@ -146,8 +139,6 @@ class CudaGlm5Model {
     void set_context_parallel(Comm* cp);
 
   private:
-    // The top-k and lengths of this stage's last full DSA layer, else what arrived.
-    std::pair<const int32_t*, const int32_t*> carried_out() const;
     struct MtpActs {
         int32_t *ids, *targets;
         // e, cat: the embedding rows and the eh_proj input [enorm(e), hnorm(prev)] (the norms
@@ -186,8 +177,6 @@ class CudaGlm5Model {
     MemoryPlan& plan_;
     PipelineStage stage_;
     int64_t L0_ = 0, L1_ = 0;  // this stage's decoder layers [L0_, L1_)
-    int64_t carried_slots_ = 0;
-    int32_t *topk_in_ = nullptr, *topk_len_in_ = nullptr;
     std::unique_ptr<ParamStore> store_;
     std::unique_ptr<CudaParams> P_;
     CudaBuffers B_;

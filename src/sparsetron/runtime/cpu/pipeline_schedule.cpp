@@ -13,11 +13,8 @@ PipelineSchedule::PipelineSchedule(Glm5Model<float>& model, Comm& pp)
              "pipeline: the model holds stage ", model.stage().index, " of ", model.stage().count,
              " but this rank is stage ", stage_, " of ", stages_);
     const int64_t T = model.tokens(), h = model.config().hidden_size;
-    const int64_t K = model.carried_topk_slots();
     row_bytes_ = T * h * int64_t(sizeof(float));
-    topk_bytes_ = T * K * int64_t(sizeof(int32_t));
-    len_bytes_ = K > 0 ? T * int64_t(sizeof(int32_t)) : 0;
-    const size_t message = size_t(row_bytes_ + topk_bytes_ + len_bytes_);
+    const size_t message = size_t(row_bytes_);
     if (!model.stage().last()) send_.resize(message);
     if (!model.stage().first()) recv_.resize(message);
     // Micro-batches in flight on stage s: its warm-up forwards and the one before the first
@@ -31,26 +28,17 @@ PipelineSchedule::PipelineSchedule(Glm5Model<float>& model, Comm& pp)
 void PipelineSchedule::pack_forward() {
     char* p = send_.data();
     std::memcpy(p, model_.stage_output(), size_t(row_bytes_));
-    if (topk_bytes_ == 0) return;
-    const int32_t* topk = model_.carried_topk_out();
-    const int32_t* len = model_.carried_topk_len_out();
-    ST_ASSERT(topk && len, "pipeline stage ", stage_, " has no top-k to pass on");
-    std::memcpy(p + row_bytes_, topk, size_t(topk_bytes_));
-    std::memcpy(p + row_bytes_ + topk_bytes_, len, size_t(len_bytes_));
 }
 
 void PipelineSchedule::unpack_forward() {
     const char* p = recv_.data();
     std::memcpy(model_.stage_input(), p, size_t(row_bytes_));
-    if (topk_bytes_ == 0) return;
-    std::memcpy(model_.carried_topk_in(), p + row_bytes_, size_t(topk_bytes_));
-    std::memcpy(model_.carried_topk_len_in(), p + row_bytes_ + topk_bytes_, size_t(len_bytes_));
 }
 
 void PipelineSchedule::exchange(bool send_fwd, bool recv_bwd, bool send_bwd, bool recv_fwd) {
     const bool first = stage_ == 0, last = stage_ == stages_ - 1;
     const int next = last ? -1 : stage_ + 1, prev = first ? -1 : stage_ - 1;
-    const int64_t message = row_bytes_ + topk_bytes_ + len_bytes_;
+    const int64_t message = row_bytes_;
     // With the next stage: the forward message out, the gradient of it back.
     if ((send_fwd || recv_bwd) && next >= 0)
         pp_.sendrecv(send_.data(), send_fwd ? message : 0, send_fwd ? next : -1,

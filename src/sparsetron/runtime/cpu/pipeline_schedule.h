@@ -7,8 +7,8 @@
 //
 // The CPU model holds one micro-batch's activations in its plan; the micro-batches in flight
 // (up to S - s) are kept as snapshots taken after their forward and restored before their
-// backward, allocated once. A forward message is the stage's output rows, plus the top-k of the
-// last full DSA layer so far (IndexShare layers of later stages attend over it).
+// backward, allocated once. A forward message is the stage's output rows (no top-k: every stage
+// starts on a layer that computes its own, check_index_share_pipeline_split).
 #pragma once
 
 #include <vector>
@@ -43,7 +43,7 @@ class PipelineSchedule {
     Glm5Model<float>& model_;
     Comm& pp_;
     int stage_, stages_;
-    int64_t row_bytes_, topk_bytes_, len_bytes_;
+    int64_t row_bytes_;
     std::vector<char> send_, recv_;  // forward messages out and in
     std::vector<Glm5Model<float>::ActivationSnapshot> stash_;
 };

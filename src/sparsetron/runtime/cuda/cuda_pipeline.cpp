@@ -11,11 +11,8 @@ PipelineBuffers plan_pipeline_buffers(const cuda::CudaGlm5Model& model, MemoryPl
                                       int64_t max_microbatches) {
     const PipelineStage& st = model.stage();
     PipelineBuffers b;
-    const int64_t T = model.tokens(), K = model.carried_topk_slots();
-    b.row_bytes = T * model.config().hidden_size * int64_t(sizeof(bf16));
-    b.topk_bytes = T * K * int64_t(sizeof(int32_t));
-    b.len_bytes = K > 0 ? T * int64_t(sizeof(int32_t)) : 0;
-    b.message_bytes = b.row_bytes + b.topk_bytes + b.len_bytes;
+    b.row_bytes = model.tokens() * model.config().hidden_size * int64_t(sizeof(bf16));
+    b.message_bytes = b.row_bytes;
     // Micro-batches in flight on stage s: its warm-up forwards and the one before the first
     // backward (their messages are kept until their backward).
     if (!st.first()) {
@@ -60,10 +57,6 @@ void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs
     if (first_) return;
     const char* m = ring(i);
     cuda::copy_2d(ctx, model_.stage_input(), 0, m, 0, buf_.row_bytes, 1);
-    if (buf_.topk_bytes == 0) return;
-    cuda::copy_2d(ctx, model_.carried_topk_in(), 0, m + buf_.row_bytes, 0, buf_.topk_bytes, 1);
-    cuda::copy_2d(ctx, model_.carried_topk_len_in(), 0, m + buf_.row_bytes + buf_.topk_bytes, 0,
-                  buf_.len_bytes, 1);
 }
 
 void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t i,
@@ -75,11 +68,6 @@ void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t
     resident_ = i;
     if (last_) return;
     cuda::copy_2d(ctx, send_, 0, model_.stage_output(), 0, buf_.row_bytes, 1);
-    if (buf_.topk_bytes == 0) return;
-    const int32_t *topk = model_.carried_topk_out(), *len = model_.carried_topk_len_out();
-    ST_ASSERT(topk && len, "pipeline stage ", stage_, " has no top-k to pass on");
-    cuda::copy_2d(ctx, send_ + buf_.row_bytes, 0, topk, 0, buf_.topk_bytes, 1);
-    cuda::copy_2d(ctx, send_ + buf_.row_bytes + buf_.topk_bytes, 0, len, 0, buf_.len_bytes, 1);
 }
 
 void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc, int64_t i,

@@ -5,11 +5,10 @@
 //
 // Memory: the device plan holds one micro-batch's activations. Instead of a copy of them per
 // micro-batch in flight (up to S - s on stage s of S), a stage keeps each in-flight
-// micro-batch's forward message (its input rows and the carried top-k) and runs its forward
-// again right before its backward when other forwards ran in between: Megatron's full
-// recompute at the stage boundary, one more forward per micro-batch on every stage but the
-// last, for S - s messages of [tokens, hidden] bf16 (+ [tokens, top-k] indices) instead of
-// S - s activation plans.
+// micro-batch's forward message (its input rows) and runs its forward again right before its
+// backward when other forwards ran in between: Megatron's full recompute at the stage boundary,
+// one more forward per micro-batch on every stage but the last, for S - s messages of
+// [tokens, hidden] bf16 instead of S - s activation plans.
 #pragma once
 
 #include <functional>
@@ -24,7 +23,7 @@ namespace sparsetron {
 // (not on the first stage), the message sent and the output gradient received (not on the
 // last). The engine's pipeline and `sparsetron plan` plan them alike.
 struct PipelineBuffers {
-    int64_t row_bytes = 0, topk_bytes = 0, len_bytes = 0, message_bytes = 0, ring_slots = 0;
+    int64_t row_bytes = 0, message_bytes = 0, ring_slots = 0;
     MemoryPlan::Slot ring = -1, send = -1, grad = -1;
 };
 PipelineBuffers plan_pipeline_buffers(const cuda::CudaGlm5Model& model, MemoryPlan& plan,

@@ -10,8 +10,9 @@ steps=${STEPS:-3}
 bin=build/default/bin/sparsetron
 recipe=recipes/glm5.2-proxy-h200.yaml
 common="--recipe $recipe --set train_iters=$steps --set global_batch_size=2"
-# Dynamic CP: the indexer loss is a per-micro-batch mean, which depends on the grouping, so both
-# runs of that pair leave it out of the loss (its coefficient 0), as the tiny test does.
+# Dynamic CP takes per-token loss (calculate_per_token_loss, as Megatron requires), so the indexer
+# loss does not depend on the grouping: both runs of that pair set it.
+per_token="--set calculate_per_token_loss=true"
 dyn="--set context_parallel_size=2 --set dynamic_context_parallel=true \
  --set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=${DCP_MAX:-2048}"
 one() {  # tag, extra args
@@ -27,8 +28,8 @@ two() {  # tag, port, extra args
 }
 one 1gpu ""
 two ep2 29611 "--set expert_model_parallel_size=2"
-one 1gpu-noidx "--set dsa_indexer_loss_coeff=0"
-two dcp 29612 "--set dsa_indexer_loss_coeff=0 $dyn"
+one 1gpu-per-token "$per_token"
+two dcp 29612 "$per_token $dyn"
 python3 - "$out" <<'P'
 import json, sys
 out = sys.argv[1]
@@ -36,7 +37,7 @@ def m(tag):
     try: return [json.loads(l) for l in open(f"{out}/{tag}/metrics.jsonl") if l.strip()]
     except OSError: return []
 res = {}
-for ref, run in (("1gpu", "ep2"), ("1gpu-noidx", "dcp")):
+for ref, run in (("1gpu", "ep2"), ("1gpu-per-token", "dcp")):
     a, b = m(ref), m(run)
     rows = []
     for x, y in zip(a, b):

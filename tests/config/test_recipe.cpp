@@ -338,6 +338,24 @@ TEST(IndexShare, PipelineStagesStartOnFullLayers) {
     EXPECT_NO_THROW(check_index_share_pipeline_split(m, {3, 5}));
 }
 
+// Dynamic CP needs per-token loss, as Megatron requires (a micro-batch's mean of the indexer KL
+// would depend on the grouping); the seed's dynamic-CP recipes set it.
+TEST(Recipe, DynamicContextParallelNeedsPerTokenLoss) {
+    const std::vector<std::string> dyn = {"world_size=2", "context_parallel_size=2",
+                                          "dynamic_context_parallel=true",
+                                          "sequence_packing_scheduler=default_dynamic_cp"};
+    EXPECT_NE(error_of([&] {
+                  load_recipe("", dyn);
+              }).find("dynamic_context_parallel needs calculate_per_token_loss: true"),
+              std::string::npos);
+    std::vector<std::string> ok = dyn;
+    ok.push_back("calculate_per_token_loss=true");
+    EXPECT_NO_THROW(load_recipe("", ok));
+    for (const char* r : {"glm5.2-16gpu.yaml", "glm5.2-64gpu.yaml", "glm5.2-256gpu.yaml"})
+        EXPECT_TRUE(load_recipe(repo(std::string("recipes/") + r)).run.calculate_per_token_loss)
+            << r;
+}
+
 // One value per key and file: a second one (it silently won) is refused with both lines, in the
 // ARGS block and across it; overlays and --set remain the way to replace values.
 TEST(Recipe, DuplicateKeysAreRefused) {

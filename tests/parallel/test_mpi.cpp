@@ -482,12 +482,12 @@ TEST(Mpi, ValidationMatchesOneProcess) {
 // Dynamic CP over every rank: the step's documents (pieces of up to 64 tokens) are scheduled at 40
 // tokens per rank, so longer pieces need groups of 2 ranks and shorter ones 1 (a group grows into
 // an idle neighbour block: with 4 ranks some run over all 4). The documents are the one-process
-// run's, regrouped: LM and MTP losses, gradient norms and expert loads match it (the indexer's loss
-// is a mean per micro-batch, so it depends on the grouping: its coefficient is 0 here, the top-k
-// still selects 16 keys), weights bit-identical on every rank.
+// run's, regrouped: LM, MTP and indexer losses, gradient norms and expert loads match it (per-token
+// loss on both sides, as dynamic CP requires: the indexer's KL over the global batch's tokens does
+// not depend on the grouping), weights bit-identical on every rank.
 TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
     const int W = g_comm->size();
-    const std::vector<std::string> base = {"dsa_indexer_topk=16", "dsa_indexer_loss_coeff=0"};
+    const std::vector<std::string> base = {"dsa_indexer_topk=16", "calculate_per_token_loss=true"};
     auto one = run(small_recipe(1, base), nullptr, "dcp-one");
     std::vector<std::string> extra = {
         cat("context_parallel_size=", W), "dynamic_context_parallel=true",
@@ -507,6 +507,8 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
         }
         EXPECT_NEAR(got[i].lm_loss, one[i].lm_loss, 1e-5 * one[i].lm_loss) << "step " << i + 1;
         EXPECT_NEAR(got[i].mtp_loss, one[i].mtp_loss, 1e-5 * one[i].mtp_loss + 1e-9);
+        EXPECT_GT(one[i].indexer_loss, 0.0);
+        EXPECT_NEAR(got[i].indexer_loss, one[i].indexer_loss, 1e-5 * one[i].indexer_loss);
         EXPECT_NEAR(got[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
         EXPECT_EQ(got[i].targets, one[i].targets);
         EXPECT_EQ(got[i].moe_load, one[i].moe_load) << "step " << i + 1;
@@ -528,7 +530,7 @@ TEST(Mpi, DynamicContextParallelTrainingMatchesOneProcess) {
 TEST(Mpi, DynamicContextParallelWithExpertParallelismMatchesOneProcess) {
     const int W = g_comm->size();
     // Every rank holds at least one expert (8 and 16 ranks: as many experts as ranks).
-    const std::vector<std::string> base = {"dsa_indexer_topk=16", "dsa_indexer_loss_coeff=0",
+    const std::vector<std::string> base = {"dsa_indexer_topk=16", "calculate_per_token_loss=true",
                                            "global_batch_size=2",
                                            cat("num_experts=", std::max(4, W))};
     Weights w_one;
@@ -550,6 +552,7 @@ TEST(Mpi, DynamicContextParallelWithExpertParallelismMatchesOneProcess) {
                       << got[i].dynamic_cp_idle_ranks << "\n";
         EXPECT_NEAR(got[i].lm_loss, one[i].lm_loss, 1e-5 * one[i].lm_loss) << "step " << i + 1;
         EXPECT_NEAR(got[i].mtp_loss, one[i].mtp_loss, 1e-5 * one[i].mtp_loss + 1e-9);
+        EXPECT_NEAR(got[i].indexer_loss, one[i].indexer_loss, 1e-5 * one[i].indexer_loss);
         EXPECT_NEAR(got[i].grad_norm, one[i].grad_norm, 1e-4 * one[i].grad_norm);
         EXPECT_EQ(got[i].targets, one[i].targets);
         EXPECT_EQ(got[i].moe_load, one[i].moe_load) << "step " << i + 1;
@@ -590,17 +593,24 @@ void expect_seed_recipe_matches_reference(const std::string& recipe, const std::
     auto got = run(r, g_comm, reference + "-ranks");
     ASSERT_EQ(got.size(), one.size());
     for (size_t i = 0; i < got.size(); ++i) {
-        const double lm = one[i]["lm_loss"], mtp = one[i]["mtp_loss"], gn = one[i]["grad_norm"];
+        const double lm = one[i]["lm_loss"], mtp = one[i]["mtp_loss"], gn = one[i]["grad_norm"],
+                     idx = one[i]["indexer_loss"];
         const auto loads = one[i]["moe_load"].get<std::vector<std::vector<int64_t>>>();
         if (g_comm->rank() == 0)
             std::cout << "[" << recipe << ", tiny width, " << g_comm->size() << " ranks] step "
                       << i + 1 << ": lm " << got[i].lm_loss << " vs " << lm << ", mtp "
                       << got[i].mtp_loss << " vs " << mtp << ", grad_norm " << got[i].grad_norm
-                      << " vs " << gn << ", idle ranks " << got[i].dynamic_cp_idle_ranks << "\n";
+                      << " vs " << gn << ", indexer " << got[i].indexer_loss << " vs " << idx
+                      << ", idle ranks " << got[i].dynamic_cp_idle_ranks << "\n";
         const double tol = i == 0 ? first_tol : later_tol;
         EXPECT_NEAR(got[i].lm_loss, lm, tol * lm) << "step " << i + 1;
         EXPECT_NEAR(got[i].mtp_loss, mtp, 10 * tol * mtp) << "step " << i + 1;
         EXPECT_NEAR(got[i].grad_norm, gn, 10 * tol * gn) << "step " << i + 1;
+        // The KL of two close distributions: a sum of small terms of both signs, whose relative
+        // rounding after a step's update is larger than the LM loss's.
+        EXPECT_GT(idx, 0.0) << "the recipe's indexer loss is on";
+        const double idx_tol = std::max(10 * tol, i == 0 ? 0.0 : 1e-4);
+        EXPECT_NEAR(got[i].indexer_loss, idx, idx_tol * idx) << "step " << i + 1;
         EXPECT_EQ(got[i].targets, one[i]["targets"].get<int64_t>());
         ASSERT_EQ(got[i].moe_load.size(), loads.size());
         int64_t moved_all = 0, routed_all = 0;
@@ -625,12 +635,13 @@ void expect_seed_recipe_matches_reference(const std::string& recipe, const std::
 }  // namespace
 
 // The seed's 16-GPU recipe as written (EP16 x dynamic CP16 over 21 layers of 64 experts, MTP x7
-// e2e TV, Muon) on 16 ranks (ctest mpi_seed_16gpu_np16).
+// e2e TV, Muon, the indexer loss at its coefficient with per-token loss) on 16 ranks (ctest
+// mpi_seed_16gpu_np16).
 TEST(Mpi, Seed16GpuRecipeAtTinyWidthMatchesOneProcess) {
     if (g_comm->size() != 16)
         GTEST_SKIP() << "the seed's 16-GPU layout needs 16 ranks (ctest mpi_seed_16gpu_np16)";
-    expect_seed_recipe_matches_reference("glm5.2-16gpu.yaml", "seed16-one",
-                                         {"dsa_indexer_loss_coeff=0"}, 1e-9, 1e-6, {0, 32});
+    expect_seed_recipe_matches_reference("glm5.2-16gpu.yaml", "seed16-one", {}, 1e-9, 1e-6,
+                                         {0, 32});
 }
 
 // The seed's 256-GPU recipe's layout (PP4 with 18/20/20/20 layers x EP x dynamic CP, 78 layers
@@ -649,8 +660,8 @@ TEST(Mpi, Seed256GpuRecipeLayoutOn16RanksMatchesTheUnpipelinedLayout) {
         GTEST_SKIP() << "the cut 256-GPU layout needs 16 ranks (ctest mpi_seed_256gpu_np16)";
     expect_seed_recipe_matches_reference(
         "glm5.2-256gpu.yaml", "seed256-stage",
-        {"dsa_indexer_loss_coeff=0", "world_size=16", "expert_model_parallel_size=4",
-         "context_parallel_size=4", "max_seqlen_per_dp_cp_rank=128"},
+        {"world_size=16", "expert_model_parallel_size=4", "context_parallel_size=4",
+         "max_seqlen_per_dp_cp_rank=128"},
         1e-7, 3e-4, {8, 328});
 }
 

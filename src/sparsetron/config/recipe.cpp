@@ -144,6 +144,7 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(expert_model_parallel_size, Int),
         RUN_KEY(context_parallel_size, Int),
         RUN_KEY(dynamic_context_parallel, Bool),
+        RUN_KEY(calculate_per_token_loss, Bool),
         RUN_KEY(use_distributed_optimizer, Bool),
         RUN_KEY(optimizer_cpu_offload, Bool),
         RUN_KEY(optimizer_offload_fraction, Float),

@@ -99,6 +99,10 @@ struct RunConfig {
     int64_t expert_model_parallel_size = 1;
     int64_t context_parallel_size = 1;
     bool dynamic_context_parallel = false;
+    // Megatron's per-token loss: the indexer KL is summed over rows and divided by the global
+    // batch's loss tokens (not a mean per micro-batch), so the grouping of documents into
+    // micro-batches changes neither it nor its gradient. Dynamic CP requires it, as in Megatron.
+    bool calculate_per_token_loss = false;
     // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
     // matrices for Muon), then every parameter is broadcast from its owner.
     bool use_distributed_optimizer = false;

@@ -225,6 +225,9 @@ void Recipe::validate() {
     check_implied_sizes(m, r);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",
            {"default", "default_dynamic_cp"});
+    ST_CHECK(!r.dynamic_context_parallel || r.calculate_per_token_loss,
+             "dynamic_context_parallel needs calculate_per_token_loss: true (as Megatron requires: "
+             "a micro-batch's mean would depend on how its documents were grouped)");
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
     ST_CHECK(!r.fp8_param_gather || r.use_distributed_optimizer,
              "fp8_param_gather needs use_distributed_optimizer: true (as in Megatron: the FP8 "

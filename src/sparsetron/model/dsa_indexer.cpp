@@ -134,11 +134,16 @@ double DsaIndexer<T>::loss(const Acts& A, const T* a, const T* cq, const StepInp
     const double coeff = c_.dsa_indexer_loss_coeff;
     if (coeff == 0) return 0;
     const bool sparse = c_.dsa_indexer_use_sparse_loss;
-    // Rows with a selection, over the whole micro-batch (every CP rank's rows).
+    // The KL's divisor: the rows with a selection over the whole micro-batch (every CP rank's
+    // rows: its mean), or the global batch's tokens under per-token loss.
     double rows = 0;
-    for (int64_t t = 0; t < Tn; ++t) rows += A.len[t] > 0;
-    if (in.cp) in.cp->allreduce_sum(&rows, 1);
-    if (rows == 0) return 0;
+    if (in.indexer_tokens > 0) {
+        rows = double(in.indexer_tokens);
+    } else {
+        for (int64_t t = 0; t < Tn; ++t) rows += A.len[t] > 0;
+        if (in.cp) in.cp->allreduce_sum(&rows, 1);
+        if (rows == 0) return 0;
+    }
     const int32_t* kcu = key_cu_seqlens(in);
     // Per row: teacher p and student q over the support; KL and its logit gradient (into target_).
     const cpu::IndexerTeacher<T> teacher{tc.q, tc.k, tc.lse, tc.heads, tc.dim, tc.scale, Tn};

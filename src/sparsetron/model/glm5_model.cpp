@@ -304,6 +304,7 @@ LossSums Glm5Model<T>::forward(const LossScales& sc) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     LossSums out;
+    in_.indexer_tokens = sc.indexer_tokens;
     if (stage_.first())
         cpu::embedding_forward(in_.token_ids, Tn, param(embed_), c.vocab_size, h, x_[0]);
     const double idx_gs = sc.backward || sc.indexer_grads ? sc.indexer : 0.0;

@@ -17,9 +17,13 @@ namespace sparsetron {
 // L_aux.
 struct LossScales {
     bool backward = false;
-    double lm = 0;               // per LM target row: 1 / (targets in the global batch)
-    std::vector<double> mtp;     // per depth (cross_entropy) or one value (e2e_tv): per-row weight
-    double indexer = 0;          // weight of this micro-batch's indexer loss (1 / micro-batches)
+    double lm = 0;            // per LM target row: 1 / (targets in the global batch)
+    std::vector<double> mtp;  // per depth (cross_entropy) or one value (e2e_tv): per-row weight
+    double indexer = 0;       // weight of this micro-batch's indexer loss (1 / micro-batches)
+    // Per-token loss (calculate_per_token_loss): the indexer KL's sum over a micro-batch's rows
+    // is divided by these tokens of the global batch instead of the micro-batch's rows (its
+    // mean); `indexer` is then 1. 0: the mean.
+    int64_t indexer_tokens = 0;
     double aux = 0;              // weight of this micro-batch's MoE aux loss
     bool indexer_grads = false;  // indexer gradients without a backward (dense warm-up)
 };

@@ -22,6 +22,9 @@ struct StepInputs {
     const int32_t* key_row = nullptr;         // [T]: each row's micro-batch row (-1: padding)
     const int32_t* key_cu_seqlens = nullptr;  // the micro-batch's cu_seqlens (same documents)
     Comm* cp = nullptr;                       // the CP group; null: one rank holds every row
+    // The indexer KL's divisor under per-token loss (LossScales::indexer_tokens); 0: the
+    // micro-batch's rows.
+    int64_t indexer_tokens = 0;
 };
 
 // The key-side view, also for inputs built without the CP fields (tests of one layer).

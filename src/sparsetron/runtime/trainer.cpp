@@ -258,11 +258,14 @@ LossScales Trainer::step_scales(const StepMetrics& m, int64_t& chain_rows) const
     }
     chain_rows = tv && D > 0 ? mtp_rows[0] : 0;  // e2e_tv: the acceptance length's rows
     // Per-micro-batch losses (indexer, aux) are averaged over the micro-batches the step runs:
-    // under dynamic CP over its groups (every rank's).
+    // under dynamic CP over its groups (every rank's). Per-token loss (Megatron's
+    // calculate_per_token_loss, required by dynamic CP): the indexer's KL summed over the global
+    // batch's rows and divided by its loss tokens, as the LM loss is.
     int64_t runs = int64_t(batches_.size());
     if (!m.dynamic_cp_groups.empty())
         runs = std::accumulate(m.dynamic_cp_groups.begin(), m.dynamic_cp_groups.end(), int64_t(0));
     sc.indexer = 1.0 / double(runs);
+    if (recipe_.run.calculate_per_token_loss) sc.indexer = 1.0, sc.indexer_tokens = m.targets;
     sc.aux = 1.0 / double(runs);
     return sc;
 }

@@ -91,6 +91,32 @@ TEST(CudaTraining, TinyRecipeMatchesCpuForFiveSteps) {
     }
 }
 
+// Per-token loss (calculate_per_token_loss) on the device against the CPU: the indexer's KL over
+// the global batch's tokens, with the tiny recipe's micro-batches of several documents.
+TEST(CudaTraining, PerTokenIndexerLossMatchesCpu) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 3;
+    r.run.save_interval = 0;
+    r.run.calculate_per_token_loss = true;
+    auto cpu = train(r, Device::CPU, test::temp_dir("cpu-per-token"));
+    auto gpu = train(r, Device::CUDA, test::temp_dir("cuda-per-token"));
+    r.run.calculate_per_token_loss = false;
+    auto mean = train(r, Device::CPU, test::temp_dir("cpu-mean"));
+    ASSERT_EQ(cpu.size(), 3u);
+    ASSERT_EQ(gpu.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+        std::cout << "[per-token] step " << i + 1 << ": indexer " << gpu[i].indexer_loss << " vs "
+                  << cpu[i].indexer_loss << " (per micro-batch mean: " << mean[i].indexer_loss
+                  << "), grad_norm " << gpu[i].grad_norm << " vs " << cpu[i].grad_norm << "\n";
+        EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss);
+        EXPECT_NEAR(gpu[i].indexer_loss, cpu[i].indexer_loss, 5e-2 * cpu[i].indexer_loss + 1e-7);
+        EXPECT_NEAR(gpu[i].grad_norm, cpu[i].grad_norm, 3e-2 * cpu[i].grad_norm);
+    }
+    EXPECT_GT(std::fabs(cpu[0].indexer_loss - mean[0].indexer_loss), 1e-3 * mean[0].indexer_loss)
+        << "the per-token normalization is not the per-micro-batch mean's";
+}
+
 void muon_and_e2e_tv_match_cpu(const std::string& method);
 
 // Muon (per-head split) and e2e_tv with detached heads on the device against the CPU, with each
@@ -834,6 +860,7 @@ TEST(CudaTraining, BenchUnderDynamicCpTimesTheGroupsDocument) {
     Recipe dyn = builtin_tiny_recipe();
     dyn.run.seq_length = 256;
     dyn.run.dynamic_context_parallel = true;
+    dyn.run.calculate_per_token_loss = true;
     dyn.run.sequence_packing_scheduler = "default_dynamic_cp";
     dyn.run.max_seqlen_per_dp_cp_rank = 128;
     BenchOptions o;

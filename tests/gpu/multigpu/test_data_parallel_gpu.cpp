@@ -313,14 +313,15 @@ TEST(DataParallelGpu, ContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
 // Dynamic CP on GPUs: the step's documents (pieces of up to 256 tokens) scheduled at 160 tokens
 // per rank: longer pieces run in groups of both GPUs (CP 2 over the size-2 communicator), shorter
 // ones in groups of one GPU side by side (or grown into an idle neighbour). The documents are the
-// one-GPU run's, regrouped: LM and MTP losses, gradient norms and loads must match it (the
-// indexer loss is a mean per micro-batch, so its coefficient is 0 here; the top-k still selects
-// 64 keys), eagerly and with one captured graph per CP size (replayed for later micro-batches).
+// one-GPU run's, regrouped: LM, MTP and indexer losses, gradient norms and loads must match it
+// (per-token loss on both sides: the indexer's KL over the global batch's tokens, so the grouping
+// does not change it), eagerly and with one captured graph per CP size (replayed for later
+// micro-batches).
 TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
     REQUIRE_GPU();
     if (cuda_device_count() < 2)
         GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
-    const std::string both = "--set dsa_indexer_loss_coeff=0 ";
+    const std::string both = "--set calculate_per_token_loss=true ";
     const std::string dyn =
         "--set context_parallel_size=2 --set dynamic_context_parallel=true "
         "--set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=160";

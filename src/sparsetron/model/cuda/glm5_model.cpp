@@ -353,8 +353,10 @@ void CudaGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
             }
     }
     // Loss scales (see CudaInputs::loss_scales); 0 where the step has no backward. The indexer's
-    // mean is over the micro-batch's real rows (every CP rank's).
-    const int64_t real_rows = mb.cu_seqlens[mb.num_documents];
+    // KL is divided by the micro-batch's real rows (every CP rank's: its mean), or by the global
+    // batch's tokens under per-token loss.
+    const int64_t real_rows =
+        sc.indexer_tokens > 0 ? sc.indexer_tokens : mb.cu_seqlens[mb.num_documents];
     float scales[64] = {};
     ST_ASSERT(n_scales_ <= 64, "loss scales");
     if (sc.backward) {
@@ -376,6 +378,7 @@ void CudaGlm5Model::stage_inputs(const ExecContext& ctx, const MicroBatch& mb, c
                                  int32_t* dst) {
     pack_inputs(mb, sc, h_block_);
     cuda::upload(ctx, dst, h_block_.data(), input_words_ * int64_t(sizeof(int32_t)));
+    indexer_tokens_ = sc.indexer_tokens;  // the step's, the same for each of its micro-batches
     if (dst == in_block_) {
         in_.real_rows = mb.cu_seqlens[mb.num_documents];
         last_tv_rows_ = tv_rows(mb);
@@ -500,9 +503,12 @@ LossSums CudaGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t re
         }
     }
     for (size_t a = 0; a < idx_sums_.size(); ++a) {
-        // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows).
+        // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows);
+        // under per-token loss its share of the global batch's.
         const int64_t i = idx_sums_[a] - sums_;
-        const double rows = cp_ ? double(real_rows) : s[i + 1];
+        const double rows = indexer_tokens_ > 0 ? double(indexer_tokens_)
+                            : cp_               ? double(real_rows)
+                                                : s[i + 1];
         const double loss = rows > 0 ? c.dsa_indexer_loss_coeff * s[i] / rows : 0.0;
         out.indexer_loss += loss;
         out.indexer_layers.emplace_back(idx_layers_[a], loss);

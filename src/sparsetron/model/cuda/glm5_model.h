@@ -224,6 +224,7 @@ class CudaGlm5Model {
     void carve_inputs();
     int32_t* in_block_ = nullptr;  // see pack_inputs() for the layout
     int64_t input_words_ = 0, n_scales_ = 0, last_tv_rows_ = 0, last_real_rows_ = 0;
+    int64_t indexer_tokens_ = 0;    // LossScales::indexer_tokens of the micro-batches staged
     std::vector<int32_t> h_block_;  // host staging of one micro-batch's block
     std::function<void(int)> hook_;
 };

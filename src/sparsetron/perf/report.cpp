@@ -77,11 +77,17 @@ try {
   document.getElementById('flops-title').textContent = 'FLOPs per step by term (TFLOP): ' + f.title;
   chart('flops', {type: 'bar', data: {labels: f.terms.map(t => t[0]),
       datasets: [{label: 'TFLOP', backgroundColor: '#1f77b4', data: f.terms.map(t => t[1] / 1e12)}]}});
+  // The seed's cross-rank columns: each rank's p95 and CV, smallest to largest over the ranks
+  // (records of older benches have none).
+  const span = (v, scale, digits) => (Array.isArray(v) && v.length === 2)
+      ? (v[0] * scale).toFixed(digits) + '-' + (v[1] * scale).toFixed(digits) : '';
   const rows = ['<tr><th>commit</th><th>recipe</th><th>variant</th><th>gpu</th><th>median ms</th>' +
-                '<th>p95 ms</th><th>TFLOPS</th><th>tokens/s</th><th>peak MiB</th></tr>'];
+                '<th>p95 ms</th><th>p95 ms over ranks</th><th>CV % over ranks</th>' +
+                '<th>TFLOPS</th><th>tokens/s</th><th>peak MiB</th></tr>'];
   for (const r of recs)
     rows.push('<tr><td>' + [r.commit, r.recipe, r.variant, r.gpu, r.median_ms.toFixed(1),
-        r.p95_ms.toFixed(1), r.tflops_per_gpu.toFixed(1), r.tokens_per_s_per_gpu.toFixed(0),
+        r.p95_ms.toFixed(1), span(r.p95_ms_range, 1, 1), span(r.cv_range, 100, 2),
+        r.tflops_per_gpu.toFixed(1), r.tokens_per_s_per_gpu.toFixed(0),
         r.peak_mem_mib.toFixed(0)].join('</td><td>') + '</td></tr>');
   document.getElementById('records').innerHTML = rows.join('');
 } catch (e) {

@@ -657,6 +657,32 @@ TEST(Plan, SeedProxyPlansAtMost150GiBOnEveryRank) {
 #endif
 }
 
+// The one-GPU proxy on an H100 (80 GB, about 78 GiB usable): as written it needs an H200 (110 GiB
+// at 4K); with overlays/h100.yaml (recompute, the routed experts' rows offloaded, the optimizer's
+// masters and state in host memory) it plans at most 78 GiB at 4K, 8K, 16K and 32K tokens.
+TEST(Plan, ProxyPlansWithinAnH100WithItsOverlayFrom4KTo32K) {
+#if SPARSETRON_WITH_CUDA
+    const std::string dir = std::string(SPARSETRON_SOURCE_DIR) + "/recipes/";
+    const double gib = double(size_t(1) << 30);
+    auto plan_total = [&](const std::string& recipe, int64_t length) {
+        const Recipe r = load_recipe(recipe, {cat("seq_length=", length)});
+        auto tp = make_training_plan(r, Device::CUDA);
+        size_t total = 0;
+        format_cuda_plan(r, *tp->params, tp->max_documents, tp->chunk_rows, &total, 1, {}, 0);
+        return double(total);
+    };
+    EXPECT_GT(plan_total(dir + "glm5.2-proxy-h200.yaml", 4096), 100 * gib);
+    for (int64_t length : {4096, 8192, 16384, 32768}) {
+        const double total =
+            plan_total(dir + "glm5.2-proxy-h200.yaml," + dir + "overlays/h100.yaml", length);
+        std::cout << "[plan] proxy + h100 at " << length << ": " << format_bytes(total) << "\n";
+        EXPECT_LE(total, 78 * gib) << length;
+    }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // The seed's long-context recipes (EP16 x dynamic CP16; EP64 x dynamic CP64; PP4 x EP64 x dynamic
 // CP64) with overlays/fit-gb200.yaml (the expert-parallel receive budget, 256 documents per
 // micro-batch, attention recompute) plan at most 180 GiB on every rank, every pipeline stage of

@@ -2,6 +2,7 @@
 // checkpoint round trip, Muon on the device, and one whole step captured as a CUDA graph.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -115,6 +116,50 @@ TEST(CudaTraining, PerTokenIndexerLossMatchesCpu) {
     }
     EXPECT_GT(std::fabs(cpu[0].indexer_loss - mean[0].indexer_loss), 1e-3 * mean[0].indexer_loss)
         << "the per-token normalization is not the per-micro-batch mean's";
+}
+
+// The dense warm-up (SPEC §3.2) on the device against the CPU: attention over every key, each
+// step a forward that computes the dense indexer loss's gradient, the indexer alone updated. The
+// losses follow the CPU's, the indexer loss falls, and no other weight moves (the final weights,
+// downloaded for the checkpoint at the end, against the initial ones bit for bit).
+TEST(CudaTraining, DenseWarmupMatchesCpuAndTrainsOnlyTheIndexer) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.dsa_dense_warmup = true;
+    r.run.train_iters = 12;
+    r.run.lr = 1e-2, r.run.min_lr = 1e-2, r.run.lr_warmup_iters = 0;
+    r.model.dsa_indexer_loss_coeff = 1;
+    const auto cpu = train(r, Device::CPU, test::temp_dir("warmup-cpu"));
+    Trainer t(r, {test::temp_dir("warmup-cuda"), "", Device::CUDA});
+    const auto& params = t.params().params();
+    const auto value = [&](size_t i) { return t.plan().view(params[i].param_slot).ptr<float>(); };
+    std::vector<std::vector<float>> before;
+    for (size_t i = 0; i < params.size(); ++i)
+        before.emplace_back(value(i), value(i) + params[i].numel());
+    std::vector<StepMetrics> gpu;
+    t.run([&](const StepMetrics& m) { gpu.push_back(m); });
+    ASSERT_EQ(gpu.size(), cpu.size());
+    for (size_t i = 0; i < gpu.size(); ++i) {
+        std::cout << "[dense warm-up] step " << i + 1 << ": indexer " << gpu[i].indexer_loss
+                  << " vs " << cpu[i].indexer_loss << ", lm " << gpu[i].lm_loss << " vs "
+                  << cpu[i].lm_loss << ", grad_norm " << gpu[i].grad_norm << " vs "
+                  << cpu[i].grad_norm << "\n";
+        EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss);
+        EXPECT_NEAR(gpu[i].indexer_loss, cpu[i].indexer_loss, 5e-2 * cpu[i].indexer_loss);
+        EXPECT_NEAR(gpu[i].grad_norm, cpu[i].grad_norm, 5e-2 * cpu[i].grad_norm);
+        EXPECT_FALSE(gpu[i].skipped);
+    }
+    EXPECT_LT(gpu.back().indexer_loss, 0.9 * gpu.front().indexer_loss);
+    int moved = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+        const bool same = std::equal(before[i].begin(), before[i].end(), value(i));
+        const bool indexer = params[i].name.find(".indexer.") != std::string::npos;
+        if (!indexer) {
+            EXPECT_TRUE(same) << params[i].name << " moved during the dense warm-up";
+        }
+        moved += indexer && !same;
+    }
+    EXPECT_GT(moved, 0);
 }
 
 void muon_and_e2e_tv_match_cpu(const std::string& method);

@@ -31,16 +31,21 @@ CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelC
     separate_mtp_ = m.mtp_num_layers > 0 && m.mtp_detach_heads;
     // The distributed optimizer: each parameter's master, state and update on its owner, which
     // then broadcasts the new weights. Experts sharded over EP are every rank's own (owner -1).
+    // The dense warm-up (dsa_dense_warmup) updates the indexers' weights alone: the others
+    // keep no state here and are neither updated nor broadcast.
     for (size_t i = 0; i < params.size(); ++i) {
+        updated_.push_back(params[i].trainable &&
+                           (!r.dsa_dense_warmup ||
+                            params[i].name.find(".self_attn.indexer.") != std::string::npos));
         uses_muon_.push_back(muon_ && is_muon_param(params[i]));
         local_.push_back(ep_ && params[i].routed_expert);
-        mine_.push_back(params[i].trainable && shard.mine(i));
+        mine_.push_back(updated_[i] && shard.mine(i));
     }
     int64_t max_numel = 0;
     for (size_t i = 0; i < params.size(); ++i) {
-        const auto& p = params[i];
         const bool muon = uses_muon_[i] && mine_[i];
-        const bool adam = p.trainable && !uses_muon_[i] && mine_[i];
+        const bool adam = !uses_muon_[i] && mine_[i];
+        const auto& p = params[i];
         // Split by rows: the moments of this rank's rows, beside its rows of the master.
         ST_CHECK(!shard.split(i) || !uses_muon_[i], "distributed optimizer: '", p.name,
                  "' is split by rows but takes Muon, which needs whole matrices");
@@ -253,6 +258,7 @@ void CudaOptimizer::broadcast_from_owners(const ExecContext& ctx, bool muon) {
     for (size_t i = 0; i < params.size(); ++i) {
         const int owner = shard_.owner[i];
         const CudaParam& gp = P_[int64_t(i)];
+        if (!updated_[i]) continue;
         if (shard_.split(i) && !muon) {
             // Every rank's rows of the bf16 copy from that rank.
             ST_ASSERT(gp.w, "distributed optimizer: ", params[i].name,

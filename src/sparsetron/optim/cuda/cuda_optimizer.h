@@ -88,7 +88,8 @@ class CudaOptimizer {
     MemoryPlan::Slot s_stage_sums_ = -1;
     float* stage_sums_ = nullptr;  // pipeline: [main, MTP] sums of squares, over the stages
     std::vector<bool> local_;      // a sharded routed expert's weight: this rank's alone
-    std::vector<bool> mine_;       // a trainable parameter this rank updates (and keeps state of)
+    std::vector<bool> updated_;    // a parameter the step updates (on some rank)
+    std::vector<bool> mine_;       // a parameter this rank updates (and keeps state of)
     bool muon_ = false, separate_mtp_ = false;
     std::vector<bool> uses_muon_;
     std::vector<MemoryPlan::Slot> m_slots_, v_slots_, mom_slots_;

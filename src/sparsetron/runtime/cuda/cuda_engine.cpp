@@ -66,9 +66,13 @@ class CudaEngine final : public StepEngine, public StepBench {
                 (expert_parallel && expert_parallel->size() == recipe_.model.expert_parallel_ranks),
             "expert_model_parallel_size ", recipe_.model.expert_parallel_ranks,
             " needs an expert-parallel group of that many processes");
-        ST_CHECK(!recipe.run.dsa_dense_warmup,
-                 "dsa_dense_warmup is not implemented on CUDA yet; run the warm-up with --device "
-                 "cpu or drop the key");
+        // The dense warm-up (SPEC §3.2): attention over every key and the dense indexer loss
+        // (make_training_plan's model); each step a forward that computes the indexer's
+        // gradient, the indexer alone updated (CudaOptimizer) and no router bias update.
+        if (recipe.run.dsa_dense_warmup) {
+            recipe_.model.dsa_indexer_topk = tp.model.dsa_indexer_topk;
+            recipe_.model.dsa_indexer_use_sparse_loss = tp.model.dsa_indexer_use_sparse_loss;
+        }
         const int64_t slots = recipe.run.tokens_per_microbatch();
         // Context parallelism: this rank's chunks of every document (the CPU model's plan);
         // dynamic CP: the largest group's micro-batch, a CP group given per micro-batch.
@@ -242,7 +246,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         if (comms_.pipeline)
             gather_stage_moe_metrics(*comms_.pipeline, recipe_.model.num_experts, out.moe_load,
                                      out.moe_dropped);
-        if (!out.stats.skipped)
+        if (!out.stats.skipped && !run.dsa_dense_warmup)
             model_->update_router_bias(ctx(), recipe_.model.moe_router_bias_update_rate);
         return out;
     }

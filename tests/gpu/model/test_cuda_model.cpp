@@ -209,6 +209,48 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
 
 }  // namespace
 
+// An idle rank's micro-batch (dynamic CP with expert parallelism runs one so that it joins its
+// peers' exchanges): no document, every row padding. Every op of the step runs on it (the MoE
+// routes nothing, the losses count nothing) and it must leave no loss and no gradient: all
+// finite and zero, eagerly, with the sparse and the dense indexer loss and e2e TV.
+TEST(CudaModel, AnEmptyMicroBatchRunsEveryOpAndLeavesNothing) {
+    REQUIRE_GPU();
+    for (const bool tv : {false, true}) {
+        ModelConfig cfg = builtin_tiny_recipe().model;
+        cfg.dsa_indexer_loss_coeff = 0.1;
+        if (tv) {
+            cfg.mtp_loss_type = "e2e_tv";
+            cfg.mtp_detach_heads = true;
+            cfg.dsa_indexer_use_sparse_loss = false;
+        }
+        const int64_t T = 128, max_docs = 4, chunk = 48;
+        auto cm = make_cpu_model(cfg, T, max_docs, chunk);
+        MicroBatch empty(T, max_docs);
+        ASSERT_EQ(empty.num_documents, 0);
+        LossScales sc;
+        sc.backward = true;
+        sc.lm = 1.0, sc.indexer = 1.0, sc.aux = 1.0;
+        sc.mtp.assign(tv ? 1 : size_t(cfg.mtp_num_layers), 0.01);
+        const CudaResult gr = run_gpu(cfg, *cm->model, T, max_docs, chunk, empty, sc);
+        EXPECT_EQ(gr.sums.lm_targets, 0);
+        EXPECT_EQ(gr.sums.lm_loss_sum, 0.0);
+        EXPECT_EQ(gr.sums.indexer_loss, 0.0);
+        for (double v : gr.sums.mtp_sum) EXPECT_EQ(v, 0.0);
+        for (int64_t n : gr.sums.mtp_count) EXPECT_EQ(n, 0);
+        const auto& params = cm->model->params().params();
+        int64_t checked = 0;
+        for (size_t i = 0; i < params.size(); ++i)
+            for (float g : gr.grads[i]) {
+                ASSERT_TRUE(std::isfinite(g)) << params[i].name << (tv ? " (e2e TV)" : "");
+                ASSERT_EQ(g, 0.f) << params[i].name << (tv ? " (e2e TV)" : "");
+                ++checked;
+            }
+        EXPECT_GT(checked, 1000);
+        std::cout << "[empty micro-batch" << (tv ? ", e2e TV" : "") << "] " << checked
+                  << " gradient values, all zero\n";
+    }
+}
+
 TEST(CudaModel, TinyRecipeMatchesCpu) {
     REQUIRE_GPU();
     // The tiny recipe: dense + MoE layer, DSA with IndexShare and the sparse indexer loss,

@@ -338,6 +338,20 @@ TEST(IndexShare, PipelineStagesStartOnFullLayers) {
     EXPECT_NO_THROW(check_index_share_pipeline_split(m, {3, 5}));
 }
 
+// Megatron's gradient-buffer keys: fp32 accumulation and reduction (the default, Megatron's for
+// bf16) is accepted; bf16 buffers are not built and are refused with a message, never ignored.
+TEST(Recipe, GradientBufferKeysAreFp32OrRefused) {
+    EXPECT_NO_THROW(load_recipe("", {"accumulate_allreduce_grads_in_fp32=true"}));
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"grad_reduce_in_bf16=true"});
+              }).find("grad_reduce_in_bf16: true (bf16 gradient buffers) is not implemented"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"accumulate_allreduce_grads_in_fp32=false"});
+              }).find("the engine's gradients are fp32"),
+              std::string::npos);
+}
+
 // Dynamic CP needs per-token loss, as Megatron requires (a micro-batch's mean of the indexer KL
 // would depend on the grouping); the seed's dynamic-CP recipes set it.
 TEST(Recipe, DynamicContextParallelNeedsPerTokenLoss) {

@@ -146,6 +146,8 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(dynamic_context_parallel, Bool),
         RUN_KEY(calculate_per_token_loss, Bool),
         RUN_KEY(use_distributed_optimizer, Bool),
+        RUN_KEY(accumulate_allreduce_grads_in_fp32, Bool),
+        RUN_KEY(grad_reduce_in_bf16, Bool),
         RUN_KEY(optimizer_cpu_offload, Bool),
         RUN_KEY(optimizer_offload_fraction, Float),
         RUN_KEY(overlap_grad_reduce, Bool),

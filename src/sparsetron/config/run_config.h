@@ -106,6 +106,11 @@ struct RunConfig {
     // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
     // matrices for Muon), then every parameter is broadcast from its owner.
     bool use_distributed_optimizer = false;
+    // Megatron's gradient buffer keys. The engine's gradient buffers are fp32, accumulated over
+    // micro-batches and reduced in fp32 (Megatron's behaviour for bf16 training); bf16 buffers
+    // (grad_reduce_in_bf16) are not built yet, and either key asking for them is refused.
+    bool accumulate_allreduce_grads_in_fp32 = true;
+    bool grad_reduce_in_bf16 = false;
     // CUDA: that fraction (by bytes) of the fp32 masters this rank updates, each with its
     // optimizer state, in pinned host memory that the optimizer's kernels read and write over
     // the host link (Megatron's keys; Megatron runs that part's step on the CPU instead).

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "indexer_only_check.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/data/split.h"
 #include "sparsetron/runtime/evaluate.h"
@@ -270,26 +271,13 @@ TEST(Trainer, DenseWarmupTrainsOnlyTheIndexerAndItsLossFalls) {
     Recipe r = small_recipe({"dsa_dense_warmup=true", "train_iters=25", "lr=1e-2",
                              "lr_warmup_iters=0", "min_lr=1e-2", "dsa_indexer_loss_coeff=1"});
     Trainer t(r, {out, "", Device::CPU});
-    const auto& params = t.params().params();
-    const auto value = [&](size_t i) { return t.plan().view(params[i].param_slot).ptr<float>(); };
-    std::vector<std::vector<float>> before;
-    for (size_t i = 0; i < params.size(); ++i)
-        before.emplace_back(value(i), value(i) + params[i].numel());
+    const auto before = test::parameter_values(t);
     std::vector<double> losses;
     t.run([&](const StepMetrics& m) { losses.push_back(m.indexer_loss); });
     EXPECT_LT((losses[22] + losses[23] + losses[24]) / 3,
               0.7 * (losses[0] + losses[1] + losses[2]) / 3)
         << losses.front() << " -> " << losses.back();
-    int moved = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-        bool same = std::equal(before[i].begin(), before[i].end(), value(i));
-        bool indexer = params[i].name.find(".indexer.") != std::string::npos;
-        if (!indexer) {
-            EXPECT_TRUE(same) << params[i].name << " moved during the dense warm-up";
-        }
-        moved += indexer && !same;
-    }
-    EXPECT_GT(moved, 0);
+    test::expect_only_indexers_moved(t, before);
 }
 
 // The indexer loss is logged on Megatron's scale (its sum over layers divided by num_layers)

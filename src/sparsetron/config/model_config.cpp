@@ -108,7 +108,7 @@ void check_index_share_pipeline_split(const ModelConfig& c,
     if (!c.uses_dsa() || stage_layers.size() < 2) return;
     int64_t first = 0;
     for (size_t s = 0; s < stage_layers.size(); ++s) {
-        if (s > 0 && stage_layers[s] > 0 && first < c.num_layers && !dsa_layer_is_full(c, first)) {
+        if (s > 0 && stage_layers[s] > 0 && !dsa_layer_is_full(c, first)) {
             const int64_t src = dsa_source_layer(c, first);
             throw Error(cat(
                 "DSA IndexShare pipeline split is invalid: pipeline stage ", s, " starts on layer ",

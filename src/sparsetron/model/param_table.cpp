@@ -51,6 +51,10 @@ void add_moe_params(const ModelConfig& c, ParamStore& s, const std::string& p) {
         add_swiglu(s, p + "shared_experts.", h, c.moe_shared_expert_intermediate_size);
 }
 
+bool is_indexer_param(const std::string& name) {
+    return name.find(".self_attn.indexer.") != std::string::npos;
+}
+
 // MTP layers take the kind of the last backbone layer (SPEC §8).
 void add_decoder_layer_params(const ModelConfig& c, ParamStore& s, int64_t layer0) {
     const std::string p = cat("model.layers.", layer0, ".");

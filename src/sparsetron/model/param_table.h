@@ -30,4 +30,7 @@ std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan&
 void add_decoder_layer_params(const ModelConfig& cfg, ParamStore& store, int64_t layer0);
 void add_moe_params(const ModelConfig& cfg, ParamStore& store, const std::string& prefix);
 
+// A DSA indexer's parameter ("...self_attn.indexer.*"): what the dense warm-up trains.
+bool is_indexer_param(const std::string& name);
+
 }  // namespace sparsetron

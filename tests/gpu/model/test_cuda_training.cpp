@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "gpu/harness.h"
+#include "indexer_only_check.h"
 #include "sparsetron/config/recipe.h"
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/moe_stash_bound.h"
@@ -134,11 +135,7 @@ TEST(CudaTraining, DenseWarmupMatchesCpuAndTrainsOnlyTheIndexer) {
     r.model.dsa_indexer_loss_coeff = 1;
     const auto cpu = train(r, Device::CPU, test::temp_dir("warmup-cpu"));
     Trainer t(r, {test::temp_dir("warmup-cuda"), "", Device::CUDA});
-    const auto& params = t.params().params();
-    const auto value = [&](size_t i) { return t.plan().view(params[i].param_slot).ptr<float>(); };
-    std::vector<std::vector<float>> before;
-    for (size_t i = 0; i < params.size(); ++i)
-        before.emplace_back(value(i), value(i) + params[i].numel());
+    const auto before = test::parameter_values(t);
     std::vector<StepMetrics> gpu;
     t.run([&](const StepMetrics& m) { gpu.push_back(m); });
     ASSERT_EQ(gpu.size(), cpu.size());
@@ -153,16 +150,7 @@ TEST(CudaTraining, DenseWarmupMatchesCpuAndTrainsOnlyTheIndexer) {
         EXPECT_FALSE(gpu[i].skipped);
     }
     EXPECT_LT(gpu.back().indexer_loss, 0.9 * gpu.front().indexer_loss);
-    int moved = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-        const bool same = std::equal(before[i].begin(), before[i].end(), value(i));
-        const bool indexer = params[i].name.find(".indexer.") != std::string::npos;
-        if (!indexer) {
-            EXPECT_TRUE(same) << params[i].name << " moved during the dense warm-up";
-        }
-        moved += indexer && !same;
-    }
-    EXPECT_GT(moved, 0);
+    test::expect_only_indexers_moved(t, before);
 }
 
 void muon_and_e2e_tv_match_cpu(const std::string& method);

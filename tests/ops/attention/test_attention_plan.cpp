@@ -60,12 +60,6 @@ std::vector<std::vector<std::string>> doc_table(const std::string& heading,
     return rows;
 }
 
-SparseAttentionForm form_named(const std::string& name) {
-    for (SparseAttentionForm f : all_sparse_attention_forms())
-        if (name == form_name(f)) return f;
-    throw Error("no form named " + name);
-}
-
 SparseAttentionProblem glm(int64_t tokens, int64_t key_rows = 0) {
     return {.tokens = tokens,
             .key_rows = key_rows,

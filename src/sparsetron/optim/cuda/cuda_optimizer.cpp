@@ -6,6 +6,7 @@
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/model/cuda/fp8_linear.h"
+#include "sparsetron/model/param_table.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/optim/muon_batch.h"
 #include "sparsetron/ops/optim/optim.h"
@@ -35,8 +36,7 @@ CudaOptimizer::CudaOptimizer(const CudaParams& P, MemoryPlan& plan, const ModelC
     // keep no state here and are neither updated nor broadcast.
     for (size_t i = 0; i < params.size(); ++i) {
         updated_.push_back(params[i].trainable &&
-                           (!r.dsa_dense_warmup ||
-                            params[i].name.find(".self_attn.indexer.") != std::string::npos));
+                           (!r.dsa_dense_warmup || is_indexer_param(params[i].name)));
         uses_muon_.push_back(muon_ && is_muon_param(params[i]));
         local_.push_back(ep_ && params[i].routed_expert);
         mine_.push_back(updated_[i] && shard.mine(i));

@@ -6,6 +6,7 @@
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/thread_pool.h"
+#include "sparsetron/model/param_table.h"
 #include "sparsetron/optim/owner_assignment.h"
 #include "sparsetron/runtime/cpu/grad_ranges.h"
 #include "sparsetron/runtime/cpu/pipeline_schedule.h"
@@ -38,7 +39,7 @@ class CpuEngine final : public StepEngine {
             pipeline_ = std::make_unique<PipelineSchedule>(model_, *comms_.pipeline);
         }
         for (const auto& p : tp_.params->params())
-            indexer_only_.push_back(p.name.find(".self_attn.indexer.") != std::string::npos);
+            indexer_only_.push_back(is_indexer_param(p.name));
         // With one rank the distributed optimizer is the plain one.
         if (run_.use_distributed_optimizer && comms_.world && comms_.world->size() > 1)
             assign_owners();

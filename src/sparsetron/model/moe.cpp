@@ -9,6 +9,7 @@
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/moe/moe.h"
+#include "sparsetron/ops/moe/sequence_aux.h"
 
 namespace sparsetron {
 
@@ -247,12 +248,12 @@ double MoeLayer<T>::forward(Acts& A, const T* m, const StepInputs& in, T* y, dou
         16);
     if (shared_) shared_->forward(m, Tn, {A.sg, A.su, A.sact}, y, true);
     if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
-        // DeepSeek-V3 sequence aux loss, per packed document: α Σ_e f_e P_e.
-        const Balance bal = document_balance(A, in);
+        // DeepSeek-V3 sequence aux loss, per packed document (ops/moe/sequence_aux.h).
+        const Balance bal = document_balance(A, in, aux_scale);
         double total = 0;
         for (size_t i = 0; i < bal.f.size(); ++i)
-            total += c_.moe_aux_loss_coeff * bal.f[i] * bal.P[i];
-        return aux_scale * total / std::max<int64_t>(1, in.num_docs);
+            total += double(bal.w[i / size_t(E_)]) * double(bal.f[i]) * double(bal.psum[i]);
+        return total;
     }
     return 0.0;
 }
@@ -316,29 +317,17 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
             }
         },
         8);
-    if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
-        const Balance bal = document_balance(A, in);
-        const int32_t* kcu = key_cu_seqlens(in);
-        for (int64_t d = 0; d < in.num_docs; ++d) {
-            int64_t b = in.cu_seqlens[d], e = in.cu_seqlens[d + 1], n = kcu[d + 1] - kcu[d];
-            const double* f = bal.f.data() + d * E_;
-            double w = aux_scale * c_.moe_aux_loss_coeff / std::max<int64_t>(1, in.num_docs) / n;
-            for (int64_t t = b; t < e; ++t) {
-                const T* s = A.probs + t * E_;
-                double z = 0, fz = 0;
-                for (int64_t x = 0; x < E_; ++x) z += s[x], fz += f[x] * s[x];
-                // P uses s' = s / z: d s'_x / d s_y = (δ_xy - s'_x) / z.
-                for (int64_t y = 0; y < E_; ++y)
-                    dlogits_[t * E_ + y] += static_cast<T>(w * (f[y] - fz / z) / z);
-            }
-        }
-    }
     parallel_for(
         Tn * E_,
         [&](int64_t b, int64_t e) {
             for (int64_t i = b; i < e; ++i) dlogits_[i] *= A.probs[i] * (T(1) - A.probs[i]);
         },
         4096);
+    if (aux_scale > 0 && c_.moe_aux_loss_coeff > 0) {
+        const Balance bal = document_balance(A, in, aux_scale);
+        cpu::sequence_aux_backward(A.probs, in.cu_seqlens, in.num_docs, E_, bal.f.data(),
+                                   bal.w.data(), dlogits_);
+    }
     gemm<T>(true, false, E_, h_, Tn, 1, dlogits_, E_, m, h_, 1, g_[router_], h_);
     gemm<T>(false, false, Tn, h_, E_, 1, dlogits_, E_, p_[router_], h_, 1, dm, h_);
     // Scatter the routed rows' input gradients back to their tokens (one writer per token).
@@ -357,27 +346,21 @@ void MoeLayer<T>::backward(const Acts& A, const T* m, const T* dy, const StepInp
 }
 
 template <typename T>
-typename MoeLayer<T>::Balance MoeLayer<T>::document_balance(const Acts& A,
-                                                            const StepInputs& in) const {
-    // f_e = E / (k * n) * (tokens of the document routed to e): 1 for every expert when balanced;
-    // P_e = (1 / n) Σ_t s_e / Σ_x s_x; n: the document's length in the micro-batch.
+typename MoeLayer<T>::Balance MoeLayer<T>::document_balance(const Acts& A, const StepInputs& in,
+                                                            double aux_scale) const {
     const int64_t D = in.num_docs;
     const int32_t* kcu = key_cu_seqlens(in);
-    Balance bal{std::vector<double>(D * E_, 0.0), std::vector<double>(D * E_, 0.0)};
-    for (int64_t d = 0; d < D; ++d)
-        for (int64_t t = in.cu_seqlens[d]; t < in.cu_seqlens[d + 1]; ++t) {
-            for (int64_t j = 0; j < k_; ++j) bal.f[d * E_ + A.topk[t * k_ + j]] += 1;
-            double z = 0;
-            for (int64_t x = 0; x < E_; ++x) z += A.probs[t * E_ + x];
-            for (int64_t x = 0; x < E_; ++x) bal.P[d * E_ + x] += A.probs[t * E_ + x] / z;
-        }
-    if (in.cp) in.cp->allreduce_sum(bal.f.data(), D * E_);  // counts: exact in double
+    Balance bal{std::vector<T>(size_t(D * E_)), std::vector<T>(size_t(D * E_)),
+                std::vector<T>(size_t(D))};
+    cpu::sequence_balance(A.probs, A.topk, in.cu_seqlens, D, E_, k_, bal.f.data(), bal.psum.data());
+    std::vector<double> counts(bal.f.begin(), bal.f.end());
+    if (in.cp) in.cp->allreduce_sum(counts.data(), D * E_);  // counts: exact in double
     for (int64_t d = 0; d < D; ++d) {
-        const double n = double(kcu[d + 1] - kcu[d]);
-        for (int64_t x = 0; x < E_; ++x) {
-            bal.f[d * E_ + x] *= double(E_) / (double(k_) * n);
-            bal.P[d * E_ + x] /= n;
-        }
+        const double n = double(std::max<int32_t>(1, kcu[d + 1] - kcu[d]));
+        bal.w[size_t(d)] = T(aux_scale * c_.moe_aux_loss_coeff / double(D) / n);
+        for (int64_t x = 0; x < E_; ++x)
+            bal.f[size_t(d * E_ + x)] =
+                T(counts[size_t(d * E_ + x)] * double(E_) / (double(k_) * n));
     }
     return bal;
 }

@@ -77,13 +77,14 @@ class MoeLayer {
     // Router selection and the permutation (ops/moe: cpu::router_topk, cpu::moe_permute) from the
     // router logits (A.probs may hold them: the probabilities replace them).
     void route(Acts& A, const StepInputs& in, const T* logits);
-    // The sequence aux loss's per-document terms, [num_docs * E] each: f_e over the whole
-    // document (under CP its routed counts are summed over the CP group) and this rank's rows'
-    // part of P_e (mean normalized score; the parts sum to P_e over the group).
+    // The sequence aux loss's per-document terms (ops/moe/sequence_aux.h): f [docs, E] over the
+    // whole document (under CP its routed counts are summed over the CP group), this rank's rows'
+    // psum [docs, E] (the parts sum to the document's over the group) and the weights w [docs]
+    // (aux_scale x coefficient / (documents x the document's rows)).
     struct Balance {
-        std::vector<double> f, P;
+        std::vector<T> f, psum, w;
     };
-    Balance document_balance(const Acts& A, const StepInputs& in) const;
+    Balance document_balance(const Acts& A, const StepInputs& in, double aux_scale) const;
     bool ep() const { return ep_ != nullptr; }
     // Bytes of the permuted rows sent to each rank (row width `width`), and received from each.
     std::vector<int64_t> ep_send_bytes(const Acts& A, int64_t width) const;

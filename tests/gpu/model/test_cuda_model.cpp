@@ -147,13 +147,20 @@ CudaResult run_gpu(const ModelConfig& cfg, Glm5Model<float>& cpu, int64_t T, int
     return out;
 }
 
-void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) {
+// `aux_only`: the MoE sequence aux loss is the step's only objective (every other scale 0), so
+// every gradient compared is the aux loss's.
+void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2,
+                bool aux_only = false) {
     const int64_t T = 128, max_docs = 4, chunk = 48;
     auto cm = make_cpu_model(cfg, T, max_docs, chunk);
     Glm5Model<float>& cpu = *cm->model;
     const auto& params = cpu.params().params();
     MicroBatch mb = make_batch(T, max_docs, cfg.vocab_size, 9, {50, 70});
-    const LossScales sc = parity_scales(cfg, mb);
+    LossScales sc = parity_scales(cfg, mb);
+    if (aux_only) {
+        sc.lm = sc.indexer = 0;
+        for (double& m : sc.mtp) m = 0;
+    }
     const bool tv = cfg.mtp_loss_type == "e2e_tv";
     cpu.load_inputs(mb);
     LossSums ref = cpu.forward_backward(sc);
@@ -174,9 +181,19 @@ void run_parity(ModelConfig cfg, const std::string& tag, double mtp_tol = 3e-2) 
     if (tv) {
         EXPECT_NEAR(got.mtp_acceptance_sum, ref.mtp_acceptance_sum, 1e-2 * ref.mtp_acceptance_sum);
     }
-    if (cfg.dsa_indexer_loss_coeff > 0) {
+    if (cfg.dsa_indexer_loss_coeff > 0 && !aux_only) {
         EXPECT_GT(ref.indexer_loss, 0);
         EXPECT_NEAR(got.indexer_loss, ref.indexer_loss, 3e-2 * ref.indexer_loss);
+    }
+    if (cfg.moe_aux_loss_coeff > 0) {
+        std::cout << "[model " << tag << "] aux " << got.aux_loss << " vs " << ref.aux_loss
+                  << " (MTP layer's " << got.mtp_aux_loss << " vs " << ref.mtp_aux_loss << ")\n";
+        EXPECT_GT(ref.aux_loss, ref.mtp_aux_loss);
+        EXPECT_GT(ref.mtp_aux_loss, 0);
+        EXPECT_NEAR(got.aux_loss, ref.aux_loss, 1e-3 * ref.aux_loss);
+        EXPECT_NEAR(got.mtp_aux_loss, ref.mtp_aux_loss, 1e-3 * ref.mtp_aux_loss);
+    } else {
+        EXPECT_EQ(got.aux_loss, 0.0);
     }
     // Every trainable parameter's gradient.
     Compared c;
@@ -261,6 +278,17 @@ TEST(CudaModel, TinyRecipeMatchesCpu) {
     // recomputes them, the default).
     cfg.dsa_saved_probs_max_mib = 2048;
     run_parity(cfg, "tiny");
+}
+
+// The MoE sequence aux loss (DeepSeek-V3's, per packed document) on every MoE application (the
+// backbone's MoE layer and the MTP layer's two depths): with the other losses, and alone.
+TEST(CudaModel, SequenceAuxLossMatchesCpu) {
+    REQUIRE_GPU();
+    ModelConfig cfg = builtin_tiny_recipe().model;
+    cfg.moe_aux_loss_coeff = 0.3;
+    cfg.moe_router_force_load_balancing = true;  // the same routes on both (no near-tie flips)
+    run_parity(cfg, "aux loss");
+    run_parity(cfg, "aux loss alone", 3e-2, /*aux_only=*/true);
 }
 
 TEST(CudaModel, TinyRecipeTopkCoveringAllKeysMatchesCpu) {

@@ -1,9 +1,10 @@
-// The MoE family's CPU references (ops/moe): the router and the permutation, the paged stash, and
-// the stash pool's bound (model/moe_stash_bound.h). The CUDA kernels are compared with these in
-// tests/gpu/ops/test_moe_cuda.cpp.
+// The MoE family's CPU references (ops/moe): the router and the permutation, the sequence aux
+// loss, the paged stash, and the stash pool's bound (model/moe_stash_bound.h). The CUDA kernels are
+// compared with these in tests/gpu/ops/test_moe_cuda.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <set>
 
@@ -11,6 +12,7 @@
 #include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/ops/moe/moe.h"
 #include "sparsetron/ops/moe/paged_stash.h"
+#include "sparsetron/ops/moe/sequence_aux.h"
 #include "test_util.h"
 
 using namespace sparsetron;
@@ -208,4 +210,61 @@ TEST(MoeRouter, PermutationIsExpertMajorAndCapacityBounded) {
     EXPECT_EQ(slot_row, (std::vector<int32_t>{0, 4, 5, 2, -1, 1, -1, 3, -1, -1}));
     EXPECT_EQ(std::vector<int32_t>(perm.begin(), perm.begin() + 6),
               (std::vector<int32_t>{0, 2, 1, 3, 0, 1}));
+}
+
+// The sequence aux loss's statistics per document, counted directly, and its logit gradient
+// against central differences of Σ_d w_d Σ_e f_de psum_de (f fixed: it counts choices).
+TEST(MoeSequenceAux, DocumentStatisticsAndLogitGradient) {
+    const int64_t T = 23, E = 5, k = 2, D = 4;
+    const std::vector<int32_t> doc_rows = {0, 6, 6, 14, 20};  // an empty document, 3 padding rows
+    auto logits = test::random_vector<double>(T * E, 81, 2.0);
+    const auto sigmoid = [](const std::vector<double>& l) {
+        std::vector<double> s(l.size());
+        for (size_t i = 0; i < l.size(); ++i) s[i] = 1 / (1 + std::exp(-l[i]));
+        return s;
+    };
+    std::vector<double> probs = sigmoid(logits);
+    std::vector<int32_t> topk(T * k);
+    for (int64_t t = 0; t < T; ++t)  // two distinct experts per row
+        topk[t * k] = int32_t(t % E), topk[t * k + 1] = int32_t((t % E + 1 + t % 3) % E);
+    std::vector<double> counts(D * E, -1), psum(D * E, -1);
+    cpu::sequence_balance(probs.data(), topk.data(), doc_rows.data(), D, E, k, counts.data(),
+                          psum.data());
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t e = 0; e < E; ++e) {
+            double c = 0, p = 0;
+            for (int64_t t = doc_rows[d]; t < doc_rows[d + 1]; ++t) {
+                c += (topk[t * k] == e) + (topk[t * k + 1] == e);
+                double z = 0;
+                for (int64_t x = 0; x < E; ++x) z += probs[t * E + x];
+                p += probs[t * E + e] / z;
+            }
+            EXPECT_EQ(counts[d * E + e], c) << "document " << d << ", expert " << e;
+            EXPECT_NEAR(psum[d * E + e], p, 1e-14) << "document " << d << ", expert " << e;
+        }
+    // Counts sum to k per row; psum to 1 per row.
+    EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), 0.0), double(k * 20));
+    EXPECT_NEAR(std::accumulate(psum.begin(), psum.end(), 0.0), 20.0, 1e-12);
+    std::vector<double> f(D * E), w = {0.3, 0.7, 0.2, 0.5};
+    for (int64_t i = 0; i < D * E; ++i) f[i] = counts[i] * (1.0 + 0.1 * double(i % 3));
+    const auto loss = [&](const std::vector<double>& l) {
+        std::vector<double> s = sigmoid(l), c(D * E), p(D * E);
+        cpu::sequence_balance(s.data(), topk.data(), doc_rows.data(), D, E, k, c.data(), p.data());
+        double total = 0;
+        for (int64_t i = 0; i < D * E; ++i) total += w[i / E] * f[i] * p[i];
+        return total;
+    };
+    std::vector<double> dlogits(T * E, 0.25);  // added to
+    cpu::sequence_aux_backward(probs.data(), doc_rows.data(), D, E, f.data(), w.data(),
+                               dlogits.data());
+    double largest = 0;
+    for (int64_t i = 0; i < T * E; ++i) {
+        std::vector<double> up = logits, down = logits;
+        up[i] += 1e-6, down[i] -= 1e-6;
+        const double fd = (loss(up) - loss(down)) / 2e-6;
+        EXPECT_NEAR(dlogits[i] - 0.25, fd, 1e-8) << "logit " << i;
+        largest = std::max(largest, std::abs(fd));
+    }
+    EXPECT_GT(largest, 1e-3) << "the check saw a gradient";
+    for (int64_t i = 20 * E; i < T * E; ++i) EXPECT_EQ(dlogits[i], 0.25) << "padding row";
 }

@@ -1,10 +1,12 @@
 // The MoE family on CUDA against the CPU reference: routing, permutation, gather and combine
-// and their backwards, the grouped expert GEMM in every form, the paged stash.
+// and their backwards, the sequence aux loss, the grouped expert GEMM in every form, the paged
+// stash.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -18,6 +20,7 @@
 #include "sparsetron/ops/moe/grouped_gemm_forms.h"
 #include "sparsetron/ops/moe/moe.h"
 #include "sparsetron/ops/moe/paged_stash.h"
+#include "sparsetron/ops/moe/sequence_aux.h"
 
 #if SPARSETRON_WITH_CUDA
 #include "ops/op_fixtures.h"
@@ -481,6 +484,70 @@ TEST_F(MoeCuda, MoeBackwardPieces) {
             }
         expect_close("router backward (vs central differences)", dlogits.download(), dlr, 1e-4);
     }
+}
+
+// The sequence aux loss against the CPU form: documents spanning several blocks of rows, one
+// inside a block, an empty one and padding rows; E not a multiple of the warp. The counts are
+// exact, psum is the same bits run after run (fixed-point partial sums), and the loss and the
+// logit gradient match.
+TEST_F(MoeCuda, SequenceAuxLossMatchesCpu) {
+    const int64_t T = 300, E = 40, k = 3, D = 5;
+    const std::vector<int32_t> doc_rows = {0, 150, 170, 170, 251, 290};
+    std::vector<float> probs = random_vector<float>(T * E, 171, 3.0);
+    for (float& p : probs) p = 1.f / (1.f + std::exp(-p));
+    std::vector<int32_t> topk(T * k);
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) topk[t * k + j] = int32_t((t * 7 + j * 13) % E);
+    std::vector<float> fscale(D), w(D);
+    for (int64_t d = 0; d < D; ++d) {
+        const double n = std::max(1, doc_rows[d + 1] - doc_rows[d]);
+        fscale[d] = float(double(E) / (double(k) * n)), w[d] = float(0.37 / double(D) / n);
+    }
+    std::vector<float> c_ref(D * E), p_ref(D * E);
+    cpu::sequence_balance(probs.data(), topk.data(), doc_rows.data(), D, E, k, c_ref.data(),
+                          p_ref.data());
+    DeviceArray<float> dprobs(probs), dfs(fscale), dw(w), counts(D * E), psum(D * E), f(D * E);
+    DeviceArray<int32_t> dtopk(topk), drows(doc_rows);
+    DeviceArray<int64_t> work(cuda::sequence_balance_work(D, E));
+    DeviceArray<double> loss(std::vector<double>{0.5});  // added to
+    cuda::sequence_balance(ctx(), dprobs, dtopk, drows, T, D, E, k, work, counts, psum);
+    cuda::sequence_aux_loss(ctx(), counts, psum, dfs, dw, D, E, f, loss);
+    sync();
+    EXPECT_EQ(counts.download(), c_ref) << "counts are exact";
+    const std::vector<float> p1 = psum.download();
+    expect_close("sequence aux psum", p1, p_ref, 1e-6);
+    double l_ref = 0.5;
+    std::vector<float> f_ref(D * E);
+    for (int64_t i = 0; i < D * E; ++i) {
+        f_ref[i] = c_ref[i] * fscale[i / E];
+        l_ref += double(w[i / E]) * f_ref[i] * p_ref[i];
+    }
+    expect_close("sequence aux f", f.download(), f_ref, 1e-7);
+    EXPECT_NEAR(loss.download()[0], l_ref, 1e-6 * l_ref);
+    EXPECT_GT(l_ref - 0.5, 1e-3) << "the loss is not negligible";
+    cuda::sequence_balance(ctx(), dprobs, dtopk, drows, T, D, E, k, work, counts, psum);
+    sync();
+    const std::vector<float> p2 = psum.download();
+    EXPECT_EQ(0, std::memcmp(p1.data(), p2.data(), p1.size() * sizeof(float)))
+        << "psum is deterministic";
+    // Added to: the comparison is of what each form added (double on the host).
+    const std::vector<float> base = random_vector<float>(T * E, 172, 1e-3);
+    std::vector<double> ref(T * E, 0.0);
+    const std::vector<double> probs64(probs.begin(), probs.end()), f64(f_ref.begin(), f_ref.end()),
+        w64(w.begin(), w.end());
+    cpu::sequence_aux_backward(probs64.data(), doc_rows.data(), D, E, f64.data(), w64.data(),
+                               ref.data());
+    DeviceArray<float> dl(base);
+    cuda::sequence_aux_backward(ctx(), dprobs, drows, T, D, E, f, dw, dl);
+    sync();
+    const std::vector<float> got = dl.download();
+    std::vector<float> added(T * E), added_ref(T * E);
+    for (int64_t i = 0; i < T * E; ++i)
+        added[i] = float(double(got[i]) - base[i]), added_ref[i] = float(ref[i]);
+    expect_close("sequence aux backward (added to dlogits)", added, added_ref, 1e-4);
+    for (int64_t i = 290 * E; i < T * E; ++i) EXPECT_EQ(got[i], base[i]) << "padding row";
+    expect_guard(dl, "sequence aux backward");
+    expect_guard(work, "sequence balance work");
 }
 
 #endif  // SPARSETRON_WITH_CUDA

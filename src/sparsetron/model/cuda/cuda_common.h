@@ -286,6 +286,14 @@ struct CudaInputs {
     // A pipeline stage's forward run again before its backward (CudaGlm5Model::enqueue_forward):
     // the indexer loss and the routing statistics were taken the first time.
     bool recompute = false;
+    // The documents, for the MoE sequence aux loss (ops/moe/sequence_aux.h), `docs` of them
+    // (the plan's bound; later ones empty): this rank's rows of document d are
+    // [doc_rows[d], doc_rows[d + 1]); doc_fscale[d] = E / (k n_d) and doc_weight[d] = α λ /
+    // (D n_d), n_d its rows in the micro-batch (every CP rank's). Device.
+    int64_t docs = 0;
+    const int32_t* doc_rows = nullptr;
+    const float* doc_fscale = nullptr;
+    const float* doc_weight = nullptr;
 };
 
 // Sum over the CP group on the step's stream (nothing without one).
@@ -297,9 +305,11 @@ class MoeStash;
 class Fp8Weights;
 
 // What every module shares: norm weight-gradient partials, the MoE paged stash (null when off),
-// the FP8 linear weights (fp8_recipe: blockwise; null in bf16).
+// the FP8 linear weights (fp8_recipe: blockwise; null in bf16), the documents a micro-batch holds
+// at most.
 struct CudaShared {
     float* norm_ws = nullptr;
+    int64_t max_docs = 0;
     const MoeStash* moe_stash = nullptr;
     Fp8Weights* fp8 = nullptr;
 };

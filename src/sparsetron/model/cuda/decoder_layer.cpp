@@ -53,7 +53,8 @@ CudaDecoderLayer::CudaDecoderLayer(const ModelConfig& c, const CudaParams& P, Cu
     }
     if (c.is_moe_layer(is_mtp ? c.num_layers - 1 : layer0)) {
         CudaBuffers::Phase phase(B, kMoePhase);
-        moe_ = std::make_unique<CudaMoeLayer>(c, P, B, p + "mlp.", tokens, S.moe_stash, S.fp8);
+        moe_ = std::make_unique<CudaMoeLayer>(c, P, B, p + "mlp.", tokens, S.max_docs, S.moe_stash,
+                                              S.fp8);
     } else {
         CudaBuffers::Phase phase(B, kMlpPhase);
         mlp_ = std::make_unique<CudaSwiGluMlp>(P, B, p + "mlp.", h_, c.ffn_hidden_size, tokens,
@@ -138,7 +139,7 @@ void CudaDecoderLayer::backward(const ExecContext& ctx, const Acts& A, const bf1
         cuda::rmsnorm_forward(ctx, A.x_mid, h_, P_[post_norm_].w, Tn, h_, eps, A.m, h_,
                               A.rstd_post);
     if (mlp_) mlp_->backward(ctx, A.mlp, A.m, dx, dm_, false);
-    if (moe_) moe_->backward(ctx, A.moe, A.m, dx, dm_);
+    if (moe_) moe_->backward(ctx, A.moe, A.m, dx, in, dm_);
     cuda::rmsnorm_backward(ctx, dm_, h_, A.x_mid, h_, P_[post_norm_].w, A.rstd_post, Tn, h_, dx, h_,
                            true, P_.grad_to_add(ctx, post_norm_), S_.norm_ws);
     if (recompute_norms_)

@@ -41,6 +41,7 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     const int64_t maxdim =
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
+    S_.max_docs = max_docs;
     if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
         stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg));
         S_.moe_stash = stash_.get();
@@ -161,13 +162,14 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         }
     }
     tv_at_ = 2 + 2 * std::max<int64_t>(D_, 1);
-    idx_at_ = tv_at_ + 2;
+    aux_at_ = tv_at_ + 2;
+    idx_at_ = aux_at_ + 2;
     n_sums_ = idx_at_ + 2 * std::max<int64_t>(indexer_apps, 1);
     B_.act(sums_, "loss.sums", {n_sums_});
     // Every per-micro-batch input in one block (layout in carve_inputs()): one upload per
     // micro-batch, one device copy per micro-batch inside a captured step.
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
-    input_words_ = (5 + 2 * D_) * Tn + n_scales_ + (Tn + 3) / 4;
+    input_words_ = (5 + 2 * D_) * Tn + n_scales_ + doc_words() + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
     B_.plan_regions();
     if (offload_) offload_->plan();
@@ -227,6 +229,9 @@ void CudaGlm5Model::carve_inputs() {
     for (auto& m : mtp_) m->ids = w, m->targets = w + Tn, w += 2 * Tn;
     in_.loss_scales = reinterpret_cast<const float*>(w);
     w += n_scales_;
+    in_.docs = max_docs_, in_.doc_rows = w, w += max_docs_ + 1;
+    in_.doc_fscale = reinterpret_cast<const float*>(w), w += max_docs_;
+    in_.doc_weight = reinterpret_cast<const float*>(w), w += max_docs_;
     tv_valid_ = tv_p_ ? reinterpret_cast<uint8_t*>(w) : nullptr;
 }
 
@@ -275,6 +280,9 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
             idx_layers_.push_back(cfg_.num_layers + k);
         }
     }
+    // The MoE sequence aux loss's sums: the backbone's layers, the MTP layer's applications.
+    for (auto& A : acts_) A->moe.aux_sum = sums_ + aux_at_;
+    for (auto& M : mtp_) M->layer.moe.aux_sum = sums_ + aux_at_ + 1;
     for (CudaMoeLayer* m : moes()) m->check_layout();
     reset_moe_stats(ctx);
 }
@@ -325,13 +333,25 @@ void CudaGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
     std::fill_n(key_row, Tn, -1);
     std::fill_n(mtp, 2 * D_ * Tn, -1);
     const int64_t scales_at = 5 * Tn + 2 * D_ * Tn;
-    uint8_t* valid = tv_p_ ? reinterpret_cast<uint8_t*>(w + scales_at + n_scales_) : nullptr;
+    const int64_t docs_at = scales_at + n_scales_;
+    uint8_t* valid = tv_p_ ? reinterpret_cast<uint8_t*>(w + docs_at + doc_words()) : nullptr;
+    // The documents' rows of this rank, and the sequence aux loss's weights (CudaInputs).
+    int32_t* doc_rows = w + docs_at;
+    float* doc_fscale = reinterpret_cast<float*>(doc_rows + max_docs_ + 1);
+    float* doc_weight = doc_fscale + max_docs_;
     // This rank's rows: every row of the micro-batch, or under CP its two chunks of every
     // document. Row n is micro-batch row g of the document [b, e).
     const int cp = cp_ && in_.cp ? in_.cp->size() : 1, rank = cp_ && in_.cp ? in_.cp->rank() : 0;
     int64_t n = 0;
+    const double aux = sc.aux * cfg_.moe_aux_loss_coeff;
     for (int64_t d = 0; d < mb.num_documents; ++d) {
         const int64_t b = mb.cu_seqlens[d], e = mb.cu_seqlens[d + 1];
+        doc_rows[d] = int32_t(n);
+        if (e > b) {
+            doc_fscale[d] =
+                float(double(cfg_.num_experts) / (double(cfg_.moe_router_topk) * double(e - b)));
+            doc_weight[d] = float(aux / double(mb.num_documents) / double(e - b));
+        }
         const std::vector<RowRange> ranges =
             cp_ ? cp_rows(e - b, cp, rank) : std::vector<RowRange>{RowRange{0, e - b}};
         for (const RowRange& rr : ranges)
@@ -352,6 +372,7 @@ void CudaGlm5Model::pack_inputs(const MicroBatch& mb, const LossScales& sc,
                 if (valid && g + D_ < e) valid[n] = 1;
             }
     }
+    for (int64_t d = mb.num_documents; d <= max_docs_; ++d) doc_rows[d] = int32_t(n);
     // Loss scales (see CudaInputs::loss_scales); 0 where the step has no backward. The indexer's
     // KL is divided by the micro-batch's real rows (every CP rank's: its mean), or by the global
     // batch's tokens under per-token loss.
@@ -502,6 +523,8 @@ LossSums CudaGlm5Model::losses_from(const double* s, int64_t tv_rows, int64_t re
             }
         }
     }
+    out.aux_loss = s[aux_at_] + s[aux_at_ + 1];
+    out.mtp_aux_loss = s[aux_at_ + 1];
     for (size_t a = 0; a < idx_sums_.size(); ++a) {
         // Under CP this rank's share of the micro-batch's mean (rows: every rank's real rows);
         // under per-token loss its share of the global batch's.

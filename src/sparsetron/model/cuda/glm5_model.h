@@ -185,6 +185,8 @@ class CudaGlm5Model {
     std::unique_ptr<ActivationOffload> offload_;  // fine_grained_activation_offloading
     std::unique_ptr<Fp8Weights> fp8_;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
+    // Input words of the documents' rows and aux-loss weights (CudaInputs::docs).
+    int64_t doc_words() const { return 3 * max_docs_ + 1; }
     bool cp_ = false;                                    // planned for context parallelism
     int64_t Tk_;                                         // micro-batch rows (T_ without CP)
     bf16 *h_final_keys_ = nullptr, *tv_rows_ = nullptr;  // CP + e2e_tv: every row's final hidden
@@ -217,7 +219,9 @@ class CudaGlm5Model {
     // Loss sums on the device: [lm Σ, lm n, (mtp Σ_k, mtp n_k) per depth, tv Σ, accept Σ,
     // (Σ KL, rows) per indexer application].
     double* sums_ = nullptr;
-    int64_t n_sums_ = 0, tv_at_ = 0, idx_at_ = 0;
+    // Slots of sums_: LM and per-depth MTP [2 each], TV chain [2], MoE aux loss [2: the
+    // backbone's layers, the MTP layer's applications], then each indexer application's [2].
+    int64_t n_sums_ = 0, tv_at_ = 0, aux_at_ = 0, idx_at_ = 0;
     std::vector<double*> idx_sums_;    // one [2] per indexer application, in forward order
     std::vector<int64_t> idx_layers_;  // each one's layer (MTP depth k: num_layers + k - 1)
     void pack_inputs(const MicroBatch& mb, const LossScales& sc, std::vector<int32_t>& out) const;

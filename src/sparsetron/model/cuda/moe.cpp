@@ -13,6 +13,7 @@
 #include "sparsetron/ops/fp8/fp8.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/moe/moe.h"
+#include "sparsetron/ops/moe/sequence_aux.h"
 
 namespace sparsetron::cuda {
 
@@ -23,8 +24,8 @@ namespace {
 }  // namespace
 
 CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffers& B,
-                           const std::string& p, int64_t tokens, const MoeStash* stash,
-                           Fp8Weights* fp8)
+                           const std::string& p, int64_t tokens, int64_t max_docs,
+                           const MoeStash* stash, Fp8Weights* fp8)
     : c_(c),
       P_(P),
       stash_(stash),
@@ -36,9 +37,6 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
       Fs_(c.moe_shared_expert_intermediate_size),
       act_(c.activation()),
       recompute_act_(act_.recomputes(RecomputeModule::MoeAct)) {
-    ST_CHECK(c.moe_aux_loss_coeff == 0,
-             "moe_aux_loss_coeff > 0 is not implemented on CUDA yet (use 0: aux-loss-free "
-             "balancing through the router bias)");
     capacity_ = c.moe_expert_capacity(tokens);
     router_ = P.index(p + "gate.weight");
     P.read_master(router_, /*by_gemm=*/true);  // the router's GEMM runs in fp32
@@ -97,6 +95,12 @@ CudaMoeLayer::CudaMoeLayer(const ModelConfig& c, const CudaParams& P, CudaBuffer
         B.scratch(fp8_row_scales_[1], "fp8.moe.row_scales_up_grad", {fp8::scales_1x128(rows_, F_)});
     }
     B.scratch(dgates_, "grad.moe.gates", {tokens, k_});
+    aux_ = c.moe_aux_loss_coeff > 0, docs_ = max_docs;
+    if (aux_) {
+        B.scratch(aux_work_, "moe.aux.work", {cuda::sequence_balance_work(docs_, E_)});
+        B.scratch(aux_counts_, "moe.aux.counts", {docs_, E_});
+        B.scratch(aux_psum_, "moe.aux.psum", {docs_, E_});
+    }
     B.scratch(dlogits_, "grad.moe.router_logits", {tokens, E_});
     B.scratch(dlogits_bf_, "grad.moe.router_logits_bf16", {tokens, E_});
     // Routing statistics of this layer (device; read when metrics are logged).
@@ -118,6 +122,7 @@ void CudaMoeLayer::declare(Acts& A, CudaBuffers& B, const std::string& p) const 
     B.act(A.offsets, p + "expert_offsets", {E_ + 1});
     B.act(A.slot_row, p + "slot_row", {R});
     B.act(A.perm_token, p + "perm_token", {R});
+    if (aux_) B.act(A.aux_f, p + "aux_f", {docs_, E_});
     // The routed experts' rows (expert_fc1: their gate / up outputs; moe_act: the SwiGLU output;
     // under expert parallelism their output rows too, with fused_group_mlp), kept, recomputed or
     // offloaded. Without expert parallelism the gathered input rows are not kept (the backward
@@ -197,6 +202,15 @@ void CudaMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m,
     cuda::router_topk(ctx, A.logits, P_[bias_].master, in.row_begin, Tn, E_, k_,
                       c_.moe_router_force_load_balancing, float(c_.moe_router_topk_scaling_factor),
                       A.probs, A.topk, A.gates);
+    if (aux_) {
+        // The sequence aux loss: each document's choices summed over the CP group; its value
+        // added once (not again by a pipeline stage's recomputed forward).
+        cuda::sequence_balance(ctx, A.probs, A.topk, in.doc_rows, Tn, in.docs, E_, k_, aux_work_,
+                               aux_counts_, aux_psum_);
+        cp_allreduce(ctx, in, aux_counts_, in.docs * E_);
+        cuda::sequence_aux_loss(ctx, aux_counts_, aux_psum_, in.doc_fscale, in.doc_weight, in.docs,
+                                E_, A.aux_f, in.recompute ? nullptr : A.aux_sum);
+    }
     cuda::moe_permute(ctx, A.topk, Tn, E_, k_, capacity_, A.counts, A.offsets, A.slot_row,
                       A.perm_token);
     if (!in.recompute) cuda::moe_count_load(ctx, A.counts, E_, capacity_, load_, dropped_);
@@ -245,7 +259,7 @@ void CudaMoeLayer::dispatch_chunk(const ExecContext& ctx, const Acts& A, const b
 }
 
 void CudaMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
-                            bf16* dm) const {
+                            const CudaInputs& in, bf16* dm) const {
     const int64_t Tn = T_, R = T_ * k_;
     if (chunked()) {
         // A redo over the receive budget: each chunk's expert rows again (its rows to the
@@ -281,6 +295,9 @@ void CudaMoeLayer::backward(const ExecContext& ctx, const Acts& A, const bf16* m
     if (shared_) shared_->backward(ctx, A.shared, m, dy, dm, true);
     cuda::router_backward(ctx, A.probs, A.topk, dgates_, Tn, E_, k_,
                           float(c_.moe_router_topk_scaling_factor), dlogits_);
+    if (aux_)
+        cuda::sequence_aux_backward(ctx, A.probs, in.doc_rows, Tn, in.docs, E_, A.aux_f,
+                                    in.doc_weight, dlogits_);
     for (int64_t r0 = 0; r0 < Tn; r0 += Br_) {
         const int64_t n = std::min(Br_, Tn - r0);
         cuda::bf16_to_f32(ctx, m + r0 * h_, A.m32, n * h_);

@@ -30,12 +30,17 @@ class CudaMoeLayer {
         // [El + 1]; xperm, g, u, act then hold the rows this rank's experts received.
         int32_t *ep_offsets = nullptr, *recv_offsets = nullptr;
         CudaSwiGluMlp::Acts shared;
+        // The sequence aux loss (moe_aux_loss_coeff > 0): f [docs, E] of this application and
+        // the device sum its loss is added to.
+        float* aux_f = nullptr;
+        double* aux_sum = nullptr;
     };
     // `stash`: the model's paged stash (moe_stash.h), or null to keep every application's
     // expert activations in its own buffers.
+    // `max_docs`: the documents a micro-batch holds at most (the sequence aux loss's bound).
     CudaMoeLayer(const ModelConfig& cfg, const CudaParams& P, CudaBuffers& B,
-                 const std::string& hf_prefix, int64_t tokens, const MoeStash* stash,
-                 Fp8Weights* fp8 = nullptr);
+                 const std::string& hf_prefix, int64_t tokens, int64_t max_docs,
+                 const MoeStash* stash, Fp8Weights* fp8 = nullptr);
     // bf16 values per stashed row: gate and up outputs (the backward recomputes the SwiGLU and
     // does not read the output rows); under expert parallelism the received input row too.
     static int64_t stash_row_width(const ModelConfig& c) {
@@ -55,7 +60,7 @@ class CudaMoeLayer {
     void forward(const ExecContext& ctx, const Acts& A, const bf16* m, const CudaInputs& in,
                  bf16* y) const;
     void backward(const ExecContext& ctx, const Acts& A, const bf16* m, const bf16* dy,
-                  bf16* dm) const;
+                  const CudaInputs& in, bf16* dm) const;
     // The grouped GEMM reads local expert e's weights at one fixed stride from the first's;
     // throws if the planned parameters are not laid out that way.
     void check_layout() const;
@@ -132,6 +137,11 @@ class CudaMoeLayer {
     float* fp8_row_scales_[2] = {nullptr, nullptr};
     // Slot `slot`'s rows as a producer's FP8 output (none when the experts run bf16).
     cuda::Fp8RowsOut rows8(int slot) const;
+    // The sequence aux loss's per-document statistics (every application's in turn).
+    bool aux_ = false;
+    int64_t docs_ = 0;
+    int64_t* aux_work_ = nullptr;
+    float *aux_counts_ = nullptr, *aux_psum_ = nullptr;
     bf16 *doutperm_, *dact_, *du_, *dlogits_bf_;
     float *dgates_, *dlogits_;
     int64_t *load_, *dropped_;

@@ -85,11 +85,16 @@ TEST(BenchStats, TimedWindowKeepsTheMeasuredSteps) {
     w.add(40.0, 1e12);
     EXPECT_TRUE(w.complete());
     EXPECT_EQ(w.measured(), 3);
+    EXPECT_EQ(w.times(), (std::vector<double>{10.0, 20.0, 30.0}));
     EXPECT_DOUBLE_EQ(w.median_ms(), 20.0);
     EXPECT_NEAR(w.p95_ms(), 29.0, 1e-12);
     EXPECT_NEAR(w.cv(), 0.5, 1e-12);
     EXPECT_NEAR(w.tflops_per_gpu(2), 25.0, 1e-9);
     EXPECT_NE(w.summary(2).find("steps 3-5 of the run"), std::string::npos) << w.summary(2);
+    TimedWindow f(0, 2);
+    f.add(10.0, 1e12);
+    f.add(10.0, 3e12);
+    EXPECT_DOUBLE_EQ(f.mean_flops(), 2e12);
     EXPECT_FALSE(TimedWindow{}.active());
     EXPECT_THROW(TimedWindow::parse("8"), Error);
     EXPECT_THROW(TimedWindow::parse("8,0"), Error);
@@ -168,6 +173,30 @@ TEST(BenchStats, RecipeVariantsParseFromTheCommandLine) {
     EXPECT_TRUE(base.overrides.empty());
     for (const char* bad : {"fp8", "=x=1", "fp8=--set fp8_recipe", "a/b=x=1"})
         EXPECT_THROW(parse_bench_variant(bad), Error) << bad;
+}
+
+// bench --data runs the trainer's whole steps: it refuses --forward-backward and needs a run
+// directory, before anything is built.
+TEST(BenchStats, DataRefusesForwardBackwardAndNeedsARunDirectory) {
+    Recipe r;
+    BenchOptions o;
+    o.data = true;
+    o.forward_backward_only = true;
+    o.data_out = "unused";
+    try {
+        run_bench_data(r, o);
+        ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("--forward-backward"), std::string::npos) << e.what();
+    }
+    o.forward_backward_only = false;
+    o.data_out.clear();
+    try {
+        run_bench(r, o);
+        ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("no run directory"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // `sparsetron bench`: CUDA-event step times of a recipe's training step on the GPU, variants
 // interleaved in one allocation, audited TFLOPS, memory in use against the plan.
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 
@@ -11,6 +12,17 @@
 #include "sparsetron/runtime/run_setup.h"
 
 namespace sparsetron::cli {
+namespace {
+
+// runs/<the first recipe file's stem>-bench, beside `train`'s runs/<stem>.
+std::string default_bench_data_out(const std::string& recipes) {
+    const std::string first = recipes.substr(0, recipes.find(','));
+    return (std::filesystem::path("runs") /
+            (std::filesystem::path(first).stem().string() + "-bench"))
+        .string();
+}
+
+}  // namespace
 
 Run add_bench(CLI::App& app) {
     struct Options {
@@ -32,6 +44,13 @@ Run add_bench(CLI::App& app) {
     c->add_option("--iters", o->b.iters, "Timed iterations (default 10)");
     c->add_flag("--forward-backward", o->b.forward_backward_only,
                 "Time forward+backward only (no optimizer step)");
+    c->add_flag("--data", o->b.data,
+                "Time the trainer's steps over the recipe's own data (data_path, or the bundled "
+                "corpus) instead of one synthetic document: wall-clock step times as `train "
+                "--timed-window` takes them, audited FLOPs of each step's documents");
+    c->add_option("--out", o->b.data_out,
+                  "With --data: the run directory (its data and lock; default runs/<recipe>-bench; "
+                  "no checkpoint is written)");
     c->add_option("--variants", o->variants,
                   "Execution modes, comma-separated: eager, graph (interleaved A B B A in one "
                   "allocation; default eager)");
@@ -61,6 +80,8 @@ Run add_bench(CLI::App& app) {
             return 0;
         }
         const Recipe r = resolve_run(RunRequest::of(RunRequest::Bench, o->recipe, o->sets)).recipe;
+        ST_CHECK(o->b.data || o->b.data_out.empty(), "bench: --out goes with --data");
+        if (o->b.data && o->b.data_out.empty()) o->b.data_out = default_bench_data_out(o->recipe);
         std::vector<BenchVariant> variants;
         for (const std::string& v : o->recipe_variants) variants.push_back(parse_bench_variant(v));
         o->b.variants = split_list(o->variants);
@@ -73,7 +94,7 @@ Run add_bench(CLI::App& app) {
             o->sets, variants, o->rounds, o->b);
         if (launch_comm() && launch_comm()->rank() != 0) return 0;  // rank 0 reports
         std::printf(
-            "%s | %s%s | %s | CUDA-event step times, %lld warm-up + %lld timed per "
+            "%s | %s%s | %s | %s, %lld warm-up + %lld timed per "
             "variant%s\n%s\n",
             r.name.c_str(), res.front().gpu.c_str(),
             res.front().gpus > 1
@@ -89,8 +110,9 @@ Run add_bench(CLI::App& app) {
                       ", per GPU)")
                       .c_str()
                 : "",
-            res.front().commit.c_str(), static_cast<long long>(o->b.warmup),
-            static_cast<long long>(o->b.iters),
+            res.front().commit.c_str(),
+            o->b.data ? "the recipe's data, wall-clock trainer steps" : "CUDA-event step times",
+            static_cast<long long>(o->b.warmup), static_cast<long long>(o->b.iters),
             variants.empty() ? "" : cat(" and round, ", o->rounds, " rounds").c_str(),
             bench_table(res).c_str());
         for (const auto& x : res) o->json.write(x.to_json());

@@ -54,6 +54,7 @@ void summarize_times(BenchResult& r) {
 }
 
 std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& o) {
+    if (o.data) return run_bench_data(recipe_in, o);
     Recipe recipe = recipe_in;
     ST_CHECK(o.iters > 0 && o.warmup >= 0, "bench: --iters must be positive");
     ST_CHECK(!o.variants.empty(), "bench: no variants");
@@ -244,7 +245,7 @@ std::string BenchResult::to_json() const {
     j["cv"] = cv;
     j["mean_ms"] = mean_ms;
     j["se_ms"] = se_ms;
-    j["timing"] = "cuda_events";
+    j["timing"] = timing;
     j["step_ms"] = step_ms;
     j["tflops_per_gpu"] = tflops_per_gpu;
     j["tokens_per_s_per_gpu"] = tokens_per_s_per_gpu;

@@ -26,10 +26,17 @@ struct BenchOptions {
     // Data parallelism over these ranks (NCCL, one GPU each): every rank times its own
     // micro-batches of the step plus the gradient all-reduce; figures are per GPU.
     Comm* comm = nullptr;
+    // Time the recipe's own data (run_bench_data) instead of one synthetic document, the run
+    // directory (data, lock) in `data_out`.
+    bool data = false;
+    std::string data_out;
 };
 
 struct BenchResult {
     std::string recipe, gpu, commit, variant;
+    // How step_ms was taken: "cuda_events" (the staged step), or "wall_clock_trainer_step"
+    // (bench --data: the trainer's whole step on the host's clock).
+    std::string timing = "cuda_events";
     std::vector<double> step_ms;
     double median_ms = 0, p95_ms = 0, min_ms = 0, max_ms = 0, cv = 0;
     // Mean and its standard error (sample standard deviation / sqrt(n)): what an A/B of two
@@ -67,8 +74,15 @@ struct BenchVariant {
 // line): `fp8=--set fp8_recipe=blockwise`. Throws with the text on a malformed one.
 BenchVariant parse_bench_variant(const std::string& text);
 
-// One result per execution mode, in the order given, of one engine built for `recipe`.
+// One result per execution mode, in the order given, of one engine built for `recipe` (with
+// options.data: run_bench_data).
 std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& options);
+// Whole training steps of the recipe's own data (its data_path, or the bundled corpus), as
+// `train` runs them (the trainer's step, its wall-clock time: packing, the step, the losses'
+// read-back), `warmup` untimed then `iters` timed; one trainer per execution mode in turn (eager:
+// cuda_graph_impl none, graph: full_iteration), each from the data's start. Audited FLOPs of each
+// timed step's documents (the seed's timed window); no checkpoint is written.
+std::vector<BenchResult> run_bench_data(const Recipe& recipe, const BenchOptions& options);
 // Loads the recipe under a list of overrides (the recipe file and the YAML reader stay with the
 // caller: they are outside the engine library).
 using RecipeLoader = std::function<Recipe(const std::vector<std::string>& overrides)>;

@@ -49,6 +49,12 @@ double TimedWindow::cv() const {
     return measured_stats(ms_).cv;
 }
 
+double TimedWindow::mean_flops() const {
+    double f = 0;
+    for (double x : flops_) f += x;
+    return flops_.empty() ? 0.0 : f / double(flops_.size());
+}
+
 double TimedWindow::tflops_per_gpu(int gpus) const {
     double f = 0, s = 0;
     for (size_t i = 0; i < ms_.size(); ++i) f += flops_[i], s += ms_[i] * 1e-3;

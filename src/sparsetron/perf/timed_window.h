@@ -22,6 +22,9 @@ class TimedWindow {
     bool complete() const { return active() && int64_t(ms_.size()) == measured_; }
     int64_t warmup() const { return warmup_; }
     int64_t measured() const { return int64_t(ms_.size()); }
+    const std::vector<double>& times() const { return ms_; }  // the measured steps', ms
+    // Audited FLOPs per measured step, their mean.
+    double mean_flops() const;
     double median_ms() const;
     double p95_ms() const;
     double cv() const;

@@ -70,6 +70,8 @@ class Trainer {
     const std::vector<std::string>& initialized_parameters() const { return initialized_; }
     // Device memory in use on CUDA, the planned host memory on CPU.
     double memory_gib() const { return engine_->memory_in_use_gib(); }
+    // The engine's benchmark hooks (perf/bench.h), where the backend has them (null on CPU).
+    StepBench* bench() { return engine_->bench(); }
     // "cpu (N threads)" or the CUDA device and its planned memory.
     std::string device_description() const { return engine_->describe(); }
     std::string checkpoint_dir() const;

@@ -14,6 +14,7 @@
 #include "sparsetron/core/rng.h"
 #include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/perf/bench.h"
+#include "sparsetron/perf/flops.h"
 #include "sparsetron/runtime/step_engine.h"
 #include "sparsetron/runtime/trainer.h"
 
@@ -916,6 +917,66 @@ TEST(CudaTraining, BenchUnderDynamicCpTimesTheGroupsDocument) {
         EXPECT_DOUBLE_EQ(r.flops, a[0].flops);
         EXPECT_GT(r.median_ms, 0.0);
         EXPECT_TRUE(std::isfinite(r.tokens_per_s_per_gpu));
+    }
+}
+
+// bench --data: the trainer's steps over the recipe's own data, eager and as the full-iteration
+// graph, each from the data's start: the timed steps' documents are the ones `train` runs at
+// those steps (their audited FLOPs and tokens equal the CPU trainer's steps 2-4).
+TEST(CudaTraining, BenchDataTimesTheRecipesOwnSteps) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 4;
+    r.run.save_interval = 0;
+    const auto cpu = train(r, Device::CPU, test::temp_dir("cpu"));
+    ASSERT_EQ(cpu.size(), 4u);
+    double flops = 0;
+    int64_t tokens = 0;
+    for (size_t i = 1; i < 4; ++i)
+        flops += audited_flops(r.model, cpu[i].doc_lengths).total, tokens += cpu[i].tokens;
+    BenchOptions o;
+    o.warmup = 1;
+    o.iters = 3;
+    o.variants = {"eager", "graph"};
+    o.data = true;
+    o.data_out = test::temp_dir("bench");
+    const std::vector<BenchResult> res = run_bench(r, o);
+    ASSERT_EQ(res.size(), 2u);
+    for (const BenchResult& b : res) {
+        std::cout << "[bench --data] " << b.variant << ": median " << b.median_ms << " ms, "
+                  << b.tokens << " tokens, " << b.flops << " FLOPs per step, " << b.tflops_per_gpu
+                  << " TFLOPS, " << b.peak_mem_mib << " MiB in use\n";
+        EXPECT_EQ(b.timing, "wall_clock_trainer_step");
+        ASSERT_EQ(b.step_ms.size(), 3u);
+        EXPECT_DOUBLE_EQ(b.flops, flops / 3);
+        EXPECT_EQ(b.tokens, tokens / 3);
+        EXPECT_GT(b.median_ms, 0.0);
+        EXPECT_GT(b.peak_mem_mib, 0.0);
+        EXPECT_GT(b.planned_mem_mib, 0.0);
+    }
+    EXPECT_EQ(res[0].variant, "data.eager");
+    EXPECT_EQ(res[1].variant, "data.graph");
+}
+
+// The MoE sequence aux loss through training on the device against the CPU, three steps.
+TEST(CudaTraining, SequenceAuxLossTrainsAsOnCpu) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.model.moe_aux_loss_coeff = 0.1;
+    r.run.train_iters = 3;
+    r.run.save_interval = 0;
+    auto cpu = train(r, Device::CPU, test::temp_dir("cpu"));
+    auto gpu = train(r, Device::CUDA, test::temp_dir("cuda"));
+    ASSERT_EQ(cpu.size(), 3u);
+    ASSERT_EQ(gpu.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+        std::cout << "[training, aux loss] step " << i + 1 << ": aux " << gpu[i].aux_loss << " vs "
+                  << cpu[i].aux_loss << ", lm " << gpu[i].lm_loss << " vs " << cpu[i].lm_loss
+                  << "\n";
+        EXPECT_GT(cpu[i].aux_loss, 0.0);
+        EXPECT_NEAR(gpu[i].aux_loss, cpu[i].aux_loss, 1e-2 * cpu[i].aux_loss);
+        EXPECT_NEAR(gpu[i].lm_loss, cpu[i].lm_loss, 2e-3 * cpu[i].lm_loss);
+        EXPECT_NEAR(gpu[i].grad_norm, cpu[i].grad_norm, 3e-2 * cpu[i].grad_norm);
     }
 }
 

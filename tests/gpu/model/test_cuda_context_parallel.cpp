@@ -47,4 +47,44 @@ TEST(CudaContextParallel, IndexerInQueryBlocksMatchesOneGpu) {
     }
 }
 
+// Dynamic CP through the CUDA engine as two threads on one GPU (the step's documents scheduled
+// at 160 tokens per rank: longer pieces in groups of both ranks, shorter ones one rank each),
+// alone and with expert parallelism over the same two ranks (an idle rank's empty micro-batch
+// joins its peer's exchanges), through the engine's default exchange and the NCCL one, against
+// one GPU running every micro-batch. Per-token loss on both sides, so the grouping does not
+// change the indexer loss (the multi-GPU test's tolerances: step 1 to 1e-5, its gradient norm to
+// 1e-3, since CP sums the key gradients in another order).
+TEST(CudaContextParallel, DynamicCpWithAndWithoutExpertParallelismMatchesOneGpu) {
+    REQUIRE_GPU();
+    const std::vector<std::string> per_token = {"calculate_per_token_loss=true"};
+    const auto one = train(trainer_recipe(1, per_token),
+                           {temp_dir("dcp-one"), "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(one.size(), 4u);
+    std::vector<std::string> dyn = per_token;
+    for (const char* s :
+         {"context_parallel_size=2", "dynamic_context_parallel=true",
+          "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=160"})
+        dyn.push_back(s);
+    struct Case {
+        std::string tag;
+        std::vector<std::string> sets;
+    };
+    const std::vector<Case> cases = {
+        {"dcp2", {}},
+        {"dcp2-ep2", {"expert_model_parallel_size=2"}},
+        {"dcp2-ep2-nccl", {"expert_model_parallel_size=2", "moe_expert_exchange=nccl"}},
+    };
+    for (const Case& c : cases) {
+        std::vector<std::string> sets = dyn;
+        sets.insert(sets.end(), c.sets.begin(), c.sets.end());
+        const auto ranks = train_threads(2, trainer_recipe(2, sets), c.tag);
+        expect_metrics_match(c.tag, one, ranks, 1e-5, false, 1e-3);
+        int64_t pairs = 0;
+        for (const StepMetrics& m : ranks[0])
+            if (m.dynamic_cp_groups.size() > 1) pairs += m.dynamic_cp_groups[1];
+        std::cout << "[" << c.tag << "] groups of two ranks over the run: " << pairs << "\n";
+        EXPECT_GT(pairs, 0) << c.tag << ": no group of two ranks ran";
+    }
+}
+
 #endif

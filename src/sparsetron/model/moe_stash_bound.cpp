@@ -5,10 +5,11 @@
 
 namespace sparsetron {
 
-MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens) {
+MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens, const PipelineStage& stage) {
     MoeStashBound b;
-    b.applications = c.num_moe_layers();
-    if (c.mtp_num_layers > 0 && c.is_moe_layer(c.num_layers - 1))
+    const int64_t end = stage.end_layer < 0 ? c.num_layers : stage.end_layer;
+    for (int64_t l = stage.first_layer; l < end; ++l) b.applications += c.is_moe_layer(l);
+    if (stage.last() && c.mtp_num_layers > 0 && c.is_moe_layer(c.num_layers - 1))
         b.applications += c.mtp_num_layers;
     b.max_rows = tokens * c.moe_router_topk;
     if (c.moe_capacity_factor > 0 && c.num_experts > 0)

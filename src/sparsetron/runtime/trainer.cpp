@@ -28,6 +28,12 @@ namespace {
 // again eagerly without the stash; say which bound would keep such steps in the graph.
 std::string stash_overflow_message(const ModelConfig& mc, const StashUse& u, int64_t step) {
     const double f = mc.moe_paged_stash_buffer_size_factor_cuda;
+    if (u.balanced_pages == 0)  // this rank's pipeline stage holds no MoE layer
+        return cat("MoE paged stash overflow at step ", step,
+                   " on another pipeline stage: the step ran again eagerly without the stash on "
+                   "every stage (moe_stash_redos in the metrics counts such steps); raise "
+                   "moe_paged_stash_buffer_size_factor_cuda (now ",
+                   f, ") to keep such steps in the graph");
     // pool = ceil(factor x balanced pages) >= demand.
     const double need = std::ceil(100.0 * double(u.demand_pages) / double(u.balanced_pages)) / 100;
     return cat("MoE paged stash overflow at step ", step, ": the step's MoE layers needed ",

@@ -265,4 +265,48 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
     }
 }
 
+// The paged stash and activation offload under pipeline parallelism, two stages as threads on one
+// GPU against one GPU without either. A stage's forwards that its 1F1B schedule runs again
+// before their backward keep nothing (no stash pages, nothing offloaded); the forward run again
+// keeps them for the backward that follows. With a pool too small for any step (factor 0.3) one
+// stage's overflow redoes the step eagerly on both stages (the first holds no MoE layer, so no
+// stash: the overflow reaches it through the world's flag), and the losses are still one GPU's.
+TEST(CudaPipeline, TrainerStagesWithTheStashAndOffloadMatchOneGpu) {
+    REQUIRE_GPU();
+    // Four layers, three of them MoE, split 2 + 2 (offset 2: every stage starts on a full layer).
+    const std::vector<std::string> model = {"num_layers=4", "moe_layer_freq=[0,1,1,1]",
+                                            "dsa_indexer_skip_topk_offset=2"};
+    const auto one =
+        train(trainer_recipe(1, model), {temp_dir("one"), "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(one.size(), 4u);
+    struct Case {
+        std::string tag;
+        std::vector<std::string> sets;
+        int64_t redos;
+    };
+    const std::vector<Case> cases = {
+        {"pp2-stash", {"moe_paged_stash=true"}, 0},
+        {"pp2-stash-overflow",
+         {"moe_paged_stash=true", "moe_paged_stash_buffer_size_factor_cuda=0.3",
+          "decoder_first_pipeline_num_layers=1"},
+         4},
+        {"pp2-offload",
+         {"fine_grained_activation_offloading=true",
+          "offload_modules=[attn_norm,mlp_norm,qkv_linear,core_attn,attn_proj,expert_fc1,moe_act]"},
+         0},
+    };
+    for (const Case& c : cases) {
+        std::vector<std::string> sets = model;
+        sets.push_back("pipeline_model_parallel_size=2");
+        sets.insert(sets.end(), c.sets.begin(), c.sets.end());
+        const auto ranks = train_threads(2, trainer_recipe(2, sets), c.tag);
+        expect_metrics_match(c.tag, one, ranks, 1e-5, true);
+        for (size_t r = 0; r < ranks.size(); ++r) {
+            ASSERT_EQ(ranks[r].size(), one.size()) << c.tag;
+            EXPECT_EQ(ranks[r].back().moe_stash_redos, c.redos) << c.tag << " rank " << r;
+            for (const StepMetrics& m : ranks[r]) EXPECT_FALSE(m.skipped) << c.tag;
+        }
+    }
+}
+
 #endif

@@ -148,6 +148,17 @@ TEST(PagedStash, PoolBoundFollowsTheRecipe) {
     EXPECT_EQ(e.balanced_rows, 4096 * 8);
     EXPECT_EQ(e.balanced_pages, 9 * 512);
     EXPECT_EQ(e.pool_pages, 2535);
+    // Pipeline stages: each counts its own MoE layers, the last one the MTP depths too; the
+    // stages' applications add up to the model's.
+    const int64_t half = c.num_layers / 2;
+    int64_t first_half = 0;
+    for (int64_t l = 0; l < half; ++l) first_half += c.is_moe_layer(l);
+    const MoeStashBound s0 = moe_stash_bound(c, 4096, PipelineStage{0, 2, 0, half});
+    const MoeStashBound s1 = moe_stash_bound(c, 4096, PipelineStage{1, 2, half, -1});
+    EXPECT_EQ(s0.applications, first_half);
+    EXPECT_EQ(s1.applications, 9 - first_half);
+    EXPECT_GE(s1.applications, 7) << "the MTP depths are the last stage's";
+    EXPECT_EQ(s1.pool_pages, int64_t(std::ceil(0.55 * double(s1.applications * 512))));
     c.moe_paged_stash_page_size = 100;
     EXPECT_EQ(moe_stash_bound(c, 4096).pages_per_application, 328);
     // A capacity factor below top-k / experts caps the kept rows: 16 experts x 1024.

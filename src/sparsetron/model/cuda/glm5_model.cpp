@@ -42,8 +42,9 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
     S_.max_docs = max_docs;
-    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens).applications > 0) {
-        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg));
+    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens, stage).applications > 0) {
+        stash_ =
+            std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg), stage);
         S_.moe_stash = stash_.get();
     }
     if (fp8_blockwise) {
@@ -416,13 +417,24 @@ void CudaGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
     if (sc.backward) enqueue_backward(ctx, sc);
 }
 
-void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc, bool recompute) {
+void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc, bool recompute,
+                                    bool kept) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
-    ST_ASSERT(!recompute || !(stash_ || offload_),
-              "a recomputed stage forward with the MoE stash "
-              "or activation offload");
+    ST_ASSERT(kept || !recompute, "a recomputed forward is run for its backward");
     in_.recompute = recompute;
+    // What the backward reads is saved only when it follows: a forward-only pass or a discarded
+    // forward pushes no stash pages (the backward pops those of the forward run again) and
+    // offloads nothing.
+    const bool saves = kept && sc.backward;
+    struct Bypass {
+        MoeStash* stash;
+        bool was;
+        ~Bypass() {
+            if (stash) stash->set_bypass(was);
+        }
+    } bypass{saves ? nullptr : stash_.get(), stash_ && stash_->bypassed()};
+    if (bypass.stash) bypass.stash->set_bypass(true);
     if (!recompute) cuda::zero(ctx, sums_, n_sums_ * sizeof(double));
     if (stash_) stash_->reset(ctx, /*new_step=*/false);
     // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
@@ -432,7 +444,7 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     // Activation offload's schedule around each layer application (steps with a backward).
-    ActivationOffload* off = sc.backward ? offload_.get() : nullptr;
+    ActivationOffload* off = saves ? offload_.get() : nullptr;
     for (size_t l = 0; l < layers_.size(); ++l) {
         if (off) off->before_forward(int64_t(l));
         layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);

@@ -85,7 +85,11 @@ class CudaGlm5Model {
     // the micro-batch whose forward ran last. `recompute`: the forward of a micro-batch again,
     // for its backward after other micro-batches' forwards (the losses, the indexer loss's
     // gradient and the routing statistics were taken the first time and are left alone).
-    void enqueue_forward(const ExecContext& ctx, const LossScales& scales, bool recompute = false);
+    // `kept`: this forward's backward follows it; false: a stage's forward whose activations the
+    // schedule discards (run again before its backward), so the MoE stash keeps no pages of it
+    // and activation offload moves nothing.
+    void enqueue_forward(const ExecContext& ctx, const LossScales& scales, bool recompute = false,
+                         bool kept = true);
     void enqueue_backward(const ExecContext& ctx, const LossScales& scales);
     LossSums read_losses(const ExecContext& ctx) const;
     LossSums forward_backward(const ExecContext& ctx, const LossScales& scales) {

@@ -93,11 +93,6 @@ class CudaEngine final : public StepEngine, public StepBench {
             ST_CHECK(!dynamic_cp_,
                      "dynamic_context_parallel with pipeline parallelism runs on "
                      "the CPU backend only; use context_parallel_size on CUDA");
-            ST_CHECK(
-                !recipe.model.moe_paged_stash && !recipe.model.fine_grained_activation_offloading,
-                "moe_paged_stash and fine_grained_activation_offloading are not combined "
-                "with pipeline parallelism on CUDA (its stages recompute their forward "
-                "before the backward instead): drop them");
             ST_CHECK(recipe.model.moe_expert_rank_capacity_factor == 0,
                      "moe_expert_rank_capacity_factor is not combined with pipeline parallelism "
                      "on CUDA yet (the redo of a step over the budget would span the stages): "
@@ -129,6 +124,11 @@ class CudaEngine final : public StepEngine, public StepBench {
                 plan_step_staging(*model_, plan_, recipe_.run.microbatches_per_step());
             slots_ = staging.slots, s_slots_ = staging.inputs, s_sums_ = staging.sums;
         }
+        // Pipeline parallelism with the paged stash: one stage's overflow redoes the step on
+        // every stage (some of which may hold no MoE layer, so no stash): a flag on every rank.
+        if (pipeline_ && recipe.model.moe_paged_stash)
+            s_stash_veto_ =
+                plan_.add(MemClass::Activations, "pipeline.stash_overflow", DType::I32, {1});
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
             cuda_plan_shortfall(recipe, host_store_, max_documents, chunk_rows, plan_.total_bytes(),
@@ -170,7 +170,10 @@ class CudaEngine final : public StepEngine, public StepBench {
         }
         // A step whose MoE stash or receive budget overflowed computed its backward on missing
         // rows: skip it.
-        if (const cuda::MoeStash* st = model_->moe_stash()) opt_->add_veto(st->overflow_flag());
+        if (s_stash_veto_ >= 0)
+            opt_->add_veto(stash_veto());
+        else if (const cuda::MoeStash* st = model_->moe_stash())
+            opt_->add_veto(st->overflow_flag());
         if (exchange_) opt_->add_veto(exchange_->over_budget());
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
@@ -271,12 +274,21 @@ class CudaEngine final : public StepEngine, public StepBench {
         }
         // One rank's stash overflow or receive budget overflow vetoes every rank's optimizer
         // step and sends all of them into the eager redo (which exchanges rows and reduces
-        // gradients with the others).
-        if (dp_) {
-            if (const cuda::MoeStash* st = model_->moe_stash())
-                dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
-            if (exchange_) dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
+        // gradients with the others): the ranks holding the same layers, and under pipeline
+        // parallelism every rank for the stash (the redo runs every stage again).
+        const cuda::MoeStash* st = model_->moe_stash();
+        if (s_stash_veto_ >= 0) {
+            int32_t* veto = stash_veto();
+            if (st)
+                cuda::copy_2d(ctx(), veto, 0, st->overflow_flag(), 0, sizeof(int32_t), 1);
+            else
+                cuda::zero(ctx(), veto, sizeof(int32_t));
+            if (comms_.world && comms_.world->size() > 1)
+                comms_.world->device_allreduce_max(veto, 1, ctx().stream);
+        } else if (dp_ && st) {
+            dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
         }
+        if (dp_ && exchange_) dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) {
@@ -603,6 +615,11 @@ class CudaEngine final : public StepEngine, public StepBench {
     // The stash's use and the receive budget's flag after a step (synchronizes).
     void read_moe_use(StepOutcome& out) const {
         out.stash = stash_use();
+        if (s_stash_veto_ >= 0) {  // any stage's overflow
+            int32_t flag = 0;
+            cuda::download(ctx(), &flag, stash_veto(), sizeof flag);
+            out.stash.overflow = flag != 0;
+        }
         if (exchange_) {
             int32_t flag = 0;
             cuda::download(ctx(), &flag, exchange_->over_budget(), sizeof flag);
@@ -684,6 +701,8 @@ class CudaEngine final : public StepEngine, public StepBench {
     // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
     int64_t slots_ = 0, captures_ = 0;
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
+    MemoryPlan::Slot s_stash_veto_ = -1;  // pipeline parallelism with the stash: any overflow
+    int32_t* stash_veto() const { return plan_.view(s_stash_veto_).ptr<int32_t>(); }
     bool warmed_up_ = false;
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;

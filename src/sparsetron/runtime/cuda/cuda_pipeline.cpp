@@ -60,9 +60,9 @@ void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs
 }
 
 void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t i,
-                           const int32_t* inputs, double* sums) {
+                           const int32_t* inputs, double* sums, bool kept) {
     load(ctx, i, inputs);
-    model_.enqueue_forward(ctx, sc);
+    model_.enqueue_forward(ctx, sc, /*recompute=*/false, kept);
     const int64_t ns = model_.n_sums();
     cuda::copy_2d(ctx, sums + i * ns, 0, model_.sums(), 0, ns * int64_t(sizeof(double)), 1);
     resident_ = i;
@@ -107,7 +107,7 @@ void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t
     if (!sc.backward) {
         for (int64_t i = 0; i < n; ++i) {
             exchange(ctx, false, false, false, true);
-            forward(ctx, sc, i, inputs, sums);
+            forward(ctx, sc, i, inputs, sums, true);
             exchange(ctx, true, false, false, false);
         }
         return;
@@ -117,14 +117,18 @@ void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t
         backward(ctx, sc, i, inputs);
     };
     const int64_t warm = std::min<int64_t>(stages_ - stage_ - 1, n), steady = n - warm;
+    // A forward's activations serve its backward when that backward comes next: every forward
+    // on the last stage (no warm-up), or the only micro-batch; the others are run again before
+    // their backward (backward()), so they keep nothing for it.
+    const bool kept = warm == 0 || n == 1;
     for (int64_t i = 0; i < warm; ++i) {
         exchange(ctx, false, false, false, true);
-        forward(ctx, sc, i, inputs, sums);
+        forward(ctx, sc, i, inputs, sums, kept);
         exchange(ctx, true, false, false, false);
     }
     if (steady > 0) exchange(ctx, false, false, false, true);
     for (int64_t i = 0; i < steady; ++i) {
-        forward(ctx, sc, warm + i, inputs, sums);
+        forward(ctx, sc, warm + i, inputs, sums, kept);
         exchange(ctx, true, true, false, false);
         backward_of(i);
         exchange(ctx, false, false, true, i != steady - 1);

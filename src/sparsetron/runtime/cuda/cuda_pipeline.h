@@ -50,8 +50,9 @@ class CudaPipeline {
     int stages() const { return stages_; }
 
   private:
+    // `kept`: micro-batch i's backward follows this forward (model.enqueue_forward).
     void forward(const ExecContext& ctx, const LossScales& sc, int64_t i, const int32_t* inputs,
-                 double* sums);
+                 double* sums, bool kept);
     void backward(const ExecContext& ctx, const LossScales& sc, int64_t i, const int32_t* inputs);
     // Micro-batch i's inputs (and on a later stage its message) into the model.
     void load(const ExecContext& ctx, int64_t i, const int32_t* inputs);

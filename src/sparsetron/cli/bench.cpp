@@ -52,7 +52,8 @@ Run add_bench(CLI::App& app) {
                   "With --data: the run directory (its data and lock; default runs/<recipe>-bench; "
                   "no checkpoint is written)");
     c->add_option("--variants", o->variants,
-                  "Execution modes, comma-separated: eager, graph (interleaved A B B A in one "
+                  "Execution modes, comma-separated: eager, local (chunk-wise graphs), graph (the "
+                  "whole step; interleaved A B B A in one "
                   "allocation; default eager)");
     c->add_option("--variant", o->recipe_variants,
                   "A recipe variant NAME=\"--set key=value ...\" (repeatable; each its own "

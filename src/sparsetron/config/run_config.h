@@ -134,7 +134,7 @@ struct RunConfig {
     bool reuse_grad_buf_for_mxfp8_param_ag = false;
 
     // Execution.
-    std::string cuda_graph_impl = "none";  // "none" | "full_iteration"
+    std::string cuda_graph_impl = "none";  // "none" | "local" (chunk-wise) | "full_iteration"
     int64_t loss_chunk_rows = 0;  // engine key: rows per fused head+loss chunk; 0 = derived
     // Engine key, SPEC §3.2: DSA dense warm-up -- attention over every causal key (top-k widened to
     // the micro-batch), the dense indexer loss, and only the indexer's weights updated.

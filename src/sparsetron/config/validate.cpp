@@ -244,7 +244,7 @@ void Recipe::validate() {
              "use_varlen_dataset: false (fixed-length samples) is not implemented: the engine "
              "always packs whole documents into THD micro-batches; set it true");
     one_of(r.fp8_format, "fp8_format", {"e4m3", "hybrid"});
-    one_of(r.cuda_graph_impl, "cuda_graph_impl", {"none", "full_iteration"});
+    one_of(r.cuda_graph_impl, "cuda_graph_impl", {"none", "local", "full_iteration"});
     one_of(r.moe_expert_exchange, "moe_expert_exchange", {"auto", "nvlink", "nccl"});
 }
 

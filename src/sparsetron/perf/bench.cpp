@@ -59,7 +59,8 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     ST_CHECK(o.iters > 0 && o.warmup >= 0, "bench: --iters must be positive");
     ST_CHECK(!o.variants.empty(), "bench: no variants");
     for (const auto& v : o.variants)
-        ST_CHECK(v == "eager" || v == "graph", "bench: unknown variant '", v, "' (eager, graph)");
+        ST_CHECK(v == "eager" || v == "local" || v == "graph", "bench: unknown variant '", v,
+                 "' (eager, local, graph)");
     check_fp8_recipe(recipe.run, Device::CUDA);
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(recipe.run.world_size == ranks, "bench: world_size ", recipe.run.world_size, " but ",
@@ -132,7 +133,11 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     // first.
     std::vector<double> mem(V, -1.0);
     auto run_one = [&](int v) {
-        const double ms = bench.timed_step(o.variants[v] == "graph", optimizer, sc, n_mb, step++);
+        const std::string& mode = o.variants[size_t(v)];
+        const BenchMode m = mode == "graph"   ? BenchMode::Graph
+                            : mode == "local" ? BenchMode::Local
+                                              : BenchMode::Eager;
+        const double ms = bench.timed_step(m, optimizer, sc, n_mb, step++);
         mem[v] = std::max(mem[v], engine->memory_in_use_gib() * 1024.0);
         return ms;
     };

@@ -18,10 +18,12 @@ std::vector<BenchResult> run_bench_data(const Recipe& recipe_in, const BenchOpti
     ST_CHECK(!o.data_out.empty(), "bench --data: no run directory");
     std::vector<BenchResult> results;
     for (const std::string& mode : o.variants) {
-        ST_CHECK(mode == "eager" || mode == "graph", "bench: unknown variant '", mode,
-                 "' (eager, graph)");
+        ST_CHECK(mode == "eager" || mode == "local" || mode == "graph", "bench: unknown variant '",
+                 mode, "' (eager, local, graph)");
         Recipe recipe = recipe_in;
-        recipe.run.cuda_graph_impl = mode == "graph" ? "full_iteration" : "none";
+        recipe.run.cuda_graph_impl = mode == "graph"   ? "full_iteration"
+                                     : mode == "local" ? "local"
+                                                       : "none";
         // The schedule's length only shapes the learning rate, not the work of a step.
         recipe.run.train_iters = std::max(recipe.run.train_iters, o.warmup + o.iters);
         Trainer trainer(recipe, TrainOptions{o.data_out, "", Device::CUDA, false, o.comm});

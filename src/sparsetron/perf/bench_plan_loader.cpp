@@ -83,7 +83,8 @@ BenchPlan load_bench_plan(const std::string& path) {
             ST_CHECK(s.find('=') != std::string::npos, at, ".set: '", s, "' is not key=value");
         for (int64_t l : row.lengths) ST_CHECK(l > 0, at, ".lengths: ", l, " is not positive");
         for (const std::string& v : row.variants)
-            ST_CHECK(v == "eager" || v == "graph", at, ".variants: '", v, "' (eager, graph)");
+            ST_CHECK(v == "eager" || v == "local" || v == "graph", at, ".variants: '", v,
+                     "' (eager, local, graph)");
         plan.rows.push_back(row);
     }
     return plan;

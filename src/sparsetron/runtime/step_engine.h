@@ -96,6 +96,10 @@ class StepEngine {
     virtual StepBench* bench() { return nullptr; }
 };
 
+// How bench runs a step: eagerly, with chunk-wise graphs (cuda_graph_impl: local), or as one
+// captured graph of the whole step (full_iteration).
+enum class BenchMode { Eager, Local, Graph };
+
 // What `sparsetron bench` times on an engine: a staged micro-batch run as whole steps.
 class StepBench {
   public:
@@ -104,11 +108,12 @@ class StepBench {
     // dynamic CP, null for a group of this rank alone).
     virtual void stage_inputs(const MicroBatch& mb, const LossScales& scales, Comm* cp_group) = 0;
     // Zeroed gradients, `micro_batches` forward+backward passes of the staged inputs, and with
-    // `optimizer` the optimizer step for `step`; its device time from events. With `graph` the
-    // step is captured once (again when `optimizer` or `micro_batches` change) and replayed; the
-    // graph bakes the optimizer's host scalars of the step it was captured at, which leaves the
-    // work timed unchanged. Losses are not read back.
-    virtual double timed_step(bool graph, bool optimizer, const LossScales& scales,
+    // `optimizer` the optimizer step for `step`; its device time from events. With
+    // BenchMode::Graph the step is captured once (again when `optimizer` or `micro_batches`
+    // change) and replayed; the graph bakes the optimizer's host scalars of the step it was
+    // captured at, which leaves the work timed unchanged. With BenchMode::Local the model's
+    // chunks are graphs (each captured on its second run). Losses are not read back.
+    virtual double timed_step(BenchMode mode, bool optimizer, const LossScales& scales,
                               int64_t micro_batches, int64_t step) = 0;
     // The static plan's total with the expert exchange's buffers, MiB.
     virtual double planned_memory_mib() const = 0;

@@ -554,6 +554,35 @@ TEST(CudaTraining, FullIterationGraphTrainingMatchesEager) {
     }
 }
 
+// Chunk-wise graphs (cuda_graph_impl: local): each layer's forward and backward and the head with
+// MTP captured on their second run and replayed between the eager parts of the step, the
+// gradients accumulated from zero; the same training as eager (the full-iteration test's
+// tolerances: fp32 atomics differ between runs in the last bits and Adam amplifies them).
+TEST(CudaTraining, ChunkGraphsTrainingMatchesEager) {
+    REQUIRE_GPU();
+    Recipe r = builtin_tiny_recipe();
+    r.run.train_iters = 5;
+    r.run.save_interval = 0;
+    auto eager = train(r, Device::CUDA, test::temp_dir("cuda-eager"));
+    r.run.cuda_graph_impl = "local";
+    auto local = train(r, Device::CUDA, test::temp_dir("cuda-local"));
+    ASSERT_EQ(local.size(), 5u);
+    for (size_t i = 0; i < 5; ++i) {
+        std::cout << "[chunk graphs] trainer step " << i + 1 << ": lm " << local[i].lm_loss
+                  << " vs " << eager[i].lm_loss << ", grad_norm " << local[i].grad_norm << " vs "
+                  << eager[i].grad_norm << (local[i].graph ? " (replays)" : "") << "\n";
+        EXPECT_EQ(local[i].graph, i > 0) << "step 1 warms the chunks up, step 2 captures them";
+        const double tol = i == 0 ? 1e-5 : 1e-4;
+        EXPECT_NEAR(local[i].lm_loss, eager[i].lm_loss, tol * eager[i].lm_loss);
+        EXPECT_NEAR(local[i].mtp_loss, eager[i].mtp_loss, tol * eager[i].mtp_loss + 1e-9);
+        EXPECT_NEAR(local[i].indexer_loss, eager[i].indexer_loss,
+                    10 * tol * eager[i].indexer_loss + 1e-9);
+        EXPECT_NEAR(local[i].grad_norm, eager[i].grad_norm,
+                    (i == 0 ? 1e-5 : 1e-3) * eager[i].grad_norm);
+        EXPECT_EQ(local[i].lr, eager[i].lr);
+    }
+}
+
 namespace {
 
 // Engines for `recipes` from one set of initial weights (the tiny recipe's training plan).
@@ -903,10 +932,10 @@ TEST(CudaTraining, BenchUnderDynamicCpTimesTheGroupsDocument) {
     BenchOptions o;
     o.warmup = 1;
     o.iters = 2;
-    o.variants = {"eager", "graph"};
+    o.variants = {"eager", "local", "graph"};
     const std::vector<BenchResult> a = run_bench(fixed, o), b = run_bench(dyn, o);
-    ASSERT_EQ(a.size(), 2u);
-    ASSERT_EQ(b.size(), 2u);
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
     const int64_t n_mb = dyn.run.microbatches_per_step();
     for (const BenchResult& r : b) {
         std::cout << "[bench] dynamic CP " << r.variant << ": " << r.median_ms << " ms, "
@@ -937,11 +966,11 @@ TEST(CudaTraining, BenchDataTimesTheRecipesOwnSteps) {
     BenchOptions o;
     o.warmup = 1;
     o.iters = 3;
-    o.variants = {"eager", "graph"};
+    o.variants = {"eager", "local", "graph"};
     o.data = true;
     o.data_out = test::temp_dir("bench");
     const std::vector<BenchResult> res = run_bench(r, o);
-    ASSERT_EQ(res.size(), 2u);
+    ASSERT_EQ(res.size(), 3u);
     for (const BenchResult& b : res) {
         std::cout << "[bench --data] " << b.variant << ": median " << b.median_ms << " ms, "
                   << b.tokens << " tokens, " << b.flops << " FLOPs per step, " << b.tflops_per_gpu
@@ -955,7 +984,8 @@ TEST(CudaTraining, BenchDataTimesTheRecipesOwnSteps) {
         EXPECT_GT(b.planned_mem_mib, 0.0);
     }
     EXPECT_EQ(res[0].variant, "data.eager");
-    EXPECT_EQ(res[1].variant, "data.graph");
+    EXPECT_EQ(res[1].variant, "data.local");
+    EXPECT_EQ(res[2].variant, "data.graph");
 }
 
 // The MoE sequence aux loss through training on the device against the CPU, three steps.

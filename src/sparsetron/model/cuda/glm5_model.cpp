@@ -298,6 +298,7 @@ void CudaGlm5Model::set_context_parallel(Comm* cp) {
 }
 
 void CudaGlm5Model::set_moe_redo(bool on) {
+    redo_ = on;
     if (stash_) stash_->set_bypass(on);
     for (CudaMoeLayer* m : moes()) m->set_redo(on);
 }
@@ -447,19 +448,38 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     ActivationOffload* off = saves ? offload_.get() : nullptr;
     for (size_t l = 0; l < layers_.size(); ++l) {
         if (off) off->before_forward(int64_t(l));
-        layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs);
+        chunk(
+            cat("forward ", l, recompute ? " recomputed" : "", saves ? " saving" : "", " ", idx_gs),
+            [&] { layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs); });
         if (off) off->after_forward(int64_t(l));
     }
     in_.recompute = false;
     if (!stage_.last()) return;
-    cuda::rmsnorm_forward(ctx, x_.back(), h, (*P_)[final_norm_].w, Tn, h, float(c.norm_epsilon),
-                          h_final_, h, rstd_final_);
-    cuda::head_cross_entropy(
-        ctx,
-        head_loss(h_final_, in_.targets, in_.loss_scales, sc.backward ? P_->grad_beta(head_) : 1.f),
-        row_loss_, sc.backward ? dh_ : nullptr, sc.backward ? (*P_)[head_].grad : nullptr);
-    cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
-    if (D_ > 0) mtp_forward(ctx, sc, off);
+    const auto tail = [&] {
+        cuda::rmsnorm_forward(ctx, x_.back(), h, (*P_)[final_norm_].w, Tn, h, float(c.norm_epsilon),
+                              h_final_, h, rstd_final_);
+        cuda::head_cross_entropy(ctx,
+                                 head_loss(h_final_, in_.targets, in_.loss_scales,
+                                           sc.backward ? P_->grad_beta(head_) : 1.f),
+                                 row_loss_, sc.backward ? dh_ : nullptr,
+                                 sc.backward ? (*P_)[head_].grad : nullptr);
+        cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
+        if (D_ > 0) mtp_forward(ctx, sc, off);
+    };
+    // The head and MTP as one chunk, but with the MTP layer's offload copies between its parts.
+    if (off && D_ > 0)
+        tail();
+    else
+        chunk(cat("head forward", sc.backward ? " backward" : "", saves ? " saving" : "",
+                  sc.indexer_grads ? " indexer" : "", " mtp ", sc.mtp.size(), " ", idx_gs),
+              tail);
+}
+
+void CudaGlm5Model::chunk(const std::string& key, const std::function<void()>& enqueue) const {
+    if (chunks_ && !redo_)
+        chunks_->run(cat(key, " cp ", static_cast<const void*>(in_.cp)), enqueue);
+    else
+        enqueue();
 }
 
 void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) {
@@ -470,7 +490,12 @@ void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) 
         if (hook_) hook_(p);
     };
     if (stage_.last()) {
-        if (D_ > 0) mtp_backward(ctx, off);
+        if (D_ > 0) {
+            if (off)
+                mtp_backward(ctx, off);
+            else
+                chunk("mtp backward", [&] { mtp_backward(ctx, nullptr); });
+        }
         point(0);
         cuda::rmsnorm_backward(ctx, dh_, h, x_.back(), h, (*P_)[final_norm_].w, rstd_final_, Tn, h,
                                dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
@@ -479,7 +504,9 @@ void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) 
     const int64_t n = stage_layers();
     for (int64_t l = n - 1; l >= 0; --l) {
         if (off) off->before_backward(l);
-        layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(l)], dx_, in_, nullptr);
+        chunk(cat("backward ", l), [&] {
+            layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(l)], dx_, in_, nullptr);
+        });
         if (off) off->after_backward(l);
         point(int(2 + n - 1 - l));
     }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sparsetron/config/pipeline_stage.h"
+#include "sparsetron/cuda/chunk_graphs.h"
 #include "sparsetron/data/packer.h"
 #include "sparsetron/model/cuda/decoder_layer.h"
 #include "sparsetron/model/losses.h"
@@ -120,6 +121,11 @@ class CudaGlm5Model {
     // the stash bypassed (MoeStash::set_bypass), the routed experts in token chunks under a
     // budget (CudaMoeLayer::set_redo).
     void set_moe_redo(bool on);
+    // Chunk-wise graphs (cuda_graph_impl: local; null: eager): each layer's forward and
+    // backward, the head and MTP, as chunks of `graphs` (cuda/chunk_graphs.h), but in a redo.
+    // Their work is replayed at any place in a step: the gradients must be in accumulate-only
+    // mode (CudaParams::begin_gradients).
+    void set_chunk_graphs(cuda::ChunkGraphs* graphs) { chunks_ = graphs; }
 
     // Pipeline parallelism (config/pipeline_stage.h). The stage's input rows (written before a
     // forward on every stage but the first), its output rows (sent on after it) and the residual
@@ -235,6 +241,10 @@ class CudaGlm5Model {
     int64_t indexer_tokens_ = 0;    // LossScales::indexer_tokens of the micro-batches staged
     std::vector<int32_t> h_block_;  // host staging of one micro-batch's block
     std::function<void(int)> hook_;
+    cuda::ChunkGraphs* chunks_ = nullptr;
+    bool redo_ = false;  // set_moe_redo
+    // `enqueue` as the chunk `key` (with the CP group) of the chunk-wise graphs, or eagerly.
+    void chunk(const std::string& key, const std::function<void()>& enqueue) const;
 };
 
 }  // namespace sparsetron::cuda

@@ -141,6 +141,7 @@ class CudaEngine final : public StepEngine, public StepBench {
                  " available; offload fewer offload_modules or recompute some (recompute_modules)");
         plan_.allocate(Device::CUDA);
         model_->bind(ctx());
+        if (recipe_.run.cuda_graph_impl == "local") set_chunk_graphs(true);
         if (pipeline_) pipeline_->bind(plan_);
         if (cp > 1 && !dynamic_cp_) model_->set_context_parallel(context_parallel);
         opt_->bind(plan_);
@@ -259,7 +260,8 @@ class CudaEngine final : public StepEngine, public StepBench {
     // the step or zeroed where needed (CudaParams::begin_gradients), and end_backward() zeroes
     // what the step did not write.
     void begin_step(bool accumulate_only = false) {
-        model_->cuda_params().begin_gradients(ctx(), accumulate_only);
+        // Chunk-wise graphs replay a chunk's gradient writes at any place in the step.
+        model_->cuda_params().begin_gradients(ctx(), accumulate_only || chunked_);
         model_->reset_moe_stats(ctx());
         if (exchange_) exchange_->clear_over_budget(ctx());
     }
@@ -298,7 +300,9 @@ class CudaEngine final : public StepEngine, public StepBench {
 
     StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                          const RunConfig& run, int64_t step, const std::vector<Comm*>* cp_groups) {
+        const int64_t replays = chunks_ ? chunks_->replays() : 0;
         StepOutcome out = run_step_once(mbs, sc, run, step, cp_groups, false);
+        if (chunks_ && chunks_->replays() > replays) out.replayed = true;  // chunk-wise graphs
         if (!out.stash.overflow && !out.over_budget) return out;
         // The paged stash or the receive budget overflowed: the backward ran on missing rows and
         // the optimizer skipped the step on the device. As the seed falls back to an eager step:
@@ -492,7 +496,9 @@ class CudaEngine final : public StepEngine, public StepBench {
         return out;
     }
 
-    int64_t graph_captures() const override { return captures_; }
+    int64_t graph_captures() const override {
+        return captures_ + (chunks_ ? chunks_->captures() : 0);
+    }
     int64_t pipeline_recomputed() const override { return pipeline_ ? pipeline_->recomputed() : 0; }
 
     void stage_inputs(const MicroBatch& mb, const LossScales& scales, Comm* cp_group) override {
@@ -504,9 +510,16 @@ class CudaEngine final : public StepEngine, public StepBench {
         model_->load_inputs(ctx(), mb, scales);
     }
 
-    double timed_step(bool graph, bool optimizer, const LossScales& scales, int64_t micro_batches,
-                      int64_t step) override {
+    double timed_step(BenchMode mode, bool optimizer, const LossScales& scales,
+                      int64_t micro_batches, int64_t step) override {
         const RunConfig& run = recipe_.run;
+        // The model's chunk graphs for this mode only (the recipe's setting after it).
+        struct Chunks {
+            CudaEngine& e;
+            ~Chunks() { e.set_chunk_graphs(e.recipe_.run.cuda_graph_impl == "local"); }
+        } restore{*this};
+        set_chunk_graphs(mode == BenchMode::Local);
+        const bool graph = mode == BenchMode::Graph;
         auto enqueue = [&] {
             begin_step(false);
             for (int64_t i = 0; i < micro_batches; ++i) {
@@ -539,6 +552,13 @@ class CudaEngine final : public StepEngine, public StepBench {
     }
 
   private:
+    // Chunk-wise graphs (cuda_graph_impl: local) on or off: the model's layers and head as
+    // chunks, the gradients in accumulate-only mode.
+    void set_chunk_graphs(bool on) {
+        if (on && !chunks_) chunks_ = std::make_unique<cuda::ChunkGraphs>(session_);
+        model_->set_chunk_graphs(on ? chunks_.get() : nullptr);
+        chunked_ = on;
+    }
     // Data parallelism: gradients and routing statistics summed over the ranks. With
     // overlap_grad_reduce the step's last micro-batch reduces each bucket (the gradient ranges
     // complete at one backward point, model/cuda/glm5_model.h) on a side stream as soon as its
@@ -700,6 +720,8 @@ class CudaEngine final : public StepEngine, public StepBench {
     std::unique_ptr<cuda::StepGraph> graph_;  // timed_step's graph (bench)
     // Training graphs (cuda_graph_impl full_iteration): staging slots, the captured step.
     int64_t slots_ = 0, captures_ = 0;
+    std::unique_ptr<cuda::ChunkGraphs> chunks_;  // cuda_graph_impl local (or bench's "local")
+    bool chunked_ = false;
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
     MemoryPlan::Slot s_stash_veto_ = -1;  // pipeline parallelism with the stash: any overflow
     int32_t* stash_veto() const { return plan_.view(s_stash_veto_).ptr<int32_t>(); }

@@ -1,0 +1,34 @@
+// Chunk-wise CUDA graphs (cuda_graph_impl: local, the seed's per-layer graphs): each chunk of a
+// step's work (a layer's forward or backward, the head and MTP) runs eagerly the first time it is
+// seen (the warm-up: GEMM plans, kernel attributes), is captured the second time and replayed
+// from then on, between the parts of the step that stay eager (inputs, pipeline transfers,
+// offload copies, gradient reductions, the optimizer). Every chunk reads and writes the static
+// memory plan, so the graphs share it as their one pool. A chunk's key names everything its
+// work depends on besides buffer contents (the layer, the pass, host flags, the CP group).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "sparsetron/cuda/step_graph.h"
+
+namespace sparsetron::cuda {
+
+class ChunkGraphs {
+  public:
+    explicit ChunkGraphs(const CudaSession& session) : session_(session) {}
+    // `enqueue` for the chunk `key`: eagerly, captured, or replayed (see above).
+    void run(const std::string& key, const std::function<void()>& enqueue);
+    int64_t captures() const { return captures_; }
+    int64_t replays() const { return replays_; }
+
+  private:
+    const CudaSession& session_;
+    std::map<std::string, std::unique_ptr<StepGraph>> graphs_;  // null: warmed up, not captured
+    int64_t captures_ = 0, replays_ = 0;
+};
+
+}  // namespace sparsetron::cuda

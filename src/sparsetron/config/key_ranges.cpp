@@ -75,6 +75,7 @@ const std::vector<KeyRange>& key_ranges() {
          "a run trains at least one step (resuming a finished run: raise train_iters)"},
         {"seed", 0, kInt64},
         {"log_interval", 1, kCount},
+        {"cuda_graph_warmup_steps", 1, kCount},
         {"save_interval", 0, kCount},
         {"save_keep_last", 1, double(1 << 20)},
         {"skipped_iters_limit", 0, kCount},

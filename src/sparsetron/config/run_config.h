@@ -135,6 +135,9 @@ struct RunConfig {
 
     // Execution.
     std::string cuda_graph_impl = "none";  // "none" | "local" (chunk-wise) | "full_iteration"
+    // Eager steps before the graphs are captured (Megatron's default; at least one: GEMM plans
+    // and kernel attributes are made there).
+    int64_t cuda_graph_warmup_steps = 3;
     int64_t loss_chunk_rows = 0;  // engine key: rows per fused head+loss chunk; 0 = derived
     // Engine key, SPEC §3.2: DSA dense warm-up -- attention over every causal key (top-k widened to
     // the micro-batch), the dense indexer loss, and only the indexer's weights updated.

@@ -3,14 +3,12 @@
 namespace sparsetron::cuda {
 
 void ChunkGraphs::run(const std::string& key, const std::function<void()>& enqueue) {
-    const auto it = graphs_.find(key);
-    if (it == graphs_.end()) {
-        enqueue();
-        graphs_.emplace(key, nullptr);
-        return;
-    }
-    std::unique_ptr<StepGraph>& g = it->second;
+    std::unique_ptr<StepGraph>& g = graphs_[key];
     if (!g) {
+        if (!capturing_) {
+            enqueue();
+            return;
+        }
         g = std::make_unique<StepGraph>(session_);
         g->begin_capture();
         enqueue();

@@ -144,7 +144,8 @@ TEST(DataParallelGpu, TwoGpusMatchOneGpuEagerAndGraph) {
     // overlap_grad_reduce (the default): buckets reduced on a side stream during the last
     // micro-batch's backward; a bucket reduced before its gradients are complete shows here.
     compare_with_one_gpu("eager", "");
-    compare_with_one_gpu("graph", "--set cuda_graph_impl=full_iteration");
+    compare_with_one_gpu("graph",
+                         "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1");
     compare_with_one_gpu("no-overlap", "--set overlap_grad_reduce=false");
 }
 
@@ -161,7 +162,9 @@ TEST(DataParallelGpu, DistributedOptimizerMatchesOneGpuAndResumes) {
         "--set optimizer=muon --set muon_split_qkv_per_head=true "
         "--set use_distributed_optimizer=true ";
     compare_with_one_gpu("distopt-eager", dist);
-    compare_with_one_gpu("distopt-graph", dist + "--set cuda_graph_impl=full_iteration");
+    compare_with_one_gpu(
+        "distopt-graph",
+        dist + "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1");
 
     const std::string full = test::temp_dir("distopt-full"),
                       resumed = test::temp_dir("distopt-res");
@@ -186,7 +189,8 @@ TEST(DataParallelGpu, ExpertParallelTwoGpusMatchOneGpuEagerAndGraph) {
         GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
     const std::string ep = "--set expert_model_parallel_size=2";
     compare_with_one_gpu("ep2-eager", "", ep);
-    compare_with_one_gpu("ep2-graph", "--set cuda_graph_impl=full_iteration", ep);
+    compare_with_one_gpu(
+        "ep2-graph", "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1", ep);
     compare_with_one_gpu("ep2-distopt-muon",
                          "--set optimizer=muon --set use_distributed_optimizer=true", ep);
     // Force-balanced routing: the receive buffers planned at tokens x top-k rows (half of the
@@ -203,7 +207,9 @@ TEST(DataParallelGpu, ExpertParallelOverNcclMatchesOneGpuEagerAndGraph) {
         GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
     const std::string ep = "--set expert_model_parallel_size=2 --set moe_expert_exchange=nccl";
     compare_with_one_gpu("ep2-nccl-eager", "", ep);
-    compare_with_one_gpu("ep2-nccl-graph", "--set cuda_graph_impl=full_iteration", ep);
+    compare_with_one_gpu("ep2-nccl-graph",
+                         "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1",
+                         ep);
     compare_with_one_gpu("ep2-nccl-force", "--set moe_router_force_load_balancing=true", ep);
 }
 
@@ -218,7 +224,9 @@ TEST(DataParallelGpu, ExpertParallelPagedStashMatchesOneGpuAndRedoesTogether) {
     const std::string ep = "--set expert_model_parallel_size=2";
     compare_with_one_gpu("ep2-stash", "--set moe_paged_stash=true", ep);
     compare_with_one_gpu("ep2-stash-graph",
-                         "--set moe_paged_stash=true --set cuda_graph_impl=full_iteration", ep);
+                         "--set moe_paged_stash=true --set cuda_graph_impl=full_iteration --set "
+                         "cuda_graph_warmup_steps=1",
+                         ep);
     const auto two = compare_with_one_gpu(
         "ep2-stash-overflow",
         "--set moe_paged_stash=true --set moe_paged_stash_buffer_size_factor_cuda=0.2", ep);
@@ -239,14 +247,18 @@ TEST(DataParallelGpu, ExpertParallelReceiveBudgetMatchesOneGpuAndRedoesTogether)
         compare_with_one_gpu("ep2-budget-0.5", "--set moe_expert_rank_capacity_factor=0.5", ep);
     ASSERT_FALSE(redone.empty());
     EXPECT_EQ(redone.back().value("moe_budget_redos", 0), 4) << redone.back().dump();
-    const auto graph = compare_with_one_gpu(
-        "ep2-budget-0.5-graph",
-        "--set moe_expert_rank_capacity_factor=0.5 --set cuda_graph_impl=full_iteration", ep);
+    const auto graph =
+        compare_with_one_gpu("ep2-budget-0.5-graph",
+                             "--set moe_expert_rank_capacity_factor=0.5 --set "
+                             "cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1",
+                             ep);
     ASSERT_FALSE(graph.empty());
     EXPECT_EQ(graph.back().value("moe_budget_redos", 0), 4) << graph.back().dump();
-    const auto held = compare_with_one_gpu(
-        "ep2-budget-1.5-graph",
-        "--set moe_expert_rank_capacity_factor=1.5 --set cuda_graph_impl=full_iteration", ep);
+    const auto held =
+        compare_with_one_gpu("ep2-budget-1.5-graph",
+                             "--set moe_expert_rank_capacity_factor=1.5 --set "
+                             "cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1",
+                             ep);
     ASSERT_FALSE(held.empty());
     EXPECT_EQ(held.back().value("moe_budget_redos", 0), 0) << held.back().dump();
     EXPECT_TRUE(held.back().value("graph", false));
@@ -262,7 +274,9 @@ TEST(DataParallelGpu, OptimizerOffloadMatchesOneGpuEagerAndGraph) {
         "--set optimizer=muon --set use_distributed_optimizer=true "
         "--set optimizer_cpu_offload=true ";
     compare_with_one_gpu("offload-eager", off);
-    compare_with_one_gpu("offload-graph", off + "--set cuda_graph_impl=full_iteration");
+    compare_with_one_gpu(
+        "offload-graph",
+        off + "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1");
 }
 
 // Sharded experts on GPUs: an EP2 run (each GPU holds, trains and saves half of the experts)
@@ -305,7 +319,9 @@ TEST(DataParallelGpu, ContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
         GTEST_SKIP() << "needs 2 GPUs (nvidia-h200-x2): this machine has " << cuda_device_count();
     const std::string cp = "--set context_parallel_size=2";
     compare_with_one_gpu("cp2-eager", "", cp, 1e-5, 1e-3);
-    compare_with_one_gpu("cp2-graph", "--set cuda_graph_impl=full_iteration", cp, 1e-5, 1e-3);
+    compare_with_one_gpu("cp2-graph",
+                         "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1", cp,
+                         1e-5, 1e-3);
     compare_with_one_gpu("cp2-e2e-tv", "--set mtp_loss_type=e2e_tv --set mtp_detach_heads=true", cp,
                          1e-5, 1e-3);
 }
@@ -326,8 +342,9 @@ TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
         "--set context_parallel_size=2 --set dynamic_context_parallel=true "
         "--set sequence_packing_scheduler=default_dynamic_cp --set max_seqlen_per_dp_cp_rank=160";
     compare_with_one_gpu("dcp-eager", both, dyn, 1e-5, 1e-3);
-    const auto m = compare_with_one_gpu("dcp-graph", both + "--set cuda_graph_impl=full_iteration",
-                                        dyn, 1e-5, 1e-3);
+    const auto m = compare_with_one_gpu(
+        "dcp-graph", both + "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1",
+        dyn, 1e-5, 1e-3);
     // Groups of two GPUs ran (and the replays).
     ASSERT_FALSE(m.empty());
     EXPECT_TRUE(m.back().value("graph", false)) << "the last step replayed its graphs";
@@ -354,7 +371,9 @@ TEST(DataParallelGpu, PipelineParallelTwoGpusMatchOneGpuEagerAndGraphAndResumes)
     const std::string pp = "--set pipeline_model_parallel_size=2";
     const std::string full_layers = "--set dsa_indexer_skip_topk_offset=2 ";
     compare_with_one_gpu("pp2-eager", full_layers, pp);
-    compare_with_one_gpu("pp2-graph", full_layers + "--set cuda_graph_impl=full_iteration", pp);
+    compare_with_one_gpu(
+        "pp2-graph",
+        full_layers + "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1", pp);
     const std::string four =
         "--set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
         "--set optimizer=muon " +

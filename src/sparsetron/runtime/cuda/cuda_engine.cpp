@@ -301,6 +301,9 @@ class CudaEngine final : public StepEngine, public StepBench {
     StepOutcome run_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                          const RunConfig& run, int64_t step, const std::vector<Comm*>* cp_groups) {
         const int64_t replays = chunks_ ? chunks_->replays() : 0;
+        // Chunk-wise graphs: captured once the warm-up steps have run.
+        if (chunks_ && chunked_ && ++chunk_steps_ > run.cuda_graph_warmup_steps)
+            chunks_->set_capturing(true);
         StepOutcome out = run_step_once(mbs, sc, run, step, cp_groups, false);
         if (chunks_ && chunks_->replays() > replays) out.replayed = true;  // chunk-wise graphs
         if (!out.stash.overflow && !out.over_budget) return out;
@@ -372,9 +375,9 @@ class CudaEngine final : public StepEngine, public StepBench {
                                  int64_t(sc.mtp.size())};
         if (!graphs_ || eager) {
             body();  // eagerly (pipeline parallelism without graphs, or its redo)
-        } else if (!warmed_up_) {
-            body();  // the warm-up step: the same work, eagerly
-            warmed_up_ = true;
+        } else if (eager_steps_ < run.cuda_graph_warmup_steps) {
+            body();  // a warm-up step: the same work, eagerly
+            ++eager_steps_;
         } else {
             if (!step_graph_ || sig != step_sig_) {
                 if (step_graph_)
@@ -516,9 +519,15 @@ class CudaEngine final : public StepEngine, public StepBench {
         // The model's chunk graphs for this mode only (the recipe's setting after it).
         struct Chunks {
             CudaEngine& e;
-            ~Chunks() { e.set_chunk_graphs(e.recipe_.run.cuda_graph_impl == "local"); }
+            ~Chunks() {
+                e.set_chunk_graphs(e.recipe_.run.cuda_graph_impl == "local");
+                if (e.chunks_)
+                    e.chunks_->set_capturing(e.chunk_steps_ >
+                                             e.recipe_.run.cuda_graph_warmup_steps);
+            }
         } restore{*this};
         set_chunk_graphs(mode == BenchMode::Local);
+        if (chunks_) chunks_->set_capturing(true);  // bench's own --warmup runs come first
         const bool graph = mode == BenchMode::Graph;
         auto enqueue = [&] {
             begin_step(false);
@@ -722,10 +731,11 @@ class CudaEngine final : public StepEngine, public StepBench {
     int64_t slots_ = 0, captures_ = 0;
     std::unique_ptr<cuda::ChunkGraphs> chunks_;  // cuda_graph_impl local (or bench's "local")
     bool chunked_ = false;
+    int64_t chunk_steps_ = 0;  // training steps run with chunk-wise graphs
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
     MemoryPlan::Slot s_stash_veto_ = -1;  // pipeline parallelism with the stash: any overflow
     int32_t* stash_veto() const { return plan_.view(s_stash_veto_).ptr<int32_t>(); }
-    bool warmed_up_ = false;
+    int64_t eager_steps_ = 0;  // full_iteration's warm-up steps run so far
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;
     // Dynamic CP: one micro-batch graph per (CP size, backward, indexer gradients, indexer

@@ -4,10 +4,13 @@
 // the others' data; device collectives go through the host (stream synchronized first), which a
 // captured graph cannot hold: these runs are eager. Results are summed in rank order, so every
 // rank gets the same bits. Point-to-point transfers use a mailbox per (source, destination).
+// A rank that fails marks the job failed (ThreadGroup::fail): every rank waiting in any of the
+// job's communicators then stops with an error instead of waiting for it forever.
 #pragma once
 
 #include <algorithm>
-#include <barrier>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -23,9 +26,44 @@
 
 namespace sparsetron::test {
 
+// Whether a rank of the job failed: shared by the job's communicators (its splits too).
+struct ThreadJob {
+    std::atomic<bool> failed{false};
+    void check() const { ST_CHECK(!failed.load(), "ThreadComm: another rank of the job failed"); }
+};
+
+// A barrier that stops waiting (with an error) once the job has failed.
+class ThreadBarrier {
+  public:
+    ThreadBarrier(int n, std::shared_ptr<ThreadJob> job) : n_(n), job_(std::move(job)) {}
+    void arrive_and_wait() {
+        std::unique_lock<std::mutex> lock(mu_);
+        const int64_t gen = generation_;
+        if (++count_ == n_) {
+            count_ = 0, ++generation_;
+            cv_.notify_all();
+            return;
+        }
+        while (generation_ == gen) {
+            cv_.wait_for(lock, std::chrono::milliseconds(50));
+            if (generation_ == gen) job_->check();
+        }
+    }
+
+  private:
+    int n_, count_ = 0;
+    int64_t generation_ = 0;
+    std::shared_ptr<ThreadJob> job_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+};
+
 // What the ranks of one communicator share.
 struct ThreadGroup {
-    explicit ThreadGroup(int n) : ranks(n), bar(n), posted(size_t(n)), mail(size_t(n * n)) {}
+    explicit ThreadGroup(int n, std::shared_ptr<ThreadJob> j = std::make_shared<ThreadJob>())
+        : ranks(n), job(j), bar(n, j), posted(size_t(n)), mail(size_t(n * n)) {}
+    // A rank failed: the others stop at their next wait.
+    void fail() { job->failed = true; }
     struct Mail {
         const void* data = nullptr;
         int64_t bytes = 0;
@@ -37,7 +75,8 @@ struct ThreadGroup {
         int64_t a = 0, b = 0;
     };
     int ranks;
-    std::barrier<> bar;
+    std::shared_ptr<ThreadJob> job;
+    ThreadBarrier bar;
     std::vector<Post> posted;  // one per rank, valid between two barriers
     std::mutex mu;
     std::condition_variable cv;
@@ -100,7 +139,7 @@ class ThreadComm final : public Comm {
             int(std::find(members.begin(), members.end(), std::pair{key, rank_}) - members.begin());
         if (mine == 0) {  // the color's first member makes the group
             std::lock_guard<std::mutex> lock(g_->mu);
-            g_->new_groups[color] = std::make_shared<ThreadGroup>(int(members.size()));
+            g_->new_groups[color] = std::make_shared<ThreadGroup>(int(members.size()), g_->job);
         }
         g_->bar.arrive_and_wait();
         auto group = [&] {
@@ -226,7 +265,7 @@ class ThreadComm final : public Comm {
         }
         if (in) {
             ThreadGroup::Mail& m = g_->mail[size_t(src * size() + rank_)];
-            g_->cv.wait(lock, [&] { return m.data != nullptr && !m.taken; });
+            wait(lock, [&] { return m.data != nullptr && !m.taken; });
             ST_CHECK(m.bytes == recv_bytes, "ThreadComm: rank ", rank_, " expects ", recv_bytes,
                      " bytes from rank ", src, ", which sends ", m.bytes);
             lock.unlock();
@@ -236,9 +275,15 @@ class ThreadComm final : public Comm {
             g_->cv.notify_all();
         }
         if (out) {
-            g_->cv.wait(lock, [&] { return posted->taken; });
+            wait(lock, [&] { return posted->taken; });
             *posted = {};
         }
+    }
+
+    // Waits on the mailbox until `ready`, or stops with an error once the job has failed.
+    template <typename Pred>
+    void wait(std::unique_lock<std::mutex>& lock, Pred ready) {
+        while (!g_->cv.wait_for(lock, std::chrono::milliseconds(50), ready)) g_->job->check();
     }
 
     std::shared_ptr<ThreadGroup> g_;

@@ -58,9 +58,11 @@ inline std::vector<std::vector<StepMetrics>> train_threads(int world, const Reci
                 got[size_t(rank)] = train(r, {dirs[size_t(rank)], "", Device::CUDA, save, &comm});
             } catch (const std::exception& e) {
                 errors[size_t(rank)] = e.what();
+                group->fail();  // the other ranks stop waiting for this one
             }
         });
     for (auto& t : threads) t.join();
+    // The failing rank's error, not the others' "another rank failed".
     for (int rank = 0; rank < world; ++rank)
         EXPECT_EQ(errors[size_t(rank)], "") << tag << " rank " << rank;
     return got;

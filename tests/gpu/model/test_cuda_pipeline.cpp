@@ -117,7 +117,7 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
 
     const EngineRun ref = run_engine(whole, {}, steps, sc);
     auto pp_group = std::make_shared<ThreadGroup>(2);
-    auto embedding_group = std::make_shared<ThreadGroup>(2);
+    auto embedding_group = std::make_shared<ThreadGroup>(2, pp_group->job);
     std::vector<EngineRun> stage(2);
     std::vector<std::string> errors(2);
     std::vector<std::thread> threads;
@@ -129,6 +129,7 @@ TEST(CudaPipeline, TwoStagesMatchOneGpuOverTwoSteps) {
                     run_engine(r, pipeline_stage(r.model, r.run, s), steps, sc, &pp, &embedding);
             } catch (const std::exception& e) {
                 errors[size_t(s)] = e.what();
+                pp_group->fail();  // the other stage stops waiting for this one
             }
         });
     for (auto& t : threads) t.join();

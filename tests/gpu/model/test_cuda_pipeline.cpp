@@ -228,14 +228,18 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
 // layer 2 reading layer 1's top-k on the second stage, Muon under the distributed optimizer, each
 // stage's two ranks taking half of the micro-batches); PP 2 x EP 2 (each stage's experts over its
 // two ranks, the exchange in its NCCL form: all-to-all of fixed blocks); PP 2 x CP 2 (each
-// stage's documents split over its two ranks, keys gathered; the dense indexer loss). Offset 2
-// starts every stage on a full layer (Megatron's rule).
+// stage's documents split over its two ranks, keys gathered; the dense indexer loss); PP 2 x
+// dynamic CP 2 (each stage's micro-batches grouped per step, the same groups on both stages, so
+// a boundary's rows follow the same CP sharding; per-token loss, no validation: it does not run
+// under dynamic CP; the multi-GPU dynamic-CP tolerance of 1e-3 on step 1's gradient norm).
+// Offset 2 starts every stage on a full layer (Megatron's rule).
 TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
     REQUIRE_GPU();
     struct Case {
         std::string tag;
         std::vector<std::string> model, layout;
         bool loads_equal;
+        double grad_norm_tol = 0;
     };
     const std::vector<Case> cases = {
         {"pp2xdp2",
@@ -254,6 +258,14 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
          {"dsa_indexer_use_sparse_loss=false", "dsa_indexer_skip_topk_offset=2"},
          {"pipeline_model_parallel_size=2", "context_parallel_size=2"},
          false},
+        {"pp2xdcp2",
+         {"dsa_indexer_use_sparse_loss=false", "dsa_indexer_skip_topk_offset=2",
+          "calculate_per_token_loss=true", "eval_interval=0"},
+         {"pipeline_model_parallel_size=2", "context_parallel_size=2",
+          "dynamic_context_parallel=true", "sequence_packing_scheduler=default_dynamic_cp",
+          "max_seqlen_per_dp_cp_rank=160"},
+         false,
+         1e-3},
     };
     for (const Case& c : cases) {
         const auto one = train(trainer_recipe(1, c.model),
@@ -261,8 +273,15 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
         ASSERT_EQ(one.size(), 4u);
         std::vector<std::string> sets = c.model;
         sets.insert(sets.end(), c.layout.begin(), c.layout.end());
-        expect_metrics_match(c.tag, one, train_threads(4, trainer_recipe(4, sets), c.tag), 1e-5,
-                             c.loads_equal);
+        const auto ranks = train_threads(4, trainer_recipe(4, sets), c.tag);
+        expect_metrics_match(c.tag, one, ranks, 1e-5, c.loads_equal, c.grad_norm_tol);
+        if (c.tag == "pp2xdcp2") {
+            int64_t pairs = 0;
+            for (const StepMetrics& m : ranks[0])
+                if (m.dynamic_cp_groups.size() > 1) pairs += m.dynamic_cp_groups[1];
+            std::cout << "[pp2xdcp2] groups of two ranks over the run: " << pairs << "\n";
+            EXPECT_GT(pairs, 0) << "no group of two ranks ran";
+        }
     }
 }
 

@@ -90,9 +90,6 @@ class CudaEngine final : public StepEngine, public StepBench {
             ST_CHECK(recipe.run.pipeline_model_parallel_size == pp->size(),
                      "pipeline_model_parallel_size ", recipe.run.pipeline_model_parallel_size,
                      " but the pipeline group has ", pp->size(), " ranks");
-            ST_CHECK(!dynamic_cp_,
-                     "dynamic_context_parallel with pipeline parallelism runs on "
-                     "the CPU backend only; use context_parallel_size on CUDA");
             ST_CHECK(recipe.model.moe_expert_rank_capacity_factor == 0,
                      "moe_expert_rank_capacity_factor is not combined with pipeline parallelism "
                      "on CUDA yet (the redo of a step over the budget would span the stages): "
@@ -330,8 +327,11 @@ class CudaEngine final : public StepEngine, public StepBench {
     StepOutcome run_step_once(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                               const RunConfig& run, int64_t step,
                               const std::vector<Comm*>* cp_groups, bool eager) {
-        if (dynamic_cp_) return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
-        ST_CHECK(!cp_groups, "CP groups per micro-batch are dynamic CP's");
+        if (dynamic_cp_ && !pipeline_)
+            return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
+        ST_CHECK(!cp_groups || dynamic_cp_, "CP groups per micro-batch are dynamic CP's");
+        ST_CHECK(!dynamic_cp_ || (cp_groups && cp_groups->size() == mbs.size()),
+                 "dynamic CP: every micro-batch needs its CP group");
         StepOutcome out;
         if (!pipeline_ && (slots_ == 0 || eager)) {
             begin_step();
@@ -350,13 +350,18 @@ class CudaEngine final : public StepEngine, public StepBench {
                  " (microbatches_per_step)");
         int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
         double* sums = plan_.view(s_sums_).ptr<double>();
-        for (int64_t i = 0; i < n; ++i)
+        // Under dynamic CP (with pipeline parallelism) each micro-batch is packed for its group.
+        for (int64_t i = 0; i < n; ++i) {
+            if (dynamic_cp_) model_->set_context_parallel((*cp_groups)[size_t(i)]);
             model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        }
         opt_->stage_schedule(ctx(), run, step);
         auto body = [&] {
             begin_step();
             if (pipeline_) {
-                pipeline_->enqueue(ctx(), sc, n, slots, sums, [&] { begin_reduce(); });
+                pipeline_->enqueue(
+                    ctx(), sc, n, slots, sums, [&] { begin_reduce(); },
+                    dynamic_cp_ ? cp_groups : nullptr);
                 end_backward();
                 opt_->enqueue_step(ctx(), run);
                 return;
@@ -373,7 +378,8 @@ class CudaEngine final : public StepEngine, public StepBench {
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
                                  int64_t(sc.mtp.size())};
-        if (!graphs_ || eager) {
+        // Dynamic CP's groups change from step to step: its pipeline steps run eagerly.
+        if (!graphs_ || eager || dynamic_cp_) {
             body();  // eagerly (pipeline parallelism without graphs, or its redo)
         } else if (eager_steps_ < run.cuda_graph_warmup_steps) {
             body();  // a warm-up step: the same work, eagerly

@@ -53,6 +53,7 @@ void CudaPipeline::bind(const MemoryPlan& plan) {
 }
 
 void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs) {
+    if (cps_) model_.set_context_parallel((*cps_)[size_t(i)]);
     model_.copy_inputs_from(ctx, inputs + i * model_.input_words());
     if (first_) return;
     const char* m = ring(i);
@@ -102,7 +103,15 @@ void CudaPipeline::exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd
 
 void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t n,
                            const int32_t* inputs, double* sums,
-                           const std::function<void()>& before_last_backward) {
+                           const std::function<void()>& before_last_backward,
+                           const std::vector<Comm*>* cps) {
+    ST_CHECK(!cps || int64_t(cps->size()) == n, "pipeline: ", n, " micro-batches but ",
+             cps ? cps->size() : 0, " CP groups");
+    struct Groups {
+        const std::vector<Comm*>*& held;
+        ~Groups() { held = nullptr; }
+    } groups{cps_};
+    cps_ = cps;
     resident_ = -1, received_ = 0, recomputed_ = 0;
     if (!sc.backward) {
         for (int64_t i = 0; i < n; ++i) {

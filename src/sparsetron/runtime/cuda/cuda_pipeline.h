@@ -40,9 +40,12 @@ class CudaPipeline {
     // model.input_words() (device), its loss sums (this stage's: model.n_sums() doubles) copied
     // to sums + i * model.n_sums() after its forward. With scales.backward the 1F1B schedule,
     // `before_last_backward` called right before the last micro-batch's backward is enqueued
-    // (the gradient reduction's hooks); forward only otherwise.
+    // (the gradient reduction's hooks); forward only otherwise. `cps` (dynamic CP): micro-batch
+    // i's CP communicator, set on the model before each of its passes (its inputs were packed
+    // for it).
     void enqueue(const ExecContext& ctx, const LossScales& scales, int64_t n, const int32_t* inputs,
-                 double* sums, const std::function<void()>& before_last_backward = {});
+                 double* sums, const std::function<void()>& before_last_backward = {},
+                 const std::vector<Comm*>* cps = nullptr);
     // Forwards run again by the last enqueue (host count: the schedule is static).
     int64_t recomputed() const { return recomputed_; }
 
@@ -56,6 +59,7 @@ class CudaPipeline {
     void backward(const ExecContext& ctx, const LossScales& sc, int64_t i, const int32_t* inputs);
     // Micro-batch i's inputs (and on a later stage its message) into the model.
     void load(const ExecContext& ctx, int64_t i, const int32_t* inputs);
+    const std::vector<Comm*>* cps_ = nullptr;  // the enqueue's CP groups (dynamic CP)
     // One transfer with the next and/or the previous stage (absent neighbours are skipped).
     void exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd, bool send_bwd,
                   bool recv_fwd);

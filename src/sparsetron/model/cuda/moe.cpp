@@ -203,6 +203,7 @@ void CudaMoeLayer::forward(const ExecContext& ctx, const Acts& A, const bf16* m,
                       c_.moe_router_force_load_balancing, float(c_.moe_router_topk_scaling_factor),
                       A.probs, A.topk, A.gates);
     if (aux_) {
+        ST_ASSERT(in.docs <= docs_, "CUDA MoE: ", in.docs, " documents, planned for ", docs_);
         // The sequence aux loss: each document's choices summed over the CP group; its value
         // added once (not again by a pipeline stage's recomputed forward).
         cuda::sequence_balance(ctx, A.probs, A.topk, in.doc_rows, Tn, in.docs, E_, k_, aux_work_,

@@ -533,7 +533,9 @@ class CudaEngine final : public StepEngine, public StepBench {
             }
         } restore{*this};
         set_chunk_graphs(mode == BenchMode::Local);
-        if (chunks_) chunks_->set_capturing(true);  // bench's own --warmup runs come first
+        // The chunks are captured from the mode's second run (the first makes the GEMM plans).
+        if (chunks_) chunks_->set_capturing(mode == BenchMode::Local && bench_local_runs_ > 0);
+        if (mode == BenchMode::Local) ++bench_local_runs_;
         const bool graph = mode == BenchMode::Graph;
         auto enqueue = [&] {
             begin_step(false);
@@ -737,7 +739,8 @@ class CudaEngine final : public StepEngine, public StepBench {
     int64_t slots_ = 0, captures_ = 0;
     std::unique_ptr<cuda::ChunkGraphs> chunks_;  // cuda_graph_impl local (or bench's "local")
     bool chunked_ = false;
-    int64_t chunk_steps_ = 0;  // training steps run with chunk-wise graphs
+    int64_t chunk_steps_ = 0;       // training steps run with chunk-wise graphs
+    int64_t bench_local_runs_ = 0;  // bench's timed steps with chunk-wise graphs
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
     MemoryPlan::Slot s_stash_veto_ = -1;  // pipeline parallelism with the stash: any overflow
     int32_t* stash_veto() const { return plan_.view(s_stash_veto_).ptr<int32_t>(); }

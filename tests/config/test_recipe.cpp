@@ -352,6 +352,38 @@ TEST(Recipe, GradientBufferKeysAreFp32OrRefused) {
               std::string::npos);
 }
 
+// The CUDA graph keys as Megatron spells them: local (chunk-wise), full_iteration, the warm-up
+// steps (default 3), the older cuda_graph_scope migrated, per-module scopes refused.
+TEST(Recipe, CudaGraphKeysFollowMegatron) {
+    EXPECT_EQ(load_recipe("", {}).run.cuda_graph_warmup_steps, 3);
+    EXPECT_EQ(load_recipe("", {"cuda_graph_impl=local"}).run.cuda_graph_impl, "local");
+    EXPECT_EQ(load_recipe("", {"cuda_graph_scope=full_iteration"}).run.cuda_graph_impl,
+              "full_iteration");
+    EXPECT_EQ(
+        load_recipe("", {"cuda_graph_scope=full", "cuda_graph_impl=local"}).run.cuda_graph_impl,
+        "local");
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"cuda_graph_scope=full_iteration", "cuda_graph_impl=local"});
+              }).find("contradicts"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"cuda_graph_scope=attn"});
+              }).find("recipe key 'cuda_graph_scope'"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"cuda_graph_modules=[attn,moe_router]"});
+              }).find("cuda_graph_modules"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"cuda_graph_impl=transformer_engine"});
+              }).find("cuda_graph_impl"),
+              std::string::npos);
+    EXPECT_NE(error_of([] {
+                  load_recipe("", {"cuda_graph_warmup_steps=0"});
+              }).find("cuda_graph_warmup_steps"),
+              std::string::npos);
+}
+
 // Dynamic CP needs per-token loss, as Megatron requires (a micro-batch's mean of the indexer KL
 // would depend on the grouping); the seed's dynamic-CP recipes set it.
 TEST(Recipe, DynamicContextParallelNeedsPerTokenLoss) {

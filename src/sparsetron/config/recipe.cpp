@@ -161,6 +161,8 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(reuse_grad_buf_for_mxfp8_param_ag, Bool),
         RUN_KEY(cuda_graph_impl, String),
         RUN_KEY(cuda_graph_warmup_steps, Int),
+        RUN_KEY(cuda_graph_modules, StringList),
+        RUN_KEY(cuda_graph_scope, String),
         RUN_KEY(loss_chunk_rows, Int),
         RUN_KEY(dsa_dense_warmup, Bool),
     };

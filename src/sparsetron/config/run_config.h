@@ -138,6 +138,11 @@ struct RunConfig {
     // Eager steps before the graphs are captured (Megatron's default; at least one: GEMM plans
     // and kernel attributes are made there).
     int64_t cuda_graph_warmup_steps = 3;
+    // Megatron's per-module scopes of the layer graphs (empty: the whole layer, the only form
+    // built) and its older spelling of the graph kind ("full_iteration" migrates to
+    // cuda_graph_impl, "full" is the whole layer).
+    std::vector<std::string> cuda_graph_modules;
+    std::string cuda_graph_scope;
     int64_t loss_chunk_rows = 0;  // engine key: rows per fused head+loss chunk; 0 = derived
     // Engine key, SPEC §3.2: DSA dense warm-up -- attention over every causal key (top-k widened to
     // the micro-batch), the dense indexer loss, and only the indexer's weights updated.

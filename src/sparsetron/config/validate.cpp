@@ -245,6 +245,17 @@ void Recipe::validate() {
              "always packs whole documents into THD micro-batches; set it true");
     one_of(r.fp8_format, "fp8_format", {"e4m3", "hybrid"});
     one_of(r.cuda_graph_impl, "cuda_graph_impl", {"none", "local", "full_iteration"});
+    // Megatron's older key, migrated as Megatron migrates it.
+    one_of(r.cuda_graph_scope, "cuda_graph_scope", {"", "full", "full_iteration"});
+    if (r.cuda_graph_scope == "full_iteration") {
+        ST_CHECK(r.cuda_graph_impl != "local",
+                 "cuda_graph_scope: full_iteration (Megatron's older key) contradicts "
+                 "cuda_graph_impl: local; use cuda_graph_impl: full_iteration alone");
+        r.cuda_graph_impl = "full_iteration";
+    }
+    ST_CHECK(r.cuda_graph_modules.empty(),
+             "cuda_graph_modules (Megatron's per-module graph scopes) is not built: "
+             "cuda_graph_impl: local captures whole layers; leave it empty");
     one_of(r.moe_expert_exchange, "moe_expert_exchange", {"auto", "nvlink", "nccl"});
 }
 

@@ -345,13 +345,14 @@ class CudaEngine final : public StepEngine, public StepBench {
             return out;
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
-        ST_CHECK(!dynamic_cp_ || n <= slots_, "dynamic CP with pipeline stages: this rank's step ",
-                 step, " runs ", n, " groups' micro-batches, more than the ", slots_,
-                 " its stages stage (microbatches_per_step); raise max_seqlen_per_dp_cp_rank or "
-                 "lower global_batch_size");
-        ST_CHECK(n <= slots_, "cuda_graph_impl full_iteration: a step of ", n,
-                 " micro-batches, but the graph's staging holds ", slots_,
-                 " (microbatches_per_step)");
+        ST_CHECK(n <= slots_,
+                 dynamic_cp_ ? cat("dynamic CP with pipeline stages: this rank's step ", step,
+                                   " runs ", n, " groups' micro-batches, more than the ", slots_,
+                                   " its stages stage (microbatches_per_step); raise "
+                                   "max_seqlen_per_dp_cp_rank or lower global_batch_size")
+                             : cat("cuda_graph_impl full_iteration: a step of ", n,
+                                   " micro-batches, but the graph's staging holds ", slots_,
+                                   " (microbatches_per_step)"));
         int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
         double* sums = plan_.view(s_sums_).ptr<double>();
         // Under dynamic CP (with pipeline parallelism) each micro-batch is packed for its group.

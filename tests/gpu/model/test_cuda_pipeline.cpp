@@ -293,9 +293,11 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
 // stash: the overflow reaches it through the world's flag), and the losses are still one GPU's.
 TEST(CudaPipeline, TrainerStagesWithTheStashAndOffloadMatchOneGpu) {
     REQUIRE_GPU();
-    // Four layers, three of them MoE, split 2 + 2 (offset 2: every stage starts on a full layer).
+    // Four layers, three of them MoE, split 2 + 2 (1 + 3 for the overflow). Offset 3: layers 1-3
+    // compute their own indexer, the fourth shares the third's, so every stage starts on a
+    // layer that computes one (as Megatron's split check asks).
     const std::vector<std::string> model = {"num_layers=4", "moe_layer_freq=[0,1,1,1]",
-                                            "dsa_indexer_skip_topk_offset=2"};
+                                            "dsa_indexer_skip_topk_offset=3"};
     const auto one =
         train(trainer_recipe(1, model), {temp_dir("one"), "", Device::CUDA, false, nullptr});
     ASSERT_EQ(one.size(), 4u);

@@ -2,6 +2,8 @@
 // system scope, and pull kernels that read peers' rows over NVLink.
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "sparsetron/core/cuda_check.h"
@@ -139,18 +141,41 @@ IpcExpertExchange::IpcExpertExchange(Comm& ep, const ExchangeShape& shape)
     ST_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&epoch_), sizeof(uint32_t)));
     ST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(uint32_t)));
     ST_CUDA_CHECK(cudaDeviceSynchronize());
-    cudaIpcMemHandle_t mine{};
-    ST_CUDA_CHECK(cudaIpcGetMemHandle(&mine, region_));
+    // Each rank's region: an IPC handle for ranks in other processes; ranks that are threads of
+    // this process (a CUDA IPC handle does not open in the process that made it) use the
+    // pointer, with peer access where they sit on another GPU.
+    struct Region {
+        cudaIpcMemHandle_t handle{};
+        int64_t process = 0;
+        int device = 0;
+        void* ptr = nullptr;
+    } mine;
+    ST_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, region_));
+    mine.process = int64_t(getpid());
+    ST_CUDA_CHECK(cudaGetDevice(&mine.device));
+    mine.ptr = region_;
     std::vector<void*> all(size_t(size_), nullptr);
     for (int s = 0; s < size_; ++s) {
-        cudaIpcMemHandle_t h = mine;
-        ep.broadcast(&h, sizeof h, s);
+        Region r = mine;
+        ep.broadcast(&r, sizeof r, s);
         if (s == rank_) {
             all[size_t(s)] = region_;
             continue;
         }
+        if (r.process == mine.process) {
+            if (r.device != mine.device) {
+                const cudaError_t st = cudaDeviceEnablePeerAccess(r.device, 0);
+                ST_CHECK(st == cudaSuccess || st == cudaErrorPeerAccessAlreadyEnabled,
+                         "expert exchange: rank ", rank_, " cannot reach rank ", s, "'s GPU ",
+                         r.device, " (", cudaGetErrorString(st),
+                         "): GPU expert parallelism needs peer access between the group's GPUs");
+                cudaGetLastError();  // an already-enabled peer is not an error here
+            }
+            all[size_t(s)] = r.ptr;
+            continue;
+        }
         void* p = nullptr;
-        const cudaError_t st = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+        const cudaError_t st = cudaIpcOpenMemHandle(&p, r.handle, cudaIpcMemLazyEnablePeerAccess);
         ST_CHECK(st == cudaSuccess, "expert exchange: rank ", rank_, " cannot map rank ", s,
                  "'s GPU memory (", cudaGetErrorString(st),
                  "): GPU expert parallelism needs the expert-parallel group on one node "

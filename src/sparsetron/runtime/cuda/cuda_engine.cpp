@@ -108,7 +108,7 @@ class CudaEngine final : public StepEngine, public StepBench {
                                                      recipe_.run, shard_, dp_, expert_parallel, pp);
         if (pp) {
             pipeline_ = std::make_unique<CudaPipeline>(*model_, *pp, plan_,
-                                                       recipe_.run.microbatches_per_step());
+                                                       pipeline_step_bound(recipe_.run));
             // The last stage's copy of the embedding (MTP reads it) and the first stage's: one
             // gradient, summed over the pair.
             if (embedding && embedding->size() > 1 && model_->embedding_param() >= 0)
@@ -327,11 +327,12 @@ class CudaEngine final : public StepEngine, public StepBench {
     StepOutcome run_step_once(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                               const RunConfig& run, int64_t step,
                               const std::vector<Comm*>* cp_groups, bool eager) {
-        if (dynamic_cp_ && !pipeline_)
-            return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
         ST_CHECK(!cp_groups || dynamic_cp_, "CP groups per micro-batch are dynamic CP's");
         ST_CHECK(!dynamic_cp_ || (cp_groups && cp_groups->size() == mbs.size()),
                  "dynamic CP: every micro-batch needs its CP group");
+        if (dynamic_cp_ && !pipeline_)
+            return run_dynamic_cp_step(mbs, sc, run, step, cp_groups, eager);
+        if (dynamic_cp_) return run_dynamic_cp_pipeline_step(mbs, sc, run, step, *cp_groups);
         StepOutcome out;
         if (!pipeline_ && (slots_ == 0 || eager)) {
             begin_step();
@@ -345,28 +346,17 @@ class CudaEngine final : public StepEngine, public StepBench {
             return out;
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
-        ST_CHECK(n <= slots_,
-                 dynamic_cp_ ? cat("dynamic CP with pipeline stages: this rank's step ", step,
-                                   " runs ", n, " groups' micro-batches, more than the ", slots_,
-                                   " its stages stage (microbatches_per_step); raise "
-                                   "max_seqlen_per_dp_cp_rank or lower global_batch_size")
-                             : cat("cuda_graph_impl full_iteration: a step of ", n,
-                                   " micro-batches, but the graph's staging holds ", slots_,
-                                   " (microbatches_per_step)"));
+        ST_CHECK(n <= slots_, "a step of ", n, " micro-batches, but the step's staging holds ",
+                 slots_, " (microbatches_per_step)");
         int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
         double* sums = plan_.view(s_sums_).ptr<double>();
-        // Under dynamic CP (with pipeline parallelism) each micro-batch is packed for its group.
-        for (int64_t i = 0; i < n; ++i) {
-            if (dynamic_cp_) model_->set_context_parallel((*cp_groups)[size_t(i)]);
+        for (int64_t i = 0; i < n; ++i)
             model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
-        }
         opt_->stage_schedule(ctx(), run, step);
         auto body = [&] {
             begin_step();
             if (pipeline_) {
-                pipeline_->enqueue(
-                    ctx(), sc, n, slots, sums, [&] { begin_reduce(); },
-                    dynamic_cp_ ? cp_groups : nullptr);
+                pipeline_->enqueue(ctx(), sc, n, slots, sums, [&] { begin_reduce(); });
                 end_backward();
                 opt_->enqueue_step(ctx(), run);
                 return;
@@ -383,8 +373,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         };
         const GraphSignature sig{n, sc.backward, sc.indexer_grads, sc.indexer != 0,
                                  int64_t(sc.mtp.size())};
-        // Dynamic CP's groups change from step to step: its pipeline steps run eagerly.
-        if (!graphs_ || eager || dynamic_cp_) {
+        if (!graphs_ || eager) {
             body();  // eagerly (pipeline parallelism without graphs, or its redo)
         } else if (eager_steps_ < run.cuda_graph_warmup_steps) {
             body();  // a warm-up step: the same work, eagerly
@@ -411,6 +400,31 @@ class CudaEngine final : public StepEngine, public StepBench {
         for (int64_t i = 0; i < n; ++i)
             out.losses.push_back(
                 model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
+        out.stats = opt_->read_stats(ctx(), run, step);
+        read_moe_use(out);
+        return out;
+    }
+
+    // Dynamic CP with pipeline stages: eagerly, since the groups and their number change from
+    // step to step; each micro-batch is packed for its group and uploaded when the schedule
+    // reaches it (a forward run again before its backward uploads it again), and its losses are
+    // read after its forward, so nothing is staged per micro-batch.
+    StepOutcome run_dynamic_cp_pipeline_step(const std::vector<const MicroBatch*>& mbs,
+                                             const LossScales& sc, const RunConfig& run,
+                                             int64_t step, const std::vector<Comm*>& cp_groups) {
+        StepOutcome out;
+        out.losses.resize(mbs.size());
+        const PipelineHostFeed feed{
+            [&](int64_t i) {
+                model_->set_context_parallel(cp_groups[size_t(i)]);
+                model_->load_inputs(ctx(), *mbs[size_t(i)], sc);
+            },
+            [&](int64_t i) { out.losses[size_t(i)] = model_->read_losses(ctx()); }};
+        opt_->stage_schedule(ctx(), run, step);
+        begin_step();
+        pipeline_->enqueue(ctx(), sc, int64_t(mbs.size()), feed, [&] { begin_reduce(); });
+        end_backward();
+        opt_->enqueue_step(ctx(), run);
         out.stats = opt_->read_stats(ctx(), run, step);
         read_moe_use(out);
         return out;

@@ -1,6 +1,7 @@
 #include "sparsetron/runtime/cuda/cuda_pipeline.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "sparsetron/core/error.h"
 #include "sparsetron/ops/copy/copy.h"
@@ -29,6 +30,11 @@ PipelineBuffers plan_pipeline_buffers(const cuda::CudaGlm5Model& model, MemoryPl
     return b;
 }
 
+int64_t pipeline_step_bound(const RunConfig& run) {
+    return run.dynamic_context_parallel ? std::numeric_limits<int64_t>::max()
+                                        : run.microbatches_per_step();
+}
+
 CudaPipeline::CudaPipeline(cuda::CudaGlm5Model& model, Comm& pp, MemoryPlan& plan,
                            int64_t max_microbatches)
     : model_(model),
@@ -53,8 +59,10 @@ void CudaPipeline::bind(const MemoryPlan& plan) {
 }
 
 void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs) {
-    if (cps_) model_.set_context_parallel((*cps_)[size_t(i)]);
-    model_.copy_inputs_from(ctx, inputs + i * model_.input_words());
+    if (feed_)
+        feed_->load(i);
+    else
+        model_.copy_inputs_from(ctx, inputs + i * model_.input_words());
     if (first_) return;
     const char* m = ring(i);
     cuda::copy_2d(ctx, model_.stage_input(), 0, m, 0, buf_.row_bytes, 1);
@@ -65,7 +73,10 @@ void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t
     load(ctx, i, inputs);
     model_.enqueue_forward(ctx, sc, /*recompute=*/false, kept);
     const int64_t ns = model_.n_sums();
-    cuda::copy_2d(ctx, sums + i * ns, 0, model_.sums(), 0, ns * int64_t(sizeof(double)), 1);
+    if (feed_)
+        feed_->forwarded(i);
+    else
+        cuda::copy_2d(ctx, sums + i * ns, 0, model_.sums(), 0, ns * int64_t(sizeof(double)), 1);
     resident_ = i;
     if (last_) return;
     cuda::copy_2d(ctx, send_, 0, model_.stage_output(), 0, buf_.row_bytes, 1);
@@ -103,15 +114,25 @@ void CudaPipeline::exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd
 
 void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t n,
                            const int32_t* inputs, double* sums,
-                           const std::function<void()>& before_last_backward,
-                           const std::vector<Comm*>* cps) {
-    ST_CHECK(!cps || int64_t(cps->size()) == n, "pipeline: ", n, " micro-batches but ",
-             cps ? cps->size() : 0, " CP groups");
-    struct Groups {
-        const std::vector<Comm*>*& held;
-        ~Groups() { held = nullptr; }
-    } groups{cps_};
-    cps_ = cps;
+                           const std::function<void()>& before_last_backward) {
+    feed_ = nullptr;
+    schedule(ctx, sc, n, inputs, sums, before_last_backward);
+}
+
+void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t n,
+                           const PipelineHostFeed& feed,
+                           const std::function<void()>& before_last_backward) {
+    struct Held {
+        const PipelineHostFeed*& feed;
+        ~Held() { feed = nullptr; }
+    } held{feed_};
+    feed_ = &feed;
+    schedule(ctx, sc, n, nullptr, nullptr, before_last_backward);
+}
+
+void CudaPipeline::schedule(const ExecContext& ctx, const LossScales& sc, int64_t n,
+                            const int32_t* inputs, double* sums,
+                            const std::function<void()>& before_last_backward) {
     resident_ = -1, received_ = 0, recomputed_ = 0;
     if (!sc.backward) {
         for (int64_t i = 0; i < n; ++i) {

@@ -13,6 +13,7 @@
 
 #include <functional>
 
+#include "sparsetron/config/run_config.h"
 #include "sparsetron/core/memory_plan.h"
 #include "sparsetron/model/cuda/glm5_model.h"
 #include "sparsetron/parallel/comm/comm.h"
@@ -28,6 +29,18 @@ struct PipelineBuffers {
 };
 PipelineBuffers plan_pipeline_buffers(const cuda::CudaGlm5Model& model, MemoryPlan& plan,
                                       int64_t max_microbatches);
+// The most micro-batches a step of `run` hands a stage: microbatches_per_step, or under dynamic
+// CP, where a rank runs as many micro-batches as the step's schedule gives it groups, no bound.
+int64_t pipeline_step_bound(const RunConfig& run);
+
+// A step's micro-batches fed from the host one at a time instead of staged on the device: under
+// dynamic CP each is packed for its own CP group, and their number varies by step.
+struct PipelineHostFeed {
+    // Micro-batch i's input block into the model (its CP group set first).
+    std::function<void(int64_t i)> load;
+    // Micro-batch i's forward is enqueued: its loss sums are in model.sums().
+    std::function<void(int64_t i)> forwarded;
+};
 
 class CudaPipeline {
   public:
@@ -40,12 +53,13 @@ class CudaPipeline {
     // model.input_words() (device), its loss sums (this stage's: model.n_sums() doubles) copied
     // to sums + i * model.n_sums() after its forward. With scales.backward the 1F1B schedule,
     // `before_last_backward` called right before the last micro-batch's backward is enqueued
-    // (the gradient reduction's hooks); forward only otherwise. `cps` (dynamic CP): micro-batch
-    // i's CP communicator, set on the model before each of its passes (its inputs were packed
-    // for it).
+    // (the gradient reduction's hooks); forward only otherwise.
     void enqueue(const ExecContext& ctx, const LossScales& scales, int64_t n, const int32_t* inputs,
-                 double* sums, const std::function<void()>& before_last_backward = {},
-                 const std::vector<Comm*>* cps = nullptr);
+                 double* sums, const std::function<void()>& before_last_backward = {});
+    // The same schedule with the micro-batches fed by `feed` (eager: it uploads and reads).
+    void enqueue(const ExecContext& ctx, const LossScales& scales, int64_t n,
+                 const PipelineHostFeed& feed,
+                 const std::function<void()>& before_last_backward = {});
     // Forwards run again by the last enqueue (host count: the schedule is static).
     int64_t recomputed() const { return recomputed_; }
 
@@ -59,7 +73,9 @@ class CudaPipeline {
     void backward(const ExecContext& ctx, const LossScales& sc, int64_t i, const int32_t* inputs);
     // Micro-batch i's inputs (and on a later stage its message) into the model.
     void load(const ExecContext& ctx, int64_t i, const int32_t* inputs);
-    const std::vector<Comm*>* cps_ = nullptr;  // the enqueue's CP groups (dynamic CP)
+    void schedule(const ExecContext& ctx, const LossScales& sc, int64_t n, const int32_t* inputs,
+                  double* sums, const std::function<void()>& before_last_backward);
+    const PipelineHostFeed* feed_ = nullptr;  // the enqueue's feed, if from the host
     // One transfer with the next and/or the previous stage (absent neighbours are skipped).
     void exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd, bool send_bwd,
                   bool recv_fwd);

@@ -33,7 +33,7 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
         m, host_store, plan, cpp.rows, cpp.max_documents, std::min(chunk_rows, cpp.rows),
         cpp.key_rows, recipe.run.fp8_blockwise(), stage, master_placement(shard, recipe.run));
     cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run, shard);
-    if (!stage.whole()) plan_pipeline_buffers(model, plan, recipe.run.microbatches_per_step());
+    if (!stage.whole()) plan_pipeline_buffers(model, plan, pipeline_step_bound(recipe.run));
     if (recipe.run.cuda_graph_impl == "full_iteration" || !stage.whole())
         plan_step_staging(model, plan, recipe.run.microbatches_per_step());
     return plan;

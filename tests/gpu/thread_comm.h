@@ -195,6 +195,17 @@ class ThreadComm final : public Comm {
             g_->bar.arrive_and_wait();
         });
     }
+    // Every rank's blocks summed in rank order; this rank keeps its block.
+    void device_reduce_scatter_sum(const float* send, float* recv, int64_t n,
+                                   void* stream) override {
+        const ExecContext ctx{Device::CUDA, stream, nullptr};
+        std::vector<float> h(static_cast<size_t>(n * size()));
+        cuda::synchronize(ctx);
+        cuda::download(ctx, h.data(), send, int64_t(h.size() * sizeof(float)));
+        reduce(h.data(), int64_t(h.size()), sum_op<float>);
+        cuda::upload(ctx, recv, h.data() + rank_ * n, n * int64_t(sizeof(float)));
+        cuda::synchronize(ctx);
+    }
     // Block `me` of rank r's send lands in block r of this rank's receive.
     void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
                          void* stream) override {

@@ -101,6 +101,10 @@ struct ModelConfig {
     // a rank's model holds (and trains) only experts [rank E/W, (rank + 1) E/W) of each layer.
     int64_t expert_parallel_ranks = 1;
     int64_t expert_parallel_rank = 0;
+    // Set by the engine and `plan` (CpRowPlan::max_group): the largest CP group one micro-batch
+    // runs over (context_parallel_size, or under dynamic CP a stage's DP x CP ranks). The CUDA
+    // key exchange's buffers hold that many ranks' rows.
+    int64_t context_parallel_ranks = 1;
     int64_t local_experts() const { return num_experts / expert_parallel_ranks; }
     int64_t first_local_expert() const { return expert_parallel_rank * local_experts(); }
 

@@ -24,6 +24,7 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device de
     // Context parallelism: a rank computes its chunks of every document and attends over every
     // row of the micro-batch (parallel/context/cp_row_plan.h).
     tp->rows = cp_row_plan(r, slots, tp->max_documents);
+    tp->model.context_parallel_ranks = tp->rows.max_group;
     if (r.dynamic_context_parallel)
         tp->group_slots = tp->rows.slots, tp->group_max_documents = tp->rows.max_documents;
     tp->chunk_rows = std::min(tp->chunk_rows, tp->rows.rows);

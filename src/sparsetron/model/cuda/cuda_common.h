@@ -280,6 +280,9 @@ struct CudaInputs {
     int64_t key_tokens = 0;
     int32_t* key_row = nullptr;
     Comm* cp = nullptr;
+    // Every rank's key_row, rank-major ([cp size, tokens]; gathered by the model at the start
+    // of each forward over a CP group of more than one rank): cp_keys.h's exchange.
+    int32_t* all_key_rows = nullptr;
     // Without CP: row t's own index (-1 for padding), so kernels that take query rows against
     // key rows run on blocks of query rows (the indexer streams its scores that way).
     int32_t* rows = nullptr;

@@ -1,6 +1,7 @@
 #include "sparsetron/model/cuda/dsa_indexer.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/cuda/device_caps.h"
+#include "sparsetron/model/cuda/cp_keys.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -55,7 +56,10 @@ CudaDsaIndexer::CudaDsaIndexer(const ModelConfig& c, const CudaParams& P, CudaBu
     dots_bytes_ = plan_.workspace_bytes;
     dots_ = nullptr;
     if (dots_bytes_ > 0) B.scratch(dots_, "dsa.score_dots", {dots_bytes_ / 4});
-    if (cp_) B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
+    if (cp_) {
+        B.scratch(keys_f32_, "dsa.cp_k_all_rows_f32", {Tk_, dI_});
+        B.scratch(cp_xfer_, "dsa.cp_k_exchange", {cp_key_exchange_floats(c, Tn, dI_)});
+    }
     if (loss) B.scratch(dscore_, "dsa.loss_grad", {block_, Tk_});
     B.scratch(kl_, "dsa.kl_rows", {Tn});
     B.scratch(dw32_, "grad.dsa.weights", {Tn, HI_});
@@ -96,9 +100,7 @@ void CudaDsaIndexer::forward(const ExecContext& ctx, const Acts& A, const bf16* 
          DType::F32);
     if (cp_) {
         // Every micro-batch row's k_I; scores and top-k over micro-batch key rows.
-        cuda::rows_to_keys(ctx, A.k, Tn, dI_, in.key_row, keys_f32_, Tk_);
-        cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
-        cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * dI_);
+        cp_gather_keys(ctx, in, A.k, dI_, cp_xfer_, A.kkeys);
     } else if (block_ == Tn) {
         cuda::indexer_scores(ctx, plan_.scores, A.q, A.k, A.w, in.row_begin, Tn, HI_, dI_, scores_,
                              dots_, dots_bytes_);
@@ -149,8 +151,7 @@ void CudaDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, 
     cuda::indexer_kl_sum(ctx, kl_, A.len, Tn, sums);
     if (!backward) return;
     if (cp_) {
-        cp_allreduce(ctx, in, keys_f32_, Tk_ * dI_);
-        cuda::keys_to_rows(ctx, keys_f32_, dI_, in.key_row, Tn, dk32_);
+        cp_reduce_key_grads(ctx, in, keys_f32_, dI_, cp_xfer_, dk32_);
     }
     const auto BF = DType::BF16, F32 = DType::F32;
     cuda::f32_to_bf16(ctx, dw32_, dwb_, Tn * HI_);

@@ -45,7 +45,8 @@ class CudaDsaIndexer {
     int64_t T_, h_, HI_, dI_, dr_, qr_, K_;
     bool cp_;                    // planned for context parallelism
     int64_t Tk_;                 // key rows
-    float* keys_f32_ = nullptr;  // CP: [Tk, dI] (k_I in, then dk_I of every key row)
+    float* keys_f32_ = nullptr;  // CP: [Tk, dI] dk_I of every key row
+    float* cp_xfer_ = nullptr;   // CP: the key exchange's buffer (cp_keys.h)
     float wscale_;
     int64_t wq_, wk_, knw_, knb_, ww_;
     IndexerPlan plan_;  // the scores' and the loss backward's forms, blocks and workspace

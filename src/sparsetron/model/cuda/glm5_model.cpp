@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "sparsetron/model/cuda/cp_keys.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -157,7 +158,9 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
             B_.scratch(tv_dalpha_, "mtp.tv.dalpha", {D_, Tn});
             if (cp_) {
                 B_.act(h_final_keys_, "mtp.tv.final_norm_out_all_rows", {Tk_, h});
-                B_.scratch(h_final_f32_, "mtp.tv.cp_rows_f32", {Tk_, h});
+                // bf16 rows only (no gradient goes back): half the exchange's fp32 floats.
+                B_.scratch(h_final_xfer_, "mtp.tv.cp_rows_exchange",
+                           {(cp_key_exchange_floats(cfg, Tn, h) + 1) / 2});
                 B_.scratch(tv_rows_, "mtp.tv.target_rows", {chunk_rows_, h});
             }
         }
@@ -172,6 +175,7 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     n_scales_ = 2 + std::max<int64_t>(D_, 1);
     input_words_ = (5 + 2 * D_) * Tn + n_scales_ + doc_words() + (Tn + 3) / 4;
     B_.act(in_block_, "inputs.block", {input_words_});
+    if (cp_) B_.act(all_key_rows_, "inputs.cp_all_key_rows", {cfg.context_parallel_ranks * Tn});
     B_.plan_regions();
     if (offload_) offload_->plan();
     // The weights read only through FP8 have no bf16 copies; the FP8 quantizers read their
@@ -244,6 +248,7 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
     if (fp8_) fp8_->bind(*P_);
     if (offload_) offload_->bind(ctx);
     carve_inputs();
+    in_.all_key_rows = all_key_rows_;
     // IndexShare: shared layers attend over their source layer's top-k; the indexer sums slots.
     int64_t slot = 0;
     idx_sums_.clear();
@@ -424,6 +429,14 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     const int64_t h = c.hidden_size, Tn = T_;
     ST_ASSERT(kept || !recompute, "a recomputed forward is run for its backward");
     in_.recompute = recompute;
+    if (in_.cp && in_.cp->size() > 1) {
+        // Every rank's key rows, for the key exchange (cp_keys.h).
+        ST_ASSERT(in_.cp->size() <= cfg_.context_parallel_ranks, "a CP group of ", in_.cp->size(),
+                  " ranks, planned for ", cfg_.context_parallel_ranks);
+        const int64_t bytes = Tn * int64_t(sizeof(int32_t));
+        cuda::copy_2d(ctx, all_key_rows_ + in_.cp->rank() * Tn, 0, in_.key_row, 0, bytes, 1);
+        in_.cp->device_allgather(all_key_rows_, bytes, ctx.stream);
+    }
     // What the backward reads is saved only when it follows: a forward-only pass or a discarded
     // forward pushes no stash pages (the backward pops those of the forward run again) and
     // offloads nothing.
@@ -657,9 +670,7 @@ void CudaGlm5Model::mtp_tv(const ExecContext& ctx, const LossScales& sc) {
     const bf16* head = (*P_)[head_].w;
     if (cp_) {
         // Every micro-batch row's final hidden from the CP group (exact, as for the keys).
-        cuda::rows_to_keys(ctx, h_final_, Tn, h, in_.key_row, h_final_f32_, Tk_);
-        cp_allreduce(ctx, in_, h_final_f32_, Tk_ * h);
-        cuda::f32_to_bf16(ctx, h_final_f32_, h_final_keys_, Tk_ * h);
+        cp_gather_keys(ctx, in_, h_final_, h, h_final_xfer_, h_final_keys_);
     }
     // Target probabilities of main rows first.. first + rows - 1 into out; rows past the
     // micro-batch stay zero (uniform after the softmax; their chain rows are invalid).

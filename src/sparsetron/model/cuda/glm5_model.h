@@ -200,7 +200,8 @@ class CudaGlm5Model {
     bool cp_ = false;                                    // planned for context parallelism
     int64_t Tk_;                                         // micro-batch rows (T_ without CP)
     bf16 *h_final_keys_ = nullptr, *tv_rows_ = nullptr;  // CP + e2e_tv: every row's final hidden
-    float* h_final_f32_ = nullptr;
+    float* h_final_xfer_ = nullptr;    // CP + e2e_tv: the key exchange's buffer (cp_keys.h)
+    int32_t* all_key_rows_ = nullptr;  // CP: CudaInputs::all_key_rows
     std::vector<std::unique_ptr<CudaDecoderLayer>> layers_;
     std::vector<std::unique_ptr<CudaDecoderLayer::Acts>> acts_;
     std::vector<bf16*> x_;

@@ -1,6 +1,7 @@
 #include "sparsetron/model/cuda/mla_attention.h"
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/cuda/device_caps.h"
+#include "sparsetron/model/cuda/cp_keys.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
@@ -102,7 +103,10 @@ CudaMlaAttention::CudaMlaAttention(const ModelConfig& c, const CudaParams& P, Cu
         if (absorbed_) {
             B.scratch(dkabs_, "grad.attn.k_latent_f32", {Tn, L});
         }
-        if (cp_) B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
+        if (cp_) {
+            B.scratch(keys_f32_, "attn.cp_k_latent_all_rows_f32", {Tk_, L});
+            B.scratch(cp_xfer_, "attn.cp_k_latent_exchange", {cp_key_exchange_floats(c_, Tn, L)});
+        }
         if (plan_.workspace_bytes > 0)
             B.scratch(mqa_ws_, "attn.sparse_mqa_masked", {(plan_.workspace_bytes + 3) / 4});
     }
@@ -184,12 +188,7 @@ void CudaMlaAttention::project(const ExecContext& ctx, const Acts& A, const bf16
     if (absorbed_ && !A.kabs_shared) {
         cuda::copy_2d(ctx, A.kabs, L * B2, A.ckv_n, kr_ * B2, kr_ * B2, Tn);
         cuda::copy_2d(ctx, A.kabs + kr_, L * B2, A.ckv + kr_, L * B2, dr_ * B2, Tn);
-        if (cp_) {
-            // Every micro-batch row's K' from the CP group (fp32 sum of one contributor: exact).
-            cuda::rows_to_keys(ctx, A.kabs, Tn, L, in.key_row, keys_f32_, Tk_);
-            cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
-            cuda::f32_to_bf16(ctx, keys_f32_, A.kkeys, Tk_ * L);
-        }
+        if (cp_) cp_gather_keys(ctx, in, A.kabs, L, cp_xfer_, A.kkeys);
     }
     if (Bq_ == Tn) up_project(ctx, A, in, 0, Tn);  // in query blocks: attend() per block
 }
@@ -331,8 +330,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
             cuda::sparse_mqa_backward(ctx, plan_, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs,
                                       A.lse, doabs_, dqabs_, keys_f32_, {mqa_ws_, nullptr});
-            cp_allreduce(ctx, in, keys_f32_, Tk_ * L);
-            cuda::keys_to_rows(ctx, keys_f32_, L, in.key_row, T_, dkabs_);
+            cp_reduce_key_grads(ctx, in, keys_f32_, L, cp_xfer_, dkabs_);
         } else {
             cuda::sparse_mqa_backward(ctx, plan_, absorbed(A, K, idx, len, kslots, r0, Tn), A.oabs,
                                       A.lse, doabs_, dqabs_, dkabs_, {mqa_ws_, A.probs});

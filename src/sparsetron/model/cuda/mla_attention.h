@@ -88,7 +88,8 @@ class CudaMlaAttention {
     bool absorbed_;  // DSA in the absorbed form (else the expanded form, or dense attention)
     bool cp_;        // planned for context parallelism
     int64_t Tk_;     // key rows
-    float* keys_f32_ = nullptr;  // CP: [Tk, L] gather buffer (K' in, dK' of every key row)
+    float* keys_f32_ = nullptr;  // CP: [Tk, L] dK' of every key row
+    float* cp_xfer_ = nullptr;   // CP: the key exchange's buffer (cp_keys.h)
     int64_t q_a_, q_a_norm_, q_b_, kv_a_, kv_a_norm_, kv_b_, o_;
     // fp8_recipe: blockwise: q_a, q_b, kv_a and o_proj as FP8 linears (kv_b stays bf16: the
     // absorbed attention reads it per head, as a strided batch).

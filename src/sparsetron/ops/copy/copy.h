@@ -39,6 +39,10 @@ void f32_to_bf16(const ExecContext& ctx, const float* src, bf16* dst, int64_t n)
 // dst [keys, dim] fp32 <- zero, then row key_row[i] = src[i] (the contribution to an all-reduce).
 void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t dim,
                   const int32_t* key_row, float* dst, int64_t keys);
+// The same in bf16: dst [keys, dim] <- zero, then row key_row[i] = src[i] (every CP rank's rows,
+// all-gathered, into the micro-batch's key rows).
+void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t dim,
+                  const int32_t* key_row, bf16* dst, int64_t keys);
 // dst [rows, dim] <- src[key_row[i]] (0 for padding): this rank's rows of all-reduced key grads.
 void keys_to_rows(const ExecContext& ctx, const float* src, int64_t dim, const int32_t* key_row,
                   int64_t rows, float* dst);

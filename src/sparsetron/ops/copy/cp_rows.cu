@@ -1,7 +1,7 @@
-// Moving rows between a context-parallel rank's rows and the micro-batch's key rows (the CUDA
-// side of model/cp_rows.h): the model scatters its rows' keys into a zeroed fp32 buffer of every
-// key row and all-reduces it over the CP group (exact: one nonzero contributor per row), and
-// picks its rows out of the all-reduced key gradients.
+// Moving rows between context-parallel ranks' rows and the micro-batch's key rows (the CUDA side
+// of model/cp_rows.h; model/cuda/cp_keys.h uses them): the CP group's all-gathered rows scattered
+// to their key rows, and key-row gradients picked out in the order of the ranks that own them
+// (for a reduce-scatter) or of this rank's rows.
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/copy/copy.h"
 
@@ -14,6 +14,14 @@ __global__ void rows_to_keys_kernel(const bf* src, int64_t rows, int64_t dim,
     const int32_t r = key_row[i];
     if (r < 0 || c >= dim) return;
     dst[int64_t(r) * dim + c] = __bfloat162float(src[i * dim + c]);
+}
+
+__global__ void rows_to_keys_bf16_kernel(const bf* src, int64_t dim, const int32_t* key_row,
+                                         bf* dst) {
+    const int64_t i = blockIdx.y, c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int32_t r = key_row[i];
+    if (r < 0 || c >= dim) return;
+    dst[int64_t(r) * dim + c] = src[i * dim + c];
 }
 
 __global__ void keys_to_rows_kernel(const float* src, int64_t dim, const int32_t* key_row,
@@ -41,6 +49,15 @@ void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t
     if (rows == 0) return;
     rows_to_keys_kernel<<<dim3(blocks_for(dim, 128), unsigned(rows)), 128, 0, stream_of(ctx)>>>(
         dev(src), rows, dim, key_row, dst);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void rows_to_keys(const ExecContext& ctx, const bf16* src, int64_t rows, int64_t dim,
+                  const int32_t* key_row, bf16* dst, int64_t keys) {
+    zero(ctx, dst, keys * dim * int64_t(sizeof(bf16)));
+    if (rows == 0) return;
+    rows_to_keys_bf16_kernel<<<dim3(blocks_for(dim, 128), unsigned(rows)), 128, 0,
+                               stream_of(ctx)>>>(dev(src), dim, key_row, dev(dst));
     ST_CUDA_LAUNCH_CHECK();
 }
 

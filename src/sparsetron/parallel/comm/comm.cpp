@@ -52,6 +52,10 @@ void Comm::device_allgather(void*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }
 
+void Comm::device_reduce_scatter_sum(const float*, float*, int64_t, void*) {
+    throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
+}
+
 void check_same_on_all_ranks(Comm& comm, const std::string& text, const std::string& what) {
     const std::vector<uint64_t> hashes = comm.allgather(hash_name(text.c_str()));
     for (size_t r = 1; r < hashes.size(); ++r)

@@ -52,6 +52,9 @@ class Comm {
     virtual void device_broadcast(void* data, int64_t bytes, int root, void* stream);
     // In place: rank r's `bytes_per_rank` bytes at data + r * bytes_per_rank go to every rank.
     virtual void device_allgather(void* data, int64_t bytes_per_rank, void* stream);
+    // `send` holds size() blocks of `n` floats; block r summed over the ranks lands in rank r's
+    // `recv` ([n], apart from `send`).
+    virtual void device_reduce_scatter_sum(const float* send, float* recv, int64_t n, void* stream);
     // Uniform all-to-all: block r of `send` (bytes_per_rank each) goes to rank r; block s of
     // `recv` is what rank s sent to this rank.
     virtual void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,

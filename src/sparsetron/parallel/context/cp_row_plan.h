@@ -13,6 +13,7 @@ struct CpRowPlan {
     int64_t key_rows = 0;       // micro-batch rows the attention reads (0: no CP)
     int64_t max_documents = 0;  // documents of the micro-batches the model takes
     int64_t slots = 0;          // token slots of those micro-batches
+    int64_t max_group = 1;      // ranks of the largest CP group a micro-batch runs over
 };
 
 // `slots` / `max_documents`: the packed micro-batches'. Fixed CP: cp_local_tokens rows of those.

@@ -82,6 +82,7 @@ class CudaEngine final : public StepEngine, public StepBench {
                  "context_parallel_size ", cp,
                  " needs a context-parallel group of that many processes");
         const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
+        recipe_.model.context_parallel_ranks = cpp.max_group;
         // Pipeline parallelism: this rank's stage of the model, 1F1B over the step's
         // micro-batches (runtime/cuda/cuda_pipeline.h).
         Comm* pp = pipeline && pipeline->size() > 1 ? pipeline : nullptr;

@@ -28,6 +28,7 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
     const CpRowPlan cpp =
         cp_row_plan(recipe.run, recipe.run.tokens_per_microbatch(), max_documents);
+    m.context_parallel_ranks = cpp.max_group;
     const OptimizerShard shard = planned_optimizer_shard(host_store, recipe.run, optimizer_rank);
     cuda::CudaGlm5Model model(
         m, host_store, plan, cpp.rows, cpp.max_documents, std::min(chunk_rows, cpp.rows),

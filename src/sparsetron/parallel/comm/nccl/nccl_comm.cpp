@@ -203,6 +203,12 @@ void NcclComm::device_allgather(void* data, int64_t bytes_per_rank, void* stream
                                 ncclUint8, nc(comm_), cs(stream)));
 }
 
+void NcclComm::device_reduce_scatter_sum(const float* send, float* recv, int64_t n, void* stream) {
+    if (n == 0) return;
+    ST_NCCL_CHECK(
+        ncclReduceScatter(send, recv, size_t(n), ncclFloat, ncclSum, nc(comm_), cs(stream)));
+}
+
 void NcclComm::device_alltoall(const void* send, void* recv, int64_t bytes_per_rank, void* stream) {
     if (bytes_per_rank == 0) return;
     const char* s = static_cast<const char*>(send);

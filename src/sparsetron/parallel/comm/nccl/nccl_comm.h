@@ -33,6 +33,8 @@ class NcclComm final : public Comm {
     void device_allreduce_max(int32_t* x, int64_t n, void* stream) override;
     void device_broadcast(void* data, int64_t bytes, int root, void* stream) override;
     void device_allgather(void* data, int64_t bytes_per_rank, void* stream) override;
+    void device_reduce_scatter_sum(const float* send, float* recv, int64_t n,
+                                   void* stream) override;
     void device_alltoall(const void* send, void* recv, int64_t bytes_per_rank,
                          void* stream) override;
     void device_sendrecv(const void* send, int64_t send_bytes, int dst, void* recv,

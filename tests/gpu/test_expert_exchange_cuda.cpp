@@ -155,7 +155,7 @@ struct RankResult {
 };
 
 // Every rank: dispatch rows tagged 1, combine owner rows tagged 2, dispatch_again rows tagged 3.
-std::vector<RankResult> run_threads(const Routing& rt) {
+std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transport) {
     const int W = rt.W;
     const int64_t E = rt.E, dim = rt.dim, el = rt.el();
     ThreadJob job(W);
@@ -170,7 +170,7 @@ std::vector<RankResult> run_threads(const Routing& rt) {
                 ThreadComm comm(job, me, s);
                 const cuda::ExchangeShape shape{
                     .experts = E, .max_rows = rt.max_rows, .pair_rows = rt.pair_rows, .dim = dim};
-                auto ex = cuda::make_expert_exchange(ExchangeTransport::Nccl, comm, shape);
+                auto ex = cuda::make_expert_exchange(transport, comm, shape);
                 const std::vector<int32_t> off = rt.offsets(me);
                 const int64_t sent = off.back(), recvd = int64_t(rt.owner_rows(me).size());
                 const auto rows = [&](int tag, int64_t n) {
@@ -202,8 +202,8 @@ std::vector<RankResult> run_threads(const Routing& rt) {
     return out;
 }
 
-void check_routing(const Routing& rt) {
-    const std::vector<RankResult> got = run_threads(rt);
+void check_routing(const Routing& rt, ExchangeTransport transport = ExchangeTransport::Nccl) {
+    const std::vector<RankResult> got = run_threads(rt, transport);
     const int64_t dim = rt.dim;
     const bf16 poison = {0xFFFF};
     for (int q = 0; q < rt.W; ++q) {
@@ -280,10 +280,11 @@ TEST(CudaExpertExchange, NcclBlocksCarryEveryRowUnderACapacity) {
     check_routing(rt);
 }
 
+namespace {
+
 // Dropless routing skewed to one owner: a source may send all its rows to one rank, and an empty
 // pair (no rows) still exchanges its block.
-TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
-    REQUIRE_GPU();
+Routing skewed_dropless_routing() {
     std::mt19937 rng(5);
     Routing rt{.W = 3, .E = 6, .dim = 264, .pair_rows = 23, .max_rows = 3 * 23, .counts = {}};
     for (int p = 0; p < rt.W; ++p) {
@@ -296,7 +297,21 @@ TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
                 ++c[size_t(std::uniform_int_distribution<int64_t>(0, rt.E - 1)(rng))];
         rt.counts.push_back(c);
     }
-    check_routing(rt);
+    return rt;
+}
+
+}  // namespace
+
+TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
+    REQUIRE_GPU();
+    check_routing(skewed_dropless_routing());
+}
+
+// The IPC exchange between ranks that are threads of one process (each maps the others' regions
+// by pointer, not by IPC handle): the same rows as the NCCL blocks.
+TEST(CudaExpertExchange, IpcExchangeBetweenThreadsCarriesASkewedDroplessRouting) {
+    REQUIRE_GPU();
+    check_routing(skewed_dropless_routing(), ExchangeTransport::Nvlink);
 }
 
 // A receive budget below the dropless bound: rank 0 sends rank 2's experts 30 rows (of the 32 it

@@ -6,7 +6,7 @@
 // - factor 0.5 (128 rows): every step goes over on some rank; every rank's update is vetoed and
 //   the step redone eagerly with the routed experts in 4 chunks of 64 tokens (whose dropless
 //   rows fit the budget), so the losses, gradient norms and routing are still the one-GPU run's,
-//   alone and with the paged stash (whose redo is the same).
+//   alone and with the paged stash (whose redo is the same), and with pipeline stages.
 #include <gtest/gtest.h>
 
 #include <iostream>
@@ -60,6 +60,32 @@ TEST(CudaExpertBudget, StepsOverTheReceiveBudgetAreRedoneInChunksAndMatchOneGpu)
             }
             EXPECT_EQ(ranks[r].back().moe_budget_redos, c.redone ? 4 : 0) << c.tag;
         }
+    }
+}
+
+// With two pipeline stages (PP 2 x EP 2, four threads): the first stage holds the dense layer,
+// the second the MoE layer and the MTP layer, so only the second goes over the budget; the flag
+// is a maximum over the world, so the first stage's update is vetoed too and both stages redo
+// the step (and the validation passes) eagerly. The losses are still the one-GPU run's.
+TEST(CudaExpertBudget, AStageOverTheBudgetRedoesTheStepOnEveryStage) {
+    REQUIRE_GPU();
+    const std::vector<std::string> model = {"dsa_indexer_skip_topk_offset=2"};
+    const auto one = train(trainer_recipe(1, model),
+                           {temp_dir("pp-budget-one"), "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(one.size(), 4u);
+    std::vector<std::string> sets = model;
+    for (const char* k : {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
+                          "moe_expert_exchange=nccl", "moe_expert_rank_capacity_factor=0.5"})
+        sets.push_back(k);
+    const auto ranks = train_threads(4, trainer_recipe(4, sets), "pp2xep2-budget-0.5");
+    expect_metrics_match("pp2xep2-budget-0.5", one, ranks, 1e-5, true);
+    for (size_t r = 0; r < ranks.size(); ++r) {
+        ASSERT_EQ(ranks[r].size(), one.size());
+        for (size_t i = 0; i < ranks[r].size(); ++i) {
+            EXPECT_TRUE(ranks[r][i].moe_budget_redo) << "rank " << r << " step " << i + 1;
+            EXPECT_FALSE(ranks[r][i].skipped) << "rank " << r << ": the redo's update ran";
+        }
+        EXPECT_EQ(ranks[r].back().moe_budget_redos, 4) << "rank " << r;
     }
 }
 

@@ -91,10 +91,6 @@ class CudaEngine final : public StepEngine, public StepBench {
             ST_CHECK(recipe.run.pipeline_model_parallel_size == pp->size(),
                      "pipeline_model_parallel_size ", recipe.run.pipeline_model_parallel_size,
                      " but the pipeline group has ", pp->size(), " ranks");
-            ST_CHECK(recipe.model.moe_expert_rank_capacity_factor == 0,
-                     "moe_expert_rank_capacity_factor is not combined with pipeline parallelism "
-                     "on CUDA yet (the redo of a step over the budget would span the stages): "
-                     "use 0 (the dropless bound)");
             stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
         }
         // The distributed optimizer: masters and state sharded over the ranks holding the same
@@ -122,11 +118,13 @@ class CudaEngine final : public StepEngine, public StepBench {
                 plan_step_staging(*model_, plan_, recipe_.run.microbatches_per_step());
             slots_ = staging.slots, s_slots_ = staging.inputs, s_sums_ = staging.sums;
         }
-        // Pipeline parallelism with the paged stash: one stage's overflow redoes the step on
-        // every stage (some of which may hold no MoE layer, so no stash): a flag on every rank.
-        if (pipeline_ && recipe.model.moe_paged_stash)
-            s_stash_veto_ =
-                plan_.add(MemClass::Activations, "pipeline.stash_overflow", DType::I32, {1});
+        // Pipeline parallelism with the paged stash or the receive budget: one stage's overflow
+        // redoes the step on every stage (some of which may hold no MoE layer): flags on every
+        // rank, [0] the stash's overflow, [1] the receive budget's.
+        if (pipeline_ &&
+            (recipe.model.moe_paged_stash || recipe.model.moe_expert_rank_capacity_factor > 0))
+            s_redo_veto_ =
+                plan_.add(MemClass::Activations, "pipeline.moe_redo_flags", DType::I32, {2});
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
             cuda_plan_shortfall(recipe, host_store_, max_documents, chunk_rows, plan_.total_bytes(),
@@ -169,11 +167,13 @@ class CudaEngine final : public StepEngine, public StepBench {
         }
         // A step whose MoE stash or receive budget overflowed computed its backward on missing
         // rows: skip it.
-        if (s_stash_veto_ >= 0)
-            opt_->add_veto(stash_veto());
-        else if (const cuda::MoeStash* st = model_->moe_stash())
-            opt_->add_veto(st->overflow_flag());
-        if (exchange_) opt_->add_veto(exchange_->over_budget());
+        if (s_redo_veto_ >= 0) {
+            opt_->add_veto(redo_veto());
+            opt_->add_veto(redo_veto() + 1);
+        } else {
+            if (const cuda::MoeStash* st = model_->moe_stash()) opt_->add_veto(st->overflow_flag());
+            if (exchange_) opt_->add_veto(exchange_->over_budget());
+        }
         cuda::zero(ctx(), plan_.class_base(MemClass::OptimizerState),
                    plan_.class_bytes(MemClass::OptimizerState));
         // Optimizer offload: the state planned in pinned host memory.
@@ -275,20 +275,26 @@ class CudaEngine final : public StepEngine, public StepBench {
         // One rank's stash overflow or receive budget overflow vetoes every rank's optimizer
         // step and sends all of them into the eager redo (which exchanges rows and reduces
         // gradients with the others): the ranks holding the same layers, and under pipeline
-        // parallelism every rank for the stash (the redo runs every stage again).
+        // parallelism every rank (the redo runs every stage again).
         const cuda::MoeStash* st = model_->moe_stash();
-        if (s_stash_veto_ >= 0) {
-            int32_t* veto = stash_veto();
-            if (st)
-                cuda::copy_2d(ctx(), veto, 0, st->overflow_flag(), 0, sizeof(int32_t), 1);
-            else
-                cuda::zero(ctx(), veto, sizeof(int32_t));
-            if (comms_.world && comms_.world->size() > 1)
-                comms_.world->device_allreduce_max(veto, 1, ctx().stream);
-        } else if (dp_ && st) {
-            dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
+        if (s_redo_veto_ >= 0) {
+            gather_redo_flags();
+        } else {
+            if (dp_ && st) dp_->device_allreduce_max(st->overflow_flag(), 1, ctx().stream);
+            if (dp_ && exchange_)
+                dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
         }
-        if (dp_ && exchange_) dp_->device_allreduce_max(exchange_->over_budget(), 1, ctx().stream);
+    }
+    // Pipeline parallelism: this rank's stash and budget flags, then their maximum over the world.
+    void gather_redo_flags() {
+        int32_t* flags = redo_veto();
+        cuda::zero(ctx(), flags, 2 * sizeof(int32_t));
+        if (const cuda::MoeStash* st = model_->moe_stash())
+            cuda::copy_2d(ctx(), flags, 0, st->overflow_flag(), 0, sizeof(int32_t), 1);
+        if (exchange_)
+            cuda::copy_2d(ctx(), flags + 1, 0, exchange_->over_budget(), 0, sizeof(int32_t), 1);
+        if (comms_.world && comms_.world->size() > 1)
+            comms_.world->device_allreduce_max(flags, 2, ctx().stream);
     }
 
     LossSums micro_batch(const MicroBatch& mb, const LossScales& scales) {
@@ -516,7 +522,23 @@ class CudaEngine final : public StepEngine, public StepBench {
         double* sums = plan_.view(s_sums_).ptr<double>();
         for (int64_t i = 0; i < n; ++i)
             model_->stage_inputs(ctx(), *mbs[size_t(i)], sc, slots + i * words);
+        if (exchange_) exchange_->clear_over_budget(ctx());
         pipeline_->enqueue(ctx(), sc, n, slots, sums);
+        if (s_redo_veto_ >= 0 && exchange_) {
+            // Rows over the receive budget on any stage: the pass again, every stage's experts
+            // in token chunks.
+            gather_redo_flags();
+            int32_t flags[2] = {0, 0};
+            cuda::download(ctx(), flags, redo_veto(), sizeof flags);
+            if (flags[1] != 0) {
+                struct Redo {
+                    cuda::CudaGlm5Model& m;
+                    ~Redo() { m.set_moe_redo(false); }
+                } redo_mode{*model_};
+                model_->set_moe_redo(true);
+                pipeline_->enqueue(ctx(), sc, n, slots, sums);
+            }
+        }
         std::vector<double> host(size_t(n * model_->n_sums()));
         cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
         std::vector<LossSums> out;
@@ -672,12 +694,12 @@ class CudaEngine final : public StepEngine, public StepBench {
     // The stash's use and the receive budget's flag after a step (synchronizes).
     void read_moe_use(StepOutcome& out) const {
         out.stash = stash_use();
-        if (s_stash_veto_ >= 0) {  // any stage's overflow
-            int32_t flag = 0;
-            cuda::download(ctx(), &flag, stash_veto(), sizeof flag);
-            out.stash.overflow = flag != 0;
-        }
-        if (exchange_) {
+        if (s_redo_veto_ >= 0) {  // any stage's overflow
+            int32_t flags[2] = {0, 0};
+            cuda::download(ctx(), flags, redo_veto(), sizeof flags);
+            out.stash.overflow = flags[0] != 0;
+            out.over_budget = flags[1] != 0;
+        } else if (exchange_) {
             int32_t flag = 0;
             cuda::download(ctx(), &flag, exchange_->over_budget(), sizeof flag);
             out.over_budget = flag != 0;
@@ -762,8 +784,9 @@ class CudaEngine final : public StepEngine, public StepBench {
     int64_t chunk_steps_ = 0;       // training steps run with chunk-wise graphs
     int64_t bench_local_runs_ = 0;  // bench's timed steps with chunk-wise graphs
     MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
-    MemoryPlan::Slot s_stash_veto_ = -1;  // pipeline parallelism with the stash: any overflow
-    int32_t* stash_veto() const { return plan_.view(s_stash_veto_).ptr<int32_t>(); }
+    // Pipeline parallelism with the stash or the receive budget: any rank's overflow of each.
+    MemoryPlan::Slot s_redo_veto_ = -1;
+    int32_t* redo_veto() const { return plan_.view(s_redo_veto_).ptr<int32_t>(); }
     int64_t eager_steps_ = 0;  // full_iteration's warm-up steps run so far
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;

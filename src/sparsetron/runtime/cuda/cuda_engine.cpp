@@ -113,6 +113,10 @@ class CudaEngine final : public StepEngine, public StepBench {
         }
         if (recipe_.run.cuda_graph_impl == "full_iteration" || pipeline_) {
             graphs_ = recipe_.run.cuda_graph_impl == "full_iteration";
+            if (graphs_ && pipeline_ && dynamic_cp_ && (!comms_.world || comms_.world->rank() == 0))
+                std::cerr << "[graph] dynamic CP with pipeline stages: the steps run eagerly "
+                             "(their groups and micro-batches change from step to step); "
+                             "cuda_graph_impl: local captures each layer's chunk instead\n";
             // Staging for a whole step: every micro-batch's input block and loss sums.
             const StepStaging staging =
                 plan_step_staging(*model_, plan_, recipe_.run.microbatches_per_step());

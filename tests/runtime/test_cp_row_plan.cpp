@@ -21,6 +21,7 @@ TEST(CpRowPlan, NoneFixedAndDynamic) {
     EXPECT_EQ(p.key_rows, 0) << "no CP: the model reads its own rows as keys";
     EXPECT_EQ(p.max_documents, 64);
     EXPECT_EQ(p.slots, 4096);
+    EXPECT_EQ(p.max_group, 1);
 
     r.context_parallel_size = 2;
     p = cp_row_plan(r, 4096, 64);
@@ -28,6 +29,7 @@ TEST(CpRowPlan, NoneFixedAndDynamic) {
     EXPECT_EQ(p.rows, 2048 + 128);
     EXPECT_EQ(p.key_rows, 4096);
     EXPECT_EQ(p.slots, 4096);
+    EXPECT_EQ(p.max_group, 2) << "the key exchange holds the CP group's rows";
 
     // Dynamic: groups of up to 4 ranks x 1024 tokens; a rank holds < 1024 + 2 x documents rows.
     r.context_parallel_size = 4;
@@ -38,6 +40,8 @@ TEST(CpRowPlan, NoneFixedAndDynamic) {
     EXPECT_EQ(p.key_rows, 4 * 1024);
     EXPECT_EQ(p.max_documents, 64) << "default_max_documents(4096)";
     EXPECT_EQ(p.rows, 1024 + 2 * 64);
+    EXPECT_EQ(p.max_group, 4) << "the largest group: every DP x CP rank of the stage";
+    EXPECT_GE(p.max_group * p.rows, p.key_rows) << "the exchange's blocks hold every key row";
     r.max_documents_per_microbatch = 8;
     p = cp_row_plan(r, 4096, 64);
     EXPECT_EQ(p.max_documents, 8);

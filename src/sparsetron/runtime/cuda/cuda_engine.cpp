@@ -2,6 +2,7 @@
 // activations, workspace), the CUDA model and optimizer, mirroring the host plan's parameters and
 // optimizer state.
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -258,6 +259,13 @@ class CudaEngine final : public StepEngine, public StepBench {
     }
 
   private:
+    // The MoE's redo mode while alive: the stash bypassed and, under a receive budget, the
+    // routed experts in token chunks that fit it.
+    struct MoeRedo {
+        cuda::CudaGlm5Model& m;
+        explicit MoeRedo(cuda::CudaGlm5Model& model) : m(model) { m.set_moe_redo(true); }
+        ~MoeRedo() { m.set_moe_redo(false); }
+    };
     // The gradients are not zeroed here as a whole: each is overwritten by its first writer of
     // the step or zeroed where needed (CudaParams::begin_gradients), and end_backward() zeroes
     // what the step did not write.
@@ -319,11 +327,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         // the optimizer skipped the step on the device. As the seed falls back to an eager step:
         // the same step again, eagerly, with the stash bypassed (the MoE backward recomputes its
         // expert rows) and under a budget the routed experts in token chunks that fit it.
-        struct Redo {
-            cuda::CudaGlm5Model& m;
-            ~Redo() { m.set_moe_redo(false); }
-        } redo_mode{*model_};
-        model_->set_moe_redo(true);
+        const MoeRedo redo_mode(*model_);
         StepOutcome redo = run_step_once(mbs, sc, run, step, cp_groups, true);
         ST_ASSERT(!redo.stash.overflow, "the eager redo of step ", step, " pushed to the stash");
         ST_ASSERT(!redo.over_budget, "the eager redo of step ", step,
@@ -512,11 +516,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             std::vector<LossSums> out = pass();
             if (!over_budget_anywhere()) return out;
             // Rows over the receive budget were dropped: the pass again in token chunks.
-            struct Redo {
-                cuda::CudaGlm5Model& m;
-                ~Redo() { m.set_moe_redo(false); }
-            } redo_mode{*model_};
-            model_->set_moe_redo(true);
+            const MoeRedo redo_mode(*model_);
             return pass();
         }
         const int64_t n = int64_t(mbs.size()), words = model_->input_words();
@@ -532,14 +532,8 @@ class CudaEngine final : public StepEngine, public StepBench {
             // Rows over the receive budget on any stage: the pass again, every stage's experts
             // in token chunks.
             gather_redo_flags();
-            int32_t flags[2] = {0, 0};
-            cuda::download(ctx(), flags, redo_veto(), sizeof flags);
-            if (flags[1] != 0) {
-                struct Redo {
-                    cuda::CudaGlm5Model& m;
-                    ~Redo() { m.set_moe_redo(false); }
-                } redo_mode{*model_};
-                model_->set_moe_redo(true);
+            if (read_redo_flags()[1] != 0) {
+                const MoeRedo redo_mode(*model_);
                 pipeline_->enqueue(ctx(), sc, n, slots, sums);
             }
         }
@@ -699,8 +693,7 @@ class CudaEngine final : public StepEngine, public StepBench {
     void read_moe_use(StepOutcome& out) const {
         out.stash = stash_use();
         if (s_redo_veto_ >= 0) {  // any stage's overflow
-            int32_t flags[2] = {0, 0};
-            cuda::download(ctx(), flags, redo_veto(), sizeof flags);
+            const std::array<int32_t, 2> flags = read_redo_flags();
             out.stash.overflow = flags[0] != 0;
             out.over_budget = flags[1] != 0;
         } else if (exchange_) {
@@ -791,6 +784,12 @@ class CudaEngine final : public StepEngine, public StepBench {
     // Pipeline parallelism with the stash or the receive budget: any rank's overflow of each.
     MemoryPlan::Slot s_redo_veto_ = -1;
     int32_t* redo_veto() const { return plan_.view(s_redo_veto_).ptr<int32_t>(); }
+    // The flags after gather_redo_flags() (synchronizes): [0] the stash's, [1] the budget's.
+    std::array<int32_t, 2> read_redo_flags() const {
+        std::array<int32_t, 2> flags{};
+        cuda::download(ctx(), flags.data(), redo_veto(), sizeof flags);
+        return flags;
+    }
     int64_t eager_steps_ = 0;  // full_iteration's warm-up steps run so far
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;

@@ -255,9 +255,10 @@ void check_routing(const Routing& rt, ExchangeTransport transport = ExchangeTran
     }
     for (int p = 0; p < rt.W; ++p)
         for (size_t i = 0; i < returned[size_t(p)].size(); ++i)
-            if (!returned[size_t(p)][i])
+            if (!returned[size_t(p)][i]) {
                 ASSERT_EQ(got[size_t(p)].back[i * size_t(dim)].bits, poison.bits)
                     << "rank " << p << "'s row " << i << " was over the budget but came back";
+            }
 }
 
 }  // namespace

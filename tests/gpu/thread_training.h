@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -101,6 +102,13 @@ inline void expect_metrics_match(const std::string& tag, const std::vector<StepM
             ASSERT_EQ(a.moe_load.size(), w.moe_load.size()) << tag << ": every stage's layers";
             if (i == 0 && loads_equal) {
                 EXPECT_EQ(a.moe_load, w.moe_load) << tag;
+            } else if (i == 0 && rank == 0) {
+                int64_t moved = 0;  // rows routed to another expert than on one GPU
+                for (size_t l = 0; l < w.moe_load.size(); ++l)
+                    for (size_t e = 0; e < w.moe_load[l].size() && e < a.moe_load[l].size(); ++e)
+                        moved += std::abs(a.moe_load[l][e] - w.moe_load[l][e]);
+                std::cout << "[" << tag << "] step 1: " << moved / 2
+                          << " routed rows on other experts than on one GPU\n";
             }
             for (size_t l = 0; l < w.moe_load.size(); ++l) {
                 int64_t ta = 0, tw = 0;

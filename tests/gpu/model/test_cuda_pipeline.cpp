@@ -231,7 +231,9 @@ TEST(CudaPipeline, TrainerTwoStagesMatchOneGpuAndResumeOnOneGpu) {
 // stage's documents split over its two ranks, keys gathered; the dense indexer loss); PP 2 x
 // dynamic CP 2 (each stage's micro-batches grouped per step, the same groups on both stages, so
 // a boundary's rows follow the same CP sharding; per-token loss, no validation: it does not run
-// under dynamic CP; the multi-GPU dynamic-CP tolerance of 1e-3 on step 1's gradient norm).
+// under dynamic CP; the multi-GPU dynamic-CP tolerance of 1e-3 on step 1's gradient norm, and
+// 3e-5 on its losses: each group's GEMMs run over other row counts than one GPU's, so a router
+// score rounds across a tie and a row takes another expert, which the test prints).
 // Offset 2 starts every stage on a full layer (Megatron's rule).
 TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
     REQUIRE_GPU();
@@ -239,7 +241,7 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
         std::string tag;
         std::vector<std::string> model, layout;
         bool loads_equal;
-        double grad_norm_tol = 0;
+        double grad_norm_tol = 0, step1_tol = 1e-5;
     };
     const std::vector<Case> cases = {
         {"pp2xdp2",
@@ -265,7 +267,8 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
           "dynamic_context_parallel=true", "sequence_packing_scheduler=default_dynamic_cp",
           "max_seqlen_per_dp_cp_rank=160"},
          false,
-         1e-3},
+         1e-3,
+         3e-5},
     };
     for (const Case& c : cases) {
         const auto one = train(trainer_recipe(1, c.model),
@@ -274,7 +277,7 @@ TEST(CudaPipeline, TrainerStagesTimesDataExpertContextParallelMatchOneGpu) {
         std::vector<std::string> sets = c.model;
         sets.insert(sets.end(), c.layout.begin(), c.layout.end());
         const auto ranks = train_threads(4, trainer_recipe(4, sets), c.tag);
-        expect_metrics_match(c.tag, one, ranks, 1e-5, c.loads_equal, c.grad_norm_tol);
+        expect_metrics_match(c.tag, one, ranks, c.step1_tol, c.loads_equal, c.grad_norm_tol);
         if (c.tag == "pp2xdcp2") {
             int64_t pairs = 0;
             for (const StepMetrics& m : ranks[0])

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -72,10 +73,16 @@ class ThreadComm final : public Comm {
             },
             recv, bytes);
     }
-    // Host collectives are not part of the NCCL exchange.
+    // The IPC exchange maps its peers' regions with a host broadcast; no exchange needs the
+    // other host collectives.
+    void broadcast(void* data, int64_t bytes, int root) override {
+        job_.sent[size_t(rank_)] = static_cast<const char*>(data);
+        job_.bar.arrive_and_wait();
+        if (rank_ != root) std::memcpy(data, job_.sent[size_t(root)], size_t(bytes));
+        job_.bar.arrive_and_wait();  // the root's data stays until every rank has read it
+    }
     void allreduce_sum(float*, int64_t) override { unused(); }
     void allreduce_sum(double*, int64_t) override { unused(); }
-    void broadcast(void*, int64_t, int) override { unused(); }
     std::vector<uint64_t> allgather(uint64_t) override { unused(); }
     void alltoallv(const void*, const std::vector<int64_t>&, void*,
                    const std::vector<int64_t>&) override {

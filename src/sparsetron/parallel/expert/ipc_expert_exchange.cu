@@ -83,6 +83,15 @@ __global__ void finish_kernel(void* region, const uint32_t* epoch) {
     store_release(flag_of(region, kDoneAt), *epoch);
 }
 
+// Every peer has published this epoch. One block waits, so that the pull after it holds no SM
+// while a peer is late: a pull grid spinning on every SM would keep out the kernels of other
+// streams (a peer rank's, where ranks share a GPU) that need a whole SM's shared memory.
+__global__ void wait_published_kernel(void* const* peers, int ranks, const uint32_t* epoch) {
+    const uint32_t e = *epoch;
+    for (int s = threadIdx.x; s < ranks; s += blockDim.x)
+        wait_flag(flag_of(peers[s], kPublishAt), e);
+}
+
 // Every rank's published offsets into all_offsets [W, E + 1]; this rank's owner layout.
 __global__ void gather_offsets_kernel(void* const* peers, int ranks, int rank, int64_t experts,
                                       int64_t pair_rows, const uint32_t* epoch,
@@ -104,23 +113,20 @@ __global__ void gather_offsets_kernel(void* const* peers, int ranks, int rank, i
                                 over_budget);
 }
 
-// One block row per peer s (blockIdx.y). Dispatch: this rank q pulls its experts' rows from
-// source s's region (source layout) into y (owner layout). Combine: this rank p pulls its rows
-// back from owner s's region (owner layout) into x (source layout).
+// One block row per peer s (blockIdx.y), after a kernel that waited for every peer's publication
+// of this epoch. Dispatch: this rank q pulls its experts' rows from source s's region (source
+// layout) into y (owner layout). Combine: this rank p pulls its rows back from owner s's region
+// (owner layout) into x (source layout).
 template <bool Dispatch>
 __global__ void pull_kernel(void* const* peers, int ranks, int rank, int64_t experts,
                             int64_t pair_rows, int64_t rows_off, int64_t dim_vec,
-                            const uint32_t* epoch, const int32_t* all_offsets, int4* out) {
+                            const int32_t* all_offsets, int4* out) {
     extern __shared__ int32_t base[];  // [El]: owner-layout first row of (p, j)
     const int s = blockIdx.y;
     const int p = Dispatch ? s : rank, q = Dispatch ? rank : s;
     const int64_t el = experts / ranks;
     const int32_t* off_p = all_offsets + p * (experts + 1);
-    if (threadIdx.x == 0) {
-        wait_flag(flag_of(peers[s], kPublishAt), *epoch);
-        __threadfence_system();
-        exchange::owner_bases(all_offsets, ranks, experts, p, q, pair_rows, base);
-    }
+    if (threadIdx.x == 0) exchange::owner_bases(all_offsets, ranks, experts, p, q, pair_rows, base);
     __syncthreads();
     const int32_t first = off_p[q * el], last = exchange::pair_end(off_p, el, q, pair_rows);
     const int4* peer = reinterpret_cast<const int4*>(static_cast<const char*>(peers[s]) + rows_off);
@@ -229,7 +235,12 @@ void IpcExpertExchange::pull(const ExecContext& ctx, const int32_t* all_offsets,
     const dim3 grid(kPullBlocksPerPeer, unsigned(size_));
     pull_kernel<Dispatch><<<grid, kThreads, local_experts() * sizeof(int32_t), stream_of(ctx)>>>(
         peers_, size_, rank_, shape_.experts, shape_.pair_rows, rows_at(shape_.experts),
-        shape_.dim / 8, epoch_, all_offsets, reinterpret_cast<int4*>(out));
+        shape_.dim / 8, all_offsets, reinterpret_cast<int4*>(out));
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void IpcExpertExchange::wait_published(const ExecContext& ctx) {
+    wait_published_kernel<<<1, 32, 0, stream_of(ctx)>>>(peers_, size_, epoch_);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -244,7 +255,7 @@ void IpcExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets,
     gather_offsets_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(peers_, size_, rank_, shape_.experts,
                                                               shape_.pair_rows, epoch_, all_offsets,
                                                               recv_offsets, over_budget_);
-    ST_CUDA_LAUNCH_CHECK();
+    ST_CUDA_LAUNCH_CHECK();  // it waited for every peer's publication
     pull<true>(ctx, all_offsets, y);
     finish(ctx);
 }
@@ -252,12 +263,14 @@ void IpcExpertExchange::dispatch(const ExecContext& ctx, const int32_t* offsets,
 void IpcExpertExchange::dispatch_again(const ExecContext& ctx, const int32_t* all_offsets,
                                        bf16* y) {
     publish(ctx, nullptr);
+    wait_published(ctx);
     pull<true>(ctx, all_offsets, y);
     finish(ctx);
 }
 
 void IpcExpertExchange::combine(const ExecContext& ctx, const int32_t* all_offsets, bf16* x) {
     publish(ctx, nullptr);
+    wait_published(ctx);
     pull<false>(ctx, all_offsets, x);
     finish(ctx);
 }

@@ -35,6 +35,7 @@ class IpcExpertExchange final : public ExpertExchange {
     void publish(const ExecContext& ctx, const int32_t* offsets);
     template <bool Dispatch>
     void pull(const ExecContext& ctx, const int32_t* all_offsets, bf16* out);
+    void wait_published(const ExecContext& ctx);
     void finish(const ExecContext& ctx);
     int64_t region_bytes_ = 0;
     void* region_ = nullptr;     // this rank's shared region (cudaMalloc)

@@ -8,7 +8,9 @@
 # JSON lines into OUT/backbone.jsonl and OUT/step.jsonl; the comparison on stdout
 # (tools/bench/ab_compare.py: medians, means with standard errors, B against A).
 # MEASURES (default "backbone step") picks the measures, e.g. one per call when both do not fit
-# one call's time; ARMS (default "A B B A") the order of the runs of each measure.
+# one call's time; ARMS (default "A B B A") the order of the runs of each measure; RECIPE the
+# recipe and overlays (default the proxy; on an H100 the full step needs
+# recipes/glm5.2-proxy-h200.yaml,recipes/overlays/h100.yaml).
 # Usage: bench/scripts/compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]
 set -uo pipefail
 tarball=${1:?usage: compare-builds.sh A.tar.xz A_COMMIT B_COMMIT OUT [ITERS]}
@@ -17,7 +19,7 @@ mkdir -p "$out" "$out/a"
 tar -xJf "$tarball" -C "$out/a"
 declare -A bin=([A]="$out/a/build/default/bin/sparsetron" [B]=build/default/bin/sparsetron)
 declare -A commit=([A]="$a_commit" [B]="$b_commit")
-recipe="--recipe recipes/glm5.2-proxy-h200.yaml"
+recipe="--recipe ${RECIPE:-recipes/glm5.2-proxy-h200.yaml}"
 measure() {  # NAME ARM OPTIONS...
   local name=$1 arm=$2
   shift 2

@@ -25,6 +25,9 @@ const std::vector<EnvVar>& env_vars() {
         {"SLURM_PROCID", "rank under srun"},
         {"SLURM_NTASKS", "world size under srun"},
         {"SLURM_LOCALID", "rank on this node under srun (picks the GPU)"},
+        {"CUDA_MODULE_LOADING",
+         "CUDA's module loading; EAGER is required where ranks are threads of one process with "
+         "the NVLink expert exchange (test_gpu sets it)"},
     };
     return vars;
 }

@@ -5,10 +5,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 
 #include "sparsetron/core/cuda_check.h"
+#include "sparsetron/core/env.h"
 #include "sparsetron/core/error.h"
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/parallel/expert/expert_exchange_rows.cuh"
@@ -173,9 +172,8 @@ IpcExpertExchange::IpcExpertExchange(Comm& ep, const ExchangeShape& shape)
         if (r.process == mine.process) {
             // A lazily loaded kernel's first launch synchronizes the whole context: in one
             // process it would wait for a peer thread's kernel spinning on this rank's flag.
-            const char* loading = std::getenv("CUDA_MODULE_LOADING");
-            ST_CHECK(loading && std::string_view(loading) == "EAGER", "expert exchange: rank ",
-                     rank_, " and rank ", s,
+            ST_CHECK(env_value("CUDA_MODULE_LOADING") == "EAGER", "expert exchange: rank ", rank_,
+                     " and rank ", s,
                      " are threads of one process, which needs CUDA_MODULE_LOADING=EAGER set "
                      "before CUDA starts (lazy loading's context synchronization would deadlock "
                      "against the exchange's spinning kernels)");

@@ -2,7 +2,8 @@
 // - W ranks as W threads, each with its own stream, joined by a communicator whose device
 //   all-gather and all-to-all copy between the threads' buffers: the pack and unpack kernels
 //   and the layouts against rows computed on the host, for random routings under a capacity
-//   bound and a skewed dropless one;
+//   bound and a skewed dropless one; the NVLink transport also with a late rank that runs a GEMM
+//   while the others wait for it;
 // - one rank of each transport (NCCL through a real communicator, sending to itself; CUDA IPC
 //   on its own region), dispatch and combine captured in a CUDA graph and replayed on new rows.
 // Both transports against each other on two GPUs: DataParallelGpu.ExpertExchangeDeliversEveryRow*
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -25,6 +27,7 @@
 #include "sparsetron/cuda/cuda_session.h"
 #include "sparsetron/cuda/step_graph.h"
 #include "sparsetron/ops/copy/copy.h"
+#include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/parallel/expert/expert_exchange.h"
 #endif
 
@@ -162,7 +165,9 @@ struct RankResult {
 };
 
 // Every rank: dispatch rows tagged 1, combine owner rows tagged 2, dispatch_again rows tagged 3.
-std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transport) {
+// Rank `late` (if any) starts its exchanges after the others are waiting for it, and first runs a
+// GEMM whose kernels each need a whole SM (its registers or shared memory).
+std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transport, int late = -1) {
     const int W = rt.W;
     const int64_t E = rt.E, dim = rt.dim, el = rt.el();
     ThreadJob job(W);
@@ -174,6 +179,9 @@ std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transpo
             try {
                 cuda::CudaSession s;
                 const ExecContext& ctx = s.ctx();
+                // The late rank's GEMM operands, allocated before any exchange can wait on it.
+                const int64_t g = me == late ? 4096 : 0;
+                DeviceArray<bf16> ga(g * g), gb(g * g), gc(g * g);
                 ThreadComm comm(job, me, s);
                 const cuda::ExchangeShape shape{
                     .experts = E, .max_rows = rt.max_rows, .pair_rows = rt.pair_rows, .dim = dim};
@@ -191,6 +199,10 @@ std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transpo
                 DeviceArray<bf16> x(rows(1, sent)), z(rows(2, recvd)), x3(rows(3, sent));
                 DeviceArray<bf16> y(rt.max_rows * dim), back(sent * dim), y3(rt.max_rows * dim);
                 const int64_t xb = sent * dim * 2, zb = recvd * dim * 2;
+                if (me == late) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                    cuda::gemm(ctx, false, true, g, g, g, 1.f, ga, g, gb, g, 0.f, gc, g);
+                }
                 cuda::copy_2d(ctx, ex->begin_send(ctx), xb, x, xb, xb, 1);
                 ex->dispatch(ctx, doff, all, recv, y);
                 cuda::copy_2d(ctx, ex->begin_send(ctx), zb, z, zb, zb, 1);
@@ -209,8 +221,9 @@ std::vector<RankResult> run_threads(const Routing& rt, ExchangeTransport transpo
     return out;
 }
 
-void check_routing(const Routing& rt, ExchangeTransport transport = ExchangeTransport::Nccl) {
-    const std::vector<RankResult> got = run_threads(rt, transport);
+void check_routing(const Routing& rt, ExchangeTransport transport = ExchangeTransport::Nccl,
+                   int late = -1) {
+    const std::vector<RankResult> got = run_threads(rt, transport, late);
     const int64_t dim = rt.dim;
     const bf16 poison = {0xFFFF};
     for (int q = 0; q < rt.W; ++q) {
@@ -320,6 +333,14 @@ TEST(CudaExpertExchange, NcclBlocksCarryASkewedDroplessRouting) {
 TEST(CudaExpertExchange, IpcExchangeBetweenThreadsCarriesASkewedDroplessRouting) {
     REQUIRE_GPU();
     check_routing(skewed_dropless_routing(), ExchangeTransport::Nvlink);
+}
+
+// The same with rank 1 late and busy: the others' exchanges wait for it in one block each, so
+// its GEMM finds free SMs and it then publishes. (A pull kernel spinning on every SM kept the
+// GEMM from starting: the exchange trapped after a minute.)
+TEST(CudaExpertExchange, IpcExchangeWaitsForABusyLatePeerWithoutHoldingEverySm) {
+    REQUIRE_GPU();
+    check_routing(skewed_dropless_routing(), ExchangeTransport::Nvlink, 1);
 }
 
 // A receive budget below the dropless bound: rank 0 sends rank 2's experts 30 rows (of the 32 it

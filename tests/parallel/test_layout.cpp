@@ -338,8 +338,8 @@ TEST(PipelineLayout, CountsPerStageAgainstTheModel) {
             EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
         }
     };
-    refused("Et*3|(tt|)*29,m|L", 61, 1, 16, "interleaved virtual stages (2 per rank)");
-    refused("Et|t|tL", 3, 0, 2, "3 stages, but pipeline_model_parallel_size is 2");
+    refused("Et*3|(tt|)*29,m|L", 61, 1, 16, "32 stages where 16 are planned");
+    refused("Et|t|tL", 3, 0, 2, "3 stages where 2 are planned");
     refused("tE|tL", 2, 0, 2, "the embedding (E) must appear once, first in the first stage");
     refused("Et|Lt", 2, 0, 2, "the loss (L) must appear once, last in the last stage");
     refused("Et|ttL", 4, 0, 2, "3 decoder layers (t), num_layers is 4");
@@ -369,3 +369,57 @@ TEST(PipelineLayout, RecipeKeyIsExclusiveWithTheFirstLastKeys) {
 
 }  // namespace
 }  // namespace sparsetron
+
+// Interleaved virtual stages: V chunks per rank from any of Megatron's three ways to say it, the
+// model cut into V x P stages, rank r holding stages r, P + r, ... (every rank's first chunk, then
+// every rank's second); the keys that would contradict each other are refused by name.
+TEST(PipelineLayout, VirtualStagesPerRankFromEachKey) {
+    Recipe r = builtin_tiny_recipe();
+    r.model.num_layers = 8;
+    r.model.moe_layer_pattern.assign(8, 1);
+    r.run.pipeline_model_parallel_size = 2;
+    r.run.world_size = 2;
+    EXPECT_EQ(pipeline_virtual_stages(r.model, r.run), 1);
+    r.run.num_virtual_stages_per_pipeline_rank = 2;
+    EXPECT_EQ(pipeline_virtual_stages(r.model, r.run), 2);
+    EXPECT_EQ(pipeline_stage_layers(r.model, r.run), (std::vector<int64_t>{2, 2, 2, 2}));
+    const std::vector<PipelineStage> rank1 = pipeline_rank_stages(r.model, r.run, 1);
+    ASSERT_EQ(rank1.size(), 2u);
+    EXPECT_EQ(rank1[0].index, 1);
+    EXPECT_EQ(rank1[0].count, 4);
+    EXPECT_EQ(rank1[0].first_layer, 2);
+    EXPECT_EQ(rank1[0].end_layer, 4);
+    EXPECT_EQ(rank1[1].index, 3);
+    EXPECT_TRUE(rank1[1].last());
+    EXPECT_EQ(rank1[1].first_layer, 6);
+    r.run.num_virtual_stages_per_pipeline_rank = 0;
+    r.run.num_layers_per_virtual_pipeline_stage = 1;
+    EXPECT_EQ(pipeline_virtual_stages(r.model, r.run), 4);
+    r.run.num_layers_per_virtual_pipeline_stage = 0;
+    r.run.pipeline_model_parallel_layout =
+        "Ett|t|ttt|tt" + std::string(size_t(r.model.mtp_num_layers), 'm') + "L";
+    EXPECT_EQ(pipeline_virtual_stages(r.model, r.run), 2);
+    EXPECT_EQ(pipeline_stage_layers(r.model, r.run), (std::vector<int64_t>{2, 1, 3, 2}));
+    EXPECT_EQ(pipeline_rank_stages(r.model, r.run, 0)[1].first_layer, 3);
+    const auto refused = [&](const RunConfig& run, const char* why) {
+        try {
+            pipeline_virtual_stages(r.model, run);
+            ADD_FAILURE() << "accepted";
+        } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+        }
+    };
+    RunConfig both = r.run;
+    both.pipeline_model_parallel_layout.clear();
+    both.num_virtual_stages_per_pipeline_rank = 2;
+    both.num_layers_per_virtual_pipeline_stage = 2;
+    refused(both, "set one");
+    RunConfig disagree = r.run;
+    disagree.num_virtual_stages_per_pipeline_rank = 4;
+    refused(disagree, "the virtual-stage key says 4");
+    RunConfig uneven = r.run;
+    uneven.pipeline_model_parallel_layout.clear();
+    uneven.num_virtual_stages_per_pipeline_rank = 2;
+    uneven.decoder_first_pipeline_num_layers = 1;
+    refused(uneven, "give the split as pipeline_model_parallel_layout");
+}

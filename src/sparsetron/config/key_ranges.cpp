@@ -101,6 +101,8 @@ const std::vector<KeyRange>& key_ranges() {
         {"tensor_model_parallel_size", 1, kRanks},
         {"pipeline_model_parallel_size", 1, kRanks},
         {"decoder_first_pipeline_num_layers", 0, 4096},
+        {"num_virtual_stages_per_pipeline_rank", 0, 4096},
+        {"num_layers_per_virtual_pipeline_stage", 0, 4096},
         {"decoder_last_pipeline_num_layers", 0, 4096},
         {"expert_model_parallel_size", 1, kRanks},
         {"context_parallel_size", 1, kRanks},

@@ -83,17 +83,12 @@ std::vector<std::string> parse_pipeline_layout(const std::string& layout) {
 }
 
 std::vector<int64_t> pipeline_layout_counts(const std::string& layout, int64_t num_layers,
-                                            int64_t mtp_num_layers, int64_t pp_size) {
+                                            int64_t mtp_num_layers, int64_t planned) {
     const std::vector<std::string> stages = parse_pipeline_layout(layout);
     const std::string key = cat("pipeline_model_parallel_layout \"", layout, "\": ");
     const int64_t n = int64_t(stages.size());
-    if (n > pp_size && n % pp_size == 0)
-        throw Error(cat(key, n, " stages over pipeline_model_parallel_size ", pp_size,
-                        " are interleaved virtual stages (", n / pp_size,
-                        " per rank), which the engine does not build: give one stage per "
-                        "pipeline rank"));
-    ST_CHECK(n == pp_size, key, n, " stages, but pipeline_model_parallel_size is ", pp_size,
-             ": one stage per pipeline rank");
+    ST_CHECK(n == planned, key, n, " stages where ", planned,
+             " are planned (pipeline_model_parallel_size x virtual stages per rank)");
     const auto count = [&](char c) {
         int64_t k = 0;
         for (const std::string& s : stages) k += std::count(s.begin(), s.end(), c);

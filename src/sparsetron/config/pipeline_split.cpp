@@ -35,16 +35,50 @@ std::vector<int64_t> pipeline_layer_counts(int64_t num_layers, int64_t stages, i
     return counts;
 }
 
+int64_t pipeline_virtual_stages(const ModelConfig& m, const RunConfig& r) {
+    const int64_t P = r.pipeline_model_parallel_size;
+    const int64_t by_count = r.num_virtual_stages_per_pipeline_rank,
+                  by_layers = r.num_layers_per_virtual_pipeline_stage;
+    ST_CHECK(by_count == 0 || by_layers == 0,
+             "num_virtual_stages_per_pipeline_rank and num_layers_per_virtual_pipeline_stage both "
+             "set the interleaving: set one");
+    int64_t v = 1;
+    if (by_count > 0) v = by_count;
+    if (by_layers > 0) {
+        ST_CHECK(m.num_layers % (P * by_layers) == 0, "num_layers_per_virtual_pipeline_stage ",
+                 by_layers, ": num_layers ", m.num_layers, " must be a multiple of it times ",
+                 "pipeline_model_parallel_size ", P);
+        v = m.num_layers / (P * by_layers);
+    }
+    if (!r.pipeline_model_parallel_layout.empty()) {
+        const int64_t n = int64_t(parse_pipeline_layout(r.pipeline_model_parallel_layout).size());
+        ST_CHECK(n % P == 0, "pipeline_model_parallel_layout \"", r.pipeline_model_parallel_layout,
+                 "\": ", n, " stages over pipeline_model_parallel_size ", P,
+                 ": a multiple of it (one stage per rank, or interleaved virtual stages)");
+        ST_CHECK(by_count == 0 && by_layers == 0 ? true : n / P == v,
+                 "pipeline_model_parallel_layout has ", n / P,
+                 " stages per pipeline rank, the virtual-stage key says ", v);
+        v = n / P;
+    }
+    ST_CHECK(v == 1 || P > 1,
+             "interleaved virtual pipeline stages need pipeline_model_parallel_size > 1");
+    ST_CHECK(v == 1 || (r.decoder_first_pipeline_num_layers == 0 &&
+                        r.decoder_last_pipeline_num_layers == 0),
+             "decoder_first/last_pipeline_num_layers with interleaved virtual stages: give the "
+             "split as pipeline_model_parallel_layout instead");
+    return v;
+}
+
 std::vector<int64_t> pipeline_stage_layers(const ModelConfig& m, const RunConfig& r) {
+    const int64_t stages = r.pipeline_model_parallel_size * pipeline_virtual_stages(m, r);
     if (r.pipeline_model_parallel_layout.empty())
-        return pipeline_layer_counts(m.num_layers, r.pipeline_model_parallel_size,
-                                     r.decoder_first_pipeline_num_layers,
+        return pipeline_layer_counts(m.num_layers, stages, r.decoder_first_pipeline_num_layers,
                                      r.decoder_last_pipeline_num_layers);
     ST_CHECK(r.decoder_first_pipeline_num_layers == 0 && r.decoder_last_pipeline_num_layers == 0,
              "pipeline_model_parallel_layout and decoder_first/last_pipeline_num_layers both "
              "split the layers: set one");
     return pipeline_layout_counts(r.pipeline_model_parallel_layout, m.num_layers, m.mtp_num_layers,
-                                  r.pipeline_model_parallel_size);
+                                  stages);
 }
 
 PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index) {
@@ -57,6 +91,14 @@ PipelineStage pipeline_stage(const ModelConfig& m, const RunConfig& r, int index
     for (int i = 0; i < index; ++i) s.first_layer += counts[size_t(i)];
     s.end_layer = s.first_layer + counts[size_t(index)];
     return s;
+}
+
+std::vector<PipelineStage> pipeline_rank_stages(const ModelConfig& m, const RunConfig& r,
+                                                int pp_rank) {
+    const int64_t P = r.pipeline_model_parallel_size, V = pipeline_virtual_stages(m, r);
+    std::vector<PipelineStage> out;
+    for (int64_t v = 0; v < V; ++v) out.push_back(pipeline_stage(m, r, int(v * P + pp_rank)));
+    return out;
 }
 
 }  // namespace sparsetron

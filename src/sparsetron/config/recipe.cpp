@@ -141,6 +141,8 @@ const std::vector<KeyDef>& key_table() {
         RUN_KEY(decoder_first_pipeline_num_layers, Int),
         RUN_KEY(decoder_last_pipeline_num_layers, Int),
         RUN_KEY(pipeline_model_parallel_layout, String),
+        RUN_KEY(num_virtual_stages_per_pipeline_rank, Int),
+        RUN_KEY(num_layers_per_virtual_pipeline_stage, Int),
         RUN_KEY(expert_model_parallel_size, Int),
         RUN_KEY(context_parallel_size, Int),
         RUN_KEY(dynamic_context_parallel, Bool),

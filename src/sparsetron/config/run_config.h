@@ -96,6 +96,11 @@ struct RunConfig {
     // Megatron's layout string, e.g. "Et*18|t*20|t*20|t*20,m*7,L" (config/pipeline_layout.h); in
     // place of the two keys above.
     std::string pipeline_model_parallel_layout;
+    // Interleaved (virtual) pipeline stages, Megatron's two keys (0: unset; one stage per rank):
+    // each rank holds that many model chunks, or chunks of that many layers
+    // (config/pipeline_split.h: pipeline_virtual_stages).
+    int64_t num_virtual_stages_per_pipeline_rank = 0;
+    int64_t num_layers_per_virtual_pipeline_stage = 0;
     int64_t expert_model_parallel_size = 1;
     int64_t context_parallel_size = 1;
     bool dynamic_context_parallel = false;

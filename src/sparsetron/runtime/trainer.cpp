@@ -115,6 +115,8 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     const ParallelLayout layout = make_layout(r, world_size());
     if (r.expert_model_parallel_size > 1)
         recipe_.model.expert_parallel_rank = layout.ep_rank(world_rank());
+    ST_CHECK(pipeline_virtual_stages(recipe_.model, r) == 1,
+             "interleaved virtual pipeline stages are not built yet: one stage per pipeline rank");
     if (r.pipeline_model_parallel_size > 1)
         stage_ = pipeline_stage(recipe_.model, r, layout.pp_rank(world_rank()));
     // On CPU every planned byte is host memory: a model that cannot fit stops before planning.

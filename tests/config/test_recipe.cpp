@@ -471,3 +471,34 @@ TEST(Recipe, PipelineLayoutRoundTripsThroughYaml) {
     EXPECT_EQ(back.run.pipeline_model_parallel_layout, layout);
     EXPECT_EQ(back.to_yaml(), r.to_yaml());
 }
+
+// Interleaved virtual stages: the keys round-trip, and what the schedule cannot take is refused
+// by name (micro-batches not a multiple of P, dynamic CP).
+TEST(Recipe, VirtualPipelineStagesNameWhatTheyNeed) {
+    const std::vector<std::string> vpp = {"world_size=2",
+                                          "pipeline_model_parallel_size=2",
+                                          "num_layers=4",
+                                          "moe_layer_freq=[0,1,1,1]",
+                                          "dsa_indexer_topk_freq=1",
+                                          "num_virtual_stages_per_pipeline_rank=2",
+                                          "global_batch_size=4"};
+    const Recipe r = load_recipe("", vpp);
+    EXPECT_EQ(r.run.num_virtual_stages_per_pipeline_rank, 2);
+    const std::string path = test::temp_dir("recipe-vpp") + "/r.yaml";
+    std::ofstream(path) << r.to_yaml();
+    EXPECT_EQ(load_recipe(path).run.num_virtual_stages_per_pipeline_rank, 2);
+    std::vector<std::string> odd = vpp;
+    odd.push_back("global_batch_size=3");
+    EXPECT_NE(error_of([&] {
+                  load_recipe("", odd);
+              }).find("to be a multiple of pipeline_model_parallel_size"),
+              std::string::npos);
+    std::vector<std::string> dyn = vpp;
+    for (const char* s :
+         {"world_size=4", "context_parallel_size=2", "dynamic_context_parallel=true",
+          "sequence_packing_scheduler=default_dynamic_cp", "calculate_per_token_loss=true"})
+        dyn.push_back(s);
+    EXPECT_NE(
+        error_of([&] { load_recipe("", dyn); }).find("with dynamic_context_parallel are not built"),
+        std::string::npos);
+}

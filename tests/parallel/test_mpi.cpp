@@ -757,6 +757,18 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             pipeline_model({"mtp_num_layers=2"}),
             {"pipeline_model_parallel_size=2", "pipeline_model_parallel_layout=E(t)*3|t,m*2,L"},
             "pp2-layout");
+        // Interleaved virtual stages: two chunks of one layer per rank (rank 0 layers 0 and 2,
+        // rank 1 layers 1 and 3 with the head and MTP), four micro-batches through Megatron's
+        // interleaved 1F1B; then as a layout string, with the TV loss and Muon.
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1"}),
+            {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"},
+            "pp2-vpp2");
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1", "mtp_loss_type=e2e_tv",
+                            "mtp_detach_heads=true", "optimizer=muon", "mtp_num_layers=3"}),
+            {"pipeline_model_parallel_size=2", "pipeline_model_parallel_layout=Et|t|t|t,m*3,L"},
+            "pp2-vpp2-layout-tv-muon");
     }
     if (W == 4) {
         expect_pipeline_matches_one_process(pipeline_model({"dsa_indexer_topk_freq=1"}),
@@ -772,6 +784,12 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             {"pipeline_model_parallel_size=2", "context_parallel_size=2",
              "decoder_first_pipeline_num_layers=1"},
             "pp2xcp2");
+        // Two chunks per rank under the distributed optimizer: two micro-batches per data-
+        // parallel rank, as many as the pipeline's ranks (Megatron's all-warm-up case).
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1", "use_distributed_optimizer=true"}),
+            {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"},
+            "pp2-vpp2xdp2");
     }
     if (W == 8)
         expect_pipeline_matches_one_process(
@@ -779,6 +797,12 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
              "decoder_first_pipeline_num_layers=1"},
             "pp2xep2xdp2");
+    if (W == 8)
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1", "global_batch_size=8"}),
+            {"pipeline_model_parallel_size=2", "expert_model_parallel_size=2",
+             "num_virtual_stages_per_pipeline_rank=2"},
+            "pp2-vpp2xep2xdp2");
 }
 
 // A pipeline run's checkpoint holds the whole model once (a shard per stage, the last stage's

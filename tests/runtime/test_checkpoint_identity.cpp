@@ -111,7 +111,7 @@ TEST(CheckpointIdentity, ConvertRefusesWhatTrainRefuses) {
     Recipe rc = identity_recipe();
     auto tp = make_training_plan(rc, Device::CPU);
     tp->plan.allocate(Device::CPU);
-    tp->cpu_model->bind();
+    tp->cpu_models.front()->bind();
     tp->params->initialize(tp->plan, 1, rc.model.init_method_std, rc.model.num_layers);
     const ParamInfo& p = tp->params->params().back();
     tp->plan.view(p.param_slot).ptr<float>()[2] = std::nanf("");

@@ -121,7 +121,7 @@ TEST(CheckpointRetention, NumericPastTenMillion) {
     Recipe r = saving_recipe();
     auto tp = make_training_plan(r, Device::CPU);
     tp->plan.allocate(Device::CPU);
-    tp->cpu_model->bind();
+    tp->cpu_models.front()->bind();
     for (int64_t it : {9999999, 10000000}) {
         TrainerState st;
         st.iteration = it;
@@ -290,7 +290,7 @@ TEST(CheckpointIntegrity, NonFiniteStateIsRefusedAtLoad) {
         const std::string out = test::temp_dir(what);
         auto tp = make_training_plan(r, Device::CPU);
         tp->plan.allocate(Device::CPU);
-        tp->cpu_model->bind();
+        tp->cpu_models.front()->bind();
         tp->params->initialize(tp->plan, 1, r.model.init_method_std, r.model.num_layers);
         std::string name;
         if (std::string(what) == "weight") {

@@ -28,7 +28,8 @@ std::string describe(const std::vector<PipelineWork>& order) {
 // One stage per rank: warm-up forwards (P - rank - 1), then one forward and one backward in
 // turn, then the remaining backwards. Interleaved, two ranks and two chunks over four
 // micro-batches: Megatron's warm-up of 2 (P - rank - 1) + (V - 1) P, micro-batches in groups of
-// P through chunk 0 then chunk 1, backwards from the last chunk.
+// P through chunk 0 then chunk 1, backwards from the last chunk; the last stage's backward
+// always right after its forward.
 TEST(PipelineTimetable, EachRanksOrderIsMegatrons) {
     EXPECT_EQ(describe(pipeline_rank_order(1, 4, 1, 4, true)),
               "F0.0 F1.0 F2.0 B0.0 F3.0 B1.0 B2.0 B3.0 ");
@@ -38,9 +39,12 @@ TEST(PipelineTimetable, EachRanksOrderIsMegatrons) {
     // Rank 1 (the last): warm-up 2 (2 - 1 - 1) + 2 = 2.
     const auto r1 = pipeline_rank_order(1, 2, 2, 4, true);
     EXPECT_EQ(describe({r1.begin(), r1.begin() + 4}), "F0.0 F1.0 F0.1 B0.1 ");
-    // As many micro-batches as ranks: every forward first (Megatron's all-warm-up case).
+    // As many micro-batches as ranks: the first rank's warm-up is every forward; the last
+    // stage still runs each backward right after its forward (not Megatron's all-warm-up).
     EXPECT_EQ(describe(pipeline_rank_order(0, 2, 2, 2, true)),
               "F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0 ");
+    EXPECT_EQ(describe(pipeline_rank_order(1, 2, 2, 2, true)),
+              "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 B0.0 B1.0 ");
     EXPECT_EQ(describe(pipeline_rank_order(0, 2, 2, 2, false)), "F0.0 F1.0 F0.1 F1.1 ");
     EXPECT_THROW(pipeline_rank_order(0, 2, 2, 3, true), Error);  // not a multiple of P
 }

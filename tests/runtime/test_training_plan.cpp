@@ -17,7 +17,7 @@ TEST(TrainingPlan, CudaRunBuildsNoCpuModel) {
     const int64_t before = Glm5Model<float>::constructed();
     auto cuda = make_training_plan(r, Device::CUDA);
     EXPECT_EQ(Glm5Model<float>::constructed(), before) << "a CUDA run's plan built a CPU model";
-    EXPECT_EQ(cuda->cpu_model, nullptr);
+    EXPECT_TRUE(cuda->cpu_models.empty());
     // The host mirror: parameters and optimizer state, no activations or workspace.
     EXPECT_GT(cuda->plan.class_bytes(MemClass::Parameters), 0u);
     EXPECT_GT(cuda->plan.class_bytes(MemClass::OptimizerState), 0u);
@@ -25,8 +25,9 @@ TEST(TrainingPlan, CudaRunBuildsNoCpuModel) {
     EXPECT_EQ(cuda->plan.class_bytes(MemClass::Workspace), 0u);
     auto cpu = make_training_plan(r, Device::CPU);
     EXPECT_EQ(Glm5Model<float>::constructed(), before + 1);
-    ASSERT_NE(cpu->cpu_model, nullptr);
-    EXPECT_EQ(&cpu->cpu_model->params(), cpu->params.get()) << "the CPU model binds the table";
+    ASSERT_EQ(cpu->cpu_models.size(), 1u);
+    EXPECT_EQ(&cpu->cpu_models.front()->params(), cpu->params.get())
+        << "the CPU model binds the table";
     EXPECT_GT(cpu->plan.class_bytes(MemClass::Activations), 0u);
     // Both runs' tables: the same parameters, in the same order, with the same layout.
     const auto& a = cuda->params->params();

@@ -73,9 +73,17 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
 }
 
+// Plans are per pipeline stage; a rank holding several (interleaving) is not planned yet.
+void refuse_virtual_stages(const Recipe& recipe) {
+    ST_CHECK(pipeline_virtual_stages(recipe.model, recipe.run) == 1,
+             "sparsetron plan does not plan interleaved virtual pipeline stages yet (a CPU run "
+             "plans each rank's chunks as it starts): plan the layout with one stage per rank");
+}
+
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
          const std::string& device, int top, int world_rank) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
+    refuse_virtual_stages(recipe);
     const int world = int(recipe.run.world_size);
     ST_CHECK(world_rank < world, "--world-rank ", world_rank, ": the recipe's world_size is ",
              world, " (ranks 0-", world - 1, ")");
@@ -123,6 +131,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
 int plan_every_rank(const std::string& recipe_path, const std::vector<std::string>& sets,
                     const std::string& device) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
+    refuse_virtual_stages(recipe);
     const Device d = parse_device(device);
     const int world = int(recipe.run.world_size);
     const ParallelLayout layout = make_layout(recipe.run, world);
@@ -187,6 +196,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
         const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, at)).recipe;
+        refuse_virtual_stages(recipe);
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)

@@ -78,11 +78,12 @@ int train(const std::string& recipe_path, const std::vector<std::string>& sets,
             : std::string();
     std::printf("sparsetron %s | recipe %s | device %s%s\n", SPARSETRON_VERSION,
                 recipe.name.c_str(), trainer.device_description().c_str(), dp.c_str());
-    // Under pipeline parallelism this rank holds its stage (its EP rank's experts too).
-    const PipelineStage& stage = trainer.stage();
-    const std::string held = stage.whole() ? std::string("")
-                                           : cat(" on stage 1 of ", stage.count, " (layers ",
-                                                 stage.first_layer, "-", stage.end_layer - 1, ")");
+    // Under pipeline parallelism this rank (rank 0) holds its stages (its EP rank's experts too).
+    std::string held;
+    for (const PipelineStage& stage : trainer.stages())
+        if (!stage.whole())
+            held += cat(held.empty() ? " on stage " : ", stage ", stage.index + 1, " of ",
+                        stage.count, " (layers ", stage.first_layer, "-", stage.end_layer - 1, ")");
     std::printf("model: %lld layers, hidden %lld, %lld heads, vocab %lld | %.2fM parameters%s\n",
                 static_cast<long long>(recipe.model.num_layers),
                 static_cast<long long>(recipe.model.hidden_size),

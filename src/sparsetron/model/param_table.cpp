@@ -69,8 +69,10 @@ void add_decoder_layer_params(const ModelConfig& c, ParamStore& s, int64_t layer
         add_swiglu(s, p + "mlp.", c.hidden_size, c.ffn_hidden_size);
 }
 
-std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
-                                             const PipelineStage& stage) {
+namespace {
+
+// The parameters of one stage into `store`.
+void add_stage_params(const ModelConfig& cfg, ParamStore* store, const PipelineStage& stage) {
     const int64_t L0 = stage.first_layer,
                   L1 = stage.end_layer < 0 ? cfg.num_layers : stage.end_layer;
     ST_CHECK(static_cast<int64_t>(cfg.moe_layer_pattern.size()) == cfg.num_layers,
@@ -81,7 +83,6 @@ std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan&
     ST_CHECK(
         stage.whole() || (stage.first() == (L0 == 0) && stage.last() == (L1 == cfg.num_layers)),
         "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0, ", ", L1, ")");
-    auto store = std::make_unique<ParamStore>(plan, dtype);
     const int64_t h = cfg.hidden_size;
     // The MTP layer (on the last stage) reads the embedding table.
     if (stage.first() || (stage.last() && cfg.mtp_num_layers > 0)) {
@@ -90,10 +91,10 @@ std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan&
         if (!stage.first()) store->mark_pipeline_copy(e);
     }
     for (int64_t l = L0; l < L1; ++l) add_decoder_layer_params(cfg, *store, l);
-    if (!stage.last()) return store;
+    if (!stage.last()) return;
     store->add("model.norm.weight", {h}, InitRule::Ones, false);
     store->add_embedding_like("lm_head.weight", {cfg.vocab_size, h});
-    if (cfg.mtp_num_layers == 0) return store;
+    if (cfg.mtp_num_layers == 0) return;
     // Distinct MTP layers take the indices after the backbone's (HF's model.layers.{L + j}).
     const int64_t first = store->size();
     for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
@@ -105,6 +106,20 @@ std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan&
         store->add(p + "shared_head.norm.weight", {h}, InitRule::Ones, false);
     }
     store->set_mtp_from(first);
+}
+
+}  // namespace
+
+std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
+                                             const PipelineStage& stage) {
+    return make_param_table(cfg, plan, dtype, std::vector<PipelineStage>{stage});
+}
+
+std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
+                                             const std::vector<PipelineStage>& stages) {
+    ST_CHECK(!stages.empty(), "a parameter table of no pipeline stage");
+    auto store = std::make_unique<ParamStore>(plan, dtype);
+    for (const PipelineStage& s : stages) add_stage_params(cfg, store.get(), s);
     return store;
 }
 

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/config/pipeline_stage.h"
@@ -23,6 +24,10 @@ namespace sparsetron {
 // (cfg.expert_parallel_rank of cfg.expert_parallel_ranks). Values and gradients in `dtype`.
 std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
                                              const PipelineStage& stage = {});
+// One table of several stages (a pipeline rank's chunks under interleaving), each stage's
+// parameters in turn: every chunk's model binds it by name.
+std::unique_ptr<ParamStore> make_param_table(const ModelConfig& cfg, MemoryPlan& plan, DType dtype,
+                                             const std::vector<PipelineStage>& stages);
 
 // One module's parameters, as make_param_table adds them (tests of a single module build its
 // table with these): decoder layer `layer0` (MTP layers numbered after the backbone's), and an

@@ -40,16 +40,24 @@ std::vector<PipelineWork> pipeline_rank_order(int rank, int ranks, int chunks, i
         for (int64_t k = 0; k < total; ++k) out.push_back(work(k, false));
         return out;
     }
+    // Megatron runs every forward first when n == P; here the warm-up formula holds for any n,
+    // so the last stage still runs each backward right after its forward (the model computes the
+    // head's gradient with the forward).
     const int64_t warm =
-        n == ranks
-            ? total
-            : std::min<int64_t>(2 * int64_t(ranks - rank - 1) + int64_t(chunks - 1) * ranks, total);
+        std::min<int64_t>(2 * int64_t(ranks - rank - 1) + int64_t(chunks - 1) * ranks, total);
     for (int64_t k = 0; k < warm; ++k) out.push_back(work(k, false));
     for (int64_t k = 0; k + warm < total; ++k) {
         out.push_back(work(warm + k, false));
         out.push_back(work(k, true));
     }
     for (int64_t k = total - warm; k < total; ++k) out.push_back(work(k, true));
+    if (rank == ranks - 1)
+        for (size_t i = 0; i < out.size(); ++i)
+            if (!out[i].backward && out[i].chunk == chunks - 1)
+                ST_ASSERT(i + 1 < out.size() && out[i + 1].backward &&
+                              out[i + 1].micro_batch == out[i].micro_batch &&
+                              out[i + 1].chunk == chunks - 1,
+                          "pipeline order: the last stage's backward must follow its forward");
     return out;
 }
 

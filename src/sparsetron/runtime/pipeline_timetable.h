@@ -23,7 +23,9 @@ struct PipelineWork {
 // Rank `rank`'s order of `n` micro-batches through its `chunks` chunks: forwards only, or 1F1B's
 // warm-up forwards, one forward and one backward in turn, then the remaining backwards (with
 // interleaving Megatron's: micro-batches in groups of P through each chunk in turn, a warm-up of
-// 2 (P - rank - 1) + (chunks - 1) P; n a multiple of P).
+// 2 (P - rank - 1) + (chunks - 1) P; n a multiple of P). The last stage runs each backward right
+// after its forward (Megatron's all-forwards-first case for n = P is not taken: the head's
+// gradient is computed with the forward).
 std::vector<PipelineWork> pipeline_rank_order(int rank, int ranks, int chunks, int64_t n,
                                               bool backward);
 

@@ -6,16 +6,33 @@ namespace sparsetron {
 
 std::vector<double> stages_concatenated(Comm& pp, Comm& sum, const std::vector<double>& mine,
                                         size_t* offset) {
-    const std::vector<uint64_t> sizes = pp.allgather(uint64_t(mine.size()));
-    size_t at = 0, total = 0;
-    for (size_t s = 0; s < sizes.size(); ++s) {
-        if (int(s) < pp.rank()) at += size_t(sizes[s]);
-        total += size_t(sizes[s]);
+    std::vector<size_t> offsets;
+    std::vector<double> all =
+        stages_concatenated(pp, sum, std::vector<std::vector<double>>{mine}, &offsets);
+    if (offset) *offset = offsets.front();
+    return all;
+}
+
+std::vector<double> stages_concatenated(Comm& pp, Comm& sum,
+                                        const std::vector<std::vector<double>>& chunks,
+                                        std::vector<size_t>* offsets) {
+    const size_t P = size_t(pp.size()), V = chunks.size();
+    // sizes[v * P + r]: the size of stage v P + r (rank r's chunk v).
+    std::vector<uint64_t> sizes;
+    for (const auto& c : chunks) {
+        const std::vector<uint64_t> s = pp.allgather(uint64_t(c.size()));
+        sizes.insert(sizes.end(), s.begin(), s.end());
     }
-    std::vector<double> all(total, 0.0);
-    std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(at));
+    std::vector<size_t> at(V * P + 1, 0);
+    for (size_t s = 0; s < V * P; ++s) at[s + 1] = at[s] + size_t(sizes[s]);
+    std::vector<double> all(at.back(), 0.0);
+    if (offsets) offsets->clear();
+    for (size_t v = 0; v < V; ++v) {
+        const size_t o = at[v * P + size_t(pp.rank())];
+        std::copy(chunks[v].begin(), chunks[v].end(), all.begin() + std::ptrdiff_t(o));
+        if (offsets) offsets->push_back(o);
+    }
     sum.allreduce_sum(all.data(), int64_t(all.size()));
-    if (offset) *offset = at;
     return all;
 }
 

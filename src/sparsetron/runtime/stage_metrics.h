@@ -16,6 +16,11 @@ namespace sparsetron {
 // a stage's replicas).
 std::vector<double> stages_concatenated(Comm& pp, Comm& sum, const std::vector<double>& mine,
                                         size_t* offset = nullptr);
+// The same with this rank's vector per chunk under interleaving (chunk v is stage v P + rank):
+// stage order is the layer order; `offsets` gets each chunk's.
+std::vector<double> stages_concatenated(Comm& pp, Comm& sum,
+                                        const std::vector<std::vector<double>>& chunks,
+                                        std::vector<size_t>* offsets);
 
 // The metrics from the whole model's flat routing statistics (each MoE application's E loads
 // then its dropped count, MTP's last): the backbone's MoE layers' loads, and the dropped rows of

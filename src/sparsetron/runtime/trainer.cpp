@@ -115,13 +115,14 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     const ParallelLayout layout = make_layout(r, world_size());
     if (r.expert_model_parallel_size > 1)
         recipe_.model.expert_parallel_rank = layout.ep_rank(world_rank());
-    ST_CHECK(pipeline_virtual_stages(recipe_.model, r) == 1,
-             "interleaved virtual pipeline stages are not built yet: one stage per pipeline rank");
     if (r.pipeline_model_parallel_size > 1)
-        stage_ = pipeline_stage(recipe_.model, r, layout.pp_rank(world_rank()));
+        stages_ = pipeline_rank_stages(recipe_.model, r, layout.pp_rank(world_rank()));
     // On CPU every planned byte is host memory: a model that cannot fit stops before planning.
     if (options_.device == Device::CPU) check_host_memory_for_training(recipe_);
-    tp_ = make_training_plan(recipe_, options_.device, stage_);
+    ST_CHECK(stages_.size() == 1 || options_.device == Device::CPU,
+             "interleaved virtual pipeline stages run on the CPU backend only: one stage per "
+             "pipeline rank on CUDA");
+    tp_ = make_training_plan(recipe_, options_.device, stages_);
     // Expert, context and pipeline parallelism: the layout's communicators, made once; the MoE
     // layers exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA),
     // the attention gathers keys over the CP group, stages pass activations over the pipeline.

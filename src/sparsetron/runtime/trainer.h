@@ -63,7 +63,8 @@ class Trainer {
     const MemoryPlan& plan() const { return tp_->plan; }
     const ParamStore& params() const { return *tp_->params; }
     // The part of the model this rank holds (pipeline parallelism; the whole model otherwise).
-    const PipelineStage& stage() const { return stage_; }
+    // The pipeline stages this rank holds (one, or its chunks under interleaving).
+    const std::vector<PipelineStage>& stages() const { return stages_; }
     // A run started from pretrained weights: where they came from and the parameters left at
     // their initialization (the MTP layer, when the checkpoint has none); empty otherwise.
     const std::string& pretrained_from() const { return pretrained_from_; }
@@ -106,7 +107,7 @@ class Trainer {
 
     Recipe recipe_;
     TrainOptions options_;
-    PipelineStage stage_;
+    std::vector<PipelineStage> stages_ = {PipelineStage{}};
     std::unique_ptr<DirectoryLock> lock_;       // rank 0: the output directory is this run's
     std::unique_ptr<DirectoryLock> save_lock_;  // rank 0: so is the save directory, when apart
     int64_t last_saved_ = -1;  // the iteration of the run's newest checkpoint (-1: none yet)

@@ -9,6 +9,11 @@ namespace sparsetron {
 
 std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device device,
                                                  const PipelineStage& stage) {
+    return make_training_plan(recipe, device, std::vector<PipelineStage>{stage});
+}
+
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device device,
+                                                 const std::vector<PipelineStage>& stages) {
     auto tp = std::make_unique<TrainingPlan>();
     const RunConfig& r = recipe.run;
     tp->model = recipe.model;
@@ -28,11 +33,12 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device de
     if (r.dynamic_context_parallel)
         tp->group_slots = tp->rows.slots, tp->group_max_documents = tp->rows.max_documents;
     tp->chunk_rows = std::min(tp->chunk_rows, tp->rows.rows);
-    tp->params = make_param_table(tp->model, tp->plan, DType::F32, stage);
+    tp->params = make_param_table(tp->model, tp->plan, DType::F32, stages);
     if (device == Device::CPU)
-        tp->cpu_model = std::make_unique<Glm5Model<float>>(
-            tp->model, *tp->params, tp->plan, tp->rows.rows, tp->rows.max_documents, tp->chunk_rows,
-            tp->rows.key_rows, stage);
+        for (const PipelineStage& stage : stages)
+            tp->cpu_models.push_back(std::make_unique<Glm5Model<float>>(
+                tp->model, *tp->params, tp->plan, tp->rows.rows, tp->rows.max_documents,
+                tp->chunk_rows, tp->rows.key_rows, stage));
     tp->optimizer = std::make_unique<Optimizer>(*tp->params, tp->plan, tp->model, recipe.run);
     return tp;
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "sparsetron/config/pipeline_stage.h"
 #include "sparsetron/config/recipe.h"
@@ -20,7 +21,9 @@ struct TrainingPlan {
     ModelConfig model;  // the recipe's, as planned (expert-parallel ranks, dense warm-up top-k)
     MemoryPlan plan;
     std::unique_ptr<ParamStore> params;
-    std::unique_ptr<Glm5Model<float>> cpu_model;  // CPU runs only
+    // CPU runs only: the model of each pipeline stage the rank holds (one without interleaving),
+    // all binding `params` and planned in `plan`.
+    std::vector<std::unique_ptr<Glm5Model<float>>> cpu_models;
     std::unique_ptr<Optimizer> optimizer;
     int64_t max_documents = 0;  // of the packed micro-batches
     int64_t chunk_rows = 0;
@@ -30,10 +33,13 @@ struct TrainingPlan {
     int64_t group_slots = 0, group_max_documents = 0;
 };
 
-// The plan of a run of `recipe` on `device` (the CPU model only for Device::CPU). `stage`: the
-// part of the model a pipeline stage holds (the whole model by default).
+// The plan of a run of `recipe` on `device` (the CPU models only for Device::CPU). `stage`: the
+// part of the model a pipeline stage holds (the whole model by default); `stages`: the stages a
+// pipeline rank holds under interleaving.
 std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device device,
                                                  const PipelineStage& stage = {});
+std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device device,
+                                                 const std::vector<PipelineStage>& stages);
 
 // Stops, naming what to change, when the recipe's FP8 settings cannot run as written on
 // `device` (an unimplemented recipe or format, FP8 on CPU): no run trains bf16 silently under

@@ -20,23 +20,27 @@ namespace {
 class CpuEngine final : public StepEngine {
   public:
     CpuEngine(const Recipe& recipe, TrainingPlan& tp, const Communicators& comms)
-        : run_(recipe.run), tp_(tp), model_(*tp.cpu_model), comms_(comms) {
-        ST_ASSERT(tp.cpu_model, "the CPU engine needs the training plan's CPU model");
+        : run_(recipe.run), tp_(tp), comms_(comms) {
+        ST_ASSERT(!tp.cpu_models.empty(), "the CPU engine needs the training plan's CPU models");
+        for (const auto& m : tp.cpu_models) models_.push_back(m.get());
+        ST_ASSERT(models_.size() == 1 || comms_.pipeline,
+                  "several stage models on a rank without a pipeline");
         if (!tp_.plan.allocated()) {
             check_host_memory_for_cpu_plan(tp_.plan.total_bytes());
             tp_.plan.allocate(Device::CPU);
         }
-        model_.bind();
+        for (Glm5Model<float>* m : models_) m->bind();
         grad_ranges_ = gradient_ranges(*tp_.params, tp_.plan);
         if (run_.expert_model_parallel_size > 1) {
-            model_.set_expert_parallel(comms_.expert);
+            for (Glm5Model<float>* m : models_) m->set_expert_parallel(comms_.expert);
             tp_.optimizer->set_expert_parallel(comms_.expert);
         }
         if (run_.context_parallel_size > 1 && !run_.dynamic_context_parallel)
-            model_.set_context_parallel(comms_.context);
+            for (Glm5Model<float>* m : models_) m->set_context_parallel(comms_.context);
         if (comms_.pipeline) {
             tp_.optimizer->set_pipeline_parallel(comms_.pipeline);
-            pipeline_ = std::make_unique<PipelineSchedule>(model_, *comms_.pipeline);
+            pipeline_ = std::make_unique<PipelineSchedule>(models_, *comms_.pipeline,
+                                                           run_.microbatches_per_step());
         }
         for (const auto& p : tp_.params->params())
             indexer_only_.push_back(is_indexer_param(p.name));
@@ -56,21 +60,22 @@ class CpuEngine final : public StepEngine {
         const bool warmup = run_.dsa_dense_warmup;
         StepOutcome out;
         zero_grads(tp_.plan);
-        model_.reset_moe_stats();
+        for (Glm5Model<float>* m : models_) m->reset_moe_stats();
+        Glm5Model<float>& model = *models_.front();
         if (pipeline_) {
             out.losses =
                 pipeline_->run(w.micro_batches, dynamic ? &w.cp_groups : nullptr, w.scales);
         } else {
             for (size_t i = 0; i < w.micro_batches.size(); ++i) {
-                if (dynamic) model_.set_context_parallel(w.cp_groups[i]);
-                model_.load_inputs(*w.micro_batches[i]);
-                out.losses.push_back(model_.forward_backward(w.scales));
+                if (dynamic) model.set_context_parallel(w.cp_groups[i]);
+                model.load_inputs(*w.micro_batches[i]);
+                out.losses.push_back(model.forward_backward(w.scales));
             }
         }
         if (comms_.world && comms_.world->size() > 1) reduce_over_ranks(out);
         if (!pipeline_) {
-            out.moe_load = model_.moe_loads();
-            out.moe_dropped = model_.moe_dropped();
+            out.moe_load = model.moe_loads();
+            out.moe_dropped = model.moe_dropped();
         }
         const bool shard = !owner_.empty();
         out.stats = tp_.optimizer->step(tp_.plan, run_, w.update, warmup ? &indexer_only_ : nullptr,
@@ -79,7 +84,8 @@ class CpuEngine final : public StepEngine {
         // decision and the clipping factor are the same on every rank: the gradients are).
         if (shard && !out.stats.skipped) broadcast_from_owners(/*state=*/false);
         if (!out.stats.skipped && !warmup)
-            model_.update_router_bias(tp_.model.moe_router_bias_update_rate);
+            for (Glm5Model<float>* m : models_)
+                m->update_router_bias(tp_.model.moe_router_bias_update_rate);
         return out;
     }
 
@@ -89,8 +95,8 @@ class CpuEngine final : public StepEngine {
         if (pipeline_) return pipeline_->run(mbs, nullptr, sc);
         std::vector<LossSums> out;
         for (const MicroBatch* mb : mbs) {
-            model_.load_inputs(*mb);
-            out.push_back(model_.forward_backward(sc));
+            models_.front()->load_inputs(*mb);
+            out.push_back(models_.front()->forward_backward(sc));
         }
         return out;
     }
@@ -129,23 +135,31 @@ class CpuEngine final : public StepEngine {
     // The routing statistics summed over the ranks holding each MoE layer; under pipeline
     // parallelism every stage's layers in the outcome.
     void reduce_moe_stats(StepOutcome& out) {
-        std::vector<int64_t> mine = model_.moe_stats_flat();
         if (!pipeline_) {
+            Glm5Model<float>& model = *models_.front();
+            std::vector<int64_t> mine = model.moe_stats_flat();
             std::vector<double> st(mine.begin(), mine.end());
             comms_.world->allreduce_sum(st.data(), int64_t(st.size()));
             for (size_t k = 0; k < st.size(); ++k) mine[k] = int64_t(st[k]);
-            model_.set_moe_stats_flat(mine);
+            model.set_moe_stats_flat(mine);
             return;
         }
         // Stages hold other MoE layers: the whole model's statistics are the stages' flat
         // vectors one after another (the MTP layer's come last). One sum over every rank adds
         // each stage's data-parallel replicas and fills in the other stages.
-        size_t offset = 0;
+        std::vector<std::vector<double>> chunks;
+        for (Glm5Model<float>* m : models_) {
+            const std::vector<int64_t> s = m->moe_stats_flat();
+            chunks.emplace_back(s.begin(), s.end());
+        }
+        std::vector<size_t> offsets;
         const std::vector<double> all =
-            stages_concatenated(*comms_.pipeline, *comms_.world,
-                                std::vector<double>(mine.begin(), mine.end()), &offset);
-        for (size_t k = 0; k < mine.size(); ++k) mine[k] = int64_t(all[offset + k]);
-        model_.set_moe_stats_flat(mine);
+            stages_concatenated(*comms_.pipeline, *comms_.world, chunks, &offsets);
+        for (size_t v = 0; v < models_.size(); ++v) {
+            std::vector<int64_t> mine(chunks[v].size());
+            for (size_t k = 0; k < mine.size(); ++k) mine[k] = int64_t(all[offsets[v] + k]);
+            models_[v]->set_moe_stats_flat(mine);
+        }
         moe_metrics_from_stages(tp_.model, all, out.moe_load, out.moe_dropped);
     }
 
@@ -177,7 +191,7 @@ class CpuEngine final : public StepEngine {
 
     const RunConfig& run_;
     TrainingPlan& tp_;
-    Glm5Model<float>& model_;
+    std::vector<Glm5Model<float>*> models_;  // this rank's stages (chunks under interleaving)
     Communicators comms_;
     std::vector<GradRange> grad_ranges_;
     std::unique_ptr<PipelineSchedule> pipeline_;

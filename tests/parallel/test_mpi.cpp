@@ -853,6 +853,46 @@ TEST(Mpi, PipelineCheckpointResumesOnAnyLayout) {
     EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
 }
 
+// Interleaved stages' checkpoint: a shard per pipeline rank holding both its chunks, resumed on
+// the same layout and on one process (two ranks; the other counts skip it).
+TEST(Mpi, InterleavedPipelineCheckpointResumesOnAnyLayout) {
+    const int W = g_comm->size();
+    if (W != 2) GTEST_SKIP() << "two ranks: PP 2 x 2 chunks";
+    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.InterleavedCheckpoint.np", W);
+    if (g_comm->rank() == 0) {
+        std::filesystem::remove_all(shared);
+        std::filesystem::create_directories(shared);
+    }
+    g_comm->allgather(0);
+    const std::vector<std::string> base =
+        pipeline_model({"save_interval=2", "save=" + shared, "dsa_indexer_topk_freq=1"});
+    std::vector<std::string> vpp = base;
+    for (const char* s :
+         {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"})
+        vpp.push_back(s);
+    std::vector<StepMetrics> full;
+    {
+        Trainer t(small_recipe(W, vpp), {rank_dir("vpp-save"), "", Device::CPU, true, g_comm});
+        t.run([&](const StepMetrics& m) { full.push_back(m); });
+    }
+    ASSERT_EQ(full.size(), 3u);
+    g_comm->allgather(0);
+    const std::string ckpt = shared + "/iter_0000002";
+    Trainer resumed(small_recipe(W, vpp),
+                    {rank_dir("vpp-resume"), ckpt, Device::CPU, false, g_comm});
+    const StepMetrics m = resumed.train_step();
+    Trainer one(small_recipe(1, base),
+                {rank_dir("vpp-resume-one"), ckpt, Device::CPU, false, nullptr});
+    const StepMetrics m1 = one.train_step();
+    if (g_comm->rank() == 0)
+        std::cout << "[vpp checkpoint] step 3: lm " << m.lm_loss << " (resumed, PP 2 x 2 chunks) / "
+                  << m1.lm_loss << " (resumed, one process) vs " << full[2].lm_loss << "\n";
+    EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
+    EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
+    EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
+    EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
+}
+
 // A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a
 // directory every rank sees (rank 0 writes it); resuming from step 2 on the same layout, and on
 // one process, reproduces step 3 (every rank holds the same weights and optimizer state, so the

@@ -9,6 +9,7 @@
 // naming it, and a tick's transfers are two ring shifts that cannot wait on each other.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

@@ -258,6 +258,33 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(last.find("model.layers.3.self_attn.q_b_proj.weight"), std::string::npos);
     EXPECT_EQ(last.find("model.layers.0."), std::string::npos) << last;
     EXPECT_NE(last.find("lm_head.weight"), std::string::npos) << last;
+    // Interleaved: each pipeline rank plans its two chunks (rank 0 layers 0 and 2, rank 1
+    // layers 1 and 3 with the head); CUDA and the per-length plans say they do not take them.
+    const std::string vpp =
+        "plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
+        "--set pipeline_model_parallel_size=2 --set num_virtual_stages_per_pipeline_rank=2 "
+        "--set dsa_indexer_topk_freq=1";
+    CliRun chunks = run(vpp);
+    ASSERT_EQ(chunks.code, 0) << chunks.output;
+    const size_t c0 = chunks.output.find(
+                     "== pipeline stage 0 of 2: stage 0: decoder layers 0-0, the embedding; "
+                     "stage 2: decoder layers 2-2 =="),
+                 c1 = chunks.output.find(
+                     "== pipeline stage 1 of 2: stage 1: decoder layers 1-1; stage 3: decoder "
+                     "layers 3-3, the final norm, head, losses and MTP ==");
+    ASSERT_NE(c0, std::string::npos) << chunks.output;
+    ASSERT_NE(c1, std::string::npos) << chunks.output;
+    const std::string rank0 = chunks.output.substr(c0, c1 - c0);
+    EXPECT_NE(rank0.find("model.layers.2.self_attn.q_b_proj.weight"), std::string::npos) << rank0;
+    EXPECT_EQ(rank0.find("model.layers.1."), std::string::npos) << rank0;
+    CliRun on_cuda = run(vpp + " --device cuda");
+    EXPECT_EQ(on_cuda.code, 1) << on_cuda.output;
+    EXPECT_NE(on_cuda.output.find("run on the CPU backend only"), std::string::npos)
+        << on_cuda.output;
+    CliRun lengths = run(vpp + " --lengths 64,128");
+    EXPECT_EQ(lengths.code, 1) << lengths.output;
+    EXPECT_NE(lengths.output.find("--lengths does not take interleaved"), std::string::npos)
+        << lengths.output;
 }
 
 namespace {

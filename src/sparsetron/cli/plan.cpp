@@ -29,10 +29,14 @@ void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
 // One process's plan of `stage` (the whole model by default); `optimizer_rank`: its place among
 // the ranks holding the same parameters (its share of the distributed optimizer's masters and
 // state).
-void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::string& device,
-                int top, int optimizer_rank) {
+void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
+                const std::string& device, int top, int optimizer_rank) {
     const Device d = parse_device(device);
-    auto tp = make_training_plan(recipe, d, stage);
+    ST_CHECK(stages.size() == 1 || d == Device::CPU,
+             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
+             "--device cpu");
+    const PipelineStage& stage = stages.front();
+    auto tp = make_training_plan(recipe, d, stages);
     const auto& params = *tp->params;
     if (d == Device::CUDA) {
         size_t total = 0;
@@ -73,17 +77,17 @@ void print_plan(const Recipe& recipe, const PipelineStage& stage, const std::str
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
 }
 
-// Plans are per pipeline stage; a rank holding several (interleaving) is not planned yet.
-void refuse_virtual_stages(const Recipe& recipe) {
-    ST_CHECK(pipeline_virtual_stages(recipe.model, recipe.run) == 1,
-             "sparsetron plan does not plan interleaved virtual pipeline stages yet (a CPU run "
-             "plans each rank's chunks as it starts): plan the layout with one stage per rank");
+// Every rank's total and the plans over lengths are per stage: interleaving is planned by
+// pipeline rank (`sparsetron plan` alone or with --world-rank).
+void refuse_virtual_stages(const Recipe& recipe, const char* what) {
+    ST_CHECK(pipeline_virtual_stages(recipe.model, recipe.run) == 1, what,
+             " does not take interleaved virtual pipeline stages yet: plain `sparsetron plan "
+             "--device cpu` plans each pipeline rank's chunks");
 }
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
          const std::string& device, int top, int world_rank) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
-    refuse_virtual_stages(recipe);
     const int world = int(recipe.run.world_size);
     ST_CHECK(world_rank < world, "--world-rank ", world_rank, ": the recipe's world_size is ",
              world, " (ranks 0-", world - 1, ")");
@@ -105,22 +109,27 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
                     : "");
     const int stages = int(recipe.run.pipeline_model_parallel_size);
     if (stages == 1 || world_rank >= 0) {
-        const PipelineStage stage =
-            stages == 1 ? PipelineStage{}
-                        : pipeline_stage(recipe.model, recipe.run, layout.pp_rank(world_rank));
-        print_plan(recipe, stage, device, top, world_rank >= 0 ? layout.stage_rank(world_rank) : 0);
+        const std::vector<PipelineStage> held =
+            stages == 1
+                ? std::vector<PipelineStage>{PipelineStage{}}
+                : pipeline_rank_stages(recipe.model, recipe.run, layout.pp_rank(world_rank));
+        print_plan(recipe, held, device, top, world_rank >= 0 ? layout.stage_rank(world_rank) : 0);
         return 0;
     }
-    // Pipeline parallelism: each stage holds its layers (and the embedding, or the head, the
-    // losses and the MTP layer): one plan per stage.
-    for (int s = 0; s < stages; ++s) {
-        const PipelineStage stage = pipeline_stage(recipe.model, recipe.run, s);
-        const int64_t end = stage.end_layer < 0 ? recipe.model.num_layers : stage.end_layer;
-        std::printf("\n== pipeline stage %d of %d: decoder layers %lld-%lld%s%s ==\n", s, stages,
-                    static_cast<long long>(stage.first_layer), static_cast<long long>(end - 1),
-                    stage.first() ? ", the embedding" : "",
-                    stage.last() ? ", the final norm, head, losses and MTP" : "");
-        print_plan(recipe, stage, device, top, 0);
+    // Pipeline parallelism: each pipeline rank holds its stages' layers (and the embedding, or
+    // the head, the losses and the MTP layer): one plan per pipeline rank.
+    for (int r = 0; r < stages; ++r) {
+        const std::vector<PipelineStage> held = pipeline_rank_stages(recipe.model, recipe.run, r);
+        std::string what;
+        for (const PipelineStage& stage : held) {
+            const int64_t end = stage.end_layer < 0 ? recipe.model.num_layers : stage.end_layer;
+            what += cat(what.empty() ? "" : "; ",
+                        held.size() > 1 ? cat("stage ", stage.index, ": ") : "", "decoder layers ",
+                        stage.first_layer, "-", end - 1, stage.first() ? ", the embedding" : "",
+                        stage.last() ? ", the final norm, head, losses and MTP" : "");
+        }
+        std::printf("\n== pipeline stage %d of %d: %s ==\n", r, stages, what.c_str());
+        print_plan(recipe, held, device, top, 0);
     }
     return 0;
 }
@@ -131,7 +140,7 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
 int plan_every_rank(const std::string& recipe_path, const std::vector<std::string>& sets,
                     const std::string& device) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
-    refuse_virtual_stages(recipe);
+    refuse_virtual_stages(recipe, "sparsetron plan --every-rank");
     const Device d = parse_device(device);
     const int world = int(recipe.run.world_size);
     const ParallelLayout layout = make_layout(recipe.run, world);
@@ -196,7 +205,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
         const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, at)).recipe;
-        refuse_virtual_stages(recipe);
+        refuse_virtual_stages(recipe, "sparsetron plan --lengths");
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -805,131 +806,84 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             "pp2-vpp2xep2xdp2");
 }
 
-// A pipeline run's checkpoint holds the whole model once (a shard per stage, the last stage's
-// embedding copy not written) and loads on any layout: resuming from step 2 with the same
-// stages and on one process reproduces step 3.
-TEST(Mpi, PipelineCheckpointResumesOnAnyLayout) {
+// Three steps of `layout` on every rank saving at step 2 into a fresh directory every rank sees
+// (named after `tag`; `base` and `layout` add their save keys to it), then resumed from step 2
+// on the same layout and on one process (`base`): both reproduce step 3. `check` (optional)
+// looks at the checkpoint directory first.
+void expect_resumes_on_any_layout(const std::string& tag, std::vector<std::string> base,
+                                  const std::vector<std::string>& layout, const std::string& what,
+                                  const std::function<void(const std::string&)>& check = {}) {
     const int W = g_comm->size();
-    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.PipelineCheckpoint.np", W);
-    if (g_comm->rank() == 0) {
-        std::filesystem::remove_all(shared);
-        std::filesystem::create_directories(shared);
-    }
-    g_comm->allgather(0);               // every rank waits for the directory
-    const int stages = std::min(W, 4);  // the model has 4 layers
-    // Every stage starts on a full DSA layer: 1 + 3 layers, or one each with every layer full.
-    std::vector<std::string> extra = {"save_interval=2", "save=" + shared, "optimizer=muon"};
-    if (stages == 4) extra.push_back("dsa_indexer_topk_freq=1");
-    const std::vector<std::string> base = pipeline_model(extra);
-    std::vector<std::string> pp = base;
-    pp.push_back(cat("pipeline_model_parallel_size=", stages));
-    if (stages == 2) pp.push_back("decoder_first_pipeline_num_layers=1");
-    std::vector<StepMetrics> full;
-    {
-        Trainer t(small_recipe(W, pp), {rank_dir("pp-save"), "", Device::CPU, true, g_comm});
-        t.run([&](const StepMetrics& m) { full.push_back(m); });
-    }
-    ASSERT_EQ(full.size(), 3u);
-    g_comm->allgather(0);
-    const std::string ckpt = shared + "/iter_0000002";
-    for (int s = 1; s <= stages; ++s)
-        EXPECT_TRUE(std::filesystem::exists(
-            cat(ckpt, "/model-0000", s, "-of-0000", stages, ".safetensors")))
-            << "stage " << s;
-    EXPECT_TRUE(std::filesystem::exists(ckpt + "/model.safetensors.index.json"));
-    Trainer resumed(small_recipe(W, pp), {rank_dir("pp-resume"), ckpt, Device::CPU, false, g_comm});
-    ASSERT_EQ(resumed.iteration(), 2);
-    const StepMetrics m = resumed.train_step();
-    Trainer one(small_recipe(1, base),
-                {rank_dir("pp-resume-one"), ckpt, Device::CPU, false, nullptr});
-    const StepMetrics m1 = one.train_step();
-    if (g_comm->rank() == 0)
-        std::cout << "[pp checkpoint] step 3: lm " << m.lm_loss << " (resumed, PP " << stages
-                  << ") / " << m1.lm_loss << " (resumed, one process) vs " << full[2].lm_loss
-                  << "\n";
-    EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
-    EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
-    EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
-    EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
-}
-
-// Interleaved stages' checkpoint: a shard per pipeline rank holding both its chunks, resumed on
-// the same layout and on one process (two ranks; the other counts skip it).
-TEST(Mpi, InterleavedPipelineCheckpointResumesOnAnyLayout) {
-    const int W = g_comm->size();
-    if (W != 2) GTEST_SKIP() << "two ranks: PP 2 x 2 chunks";
-    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.InterleavedCheckpoint.np", W);
-    if (g_comm->rank() == 0) {
-        std::filesystem::remove_all(shared);
-        std::filesystem::create_directories(shared);
-    }
-    g_comm->allgather(0);
-    const std::vector<std::string> base =
-        pipeline_model({"save_interval=2", "save=" + shared, "dsa_indexer_topk_freq=1"});
-    std::vector<std::string> vpp = base;
-    for (const char* s :
-         {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"})
-        vpp.push_back(s);
-    std::vector<StepMetrics> full;
-    {
-        Trainer t(small_recipe(W, vpp), {rank_dir("vpp-save"), "", Device::CPU, true, g_comm});
-        t.run([&](const StepMetrics& m) { full.push_back(m); });
-    }
-    ASSERT_EQ(full.size(), 3u);
-    g_comm->allgather(0);
-    const std::string ckpt = shared + "/iter_0000002";
-    Trainer resumed(small_recipe(W, vpp),
-                    {rank_dir("vpp-resume"), ckpt, Device::CPU, false, g_comm});
-    const StepMetrics m = resumed.train_step();
-    Trainer one(small_recipe(1, base),
-                {rank_dir("vpp-resume-one"), ckpt, Device::CPU, false, nullptr});
-    const StepMetrics m1 = one.train_step();
-    if (g_comm->rank() == 0)
-        std::cout << "[vpp checkpoint] step 3: lm " << m.lm_loss << " (resumed, PP 2 x 2 chunks) / "
-                  << m1.lm_loss << " (resumed, one process) vs " << full[2].lm_loss << "\n";
-    EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
-    EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
-    EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
-    EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
-}
-
-// A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): 3 steps saving at step 2 into a
-// directory every rank sees (rank 0 writes it); resuming from step 2 on the same layout, and on
-// one process, reproduces step 3 (every rank holds the same weights and optimizer state, so the
-// checkpoint does not depend on the layout).
-TEST(Mpi, ContextParallelCheckpointResumes) {
-    const int W = g_comm->size();
-    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.ContextParallelCheckpoint.np", W);
+    const std::string shared = cat(SPARSETRON_TEST_TMP, "/Mpi.", tag, ".np", W);
     if (g_comm->rank() == 0) {
         std::filesystem::remove_all(shared);
         std::filesystem::create_directories(shared);
     }
     g_comm->allgather(0);  // every rank waits for the directory
-    const std::vector<std::string> base = {"dsa_indexer_topk=16", "save_interval=2",
-                                           "save=" + shared};
-    std::vector<std::string> cp = base;
-    cp.push_back("context_parallel_size=2");
+    base.push_back("save_interval=2");
+    base.push_back("save=" + shared);
+    std::vector<std::string> sets = base;
+    sets.insert(sets.end(), layout.begin(), layout.end());
     std::vector<StepMetrics> full;
     {
-        Trainer t(small_recipe(W, cp), {rank_dir("cp-save"), "", Device::CPU, true, g_comm});
+        Trainer t(small_recipe(W, sets), {rank_dir(tag + "-save"), "", Device::CPU, true, g_comm});
         t.run([&](const StepMetrics& m) { full.push_back(m); });
     }
     ASSERT_EQ(full.size(), 3u);
-    g_comm->allgather(0);  // rank 0 has written the checkpoints
+    g_comm->allgather(0);  // the checkpoints are written
     const std::string ckpt = shared + "/iter_0000002";
-    Trainer resumed(small_recipe(W, cp), {rank_dir("cp-resume"), ckpt, Device::CPU, false, g_comm});
+    if (check) check(ckpt);
+    Trainer resumed(small_recipe(W, sets),
+                    {rank_dir(tag + "-resume"), ckpt, Device::CPU, false, g_comm});
     ASSERT_EQ(resumed.iteration(), 2);
     const StepMetrics m = resumed.train_step();
     Trainer one(small_recipe(1, base),
-                {rank_dir("cp-resume-one"), ckpt, Device::CPU, false, nullptr});
+                {rank_dir(tag + "-resume-one"), ckpt, Device::CPU, false, nullptr});
     const StepMetrics m1 = one.train_step();
     if (g_comm->rank() == 0)
-        std::cout << "[cp checkpoint] step 3: lm " << m.lm_loss << " (resumed, CP 2) / "
+        std::cout << "[" << tag << "] step 3: lm " << m.lm_loss << " (resumed, " << what << ") / "
                   << m1.lm_loss << " (resumed, one process) vs " << full[2].lm_loss << "\n";
     EXPECT_NEAR(m.lm_loss, full[2].lm_loss, 1e-6 * full[2].lm_loss);
     EXPECT_NEAR(m.grad_norm, full[2].grad_norm, 1e-5 * full[2].grad_norm);
     EXPECT_NEAR(m1.lm_loss, full[2].lm_loss, 1e-5 * full[2].lm_loss);
     EXPECT_NEAR(m1.grad_norm, full[2].grad_norm, 1e-4 * full[2].grad_norm);
+}
+
+// A pipeline run's checkpoint holds the whole model once (a shard per stage, the last stage's
+// embedding copy not written) and loads on any layout.
+TEST(Mpi, PipelineCheckpointResumesOnAnyLayout) {
+    const int stages = std::min(g_comm->size(), 4);  // the model has 4 layers
+    // Every stage starts on a full DSA layer: 1 + 3 layers, or one each with every layer full.
+    std::vector<std::string> extra = {"optimizer=muon"};
+    if (stages == 4) extra.push_back("dsa_indexer_topk_freq=1");
+    std::vector<std::string> pp = {cat("pipeline_model_parallel_size=", stages)};
+    if (stages == 2) pp.push_back("decoder_first_pipeline_num_layers=1");
+    expect_resumes_on_any_layout(
+        "PipelineCheckpoint", pipeline_model(extra), pp, cat("PP ", stages),
+        [&](const std::string& ckpt) {
+            for (int s = 1; s <= stages; ++s)
+                EXPECT_TRUE(std::filesystem::exists(
+                    cat(ckpt, "/model-0000", s, "-of-0000", stages, ".safetensors")))
+                    << "stage " << s;
+            EXPECT_TRUE(std::filesystem::exists(ckpt + "/model.safetensors.index.json"));
+        });
+}
+
+// Interleaved stages' checkpoint: a shard per pipeline rank holding both its chunks (two ranks;
+// the other counts skip it).
+TEST(Mpi, InterleavedPipelineCheckpointResumesOnAnyLayout) {
+    if (g_comm->size() != 2) GTEST_SKIP() << "two ranks: PP 2 x 2 chunks";
+    expect_resumes_on_any_layout(
+        "InterleavedCheckpoint", pipeline_model({"dsa_indexer_topk_freq=1"}),
+        {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"},
+        "PP 2 x 2 chunks");
+}
+
+// A CP run's checkpoint resumes (CP 2, x DP 2 with 4 ranks): rank 0 writes it (every rank holds
+// the same weights and optimizer state, so the checkpoint does not depend on the layout).
+TEST(Mpi, ContextParallelCheckpointResumes) {
+    expect_resumes_on_any_layout("ContextParallelCheckpoint", {"dsa_indexer_topk=16"},
+                                 {"context_parallel_size=2"}, "CP 2");
 }
 
 // An expert-parallel run's checkpoint (experts sharded: EP = every rank; with 4 ranks also EP 2

@@ -62,7 +62,7 @@ std::vector<PipelineWork> pipeline_rank_order(int rank, int ranks, int chunks, i
 }
 
 PipelineTimetable::PipelineTimetable(int ranks, int chunks, int64_t n, bool backward)
-    : ranks_(ranks), chunks_(chunks), n_(n) {
+    : ranks_(ranks), chunks_(chunks) {
     const int stages = ranks * chunks;
     for (int r = 0; r < ranks; ++r)
         orders_.push_back(pipeline_rank_order(r, ranks, chunks, n, backward));

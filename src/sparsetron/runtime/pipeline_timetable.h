@@ -35,8 +35,6 @@ class PipelineTimetable {
     // Throws if the orders cannot all finish (a bug in the schedule, never in the data).
     PipelineTimetable(int ranks, int chunks, int64_t n, bool backward);
 
-    int ranks() const { return ranks_; }
-    int chunks() const { return chunks_; }
     int64_t ticks() const { return ticks_; }
     // Rank r's work at tick t, or nullptr when it waits.
     const PipelineWork* at(int r, int64_t t) const;
@@ -62,7 +60,7 @@ class PipelineTimetable {
   private:
     int stage_of(int r, int chunk) const { return chunk * ranks_ + r; }
     int ranks_, chunks_;
-    int64_t n_, ticks_ = 0;
+    int64_t ticks_ = 0;
     std::vector<std::vector<PipelineWork>> orders_;
     std::vector<std::vector<int64_t>> slot_;  // [rank][tick] -> index in the order, or -1
     std::vector<std::vector<bool>> keep_;

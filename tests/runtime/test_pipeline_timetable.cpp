@@ -113,7 +113,9 @@ TEST(PipelineTimetable, EveryWorkRunsAfterItsInputAndEveryMessageIsReadOnce) {
                         EXPECT_GE(tt.held_messages(r), P > 1 && (bwd || r > 0 || V > 1) ? 1 : 0)
                             << tag;
                         // 1F1B keeps at most P - rank forwards (Megatron's bound).
-                        if (V == 1 && bwd) EXPECT_LE(tt.kept_activations(r), P - r) << tag;
+                        if (V == 1 && bwd) {
+                            EXPECT_LE(tt.kept_activations(r), P - r) << tag;
+                        }
                         if (!bwd) {
                             EXPECT_EQ(tt.kept_activations(r), 0) << tag;
                         }

@@ -88,4 +88,46 @@ TEST(CudaContextParallel, DynamicCpWithAndWithoutExpertParallelismMatchesOneGpu)
     }
 }
 
+// Dynamic CP with cuda_graph_impl full_iteration (graphs of the step's start, of each kind of
+// micro-batch and of the step's end; the micro-batches staged in rounds of the staging's slots
+// and read through a device slot index) against the same run eagerly, on one GPU (thread ranks'
+// device collectives go through the host, which a graph cannot hold; two GPUs:
+// DataParallelGpu.DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph): the same losses and
+// gradient norms at every step, graphs replayed from the second step on (the first warms them
+// up). micro_batch_size 4 leaves 2 staging slots for the step's 8 x 256 tokens in groups of at
+// most 256: every step takes several rounds.
+TEST(CudaContextParallel, DynamicCpStepGraphsMatchEager) {
+    REQUIRE_GPU();
+    std::vector<std::string> dyn = {"calculate_per_token_loss=true",
+                                    "eval_interval=0",
+                                    "micro_batch_size=4",
+                                    "dynamic_context_parallel=true",
+                                    "sequence_packing_scheduler=default_dynamic_cp",
+                                    "max_seqlen_per_dp_cp_rank=256"};
+    const Recipe er = trainer_recipe(1, dyn);
+    ASSERT_EQ(er.run.microbatches_per_step(), 2);
+    const auto eager = train(er, {temp_dir("dcp-eager"), "", Device::CUDA, false, nullptr});
+    dyn.push_back("cuda_graph_impl=full_iteration");
+    const auto graph =
+        train(trainer_recipe(1, dyn), {temp_dir("dcp-graph"), "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(eager.size(), 4u);
+    ASSERT_EQ(graph.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+        const StepMetrics &g = graph[i], &e = eager[i];
+        ASSERT_FALSE(g.dynamic_cp_groups.empty());
+        std::cout << "[dynamic cp graphs] step " << i + 1 << ": " << g.dynamic_cp_groups[0]
+                  << " micro-batches, lm " << g.lm_loss << " vs " << e.lm_loss << ", grad_norm "
+                  << g.grad_norm << " vs " << e.grad_norm << ", graph " << g.graph << "\n";
+        EXPECT_GT(g.dynamic_cp_groups[0], 2) << "a step of one round of 2 slots";
+        EXPECT_EQ(g.dynamic_cp_groups, e.dynamic_cp_groups);
+        EXPECT_EQ(g.targets, e.targets);
+        EXPECT_NEAR(g.lm_loss, e.lm_loss, 1e-6 * e.lm_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.mtp_loss, e.mtp_loss, 1e-6 * e.mtp_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.indexer_loss, e.indexer_loss, 1e-6 * e.indexer_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.grad_norm, e.grad_norm, 1e-6 * e.grad_norm) << "step " << i + 1;
+        EXPECT_EQ(g.graph, i >= 1) << "step " << i + 1;
+        EXPECT_FALSE(e.graph);
+    }
+}
+
 #endif

@@ -331,8 +331,8 @@ TEST(DataParallelGpu, ContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
 // ones in groups of one GPU side by side (or grown into an idle neighbour). The documents are the
 // one-GPU run's, regrouped: LM, MTP and indexer losses, gradient norms and loads must match it
 // (per-token loss on both sides: the indexer's KL over the global batch's tokens, so the grouping
-// does not change it), eagerly and with one captured graph per CP size (replayed for later
-// micro-batches).
+// does not change it), eagerly and with the step's graphs (one per micro-batch kind, replayed
+// for later micro-batches, between the graphs of the step's start and end).
 TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
     REQUIRE_GPU();
     if (cuda_device_count() < 2)

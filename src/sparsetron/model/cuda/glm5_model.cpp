@@ -418,6 +418,11 @@ void CudaGlm5Model::copy_inputs_from(const ExecContext& ctx, const int32_t* src)
     cuda::copy_2d(ctx, in_block_, 0, src, 0, input_words_ * int64_t(sizeof(int32_t)), 1);
 }
 
+void CudaGlm5Model::copy_inputs_from_slot(const ExecContext& ctx, const int32_t* slots,
+                                          const int32_t* index) {
+    cuda::copy_from_slot(ctx, in_block_, slots, input_words_ * int64_t(sizeof(int32_t)), index);
+}
+
 void CudaGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
     enqueue_forward(ctx, sc);
     if (sc.backward) enqueue_backward(ctx, sc);

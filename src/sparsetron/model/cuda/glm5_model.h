@@ -72,6 +72,9 @@ class CudaGlm5Model {
     void stage_inputs(const ExecContext& ctx, const MicroBatch& mb, const LossScales& scales,
                       int32_t* dst);
     void copy_inputs_from(const ExecContext& ctx, const int32_t* src);
+    // The same from the staged block at slot *index (a device index: one captured copy serves
+    // every slot).
+    void copy_inputs_from_slot(const ExecContext& ctx, const int32_t* slots, const int32_t* index);
     // The loss sums on the device (n_sums() doubles) and their reading from a host copy;
     // tv_rows(): the e2e TV rows of a micro-batch (for LossSums::mtp_count).
     const double* sums() const { return sums_; }

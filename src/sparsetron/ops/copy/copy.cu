@@ -1,5 +1,7 @@
 // Copies and dtype conversions on the stream (copy.h): the pieces of a layout change inside a
 // layer.
+#include <algorithm>
+
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/copy/copy.h"
 
@@ -26,7 +28,49 @@ __global__ void f32_to_bf16_kernel(const float* src, bf* dst, int64_t n) {
     if (i < n) dst[i] = __float2bfloat16(src[i]);
 }
 
+// dst[i] = src[i] over `words` 4-byte words, one of the two offset by *slot x words.
+__global__ void slot_copy_kernel(uint32_t* dst, const uint32_t* src, int64_t words,
+                                 const int32_t* slot, bool slot_in_src) {
+    const int64_t shift = int64_t(*slot) * words;
+    const uint32_t* s = slot_in_src ? src + shift : src;
+    uint32_t* d = slot_in_src ? dst : dst + shift;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < words;
+         i += int64_t(gridDim.x) * blockDim.x)
+        d[i] = s[i];
+}
+
+__global__ void increment_kernel(int32_t* counter) {
+    *counter += 1;
+}
+
+void slot_copy(const ExecContext& ctx, void* dst, const void* src, int64_t bytes,
+               const int32_t* slot, bool slot_in_src) {
+    ST_CHECK(bytes % 4 == 0, "slot copies move 4-byte words; ", bytes, " bytes");
+    const int64_t words = bytes / 4;
+    if (words == 0) return;
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>((words + threads - 1) / threads, 4 * sm_count());
+    slot_copy_kernel<<<unsigned(blocks), threads, 0, stream_of(ctx)>>>(
+        static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), words, slot, slot_in_src);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+void copy_from_slot(const ExecContext& ctx, void* dst, const void* slots, int64_t bytes,
+                    const int32_t* slot) {
+    slot_copy(ctx, dst, slots, bytes, slot, true);
+}
+
+void copy_to_slot(const ExecContext& ctx, void* slots, const void* src, int64_t bytes,
+                  const int32_t* slot) {
+    slot_copy(ctx, slots, src, bytes, slot, false);
+}
+
+void increment(const ExecContext& ctx, int32_t* counter) {
+    increment_kernel<<<1, 1, 0, stream_of(ctx)>>>(counter);
+    ST_CUDA_LAUNCH_CHECK();
+}
 
 void copy_2d(const ExecContext& ctx, void* dst, int64_t dst_pitch, const void* src,
              int64_t src_pitch, int64_t width_bytes, int64_t rows) {

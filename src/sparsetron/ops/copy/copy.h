@@ -1,7 +1,7 @@
 // Copies and conversions: strided 2-d copies, zeroing, host <-> device transfers, fp32 <-> bf16,
 // and the context-parallel row moves between a rank's rows and the micro-batch's key rows.
 // CPU: convert_cpu.cpp (the Tensor conversion); CUDA: copy.cu, convert.cu, cp_rows.cu. Tests:
-// tests/gpu/ops/test_copy_cuda.cpp.
+// tests/ops/copy/test_copy_cuda.cpp.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +29,14 @@ void upload(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
 void download(const ExecContext& ctx, void* dst, const void* src, int64_t bytes);
 // Waits until the stream's work is done.
 void synchronize(const ExecContext& ctx);
+// Slot copies through a device index, so one captured launch serves whichever slot the step is
+// at: dst <- slots + *slot x bytes, slots + *slot x bytes <- src (`bytes` a multiple of 4; a
+// slot starts on a 4-byte boundary), and *counter += 1.
+void copy_from_slot(const ExecContext& ctx, void* dst, const void* slots, int64_t bytes,
+                    const int32_t* slot);
+void copy_to_slot(const ExecContext& ctx, void* slots, const void* src, int64_t bytes,
+                  const int32_t* slot);
+void increment(const ExecContext& ctx, int32_t* counter);
 // dst[r, c] (+)= src[r, c] for a rows x cols block with leading dimensions, fp32 -> bf16.
 void f32_to_bf16_2d(const ExecContext& ctx, const float* src, int64_t ld_src, bf16* dst,
                     int64_t ld_dst, int64_t rows, int64_t cols, bool accumulate);

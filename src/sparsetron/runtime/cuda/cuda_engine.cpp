@@ -122,6 +122,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             const StepStaging staging =
                 plan_step_staging(*model_, plan_, recipe_.run.microbatches_per_step());
             slots_ = staging.slots, s_slots_ = staging.inputs, s_sums_ = staging.sums;
+            s_index_ = staging.index;
         }
         // Pipeline parallelism with the paged stash or the receive budget: one stage's overflow
         // redoes the step on every stage (some of which may hold no MoE layer): flags on every
@@ -445,52 +446,106 @@ class CudaEngine final : public StepEngine, public StepBench {
         return out;
     }
 
-    // Dynamic CP: each micro-batch is a group's, with its own CP communicator. Eager, or with
-    // full_iteration one graph per CP size (and kind of step) of one micro-batch's forward and
-    // backward, captured after an eager warm-up of that size and replayed for every micro-batch
-    // of that size (the static plan is the graphs' one memory pool); the inputs are uploaded,
-    // the gradients reduced and the optimizer run eagerly around them.
+    // Dynamic CP: each micro-batch is a group's, with its own CP communicator. Eagerly (or the
+    // redo): each micro-batch uploaded, run and its losses read in turn. With full_iteration the
+    // step runs as graphs with no host synchronization between micro-batches: the micro-batches
+    // staged on the device in rounds of the staging's slots; the step's start; per micro-batch
+    // the graph of its kind (CP size and kind of step), which copies its input block from the
+    // slot a device index names, runs it, writes its loss sums to that slot and advances the
+    // index, so one capture serves every slot (the static plan is the graphs' one pool); and
+    // the step's end (the gradient reductions and the optimizer). Each graph is captured after
+    // an eager warm-up of its kind. Under expert parallelism the micro-batches run eagerly
+    // between the graphs of the step's start and end: a rank's exchange pairs it with ranks of
+    // other CP groups, whose kinds (and so their first runs and captures) differ at that
+    // micro-batch, and a capture does not run its transfers.
     StepOutcome run_dynamic_cp_step(const std::vector<const MicroBatch*>& mbs, const LossScales& sc,
                                     const RunConfig& run, int64_t step,
                                     const std::vector<Comm*>* cp_groups, bool eager) {
         ST_CHECK(cp_groups && cp_groups->size() == mbs.size(),
                  "dynamic CP: every micro-batch needs its CP group");
-        const bool graphs = run.cuda_graph_impl == "full_iteration" && !eager;
-        StepOutcome out;
-        begin_step(true);  // a graph of one micro-batch is replayed at any place in the step
-        for (size_t i = 0; i < mbs.size(); ++i) {
-            Comm* cp = (*cp_groups)[i];
-            model_->set_context_parallel(cp);
-            model_->load_inputs(ctx(), *mbs[i], sc);
-            const DynamicGraphKey key{cp ? cp->size() : 1, sc.backward, sc.indexer_grads,
-                                      sc.indexer != 0, int64_t(sc.mtp.size())};
-            // A key without an entry has not run yet: eagerly first (its entry, still without a
-            // graph, marks it warmed up), captured on its second micro-batch.
-            const auto it = cp_graphs_.find(key);
-            if (!graphs || it == cp_graphs_.end()) {
-                model_->enqueue(ctx(), sc);
-                if (graphs) cp_graphs_.emplace(key, nullptr);
-            } else {
-                auto& g = it->second;
-                if (!g) {
-                    g = std::make_unique<cuda::StepGraph>(session_);
-                    g->begin_capture();
-                    model_->enqueue(ctx(), sc);
-                    g->end_capture();
-                    ++captures_;
-                    std::cerr << "[graph] captured a CP-" << std::get<0>(key)
-                              << " micro-batch: " << g->nodes() << " nodes\n";
-                }
-                g->replay();
-                out.replayed = true;
+        if (!graphs_ || eager) {
+            StepOutcome out;
+            begin_step(true);
+            for (size_t i = 0; i < mbs.size(); ++i) {
+                model_->set_context_parallel((*cp_groups)[i]);
+                out.losses.push_back(micro_batch(*mbs[i], sc));
             }
-            out.losses.push_back(model_->read_losses(ctx()));
+            begin_reduce();
+            end_backward();
+            out.stats = opt_->step(ctx(), run, step);
+            read_moe_use(out);
+            return out;
         }
-        begin_reduce();
-        end_backward();
-        out.stats = opt_->step(ctx(), run, step);
+        const int64_t n = int64_t(mbs.size()), words = model_->input_words(), ns = model_->n_sums();
+        int32_t* slots = plan_.view(s_slots_).ptr<int32_t>();
+        double* sums = plan_.view(s_sums_).ptr<double>();
+        int32_t* index = plan_.view(s_index_).ptr<int32_t>();
+        const bool mb_graphs = !exchange_;
+        opt_->stage_schedule(ctx(), run, step);
+        graph_or_eager(dcp_start_, "the step's start", [&] { begin_step(true); });
+        std::vector<double> host(size_t(n * ns));
+        for (int64_t first = 0; first < n; first += slots_) {
+            const int64_t m = std::min(slots_, n - first);
+            for (int64_t j = 0; j < m; ++j) {
+                model_->set_context_parallel((*cp_groups)[size_t(first + j)]);
+                model_->stage_inputs(ctx(), *mbs[size_t(first + j)], sc, slots + j * words);
+            }
+            cuda::zero(ctx(), index, sizeof(int32_t));
+            for (int64_t j = 0; j < m; ++j) {
+                Comm* cp = (*cp_groups)[size_t(first + j)];
+                model_->set_context_parallel(cp);
+                auto body = [&] {
+                    model_->copy_inputs_from_slot(ctx(), slots, index);
+                    model_->enqueue(ctx(), sc);
+                    cuda::copy_to_slot(ctx(), sums, model_->sums(), ns * int64_t(sizeof(double)),
+                                       index);
+                    cuda::increment(ctx(), index);
+                };
+                if (!mb_graphs) {
+                    body();
+                    continue;
+                }
+                const DynamicGraphKey key{cp ? cp->size() : 1, sc.backward, sc.indexer_grads,
+                                          sc.indexer != 0, int64_t(sc.mtp.size())};
+                graph_or_eager(cp_graphs_[key], cat("a CP-", std::get<0>(key), " micro-batch"),
+                               body);
+            }
+            cuda::download(ctx(), host.data() + first * ns, sums, m * ns * int64_t(sizeof(double)));
+        }
+        graph_or_eager(dcp_end_, "the step's end (reductions, optimizer)", [&] {
+            begin_reduce();
+            end_backward();
+            opt_->enqueue_step(ctx(), run);
+        });
+        StepOutcome out;
+        out.replayed = dcp_end_.graph != nullptr;
+        for (int64_t i = 0; i < n; ++i)
+            out.losses.push_back(model_->losses_from(host.data() + i * ns, *mbs[size_t(i)]));
+        out.stats = opt_->read_stats(ctx(), run, step);
         read_moe_use(out);
         return out;
+    }
+    // A graph of work that runs eagerly the first time (its warm-up: GEMM plans, first-use
+    // allocations), is captured the second and replayed from then on.
+    struct WarmGraph {
+        bool warmed = false;
+        std::unique_ptr<cuda::StepGraph> graph;
+    };
+    void graph_or_eager(WarmGraph& g, const std::string& what, const std::function<void()>& work) {
+        if (!g.warmed) {
+            work();
+            g.warmed = true;
+            return;
+        }
+        if (!g.graph) {
+            g.graph = std::make_unique<cuda::StepGraph>(session_);
+            g.graph->begin_capture();
+            work();
+            g.graph->end_capture();
+            ++captures_;
+            std::cerr << "[graph] captured " << what << ": " << g.graph->nodes() << " nodes\n";
+        }
+        g.graph->replay();
     }
 
   public:
@@ -780,7 +835,7 @@ class CudaEngine final : public StepEngine, public StepBench {
     bool chunked_ = false;
     int64_t chunk_steps_ = 0;       // training steps run with chunk-wise graphs
     int64_t bench_local_runs_ = 0;  // bench's timed steps with chunk-wise graphs
-    MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1;
+    MemoryPlan::Slot s_slots_ = -1, s_sums_ = -1, s_index_ = -1;
     // Pipeline parallelism with the stash or the receive budget: any rank's overflow of each.
     MemoryPlan::Slot s_redo_veto_ = -1;
     int32_t* redo_veto() const { return plan_.view(s_redo_veto_).ptr<int32_t>(); }
@@ -793,11 +848,12 @@ class CudaEngine final : public StepEngine, public StepBench {
     int64_t eager_steps_ = 0;  // full_iteration's warm-up steps run so far
     std::unique_ptr<cuda::StepGraph> step_graph_;
     GraphSignature step_sig_;
-    // Dynamic CP: one micro-batch graph per (CP size, backward, indexer gradients, indexer
-    // loss, MTP scales); a key with a null graph has run eagerly once.
+    // Dynamic CP with full_iteration: one micro-batch graph per (CP size, backward, indexer
+    // gradients, indexer loss, MTP scales), the step's start and its end.
     bool dynamic_cp_ = false;
     using DynamicGraphKey = std::tuple<int, bool, bool, bool, int64_t>;
-    std::map<DynamicGraphKey, std::unique_ptr<cuda::StepGraph>> cp_graphs_;
+    std::map<DynamicGraphKey, WarmGraph> cp_graphs_;
+    WarmGraph dcp_start_, dcp_end_;
     std::pair<int64_t, bool> graph_signature_{0, false};
 };
 

@@ -9,6 +9,7 @@ StepStaging plan_step_staging(const cuda::CudaGlm5Model& model, MemoryPlan& plan
                         {slots, model.input_words()});
     s.sums =
         plan.add(MemClass::Activations, "graph.loss_sums", DType::F64, {slots, model.n_sums()});
+    s.index = plan.add(MemClass::Activations, "graph.slot_index", DType::I32, {1});
     return s;
 }
 

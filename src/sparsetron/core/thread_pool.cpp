@@ -32,12 +32,16 @@ class Pool {
 
     void run(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int64_t min_chunk) {
         int parts = static_cast<int>(std::min<int64_t>(size(), (n + min_chunk - 1) / min_chunk));
-        if (parts <= 1 || busy_) {  // nested calls run serially on the caller
+        // One job at a time: the caller that claims the pool runs it; nested calls and calls
+        // from other threads meanwhile (ranks as threads of one process) run serially on their
+        // caller. The claim is one atomic exchange: a check and a later set let two threads
+        // both take the pool and overwrite each other's job.
+        bool idle = false;
+        if (parts <= 1 || !busy_.compare_exchange_strong(idle, true)) {
             if (n > 0) fn(0, n);
             return;
         }
         std::unique_lock<std::mutex> lock(mu_);
-        busy_ = true;
         fn_ = &fn;
         n_ = n;
         parts_ = parts;
@@ -49,8 +53,9 @@ class Pool {
         run_part(0);
         lock.lock();
         done_cv_.wait(lock, [this] { return pending_ == 0; });
+        const std::exception_ptr error = error_;
         busy_ = false;
-        if (error_) std::rethrow_exception(error_);
+        if (error) std::rethrow_exception(error);
     }
 
   private:

@@ -259,7 +259,8 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_EQ(last.find("model.layers.0."), std::string::npos) << last;
     EXPECT_NE(last.find("lm_head.weight"), std::string::npos) << last;
     // Interleaved: each pipeline rank plans its two chunks (rank 0 layers 0 and 2, rank 1
-    // layers 1 and 3 with the head); CUDA and the per-length plans say they do not take them.
+    // layers 1 and 3 with the head), also as every rank's total; CUDA and the per-length plans
+    // say they do not take them.
     const std::string vpp =
         "plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
         "--set pipeline_model_parallel_size=2 --set num_virtual_stages_per_pipeline_rank=2 "
@@ -277,6 +278,23 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     const std::string rank0 = chunks.output.substr(c0, c1 - c0);
     EXPECT_NE(rank0.find("model.layers.2.self_attn.q_b_proj.weight"), std::string::npos) << rank0;
     EXPECT_EQ(rank0.find("model.layers.1."), std::string::npos) << rank0;
+    // --every-rank: each pipeline rank's two chunks, each total the one --world-rank prints.
+    CliRun vpp_every = run(vpp + " --every-rank");
+    ASSERT_EQ(vpp_every.code, 0) << vpp_every.output;
+    for (int r = 0; r < 2; ++r) {
+        CliRun one = run(vpp + cat(" --world-rank ", r));
+        ASSERT_EQ(one.code, 0) << one.output;
+        const size_t t = one.output.rfind("\ntotal");
+        ASSERT_NE(t, std::string::npos) << one.output;
+        const size_t v0 = one.output.find_first_not_of(' ', t + 6), v1 = one.output.find('\n', v0);
+        const std::string total = one.output.substr(v0, v1 - v0);
+        EXPECT_NE(vpp_every.output.find(cat("rank ", r, " (stage ", r, "): ", total)),
+                  std::string::npos)
+            << "rank " << r << " planned " << total << " alone:\n"
+            << vpp_every.output;
+    }
+    CliRun vpp_every_cuda = run(vpp + " --every-rank --device cuda");
+    EXPECT_EQ(vpp_every_cuda.code, 1) << vpp_every_cuda.output;
     CliRun on_cuda = run(vpp + " --device cuda");
     EXPECT_EQ(on_cuda.code, 1) << on_cuda.output;
     EXPECT_NE(on_cuda.output.find("run on the CPU backend only"), std::string::npos)

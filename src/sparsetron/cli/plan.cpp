@@ -77,12 +77,12 @@ void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
 }
 
-// Every rank's total and the plans over lengths are per stage: interleaving is planned by
-// pipeline rank (`sparsetron plan` alone or with --world-rank).
+// The plans over lengths are of the whole model: interleaving is planned by pipeline rank
+// (`sparsetron plan` alone, with --world-rank or --every-rank).
 void refuse_virtual_stages(const Recipe& recipe, const char* what) {
     ST_CHECK(pipeline_virtual_stages(recipe.model, recipe.run) == 1, what,
-             " does not take interleaved virtual pipeline stages yet: plain `sparsetron plan "
-             "--device cpu` plans each pipeline rank's chunks");
+             " does not take interleaved virtual pipeline stages yet: `sparsetron plan --device "
+             "cpu` (alone or with --every-rank) plans each pipeline rank's chunks");
 }
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
@@ -140,8 +140,10 @@ int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
 int plan_every_rank(const std::string& recipe_path, const std::vector<std::string>& sets,
                     const std::string& device) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
-    refuse_virtual_stages(recipe, "sparsetron plan --every-rank");
     const Device d = parse_device(device);
+    ST_CHECK(d == Device::CPU || pipeline_virtual_stages(recipe.model, recipe.run) == 1,
+             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
+             "--device cpu");
     const int world = int(recipe.run.world_size);
     const ParallelLayout layout = make_layout(recipe.run, world);
     const int stages = int(recipe.run.pipeline_model_parallel_size);
@@ -160,14 +162,16 @@ int plan_every_rank(const std::string& recipe_path, const std::vector<std::strin
     };
     for (int r = 0; r < world; ++r) {
         const int s = stages == 1 ? 0 : layout.pp_rank(r);
-        const PipelineStage stage =
-            stages == 1 ? PipelineStage{} : pipeline_stage(recipe.model, recipe.run, s);
-        if (!by_stage[size_t(s)]) by_stage[size_t(s)] = make_training_plan(recipe, d, stage);
+        // The pipeline rank's stages: one, or its chunks under interleaving (CPU).
+        const std::vector<PipelineStage> held =
+            stages == 1 ? std::vector<PipelineStage>{PipelineStage{}}
+                        : pipeline_rank_stages(recipe.model, recipe.run, s);
+        if (!by_stage[size_t(s)]) by_stage[size_t(s)] = make_training_plan(recipe, d, held);
         const TrainingPlan& tp = *by_stage[size_t(s)];
         size_t total = tp.plan.total_bytes();
         if (d == Device::CUDA)
-            format_cuda_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, stage,
-                             layout.stage_rank(r));
+            format_cuda_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0,
+                             held.front(), layout.stage_rank(r));
         // Equal as printed: the distributed optimizer's shares differ by a few MiB.
         if (r > 0 && (format_bytes(double(total)) != format_bytes(double(run_total)) ||
                       layout.pp_rank(r) != layout.pp_rank(run_start))) {

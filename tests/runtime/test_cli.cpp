@@ -259,8 +259,8 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_EQ(last.find("model.layers.0."), std::string::npos) << last;
     EXPECT_NE(last.find("lm_head.weight"), std::string::npos) << last;
     // Interleaved: each pipeline rank plans its two chunks (rank 0 layers 0 and 2, rank 1
-    // layers 1 and 3 with the head), also as every rank's total; CUDA and the per-length plans
-    // say they do not take them.
+    // layers 1 and 3 with the head), also as every rank's total, and over lengths the whole
+    // model's plan; CUDA says it does not take them.
     const std::string vpp =
         "plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
         "--set pipeline_model_parallel_size=2 --set num_virtual_stages_per_pipeline_rank=2 "
@@ -299,10 +299,14 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_EQ(on_cuda.code, 1) << on_cuda.output;
     EXPECT_NE(on_cuda.output.find("run on the CPU backend only"), std::string::npos)
         << on_cuda.output;
+    // --lengths: the whole model's plan, as with one stage per rank (CPU).
     CliRun lengths = run(vpp + " --lengths 64,128");
-    EXPECT_EQ(lengths.code, 1) << lengths.output;
-    EXPECT_NE(lengths.output.find("--lengths does not take interleaved"), std::string::npos)
-        << lengths.output;
+    EXPECT_EQ(lengths.code, 0) << lengths.output;
+    EXPECT_NE(lengths.output.find("the whole model's"), std::string::npos) << lengths.output;
+    CliRun lengths_cuda = run(vpp + " --lengths 64,128 --device cuda");
+    EXPECT_EQ(lengths_cuda.code, 1) << lengths_cuda.output;
+    EXPECT_NE(lengths_cuda.output.find("run on the CPU backend only"), std::string::npos)
+        << lengths_cuda.output;
 }
 
 namespace {

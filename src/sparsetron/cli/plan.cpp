@@ -17,6 +17,13 @@ namespace sparsetron::cli {
 namespace {
 
 // The step's packed micro-batches live in host memory outside the plan (both backends).
+// Interleaved virtual stages on CUDA: the engine does not run them, so neither does its plan.
+void refuse_virtual_stages_on_cuda(const Recipe& recipe, Device device) {
+    ST_CHECK(device == Device::CPU || pipeline_virtual_stages(recipe.model, recipe.run) == 1,
+             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
+             "--device cpu");
+}
+
 void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
     const int64_t count = recipe.run.global_batch_size / recipe.run.micro_batch_size;
     std::printf("step: %lld micro-batches packed in host memory, %s (outside the plan)\n",
@@ -32,9 +39,7 @@ void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
 void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
                 const std::string& device, int top, int optimizer_rank) {
     const Device d = parse_device(device);
-    ST_CHECK(stages.size() == 1 || d == Device::CPU,
-             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
-             "--device cpu");
+    refuse_virtual_stages_on_cuda(recipe, d);
     const PipelineStage& stage = stages.front();
     auto tp = make_training_plan(recipe, d, stages);
     const auto& params = *tp->params;
@@ -75,14 +80,6 @@ void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
                 tp->plan.format_kinds(top).c_str());
     std::printf("%s", tp->optimizer->describe(tp->plan).c_str());
     print_newton_schulz(newton_schulz_count(params, recipe.model, recipe.run), recipe.run);
-}
-
-// The plans over lengths are of the whole model: interleaving is planned by pipeline rank
-// (`sparsetron plan` alone, with --world-rank or --every-rank).
-void refuse_virtual_stages(const Recipe& recipe, const char* what) {
-    ST_CHECK(pipeline_virtual_stages(recipe.model, recipe.run) == 1, what,
-             " does not take interleaved virtual pipeline stages yet: `sparsetron plan --device "
-             "cpu` (alone or with --every-rank) plans each pipeline rank's chunks");
 }
 
 int plan(const std::string& recipe_path, const std::vector<std::string>& sets,
@@ -141,9 +138,7 @@ int plan_every_rank(const std::string& recipe_path, const std::vector<std::strin
                     const std::string& device) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
     const Device d = parse_device(device);
-    ST_CHECK(d == Device::CPU || pipeline_virtual_stages(recipe.model, recipe.run) == 1,
-             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
-             "--device cpu");
+    refuse_virtual_stages_on_cuda(recipe, d);
     const int world = int(recipe.run.world_size);
     const ParallelLayout layout = make_layout(recipe.run, world);
     const int stages = int(recipe.run.pipeline_model_parallel_size);
@@ -209,7 +204,7 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
         const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, at)).recipe;
-        refuse_virtual_stages(recipe, "sparsetron plan --lengths");
+        refuse_virtual_stages_on_cuda(recipe, cuda ? Device::CUDA : Device::CPU);
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)

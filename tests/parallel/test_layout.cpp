@@ -13,6 +13,7 @@
 #include "sparsetron/core/rng.h"
 #include "sparsetron/parallel/context/cp_shard.h"
 #include "sparsetron/parallel/context/dynamic_cp.h"
+#include "sparsetron/parallel/context/dynamic_cp_batches.h"
 #include "sparsetron/parallel/layout/layout.h"
 
 namespace sparsetron {
@@ -294,6 +295,30 @@ TEST(DynamicCp, ShortSamplesShareRanksAndOversizeOnesAreNamed) {
 }
 
 // The EP exchange on one process: every expert is local, the result is the local computation.
+// One rank's step under dynamic CP: three 30-token documents at 40 tokens per rank take a
+// micro-batch each; for interleaved pipeline stages over 2 ranks the step is padded with one empty
+// micro-batch (no documents, no CP group) to 4.
+TEST(DynamicCp, ARanksStepIsPaddedToTheMultipleWithEmptyMicroBatches) {
+    RunConfig run;
+    run.max_seqlen_per_dp_cp_rank = 40;
+    std::vector<MicroBatch> batches;
+    batches.emplace_back(128, 8);
+    for (int d = 0; d < 3; ++d)
+        ASSERT_TRUE(batches[0].add_document(std::vector<int32_t>(30, 7 + d)));
+    for (const int64_t multiple : {1, 2, 4}) {
+        DynamicCpBatches b(run, 40, 8, nullptr, 0, 1, multiple);
+        const DynamicCpBatches::Step step = b.schedule(batches);
+        const size_t want = multiple == 1 ? 3 : 4;
+        ASSERT_EQ(step.micro_batches.size(), want) << "multiple " << multiple;
+        ASSERT_EQ(step.cp_groups.size(), want);
+        for (size_t i = 0; i < want; ++i) {
+            EXPECT_EQ(step.cp_groups[i], nullptr);
+            EXPECT_EQ(step.micro_batches[i]->num_documents, i < 3 ? 1 : 0)
+                << "micro-batch " << i << " of multiple " << multiple;
+        }
+    }
+}
+
 TEST(EpDispatch, OneProcessExchangeMatchesTheLocalComputation) {
     SingleProcessComm comm;
     test::check_ep_exchange(comm);

@@ -791,6 +791,16 @@ TEST(Mpi, PipelineParallelMatchesOneProcess) {
             pipeline_model({"dsa_indexer_topk_freq=1", "use_distributed_optimizer=true"}),
             {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2"},
             "pp2-vpp2xdp2");
+        // Two chunks per rank under dynamic CP over each stage's two ranks (pieces of up to 64
+        // tokens at 40 per rank: groups of one and of two ranks): each rank's step padded with
+        // empty micro-batches to a multiple of the pipeline's 2 ranks, per-token loss on both
+        // sides.
+        expect_pipeline_matches_one_process(
+            pipeline_model({"dsa_indexer_topk_freq=1", "calculate_per_token_loss=true"}),
+            {"pipeline_model_parallel_size=2", "num_virtual_stages_per_pipeline_rank=2",
+             "context_parallel_size=2", "dynamic_context_parallel=true",
+             "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=40"},
+            "pp2-vpp2xdcp2");
     }
     if (W == 8)
         expect_pipeline_matches_one_process(

@@ -223,14 +223,12 @@ void Recipe::validate() {
              ") must be divisible by micro_batch_size x data-parallel size (", per_step, ")");
     check_index_share_pipeline_split(m, pipeline_stage_layers(m, r));
     if (pipeline_virtual_stages(m, r) > 1) {
-        // Megatron's interleaved schedule takes micro-batches in groups of P.
+        // Megatron's interleaved schedule takes micro-batches in groups of P (under dynamic CP
+        // each rank's step is padded with empty micro-batches to such a multiple).
         ST_CHECK(r.microbatches_per_step() % r.pipeline_model_parallel_size == 0,
                  "interleaved virtual pipeline stages need the micro-batches per step (",
                  r.microbatches_per_step(), ") to be a multiple of pipeline_model_parallel_size (",
                  r.pipeline_model_parallel_size, ")");
-        ST_CHECK(!r.dynamic_context_parallel,
-                 "interleaved virtual pipeline stages with dynamic_context_parallel are not built: "
-                 "one stage per pipeline rank under dynamic CP");
     }
     check_implied_sizes(m, r);
     one_of(r.sequence_packing_scheduler, "sequence_packing_scheduler",

@@ -141,9 +141,10 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
     check_host_memory_for_batches(recipe_, step_batches, slots, tp_->max_documents);
     for (int64_t i = 0; i < step_batches; ++i) batches_.emplace_back(slots, tp_->max_documents);
     if (r.dynamic_context_parallel)
-        dynamic_cp_ =
-            std::make_unique<DynamicCpBatches>(r, tp_->group_slots, tp_->group_max_documents,
-                                               groups_.get(), stage_rank(), stage_size());
+        dynamic_cp_ = std::make_unique<DynamicCpBatches>(
+            r, tp_->group_slots, tp_->group_max_documents, groups_.get(), stage_rank(),
+            stage_size(),
+            pipeline_virtual_stages(recipe_.model, r) > 1 ? r.pipeline_model_parallel_size : 1);
     load_or_initialize();
     adopt_run_id();
     engine_->upload_state();

@@ -23,13 +23,17 @@ std::vector<StepSample> step_samples(const std::vector<MicroBatch>& batches) {
 }  // namespace
 
 DynamicCpBatches::DynamicCpBatches(const RunConfig& run, int64_t slots, int64_t max_documents,
-                                   const ProcessGroups* groups, int rank, int ranks)
+                                   const ProcessGroups* groups, int rank, int ranks,
+                                   int64_t multiple)
     : run_(run),
       slots_(slots),
       max_documents_(max_documents),
       groups_(groups),
       rank_(rank),
-      ranks_(ranks) {}
+      ranks_(ranks),
+      multiple_(multiple) {
+    ST_CHECK(multiple_ >= 1, "dynamic CP: micro-batches in multiples of ", multiple_);
+}
 
 MicroBatch& DynamicCpBatches::next_batch(size_t used) {
     if (used == batches_.size())
@@ -72,6 +76,11 @@ DynamicCpBatches::Step DynamicCpBatches::schedule(const std::vector<MicroBatch>&
             out.micro_batches.push_back(&next_batch(out.micro_batches.size()));
             out.cp_groups.push_back(nullptr);
         }
+    }
+    // Empty micro-batches (no documents: no loss, nothing routed) up to the multiple.
+    while (int64_t(out.micro_batches.size()) % multiple_ != 0) {
+        out.micro_batches.push_back(&next_batch(out.micro_batches.size()));
+        out.cp_groups.push_back(nullptr);
     }
     return out;
 }

@@ -20,8 +20,11 @@ class DynamicCpBatches {
   public:
     // Micro-batches of `slots` token slots and `max_documents` documents (the largest group's);
     // `groups`: the layout's communicators (null with one rank), `rank` of `ranks` the stage's.
+    // `multiple`: a rank's micro-batches per step padded with empty ones to a multiple of it
+    // (interleaved pipeline stages take micro-batches in groups of the pipeline's ranks; a
+    // rank's pipeline peers hold its place in their stages, so they pad alike).
     DynamicCpBatches(const RunConfig& run, int64_t slots, int64_t max_documents,
-                     const ProcessGroups* groups, int rank, int ranks);
+                     const ProcessGroups* groups, int rank, int ranks, int64_t multiple = 1);
 
     struct Step {
         std::vector<const MicroBatch*> micro_batches;  // this rank's
@@ -40,6 +43,7 @@ class DynamicCpBatches {
     int64_t slots_, max_documents_;
     const ProcessGroups* groups_;
     int rank_, ranks_;
+    int64_t multiple_;
     std::vector<std::unique_ptr<MicroBatch>> batches_;
 };
 

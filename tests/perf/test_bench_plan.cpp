@@ -29,12 +29,17 @@ rows:
     lengths: [4096, 32768]
     variants: [eager, graph]
   - name: step
+  - name: data
+    variants: [eager, graph]
+    data: true
 )");
     const BenchPlan p = load_bench_plan(path);
     EXPECT_EQ(p.recipe, "recipes/glm5.2-proxy-h200.yaml");
     EXPECT_EQ(p.warmup, 1);
     EXPECT_EQ(p.iters, 4);
-    ASSERT_EQ(p.rows.size(), 2u);
+    ASSERT_EQ(p.rows.size(), 3u);
+    EXPECT_FALSE(p.rows[0].data);
+    EXPECT_TRUE(p.rows[2].data);
     EXPECT_EQ(p.rows[0].name, "backbone");
     EXPECT_EQ(p.rows[0].overrides,
               (std::vector<std::string>{"mtp_num_layers=0", "dsa_indexer_loss_coeff=0"}));
@@ -67,6 +72,8 @@ TEST(BenchPlan, MalformedPlansNameTheField) {
         {"recipe: r.yaml\nrows:\n  - nmae: a\n", "unknown key 'nmae'"},
         {"recipe: r.yaml\nitres: 3\nrows:\n  - name: a\n", "unknown key 'itres'"},
         {"recipe: r.yaml\niters: 0\nrows:\n  - name: a\n", "iters > 0"},
+        {"recipe: r.yaml\nrows:\n  - name: a\n    data: true\n    forward_backward: true\n",
+         "no forward_backward"},
     };
     int i = 0;
     for (const auto& [text, expect] : cases) {

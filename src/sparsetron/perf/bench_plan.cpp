@@ -1,6 +1,7 @@
 #include "sparsetron/perf/bench_plan.h"
 
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
@@ -29,6 +30,15 @@ std::string run_bench_plan(const BenchPlan& plan, const RecipeLoader& load,
             o.iters = plan.iters;
             o.variants = row.variants;
             o.forward_backward_only = row.forward_backward;
+            o.data = row.data;
+            if (row.data) {
+                // A run directory per row, beside `bench --data`'s default.
+                const std::string first = plan.recipe.substr(0, plan.recipe.find(','));
+                o.data_out = (std::filesystem::path("runs") /
+                              cat(std::filesystem::path(first).stem().string(), "-bench-", row.name,
+                                  length > 0 ? cat("-", length) : std::string()))
+                                 .string();
+            }
             const std::vector<BenchResult> results = run_bench(load(sets), o);
             const std::string title = length > 0 ? cat(row.name, " at ", length) : row.name;
             std::printf("== %s\n%s\n", title.c_str(), bench_table(results).c_str());
@@ -37,6 +47,7 @@ std::string run_bench_plan(const BenchPlan& plan, const RecipeLoader& load,
             r["name"] = row.name;
             if (length > 0) r["length"] = length;
             r["overrides"] = sets;
+            if (row.data) r["data"] = true;
             r["results"] = nlohmann::json::array();
             for (const BenchResult& b : results) {
                 BenchResult named = b;

@@ -11,7 +11,10 @@
 //       forward_backward: true                             # no optimizer step (default false)
 //       lengths: [4096, 32768]                             # seq_length per sample (default: the
 //                                                          # recipe's)
-//       variants: [graph]                                  # eager, graph (default graph)
+//       variants: [graph]                                  # eager, local, graph (default
+//                                                          # graph)
+//       data: true        # the trainer's steps over the recipe's own data (bench --data; its
+//                         # run directory runs/<recipe>-bench-<name>), not one document
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,7 @@ struct BenchPlanRow {
     bool forward_backward = false;
     std::vector<int64_t> lengths;  // empty: the recipe's seq_length
     std::vector<std::string> variants{"graph"};
+    bool data = false;
 };
 
 struct BenchPlan {

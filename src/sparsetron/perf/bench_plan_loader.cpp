@@ -59,7 +59,7 @@ BenchPlan load_bench_plan(const std::string& path) {
         const std::string at = cat(path, ": rows[", i, "]");
         ST_CHECK(r.IsMap(), at,
                  ": expected a mapping (name, set, forward_backward, lengths, "
-                 "variants)");
+                 "variants, data)");
         BenchPlanRow row;
         for (const auto& kv : r) {
             const std::string key = kv.first.as<std::string>();
@@ -74,14 +74,18 @@ BenchPlan load_bench_plan(const std::string& path) {
                 row.lengths = list<int64_t>(kv.second, where);
             else if (key == "variants")
                 row.variants = list<std::string>(kv.second, where);
+            else if (key == "data")
+                row.data = scalar<bool>(kv.second, where);
             else
                 throw Error(cat(at, ": unknown key '", key,
-                                "' (name, set, forward_backward, lengths, variants)"));
+                                "' (name, set, forward_backward, lengths, variants, data)"));
         }
         ST_CHECK(!row.name.empty(), at, ": no name");
         for (const std::string& s : row.overrides)
             ST_CHECK(s.find('=') != std::string::npos, at, ".set: '", s, "' is not key=value");
         for (int64_t l : row.lengths) ST_CHECK(l > 0, at, ".lengths: ", l, " is not positive");
+        ST_CHECK(!row.data || !row.forward_backward, at,
+                 ": data times the trainer's whole steps (no forward_backward)");
         for (const std::string& v : row.variants)
             ST_CHECK(v == "eager" || v == "local" || v == "graph", at, ".variants: '", v,
                      "' (eager, local, graph)");

@@ -1,7 +1,6 @@
 // `sparsetron bench`: CUDA-event step times of a recipe's training step on the GPU, variants
 // interleaved in one allocation, audited TFLOPS, memory in use against the plan.
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 
@@ -12,17 +11,6 @@
 #include "sparsetron/runtime/run_setup.h"
 
 namespace sparsetron::cli {
-namespace {
-
-// runs/<the first recipe file's stem>-bench, beside `train`'s runs/<stem>.
-std::string default_bench_data_out(const std::string& recipes) {
-    const std::string first = recipes.substr(0, recipes.find(','));
-    return (std::filesystem::path("runs") /
-            (std::filesystem::path(first).stem().string() + "-bench"))
-        .string();
-}
-
-}  // namespace
 
 Run add_bench(CLI::App& app) {
     struct Options {

@@ -16,7 +16,6 @@
 namespace sparsetron::cli {
 namespace {
 
-// The step's packed micro-batches live in host memory outside the plan (both backends).
 // Interleaved virtual stages on CUDA: the engine does not run them, so neither does its plan.
 void refuse_virtual_stages_on_cuda(const Recipe& recipe, Device device) {
     ST_CHECK(device == Device::CPU || pipeline_virtual_stages(recipe.model, recipe.run) == 1,
@@ -24,6 +23,7 @@ void refuse_virtual_stages_on_cuda(const Recipe& recipe, Device device) {
              "--device cpu");
 }
 
+// The step's packed micro-batches live in host memory outside the plan (both backends).
 void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
     const int64_t count = recipe.run.global_batch_size / recipe.run.micro_batch_size;
     std::printf("step: %lld micro-batches packed in host memory, %s (outside the plan)\n",

@@ -83,6 +83,9 @@ std::vector<BenchResult> run_bench(const Recipe& recipe, const BenchOptions& opt
 // cuda_graph_impl none, graph: full_iteration), each from the data's start. Audited FLOPs of each
 // timed step's documents (the seed's timed window); no checkpoint is written.
 std::vector<BenchResult> run_bench_data(const Recipe& recipe, const BenchOptions& options);
+// Its run directory by default: runs/<the first recipe file's stem>-bench<suffix>, beside
+// `train`'s runs/<stem>.
+std::string default_bench_data_out(const std::string& recipes, const std::string& suffix = "");
 // Loads the recipe under a list of overrides (the recipe file and the YAML reader stay with the
 // caller: they are outside the engine library).
 using RecipeLoader = std::function<Recipe(const std::vector<std::string>& overrides)>;

@@ -1,6 +1,7 @@
 // `sparsetron bench --data`: the trainer's own steps over the recipe's data, timed as `train
 // --timed-window` times them, as bench results.
 #include <algorithm>
+#include <filesystem>
 
 #include "sparsetron/core/device_memory.h"
 #include "sparsetron/perf/bench.h"
@@ -9,6 +10,13 @@
 #include "sparsetron/runtime/trainer.h"
 
 namespace sparsetron {
+
+std::string default_bench_data_out(const std::string& recipes, const std::string& suffix) {
+    const std::string first = recipes.substr(0, recipes.find(','));
+    return (std::filesystem::path("runs") /
+            (std::filesystem::path(first).stem().string() + "-bench" + suffix))
+        .string();
+}
 
 std::vector<BenchResult> run_bench_data(const Recipe& recipe_in, const BenchOptions& o) {
     ST_CHECK(o.iters > 0 && o.warmup >= 0, "bench: --iters must be positive");

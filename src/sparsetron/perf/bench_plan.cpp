@@ -1,7 +1,6 @@
 #include "sparsetron/perf/bench_plan.h"
 
 #include <cstdio>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "sparsetron/core/error.h"
@@ -31,14 +30,9 @@ std::string run_bench_plan(const BenchPlan& plan, const RecipeLoader& load,
             o.variants = row.variants;
             o.forward_backward_only = row.forward_backward;
             o.data = row.data;
-            if (row.data) {
-                // A run directory per row, beside `bench --data`'s default.
-                const std::string first = plan.recipe.substr(0, plan.recipe.find(','));
-                o.data_out = (std::filesystem::path("runs") /
-                              cat(std::filesystem::path(first).stem().string(), "-bench-", row.name,
-                                  length > 0 ? cat("-", length) : std::string()))
-                                 .string();
-            }
+            if (row.data)  // a run directory per row
+                o.data_out = default_bench_data_out(
+                    plan.recipe, cat("-", row.name, length > 0 ? cat("-", length) : std::string()));
             const std::vector<BenchResult> results = run_bench(load(sets), o);
             const std::string title = length > 0 ? cat(row.name, " at ", length) : row.name;
             std::printf("== %s\n%s\n", title.c_str(), bench_table(results).c_str());

@@ -94,8 +94,8 @@ TEST(CudaContextParallel, DynamicCpWithAndWithoutExpertParallelismMatchesOneGpu)
 // device collectives go through the host, which a graph cannot hold; two GPUs:
 // DataParallelGpu.DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph): the same losses and
 // gradient norms at every step, graphs replayed from the second step on (the first warms them
-// up). micro_batch_size 4 leaves 2 staging slots for the step's 8 x 256 tokens in groups of at
-// most 256: every step takes several rounds.
+// up). micro_batch_size 4 leaves 2 staging slots for the step's 2048 tokens (samples of up to
+// 668) in groups of at most 768 tokens, 3 or more a step: every step takes two rounds.
 TEST(CudaContextParallel, DynamicCpStepGraphsMatchEager) {
     REQUIRE_GPU();
     std::vector<std::string> dyn = {"calculate_per_token_loss=true",
@@ -103,7 +103,7 @@ TEST(CudaContextParallel, DynamicCpStepGraphsMatchEager) {
                                     "micro_batch_size=4",
                                     "dynamic_context_parallel=true",
                                     "sequence_packing_scheduler=default_dynamic_cp",
-                                    "max_seqlen_per_dp_cp_rank=256"};
+                                    "max_seqlen_per_dp_cp_rank=768"};
     const Recipe er = trainer_recipe(1, dyn);
     ASSERT_EQ(er.run.microbatches_per_step(), 2);
     const auto eager = train(er, {temp_dir("dcp-eager"), "", Device::CUDA, false, nullptr});

@@ -338,18 +338,17 @@ TEST(IndexShare, PipelineStagesStartOnFullLayers) {
     EXPECT_NO_THROW(check_index_share_pipeline_split(m, {3, 5}));
 }
 
-// Megatron's gradient-buffer keys: fp32 accumulation and reduction (the default, Megatron's for
-// bf16) is accepted; bf16 buffers are not built and are refused with a message, never ignored.
-TEST(Recipe, GradientBufferKeysAreFp32OrRefused) {
-    EXPECT_NO_THROW(load_recipe("", {"accumulate_allreduce_grads_in_fp32=true"}));
-    EXPECT_NE(error_of([] {
-                  load_recipe("", {"grad_reduce_in_bf16=true"});
-              }).find("grad_reduce_in_bf16: true (bf16 gradient buffers) is not implemented"),
-              std::string::npos);
-    EXPECT_NE(error_of([] {
-                  load_recipe("", {"accumulate_allreduce_grads_in_fp32=false"});
-              }).find("the engine's gradients are fp32"),
-              std::string::npos);
+// Megatron's gradient-buffer keys with Megatron's rules for bf16 training: fp32 accumulation and
+// reduction by default; grad_reduce_in_bf16 asks for bf16 buffers (the CUDA plan's gradients,
+// Plan.Bf16GradientBuffersHalveTheGemmWeightsGradients); accumulate_allreduce_grads_in_fp32:
+// false alone stays fp32, as Megatron sets it back.
+TEST(Recipe, GradientBufferKeysFollowMegatron) {
+    const Recipe plain = load_recipe("", {});
+    EXPECT_TRUE(plain.run.accumulate_allreduce_grads_in_fp32);
+    EXPECT_FALSE(plain.run.grad_reduce_in_bf16);
+    EXPECT_TRUE(load_recipe("", {"grad_reduce_in_bf16=true"}).run.grad_reduce_in_bf16);
+    EXPECT_FALSE(
+        load_recipe("", {"accumulate_allreduce_grads_in_fp32=false"}).run.grad_reduce_in_bf16);
 }
 
 // The CUDA graph keys as Megatron spells them: local (chunk-wise), full_iteration, the warm-up

@@ -173,6 +173,15 @@ class ThreadComm final : public Comm {
     void device_allreduce_sum(int64_t* x, int64_t n, void* stream) override {
         on_host(x, n, stream, [&](int64_t* h) { reduce(h, n, sum_op<int64_t>); });
     }
+    // Summed in fp32 in rank order, rounded to bf16 once.
+    void device_allreduce_sum_bf16(void* x, int64_t n, void* stream) override {
+        on_host(static_cast<bf16*>(x), n, stream, [&](bf16* h) {
+            std::vector<float> f(static_cast<size_t>(n));
+            for (int64_t i = 0; i < n; ++i) f[size_t(i)] = bf16_to_float(h[i]);
+            allreduce_sum(f.data(), n);
+            for (int64_t i = 0; i < n; ++i) h[i] = float_to_bf16(f[size_t(i)]);
+        });
+    }
     void device_allreduce_max(int32_t* x, int64_t n, void* stream) override {
         on_host(x, n, stream, [&](int32_t* h) {
             reduce(h, n, [](int32_t a, int32_t b) { return std::max(a, b); });

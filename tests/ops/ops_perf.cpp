@@ -698,7 +698,7 @@ TEST_F(CudaOpsPerf, MuonGatherAndNormalize) {
     std::vector<cuda::MuonDeviceProblem> table;
     for (int64_t e = 0; e < E; ++e)
         table.push_back(
-            {g->get() + e * n, m->get() + e * n, nullptr, nullptr, 0, rows, rows, 0, 0});
+            {g->get() + e * n, m->get() + e * n, nullptr, nullptr, 0, rows, rows, 0, 0, nullptr});
     DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
     copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
     const auto* dt = reinterpret_cast<const cuda::MuonDeviceProblem*>(dtable.get());

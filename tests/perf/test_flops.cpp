@@ -13,6 +13,9 @@
 #include "sparsetron/config/pipeline_split.h"
 #include "sparsetron/config/recipe_loader.h"
 #include "sparsetron/core/plan_growth.h"
+#if SPARSETRON_WITH_CUDA
+#include "sparsetron/model/cuda/cuda_common.h"
+#endif
 #include "sparsetron/model/moe_stash_bound.h"
 #include "sparsetron/parallel/layout/layout.h"
 #include "sparsetron/perf/flops.h"
@@ -815,6 +818,56 @@ TEST(Plan, OptimizerOffloadPlansMastersAndStateInHostMemory) {
               << format_bytes(double(all.total_bytes())) << " on the device (from "
               << format_bytes(double(base.total_bytes())) << "), "
               << format_bytes(double(all.host_offload_bytes())) << " in host memory\n";
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
+// grad_reduce_in_bf16 (planned without a GPU): on the proxy, the gradients of the weights that
+// only GEMMs write (attention and indexer projections, dense, shared and routed experts, eh_proj,
+// the output layer) are bf16 buffers, 2 bytes an element; the embedding's, the router's and the
+// norms' stay fp32; without the key every gradient is fp32. The class shrinks by the sum of its
+// entries' halves and nothing else changes; on the 4-layer proxy the embedding's fp32 gradient
+// is a sixth of the gradients, so they shrink to under 60% (a 78-layer model's, to about half).
+TEST(Plan, Bf16GradientBuffersHalveTheGemmWeightsGradients) {
+#if SPARSETRON_WITH_CUDA
+    const MemoryPlan fp32 = proxy_device_plan({});
+    const MemoryPlan half = proxy_device_plan({"grad_reduce_in_bf16=true"});
+    std::map<std::string, DType> type;
+    size_t expected = 0;
+    for (const PlanEntry& e : fp32.entries()) {
+        if (e.cls != MemClass::Gradients) continue;
+        EXPECT_EQ(e.dtype, DType::F32) << e.name;
+        ASSERT_EQ(e.name.substr(e.name.size() - 5), ".grad");
+        const std::string param = e.name.substr(0, e.name.size() - 5);
+        const bool b = cuda::bf16_gradient_allowed(param);
+        type[e.name] = b ? DType::BF16 : DType::F32;
+        expected += b ? e.bytes / 2 : e.bytes;
+    }
+    size_t seen = 0;
+    for (const PlanEntry& e : half.entries()) {
+        if (e.cls != MemClass::Gradients) continue;
+        ASSERT_TRUE(type.count(e.name)) << e.name;
+        EXPECT_EQ(e.dtype, type[e.name]) << e.name;
+        ++seen;
+    }
+    EXPECT_EQ(seen, type.size());
+    // The rule on names of each kind.
+    EXPECT_EQ(type.at("model.embed_tokens.weight.grad"), DType::F32);
+    EXPECT_EQ(type.at("model.norm.weight.grad"), DType::F32);
+    EXPECT_EQ(type.at("model.layers.3.mlp.gate.weight.grad"), DType::F32);  // the router
+    EXPECT_EQ(type.at("model.layers.3.self_attn.q_b_proj.weight.grad"), DType::BF16);
+    EXPECT_EQ(type.at("model.layers.3.mlp.experts.0.down_proj.weight.grad"), DType::BF16);
+    EXPECT_EQ(type.at("lm_head.weight.grad"), DType::BF16);
+    const size_t before = fp32.class_bytes(MemClass::Gradients),
+                 after = half.class_bytes(MemClass::Gradients);
+    // The class's arena adds alignment between entries: the sum of the entries, within 1%.
+    EXPECT_NEAR(double(after), double(expected), 0.01 * double(expected));
+    EXPECT_LT(double(after), 0.6 * double(before));
+    for (const MemClass c : {MemClass::Parameters, MemClass::OptimizerState, MemClass::Activations})
+        EXPECT_EQ(half.class_bytes(c), fp32.class_bytes(c));
+    std::cout << "[plan] proxy gradients: " << format_bytes(double(before)) << " fp32, "
+              << format_bytes(double(after)) << " with grad_reduce_in_bf16\n";
 #else
     GTEST_SKIP() << "built without CUDA: no device plan";
 #endif

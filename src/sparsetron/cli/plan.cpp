@@ -47,10 +47,12 @@ void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
         size_t total = 0;
         const std::string table = format_cuda_plan(
             recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage, optimizer_rank);
-        std::printf(
-            "device memory plan for %s (per GPU; bf16 activations and weight copies, fp32 "
-            "masters, gradients and optimizer state)\n",
-            recipe.name.c_str());
+        std::printf("device memory plan for %s (per GPU; bf16 activations and weight copies, %s)\n",
+                    recipe.name.c_str(),
+                    recipe.run.grad_reduce_in_bf16
+                        ? "fp32 masters and optimizer state, bf16 gradients of the GEMMs' "
+                          "weights (grad_reduce_in_bf16)"
+                        : "fp32 masters, gradients and optimizer state");
         std::printf(
             "micro-batch: %lld token slots, at most %lld documents; loss chunk %lld "
             "rows\n\n%s",

@@ -111,9 +111,11 @@ struct RunConfig {
     // Data-parallel ranks split the optimizer's work: each updates the parameters it owns (whole
     // matrices for Muon), then every parameter is broadcast from its owner.
     bool use_distributed_optimizer = false;
-    // Megatron's gradient buffer keys. The engine's gradient buffers are fp32, accumulated over
-    // micro-batches and reduced in fp32 (Megatron's behaviour for bf16 training); bf16 buffers
-    // (grad_reduce_in_bf16) are not built yet, and either key asking for them is refused.
+    // Megatron's gradient buffer keys, with Megatron's rules for bf16 training: gradients
+    // accumulate over micro-batches and reduce in fp32, unless grad_reduce_in_bf16 (CUDA: bf16
+    // gradient buffers for the weights GEMMs write, cuda::bf16_gradient_allowed; the CPU backend
+    // stays fp32, the parity reference). accumulate_allreduce_grads_in_fp32: false alone is set
+    // back to fp32, as Megatron does when the main gradients are fp32.
     bool accumulate_allreduce_grads_in_fp32 = true;
     bool grad_reduce_in_bf16 = false;
     // CUDA: that fraction (by bytes) of the fp32 masters this rank updates, each with its

@@ -237,14 +237,6 @@ void Recipe::validate() {
              "dynamic_context_parallel needs calculate_per_token_loss: true (as Megatron requires: "
              "a micro-batch's mean would depend on how its documents were grouped)");
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
-    ST_CHECK(!r.grad_reduce_in_bf16,
-             "grad_reduce_in_bf16: true (bf16 gradient buffers) is not implemented: gradients "
-             "accumulate and reduce in fp32, Megatron's default for bf16 training; drop the key "
-             "(the seed's recipes fit without it: docs/recipes.md)");
-    ST_CHECK(r.accumulate_allreduce_grads_in_fp32,
-             "accumulate_allreduce_grads_in_fp32: false asks for gradient buffers in the "
-             "parameters' precision, which Megatron sets back to true for bf16 training unless "
-             "grad_reduce_in_bf16; the engine's gradients are fp32: drop the key");
     ST_CHECK(!r.fp8_param_gather || r.use_distributed_optimizer,
              "fp8_param_gather needs use_distributed_optimizer: true (as in Megatron: the FP8 "
              "weights are gathered from the ranks that own their masters)");

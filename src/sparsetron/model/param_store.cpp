@@ -18,7 +18,8 @@ int64_t ParamStore::push(ParamInfo p) {
     ST_ASSERT(index_of(p.name) < 0, "parameter '", p.name, "' registered twice");
     if (plan_values_) p.param_slot = plan_.add(MemClass::Parameters, p.name, dtype_, p.shape);
     if (p.trainable)
-        p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad", dtype_, p.shape);
+        p.grad_slot = plan_.add(MemClass::Gradients, p.name + ".grad",
+                                p.grad_bf16 ? DType::BF16 : dtype_, p.shape);
     index_.emplace(p.name, int64_t(params_.size()));
     params_.push_back(std::move(p));
     return static_cast<int64_t>(params_.size()) - 1;
@@ -51,9 +52,10 @@ int64_t ParamStore::add_buffer(std::string name, std::vector<int64_t> shape, Ini
     return push(std::move(p));
 }
 
-int64_t ParamStore::add_like(const ParamInfo& other) {
+int64_t ParamStore::add_like(const ParamInfo& other, bool grad_bf16) {
     ParamInfo p = other;
     p.param_slot = p.grad_slot = -1;
+    p.grad_bf16 = grad_bf16 && p.trainable;
     return push(std::move(p));
 }
 

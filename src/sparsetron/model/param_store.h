@@ -32,6 +32,9 @@ struct ParamInfo {
     // take the same update; it counts once in the gradient norm and is saved once.
     bool pipeline_copy = false;
     InitRule init = InitRule::Normal;
+    // Its gradient planned in bf16 instead of the store's type (the CUDA model's bf16 gradient
+    // buffers, grad_reduce_in_bf16).
+    bool grad_bf16 = false;
     MemoryPlan::Slot param_slot = -1;
     MemoryPlan::Slot grad_slot = -1;  // -1 for buffers
     int64_t numel() const;
@@ -55,8 +58,9 @@ class ParamStore {
     void mark_pipeline_copy(int64_t index);
     int64_t size() const { return int64_t(params_.size()); }
     // A copy of another store's entry (same name, shape, group, flags) planned in this store's
-    // plan: how a second backend's model gets the identical parameter table.
-    int64_t add_like(const ParamInfo& other);
+    // plan: how a second backend's model gets the identical parameter table; its gradient in
+    // bf16 when `grad_bf16`.
+    int64_t add_like(const ParamInfo& other, bool grad_bf16 = false);
     // The value slot of parameter i, planned now (a store made without `plan_values`), in class
     // `where` (HostOffload: pinned host memory the device reads and writes).
     void plan_value(int64_t i, MemClass where = MemClass::Parameters);

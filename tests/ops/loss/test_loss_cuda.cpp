@@ -92,9 +92,30 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
     std::vector<float> dw_delta = dw.download(), dwr_delta = dwr;
     for (int64_t i = 0; i < vocab * dim; ++i) dw_delta[i] -= dw0[i], dwr_delta[i] -= dw0[i];
     expect_close("head dw (increment)", dw_delta, dwr_delta, kBf16Tol);
+    // Into a bf16 gradient (bf16 gradient buffers): the same sum added to it, rounded to bf16.
+    std::vector<bf16> dw0_16(dw0.size());
+    for (size_t i = 0; i < dw0.size(); ++i) dw0_16[i] = float_to_bf16(dw0[i]);
+    DeviceArray<bf16> dw16(dw0_16);
+    cuda::head_cross_entropy(ctx,
+                             {.h = h.dev,
+                              .rows = rows,
+                              .dim = dim,
+                              .w = w.dev,
+                              .vocab = vocab,
+                              .targets = dtgt,
+                              .chunk_rows = chunk,
+                              .logits_ws = logits,
+                              .dlogits_ws = dlogits,
+                              .dlogits_rows = dlogits_rows,
+                              .grad_scale = gs,
+                              .dw_type = DType::BF16},
+                             row_loss, nullptr, dw16);
+    session.synchronize();
+    expect_close("head dw (bf16 gradient)", download_f(dw16), dwr, 4e-3);
     expect_guard(dlogits, "head dlogits");
     expect_guard(dh, "head dh");
     expect_guard(dw, "head dw");
+    expect_guard(dw16, "head dw (bf16)");
 }
 }  // namespace
 

@@ -197,7 +197,8 @@ namespace {
 // Every form of the grouped GEMM the plan supports for the shape (the dispatch's choice; each of
 // supported_grouped_gemm_forms; on sm_90a also the wgmma kernel on four blocks, so every block
 // walks many tiles) against per-expert CPU GEMMs, each kind, partial tiles; the weight gradient
-// written over NaN (an empty expert: zeros), then added to (twice the product).
+// written over NaN (an empty expert: zeros), then added to (twice the product), into an fp32
+// gradient and into a bf16 one (bf16 gradient buffers: each result within bf16 rounding).
 void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector<int32_t>& off,
                              int64_t n, int64_t kk) {
     const ExecContext& ctx = session.ctx();
@@ -222,7 +223,7 @@ void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector
     std::vector<float> dwr2 = dwr;
     for (float& v : dwr2) v *= 2.f;
     using K2 = cuda::GroupedGemm;
-    using GemmForm = std::function<void(K2, const bf16*, const bf16*, void*, bool)>;
+    using GemmForm = std::function<void(K2, const bf16*, const bf16*, void*, bool, DType)>;
     std::vector<std::pair<std::string, GemmForm>> forms;
     // Every form the plan supports for this shape (grouped_gemm_plan.h), the planned one first.
     const cuda::GroupedGemmShape shape{n, kk, 0, true, cuda::has_sm90a()};
@@ -231,34 +232,45 @@ void grouped_gemm_every_form(const cuda::CudaSession& session, const std::vector
               cuda::has_sm90a() ? cuda::GroupedGemmForm::Wgmma : cuda::GroupedGemmForm::Wmma);
     forms.emplace_back(
         cat("grouped_gemm (planned: ", cuda::form_name(planned), ")"),
-        [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-            cuda::grouped_gemm(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
+        [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc, DType t) {
+            cuda::grouped_gemm(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc, t});
         });
     for (cuda::GroupedGemmForm f : cuda::supported_grouped_gemm_forms(shape))
-        forms.emplace_back(
-            cuda::form_name(f), [&, f](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-                cuda::grouped_gemm(ctx, f, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc});
-            });
+        forms.emplace_back(cuda::form_name(f), [&, f](K2 kind, const bf16* a, const bf16* b,
+                                                      void* c, bool acc, DType t) {
+            cuda::grouped_gemm(ctx, f, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc, t});
+        });
     if (cuda::has_sm90a())
-        forms.emplace_back("Wgmma on 4 blocks",
-                           [&](K2 kind, const bf16* a, const bf16* b, void* c, bool acc) {
-                               cuda::grouped_gemm_wgmma(
-                                   ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc}, 4);
-                           });
+        forms.emplace_back("Wgmma on 4 blocks", [&](K2 kind, const bf16* a, const bf16* b, void* c,
+                                                    bool acc, DType t) {
+            cuda::grouped_gemm_wgmma(ctx, {kind, doff, E, max_rows, cap, n, kk, a, b, c, 0, acc, t},
+                                     4);
+        });
     for (const auto& [name, run] : forms) {
         DeviceArray<bf16> y(R * n), dx(R * kk);
         DeviceArray<float> dw(
             std::vector<float>(E * n * kk, std::numeric_limits<float>::quiet_NaN()));
-        run(K2::RowsTimesWeightT, x.dev, w.dev, static_cast<bf16*>(y), false);
-        run(K2::RowsTimesWeight, dy.dev, w.dev, static_cast<bf16*>(dx), false);
-        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), false);
+        const DType F32 = DType::F32, BF = DType::BF16;
+        run(K2::RowsTimesWeightT, x.dev, w.dev, static_cast<bf16*>(y), false, F32);
+        run(K2::RowsTimesWeight, dy.dev, w.dev, static_cast<bf16*>(dx), false, F32);
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), false, F32);
         session.synchronize();
         expect_close(name + ": x W^T", download_f(y), yr, kBf16Tol);
         expect_close(name + ": dy W", download_f(dx), dxr, kBf16Tol);
         expect_close(name + ": weight grad (=, over NaN)", dw.download(), dwr, 1e-5);
-        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), true);
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<float*>(dw), true, F32);
         session.synchronize();
         expect_close(name + ": weight grad (+=)", dw.download(), dwr2, 1e-5);
+        // A bf16 gradient: one rounding of the fp32 sum (=), two with the addition (+=).
+        DeviceArray<bf16> dw16(std::vector<bf16>(
+            size_t(E * n * kk), float_to_bf16(std::numeric_limits<float>::quiet_NaN())));
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<bf16*>(dw16), false, BF);
+        session.synchronize();
+        expect_close(name + ": bf16 weight grad (=, over NaN)", download_f(dw16), dwr, 3e-3);
+        run(K2::WeightGrad, dy.dev, x.dev, static_cast<bf16*>(dw16), true, BF);
+        session.synchronize();
+        expect_close(name + ": bf16 weight grad (+=)", download_f(dw16), dwr2, 4e-3);
+        expect_guard(dw16, name + " bf16 dw");
     }
 }
 }  // namespace

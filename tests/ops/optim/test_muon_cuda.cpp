@@ -80,8 +80,8 @@ void gathered_normalize(cuda::CudaSession& session, const float* x, int64_t coun
     const int64_t n = rows * cols;
     std::vector<cuda::MuonDeviceProblem> table;
     for (int64_t p = 0; p < count; ++p)
-        table.push_back(
-            {nullptr, const_cast<float*>(x) + p * n, nullptr, nullptr, 0, rows, rows, 0, 0});
+        table.push_back({nullptr, const_cast<float*>(x) + p * n, nullptr, nullptr, 0, rows, rows, 0,
+                         0, nullptr});
     DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
     copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));
     DeviceArray<float> stack(count * n), ws(cuda::muon_gathered_norm_floats(count, rows, cols));
@@ -209,7 +209,7 @@ double run_case(const ExecContext& ctx, cuda::CudaSession& session, DType elem, 
         for (const MuonProblem& q : b.problems)
             table.push_back({g[q.param]->get(), m[q.param]->get(), w[q.param]->get(),
                              wb[q.param]->get(), q.row0, q.seg_rows, q.seg_stride,
-                             ps[q.param].group, decays(size_t(q.param)) ? 1 : 0});
+                             ps[q.param].group, decays(size_t(q.param)) ? 1 : 0, nullptr});
         stack = std::max(stack, b.elements());
         squares = std::max(squares, b.count() * b.rr() * b.rr());
         norms = std::max(norms, cuda::muon_gathered_norm_floats(b.count(), b.rows, b.cols));
@@ -373,7 +373,7 @@ TEST(MuonCuda, GatheredNormsMatchCpuInBothOrientations) {
             g.push_back(std::make_unique<DeviceArray<float>>(hg.back()));
             m.push_back(std::make_unique<DeviceArray<float>>(hm.back()));
             table.push_back(
-                {g.back()->get(), m.back()->get(), nullptr, nullptr, 0, rows, rows, 0, 0});
+                {g.back()->get(), m.back()->get(), nullptr, nullptr, 0, rows, rows, 0, 0, nullptr});
         }
         DeviceArray<int64_t> dtable(int64_t(table.size() * sizeof(table[0]) / 8));
         copy_to_device(dtable.get(), table.data(), table.size() * sizeof(table[0]));

@@ -183,14 +183,28 @@ struct CudaParam {
     // this rank's rows.
     float* master = nullptr;
     int64_t first = 0, held = 0;
-    float* grad = nullptr;  // fp32 gradient (null for buffers)
-    bf16* w = nullptr;      // bf16 copy the kernels read (null when none does: FP8 weights)
+    // The gradient: fp32 in `grad`, or under bf16 gradient buffers (grad_reduce_in_bf16) for
+    // the weights GEMMs write, bf16 in `grad16`; both null for buffers.
+    float* grad = nullptr;
+    bf16* grad16 = nullptr;
+    bf16* w = nullptr;  // bf16 copy the kernels read (null when none does: FP8 weights)
     // The FP8 copy the distributed optimizer gathers (fp8_param_gather): the owner quantizes its
     // master into it after each update and broadcasts it. Null otherwise (an FP8 copy quantized
     // from a master every rank keeps, or none).
     const Fp8Copy* fp8 = nullptr;
     int64_t numel = 0;
+    bool has_grad() const { return grad || grad16; }
+    // The gradient as a GEMM's output: its address and type.
+    void* grad_out() const { return grad16 ? static_cast<void*>(grad16) : grad; }
+    DType grad_type() const { return grad16 ? DType::BF16 : DType::F32; }
+    int64_t grad_bytes() const { return numel * (grad16 ? 2 : 4); }
 };
+
+// Whether parameter `name`'s gradient can be a bf16 buffer: the weights only GEMMs write (they
+// add into bf16 with an fp32 sum, as Megatron's fused weight-gradient accumulation does). The
+// embedding (atomic row adds), the router (an fp32 GEMM) and the norms (sums of fp32 partials)
+// keep fp32 gradients.
+bool bf16_gradient_allowed(const std::string& name);
 
 // One handle per ParamStore entry.
 class CudaParams {
@@ -244,8 +258,8 @@ class CudaParams {
     // For a writer whose output covers the whole gradient (a GEMM's beta): 0 for the step's first
     // write (overwrite), 1 after it (add).
     float grad_beta(int64_t i) const;
-    // For a writer that can only add (scatter, reductions, grouped expert GEMMs): the gradient,
-    // zeroed first if this is the step's first write of it.
+    // For a writer that can only add (scatter, reductions): the fp32 gradient, zeroed first if
+    // this is the step's first write of it.
     float* grad_to_add(const ExecContext& ctx, int64_t i) const;
     void finish_gradients(const ExecContext& ctx) const;
 

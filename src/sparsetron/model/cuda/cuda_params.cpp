@@ -1,4 +1,6 @@
 #include "sparsetron/model/cuda/cuda_common.h"
+
+#include <cstring>
 #include "sparsetron/ops/copy/copy.h"
 
 namespace sparsetron::cuda {
@@ -36,7 +38,10 @@ void CudaParams::bind(const MemoryPlan& plan) {
         const ParamInfo& p = store_.params()[i];
         CudaParam g;
         g.master = p.param_slot < 0 ? nullptr : plan.view(p.param_slot).ptr<float>();
-        g.grad = p.grad_slot < 0 ? nullptr : plan.view(p.grad_slot).ptr<float>();
+        if (p.grad_slot >= 0 && p.grad_bf16)
+            g.grad16 = plan.view(p.grad_slot).ptr<bf16>();
+        else if (p.grad_slot >= 0)
+            g.grad = plan.view(p.grad_slot).ptr<float>();
         g.w = bf16_slots_[i] < 0 ? nullptr : plan.view(bf16_slots_[i]).ptr<bf16>();
         g.numel = p.numel();
         g.held = g.master ? g.numel : 0;
@@ -50,6 +55,20 @@ void CudaParams::bind(const MemoryPlan& plan) {
     written_.assign(all_.size(), 0);
     written_before_.assign(all_.size(), 0);
     zeroed_.assign(all_.size(), 0);
+}
+
+bool bf16_gradient_allowed(const std::string& name) {
+    static const char* const kGemmWritten[] = {
+        "q_a_proj.weight",  "q_b_proj.weight",     "kv_a_proj_with_mqa.weight",
+        "kv_b_proj.weight", "o_proj.weight",       "wq_b.weight",
+        "wk.weight",        "weights_proj.weight", "gate_proj.weight",
+        "up_proj.weight",   "down_proj.weight",    "eh_proj.weight",
+        "lm_head.weight"};
+    for (const char* end : kGemmWritten) {
+        const size_t n = std::strlen(end);
+        if (name.size() >= n && name.compare(name.size() - n, n, end) == 0) return true;
+    }
+    return false;
 }
 
 int64_t CudaParams::index(const std::string& name) const {
@@ -71,19 +90,19 @@ void CudaParams::begin_gradients(const ExecContext& ctx, bool accumulate_only) c
     written_before_ = written_;
     for (size_t i = 0; i < all_.size(); ++i) {
         written_[i] = zeroed_[i] = 0;
-        if (accumulate_only && all_[i].grad) {
+        if (accumulate_only && all_[i].has_grad()) {
             zero_grad(ctx, i);
             written_[i] = 1;
             continue;
         }
         // Not written last step (every gradient before the first step; a frozen part): zeroed
         // here, before any reduction of the step's gradients can read it.
-        if (all_[i].grad && !written_before_[i]) zero_grad(ctx, i);
+        if (all_[i].has_grad() && !written_before_[i]) zero_grad(ctx, i);
     }
 }
 
 float CudaParams::grad_beta(int64_t i) const {
-    ST_ASSERT(all_[size_t(i)].grad, "grad_beta: '", store_.params()[size_t(i)].name,
+    ST_ASSERT(all_[size_t(i)].has_grad(), "grad_beta: '", store_.params()[size_t(i)].name,
               "' has no gradient");
     const bool first = !written_[size_t(i)];
     written_[size_t(i)] = 1;
@@ -92,7 +111,7 @@ float CudaParams::grad_beta(int64_t i) const {
 
 float* CudaParams::grad_to_add(const ExecContext& ctx, int64_t i) const {
     ST_ASSERT(all_[size_t(i)].grad, "grad_to_add: '", store_.params()[size_t(i)].name,
-              "' has no gradient");
+              "' has no fp32 gradient (a bf16 gradient buffer is only written by GEMMs)");
     if (!written_[size_t(i)] && !zeroed_[size_t(i)]) zero_grad(ctx, size_t(i));
     written_[size_t(i)] = 1;
     return all_[size_t(i)].grad;
@@ -100,11 +119,11 @@ float* CudaParams::grad_to_add(const ExecContext& ctx, int64_t i) const {
 
 void CudaParams::finish_gradients(const ExecContext& ctx) const {
     for (size_t i = 0; i < all_.size(); ++i)
-        if (all_[i].grad && !written_[i] && !zeroed_[i]) zero_grad(ctx, i);
+        if (all_[i].has_grad() && !written_[i] && !zeroed_[i]) zero_grad(ctx, i);
 }
 
 void CudaParams::zero_grad(const ExecContext& ctx, size_t i) const {
-    cuda::zero(ctx, all_[i].grad, all_[i].numel * int64_t(sizeof(float)));
+    cuda::zero(ctx, all_[i].grad_out(), all_[i].grad_bytes());
     zeroed_[i] = 1;
 }
 

@@ -153,21 +153,21 @@ void CudaDsaIndexer::loss(const ExecContext& ctx, const Acts& A, const bf16* a, 
     if (cp_) {
         cp_reduce_key_grads(ctx, in, keys_f32_, dI_, cp_xfer_, dk32_);
     }
-    const auto BF = DType::BF16, F32 = DType::F32;
+    const auto BF = DType::BF16;
     cuda::f32_to_bf16(ctx, dw32_, dwb_, Tn * HI_);
-    gemm(ctx, true, false, HI_, h_, Tn, wscale_, dwb_, HI_, a, h_, P_.grad_beta(ww_), P_[ww_].grad,
-         h_, BF, F32);
+    gemm(ctx, true, false, HI_, h_, Tn, wscale_, dwb_, HI_, a, h_, P_.grad_beta(ww_),
+         P_[ww_].grad_out(), h_, BF, P_[ww_].grad_type());
     cuda::rope(ctx, dq_, Tn, HI_, dr_, HI_ * dI_, dI_, in.positions, c_.rotary_base,
                c_.dsa_indexer_rope_interleaved, true);
     gemm(ctx, true, false, HI_ * dI_, qr_, Tn, 1.f, dq_, HI_ * dI_, cq, qr_, P_.grad_beta(wq_),
-         P_[wq_].grad, qr_, BF, F32);
+         P_[wq_].grad_out(), qr_, BF, P_[wq_].grad_type());
     cuda::f32_to_bf16(ctx, dk32_, dk_, Tn * dI_);
     cuda::rope(ctx, dk_, Tn, 1, dr_, dI_, 0, in.positions, c_.rotary_base,
                c_.dsa_indexer_rope_interleaved, true);
     cuda::layernorm_backward(ctx, dk_, A.k_raw, P_[knw_].w, A.mean, A.rstd, Tn, dI_, dkraw_,
                              P_.grad_to_add(ctx, knw_), P_.grad_to_add(ctx, knb_), S_.norm_ws);
-    gemm(ctx, true, false, dI_, h_, Tn, 1.f, dkraw_, dI_, a, h_, P_.grad_beta(wk_), P_[wk_].grad,
-         h_, BF, F32);
+    gemm(ctx, true, false, dI_, h_, Tn, 1.f, dkraw_, dI_, a, h_, P_.grad_beta(wk_),
+         P_[wk_].grad_out(), h_, BF, P_[wk_].grad_type());
 }
 
 void CudaDsaIndexer::block_loss(const ExecContext& ctx, const Acts& A, const CudaInputs& in,

@@ -178,8 +178,14 @@ void Fp8Weights::wgrad_quantized(const ExecContext& ctx, int i, const bf16* dy) 
               " columns, the weight takes ", c.cols);
     cuda::quantize_fp8_1x128_columns(ctx, dy, T_, c.rows, c.rows, kFp8Pow2Scales, qa_, sa_);
     a_cols_ = -1;
-    cuda::gemm_fp8_blockwise(ctx, c.rows, c.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
-                             P_[w.param].grad, c.cols, P_.grad_beta(w.param) != 0.f);
+    const CudaParam& g = P_[w.param];
+    const bool add = P_.grad_beta(w.param) != 0.f;
+    if (g.grad16)
+        cuda::gemm_fp8_blockwise(ctx, c.rows, c.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
+                                 g.grad16, c.cols, add);
+    else
+        cuda::gemm_fp8_blockwise(ctx, c.rows, c.cols, T_, {qa_, sa_, false}, {qb_, sb_, false},
+                                 g.grad, c.cols, add);
 }
 
 void Fp8Weights::forward(const ExecContext& ctx, int i, const bf16* x, bf16* y, int64_t ldy,

@@ -36,7 +36,8 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
              host_store.params().size(), " parameters");
     // The masters are planned last, once the modules have said which they read.
     store_ = std::make_unique<ParamStore>(plan, DType::F32, /*plan_values=*/false);
-    for (const auto& p : host_store.params()) store_->add_like(p);
+    for (const auto& p : host_store.params())
+        store_->add_like(p, masters.bf16_gradients && bf16_gradient_allowed(p.name));
     P_ = std::make_unique<CudaParams>(*store_);
     const int64_t h = cfg.hidden_size, Tn = tokens, V = cfg.vocab_size;
     const int64_t maxdim =
@@ -480,7 +481,7 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
                                  head_loss(h_final_, in_.targets, in_.loss_scales,
                                            sc.backward ? P_->grad_beta(head_) : 1.f),
                                  row_loss_, sc.backward ? dh_ : nullptr,
-                                 sc.backward ? (*P_)[head_].grad : nullptr);
+                                 sc.backward ? (*P_)[head_].grad_out() : nullptr);
         cuda::loss_sum(ctx, row_loss_, in_.targets, Tn, sums_);
         if (D_ > 0) mtp_forward(ctx, sc, off);
     };
@@ -610,7 +611,8 @@ cuda::HeadLoss CudaGlm5Model::head_loss(const bf16* h, const int32_t* targets, c
             .dlogits_rows = cuda::head_dlogits_rows(T_, chunk_rows_, cfg_.hidden_size),
             .grad_scale = 1.f,
             .grad_scale_dev = scale,
-            .dw_beta = dw_beta};
+            .dw_beta = dw_beta,
+            .dw_type = (*P_)[head_].grad_type()};
 }
 
 void CudaGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
@@ -636,7 +638,7 @@ void CudaGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,
         return;
     }
     for (int64_t k = 0; k < D_; ++k) {
-        float* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad : nullptr;
+        void* dw = sc.backward && !c.mtp_detach_heads ? (*P_)[head_].grad_out() : nullptr;
         mtp_head_norm(ctx, k, 0, Tn);
         cuda::head_cross_entropy(ctx,
                                  head_loss(mtp_hz_, mtp_[k]->targets, in_.loss_scales + 2 + k,
@@ -744,7 +746,8 @@ void CudaGlm5Model::mtp_backward(const ExecContext& ctx, ActivationOffload* off)
             gemm(ctx, false, false, Tn, 2 * h, h, 1.f, dmtp_z_, h, (*P_)[M.eh_proj].w, 2 * h, 0.f,
                  dmtp_cat_, 2 * h);
             gemm(ctx, true, false, h, 2 * h, Tn, 1.f, dmtp_z_, h, A.cat, 2 * h,
-                 P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad, 2 * h, BF, F32);
+                 P_->grad_beta(M.eh_proj), (*P_)[M.eh_proj].grad_out(), 2 * h, BF,
+                 (*P_)[M.eh_proj].grad_type());
         }
         cuda::rmsnorm_backward(ctx, dmtp_cat_, 2 * h, A.e, h, (*P_)[M.enorm].w, A.rstd_e, Tn, h,
                                dmtp_e_, h, false, P_->grad_to_add(ctx, M.enorm), S_.norm_ws);

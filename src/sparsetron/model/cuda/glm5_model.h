@@ -35,6 +35,9 @@ struct MasterPlacement {
     // Optimizer offload: this fraction of the bytes of the masters this rank updates in pinned
     // host memory (the masters other ranks also keep, broadcast over NCCL, stay on the device).
     double host_fraction = 0;
+    // bf16 gradient buffers (grad_reduce_in_bf16) for the weights GEMMs write
+    // (bf16_gradient_allowed); the rest keep fp32 gradients.
+    bool bf16_gradients = false;
     bool sharded(int64_t i) const { return !owner.empty() && owner[size_t(i)] >= 0; }
     bool split(int64_t i) const { return !owner.empty() && owner[size_t(i)] == kSplitRows; }
     bool here(int64_t i) const { return !sharded(i) || owner[size_t(i)] == rank; }

@@ -300,8 +300,11 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
                                       const CudaInputs& in, const int32_t* idx, const int32_t* len,
                                       int64_t kslots, int64_t r0, int64_t Tn) const {
     const int64_t L = kr_ + dr_, B2 = sizeof(bf16);
-    const auto F32 = DType::F32, BF = DType::BF16;
-    float* gkvb = P_[kv_b_].grad;
+    const auto BF = DType::BF16;
+    // kv_b's gradient (fp32, or a bf16 buffer): its address in bytes, for the K and V parts.
+    char* gkvb = static_cast<char*>(P_[kv_b_].grad_out());
+    const DType gkvb_type = P_[kv_b_].grad_type();
+    const int64_t gkvb_elem = dtype_size(gkvb_type);
     const bf16* wkvb = P_[kv_b_].w;
     dy += r0 * h_;
     // Selective recompute: the forward's values again (the same kernels on the same inputs).
@@ -314,7 +317,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         gemm(ctx, false, false, Tn, H_ * dv_, h_, 1.f, dy, h_, P_[o_].w, H_ * dv_, 0.f, do_,
              H_ * dv_);
         gemm(ctx, true, false, h_, H_ * dv_, Tn, 1.f, dy, h_, A.o, H_ * dv_, P_.grad_beta(o_),
-             P_[o_].grad, H_ * dv_, BF, F32);
+             P_[o_].grad_out(), H_ * dv_, BF, P_[o_].grad_type());
     }
     if (absorbed_) {
         const int64_t wstride = (dn_ + dv_) * kr_;
@@ -324,7 +327,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         gemm(ctx, false, false, Tn, kr_, dv_, 1.f, do_, H_ * dv_, wkvb + dn_ * kr_, kr_, 0.f,
              doabs_, H_ * kr_, BF, BF, {H_, dv_, wstride, kr_});
         gemm(ctx, true, false, dv_, kr_, Tn, 1.f, do_, H_ * dv_, A.oabs, H_ * kr_, kvb_beta,
-             gkvb + dn_ * kr_, kr_, BF, F32, {H_, dv_, kr_, wstride});
+             gkvb + dn_ * kr_ * gkvb_elem, kr_, BF, gkvb_type, {H_, dv_, kr_, wstride});
         const bf16* K = A.kabs_shared ? A.kabs_shared : cp_ ? A.kkeys : A.kabs;
         if (cp_) {
             // dK' of every key row, summed over the CP group; this rank keeps its rows.
@@ -338,7 +341,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         gemm(ctx, false, true, Tn, dn_, kr_, 1.f, dqabs_, H_ * L, wkvb, kr_, 0.f, dq_b_, H_ * dq_,
              BF, BF, {H_, L, wstride, dq_});
         gemm(ctx, true, false, dn_, kr_, Tn, 1.f, A.q, H_ * dq_, dqabs_, H_ * L, kvb_beta, gkvb,
-             kr_, BF, F32, {H_, dq_, L, wstride});
+             kr_, BF, gkvb_type, {H_, dq_, L, wstride});
         cuda::copy_2d(ctx, dq_b_ + dn_, dq_ * B2, dqabs_ + kr_, L * B2, dr_ * B2, Tn * H_);
     } else {
         ST_ASSERT(r0 == 0 && Tn == T_, "MLA: the expanded form runs in one block");
@@ -355,7 +358,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         gemm(ctx, false, false, Tn, kr_, H_ * (dn_ + dv_), 1.f, dkv_, H_ * (dn_ + dv_), wkvb, kr_,
              0.f, dckv_n_, kr_);
         gemm(ctx, true, false, H_ * (dn_ + dv_), kr_, Tn, 1.f, dkv_, H_ * (dn_ + dv_), A.ckv_n, kr_,
-             P_.grad_beta(kv_b_), gkvb, kr_, BF, F32);
+             P_.grad_beta(kv_b_), gkvb, kr_, BF, gkvb_type);
     }
     cuda::rope(ctx, dq_b_ + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions + r0, c_.rotary_base,
                c_.rotary_interleaved, true);
@@ -366,7 +369,7 @@ void CudaMlaAttention::query_backward(const ExecContext& ctx, const Acts& A, con
         gemm(ctx, false, false, Tn, qr_, H_ * dq_, 1.f, dq_b_, H_ * dq_, P_[q_b_].w, qr_, 0.f,
              dcq_ + r0 * qr_, qr_);
         gemm(ctx, true, false, H_ * dq_, qr_, Tn, 1.f, dq_b_, H_ * dq_, A.cq + r0 * qr_, qr_,
-             P_.grad_beta(q_b_), P_[q_b_].grad, qr_, BF, F32);
+             P_.grad_beta(q_b_), P_[q_b_].grad_out(), qr_, BF, P_[q_b_].grad_type());
     }
 }
 
@@ -375,7 +378,7 @@ void CudaMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf1
                                 const int32_t* len, int64_t kslots, bf16* da,
                                 float* kv_grad_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
-    const auto F32 = DType::F32, BF = DType::BF16;
+    const auto BF = DType::BF16;
     for (int64_t r0 = 0; r0 < Tn; r0 += Bq_)
         query_backward(ctx, A, dy, in, idx, len, kslots, r0, std::min(Bq_, Tn - r0));
     const bool kv_path = !A.kabs_shared;
@@ -412,11 +415,11 @@ void CudaMlaAttention::backward(const ExecContext& ctx, const Acts& A, const bf1
     }
     gemm(ctx, false, false, Tn, h_, qr_, 1.f, dcq_raw_, qr_, P_[q_a_].w, h_, 0.f, da, h_);
     gemm(ctx, true, false, qr_, h_, Tn, 1.f, dcq_raw_, qr_, a, h_, P_.grad_beta(q_a_),
-         P_[q_a_].grad, h_, BF, F32);
+         P_[q_a_].grad_out(), h_, BF, P_[q_a_].grad_type());
     if (kv_path) {
         gemm(ctx, false, false, Tn, h_, L, 1.f, dckv_, L, P_[kv_a_].w, h_, 1.f, da, h_);
-        gemm(ctx, true, false, L, h_, Tn, 1.f, dckv_, L, a, h_, P_.grad_beta(kv_a_), P_[kv_a_].grad,
-             h_, BF, F32);
+        gemm(ctx, true, false, L, h_, Tn, 1.f, dckv_, L, a, h_, P_.grad_beta(kv_a_),
+             P_[kv_a_].grad_out(), h_, BF, P_[kv_a_].grad_type());
     }
 }
 

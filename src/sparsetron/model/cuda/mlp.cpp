@@ -93,15 +93,15 @@ void CudaSwiGluMlp::backward(const ExecContext& ctx, const Acts& A, const bf16* 
         if (recompute_) project_up(ctx, A, xb, n);  // the forward's kernels on its input
         gemm(ctx, false, false, n, f_, h_, 1.f, dyb, h_, P_[down_].w, f_, 0.f, dact_, f_);
         gemm(ctx, true, false, h_, f_, n, 1.f, dyb, h_, A.act, f_, P_.grad_beta(down_),
-             P_[down_].grad, f_, BF, F32);
+             P_[down_].grad_out(), f_, BF, P_[down_].grad_type());
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, n * f_, dg_, du_);
         gemm(ctx, false, false, n, h_, f_, 1.f, dg_, f_, P_[gate_].w, h_, accumulate ? 1.f : 0.f,
              dxb, h_);
         gemm(ctx, false, false, n, h_, f_, 1.f, du_, f_, P_[up_].w, h_, 1.f, dxb, h_);
-        gemm(ctx, true, false, f_, h_, n, 1.f, dg_, f_, xb, h_, P_.grad_beta(gate_), P_[gate_].grad,
-             h_, BF, F32);
-        gemm(ctx, true, false, f_, h_, n, 1.f, du_, f_, xb, h_, P_.grad_beta(up_), P_[up_].grad, h_,
-             BF, F32);
+        gemm(ctx, true, false, f_, h_, n, 1.f, dg_, f_, xb, h_, P_.grad_beta(gate_),
+             P_[gate_].grad_out(), h_, BF, P_[gate_].grad_type());
+        gemm(ctx, true, false, f_, h_, n, 1.f, du_, f_, xb, h_, P_.grad_beta(up_),
+             P_[up_].grad_out(), h_, BF, P_[up_].grad_type());
     }
 }
 

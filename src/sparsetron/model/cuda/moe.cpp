@@ -330,7 +330,12 @@ void CudaMoeLayer::backward_span(const ExecContext& ctx, const Acts& A, const bf
     }
     const bf16* dout = W_ > 1 ? dout_owner_ : doutperm_;
     const Local L = local(A);
-    const int64_t gs = El_ > 1 ? P_[gate0_ + wstride_].grad - P_[gate0_].grad : F_ * h_;
+    // Elements between consecutive experts' gradients (fp32, or bf16 gradient buffers).
+    const CudaParam& g0 = P_[gate0_];
+    const int64_t gs = El_ > 1 ? (static_cast<char*>(P_[gate0_ + wstride_].grad_out()) -
+                                  static_cast<char*>(g0.grad_out())) /
+                                     int64_t(dtype_size(g0.grad_type()))
+                               : F_ * h_;
     const CudaParam &gate = P_[gate0_ + L.first * wstride_], &up = P_[up0_ + L.first * wstride_],
                     &down = P_[down0_ + L.first * wstride_];
     // The grouped weight gradients write every local expert's gradient (zeros for one with no
@@ -341,7 +346,7 @@ void CudaMoeLayer::backward_span(const ExecContext& ctx, const Acts& A, const bf
     if (W_ == 1)
         cuda::moe_gate_backward_rows(ctx, dact_, A.act, slot_row, gates, n, k_, F_, h_, doutperm_,
                                      dgates);
-    cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down.grad, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, h_, F_, dout, A.act, down, gs, add));
     if (fp8_)
         cuda::swiglu_backward(ctx, A.g, A.u, dact_, rows_, F_, dg, du_, rows8(0), rows8(1));
     else
@@ -356,8 +361,8 @@ void CudaMoeLayer::backward_span(const ExecContext& ctx, const Acts& A, const bf
     // Without expert parallelism the gathered input rows again (the forward's copy), into the
     // rows the input gradients just left; under it they were received and kept.
     if (W_ == 1) cuda::moe_gather(ctx, m, A.perm_token, A.offsets, E_, R, h_, A.xperm);
-    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate.grad, gs, add));
-    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up.grad, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, dg, A.xperm, gate, gs, add));
+    cuda::grouped_gemm(ctx, weight_grad(L, F_, h_, du_, A.xperm, up, gs, add));
 }
 
 void CudaMoeLayer::experts_swiglu(const ExecContext& ctx, const Local& L, const Acts& A) const {
@@ -417,7 +422,7 @@ void CudaMoeLayer::expert_gemm(const ExecContext& ctx, const Local& L, int64_t f
 }
 
 cuda::GroupedGemmArgs CudaMoeLayer::weight_grad(const Local& L, int64_t n, int64_t k,
-                                                const bf16* dy, const bf16* x, float* dw,
+                                                const bf16* dy, const bf16* x, const CudaParam& dw,
                                                 int64_t stride, bool add) const {
     return {.kind = cuda::GroupedGemm::WeightGrad,
             .offsets = L.offsets,
@@ -428,9 +433,10 @@ cuda::GroupedGemmArgs CudaMoeLayer::weight_grad(const Local& L, int64_t n, int64
             .k = k,
             .a = dy,
             .b = x,
-            .c = dw,
+            .c = dw.grad_out(),
             .weight_stride = stride,
-            .accumulate = add};
+            .accumulate = add,
+            .grad_type = dw.grad_type()};
 }
 
 cuda::Fp8RowsOut CudaMoeLayer::rows8(int slot) const {
@@ -471,6 +477,7 @@ void CudaMoeLayer::check_layout() const {
     };
     for (int64_t first : {gate0_, up0_, down0_})
         ST_CHECK(fixed_stride(first, &CudaParam::w) && fixed_stride(first, &CudaParam::grad) &&
+                     fixed_stride(first, &CudaParam::grad16) &&
                      (!P_.master_read(first) || fixed_stride(first, &CudaParam::master)),
                  "CUDA MoE: the experts of '", P_.store().params()[first].name,
                  "' are not at a fixed stride (the grouped GEMMs need one)");

@@ -101,9 +101,11 @@ class CudaMoeLayer {
     // the layer's row scratch, then grouped_gemm_fp8 on W or its W^T copy) where the experts run
     // FP8, the bf16 grouped GEMM otherwise. `x_quantized`: row slot `slot` already holds x
     // (written by x's producer, or the previous call's input: gate and up share theirs).
-    // The local experts' weight gradients dW [n, k] (+)= dy_e^T x_e, `stride` floats apart.
+    // The local experts' weight gradients dW [n, k] (+)= dy_e^T x_e into the gradients from
+    // `dw` (the first local expert's) on, `stride` elements apart, in their type.
     cuda::GroupedGemmArgs weight_grad(const Local& L, int64_t n, int64_t k, const bf16* dy,
-                                      const bf16* x, float* dw, int64_t stride, bool add) const;
+                                      const bf16* x, const CudaParam& dw, int64_t stride,
+                                      bool add) const;
     // The expert rows of the gathered input A.xperm (FP8 copy in row slot 0 where the experts
     // run FP8): gate and up outputs and their SwiGLU; experts_forward also the expert outputs
     // into `out`.

@@ -106,7 +106,7 @@ __global__ void loss_sum_kernel(const float* row_loss, const int32_t* targets, i
 }  // namespace
 
 void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
-                        float* dw) {
+                        void* dw) {
     const bf16 *h = p.h, *w = p.w;
     const int64_t rows = p.rows, dim = p.dim, vocab = p.vocab, chunk_rows = p.chunk_rows;
     const int32_t* targets = p.targets;
@@ -141,7 +141,7 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
         // chunks, not per chunk: the accumulation's memory traffic, not its FLOPs, is the cost.
         if (dw)
             gemm(ctx, true, false, vocab, dim, g1 - g0, 1.f, dlogits_ws, vocab, h + g0 * dim, dim,
-                 g0 == 0 ? dw_beta : 1.f, dw, dim, DType::BF16, DType::F32);
+                 g0 == 0 ? dw_beta : 1.f, dw, dim, DType::BF16, p.dw_type);
     }
 }
 

@@ -65,9 +65,10 @@ struct HeadLoss {
     float grad_scale = 1.f;
     const float* grad_scale_dev = nullptr;
     float dw_beta = 1.f;
+    DType dw_type = DType::F32;  // the weight gradient's: F32, or BF16 (a bf16 gradient buffer)
 };
 void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
-                        float* dw);
+                        void* dw);
 // Rows of the head's dlogits workspace the model plans: the hidden size rounded up to whole
 // chunks (bf16 [dim, vocab] is half the fp32 [vocab, dim] gradient a pass reads and writes, so
 // the passes past the first cost little next to the GEMMs), all rows when fewer.

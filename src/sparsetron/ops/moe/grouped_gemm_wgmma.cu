@@ -186,30 +186,58 @@ __device__ __forceinline__ void through_staging(int wg, Write write, Issue issue
 // halves. Each half is two 64 x 64 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c ^
 // (r % 8): the map's 128-byte swizzle; the writes are free of bank conflicts). Accumulator
 // layout: store_acc.
+// Half h (columns 128 h..) of a warpgroup's 64 x 256 accumulator block into `buf` as two 64 x 64
+// bf16 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8): the maps' 128-byte
+// swizzle; the writes are free of bank conflicts). Accumulator layout: store_acc.
+__device__ __forceinline__ void stage_bf16_half(const float (&d)[128], uint32_t buf, int h) {
+    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
+        const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + lane / 4 + half * 8;
+            const __nv_bfloat162 v =
+                __float22bfloat162_rn(float2{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]});
+            const uint32_t addr = buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * q;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
+                         "r"(*reinterpret_cast<const uint32_t*>(&v))
+                         : "memory");
+        }
+    }
+}
+
+// A consumer warpgroup's 64 x 256 accumulator block (rows row0.. of the expert, all of them its
+// rows; columns j0..) through its staging buffer `buf` by bulk tensor stores, in two 64 x 128
+// halves (stage_bf16_half).
 __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUtensorMap* mc,
                                               uint32_t buf, int wg, int64_t row0, int64_t j0) {
-    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-    auto write = [&](int h) {
-#pragma unroll
-        for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
-            const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = warp * 16 + lane / 4 + half * 8;
-                const __nv_bfloat162 v =
-                    __float22bfloat162_rn(float2{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]});
-                const uint32_t addr = buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * q;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
-                             "r"(*reinterpret_cast<const uint32_t*>(&v))
-                             : "memory");
-            }
-        }
-    };
     auto issue = [&](int h) {
         for (int box = 0; box < 2; ++box)
             wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box), int32_t(row0));
     };
-    through_staging<2>(wg, write, issue);
+    through_staging<2>(
+        wg, [&](int h) { stage_bf16_half(d, buf, h); }, issue);
+}
+
+// The weight gradient's block into a bf16 gradient (bf16 gradient buffers): rounded to bf16 and
+// added into it by bulk tensor reduce-adds (`add`; the map's element type, bf16, is the
+// addition's) or written by bulk tensor stores, in two 64 x 128 halves as store_acc_tma, at
+// rows row0.. of expert e's [n, k] gradient. Rows and columns past its edges are not written.
+__device__ __forceinline__ void reduce_acc_tma_bf16(const float (&d)[128], const CUtensorMap* mc,
+                                                    uint32_t buf, int wg, int64_t row0, int64_t j0,
+                                                    int64_t e, bool add) {
+    auto issue = [&](int h) {
+        for (int box = 0; box < 2; ++box) {
+            const int32_t c0 = int32_t(j0 + 128 * h + 64 * box);
+            if (add)
+                wgmma::tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+            else
+                wgmma::tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+        }
+    };
+    through_staging<2>(
+        wg, [&](int h) { stage_bf16_half(d, buf, h); }, issue);
 }
 
 // The weight gradient's version of store_acc_tma: the warpgroup's 64 x 256 fp32 block (rows row0..
@@ -255,8 +283,8 @@ __device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUte
 template <GroupedGemm kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_ws_kernel(const int32_t* offsets, int64_t experts, TileSpace space, int64_t n,
-                           int64_t k, int64_t wstride, bool accumulate, const bf* a, const bf* b,
-                           void* c, const __grid_constant__ CUtensorMap map_a,
+                           int64_t k, int64_t wstride, bool accumulate, bool grad_bf16, const bf* a,
+                           const bf* b, void* c, const __grid_constant__ CUtensorMap map_a,
                            const __grid_constant__ CUtensorMap map_b,
                            const __grid_constant__ CUtensorMap map_c) {
 #ifdef ST_WGMMA
@@ -415,8 +443,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             release((it - 1) % kStages);
             if constexpr (kKind == GroupedGemm::WeightGrad) {
-                reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0, e,
-                               accumulate);
+                if (grad_bf16)
+                    reduce_acc_tma_bf16(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
+                                        i0 + wg * 64, j0, e, accumulate);
+                else
+                    reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0,
+                                   e, accumulate);
             } else if (!accumulate && i0 + wg * 64 + 64 <= p.M) {
                 store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, p.r0 + i0 + wg * 64,
                               j0);
@@ -438,14 +470,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Zeros for the weight gradient [n * k] (elems) of every expert with no rows, when the gradient
 // is written rather than added to: the GEMM's walk never reaches those experts. A grid row per
 // expert; an expert with rows returns at once (training's usual case: 16 x 128 empty blocks).
+// `elem_bytes`: 4 (fp32 gradients) or 2 (bf16 gradient buffers).
 __global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t elems, int64_t wstride,
-                                          float* dw) {
+                                          int64_t elem_bytes, void* dw) {
     const int64_t e = blockIdx.y;
     if (offsets[e + 1] > offsets[e]) return;
-    float4* d = reinterpret_cast<float4*>(dw + e * wstride);  // elems, wstride: multiples of 8
-    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < elems / 4; i += stride)
-        d[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // elems, wstride: multiples of 8, so an expert's gradient is whole 16-byte vectors.
+    uint4* d = reinterpret_cast<uint4*>(static_cast<char*>(dw) + e * wstride * elem_bytes);
+    const int64_t vectors = elems * elem_bytes / 16, stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors; i += stride)
+        d[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
@@ -486,12 +520,12 @@ int resident_blocks(cudaLaunchConfig_t config) {
 template <GroupedGemm kKind>
 int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
            int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
-           const bf16* a, const bf16* b, void* c) {
+           bool grad_bf16, const bf16* a, const bf16* b, void* c) {
     auto* kernel = grouped_gemm_ws_kernel<kKind>;
     allow_dynamic_smem<grouped_gemm_ws_kernel<kKind>>(kSmemBytes);
     if (kKind == GroupedGemm::WeightGrad && !accumulate && experts > 0 && n * k > 0) {
         zero_empty_experts_kernel<<<dim3(128, unsigned(experts)), 256, 0, stream_of(ctx)>>>(
-            offsets, n * k, wstride, static_cast<float*>(c));
+            offsets, n * k, wstride, grad_bf16 ? 2 : 4, c);
         ST_CUDA_LAUNCH_CHECK();
     }
     const int64_t units = experts * blocks_for(space.m_tiles, kCluster) * space.n_tiles;
@@ -512,11 +546,13 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
         // C [rows, N] bf16, boxes of 64 x 64 (store_acc_tma).
         const int64_t N = kKind == GroupedGemm::RowsTimesWeightT ? n : k;
         mc = bf16_tensor_map(c, {N, rows}, {N * 2}, {64, 64});
+    } else if (grad_bf16) {  // dW [E][n][k] bf16, boxes of 64 x 64 (reduce_acc_tma_bf16)
+        mc = bf16_tensor_map(c, {k, n, experts}, {k * 2, wstride * 2}, {64, 64, 1});
     } else {  // dW [E][n][k] fp32
         mc = f32_tensor_map(c, {k, n, experts}, {k * 4, wstride * 4}, {32, 64, 1});
     }
     ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
-                                     accumulate, dev(a), dev(b), c, ma, mb, mc));
+                                     accumulate, grad_bf16, dev(a), dev(b), c, ma, mb, mc));
     return int(config.gridDim.x);
 }
 
@@ -532,16 +568,17 @@ int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max
             return launch<GroupedGemm::RowsTimesWeightT>(
                 ctx, max_blocks, g.offsets, g.experts, rows,
                 {blocks_for(g.max_rows, BM), blocks_for(g.n, kBN)}, g.n, g.k, wstride, g.accumulate,
-                g.a, g.b, g.c);
+                false, g.a, g.b, g.c);
         case GroupedGemm::RowsTimesWeight:
             return launch<GroupedGemm::RowsTimesWeight>(
                 ctx, max_blocks, g.offsets, g.experts, rows,
                 {blocks_for(g.max_rows, BM), blocks_for(g.k, kBN)}, g.n, g.k, wstride, g.accumulate,
-                g.a, g.b, g.c);
+                false, g.a, g.b, g.c);
         default:
             return launch<GroupedGemm::WeightGrad>(ctx, max_blocks, g.offsets, g.experts, rows,
                                                    {blocks_for(g.n, BM), blocks_for(g.k, kBN)}, g.n,
-                                                   g.k, wstride, g.accumulate, g.a, g.b, g.c);
+                                                   g.k, wstride, g.accumulate,
+                                                   g.grad_type == DType::BF16, g.a, g.b, g.c);
     }
 }
 

@@ -90,7 +90,7 @@ __device__ __forceinline__ void load_slice(bf* s, const bf* src, int64_t ld, int
 template <class C, GroupedGemm kKind>
 __global__ void __launch_bounds__(C::Threads)
     grouped_gemm_tc_kernel(const int32_t* offsets, int64_t n, int64_t k, int64_t wstride,
-                           bool accumulate, const bf* a, const bf* b, void* c) {
+                           bool accumulate, bool grad_bf16, const bf* a, const bf* b, void* c) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     bf* smem = reinterpret_cast<bf*>(smem_raw);
     const int64_t e = blockIdx.z;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(C::Threads)
         const int64_t gi = i0 + ii, gj = j0 + jj;
         if (gi >= M || gj >= N) continue;
         const float4 v = *reinterpret_cast<const float4*>(cs + ii * kEpilogueLd + jj);
-        if constexpr (kKind == GroupedGemm::WeightGrad) {
+        if (kKind == GroupedGemm::WeightGrad && !grad_bf16) {
             float4* dst =
                 reinterpret_cast<float4*>(static_cast<float*>(c) + e * wstride + gi * N + gj);
             float4 o = v;
@@ -200,8 +200,10 @@ __global__ void __launch_bounds__(C::Threads)
             }
             *dst = o;
         } else {
-            __nv_bfloat162* dst =
-                reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) + (r0 + gi) * N + gj);
+            // bf16 rows of C, or of a bf16 weight gradient (bf16 gradient buffers).
+            const int64_t at =
+                kKind == GroupedGemm::WeightGrad ? e * wstride + gi * N + gj : (r0 + gi) * N + gj;
+            __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(static_cast<bf*>(c) + at);
             float2 lo{v.x, v.y}, hi{v.z, v.w};
             if (accumulate) {
                 const float2 plo = __bfloat1622float2(dst[0]), phi = __bfloat1622float2(dst[1]);
@@ -215,33 +217,34 @@ __global__ void __launch_bounds__(C::Threads)
 
 template <class C, GroupedGemm kKind>
 void launch(const ExecContext& ctx, dim3 grid, const int32_t* offsets, int64_t n, int64_t k,
-            int64_t wstride, bool accumulate, const bf16* a, const bf16* b, void* c) {
+            int64_t wstride, bool accumulate, bool grad_bf16, const bf16* a, const bf16* b,
+            void* c) {
     allow_dynamic_smem<grouped_gemm_tc_kernel<C, kKind>>(C::SmemBytes);  // stages exceed 48 KiB
     grouped_gemm_tc_kernel<C, kKind><<<grid, C::Threads, C::SmemBytes, stream_of(ctx)>>>(
-        offsets, n, k, wstride, accumulate, dev(a), dev(b), c);
+        offsets, n, k, wstride, accumulate, grad_bf16, dev(a), dev(b), c);
     ST_CUDA_LAUNCH_CHECK();
 }
 
 template <class C>
 void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64_t experts,
          int64_t max_rows, int64_t n, int64_t k, const bf16* a, const bf16* b, void* c,
-         int64_t weight_stride, bool accumulate) {
+         int64_t weight_stride, bool accumulate, bool grad_bf16) {
     // Grid: the worst case per expert; tiles past an expert's actual rows exit at once.
     switch (kind) {
         case GroupedGemm::RowsTimesWeightT:
             launch<C, GroupedGemm::RowsTimesWeightT>(
                 ctx, dim3(blocks_for(n, TN), blocks_for(max_rows, TM), unsigned(experts)), offsets,
-                n, k, weight_stride, accumulate, a, b, c);
+                n, k, weight_stride, accumulate, false, a, b, c);
             break;
         case GroupedGemm::RowsTimesWeight:
             launch<C, GroupedGemm::RowsTimesWeight>(
                 ctx, dim3(blocks_for(k, TN), blocks_for(max_rows, TM), unsigned(experts)), offsets,
-                n, k, weight_stride, accumulate, a, b, c);
+                n, k, weight_stride, accumulate, false, a, b, c);
             break;
         default:
             launch<C, GroupedGemm::WeightGrad>(
                 ctx, dim3(blocks_for(k, TN), blocks_for(n, TM), unsigned(experts)), offsets, n, k,
-                weight_stride, accumulate, a, b, c);
+                weight_stride, accumulate, grad_bf16, a, b, c);
             break;
     }
 }
@@ -251,7 +254,8 @@ void run(const ExecContext& ctx, GroupedGemm kind, const int32_t* offsets, int64
 void grouped_gemm_wmma(const ExecContext& ctx, const GroupedGemmArgs& g) {
     if (g.experts == 0) return;
     run<Default>(ctx, g.kind, g.offsets, g.experts, g.max_rows, g.n, g.k, g.a, g.b, g.c,
-                 g.weight_stride ? g.weight_stride : g.n * g.k, g.accumulate);
+                 g.weight_stride ? g.weight_stride : g.n * g.k, g.accumulate,
+                 g.grad_type == DType::BF16);
 }
 
 }  // namespace sparsetron::cuda

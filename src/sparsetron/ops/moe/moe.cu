@@ -168,6 +168,7 @@ struct GroupedArgs {
     const int32_t* offsets;
     int64_t n, k, wstride;
     bool accumulate;
+    bool grad_bf16;  // WeightGrad into a bf16 gradient
     const bf *a, *b;
     void* c;
 };
@@ -240,7 +241,10 @@ __global__ void grouped_gemm_kernel(GroupedArgs g) {
         const int ii = l / BN, jj = l % BN;
         const int64_t gi = i0 + ii, gj = j0 + jj;
         if (gi >= M || gj >= N) continue;
-        if (g.kind == GroupedGemm::WeightGrad) {
+        if (g.kind == GroupedGemm::WeightGrad && g.grad_bf16) {
+            bf* c = static_cast<bf*>(g.c) + e * g.wstride + gi * N + gj;
+            *c = __float2bfloat16(g.accumulate ? __bfloat162float(*c) + Cs[ii][jj] : Cs[ii][jj]);
+        } else if (g.kind == GroupedGemm::WeightGrad) {
             float* c = static_cast<float*>(g.c) + e * g.wstride + gi * N + gj;
             *c = g.accumulate ? *c + Cs[ii][jj] : Cs[ii][jj];  // an empty expert: 0 (K = 0)
         } else {
@@ -609,7 +613,8 @@ void grouped_gemm(const ExecContext& ctx, GroupedGemmForm form, const GroupedGem
     const int64_t weight_stride = g.weight_stride ? g.weight_stride : g.n * g.k;
     dim3 grid(blocks_for(N, BN), blocks_for(M, BM), static_cast<unsigned>(g.experts));
     grouped_gemm_kernel<<<grid, kGemmThreads, 0, stream_of(ctx)>>>(GroupedArgs{
-        g.kind, g.offsets, g.n, g.k, weight_stride, g.accumulate, dev(g.a), dev(g.b), g.c});
+        g.kind, g.offsets, g.n, g.k, weight_stride, g.accumulate,
+        g.kind == GroupedGemm::WeightGrad && g.grad_type == DType::BF16, dev(g.a), dev(g.b), g.c});
     ST_CUDA_LAUNCH_CHECK();
 }
 

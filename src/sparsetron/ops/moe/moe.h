@@ -57,7 +57,7 @@ void moe_combine(const ExecContext& ctx, const bf16* out_perm, const int32_t* sl
 // Grouped GEMM over the permuted layout, expert e owning rows [offsets[e], offsets[e+1]):
 //   RowsTimesWeightT: C[r, :] = A[r, :] @ W_e^T      A [R, K], W [E, N, K], C [R, N] bf16
 //   RowsTimesWeight:  C[r, :] = A[r, :] @ W_e        A [R, N], W [E, N, K], C [R, K] bf16
-//   WeightGrad:       dW_e (+)= A_e^T @ B_e          A [R, N], B [R, K], dW [E, N, K] fp32
+//   WeightGrad:       dW_e (+)= A_e^T @ B_e          A [R, N], B [R, K], dW [E, N, K] fp32/bf16
 // max_rows bounds any expert's row count (the capacity); counts are read from device memory.
 // row_capacity: the rows the row operands' buffers hold (A, and B for WeightGrad; offsets[E] <=
 // row_capacity): the bound of the kernels' bulk tensor loads, which read whole tiles past an
@@ -76,6 +76,9 @@ struct GroupedGemmArgs {
     void* c = nullptr;
     int64_t weight_stride = 0;
     bool accumulate = false;
+    // WeightGrad's dW: F32, or BF16 (bf16 gradient buffers: the fp32 sum rounded once, or
+    // rounded and added to the bf16 gradient with `accumulate`).
+    DType grad_type = DType::F32;
 };
 // In the form plan_grouped_gemm (grouped_gemm_plan.h) gives the call's shape, or in a given one
 // (one of supported_grouped_gemm_forms for the shape: the tests walk them).

@@ -12,10 +12,22 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kSquaresBlock = 8192;  // elements per partial sum of the gradient norm
 
-__global__ void sum_squares_kernel(const float* x, int64_t n, float* partials) {
+// A gradient element as fp32: fp32 gradients, or bf16 gradient buffers.
+__device__ __forceinline__ float grad_value(float x) {
+    return x;
+}
+__device__ __forceinline__ float grad_value(bf x) {
+    return __bfloat162float(x);
+}
+
+template <typename G>
+__global__ void sum_squares_kernel(const G* x, int64_t n, float* partials) {
     const int64_t b0 = blockIdx.x * int64_t(kSquaresBlock), b1 = min(n, b0 + kSquaresBlock);
     float s = 0;
-    for (int64_t i = b0 + threadIdx.x; i < b1; i += blockDim.x) s += x[i] * x[i];
+    for (int64_t i = b0 + threadIdx.x; i < b1; i += blockDim.x) {
+        const float g = grad_value(x[i]);
+        s += g * g;
+    }
     s = block_sum(s);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
@@ -67,14 +79,15 @@ __global__ void veto_skip_kernel(int32_t* skip, int64_t n, const int32_t* flag) 
     for (int64_t i = 0; i < n; ++i) skip[i] = 1;
 }
 
-__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, int64_t n,
-                             float lr, float beta1, float beta2, float eps, float wd, float bc1,
-                             float bc2, const float* grad_scale, const int32_t* skip,
-                             bf* param_bf16, const float* schedule) {
+template <typename G>
+__global__ void adamw_kernel(float* param, const G* grad, float* m, float* v, int64_t n, float lr,
+                             float beta1, float beta2, float eps, float wd, float bc1, float bc2,
+                             const float* grad_scale, const int32_t* skip, bf* param_bf16,
+                             const float* schedule) {
     const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     if (i >= n || (skip && *skip)) return;
     if (schedule) lr = schedule[0], bc1 = schedule[1], bc2 = schedule[2];
-    const float g = grad[i] * (grad_scale ? *grad_scale : 1.f);
+    const float g = grad_value(grad[i]) * (grad_scale ? *grad_scale : 1.f);
     const float mi = beta1 * m[i] + (1.f - beta1) * g;
     const float vi = beta2 * v[i] + (1.f - beta2) * g * g;
     m[i] = mi, v[i] = vi;
@@ -93,6 +106,12 @@ int64_t sum_squares_blocks(int64_t n) {
 void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials) {
     if (n == 0) return;
     sum_squares_kernel<<<sum_squares_blocks(n), kThreads, 0, stream_of(ctx)>>>(x, n, partials);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void sum_squares_partials(const ExecContext& ctx, const bf16* x, int64_t n, float* partials) {
+    if (n == 0) return;
+    sum_squares_kernel<<<sum_squares_blocks(n), kThreads, 0, stream_of(ctx)>>>(dev(x), n, partials);
     ST_CUDA_LAUNCH_CHECK();
 }
 
@@ -118,7 +137,10 @@ void veto_skip(const ExecContext& ctx, int32_t* skip, int64_t n, const int32_t* 
     ST_CUDA_LAUNCH_CHECK();
 }
 
-void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
+namespace {
+
+template <typename G>
+void adamw_launch(const ExecContext& ctx, const AdamwHyper& hp, float* param, const G* grad,
                   float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
                   bf16* param_bf16) {
     const float lr = hp.lr, beta1 = hp.beta1, beta2 = hp.beta2, eps = hp.eps,
@@ -133,6 +155,20 @@ void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, co
         param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, bc1, bc2, grad_scale, skip,
         param_bf16 ? dev(param_bf16) : nullptr, schedule);
     ST_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
+                  float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
+                  bf16* param_bf16) {
+    adamw_launch(ctx, hp, param, grad, m, v, n, grad_scale, skip, param_bf16);
+}
+
+void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const bf16* grad,
+                  float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
+                  bf16* param_bf16) {
+    adamw_launch(ctx, hp, param, dev(grad), m, v, n, grad_scale, skip, param_bf16);
 }
 
 }  // namespace sparsetron::cuda

@@ -52,7 +52,9 @@ __global__ void gather_kernel(const MuonDeviceProblem* problems, int64_t rows, i
         const int64_t r = r0 + threadIdx.y + i * kTileRows;
         at[i] = r < rows && c < cols ? param_row(p, r) * cols + c : -1;
         m[i] = at[i] >= 0 ? p.mom[at[i]] : 0.f;
-        g[i] = at[i] >= 0 && read_grad ? p.grad[at[i]] : 0.f;
+        g[i] = at[i] < 0 || !read_grad ? 0.f
+               : p.grad16 ? __bfloat162float(reinterpret_cast<const bf*>(p.grad16)[at[i]])
+                          : p.grad[at[i]];
     }
     float squares = 0.f;  // outside the matrix m = g = 0: u = 0
 #pragma unroll

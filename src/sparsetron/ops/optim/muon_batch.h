@@ -32,13 +32,14 @@ namespace sparsetron::cuda {
 // One matrix of a batch, as the kernels read it from a device table. Row r of the problem is
 // row row0 + (r / seg_rows) seg_stride + r % seg_rows of its [*, cols] parameter.
 struct MuonDeviceProblem {
-    const float* grad;
+    const float* grad;  // fp32 gradient, or null with `grad16` (a bf16 gradient buffer)
     float* mom;
     float* master;
     bf16* weights;  // the bf16 copy the model reads, rewritten by the apply (may be null)
     int64_t row0, seg_rows, seg_stride;
     int32_t group;   // clipping group: reads scales[group] and skips[group]
     int32_t decays;  // 1: decoupled weight decay, master *= 1 - lr weight_decay before the update
+    const bf16* grad16;
 };
 
 // x[p] = U of problem p's rows (nesterov ? (1 - beta) g scale + beta mom : mom) as [rows, cols],

@@ -25,9 +25,11 @@ void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, double lr, dou
 
 namespace sparsetron::cuda {
 
-// Σ x² over `n` fp32 values in fixed blocks, written to partials[sum_squares_blocks(n)].
+// Σ x² over `n` fp32 (or bf16: bf16 gradient buffers) values in fixed blocks, written to
+// partials[sum_squares_blocks(n)].
 int64_t sum_squares_blocks(int64_t n);
 void sum_squares_partials(const ExecContext& ctx, const float* x, int64_t n, float* partials);
+void sum_squares_partials(const ExecContext& ctx, const bf16* x, int64_t n, float* partials);
 // norm = sqrt(Σ partials) (fp64, fixed order); scale = max_norm / (norm + 1e-6) if
 // 0 < max_norm < norm else 1; a non-finite norm gives scale 0 and sets *skip = 1 (the step is
 // skipped).
@@ -49,6 +51,10 @@ struct AdamwHyper {
     const float* schedule = nullptr;
 };
 void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const float* grad,
+                  float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
+                  bf16* param_bf16);
+// The same from a bf16 gradient buffer.
+void adamw_update(const ExecContext& ctx, const AdamwHyper& hp, float* param, const bf16* grad,
                   float* m, float* v, int64_t n, const float* grad_scale, const int32_t* skip,
                   bf16* param_bf16);
 

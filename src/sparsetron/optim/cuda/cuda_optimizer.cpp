@@ -176,7 +176,7 @@ void CudaOptimizer::bind_muon(const MemoryPlan& plan) {
             const auto& p = params[size_t(q.param)];
             const int32_t group = separate_mtp_ && p.mtp ? 1 : 0;
             table.push_back({gp.grad, mom_[q.param], gp.master, gp.w, q.row0, q.seg_rows,
-                             q.seg_stride, group, p.weight_decay ? 1 : 0});
+                             q.seg_stride, group, p.weight_decay ? 1 : 0, gp.grad16});
             covered[size_t(q.param)] += b.rows * b.cols;
         }
     for (size_t i = 0; i < params.size(); ++i)
@@ -196,9 +196,13 @@ void CudaOptimizer::stage_schedule(const ExecContext& ctx, const RunConfig& run,
 void CudaOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
     const auto& params = P_.store().params();
     for (size_t i = 0; i < params.size(); ++i)
-        if (normed(params[i]))
-            cuda::sum_squares_partials(ctx, P_[int64_t(i)].grad, P_[int64_t(i)].numel,
-                                       parts_ + part_off_[i]);
+        if (normed(params[i])) {
+            const CudaParam& gp = P_[int64_t(i)];
+            if (gp.grad16)
+                cuda::sum_squares_partials(ctx, gp.grad16, gp.numel, parts_ + part_off_[i]);
+            else
+                cuda::sum_squares_partials(ctx, gp.grad, gp.numel, parts_ + part_off_[i]);
+        }
     // Sharded experts: the partials of every rank's experts (the same layout on every EP rank)
     // summed, so each clipping group's norm covers all experts.
     if (ep_)
@@ -233,8 +237,13 @@ void CudaOptimizer::enqueue_step(const ExecContext& ctx, const RunConfig& run) {
                                   .weight_decay = p.weight_decay ? float(run.weight_decay) : 0.f,
                                   .schedule = sched_};
         // The elements this rank holds: all, or its rows of a split parameter.
-        cuda::adamw_update(ctx, hp, gp.master, gp.grad + gp.first, m_[i], v_[i], gp.held,
-                           scale_ + g, skip_ + g, gp.w ? gp.w + gp.first : nullptr);
+        bf16* w = gp.w ? gp.w + gp.first : nullptr;
+        if (gp.grad16)
+            cuda::adamw_update(ctx, hp, gp.master, gp.grad16 + gp.first, m_[i], v_[i], gp.held,
+                               scale_ + g, skip_ + g, w);
+        else
+            cuda::adamw_update(ctx, hp, gp.master, gp.grad + gp.first, m_[i], v_[i], gp.held,
+                               scale_ + g, skip_ + g, w);
     }
     // Distributed: the AdamW parameters from their owners on the side stream, overlapping
     // Newton-Schulz; the Muon matrices after it. A skipped step broadcasts the unchanged

@@ -32,6 +32,10 @@ void Comm::device_allreduce_sum(int64_t*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }
 
+void Comm::device_allreduce_sum_bf16(void*, int64_t, void*) {
+    throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
+}
+
 void Comm::device_allreduce_max(int32_t*, int64_t, void*) {
     throw Error(cat("the ", name(), " communicator has no device collectives (NCCL has)"));
 }

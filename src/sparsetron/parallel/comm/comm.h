@@ -46,6 +46,8 @@ class Comm {
     virtual bool on_device() const { return false; }
     virtual void device_allreduce_sum(float* x, int64_t n, void* stream);
     virtual void device_allreduce_sum(int64_t* x, int64_t n, void* stream);
+    // `n` bf16 values in place (bf16 gradient buffers; NCCL rounds each step's sum to bf16).
+    virtual void device_allreduce_sum_bf16(void* x, int64_t n, void* stream);
     // In place, the maximum over ranks (flags every rank must agree on).
     virtual void device_allreduce_max(int32_t* x, int64_t n, void* stream);
     // `bytes` at `data` from rank `root` to every rank (in place).

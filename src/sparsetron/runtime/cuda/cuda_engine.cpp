@@ -680,8 +680,9 @@ class CudaEngine final : public StepEngine, public StepBench {
     void plan_buckets() {
         const auto& params = model_->params().params();
         struct Entry {
-            float* grad;
+            char* grad;
             int64_t n;
+            bool bf16;  // a bf16 gradient buffer (grad_reduce_in_bf16), else fp32
             int point;
             Comm* over;  // dense: every rank; sharded experts: their EDP group (none: null)
         };
@@ -689,23 +690,26 @@ class CudaEngine final : public StepEngine, public StepBench {
         for (size_t i = 0; i < params.size(); ++i) {
             const cuda::CudaParam& g = model_->cuda_params()[int64_t(i)];
             Comm* over = params[i].routed_expert ? edp_ : dp_;
-            if (g.grad)
-                all.push_back({g.grad, g.numel, model_->backward_point(params[i].name), over});
+            if (g.has_grad())
+                all.push_back({static_cast<char*>(g.grad_out()), g.numel, g.grad16 != nullptr,
+                               model_->backward_point(params[i].name), over});
         }
         std::sort(all.begin(), all.end(),
                   [](const Entry& a, const Entry& b) { return a.grad < b.grad; });
         buckets_.assign(size_t(model_->backward_points()), {});
-        // Neighbours in the arena that complete at the same point and reduce over the same
-        // group form one range (the gap between them is alignment padding, zeroed with the
-        // gradients).
+        // Neighbours in the arena that complete at the same point, reduce over the same group
+        // and have one type form one range (the gap between them is alignment padding, zeroed
+        // with the gradients).
         for (size_t i = 0; i < all.size();) {
             size_t j = i + 1;
-            while (j < all.size() && all[j].point == all[i].point && all[j].over == all[i].over)
+            while (j < all.size() && all[j].point == all[i].point && all[j].over == all[i].over &&
+                   all[j].bf16 == all[i].bf16)
                 ++j;
-            float* end = all[j - 1].grad + all[j - 1].n;
+            const int64_t elem = all[i].bf16 ? 2 : 4;
+            const char* end = all[j - 1].grad + all[j - 1].n * elem;
             if (all[i].over)
                 buckets_[size_t(all[i].point)].push_back(
-                    {all[i].grad, int64_t(end - all[i].grad), all[i].over});
+                    {all[i].grad, int64_t(end - all[i].grad) / elem, all[i].bf16, all[i].over});
             i = j;
         }
     }
@@ -716,7 +720,10 @@ class CudaEngine final : public StepEngine, public StepBench {
         void* stream = ctx().stream;
         if (side_) side_->fork(), stream = side_->stream();
         for (const Bucket& b : buckets_[size_t(p)])
-            b.over->device_allreduce_sum(b.grad, b.n, stream);
+            if (b.bf16)
+                b.over->device_allreduce_sum_bf16(b.grad, b.n, stream);
+            else
+                b.over->device_allreduce_sum(reinterpret_cast<float*>(b.grad), b.n, stream);
     }
     void begin_reduce() {
         if (!dp_) return;
@@ -813,8 +820,9 @@ class CudaEngine final : public StepEngine, public StepBench {
     OptimizerShard shard_;  // the distributed optimizer: each parameter's owner
     Comm* edp_ = nullptr;   // the sharded experts' gradient group (null: nothing to reduce)
     struct Bucket {
-        float* grad;
-        int64_t n;
+        char* grad;
+        int64_t n;  // elements
+        bool bf16;  // bf16 elements (bf16 gradient buffers), else fp32
         Comm* over;
     };
     std::vector<std::vector<Bucket>> buckets_;  // per backward point

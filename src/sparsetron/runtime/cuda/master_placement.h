@@ -17,7 +17,8 @@ inline cuda::MasterPlacement master_placement(const OptimizerShard& shard, const
             .rank = shard.rank,
             .ranks = shard.ranks,
             .fp8_gather = run.fp8_param_gather,
-            .host_fraction = run.optimizer_cpu_offload ? run.optimizer_offload_fraction : 0.0};
+            .host_fraction = run.optimizer_cpu_offload ? run.optimizer_offload_fraction : 0.0,
+            .bf16_gradients = run.grad_reduce_in_bf16};
 }
 
 }  // namespace sparsetron

@@ -186,6 +186,11 @@ void NcclComm::device_allreduce_sum(int64_t* x, int64_t n, void* stream) {
     ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt64, ncclSum, nc(comm_), cs(stream)));
 }
 
+void NcclComm::device_allreduce_sum_bf16(void* x, int64_t n, void* stream) {
+    if (n == 0) return;
+    ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclBfloat16, ncclSum, nc(comm_), cs(stream)));
+}
+
 void NcclComm::device_allreduce_max(int32_t* x, int64_t n, void* stream) {
     if (n == 0) return;
     ST_NCCL_CHECK(ncclAllReduce(x, x, size_t(n), ncclInt32, ncclMax, nc(comm_), cs(stream)));

@@ -30,6 +30,7 @@ class NcclComm final : public Comm {
     bool on_device() const override { return true; }
     void device_allreduce_sum(float* x, int64_t n, void* stream) override;
     void device_allreduce_sum(int64_t* x, int64_t n, void* stream) override;
+    void device_allreduce_sum_bf16(void* x, int64_t n, void* stream) override;
     void device_allreduce_max(int32_t* x, int64_t n, void* stream) override;
     void device_broadcast(void* data, int64_t bytes, int root, void* stream) override;
     void device_allgather(void* data, int64_t bytes_per_rank, void* stream) override;

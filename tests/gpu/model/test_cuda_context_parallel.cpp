@@ -121,10 +121,17 @@ TEST(CudaContextParallel, DynamicCpStepGraphsMatchEager) {
         EXPECT_GT(g.dynamic_cp_groups[0], 2) << "a step of one round of 2 slots";
         EXPECT_EQ(g.dynamic_cp_groups, e.dynamic_cp_groups);
         EXPECT_EQ(g.targets, e.targets);
-        EXPECT_NEAR(g.lm_loss, e.lm_loss, 1e-6 * e.lm_loss) << "step " << i + 1;
-        EXPECT_NEAR(g.mtp_loss, e.mtp_loss, 1e-6 * e.mtp_loss) << "step " << i + 1;
-        EXPECT_NEAR(g.indexer_loss, e.indexer_loss, 1e-6 * e.indexer_loss) << "step " << i + 1;
-        EXPECT_NEAR(g.grad_norm, e.grad_norm, 1e-6 * e.grad_norm) << "step " << i + 1;
+        // The full-iteration test's tolerances: fp32 atomics (and the graphs' gradients added
+        // from zero) differ between runs in the last bits, and later steps amplify them (seen:
+        // lm 1e-5 and grad_norm 7e-5 apart at step 4 on an H100); a replay that read another
+        // slot's micro-batch or lost the step's schedule would be off by far more.
+        const double tol = i == 0 ? 1e-5 : 1e-4;
+        EXPECT_NEAR(g.lm_loss, e.lm_loss, tol * e.lm_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.mtp_loss, e.mtp_loss, tol * e.mtp_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.indexer_loss, e.indexer_loss, 10 * tol * e.indexer_loss) << "step " << i + 1;
+        EXPECT_NEAR(g.grad_norm, e.grad_norm, (i == 0 ? 1e-5 : 1e-3) * e.grad_norm)
+            << "step " << i + 1;
+        EXPECT_EQ(g.lr, e.lr) << "step " << i + 1;
         EXPECT_EQ(g.graph, i >= 1) << "step " << i + 1;
         EXPECT_FALSE(e.graph);
     }

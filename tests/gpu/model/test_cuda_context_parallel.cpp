@@ -122,9 +122,9 @@ TEST(CudaContextParallel, DynamicCpStepGraphsMatchEager) {
         EXPECT_EQ(g.dynamic_cp_groups, e.dynamic_cp_groups);
         EXPECT_EQ(g.targets, e.targets);
         // The full-iteration test's tolerances: fp32 atomics (and the graphs' gradients added
-        // from zero) differ between runs in the last bits, and later steps amplify them (seen:
-        // lm 1e-5 and grad_norm 7e-5 apart at step 4 on an H100); a replay that read another
-        // slot's micro-batch or lost the step's schedule would be off by far more.
+        // from zero) differ between runs in the last bits, and later steps amplify them; a
+        // replay that read another slot's micro-batch or lost the step's schedule would be off
+        // by far more.
         const double tol = i == 0 ? 1e-5 : 1e-4;
         EXPECT_NEAR(g.lm_loss, e.lm_loss, tol * e.lm_loss) << "step " << i + 1;
         EXPECT_NEAR(g.mtp_loss, e.mtp_loss, tol * e.mtp_loss) << "step " << i + 1;

@@ -128,6 +128,10 @@ struct ModelConfig {
     bool dsa_mtp_index_kv_share = true;
     std::string mtp_loss_type = "cross_entropy";  // "cross_entropy" | "e2e_tv"
     bool mtp_detach_heads = false;
+    // The output head's GEMMs in FP8 under fp8_recipe: blockwise (Megatron's fp8_output_proj,
+    // off by default as Megatron keeps the head in bf16): the main head's and the MTP depths'
+    // cross-entropy heads (CUDA; the e2e TV loss's logits stay bf16).
+    bool fp8_output_proj = false;
     double mtp_loss_scaling_factor = 0.1;
 
     bool untie_embeddings_and_output_weights = true;

@@ -85,6 +85,7 @@ const std::vector<KeyDef>& key_table() {
         MODEL_KEY(dsa_mtp_index_kv_share, Bool),
         MODEL_KEY(mtp_loss_type, String),
         MODEL_KEY(mtp_detach_heads, Bool),
+        MODEL_KEY(fp8_output_proj, Bool),
         MODEL_KEY(mtp_loss_scaling_factor, Float),
         MODEL_KEY(untie_embeddings_and_output_weights, Bool),
         RUN_KEY(data_path, StringList),

@@ -237,6 +237,9 @@ void Recipe::validate() {
              "dynamic_context_parallel needs calculate_per_token_loss: true (as Megatron requires: "
              "a micro-batch's mean would depend on how its documents were grouped)");
     one_of(r.fp8_recipe, "fp8_recipe", {"", "blockwise", "mxfp8", "tensorwise"});
+    ST_CHECK(!m.fp8_output_proj || r.fp8_recipe == "blockwise" || r.fp8_recipe == "mxfp8",
+             "fp8_output_proj runs the output head under the FP8 recipe: it needs fp8_recipe "
+             "(blockwise on Hopper)");
     ST_CHECK(!r.fp8_param_gather || r.use_distributed_optimizer,
              "fp8_param_gather needs use_distributed_optimizer: true (as in Megatron: the FP8 "
              "weights are gathered from the ranks that own their masters)");

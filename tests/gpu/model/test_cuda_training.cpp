@@ -782,7 +782,8 @@ TEST(CudaTraining, ActivationOffloadMatchesKeepingEagerAndGraph) {
 // and FP8 must not be bf16 under another name (its losses differ). The FP8 step replayed as a
 // full-iteration graph (weights quantized inside it), started each step from the eager FP8
 // engine's state (a step compared on its own: trajectories drift apart through atomics' last
-// bits), matches it.
+// bits), matches it. With the head's GEMMs in FP8 too (fp8_output_proj, as a graph on its own
+// trajectory) the losses stay within 2% of bf16's and differ from the bf16 head's.
 TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
     REQUIRE_GPU();
     Recipe bf = run_to_run_tiny_recipe();
@@ -797,9 +798,12 @@ TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
     Recipe graph = fp8;
     graph.run.cuda_graph_impl = "full_iteration";
     graph.run.cuda_graph_warmup_steps = 1;
-    EngineSet set({bf, fp8, graph});
-    double first_b = 0, first_f = 0, last_b = 0, last_f = 0;
-    bool differs = false;
+    // The head's GEMMs in FP8 too (fp8_output_proj), as a graph.
+    Recipe head = graph;
+    head.model.fp8_output_proj = true;
+    EngineSet set({bf, fp8, graph, head});
+    double first_b = 0, first_f = 0, last_b = 0, last_f = 0, first_h = 0, last_h = 0;
+    bool differs = false, head_differs = false;
     for (int s = 0; s < 8; ++s) {
         std::vector<std::unique_ptr<MicroBatch>> own;
         std::vector<const MicroBatch*> mbs;
@@ -813,12 +817,23 @@ TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
         auto b = set.engines[0]->run_step({mbs, {}, sc, s + 1});
         auto f = set.engines[1]->run_step({mbs, {}, sc, s + 1});
         auto g = set.engines[2]->run_step({mbs, {}, sc, s + 1});
-        double lb = 0, lf = 0, lg = 0;
+        auto hd = set.engines[3]->run_step({mbs, {}, sc, s + 1});  // its own trajectory
+        double lb = 0, lf = 0, lg = 0, lh = 0;
         for (size_t i = 0; i < b.losses.size(); ++i) {
             lb += b.losses[i].lm_loss_sum;
             lf += f.losses[i].lm_loss_sum;
             lg += g.losses[i].lm_loss_sum;
+            lh += hd.losses[i].lm_loss_sum;
         }
+        std::cout << "[fp8 training] step " << s + 1 << ": FP8 head lm sum " << lh << ", grad_norm "
+                  << hd.stats.grad_norm << "\n";
+        EXPECT_NEAR(lh, lb, 2e-2 * lb) << "step " << s + 1;
+        if (s == 0) {
+            EXPECT_NEAR(hd.stats.grad_norm, b.stats.grad_norm, 5e-2 * b.stats.grad_norm);
+        }
+        EXPECT_FALSE(hd.stats.skipped);
+        EXPECT_EQ(hd.replayed, s > 0);
+        head_differs = head_differs || lh != lf;
         std::cout << "[fp8 training] step " << s + 1 << ": lm sum " << lf << " (graph " << lg
                   << ") vs bf16 " << lb << ", grad_norm " << f.stats.grad_norm << " vs "
                   << b.stats.grad_norm << "\n";
@@ -834,10 +849,13 @@ TEST(CudaTraining, Fp8BlockwiseTracksBf16AndReplaysAsAGraph) {
         if (s == 0) {
             first_b = lb;
             first_f = lf;
+            first_h = lh;
         }
-        last_b = lb, last_f = lf;
+        last_b = lb, last_f = lf, last_h = lh;
     }
     EXPECT_TRUE(differs) << "the FP8 run reproduced bf16 exactly: its GEMMs did not run";
+    EXPECT_TRUE(head_differs) << "fp8_output_proj reproduced the bf16 head exactly";
+    EXPECT_LT(last_h, first_h);
     EXPECT_LT(last_f, first_f);
     EXPECT_LT(last_b, first_b);
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpu/harness.h"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/copy/copy.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"
@@ -118,6 +119,84 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
     expect_guard(dw16, "head dw (bf16)");
 }
 }  // namespace
+
+namespace {
+// The head's GEMMs in FP8 blockwise (fp8_output_proj: W and W^T quantized 128x128, the operands
+// 1x128) against the fp32 CPU reference: the loss, dh and dw (into fp32 and into a bf16 gradient)
+// within e4m3's error (3 mantissa bits: a few percent of each result's norm, where a GEMM on a
+// wrong layout or scale is off by its whole norm), the weight gradient in groups of
+// `dlogits_rows`.
+void head_cross_entropy_fp8_check(const cuda::CudaSession& session, int64_t dlogits_rows) {
+    SCOPED_TRACE(cat("FP8 head, dlogits rows ", dlogits_rows));
+    const ExecContext& ctx = session.ctx();
+    const int64_t rows = 144, dim = 256, chunk = 48, vocab = 1024;
+    Rounded h(rows * dim, 71), w(vocab * dim, 72, 0.5);
+    std::vector<int32_t> tgt(rows);
+    for (int64_t r = 0; r < rows; ++r) tgt[r] = r % 9 == 4 ? -1 : int32_t((r * 131) % vocab);
+    DeviceArray<int32_t> dtgt(tgt);
+    DeviceArray<float> logits(chunk * vocab), row_loss(rows), w32(w.host);
+    DeviceArray<bf16> dlogits(dlogits_rows * vocab), dh(rows * dim);
+    DeviceArray<double> total(2);
+    // W and W^T in FP8 (the model quantizes its head's master so every forward).
+    DeviceArray<uint8_t> wq(vocab * dim), wqt(vocab * dim);
+    DeviceArray<float> ws(fp8::scales_128x128(vocab, dim)), wst(fp8::scales_128x128(dim, vocab));
+    cuda::quantize_fp8_128x128_both(ctx, w32, vocab, dim, true, wq, ws, wqt, wst);
+    const cuda::HeadFp8Scratch f = cuda::head_fp8_scratch(chunk, dlogits_rows, dim, vocab);
+    DeviceArray<uint8_t> qa(f.qa), qb(f.qb);
+    DeviceArray<float> sa(f.sa), sb(f.sb);
+    const cuda::HeadFp8 fp8{
+        .w = {wq, ws, true}, .wt = {wqt, wst, true}, .qa = qa, .qb = qb, .sa = sa, .sb = sb};
+    const float gs = 1.f / 133.f;
+    std::vector<float> lws(chunk * vocab), dhr(rows * dim), dwr(vocab * dim, 0.f);
+    double loss = 0;
+    int64_t count = 0;
+    cpu::head_cross_entropy<float>(h.host.data(), rows, dim, w.host.data(), vocab, tgt.data(),
+                                   chunk, lws.data(), gs, dhr.data(), dwr.data(), &loss, &count);
+    for (const DType dw_type : {DType::F32, DType::BF16}) {
+        SCOPED_TRACE(dw_type == DType::F32 ? "fp32 dw" : "bf16 dw");
+        DeviceArray<float> dw32(vocab * dim);
+        DeviceArray<bf16> dw16(vocab * dim);
+        void* dw = dw_type == DType::F32 ? static_cast<void*>(dw32) : static_cast<void*>(dw16);
+        cuda::head_cross_entropy(ctx,
+                                 {.h = h.dev,
+                                  .rows = rows,
+                                  .dim = dim,
+                                  .w = nullptr,  // read through the FP8 copies only
+                                  .vocab = vocab,
+                                  .targets = dtgt,
+                                  .chunk_rows = chunk,
+                                  .logits_ws = logits,
+                                  .dlogits_ws = dlogits,
+                                  .dlogits_rows = dlogits_rows,
+                                  .grad_scale = gs,
+                                  .dw_beta = 0.f,  // written: its old values are not read
+                                  .dw_type = dw_type,
+                                  .fp8 = &fp8},
+                                 row_loss, dh, dw);
+        cuda::loss_sum(ctx, row_loss, dtgt, rows, total);
+        session.synchronize();
+        const auto t = total.download();
+        std::cout << "[harness] FP8 head loss sum gpu " << t[0] << " cpu " << loss << "\n";
+        EXPECT_NEAR(t[0], loss, 1e-2 * std::fabs(loss));
+        EXPECT_EQ(int64_t(t[1]), count);
+        expect_close("FP8 head dh", download_f(dh), dhr, 8e-2);
+        expect_close("FP8 head dw", dw_type == DType::F32 ? dw32.download() : download_f(dw16), dwr,
+                     8e-2);
+        expect_guard(dlogits, "FP8 head dlogits");
+        expect_guard(qa, "FP8 head operand a");
+        expect_guard(qb, "FP8 head operand b");
+        expect_guard(sa, "FP8 head operand a scales");
+        expect_guard(sb, "FP8 head operand b scales");
+    }
+}
+}  // namespace
+
+// All rows' dlogits in one weight-gradient GEMM, and in groups of two chunks (the second group
+// one chunk).
+TEST_F(LossCuda, HeadCrossEntropyFp8) {
+    head_cross_entropy_fp8_check(*session_, 144);
+    head_cross_entropy_fp8_check(*session_, 96);
+}
 
 // Both softmax kernels: 704 columns take the 16-byte online one, 701 the three-pass one.
 TEST_F(LossCuda, SoftmaxRowsBothKernels) {

@@ -12,8 +12,9 @@
 // reads the copy as it arrived. The routed experts' forward and input-gradient
 // GEMMs run FP8 through the grouped FP8 kernel (add_experts: every expert's W and W^T, packed);
 // their weight gradients stay bf16 (an FP8 form needs the tokens quantized per expert segment).
-// Router, norms, the indexer, the absorbed attention core and the output head stay bf16 (SPEC §6
-// keeps the first three out; the last two have no FP8 kernel here yet).
+// Router, norms, the indexer and the absorbed attention core stay bf16 (SPEC §6 keeps the first
+// three out; the last has no FP8 kernel here yet); the output head too unless fp8_output_proj
+// (its GEMMs then quantize inside head_cross_entropy, ops/loss/loss.h, from the model's copy).
 #pragma once
 
 #include <vector>

@@ -105,6 +105,17 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         B_.in_region(dlogits_, "grad.attn.q_absorbed | grad.attn.o | head.dlogits",
                      {cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), V});
         B_.scratch(row_loss_, "head.row_loss", {Tn});
+        if (fp8_ && cfg.fp8_output_proj) {
+            head_fp8_on_ = true;
+            head8_.rows = V, head8_.cols = h;
+            B_.param_copy(head8_.block, "lm_head.weight.fp8", {head8_.bytes()});
+            const HeadFp8Scratch f = head_fp8_scratch(
+                chunk_rows_, cuda::head_dlogits_rows(T_, chunk_rows_, cfg.hidden_size), h, V);
+            B_.scratch(head_fp8_.qa, "head.fp8_operand_a", {f.qa});
+            B_.scratch(head_fp8_.qb, "head.fp8_operand_b", {f.qb});
+            B_.scratch(head_fp8_.sa, "head.fp8_operand_a_scales", {f.sa});
+            B_.scratch(head_fp8_.sb, "head.fp8_operand_b_scales", {f.sb});
+        }
     }
     if (D_ > 0) {
         for (int64_t j = 0; j < cfg.mtp_physical_layers(); ++j) {
@@ -187,6 +198,14 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     const std::vector<int64_t> fp8_params = fp8_ ? fp8_->params() : std::vector<int64_t>{};
     if (fp8_)
         for (const int64_t i : fp8_->quantized_here()) P_->read_master(i);
+    if (head_fp8_on_) {
+        // The head's FP8 copy is quantized here from its whole master.
+        ST_CHECK(!masters.split(head_),
+                 "fp8_output_proj quantizes the output layer from its fp32 master, which the "
+                 "distributed optimizer splits by rows over ",
+                 masters.ranks, " ranks here: run it without use_distributed_optimizer");
+        P_->read_master(head_);
+    }
     // Optimizer offload: the masters this rank updates, in parameter order, while their bytes
     // stay within the fraction; not a master every rank keeps under the distributed optimizer
     // (its owner broadcasts it over NCCL, from device memory), nor one a GEMM reads (routers).
@@ -247,6 +266,10 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
     if (fp8_) fp8_->bind(*P_);
+    if (head_fp8_on_) {
+        head_fp8_.w = {head8_.q(), head8_.s(), true};
+        head_fp8_.wt = {head8_.qt(), head8_.st(), true};
+    }
     if (offload_) offload_->bind(ctx);
     carve_inputs();
     in_.all_key_rows = all_key_rows_;
@@ -461,6 +484,7 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     // the masters change only between steps), but for those the optimizer gathers from their
     // owners after each update.
     if (fp8_) fp8_->quantize(ctx);
+    if (head_fp8_on_) quantize_fp8_copy(ctx, (*P_)[head_].master, head8_);
     if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     // Activation offload's schedule around each layer application (steps with a backward).
@@ -612,7 +636,8 @@ cuda::HeadLoss CudaGlm5Model::head_loss(const bf16* h, const int32_t* targets, c
             .grad_scale = 1.f,
             .grad_scale_dev = scale,
             .dw_beta = dw_beta,
-            .dw_type = (*P_)[head_].grad_type()};
+            .dw_type = (*P_)[head_].grad_type(),
+            .fp8 = head_fp8_on_ ? &head_fp8_ : nullptr};
 }
 
 void CudaGlm5Model::mtp_forward(const ExecContext& ctx, const LossScales& sc,

@@ -200,6 +200,11 @@ class CudaGlm5Model {
     std::unique_ptr<MoeStash> stash_;
     std::unique_ptr<ActivationOffload> offload_;  // fine_grained_activation_offloading
     std::unique_ptr<Fp8Weights> fp8_;
+    // fp8_output_proj: the head's FP8 W and W^T (quantized from its master every forward) and
+    // the operands' scratch; `head_fp8_on_` false: the head's GEMMs in bf16.
+    Fp8Copy head8_;
+    HeadFp8 head_fp8_;
+    bool head_fp8_on_ = false;
     int64_t T_, max_docs_, chunk_rows_, D_ = 0;
     // Input words of the documents' rows and aux-loss weights (CudaInputs::docs).
     int64_t doc_words() const { return 3 * max_docs_ + 1; }

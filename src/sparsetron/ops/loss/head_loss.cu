@@ -1,7 +1,10 @@
 // Output head fused with cross-entropy, one chunk of rows at a time: [chunk, V] fp32 logits from
 // cuBLASLt, one block per row for the softmax statistics and dlogits, the input gradient per
 // chunk, and the weight gradient once over all rows' dlogits.
+#include <algorithm>
+
 #include "sparsetron/ops/common/device_util.cuh"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"
 
@@ -9,6 +12,7 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr bool kPow2 = true;  // the FP8 head's scales: powers of two, as the blockwise recipe's
 
 // Adds four values to the online statistics (one rescale at most).
 __device__ __forceinline__ void online_add4(float& mx, float& l, float4 x) {
@@ -121,28 +125,72 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
     const int64_t group = dw ? std::min(rows, p.dlogits_rows) : chunk_rows;
     ST_ASSERT(!dw || (group > 0 && (group == rows || group % chunk_rows == 0)),
               "head_cross_entropy: dlogits rows must be all rows or a multiple of chunk rows");
+    const HeadFp8* f8 = p.fp8;
+    // The block-scaled GEMMs contract over multiples of 16: dim (logits), the vocabulary (dh),
+    // the rows of a group of dlogits (dw).
+    ST_CHECK(!f8 || (dim % 16 == 0 && vocab % 16 == 0 && chunk_rows % 16 == 0 && rows % 16 == 0),
+             "fp8_output_proj needs the hidden size (", dim, "), the vocabulary (", vocab,
+             "), the loss chunk (", chunk_rows, ") and the micro-batch rows (", rows,
+             ") in multiples of 16");
     for (int64_t g0 = 0; g0 < rows; g0 += group) {
         const int64_t g1 = std::min(rows, g0 + group);
         for (int64_t r0 = g0; r0 < g1; r0 += chunk_rows) {
             const int64_t n = std::min(chunk_rows, g1 - r0);
             // With dw, the group's chunks' dlogits stay for its weight-gradient GEMM below.
             bf16* dl = dw ? dlogits_ws + (r0 - g0) * vocab : dlogits_ws;
-            gemm(ctx, false, true, n, vocab, dim, 1.f, h + r0 * dim, dim, w, dim, 0.f, logits_ws,
-                 vocab, DType::BF16, DType::F32);
+            if (f8) {
+                quantize_fp8_1x128(ctx, h + r0 * dim, n, dim, dim, kPow2, f8->qa, f8->sa);
+                gemm_fp8_blockwise(ctx, n, vocab, dim, {f8->qa, f8->sa, false}, f8->w, logits_ws,
+                                   vocab);
+            } else {
+                gemm(ctx, false, true, n, vocab, dim, 1.f, h + r0 * dim, dim, w, dim, 0.f,
+                     logits_ws, vocab, DType::BF16, DType::F32);
+            }
             cross_entropy_rows<<<n, kThreads, 0, stream_of(ctx)>>>(
                 logits_ws, vocab, targets + r0, grad_scale, grad_scale_dev, row_loss + r0,
                 backward ? dev(dl) : nullptr);
             ST_CUDA_LAUNCH_CHECK();
-            if (dh)
+            if (dh && f8) {
+                quantize_fp8_1x128(ctx, dl, n, vocab, vocab, kPow2, f8->qa, f8->sa);
+                gemm_fp8_blockwise(ctx, n, dim, vocab, {f8->qa, f8->sa, false}, f8->wt,
+                                   dh + r0 * dim, dim);
+            } else if (dh) {
                 gemm(ctx, false, false, n, dim, vocab, 1.f, dl, vocab, w, dim, 0.f, dh + r0 * dim,
                      dim);
+            }
         }
         // One pass over the fp32 [vocab, dim] gradient (3.8 GB at GLM-5's shape) per group of
         // chunks, not per chunk: the accumulation's memory traffic, not its FLOPs, is the cost.
-        if (dw)
+        const float beta = g0 == 0 ? dw_beta : 1.f;
+        if (dw && f8) {
+            // dlogits^T and h^T quantized along the group's rows: the contraction's dimension.
+            const int64_t m = g1 - g0;
+            quantize_fp8_1x128_columns(ctx, dlogits_ws, m, vocab, vocab, kPow2, f8->qa, f8->sa);
+            quantize_fp8_1x128_columns(ctx, h + g0 * dim, m, dim, dim, kPow2, f8->qb, f8->sb);
+            const Fp8Operand a{f8->qa, f8->sa, false}, b{f8->qb, f8->sb, false};
+            if (p.dw_type == DType::BF16)
+                gemm_fp8_blockwise(ctx, vocab, dim, m, a, b, static_cast<bf16*>(dw), dim,
+                                   beta != 0.f);
+            else
+                gemm_fp8_blockwise(ctx, vocab, dim, m, a, b, static_cast<float*>(dw), dim,
+                                   beta != 0.f);
+        } else if (dw) {
             gemm(ctx, true, false, vocab, dim, g1 - g0, 1.f, dlogits_ws, vocab, h + g0 * dim, dim,
-                 g0 == 0 ? dw_beta : 1.f, dw, dim, DType::BF16, p.dw_type);
+                 beta, dw, dim, DType::BF16, p.dw_type);
+        }
     }
+}
+
+HeadFp8Scratch head_fp8_scratch(int64_t chunk_rows, int64_t dlogits_rows, int64_t dim,
+                                int64_t vocab) {
+    // a: h's rows [chunk, dim] (logits), dlogits [chunk, vocab] (dh), dlogits^T [vocab, group]
+    // (dw); b: h^T [dim, group] (dw).
+    const int64_t c = chunk_rows, g = dlogits_rows;
+    return {.qa = std::max(c, g) * std::max(dim, vocab),
+            .qb = dim * g,
+            .sa = std::max({fp8::scales_1x128(c, dim), fp8::scales_1x128(c, vocab),
+                            fp8::scales_1x128(vocab, g)}),
+            .sb = fp8::scales_1x128(dim, g)};
 }
 
 int64_t head_dlogits_rows(int64_t rows, int64_t chunk_rows, int64_t dim) {

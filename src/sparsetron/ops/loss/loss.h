@@ -8,6 +8,7 @@
 
 #include "sparsetron/core/dtype.h"
 #include "sparsetron/core/exec_context.h"
+#include "sparsetron/ops/fp8/fp8.h"
 
 namespace sparsetron::cpu {
 
@@ -52,6 +53,22 @@ namespace sparsetron::cuda {
 // keeps the memory linear in the chunk, not in the rows. With `grad_scale_dev` (a device scalar:
 // graph-safe) the scale is grad_scale * *grad_scale_dev. dw = dw_beta * dw + the gradient (0:
 // overwrite).
+// The head's three GEMMs in FP8 blockwise (fp8_output_proj, the fp8_recipe's scaling): logits
+// = h W^T (h 1x128 along dim, W 128x128), dh = dlogits W (dlogits 1x128 along the vocabulary,
+// W^T 128x128), dw += dlogits^T h (both 1x128 along the rows), products summed in fp32. The
+// operands are quantized into `a` and `b` (HeadFp8Scratch's sizes); dim and vocab multiples of
+// 16, chunk_rows and rows of 16.
+struct HeadFp8 {
+    Fp8Operand w, wt;  // W [vocab, dim] and W^T [dim, vocab], 128x128 scales
+    uint8_t *qa = nullptr, *qb = nullptr;
+    float *sa = nullptr, *sb = nullptr;
+};
+struct HeadFp8Scratch {
+    int64_t qa = 0, qb = 0, sa = 0, sb = 0;  // bytes of qa and qb, floats of sa and sb
+};
+HeadFp8Scratch head_fp8_scratch(int64_t chunk_rows, int64_t dlogits_rows, int64_t dim,
+                                int64_t vocab);
+
 struct HeadLoss {
     const bf16* h = nullptr;  // [rows, dim]
     int64_t rows = 0, dim = 0;
@@ -65,7 +82,8 @@ struct HeadLoss {
     float grad_scale = 1.f;
     const float* grad_scale_dev = nullptr;
     float dw_beta = 1.f;
-    DType dw_type = DType::F32;  // the weight gradient's: F32, or BF16 (a bf16 gradient buffer)
+    DType dw_type = DType::F32;    // the weight gradient's: F32, or BF16 (a bf16 gradient buffer)
+    const HeadFp8* fp8 = nullptr;  // the GEMMs in FP8 (then `w` is not read), or bf16
 };
 void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_loss, bf16* dh,
                         void* dw);

@@ -881,6 +881,28 @@ TEST(Plan, Bf16GradientBuffersHalveTheGemmWeightsGradients) {
 #endif
 }
 
+// fp8_output_proj (planned without a GPU): the head's FP8 W and W^T and its operands' scratch
+// are planned; the head's bf16 copy stays only where the e2e TV loss reads it (the proxy's MTP).
+TEST(Plan, Fp8OutputProjPlansTheHeadsFp8CopyAndDropsAnUnreadBf16One) {
+#if SPARSETRON_WITH_CUDA
+    const std::vector<std::string> fp8 = {"fp8_recipe=blockwise"};
+    std::vector<std::string> head = fp8;
+    head.push_back("fp8_output_proj=true");
+    for (const bool mtp : {false, true}) {
+        std::vector<std::string> a = fp8, b = head;
+        if (!mtp) a.push_back("mtp_num_layers=0"), b.push_back("mtp_num_layers=0");
+        const MemoryPlan off = proxy_device_plan(a), on = proxy_device_plan(b);
+        EXPECT_FALSE(plan_has(off, "lm_head.weight.fp8"));
+        EXPECT_TRUE(plan_has(on, "lm_head.weight.fp8")) << "mtp " << mtp;
+        EXPECT_TRUE(plan_has(on, "head.fp8_operand_a")) << "mtp " << mtp;
+        EXPECT_TRUE(plan_has(off, "lm_head.weight.bf16"));
+        EXPECT_EQ(plan_has(on, "lm_head.weight.bf16"), mtp) << "mtp " << mtp;
+    }
+#else
+    GTEST_SKIP() << "built without CUDA: no device plan";
+#endif
+}
+
 // fp8_param_gather (planned without a GPU): on the proxy at DP4 with the blockwise FP8 recipe,
 // an FP8 linear's fp32 master is planned on its owner alone, which broadcasts the FP8 copy every
 // rank plans; without the key every rank keeps the master its quantizer reads. The routed

@@ -242,7 +242,10 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
             store_->plan_value(i, where);
         }
     }
-    P_->plan_bf16(plan, fp8_params);
+    // With fp8_output_proj the head's bf16 copy is read only by the e2e TV loss's logits.
+    std::vector<int64_t> unread = fp8_params;
+    if (head_fp8_on_ && !(D_ > 0 && cfg.mtp_loss_type == "e2e_tv")) unread.push_back(head_);
+    P_->plan_bf16(plan, unread);
 }
 
 void CudaGlm5Model::carve_inputs() {

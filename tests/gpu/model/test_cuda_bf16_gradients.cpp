@@ -64,4 +64,33 @@ TEST(CudaBf16Gradients, TrackFp32GradientsOnOneGpuAndMatchItOverDataParallelThre
     }
 }
 
+// With the FP8 linears (their weight-gradient GEMMs writing the bf16 gradients), the FP8 head and
+// the step replayed as a full-iteration graph: the same tracking of the fp32-gradient run.
+TEST(CudaBf16Gradients, TrackFp32GradientsWithFp8AndTheStepGraph) {
+    REQUIRE_GPU();
+    const std::vector<std::string> model = {"optimizer=muon", "fp8_recipe=blockwise",
+                                            "fp8_output_proj=true"};
+    std::vector<std::string> half = model;
+    for (const char* s : {"grad_reduce_in_bf16=true", "cuda_graph_impl=full_iteration",
+                          "cuda_graph_warmup_steps=1"})
+        half.push_back(s);
+    const auto fp32 = train(trainer_recipe(1, model),
+                            {temp_dir("fp8-fp32-grads"), "", Device::CUDA, false, nullptr});
+    const auto bf16 = train(trainer_recipe(1, half),
+                            {temp_dir("fp8-bf16-grads-graph"), "", Device::CUDA, false, nullptr});
+    ASSERT_EQ(fp32.size(), 4u);
+    ASSERT_EQ(bf16.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+        const StepMetrics &b = bf16[i], &f = fp32[i];
+        std::cout << "[bf16 gradients fp8 graph] step " << i + 1 << ": lm " << b.lm_loss << " vs "
+                  << f.lm_loss << ", grad_norm " << b.grad_norm << " vs " << f.grad_norm
+                  << (b.graph ? " (replay)" : "") << "\n";
+        const double loss_tol = i == 0 ? 1e-6 : 2e-3;
+        EXPECT_NEAR(b.lm_loss, f.lm_loss, loss_tol * f.lm_loss) << "step " << i + 1;
+        EXPECT_NEAR(b.grad_norm, f.grad_norm, 1e-2 * f.grad_norm) << "step " << i + 1;
+        EXPECT_EQ(b.graph, i >= 1) << "step " << i + 1;
+    }
+    EXPECT_NE(bf16[0].grad_norm, fp32[0].grad_norm);
+}
+
 #endif

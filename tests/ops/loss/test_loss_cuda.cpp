@@ -48,6 +48,23 @@ TEST_F(LossCuda, HeadCrossEntropyChunked) {
 }
 
 namespace {
+// A head_cross_entropy call's arguments but the gradient's type and the FP8 form.
+cuda::HeadLoss head_args(const bf16* h, int64_t rows, int64_t dim, const bf16* w, int64_t vocab,
+                         const int32_t* targets, int64_t chunk, float* logits, bf16* dlogits,
+                         int64_t dlogits_rows, float grad_scale) {
+    return {.h = h,
+            .rows = rows,
+            .dim = dim,
+            .w = w,
+            .vocab = vocab,
+            .targets = targets,
+            .chunk_rows = chunk,
+            .logits_ws = logits,
+            .dlogits_ws = dlogits,
+            .dlogits_rows = dlogits_rows,
+            .grad_scale = grad_scale};
+}
+
 void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
                               int64_t dlogits_rows) {
     SCOPED_TRACE(cat("vocab ", vocab, ", dlogits rows ", dlogits_rows));
@@ -63,19 +80,9 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
     DeviceArray<float> dw(dw0);
     DeviceArray<double> total(2);
     const float gs = 1.f / 133.f;
-    cuda::head_cross_entropy(ctx,
-                             {.h = h.dev,
-                              .rows = rows,
-                              .dim = dim,
-                              .w = w.dev,
-                              .vocab = vocab,
-                              .targets = dtgt,
-                              .chunk_rows = chunk,
-                              .logits_ws = logits,
-                              .dlogits_ws = dlogits,
-                              .dlogits_rows = dlogits_rows,
-                              .grad_scale = gs},
-                             row_loss, dh, dw);
+    const cuda::HeadLoss args =
+        head_args(h.dev, rows, dim, w.dev, vocab, dtgt, chunk, logits, dlogits, dlogits_rows, gs);
+    cuda::head_cross_entropy(ctx, args, row_loss, dh, dw);
     cuda::loss_sum(ctx, row_loss, dtgt, rows, total);
     session.synchronize();
     std::vector<float> lws(chunk * vocab), dhr(rows * dim), dwr = dw0;
@@ -97,20 +104,9 @@ void head_cross_entropy_check(const cuda::CudaSession& session, int64_t vocab,
     std::vector<bf16> dw0_16(dw0.size());
     for (size_t i = 0; i < dw0.size(); ++i) dw0_16[i] = float_to_bf16(dw0[i]);
     DeviceArray<bf16> dw16(dw0_16);
-    cuda::head_cross_entropy(ctx,
-                             {.h = h.dev,
-                              .rows = rows,
-                              .dim = dim,
-                              .w = w.dev,
-                              .vocab = vocab,
-                              .targets = dtgt,
-                              .chunk_rows = chunk,
-                              .logits_ws = logits,
-                              .dlogits_ws = dlogits,
-                              .dlogits_rows = dlogits_rows,
-                              .grad_scale = gs,
-                              .dw_type = DType::BF16},
-                             row_loss, nullptr, dw16);
+    cuda::HeadLoss args16 = args;
+    args16.dw_type = DType::BF16;
+    cuda::head_cross_entropy(ctx, args16, row_loss, nullptr, dw16);
     session.synchronize();
     expect_close("head dw (bf16 gradient)", download_f(dw16), dwr, 4e-3);
     expect_guard(dlogits, "head dlogits");
@@ -157,22 +153,11 @@ void head_cross_entropy_fp8_check(const cuda::CudaSession& session, int64_t dlog
         DeviceArray<float> dw32(vocab * dim);
         DeviceArray<bf16> dw16(vocab * dim);
         void* dw = dw_type == DType::F32 ? static_cast<void*>(dw32) : static_cast<void*>(dw16);
-        cuda::head_cross_entropy(ctx,
-                                 {.h = h.dev,
-                                  .rows = rows,
-                                  .dim = dim,
-                                  .w = nullptr,  // read through the FP8 copies only
-                                  .vocab = vocab,
-                                  .targets = dtgt,
-                                  .chunk_rows = chunk,
-                                  .logits_ws = logits,
-                                  .dlogits_ws = dlogits,
-                                  .dlogits_rows = dlogits_rows,
-                                  .grad_scale = gs,
-                                  .dw_beta = 0.f,  // written: its old values are not read
-                                  .dw_type = dw_type,
-                                  .fp8 = &fp8},
-                                 row_loss, dh, dw);
+        // W is read through its FP8 copies only; dw is written (its old values not read).
+        cuda::HeadLoss args = head_args(h.dev, rows, dim, nullptr, vocab, dtgt, chunk, logits,
+                                        dlogits, dlogits_rows, gs);
+        args.dw_beta = 0.f, args.dw_type = dw_type, args.fp8 = &fp8;
+        cuda::head_cross_entropy(ctx, args, row_loss, dh, dw);
         cuda::loss_sum(ctx, row_loss, dtgt, rows, total);
         session.synchronize();
         const auto t = total.download();

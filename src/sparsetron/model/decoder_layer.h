@@ -49,6 +49,13 @@ class DecoderLayer {
     bool has_indexer() const { return indexer_ != nullptr; }
     int64_t kslots() const { return kslots_; }
     MoeLayer<T>* moe() { return moe_.get(); }
+    // The FP8 blockwise recipe for the layer's linears (the MLA projections but kv_b, the dense
+    // MLP, the experts' MLPs), as the CUDA model runs them.
+    void set_fp8(bool on) {
+        attn_->set_fp8(on);
+        if (mlp_) mlp_->set_fp8(on, on);
+        if (moe_) moe_->set_fp8(on);
+    }
 
     // out = layer(x). A full DSA layer fills A.idx and points A.topk at it; a shared layer must
     // have A.topk set by the caller. indexer_grad_scale: 0 = no indexer gradient.

@@ -9,6 +9,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/cp_rows.h"
+#include "sparsetron/model/fp8_gemms.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"
@@ -387,7 +388,7 @@ void Glm5Model<T>::mtp_forward(const LossScales& sc, LossSums& out) {
             std::copy_n(A.en + i * h, h, A.cat + i * 2 * h);  // embedding half first
             std::copy_n(A.hn + i * h, h, A.cat + i * 2 * h + h);
         }
-        gemm<T>(false, true, Tn, h, 2 * h, 1, A.cat, 2 * h, param(M.eh_proj), 2 * h, 0, A.hin, h);
+        linear_forward(fp8_, A.cat, 2 * h, Tn, 2 * h, param(M.eh_proj), h, A.hin, h, false);
         LayerLosses ll = M.layer->forward(A.layer, A.hin, A.hout, in_, idx_gs, sc.aux);
         out.indexer_loss += ll.indexer;
         if (M.layer->has_indexer() && !A.layer.skip_indexer)
@@ -501,9 +502,8 @@ void Glm5Model<T>::mtp_backward(const LossScales& sc) {
         cpu::rmsnorm_backward(dmtp_zk_[k], h, A.hout, h, param(M.norm), A.rstd_z, Tn, h, dmtp_z_, h,
                               true, grad(M.norm));
         M.layer->backward(A.layer, A.hin, dmtp_z_, in_, sc.aux, dmtp_kv_);  // dmtp_z_ = d h'
-        gemm<T>(false, false, Tn, 2 * h, h, 1, dmtp_z_, h, param(M.eh_proj), 2 * h, 0, dmtp_cat_,
-                2 * h);
-        gemm<T>(true, false, h, 2 * h, Tn, 1, dmtp_z_, h, A.cat, 2 * h, 1, grad(M.eh_proj), 2 * h);
+        linear_dgrad(fp8_, dmtp_z_, h, Tn, h, param(M.eh_proj), 2 * h, dmtp_cat_, 2 * h, false);
+        linear_wgrad(fp8_, dmtp_z_, h, Tn, h, A.cat, 2 * h, 2 * h, grad(M.eh_proj));
         // Embedding half.
         cpu::rmsnorm_backward(dmtp_cat_, 2 * h, A.e, h, param(M.enorm), A.rstd_e, Tn, h, dmtp_e_, h,
                               false, grad(M.enorm));
@@ -598,6 +598,13 @@ void Glm5Model<T>::set_expert_parallel(Comm* ep) {
         if (l->moe()) l->moe()->set_expert_parallel(ep);
     for (auto& m : mtp_layers_)
         if (m.layer->moe()) m.layer->moe()->set_expert_parallel(ep);
+}
+
+template <typename T>
+void Glm5Model<T>::set_fp8_blockwise(bool on) {
+    fp8_ = on;
+    for (auto& l : layers_) l->set_fp8(on);
+    for (MtpLayer& m : mtp_layers_) m.layer->set_fp8(on);
 }
 
 template <typename T>

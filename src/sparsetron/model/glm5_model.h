@@ -84,6 +84,10 @@ class Glm5Model {
     // Context parallelism over `cp` (the layout's CP group; the model must be planned with
     // key_tokens). Loss sums are then this rank's rows' shares: they add up over the group.
     void set_context_parallel(Comm* cp);
+    // fp8_recipe: blockwise (float models): the linears the CUDA model runs in FP8 (every
+    // layer's MLA projections but kv_b, dense and shared MLPs, the routed experts' forward and
+    // input-gradient GEMMs, the MTP eh_proj) through the same quantizers (model/fp8_gemms.h).
+    void set_fp8_blockwise(bool on);
     void update_router_bias(double rate);
 
     // Logits of token slot `row` after a forward: final-norm output @ lm_head^T, [vocab].
@@ -162,6 +166,7 @@ class Glm5Model {
         std::unique_ptr<DecoderLayer<T>> layer;
     };
     std::vector<MtpLayer> mtp_layers_;
+    bool fp8_ = false;                         // set_fp8_blockwise: the MTP eh_proj's GEMMs
     const MtpLayer& mtp_at(int64_t k) const {  // the layer of depth k + 1
         return mtp_layers_[cfg_.mtp_use_repeated_layer ? 0 : size_t(k)];
     }

@@ -6,6 +6,7 @@
 #include "sparsetron/core/error.h"
 #include "sparsetron/core/thread_pool.h"
 #include "sparsetron/model/cp_rows.h"
+#include "sparsetron/model/fp8_gemms.h"
 #include "sparsetron/ops/attention/attention.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
 #include "sparsetron/ops/gemm/gemm.h"
@@ -119,14 +120,14 @@ double MlaAttention<T>::scale() const {
 template <typename T>
 void MlaAttention<T>::project(const Acts& A, const T* a, const StepInputs& in) const {
     const int64_t Tn = T_, L = kr_ + dr_;
-    gemm<T>(false, true, Tn, qr_, h_, 1, a, h_, p_[q_a_], h_, 0, A.cq_raw, qr_);
+    linear_forward(fp8_, a, h_, Tn, h_, p_[q_a_], qr_, A.cq_raw, qr_, false);
     cpu::rmsnorm_forward(A.cq_raw, qr_, p_[q_a_norm_], Tn, qr_, c_.latent_norm_epsilon, A.cq, qr_,
                          A.rstd_q);
-    gemm<T>(false, true, Tn, H_ * dq_, qr_, 1, A.cq, qr_, p_[q_b_], qr_, 0, A.q, H_ * dq_);
+    linear_forward(fp8_, A.cq, qr_, Tn, qr_, p_[q_b_], H_ * dq_, A.q, H_ * dq_, false);
     cpu::rope(A.q + dn_, Tn, H_, dr_, H_ * dq_, dq_, in.positions, c_.rotary_base,
               c_.rotary_interleaved, false);
     if (!A.kabs_shared) {
-        gemm<T>(false, true, Tn, L, h_, 1, a, h_, p_[kv_a_], h_, 0, A.ckv, L);
+        linear_forward(fp8_, a, h_, Tn, h_, p_[kv_a_], L, A.ckv, L, false);
         cpu::rmsnorm_forward(A.ckv, L, p_[kv_a_norm_], Tn, kr_, c_.latent_norm_epsilon, A.ckv_n,
                              kr_, A.rstd_kv);
         cpu::rope(A.ckv + kr_, Tn, 1, dr_, L, 0, in.positions, c_.rotary_base,
@@ -184,7 +185,7 @@ void MlaAttention<T>::attend(const Acts& A, const StepInputs& in, const int32_t*
         cpu::attention_forward(s, A.q, A.k, A.kv + dn_, in.cu_seqlens, in.num_docs, scale(), A.o,
                                A.lse);
     }
-    gemm<T>(false, true, Tn, h_, H_ * dv_, 1, A.o, H_ * dv_, p_[o_], H_ * dv_, 1, x_accum, h_);
+    linear_forward(fp8_, A.o, H_ * dv_, Tn, H_ * dv_, p_[o_], h_, x_accum, h_, true);
 }
 
 template <typename T>
@@ -193,8 +194,8 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
                                T* kv_grad_accum) const {
     const int64_t Tn = T_, L = kr_ + dr_;
     T* gkvb = g_[kv_b_];
-    gemm<T>(false, false, Tn, H_ * dv_, h_, 1, dy, h_, p_[o_], H_ * dv_, 0, do_, H_ * dv_);
-    gemm<T>(true, false, h_, H_ * dv_, Tn, 1, dy, h_, A.o, H_ * dv_, 1, g_[o_], H_ * dv_);
+    linear_dgrad(fp8_, dy, h_, Tn, h_, p_[o_], H_ * dv_, do_, H_ * dv_, false);
+    linear_wgrad(fp8_, dy, h_, Tn, h_, A.o, H_ * dv_, H_ * dv_, g_[o_]);
     if (absorbed_) {
         for (int64_t hh = 0; hh < H_; ++hh) {
             const int64_t uv = (hh * (dn_ + dv_) + dn_) * kr_;
@@ -265,15 +266,15 @@ void MlaAttention<T>::backward(const Acts& A, const T* a, const T* dy, const Ste
         cpu::rmsnorm_backward(dckv_n_, kr_, A.ckv, L, p_[kv_a_norm_], A.rstd_kv, Tn, kr_, dckv_, L,
                               false, g_[kv_a_norm_]);
     }
-    gemm<T>(false, false, Tn, qr_, H_ * dq_, 1, dq_b_, H_ * dq_, p_[q_b_], qr_, 0, dcq_, qr_);
-    gemm<T>(true, false, H_ * dq_, qr_, Tn, 1, dq_b_, H_ * dq_, A.cq, qr_, 1, g_[q_b_], qr_);
+    linear_dgrad(fp8_, dq_b_, H_ * dq_, Tn, H_ * dq_, p_[q_b_], qr_, dcq_, qr_, false);
+    linear_wgrad(fp8_, dq_b_, H_ * dq_, Tn, H_ * dq_, A.cq, qr_, qr_, g_[q_b_]);
     cpu::rmsnorm_backward(dcq_, qr_, A.cq_raw, qr_, p_[q_a_norm_], A.rstd_q, Tn, qr_, dcq_raw_, qr_,
                           false, g_[q_a_norm_]);
-    gemm<T>(false, false, Tn, h_, qr_, 1, dcq_raw_, qr_, p_[q_a_], h_, 0, da, h_);
-    gemm<T>(true, false, qr_, h_, Tn, 1, dcq_raw_, qr_, a, h_, 1, g_[q_a_], h_);
+    linear_dgrad(fp8_, dcq_raw_, qr_, Tn, qr_, p_[q_a_], h_, da, h_, false);
+    linear_wgrad(fp8_, dcq_raw_, qr_, Tn, qr_, a, h_, h_, g_[q_a_]);
     if (kv_path) {
-        gemm<T>(false, false, Tn, h_, L, 1, dckv_, L, p_[kv_a_], h_, 1, da, h_);
-        gemm<T>(true, false, L, h_, Tn, 1, dckv_, L, a, h_, 1, g_[kv_a_], h_);
+        linear_dgrad(fp8_, dckv_, L, Tn, L, p_[kv_a_], h_, da, h_, true);
+        linear_wgrad(fp8_, dckv_, L, Tn, L, a, h_, h_, g_[kv_a_]);
     }
 }
 

@@ -59,8 +59,12 @@ class MlaAttention {
 
     double scale() const;
     int64_t latent_dim() const { return kr_ + dr_; }  // 576 for GLM-5
+    // q_a, q_b, kv_a and o_proj in the FP8 blockwise recipe (model/fp8_gemms.h); kv_b stays out,
+    // as on CUDA.
+    void set_fp8(bool on) { fp8_ = on; }
 
   private:
+    bool fp8_ = false;
     const ModelConfig& c_;
     int64_t T_, h_, H_, dq_, dn_, dr_, dv_, qr_, kr_;
     bool absorbed_;

@@ -1,11 +1,9 @@
 #include "sparsetron/model/mlp.h"
 
+#include "sparsetron/model/fp8_gemms.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
-#include "sparsetron/ops/gemm/gemm.h"
 
 namespace sparsetron {
-
-using cpu::gemm;
 
 template <typename T>
 SwiGluMlp<T>::SwiGluMlp(const ParamStore& store, const std::string& p, int64_t hidden, int64_t ffn)
@@ -25,23 +23,23 @@ template <typename T>
 void SwiGluMlp<T>::forward(const T* x, int64_t rows, const SwiGluActs<T>& a, T* y,
                            bool accumulate) const {
     if (rows == 0) return;
-    gemm<T>(false, true, rows, f_, h_, 1, x, h_, wg_, h_, 0, a.g, f_);
-    gemm<T>(false, true, rows, f_, h_, 1, x, h_, wu_, h_, 0, a.u, f_);
+    linear_forward(fp8_, x, h_, rows, h_, wg_, f_, a.g, f_, false);
+    linear_forward(fp8_, x, h_, rows, h_, wu_, f_, a.u, f_, false);
     cpu::swiglu_forward(a.g, a.u, rows * f_, a.act);
-    gemm<T>(false, true, rows, h_, f_, 1, a.act, f_, wd_, f_, accumulate ? 1 : 0, y, h_);
+    linear_forward(fp8_, a.act, f_, rows, f_, wd_, h_, y, h_, accumulate);
 }
 
 template <typename T>
 void SwiGluMlp<T>::backward(const T* x, const T* dy, int64_t rows, const SwiGluActs<T>& a,
                             const SwiGluScratch<T>& s, T* dx, bool accumulate) const {
     if (rows == 0) return;
-    gemm<T>(false, false, rows, f_, h_, 1, dy, h_, wd_, f_, 0, s.dact, f_);
-    gemm<T>(true, false, h_, f_, rows, 1, dy, h_, a.act, f_, 1, gwd_, f_);
+    linear_dgrad(fp8_, dy, h_, rows, h_, wd_, f_, s.dact, f_, false);
+    linear_wgrad(fp8_wgrad_, dy, h_, rows, h_, a.act, f_, f_, gwd_);
     cpu::swiglu_backward(a.g, a.u, s.dact, rows * f_, s.dg, s.du);
-    gemm<T>(false, false, rows, h_, f_, 1, s.dg, f_, wg_, h_, accumulate ? 1 : 0, dx, h_);
-    gemm<T>(false, false, rows, h_, f_, 1, s.du, f_, wu_, h_, 1, dx, h_);
-    gemm<T>(true, false, f_, h_, rows, 1, s.dg, f_, x, h_, 1, gwg_, h_);
-    gemm<T>(true, false, f_, h_, rows, 1, s.du, f_, x, h_, 1, gwu_, h_);
+    linear_dgrad(fp8_, s.dg, f_, rows, f_, wg_, h_, dx, h_, accumulate);
+    linear_dgrad(fp8_, s.du, f_, rows, f_, wu_, h_, dx, h_, true);
+    linear_wgrad(fp8_wgrad_, s.dg, f_, rows, f_, x, h_, h_, gwg_);
+    linear_wgrad(fp8_wgrad_, s.du, f_, rows, f_, x, h_, h_, gwu_);
 }
 
 template class SwiGluMlp<float>;

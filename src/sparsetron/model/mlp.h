@@ -37,8 +37,12 @@ class SwiGluMlp {
                   const SwiGluScratch<T>& s, T* dx, bool accumulate) const;
 
     int64_t ffn() const { return f_; }
+    // The FP8 blockwise recipe (model/fp8_gemms.h) for the forward and input-gradient GEMMs,
+    // and for the weight gradients (the routed experts keep theirs in full precision).
+    void set_fp8(bool forward_dgrad, bool wgrad) { fp8_ = forward_dgrad, fp8_wgrad_ = wgrad; }
 
   private:
+    bool fp8_ = false, fp8_wgrad_ = false;
     int64_t h_, f_;
     int64_t gate_, up_, down_;
     T *wg_ = nullptr, *wu_ = nullptr, *wd_ = nullptr, *gwg_ = nullptr, *gwu_ = nullptr,

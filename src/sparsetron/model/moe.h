@@ -70,6 +70,12 @@ class MoeLayer {
     void update_bias(double rate);
     // The expert-parallel group (size cfg.expert_parallel_ranks); null or one rank: local experts.
     void set_expert_parallel(Comm* ep);
+    // The FP8 blockwise recipe: the routed experts' forward and input-gradient GEMMs (their
+    // weight gradients stay in full precision, as on CUDA) and the shared expert's three.
+    void set_fp8(bool on) {
+        for (SwiGluMlp<T>& e : experts_) e.set_fp8(on, false);
+        if (shared_) shared_->set_fp8(on, on);
+    }
     Stats& stats() { return stats_; }
     int64_t capacity() const { return capacity_; }
 

@@ -61,7 +61,7 @@ std::vector<BenchResult> run_bench(const Recipe& recipe_in, const BenchOptions& 
     for (const auto& v : o.variants)
         ST_CHECK(v == "eager" || v == "local" || v == "graph", "bench: unknown variant '", v,
                  "' (eager, local, graph)");
-    check_fp8_recipe(recipe.run, Device::CUDA);
+    check_fp8_recipe(recipe.run, Device::CUDA, recipe.model.fp8_output_proj);
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(recipe.run.world_size == ranks, "bench: world_size ", recipe.run.world_size, " but ",
              ranks, " processes were started");

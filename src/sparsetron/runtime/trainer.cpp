@@ -58,7 +58,7 @@ std::string budget_overflow_message(const ModelConfig& mc, int64_t step) {
 }
 
 void check_supported(const Recipe& r, const TrainOptions& o) {
-    check_fp8_recipe(r.run, o.device);
+    check_fp8_recipe(r.run, o.device, r.model.fp8_output_proj);
     const int ranks = o.comm ? o.comm->size() : 1;
     ST_CHECK(r.run.world_size == ranks, "world_size ", r.run.world_size, " but ", ranks,
              ranks == 1 ? " process was started (launch N processes with mpirun -np N, or set "

@@ -42,8 +42,8 @@ std::unique_ptr<TrainingPlan> make_training_plan(const Recipe& recipe, Device de
                                                  const std::vector<PipelineStage>& stages);
 
 // Stops, naming what to change, when the recipe's FP8 settings cannot run as written on
-// `device` (an unimplemented recipe or format, FP8 on CPU): no run trains bf16 silently under
-// an FP8 recipe. The trainer and the bench call it.
-void check_fp8_recipe(const RunConfig& run, Device device);
+// `device` (an unimplemented recipe or format, the FP8 head on CPU): no run trains in higher
+// precision silently under an FP8 recipe. The trainer and the bench call it.
+void check_fp8_recipe(const RunConfig& run, Device device, bool fp8_output_proj = false);
 
 }  // namespace sparsetron

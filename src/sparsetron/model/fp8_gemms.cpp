@@ -66,8 +66,8 @@ void fp8_dgrad(const float* dy, int64_t lddy, int64_t rows, int64_t n, const flo
     cpu::gemm<float>(false, true, rows, k, n, 1, a.data(), n, b.data(), n, add ? 1 : 0, dx, lddx);
 }
 
-void fp8_wgrad(const float* dy, int64_t lddy, int64_t rows, int64_t n, const float* x,
-               int64_t ldx, int64_t k, float* dw) {
+void fp8_wgrad(const float* dy, int64_t lddy, int64_t rows, int64_t n, const float* x, int64_t ldx,
+               int64_t k, float* dw) {
     // dy^T [n, rows] and x^T [k, rows], each quantized along the rows.
     const std::vector<float> dyt = transposed(dy, lddy, rows, n), xt = transposed(x, ldx, rows, k);
     const std::vector<float> a = rows_1x128(dyt.data(), rows, n, rows),

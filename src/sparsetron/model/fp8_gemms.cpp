@@ -10,8 +10,6 @@
 namespace sparsetron {
 namespace {
 
-constexpr bool kPow2 = true;  // the recipe's scales: powers of two (Transformer Engine's default)
-
 int64_t blocks(int64_t n) {
     return (n + cpu::kFp8Block - 1) / cpu::kFp8Block;
 }
@@ -23,7 +21,7 @@ int64_t blocks(int64_t n) {
 std::vector<float> rows_1x128(const float* x, int64_t ld, int64_t rows, int64_t k) {
     std::vector<uint8_t> q(size_t(rows * k));
     std::vector<float> s(size_t(rows * blocks(k))), out(size_t(rows * k));
-    cpu::quantize_1x128(x, rows, k, ld, kPow2, q.data(), s.data());
+    cpu::quantize_1x128(x, rows, k, ld, cpu::kFp8Pow2Scales, q.data(), s.data());
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < k; ++c)
             out[size_t(r * k + c)] = cpu::e4m3_to_float(q[size_t(r * k + c)]) *
@@ -35,7 +33,7 @@ std::vector<float> rows_1x128(const float* x, int64_t ld, int64_t rows, int64_t 
 std::vector<float> blocks_128x128(const float* w, int64_t n, int64_t k) {
     std::vector<uint8_t> q(size_t(n * k));
     std::vector<float> s(size_t(blocks(n) * blocks(k))), out(size_t(n * k));
-    cpu::quantize_128x128(w, n, k, kPow2, q.data(), s.data());
+    cpu::quantize_128x128(w, n, k, cpu::kFp8Pow2Scales, q.data(), s.data());
     for (int64_t r = 0; r < n; ++r)
         for (int64_t c = 0; c < k; ++c)
             out[size_t(r * k + c)] =

@@ -24,8 +24,7 @@
 
 namespace sparsetron::cuda {
 
-// Scales rounded down to powers of two: Transformer Engine's default for blockwise scaling.
-constexpr bool kFp8Pow2Scales = true;
+using cpu::kFp8Pow2Scales;  // the recipe's power-of-two scales (ops/fp8/fp8.h)
 
 // W and W^T of `copy` from the fp32 master W.
 void quantize_fp8_copy(const ExecContext& ctx, const float* master, const Fp8Copy& copy);

@@ -21,6 +21,9 @@ namespace sparsetron::cpu {
 
 constexpr int kFp8Block = 128;
 constexpr float kE4m3Max = 448.f;
+// The blockwise recipe's scales are rounded down to powers of two (Transformer Engine's default):
+// what the engine's quantizers are called with, CPU and CUDA.
+constexpr bool kFp8Pow2Scales = true;
 
 // e4m3 ("fn": no infinities; 0x7F / 0xFF are NaN): 1 sign, 4 exponent (bias 7), 3 mantissa bits.
 float e4m3_to_float(uint8_t code);

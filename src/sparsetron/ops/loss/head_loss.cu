@@ -12,7 +12,6 @@ namespace sparsetron::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr bool kPow2 = true;  // the FP8 head's scales: powers of two, as the blockwise recipe's
 
 // Adds four values to the online statistics (one rescale at most).
 __device__ __forceinline__ void online_add4(float& mx, float& l, float4 x) {
@@ -139,7 +138,8 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
             // With dw, the group's chunks' dlogits stay for its weight-gradient GEMM below.
             bf16* dl = dw ? dlogits_ws + (r0 - g0) * vocab : dlogits_ws;
             if (f8) {
-                quantize_fp8_1x128(ctx, h + r0 * dim, n, dim, dim, kPow2, f8->qa, f8->sa);
+                quantize_fp8_1x128(ctx, h + r0 * dim, n, dim, dim, cpu::kFp8Pow2Scales, f8->qa,
+                                   f8->sa);
                 gemm_fp8_blockwise(ctx, n, vocab, dim, {f8->qa, f8->sa, false}, f8->w, logits_ws,
                                    vocab);
             } else {
@@ -151,7 +151,7 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
                 backward ? dev(dl) : nullptr);
             ST_CUDA_LAUNCH_CHECK();
             if (dh && f8) {
-                quantize_fp8_1x128(ctx, dl, n, vocab, vocab, kPow2, f8->qa, f8->sa);
+                quantize_fp8_1x128(ctx, dl, n, vocab, vocab, cpu::kFp8Pow2Scales, f8->qa, f8->sa);
                 gemm_fp8_blockwise(ctx, n, dim, vocab, {f8->qa, f8->sa, false}, f8->wt,
                                    dh + r0 * dim, dim);
             } else if (dh) {
@@ -165,8 +165,10 @@ void head_cross_entropy(const ExecContext& ctx, const HeadLoss& p, float* row_lo
         if (dw && f8) {
             // dlogits^T and h^T quantized along the group's rows: the contraction's dimension.
             const int64_t m = g1 - g0;
-            quantize_fp8_1x128_columns(ctx, dlogits_ws, m, vocab, vocab, kPow2, f8->qa, f8->sa);
-            quantize_fp8_1x128_columns(ctx, h + g0 * dim, m, dim, dim, kPow2, f8->qb, f8->sb);
+            quantize_fp8_1x128_columns(ctx, dlogits_ws, m, vocab, vocab, cpu::kFp8Pow2Scales,
+                                       f8->qa, f8->sa);
+            quantize_fp8_1x128_columns(ctx, h + g0 * dim, m, dim, dim, cpu::kFp8Pow2Scales, f8->qb,
+                                       f8->sb);
             const Fp8Operand a{f8->qa, f8->sa, false}, b{f8->qb, f8->sb, false};
             if (p.dw_type == DType::BF16)
                 gemm_fp8_blockwise(ctx, vocab, dim, m, a, b, static_cast<bf16*>(dw), dim,

@@ -724,7 +724,7 @@ TEST(Plan, SeedLongContextRecipesPlanWithinAGb200AndAnH200WithTheirOverlays) {
                     by_stage[size_t(s)] = make_training_plan(r, Device::CUDA, stage);
                 const TrainingPlan& tp = *by_stage[size_t(s)];
                 size_t total = 0;
-                format_cuda_plan(r, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, stage,
+                format_cuda_plan(r, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, {stage},
                                  layout.stage_rank(rank));
                 if (overlay) {
                     EXPECT_LE(double(total), 180.0 * double(size_t(1) << 30))
@@ -754,7 +754,7 @@ TEST(Plan, SeedLongContextRecipesPlanWithinAGb200AndAnH200WithTheirOverlays) {
                 stages == 1 ? PipelineStage{} : pipeline_stage(h.model, h.run, s);
             auto tp = make_training_plan(h, Device::CUDA, stage);
             size_t total = 0;
-            format_cuda_plan(h, *tp->params, tp->max_documents, tp->chunk_rows, &total, 0, stage,
+            format_cuda_plan(h, *tp->params, tp->max_documents, tp->chunk_rows, &total, 0, {stage},
                              layout.stage_rank(rank));
             EXPECT_LE(double(total), 131.0 * double(size_t(1) << 30)) << name << " rank " << rank;
             most = std::max(most, total);

@@ -260,7 +260,7 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
     EXPECT_NE(last.find("lm_head.weight"), std::string::npos) << last;
     // Interleaved: each pipeline rank plans its two chunks (rank 0 layers 0 and 2, rank 1
     // layers 1 and 3 with the head), also as every rank's total, and over lengths the whole
-    // model's plan; CUDA says it does not take them.
+    // model's plan, on CPU and CUDA.
     const std::string vpp =
         "plan --set world_size=2 --set num_layers=4 --set moe_layer_freq=[0,1,1,1] "
         "--set pipeline_model_parallel_size=2 --set num_virtual_stages_per_pipeline_rank=2 "
@@ -293,20 +293,36 @@ TEST(Cli, PreprocessTrainEvalAndPlan) {
             << "rank " << r << " planned " << total << " alone:\n"
             << vpp_every.output;
     }
-    CliRun vpp_every_cuda = run(vpp + " --every-rank --device cuda");
-    EXPECT_EQ(vpp_every_cuda.code, 1) << vpp_every_cuda.output;
-    CliRun on_cuda = run(vpp + " --device cuda");
-    EXPECT_EQ(on_cuda.code, 1) << on_cuda.output;
-    EXPECT_NE(on_cuda.output.find("run on the CPU backend only"), std::string::npos)
-        << on_cuda.output;
-    // --lengths: the whole model's plan, as with one stage per rank (CPU).
+    // --lengths: the whole model's plan, as with one stage per rank.
     CliRun lengths = run(vpp + " --lengths 64,128");
     EXPECT_EQ(lengths.code, 0) << lengths.output;
     EXPECT_NE(lengths.output.find("the whole model's"), std::string::npos) << lengths.output;
+#if SPARSETRON_WITH_CUDA
+    // The device plan of a rank's two chunks: both chunks' layers' activations, forward messages
+    // for the chunks past the first stage, and each rank's total as --every-rank prints it.
+    CliRun vpp_every_cuda = run(vpp + " --every-rank --device cuda");
+    ASSERT_EQ(vpp_every_cuda.code, 0) << vpp_every_cuda.output;
+    for (int r = 0; r < 2; ++r) {
+        CliRun one = run(vpp + cat(" --device cuda --top 400 --world-rank ", r));
+        ASSERT_EQ(one.code, 0) << one.output;
+        for (int l : {r, r + 2})
+            EXPECT_NE(one.output.find(cat("layers.", l, ".x_in")), std::string::npos)
+                << "rank " << r << " layer " << l << ":\n"
+                << one.output;
+        EXPECT_EQ(one.output.find(cat("model.layers.", 1 - r, ".")), std::string::npos)
+            << one.output;
+        EXPECT_NE(one.output.find("pipeline.forward_messages"), std::string::npos) << one.output;
+        const size_t t = one.output.find("\ntotal");
+        ASSERT_NE(t, std::string::npos) << one.output;
+        const size_t v0 = one.output.find_first_not_of(' ', t + 6), v1 = one.output.find('\n', v0);
+        EXPECT_NE(vpp_every_cuda.output.find(
+                      cat("rank ", r, " (stage ", r, "): ", one.output.substr(v0, v1 - v0))),
+                  std::string::npos)
+            << one.output << vpp_every_cuda.output;
+    }
     CliRun lengths_cuda = run(vpp + " --lengths 64,128 --device cuda");
-    EXPECT_EQ(lengths_cuda.code, 1) << lengths_cuda.output;
-    EXPECT_NE(lengths_cuda.output.find("run on the CPU backend only"), std::string::npos)
-        << lengths_cuda.output;
+    EXPECT_EQ(lengths_cuda.code, 0) << lengths_cuda.output;
+#endif
 }
 
 namespace {

@@ -122,3 +122,59 @@ TEST(PipelineTimetable, EveryWorkRunsAfterItsInputAndEveryMessageIsReadOnce) {
                     }
                 }
 }
+
+// What the CUDA pipeline holds (runtime/cuda/cuda_pipeline.h): forward messages until the
+// backward of the chunk they feed (it runs that chunk's forward again from them), gradients until
+// their backward. Counted here by walking the ticks (a work's messages freed before the tick's
+// arrivals), against the timetable's counts; 1F1B keeps P - rank + 1 inputs on every stage but
+// the first (Megatron's in-flight bound, and the next micro-batch's, which arrives at the end of
+// the tick before the backward frees one) and one gradient; and past the warm-up a few more groups
+// of P micro-batches hold no more, which is what lets the CUDA plan bound a step of any count
+// (dynamic CP).
+TEST(PipelineTimetable, HeldInputsAndGradientsBoundTheCudaPipeline) {
+    for (int P : {2, 3, 4})
+        for (int V : {1, 2, 3}) {
+            const int64_t unit = V > 1 ? P : 1;
+            std::vector<int64_t> inputs(size_t(P), 0), grads(size_t(P), 0);
+            for (int64_t k = 1; k <= 3 * (V + 3); ++k)
+                for (bool bwd : {true, false}) {
+                    const int64_t n = k * unit;
+                    const std::string tag = "P" + std::to_string(P) + " V" + std::to_string(V) +
+                                            " n" + std::to_string(n) + (bwd ? " fwd+bwd" : " fwd");
+                    const PipelineTimetable tt(P, V, n, bwd);
+                    for (int r = 0; r < P; ++r) {
+                        std::set<std::pair<int64_t, int>> in, g;  // (micro-batch, chunk)
+                        int64_t most_in = 0, most_g = 0;
+                        for (int64_t t = 0; t < tt.ticks(); ++t) {
+                            if (const PipelineWork* w = tt.at(r, t); w && w->backward == bwd) {
+                                in.erase({w->micro_batch, w->chunk});
+                                g.erase({w->micro_batch, w->chunk});
+                            }
+                            for (bool fwd : {true, false}) {
+                                PipelineWork feeds;
+                                if (!tt.receives(r, t, fwd, &feeds)) continue;
+                                auto& held = fwd ? in : g;
+                                EXPECT_TRUE(held.insert({feeds.micro_batch, feeds.chunk}).second);
+                            }
+                            most_in = std::max(most_in, int64_t(in.size()));
+                            most_g = std::max(most_g, int64_t(g.size()));
+                        }
+                        EXPECT_TRUE(in.empty() && g.empty()) << tag;
+                        EXPECT_EQ(tt.held_inputs(r), most_in) << tag << " rank " << r;
+                        EXPECT_EQ(tt.held_gradients(r), most_g) << tag << " rank " << r;
+                        if (V == 1 && bwd) {
+                            EXPECT_EQ(most_in, r == 0 ? 0 : std::min<int64_t>(P - r + 1, n))
+                                << tag << " rank " << r;
+                            EXPECT_EQ(most_g, r == P - 1 ? 0 : 1) << tag << " rank " << r;
+                        }
+                        if (k <= V + 3) {
+                            inputs[size_t(r)] = std::max(inputs[size_t(r)], most_in);
+                            grads[size_t(r)] = std::max(grads[size_t(r)], most_g);
+                        } else {
+                            EXPECT_LE(most_in, inputs[size_t(r)]) << tag << " rank " << r;
+                            EXPECT_LE(most_g, grads[size_t(r)]) << tag << " rank " << r;
+                        }
+                    }
+                }
+        }
+}

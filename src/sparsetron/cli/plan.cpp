@@ -16,13 +16,6 @@
 namespace sparsetron::cli {
 namespace {
 
-// Interleaved virtual stages on CUDA: the engine does not run them, so neither does its plan.
-void refuse_virtual_stages_on_cuda(const Recipe& recipe, Device device) {
-    ST_CHECK(device == Device::CPU || pipeline_virtual_stages(recipe.model, recipe.run) == 1,
-             "interleaved virtual pipeline stages run on the CPU backend only: plan them with "
-             "--device cpu");
-}
-
 // The step's packed micro-batches live in host memory outside the plan (both backends).
 void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
     const int64_t count = recipe.run.global_batch_size / recipe.run.micro_batch_size;
@@ -33,20 +26,18 @@ void print_step_batches(const Recipe& recipe, const TrainingPlan& tp) {
                     .c_str());
 }
 
-// One process's plan of `stage` (the whole model by default); `optimizer_rank`: its place among
-// the ranks holding the same parameters (its share of the distributed optimizer's masters and
-// state).
+// One process's plan of `stages` (its pipeline stages; the whole model by default);
+// `optimizer_rank`: its place among the ranks holding the same parameters (its share of the
+// distributed optimizer's masters and state).
 void print_plan(const Recipe& recipe, const std::vector<PipelineStage>& stages,
                 const std::string& device, int top, int optimizer_rank) {
     const Device d = parse_device(device);
-    refuse_virtual_stages_on_cuda(recipe, d);
-    const PipelineStage& stage = stages.front();
     auto tp = make_training_plan(recipe, d, stages);
     const auto& params = *tp->params;
     if (d == Device::CUDA) {
         size_t total = 0;
         const std::string table = format_cuda_plan(
-            recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stage, optimizer_rank);
+            recipe, params, tp->max_documents, tp->chunk_rows, &total, top, stages, optimizer_rank);
         std::printf("device memory plan for %s (per GPU; bf16 activations and weight copies, %s)\n",
                     recipe.name.c_str(),
                     recipe.run.grad_reduce_in_bf16
@@ -140,7 +131,6 @@ int plan_every_rank(const std::string& recipe_path, const std::vector<std::strin
                     const std::string& device) {
     const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, sets)).recipe;
     const Device d = parse_device(device);
-    refuse_virtual_stages_on_cuda(recipe, d);
     const int world = int(recipe.run.world_size);
     const ParallelLayout layout = make_layout(recipe.run, world);
     const int stages = int(recipe.run.pipeline_model_parallel_size);
@@ -159,7 +149,7 @@ int plan_every_rank(const std::string& recipe_path, const std::vector<std::strin
     };
     for (int r = 0; r < world; ++r) {
         const int s = stages == 1 ? 0 : layout.pp_rank(r);
-        // The pipeline rank's stages: one, or its chunks under interleaving (CPU).
+        // The pipeline rank's stages: one, or its chunks under interleaving.
         const std::vector<PipelineStage> held =
             stages == 1 ? std::vector<PipelineStage>{PipelineStage{}}
                         : pipeline_rank_stages(recipe.model, recipe.run, s);
@@ -167,8 +157,8 @@ int plan_every_rank(const std::string& recipe_path, const std::vector<std::strin
         const TrainingPlan& tp = *by_stage[size_t(s)];
         size_t total = tp.plan.total_bytes();
         if (d == Device::CUDA)
-            format_cuda_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0,
-                             held.front(), layout.stage_rank(r));
+            format_cuda_plan(recipe, *tp.params, tp.max_documents, tp.chunk_rows, &total, 0, held,
+                             layout.stage_rank(r));
         // Equal as printed: the distributed optimizer's shares differ by a few MiB.
         if (r > 0 && (format_bytes(double(total)) != format_bytes(double(run_total)) ||
                       layout.pp_rank(r) != layout.pp_rank(run_start))) {
@@ -206,7 +196,6 @@ int plan_lengths(const std::string& recipe_path, const std::vector<std::string>&
         std::vector<std::string> at = sets;
         at.push_back(cat("seq_length=", length));
         const Recipe recipe = resolve_run(RunRequest::of(RunRequest::Plan, recipe_path, at)).recipe;
-        refuse_virtual_stages_on_cuda(recipe, cuda ? Device::CUDA : Device::CPU);
         name = recipe.name;
         vocab = recipe.model.vocab_size;
         if (recipe.run.pipeline_model_parallel_size > 1)

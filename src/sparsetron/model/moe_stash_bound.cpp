@@ -2,15 +2,21 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace sparsetron {
 
-MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens, const PipelineStage& stage) {
+MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens,
+                              const std::vector<PipelineStage>& stages) {
     MoeStashBound b;
-    const int64_t end = stage.end_layer < 0 ? c.num_layers : stage.end_layer;
-    for (int64_t l = stage.first_layer; l < end; ++l) b.applications += c.is_moe_layer(l);
-    if (stage.last() && c.mtp_num_layers > 0 && c.is_moe_layer(c.num_layers - 1))
-        b.applications += c.mtp_num_layers;
+    const std::vector<PipelineStage> held =
+        stages.empty() ? std::vector<PipelineStage>{PipelineStage{}} : stages;
+    for (const PipelineStage& stage : held) {
+        const int64_t end = stage.end_layer < 0 ? c.num_layers : stage.end_layer;
+        for (int64_t l = stage.first_layer; l < end; ++l) b.applications += c.is_moe_layer(l);
+        if (stage.last() && c.mtp_num_layers > 0 && c.is_moe_layer(c.num_layers - 1))
+            b.applications += c.mtp_num_layers;
+    }
     b.max_rows = tokens * c.moe_router_topk;
     if (c.moe_capacity_factor > 0 && c.num_experts > 0)
         b.max_rows = std::min(b.max_rows, c.moe_expert_capacity(tokens) * c.num_experts);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "sparsetron/config/model_config.h"
 #include "sparsetron/config/pipeline_stage.h"
@@ -10,9 +11,9 @@
 namespace sparsetron {
 
 struct MoeStashBound {
-    // MoE forward passes per micro-batch: the MoE layers (a pipeline stage's own), plus on the
-    // last stage the MTP depths when the MTP layer is an MoE layer (it repeats the last backbone
-    // layer's kind).
+    // MoE forward passes per micro-batch: the MoE layers (a pipeline rank's own: its stage's, or
+    // its chunks' under interleaving), plus on the last stage the MTP depths when the MTP layer is
+    // an MoE layer (it repeats the last backbone layer's kind).
     int64_t applications = 0;
     // The most rows one application routes and keeps: tokens x top-k, or capacity x experts
     // when moe_capacity_factor bounds it lower; under expert parallelism the most its experts
@@ -29,7 +30,8 @@ struct MoeStashBound {
     int64_t pool_pages = 0;
 };
 
+// `stages`: the pipeline stages one rank holds (empty: the whole model).
 MoeStashBound moe_stash_bound(const ModelConfig& c, int64_t tokens,
-                              const PipelineStage& stage = {});
+                              const std::vector<PipelineStage>& stages = {});
 
 }  // namespace sparsetron

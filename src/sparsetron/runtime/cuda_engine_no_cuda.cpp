@@ -7,15 +7,15 @@
 namespace sparsetron {
 
 MemoryPlan cuda_memory_plan(const Recipe&, const ParamStore&, int64_t, int64_t,
-                            const PipelineStage&, int) {
+                            const std::vector<PipelineStage>&, int) {
     built_without_cuda("plan --device cuda");
 }
 std::string cuda_plan_shortfall(const Recipe&, const ParamStore&, int64_t, int64_t, size_t, size_t,
-                                const PipelineStage&, int) {
+                                const std::vector<PipelineStage>&, int) {
     built_without_cuda("cuda_plan_shortfall");
 }
 std::string format_cuda_plan(const Recipe&, const ParamStore&, int64_t, int64_t, size_t*, int,
-                             const PipelineStage&, int) {
+                             const std::vector<PipelineStage>&, int) {
     built_without_cuda("plan --device cuda");
 }
 cuda::ExchangeShape exchange_shape(const ModelConfig&, int64_t) {

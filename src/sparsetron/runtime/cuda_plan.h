@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "sparsetron/config/pipeline_stage.h"
 #include "sparsetron/config/recipe.h"
@@ -16,13 +17,14 @@
 namespace sparsetron {
 
 // The device plan the CUDA engine allocates for `recipe`, unallocated. `host_store`: the
-// parameter table of `stage` (pipeline parallelism; the whole model by default).
+// parameter table of `stages` (pipeline parallelism: the stages one rank holds, its chunks under
+// interleaving; the whole model by default).
 // `optimizer_rank`: the rank's place among the world_size / pipeline_model_parallel_size ranks
 // holding the same parameters, whose share of the masters and optimizer state it holds under
 // use_distributed_optimizer (planned_optimizer_shard).
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
                             int64_t max_documents, int64_t chunk_rows,
-                            const PipelineStage& stage = {}, int optimizer_rank = 0);
+                            const std::vector<PipelineStage>& stages = {}, int optimizer_rank = 0);
 
 // Why a device plan of `planned` bytes cannot be allocated in `free_bytes`, and what would make it
 // fit: the plan with every selective recompute module when the recipe does not use them all
@@ -30,14 +32,15 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
 // Empty when it fits.
 std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
                                 int64_t max_documents, int64_t chunk_rows, size_t planned,
-                                size_t free_bytes, const PipelineStage& stage = {},
+                                size_t free_bytes, const std::vector<PipelineStage>& stages = {},
                                 int optimizer_rank = 0);
 
 // The same plan as the per-class table of MemoryPlan::format() (`top` buffers per class), with
 // expert parallelism's exchange buffers added to the total.
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
-                             int top = 6, const PipelineStage& stage = {}, int optimizer_rank = 0);
+                             int top = 6, const std::vector<PipelineStage>& stages = {},
+                             int optimizer_rank = 0);
 
 // What the expert exchange carries per rank: a rank publishes its routed rows (dispatch) or the
 // results of the rows its experts received (combine); one source sends one owner at most a W-th

@@ -105,25 +105,33 @@ PipelineTimetable::PipelineTimetable(int ranks, int chunks, int64_t n, bool back
     // a backward that does not follow it at once.
     held_messages_.assign(size_t(ranks), 0);
     kept_.assign(size_t(ranks), 0);
+    held_inputs_.assign(size_t(ranks), 0);
+    held_gradients_.assign(size_t(ranks), 0);
     keep_.assign(size_t(ranks), {});
     for (int r = 0; r < ranks; ++r) {
         const auto& order = orders_[size_t(r)];
         std::vector<int64_t> tick_of(order.size());
         for (int64_t t = 0; t < ticks_; ++t)
             if (slot_[size_t(r)][size_t(t)] >= 0) tick_of[size_t(slot_[size_t(r)][size_t(t)])] = t;
-        std::vector<std::pair<int64_t, int>> events;  // (tick, +1 arrival / -1 use)
+        const auto tick_of_work = [&](bool bwd, int64_t mb, int chunk) {
+            const auto it = std::find_if(order.begin(), order.end(), [&](const PipelineWork& o) {
+                return o.backward == bwd && o.micro_batch == mb && o.chunk == chunk;
+            });
+            ST_ASSERT(it != order.end(), "pipeline timetable: a message no work reads");
+            return tick_of[size_t(it - order.begin())];
+        };
+        // (tick, +1 arrival / -1 use): every message until its use; forward messages until
+        // the backward of the work they feed, and gradients until theirs.
+        std::vector<std::pair<int64_t, int>> events, inputs, grads;
         for (int64_t t = 0; t < ticks_; ++t)
             for (bool fwd : {true, false}) {
                 PipelineWork w;
                 if (!receives(r, t, fwd, &w)) continue;
-                const auto it =
-                    std::find_if(order.begin(), order.end(), [&](const PipelineWork& o) {
-                        return o.backward == w.backward && o.micro_batch == w.micro_batch &&
-                               o.chunk == w.chunk;
-                    });
-                ST_ASSERT(it != order.end(), "pipeline timetable: a message no work reads");
                 events.emplace_back(t, 1);
-                events.emplace_back(tick_of[size_t(it - order.begin())], -1);
+                events.emplace_back(tick_of_work(w.backward, w.micro_batch, w.chunk), -1);
+                auto& held = fwd ? inputs : grads;
+                held.emplace_back(t, 1);
+                held.emplace_back(tick_of_work(backward, w.micro_batch, w.chunk), -1);
             }
         keep_[size_t(r)].assign(order.size(), false);
         std::vector<std::pair<int64_t, int>> kept;
@@ -152,6 +160,8 @@ PipelineTimetable::PipelineTimetable(int ranks, int chunks, int64_t n, bool back
             return peak;
         };
         held_messages_[size_t(r)] = most(events);
+        held_inputs_[size_t(r)] = most(inputs);
+        held_gradients_[size_t(r)] = most(grads);
         kept_[size_t(r)] = most(kept);
     }
 }

@@ -50,6 +50,11 @@ class PipelineTimetable {
     // The most messages rank r holds at once between their arrival and their use, and the most
     // forwards whose activations it keeps for a backward that does not follow at once.
     int64_t held_messages(int r) const { return held_messages_[size_t(r)]; }
+    // The same when a forward message is kept until the backward of the work it feeds (the
+    // CUDA pipeline runs a chunk's forward again from it): the most forward messages and the
+    // most gradient messages rank r holds at once.
+    int64_t held_inputs(int r) const { return held_inputs_[size_t(r)]; }
+    int64_t held_gradients(int r) const { return held_gradients_[size_t(r)]; }
     int64_t kept_activations(int r) const { return kept_[size_t(r)]; }
     // Whether rank r keeps the activations of its i-th work (a forward) for a later backward.
     bool keeps(int r, int64_t i) const { return keep_[size_t(r)][size_t(i)]; }
@@ -64,7 +69,7 @@ class PipelineTimetable {
     std::vector<std::vector<PipelineWork>> orders_;
     std::vector<std::vector<int64_t>> slot_;  // [rank][tick] -> index in the order, or -1
     std::vector<std::vector<bool>> keep_;
-    std::vector<int64_t> held_messages_, kept_;
+    std::vector<int64_t> held_messages_, kept_, held_inputs_, held_gradients_;
 };
 
 }  // namespace sparsetron

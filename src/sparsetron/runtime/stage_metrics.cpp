@@ -51,11 +51,17 @@ void moe_metrics_from_stages(const ModelConfig& mc, const std::vector<double>& a
     }
 }
 
-void gather_stage_moe_metrics(Comm& pp, int64_t experts, std::vector<std::vector<int64_t>>& load,
-                              int64_t& dropped) {
-    std::vector<double> mine;
-    for (const auto& layer : load) mine.insert(mine.end(), layer.begin(), layer.end());
-    const std::vector<double> all = stages_concatenated(pp, pp, mine);
+void gather_stage_moe_metrics(Comm& pp, int64_t experts, const std::vector<size_t>& chunk_layers,
+                              std::vector<std::vector<int64_t>>& load, int64_t& dropped) {
+    std::vector<std::vector<double>> chunks;
+    size_t layer = 0;
+    for (const size_t n : chunk_layers) {
+        chunks.emplace_back();
+        for (size_t k = 0; k < n; ++k, ++layer)
+            chunks.back().insert(chunks.back().end(), load[layer].begin(), load[layer].end());
+    }
+    std::vector<size_t> offsets;
+    const std::vector<double> all = stages_concatenated(pp, pp, chunks, &offsets);
     const size_t E = size_t(experts);
     load.clear();
     for (size_t at = 0; E > 0 && at + E <= all.size(); at += E)

@@ -28,9 +28,10 @@ std::vector<double> stages_concatenated(Comm& pp, Comm& sum,
 void moe_metrics_from_stages(const ModelConfig& m, const std::vector<double>& all,
                              std::vector<std::vector<int64_t>>& load, int64_t& dropped);
 
-// The loads of this stage's MoE layers (already summed over the stage's ranks) and its dropped
-// rows, made the whole model's over the pipeline group (one rank per stage).
-void gather_stage_moe_metrics(Comm& pp, int64_t experts, std::vector<std::vector<int64_t>>& load,
-                              int64_t& dropped);
+// The loads of this rank's MoE layers (already summed over the stage's ranks; `chunk_layers`:
+// how many of them each of its chunks holds, one count without interleaving) and its dropped
+// rows, made the whole model's over the pipeline group (one rank per pipeline rank).
+void gather_stage_moe_metrics(Comm& pp, int64_t experts, const std::vector<size_t>& chunk_layers,
+                              std::vector<std::vector<int64_t>>& load, int64_t& dropped);
 
 }  // namespace sparsetron

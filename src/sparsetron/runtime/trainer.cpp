@@ -119,9 +119,6 @@ Trainer::Trainer(Recipe recipe, TrainOptions options)
         stages_ = pipeline_rank_stages(recipe_.model, r, layout.pp_rank(world_rank()));
     // On CPU every planned byte is host memory: a model that cannot fit stops before planning.
     if (options_.device == Device::CPU) check_host_memory_for_training(recipe_);
-    ST_CHECK(stages_.size() == 1 || options_.device == Device::CPU,
-             "interleaved virtual pipeline stages run on the CPU backend only: one stage per "
-             "pipeline rank on CUDA");
     tp_ = make_training_plan(recipe_, options_.device, stages_);
     // Expert, context and pipeline parallelism: the layout's communicators, made once; the MoE
     // layers exchange rows over the EP group (MPI on CPU ranks, the GPUs' peer memory on CUDA),

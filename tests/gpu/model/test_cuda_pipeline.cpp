@@ -334,4 +334,56 @@ TEST(CudaPipeline, TrainerStagesWithTheStashAndOffloadMatchOneGpu) {
     }
 }
 
+// Interleaved (virtual) pipeline stages on CUDA: two pipeline ranks of two chunks each (stages
+// 0-3, a layer each: rank 0 holds layers 0 and 2 with the embedding, rank 1 layers 1 and 3 with
+// the head and MTP) as threads on one GPU, against one GPU running the whole model: eagerly,
+// as the full-iteration graph, with the paged stash, and with dynamic CP 2 on each pipeline rank
+// (four threads; the tolerances of the pp2xdcp2 case above). Every layer computes its own
+// indexer, so every stage starts on one (Megatron's rule).
+TEST(CudaPipeline, TrainerInterleavedStagesMatchOneGpu) {
+    REQUIRE_GPU();
+    const std::vector<std::string> model = {"num_layers=4", "moe_layer_freq=[0,1,1,1]",
+                                            "dsa_indexer_topk_freq=1"};
+    const std::vector<std::string> vpp = {"pipeline_model_parallel_size=2",
+                                          "num_virtual_stages_per_pipeline_rank=2"};
+    struct Case {
+        std::string tag;
+        int world;
+        std::vector<std::string> sets;
+        bool loads_equal;
+        double grad_norm_tol = 0, step1_tol = 1e-5;
+    };
+    const std::vector<Case> cases = {
+        {"pp2v2", 2, {}, true},
+        {"pp2v2-graph", 2, {"cuda_graph_impl=full_iteration", "cuda_graph_warmup_steps=1"}, true},
+        {"pp2v2-stash", 2, {"moe_paged_stash=true"}, true},
+        {"pp2v2xdcp2",
+         4,
+         {"dsa_indexer_use_sparse_loss=false", "calculate_per_token_loss=true", "eval_interval=0",
+          "context_parallel_size=2", "dynamic_context_parallel=true",
+          "sequence_packing_scheduler=default_dynamic_cp", "max_seqlen_per_dp_cp_rank=160"},
+         false,
+         1e-3,
+         3e-5},
+    };
+    for (const Case& c : cases) {
+        std::vector<std::string> one_sets = model;
+        for (const std::string& s : c.sets)
+            if (s.rfind("cuda_graph", 0) != 0 && s.rfind("context_parallel", 0) != 0 &&
+                s.rfind("dynamic_context", 0) != 0 && s.rfind("sequence_packing", 0) != 0 &&
+                s.rfind("max_seqlen", 0) != 0)
+                one_sets.push_back(s);
+        const auto one = train(trainer_recipe(1, one_sets),
+                               {temp_dir(c.tag + "-one"), "", Device::CUDA, false, nullptr});
+        ASSERT_EQ(one.size(), 4u) << c.tag;
+        std::vector<std::string> sets = model;
+        sets.insert(sets.end(), vpp.begin(), vpp.end());
+        sets.insert(sets.end(), c.sets.begin(), c.sets.end());
+        const auto ranks = train_threads(c.world, trainer_recipe(c.world, sets), c.tag);
+        expect_metrics_match(c.tag, one, ranks, c.step1_tol, c.loads_equal, c.grad_norm_tol);
+        for (size_t r = 0; r < ranks.size(); ++r)
+            for (const StepMetrics& m : ranks[r]) EXPECT_FALSE(m.skipped) << c.tag;
+    }
+}
+
 #endif

@@ -153,12 +153,20 @@ TEST(PagedStash, PoolBoundFollowsTheRecipe) {
     const int64_t half = c.num_layers / 2;
     int64_t first_half = 0;
     for (int64_t l = 0; l < half; ++l) first_half += c.is_moe_layer(l);
-    const MoeStashBound s0 = moe_stash_bound(c, 4096, PipelineStage{0, 2, 0, half});
-    const MoeStashBound s1 = moe_stash_bound(c, 4096, PipelineStage{1, 2, half, -1});
+    const MoeStashBound s0 = moe_stash_bound(c, 4096, {PipelineStage{0, 2, 0, half}});
+    const MoeStashBound s1 = moe_stash_bound(c, 4096, {PipelineStage{1, 2, half, -1}});
     EXPECT_EQ(s0.applications, first_half);
     EXPECT_EQ(s1.applications, 9 - first_half);
     EXPECT_GE(s1.applications, 7) << "the MTP depths are the last stage's";
     EXPECT_EQ(s1.pool_pages, int64_t(std::ceil(0.55 * double(s1.applications * 512))));
+    // Interleaved stages: a rank's chunks add theirs (pipeline rank 1 of 2 holds stages 1 and 3
+    // of 4, the last with the MTP depths).
+    EXPECT_EQ(moe_stash_bound(c, 4096, {PipelineStage{0, 4, 0, 1}, PipelineStage{2, 4, 2, 3}})
+                  .applications,
+              1);  // layer 2
+    EXPECT_EQ(moe_stash_bound(c, 4096, {PipelineStage{1, 4, 1, 2}, PipelineStage{3, 4, 3, -1}})
+                  .applications,
+              1 + 7);  // layer 3 and the MTP depths
     c.moe_paged_stash_page_size = 100;
     EXPECT_EQ(moe_stash_bound(c, 4096).pages_per_application, 328);
     // A capacity factor below top-k / experts caps the kept rows: 16 experts x 1024.

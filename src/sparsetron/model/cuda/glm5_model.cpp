@@ -15,15 +15,25 @@ namespace sparsetron::cuda {
 
 using cuda::gemm;
 
+namespace {
+
+// The stages a model holds: the whole model when none is given.
+std::vector<PipelineStage> model_chunks(const std::vector<PipelineStage>& stages) {
+    return stages.empty() ? std::vector<PipelineStage>{PipelineStage{}} : stages;
+}
+
+}  // namespace
+
 CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                              int64_t tokens, int64_t max_docs, int64_t chunk_rows,
-                             int64_t key_tokens, bool fp8_blockwise, const PipelineStage& stage,
+                             int64_t key_tokens, bool fp8_blockwise,
+                             const std::vector<PipelineStage>& stages,
                              const MasterPlacement& masters)
     : cfg_(cfg),
       plan_(plan),
-      stage_(stage),
-      L0_(stage.first_layer),
-      L1_(stage.end_layer < 0 ? cfg.num_layers : stage.end_layer),
+      stages_(model_chunks(stages)),
+      first_(stages_.front().first()),
+      last_(stages_.back().last()),
       B_(plan),
       T_(tokens),
       max_docs_(max_docs),
@@ -44,9 +54,9 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
         std::max({h, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.dsa_indexer_head_dim});
     B_.scratch(S_.norm_ws, "norm.weight_grad_partials", {2 * ((Tn + 63) / 64) * maxdim});
     S_.max_docs = max_docs;
-    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens, stage).applications > 0) {
-        stash_ =
-            std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg), stage);
+    if (cfg.moe_paged_stash && moe_stash_bound(cfg, tokens, stages_).applications > 0) {
+        stash_ = std::make_unique<MoeStash>(cfg, B_, tokens, CudaMoeLayer::stash_row_width(cfg),
+                                            stages_);
         S_.moe_stash = stash_.get();
     }
     if (fp8_blockwise) {
@@ -55,42 +65,57 @@ CudaGlm5Model::CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_stor
     }
     in_.tokens = Tn;
     in_.key_tokens = Tk_;
-    ST_CHECK(0 <= L0_ && L0_ < L1_ && L1_ <= cfg.num_layers &&
-                 (stage.whole() ||
-                  (stage.first() == (L0_ == 0) && stage.last() == (L1_ == cfg.num_layers))),
-             "pipeline stage ", stage.index, " of ", stage.count, " holds layers [", L0_, ", ", L1_,
-             ") of ", cfg.num_layers);
-    const bool last = stage.last();
+    for (size_t c = 0; c < stages_.size(); ++c) {
+        const PipelineStage& st = stages_[c];
+        const int64_t b = st.first_layer, e = st.end_layer < 0 ? cfg.num_layers : st.end_layer;
+        ST_CHECK(
+            0 <= b && b < e && e <= cfg.num_layers &&
+                (st.whole() || (st.first() == (b == 0) && st.last() == (e == cfg.num_layers))) &&
+                (c == 0 || st.index > stages_[c - 1].index),
+            "pipeline stage ", st.index, " of ", st.count, " holds layers [", b, ", ", e, ") of ",
+            cfg.num_layers);
+        chunk_begin_.push_back(int64_t(layer_id_.size()));
+        for (int64_t l = b; l < e; ++l) layer_id_.push_back(l), chunk_of_.push_back(int(c));
+    }
+    chunk_begin_.push_back(int64_t(layer_id_.size()));
+    const bool last = last_;
     // The embedding on the first stage (and its copy on the last when MTP reads it); the final
     // norm and the head on the last.
     embed_ = host_store.index_of("model.embed_tokens.weight");
-    ST_CHECK(!stage.first() || embed_ >= 0, "the first stage has no embedding");
+    ST_CHECK(!first_ || embed_ >= 0, "the first stage has no embedding");
     if (last) {
         final_norm_ = P_->index("model.norm.weight");
         head_ = P_->index("lm_head.weight");
     }
     D_ = last ? cfg.mtp_num_layers : 0;
-    x_.assign(size_t(stage_layers() + 1), nullptr);
+    const int64_t n_layers = int64_t(layer_id_.size());
+    x_.assign(size_t(n_layers + int64_t(stages_.size())), nullptr);
     if (cfg.fine_grained_activation_offloading) {
-        // The layer applications in forward order: this stage's layers, then MTP depths.
+        // The layer applications in forward order: this rank's layers, then MTP depths.
         std::vector<std::string> apps;
-        for (int64_t l = L0_; l < L1_; ++l) apps.push_back(cat("layers.", l));
+        for (const int64_t l : layer_id_) apps.push_back(cat("layers.", l));
         for (int64_t k = 1; k <= D_; ++k) apps.push_back(cat("mtp.depth", k));
         offload_ = std::make_unique<ActivationOffload>(plan, std::move(apps));
         B_.set_offload(offload_.get());
     }
     int64_t indexer_apps = 0;
-    for (int64_t l = L0_; l < L1_; ++l) {
+    for (int64_t i = 0; i < n_layers; ++i) {
+        const int64_t l = layer_id_[size_t(i)];
         layers_.push_back(
             std::make_unique<CudaDecoderLayer>(cfg_, *P_, B_, S_, l, tokens, key_tokens));
         acts_.push_back(std::make_unique<CudaDecoderLayer::Acts>());
-        B_.set_application(l - L0_);
+        B_.set_application(i);
         layers_.back()->declare(*acts_.back(), B_, cat("layers.", l, "."));
         B_.set_application(-1);
-        B_.act(x_[size_t(l - L0_)], cat("layers.", l, ".x_in"), {Tn, h});
+        B_.act(x_[size_t(x_at(i))], cat("layers.", l, ".x_in"), {Tn, h});
         indexer_apps += layers_.back()->has_indexer();
+        // A chunk's output: the next stage's input rows.
+        if (i + 1 == n_layers || chunk_of_[size_t(i + 1)] != chunk_of_[size_t(i)])
+            B_.act(
+                x_[size_t(x_at(i) + 1)],
+                last && i + 1 == n_layers ? std::string("final.x") : cat("layers.", l + 1, ".x_in"),
+                {Tn, h});
     }
-    B_.act(x_.back(), last ? std::string("final.x") : cat("layers.", L1_, ".x_in"), {Tn, h});
     B_.scratch(dx_, "grad.residual", {Tn, h});
     if (last) {
         B_.act(h_final_, "final.norm_out", {Tn, h});
@@ -265,6 +290,11 @@ void CudaGlm5Model::carve_inputs() {
 
 CudaGlm5Model::~CudaGlm5Model() = default;
 
+int64_t CudaGlm5Model::local_layer(int64_t layer) const {
+    const auto it = std::find(layer_id_.begin(), layer_id_.end(), layer);
+    return it == layer_id_.end() ? -1 : int64_t(it - layer_id_.begin());
+}
+
 void CudaGlm5Model::bind(const ExecContext& ctx) {
     P_->bind(plan_);
     B_.resolve();
@@ -286,17 +316,19 @@ void CudaGlm5Model::bind(const ExecContext& ctx) {
             A.topk = A.idx.topk, A.topk_len = A.idx.len;
             A.indexer_sums = sums_ + idx_at_ + 2 * slot++;
             idx_sums_.push_back(A.indexer_sums);
-            idx_layers_.push_back(L0_ + int64_t(l));
+            idx_layers_.push_back(layer_id_[l]);
         }
     }
-    // The source layer is an earlier layer of this stage (check_index_share_pipeline_split).
+    // The source layer is an earlier layer of the same chunk (check_index_share_pipeline_split).
     for (size_t l = 0; l < layers_.size(); ++l) {
         CudaDecoderLayer::Acts& A = *acts_[l];
-        const int64_t layer0 = L0_ + int64_t(l);
+        const int64_t layer0 = layer_id_[l];
         if (!cfg_.uses_dsa() || A.topk) continue;
-        const int64_t src = dsa_source_layer(cfg_, layer0), i = src - L0_;
-        ST_CHECK(i >= 0 && src < layer0 && acts_[size_t(i)]->topk, "DSA layer ", layer0,
-                 " shares the top-k of layer ", src, ", which this stage does not compute");
+        const int64_t src = dsa_source_layer(cfg_, layer0), i = local_layer(src);
+        ST_CHECK(i >= 0 && src < layer0 && chunk_of_[size_t(i)] == chunk_of_[l] &&
+                     acts_[size_t(i)]->topk,
+                 "DSA layer ", layer0, " shares the top-k of layer ", src,
+                 ", which this stage does not compute");
         A.topk = acts_[size_t(i)]->topk, A.topk_len = acts_[size_t(i)]->topk_len;
     }
     for (int64_t k = 0; k < D_; ++k) {
@@ -456,10 +488,13 @@ void CudaGlm5Model::enqueue(const ExecContext& ctx, const LossScales& sc) {
 }
 
 void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc, bool recompute,
-                                    bool kept) {
+                                    bool kept, int chunk) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
     ST_ASSERT(kept || !recompute, "a recomputed forward is run for its backward");
+    ST_ASSERT(chunk >= 0 && chunk < int(stages_.size()), "forward of chunk ", chunk, " of ",
+              stages_.size());
+    const bool embeds = first_ && chunk == 0, heads = last_ && chunk + 1 == int(stages_.size());
     in_.recompute = recompute;
     if (in_.cp && in_.cp->size() > 1) {
         // Every rank's key rows, for the key exchange (cp_keys.h).
@@ -486,21 +521,24 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     // The FP8 weights follow the masters: quantized per micro-batch (cheap next to the GEMMs;
     // the masters change only between steps), but for those the optimizer gathers from their
     // owners after each update.
-    if (fp8_) fp8_->quantize(ctx);
-    if (head_fp8_on_) quantize_fp8_copy(ctx, (*P_)[head_].master, head8_);
-    if (stage_.first()) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
+    // A step's first forward on a rank is its first chunk's.
+    if (fp8_ && chunk == 0) fp8_->quantize(ctx);
+    if (head_fp8_on_ && heads) quantize_fp8_copy(ctx, (*P_)[head_].master, head8_);
+    if (embeds) cuda::embedding_forward(ctx, in_.token_ids, Tn, (*P_)[embed_].w, h, x_[0]);
     const float idx_gs = sc.backward || sc.indexer_grads ? float(sc.indexer) : 0.f;
     // Activation offload's schedule around each layer application (steps with a backward).
     ActivationOffload* off = saves ? offload_.get() : nullptr;
-    for (size_t l = 0; l < layers_.size(); ++l) {
+    for (size_t l = size_t(chunk_begin_[size_t(chunk)]);
+         l < size_t(chunk_begin_[size_t(chunk) + 1]); ++l) {
         if (off) off->before_forward(int64_t(l));
-        chunk(
+        const size_t x = size_t(x_at(int64_t(l)));
+        graph_chunk(
             cat("forward ", l, recompute ? " recomputed" : "", saves ? " saving" : "", " ", idx_gs),
-            [&] { layers_[l]->forward(ctx, *acts_[l], x_[l], x_[l + 1], in_, idx_gs); });
+            [&] { layers_[l]->forward(ctx, *acts_[l], x_[x], x_[x + 1], in_, idx_gs); });
         if (off) off->after_forward(int64_t(l));
     }
     in_.recompute = false;
-    if (!stage_.last()) return;
+    if (!heads) return;
     const auto tail = [&] {
         cuda::rmsnorm_forward(ctx, x_.back(), h, (*P_)[final_norm_].w, Tn, h, float(c.norm_epsilon),
                               h_final_, h, rstd_final_);
@@ -516,49 +554,54 @@ void CudaGlm5Model::enqueue_forward(const ExecContext& ctx, const LossScales& sc
     if (off && D_ > 0)
         tail();
     else
-        chunk(cat("head forward", sc.backward ? " backward" : "", saves ? " saving" : "",
-                  sc.indexer_grads ? " indexer" : "", " mtp ", sc.mtp.size(), " ", idx_gs),
-              tail);
+        graph_chunk(cat("head forward", sc.backward ? " backward" : "", saves ? " saving" : "",
+                        sc.indexer_grads ? " indexer" : "", " mtp ", sc.mtp.size(), " ", idx_gs),
+                    tail);
 }
 
-void CudaGlm5Model::chunk(const std::string& key, const std::function<void()>& enqueue) const {
+void CudaGlm5Model::graph_chunk(const std::string& key,
+                                const std::function<void()>& enqueue) const {
     if (chunks_ && !redo_)
         chunks_->run(cat(key, " cp ", static_cast<const void*>(in_.cp)), enqueue);
     else
         enqueue();
 }
 
-void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&) {
+void CudaGlm5Model::enqueue_backward(const ExecContext& ctx, const LossScales&, int chunk) {
     const auto& c = cfg_;
     const int64_t h = c.hidden_size, Tn = T_;
+    ST_ASSERT(chunk >= 0 && chunk < int(stages_.size()), "backward of chunk ", chunk, " of ",
+              stages_.size());
+    const bool embeds = first_ && chunk == 0, heads = last_ && chunk + 1 == int(stages_.size());
     ActivationOffload* off = offload_.get();
     auto point = [&](int p) {
         if (hook_) hook_(p);
     };
-    if (stage_.last()) {
+    if (heads) {
         if (D_ > 0) {
             if (off)
                 mtp_backward(ctx, off);
             else
-                chunk("mtp backward", [&] { mtp_backward(ctx, nullptr); });
+                graph_chunk("mtp backward", [&] { mtp_backward(ctx, nullptr); });
         }
         point(0);
         cuda::rmsnorm_backward(ctx, dh_, h, x_.back(), h, (*P_)[final_norm_].w, rstd_final_, Tn, h,
                                dx_, h, false, P_->grad_to_add(ctx, final_norm_), S_.norm_ws);
     }
-    point(1);
+    if (chunk + 1 == int(stages_.size())) point(1);
     const int64_t n = stage_layers();
-    for (int64_t l = n - 1; l >= 0; --l) {
+    for (int64_t l = chunk_begin_[size_t(chunk) + 1] - 1; l >= chunk_begin_[size_t(chunk)]; --l) {
         if (off) off->before_backward(l);
-        chunk(cat("backward ", l), [&] {
-            layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(l)], dx_, in_, nullptr);
+        graph_chunk(cat("backward ", l), [&] {
+            layers_[size_t(l)]->backward(ctx, *acts_[size_t(l)], x_[size_t(x_at(l))], dx_, in_,
+                                         nullptr);
         });
         if (off) off->after_backward(l);
         point(int(2 + n - 1 - l));
     }
-    if (stage_.first())
+    if (embeds)
         cuda::embedding_backward(ctx, in_.token_ids, Tn, dx_, h, P_->grad_to_add(ctx, embed_));
-    point(int(2 + n));
+    if (chunk == 0) point(int(2 + n));
 }
 
 int CudaGlm5Model::backward_point(const std::string& name) const {
@@ -569,7 +612,7 @@ int CudaGlm5Model::backward_point(const std::string& name) const {
     if (name.rfind(layers, 0) == 0) {
         const int64_t l = std::stoll(name.substr(layers.size()));
         if (l == L) return 0;  // the MTP layer (and its enorm, hnorm, eh_proj, head norm)
-        if (l >= L0_ && l < L1_) return int(2 + L1_ - 1 - l);
+        if (const int64_t i = local_layer(l); i >= 0) return int(2 + n - 1 - i);
     }
     return int(2 + n);  // the embedding, and anything not named above: after the whole backward
 }
@@ -801,6 +844,13 @@ std::vector<std::vector<int64_t>> CudaGlm5Model::moe_loads(const ExecContext& ct
             cuda::download(ctx, v.data(), l->moe()->load(), int64_t(v.size() * sizeof(int64_t)));
             out.push_back(v);
         }
+    return out;
+}
+
+std::vector<size_t> CudaGlm5Model::moe_layers_per_stage() const {
+    std::vector<size_t> out(stages_.size(), 0);
+    for (size_t l = 0; l < layers_.size(); ++l)
+        out[size_t(chunk_of_[l])] += layers_[l]->moe() ? 1 : 0;
     return out;
 }
 

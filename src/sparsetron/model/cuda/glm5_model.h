@@ -50,13 +50,14 @@ class CudaGlm5Model {
     // rank of micro-batches of key_tokens slots; set_context_parallel() gives the CP group.
     // fp8_blockwise: the dense linears (MLA projections but kv_b, dense MLPs, shared experts,
     // eh_proj) as FP8 blockwise linears (model/cuda/fp8_linear.h).
-    // `stage`: pipeline parallelism, the part of the model this rank holds (the CPU model's
-    // rule: `host_store` holds that part's parameters).
+    // `stages`: pipeline parallelism, the stages this rank holds in the order it runs them (one,
+    // or its chunks under interleaving; empty: the whole model). `host_store` holds their
+    // parameters (make_param_table's rule).
     // `masters`: the distributed optimizer's placement; a master kept on another rank is not
     // planned here unless a kernel reads it (CudaParams::read_master).
     CudaGlm5Model(const ModelConfig& cfg, const ParamStore& host_store, MemoryPlan& plan,
                   int64_t tokens, int64_t max_docs, int64_t chunk_rows, int64_t key_tokens = 0,
-                  bool fp8_blockwise = false, const PipelineStage& stage = {},
+                  bool fp8_blockwise = false, const std::vector<PipelineStage>& stages = {},
                   const MasterPlacement& masters = {});
     ~CudaGlm5Model();
     // After plan.allocate(Device::CUDA).
@@ -87,17 +88,18 @@ class CudaGlm5Model {
     // synchronization, allocation or host read, so it can be captured in a CUDA graph.
     // read_losses(): downloads the loss sums of the last enqueue (synchronizes).
     void enqueue(const ExecContext& ctx, const LossScales& scales);
-    // The two halves, for a pipeline schedule: the forward (on the last stage with the head's
-    // and MTP's losses, whose gradients it computes when scales.backward), and the backward of
-    // the micro-batch whose forward ran last. `recompute`: the forward of a micro-batch again,
-    // for its backward after other micro-batches' forwards (the losses, the indexer loss's
+    // The two halves, for a pipeline schedule: the forward of chunk `chunk` (on the last stage
+    // with the head's and MTP's losses, whose gradients it computes when scales.backward), and
+    // the backward of the chunk's micro-batch whose forward ran last (the loss sums are zeroed by
+    // each forward: a chunk's are its layers' share). `recompute`: the forward of a micro-batch
+    // again, for its backward after other micro-batches' forwards (the losses, the indexer loss's
     // gradient and the routing statistics were taken the first time and are left alone).
     // `kept`: this forward's backward follows it; false: a stage's forward whose activations the
     // schedule discards (run again before its backward), so the MoE stash keeps no pages of it
     // and activation offload moves nothing.
     void enqueue_forward(const ExecContext& ctx, const LossScales& scales, bool recompute = false,
-                         bool kept = true);
-    void enqueue_backward(const ExecContext& ctx, const LossScales& scales);
+                         bool kept = true, int chunk = 0);
+    void enqueue_backward(const ExecContext& ctx, const LossScales& scales, int chunk = 0);
     LossSums read_losses(const ExecContext& ctx) const;
     LossSums forward_backward(const ExecContext& ctx, const LossScales& scales) {
         enqueue(ctx, scales);
@@ -105,7 +107,10 @@ class CudaGlm5Model {
     }
 
     void reset_moe_stats(const ExecContext& ctx) const;
+    // Per backbone MoE layer of this rank, in the order of its stages.
     std::vector<std::vector<int64_t>> moe_loads(const ExecContext& ctx) const;
+    // How many backbone MoE layers each stage of the rank holds.
+    std::vector<size_t> moe_layers_per_stage() const;
     int64_t moe_dropped(const ExecContext& ctx) const;
     void update_router_bias(const ExecContext& ctx, double rate) const;
     // Every MoE application's routing statistics on the device (load per expert, dropped rows):
@@ -117,6 +122,7 @@ class CudaGlm5Model {
     // lm_head, whose gradient the main head adds in the forward), 1 after the final norm, 2 + i
     // after backbone layer L-1-i, 2 + L after the embedding (and anything else). enqueue() calls
     // the hook (when set) at each point, in order, with the stream at that point.
+    // With several chunks the points run over all of their layers (the last chunk's first).
     int backward_points() const { return int(stage_layers()) + 3; }
     int backward_point(const std::string& param_name) const;
     void set_backward_hook(std::function<void(int)> hook) { hook_ = std::move(hook); }
@@ -133,16 +139,18 @@ class CudaGlm5Model {
     // mode (CudaParams::begin_gradients).
     void set_chunk_graphs(cuda::ChunkGraphs* graphs) { chunks_ = graphs; }
 
-    // Pipeline parallelism (config/pipeline_stage.h). The stage's input rows (written before a
+    // Pipeline parallelism (config/pipeline_stage.h). A chunk's input rows (written before its
     // forward on every stage but the first), its output rows (sent on after it) and the residual
     // gradient (written before a backward on every stage but the last: d output; after it:
     // d input, sent back). No top-k travels: every stage starts on a layer that computes its own
-    // (check_index_share_pipeline_split).
-    const PipelineStage& stage() const { return stage_; }
-    int64_t stage_layers() const { return L1_ - L0_; }
+    // (check_index_share_pipeline_split). Each chunk's layers keep their own activations.
+    const std::vector<PipelineStage>& stages() const { return stages_; }
+    int64_t stage_layers() const { return int64_t(layers_.size()); }
     int64_t tokens() const { return T_; }
-    bf16* stage_input() const { return x_.front(); }
-    const bf16* stage_output() const { return x_.back(); }
+    bf16* stage_input(int chunk = 0) const { return x_[size_t(x_at(chunk_begin_[size_t(chunk)]))]; }
+    const bf16* stage_output(int chunk = 0) const {
+        return x_[size_t(x_at(chunk_begin_[size_t(chunk) + 1] - 1) + 1)];
+    }
     bf16* stage_grad() const { return dx_; }
     // The embedding's parameter index (-1 where the stage holds none).
     int64_t embedding_param() const { return embed_; }
@@ -191,8 +199,15 @@ class CudaGlm5Model {
 
     ModelConfig cfg_;
     MemoryPlan& plan_;
-    PipelineStage stage_;
-    int64_t L0_ = 0, L1_ = 0;  // this stage's decoder layers [L0_, L1_)
+    std::vector<PipelineStage> stages_;
+    bool first_ = true, last_ = true;  // holds the first stage (embedding) / the last (head)
+    // Local layer i (layers_[i]) is decoder layer layer_id_[i] of chunk chunk_of_[i]; chunk c
+    // holds local layers [chunk_begin_[c], chunk_begin_[c + 1]). x_ holds each chunk's layer
+    // inputs and its output: local layer i reads x_[x_at(i)] and writes x_[x_at(i) + 1].
+    std::vector<int64_t> layer_id_, chunk_begin_;
+    std::vector<int> chunk_of_;
+    int64_t x_at(int64_t i) const { return i + chunk_of_[size_t(i)]; }
+    int64_t local_layer(int64_t layer) const;  // -1: not this rank's
     std::unique_ptr<ParamStore> store_;
     std::unique_ptr<CudaParams> P_;
     CudaBuffers B_;
@@ -256,7 +271,7 @@ class CudaGlm5Model {
     cuda::ChunkGraphs* chunks_ = nullptr;
     bool redo_ = false;  // set_moe_redo
     // `enqueue` as the chunk `key` (with the CP group) of the chunk-wise graphs, or eagerly.
-    void chunk(const std::string& key, const std::function<void()>& enqueue) const;
+    void graph_chunk(const std::string& key, const std::function<void()>& enqueue) const;
 };
 
 }  // namespace sparsetron::cuda

@@ -5,8 +5,8 @@
 namespace sparsetron::cuda {
 
 MoeStash::MoeStash(const ModelConfig& c, CudaBuffers& B, int64_t tokens, int64_t row_width,
-                   const PipelineStage& stage)
-    : bound_(moe_stash_bound(c, tokens, stage)),
+                   const std::vector<PipelineStage>& stages)
+    : bound_(moe_stash_bound(c, tokens, stages)),
       page_rows_(bound_.page_rows),
       max_rows_(bound_.max_rows),
       pages_(bound_.pool_pages),

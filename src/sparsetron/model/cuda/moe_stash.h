@@ -49,7 +49,7 @@ class MoeStash {
 
     // `row_width`: bf16 values per stashed row (gate + up outputs).
     MoeStash(const ModelConfig& c, CudaBuffers& B, int64_t tokens, int64_t row_width,
-             const PipelineStage& stage = {});
+             const std::vector<PipelineStage>& stages = {});
     // A page table for one application (its pages between its forward and backward).
     void declare_table(int32_t*& table, CudaBuffers& B, const std::string& prefix) const;
     const MoeStashBound& bound() const { return bound_; }

@@ -84,15 +84,15 @@ class CudaEngine final : public StepEngine, public StepBench {
                  " needs a context-parallel group of that many processes");
         const CpRowPlan cpp = cp_row_plan(recipe.run, slots, max_documents);
         recipe_.model.context_parallel_ranks = cpp.max_group;
-        // Pipeline parallelism: this rank's stage of the model, 1F1B over the step's
-        // micro-batches (runtime/cuda/cuda_pipeline.h).
+        // Pipeline parallelism: this rank's stages of the model (its chunks under interleaving),
+        // the pipeline timetable over the step's micro-batches (runtime/cuda/cuda_pipeline.h).
         Comm* pp = pipeline && pipeline->size() > 1 ? pipeline : nullptr;
-        PipelineStage stage;
+        std::vector<PipelineStage> stages;  // none: the whole model
         if (pp) {
             ST_CHECK(recipe.run.pipeline_model_parallel_size == pp->size(),
                      "pipeline_model_parallel_size ", recipe.run.pipeline_model_parallel_size,
                      " but the pipeline group has ", pp->size(), " ranks");
-            stage = pipeline_stage(recipe_.model, recipe_.run, pp->rank());
+            stages = pipeline_rank_stages(recipe_.model, recipe_.run, pp->rank());
         }
         // The distributed optimizer: masters and state sharded over the ranks holding the same
         // parameters.
@@ -100,7 +100,7 @@ class CudaEngine final : public StepEngine, public StepBench {
                      : OptimizerShard{};
         model_ = std::make_unique<cuda::CudaGlm5Model>(
             recipe_.model, host_store_, plan_, cpp.rows, cpp.max_documents,
-            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stage,
+            std::min(chunk_rows, cpp.rows), cpp.key_rows, recipe_.run.fp8_blockwise(), stages,
             master_placement(shard_, recipe_.run));
         opt_ = std::make_unique<cuda::CudaOptimizer>(model_->cuda_params(), plan_, recipe_.model,
                                                      recipe_.run, shard_, dp_, expert_parallel, pp);
@@ -134,7 +134,7 @@ class CudaEngine final : public StepEngine, public StepBench {
         // Say what would fit before cudaMalloc fails on a number.
         const std::string shortfall =
             cuda_plan_shortfall(recipe, host_store_, max_documents, chunk_rows, plan_.total_bytes(),
-                                device_memory_free(), stage, shard_.rank);
+                                device_memory_free(), stages, shard_.rank);
         ST_CHECK(shortfall.empty(), shortfall);
         const uint64_t host_free = available_host_memory();
         ST_CHECK(host_free == 0 || plan_.host_offload_bytes() <= host_free,
@@ -252,8 +252,8 @@ class CudaEngine final : public StepEngine, public StepBench {
         out.moe_load = model_->moe_loads(ctx());
         out.moe_dropped = model_->moe_dropped(ctx());
         if (comms_.pipeline)
-            gather_stage_moe_metrics(*comms_.pipeline, recipe_.model.num_experts, out.moe_load,
-                                     out.moe_dropped);
+            gather_stage_moe_metrics(*comms_.pipeline, recipe_.model.num_experts,
+                                     model_->moe_layers_per_stage(), out.moe_load, out.moe_dropped);
         if (!out.stats.skipped && !run.dsa_dense_warmup)
             model_->update_router_bias(ctx(), recipe_.model.moe_router_bias_update_rate);
         return out;
@@ -411,11 +411,7 @@ class CudaEngine final : public StepEngine, public StepBench {
             step_graph_->replay();
             out.replayed = true;
         }
-        std::vector<double> host(size_t(n * model_->n_sums()));
-        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
-        for (int64_t i = 0; i < n; ++i)
-            out.losses.push_back(
-                model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
+        out.losses = read_staged_losses(sums, mbs);
         out.stats = opt_->read_stats(ctx(), run, step);
         read_moe_use(out);
         return out;
@@ -429,18 +425,26 @@ class CudaEngine final : public StepEngine, public StepBench {
                                              const LossScales& sc, const RunConfig& run,
                                              int64_t step, const std::vector<Comm*>& cp_groups) {
         StepOutcome out;
-        out.losses.resize(mbs.size());
-        const PipelineHostFeed feed{
-            [&](int64_t i) {
-                model_->set_context_parallel(cp_groups[size_t(i)]);
-                model_->load_inputs(ctx(), *mbs[size_t(i)], sc);
-            },
-            [&](int64_t i) { out.losses[size_t(i)] = model_->read_losses(ctx()); }};
+        // Each micro-batch's loss sums, added over the chunks the rank holds.
+        const int64_t ns = model_->n_sums();
+        std::vector<double> raw(mbs.size() * size_t(ns), 0.0), chunk(static_cast<size_t>(ns));
+        const PipelineHostFeed feed{[&](int64_t i) {
+                                        model_->set_context_parallel(cp_groups[size_t(i)]);
+                                        model_->load_inputs(ctx(), *mbs[size_t(i)], sc);
+                                    },
+                                    [&](int64_t i) {
+                                        cuda::download(ctx(), chunk.data(), model_->sums(),
+                                                       ns * int64_t(sizeof(double)));
+                                        for (int64_t j = 0; j < ns; ++j)
+                                            raw[size_t(i * ns + j)] += chunk[size_t(j)];
+                                    }};
         opt_->stage_schedule(ctx(), run, step);
         begin_step();
         pipeline_->enqueue(ctx(), sc, int64_t(mbs.size()), feed, [&] { begin_reduce(); });
         end_backward();
         opt_->enqueue_step(ctx(), run);
+        for (size_t i = 0; i < mbs.size(); ++i)
+            out.losses.push_back(model_->losses_from(raw.data() + i * size_t(ns), *mbs[i]));
         out.stats = opt_->read_stats(ctx(), run, step);
         read_moe_use(out);
         return out;
@@ -592,12 +596,7 @@ class CudaEngine final : public StepEngine, public StepBench {
                 pipeline_->enqueue(ctx(), sc, n, slots, sums);
             }
         }
-        std::vector<double> host(size_t(n * model_->n_sums()));
-        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
-        std::vector<LossSums> out;
-        for (int64_t i = 0; i < n; ++i)
-            out.push_back(model_->losses_from(host.data() + i * model_->n_sums(), *mbs[size_t(i)]));
-        return out;
+        return read_staged_losses(sums, mbs);
     }
 
     int64_t graph_captures() const override {
@@ -741,6 +740,23 @@ class CudaEngine final : public StepEngine, public StepBench {
             dp_->device_allreduce_sum(stats, n, stream);
         if (side_) side_->join();
         fired_.clear();
+    }
+    // The losses of a step's micro-batches from their staged sums (step_staging.h: per
+    // micro-batch a row per stage the model holds, added here).
+    std::vector<LossSums> read_staged_losses(const double* sums,
+                                             const std::vector<const MicroBatch*>& mbs) const {
+        const size_t n = mbs.size(), ns = size_t(model_->n_sums()),
+                     chunks = model_->stages().size();
+        std::vector<double> host(n * chunks * ns), mb(ns);
+        cuda::download(ctx(), host.data(), sums, int64_t(host.size() * sizeof(double)));
+        std::vector<LossSums> out;
+        for (size_t i = 0; i < n; ++i) {
+            std::fill(mb.begin(), mb.end(), 0.0);
+            for (size_t c = 0; c < chunks; ++c)
+                for (size_t j = 0; j < ns; ++j) mb[j] += host[(i * chunks + c) * ns + j];
+            out.push_back(model_->losses_from(mb.data(), *mbs[i]));
+        }
+        return out;
     }
     // Whether any rank's routing went over the receive budget since the flag was cleared (a
     // collective over the stage's ranks; synchronizes).

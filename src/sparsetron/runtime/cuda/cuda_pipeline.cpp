@@ -7,26 +7,52 @@
 #include "sparsetron/ops/copy/copy.h"
 
 namespace sparsetron {
+namespace {
+
+// The pipeline rank and rank count of a model's stages (chunk c is stage c x P + rank).
+std::pair<int, int> rank_of(const cuda::CudaGlm5Model& model) {
+    const std::vector<PipelineStage>& st = model.stages();
+    const int chunks = int(st.size()), ranks = st.front().count / chunks;
+    ST_CHECK(ranks * chunks == st.front().count, "pipeline: ", chunks, " chunks of ",
+             st.front().count, " stages");
+    for (int c = 0; c < chunks; ++c)
+        ST_CHECK(st[size_t(c)].index == c * ranks + st.front().index,
+                 "pipeline: the model's chunk ", c, " is stage ", st[size_t(c)].index,
+                 ", not stage ", c * ranks + st.front().index, " of ", st.front().count);
+    return {st.front().index, ranks};
+}
+
+}  // namespace
 
 PipelineBuffers plan_pipeline_buffers(const cuda::CudaGlm5Model& model, MemoryPlan& plan,
                                       int64_t max_microbatches) {
-    const PipelineStage& st = model.stage();
+    const auto [rank, ranks] = rank_of(model);
+    const int chunks = int(model.stages().size());
     PipelineBuffers b;
     b.row_bytes = model.tokens() * model.config().hidden_size * int64_t(sizeof(bf16));
-    b.message_bytes = b.row_bytes;
-    // Micro-batches in flight on stage s: its warm-up forwards and the one before the first
-    // backward (their messages are kept until their backward).
-    if (!st.first()) {
-        b.ring_slots =
-            std::max<int64_t>(1, std::min<int64_t>(st.count - st.index, max_microbatches));
-        b.ring = plan.add(MemClass::Activations, "pipeline.messages_in", DType::U8,
-                          {b.ring_slots * b.message_bytes});
-    }
-    if (!st.last()) {
-        b.send =
-            plan.add(MemClass::Activations, "pipeline.message_out", DType::U8, {b.message_bytes});
-        b.grad = plan.add(MemClass::Activations, "pipeline.grad_in", DType::U8, {b.row_bytes});
-    }
+    // The most messages held at once over the step sizes a step may have (interleaving takes
+    // micro-batches in groups of P): past the schedule's warm-up every step holds as many, so
+    // a few groups beyond it bound an unbounded count (dynamic CP); the largest count itself
+    // when bounded.
+    const int64_t unit = chunks > 1 ? ranks : 1;
+    std::vector<int64_t> counts;
+    for (int64_t k = 1; k <= chunks + 3 && k * unit <= max_microbatches; ++k)
+        counts.push_back(k * unit);
+    if (max_microbatches < std::numeric_limits<int64_t>::max() &&
+        max_microbatches / unit * unit > 0)
+        counts.push_back(max_microbatches / unit * unit);
+    for (const int64_t n : counts)
+        for (const bool backward : {true, false}) {
+            const PipelineTimetable tt(ranks, chunks, n, backward);
+            b.forward_slots = std::max(b.forward_slots, tt.held_inputs(rank));
+            b.grad_slots = std::max(b.grad_slots, tt.held_gradients(rank));
+        }
+    if (b.forward_slots > 0)
+        b.forward = plan.add(MemClass::Activations, "pipeline.forward_messages", DType::U8,
+                             {b.forward_slots * b.row_bytes});
+    if (b.grad_slots > 0)
+        b.grad = plan.add(MemClass::Activations, "pipeline.grad_messages", DType::U8,
+                          {b.grad_slots * b.row_bytes});
     return b;
 }
 
@@ -37,15 +63,10 @@ int64_t pipeline_step_bound(const RunConfig& run) {
 
 CudaPipeline::CudaPipeline(cuda::CudaGlm5Model& model, Comm& pp, MemoryPlan& plan,
                            int64_t max_microbatches)
-    : model_(model),
-      pp_(pp),
-      stage_(pp.rank()),
-      stages_(pp.size()),
-      first_(model.stage().first()),
-      last_(model.stage().last()) {
-    ST_CHECK(model.stage().index == stage_ && model.stage().count == stages_,
-             "pipeline: the model holds stage ", model.stage().index, " of ", model.stage().count,
-             " but this rank is stage ", stage_, " of ", stages_);
+    : model_(model), pp_(pp), chunks_(int(model.stages().size())) {
+    std::tie(rank_, ranks_) = rank_of(model);
+    ST_CHECK(rank_ == pp.rank() && ranks_ == pp.size(), "pipeline: the model holds pipeline rank ",
+             rank_, " of ", ranks_, " but this rank is ", pp.rank(), " of ", pp.size());
     ST_CHECK(pp.on_device(), "CUDA pipeline parallelism needs device transfers (NCCL); the ",
              pp.name(), " communicator has none");
     buf_ = plan_pipeline_buffers(model, plan, max_microbatches);
@@ -55,61 +76,103 @@ void CudaPipeline::bind(const MemoryPlan& plan) {
     auto at = [&](MemoryPlan::Slot s) {
         return s < 0 ? nullptr : static_cast<char*>(plan.view(s).data);
     };
-    ring_ = at(buf_.ring), send_ = at(buf_.send), grad_in_ = at(buf_.grad);
+    forward_ = at(buf_.forward), grad_ = at(buf_.grad);
+}
+
+const PipelineTimetable& CudaPipeline::timetable(int64_t n, bool backward) {
+    auto& tt = timetables_[{n, backward}];
+    if (!tt) tt = std::make_unique<PipelineTimetable>(ranks_, chunks_, n, backward);
+    return *tt;
+}
+
+char* CudaPipeline::message(bool grad, int64_t micro_batch, int chunk) const {
+    const auto it = held_.find({grad, micro_batch, chunk});
+    ST_ASSERT(it != held_.end(), "pipeline: a message the timetable did not deliver");
+    return (grad ? grad_ : forward_) + it->second * buf_.row_bytes;
+}
+
+void CudaPipeline::release(bool grad, int64_t micro_batch, int chunk) {
+    const auto it = held_.find({grad, micro_batch, chunk});
+    if (it == held_.end()) return;
+    (grad ? free_grad_ : free_forward_).push_back(it->second);
+    held_.erase(it);
 }
 
 void CudaPipeline::load(const ExecContext& ctx, int64_t i, const int32_t* inputs) {
+    if (loaded_ == i) return;
     if (feed_)
         feed_->load(i);
     else
         model_.copy_inputs_from(ctx, inputs + i * model_.input_words());
-    if (first_) return;
-    const char* m = ring(i);
-    cuda::copy_2d(ctx, model_.stage_input(), 0, m, 0, buf_.row_bytes, 1);
+    loaded_ = i;
 }
 
-void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc, int64_t i,
+void CudaPipeline::forward(const ExecContext& ctx, const LossScales& sc,
+                           const PipelineTimetable& tt, const PipelineWork& w,
                            const int32_t* inputs, double* sums, bool kept) {
+    const int64_t i = w.micro_batch;
     load(ctx, i, inputs);
-    model_.enqueue_forward(ctx, sc, /*recompute=*/false, kept);
+    if (tt.reads_message(rank_, w)) {
+        cuda::copy_2d(ctx, model_.stage_input(w.chunk), 0, message(false, i, w.chunk), 0,
+                      buf_.row_bytes, 1);
+        if (!sc.backward) release(false, i, w.chunk);
+    }
+    model_.enqueue_forward(ctx, sc, /*recompute=*/false, kept, w.chunk);
     const int64_t ns = model_.n_sums();
     if (feed_)
         feed_->forwarded(i);
     else
-        cuda::copy_2d(ctx, sums + i * ns, 0, model_.sums(), 0, ns * int64_t(sizeof(double)), 1);
-    resident_ = i;
-    if (last_) return;
-    cuda::copy_2d(ctx, send_, 0, model_.stage_output(), 0, buf_.row_bytes, 1);
+        cuda::copy_2d(ctx, sums + (i * chunks_ + w.chunk) * ns, 0, model_.sums(), 0,
+                      ns * int64_t(sizeof(double)), 1);
+    resident_ = kept ? std::pair<int, int64_t>{w.chunk, i} : std::pair<int, int64_t>{-1, -1};
 }
 
-void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc, int64_t i,
+void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc,
+                            const PipelineTimetable& tt, const PipelineWork& w,
                             const int32_t* inputs) {
-    if (resident_ != i) {
+    const int64_t i = w.micro_batch;
+    if (resident_ != std::pair<int, int64_t>{w.chunk, i}) {
         load(ctx, i, inputs);
-        model_.enqueue_forward(ctx, sc, /*recompute=*/true);
+        if (tt.reads_message(rank_, PipelineWork{false, i, w.chunk}))
+            cuda::copy_2d(ctx, model_.stage_input(w.chunk), 0, message(false, i, w.chunk), 0,
+                          buf_.row_bytes, 1);
+        model_.enqueue_forward(ctx, sc, /*recompute=*/true, /*kept=*/true, w.chunk);
         ++recomputed_;
     }
-    if (!last_) cuda::copy_2d(ctx, model_.stage_grad(), 0, grad_in_, 0, buf_.row_bytes, 1);
-    model_.enqueue_backward(ctx, sc);
-    resident_ = -1;
+    release(false, i, w.chunk);
+    if (tt.reads_message(rank_, w)) {
+        cuda::copy_2d(ctx, model_.stage_grad(), 0, message(true, i, w.chunk), 0, buf_.row_bytes, 1);
+        release(true, i, w.chunk);
+    }
+    model_.enqueue_backward(ctx, sc, w.chunk);
+    resident_ = {-1, -1};
 }
 
-void CudaPipeline::exchange(const ExecContext& ctx, bool send_fwd, bool recv_bwd, bool send_bwd,
-                            bool recv_fwd) {
-    const int next = last_ ? -1 : stage_ + 1, prev = first_ ? -1 : stage_ - 1;
-    // With the next stage: the forward message out, the gradient of it back.
-    if ((send_fwd || recv_bwd) && next >= 0)
-        pp_.device_sendrecv(send_, send_fwd ? buf_.message_bytes : 0, send_fwd ? next : -1,
-                            grad_in_, recv_bwd ? buf_.row_bytes : 0, recv_bwd ? next : -1,
-                            ctx.stream);
-    // With the previous stage: the input's gradient back, the next forward message in (into
-    // the ring slot of the micro-batch it belongs to: they arrive in order).
-    if ((send_bwd || recv_fwd) && prev >= 0) {
-        pp_.device_sendrecv(model_.stage_grad(), send_bwd ? buf_.row_bytes : 0,
-                            send_bwd ? prev : -1, ring(received_),
-                            recv_fwd ? buf_.message_bytes : 0, recv_fwd ? prev : -1, ctx.stream);
-        if (recv_fwd) ++received_;
+void CudaPipeline::shift(const ExecContext& ctx, const PipelineTimetable& tt, int64_t t,
+                         const PipelineWork* w, bool forward) {
+    const bool send = w && w->backward != forward && tt.sends(rank_, *w);
+    PipelineWork feeds;
+    const bool recv = tt.receives(rank_, t, forward, &feeds);
+    if (!send && !recv) return;
+    const int next = (rank_ + 1) % ranks_, prev = (rank_ + ranks_ - 1) % ranks_;
+    const void* out = nullptr;
+    if (send)
+        out = forward ? static_cast<const void*>(model_.stage_output(w->chunk))
+                      : static_cast<const void*>(model_.stage_grad());
+    char* in = nullptr;
+    if (recv) {
+        // A forward message feeds a forward; a gradient, the backward of the same chunk.
+        const bool grad = feeds.backward;
+        std::vector<int64_t>& free = grad ? free_grad_ : free_forward_;
+        ST_CHECK(!free.empty(), "pipeline: more ", grad ? "gradients" : "forward messages",
+                 " held than planned (", grad ? buf_.grad_slots : buf_.forward_slots, ") at tick ",
+                 t, " of a step of these micro-batches");
+        held_[{grad, feeds.micro_batch, feeds.chunk}] = free.back();
+        free.pop_back();
+        in = message(grad, feeds.micro_batch, feeds.chunk);
     }
+    pp_.device_sendrecv(out, send ? buf_.row_bytes : 0, send ? (forward ? next : prev) : -1, in,
+                        recv ? buf_.row_bytes : 0, recv ? (forward ? prev : next) : -1, ctx.stream);
 }
 
 void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t n,
@@ -133,41 +196,38 @@ void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t
 void CudaPipeline::schedule(const ExecContext& ctx, const LossScales& sc, int64_t n,
                             const int32_t* inputs, double* sums,
                             const std::function<void()>& before_last_backward) {
-    resident_ = -1, received_ = 0, recomputed_ = 0;
-    if (!sc.backward) {
-        for (int64_t i = 0; i < n; ++i) {
-            exchange(ctx, false, false, false, true);
-            forward(ctx, sc, i, inputs, sums, true);
-            exchange(ctx, true, false, false, false);
+    const PipelineTimetable& tt = timetable(n, sc.backward);
+    resident_ = {-1, -1}, loaded_ = -1, recomputed_ = 0;
+    held_.clear();
+    free_forward_.clear(), free_grad_.clear();
+    for (int64_t s = buf_.forward_slots; s-- > 0;) free_forward_.push_back(s);
+    for (int64_t s = buf_.grad_slots; s-- > 0;) free_grad_.push_back(s);
+    const std::vector<PipelineWork>& order = tt.order(rank_);
+    int64_t last_backward = -1;
+    for (size_t k = 0; k < order.size(); ++k)
+        if (order[k].backward) last_backward = int64_t(k);
+    for (int64_t t = 0; t < tt.ticks(); ++t) {
+        const PipelineWork* w = tt.at(rank_, t);
+        if (w) {
+            const int64_t k = tt.index_at(rank_, t);
+            if (!w->backward) {
+                // A forward's activations serve its backward when that backward comes next
+                // (the last stage); the others are run again before their backward.
+                const PipelineWork* after =
+                    size_t(k + 1) < order.size() ? &order[size_t(k + 1)] : nullptr;
+                const bool kept = !sc.backward || (after && after->backward &&
+                                                   after->micro_batch == w->micro_batch &&
+                                                   after->chunk == w->chunk);
+                forward(ctx, sc, tt, *w, inputs, sums, kept);
+            } else {
+                if (k == last_backward && before_last_backward) before_last_backward();
+                backward(ctx, sc, tt, *w, inputs);
+            }
         }
-        return;
+        shift(ctx, tt, t, w, true);
+        shift(ctx, tt, t, w, false);
     }
-    auto backward_of = [&](int64_t i) {
-        if (i == n - 1 && before_last_backward) before_last_backward();
-        backward(ctx, sc, i, inputs);
-    };
-    const int64_t warm = std::min<int64_t>(stages_ - stage_ - 1, n), steady = n - warm;
-    // A forward's activations serve its backward when that backward comes next: every forward
-    // on the last stage (no warm-up), or the only micro-batch; the others are run again before
-    // their backward (backward()), so they keep nothing for it.
-    const bool kept = warm == 0 || n == 1;
-    for (int64_t i = 0; i < warm; ++i) {
-        exchange(ctx, false, false, false, true);
-        forward(ctx, sc, i, inputs, sums, kept);
-        exchange(ctx, true, false, false, false);
-    }
-    if (steady > 0) exchange(ctx, false, false, false, true);
-    for (int64_t i = 0; i < steady; ++i) {
-        forward(ctx, sc, warm + i, inputs, sums, kept);
-        exchange(ctx, true, true, false, false);
-        backward_of(i);
-        exchange(ctx, false, false, true, i != steady - 1);
-    }
-    for (int64_t i = steady; i < n; ++i) {
-        exchange(ctx, false, true, false, false);
-        backward_of(i);
-        exchange(ctx, false, false, true, false);
-    }
+    ST_ASSERT(held_.empty(), "pipeline: a step left messages held");
 }
 
 }  // namespace sparsetron

@@ -21,8 +21,8 @@ cuda::ExchangeShape exchange_shape(const ModelConfig& m, int64_t tokens) {
 }
 
 MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
-                            int64_t max_documents, int64_t chunk_rows, const PipelineStage& stage,
-                            int optimizer_rank) {
+                            int64_t max_documents, int64_t chunk_rows,
+                            const std::vector<PipelineStage>& stages, int optimizer_rank) {
     MemoryPlan plan;
     ModelConfig m = recipe.model;
     m.expert_parallel_ranks = recipe.run.expert_model_parallel_size;
@@ -32,22 +32,24 @@ MemoryPlan cuda_memory_plan(const Recipe& recipe, const ParamStore& host_store,
     const OptimizerShard shard = planned_optimizer_shard(host_store, recipe.run, optimizer_rank);
     cuda::CudaGlm5Model model(
         m, host_store, plan, cpp.rows, cpp.max_documents, std::min(chunk_rows, cpp.rows),
-        cpp.key_rows, recipe.run.fp8_blockwise(), stage, master_placement(shard, recipe.run));
+        cpp.key_rows, recipe.run.fp8_blockwise(), stages, master_placement(shard, recipe.run));
     cuda::CudaOptimizer opt(model.cuda_params(), plan, recipe.model, recipe.run, shard);
-    if (!stage.whole()) plan_pipeline_buffers(model, plan, pipeline_step_bound(recipe.run));
-    if (recipe.run.cuda_graph_impl == "full_iteration" || !stage.whole())
+    const bool pipeline = !stages.empty() && !stages.front().whole();
+    if (pipeline) plan_pipeline_buffers(model, plan, pipeline_step_bound(recipe.run));
+    if (recipe.run.cuda_graph_impl == "full_iteration" || pipeline)
         plan_step_staging(model, plan, recipe.run.microbatches_per_step());
     return plan;
 }
 
 std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_store,
                                 int64_t max_documents, int64_t chunk_rows, size_t planned,
-                                size_t free_bytes, const PipelineStage& stage, int optimizer_rank) {
+                                size_t free_bytes, const std::vector<PipelineStage>& stages,
+                                int optimizer_rank) {
     if (planned <= free_bytes) return "";
     const auto gib = [](size_t b) { return format_bytes(double(b)); };
     std::string largest;
     const auto kinds =
-        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stages, optimizer_rank)
             .kinds();
     for (size_t i = 0; i < kinds.size() && i < 3; ++i)
         largest += cat(i ? ", " : "", kinds[i].pattern, " (", kinds[i].count, " x ",
@@ -60,7 +62,7 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
         r.model.recompute_granularity = "selective";
         r.model.recompute_modules = recompute_module_names();
         const size_t with =
-            cuda_memory_plan(r, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+            cuda_memory_plan(r, host_store, max_documents, chunk_rows, stages, optimizer_rank)
                 .total_bytes();
         std::string mods;
         for (const std::string& m : recompute_module_names())
@@ -74,9 +76,10 @@ std::string cuda_plan_shortfall(const Recipe& recipe, const ParamStore& host_sto
 
 std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
                              int64_t max_documents, int64_t chunk_rows, size_t* total_bytes,
-                             int top, const PipelineStage& stage, int optimizer_rank) {
+                             int top, const std::vector<PipelineStage>& stages,
+                             int optimizer_rank) {
     const MemoryPlan plan =
-        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stage, optimizer_rank);
+        cuda_memory_plan(recipe, host_store, max_documents, chunk_rows, stages, optimizer_rank);
     const ModelConfig& m = recipe.model;
     std::string text = plan.format(top);
     size_t total = plan.total_bytes();
@@ -104,7 +107,7 @@ std::string format_cuda_plan(const Recipe& recipe, const ParamStore& host_store,
         Recipe kept = recipe;
         kept.model.fine_grained_activation_offloading = false;
         const size_t without =
-            cuda_memory_plan(kept, host_store, max_documents, chunk_rows, stage, optimizer_rank)
+            cuda_memory_plan(kept, host_store, max_documents, chunk_rows, stages, optimizer_rank)
                 .total_bytes();
         std::string mods;
         for (const std::string& o : m.offload_modules) mods += (mods.empty() ? "" : ", ") + o;

@@ -7,8 +7,9 @@ StepStaging plan_step_staging(const cuda::CudaGlm5Model& model, MemoryPlan& plan
     s.slots = slots;
     s.inputs = plan.add(MemClass::Activations, "graph.input_slots", DType::I32,
                         {slots, model.input_words()});
-    s.sums =
-        plan.add(MemClass::Activations, "graph.loss_sums", DType::F64, {slots, model.n_sums()});
+    // A micro-batch's sums per chunk the rank holds (interleaved pipeline stages).
+    s.sums = plan.add(MemClass::Activations, "graph.loss_sums", DType::F64,
+                      {slots * int64_t(model.stages().size()), model.n_sums()});
     s.index = plan.add(MemClass::Activations, "graph.slot_index", DType::I32, {1});
     return s;
 }

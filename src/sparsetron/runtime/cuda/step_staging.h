@@ -17,7 +17,8 @@ struct StepStaging {
     MemoryPlan::Slot inputs = -1, sums = -1;
     MemoryPlan::Slot index = -1;  // one int32: the slot of the next micro-batch (dynamic CP)
 };
-// `slots` micro-batches' input blocks and loss sums of `model` in `plan` (Activations).
+// `slots` micro-batches' input blocks and loss sums of `model` in `plan` (Activations): a
+// micro-batch's sums once per stage the model holds (CudaPipeline's layout).
 StepStaging plan_step_staging(const cuda::CudaGlm5Model& model, MemoryPlan& plan, int64_t slots);
 
 }  // namespace sparsetron

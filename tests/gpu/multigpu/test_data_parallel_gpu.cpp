@@ -362,7 +362,8 @@ TEST(DataParallelGpu, DynamicContextParallelTwoGpusMatchOneGpuEagerAndGraph) {
 // step's micro-batches, the stage boundary's rows and gradients through NCCL send/recv, stage 0
 // recomputing its forward before each backward. Losses, gradient norms and loads must be the
 // one-GPU run's, eagerly and in the captured full-iteration graph, with an IndexShare layer inside
-// the second stage; a PP 2 checkpoint resumes on one GPU. Offset 2 makes the tiny model's layers
+// the second stage, and with two interleaved chunks per GPU; a PP 2 checkpoint resumes on one
+// GPU. Offset 2 makes the tiny model's layers
 // full, so each stage starts on one (Megatron's rule).
 TEST(DataParallelGpu, PipelineParallelTwoGpusMatchOneGpuEagerAndGraphAndResumes) {
     REQUIRE_GPU();
@@ -379,6 +380,16 @@ TEST(DataParallelGpu, PipelineParallelTwoGpusMatchOneGpuEagerAndGraphAndResumes)
         "--set optimizer=muon " +
         full_layers;
     compare_with_one_gpu("pp2-indexshare", four, pp + " --set decoder_first_pipeline_num_layers=1");
+    // Interleaved: two chunks of a layer each per GPU (GPU 0 layers 0 and 2, GPU 1 layers 1 and
+    // 3), every layer computing its indexer; the forward messages of chunk 0's last stage go
+    // round the ring to GPU 0's second chunk.
+    const std::string vpp = pp + " --set num_virtual_stages_per_pipeline_rank=2";
+    const std::string four_full =
+        "--set num_layers=4 --set moe_layer_freq=[0,1,1,1] --set dsa_indexer_topk_freq=1 ";
+    compare_with_one_gpu("pp2v2-eager", four_full, vpp);
+    compare_with_one_gpu(
+        "pp2v2-graph",
+        four_full + "--set cuda_graph_impl=full_iteration --set cuda_graph_warmup_steps=1", vpp);
 
     const std::string full = test::temp_dir("pp2-ckpt-full"), one = test::temp_dir("pp2-ckpt-one");
     ASSERT_EQ(

@@ -16,12 +16,16 @@
 #include <vector>
 
 #include "gpu/harness.h"
+#include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/elementwise/elementwise.h"
+#include "sparsetron/ops/fp8/fp8.h"
 #include "sparsetron/ops/gemm/gemm.h"
 #include "sparsetron/ops/loss/loss.h"
+#include "sparsetron/ops/moe/moe.h"
 #include "sparsetron/ops/norm/norm.h"
 
 #if SPARSETRON_WITH_CUDA
+#include "ops/fp8/fp8_test_data.h"
 #include "ops/op_fixtures.h"
 #endif
 
@@ -75,6 +79,107 @@ OpCase gemm_case(bool ta, bool tb, int64_t m, int64_t n, int64_t k, DType type) 
                 }
                 expect_close(what, got, c, tol);
             }};
+}
+
+// The FP8 blockwise linear (SPEC §6): x [m, k] bf16 quantized 1x128, w [n, k] quantized 128x128
+// from fp32 (the forward and input-gradient form) or 1x128 from bf16 (the weight-gradient form,
+// fp32 output), then the block-scaled GEMM; the CPU reference quantizes alike (bit for bit) and
+// sums each 128-deep block's e4m3 products in double. Values whose magnitude changes by up to
+// 2^12 from block to block, so every block's own scale matters.
+OpCase fp8_gemm_case(int64_t m, int64_t n, int64_t k, bool weight_grad_form) {
+    return {
+        cat("fp8 gemm ", weight_grad_form ? "x1x128.w1x128 f32 " : "x1x128.w128x128 bf16 ", m, "x",
+            n, "x", k),
+        weight_grad_form ? 1e-4 : kBf16Tol,
+        [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+            std::vector<float> x = fp8_blocky_values(m, k, 51), w = fp8_blocky_values(n, k, 52);
+            DeviceArray<bf16> dx(to_bf16_rounding(x));
+            std::vector<uint8_t> qx(size_t(m * k)), qw(size_t(n * k));
+            std::vector<float> sx(size_t(m * fp8::blocks(k))), y(size_t(m * n));
+            cpu::quantize_1x128(x.data(), m, k, k, cpu::kFp8Pow2Scales, qx.data(), sx.data());
+            DeviceArray<uint8_t> dqx(m * k), dqw(n * k);
+            DeviceArray<float> dsx(fp8::scales_1x128(m, k));
+            const ExecContext& ctx = s.ctx();
+            cuda::quantize_fp8_1x128(ctx, dx, m, k, k, cpu::kFp8Pow2Scales, dqx, dsx);
+            if (weight_grad_form) {
+                DeviceArray<bf16> dw(to_bf16_rounding(w));
+                std::vector<float> sw(size_t(n * fp8::blocks(k)));
+                cpu::quantize_1x128(w.data(), n, k, k, cpu::kFp8Pow2Scales, qw.data(), sw.data());
+                cpu::gemm_fp8_blockwise(qx.data(), sx.data(), qw.data(), sw.data(), m, n, k,
+                                        y.data(), /*w_1x128=*/true);
+                DeviceArray<float> dsw(fp8::scales_1x128(n, k)), dy(m * n);
+                cuda::quantize_fp8_1x128(ctx, dw, n, k, k, cpu::kFp8Pow2Scales, dqw, dsw);
+                cuda::gemm_fp8_blockwise(ctx, m, n, k, {dqx, dsx, false}, {dqw, dsw, false},
+                                         static_cast<float*>(dy), n);
+                s.synchronize();
+                expect_close(what, dy.download(), y, tol);
+                expect_guard(dy, what);
+                return;
+            }
+            std::vector<float> sw(size_t(fp8::blocks(n) * fp8::blocks(k)));
+            cpu::quantize_128x128(w.data(), n, k, cpu::kFp8Pow2Scales, qw.data(), sw.data());
+            cpu::gemm_fp8_blockwise(qx.data(), sx.data(), qw.data(), sw.data(), m, n, k, y.data());
+            DeviceArray<float> dw(w), dsw(fp8::scales_128x128(n, k));
+            DeviceArray<bf16> dy(m * n);
+            cuda::quantize_fp8_128x128(ctx, dw, n, k, cpu::kFp8Pow2Scales, dqw, dsw);
+            cuda::gemm_fp8_blockwise(ctx, m, n, k, {dqx, dsx, false}, {dqw, dsw, true}, dy, n);
+            s.synchronize();
+            expect_close(what, download_f(dy), y, tol);
+            expect_guard(dy, what);
+        }};
+}
+
+// The routed experts' FP8 grouped GEMM (grouped_gemm_fp8, sm_90a): expert e's rows
+// [offsets[e], offsets[e + 1]) of x (quantized 1x128 over the whole buffer) times its W_e^T
+// (128x128 from fp32); the CPU reference expert by expert. Rows past the last expert are not
+// compared (the GEMM leaves them).
+OpCase fp8_grouped_case(std::vector<int32_t> offsets, int64_t capacity, int64_t n, int64_t k) {
+    const int64_t E = int64_t(offsets.size()) - 1;
+    return {
+        cat("fp8 grouped gemm ", E, " experts ", offsets.back(), "x", n, "x", k), kBf16Tol,
+        [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+            if (!cuda::grouped_gemm_fp8_available()) GTEST_SKIP() << "needs sm_90a";
+            std::vector<float> x = fp8_blocky_values(capacity, k, 61);
+            DeviceArray<bf16> dx(to_bf16_rounding(x));
+            std::vector<uint8_t> qx(size_t(capacity * k)), qw(size_t(n * k));
+            std::vector<float> sx(size_t(capacity * fp8::blocks(k)));
+            cpu::quantize_1x128(x.data(), capacity, k, k, cpu::kFp8Pow2Scales, qx.data(),
+                                sx.data());
+            const ExecContext& ctx = s.ctx();
+            DeviceArray<uint8_t> dqx(capacity * k), dqw(E * n * k);
+            DeviceArray<float> dsx(fp8::scales_1x128(capacity, k)),
+                dsw(E * fp8::scales_128x128(n, k));
+            cuda::quantize_fp8_1x128(ctx, dx, capacity, k, k, cpu::kFp8Pow2Scales, dqx, dsx);
+            std::vector<float> ref(size_t(capacity * n), 0.f);
+            std::vector<bool> mask(ref.size(), false);
+            for (int64_t e = 0; e < E; ++e) {
+                std::vector<float> w = fp8_blocky_values(n, k, 70 + uint64_t(e));
+                DeviceArray<float> dw(w);
+                cuda::quantize_fp8_128x128(ctx, dw, n, k, cpu::kFp8Pow2Scales,
+                                           dqw.get() + e * n * k,
+                                           dsw.get() + e * fp8::scales_128x128(n, k));
+                s.synchronize();  // the stream is non-blocking: done before dw goes
+                const int64_t r0 = offsets[size_t(e)], rows = offsets[size_t(e) + 1] - r0;
+                if (rows == 0) continue;
+                std::vector<float> sw(size_t(fp8::blocks(n) * fp8::blocks(k)));
+                cpu::quantize_128x128(w.data(), n, k, cpu::kFp8Pow2Scales, qw.data(), sw.data());
+                cpu::gemm_fp8_blockwise(qx.data() + r0 * k, sx.data() + r0 * fp8::blocks(k),
+                                        qw.data(), sw.data(), rows, n, k, ref.data() + r0 * n);
+                std::fill(mask.begin() + r0 * n, mask.begin() + (r0 + rows) * n, true);
+            }
+            int32_t most = 0;
+            for (int64_t e = 0; e < E; ++e)
+                most = std::max(most, offsets[size_t(e) + 1] - offsets[size_t(e)]);
+            DeviceArray<int32_t> doff(offsets);
+            DeviceArray<bf16> dy(capacity * n);
+            cuda::grouped_gemm_fp8(
+                ctx,
+                cuda::Fp8GroupedGemm{
+                    doff, E, most, capacity, n, k, {dqx, dsx, false}, {dqw, dsw, true}, dy, false});
+            s.synchronize();
+            expect_close(what, download_f(dy), ref, tol, mask);
+            expect_guard(dy, what);
+        }};
 }
 
 // y = RMSNorm(x) w, rows x dim.
@@ -199,6 +304,10 @@ std::vector<OpCase> op_cases() {
     for (auto [rows, vocab, dim] :
          {std::array<int64_t, 3>{10, 13, 64}, {300, 1000, 6144}, {21, 50, 100}})
         c.push_back(embedding_case(rows, vocab, dim));
+    for (auto [m, n, k] : {std::array<int64_t, 3>{128, 128, 128}, {264, 392, 656}, {33, 256, 1024}})
+        for (bool wgrad : {false, true}) c.push_back(fp8_gemm_case(m, n, k, wgrad));
+    c.push_back(fp8_grouped_case({0, 300, 300, 517, 700}, 760, 296, 656));
+    c.push_back(fp8_grouped_case({0, 128, 256, 384, 512, 640, 768, 896, 1024}, 1024, 512, 256));
     return c;
 }
 

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -268,6 +269,49 @@ OpCase softmax_case(int64_t rows, int64_t vocab) {
             }};
 }
 
+// The output head fused with cross-entropy over row chunks: the loss sum and target count, the
+// input gradient dh (bf16) and the weight gradient dw (fp32, overwritten), every fifth row
+// without a target. The dlogits are rounded to bf16 before both gradient GEMMs on CUDA: the
+// bf16 tolerance for the gradients, the loss in fp32 against fp64.
+OpCase head_cross_entropy_case(int64_t rows, int64_t dim, int64_t vocab, int64_t chunk) {
+    return {cat("head cross-entropy ", rows, "x", dim, " vocab ", vocab, " chunk ", chunk),
+            kBf16Tol, [=](const cuda::CudaSession& s, const std::string& what, double tol) {
+                auto h = random_vector<float>(rows * dim, 81),
+                     w = random_vector<float>(vocab * dim, 82);
+                std::vector<int32_t> targets(static_cast<size_t>(rows));
+                for (int64_t r = 0; r < rows; ++r)
+                    targets[size_t(r)] = r % 5 == 4 ? -1 : int32_t((r * 7919) % vocab);
+                DeviceArray<bf16> dh_in(to_bf16_rounding(h)), dwb(to_bf16_rounding(w)),
+                    ddh(rows * dim);
+                DeviceArray<int32_t> dtargets(targets);
+                const int64_t dl_rows = cuda::head_dlogits_rows(rows, chunk, dim);
+                DeviceArray<float> logits(chunk * vocab), row_loss(rows), ddw(vocab * dim);
+                DeviceArray<bf16> dlogits(dl_rows * vocab);
+                DeviceArray<double> sums(2);
+                cuda::HeadLoss p;
+                p.h = dh_in, p.rows = rows, p.dim = dim, p.w = dwb, p.vocab = vocab;
+                p.targets = dtargets, p.chunk_rows = chunk, p.logits_ws = logits;
+                p.dlogits_ws = dlogits, p.dlogits_rows = dl_rows, p.grad_scale = 0.5f;
+                p.dw_beta = 0.f;
+                cuda::head_cross_entropy(s.ctx(), p, row_loss, ddh, static_cast<float*>(ddw));
+                cuda::loss_sum(s.ctx(), row_loss, dtargets, rows, sums);
+                s.synchronize();
+                std::vector<float> ws(static_cast<size_t>(chunk * vocab)),
+                    dh(static_cast<size_t>(rows * dim)), dw(size_t(vocab * dim), 0.f);
+                double loss = 0;
+                int64_t count = 0;
+                cpu::head_cross_entropy<float>(h.data(), rows, dim, w.data(), vocab, targets.data(),
+                                               chunk, ws.data(), 0.5, dh.data(), dw.data(), &loss,
+                                               &count);
+                const std::vector<double> got = sums.download();
+                EXPECT_NEAR(got[0], loss, 1e-5 * std::fabs(loss)) << what;
+                EXPECT_EQ(int64_t(got[1]), count) << what;
+                expect_close(what + " dh", download_f(ddh), dh, tol);
+                expect_close(what + " dw", ddw.download(), dw, tol);
+                expect_guard(ddh, what), expect_guard(ddw, what);
+            }};
+}
+
 // out[r] = table[tokens[r]] (ids in the vocabulary: the CPU reference refuses others; the CUDA
 // op's zero rows for negative ids are checked in test_elementwise_cuda.cpp).
 OpCase embedding_case(int64_t rows, int64_t vocab, int64_t dim) {
@@ -304,6 +348,9 @@ std::vector<OpCase> op_cases() {
     for (auto [rows, vocab, dim] :
          {std::array<int64_t, 3>{10, 13, 64}, {300, 1000, 6144}, {21, 50, 100}})
         c.push_back(embedding_case(rows, vocab, dim));
+    for (auto [rows, dim, vocab, chunk] :
+         {std::array<int64_t, 4>{37, 64, 1000, 16}, {256, 256, 5000, 128}, {96, 128, 4096, 96}})
+        c.push_back(head_cross_entropy_case(rows, dim, vocab, chunk));
     for (auto [m, n, k] : {std::array<int64_t, 3>{128, 128, 128}, {264, 392, 656}, {33, 256, 1024}})
         for (bool wgrad : {false, true}) c.push_back(fp8_gemm_case(m, n, k, wgrad));
     c.push_back(fp8_grouped_case({0, 300, 300, 517, 700}, 760, 296, 656));

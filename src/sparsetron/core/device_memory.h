@@ -15,6 +15,7 @@ void device_free(void* p);
 // Page-locked host memory (cudaHostAlloc): what asynchronous device <-> host copies need.
 void* pinned_host_alloc(size_t bytes);
 void pinned_host_free(void* p);
+// Synchronous: the bytes are on the device when it returns (work on any stream sees them).
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 // Bytes of device memory in use by every process on the current device (total - free).

@@ -55,6 +55,10 @@ void pinned_host_free(void* p) {
 // offload), which unified addressing tells apart.
 void copy_to_device(void* dst, const void* src, size_t bytes) {
     ST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+    // From pageable memory cudaMemcpy returns once the bytes are staged, before the DMA lands,
+    // and the legacy stream it ran on does not order the sessions' non-blocking streams: wait
+    // for it, so a kernel enqueued next on any stream reads what was copied.
+    ST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
 void copy_to_host(void* dst, const void* src, size_t bytes) {

@@ -282,7 +282,7 @@ TEST(Fp8Cuda, BlockScaledGemmMatchesTheCpuReference) {
         int64_t bad = 0;
         for (size_t i = 0; i < want.size(); ++i) {
             const double d = std::fabs(double(got[i]) - want[i]);
-            if (d > 1e-2 * std::fabs(want[i]) + 1e-3 * rms) ++bad;
+            if (!(d <= 1e-2 * std::fabs(want[i]) + 1e-3 * rms)) ++bad;  // NaN is bad
             err += d * d;
             qerr += (double(want[i]) - exact[i]) * (double(want[i]) - exact[i]);
             den += double(exact[i]) * exact[i];
@@ -371,9 +371,10 @@ TEST(Fp8Cuda, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
         for (int64_t i = 0; i < used * n; ++i) rms += double(want[size_t(i)]) * want[size_t(i)];
         rms = std::sqrt(rms / double(used * n));
         int64_t bad = 0, touched = 0;
+        // A NaN fails the comparison's negation, not the comparison: it counts as bad.
         for (int64_t i = 0; i < used * n; ++i)
-            bad += std::fabs(double(got[size_t(i)]) - want[size_t(i)]) >
-                   1e-2 * std::fabs(want[size_t(i)]) + 1e-3 * rms;
+            bad += !(std::fabs(double(got[size_t(i)]) - want[size_t(i)]) <=
+                     1e-2 * std::fabs(want[size_t(i)]) + 1e-3 * rms);
         for (int64_t i = used * n; i < capacity * n; ++i)
             touched += got[size_t(i)] != start[size_t(i)];
         EXPECT_EQ(bad, 0) << what;

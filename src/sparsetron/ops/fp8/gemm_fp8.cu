@@ -56,9 +56,15 @@ GemmPlan make_fp8_plan(Libraries& libs, int64_t m, int64_t n, int64_t k, int64_t
     point_scales(p.op, x, w);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    ST_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(libs.lt, p.op, p.a, p.b, p.c, p.c, pref, 1,
-                                                   &result, &found));
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(libs.lt, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
+    // A shape the block-scaled kernels do not take (rows not in whole tiles of the scale
+    // layout, e.g. m = 33) is refused here, not at the multiply.
+    ST_CHECK(st != CUBLAS_STATUS_NOT_SUPPORTED,
+             "cuBLASLt's block-scaled FP8 GEMM does not take m=", m, " n=", n, " k=", k,
+             " (its heuristic says not supported)");
+    ST_CUBLAS_CHECK(st);
     ST_CHECK(found > 0, "cuBLASLt has no block-scaled FP8 algorithm for m=", m, " n=", n, " k=", k,
              " (needs Hopper and cuBLAS >= 12.9)");
     p.algo = result.algo;

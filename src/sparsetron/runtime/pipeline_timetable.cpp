@@ -182,6 +182,17 @@ bool PipelineTimetable::reads_message(int r, const PipelineWork& w) const {
     return w.backward ? s < ranks_ * chunks_ - 1 : s > 0;
 }
 
+PipelineTimetable::RingShift PipelineTimetable::ring_shift(int r, int64_t t, bool forward) const {
+    RingShift s;
+    const PipelineWork* w = at(r, t);
+    s.send = w && w->backward != forward && sends(r, *w);
+    s.recv = receives(r, t, forward, &s.feeds);
+    const int next = (r + 1) % ranks_, prev = (r + ranks_ - 1) % ranks_;
+    if (s.send) s.to = forward ? next : prev;
+    if (s.recv) s.from = forward ? prev : next;
+    return s;
+}
+
 bool PipelineTimetable::receives(int r, int64_t t, bool forward, PipelineWork* feeds) const {
     if (ranks_ == 1) return false;  // one stage: no message
     const int from = forward ? (r + ranks_ - 1) % ranks_ : (r + 1) % ranks_;

@@ -44,6 +44,15 @@ class PipelineTimetable {
     // The message rank r receives at the end of tick t from its previous rank (a forward
     // message, true when `forward`) or from its next (a gradient), and the work of r it feeds.
     bool receives(int r, int64_t t, bool forward, PipelineWork* feeds) const;
+    // One ring shift after tick t as rank r takes part in it: whether its work sends (a forward
+    // message to the next rank, or a gradient to the previous: `to`) and whether a message
+    // arrives (from the previous rank, or the next: `from`), with the work of r it feeds.
+    struct RingShift {
+        bool send = false, recv = false;
+        int to = -1, from = -1;
+        PipelineWork feeds;
+    };
+    RingShift ring_shift(int r, int64_t t, bool forward) const;
     // Whether work i of rank r's order needs its input from a message (not the embedding's rows,
     // and for a backward not the head's own gradient).
     bool reads_message(int r, const PipelineWork& w) const;

@@ -58,25 +58,21 @@ void PipelineSchedule::reserve(const PipelineTimetable& tt) {
 
 void PipelineSchedule::shift(const PipelineTimetable& tt, int64_t t, const PipelineWork* w,
                              bool forward) {
-    const bool send = w && w->backward != forward && tt.sends(rank_, *w);
-    PipelineWork feeds;
-    const bool recv = tt.receives(rank_, t, forward, &feeds);
-    if (!send && !recv) return;
-    const int next = (rank_ + 1) % ranks_, prev = (rank_ + ranks_ - 1) % ranks_;
+    const PipelineTimetable::RingShift s = tt.ring_shift(rank_, t, forward);
+    if (!s.send && !s.recv) return;
     const void* out = nullptr;
-    if (send)
+    if (s.send)
         out = forward ? static_cast<const void*>(stages_[size_t(w->chunk)]->stage_output())
                       : static_cast<const void*>(stages_[size_t(w->chunk)]->stage_grad());
     char* in = nullptr;
-    if (recv) {
+    if (s.recv) {
         ST_ASSERT(!free_messages_.empty(), "pipeline: more messages held than the timetable says");
         const size_t slot = free_messages_.back();
         free_messages_.pop_back();
-        message_at_[{feeds.backward, feeds.micro_batch, feeds.chunk}] = slot;
+        message_at_[{s.feeds.backward, s.feeds.micro_batch, s.feeds.chunk}] = slot;
         in = messages_[slot].data();
     }
-    pp_.sendrecv(out, send ? row_bytes_ : 0, send ? (forward ? next : prev) : -1, in,
-                 recv ? row_bytes_ : 0, recv ? (forward ? prev : next) : -1);
+    pp_.sendrecv(out, s.send ? row_bytes_ : 0, s.to, in, s.recv ? row_bytes_ : 0, s.from);
 }
 
 std::vector<LossSums> PipelineSchedule::run(const std::vector<const MicroBatch*>& mbs,

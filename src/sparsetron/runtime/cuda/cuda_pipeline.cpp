@@ -150,29 +150,26 @@ void CudaPipeline::backward(const ExecContext& ctx, const LossScales& sc,
 
 void CudaPipeline::shift(const ExecContext& ctx, const PipelineTimetable& tt, int64_t t,
                          const PipelineWork* w, bool forward) {
-    const bool send = w && w->backward != forward && tt.sends(rank_, *w);
-    PipelineWork feeds;
-    const bool recv = tt.receives(rank_, t, forward, &feeds);
-    if (!send && !recv) return;
-    const int next = (rank_ + 1) % ranks_, prev = (rank_ + ranks_ - 1) % ranks_;
+    const PipelineTimetable::RingShift s = tt.ring_shift(rank_, t, forward);
+    if (!s.send && !s.recv) return;
     const void* out = nullptr;
-    if (send)
+    if (s.send)
         out = forward ? static_cast<const void*>(model_.stage_output(w->chunk))
                       : static_cast<const void*>(model_.stage_grad());
     char* in = nullptr;
-    if (recv) {
+    if (s.recv) {
         // A forward message feeds a forward; a gradient, the backward of the same chunk.
-        const bool grad = feeds.backward;
+        const bool grad = s.feeds.backward;
         std::vector<int64_t>& free = grad ? free_grad_ : free_forward_;
         ST_CHECK(!free.empty(), "pipeline: more ", grad ? "gradients" : "forward messages",
                  " held than planned (", grad ? buf_.grad_slots : buf_.forward_slots, ") at tick ",
                  t, " of a step of these micro-batches");
-        held_[{grad, feeds.micro_batch, feeds.chunk}] = free.back();
+        held_[{grad, s.feeds.micro_batch, s.feeds.chunk}] = free.back();
         free.pop_back();
-        in = message(grad, feeds.micro_batch, feeds.chunk);
+        in = message(grad, s.feeds.micro_batch, s.feeds.chunk);
     }
-    pp_.device_sendrecv(out, send ? buf_.row_bytes : 0, send ? (forward ? next : prev) : -1, in,
-                        recv ? buf_.row_bytes : 0, recv ? (forward ? prev : next) : -1, ctx.stream);
+    pp_.device_sendrecv(out, s.send ? buf_.row_bytes : 0, s.to, in, s.recv ? buf_.row_bytes : 0,
+                        s.from, ctx.stream);
 }
 
 void CudaPipeline::enqueue(const ExecContext& ctx, const LossScales& sc, int64_t n,

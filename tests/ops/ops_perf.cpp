@@ -679,6 +679,42 @@ TEST_F(CudaOpsPerf, GroupedExpertGemmFp8) {
             cat("quantize 1x128 ", R, "x", k),
             [&] { cuda::quantize_fp8_1x128(ctx(), *x, R, k, k, true, qx, sx); }, 0, 3.0 * R * k);
     }
+    // The experts' weight gradient dW [E][F][h] = dy^T x (dy [R, F], x [R, h]): bf16 against FP8
+    // (operands quantized per expert segment along the tokens, then the FP8 GEMM), both writing
+    // fp32 dW, uniform and training's routing.
+    {
+        auto dy = bf_tiled_random(R * F, 63);
+        auto dw = f32(E * F * h, 0.f);
+        const int64_t padded = fp8::expert_columns_padded(R, E);
+        DeviceArray<uint8_t> qdyt(F * padded), qxt(h * padded);
+        DeviceArray<float> sdyt(fp8::scales_1x128(F, padded)), sxt(fp8::scales_1x128(h, padded));
+        for (const auto& [name, offs] :
+             {std::pair<std::string, const int32_t*>{"uniform", duniform},
+              std::pair<std::string, const int32_t*>{"training routing", dtrained}}) {
+            report(
+                cat("grouped bf16 weight grad 16 x 2048 x 6144 x 2048, ", name),
+                [&] {
+                    cuda::grouped_gemm(ctx(), {K2::WeightGrad, offs, E, T, R, F, h, *dy, *x, *dw});
+                },
+                flops, 2.0 * (R * h + R * F) + 4.0 * E * F * h);
+            auto quantize_both = [&] {
+                cuda::quantize_fp8_1x128_expert_columns(ctx(), *dy, offs, E, F, F, padded, true,
+                                                        qdyt, sdyt);
+                cuda::quantize_fp8_1x128_expert_columns(ctx(), *x, offs, E, h, h, padded, true, qxt,
+                                                        sxt);
+            };
+            quantize_both();
+            cuda::Fp8GroupedWeightGrad g;
+            g.offsets = offs, g.experts = E, g.n = F, g.k = h, g.padded = padded;
+            g.dyt = {qdyt, sdyt, false}, g.xt = {qxt, sxt, false}, g.dw = *dw;
+            report(
+                cat("grouped fp8 weight grad 16 x 2048 x 6144 x 2048, ", name),
+                [&] { cuda::grouped_gemm_fp8_weight_grad(ctx(), g); }, flops,
+                double(R * h + R * F) + 4.0 * E * F * h);
+            report(cat("quantize expert columns dy and x, ", name), quantize_both, 0,
+                   3.0 * (R * h + R * F));
+        }
+    }
     report("quantize 16 experts' W and W^T (fp32 masters)", quantize_weights, 0, 6.0 * E * F * h);
     report(
         "quantize 16 experts' W and W^T, one launch",

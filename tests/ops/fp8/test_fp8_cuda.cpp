@@ -178,6 +178,63 @@ TEST(Fp8Cuda, TransposedQuantizersMatchTheCpuReferenceBitForBit) {
     }
 }
 
+// The experts' weight-gradient operands (quantize_fp8_1x128_expert_columns): each expert's rows
+// transposed into its own 128-aligned segment of x^T, zero-padded, and quantized down the columns
+// as the plain quantizer does the expert's rows alone, bit for bit (bytes of every segment,
+// padding included, and every block's scale); an empty expert takes no segment; rows past the
+// last expert (NaN here) are never read; bytes past the last segment are left as they were.
+// 200 columns: a partial column tile.
+TEST(Fp8Cuda, ExpertColumnQuantizerMatchesTheCpuReferencePerSegment) {
+    REQUIRE_GPU();
+    cuda::CudaSession session;
+    const std::vector<int32_t> offsets = {0, 300, 300, 517, 700};
+    const int64_t E = 4, capacity = 760, cols = 200;
+    const int64_t padded = fp8::expert_columns_padded(offsets.back(), E);
+    std::vector<float> x = fp8_blocky_values(capacity, cols, 35);
+    for (int64_t i = offsets.back() * cols; i < capacity * cols; ++i) x[size_t(i)] = NAN;
+    const std::vector<float> xr = to_float(to_bf16_rounding(x));
+    DeviceArray<bf16> dx(to_bf16_rounding(x));
+    DeviceArray<int32_t> doff(offsets);
+    const std::vector<uint8_t> before(size_t(cols * padded), uint8_t(0x5A));
+    DeviceArray<uint8_t> dq(before);
+    DeviceArray<float> ds(fp8::scales_1x128(cols, padded));
+    cuda::quantize_fp8_1x128_expert_columns(session.ctx(), dx, doff, E, cols, cols, padded, true,
+                                            dq, ds);
+    session.synchronize();
+    const std::vector<uint8_t> q = dq.download();
+    const std::vector<float> sc = ds.download();
+    int64_t start = 0, bad_bytes = 0, bad_scales = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = offsets[size_t(e)], rows = offsets[size_t(e) + 1] - r0;
+        const int64_t span = (rows + 127) / 128 * 128;
+        if (span == 0) continue;
+        std::vector<float> xt(size_t(cols * span), 0.f);  // the segment, zero-padded
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+                xt[size_t(c * span + r)] = xr[size_t((r0 + r) * cols + c)];
+        std::vector<uint8_t> qe(size_t(cols * span));
+        std::vector<float> se(size_t(cols * (span / 128)));
+        cpu::quantize_1x128(xt.data(), cols, span, span, true, qe.data(), se.data());
+        for (int64_t c = 0; c < cols; ++c) {
+            for (int64_t r = 0; r < span; ++r)
+                bad_bytes += q[size_t(c * padded + start + r)] != qe[size_t(c * span + r)];
+            for (int64_t b = 0; b < span / 128; ++b)
+                bad_scales += sc[size_t(fp8::scale_index_1x128(c, start / 128 + b, cols))] !=
+                              se[size_t(c * (span / 128) + b)];
+        }
+        start += span;
+    }
+    EXPECT_EQ(start, 896);  // 384 + 256 + 256
+    EXPECT_LE(start, padded);
+    EXPECT_EQ(bad_bytes, 0);
+    EXPECT_EQ(bad_scales, 0);
+    int64_t touched = 0;
+    for (int64_t c = 0; c < cols; ++c)
+        for (int64_t r = start; r < padded; ++r) touched += q[size_t(c * padded + r)] != 0x5A;
+    EXPECT_EQ(touched, 0) << "bytes past the last segment were written";
+    EXPECT_TRUE(dq.guard_intact() && ds.guard_intact());
+}
+
 // A batch of matrices in one launch (a layer's experts from their masters, one parameter stride
 // apart with other parameters between them): each matrix's W and W^T, packed matrix after matrix,
 // equal to the CPU reference's. Strides a multiple of four floats take the tiled kernel (one
@@ -409,6 +466,104 @@ TEST(Fp8Cuda, GroupedExpertGemmMatchesTheCpuReferencePerExpert) {
     cuda::Fp8GroupedGemm wrong = problem(nullptr, false);
     wrong.w.blocks_128x128 = false;  // the expert weights must have 128x128 scales
     EXPECT_THROW(cuda::grouped_gemm_fp8(ctx, wrong), Error);
+}
+
+// The routed experts' weight gradients in FP8 (grouped_gemm_fp8_weight_grad) against the CPU
+// reference expert by expert: dy and x quantized per expert segment along the tokens on the GPU
+// (quantize_fp8_1x128_expert_columns, checked bit for bit above), the CPU's blockwise product of
+// the same bytes and scales (both operands 1x128 along the tokens). Uneven routing with an empty
+// expert (zeros written where not accumulating) and segments ending inside a 128-token slice, n
+// with an odd count of 128-row tiles and a partial one, a partial last column tile, the grid
+// capped at 2 blocks (the ring wraps across tiles and experts) and uncapped, fp32 gradients
+// written then added to, and a bf16 gradient buffer. Magnitudes differ by up to 2^12 between
+// blocks, so a wrong scale, segment or expert is far outside the tolerance.
+TEST(Fp8Cuda, ExpertWeightGradientMatchesTheCpuReferencePerExpert) {
+    REQUIRE_GPU();
+    if (!cuda::grouped_gemm_fp8_available()) GTEST_SKIP() << "the FP8 grouped GEMM needs sm_90a";
+    cuda::CudaSession session;
+    const ExecContext& ctx = session.ctx();
+    const std::vector<int32_t> offsets = {0, 300, 300, 517, 700};
+    const int64_t E = 4, capacity = 760, n = 296, k = 200;
+    const int64_t padded = fp8::expert_columns_padded(offsets.back(), E);
+    std::vector<float> dy = fp8_blocky_values(capacity, n, 36),
+                       x = fp8_blocky_values(capacity, k, 37);
+    DeviceArray<bf16> ddy(to_bf16_rounding(dy)), dx(to_bf16_rounding(x));
+    DeviceArray<int32_t> doff(offsets);
+    DeviceArray<uint8_t> qdy(n * padded), qx(k * padded);
+    DeviceArray<float> sdy(fp8::scales_1x128(n, padded)), sx(fp8::scales_1x128(k, padded));
+    cuda::quantize_fp8_1x128_expert_columns(ctx, ddy, doff, E, n, n, padded, true, qdy, sdy);
+    cuda::quantize_fp8_1x128_expert_columns(ctx, dx, doff, E, k, k, padded, true, qx, sx);
+    session.synchronize();
+    const std::vector<uint8_t> hqdy = qdy.download(), hqx = qx.download();
+    const std::vector<float> hsdy = sdy.download(), hsx = sx.download();
+    // The reference: per expert, its segment's bytes and scales (logical layouts) into the CPU's
+    // blockwise GEMM with both operands 1x128 along the tokens.
+    std::vector<float> ref(size_t(E * n * k), 0.f);
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t rows = offsets[size_t(e) + 1] - offsets[size_t(e)];
+        const int64_t span = (rows + 127) / 128 * 128, nb = span / 128;
+        if (span == 0) continue;
+        auto segment = [&](const std::vector<uint8_t>& q, const std::vector<float>& sc,
+                           int64_t width, std::vector<uint8_t>& qs, std::vector<float>& ss) {
+            qs.resize(size_t(width * span)), ss.resize(size_t(width * nb));
+            for (int64_t c = 0; c < width; ++c) {
+                for (int64_t r = 0; r < span; ++r)
+                    qs[size_t(c * span + r)] = q[size_t(c * padded + start + r)];
+                for (int64_t b = 0; b < nb; ++b)
+                    ss[size_t(c * nb + b)] =
+                        sc[size_t(fp8::scale_index_1x128(c, start / 128 + b, width))];
+            }
+        };
+        std::vector<uint8_t> qa, qb;
+        std::vector<float> sa, sb;
+        segment(hqdy, hsdy, n, qa, sa);
+        segment(hqx, hsx, k, qb, sb);
+        cpu::gemm_fp8_blockwise(qa.data(), sa.data(), qb.data(), sb.data(), n, k, span,
+                                ref.data() + e * n * k, /*w_1x128=*/true);
+        start += span;
+    }
+    // The tensor cores sum a slice's e4m3 products in fp32 of reduced precision (what the
+    // promotion per slice bounds): a relative 2e-3, where a wrong scale is a factor of 2 or more.
+    auto count_bad = [&](const std::vector<float>& got, const std::vector<float>& want) {
+        double rms = 0;
+        for (float v : want) rms += double(v) * v;
+        rms = std::sqrt(rms / double(want.size()));
+        int64_t bad = 0;
+        for (size_t i = 0; i < want.size(); ++i)
+            bad += !(std::fabs(double(got[i]) - want[i]) <= 2e-3 * std::fabs(want[i]) + 2e-4 * rms);
+        return bad;
+    };
+    auto problem = [&](void* dw, DType type, bool accumulate) {
+        cuda::Fp8GroupedWeightGrad g;
+        g.offsets = doff, g.experts = E, g.n = n, g.k = k, g.padded = padded;
+        g.dyt = {qdy, sdy, false}, g.xt = {qx, sx, false};
+        g.dw = dw, g.grad_type = type, g.accumulate = accumulate;
+        return g;
+    };
+    std::vector<float> start_dw = fp8_blocky_values(E * n, k, 38);
+    for (const int blocks : {2, 0}) {
+        DeviceArray<float> dw(start_dw);
+        cuda::grouped_gemm_fp8_weight_grad(ctx, problem(dw, DType::F32, false), blocks);
+        session.synchronize();
+        const std::vector<float> got = dw.download();
+        EXPECT_EQ(count_bad(got, ref), 0) << "written, " << blocks << " blocks";
+        cuda::grouped_gemm_fp8_weight_grad(ctx, problem(dw, DType::F32, true), blocks);
+        session.synchronize();
+        std::vector<float> twice(ref.size());
+        for (size_t i = 0; i < ref.size(); ++i) twice[i] = 2 * ref[i];
+        EXPECT_EQ(count_bad(dw.download(), twice), 0) << "added, " << blocks << " blocks";
+        EXPECT_TRUE(dw.guard_intact());
+    }
+    DeviceArray<bf16> dwb(to_bf16_rounding(start_dw));
+    cuda::grouped_gemm_fp8_weight_grad(ctx, problem(dwb, DType::BF16, false));
+    session.synchronize();
+    const std::vector<float> gotb = to_float(dwb.download());
+    int64_t bad = 0;
+    for (size_t i = 0; i < ref.size(); ++i)
+        bad += !(std::fabs(gotb[i] - ref[i]) <= 8e-3 * std::fabs(ref[i]) + 1e-6);
+    EXPECT_EQ(bad, 0) << "bf16 gradient";
+    EXPECT_TRUE(dwb.guard_intact());
 }
 
 // The kernels that produce the routed experts' FP8 GEMM inputs (the gather, the SwiGLU forward

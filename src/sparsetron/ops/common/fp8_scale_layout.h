@@ -34,4 +34,10 @@ constexpr int64_t scales_128x128(int64_t rows, int64_t k) {
     return blocks(rows) * round4(blocks(k));
 }
 
+// The padded row count of the experts' weight-gradient operands (quantize_fp8_1x128_expert_columns)
+// for `rows` rows over `experts` experts: every segment rounded up to 128 rows.
+constexpr int64_t expert_columns_padded(int64_t rows, int64_t experts) {
+    return (rows + experts * (kBlock - 1) + kBlock - 1) / kBlock * kBlock;
+}
+
 }  // namespace sparsetron::fp8

@@ -24,7 +24,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 
 CUtensorMap tensor_map(CUtensorMapDataType type, const char* name, const void* base,
                        std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
-                       std::initializer_list<uint32_t> box) {
+                       std::initializer_list<uint32_t> box,
+                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
     const uint32_t rank = uint32_t(dims.size());
     ST_CHECK(rank >= 1 && rank <= 5 && strides.size() == rank - 1 && box.size() == rank, name, ": ",
              rank, " dimensions, ", strides.size(), " strides, ", box.size(), " box extents");
@@ -37,10 +38,9 @@ CUtensorMap tensor_map(CUtensorMapDataType type, const char* name, const void* b
     i = 0;
     for (uint32_t v : box) unit[i] = 1, b[i++] = v;
     CUtensorMap map;
-    const CUresult r =
-        encode_tiled()(&map, type, rank, const_cast<void*>(base), d, s, b, unit,
-                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    const CUresult r = encode_tiled()(
+        &map, type, rank, const_cast<void*>(base), d, s, b, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+        swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     ST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", int(r), ") for a ",
              rank, "-d ", name, " at ", base, ", inner extent ", d[0], ", box ", b[0], " x ",
              rank > 1 ? b[1] : 1u);
@@ -60,6 +60,13 @@ CUtensorMap f32_tensor_map(const void* base, std::initializer_list<int64_t> dims
                            std::initializer_list<int64_t> strides,
                            std::initializer_list<uint32_t> box) {
     return tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "f32_tensor_map", base, dims, strides, box);
+}
+
+CUtensorMap f32_unswizzled_tensor_map(const void* base, std::initializer_list<int64_t> dims,
+                                      std::initializer_list<int64_t> strides,
+                                      std::initializer_list<uint32_t> box) {
+    return tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, "f32_unswizzled_tensor_map", base, dims,
+                      strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 CUtensorMap u8_tensor_map(const void* base, std::initializer_list<int64_t> dims,

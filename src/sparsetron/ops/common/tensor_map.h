@@ -22,7 +22,13 @@ CUtensorMap bf16_tensor_map(const void* base, std::initializer_list<int64_t> dim
 CUtensorMap f32_tensor_map(const void* base, std::initializer_list<int64_t> dims,
                            std::initializer_list<int64_t> strides,
                            std::initializer_list<uint32_t> box);
-// The same over bytes (a 128-byte row is 128 of them): e4m3 operands of the FP8 grouped GEMM.
+// fp32 boxes landing unswizzled, rows packed (a box's inner extent times 4 bytes a multiple of 16):
+// per-row scales the FP8 grouped GEMM stages beside its operand tiles.
+CUtensorMap f32_unswizzled_tensor_map(const void* base, std::initializer_list<int64_t> dims,
+                                      std::initializer_list<int64_t> strides,
+                                      std::initializer_list<uint32_t> box);
+// The same as bf16_tensor_map over bytes (a 128-byte row is 128 of them): e4m3 operands of the FP8
+// grouped GEMM.
 CUtensorMap u8_tensor_map(const void* base, std::initializer_list<int64_t> dims,
                           std::initializer_list<int64_t> strides,
                           std::initializer_list<uint32_t> box);

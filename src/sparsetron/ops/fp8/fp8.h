@@ -89,6 +89,19 @@ void quantize_fp8_128x128_both(const ExecContext& ctx, const float* w, int64_t r
 void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t rows, int64_t cols,
                                 int64_t ld, bool pow2, uint8_t* q, float* scale_inv);
 
+// The routed experts' weight-gradient operands: x [rows, cols] bf16 (row stride ld) holds the
+// experts' rows in order (expert e's rows [offsets[e], offsets[e + 1]), offsets on the device),
+// written as x^T [cols, padded] quantized in 1x128 blocks down the columns per expert: expert e's
+// segment starts at the sum of the earlier experts' row counts rounded up to 128 each and is
+// zero-padded to a multiple of 128, so no block holds two experts' rows (a scale over two
+// experts' rows would lose the smaller ones). Scales in the 1x128 layout of [cols, padded];
+// entries past the last segment are not written. `padded` (a multiple of 128) at least
+// fp8::expert_columns_padded(rows, experts).
+void quantize_fp8_1x128_expert_columns(const ExecContext& ctx, const bf16* x,
+                                       const int32_t* offsets, int64_t experts, int64_t cols,
+                                       int64_t ld, int64_t padded, bool pow2, uint8_t* q,
+                                       float* scale_inv);
+
 // Block-scaled GEMM (gemm_fp8.cu, cuBLASLt on Hopper): y [m, n] bf16 (row stride
 // ldy) = x [m, k] w [n, k]^T (+ y when accumulate), both e4m3 with k contiguous and their scales
 // in the GEMM layout; x has 1x128 scales, w 1x128 or 128x128 (not both 128x128: cuBLASLt

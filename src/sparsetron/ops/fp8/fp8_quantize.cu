@@ -316,6 +316,57 @@ __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t
     if (part == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
 }
 
+// The experts' form of the column quantizer: block (b, c) quantizes padded 128-row block b of
+// x^T's rows (the segment of the expert it falls in, rows past the expert's read as zero) for
+// columns c * kColTile..; blocks past the last segment return. Thread 0 finds the expert by
+// walking the offsets (a few hundred at most) and hands it to the block.
+__global__ void quantize_1x128_expert_columns_kernel(const bf* x, const int32_t* offsets,
+                                                     int64_t experts, int64_t cols, int64_t ld,
+                                                     int64_t padded, bool pow2, uint8_t* q,
+                                                     float* scale_inv) {
+    __shared__ float tile[kBlock][kColTile + 1];
+    __shared__ int64_t seg[2];  // the block's first source row and its valid rows (0: none)
+    const int64_t p0 = int64_t(blockIdx.x) * kBlock, c0 = int64_t(blockIdx.y) * kColTile;
+    if (threadIdx.x == 0) {
+        seg[0] = 0, seg[1] = 0;
+        int64_t start = 0;  // the expert's first padded row
+        for (int64_t e = 0; e < experts; ++e) {
+            const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+            const int64_t span = (rows + kBlock - 1) / kBlock * kBlock;
+            if (p0 < start + span) {
+                const int64_t local = p0 - start;
+                seg[0] = r0 + local, seg[1] = min(int64_t(kBlock), rows - local);
+                break;
+            }
+            start += span;
+        }
+    }
+    __syncthreads();
+    const int64_t src = seg[0], valid = seg[1];
+    if (valid == 0) return;
+    for (int i = threadIdx.x; i < kBlock * kColTile; i += blockDim.x) {
+        const int r = i / kColTile, c = i % kColTile;
+        tile[r][c] =
+            r < valid && c0 + c < cols ? __bfloat162float(x[(src + r) * ld + c0 + c]) : 0.f;
+    }
+    __syncthreads();
+    const int c = threadIdx.x / 4, part = threadIdx.x % 4;  // 4 adjacent lanes per column
+    float amax = 0.f;
+    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][c]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float s = scale_from_amax(amax, pow2);
+    const int64_t col = c0 + c;
+    if (col >= cols) return;
+    for (int r = part * 32; r < part * 32 + 32; r += 4) {
+        uint8_t out[4];
+        for (int i = 0; i < 4; ++i) out[i] = to_e4m3(tile[r + i][c] * s);
+        // padded is a multiple of 128: whole 4-byte words, 4-aligned.
+        *reinterpret_cast<uint32_t*>(q + col * padded + p0 + r) = pack4(out);
+    }
+    if (part == 0) scale_inv[fp8::scale_index_1x128(col, blockIdx.x, cols)] = __fdiv_rn(1.f, s);
+}
+
 // The tiled form of the column quantizer (rows a multiple of 32; cols and ld of 8; x and q
 // 16-byte aligned): the 128 x 64 tile kept in bf16 in shared memory, unpadded (16-byte row stores:
 // four wavefronts a warp), then a lane per column and a quarter of the rows per warp (consecutive
@@ -457,6 +508,20 @@ void quantize_fp8_1x128_columns(const ExecContext& ctx, const bf16* x, int64_t r
     }
     quantize_1x128_columns_kernel<<<dim3(unsigned(rb), unsigned(cb)), 256, 0, stream_of(ctx)>>>(
         dev(x), rows, cols, ld, pow2, vec, q, scale_inv);
+    ST_CUDA_LAUNCH_CHECK();
+}
+
+void quantize_fp8_1x128_expert_columns(const ExecContext& ctx, const bf16* x,
+                                       const int32_t* offsets, int64_t experts, int64_t cols,
+                                       int64_t ld, int64_t padded, bool pow2, uint8_t* q,
+                                       float* scale_inv) {
+    ST_CHECK(padded % kBlock == 0, "quantize_fp8_1x128_expert_columns: the padded row count (",
+             padded, ") must be a multiple of 128");
+    if (padded == 0 || cols == 0 || experts == 0) return;
+    const int64_t cb = (cols + kColTile - 1) / kColTile;
+    quantize_1x128_expert_columns_kernel<<<dim3(unsigned(padded / kBlock), unsigned(cb)), 256, 0,
+                                           stream_of(ctx)>>>(dev(x), offsets, experts, cols, ld,
+                                                             padded, pow2, q, scale_inv);
     ST_CUDA_LAUNCH_CHECK();
 }
 

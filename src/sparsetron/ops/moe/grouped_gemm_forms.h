@@ -15,4 +15,10 @@ namespace sparsetron::cuda {
 void grouped_gemm_wmma(const ExecContext& ctx, const GroupedGemmArgs& g);
 int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max_blocks = 0);
 
+// Zeros for the weight gradient [elems] of every expert with no rows (`wstride` elements apart,
+// `elem_bytes` 4 or 2; elems and wstride multiples of 8), for the weight-gradient GEMMs that write
+// rather than add: their tile walks never reach those experts.
+void zero_empty_expert_grads(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
+                             int64_t elems, int64_t wstride, int64_t elem_bytes, void* dw);
+
 }  // namespace sparsetron::cuda

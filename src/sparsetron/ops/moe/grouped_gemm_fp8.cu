@@ -43,23 +43,6 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 using None = std::integral_constant<int, 0>;  // wgmma groups left running by a wait
 using One = std::integral_constant<int, 1>;
 
-#ifdef ST_WGMMA
-// d (=, or += with `acc`) A (64 x 32 e4m3) * B (32 x 128 e4m3), both K-major, fp32 accumulators in
-// the m64nNk16 layout (wgmma.cuh, store_acc).
-__device__ __forceinline__ void mma_m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db,
-                                                    int acc) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ST_WGMMA_ACC64_REGS
-        "%64, %65, p, 1, 1;\n"
-        "}\n"
-        : ST_WGMMA_ACC64_OPERANDS(d)
-        : "l"(da), "l"(db), "r"(acc));
-}
-#endif
-
 // Scale operands as the kernel reads them: x's 1x128 scales [blocks(k)][x_ld] (x_ld =
 // round4(row capacity)), W's 128x128 scales per expert, `w_stride` floats apart.
 struct Scales {

@@ -1,6 +1,6 @@
 // The grouped expert GEMM's tiles on warpgroup MMA (the bf16 kernel, grouped_gemm_wgmma.cu, and the
-// FP8 one, grouped_gemm_fp8.cu): each kind's operand roles, a 64-deep slice's MMAs and the
-// accumulator's store, over the building blocks of ops/common/wgmma.cuh.
+// FP8 one, grouped_gemm_fp8.cu): each kind's operand roles, a 64-deep slice's MMAs, the
+// accumulator's store and the bulk-store staging, over the building blocks of ops/common/wgmma.cuh.
 //
 // Operand roles per kind (moe.h's GroupedGemm), for expert e with rows [r0, r1):
 //   RowsTimesWeightT  M = rows, N = n, K = k:    A = x [rows, k] K-major,  B = W_e [n, k] K-major
@@ -51,6 +51,21 @@ __device__ __forceinline__ void mma_slice(float (&d)[kAcc], uint32_t ta, uint32_
                                              slice_descriptor<kBK>(tb, kk));
 }
 
+// d (=, or += with `acc`) A (64 x 32 e4m3) * B (32 x 128 e4m3), both K-major, fp32 accumulators in
+// the m64nNk16 layout (wgmma.cuh, store_acc).
+__device__ __forceinline__ void mma_m64n128k32_e4m3(float (&d)[64], uint64_t da, uint64_t db,
+                                                    int acc) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ST_WGMMA_ACC64_REGS
+        "%64, %65, p, 1, 1;\n"
+        "}\n"
+        : ST_WGMMA_ACC64_OPERANDS(d)
+        : "l"(da), "l"(db), "r"(acc));
+}
+
 // Stores a warpgroup's 64 x (2 kAcc / 64 * 64) accumulator block at rows row0.., columns j0..:
 // bf16 rows of the expert or, for weight gradients, fp32 rows of its gradient; added to with
 // `accumulate`. Accumulator layout (m64nNk16, fp32): warp w of the warpgroup holds rows
@@ -94,6 +109,115 @@ __device__ __forceinline__ void store_acc(const float (&d)[kAcc], const Problem&
             }
         }
     }
+}
+
+// The staging the epilogues use (the bf16 and FP8 kernels), a round at a time through a
+// warpgroup's 16 KiB buffer: its leader waits until the buffer's previous bulk copies have read
+// it, the warpgroup writes it (`write(round)`), fences the async proxy (the bulk copies read
+// through it) and meets again on named barrier 1 + wg, then the leader issues the round's bulk
+// copies (`issue(round)`) as one group. The copies run on while the warpgroup goes on to its next
+// round or tile.
+template <int kRounds, class Write, class Issue>
+__device__ __forceinline__ void through_staging(int wg, Write write, Issue issue) {
+    const bool leader = (threadIdx.x & 127) == 0;
+    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
+#pragma unroll
+    for (int u = 0; u < kRounds; ++u) {
+        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        sync_warpgroup();
+        write(u);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        sync_warpgroup();
+        if (leader) {
+            issue(u);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+}
+
+// Columns 128 h.. of a warpgroup's 64-row accumulator block (kAcc registers: 2 kAcc / 64 x 64
+// columns) into `buf` as two 64 x 64 bf16 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r
+// at c ^ (r % 8): the maps' 128-byte swizzle; the writes are free of bank conflicts).
+// Accumulator layout: store_acc.
+template <int kAcc>
+__device__ __forceinline__ void stage_bf16_128(const float (&d)[kAcc], uint32_t buf, int h) {
+    static_assert(kAcc % 64 == 0, "whole 128-column halves");
+    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
+        const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = warp * 16 + lane / 4 + half * 8;
+            const __nv_bfloat162 v =
+                __float22bfloat162_rn(float2{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]});
+            const uint32_t addr = buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * q;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
+                         "r"(*reinterpret_cast<const uint32_t*>(&v))
+                         : "memory");
+        }
+    }
+}
+// A warpgroup's weight-gradient block (64 rows, kAcc / 32 x 64 columns) into a bf16 gradient (bf16
+// gradient buffers): rounded to bf16 and added into it by bulk tensor reduce-adds (`add`; the
+// map's element type, bf16, is the addition's) or written by bulk tensor stores, 64 x 128 at a
+// time (stage_bf16_128), at rows row0.. of expert e's [n, k] gradient. Rows and columns past its
+// edges are not written.
+template <int kAcc>
+__device__ __forceinline__ void reduce_acc_tma_bf16(const float (&d)[kAcc], const CUtensorMap* mc,
+                                                    uint32_t buf, int wg, int64_t row0, int64_t j0,
+                                                    int64_t e, bool add) {
+    auto issue = [&](int h) {
+        for (int box = 0; box < 2; ++box) {
+            const int32_t c0 = int32_t(j0 + 128 * h + 64 * box);
+            if (add)
+                tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+            else
+                tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+        }
+    };
+    through_staging<kAcc / 64>(
+        wg, [&](int h) { stage_bf16_128(d, buf, h); }, issue);
+}
+
+// The same into an fp32 gradient: the warpgroup's fp32 block (rows row0.. of expert e's [n, k]
+// gradient, columns j0..) added into it by bulk tensor reduce-adds (`add`) or written by bulk
+// tensor stores (a gradient's first write: its old tiles are never read), in 64 x 64 quarters
+// through the same buffer, each two 64-row x 32-column boxes (8 KiB, 128-byte rows of 32 floats,
+// 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of columns 8j + 2q.. lands in chunk 2
+// (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two lanes per bank: the 256 bytes of a
+// warp's store take the minimum two wavefronts). Rows and columns past the gradient's edges are not
+// written (the map's bounds).
+template <int kAcc>
+__device__ __forceinline__ void reduce_acc_tma(const float (&d)[kAcc], const CUtensorMap* mc,
+                                               uint32_t buf, int wg, int64_t row0, int64_t j0,
+                                               int64_t e, bool add) {
+    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    auto write = [&](int u) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {  // the quarter's 8-column groups
+            const int j = 8 * u + jj, box = jj >> 2, chunk = 2 * (jj & 3) + (q >> 1);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp * 16 + lane / 4 + half * 8;
+                const uint32_t addr =
+                    buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 8 * (q & 1);
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
+                             "f"(d[4 * j + 2 * half]), "f"(d[4 * j + 2 * half + 1])
+                             : "memory");
+            }
+        }
+    };
+    auto issue = [&](int u) {
+        for (int box = 0; box < 2; ++box) {
+            const int32_t c0 = int32_t(j0 + 64 * u + 32 * box);
+            if (add)
+                tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+            else
+                tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
+        }
+    };
+    through_staging<kAcc / 32>(wg, write, issue);
 }
 #endif  // ST_WGMMA
 

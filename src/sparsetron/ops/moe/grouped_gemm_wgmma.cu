@@ -15,7 +15,7 @@
 // (or, for a step's first weight gradient, stores).
 //
 // A weight gradient that is written, not added to (accumulate false), also needs zeros for the
-// experts with no rows, which the tile walk skips: zero_empty_experts_kernel, before the GEMM.
+// experts with no rows, which the tile walk skips: zero_empty_expert_grads, before the GEMM.
 //
 // Per stage s (fill number f = it, round f / Stages):
 //   producer (one thread of one warp; the other producer warps have nothing to do): wait empty[s],
@@ -158,126 +158,19 @@ __device__ __forceinline__ void zero_tail_rows(uint32_t tile_a, uint32_t tile_b,
     asm volatile("bar.sync 3, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
 
-// The staging both epilogues below use, a round at a time through a warpgroup's 16 KiB buffer:
-// its leader waits until the buffer's previous bulk copies have read it, the warpgroup writes it
-// (`write(round)`), fences the async proxy (the bulk copies read through it) and meets again on
-// named barrier 1 + wg, then the leader issues the round's bulk copies (`issue(round)`) as one
-// group. The copies run on while the warpgroup goes on to its next round or tile.
-template <int kRounds, class Write, class Issue>
-__device__ __forceinline__ void through_staging(int wg, Write write, Issue issue) {
-    const bool leader = (threadIdx.x & 127) == 0;
-    auto sync_warpgroup = [&] { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); };
-#pragma unroll
-    for (int u = 0; u < kRounds; ++u) {
-        if (leader) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        sync_warpgroup();
-        write(u);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        sync_warpgroup();
-        if (leader) {
-            issue(u);
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        }
-    }
-}
-
 // A consumer warpgroup's 64 x 256 accumulator block (rows row0.. of the expert, all of them its
 // rows; columns j0..) through its staging buffer `buf` by bulk tensor stores, in two 64 x 128
-// halves. Each half is two 64 x 64 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c ^
-// (r % 8): the map's 128-byte swizzle; the writes are free of bank conflicts). Accumulator
-// layout: store_acc.
-// Half h (columns 128 h..) of a warpgroup's 64 x 256 accumulator block into `buf` as two 64 x 64
-// bf16 boxes (8 KiB, 128-byte rows, 16-byte chunk c of row r at c ^ (r % 8): the maps' 128-byte
-// swizzle; the writes are free of bank conflicts). Accumulator layout: store_acc.
-__device__ __forceinline__ void stage_bf16_half(const float (&d)[128], uint32_t buf, int h) {
-    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-#pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {  // the half's 8-column groups
-        const int j = 16 * h + jj, box = jj >> 3, chunk = jj & 7;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = warp * 16 + lane / 4 + half * 8;
-            const __nv_bfloat162 v =
-                __float22bfloat162_rn(float2{d[4 * j + 2 * half], d[4 * j + 2 * half + 1]});
-            const uint32_t addr = buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 4 * q;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
-                         "r"(*reinterpret_cast<const uint32_t*>(&v))
-                         : "memory");
-        }
-    }
-}
-
-// A consumer warpgroup's 64 x 256 accumulator block (rows row0.. of the expert, all of them its
-// rows; columns j0..) through its staging buffer `buf` by bulk tensor stores, in two 64 x 128
-// halves (stage_bf16_half).
+// halves (stage_bf16_128).
 __device__ __forceinline__ void store_acc_tma(const float (&d)[128], const CUtensorMap* mc,
                                               uint32_t buf, int wg, int64_t row0, int64_t j0) {
     auto issue = [&](int h) {
         for (int box = 0; box < 2; ++box)
             wgmma::tma_store(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box), int32_t(row0));
     };
-    through_staging<2>(
-        wg, [&](int h) { stage_bf16_half(d, buf, h); }, issue);
+    wgmma::through_staging<2>(
+        wg, [&](int h) { wgmma::stage_bf16_128(d, buf, h); }, issue);
 }
 
-// The weight gradient's block into a bf16 gradient (bf16 gradient buffers): rounded to bf16 and
-// added into it by bulk tensor reduce-adds (`add`; the map's element type, bf16, is the
-// addition's) or written by bulk tensor stores, in two 64 x 128 halves as store_acc_tma, at
-// rows row0.. of expert e's [n, k] gradient. Rows and columns past its edges are not written.
-__device__ __forceinline__ void reduce_acc_tma_bf16(const float (&d)[128], const CUtensorMap* mc,
-                                                    uint32_t buf, int wg, int64_t row0, int64_t j0,
-                                                    int64_t e, bool add) {
-    auto issue = [&](int h) {
-        for (int box = 0; box < 2; ++box) {
-            const int32_t c0 = int32_t(j0 + 128 * h + 64 * box);
-            if (add)
-                wgmma::tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-            else
-                wgmma::tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-        }
-    };
-    through_staging<2>(
-        wg, [&](int h) { stage_bf16_half(d, buf, h); }, issue);
-}
-
-// The weight gradient's version of store_acc_tma: the warpgroup's 64 x 256 fp32 block (rows row0..
-// of expert e's [n, k] gradient, columns j0..) added into it by bulk tensor reduce-adds (`add`) or
-// written by bulk tensor stores (a gradient's first write: its old tiles are never read), in four
-// 64 x 64 quarters through the same buffer, each two 64-row x 32-column boxes (8 KiB, 128-byte
-// rows of 32 floats, 16-byte chunk c of row r at c ^ (r % 8)). A thread's pair of columns 8j +
-// 2q.. lands in chunk 2 (j % 4) + q / 2 of box (j % 8) / 4, at byte 8 (q % 2) (two lanes per bank:
-// the 256 bytes of a warp's store take the minimum two wavefronts). Rows and columns past the
-// gradient's edges are not written (the map's bounds).
-__device__ __forceinline__ void reduce_acc_tma(const float (&d)[128], const CUtensorMap* mc,
-                                               uint32_t buf, int wg, int64_t row0, int64_t j0,
-                                               int64_t e, bool add) {
-    const int t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-    auto write = [&](int u) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {  // the quarter's 8-column groups
-            const int j = 8 * u + jj, box = jj >> 2, chunk = 2 * (jj & 3) + (q >> 1);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = warp * 16 + lane / 4 + half * 8;
-                const uint32_t addr =
-                    buf + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 8 * (q & 1);
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr),
-                             "f"(d[4 * j + 2 * half]), "f"(d[4 * j + 2 * half + 1])
-                             : "memory");
-            }
-        }
-    };
-    auto issue = [&](int u) {
-        for (int box = 0; box < 2; ++box) {
-            const int32_t c0 = int32_t(j0 + 64 * u + 32 * box);
-            if (add)
-                wgmma::tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-            else
-                wgmma::tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-        }
-    };
-    through_staging<4>(wg, write, issue);
-}
 #endif
 
 template <GroupedGemm kKind>
@@ -444,11 +337,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             release((it - 1) % kStages);
             if constexpr (kKind == GroupedGemm::WeightGrad) {
                 if (grad_bf16)
-                    reduce_acc_tma_bf16(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
-                                        i0 + wg * 64, j0, e, accumulate);
+                    wgmma::reduce_acc_tma_bf16(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
+                                               i0 + wg * 64, j0, e, accumulate);
                 else
-                    reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, i0 + wg * 64, j0,
-                                   e, accumulate);
+                    wgmma::reduce_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg,
+                                          i0 + wg * 64, j0, e, accumulate);
             } else if (!accumulate && i0 + wg * 64 + 64 <= p.M) {
                 store_acc_tma(d, &map_c, staging + uint32_t(wg) * 16384u, wg, p.r0 + i0 + wg * 64,
                               j0);
@@ -465,21 +358,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #else
     __trap();  // dispatched only on sm_90 (has_sm90a)
 #endif
-}
-
-// Zeros for the weight gradient [n * k] (elems) of every expert with no rows, when the gradient
-// is written rather than added to: the GEMM's walk never reaches those experts. A grid row per
-// expert; an expert with rows returns at once (training's usual case: 16 x 128 empty blocks).
-// `elem_bytes`: 4 (fp32 gradients) or 2 (bf16 gradient buffers).
-__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t elems, int64_t wstride,
-                                          int64_t elem_bytes, void* dw) {
-    const int64_t e = blockIdx.y;
-    if (offsets[e + 1] > offsets[e]) return;
-    // elems, wstride: multiples of 8, so an expert's gradient is whole 16-byte vectors.
-    uint4* d = reinterpret_cast<uint4*>(static_cast<char*>(dw) + e * wstride * elem_bytes);
-    const int64_t vectors = elems * elem_bytes / 16, stride = int64_t(gridDim.x) * blockDim.x;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors; i += stride)
-        d[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // The two operands' tensor maps for the TMA feed, boxes as tma_stage reads them (rows: the row
@@ -524,9 +402,7 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
     auto* kernel = grouped_gemm_ws_kernel<kKind>;
     allow_dynamic_smem<grouped_gemm_ws_kernel<kKind>>(kSmemBytes);
     if (kKind == GroupedGemm::WeightGrad && !accumulate && experts > 0 && n * k > 0) {
-        zero_empty_experts_kernel<<<dim3(128, unsigned(experts)), 256, 0, stream_of(ctx)>>>(
-            offsets, n * k, wstride, grad_bf16 ? 2 : 4, c);
-        ST_CUDA_LAUNCH_CHECK();
+        zero_empty_expert_grads(ctx, offsets, experts, n * k, wstride, grad_bf16 ? 2 : 4, c);
     }
     const int64_t units = experts * blocks_for(space.m_tiles, kCluster) * space.n_tiles;
     if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply (zeros written above)
@@ -557,6 +433,29 @@ int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64
 }
 
 }  // namespace
+
+// Zeros for the weight gradient [n * k] (elems) of every expert with no rows, when the gradient
+// is written rather than added to: the GEMM's walk never reaches those experts. A grid row per
+// expert; an expert with rows returns at once (training's usual case: 16 x 128 empty blocks).
+// `elem_bytes`: 4 (fp32 gradients) or 2 (bf16 gradient buffers).
+__global__ void zero_empty_experts_kernel(const int32_t* offsets, int64_t elems, int64_t wstride,
+                                          int64_t elem_bytes, void* dw) {
+    const int64_t e = blockIdx.y;
+    if (offsets[e + 1] > offsets[e]) return;
+    // elems, wstride: multiples of 8, so an expert's gradient is whole 16-byte vectors.
+    uint4* d = reinterpret_cast<uint4*>(static_cast<char*>(dw) + e * wstride * elem_bytes);
+    const int64_t vectors = elems * elem_bytes / 16, stride = int64_t(gridDim.x) * blockDim.x;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors; i += stride)
+        d[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+void zero_empty_expert_grads(const ExecContext& ctx, const int32_t* offsets, int64_t experts,
+                             int64_t elems, int64_t wstride, int64_t elem_bytes, void* dw) {
+    if (experts == 0 || elems == 0) return;
+    zero_empty_experts_kernel<<<dim3(128, unsigned(experts)), 256, 0, stream_of(ctx)>>>(
+        offsets, elems, wstride, elem_bytes, dw);
+    ST_CUDA_LAUNCH_CHECK();
+}
 
 int grouped_gemm_wgmma(const ExecContext& ctx, const GroupedGemmArgs& g, int max_blocks) {
     const int64_t wstride = g.weight_stride ? g.weight_stride : g.n * g.k;

@@ -105,6 +105,24 @@ void grouped_gemm_fp8(const ExecContext& ctx, const Fp8GroupedGemm& g, int block
 // Whether this GPU runs it (sm_90a); grouped_gemm_fp8 fails clearly where not.
 bool grouped_gemm_fp8_available();
 
+// The routed experts' weight gradients in FP8 (grouped_gemm_fp8_wgrad.cu, sm_90a): for every
+// expert e with rows, dW_e [n, k] (+)= dy_e^T x_e over its rows, from dy^T [n, padded] and x^T
+// [k, padded] as quantize_fp8_1x128_expert_columns writes them (each expert's rows in its own
+// 128-aligned segment, 1x128 scales along the tokens). dW [experts][n][k], `weight_stride`
+// elements apart (0: n * k), fp32 or bf16 (grad_type); written (experts with no rows get zeros)
+// or added to. n and k multiples of 8. `blocks` > 0 caps the persistent grid (tests).
+struct Fp8GroupedWeightGrad {
+    const int32_t* offsets = nullptr;  // [experts + 1], device
+    int64_t experts = 0, n = 0, k = 0, padded = 0;
+    Fp8Operand dyt, xt;
+    void* dw = nullptr;
+    DType grad_type = DType::F32;
+    int64_t weight_stride = 0;
+    bool accumulate = false;
+};
+void grouped_gemm_fp8_weight_grad(const ExecContext& ctx, const Fp8GroupedWeightGrad& g,
+                                  int blocks = 0);
+
 // Backward of moe_combine: dout_perm[slot] = gate * dy[t] (rows without a slot untouched) and
 // dgates[t, j] = dy[t] · out_perm[slot] (0 when not routed).
 // dout8: the FP8 copy of dout_perm's written rows (ops/fp8/fp8.h, Fp8RowsOut).

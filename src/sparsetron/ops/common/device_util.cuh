@@ -6,10 +6,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "sparsetron/core/cuda_check.h"
 #include "sparsetron/core/dtype.h"
+#include "sparsetron/core/error.h"
 #include "sparsetron/core/exec_context.h"
 #include "sparsetron/cuda/device_caps.h"
 
@@ -53,6 +55,44 @@ void allow_dynamic_smem(size_t bytes) {
     }();
     (void)done;
 }
+
+// A persistent launch in clusters of `cluster` blocks (cudaLaunchKernelEx): its configuration,
+// which points at its own cluster attribute (hence neither copied nor moved).
+struct ClusterLaunch {
+    cudaLaunchAttribute attr{};
+    cudaLaunchConfig_t config{};
+    int cluster;
+    ClusterLaunch(int threads, size_t smem_bytes, cudaStream_t stream, int cluster_blocks)
+        : cluster(cluster_blocks) {
+        config.blockDim = dim3(unsigned(threads));
+        config.dynamicSmemBytes = smem_bytes;
+        config.stream = stream;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = unsigned(cluster), attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        config.attrs = &attr, config.numAttrs = 1;
+    }
+    ClusterLaunch(const ClusterLaunch&) = delete;
+    ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+
+    // For kKernel: its shared memory allowed, and a grid of at most `units` clusters and at most
+    // `most` blocks (0: the blocks that may stay resident at once, whole clusters; the GPCs' SM
+    // counts may leave some SMs out: asked of the driver once per kernel).
+    template <auto kKernel>
+    void size_grid(int64_t units, int64_t most) {
+        allow_dynamic_smem<kKernel>(config.dynamicSmemBytes);
+        static const int64_t resident = [this] {
+            cudaLaunchConfig_t c = config;
+            c.gridDim = dim3(unsigned(cluster * sm_count()));
+            int clusters = 0;
+            ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &c));
+            ST_CHECK(clusters > 0, "no cluster of ", cluster, " blocks fits on this GPU");
+            return int64_t(clusters) * cluster;
+        }();
+        const int64_t cap = most > 0 ? most : resident;
+        config.gridDim = dim3(unsigned(std::min<int64_t>(units, cap / cluster) * cluster));
+    }
+};
 
 __device__ __forceinline__ float ld(const bf* p) {
     return __bfloat162float(*p);

@@ -265,13 +265,24 @@ __global__ void __launch_bounds__(kTiledThreads, 3)
     }
 }
 
+constexpr int kColTile = 64;  // columns per block of the column quantizers
+// The scale of column c of an fp32 tile of 128 rows, four adjacent lanes per column (`part`: this
+// lane's quarter of the rows); every lane of the four gets it.
+__device__ __forceinline__ float column_scale(const float (&tile)[kBlock][kColTile + 1], int c,
+                                              int part, bool pow2) {
+    float amax = 0.f;
+    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][c]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    return scale_from_amax(amax, pow2);
+}
+
 // 1x128 blocks down the columns of x [rows, cols] (128 consecutive rows of one column: the
 // contraction of a weight gradient runs over tokens), written as the transposed operand
 // q [cols, rows] with its GEMM-layout scales. A block of 256 threads per 128-row x 64-column
 // tile: the tile in shared memory (fp32, padded rows), four threads per column for the amax
 // (one quarter of the rows each, shuffle-reduced), then each thread writes 32 consecutive codes
 // of its column's row range (8 four-byte stores).
-constexpr int kColTile = 64;
 // vec (cols and ld multiples of 8, x 16-byte aligned): eight bf16 per 16-byte load.
 __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t cols, int64_t ld,
                                               bool pow2, bool vec, uint8_t* q, float* scale_inv) {
@@ -295,11 +306,7 @@ __global__ void quantize_1x128_columns_kernel(const bf* x, int64_t rows, int64_t
     }
     __syncthreads();
     const int c = threadIdx.x / 4, part = threadIdx.x % 4;  // 4 adjacent lanes per column
-    float amax = 0.f;
-    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][c]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float s = scale_from_amax(amax, pow2);
+    const float s = column_scale(tile, c, part, pow2);
     const int64_t col = c0 + c;
     if (col >= cols) return;
     for (int r = part * 32; r < part * 32 + 32; r += 4) {
@@ -351,11 +358,7 @@ __global__ void quantize_1x128_expert_columns_kernel(const bf* x, const int32_t*
     }
     __syncthreads();
     const int c = threadIdx.x / 4, part = threadIdx.x % 4;  // 4 adjacent lanes per column
-    float amax = 0.f;
-    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][c]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float s = scale_from_amax(amax, pow2);
+    const float s = column_scale(tile, c, part, pow2);
     const int64_t col = c0 + c;
     if (col >= cols) return;
     for (int r = part * 32; r < part * 32 + 32; r += 4) {

@@ -18,7 +18,6 @@
 //     slice before promoting leaves that to the other warpgroup, and measured slower).
 // wgmma reads e4m3 operands K-major only: both operands here have k contiguous (the input
 // gradient runs the same kernel on W^T copies, Fp8Weights).
-#include <type_traits>
 
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/common/fp8_scale_layout.h"
@@ -40,8 +39,6 @@ constexpr int kStageBytes = 2 * kTileBytes;
 // Stages, alignment slack for the 1024-byte swizzle period, the full and empty mbarriers.
 constexpr size_t kSmemBytes = size_t(kStages) * kStageBytes + 1024 + 2 * kStages * 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-using None = std::integral_constant<int, 0>;  // wgmma groups left running by a wait
-using One = std::integral_constant<int, 1>;
 
 // Scale operands as the kernel reads them: x's 1x128 scales [blocks(k)][x_ld] (x_ld =
 // round4(row capacity)), W's 128x128 scales per expert, `w_stride` floats apart.
@@ -130,32 +127,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t ra = r0 + i0 + wg * 64 + warp * 16 + lane / 4;
         const int64_t row_a = min(ra, row_capacity - 1), row_b = min(ra + 8, row_capacity - 1);
         const float* sw = sc.w + e * sc.w_stride + (j0 / kBN) * sc.w_ld;
-        // Slice sl's four k32 MMAs (32 bytes apart along the swizzled rows) into a, one group.
         auto issue = [&](float(&a)[64], int64_t sl) {
             const uint32_t f = it + uint32_t(sl), s = f % kStages;
             mbar_wait(full(s), (f / kStages) & 1u);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            const uint32_t ta = tile_a(s) + uint32_t(wg * 64 * kBK), tb = tile_b(s);
-#pragma unroll
-            for (int kk = 0; kk < kBK / 32; ++kk)
-                mma_m64n128k32_e4m3(a, descriptor(ta + kk * 32, 16, 1024),
-                                    descriptor(tb + kk * 32, 16, 1024), kk > 0);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            mma_slice_e4m3(a, tile_a(s) + uint32_t(wg * 64 * kBK), tile_b(s));
         };
-        // Slice sl's group complete (kBehind: groups issued after it, still running), its stage
-        // released, a scaled by the slice's scales into sum. The wait counts are constants on
-        // every path: ptxas then sees which groups a promotion reads (with a count chosen at run
-        // time it injected waits and serialized the MMAs).
-        auto finish = [&](auto behind, float(&a)[64], int64_t sl) {
-            constexpr int kBehind = decltype(behind)::value;
+        // Slice sl's group complete, its stage released, a scaled by the slice's scales into sum.
+        auto promote = [&](auto behind, float(&a)[64], int64_t sl) {
             const float bscale = __ldg(sw + sl);
             const float s0 = __ldg(sc.x + sl * sc.x_ld + row_a) * bscale;
             const float s1 = __ldg(sc.x + sl * sc.x_ld + row_b) * bscale;
-            asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kBehind) : "memory");
-            // The compiler sees a written when the MMAs are issued, not when the wait returns:
-            // this keeps the promotion's reads of a below the wait.
-#pragma unroll
-            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(a[i])::"memory");
+            wait_slice<decltype(behind)::value>(a);
             if (lane == 0) mbar_arrive(empty((it + uint32_t(sl)) % kStages));
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -165,23 +147,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 sum[4 * j + 3] += a[4 * j + 3] * s1;
             }
         };
-        // The next slice's MMAs run while this one's are promoted: two register blocks. On entry
-        // to each round acc0's group (slice sl) is the one in flight.
         issue(acc0, 0);
-        int64_t sl = 0;
-        for (; sl + 2 < slices; sl += 2) {
-            issue(acc1, sl + 1);
-            finish(One{}, acc0, sl);
-            issue(acc0, sl + 2);
-            finish(One{}, acc1, sl + 1);
-        }
-        if (sl + 1 < slices) {
-            issue(acc1, sl + 1);
-            finish(One{}, acc0, sl);
-            finish(None{}, acc1, sl + 1);
-        } else {
-            finish(None{}, acc0, sl);
-        }
+        run_slices(acc0, acc1, slices, issue, promote);
         it += uint32_t(slices);
         const Problem p{r0, rows, n, k, 0, 0, nullptr, nullptr};
         store_acc<GroupedGemm::RowsTimesWeightT>(sum, p, e, 0, i0 + wg * 64, j0, accumulate, y);

@@ -17,8 +17,6 @@
 //   - The output is fp32 (or a bf16 gradient buffer), added to or written through shared memory
 //     by bulk tensor reduce-adds or stores; experts with no rows get zeros when written.
 // Both operands K-major (token-contiguous), as wgmma reads e4m3.
-#include <type_traits>
-
 #include "sparsetron/ops/common/device_util.cuh"
 #include "sparsetron/ops/common/fp8_scale_layout.h"
 #include "sparsetron/ops/common/tensor_map.h"
@@ -43,8 +41,6 @@ constexpr uint32_t kStageTx = uint32_t(kStageBytes + kScaleBytes);
 constexpr size_t kSmemBytes =
     size_t(kStages) * (kStageBytes + kScaleBytes) + kStagingBytes + 1024 + 2 * kStages * 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-using None = std::integral_constant<int, 0>;
-using One = std::integral_constant<int, 1>;
 
 // One output tile: rows i0.. (of n) and columns j0.. (of k) of expert e's gradient, reduced over
 // `slices` slices from padded token p0 (the expert's segment).
@@ -143,22 +139,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         float acc0[64], acc1[64], sum[64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
-        auto issue = [&](float(&a)[64], uint32_t f) {
-            const uint32_t s = f % kStages;
+        uint32_t it = 0;  // fills consumed before this tile
+        auto issue = [&](float(&a)[64], int64_t sl) {
+            const uint32_t f = it + uint32_t(sl), s = f % kStages;
             mbar_wait(full(s), (f / kStages) & 1u);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-            const uint32_t ta = tile_a(s) + uint32_t(wg * 64 * kBK), tb = tile_b(s);
-#pragma unroll
-            for (int kk = 0; kk < kBK / 32; ++kk)
-                mma_m64n128k32_e4m3(a, descriptor(ta + kk * 32, 16, 1024),
-                                    descriptor(tb + kk * 32, 16, 1024), kk > 0);
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            mma_slice_e4m3(a, tile_a(s) + uint32_t(wg * 64 * kBK), tile_b(s));
         };
-        // Fill f's group complete, scaled into sum: accumulator (row, column) by dy^T's scale of
-        // the row times x^T's of the column; then the stage released in both blocks.
-        auto finish = [&](auto behind, float(&a)[64], uint32_t f) {
-            constexpr int kBehind = decltype(behind)::value;
-            const uint32_t s = f % kStages;
+        // Slice sl's group complete, scaled into sum: accumulator (row, column) by dy^T's scale
+        // of the row times x^T's of the column; then the stage released in both blocks.
+        auto promote = [&](auto behind, float(&a)[64], int64_t sl) {
+            const uint32_t s = (it + uint32_t(sl)) % kStages;
             float sa0, sa1;
             asm volatile("ld.shared.f32 %0, [%1];\n"
                          : "=f"(sa0)
@@ -168,11 +158,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                          : "=f"(sa1)
                          : "r"(scale_a(s) + uint32_t(4 * row_b))
                          : "memory");
-            asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kBehind) : "memory");
-#pragma unroll
-            for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(a[i])::"memory");
-                // x^T's scales of this thread's columns 8 j + 2 q, + 1, read as they are used (held
-                // all at once, they pushed the accumulators out of registers).
+            wait_slice<decltype(behind)::value>(a);
+            // x^T's scales of this thread's columns 8 j + 2 q, + 1, read as they are used (held
+            // all at once, they pushed the accumulators out of registers).
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
                 float b0, b1;
@@ -199,31 +187,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         Tile t;
         int64_t u = unit0;
         if (next_tile(u, t)) {
-            uint32_t it = 0;
-            issue(acc0, 0);
+            issue(acc0, 0);  // on entry to each tile acc0's group (its first slice) is in flight
             for (;;) {
 #pragma unroll
                 for (int i = 0; i < 64; ++i) sum[i] = 0.f;
-                const int32_t slices = t.slices;
-                int32_t sl = 0;
-                for (; sl + 2 < slices; sl += 2) {
-                    issue(acc1, it + uint32_t(sl + 1));
-                    finish(One{}, acc0, it + uint32_t(sl));
-                    issue(acc0, it + uint32_t(sl + 2));
-                    finish(One{}, acc1, it + uint32_t(sl + 1));
-                }
-                if (sl + 1 < slices) {
-                    issue(acc1, it + uint32_t(sl + 1));
-                    finish(One{}, acc0, it + uint32_t(sl));
-                    finish(None{}, acc1, it + uint32_t(sl + 1));
-                } else {
-                    finish(None{}, acc0, it + uint32_t(sl));
-                }
-                it += uint32_t(slices);
+                run_slices(acc0, acc1, t.slices, issue, promote);
+                it += uint32_t(t.slices);
                 const Tile done = t;
                 u += units;
                 const bool more = next_tile(u, t);
-                if (more) issue(acc0, it);  // runs while this tile is stored
+                if (more)
+                    issue(acc0, 0);  // the next tile's first slice, run while this one is stored
                 store(done);
                 if (!more) break;
             }
@@ -236,18 +210,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// The launch of one gradient type's kernel (the arguments as grouped_gemm_fp8_weight_grad's).
 template <bool kBf16Grad>
-int resident_blocks(cudaLaunchConfig_t config) {
-    static const int blocks = [&] {
-        config.gridDim = dim3(unsigned(kCluster * sm_count()));
-        int clusters = 0;
-        ST_CUDA_CHECK(cudaOccupancyMaxActiveClusters(
-            &clusters, grouped_gemm_fp8_wgrad_kernel<kBf16Grad>, &config));
-        ST_CHECK(clusters > 0, "FP8 expert weight gradient: no cluster of ", kCluster,
-                 " blocks fits on this GPU");
-        return clusters * kCluster;
-    }();
-    return blocks;
+void launch(const ExecContext& ctx, const Fp8GroupedWeightGrad& g, int64_t units, int64_t most,
+            int64_t wstride) {
+    ClusterLaunch cl(kThreads, kSmemBytes, stream_of(ctx), kCluster);
+    cl.size_grid<grouped_gemm_fp8_wgrad_kernel<kBf16Grad>>(units, most);
+    // dy^T [n, padded] and x^T [k, padded] bytes: boxes of 128 x 128 and 128 x 64 (a block's half
+    // of the x^T tile); their scales [blocks(padded)][round4(rows)] fp32, boxes of 128 rows.
+    const int64_t pb = g.padded / 128;
+    const CUtensorMap ma = u8_tensor_map(g.dyt.q, {g.padded, g.n}, {g.padded}, {kBK, kBM});
+    const CUtensorMap mb =
+        u8_tensor_map(g.xt.q, {g.padded, g.k}, {g.padded}, {kBK, kBN / kCluster});
+    const CUtensorMap msa = f32_unswizzled_tensor_map(g.dyt.scale_inv, {fp8::round4(g.n), pb},
+                                                      {fp8::round4(g.n) * 4}, {kBM, 1});
+    const CUtensorMap msb = f32_unswizzled_tensor_map(g.xt.scale_inv, {fp8::round4(g.k), pb},
+                                                      {fp8::round4(g.k) * 4}, {kBN, 1});
+    const CUtensorMap mc =
+        wgmma::weight_grad_tensor_map(g.dw, g.experts, g.n, g.k, wstride, kBf16Grad);
+    ST_CUDA_CHECK(cudaLaunchKernelEx(&cl.config, grouped_gemm_fp8_wgrad_kernel<kBf16Grad>,
+                                     g.offsets, int32_t(g.experts), int32_t(g.n), int32_t(g.k),
+                                     g.accumulate, ma, mb, msa, msb, mc));
 }
 
 }  // namespace
@@ -268,41 +251,11 @@ void grouped_gemm_fp8_weight_grad(const ExecContext& ctx, const Fp8GroupedWeight
                                 g.dw);
     const int64_t units = g.experts * blocks_for(g.n, 2 * kBM) * blocks_for(g.k, kBN);
     if (units == 0 || g.padded == 0) return;
-    auto* kernel =
-        bf16_grad ? grouped_gemm_fp8_wgrad_kernel<true> : grouped_gemm_fp8_wgrad_kernel<false>;
+    const int64_t most = blocks > 0 ? std::max(blocks, kCluster) : 0;
     if (bf16_grad)
-        allow_dynamic_smem<grouped_gemm_fp8_wgrad_kernel<true>>(kSmemBytes);
+        launch<true>(ctx, g, units, most, wstride);
     else
-        allow_dynamic_smem<grouped_gemm_fp8_wgrad_kernel<false>>(kSmemBytes);
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream_of(ctx);
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kCluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    config.attrs = &attr, config.numAttrs = 1;
-    const int64_t most =
-        blocks > 0 ? std::max(blocks, kCluster)
-                   : (bf16_grad ? resident_blocks<true>(config) : resident_blocks<false>(config));
-    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / kCluster) * kCluster));
-    // dy^T [n, padded] and x^T [k, padded] bytes: boxes of 128 x 128 and 128 x 64 (a block's half
-    // of the x^T tile); their scales [blocks(padded)][round4(rows)] fp32, boxes of 128 rows;
-    // dW [E][n][k], boxes of 64 x 32 fp32 or 64 x 64 bf16.
-    const int64_t pb = g.padded / 128;
-    const CUtensorMap ma = u8_tensor_map(g.dyt.q, {g.padded, g.n}, {g.padded}, {kBK, kBM});
-    const CUtensorMap mb =
-        u8_tensor_map(g.xt.q, {g.padded, g.k}, {g.padded}, {kBK, kBN / kCluster});
-    const CUtensorMap msa = f32_unswizzled_tensor_map(g.dyt.scale_inv, {fp8::round4(g.n), pb},
-                                                      {fp8::round4(g.n) * 4}, {kBM, 1});
-    const CUtensorMap msb = f32_unswizzled_tensor_map(g.xt.scale_inv, {fp8::round4(g.k), pb},
-                                                      {fp8::round4(g.k) * 4}, {kBN, 1});
-    const CUtensorMap mc =
-        bf16_grad
-            ? bf16_tensor_map(g.dw, {g.k, g.n, g.experts}, {g.k * 2, wstride * 2}, {64, 64, 1})
-            : f32_tensor_map(g.dw, {g.k, g.n, g.experts}, {g.k * 4, wstride * 4}, {32, 64, 1});
-    ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, g.offsets, int32_t(g.experts), int32_t(g.n),
-                                     int32_t(g.k), g.accumulate, ma, mb, msa, msb, mc));
+        launch<false>(ctx, g, units, most, wstride);
 }
 
 }  // namespace sparsetron::cuda

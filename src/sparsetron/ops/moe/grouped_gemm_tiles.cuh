@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "sparsetron/ops/common/tensor_map.h"
 #include "sparsetron/ops/common/wgmma.cuh"
 #include "sparsetron/ops/moe/moe.h"
 
@@ -39,6 +41,14 @@ __device__ __forceinline__ Problem problem(const int32_t* offsets, int64_t e, in
         return {r0, n, k, rows, n, k, a + r0 * n, b + r0 * k};
 }
 
+// The tensor map the weight-gradient stores above write through: dW [E][n][k] (`wstride` elements
+// between experts), boxes of 64 x 64 bf16 (reduce_acc_tma_bf16) or 64 x 32 fp32 (reduce_acc_tma).
+inline CUtensorMap weight_grad_tensor_map(void* dw, int64_t experts, int64_t n, int64_t k,
+                                          int64_t wstride, bool bf16_grad) {
+    return bf16_grad ? bf16_tensor_map(dw, {k, n, experts}, {k * 2, wstride * 2}, {64, 64, 1})
+                     : f32_tensor_map(dw, {k, n, experts}, {k * 4, wstride * 4}, {32, 64, 1});
+}
+
 #ifdef ST_WGMMA
 // One 64-deep slice for this warpgroup: four k16 MMAs on its 64 rows (`ta` already offset to
 // them) against the whole B tile.
@@ -64,6 +74,57 @@ __device__ __forceinline__ void mma_m64n128k32_e4m3(float (&d)[64], uint64_t da,
         "}\n"
         : ST_WGMMA_ACC64_OPERANDS(d)
         : "l"(da), "l"(db), "r"(acc));
+}
+
+// The FP8 kernels' slices (128 deep, one scale block): a warpgroup's four k32 MMAs of its 64 rows
+// (`ta`, 32 bytes apart along the swizzled rows) against the 128-column B tile `tb`, into a
+// fresh accumulator block `a`, as one committed group.
+__device__ __forceinline__ void mma_slice_e4m3(float (&a)[64], uint32_t ta, uint32_t tb) {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+        mma_m64n128k32_e4m3(a, descriptor(ta + kk * 32, 16, 1024),
+                            descriptor(tb + kk * 32, 16, 1024), kk > 0);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits until at most kBehind MMA groups are running (a's, issued before them, complete). The
+// compiler sees a written when the MMAs are issued, not when the wait returns: the empty
+// statements keep later reads of a below the wait.
+template <int kBehind>
+__device__ __forceinline__ void wait_slice(float (&a)[64]) {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kBehind) : "memory");
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(a[i])::"memory");
+}
+
+using SlicesBehind0 = std::integral_constant<int, 0>;  // MMA groups left running by a promotion
+using SlicesBehind1 = std::integral_constant<int, 1>;
+
+// A tile's slices 0..slices-1 through two accumulator blocks: slice s + 1's MMAs issued into one
+// before slice s is promoted from the other, so a consumer's own MMAs run during its promotions.
+// On entry slice 0's group is in flight in acc0; on return every group has completed.
+// issue(acc, s) issues slice s; promote(behind, acc, s) waits for it (wait_slice<behind>) and
+// scales it into the tile's sum. The wait counts are constants on every path: ptxas then sees
+// which groups a promotion reads (with a count chosen at run time it injected waits and
+// serialized the MMAs).
+template <class Issue, class Promote>
+__device__ __forceinline__ void run_slices(float (&acc0)[64], float (&acc1)[64], int64_t slices,
+                                           Issue issue, Promote promote) {
+    int64_t sl = 0;
+    for (; sl + 2 < slices; sl += 2) {
+        issue(acc1, sl + 1);
+        promote(SlicesBehind1{}, acc0, sl);
+        issue(acc0, sl + 2);
+        promote(SlicesBehind1{}, acc1, sl + 1);
+    }
+    if (sl + 1 < slices) {
+        issue(acc1, sl + 1);
+        promote(SlicesBehind1{}, acc0, sl);
+        promote(SlicesBehind0{}, acc1, sl + 1);
+    } else {
+        promote(SlicesBehind0{}, acc0, sl);
+    }
 }
 
 // Stores a warpgroup's 64 x (2 kAcc / 64 * 64) accumulator block at rows row0.., columns j0..:
@@ -158,6 +219,16 @@ __device__ __forceinline__ void stage_bf16_128(const float (&d)[kAcc], uint32_t 
         }
     }
 }
+// One box of a gradient [E][n][k] at column c0, rows row0.. of expert e from shared memory `src`:
+// added into it by a bulk tensor reduce-add (`add`) or written by a bulk tensor store.
+__device__ __forceinline__ void tma_store_or_add(const CUtensorMap* mc, uint32_t src, int32_t c0,
+                                                 int64_t row0, int64_t e, bool add) {
+    if (add)
+        tma_reduce_add(mc, src, c0, int32_t(row0), int32_t(e));
+    else
+        tma_store(mc, src, c0, int32_t(row0), int32_t(e));
+}
+
 // A warpgroup's weight-gradient block (64 rows, kAcc / 32 x 64 columns) into a bf16 gradient (bf16
 // gradient buffers): rounded to bf16 and added into it by bulk tensor reduce-adds (`add`; the
 // map's element type, bf16, is the addition's) or written by bulk tensor stores, 64 x 128 at a
@@ -168,13 +239,8 @@ __device__ __forceinline__ void reduce_acc_tma_bf16(const float (&d)[kAcc], cons
                                                     uint32_t buf, int wg, int64_t row0, int64_t j0,
                                                     int64_t e, bool add) {
     auto issue = [&](int h) {
-        for (int box = 0; box < 2; ++box) {
-            const int32_t c0 = int32_t(j0 + 128 * h + 64 * box);
-            if (add)
-                tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-            else
-                tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-        }
+        for (int box = 0; box < 2; ++box)
+            tma_store_or_add(mc, buf + box * 8192, int32_t(j0 + 128 * h + 64 * box), row0, e, add);
     };
     through_staging<kAcc / 64>(
         wg, [&](int h) { stage_bf16_128(d, buf, h); }, issue);
@@ -209,13 +275,8 @@ __device__ __forceinline__ void reduce_acc_tma(const float (&d)[kAcc], const CUt
         }
     };
     auto issue = [&](int u) {
-        for (int box = 0; box < 2; ++box) {
-            const int32_t c0 = int32_t(j0 + 64 * u + 32 * box);
-            if (add)
-                tma_reduce_add(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-            else
-                tma_store(mc, buf + box * 8192, c0, int32_t(row0), int32_t(e));
-        }
+        for (int box = 0; box < 2; ++box)
+            tma_store_or_add(mc, buf + box * 8192, int32_t(j0 + 64 * u + 32 * box), row0, e, add);
     };
     through_staging<kAcc / 32>(wg, write, issue);
 }

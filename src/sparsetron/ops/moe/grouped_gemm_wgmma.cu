@@ -379,57 +379,30 @@ void tensor_maps(CUtensorMap& ma, CUtensorMap& mb, int64_t experts, int64_t rows
     }
 }
 
-// Blocks a persistent launch may keep resident: the resident clusters' blocks (the GPCs' SM
-// counts may leave some SMs out); `config` is the launch's, with its cluster attribute.
-template <GroupedGemm kKind>
-int resident_blocks(cudaLaunchConfig_t config) {
-    static const int blocks = [&] {
-        config.gridDim = dim3(unsigned(kCluster * sm_count()));
-        int clusters = 0;
-        ST_CUDA_CHECK(
-            cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_ws_kernel<kKind>, &config));
-        ST_CHECK(clusters > 0, "grouped GEMM: no cluster of ", kCluster,
-                 " blocks fits on this GPU");
-        return clusters * kCluster;
-    }();
-    return blocks;
-}
-
 template <GroupedGemm kKind>
 int launch(const ExecContext& ctx, int max_blocks, const int32_t* offsets, int64_t experts,
            int64_t rows, TileSpace space, int64_t n, int64_t k, int64_t wstride, bool accumulate,
            bool grad_bf16, const bf16* a, const bf16* b, void* c) {
-    auto* kernel = grouped_gemm_ws_kernel<kKind>;
-    allow_dynamic_smem<grouped_gemm_ws_kernel<kKind>>(kSmemBytes);
     if (kKind == GroupedGemm::WeightGrad && !accumulate && experts > 0 && n * k > 0) {
         zero_empty_expert_grads(ctx, offsets, experts, n * k, wstride, grad_bf16 ? 2 : 4, c);
     }
     const int64_t units = experts * blocks_for(space.m_tiles, kCluster) * space.n_tiles;
     if (units == 0 || rows == 0) return 0;  // no rows: nothing to multiply (zeros written above)
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream_of(ctx);
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kCluster, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    config.attrs = &attr, config.numAttrs = 1;
-    const int64_t most = max_blocks > 0 ? max_blocks : resident_blocks<kKind>(config);
-    config.gridDim = dim3(unsigned(std::min<int64_t>(units, most / kCluster) * kCluster));
+    ClusterLaunch cl(kThreads, kSmemBytes, stream_of(ctx), kCluster);
+    cl.size_grid<grouped_gemm_ws_kernel<kKind>>(units, max_blocks);
     CUtensorMap ma{}, mb{}, mc{};
     tensor_maps<kKind>(ma, mb, experts, rows, n, k, wstride, a, b);
     if constexpr (kKind != GroupedGemm::WeightGrad) {
         // C [rows, N] bf16, boxes of 64 x 64 (store_acc_tma).
         const int64_t N = kKind == GroupedGemm::RowsTimesWeightT ? n : k;
         mc = bf16_tensor_map(c, {N, rows}, {N * 2}, {64, 64});
-    } else if (grad_bf16) {  // dW [E][n][k] bf16, boxes of 64 x 64 (reduce_acc_tma_bf16)
-        mc = bf16_tensor_map(c, {k, n, experts}, {k * 2, wstride * 2}, {64, 64, 1});
-    } else {  // dW [E][n][k] fp32
-        mc = f32_tensor_map(c, {k, n, experts}, {k * 4, wstride * 4}, {32, 64, 1});
+    } else {
+        mc = wgmma::weight_grad_tensor_map(c, experts, n, k, wstride, grad_bf16);
     }
-    ST_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, offsets, experts, space, n, k, wstride,
-                                     accumulate, grad_bf16, dev(a), dev(b), c, ma, mb, mc));
-    return int(config.gridDim.x);
+    ST_CUDA_CHECK(cudaLaunchKernelEx(&cl.config, grouped_gemm_ws_kernel<kKind>, offsets, experts,
+                                     space, n, k, wstride, accumulate, grad_bf16, dev(a), dev(b), c,
+                                     ma, mb, mc));
+    return int(cl.config.gridDim.x);
 }
 
 }  // namespace
